@@ -1,0 +1,351 @@
+"""The ``weft`` command.
+
+Core commands never load plugin implementations unless their job is to
+(``plugins inspect``, ``plugins doctor``, ``config show`` with plugin tables).
+Commands contributed by plugins (the ``weft_cli_commands`` hook) are looked up
+only when the first argument is not a core command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from weft import __version__
+from weft.config import ConfigError, EngineConfig, ServerConfig, UseConfig, WeftConfig, load_config, parse_override
+
+CORE_COMMANDS = ("plugins", "config")
+DEFAULT_CONFIG_FILE = "weft.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(with_plugin_commands=_wants_plugin_commands(argv))
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except (ConfigError, _plugin_error_type()) as error:
+        print(f"weft: error: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+def _plugin_error_type() -> type[Exception]:
+    from weft.plugins import PluginError
+
+    return PluginError
+
+
+def _wants_plugin_commands(argv: list[str]) -> bool:
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    if first is None:
+        return any(arg in ("-h", "--help") for arg in argv)
+    return first not in CORE_COMMANDS
+
+
+def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weft", description="Weft: plugin-architected LLM inference and serving.")
+    parser.add_argument("--version", action="version", version=f"weft-core {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    plugins = commands.add_parser("plugins", help="list, inspect and check installed plugins")
+    plugin_commands = plugins.add_subparsers(title="plugins commands", metavar="COMMAND")
+    listing = plugin_commands.add_parser("list", help="every installed plugin, from metadata only (imports nothing)")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(run=run_plugins_list)
+    inspect = plugin_commands.add_parser("inspect", help="a plugin's details and option schema")
+    inspect.add_argument("name", help="plugin name, or slot.name when several slots use the name")
+    inspect.add_argument("--json", action="store_true", help="print JSON (the options as JSON Schema)")
+    inspect.set_defaults(run=run_plugins_inspect)
+    doctor = plugin_commands.add_parser("doctor", help="load every selected plugin and probe platforms")
+    add_config_arguments(doctor)
+    doctor.set_defaults(run=run_plugins_doctor)
+
+    config = commands.add_parser("config", help="show the effective configuration")
+    config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
+    show = config_commands.add_parser("show", help="the effective config, or its validation errors")
+    add_config_arguments(show)
+    show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    show.set_defaults(run=run_config_show)
+
+    if with_plugin_commands:
+        _add_plugin_commands(commands)
+    return parser
+
+
+def _add_plugin_commands(commands: Any) -> None:
+    from weft.plugins import PluginRegistry
+
+    registry = PluginRegistry()
+    for contributed in registry.hooks().hook.weft_cli_commands():
+        for command in contributed or ():
+            if command.name in CORE_COMMANDS:
+                continue
+            sub = commands.add_parser(command.name, help=command.help)
+            command.add_arguments(sub)
+            sub.set_defaults(run=command.run)
+
+
+# Configuration flags shared by every command that reads weft.toml.
+
+_FLAG_SECTIONS: tuple[tuple[str, type[msgspec.Struct]], ...] = (
+    ("use", UseConfig),
+    ("engine", EngineConfig),
+    ("server", ServerConfig),
+)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--model``, ``--set KEY=VALUE`` and one flag per scalar option of [use], [engine], [server]."""
+    group = parser.add_argument_group("configuration (flags override the file)")
+    group.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_CONFIG_FILE} if present)")
+    group.add_argument("--model", help="model alias, folder, GGUF file or cached HF repo id")
+    group.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+        help="set any key, e.g. --set plugins.mooncake.master=host:50051 (repeatable; VALUE is a TOML literal)",
+    )
+    for section, struct in _FLAG_SECTIONS:
+        for field in msgspec.structs.fields(struct):
+            base, description = _unwrap(field.type)
+            if isinstance(base, type) and issubclass(base, (dict, list)):
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            dest = f"cfg:{section}.{field.name}"
+            text = f"{section}.{field.name}: {description}" if description else f"{section}.{field.name}"
+            if base is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+            else:
+                group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
+
+
+def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[WeftConfig, str | None]:
+    """Load the configuration named by the arguments; returns it with the file it came from."""
+    path = args.config
+    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
+        path = DEFAULT_CONFIG_FILE
+    overrides: dict[str, Any] = {}
+    if args.model is not None:
+        overrides["model"] = args.model
+    for name, value in vars(args).items():
+        if name.startswith("cfg:") and value is not None:
+            key = name[len("cfg:") :]
+            overrides[key] = value if isinstance(value, bool) else parse_override(f"{key}={value}")[1]
+    for assignment in args.overrides:
+        key, value = parse_override(assignment)
+        overrides[key] = value
+    return load_config(path, overrides, registry=registry), path
+
+
+def _unwrap(annotation: Any) -> tuple[Any, str]:
+    description = ""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            for meta in annotation.__metadata__:
+                description = getattr(meta, "description", None) or description
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+            annotation = members[0] if len(members) == 1 else annotation
+            if len(members) != 1:
+                return annotation, description
+        else:
+            return (origin or annotation), description
+
+
+def _type_name(annotation: Any) -> str:
+    base, _ = _unwrap(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) or "None" in repr(annotation):
+        return f"{getattr(base, '__name__', repr(base))} | None"
+    if typing.get_origin(base) is typing.Literal or base is typing.Literal:
+        return " | ".join(repr(arg) for arg in typing.get_args(_unwrap_annotated(annotation)))
+    return getattr(base, "__name__", repr(base))
+
+
+def _unwrap_annotated(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+# plugins list / inspect / doctor
+
+
+def run_plugins_list(args: argparse.Namespace) -> int:
+    from weft.plugins import discover
+    from weft.plugins.discovery import allowlist, unmatched_allowlist_names
+
+    entries = discover()
+    unmatched = unmatched_allowlist_names(entries, allowlist())
+    if args.json:
+        rows = [
+            {
+                "name": entry.name,
+                "slot": entry.slot,
+                "distribution": entry.distribution,
+                "version": entry.version,
+                "core_api": entry.core_api,
+                "builtin": entry.builtin,
+                "target": entry.target,
+                "status": entry.status,
+                "problem": entry.problem,
+            }
+            for entry in entries
+        ]
+        sys.stdout.write(msgspec.json.encode({"plugins": rows, "unmatched_allowlist": unmatched}).decode() + "\n")
+        return 0
+    header = ("SLOT", "NAME", "DISTRIBUTION", "VERSION", "CORE API", "STATUS")
+    rows = [(e.slot, e.name, e.distribution, e.version, e.core_api or "-", e.status) for e in entries]
+    _print_table(header, rows)
+    for entry in entries:
+        if entry.problem:
+            print(f"\n{entry.slot}/{entry.name}: {entry.problem}")
+    for name in unmatched:
+        print(f"\nWEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution")
+    return 0
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def run_plugins_inspect(args: argparse.Namespace) -> int:
+    from weft.contracts.plugin import NoOptions
+    from weft.plugins import PluginError, PluginRegistry
+
+    registry = PluginRegistry()
+    slot, _, name = args.name.rpartition(".") if args.name.split(".")[0] in _slots() else ("", "", args.name)
+    matches = [entry for entry in registry.entries if entry.name == name and (not slot or entry.slot == slot)]
+    if not matches:
+        raise PluginError(f"no installed plugin is named {args.name!r}; see `weft plugins list`")
+    if len(matches) > 1:
+        choices = ", ".join(f"{entry.slot}.{entry.name}" for entry in matches)
+        raise PluginError(f"several plugins are named {name!r}; inspect one of: {choices}")
+    entry = matches[0]
+    plugin = registry.load(entry.slot, entry.name)
+    options = getattr(plugin, "Options", NoOptions)
+    summary = plugin.summary() if hasattr(plugin, "summary") else (plugin.__doc__ or "").strip().split("\n")[0]
+    if args.json:
+        data = {
+            "name": entry.name, "slot": entry.slot, "distribution": entry.distribution, "version": entry.version,
+            "core_api": entry.core_api, "target": entry.target, "summary": summary,
+            "options": msgspec.json.schema(options),
+        }
+        sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        return 0
+    print(f"{entry.slot} plugin {entry.name!r}: {summary}")
+    print(f"  distribution: {entry.distribution} {entry.version} (core API {entry.core_api or '-'})")
+    print(f"  implementation: {entry.target}")
+    fields = msgspec.structs.fields(options)
+    if not fields:
+        print("  options: none")
+        return 0
+    print(f"  options ([plugins.{entry.name}] in weft.toml):")
+    rows = []
+    for field in fields:
+        _, description = _unwrap(field.type)
+        default = "(required)" if field.required else repr(field.default if field.default is not msgspec.NODEFAULT else field.default_factory())
+        rows.append(("   ", field.encode_name, _type_name(field.type), default, description))
+    _print_table(("   ", "KEY", "TYPE", "DEFAULT", "DESCRIPTION"), rows)
+    return 0
+
+
+def _slots() -> tuple[str, ...]:
+    from weft.contracts import SLOT_GROUPS
+
+    return tuple(SLOT_GROUPS)
+
+
+def run_plugins_doctor(args: argparse.Namespace) -> int:
+    from weft.plugins import PluginError, PluginRegistry
+    from weft.plugins.discovery import allowlist, unmatched_allowlist_names
+    from weft.plugins.selection import probe_platforms, select_platform
+
+    registry = PluginRegistry()
+    failures: list[str] = []
+    warnings: list[str] = []
+
+    def check(label: str, action: Any) -> Any:
+        try:
+            result = action()
+        except (PluginError, ConfigError) as error:
+            failures.append(f"{label}: {error}")
+            print(f"FAIL  {label}: {error}")
+            return None
+        print(f"ok    {label}")
+        return result
+
+    for entry in registry.entries:
+        if entry.status == "conflict":
+            failures.append(entry.problem)
+            print(f"FAIL  {entry.slot}/{entry.name}: {entry.problem}")
+        elif entry.status == "incompatible":
+            warnings.append(entry.problem)
+            print(f"warn  {entry.slot}/{entry.name}: {entry.problem}")
+    for name in unmatched_allowlist_names(registry.entries, allowlist()):
+        message = f"WEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution"
+        warnings.append(message)
+        print(f"warn  {message}")
+
+    loaded = check("config", lambda: config_from_args(args, registry))
+    if loaded is None:
+        return 1
+    config, path = loaded
+    print(f"      config file: {path or '(none: defaults)'}")
+
+    for name, (_, probe) in probe_platforms(registry).items():
+        state = "available" if probe.available else "unavailable"
+        print(f"      platform {name}: {state}, priority {probe.priority}: {probe.reason}")
+    selected = check(f"use.platform = {config.use.platform!r}", lambda: select_platform(registry, config.use.platform))
+    if selected is not None:
+        platform, _ = selected
+        print(f"      platform: {platform.name}")
+        attention = config.use.attention if config.use.attention != "auto" else platform.default_attention
+        check(f"use.attention = {config.use.attention!r} -> {attention!r}", lambda: registry.load("attention", attention))
+        for op, implementation in config.use.ops.items():
+            check(f"use.ops.{op} = {implementation!r}", lambda op=op, impl=implementation: registry.load("ops", f"{op}.{impl}"))
+    for slot in ("loader", "tokenizer"):
+        name = getattr(config.use, slot)
+        if name == "auto":
+            print(f"      use.{slot} = 'auto': chosen from the model source when the model loads")
+        else:
+            check(f"use.{slot} = {name!r}", lambda slot=slot, name=name: registry.load(slot, name))
+    if config.use.kv_connector != "none":
+        check(f"use.kv_connector = {config.use.kv_connector!r}", lambda: registry.load("kv_connector", config.use.kv_connector))
+    check("hooks", lambda: print(f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"))
+
+    print()
+    if failures:
+        print(f"{len(failures)} problem(s) found; the engine would not start.")
+        return 1
+    print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def run_config_show(args: argparse.Namespace) -> int:
+    from weft.config import to_builtins
+
+    config, path = config_from_args(args)
+    data = to_builtins(config)
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        return 0
+    print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
+    sys.stdout.write(msgspec.toml.encode(data).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

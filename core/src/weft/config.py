@@ -1,0 +1,303 @@
+"""The ``weft.toml`` schema and its loading: one file selects the plugins and sets every option.
+
+::
+
+    model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id in the local cache
+    [use]                             # which plugin fills each slot; "auto" lets the platform decide
+    platform = "auto"
+    attention = "auto"
+    loader = "auto"
+    tokenizer = "auto"
+    kv_connector = "none"
+    [engine]
+    max_num_seqs = 64
+    [server]
+    port = 8000
+    [plugins.mooncake]                # each plugin's own options, checked against its Options Struct
+
+Values come from, in increasing precedence: the defaults below, the file,
+then overrides (CLI flags, keyword arguments of the Python API). Every error
+names the source, the key path and what was expected:
+``weft.toml: engine.max_num_seqs: expected int, got str 'lots'``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+from msgspec import Meta
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class UseConfig(_Section, frozen=True):
+    """Which plugin fills each slot. ``auto`` lets the platform or the model source decide."""
+
+    platform: Annotated[str, Meta(description="platform plugin, or auto: probe the hardware")] = "auto"
+    attention: Annotated[str, Meta(description="attention backend, or auto: the platform's default")] = "auto"
+    loader: Annotated[str, Meta(description="weight loader, or auto: the first that accepts the model source")] = "auto"
+    tokenizer: Annotated[str, Meta(description="tokenizer, or auto: the one the loader names for the source")] = "auto"
+    kv_connector: Annotated[str, Meta(description="KV connector, or none")] = "none"
+    ops: Annotated[dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")] = {}
+
+
+class EngineConfig(_Section, frozen=True):
+    """Scheduling, KV cache and numerics."""
+
+    max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running in one step")] = 64
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, description="token budget of one step")] = 2048
+    max_model_len: Annotated[int, Meta(ge=1, description="context length; default: the model's")] | None = None
+    block_size: Annotated[int, Meta(ge=1, le=4096, description="tokens per KV-cache block")] = 16
+    num_kv_blocks: Annotated[int, Meta(ge=1, description="KV-cache blocks; default: sized from memory")] | None = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="share of device memory the engine may use")] = 0.9
+    cpu_kv_cache_bytes: Annotated[int, Meta(ge=1, description="KV-cache bytes on the CPU platform")] = 1 << 30
+    enable_prefix_caching: Annotated[bool, Meta(description="reuse KV blocks of identical prompt prefixes")] = True
+    enable_chunked_prefill: Annotated[bool, Meta(description="split long prompts across steps")] = True
+    dtype: Annotated[
+        Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
+    ] = "auto"
+    seed: Annotated[int, Meta(description="seed of unseeded sampling")] = 0
+    enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
+    tensor_parallel_size: Annotated[int, Meta(ge=1, description="devices a model is sharded over")] = 1
+
+
+class ServerConfig(_Section, frozen=True):
+    """The OpenAI-compatible HTTP server."""
+
+    host: Annotated[str, Meta(description="address to bind")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535, description="TCP port (0: any free port)")] = 8000
+    api_key: Annotated[str, Meta(description="required bearer token; default: $WEFT_API_KEY if set")] | None = None
+    served_model_name: Annotated[str, Meta(description="model id clients use; default: the model's name")] | None = None
+    max_body_bytes: Annotated[int, Meta(ge=1, description="largest accepted request body")] = 8 << 20
+    max_queued_requests: Annotated[int, Meta(ge=1, description="waiting requests before 503")] = 1024
+    shutdown_timeout: Annotated[float, Meta(ge=0, description="seconds to drain in-flight requests")] = 30.0
+
+
+class WeftConfig(_Section, frozen=True):
+    """The whole configuration."""
+
+    model: Annotated[str, Meta(description="alias, local folder, GGUF file, or HF repo id in the local cache")] = DEFAULT_MODEL
+    use: UseConfig = msgspec.field(default_factory=UseConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    plugins: dict[str, dict[str, Any]] = {}
+    """Each plugin's own options by plugin name, validated against its Options Struct."""
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the source, the key path and the fix."""
+
+
+OVERRIDE_SOURCE = "override"
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    registry: Any = None,
+) -> WeftConfig:
+    """Load ``path`` (if given), apply ``overrides`` (nested dicts or dotted keys), validate.
+
+    Plugin tables under ``[plugins.<name>]`` are validated against the named
+    plugin's Options Struct, which imports that plugin (pass a
+    :class:`weft.plugins.PluginRegistry` to reuse one).
+    """
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except OSError as error:
+            raise ConfigError(f"{source}: cannot read the config file: {error.strerror}") from None
+        try:
+            raw = msgspec.toml.decode(data)
+        except msgspec.DecodeError as error:
+            raise ConfigError(f"{source}: not valid TOML: {error}") from None
+    override_paths = set()
+    for key, value in _flatten(overrides or {}):
+        _set_path(raw, key, value)
+        override_paths.add(key)
+    try:
+        config = msgspec.convert(raw, WeftConfig)
+    except msgspec.ValidationError as error:
+        raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
+    if config.plugins:
+        from weft.plugins import PluginRegistry
+
+        validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
+    return config
+
+
+def parse_override(assignment: str) -> tuple[str, Any]:
+    """``"engine.max_num_seqs=8"`` -> ``("engine.max_num_seqs", 8)``; values are TOML literals, else strings."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {assignment!r}: expected KEY=VALUE, e.g. engine.max_num_seqs=8")
+    try:
+        value = msgspec.toml.decode(f"value = {text}")["value"]
+    except msgspec.DecodeError:
+        value = text
+    return key.strip(), value
+
+
+def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], name: str) -> msgspec.Struct:
+    """The validated options of plugin ``name`` (its defaults when the config has no table)."""
+    return msgspec.convert(config.plugins.get(name, {}), options_type)
+
+
+def validate_plugin_options(config: WeftConfig, registry: Any, source: str, override_paths: set[str] = frozenset()) -> None:
+    from weft.contracts.plugin import NoOptions
+    from weft.plugins import PluginError
+
+    for name, table in config.plugins.items():
+        entries = [entry for entry in registry.entries if entry.name == name]
+        if not entries:
+            raise ConfigError(
+                f"{source}: plugins.{name}: no installed plugin is named {name!r}; install it or remove the table"
+            )
+        option_types = []
+        for entry in entries:
+            try:
+                plugin = registry.load(entry.slot, entry.name)
+            except PluginError as error:
+                raise ConfigError(f"{source}: plugins.{name}: {error}") from error
+            options_type = getattr(plugin, "Options", NoOptions)
+            if options_type is not NoOptions and options_type not in option_types:
+                option_types.append(options_type)
+        if not option_types:
+            if table:
+                raise ConfigError(f"{source}: plugins.{name}: plugin {name!r} takes no options; remove the table")
+            continue
+        for options_type in option_types:
+            try:
+                msgspec.convert(table, options_type)
+            except msgspec.ValidationError as error:
+                inner = {f"plugins.{name}.{key}"[len(f"plugins.{name}.") :] for key in override_paths}
+                message = _explain(error, table, options_type, source, inner, prefix=f"plugins.{name}")
+                raise ConfigError(message) from None
+
+
+def to_builtins(config: WeftConfig, *, reveal_secrets: bool = False) -> dict[str, Any]:
+    """The configuration as plain data (None values dropped, the API key masked)."""
+    data = msgspec.to_builtins(config)
+    if data["server"].get("api_key") and not reveal_secrets:
+        data["server"]["api_key"] = "***"
+    return _drop_none(data)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _drop_none(item) for key, item in value.items() if item is not None}
+    return value
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in mapping.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and path != "plugins" and not path.startswith("use.ops"):
+            items.extend(_flatten(value, path) if value else [(path, {})])
+        else:
+            items.append((path, value))
+    return items
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for index, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{OVERRIDE_SOURCE}: {'.'.join(parts[: index + 1])}: is not a table, cannot set {dotted}")
+        node = child
+    node[parts[-1]] = value
+
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_PATH_TOKEN = re.compile(r'\.([^.\[]+)|\[(\d+|\.\.\.)\]|\["((?:[^"\\]|\\.)*)"\]')
+
+
+def _explain(
+    error: msgspec.ValidationError,
+    raw: Any,
+    root: type[msgspec.Struct],
+    source: str,
+    override_paths: set[str],
+    prefix: str = "",
+) -> str:
+    match = _AT.match(str(error))
+    message, path_text = match["message"], match["path"] or ""
+    parts = [token[0] or token[1] or token[2] for token in _PATH_TOKEN.findall(path_text)]
+    unknown = re.match(r"Object contains unknown field `(.*)`", message)
+    if unknown:
+        field = unknown[1]
+        valid = [f.encode_name for f in msgspec.structs.fields(_struct_at(root, parts))] if _struct_at(root, parts) else []
+        close = difflib.get_close_matches(field, valid, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        parts.append(field)
+        explanation = f"unknown key{hint} Valid keys here: {', '.join(valid)}" if valid else "unknown key"
+    elif message.startswith("Invalid enum value") and _literal_choices(root, parts):
+        found, value = _lookup(raw, parts)
+        choices = ", ".join(repr(choice) for choice in _literal_choices(root, parts))
+        explanation = f"expected one of {choices}, got {value!r}"
+    else:
+        explanation = message.replace("`", "")
+        explanation = explanation[:1].lower() + explanation[1:]
+        found, value = _lookup(raw, parts)
+        if found and ", got " in explanation:
+            explanation += f" {value!r}"
+        elif found:
+            explanation += f", got {type(value).__name__} {value!r}"
+    key = ".".join(p for p in ([prefix] if prefix else []) + parts).replace(".[...]", "[...]").replace("....", "[...]")
+    where = OVERRIDE_SOURCE if any(".".join(parts).startswith(path) for path in override_paths) else source
+    return f"{where}: {key or '(top level)'}: {explanation}"
+
+
+def _struct_at(root: type[msgspec.Struct], parts: list[str]) -> type[msgspec.Struct] | None:
+    current: Any = root
+    for part in parts:
+        fields = {f.encode_name: f for f in msgspec.structs.fields(current)} if _is_struct(current) else {}
+        if part not in fields:
+            return None
+        current = fields[part].type
+    return current if _is_struct(current) else None
+
+
+def _literal_choices(root: type[msgspec.Struct], parts: list[str]) -> tuple[Any, ...]:
+    parent = _struct_at(root, parts[:-1]) if parts else None
+    if parent is None:
+        return ()
+    field = {f.encode_name: f for f in msgspec.structs.fields(parent)}.get(parts[-1])
+    field_type = field.type if field else None
+    while get_origin(field_type) is Annotated:
+        field_type = get_args(field_type)[0]
+    return get_args(field_type) if get_origin(field_type) is Literal else ()
+
+
+def _is_struct(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, msgspec.Struct)
+
+
+def _lookup(raw: Any, parts: list[str]) -> tuple[bool, Any]:
+    node = raw
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False, None
+    return True, node

@@ -1,0 +1,49 @@
+"""The stable plugin API of Weft: one module per slot.
+
+A plugin implements one of the contracts below and registers it under the
+slot's entry-point group; the entry-point *name* is what ``weft.toml`` selects.
+
+==============  ======================  =========================================
+slot            entry-point group       contract
+==============  ======================  =========================================
+platform        ``weft.platform``       :class:`weft.contracts.platform.Platform`
+attention       ``weft.attention``      :class:`weft.contracts.attention.AttentionBackend`
+model           ``weft.model``          :class:`weft.contracts.model.ModelFamily`
+loader          ``weft.loader``         :class:`weft.contracts.loader.WeightLoader`
+tokenizer       ``weft.tokenizer``      :class:`weft.contracts.tokenizer.Tokenizer`
+kv_connector    ``weft.kv_connector``   :class:`weft.contracts.kv_connector.KVConnector`
+ops             ``weft.ops``            :class:`weft.contracts.ops.OpImplementation`
+hooks           ``weft.hooks``          a module or object with ``@hookimpl`` functions
+                                        (:mod:`weft.contracts.hooks`)
+==============  ======================  =========================================
+
+Model families register one entry point per Hugging Face architecture they
+build (``LlamaForCausalLM = mypkg.llama:LlamaFamily``); op implementations are
+named ``<op>.<implementation>`` (``rms_norm.triton``).
+
+Compatibility: a plugin distribution declares the core API range it supports
+through its requirement on ``weft-core`` (``weft-core>=1.0,<2``). Core compares
+that range with :data:`CORE_API` from the distribution's metadata, before it
+imports anything of the plugin, and refuses a plugin whose range excludes it.
+``CORE_API`` is weft-core's ``major.minor``: a minor release only adds to the
+contracts, a major release may break them.
+"""
+
+from weft._version import __version__
+
+CORE_API: tuple[int, int] = tuple(int(part) for part in __version__.split(".")[:2])  # type: ignore[assignment]
+"""The plugin API version of this core, ``(major, minor)``."""
+
+SLOT_GROUPS: dict[str, str] = {
+    "platform": "weft.platform",
+    "attention": "weft.attention",
+    "model": "weft.model",
+    "loader": "weft.loader",
+    "tokenizer": "weft.tokenizer",
+    "kv_connector": "weft.kv_connector",
+    "ops": "weft.ops",
+    "hooks": "weft.hooks",
+}
+"""Each slot and the entry-point group its plugins register under."""
+
+__all__ = ["CORE_API", "SLOT_GROUPS"]

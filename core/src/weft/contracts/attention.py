@@ -1,0 +1,112 @@
+"""The attention slot: the paged KV-cache layout and the attention forward over it.
+
+One backend serves every attention layer of a model. Per engine step the model
+runner describes the flat batch once (:class:`AttentionBatch`), the backend
+turns it into its own metadata once (:meth:`AttentionBackend.build_metadata`),
+and every layer then calls :meth:`AttentionBackend.forward` with that metadata.
+
+A step mixes requests in prefill (several new tokens, possibly a chunk of a
+longer prompt) and in decode (one new token). Tokens are laid out request after
+request; request ``i`` owns query rows ``query_start[i]:query_start[i+1]``,
+whose positions are the last ``query_len`` of its ``seq_lens[i]`` tokens. The
+backend must be correct for any such mix.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
+    from weft.contracts.platform import Platform
+
+
+class AttentionLayer(msgspec.Struct, frozen=True):
+    """The static shape of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    """Keys visible to a query at position t: ``t - sliding_window + 1 .. t`` (None: all)."""
+    logits_soft_cap: float | None = None
+
+
+class AttentionBatch(msgspec.Struct, frozen=True):
+    """The flat batch of one step, as int32 tensors on the model's device."""
+
+    query_start: torch.Tensor
+    """``[num_reqs + 1]`` cumulative query lengths; row ranges per request."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]`` tokens in context for each request after this step (cached + new)."""
+    block_table: torch.Tensor
+    """``[num_reqs, max_blocks]`` KV-cache block ids per request (padding is unspecified)."""
+    slot_mapping: torch.Tensor
+    """``[num_tokens]`` flat cache slot (``block * block_size + offset``) of each new token's K/V."""
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionBackend(PluginBase):
+    """Paged attention: owns the KV-cache tensor layout and the attention math.
+
+    Instantiated once per engine: ``Backend(options, platform)``.
+    """
+
+    name: ClassVar[str]
+    supported_head_dims: ClassVar[tuple[int, ...] | None] = None
+    """Head dims this backend computes; None means any."""
+    supports_sliding_window: ClassVar[bool] = True
+
+    def __init__(self, options: msgspec.Struct | None, platform: Platform) -> None:
+        self.options = options if options is not None else self.Options()
+        self.platform = platform
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        """Raise ValueError naming the field if this backend cannot run ``layer``."""
+        if self.supported_head_dims is not None and layer.head_dim not in self.supported_head_dims:
+            raise ValueError(
+                f"attention backend {self.name!r}: head_dim {layer.head_dim} is not supported; "
+                f"supported: {list(self.supported_head_dims)}; choose another use.attention"
+            )
+        if layer.sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(
+                f"attention backend {self.name!r} does not support sliding windows; choose another use.attention"
+            )
+
+    def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor. Default: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Prepare whatever :meth:`forward` needs for this step; called once per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Store this step's keys/values and attend.
+
+        ``query`` is ``[num_tokens, num_heads, head_dim]``; ``key`` and ``value``
+        are ``[num_tokens, num_kv_heads, head_dim]`` for the new tokens only. The
+        backend writes them to ``kv_cache`` at ``slot_mapping``, then computes
+        causal attention of each query row over its request's cached keys
+        (respecting ``layer.sliding_window``) and returns
+        ``[num_tokens, num_heads, head_dim]``.
+        """

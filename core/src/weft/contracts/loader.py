@@ -1,0 +1,59 @@
+"""The loader slot: turn a model source into a config and a stream of weights.
+
+``use.loader = "auto"`` asks each enabled loader whether it
+:meth:`~WeightLoader.accepts` the ``model`` string, in descending
+:attr:`~WeightLoader.priority`, and takes the first that does. A source is
+whatever the user wrote in ``model``: an alias a plugin defines, a local folder,
+a file, or a Hugging Face repo id present in the local cache. A loader never
+downloads implicitly and never opens a path it was not given.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModelSource(msgspec.Struct, frozen=True):
+    """A resolved model: where it is, what it is, and how to tokenize it."""
+
+    path: str
+    """Absolute path of the folder or file holding the weights."""
+    format: str
+    """Weight format (``"safetensors"``, ``"gguf"``)."""
+    hf_config: dict[str, Any]
+    """The model's ``config.json`` contents (synthesised for formats without one)."""
+    tokenizer: str
+    """The tokenizer plugin that reads this source when ``use.tokenizer = "auto"``."""
+    name: str
+    """The name served as the model id."""
+
+
+class WeightLoader(PluginBase):
+    """Resolves model sources and streams their tensors."""
+
+    priority: ClassVar[int] = 0
+    """Order of the ``accepts`` poll under ``use.loader = "auto"`` (higher first)."""
+
+    def __init__(self, options: msgspec.Struct | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @abstractmethod
+    def accepts(self, source: str) -> bool:
+        """Whether this loader reads ``source``; cheap, no weights read, never raises."""
+
+    @abstractmethod
+    def resolve(self, source: str) -> ModelSource:
+        """Resolve ``source``; raise ValueError saying what was looked for and how to fix it."""
+
+    @abstractmethod
+    def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_tensor_name, tensor)`` pairs in ``dtype``, each tensor once."""

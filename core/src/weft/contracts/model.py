@@ -1,0 +1,66 @@
+"""The model slot: a family of architectures the engine can build and load.
+
+A model family registers one entry point per Hugging Face architecture string
+it builds (``LlamaForCausalLM = weft.models.llama:LlamaFamily``); the engine
+reads ``architectures`` from the checkpoint's config and picks the family
+registered under that name.
+
+The module returned by :meth:`ModelFamily.build` is called by the model runner as::
+
+    hidden = module(input_ids, positions, context)   # [num_tokens, hidden]
+    logits = module.compute_logits(hidden[last_rows])  # [rows, vocab]
+
+where ``context`` carries the attention backend, its per-step metadata and the
+KV-cache tensors of each group (the engine's model-runner documents it).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from weft.contracts.kv_cache import KVCacheGroupSpec
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """What a family needs to build a model: the checkpoint's config and the runtime choices."""
+
+    architecture: str
+    hf_config: dict[str, Any]
+    """The checkpoint's ``config.json`` as a dict (a GGUF loader synthesises one)."""
+    dtype: str
+    """torch dtype name of the weights and activations."""
+    block_size: int
+    """Tokens per KV-cache block chosen by the engine."""
+    max_model_len: int
+
+
+class ModelFamily(PluginBase):
+    """Builds torch modules for some architectures and maps checkpoint weights onto them."""
+
+    def __init__(self, options: msgspec.Struct | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @abstractmethod
+    def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
+        """Declare the model's KV-cache groups; every attention layer belongs to exactly one."""
+
+    @abstractmethod
+    def build(self, config: ModelConfig, device: torch.device) -> torch.nn.Module:
+        """Build the module with uninitialised (or random) weights on ``device``."""
+
+    @abstractmethod
+    def load_weights(self, module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into ``module``.
+
+        Raise ValueError naming the tensor when a checkpoint tensor has no home
+        or a parameter receives no tensor.
+        """

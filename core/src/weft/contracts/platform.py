@@ -1,0 +1,136 @@
+"""The platform slot: one hardware platform per engine (CPU, CUDA, ROCm, XPU, ...).
+
+``use.platform = "auto"`` probes every enabled platform and picks the available
+one with the highest :attr:`PlatformProbe.priority`; a tie between two
+available platforms is an error asking the user to name one. ``use.platform =
+"<name>"`` selects a platform directly, and it must then report itself
+available.
+
+Discovery rules a platform must keep:
+
+* importing the module that holds the platform class imports neither torch
+  nor a device runtime;
+* :meth:`Platform.probe` initialises no device runtime (no CUDA context, no
+  HIP, no Level Zero): it reads files, environment and driver metadata only, so
+  it is safe to call in a process that will later fork workers.
+
+Everything else on the class may import torch lazily.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PlatformProbe(msgspec.Struct, frozen=True):
+    """What a platform found about the machine it runs on."""
+
+    available: bool
+    """Whether this platform can run the engine here."""
+    reason: str
+    """Why it is or is not available, in words a user can act on."""
+    priority: int = 0
+    """Higher wins under ``use.platform = "auto"``. CPU uses 0; accelerators 100."""
+    device_count: int = 0
+    """Devices found (0 for CPU)."""
+    details: dict[str, str] = {}
+    """Free-form facts for ``weft plugins doctor`` (driver version, architectures)."""
+
+
+class MemoryInfo(msgspec.Struct, frozen=True):
+    """Memory of one device, in bytes."""
+
+    free: int
+    total: int
+
+
+class Platform(PluginBase):
+    """A hardware platform: device, dtypes, memory, graphs, distributed backend.
+
+    The engine instantiates the selected platform once, with its validated
+    options: ``Platform(options)``.
+    """
+
+    name: ClassVar[str]
+    """The entry-point name this platform registers under (``"cuda"``)."""
+
+    device_type: ClassVar[str]
+    """The torch device type (``"cpu"``, ``"cuda"``, ``"xpu"``; ROCm uses ``"cuda"``)."""
+
+    distributed_backend: ClassVar[str]
+    """The torch.distributed backend for tensor parallelism (``"gloo"``, ``"nccl"``, ``"xccl"``)."""
+
+    default_attention: ClassVar[str]
+    """The attention backend chosen when ``use.attention = "auto"``."""
+
+    supported_dtypes: ClassVar[tuple[str, ...]]
+    """Runtime dtypes by torch name, preferred first (``("bfloat16", "float16")``)."""
+
+    supports_graph_capture: ClassVar[bool] = False
+    """Whether :meth:`capture_graph` works (CUDA graphs, HIP graphs)."""
+
+    def __init__(self, options: msgspec.Struct | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> PlatformProbe:
+        """Say whether this platform is usable here, without initialising a device runtime."""
+
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device for local device ``index``."""
+        import torch
+
+        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    @abstractmethod
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        """Free and total memory of device ``index``; the engine sizes the KV cache from it."""
+
+    def default_dtype(self) -> str:
+        """The dtype used when ``engine.dtype = "auto"``."""
+        return self.supported_dtypes[0]
+
+    def capture_graph(self, fn: Any, *args: Any) -> Any:
+        """Capture ``fn(*args)`` into a replayable graph; returns a callable replaying it.
+
+        Only called when :attr:`supports_graph_capture` is true.
+        """
+        raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
+
+
+def torch_has_library(library: str) -> bool:
+    """Whether the installed torch ships ``library`` (``"libtorch_cuda.so"``), without importing torch.
+
+    Platform probes use it to tell a CUDA, ROCm or XPU build of torch from a CPU one.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(location) / "lib" / library).exists() for location in spec.submodule_search_locations)
+
+
+def visible_device_count(found: int, *variables: str) -> int:
+    """Devices left visible by the first set variable of ``variables`` (``CUDA_VISIBLE_DEVICES``)."""
+    import os
+
+    for variable in variables:
+        value = os.environ.get(variable)
+        if value is None:
+            continue
+        items = [item for item in value.split(",") if item.strip()]
+        if not items or items[0].strip() == "-1":
+            return 0
+        return min(found, len(items))
+    return found

@@ -1,0 +1,65 @@
+"""Turn the ``[use]`` table into concrete plugins: probe platforms, choose op implementations."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from weft.plugins.errors import PluginError
+from weft.plugins.registry import PluginRegistry, warn_plugin_problem
+
+if TYPE_CHECKING:
+    from weft.contracts.ops import OpImplementation
+    from weft.contracts.platform import Platform, PlatformProbe
+
+
+def probe_platforms(registry: PluginRegistry) -> dict[str, tuple[type[Platform], PlatformProbe]]:
+    """Load and probe every usable platform; a platform whose probe raises is warned about and left out."""
+    from weft.contracts.platform import PlatformProbe
+
+    probed = {}
+    for name, platform in registry.load_all("platform").items():
+        try:
+            probe = platform.probe()
+            if not isinstance(probe, PlatformProbe):
+                raise TypeError(f"probe() returned {type(probe).__name__}, expected PlatformProbe")
+        except Exception as error:
+            warn_plugin_problem(f"platform {name!r} failed to probe and is skipped: {type(error).__name__}: {error}")
+            continue
+        probed[name] = (platform, probe)
+    return probed
+
+
+def select_platform(registry: PluginRegistry, name: str = "auto") -> tuple[type[Platform], PlatformProbe]:
+    """The platform ``use.platform`` names, or under ``auto`` the available one of highest priority."""
+    if name != "auto":
+        platform = registry.load("platform", name)
+        probe = platform.probe()
+        if not probe.available:
+            raise PluginError(f"platform {name!r} is not available here: {probe.reason}")
+        return platform, probe
+    available = [(probe.priority, name, platform, probe) for name, (platform, probe) in probe_platforms(registry).items() if probe.available]
+    if not available:
+        raise PluginError("no platform is available; install weft-core (it provides 'cpu') or set use.platform")
+    available.sort(key=lambda item: item[0], reverse=True)
+    best = [item for item in available if item[0] == available[0][0]]
+    if len(best) > 1:
+        names = ", ".join(repr(item[1]) for item in best)
+        raise PluginError(f"several platforms are available with equal priority ({names}); choose one with use.platform")
+    return best[0][2], best[0][3]
+
+
+def choose_op(registry: PluginRegistry, op: str, platform: Platform, forced: str | None = None) -> OpImplementation:
+    """The implementation of ``op`` to run on ``platform`` (``forced``: the one ``use.ops`` names)."""
+    if forced is not None:
+        implementation = registry.load("ops", f"{op}.{forced}")
+        if not implementation.runs_on(platform.name) or not implementation.is_available(platform):
+            raise PluginError(f"use.ops.{op} = {forced!r}: that implementation cannot run on platform {platform.name!r}")
+        return implementation(platform)
+    candidates: list[Any] = [
+        implementation
+        for name, implementation in registry.load_all("ops", prefix=f"{op}.").items()
+        if implementation.runs_on(platform.name) and implementation.is_available(platform)
+    ]
+    if not candidates:
+        raise PluginError(f"no implementation of op {op!r} runs on platform {platform.name!r}")
+    return max(candidates, key=lambda implementation: implementation.priority)(platform)

@@ -1,0 +1,23 @@
+"""The conformance kit: each slot's contract as a pytest test suite.
+
+A plugin author subclasses the suite of their slot in a test module, names
+their plugin, and runs pytest::
+
+    from weft.testing import TokenizerContract
+
+    class TestMyTokenizer(TokenizerContract):
+        plugin_name = "bytes"
+
+        @pytest.fixture
+        def tokenizer(self, plugin):
+            return plugin.from_source(my_source)
+
+The suites load the plugin the way the engine does (through its entry point,
+with the compatibility checks), so they also catch packaging mistakes. The
+kit is registered as a pytest plugin (``pytest11``) and adds the
+``weft_registry`` fixture.
+"""
+
+from weft.testing.suites import HooksContract, OpContract, PlatformContract, TokenizerContract
+
+__all__ = ["HooksContract", "OpContract", "PlatformContract", "TokenizerContract"]

@@ -1,0 +1,219 @@
+"""Contract test suites, one class per slot. Subclass one, set ``plugin_name``, run pytest."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any, ClassVar
+
+import pytest
+
+from weft.contracts import SLOT_GROUPS
+
+_KNOWN_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+_DISTRIBUTED_BACKENDS = {"gloo", "nccl", "xccl", "mpi", "hccl", "ucc"}
+
+
+def _run_isolated(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; it must print one JSON object."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"isolated check failed:\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class _Contract:
+    slot: ClassVar[str]
+    plugin_name: ClassVar[str]
+    """The entry-point name of the plugin under test. Set it in the subclass."""
+
+    @pytest.fixture
+    def entry(self, weft_registry):
+        return weft_registry.find(self.slot, self.plugin_name)
+
+    @pytest.fixture
+    def plugin(self, weft_registry):
+        return weft_registry.load(self.slot, self.plugin_name)
+
+    def test_registered_under_its_slot(self, entry):
+        assert self.slot in SLOT_GROUPS
+        assert entry.status == "ok", entry.problem
+        assert entry.builtin or entry.core_api, "the distribution must declare a weft-core range"
+
+    def test_options_are_a_frozen_struct_with_defaults_or_required_fields(self, plugin):
+        import msgspec
+
+        from weft.contracts.plugin import NoOptions
+
+        options = getattr(plugin, "Options", NoOptions)
+        assert issubclass(options, msgspec.Struct), "Options must be a msgspec.Struct"
+        assert options.__struct_config__.frozen, "Options must be frozen (msgspec.Struct, frozen=True)"
+        assert options.__struct_config__.forbid_unknown_fields, "Options must set forbid_unknown_fields=True"
+
+
+class PlatformContract(_Contract):
+    """The platform contract (:mod:`weft.contracts.platform`)."""
+
+    slot = "platform"
+
+    def test_module_import_and_probe_import_no_torch(self, entry):
+        module, _, attribute = entry.target.partition(":")
+        code = (
+            "import importlib, json, sys\n"
+            f"platform = getattr(importlib.import_module({module.strip()!r}), {attribute.strip()!r})\n"
+            "after_import = 'torch' in sys.modules\n"
+            "probe = platform.probe()\n"
+            "print(json.dumps({'after_import': after_import, 'after_probe': 'torch' in sys.modules,"
+            " 'available': probe.available}))\n"
+        )
+        result = _run_isolated(code)
+        assert not result["after_import"], "importing the platform module imported torch"
+        assert not result["after_probe"], "probe() imported torch; probes must not initialise a device runtime"
+
+    def test_class_attributes(self, plugin):
+        from weft.contracts.platform import Platform
+
+        assert issubclass(plugin, Platform)
+        assert plugin.name == self.plugin_name, "the class's name must equal its entry-point name"
+        assert isinstance(plugin.device_type, str) and plugin.device_type
+        assert plugin.supported_dtypes and set(plugin.supported_dtypes) <= _KNOWN_DTYPES
+        assert plugin.distributed_backend in _DISTRIBUTED_BACKENDS
+        assert isinstance(plugin.default_attention, str) and plugin.default_attention
+
+    def test_probe_reports_a_reason(self, plugin):
+        from weft.contracts.platform import PlatformProbe
+
+        probe = plugin.probe()
+        assert isinstance(probe, PlatformProbe)
+        assert probe.reason.strip(), "a probe must say why it is or is not available"
+        assert probe.device_count >= 0
+
+    def test_memory_info_when_available(self, plugin):
+        probe = plugin.probe()
+        if not probe.available:
+            pytest.skip(f"platform {self.plugin_name!r} is not available here: {probe.reason}")
+        info = plugin().memory_info(0)
+        assert 0 < info.total and 0 <= info.free <= info.total
+
+
+class TokenizerContract(_Contract):
+    """The tokenizer contract (:mod:`weft.contracts.tokenizer`). Provide a ``tokenizer`` fixture."""
+
+    slot = "tokenizer"
+    round_trip_texts: ClassVar[tuple[str, ...]] = (
+        "Hello, world!",
+        "  leading and trailing spaces  ",
+        "naïve café, Grüße, 图片🌍 and ∑ symbols",
+        "line one\nline two\ttabbed",
+        "",
+    )
+    """Texts ``decode(encode(text))`` must reproduce exactly; override for normalising tokenizers."""
+
+    @pytest.fixture
+    def tokenizer(self, plugin):
+        raise NotImplementedError("define a `tokenizer` fixture returning an instance of the plugin")
+
+    def test_is_a_tokenizer(self, tokenizer, plugin):
+        from weft.contracts.tokenizer import Tokenizer
+
+        assert isinstance(tokenizer, plugin) and isinstance(tokenizer, Tokenizer)
+
+    def test_round_trip(self, tokenizer):
+        for text in self.round_trip_texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+            assert tokenizer.decode(ids) == text
+
+    def test_eos_ids_are_in_the_vocabulary(self, tokenizer):
+        assert tokenizer.eos_token_ids, "a tokenizer must name at least one end-of-sequence id"
+        assert all(0 <= i < tokenizer.vocab_size for i in tokenizer.eos_token_ids)
+
+    def test_streaming_never_splits_characters(self, tokenizer):
+        for text in self.round_trip_texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            stream = tokenizer.detokenizer()
+            pieces = [stream.push(i) for i in ids] + [stream.flush()]
+            assert "".join(pieces) == tokenizer.decode(ids)
+            assert all("\ufffd" not in piece for piece in pieces[:-1]), pieces
+
+    def test_message_normalisation_keeps_input_and_accepts_response_parts(self, tokenizer):
+        parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+        messages = [{"role": "user", "content": parts}]
+        snapshot = json.dumps(messages)
+        normalized = tokenizer.normalize_messages(messages)
+        assert json.dumps(messages) == snapshot, "normalize_messages mutated its input"
+        for kind in ("input_text", "output_text"):
+            other = [{"role": "user", "content": [{"type": kind, "text": p["text"]} for p in parts]}]
+            assert tokenizer.normalize_messages(other) == normalized
+        with pytest.raises(ValueError, match="audio"):
+            tokenizer.normalize_messages([{"role": "user", "content": [{"type": "audio", "data": ""}]}])
+
+    def test_chat_template_renders_the_messages(self, tokenizer):
+        messages = tokenizer.normalize_messages([{"role": "user", "content": "What is the capital of France?"}])
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        assert isinstance(prompt, str) and "What is the capital of France?" in prompt
+
+
+class OpContract(_Contract):
+    """The ops contract (:mod:`weft.contracts.ops`): an implementation equals the op's reference.
+
+    ``plugin_name`` is ``"<op>.<implementation>"``. Set ``device`` to run the
+    comparison on another torch device than the CPU.
+    """
+
+    slot = "ops"
+    device: ClassVar[str] = "cpu"
+
+    @pytest.fixture
+    def reference(self, weft_registry, plugin):
+        candidates = [
+            impl for impl in weft_registry.load_all("ops", prefix=f"{plugin.op}.").values() if impl.reference
+        ]
+        assert len(candidates) == 1, f"op {plugin.op!r} must have exactly one reference, found {len(candidates)}"
+        return candidates[0]
+
+    def test_name_matches_the_op(self, plugin):
+        from weft.contracts.ops import OpImplementation
+
+        assert issubclass(plugin, OpImplementation)
+        assert self.plugin_name.partition(".")[0] == plugin.op
+
+    def test_matches_the_reference(self, plugin, reference):
+        if importlib.util.find_spec("torch") is None:
+            pytest.skip("torch is not installed")
+        import torch
+
+        from weft.plugins.selection import select_platform
+        from weft.plugins import PluginRegistry
+
+        platform_class, _ = select_platform(PluginRegistry())
+        platform = platform_class()
+        if not plugin.runs_on(platform.name) or not plugin.is_available(platform):
+            pytest.skip(f"{self.plugin_name} does not run on platform {platform.name!r}")
+        implementation, expected_impl = plugin(platform), reference(platform)
+        rtol, atol = plugin.tolerance
+        cases = list(reference.example_inputs(self.device))
+        assert cases, "the reference must provide example inputs"
+        for args, kwargs in cases:
+            expected = expected_impl(*args, **kwargs)
+            actual = implementation(*args, **kwargs)
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+class HooksContract(_Contract):
+    """The hooks contract (:mod:`weft.contracts.hooks`): every hook implementation matches a spec."""
+
+    slot = "hooks"
+
+    def test_implements_known_hooks_only(self, plugin):
+        import pluggy
+
+        from weft.contracts import hooks as hookspecs
+
+        manager = pluggy.PluginManager(hookspecs.PROJECT)
+        manager.add_hookspecs(hookspecs)
+        manager.register(plugin, name=self.plugin_name)
+        manager.check_pending()
+        implemented = [caller.name for caller in manager.get_hookcallers(plugin) or ()]
+        assert implemented, "a hooks plugin must implement at least one hook"

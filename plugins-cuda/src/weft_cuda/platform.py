@@ -1,0 +1,56 @@
+"""The CUDA platform. Its probe reads the NVIDIA driver's /proc files and never creates a CUDA context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe, torch_has_library, visible_device_count
+
+
+def probe_nvidia(root: Path = Path("/")) -> PlatformProbe:
+    """Probe the machine whose filesystem is at ``root`` for NVIDIA GPUs usable by torch."""
+    version_file = root / "proc/driver/nvidia/version"
+    if not version_file.exists():
+        return PlatformProbe(available=False, reason="no NVIDIA driver (/proc/driver/nvidia/version is absent)")
+    driver = version_file.read_text(errors="replace").splitlines()[0].strip()
+    gpu_dirs = sorted((root / "proc/driver/nvidia/gpus").glob("*"))
+    models = []
+    for gpu in gpu_dirs:
+        info = gpu / "information"
+        text = info.read_text(errors="replace") if info.exists() else ""
+        models.extend(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model:"))
+    count = visible_device_count(len(gpu_dirs), "CUDA_VISIBLE_DEVICES")
+    details = {"driver": driver, "gpus": ", ".join(models) or str(len(gpu_dirs))}
+    if count == 0:
+        return PlatformProbe(available=False, reason="NVIDIA driver present but no visible GPU", details=details)
+    if not torch_has_library("libtorch_cuda.so"):
+        return PlatformProbe(
+            available=False,
+            reason="NVIDIA GPU found but the installed torch has no CUDA support; install a CUDA build of torch",
+            device_count=count,
+            details=details,
+        )
+    return PlatformProbe(
+        available=True, reason=f"{count} NVIDIA GPU(s)", priority=100, device_count=count, details=details
+    )
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs through CUDA; NCCL for tensor parallelism."""
+
+    name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    distributed_backend: ClassVar[str] = "nccl"
+    default_attention: ClassVar[str] = "torch"
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
+
+    @classmethod
+    def probe(cls) -> PlatformProbe:
+        return probe_nvidia()
+
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(index)
+        return MemoryInfo(free=free, total=total)

@@ -1,0 +1,1 @@
+"""An example out-of-tree Weft plugin (see docs/plugin-authors.md)."""

@@ -1,0 +1,304 @@
+"""Plugin machinery against real throwaway distributions discovered through importlib.metadata."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import last_json, platform_module
+
+BUILTIN_PLATFORMS = {"cpu": "weft-core", "cuda": "weft-cuda", "rocm": "weft-rocm", "xpu": "weft-xpu"}
+
+
+def test_listing_imports_no_torch_and_no_plugin_module(site):
+    site.add_distribution(
+        "weft-spy",
+        entry_points={"weft.platform": {"spy": "spy_impl:SpyPlatform"}, "weft.hooks": {"spy-hooks": "spy_hooks"}},
+        modules={"spy_impl": "raise RuntimeError('imported during listing')", "spy_hooks": "raise RuntimeError('imported')"},
+    )
+    result = site.python(
+        """
+        import io, json, sys, contextlib
+        from weft.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["plugins", "list", "--json"])
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in
+                       ("torch", "spy_impl", "spy_hooks", "weft_cuda", "weft_rocm", "weft_xpu", "weft_example_bytes")
+                       or m.startswith("weft.builtins"))
+        print(json.dumps({"code": code, "heavy": heavy, "listing": json.loads(out.getvalue())}))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    report = last_json(result.stdout)
+    assert report["code"] == 0
+    assert report["heavy"] == []
+    rows = {(row["slot"], row["name"]): row for row in report["listing"]["plugins"]}
+    assert rows[("platform", "spy")]["status"] == "ok"
+    for name, distribution in BUILTIN_PLATFORMS.items():
+        row = rows[("platform", name)]
+        assert row["distribution"] == distribution and row["version"] and row["core_api"]
+
+
+def test_incompatible_plugin_is_refused_before_import(site):
+    site.add_distribution(
+        "weft-future",
+        version="3.1.0",
+        requires=("weft-core>=2,<3",),
+        entry_points={"weft.platform": {"future": "future_impl:FuturePlatform"}},
+        modules={"future_impl": platform_module("future", cls="FuturePlatform")},
+    )
+    result = site.python(
+        """
+        import sys
+        from weft.plugins import PluginError, PluginRegistry
+        try:
+            PluginRegistry().load("platform", "future")
+        except PluginError as error:
+            print(error)
+        print("imported" if "future_impl" in sys.modules else "not imported")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    message, imported = result.stdout.strip().splitlines()
+    assert "weft-future 3.1.0" in message and "requires weft-core API >=2,<3" in message
+    assert "installed core API is 1.0" in message
+    assert imported == "not imported"
+
+
+def test_plugin_without_a_core_range_is_refused(site):
+    site.add_distribution(
+        "weft-vague", requires=(), entry_points={"weft.platform": {"vague": "vague_impl:P"}}, modules={"vague_impl": ""}
+    )
+    result = site.weft("plugins", "list", "--json")
+    rows = {row["name"]: row for row in last_json(result.stdout)["plugins"]}
+    assert rows["vague"]["status"] == "incompatible"
+    assert "declares no weft-core API range" in rows["vague"]["problem"]
+
+
+def test_name_registered_twice_is_an_error_naming_both_distributions(site):
+    for distribution in ("weft-alpha", "weft-beta"):
+        module = distribution.replace("-", "_")
+        site.add_distribution(
+            distribution,
+            entry_points={"weft.platform": {"twin": f"{module}:TwinPlatform"}},
+            modules={module: platform_module("twin", cls="TwinPlatform")},
+        )
+    result = site.python(
+        """
+        from weft.plugins import PluginError, PluginRegistry
+        try:
+            PluginRegistry().load("platform", "twin")
+            print("loaded")
+        except PluginError as error:
+            print(error)
+        """
+    )
+    assert "weft-alpha 0.1.0" in result.stdout and "weft-beta 0.1.0" in result.stdout
+    assert "loaded" not in result.stdout
+    doctor = site.weft("plugins", "doctor")
+    assert doctor.returncode == 1
+    assert "weft-alpha" in doctor.stdout and "weft-beta" in doctor.stdout
+    # Excluding one of them with the allowlist resolves the clash.
+    allowed = site.python(
+        "from weft.plugins import PluginRegistry; print(PluginRegistry().load('platform', 'twin').__module__)",
+        WEFT_PLUGINS="weft-alpha",
+    )
+    assert allowed.stdout.strip() == "weft_alpha", allowed.stderr
+
+
+def test_selected_broken_plugin_is_a_hard_error_with_its_cause(site):
+    site.add_distribution(
+        "weft-broken",
+        entry_points={"weft.platform": {"broken": "broken_impl:BrokenPlatform"}},
+        modules={"broken_impl": "import not_installed_dependency_xyz\n"},
+    )
+    result = site.python(
+        """
+        from weft.plugins import PluginError, PluginRegistry
+        from weft.plugins.selection import select_platform
+        try:
+            select_platform(PluginRegistry(), "broken")
+        except PluginError as error:
+            print(error)
+            print(type(error.__cause__).__name__)
+        """
+    )
+    message, cause = result.stdout.strip().splitlines()
+    assert "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in message
+    assert "not_installed_dependency_xyz" in message
+    assert cause == "ModuleNotFoundError"
+    # The same plugin selected through weft.toml makes doctor fail with the cause.
+    doctor = site.weft("plugins", "doctor", "--platform", "broken")
+    assert doctor.returncode == 1 and "not_installed_dependency_xyz" in doctor.stdout
+
+
+def test_unselected_broken_plugin_is_a_warning(site):
+    site.add_distribution(
+        "weft-broken",
+        entry_points={"weft.platform": {"broken": "broken_impl:BrokenPlatform"}},
+        modules={"broken_impl": "raise ImportError('libfoo.so: cannot open shared object file')\n"},
+    )
+    result = site.python(
+        """
+        from weft.plugins import PluginRegistry
+        from weft.plugins.selection import select_platform
+        platform, probe = select_platform(PluginRegistry(), "auto")
+        print(platform.name)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "cpu"
+    assert "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in result.stderr
+    assert "libfoo.so" in result.stderr
+
+
+def test_allowlist_none_disables_third_party_plugins(site):
+    site.add_distribution(
+        "weft-extra", entry_points={"weft.platform": {"extra": "extra_impl:X"}}, modules={"extra_impl": platform_module("extra", cls="X")}
+    )
+    result = site.weft("plugins", "list", "--json", WEFT_PLUGINS="none")
+    rows = {row["name"]: row for row in last_json(result.stdout)["plugins"]}
+    assert rows["cpu"]["status"] == "ok"
+    assert rows["extra"]["status"] == "disabled" and rows["cuda"]["status"] == "disabled"
+    load = site.python(
+        """
+        from weft.plugins import PluginError, PluginRegistry
+        try:
+            PluginRegistry().load("platform", "extra")
+        except PluginError as error:
+            print(error)
+        """,
+        WEFT_PLUGINS="none",
+    )
+    assert "excluded by WEFT_PLUGINS='none'" in load.stdout
+
+
+def test_allowlist_name_matching_nothing_is_reported(site):
+    site.add_distribution(
+        "weft-extra", entry_points={"weft.platform": {"extra": "extra_impl:X"}}, modules={"extra_impl": platform_module("extra", cls="X")}
+    )
+    listing = site.weft("plugins", "list", "--json", WEFT_PLUGINS="extra,weft-cuda,no-such-plugin")
+    report = last_json(listing.stdout)
+    assert report["unmatched_allowlist"] == ["no-such-plugin"]
+    rows = {row["name"]: row["status"] for row in report["plugins"]}
+    assert rows["extra"] == "ok" and rows["cuda"] == "ok" and rows["rocm"] == "disabled"
+    loading = site.python("from weft.plugins import PluginRegistry; PluginRegistry()", WEFT_PLUGINS="no-such-plugin")
+    assert "WEFT_PLUGINS names 'no-such-plugin', which matches no installed plugin" in loading.stderr
+
+
+def test_trace_logs_loads_and_hook_calls(site):
+    site.add_distribution(
+        "weft-traced",
+        entry_points={"weft.hooks": {"traced": "traced_hooks"}, "weft.platform": {"traced": "traced_platform:T"}},
+        modules={
+            "traced_hooks": """
+                from weft.contracts.hooks import hookimpl
+
+                @hookimpl
+                def weft_request_finished(request_id, finish_reason):
+                    print("hook saw", request_id, finish_reason)
+            """,
+            "traced_platform": platform_module("traced", cls="T"),
+        },
+    )
+    code = """
+        from weft.plugins import PluginRegistry
+        registry = PluginRegistry()
+        registry.load("platform", "traced")
+        registry.hooks().hook.weft_request_finished(
+            request_id="r1", finish_reason="stop", num_prompt_tokens=3, num_output_tokens=4)
+    """
+    traced = site.python(code, WEFT_TRACE_PLUGINS="1")
+    assert traced.returncode == 0, traced.stderr
+    assert "hook saw r1 stop" in traced.stdout
+    assert "load platform 'traced' from weft-traced 0.1.0 (traced_platform:T)" in traced.stderr
+    assert "load hooks 'traced'" in traced.stderr
+    assert "weft_request_finished" in traced.stderr and "request_id: r1" in traced.stderr
+    quiet = site.python(code)
+    assert "weft_request_finished" not in quiet.stderr and "load platform" not in quiet.stderr
+
+
+def test_hooks_plugin_with_an_unknown_hook_is_skipped_with_a_warning(site):
+    site.add_distribution(
+        "weft-typo",
+        entry_points={"weft.hooks": {"typo": "typo_hooks"}},
+        modules={
+            "typo_hooks": """
+                from weft.contracts.hooks import hookimpl
+
+                @hookimpl
+                def weft_request_finnished(request_id):
+                    pass
+            """
+        },
+    )
+    result = site.python("from weft.plugins import PluginRegistry; print(PluginRegistry().hooks().get_plugins())")
+    assert result.returncode == 0, result.stderr
+    assert "hooks plugin 'typo' is invalid" in result.stderr and "weft_request_finnished" in result.stderr
+
+
+def test_unknown_plugin_name_suggests_a_close_one(site):
+    result = site.python(
+        """
+        from weft.plugins import PluginError, PluginRegistry
+        try:
+            PluginRegistry().load("platform", "cdua")
+        except PluginError as error:
+            print(error)
+        """
+    )
+    assert "no platform plugin named 'cdua'" in result.stdout and "did you mean 'cuda'?" in result.stdout
+
+
+def test_auto_platform_prefers_priority_and_refuses_ties(site):
+    site.add_distribution(
+        "weft-fast",
+        entry_points={"weft.platform": {"fast": "fast_impl:Fast"}},
+        modules={"fast_impl": platform_module("fast", available=True, priority=50, cls="Fast")},
+    )
+    chosen = site.python(
+        "from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
+        "print(select_platform(PluginRegistry())[0].name)"
+    )
+    assert chosen.stdout.strip() == "fast", chosen.stderr
+    site.add_distribution(
+        "weft-twin-fast",
+        entry_points={"weft.platform": {"fast2": "fast2_impl:Fast2"}},
+        modules={"fast2_impl": platform_module("fast2", available=True, priority=50, cls="Fast2")},
+    )
+    tie = site.weft("plugins", "doctor")
+    assert tie.returncode == 1
+    assert "several platforms are available with equal priority ('fast', 'fast2')" in tie.stdout
+    named = site.weft("plugins", "doctor", "--platform", "fast2")
+    assert "ok    use.platform = 'fast2'" in named.stdout
+
+
+def test_inspect_prints_the_option_schema(site):
+    site.add_distribution(
+        "weft-opts",
+        entry_points={"weft.kv_connector": {"store": "store_impl:Store"}},
+        modules={
+            "store_impl": """
+                from typing import Annotated
+                import msgspec
+                from weft.contracts.kv_connector import KVConnector
+
+                class StoreOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                    master: Annotated[str, msgspec.Meta(description="host:port of the master")]
+                    segment_bytes: Annotated[int, msgspec.Meta(ge=1, description="bytes per segment")] = 1024
+
+                class Store(KVConnector):
+                    '''A throwaway KV store connector.'''
+                    name = "store"
+                    Options = StoreOptions
+            """
+        },
+    )
+    text = site.weft("plugins", "inspect", "store")
+    assert text.returncode == 0, text.stderr
+    assert "kv_connector plugin 'store': A throwaway KV store connector." in text.stdout
+    assert "master" in text.stdout and "(required)" in text.stdout and "host:port of the master" in text.stdout
+    assert "segment_bytes" in text.stdout and "1024" in text.stdout
+    schema = last_json(site.weft("plugins", "inspect", "store", "--json").stdout)
+    assert schema["distribution"] == "weft-opts"
+    assert json.dumps(schema["options"]).count("segment_bytes") >= 1

@@ -137,7 +137,8 @@ def load_config(
     if config.plugins:
         from weft.plugins import PluginRegistry
 
-        validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
+        plugins = validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
+        config = msgspec.structs.replace(config, plugins=plugins)
     return config
 
 
@@ -158,8 +159,13 @@ def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], name:
     return msgspec.convert(config.plugins.get(name, {}), options_type)
 
 
-def validate_plugin_options(config: WeftConfig, registry: Any, source: str, override_paths: set[str] = frozenset()) -> None:
+def validate_plugin_options(
+    config: WeftConfig, registry: Any, source: str, override_paths: set[str] = frozenset()
+) -> dict[str, dict[str, Any]]:
+    """Check each ``[plugins.<name>]`` table; returns the tables with the plugins' defaults filled in."""
     from weft.contracts.plugin import NoOptions
+
+    validated: dict[str, dict[str, Any]] = {}
     from weft.plugins import PluginError
 
     for name, table in config.plugins.items():
@@ -180,14 +186,16 @@ def validate_plugin_options(config: WeftConfig, registry: Any, source: str, over
         if not option_types:
             if table:
                 raise ConfigError(f"{source}: plugins.{name}: plugin {name!r} takes no options; remove the table")
+            validated[name] = {}
             continue
         for options_type in option_types:
             try:
-                msgspec.convert(table, options_type)
+                validated[name] = {**validated.get(name, {}), **msgspec.to_builtins(msgspec.convert(table, options_type))}
             except msgspec.ValidationError as error:
                 inner = {f"plugins.{name}.{key}"[len(f"plugins.{name}.") :] for key in override_paths}
                 message = _explain(error, table, options_type, source, inner, prefix=f"plugins.{name}")
                 raise ConfigError(message) from None
+    return validated
 
 
 def to_builtins(config: WeftConfig, *, reveal_secrets: bool = False) -> dict[str, Any]:

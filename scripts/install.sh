@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment and install every Weft distribution from this checkout.
+#   WEFT_VENV   where the environment lives (default: .venv in the checkout)
+# The CPU build of torch is installed first, so that the distributions' torch>=2.9 range
+# is already satisfied and pip does not pull a multi-GB CUDA build.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${WEFT_VENV:-$root/.venv}
+python=${PYTHON:-python3}
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+"${pip[@]}" install --upgrade pip
+"${pip[@]}" install "torch==2.13.0"
+"${pip[@]}" install \
+    "$root/core" \
+    "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
+    "$root/tests/example_plugin" \
+    "pytest>=8"

@@ -1,0 +1,123 @@
+"""weft.toml loading and validation, through the Python API and the `weft config show` command."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import last_json
+
+from weft.config import ConfigError, WeftConfig, load_config, parse_override
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "weft.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_match_the_documented_shape():
+    config = load_config()
+    assert isinstance(config, WeftConfig)
+    assert config.model == "smollm2-135m-instruct"
+    assert (config.use.platform, config.use.attention, config.use.loader, config.use.tokenizer) == ("auto",) * 4
+    assert config.use.kv_connector == "none"
+
+
+def test_file_values_and_overrides(tmp_path):
+    path = write(tmp_path, 'model = "/models/x"\n[engine]\nmax_num_seqs = 8\nblock_size = 32\n[server]\nport = 9000\n')
+    config = load_config(path, {"engine.max_num_seqs": 4, "server": {"host": "0.0.0.0"}})
+    assert config.model == "/models/x"
+    assert config.engine.max_num_seqs == 4  # the override wins over the file
+    assert config.engine.block_size == 32  # the file wins over the default
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 9000)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[engine]\nmax_num_seqs = "lots"\n', "weft.toml: engine.max_num_seqs: expected int, got str 'lots'"),
+        ("[engine]\nmax_num_seqs = 0\n", "weft.toml: engine.max_num_seqs: expected int >= 1, got int 0"),
+        ("[engine]\nmax_num_seq = 3\n", "weft.toml: engine.max_num_seq: unknown key; did you mean 'max_num_seqs'?"),
+        ('modle = "x"\n', "weft.toml: modle: unknown key; did you mean 'model'?"),
+        ('[engine]\ndtype = "fp8"\n', "weft.toml: engine.dtype: expected one of 'auto', 'float32', 'float16', 'bfloat16', got 'fp8'"),
+        ("[server]\nport = 70000\n", "weft.toml: server.port: expected int <= 65535, got int 70000"),
+        ("engine = 3\n", "weft.toml: engine: expected object, got int 3"),
+        ("[engine\n", "weft.toml: not valid TOML"),
+    ],
+)
+def test_errors_name_file_key_path_and_expected_type(tmp_path, text, expected):
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text))
+    assert str(caught.value).startswith(str(tmp_path / expected.split(":")[0])), str(caught.value)
+    assert expected.split(":", 1)[1] in str(caught.value)
+
+
+def test_override_errors_name_the_override():
+    with pytest.raises(ConfigError, match=r"^override: engine.max_num_seqs: expected int, got str 'x'"):
+        load_config(None, {"engine.max_num_seqs": "x"})
+
+
+def test_parse_override_reads_toml_literals():
+    assert parse_override("engine.max_num_seqs=8") == ("engine.max_num_seqs", 8)
+    assert parse_override("engine.enable_prefix_caching=false") == ("engine.enable_prefix_caching", False)
+    assert parse_override("model=/tmp/model dir") == ("model", "/tmp/model dir")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_override("engine.max_num_seqs")
+
+
+def test_config_show_exits_non_zero_with_the_key_path(site, tmp_path):
+    bad_type = write(tmp_path, '[engine]\nmax_num_seqs = "lots"\n')
+    result = site.weft("config", "show", "--config", str(bad_type))
+    assert result.returncode == 1
+    assert "engine.max_num_seqs: expected int, got str 'lots'" in result.stderr
+    unknown = write(tmp_path, "[server]\nprot = 1\n")
+    result = site.weft("config", "show", "--config", str(unknown))
+    assert result.returncode == 1 and "server.prot: unknown key; did you mean 'port'?" in result.stderr
+
+
+def test_config_show_prints_the_effective_config(site, tmp_path):
+    (tmp_path / "weft.toml").write_text('[engine]\nmax_num_seqs = 8\n[server]\napi_key = "secret"\n')
+    result = site.weft("config", "show", "--json", "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = last_json(result.stdout)
+    assert shown["engine"]["max_num_seqs"] == 8  # ./weft.toml is read when present
+    assert shown["engine"]["max_num_batched_tokens"] == 512
+    assert shown["engine"]["enable_prefix_caching"] is False
+    assert shown["server"]["api_key"] == "***"
+    toml = site.weft("config", "show", "--set", "server.port=9001", cwd=tmp_path)
+    assert "port = 9001" in toml.stdout and "secret" not in toml.stdout
+
+
+def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
+    site.add_distribution(
+        "weft-opts",
+        entry_points={"weft.kv_connector": {"store": "store_impl:Store"}, "weft.platform": {"plain": "plain_impl:Plain"}},
+        modules={
+            "store_impl": """
+                import msgspec
+                from weft.contracts.kv_connector import KVConnector
+
+                class StoreOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                    master: str
+                    segment_bytes: int = 1024
+
+                class Store(KVConnector):
+                    name = "store"
+                    Options = StoreOptions
+            """,
+            "plain_impl": "from weft.builtins.cpu import CpuPlatform as Plain\n",
+        },
+    )
+    cases = {
+        '[plugins.store]\nmaster = "h:1"\nsegment_bytes = "big"\n': "plugins.store.segment_bytes: expected int, got str 'big'",
+        "[plugins.store]\nsegment_bytes = 1\n": "plugins.store: object missing required field master",
+        '[plugins.store]\nmaster = "h:1"\nbogus = 1\n': "plugins.store.bogus: unknown key",
+        "[plugins.nothere]\nx = 1\n": "plugins.nothere: no installed plugin is named 'nothere'",
+        "[plugins.plain]\nx = 1\n": "plugins.plain: plugin 'plain' takes no options",
+    }
+    for text, expected in cases.items():
+        result = site.weft("config", "show", "--config", str(write(tmp_path, text)))
+        assert result.returncode == 1, text
+        assert expected in result.stderr, (text, result.stderr)
+    good = site.weft("config", "show", "--json", "--config", str(write(tmp_path, '[plugins.store]\nmaster = "h:1"\n')))
+    assert good.returncode == 0, good.stderr
+    assert last_json(good.stdout)["plugins"] == {"store": {"master": "h:1", "segment_bytes": 1024}}

@@ -1,0 +1,159 @@
+"""The conformance kit itself: it passes a correct plugin and fails a wrong one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+OPS_MODULE = """
+    import torch
+    from weft.contracts.ops import OpImplementation
+
+    class ScaleReference(OpImplementation):
+        op = "scale"
+        reference = True
+        priority = -100
+
+        def __call__(self, x):
+            return x * 2
+
+        @classmethod
+        def example_inputs(cls, device):
+            generator = torch.Generator().manual_seed(0)
+            for shape in [(3,), (4, 5), (0, 7)]:
+                yield (torch.randn(shape, generator=generator, device=device),), {}
+
+    class ScaleFast(OpImplementation):
+        op = "scale"
+        priority = 10
+
+        def __call__(self, x):
+            return x + x
+
+    class ScaleWrong(OpImplementation):
+        op = "scale"
+        priority = 5
+
+        def __call__(self, x):
+            return x * 2 + 1e-3
+
+    class ScaleElsewhere(OpImplementation):
+        op = "scale"
+        platforms = frozenset({"cuda"})
+        priority = 99
+
+        def __call__(self, x):
+            raise AssertionError("must not be chosen on the CPU")
+"""
+
+
+def add_ops(site):
+    site.add_distribution(
+        "weft-scale-ops",
+        entry_points={
+            "weft.ops": {
+                "scale.torch": "scale_ops:ScaleReference",
+                "scale.fast": "scale_ops:ScaleFast",
+                "scale.wrong": "scale_ops:ScaleWrong",
+                "scale.elsewhere": "scale_ops:ScaleElsewhere",
+            }
+        },
+        modules={"scale_ops": OPS_MODULE},
+    )
+
+
+def run_kit(site, tmp_path, body: str) -> subprocess.CompletedProcess[str]:
+    test_file = tmp_path / "test_kit_run.py"
+    test_file.write_text(textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+        capture_output=True, text=True, env=site.env(), cwd=tmp_path, timeout=300,
+    )
+
+
+def test_op_kit_passes_a_correct_implementation_and_fails_a_wrong_one(site, tmp_path):
+    add_ops(site)
+    result = run_kit(
+        site,
+        tmp_path,
+        """
+        from weft.testing import OpContract
+
+        class TestFast(OpContract):
+            plugin_name = "scale.fast"
+
+        class TestWrong(OpContract):
+            plugin_name = "scale.wrong"
+        """,
+    )
+    assert "TestWrong::test_matches_the_reference FAILED" in result.stdout or "1 failed" in result.stdout, result.stdout
+    assert "FAILED test_kit_run.py::TestWrong::test_matches_the_reference" in result.stdout
+    assert "TestFast" not in result.stdout.split("short test summary")[-1]
+    assert "1 failed" in result.stdout
+
+
+def test_tokenizer_kit_fails_a_tokenizer_that_splits_characters(site, tmp_path):
+    site.add_distribution(
+        "weft-lossy",
+        entry_points={"weft.tokenizer": {"lossy": "lossy_tok:Lossy"}},
+        modules={
+            "lossy_tok": """
+                from weft_example_bytes.tokenizer import ByteTokenizer
+                from weft.contracts.tokenizer import IncrementalDetokenizer
+
+                class EagerDetokenizer(IncrementalDetokenizer):
+                    def push(self, token_id):
+                        piece = bytes([token_id]).decode("utf-8", errors="replace") if token_id < 256 else ""
+                        self.text += piece
+                        return piece
+
+                class Lossy(ByteTokenizer):
+                    def detokenizer(self, prompt_token_ids=(), skip_special_tokens=True):
+                        return EagerDetokenizer(self, prompt_token_ids, skip_special_tokens)
+            """
+        },
+    )
+    result = run_kit(
+        site,
+        tmp_path,
+        """
+        import pytest
+        from weft.testing import TokenizerContract
+
+        class TestLossy(TokenizerContract):
+            plugin_name = "lossy"
+
+            @pytest.fixture
+            def tokenizer(self, plugin):
+                return plugin.from_source(None)
+        """,
+    )
+    assert "FAILED test_kit_run.py::TestLossy::test_streaming_never_splits_characters" in result.stdout, result.stdout
+    assert "1 failed" in result.stdout
+
+
+def test_choose_op_by_platform_and_priority(site):
+    add_ops(site)
+    result = site.python(
+        """
+        from weft.builtins.cpu import CpuPlatform
+        from weft.plugins import PluginError, PluginRegistry
+        from weft.plugins.selection import choose_op
+
+        registry, cpu = PluginRegistry(), CpuPlatform()
+        print(type(choose_op(registry, "scale", cpu)).__name__)
+        print(type(choose_op(registry, "scale", cpu, forced="torch")).__name__)
+        for forced in ("elsewhere", "missing"):
+            try:
+                choose_op(registry, "scale", cpu, forced=forced)
+            except PluginError as error:
+                print(error)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "ScaleFast"  # highest priority among those that run on the CPU
+    assert lines[1] == "ScaleReference"
+    assert "use.ops.scale = 'elsewhere': that implementation cannot run on platform 'cpu'" in lines[2]
+    assert "no ops plugin named 'scale.missing'" in lines[3]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment and install every Weft distribution from this checkout.
 #   WEFT_VENV   where the environment lives (default: .venv in the checkout)
+#   arguments   extra requirements to install alongside (scripts/test.sh adds the test tools)
 # The CPU build of torch is installed first, so that the distributions' torch>=2.9 range
 # is already satisfied and pip does not pull a multi-GB CUDA build.
 set -euo pipefail
@@ -15,5 +16,4 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install \
     "$root/core" \
     "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
-    "$root/tests/example_plugin" \
-    "pytest>=8"
+    "$@"

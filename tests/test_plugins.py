@@ -302,3 +302,32 @@ def test_inspect_prints_the_option_schema(site):
     schema = last_json(site.weft("plugins", "inspect", "store", "--json").stdout)
     assert schema["distribution"] == "weft-opts"
     assert json.dumps(schema["options"]).count("segment_bytes") >= 1
+
+
+def test_plugins_contribute_cli_commands_through_the_hook(site):
+    site.add_distribution(
+        "weft-greeter",
+        entry_points={"weft.hooks": {"greeter": "greeter_hooks"}},
+        modules={
+            "greeter_hooks": """
+                from weft.contracts.hooks import CliCommand, hookimpl
+
+                def add_arguments(parser):
+                    parser.add_argument("--name", required=True)
+
+                def run(args):
+                    print(f"hello {args.name}")
+                    return 3
+
+                @hookimpl
+                def weft_cli_commands():
+                    return [CliCommand(name="greet", help="say hello", add_arguments=add_arguments, run=run)]
+            """
+        },
+    )
+    result = site.weft("greet", "--name", "weft")
+    assert result.returncode == 3 and result.stdout.strip() == "hello weft", result.stderr
+    assert "greet" in site.weft("--help").stdout
+    # A command that neither core nor a plugin provides is rejected.
+    unknown = site.weft("nonsense")
+    assert unknown.returncode == 2 and "invalid choice: 'nonsense'" in unknown.stderr

@@ -1,0 +1,1 @@
+"""The engine: requests, scheduler, KV-cache manager, engine loop."""

@@ -1,0 +1,230 @@
+"""Paged KV-cache blocks for every KV-cache group of a model, with prefix caching.
+
+Each group (:class:`weft.contracts.kv_cache.KVCacheGroupSpec`) has its own
+:class:`BlockPool`, because groups differ in page size and block count. A
+request holds a block list per group. Prefix caching identifies a full block by
+the chained hash of its tokens and of every token before it, so two requests
+share a block only when their whole prefix up to that block is identical.
+
+Prefix hits are used only when every group is prefix-cacheable: a group that
+holds a ring buffer or recurrent state cannot reproduce the state after an
+arbitrary prefix, so reusing the other groups' blocks alone would be wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from math import lcm
+
+import msgspec
+
+from weft.contracts.kv_cache import KVCacheGroupSpec
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The chained hash of one full block: its tokens and the hash of the block before it."""
+    digest = hashlib.sha256(parent or b"\0")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``, extending the ``known`` leading ones."""
+    hashes: list[bytes] = list(known or ())
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
+
+
+class BlockPool:
+    """Blocks of one group: reference counts, a free list in eviction order, and the hash index.
+
+    A free block that holds a cached prefix stays findable by its hash until the
+    pool hands it out again; free blocks are reused least recently freed first,
+    blocks without cached contents before any cached one.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV-cache group needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """A free block for new contents (evicting what it cached); its reference count becomes 1."""
+        block, _ = self._free.popitem(last=False)
+        cached = self._hash_of[block]
+        if cached is not None:
+            del self._by_hash[cached]
+            self._hash_of[block] = None
+        self._ref_counts[block] = 1
+        return block
+
+    def touch(self, block: int) -> None:
+        """Add a reference to a block found by hash (taking it off the free list if idle)."""
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+            if self._hash_of[block] is None:
+                self._free.move_to_end(block, last=False)
+
+    def is_idle(self, block: int) -> bool:
+        return self._ref_counts[block] == 0
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Record that ``block`` holds the prefix ending in ``block_hash`` (first holder wins)."""
+        if self._hash_of[block] is None and block_hash not in self._by_hash:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash
+
+
+class PrefixCacheStats(msgspec.Struct):
+    """Counters of prefix-cache lookups, in requests and tokens."""
+
+    queries: int = 0
+    hits: int = 0
+    """Requests that reused at least one block."""
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class ComputedPrefix(msgspec.Struct, frozen=True):
+    """Blocks (per group) already holding a request's leading tokens."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Allocates, shares and frees KV-cache blocks of every group for every request."""
+
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks: Sequence[int], enable_prefix_caching: bool = True):
+        if len(groups) != len(num_blocks):
+            raise ValueError(f"{len(groups)} KV-cache groups but {len(num_blocks)} block counts")
+        self.groups = tuple(groups)
+        self.pools = tuple(BlockPool(count) for count in num_blocks)
+        self.prefix_caching = enable_prefix_caching and all(group.prefix_cacheable for group in self.groups)
+        self._hash_unit = lcm(*(group.spec.block_size for group in self.groups))
+        self._blocks: dict[str, list[list[int]]] = {}
+        self._hashes: dict[str, list[list[bytes]]] = {}
+        self.stats = PrefixCacheStats()
+
+    def block_ids(self, request_id: str, group_ids: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
+        """The request's blocks, per group (only ``group_ids`` when given: a connector's projection)."""
+        blocks = self._blocks[request_id]
+        chosen = range(len(self.groups)) if group_ids is None else group_ids
+        return tuple(tuple(blocks[index]) for index in chosen)
+
+    def usage(self) -> float:
+        """Share of blocks held by requests, over all groups."""
+        total = sum(pool.num_blocks for pool in self.pools)
+        return 1 - sum(pool.num_free for pool in self.pools) / total
+
+    def num_free_blocks(self) -> tuple[int, ...]:
+        return tuple(pool.num_free for pool in self.pools)
+
+    def find_computed_prefix(self, token_ids: Sequence[int]) -> ComputedPrefix:
+        """The longest cached prefix of ``token_ids`` held in every group; no side effects.
+
+        At least the last token is left to compute, because its logits are needed.
+        """
+        empty = ComputedPrefix(blocks=tuple(() for _ in self.groups), num_tokens=0)
+        if not self.prefix_caching or len(token_ids) <= 1:
+            return empty
+        usable = ((len(token_ids) - 1) // self._hash_unit) * self._hash_unit
+        per_group: list[tuple[int, ...]] = []
+        for group, pool in zip(self.groups, self.pools):
+            found = []
+            for block_hash in block_hashes(token_ids[:usable], group.spec.block_size):
+                block = pool.lookup(block_hash)
+                if block is None:
+                    break
+                found.append(block)
+            per_group.append(tuple(found))
+        num_tokens = min(len(found) * group.spec.block_size for found, group in zip(per_group, self.groups))
+        num_tokens = (num_tokens // self._hash_unit) * self._hash_unit
+        blocks = tuple(found[: num_tokens // group.spec.block_size] for found, group in zip(per_group, self.groups))
+        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens)
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, prefix: ComputedPrefix | None = None, prompt_length: int = 0
+    ) -> bool:
+        """Make the request hold blocks for its first ``num_tokens`` tokens in every group.
+
+        The first call for a request may pass the ``prefix`` found for it (and its
+        ``prompt_length`` for the hit-rate counters). Returns False, changing
+        nothing, when a group has too few free blocks; the scheduler then
+        preempts or waits.
+        """
+        new_request = request_id not in self._blocks
+        held = self._blocks.get(request_id) or [[] for _ in self.groups]
+        reused = prefix.blocks if (new_request and prefix is not None) else tuple(() for _ in self.groups)
+        needed = []
+        for group, pool, blocks, shared in zip(self.groups, self.pools, held, reused):
+            missing = group.spec.blocks_for_tokens(num_tokens) - len(blocks) - len(shared)
+            idle_shared = sum(1 for block in shared if pool.is_idle(block))
+            if max(missing, 0) + idle_shared > pool.num_free:
+                return False
+            needed.append(max(missing, 0))
+        for pool, blocks, shared, count in zip(self.pools, held, reused, needed):
+            for block in shared:
+                pool.touch(block)
+            blocks.extend(shared)
+            blocks.extend(pool.take() for _ in range(count))
+        if new_request:
+            self._blocks[request_id] = held
+            cached = prefix.num_tokens if prefix is not None else 0
+            self._hashes[request_id] = [[] for _ in self.groups]
+            self.stats.queries += 1
+            self.stats.query_tokens += prompt_length
+            self.stats.hit_tokens += cached
+            self.stats.hits += cached > 0
+        return True
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Publish the request's blocks that are now full and computed, so later requests can reuse them."""
+        if not self.prefix_caching:
+            return
+        for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
+            size = group.spec.block_size
+            known = self._hashes[request_id][index]
+            done, full = len(known), num_computed_tokens // size
+            if full <= done:
+                continue
+            hashes = block_hashes(token_ids[: full * size], size, known)
+            blocks = self._blocks[request_id][index]
+            for position in range(done, full):
+                pool.cache(blocks[position], hashes[position])
+            self._hashes[request_id][index] = hashes
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks; cached ones stay reusable until evicted. Idempotent."""
+        blocks = self._blocks.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        if blocks is None:
+            return
+        for pool, group_blocks in zip(self.pools, blocks):
+            for block in reversed(group_blocks):
+                pool.release(block)

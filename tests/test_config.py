@@ -121,3 +121,45 @@ def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
     good = site.weft("config", "show", "--json", "--config", str(write(tmp_path, '[plugins.store]\nmaster = "h:1"\n')))
     assert good.returncode == 0, good.stderr
     assert last_json(good.stdout)["plugins"] == {"store": {"master": "h:1", "segment_bytes": 1024}}
+
+
+def test_errors_blame_the_right_source(site, tmp_path):
+    path = write(tmp_path, "[server]\nporta = 1\n")
+    result = site.weft("config", "show", "--config", str(path), "--port", "9000")
+    assert f"{path}: server.porta: unknown key" in result.stderr, result.stderr
+    result = site.weft("config", "show", "--config", str(write(tmp_path, "[plugins.bytes]\n")), "--set", "plugins.bytes.add_bos=7")
+    assert "override: plugins.bytes.add_bos: expected bool, got int 7" in result.stderr, result.stderr
+
+
+def test_text_flags_stay_text(site):
+    result = site.weft("config", "show", "--json", "--api-key", "12345", "--host", "10", "--set", "server.port=8001")
+    assert result.returncode == 0, result.stderr
+    shown = last_json(result.stdout)
+    assert shown["server"]["host"] == "10" and shown["server"]["port"] == 8001
+
+
+def test_a_name_shared_by_two_slots_needs_a_qualified_table(site, tmp_path):
+    site.add_distribution(
+        "weft-dual",
+        entry_points={"weft.platform": {"dual": "dual_impl:P"}, "weft.kv_connector": {"dual": "dual_impl:C"}},
+        modules={
+            "dual_impl": """
+                import msgspec
+                from weft.builtins.cpu import CpuPlatform
+                from weft.contracts.kv_connector import KVConnector
+
+                class P(CpuPlatform):
+                    class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                        threads: int = 1
+
+                class C(KVConnector):
+                    class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                        master: str = ""
+            """
+        },
+    )
+    ambiguous = site.weft("config", "show", "--set", "plugins.dual.threads=4")
+    assert ambiguous.returncode == 1 and '[plugins."platform.dual"]' in ambiguous.stderr
+    qualified = site.weft("config", "show", "--json", "--set", 'plugins."platform.dual".threads=4')
+    assert qualified.returncode == 0, qualified.stderr
+    assert last_json(qualified.stdout)["plugins"] == {"platform.dual": {"threads": 4}}

@@ -132,6 +132,22 @@ def test_selected_broken_plugin_is_a_hard_error_with_its_cause(site):
     assert doctor.returncode == 1 and "not_installed_dependency_xyz" in doctor.stdout
 
 
+def test_unselected_incompatible_or_clashing_plugins_are_warnings(site):
+    site.add_distribution(
+        "weft-future", requires=("weft-core>=2,<3",),
+        entry_points={"weft.platform": {"future": "future_impl:F"}}, modules={"future_impl": "raise SystemExit(9)"},
+    )
+    for distribution in ("weft-alpha", "weft-beta"):
+        site.add_distribution(distribution, entry_points={"weft.platform": {"twin": "twin_impl:T"}}, modules={"twin_impl": ""})
+    result = site.python(
+        "from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
+        "print(select_platform(PluginRegistry())[0].name)"
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
+    assert "skipping platform plugin 'future' (weft-future 0.1.0): " in result.stderr
+    assert "skipping platform plugin 'twin'" in result.stderr and "weft-alpha 0.1.0 and weft-beta 0.1.0" in result.stderr
+
+
 def test_unselected_broken_plugin_is_a_warning(site):
     site.add_distribution(
         "weft-broken",
@@ -328,6 +344,13 @@ def test_plugins_contribute_cli_commands_through_the_hook(site):
     result = site.weft("greet", "--name", "weft")
     assert result.returncode == 3 and result.stdout.strip() == "hello weft", result.stderr
     assert "greet" in site.weft("--help").stdout
-    # A command that neither core nor a plugin provides is rejected.
+    # A second plugin offering the same command is ignored with a warning, not a crash.
+    site.add_distribution(
+        "weft-greeter-two",
+        entry_points={"weft.hooks": {"greeter-two": "greeter_two_hooks"}},
+        modules={"greeter_two_hooks": "from greeter_hooks import weft_cli_commands\n"},
+    )
+    again = site.weft("greet", "--name", "weft")
+    assert again.returncode == 3 and "command 'greet' is already taken" in again.stderr
     unknown = site.weft("nonsense")
     assert unknown.returncode == 2 and "invalid choice: 'nonsense'" in unknown.stderr

@@ -86,11 +86,16 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
 def _add_plugin_commands(commands: Any) -> None:
     from weft.plugins import PluginRegistry
 
+    from weft.plugins.registry import warn_plugin_problem
+
     registry = PluginRegistry()
+    taken = set(CORE_COMMANDS)
     for contributed in registry.hooks().hook.weft_cli_commands():
         for command in contributed or ():
-            if command.name in CORE_COMMANDS:
+            if command.name in taken:
+                warn_plugin_problem(f"a plugin's command {command.name!r} is already taken; it is ignored")
                 continue
+            taken.add(command.name)
             sub = commands.add_parser(command.name, help=command.help)
             command.add_arguments(sub)
             sub.set_defaults(run=command.run)
@@ -124,8 +129,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             text = f"{section}.{field.name}: {description}" if description else f"{section}.{field.name}"
             if base is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+            elif base is str:
+                group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text, type=_Text)
             else:
                 group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
+
+
+class _Text(str):
+    """A flag value kept as text (not read as a TOML literal): ``--api-key 12345`` is the string '12345'."""
 
 
 def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[WeftConfig, str | None]:
@@ -139,7 +150,7 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
             key = name[len("cfg:") :]
-            overrides[key] = value if isinstance(value, bool) else parse_override(f"{key}={value}")[1]
+            overrides[key] = value if isinstance(value, bool) else str(value) if isinstance(value, _Text) else parse_override(f"{key}={value}")[1]
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         overrides[key] = value
@@ -226,7 +237,7 @@ def run_plugins_inspect(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
 
     registry = PluginRegistry()
-    slot, _, name = args.name.rpartition(".") if args.name.split(".")[0] in _slots() else ("", "", args.name)
+    slot, _, name = args.name.partition(".") if args.name.split(".")[0] in _slots() else ("", "", args.name)
     matches = [entry for entry in registry.entries if entry.name == name and (not slot or entry.slot == slot)]
     if not matches:
         raise PluginError(f"no installed plugin is named {args.name!r}; see `weft plugins list`")

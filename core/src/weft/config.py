@@ -154,9 +154,24 @@ def parse_override(assignment: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], name: str) -> msgspec.Struct:
-    """The validated options of plugin ``name`` (its defaults when the config has no table)."""
-    return msgspec.convert(config.plugins.get(name, {}), options_type)
+def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], slot: str, name: str) -> msgspec.Struct:
+    """The validated options of plugin ``slot``/``name`` (its defaults when the config has no table).
+
+    The table is ``[plugins.<name>]``, or ``[plugins."<slot>.<name>"]`` when
+    plugins of several slots share the name.
+    """
+    table = config.plugins.get(f"{slot}.{name}", config.plugins.get(name, {}))
+    return msgspec.convert(table, options_type)
+
+
+def plugin_entries_for_table(entries: list[Any], key: str) -> list[Any]:
+    """The plugin entries a ``[plugins.<key>]`` table configures (``key`` may be ``slot.name``)."""
+    from weft.contracts import SLOT_GROUPS
+
+    slot, _, name = key.partition(".")
+    if name and slot in SLOT_GROUPS:
+        return [entry for entry in entries if entry.slot == slot and entry.name == name]
+    return [entry for entry in entries if entry.name == key]
 
 
 def validate_plugin_options(
@@ -169,7 +184,7 @@ def validate_plugin_options(
     from weft.plugins import PluginError
 
     for name, table in config.plugins.items():
-        entries = [entry for entry in registry.entries if entry.name == name]
+        entries = plugin_entries_for_table(registry.entries, name)
         if not entries:
             raise ConfigError(
                 f"{source}: plugins.{name}: no installed plugin is named {name!r}; install it or remove the table"
@@ -183,6 +198,9 @@ def validate_plugin_options(
             options_type = getattr(plugin, "Options", NoOptions)
             if options_type is not NoOptions and options_type not in option_types:
                 option_types.append(options_type)
+        if len(option_types) > 1:
+            choices = ", ".join(f'[plugins."{entry.slot}.{entry.name}"]' for entry in entries)
+            raise ConfigError(f"{source}: plugins.{name}: several plugins are named {name!r}; use one of {choices}")
         if not option_types:
             if table:
                 raise ConfigError(f"{source}: plugins.{name}: plugin {name!r} takes no options; remove the table")
@@ -192,7 +210,10 @@ def validate_plugin_options(
             try:
                 validated[name] = {**validated.get(name, {}), **msgspec.to_builtins(msgspec.convert(table, options_type))}
             except msgspec.ValidationError as error:
-                inner = {f"plugins.{name}.{key}"[len(f"plugins.{name}.") :] for key in override_paths}
+                prefix = f"plugins.{name}."
+                inner = {path[len(prefix) :] for path in override_paths if path.startswith(prefix)}
+                if f"plugins.{name}" in override_paths or "plugins" in override_paths:
+                    inner.add("")
                 message = _explain(error, table, options_type, source, inner, prefix=f"plugins.{name}")
                 raise ConfigError(message) from None
     return validated
@@ -223,9 +244,22 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, An
     return items
 
 
+def split_key(dotted: str) -> list[str]:
+    """A TOML key path as parts: ``plugins."platform.dual".threads`` -> ``[plugins, platform.dual, threads]``."""
+    try:
+        node = msgspec.toml.decode(f"{dotted} = 0")
+    except msgspec.DecodeError:
+        raise ConfigError(f"{OVERRIDE_SOURCE}: {dotted!r} is not a valid key path") from None
+    parts = []
+    while isinstance(node, dict) and len(node) == 1:
+        key, node = next(iter(node.items()))
+        parts.append(key)
+    return parts
+
+
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node = raw
-    parts = dotted.split(".")
+    parts = split_key(dotted)
     for index, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -249,6 +283,7 @@ def _explain(
     match = _AT.match(str(error))
     message, path_text = match["message"], match["path"] or ""
     parts = [token[0] or token[1] or token[2] for token in _PATH_TOKEN.findall(path_text)]
+    parts = _name_dict_keys(raw, parts, message)
     unknown = re.match(r"Object contains unknown field `(.*)`", message)
     if unknown:
         field = unknown[1]
@@ -270,8 +305,30 @@ def _explain(
         elif found:
             explanation += f", got {type(value).__name__} {value!r}"
     key = ".".join(p for p in ([prefix] if prefix else []) + parts).replace(".[...]", "[...]").replace("....", "[...]")
-    where = OVERRIDE_SOURCE if any(".".join(parts).startswith(path) for path in override_paths) else source
+    where = OVERRIDE_SOURCE if _set_by_override(parts, override_paths) else source
     return f"{where}: {key or '(top level)'}: {explanation}"
+
+
+_EXPECTED_PYTHON_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "object": dict, "array": list}
+
+
+def _name_dict_keys(raw: Any, parts: list[str], message: str) -> list[str]:
+    """Replace msgspec's ``[...]`` (a dict value) with the key whose value has the wrong type."""
+    expected = re.match(r"Expected `(\w+)", message)
+    wanted = _EXPECTED_PYTHON_TYPES.get(expected[1]) if expected else None
+    resolved: list[str] = []
+    for part in parts:
+        if part == "...":
+            found, node = _lookup(raw, resolved)
+            keys = [key for key, value in node.items() if wanted is None or not isinstance(value, wanted) or (wanted is int and isinstance(value, bool))] if found and isinstance(node, dict) else []
+            part = keys[0] if len(keys) == 1 or (keys and part is parts[-1]) else "..."
+        resolved.append(part)
+    return resolved
+
+
+def _set_by_override(parts: list[str], override_paths: set[str]) -> bool:
+    """Whether the value at ``parts`` (or a table containing it) came from an override."""
+    return any(".".join(parts[:length]) in override_paths for length in range(len(parts) + 1))
 
 
 def _struct_at(root: type[msgspec.Struct], parts: list[str]) -> type[msgspec.Struct] | None:

@@ -6,7 +6,7 @@ Faster implementations of the same op register beside it. Entry-point names
 are ``<op>.<implementation>``: ``rms_norm.torch`` (the reference),
 ``rms_norm.triton``.
 
-Choosing an implementation (``weft.plugins.ops.choose_op``): among the enabled
+Choosing an implementation (``weft.plugins.selection.choose_op``): among the enabled
 implementations of the op that list the engine's platform (or ``"*"``) in
 :attr:`OpImplementation.platforms` and whose :meth:`is_available` is true, the
 highest :attr:`priority` wins; the reference has the lowest priority. The user

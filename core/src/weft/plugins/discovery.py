@@ -25,6 +25,7 @@ from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from weft._version import __version__ as CORE_VERSION
 from weft.contracts import CORE_API, SLOT_GROUPS
 
 CORE_DISTRIBUTION = "weft-core"
@@ -76,8 +77,7 @@ def allowlist() -> Allowlist:
     items = {item.strip() for item in raw.split(",") if item.strip()}
     if {item.lower() for item in items} == {"none"}:
         return Allowlist(names=frozenset(), raw=raw)
-    normalized = {canonicalize_name(item) if "." not in item else item for item in items}
-    return Allowlist(names=frozenset(normalized | items), raw=raw)
+    return Allowlist(names=frozenset(items | {canonicalize_name(item) for item in items}), raw=raw)
 
 
 def unmatched_allowlist_names(entries: list[PluginEntry], allowed: Allowlist) -> list[str]:
@@ -118,9 +118,10 @@ def compatibility_problem(entry: PluginEntry) -> str:
         )
     from packaging.specifiers import SpecifierSet
 
-    if not SpecifierSet(entry.core_api).contains(CORE_API_TEXT, prereleases=True):
+    if not SpecifierSet(entry.core_api).contains(CORE_VERSION, prereleases=True):
         return (
-            f"{entry.describe()} requires weft-core API {entry.core_api}; installed core API is {CORE_API_TEXT}. "
+            f"{entry.describe()} requires weft-core API {entry.core_api}; installed core API is {CORE_API_TEXT} "
+            f"(weft-core {CORE_VERSION}). "
             f"Install a release of {entry.distribution} built for weft-core {CORE_API_TEXT}, or a weft-core in {entry.core_api}"
         )
     return ""

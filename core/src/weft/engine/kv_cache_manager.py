@@ -173,8 +173,8 @@ class KVCacheManager:
     ) -> bool:
         """Make the request hold blocks for its first ``num_tokens`` tokens in every group.
 
-        The first call for a request may pass the ``prefix`` found for it (and its
-        ``prompt_length`` for the hit-rate counters). Returns False, changing
+        The first call for a request may pass the ``prefix`` found for it, and its
+        ``prompt_length`` to count the lookup in :attr:`stats` (0: don't count). Returns False, changing
         nothing, when a group has too few free blocks; the scheduler then
         preempts or waits.
         """
@@ -195,8 +195,9 @@ class KVCacheManager:
             blocks.extend(pool.take() for _ in range(count))
         if new_request:
             self._blocks[request_id] = held
-            cached = prefix.num_tokens if prefix is not None else 0
             self._hashes[request_id] = [[] for _ in self.groups]
+        if new_request and prompt_length:
+            cached = prefix.num_tokens if prefix is not None else 0
             self.stats.queries += 1
             self.stats.query_tokens += prompt_length
             self.stats.hit_tokens += cached

@@ -1,0 +1,1 @@
+"""Shared torch layers: norms, rotary embeddings, the attention layer."""

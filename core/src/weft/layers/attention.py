@@ -1,0 +1,36 @@
+"""The attention layer every model uses: it hands the backend its slice of the step's context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+from torch import nn
+
+from weft.contracts.attention import AttentionBackend, AttentionLayer
+
+
+class ForwardContext(msgspec.Struct):
+    """What a model's forward needs besides token ids and positions, built by the model runner per step."""
+
+    backend: AttentionBackend
+    metadata: list[Any]
+    """The backend's metadata for each KV-cache group."""
+    kv_caches: dict[str, torch.Tensor]
+    """The cache tensor of each attention layer, by layer name."""
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer: stores new K/V and attends through the selected backend."""
+
+    def __init__(self, name: str, group: int, spec: AttentionLayer) -> None:
+        super().__init__()
+        self.layer_name = name
+        self.group = group
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        return context.backend.forward(
+            self.spec, query, key, value, context.kv_caches[self.layer_name], context.metadata[self.group]
+        )

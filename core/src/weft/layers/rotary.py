@@ -1,0 +1,63 @@
+"""Rotary position embeddings (the ``rotate_half`` layout), with the llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings of a config, whether it uses ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
+    parameters = dict(hf_config.get("rope_scaling") or {})
+    parameters.update(hf_config.get("rope_parameters") or {})
+    parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    parameters.setdefault("rope_type", parameters.pop("type", "default") or "default")
+    return parameters
+
+
+def inverse_frequencies(head_dim: int, parameters: dict[str, Any]) -> torch.Tensor:
+    base = float(parameters["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = parameters["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "llama3":
+        factor = parameters["factor"]
+        low_freq_factor, high_freq_factor = parameters["low_freq_factor"], parameters["high_freq_factor"]
+        old_context = parameters["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_context / low_freq_factor, old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    if kind == "linear":
+        return inv_freq / parameters["factor"]
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to query and key heads at given positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, parameters)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` rotated by ``positions`` ``[T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

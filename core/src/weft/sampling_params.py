@@ -1,0 +1,65 @@
+"""How to sample one request: the knobs of vLLM's and OpenAI's APIs, validated on construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Sampling options of one request.
+
+    ``temperature = 0`` is greedy decoding. ``top_k <= 0``, ``top_p = 1`` and
+    ``min_p = 0`` disable those filters. Penalties follow vLLM/OpenAI:
+    ``repetition_penalty`` (HF's, over prompt and output tokens) divides positive
+    logits and multiplies negative ones; ``presence_penalty`` and
+    ``frequency_penalty`` subtract from the logits of tokens already generated.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: up to the context length."""
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; they are not included in the output text."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the log-probabilities of the sampled token and of this many most likely ones."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
+        else:
+            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.n >= 1, "n", self.n, "must be >= 1"),
+            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", self.top_k, "must be >= -1 (0 or -1 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
+        ]
+        for ok, field, value, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{field} = {value!r}: {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,175 @@
+"""``LLM``: offline generation in vLLM's shape.
+
+::
+
+    from weft import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct")
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from weft.config import EngineConfig, WeftConfig, load_config
+from weft.engine.llm_engine import LLMEngine
+from weft.engine.request import Request
+from weft.outputs import CompletionOutput, RequestOutput
+from weft.sampling_params import SamplingParams
+
+_SECTIONS = ("use", "engine", "server", "plugins")
+_ENGINE_KEYS = {field for field in EngineConfig.__struct_fields__}
+
+Prompt = str | Sequence[int]
+Conversation = Sequence[dict[str, Any]]
+
+
+class LLM:
+    """A model loaded with the plugins ``weft.toml`` and the keyword arguments select.
+
+    ``LLM(config="weft.toml", model=..., use={...}, engine={...}, plugins={...})``;
+    engine options may also be given flat, as in vLLM (``max_num_seqs=8``).
+    """
+
+    def __init__(self, model: str | None = None, config: str | Path | None = None, **overrides: Any) -> None:
+        merged: dict[str, Any] = {}
+        if model is not None:
+            merged["model"] = model
+        for key, value in overrides.items():
+            if key in _SECTIONS:
+                merged[key] = value
+            elif key in _ENGINE_KEYS:
+                merged[f"engine.{key}"] = value
+            else:
+                raise TypeError(
+                    f"LLM() got an unexpected keyword argument {key!r}; give a config section "
+                    f"({', '.join(_SECTIONS)}) or an engine option ({', '.join(sorted(_ENGINE_KEYS))})"
+                )
+        self.config: WeftConfig = load_config(config, merged)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._params_for(len(prompts), sampling_params)
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                encoded.append((prompt, self.tokenizer.encode(prompt)))
+            else:
+                encoded.append((None, [int(token) for token in prompt]))
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate a reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        params = self._params_for(len(conversations), sampling_params)
+        encoded = []
+        for conversation in conversations:
+            normalized = self.tokenizer.normalize_messages(conversation)  # type: ignore[arg-type]
+            text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, params, use_tqdm)
+
+    @staticmethod
+    def _params_for(count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {count} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+        return params
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool | None) -> list[RequestOutput]:
+        engine = self.engine
+        groups: list[tuple[str, str | None, list[int], list[Request]]] = []
+        try:
+            for (text, token_ids), request_params in zip(encoded, params):
+                base = str(next(self._ids))
+                requests = []
+                for index in range(request_params.n):
+                    seed = None if request_params.seed is None else request_params.seed + index
+                    sample_params = request_params if request_params.n == 1 and seed == request_params.seed else _one_of(request_params, seed)
+                    requests.append(engine.add_request(f"{base}-{index}", token_ids, sample_params))
+                groups.append((base, text, token_ids, requests))
+        except Exception:
+            for _, _, _, requests in groups:
+                for request in requests:
+                    engine.abort(request.request_id)
+            raise
+        progress = _Progress(len(groups), enabled=use_tqdm if use_tqdm is not None else len(groups) > 1 and sys.stderr.isatty())
+        done = 0
+        while engine.has_unfinished:
+            engine.step()
+            finished = sum(all(request.finished for request in requests) for *_, requests in groups)
+            if finished != done:
+                done = finished
+                progress.update(done)
+        progress.close()
+        return [
+            RequestOutput(
+                request_id=base,
+                prompt=text,
+                prompt_token_ids=token_ids,
+                outputs=[completion(request, index) for index, request in enumerate(requests)],
+                finished=True,
+                num_cached_tokens=requests[0].num_cached_tokens,
+            )
+            for base, text, token_ids, requests in groups
+        ]
+
+
+def _one_of(params: SamplingParams, seed: int | None) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def completion(request: Request, index: int) -> CompletionOutput:
+    return CompletionOutput(
+        index=index,
+        text=request.text,
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=request.logprobs,
+    )
+
+
+class _Progress:
+    """A one-line progress bar on stderr for multi-prompt runs."""
+
+    def __init__(self, total: int, enabled: bool, write: Callable[[str], Any] = sys.stderr.write) -> None:
+        self.total, self.enabled, self.write = total, enabled, write
+
+    def update(self, done: int) -> None:
+        if self.enabled:
+            filled = int(30 * done / max(self.total, 1))
+            self.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} prompts")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.write("\n")

@@ -1,0 +1,1 @@
+"""The model runner: flat batches in, sampled tokens out."""

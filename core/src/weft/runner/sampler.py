@@ -1,0 +1,107 @@
+"""Turn the logits of one step into the next token of each request.
+
+Order of processing, per request: penalties (repetition over prompt and
+output, presence/frequency over output), the ``min_tokens`` ban on EOS and stop
+ids, then greedy argmax, or temperature, top-k, top-p, min-p and a draw from the
+request's own generator when it has a seed. Log-probabilities are those of
+the model's raw distribution (before penalties and temperature), as vLLM
+returns by default.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+if TYPE_CHECKING:
+    from weft.engine.request import Request
+
+
+class SampledToken(msgspec.Struct):
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(request.params.logprobs is not None for request in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(_needs_processing(request) for request in requests):
+            logits = logits.clone()
+            for row, request in enumerate(requests):
+                if _needs_processing(request):
+                    _apply_penalties(logits[row], request)
+        greedy = [row for row, request in enumerate(requests) if request.params.greedy]
+        tokens = torch.empty(len(requests), dtype=torch.long)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        for row, request in enumerate(requests):
+            if not request.params.greedy:
+                tokens[row] = self._draw(logits[row], request)
+        sampled = []
+        for row, request in enumerate(requests):
+            token = int(tokens[row])
+            if raw_logprobs is None or request.params.logprobs is None:
+                sampled.append(SampledToken(token))
+                continue
+            row_logprobs = raw_logprobs[row]
+            chosen = float(row_logprobs[token])
+            rank = int((row_logprobs > chosen).sum()) + 1
+            top = []
+            if request.params.logprobs:
+                values, indices = row_logprobs.topk(request.params.logprobs)
+                top = list(zip(indices.tolist(), values.tolist()))
+            sampled.append(SampledToken(token, chosen, rank, top))
+        return sampled
+
+    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+        params = request.params
+        logits = logits / params.temperature
+        if params.top_k > 0 and params.top_k < logits.shape[-1]:
+            threshold = logits.topk(params.top_k).values[-1]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            before = sorted_probs.cumsum(0) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if params.min_p > 0.0:
+            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        generator = request.generator or self.generator
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _needs_processing(request: Request) -> bool:
+    params = request.params
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or len(request.output_token_ids) < params.min_tokens
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, request: Request) -> None:
+    params = request.params
+    output = torch.tensor(request.output_token_ids, dtype=torch.long)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(request.output_token_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output.numel() and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(output, minlength=logits.shape[-1])[: logits.shape[-1]].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if len(request.output_token_ids) < params.min_tokens:
+        banned = list(request.eos_token_ids | set(params.stop_token_ids))
+        if banned:
+            logits[banned] = float("-inf")

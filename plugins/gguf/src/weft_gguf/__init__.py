@@ -1,0 +1,1 @@
+"""weft-gguf: load GGUF checkpoints (dequantized to the runtime dtype) and their tokenizers."""

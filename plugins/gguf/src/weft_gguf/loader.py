@@ -1,0 +1,163 @@
+"""The "gguf" loader: a GGUF file (or an alias naming one) as a Hugging Face-shaped model.
+
+The config is synthesised from the GGUF metadata; tensors are dequantized with
+the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
+Llama's q/k projections permuted for its rotary layout; they are permuted back.
+Dequantized weights are cached as safetensors under the user's cache folder,
+keyed by the file's identity and the dtype, so a warm start skips the work.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from weft.contracts.loader import ModelSource, WeightLoader
+from weft_gguf.files import ALIASES, cache_dir, file_key, resolve_alias
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    elif stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in weft-gguf's name map")
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: pairs (0, d/2), (1, d/2+1)... back to halves."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader: Any) -> dict[str, Any]:
+    """A Hugging Face config.json equivalent from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    names = {tensor.name for tensor in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 4096),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+class GGUFLoader(WeightLoader):
+    """GGUF files (llama, qwen2, qwen3), dequantized; and the alias ``smollm2-135m-instruct``."""
+
+    priority: ClassVar[int] = 10
+
+    def accepts(self, source: str) -> bool:
+        if source in ALIASES:
+            return True
+        try:
+            return source.endswith(".gguf") and Path(source).expanduser().is_file()
+        except OSError:
+            return False
+
+    def resolve(self, source: str) -> ModelSource:
+        import gguf
+
+        path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
+        if not path.is_file():
+            raise ValueError(f"model {source!r}: no such GGUF file")
+        reader = gguf.GGUFReader(str(path))
+        name = source if source in ALIASES else path.name.removesuffix(".gguf")
+        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=read_config(reader), tokenizer="gguf", name=name)
+
+    def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
+        if cached.is_file():
+            with safe_open(str(cached), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+            return
+        tensors = self._dequantize(source, getattr(torch, dtype))
+        _save_atomically(tensors, cached)
+        yield from tensors.items()
+
+    def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        import gguf
+
+        reader = gguf.GGUFReader(source.path)
+        config = source.hf_config
+        permute = config["model_type"] == "llama"
+        tensors: dict[str, torch.Tensor] = {}
+        show = sys.stderr.isatty()
+        total = len(reader.tensors)
+        for index, tensor in enumerate(reader.tensors, start=1):
+            name = hf_name(tensor.name)
+            values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+            if permute and name.endswith("q_proj.weight"):
+                values = unpermute_rotary(values, config["num_attention_heads"])
+            elif permute and name.endswith("k_proj.weight"):
+                values = unpermute_rotary(values, config["num_key_value_heads"])
+            tensors[name] = values.to(dtype).contiguous()
+            if show:
+                sys.stderr.write(f"\rweft-gguf: dequantizing {Path(source.path).name}: {index}/{total} tensors")
+        if show:
+            sys.stderr.write("\n")
+        return tensors
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> None:
+    """Write the cache file under a temporary name and rename it, so readers never see half a file."""
+    from safetensors.torch import save_file
+
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        temporary = destination.with_suffix(f".{os.getpid()}.tmp")
+        save_file(tensors, str(temporary))
+        os.replace(temporary, destination)
+    except OSError as error:
+        print(f"weft-gguf: could not write the weight cache {destination}: {error}", file=sys.stderr)

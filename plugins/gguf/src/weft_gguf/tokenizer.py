@@ -1,0 +1,35 @@
+"""The "gguf" tokenizer: the tokenizer embedded in a GGUF file, through transformers' converter.
+
+The converted tokenizer (tokenizer.json, chat template) is cached beside the
+dequantized weights, so a warm start loads it directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
+from weft.contracts.loader import ModelSource
+from weft_gguf.files import cache_dir, file_key
+
+
+class GGUFTokenizer(HFTokenizer):
+    """The GGUF file's own vocabulary, merges, special tokens and chat template."""
+
+    @classmethod
+    def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> GGUFTokenizer:
+        from transformers import AutoTokenizer
+
+        path = Path(source.path)
+        cached = cache_dir() / "gguf" / f"{file_key(path, 'tokenizer')}.tokenizer"
+        if (cached / "tokenizer.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            try:
+                tokenizer.save_pretrained(str(cached))
+            except OSError:
+                pass
+        return cls(tokenizer, eos_ids_of(source))

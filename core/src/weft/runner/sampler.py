@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from weft.engine.request import Request
+    from weft.sampling_params import SamplingParams
 
 
 class SampledToken(msgspec.Struct):
@@ -64,21 +65,29 @@ class Sampler:
         return sampled
 
     def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        params = request.params
-        logits = logits / params.temperature
-        if params.top_k > 0 and params.top_k < logits.shape[-1]:
-            threshold = logits.topk(params.top_k).values[-1]
-            logits = logits.masked_fill(logits < threshold, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            before = sorted_probs.cumsum(0) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if params.min_p > 0.0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = torch.softmax(filter_logits(logits, request.params), dim=-1)
         generator = request.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on one row of logits; removed tokens become -inf."""
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        threshold = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        before = sorted_probs.cumsum(0) - sorted_probs
+        remove = before >= params.top_p
+        remove[0] = False
+        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
 
 
 def _needs_processing(request: Request) -> bool:

@@ -354,3 +354,10 @@ def test_plugins_contribute_cli_commands_through_the_hook(site):
     assert again.returncode == 3 and "command 'greet' is already taken" in again.stderr
     unknown = site.weft("nonsense")
     assert unknown.returncode == 2 and "invalid choice: 'nonsense'" in unknown.stderr
+
+
+def test_doctor_passes_on_a_healthy_install(site):
+    result = site.weft("plugins", "doctor")
+    assert result.returncode == 0, result.stdout
+    assert "ok    use.platform = 'auto'" in result.stdout and "-> 'torch'" in result.stdout
+    assert "no problems found" in result.stdout

@@ -20,7 +20,7 @@ import msgspec
 from weft import __version__
 from weft.config import ConfigError, EngineConfig, ServerConfig, UseConfig, WeftConfig, load_config, parse_override
 
-CORE_COMMANDS = ("plugins", "config")
+CORE_COMMANDS = ("plugins", "config", "generate")
 DEFAULT_CONFIG_FILE = "weft.toml"
 
 
@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except (ConfigError, _plugin_error_type()) as error:
+        print(f"weft: error: {error}", file=sys.stderr)
+        return 1
+    except ValueError as error:
+        if args.run is not run_generate:
+            raise
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
     except BrokenPipeError:
@@ -77,6 +82,11 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     add_config_arguments(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     show.set_defaults(run=run_config_show)
+
+    generate = commands.add_parser("generate", help="generate text for prompts with the configured model")
+    add_generate_arguments(generate)
+    add_config_arguments(generate)
+    generate.set_defaults(run=run_generate)
 
     if with_plugin_commands:
         _add_plugin_commands(commands)
@@ -342,6 +352,111 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         print(f"{len(failures)} problem(s) found; the engine would not start.")
         return 1
     print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    prompts = parser.add_argument_group("prompts")
+    prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    prompts.add_argument("prompt_args", nargs="*", metavar="PROMPT", help="prompts given as arguments")
+    prompts.add_argument(
+        "--prompts-file", metavar="FILE",
+        help="one prompt per line; in a .jsonl file each line is {\"prompt\": ...} or {\"messages\": [...]}",
+    )
+    prompts.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="render prompts as a user message with the model's chat template (default: when it has one)",
+    )
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--presence-penalty", type=float, default=0.0)
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0)
+    sampling.add_argument("--sample-seed", type=int, default=None, help="seed of this run's sampling")
+    sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    sampling.add_argument("--n", type=int, default=1, help="answers per prompt")
+    sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token (with --json)")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON: text, token ids and finish reason per prompt")
+
+
+def _read_prompts(args: argparse.Namespace) -> list[Any]:
+    prompts: list[Any] = [*args.prompt, *args.prompt_args]
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as error:
+            raise ConfigError(f"--prompts-file {path}: {error.strerror}") from None
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    item = msgspec.json.decode(line)
+                except msgspec.DecodeError as error:
+                    raise ConfigError(f"{path}:{number}: not valid JSON: {error}") from None
+                if not isinstance(item, dict) or not ({"prompt", "messages"} & set(item)):
+                    raise ConfigError(f"{path}:{number}: expected an object with 'prompt' or 'messages'")
+                prompts.append(item.get("messages") or item["prompt"])
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ConfigError("no prompts: give --prompt TEXT, prompts as arguments, or --prompts-file FILE")
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    prompts = _read_prompts(args)
+    try:
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=args.sample_seed, stop=tuple(args.stop),
+            max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error).replace("SamplingParams.", "--").replace("_", "-")) from None
+    config, _ = config_from_args(args)
+    llm = LLM(config=config)
+    chat = args.chat if args.chat is not None else llm.tokenizer.has_chat_template
+    if chat or any(not isinstance(prompt, str) for prompt in prompts):
+        outputs = llm.chat([p if not isinstance(p, str) else [{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    results = []
+    for prompt, output in zip(prompts, outputs):
+        results.append(
+            {
+                "prompt": prompt,
+                "prompt_token_ids": output.prompt_token_ids,
+                "outputs": [
+                    {
+                        "text": completion.text,
+                        "token_ids": completion.token_ids,
+                        "finish_reason": completion.finish_reason,
+                        **({"logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs]}
+                           if completion.logprobs is not None else {}),
+                    }
+                    for completion in output.outputs
+                ],
+            }
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(results).decode() + "\n")
+        return 0
+    for index, result in enumerate(results):
+        if len(results) > 1:
+            print(f"--- prompt {index + 1}: {result['prompt'] if isinstance(result['prompt'], str) else '(messages)'}")
+        for completion in result["outputs"]:
+            print(completion["text"])
     return 0
 
 

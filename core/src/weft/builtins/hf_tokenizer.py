@@ -48,6 +48,10 @@ class HFTokenizer(Tokenizer):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")

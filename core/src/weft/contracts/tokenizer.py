@@ -79,6 +79,11 @@ class Tokenizer(PluginBase):
             normalized.append(copy)
         return normalized
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether :meth:`apply_chat_template` can render conversations."""
+        return True
+
     @abstractmethod
     def apply_chat_template(
         self,

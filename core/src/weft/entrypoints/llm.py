@@ -36,7 +36,12 @@ class LLM:
     engine options may also be given flat, as in vLLM (``max_num_seqs=8``).
     """
 
-    def __init__(self, model: str | None = None, config: str | Path | None = None, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, config: str | Path | WeftConfig | None = None, **overrides: Any) -> None:
+        if isinstance(config, WeftConfig):
+            if model is not None or overrides:
+                raise TypeError("LLM(config=<WeftConfig>) takes no other arguments; apply them to the config")
+            self._start(config)
+            return
         merged: dict[str, Any] = {}
         if model is not None:
             merged["model"] = model
@@ -50,8 +55,11 @@ class LLM:
                     f"LLM() got an unexpected keyword argument {key!r}; give a config section "
                     f"({', '.join(_SECTIONS)}) or an engine option ({', '.join(sorted(_ENGINE_KEYS))})"
                 )
-        self.config: WeftConfig = load_config(config, merged)
-        self.engine = LLMEngine(self.config)
+        self._start(load_config(config, merged))
+
+    def _start(self, config: WeftConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -9,6 +9,7 @@ keyed by the file's identity and the dtype, so a warm start skips the work.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -90,6 +91,24 @@ def read_config(reader: Any) -> dict[str, Any]:
     }
 
 
+def cached_config(path: Path) -> dict[str, Any]:
+    """The synthesised config of a GGUF file, read once and then kept in the cache folder."""
+    import gguf
+
+    cached = cache_dir() / "gguf" / f"{file_key(path, 'config')}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    config = read_config(gguf.GGUFReader(str(path)))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(config))
+        os.replace(temporary, cached)
+    except OSError as error:
+        print(f"weft-gguf: could not write the config cache {cached}: {error}", file=sys.stderr)
+    return config
+
+
 class GGUFLoader(WeightLoader):
     """GGUF files (llama, qwen2, qwen3), dequantized; and the alias ``smollm2-135m-instruct``."""
 
@@ -104,14 +123,11 @@ class GGUFLoader(WeightLoader):
             return False
 
     def resolve(self, source: str) -> ModelSource:
-        import gguf
-
         path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
         if not path.is_file():
             raise ValueError(f"model {source!r}: no such GGUF file")
-        reader = gguf.GGUFReader(str(path))
         name = source if source in ALIASES else path.name.removesuffix(".gguf")
-        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=read_config(reader), tokenizer="gguf", name=name)
+        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=cached_config(path), tokenizer="gguf", name=name)
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open

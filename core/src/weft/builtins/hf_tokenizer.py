@@ -1,9 +1,15 @@
-"""The "hf" tokenizer: a Hugging Face tokenizer from a local folder, chat templates rendered by Weft."""
+"""The "hf" tokenizer: a Hugging Face tokenizer from a local folder, chat templates rendered by Weft.
+
+When the folder has a ``tokenizer.json`` it is read with the ``tokenizers``
+library directly (transformers' import alone costs seconds at start-up);
+otherwise, or when the tokenizer needs transformers' post-processing
+(``clean_up_tokenization_spaces``), transformers' AutoTokenizer loads it.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +21,73 @@ from weft.contracts.tokenizer import Tokenizer
 
 
 class HFTokenizer(Tokenizer):
-    """A transformers AutoTokenizer from the model folder (tokenizer.json and friends)."""
+    """A Hugging Face tokenizer (tokenizer.json, or anything AutoTokenizer reads) from the model folder."""
 
-    def __init__(self, tokenizer: Any, extra_eos_ids: Sequence[int] = (), chat_template: str | None = None) -> None:
-        self.hf = tokenizer
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        self.chat_template = ChatTemplate(template) if isinstance(template, str) else None
-        ids = set(extra_eos_ids)
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        self._eos_token_ids = frozenset(ids)
-        self._vocab_size = len(tokenizer)
+    def __init__(
+        self,
+        encode: Callable[[str, bool], list[int]],
+        decode: Callable[[list[int], bool], str],
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+    ) -> None:
+        self._encode, self._decode = encode, decode
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self.special_tokens = special_tokens
+        """``bos_token`` and ``eos_token`` text, passed to the chat template."""
+        self.chat_template = ChatTemplate(chat_template) if chat_template else None
 
     @classmethod
     def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> HFTokenizer:
-        from transformers import AutoTokenizer
+        return cls.from_folder(Path(source.path), eos_ids_of(source))
 
-        tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
-        return cls(tokenizer, eos_ids_of(source))
+    @classmethod
+    def from_folder(cls, folder: Path, extra_eos_ids: Sequence[int] = ()) -> HFTokenizer:
+        config = _read_json(folder / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((item["template"] for item in template if item.get("name") == "default"), None)
+        if (folder / "tokenizer.json").is_file() and not config.get("clean_up_tokenization_spaces"):
+            return cls._from_tokenizers(folder, config, template, extra_eos_ids)
+        return cls.from_transformers(_auto_tokenizer(folder), extra_eos_ids, template)
+
+    @classmethod
+    def _from_tokenizers(cls, folder: Path, config: dict[str, Any], template: str | None, extra_eos_ids: Sequence[int]) -> HFTokenizer:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
+        eos = set(extra_eos_ids)
+        if special["eos_token"] and fast.token_to_id(special["eos_token"]) is not None:
+            eos.add(fast.token_to_id(special["eos_token"]))
+        return cls(
+            encode=lambda text, add_special: fast.encode(text, add_special_tokens=add_special).ids,
+            decode=lambda ids, skip: fast.decode(ids, skip_special_tokens=skip),
+            vocab_size=fast.get_vocab_size(with_added_tokens=True),
+            eos_token_ids=frozenset(eos),
+            special_tokens={key: value or "" for key, value in special.items()},
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_transformers(cls, tokenizer: Any, extra_eos_ids: Sequence[int] = (), template: str | None = None) -> HFTokenizer:
+        """Wrap a transformers tokenizer object."""
+        eos = set(extra_eos_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        chat_template = template or getattr(tokenizer, "chat_template", None)
+        return cls(
+            encode=lambda text, add_special: tokenizer.encode(text, add_special_tokens=add_special),
+            decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+            vocab_size=len(tokenizer),
+            eos_token_ids=frozenset(eos),
+            special_tokens={"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""},
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -43,10 +98,10 @@ class HFTokenizer(Tokenizer):
         return self._eos_token_ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._decode(list(token_ids), skip_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
@@ -55,8 +110,24 @@ class HFTokenizer(Tokenizer):
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
-        variables = {"bos_token": self.hf.bos_token or "", "eos_token": self.hf.eos_token or "", **template_kwargs}
+        variables = {**self.special_tokens, **template_kwargs}
         return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _auto_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken serialised as a dict
+        return value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def eos_ids_of(source: ModelSource) -> list[int]:

@@ -10,7 +10,7 @@ chunk's offset into the context, and the sliding window when the layer has one).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import torch
@@ -23,20 +23,29 @@ class TorchAttentionMetadata(msgspec.Struct):
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor | None
     """Query rows of the decoding requests, ``[D]``."""
-    decode_slots: torch.Tensor | None
-    """Cache slots of each decoding request's context, padded, ``[D, Lmax]``."""
-    decode_positions: torch.Tensor | None
-    """Position of each slot in ``decode_slots`` (``-1`` for padding), ``[D, Lmax]``."""
-    decode_query_positions: torch.Tensor | None
-    """Position of each decoding query, ``[D]``."""
-    prefills: list[tuple[int, int, torch.Tensor, int]]
-    """Per prefill chunk: first query row, rows, cache slots of its context, context length."""
+    decode_blocks: torch.Tensor | None
+    """Cache blocks of each decoding request, padded with block 0, ``[D, max_blocks]``."""
+    decode_bias: dict[int | None, torch.Tensor]
+    """Additive mask (0 or -inf) over the gathered key positions of each decoding query,
+    ``[D, 1, 1, max_blocks * block_size]``, per sliding window (None: no window)."""
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    """Per prefill chunk: first query row, rows, its cache blocks, and its causal mask ``[rows, blocks * block_size]``."""
 
 
 class TorchAttention(AttentionBackend):
     """Paged attention in pure torch: any platform, any head size, sliding windows."""
 
     name: ClassVar[str] = "torch"
+
+    def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
+        super().__init__(options, platform)
+        self.windows: set[int] = set()
+        self.dtype = torch.float32
+
+    def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:
+        super().prepare(layers, dtype)
+        self.dtype = getattr(torch, dtype)
+        self.windows = {layer.sliding_window for layer in layers if layer.sliding_window is not None}
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         query_start = batch.query_start.tolist()
@@ -48,35 +57,32 @@ class TorchAttention(AttentionBackend):
             rows = query_start[index + 1] - query_start[index]
             if rows == 1:
                 decode_requests.append(index)
-            else:
-                slots = self._context_slots(batch.block_table[index], seq_len, block_size, device)
-                prefills.append((query_start[index], rows, slots, seq_len))
-        decode_rows = decode_slots = decode_positions = decode_query_positions = None
+                continue
+            blocks = batch.block_table[index, : -(-seq_len // block_size)].long()
+            key_positions = torch.arange(blocks.numel() * block_size, device=device).unsqueeze(0)
+            query_positions = torch.arange(seq_len - rows, seq_len, device=device).unsqueeze(1)
+            prefills.append((query_start[index], rows, blocks, key_positions - query_positions))
+        decode_rows = decode_blocks = None
+        decode_bias: dict[int | None, torch.Tensor] = {}
         if decode_requests:
             chosen = torch.tensor(decode_requests, device=device)
             lengths = batch.seq_lens[chosen].long()
-            longest = int(lengths.max())
-            positions = torch.arange(longest, device=device)
-            tables = batch.block_table[chosen].long()
-            blocks = tables.gather(1, (positions // block_size).expand(len(decode_requests), -1).clamp(max=tables.shape[1] - 1))
-            valid = positions.unsqueeze(0) < lengths.unsqueeze(1)
-            decode_slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
-            decode_positions = torch.where(valid, positions.unsqueeze(0), -1)
+            width = -(-int(lengths.max()) // block_size)
+            decode_blocks = batch.block_table[chosen, :width].long()
+            positions = torch.arange(width * block_size, device=device).unsqueeze(0)
+            visible = positions < lengths.unsqueeze(1)
+            for window in (None, *self.windows):
+                seen = visible if window is None else visible & (positions > (lengths - 1 - window).unsqueeze(1))
+                bias = torch.zeros(seen.shape, dtype=self.dtype, device=device).masked_fill_(~seen, float("-inf"))
+                decode_bias[window] = bias[:, None, None, :]
             decode_rows = batch.query_start[chosen].long()
-            decode_query_positions = lengths - 1
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping.long(),
             decode_rows=decode_rows,
-            decode_slots=decode_slots,
-            decode_positions=decode_positions,
-            decode_query_positions=decode_query_positions,
+            decode_blocks=decode_blocks,
+            decode_bias=decode_bias,
             prefills=prefills,
         )
-
-    @staticmethod
-    def _context_slots(table: torch.Tensor, seq_len: int, block_size: int, device: torch.device) -> torch.Tensor:
-        positions = torch.arange(seq_len, device=device)
-        return table.long()[positions // block_size] * block_size + positions % block_size
 
     def forward(
         self,
@@ -87,34 +93,35 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache = kv_cache[0].view(-1, layer.num_kv_heads, layer.head_dim)
-        value_cache = kv_cache[1].view(-1, layer.num_kv_heads, layer.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        heads, dim = layer.num_kv_heads, layer.head_dim
+        kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, metadata.slot_mapping, key)
+        kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, metadata.slot_mapping, value)
+        key_blocks, value_blocks = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
         output = torch.empty_like(query)
         gqa = layer.num_heads != layer.num_kv_heads
 
         if metadata.decode_rows is not None:
-            keys = key_cache[metadata.decode_slots].transpose(1, 2)  # [D, kv_heads, L, dim]
-            values = value_cache[metadata.decode_slots].transpose(1, 2)
-            queries = query[metadata.decode_rows].unsqueeze(2)  # [D, heads, 1, dim]
-            visible = metadata.decode_positions >= 0
-            if layer.sliding_window is not None:
-                visible &= metadata.decode_positions > (metadata.decode_query_positions - layer.sliding_window).unsqueeze(1)
+            count, width = metadata.decode_blocks.shape
+            flat = metadata.decode_blocks.reshape(-1)
+            keys = key_blocks.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
+            values = value_blocks.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
+            # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
+            group = layer.num_heads // heads
+            queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
             attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible[:, None, None, :], scale=layer.scale, enable_gqa=gqa
+                queries, keys, values, attn_mask=metadata.decode_bias[layer.sliding_window], scale=layer.scale
             )
-            output[metadata.decode_rows] = attended.squeeze(2)
+            output.index_copy_(0, metadata.decode_rows, attended.reshape(count, layer.num_heads, dim))
 
-        for start, rows, slots, seq_len in metadata.prefills:
-            keys = key_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, dim]
-            values = value_cache[slots].transpose(0, 1).unsqueeze(0)
+        for start, rows, blocks, offsets in metadata.prefills:
+            length = blocks.numel() * block_size
+            keys = key_blocks.index_select(0, blocks).view(1, length, heads, dim).transpose(1, 2)
+            values = value_blocks.index_select(0, blocks).view(1, length, heads, dim).transpose(1, 2)
             queries = query[start : start + rows].transpose(0, 1).unsqueeze(0)  # [1, heads, rows, dim]
-            query_positions = torch.arange(seq_len - rows, seq_len, device=query.device).unsqueeze(1)
-            key_positions = torch.arange(seq_len, device=query.device).unsqueeze(0)
-            visible = key_positions <= query_positions
+            visible = offsets <= 0
             if layer.sliding_window is not None:
-                visible &= key_positions > query_positions - layer.sliding_window
+                visible = visible & (offsets > -layer.sliding_window)
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
             )

@@ -71,6 +71,15 @@ class AttentionBackend(PluginBase):
         self.options = options if options is not None else self.Options()
         self.platform = platform
 
+    def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:
+        """Called once the model is built, with every attention layer and the runtime dtype.
+
+        The default checks each layer with :meth:`check_layer`; a backend may also
+        precompute what depends only on the model (window sizes, workspace).
+        """
+        for layer in layers:
+            self.check_layer(layer)
+
     def check_layer(self, layer: AttentionLayer) -> None:
         """Raise ValueError naming the field if this backend cannot run ``layer``."""
         if self.supported_head_dims is not None and layer.head_dim not in self.supported_head_dims:

@@ -22,6 +22,7 @@ from weft.contracts.model import ModelConfig
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.request import Request, RequestStatus
 from weft.engine.scheduler import Scheduler
+from weft.layers.attention import Attention
 from weft.outputs import Logprob
 from weft.plugins import PluginError, PluginRegistry
 from weft.plugins.selection import select_platform
@@ -82,10 +83,8 @@ class LLMEngine:
         torch.manual_seed(engine.seed)
         self.model = self.family.build(self.model_config, self.device)
         self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
-        for module in self.model.modules():
-            spec = getattr(module, "spec", None)
-            if spec is not None and hasattr(module, "layer_name"):
-                self.attention.check_layer(spec)
+        layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
+        self.attention.prepare(layers, self.dtype)
 
         self.groups = self.family.kv_cache_groups(self.model_config)
         num_blocks = self._num_kv_blocks()

@@ -51,11 +51,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` rotated by ``positions`` ``[T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
-        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` for ``positions`` ``[T]``, shaped ``[T, 1, dim]``: look them up once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`."""
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import Attention, ForwardContext
 from weft.layers.norm import RMSNorm
-from weft.layers.rotary import RotaryEmbedding, rope_parameters
+from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaSettings:
@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(layer_name(index), 0, spec)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding, context: ForwardContext) -> torch.Tensor:
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(tokens, self.num_heads, self.head_dim)
@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = rotary(positions, query, key)
+        query, key = apply_rotary(query, key, *rotary)
         output = self.attn(query, key, value, context)
         return self.o_proj(output.reshape(tokens, self.q_size))
 
@@ -105,8 +105,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding, context: ForwardContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, context)
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), context)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -120,8 +120,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary.table(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary, context)
+            hidden = layer(rotary, hidden, context)
         return self.norm(hidden)
 
 
@@ -167,9 +168,15 @@ class LlamaFamily(ModelFamily):
 
     def build(self, config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
         settings = LlamaSettings(config.hf_config, config.architecture)
-        with torch.device(device):
+        # Built on the meta device and then given uninitialised storage: load_weights fills every
+        # parameter, so random initialisation would be wasted time.
+        with torch.device("meta"):
             module = LlamaForCausalLM(settings, config.max_model_len)
-        return module.to(getattr(torch, config.dtype)).eval()
+        module = module.to(getattr(torch, config.dtype)).to_empty(device=device)
+        if settings.tie_word_embeddings:
+            module.lm_head.weight = module.model.embed_tokens.weight
+        module.model.rotary = RotaryEmbedding(settings.head_dim, config.max_model_len, settings.rope).to(device)
+        return module.eval()
 
     def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         parameters = dict(module.named_parameters())

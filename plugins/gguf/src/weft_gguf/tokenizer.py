@@ -1,7 +1,8 @@
 """The "gguf" tokenizer: the tokenizer embedded in a GGUF file, through transformers' converter.
 
-The converted tokenizer (tokenizer.json, chat template) is cached beside the
-dequantized weights, so a warm start loads it directly.
+The converted tokenizer (tokenizer.json, chat template) is saved in the cache
+folder on first use; later starts read it with the ``tokenizers`` library
+without importing transformers.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ class GGUFTokenizer(HFTokenizer):
     """The GGUF file's own vocabulary, merges, special tokens and chat template."""
 
     @classmethod
-    def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> GGUFTokenizer:
-        from transformers import AutoTokenizer
-
+    def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> HFTokenizer:
         path = Path(source.path)
         cached = cache_dir() / "gguf" / f"{file_key(path, 'tokenizer')}.tokenizer"
+        eos = eos_ids_of(source)
         if (cached / "tokenizer.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-            try:
-                tokenizer.save_pretrained(str(cached))
-            except OSError:
-                pass
-        return cls(tokenizer, eos_ids_of(source))
+            return cls.from_folder(cached, eos)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        try:
+            tokenizer.save_pretrained(str(cached))
+        except OSError:
+            return cls.from_transformers(tokenizer, eos)
+        return cls.from_folder(cached, eos)

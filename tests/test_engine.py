@@ -209,3 +209,11 @@ def test_bad_input_is_refused_with_the_field_and_value(llm):
     # Nothing is left behind: the engine still serves.
     assert not llm.engine.has_unfinished
     assert token_ids(llm.generate([[5, 6, 7]], GREEDY))[0]
+
+
+def test_hooks_see_the_engine_and_every_finished_request(llm):
+    from weft_example_bytes import hooks
+
+    before = hooks.finished["length"]
+    llm.generate(prompts(3), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert hooks.finished["length"] == before + 3

@@ -20,7 +20,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 def inverse_frequencies(head_dim: int, parameters: dict[str, Any]) -> torch.Tensor:
     base = float(parameters["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Computed on the CPU whatever the default device (models are built on the meta device).
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     kind = parameters["rope_type"]
     if kind == "default":
         return inv_freq
@@ -46,7 +47,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, parameters)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

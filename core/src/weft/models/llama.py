@@ -18,6 +18,7 @@ from weft.contracts.attention import AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import Attention, ForwardContext
+from weft.layers.linear import Embedding, Linear
 from weft.layers.norm import RMSNorm
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -62,8 +63,8 @@ class LlamaAttention(nn.Module):
         s = settings
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        self.qkv_proj = Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
+        self.o_proj = Linear(self.q_size, s.hidden_size, bias=False)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
@@ -89,8 +90,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, settings: LlamaSettings) -> None:
         super().__init__()
         self.intermediate_size = settings.intermediate_size
-        self.gate_up_proj = nn.Linear(settings.hidden_size, 2 * settings.intermediate_size, bias=settings.mlp_bias)
-        self.down_proj = nn.Linear(settings.intermediate_size, settings.hidden_size, bias=settings.mlp_bias)
+        self.gate_up_proj = Linear(settings.hidden_size, 2 * settings.intermediate_size, bias=settings.mlp_bias)
+        self.down_proj = Linear(settings.intermediate_size, settings.hidden_size, bias=settings.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
@@ -113,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(settings.vocab_size, settings.hidden_size)
+        self.embed_tokens = Embedding(settings.vocab_size, settings.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(settings, index) for index in range(settings.num_layers))
         self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.rotary = RotaryEmbedding(settings.head_dim, max_positions, settings.rope)
@@ -131,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.settings = settings
         self.model = LlamaModel(settings, max_positions)
-        self.lm_head = nn.Linear(settings.hidden_size, settings.vocab_size, bias=False)
+        self.lm_head = Linear(settings.hidden_size, settings.vocab_size, bias=False)
         if settings.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -91,14 +91,12 @@ def read_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def cached_config(path: Path) -> dict[str, Any]:
+def cached_config(path: Path, open_reader: Any) -> dict[str, Any]:
     """The synthesised config of a GGUF file, read once and then kept in the cache folder."""
-    import gguf
-
     cached = cache_dir() / "gguf" / f"{file_key(path, 'config')}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    config = read_config(gguf.GGUFReader(str(path)))
+    config = read_config(open_reader(path))
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         temporary = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -114,6 +112,19 @@ class GGUFLoader(WeightLoader):
 
     priority: ClassVar[int] = 10
 
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._readers: dict[str, Any] = {}
+
+    def _reader(self, path: Path | str) -> Any:
+        """The parsed GGUF file, opened once per loader (parsing its metadata takes seconds)."""
+        import gguf
+
+        key = str(Path(path).resolve())
+        if key not in self._readers:
+            self._readers[key] = gguf.GGUFReader(key)
+        return self._readers[key]
+
     def accepts(self, source: str) -> bool:
         if source in ALIASES:
             return True
@@ -127,7 +138,7 @@ class GGUFLoader(WeightLoader):
         if not path.is_file():
             raise ValueError(f"model {source!r}: no such GGUF file")
         name = source if source in ALIASES else path.name.removesuffix(".gguf")
-        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=cached_config(path), tokenizer="gguf", name=name)
+        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=cached_config(path, self._reader), tokenizer="gguf", name=name)
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -139,13 +150,14 @@ class GGUFLoader(WeightLoader):
                     yield name, handle.get_tensor(name)
             return
         tensors = self._dequantize(source, getattr(torch, dtype))
+        self._readers.pop(str(Path(source.path).resolve()), None)
         _save_atomically(tensors, cached)
         yield from tensors.items()
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf
 
-        reader = gguf.GGUFReader(source.path)
+        reader = self._reader(source.path)
         config = source.hf_config
         permute = config["model_type"] == "llama"
         tensors: dict[str, torch.Tensor] = {}

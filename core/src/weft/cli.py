@@ -20,7 +20,7 @@ import msgspec
 from weft import __version__
 from weft.config import ConfigError, EngineConfig, ServerConfig, UseConfig, WeftConfig, load_config, parse_override
 
-CORE_COMMANDS = ("plugins", "config", "generate")
+CORE_COMMANDS = ("plugins", "config", "generate", "serve")
 DEFAULT_CONFIG_FILE = "weft.toml"
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:
-        if args.run is not run_generate:
+        if args.run not in (run_generate, run_serve):
             raise
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
@@ -82,6 +82,10 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     add_config_arguments(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     show.set_defaults(run=run_config_show)
+
+    serve = commands.add_parser("serve", help="serve the configured model over an OpenAI-compatible HTTP API")
+    add_config_arguments(serve)
+    serve.set_defaults(run=run_serve)
 
     generate = commands.add_parser("generate", help="generate text for prompts with the configured model")
     add_generate_arguments(generate)
@@ -457,6 +461,14 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"--- prompt {index + 1}: {result['prompt'] if isinstance(result['prompt'], str) else '(messages)'}")
         for completion in result["outputs"]:
             print(completion["text"])
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from weft.entrypoints.serve import serve
+
+    config, _ = config_from_args(args)
+    serve(config)
     return 0
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: starlette app, msgspec protocol Structs, SSE."""

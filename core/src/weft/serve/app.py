@@ -1,0 +1,511 @@
+"""The starlette app: OpenAI Chat Completions, Completions and Responses, models, health, metrics.
+
+Every handler validates its body into a msgspec Struct, checks the model name
+(a plain string comparison: a request never names a path), turns the request
+into engine requests (one per prompt and choice) and either collects their
+deltas or streams them as server-sent events. Leaving a handler for any
+reason (a client that disconnects included) aborts the engine requests that
+are still running, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from weft.config import WeftConfig
+from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
+from weft.outputs import Logprob
+from weft.sampling_params import SamplingParams
+from weft.serve import protocol as p
+from weft.serve.metrics import ServerMetrics
+
+Handler = Callable[[Request], Awaitable[Response]]
+logger = logging.getLogger("weft.serve")
+
+
+class HTTPError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+def error_response(error: HTTPError) -> Response:
+    body = p.ErrorResponse(p.ErrorBody(message=error.message, type=error.kind, param=error.param, code=str(error.status)))
+    return Response(msgspec.json.encode(body), status_code=error.status, media_type="application/json", headers=error.headers)
+
+
+class Server:
+    """The state behind the routes: engine, tokenizer, limits, metrics."""
+
+    def __init__(self, engine: AsyncEngine, config: WeftConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.model_name = engine.engine.model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.api_key = config.server.api_key or os.environ.get("WEFT_API_KEY") or None
+        self.metrics = ServerMetrics(engine.engine)
+        engine.observer = self.metrics
+        self.created = int(time.time())
+
+    # Plumbing shared by the handlers.
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+
+    async def read(self, request: Request, body_type: type[Any]) -> Any:
+        limit = self.config.server.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", param=None)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        try:
+            return msgspec.json.decode(bytes(body), type=body_type)
+        except msgspec.ValidationError as error:
+            message, _, path = str(error).partition(" - at `$")
+            field = path.rstrip("`").lstrip(".") or None
+            raise HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field) from None
+        except msgspec.DecodeError as error:
+            raise HTTPError(400, f"malformed JSON body: {error}") from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
+
+    def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
+        if len(prompt) >= self.max_model_len:
+            raise HTTPError(
+                400, f"the prompt has {len(prompt)} tokens but the model's context length is {self.max_model_len}; "
+                f"shorten the prompt", param="messages",
+            )
+        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
+            raise HTTPError(
+                400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context length "
+                f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
+            )
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[asyncio.Queue, list[str]]:
+        """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
+        output: asyncio.Queue = asyncio.Queue()
+        ids: list[str] = []
+        try:
+            for prompt_index, prompt in enumerate(prompts):
+                for choice in range(n):
+                    seed = None if params.seed is None else params.seed + choice
+                    request_id = uuid.uuid4().hex
+                    await self.engine.submit(
+                        request_id, prompt, msgspec.structs.replace(params, seed=seed), output, prompt_index * n + choice
+                    )
+                    ids.append(request_id)
+        except BaseException as error:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            if isinstance(error, QueueFullError):
+                raise HTTPError(503, f"the server is busy ({error}); retry later", "server_error",
+                                headers={"Retry-After": "1"}) from None
+            if isinstance(error, ShuttingDownError):
+                raise HTTPError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
+            if isinstance(error, ValueError):
+                raise HTTPError(400, str(error)) from None
+            raise
+        return output, ids
+
+    async def collect(self, request: Request, output: asyncio.Queue, ids: list[str]) -> list[list[Delta]]:
+        """Every delta of every choice, in choice order; aborts everything if the client goes away."""
+        deltas: list[list[Delta]] = [[] for _ in ids]
+        pending = len(ids)
+        checked = time.monotonic()
+        try:
+            while pending:
+                try:
+                    delta = await asyncio.wait_for(output.get(), timeout=0.5)
+                except TimeoutError:
+                    delta = None
+                if time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError
+                if delta is None:
+                    continue
+                if delta.error:
+                    raise HTTPError(500, delta.error, "server_error")
+                deltas[delta.index].append(delta)
+                pending -= delta.finish_reason is not None
+        finally:
+            for request_id in ids:
+                self.engine.abort(request_id)
+        return deltas
+
+    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                min_p=body.min_p or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                seed=body.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens or 0,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as error:
+            field = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise HTTPError(400, str(error).replace("SamplingParams.", ""), param=field) from None
+
+    def usage(self, prompts: list[list[int]], deltas: list[list[Delta]]) -> p.Usage:
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
+        completion_tokens = sum(choice[-1].num_output_tokens for choice in deltas if choice)
+        cached = sum(choice[-1].num_cached_tokens for choice in deltas if choice)
+        return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
+
+    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+        plain = [msgspec.structs.asdict(message) for message in messages]
+        plain = [{key: value for key, value in message.items() if value is not None} for message in plain]
+        try:
+            normalized = self.tokenizer.normalize_messages(plain)
+            text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt)
+        except ValueError as error:
+            raise HTTPError(400, str(error), param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int) -> dict[str, Any]:
+    content = []
+    for token, entry in zip(tokens, entries):
+        chosen = entry[token]
+        ranked = sorted((lp for lp in entry.values()), key=lambda lp: lp.rank)[:top] if top else []
+        content.append({
+            "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": list(chosen.decoded_token.encode()),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())} for lp in ranked],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int, offset: int) -> dict[str, Any]:
+    result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        chosen = entry[token]
+        result["tokens"].append(chosen.decoded_token)
+        result["token_logprobs"].append(chosen.logprob)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        result["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in ranked})
+        result["text_offset"].append(offset)
+        offset += len(chosen.decoded_token)
+    return result
+
+
+def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] = ()) -> Starlette:
+    server = Server(engine, config)
+
+    def endpoint(handler: Callable[[Server, Request], Awaitable[Response]], auth: bool = True) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                if auth:
+                    server.check_auth(request)
+                return await handler(server, request)
+            except HTTPError as error:
+                return error_response(error)
+            except Exception as error:
+                logger.exception("error while serving %s", request.url.path)
+                return error_response(HTTPError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
+
+        return wrapped
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await engine.drain(config.server.shutdown_timeout)
+
+    routes = [
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses), methods=["POST"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+        *extra_routes,
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+# Handlers.
+
+
+async def chat_completions(server: Server, request: Request) -> Response:
+    body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest)
+    server.check_model(body.model)
+    prompt = server.chat_prompt(body.messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    server.check_length(prompt, max_tokens)
+    top = body.top_logprobs or 0
+    params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
+    output, ids = await server.start([prompt], params, body.n)
+    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _chat_stream(server, output, ids, [prompt], body, response_id, created, include_usage),
+            media_type="text/event-stream",
+        )
+    deltas = await server.collect(request, output, ids)
+    choices = []
+    for index, choice in enumerate(deltas):
+        tokens = [token for delta in choice for token in delta.token_ids]
+        entries = [entry for delta in choice for entry in (delta.logprobs or [])]
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(delta.text for delta in choice)},
+            "logprobs": _chat_logprobs(entries, tokens, top) if body.logprobs else None,
+            "finish_reason": choice[-1].finish_reason,
+            "stop_reason": choice[-1].stop_reason,
+        })
+    return JSONResponse({
+        "id": response_id, "object": "chat.completion", "created": created, "model": server.model_name,
+        "choices": choices, "usage": msgspec.to_builtins(server.usage([prompt], deltas)),
+    })
+
+
+async def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
+                       response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
+    usage_field = {"usage": None} if include_usage else {}
+    finished: list[list[Delta]] = [[] for _ in ids]
+    try:
+        for index in range(len(ids)):
+            yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}], **usage_field})
+        pending = len(ids)
+        while pending:
+            delta: Delta = await output.get()
+            if delta.error:
+                yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
+                return
+            finished[delta.index] = [delta]
+            pending -= delta.finish_reason is not None
+            if not delta.text and not delta.finish_reason:
+                continue
+            choice = {
+                "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": _chat_logprobs(delta.logprobs or [], delta.token_ids, body.top_logprobs or 0) if body.logprobs else None,
+                "finish_reason": delta.finish_reason,
+            }
+            yield _sse({**head, "choices": [choice], **usage_field})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, finished))})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for request_id in ids:
+            server.engine.abort(request_id)
+
+
+async def completions(server: Server, request: Request) -> Response:
+    body: p.CompletionRequest = await server.read(request, p.CompletionRequest)
+    server.check_model(body.model)
+    prompts = _completion_prompts(server, body.prompt)
+    for prompt in prompts:
+        server.check_length(prompt, body.max_tokens)
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    params = server.sampling_params(body, max_tokens, body.logprobs)
+    output, ids = await server.start(prompts, params, body.n)
+    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _completion_stream(server, output, ids, prompts, body, response_id, created, include_usage),
+            media_type="text/event-stream",
+        )
+    deltas = await server.collect(request, output, ids)
+    choices = []
+    for index, choice in enumerate(deltas):
+        prefix = server.tokenizer.decode(prompts[index // body.n]) if body.echo else ""
+        tokens = [token for delta in choice for token in delta.token_ids]
+        entries = [entry for delta in choice for entry in (delta.logprobs or [])]
+        choices.append({
+            "index": index, "text": prefix + "".join(delta.text for delta in choice),
+            "logprobs": _completion_logprobs(entries, tokens, body.logprobs, len(prefix)) if body.logprobs is not None else None,
+            "finish_reason": choice[-1].finish_reason, "stop_reason": choice[-1].stop_reason,
+        })
+    return JSONResponse({
+        "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
+        "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
+    })
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise HTTPError(400, "prompt: must not be empty", param="prompt")
+    if _is_token_list(prompt):
+        return [list(prompt)]
+    if not all(isinstance(item, str) or _is_token_list(item) for item in prompt):
+        raise HTTPError(
+            400, "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
+            param="prompt",
+        )
+    prompts = [server.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt]
+    if any(not item for item in prompts):
+        raise HTTPError(400, "prompt: every prompt needs at least one token", param="prompt")
+    return prompts
+
+
+async def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
+                             response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+    head = {"id": response_id, "object": "text_completion", "created": created, "model": server.model_name}
+    usage_field = {"usage": None} if include_usage else {}
+    finished: list[list[Delta]] = [[] for _ in ids]
+    try:
+        pending = len(ids)
+        while pending:
+            delta: Delta = await output.get()
+            if delta.error:
+                yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
+                return
+            finished[delta.index] = [delta]
+            pending -= delta.finish_reason is not None
+            if not delta.text and not delta.finish_reason:
+                continue
+            choice = {
+                "index": delta.index, "text": delta.text,
+                "logprobs": _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, 0)
+                if body.logprobs is not None else None,
+                "finish_reason": delta.finish_reason,
+            }
+            yield _sse({**head, "choices": [choice], **usage_field})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, finished))})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for request_id in ids:
+            server.engine.abort(request_id)
+
+
+async def responses(server: Server, request: Request) -> Response:
+    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
+    server.check_model(body.model)
+    if body.stream:
+        raise HTTPError(400, "stream: streaming is not supported on /v1/responses yet; use /v1/chat/completions", param="stream")
+    messages = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        messages.append(p.ChatMessage(role="user", content=body.input))
+    else:
+        for position, item in enumerate(body.input):
+            if item.type not in (None, "message"):
+                raise HTTPError(400, f"input[{position}].type: {item.type!r} items are not supported; send messages",
+                                param=f"input[{position}].type")
+            content = item.content
+            if isinstance(content, list):
+                content = [{"type": part.type, "text": part.text} for part in content]
+            messages.append(p.ChatMessage(role=item.role or "user", content=content))
+    prompt = server.chat_prompt(messages, True)
+    server.check_length(prompt, body.max_output_tokens)
+    params = server.sampling_params(
+        p.ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
+                                seed=body.seed),
+        body.max_output_tokens, None,
+    )
+    output, ids = await server.start([prompt], params, 1)
+    (choice,) = await server.collect(request, output, ids)
+    text = "".join(delta.text for delta in choice)
+    usage = server.usage([prompt], [choice])
+    incomplete = choice[-1].finish_reason == "length"
+    return JSONResponse({
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "model": server.model_name, "instructions": body.instructions,
+        "output": [{
+            "type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }],
+        "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+        "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+        "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                  "total_tokens": usage.total_tokens,
+                  "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+    })
+
+
+async def models(server: Server, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{
+        "id": server.model_name, "object": "model", "created": server.created, "owned_by": "weft",
+        "max_model_len": server.max_model_len,
+    }]})
+
+
+async def tokenize(server: Server, request: Request) -> Response:
+    body: p.TokenizeRequest = await server.read(request, p.TokenizeRequest)
+    server.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    if body.messages is not None:
+        tokens = server.chat_prompt(body.messages, True)
+    else:
+        tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
+
+
+async def detokenize(server: Server, request: Request) -> Response:
+    body: p.DetokenizeRequest = await server.read(request, p.DetokenizeRequest)
+    server.check_model(body.model)
+    bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
+    if bad:
+        raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
+    return JSONResponse({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+async def health(server: Server, request: Request) -> Response:
+    if not server.engine.accepting:
+        return PlainTextResponse("shutting down", status_code=503)
+    return PlainTextResponse("ok")
+
+
+async def metrics(server: Server, request: Request) -> Response:
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)

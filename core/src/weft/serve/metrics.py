@@ -1,0 +1,55 @@
+"""Prometheus metrics of one server (prometheus_client, a registry per app)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from weft.engine.llm_engine import LLMEngine
+    from weft.engine.request import Request
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms; also the AsyncEngine's observer."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("weft_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("weft_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter("weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "weft_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.inter_token_latency = Histogram(
+            "weft_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        scheduler, kv_cache = engine.scheduler, engine.kv_cache_manager
+        Gauge("weft_requests_waiting", "Requests waiting to be scheduled", registry=self.registry).set_function(
+            lambda: len(scheduler.waiting)
+        )
+        Gauge("weft_requests_running", "Requests being generated", registry=self.registry).set_function(
+            lambda: len(scheduler.running)
+        )
+        Gauge("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", registry=self.registry).set_function(kv_cache.usage)
+        Gauge("weft_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
+              registry=self.registry).set_function(lambda: kv_cache.stats.hit_rate)
+        Gauge("weft_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+              registry=self.registry).set_function(lambda: kv_cache.stats.query_tokens)
+        Gauge("weft_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+              registry=self.registry).set_function(lambda: kv_cache.stats.hit_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def finished(self, request: Request) -> None:
+        self.requests.labels(request.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        self.generation_tokens.inc(len(request.output_token_ids))

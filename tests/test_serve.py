@@ -1,0 +1,291 @@
+"""The OpenAI-compatible server, on a real uvicorn server, with the official openai client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import RunningServer
+
+from weft import LLM, SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = RunningServer({"engine": {"max_num_seqs": 64}})
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(model=MODEL)
+
+
+def wait_until_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.requests and engine.kv_cache_manager.usage() == 0.0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models(client):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+
+
+def test_chat(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=32
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 0 and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == whole.choices[0].message.content
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_served_completion_equals_llm_generate(client, offline):
+    prompt = "The three primary colors are"
+    served = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert served.choices[0].text == expected.text
+    assert served.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_responses_with_string_and_items(client):
+    plain = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    assert "Paris" in plain.output_text
+    items = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=24,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
+    )
+    assert items.output_text == plain.output_text
+    assert items.usage.input_tokens > 0 and items.usage.output_tokens > 0
+
+
+def test_n_seed_stop_and_logprobs(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3, temperature=1.0,
+        max_tokens=12, logprobs=True, top_logprobs=2,
+    )
+    assert len(reply.choices) == 2 and reply.choices[0].message.content != reply.choices[1].message.content
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3, temperature=1.0, max_tokens=12,
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens // 2 or len(content) > 0
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+    whole = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20)
+    stop = whole.choices[0].text[4:7]
+    cut = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20, stop=[stop])
+    assert cut.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_and_detokenize(server):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "Hello world"
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(f"{server.url}/health").text == "ok"
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "weft_requests_total", "weft_prompt_tokens_total", "weft_generation_tokens_total", "weft_requests_waiting",
+        "weft_requests_running", "weft_kv_cache_usage_ratio", "weft_prefix_cache_hit_rate",
+        "weft_time_to_first_token_seconds_bucket", "weft_inter_token_latency_seconds_bucket",
+    ):
+        assert name in metrics, name
+
+
+def test_64_concurrent_streams_complete_with_the_right_text(server, offline):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(64)]
+    expected = [out.outputs[0].text for out in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+        async def one(prompt):
+            stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        try:
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == expected
+    assert wait_until_idle(server.engine)
+
+
+# Errors: OpenAI-shaped bodies, the right status, and the server keeps serving.
+
+
+def post(server, path, payload=None, content=None, headers=None):
+    return httpx.post(f"{server.url}{path}", json=payload, content=content, headers=headers, timeout=60)
+
+
+def assert_error(response, status, *fragments):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type"}
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    return error
+
+
+def test_error_cases_and_the_server_keeps_serving(server, client):
+    assert_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400, "malformed JSON")
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    error = assert_error(post(server, "/v1/chat/completions", {**base, "temperature": "hot"}), 400, "temperature", "float")
+    assert error["param"] == "temperature"
+    assert_error(post(server, "/v1/chat/completions", {**base, "temperature": 5}), 400, "temperature", "<= 2")
+    assert_error(post(server, "/v1/chat/completions", {**base, "max_tokens": 0}), 400, "max_tokens")
+    assert_error(post(server, "/v1/chat/completions", {**base, "messages": []}), 400, "messages")
+    long_prompt = "hello " * 9000
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400, "tokens", "8192")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}), 400, "9000", "8192")
+    assert_error(post(server, "/v1/chat/completions", {**base, "model": "gpt-4"}), 404, "'gpt-4' does not exist")
+    assert_error(post(server, "/v1/chat/completions", {**base, "model": "/etc/passwd"}), 404, "does not exist")
+    assert_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}), 400, "audio")
+    # Still serving.
+    assert "Paris" in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=16
+    ).choices[0].message.content
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    engine = server.engine
+    assert wait_until_idle(engine)
+    payload = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in received)
+        assert engine.kv_cache_manager.usage() > 0
+    assert wait_until_idle(engine), "the aborted request kept its KV blocks"
+
+
+def test_non_streaming_disconnect_aborts(server):
+    engine = server.engine
+    assert wait_until_idle(engine)
+    payload = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=payload, timeout=2.0)
+    assert wait_until_idle(engine, timeout=30), "the abandoned request kept running"
+
+
+def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_path):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)
+    small = start_server(
+        model=str(folder), engine={"max_num_seqs": 1, "num_kv_blocks": 256},
+        server={"max_body_bytes": 2000, "max_queued_requests": 1, "api_key": "s3cret"},
+    )
+    name = folder.name
+    auth = {"authorization": "Bearer s3cret"}
+    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}), 401, "API key")
+    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401)
+    assert post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code == 200
+    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth), 413, "2000")
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": name, "prompt": "hello there", "max_tokens": 200, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{small.url}/v1/completions", json=body, headers=auth) for _ in range(6)))
+
+    statuses = [response.status_code for response in asyncio.run(flood())]
+    assert 200 in statuses and 503 in statuses, statuses
+    busy = next(response for response in asyncio.run(flood()) if response.status_code == 503)
+    assert busy.headers["retry-after"] and "busy" in busy.json()["error"]["message"]
+    assert post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code == 200
+
+
+def scripted_model(folder, tokenizer_files, text: str):
+    """A one-layer Llama whose greedy continuation of its first token spells ``text`` and then EOS."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files))
+    chain = tokenizer.encode(text, add_special_tokens=False) + [2]
+    hidden, vocab = 64, 49152
+    assert len(set(chain)) == len(chain) and len(chain) <= hidden
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1,
+    }
+    embed = torch.zeros(vocab, hidden)
+    head = torch.zeros(vocab, hidden)
+    for slot, (token, following) in enumerate(zip(chain, chain[1:])):
+        embed[token, slot] = 1.0
+        head[following, slot] = 10.0
+    tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": torch.ones(hidden)}
+    prefix = "model.layers.0."
+    for name, shape in {
+        "self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
+        "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (16, hidden), "mlp.up_proj.weight": (16, hidden), "mlp.down_proj.weight": (hidden, 16),
+    }.items():
+        tensors[prefix + name] = torch.zeros(shape)
+    tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+    tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, folder / file.name)
+    return chain
+
+
+def test_multibyte_characters_split_across_tokens_arrive_intact(start_server, tokenizer_files, tmp_path):
+    text = "Say 图片🌍 ok ✓"
+    chain = scripted_model(tmp_path / "scripted", tokenizer_files, text)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files))
+    assert any("\ufffd" in tokenizer.decode([token]) for token in chain[1:-1]), "no token splits a character"
+    running = start_server(model=str(tmp_path / "scripted"), engine={"num_kv_blocks": 64})
+    payload = {"model": "scripted", "prompt": chain[:1], "max_tokens": 50, "temperature": 0, "stream": True}
+    pieces = []
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=payload, timeout=60) as response:
+        raw = b"".join(response.iter_bytes())
+    for line in raw.split(b"\n\n"):
+        if line.startswith(b"data: {"):
+            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    expected = tokenizer.decode(chain[1:-1])
+    assert "".join(pieces) == expected
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert len([piece for piece in pieces if piece]) > 3  # streamed in several chunks

@@ -168,11 +168,13 @@ class RunningServer:
         import uvicorn
 
         from weft.config import load_config
-        from weft.entrypoints.serve import build_app
+        from weft.entrypoints.serve import build_app, graceful_timeout
 
         self.config = load_config(None, config_overrides)
         self.app = build_app(self.config)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=graceful_timeout(self.config)
+        ))
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -289,3 +289,38 @@ def test_multibyte_characters_split_across_tokens_arrive_intact(start_server, to
     assert "".join(pieces) == expected
     assert all("\ufffd" not in piece for piece in pieces)
     assert len([piece for piece in pieces if piece]) > 3  # streamed in several chunks
+
+
+def test_shutdown_drains_in_flight_requests(start_server, tokenizer_files, tmp_path):
+    import threading
+
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)
+    running = start_server(model=str(folder), engine={"num_kv_blocks": 256}, server={"shutdown_timeout": 60})
+    result = {}
+    payload = {"model": folder.name, "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
+    caller = threading.Thread(target=lambda: result.setdefault("response", httpx.post(f"{running.url}/v1/completions", json=payload, timeout=120)))
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not running.engine.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    running.uvicorn.should_exit = True
+    caller.join(timeout=120)
+    running.thread.join(timeout=120)
+    response = result["response"]
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 300
+
+
+def test_shutdown_gives_up_after_the_timeout(start_server, tokenizer_files, tmp_path):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)
+    running = start_server(model=str(folder), engine={"num_kv_blocks": 4096, "max_model_len": 512}, server={"shutdown_timeout": 1})
+    payload = {"model": folder.name, "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=payload, timeout=120) as response:
+        next(response.iter_lines())
+        started = time.monotonic()
+        running.uvicorn.should_exit = True
+        running.thread.join(timeout=60)
+    assert not running.thread.is_alive() and time.monotonic() - started < 30

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 from starlette.applications import Starlette
@@ -20,6 +21,11 @@ def build_app(config: WeftConfig) -> Starlette:
     return create_app(AsyncEngine(engine, config.server.max_queued_requests), config, routes)
 
 
+def graceful_timeout(config: WeftConfig) -> int:
+    """uvicorn's wait for open connections at shutdown (it treats 0 as "forever", so at least 1 s)."""
+    return max(1, math.ceil(config.server.shutdown_timeout))
+
+
 def serve(config: WeftConfig) -> None:
     import uvicorn
 
@@ -33,5 +39,5 @@ def serve(config: WeftConfig) -> None:
     )
     uvicorn.run(
         app, host=config.server.host, port=config.server.port, log_level="info",
-        timeout_graceful_shutdown=int(config.server.shutdown_timeout) or None,
+        timeout_graceful_shutdown=graceful_timeout(config),
     )

@@ -324,3 +324,14 @@ def test_shutdown_gives_up_after_the_timeout(start_server, tokenizer_files, tmp_
         running.uvicorn.should_exit = True
         running.thread.join(timeout=60)
     assert not running.thread.is_alive() and time.monotonic() - started < 30
+
+
+def test_responses_streaming_events(client):
+    events = list(client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                          max_output_tokens=24, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert streamed == final.output_text and "Paris" in streamed
+    assert [event.sequence_number for event in events] == list(range(len(events)))

@@ -429,8 +429,6 @@ async def _completion_stream(server: Server, output: asyncio.Queue, ids: list[st
 async def responses(server: Server, request: Request) -> Response:
     body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
     server.check_model(body.model)
-    if body.stream:
-        raise HTTPError(400, "stream: streaming is not supported on /v1/responses yet; use /v1/chat/completions", param="stream")
     messages = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     if isinstance(body.input, str):
         messages.append(p.ChatMessage(role="user", content=body.input))
@@ -451,26 +449,85 @@ async def responses(server: Server, request: Request) -> Response:
         body.max_output_tokens, None,
     )
     output, ids = await server.start([prompt], params, 1)
+    response = _ResponseObject(server, body, prompt)
+    if body.stream:
+        return StreamingResponse(_responses_stream(server, output, ids, response), media_type="text/event-stream")
     (choice,) = await server.collect(request, output, ids)
-    text = "".join(delta.text for delta in choice)
-    usage = server.usage([prompt], [choice])
-    incomplete = choice[-1].finish_reason == "length"
-    return JSONResponse({
-        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "model": server.model_name, "instructions": body.instructions,
-        "output": [{
-            "type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }],
-        "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
-        "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-        "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                  "total_tokens": usage.total_tokens,
-                  "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
-    })
+    return JSONResponse(response.finished("".join(delta.text for delta in choice), choice))
+
+
+class _ResponseObject:
+    """The Responses API's ``response`` object, in progress and finished."""
+
+    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int]) -> None:
+        self.server, self.body, self.prompt = server, body, prompt
+        self.id, self.message_id, self.created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def state(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              incomplete: bool = False) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "model": self.server.model_name, "instructions": body.instructions, "output": output,
+            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "usage": usage,
+        }
+
+    def finished(self, text: str, choice: list[Delta]) -> dict[str, Any]:
+        usage = self.server.usage([self.prompt], [choice])
+        incomplete = choice[-1].finish_reason == "length"
+        return self.state(
+            "incomplete" if incomplete else "completed", [self.message(text, "completed")],
+            {
+                "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+                "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+            incomplete,
+        )
+
+
+async def _responses_stream(server: Server, output: asyncio.Queue, ids: list[str], response: _ResponseObject) -> AsyncIterator[bytes]:
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return f"event: {kind}\n".encode() + _sse({"type": kind, "sequence_number": sequence - 1, **fields})
+
+    where = {"item_id": response.message_id, "output_index": 0, "content_index": 0}
+    try:
+        yield event("response.created", response=response.state("in_progress", []))
+        yield event("response.in_progress", response=response.state("in_progress", []))
+        yield event("response.output_item.added", output_index=0, item=response.message("", "in_progress"))
+        yield event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        text, deltas = "", []
+        while True:
+            delta: Delta = await output.get()
+            if delta.error:
+                yield event("error", message=delta.error, code="server_error", param=None)
+                return
+            deltas.append(delta)
+            if delta.text:
+                text += delta.text
+                yield event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+            if delta.finish_reason is not None:
+                break
+        final = response.finished(text, deltas)
+        yield event("response.output_text.done", **where, text=text, logprobs=[])
+        yield event("response.content_part.done", **where, part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+        yield event("response.output_item.done", output_index=0, item=response.message(text, "completed"))
+        yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    finally:
+        for request_id in ids:
+            server.engine.abort(request_id)
 
 
 async def models(server: Server, request: Request) -> Response:

@@ -2,7 +2,8 @@
 # Create (or reuse) a virtual environment and install every Weft distribution from this checkout.
 #   WEFT_VENV   where the environment lives (default: .venv in the checkout)
 #   arguments   extra requirements to install alongside (scripts/test.sh adds the test tools)
-# The CPU build of torch is installed first, so that the distributions' torch>=2.9 range
+# The CPU build of torch is installed first (on these machines pip finds it on disk; elsewhere add
+# --index-url https://download.pytorch.org/whl/cpu), so that the distributions' torch>=2.9 range
 # is already satisfied and pip does not pull a multi-GB CUDA build.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -98,9 +98,11 @@ def test_n_seed_stop_and_logprobs(client):
         model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3, temperature=1.0, max_tokens=12,
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
-    content = reply.choices[0].logprobs.content
-    assert len(content) == reply.usage.completion_tokens // 2 or len(content) > 0
-    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+    for choice in reply.choices:
+        content = choice.logprobs.content
+        assert "".join(item.token for item in content) == choice.message.content
+        assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+    assert sum(len(choice.logprobs.content) for choice in reply.choices) == reply.usage.completion_tokens
     whole = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20)
     stop = whole.choices[0].text[4:7]
     cut = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20, stop=[stop])
@@ -335,3 +337,60 @@ def test_responses_streaming_events(client):
     final = events[-1].response
     assert streamed == final.output_text and "Paris" in streamed
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_streaming_keeps_every_logprob_and_never_leaks_a_stop_string(client):
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, logprobs=True)
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=40, logprobs=True, stream=True
+    ))
+    streamed = [item for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    # Same tokens; values equal up to float noise (the second request reuses cached prompt blocks).
+    assert [item.token for item in streamed] == [item.token for item in expected]
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(streamed, expected))
+    text = whole.choices[0].message.content
+    stop = text[10:16]  # a stop string that spans tokens
+    pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=40, stop=[stop], stream=True) if chunk.choices]
+    assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_more_bad_requests_get_400_and_leave_others_alone(server, client):
+    import threading
+
+    result = {}
+    innocent = threading.Thread(target=lambda: result.setdefault("reply", client.completions.create(
+        model=MODEL, prompt="Count to twenty:", temperature=0, max_tokens=40, extra_body={"ignore_eos": True})))
+    innocent.start()
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert_error(post(server, "/v1/chat/completions", {**base, "stop_token_ids": [99999], "min_tokens": 1}), 400, "stop_token_ids")
+    assert_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user"}]}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {**base, "seed": 2**64}), 400, "seed")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400, "prompt")
+    error = assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404, "/v1/nowhere")
+    assert error["type"] == "not_found_error"
+    innocent.join()
+    assert result["reply"].usage.completion_tokens == 40
+
+
+def test_null_fields_mean_defaults(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "logprobs": None,
+            "ignore_eos": None, "max_tokens": 4, "temperature": None, "top_p": None, "seed": None, "stop": None}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+
+
+def test_completion_streaming_echo_and_text_offsets(client):
+    prompt = "The sky is"
+    stream = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True, stream=True))
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    whole = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True)
+    assert text == whole.choices[0].text and text.startswith(prompt)
+    offsets = [offset for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=1, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for offset in chunk.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)

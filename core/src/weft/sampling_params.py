@@ -55,6 +55,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"),
         ]
         for ok, field, value, rule in checks:
             if not ok:

@@ -79,22 +79,30 @@ class AsyncEngine:
 
     # Called from the event loop.
 
-    async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output: asyncio.Queue, index: int = 0
-    ) -> None:
-        """Queue a request whose deltas go to ``output``; raises ValueError, QueueFullError, ShuttingDownError."""
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue) -> None:
+        """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``.
+
+        Raises ValueError (a bad request), QueueFullError or ShuttingDownError. If
+        the caller is cancelled meanwhile, it must :meth:`abort` the ids it gave.
+        """
         loop = asyncio.get_running_loop()
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def add() -> None:
+            added: list[str] = []
             try:
                 if not self._accepting:
                     raise ShuttingDownError("the server is shutting down")
-                if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
-                    raise QueueFullError(f"{self.max_queued_requests} requests are already waiting")
-                self.engine.add_request(request_id, prompt_token_ids, params)
-                self._subscribers[request_id] = _Subscriber(loop, output, index, last_token_time=time.monotonic())
+                if len(self.engine.scheduler.waiting) + len(requests) > self.max_queued_requests:
+                    raise QueueFullError(f"{len(self.engine.scheduler.waiting)} requests are already waiting")
+                for request_id, prompt_token_ids, params, index in requests:
+                    self.engine.add_request(request_id, prompt_token_ids, params)
+                    added.append(request_id)
+                    self._subscribers[request_id] = _Subscriber(loop, output, index, last_token_time=time.monotonic())
             except Exception as error:
+                for request_id in added:
+                    self._subscribers.pop(request_id, None)
+                    self.engine.abort(request_id)
                 done.set_exception(error)
             else:
                 done.set_result(None)
@@ -162,7 +170,10 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                command()
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
             if self._stopped.is_set():
                 return
             if not self.engine.has_unfinished:
@@ -176,7 +187,10 @@ class AsyncEngine:
                 self._fail_all(f"internal error: {type(error).__name__}: {error}")
                 continue
             for request in advanced:
-                self._publish(request)
+                try:
+                    self._publish(request)
+                except Exception:
+                    logger.exception("could not publish progress of request %s", request.request_id)
 
     def _publish(self, request: Request) -> None:
         subscriber = self._subscribers.get(request.request_id)

@@ -168,6 +168,9 @@ class LLMEngine:
         vocab = self.model_config.hf_config.get("vocab_size")
         if vocab is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        bad_stops = [token for token in params.stop_token_ids if vocab is not None and not 0 <= token < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

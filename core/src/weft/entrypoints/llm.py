@@ -130,13 +130,20 @@ class LLM:
             raise
         progress = _Progress(len(groups), enabled=use_tqdm if use_tqdm is not None else len(groups) > 1 and sys.stderr.isatty())
         done = 0
-        while engine.has_unfinished:
-            engine.step()
-            finished = sum(all(request.finished for request in requests) for *_, requests in groups)
-            if finished != done:
-                done = finished
-                progress.update(done)
-        progress.close()
+        try:
+            while engine.has_unfinished:
+                engine.step()
+                finished = sum(all(request.finished for request in requests) for *_, requests in groups)
+                if finished != done:
+                    done = finished
+                    progress.update(done)
+        except BaseException:
+            # Leave the engine clean for the next call: nothing of this one may keep blocks.
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+            raise
+        finally:
+            progress.close()
         return [
             RequestOutput(
                 request_id=base,

@@ -21,8 +21,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -114,16 +116,14 @@ class Server:
     async def start(self, prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
         output: asyncio.Queue = asyncio.Queue()
-        ids: list[str] = []
+        batch = []
+        for prompt_index, prompt in enumerate(prompts):
+            for choice in range(n):
+                seed = None if params.seed is None else params.seed + choice
+                batch.append((uuid.uuid4().hex, prompt, msgspec.structs.replace(params, seed=seed), prompt_index * n + choice))
+        ids = [request_id for request_id, *_ in batch]
         try:
-            for prompt_index, prompt in enumerate(prompts):
-                for choice in range(n):
-                    seed = None if params.seed is None else params.seed + choice
-                    request_id = uuid.uuid4().hex
-                    await self.engine.submit(
-                        request_id, prompt, msgspec.structs.replace(params, seed=seed), output, prompt_index * n + choice
-                    )
-                    ids.append(request_id)
+            await self.engine.submit(batch, output)
         except BaseException as error:
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -200,6 +200,8 @@ class Server:
             text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt)
         except ValueError as error:
             raise HTTPError(400, str(error), param="messages") from None
+        except TemplateError as error:
+            raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -265,7 +267,12 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         *extra_routes,
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: Request, error: Exception) -> Response:
+        status = getattr(error, "status_code", 500)
+        message = f"{request.method} {request.url.path}: {getattr(error, 'detail', 'error')}"
+        return error_response(HTTPError(status, message, "not_found_error" if status == 404 else "invalid_request_error"))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error})
     app.state.server = server
     return app
 
@@ -324,7 +331,7 @@ async def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
                 return
             finished[delta.index] = [delta]
             pending -= delta.finish_reason is not None
-            if not delta.text and not delta.finish_reason:
+            if not delta.text and not delta.finish_reason and not (body.logprobs and delta.token_ids):
                 continue
             choice = {
                 "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
@@ -343,6 +350,9 @@ async def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
 async def completions(server: Server, request: Request) -> Response:
     body: p.CompletionRequest = await server.read(request, p.CompletionRequest)
     server.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise HTTPError(400, "echo with logprobs needs prompt log-probabilities, which Weft does not compute yet; "
+                        "drop one of them", param="echo")
     prompts = _completion_prompts(server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
@@ -400,7 +410,14 @@ async def _completion_stream(server: Server, output: asyncio.Queue, ids: list[st
     head = {"id": response_id, "object": "text_completion", "created": created, "model": server.model_name}
     usage_field = {"usage": None} if include_usage else {}
     finished: list[list[Delta]] = [[] for _ in ids]
+    offsets = [0] * len(ids)
     try:
+        if body.echo:
+            for index in range(len(ids)):
+                prompt_text = server.tokenizer.decode(prompts[index // body.n])
+                offsets[index] = len(prompt_text)
+                yield _sse({**head, "choices": [{"index": index, "text": prompt_text, "logprobs": None,
+                                                  "finish_reason": None}], **usage_field})
         pending = len(ids)
         while pending:
             delta: Delta = await output.get()
@@ -409,14 +426,14 @@ async def _completion_stream(server: Server, output: asyncio.Queue, ids: list[st
                 return
             finished[delta.index] = [delta]
             pending -= delta.finish_reason is not None
-            if not delta.text and not delta.finish_reason:
+            wants_logprobs = body.logprobs is not None
+            if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids):
                 continue
-            choice = {
-                "index": delta.index, "text": delta.text,
-                "logprobs": _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, 0)
-                if body.logprobs is not None else None,
-                "finish_reason": delta.finish_reason,
-            }
+            logprobs = None
+            if wants_logprobs:
+                logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[delta.index])
+            offsets[delta.index] += len(delta.text)
+            choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
             yield _sse({**head, "choices": [choice], **usage_field})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, finished))})

@@ -25,10 +25,15 @@ class StreamOptions(msgspec.Struct):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. ``null`` means the default, as in OpenAI's API."""
+
+    def __post_init__(self) -> None:
+        for name, default in _NULL_DEFAULTS.items():
+            if hasattr(self, name) and getattr(self, name) is None:
+                setattr(self, name, default)
 
     model: str
-    n: Choices = 1
+    n: Choices | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -36,13 +41,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     max_tokens: MaxTokens | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    ignore_eos: bool | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -56,16 +61,16 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     """A string, a list of strings, a list of token ids, or a list of token-id lists (checked by the handler)."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = None
 
 
 class ResponseContentPart(msgspec.Struct, kw_only=True):
@@ -86,8 +91,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stream: bool | None = None
     user: str | None = None
 
 
@@ -122,3 +127,8 @@ class ErrorResponse(msgspec.Struct):
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+_NULL_DEFAULTS: dict[str, Any] = {
+    "n": 1, "ignore_eos": False, "stream": False, "echo": False, "add_generation_prompt": True,
+}

@@ -1,0 +1,1 @@
+"""Kernels: the warm-up contract that keeps JIT compilation out of serving."""

@@ -18,6 +18,13 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 ``weft_registry`` fixture.
 """
 
-from weft.testing.suites import HooksContract, OpContract, PlatformContract, TokenizerContract
+from weft.testing.suites import (
+    AttentionContract,
+    HooksContract,
+    LoaderContract,
+    OpContract,
+    PlatformContract,
+    TokenizerContract,
+)
 
-__all__ = ["HooksContract", "OpContract", "PlatformContract", "TokenizerContract"]
+__all__ = ["AttentionContract", "HooksContract", "LoaderContract", "OpContract", "PlatformContract", "TokenizerContract"]

@@ -217,3 +217,145 @@ class HooksContract(_Contract):
         manager.check_pending()
         implemented = [caller.name for caller in manager.get_hookcallers(plugin) or ()]
         assert implemented, "a hooks plugin must implement at least one hook"
+
+
+class LoaderContract(_Contract):
+    """The weight-loader contract (:mod:`weft.contracts.loader`). Provide a ``model_source`` fixture (a string)."""
+
+    slot = "loader"
+
+    @pytest.fixture
+    def model_source(self) -> str:
+        raise NotImplementedError("define a `model_source` fixture returning a model string your loader accepts")
+
+    @pytest.fixture
+    def loader(self, plugin):
+        return plugin()
+
+    def test_accepts_its_source_and_refuses_others_without_raising(self, loader, model_source, tmp_path):
+        assert loader.accepts(model_source)
+        for other in (str(tmp_path / "missing"), str(tmp_path), "", "\x00", "not/a-real-repo-xyz"):
+            assert loader.accepts(other) in (True, False)
+        assert not loader.accepts(str(tmp_path / "missing"))
+
+    def test_resolve_describes_the_model(self, loader, model_source, weft_registry):
+        from pathlib import Path
+
+        from weft.contracts.loader import ModelSource
+
+        source = loader.resolve(model_source)
+        assert isinstance(source, ModelSource)
+        assert Path(source.path).is_absolute() and Path(source.path).exists()
+        assert source.hf_config.get("architectures"), "hf_config must name the architectures"
+        assert source.name
+        weft_registry.find("tokenizer", source.tokenizer)
+
+    def test_resolve_refuses_a_missing_model_with_a_value_error(self, loader, tmp_path):
+        with pytest.raises(ValueError):
+            loader.resolve(str(tmp_path / "missing"))
+
+    def test_weights_come_once_each_in_the_asked_dtype(self, loader, model_source):
+        import torch
+
+        source = loader.resolve(model_source)
+        names = []
+        for name, tensor in loader.iter_weights(source, "float32"):
+            assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32, name
+            names.append(name)
+        assert names and len(names) == len(set(names))
+
+
+class AttentionContract(_Contract):
+    """The attention-backend contract (:mod:`weft.contracts.attention`), against a plain reference.
+
+    Two engine steps run through the backend: first every request prefills part
+    of its prompt, then one continues its prefill, others decode and one starts
+    fresh. Each step's output is compared with softmax attention computed from
+    the whole key/value history the suite keeps itself. Set ``device`` and
+    ``dtype``/``tolerance`` for accelerators.
+    """
+
+    slot = "attention"
+    device: ClassVar[str] = "cpu"
+    dtype: ClassVar[str] = "float32"
+    tolerance: ClassVar[tuple[float, float]] = (1e-4, 1e-4)
+    head_dims: ClassVar[tuple[int, ...]] = (64, 128)
+    block_size: ClassVar[int] = 16
+
+    @pytest.fixture
+    def backend(self, plugin):
+        from weft.plugins import PluginRegistry
+        from weft.plugins.selection import select_platform
+
+        platform_class, _ = select_platform(PluginRegistry())
+        return plugin(None, platform_class())
+
+    @pytest.mark.parametrize("window", [None, 20])
+    @pytest.mark.parametrize("head_dim_index", [0, 1])
+    def test_mixed_prefill_and_decode_steps_match_the_reference(self, backend, window, head_dim_index):
+        if head_dim_index >= len(self.head_dims):
+            pytest.skip("fewer head sizes declared")
+        import torch
+
+        from weft.contracts.attention import AttentionBatch, AttentionLayer
+        from weft.contracts.kv_cache import FullAttentionSpec
+
+        head_dim = self.head_dims[head_dim_index]
+        dtype, device = getattr(torch, self.dtype), torch.device(self.device)
+        layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window)
+        backend.prepare([layer], self.dtype)
+        spec = FullAttentionSpec(block_size=self.block_size, dtype=self.dtype, num_kv_heads=2, head_dim=head_dim)
+        num_blocks = 64
+        kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, spec), dtype=dtype, device=device)
+        generator = torch.Generator().manual_seed(head_dim + (window or 0))
+        blocks = torch.randperm(num_blocks, generator=generator).tolist()
+        tables = [blocks[0:8], blocks[8:16], blocks[16:24], blocks[24:32]]
+        history: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {r: ([], []) for r in range(4)}
+        # (request, tokens already cached, new tokens) per step; request 3 starts in step 2.
+        steps = [[(0, 0, 37), (1, 0, 5), (2, 0, 16)], [(0, 37, 1), (1, 5, 20), (2, 16, 1), (3, 0, 9)]]
+        for step in steps:
+            total = sum(new for _, _, new in step)
+            query = torch.randn(total, 4, head_dim, generator=generator).to(dtype).to(device)
+            key = torch.randn(total, 2, head_dim, generator=generator).to(dtype).to(device)
+            value = torch.randn(total, 2, head_dim, generator=generator).to(dtype).to(device)
+            starts, slots, row = [0], [], 0
+            for request, cached, new in step:
+                for position in range(cached, cached + new):
+                    slots.append(tables[request][position // self.block_size] * self.block_size + position % self.block_size)
+                starts.append(starts[-1] + new)
+            width = max(len(table) for table in tables)
+            batch = AttentionBatch(
+                query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([cached + new for _, cached, new in step], dtype=torch.int32, device=device),
+                block_table=torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in step], dtype=torch.int32, device=device),
+                slot_mapping=torch.tensor(slots, dtype=torch.int32, device=device),
+                max_query_len=max(new for _, _, new in step),
+                max_seq_len=max(cached + new for _, cached, new in step),
+                block_size=self.block_size,
+            )
+            output = backend.forward(layer, query, key, value, kv_cache, backend.build_metadata(batch))
+            for index, (request, cached, new) in enumerate(step):
+                rows = slice(starts[index], starts[index + 1])
+                history[request][0].append(key[rows].float().cpu())
+                history[request][1].append(value[rows].float().cpu())
+                keys, values = torch.cat(history[request][0]), torch.cat(history[request][1])
+                expected = _reference_attention(query[rows].float().cpu(), keys, values, cached, layer)
+                rtol, atol = self.tolerance
+                torch.testing.assert_close(output[rows].float().cpu(), expected, rtol=rtol, atol=atol)
+
+
+def _reference_attention(query, keys, values, first_position, layer):
+    """Causal softmax attention of queries at positions ``first_position...`` over ``keys``/``values``."""
+    import torch
+
+    group = layer.num_heads // layer.num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query, keys) * layer.scale
+    query_positions = torch.arange(first_position, first_position + query.shape[0]).unsqueeze(1)
+    key_positions = torch.arange(keys.shape[0]).unsqueeze(0)
+    visible = key_positions <= query_positions
+    if layer.sliding_window is not None:
+        visible &= key_positions > query_positions - layer.sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

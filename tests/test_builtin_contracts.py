@@ -1,0 +1,28 @@
+"""Core's built-in attention backend and loaders pass the conformance kit."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model
+
+from weft.testing import AttentionContract, LoaderContract
+
+
+class TestTorchAttention(AttentionContract):
+    plugin_name = "torch"
+
+
+class TestSafetensorsLoader(LoaderContract):
+    plugin_name = "safetensors"
+
+    @pytest.fixture
+    def model_source(self, tmp_path, tokenizer_files):
+        return str(make_tiny_model(tmp_path / "tiny", "qwen3", tokenizer_files))
+
+
+class TestGGUFLoader(LoaderContract):
+    plugin_name = "gguf"
+
+    @pytest.fixture
+    def model_source(self):
+        return "smollm2-135m-instruct"

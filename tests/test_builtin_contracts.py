@@ -26,3 +26,8 @@ class TestGGUFLoader(LoaderContract):
     @pytest.fixture
     def model_source(self):
         return "smollm2-135m-instruct"
+
+
+class TestTorchAttentionSmallBlocks(AttentionContract):
+    plugin_name = "torch"
+    block_size = 4

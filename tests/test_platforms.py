@@ -50,6 +50,11 @@ def test_nvidia_probe_reads_the_driver_files(tmp_path, monkeypatch):
         assert not probe.available and "no CUDA support" in probe.reason
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert "no visible GPU" in probe_nvidia(tmp_path).reason
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    sandboxed = tmp_path / "sandboxed"
+    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+        fake_file(sandboxed, f"dev/{name}", "")
+    assert probe_nvidia(sandboxed).device_count == 2  # device files only, as under gVisor
 
 
 def test_amd_probe_names_the_architecture(tmp_path, monkeypatch):

@@ -11,10 +11,12 @@ from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe, torch_h
 def probe_nvidia(root: Path = Path("/")) -> PlatformProbe:
     """Probe the machine whose filesystem is at ``root`` for NVIDIA GPUs usable by torch."""
     version_file = root / "proc/driver/nvidia/version"
-    if not version_file.exists():
-        return PlatformProbe(available=False, reason="no NVIDIA driver (/proc/driver/nvidia/version is absent)")
-    driver = version_file.read_text(errors="replace").splitlines()[0].strip()
-    gpu_dirs = sorted((root / "proc/driver/nvidia/gpus").glob("*"))
+    device_files = sorted(path for path in (root / "dev").glob("nvidia[0-9]*") if path.name[6:].isdigit())
+    if not version_file.exists() and not (root / "dev/nvidiactl").exists():
+        return PlatformProbe(available=False, reason="no NVIDIA driver (/proc/driver/nvidia/version and /dev/nvidiactl are absent)")
+    driver = version_file.read_text(errors="replace").splitlines()[0].strip() if version_file.exists() else "unknown"
+    # Sandboxed kernels (gVisor) may expose the device files without the driver's /proc entries.
+    gpu_dirs = sorted((root / "proc/driver/nvidia/gpus").glob("*")) or device_files
     models = []
     for gpu in gpu_dirs:
         info = gpu / "information"

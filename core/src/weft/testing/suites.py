@@ -305,11 +305,12 @@ class AttentionContract(_Contract):
         layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window)
         backend.prepare([layer], self.dtype)
         spec = FullAttentionSpec(block_size=self.block_size, dtype=self.dtype, num_kv_heads=2, head_dim=head_dim)
-        num_blocks = 64
+        per_request = -(-40 // self.block_size)  # every request stays under 40 tokens
+        num_blocks = 8 * per_request
         kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, spec), dtype=dtype, device=device)
         generator = torch.Generator().manual_seed(head_dim + (window or 0))
         blocks = torch.randperm(num_blocks, generator=generator).tolist()
-        tables = [blocks[0:8], blocks[8:16], blocks[16:24], blocks[24:32]]
+        tables = [blocks[i * per_request : (i + 1) * per_request] for i in range(4)]
         history: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {r: ([], []) for r in range(4)}
         # (request, tokens already cached, new tokens) per step; request 3 starts in step 2.
         steps = [[(0, 0, 37), (1, 0, 5), (2, 0, 16)], [(0, 37, 1), (1, 5, 20), (2, 16, 1), (3, 0, 9)]]

@@ -1,0 +1,157 @@
+"""The "triton" attention backend: paged attention for mixed prefill/decode steps in one Triton kernel.
+
+The cache layout is the torch backend's, ``[2, num_blocks, block_size, kv_heads,
+head_dim]``; new keys and values are stored with ``index_copy_``, then one
+kernel launch attends every query of the step. A program owns one request, one
+KV head and a tile of ``BLOCK_M`` rows, where a row is one (query position,
+query head) pair of that KV head's group (GQA packing: decode steps fill the
+tile with the group's heads instead of padding). It walks the request's blocks
+through the block table in tiles of ``BLOCK_N`` keys (each key's cache block
+looked up, so any block size works) with an online softmax, masking causally
+(the queries are the last ``query_len`` positions of the context) and by the
+sliding window, skipping tiles wholly before the window.
+
+Runs on NVIDIA GPUs, and on the CPU under ``TRITON_INTERPRET=1`` for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+import triton
+import triton.language as tl
+
+from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
+
+DECODE_BLOCK_M = 16
+"""Rows per program when every request decodes (rows are query heads of one KV head)."""
+PREFILL_BLOCK_M = 64
+BLOCK_N = 64
+"""Keys per inner iteration, independent of the cache's block size."""
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query, key_cache, value_cache, output, block_table, seq_lens, query_start,
+    scale, window,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    request = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    first = tl.load(query_start + request)
+    query_len = tl.load(query_start + request + 1) - first
+    if tile * BLOCK_M >= query_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens + request)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    query_index = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    valid = query_index < query_len
+    positions = seq_len - query_len + query_index
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        query + (first + query_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=valid[:, None], other=0.0,
+    )
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    accumulator = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last_position = seq_len - query_len + tl.minimum((tile + 1) * BLOCK_M // GROUP, query_len) - 1
+    end_key = last_position + 1
+    start_key = 0
+    if HAS_WINDOW:
+        first_position = seq_len - query_len + (tile * BLOCK_M) // GROUP
+        start_key = (tl.maximum(first_position - window + 1, 0) // BLOCK_N) * BLOCK_N
+    keys = tl.arange(0, BLOCK_N)
+    for tile_start in range(start_key, end_key, BLOCK_N):
+        # A key tile may span several cache blocks: look each key's block up in the table.
+        key_positions = tile_start + keys
+        in_context = key_positions < seq_len
+        physical = tl.load(block_table + request * stride_bt + key_positions // BLOCK_SIZE, mask=in_context, other=0)
+        offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
+            + kv_head * stride_ch + dims[None, :]
+        k = tl.load(key_cache + offsets, mask=in_context[:, None], other=0.0)
+        v = tl.load(value_cache + offsets, mask=in_context[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        visible = (key_positions[None, :] <= positions[:, None]) & in_context[None, :]
+        if HAS_WINDOW:
+            visible = visible & (key_positions[None, :] > positions[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - safe_max)
+        weights = tl.exp(scores - safe_max[:, None])
+        running_sum = running_sum * correction + tl.sum(weights, 1)
+        if IEEE:
+            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+        else:
+            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+        running_max = new_max
+    result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+    tl.store(
+        output + (first + query_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        result.to(output.dtype.element_ty), mask=valid[:, None],
+    )
+
+
+class TritonAttentionMetadata(msgspec.Struct):
+    batch: AttentionBatch
+    block_m: int
+    """Rows per program: small for decode-only steps, large when a prefill chunk is present."""
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention in one Triton kernel for any mix of prefill chunks and decodes; GQA; sliding windows."""
+
+    name: ClassVar[str] = "triton"
+    supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        super().check_layer(layer)
+        group = layer.num_heads // layer.num_kv_heads
+        if group & (group - 1) or group > DECODE_BLOCK_M:
+            raise ValueError(
+                f"attention backend 'triton': {layer.num_heads} query heads over {layer.num_kv_heads} KV heads "
+                f"(group of {group}) is not supported; groups must be a power of two up to {DECODE_BLOCK_M}"
+            )
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M if batch.max_query_len == 1 else PREFILL_BLOCK_M)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        batch = metadata.batch
+        heads, dim = layer.num_kv_heads, layer.head_dim
+        slots = batch.slot_mapping.long()
+        kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, slots, key)
+        kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, slots, value)
+        output = torch.empty_like(query)
+        group = layer.num_heads // heads
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_requests = batch.seq_lens.shape[0]
+        block_m = metadata.block_m
+        grid = (num_requests, triton.cdiv(batch.max_query_len * group, block_m), heads)
+        _paged_attention_kernel[grid](
+            query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
+            layer.scale, layer.sliding_window or 0,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            output.stride(0), output.stride(1), batch.block_table.stride(0),
+            GROUP=group, HEAD_DIM=dim, BLOCK_SIZE=batch.block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            HAS_WINDOW=layer.sliding_window is not None, IEEE=query.dtype == torch.float32,
+        )
+        return output

@@ -137,9 +137,7 @@ class TritonAttention(AttentionBackend):
     ) -> torch.Tensor:
         batch = metadata.batch
         heads, dim = layer.num_kv_heads, layer.head_dim
-        slots = batch.slot_mapping.long()
-        kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, slots, key)
-        kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, slots, value)
+        self.store_kv(kv_cache, key, value, batch.slot_mapping)
         output = torch.empty_like(query)
         group = layer.num_heads // heads
         key_cache, value_cache = kv_cache[0], kv_cache[1]

@@ -93,10 +93,9 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        block_size = kv_cache.shape[2]
         heads, dim = layer.num_kv_heads, layer.head_dim
-        kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, metadata.slot_mapping, key)
-        kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, metadata.slot_mapping, value)
+        self.store_kv(kv_cache, key, value, metadata.slot_mapping)
         key_blocks, value_blocks = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
         output = torch.empty_like(query)
         gqa = layer.num_heads != layer.num_kv_heads

@@ -96,6 +96,14 @@ class AttentionBackend(PluginBase):
         """Shape of one layer's cache tensor. Default: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
+    @staticmethod
+    def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new keys and values into a cache of the default layout (:meth:`kv_cache_shape`)."""
+        heads, dim = key.shape[1], key.shape[2]
+        slots = slot_mapping.long()
+        kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, slots, key)
+        kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, slots, value)
+
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Prepare whatever :meth:`forward` needs for this step; called once per step."""

@@ -314,33 +314,47 @@ async def chat_completions(server: Server, request: Request) -> Response:
     })
 
 
-async def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
+def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
                        response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
     head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
+    opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for index in range(len(ids))]
+
+    def render(delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and not delta.finish_reason and not (body.logprobs and delta.token_ids):
+            return None
+        return {
+            "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": _chat_logprobs(delta.logprobs or [], delta.token_ids, body.top_logprobs or 0) if body.logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }
+
+    return _sse_stream(server, output, ids, prompts, head, include_usage, opening, render)
+
+
+async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], head: dict[str, Any],
+                      include_usage: bool, opening: list[dict[str, Any]],
+                      render: Callable[[Delta], dict[str, Any] | None]) -> AsyncIterator[bytes]:
+    """Chunks of a chat or text completion stream: ``opening`` choices, one per delta ``render`` keeps,
+    the usage chunk, ``[DONE]``. Leaving early (a disconnect) aborts the requests."""
     usage_field = {"usage": None} if include_usage else {}
-    finished: list[list[Delta]] = [[] for _ in ids]
+    last: list[list[Delta]] = [[] for _ in ids]
     try:
-        for index in range(len(ids)):
-            yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}], **usage_field})
+        for choice in opening:
+            yield _sse({**head, "choices": [choice], **usage_field})
         pending = len(ids)
         while pending:
             delta: Delta = await output.get()
             if delta.error:
                 yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
                 return
-            finished[delta.index] = [delta]
+            last[delta.index] = [delta]
             pending -= delta.finish_reason is not None
-            if not delta.text and not delta.finish_reason and not (body.logprobs and delta.token_ids):
-                continue
-            choice = {
-                "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(delta.logprobs or [], delta.token_ids, body.top_logprobs or 0) if body.logprobs else None,
-                "finish_reason": delta.finish_reason,
-            }
-            yield _sse({**head, "choices": [choice], **usage_field})
+            choice = render(delta)
+            if choice is not None:
+                yield _sse({**head, "choices": [choice], **usage_field})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, finished))})
+            yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
         yield b"data: [DONE]\n\n"
     finally:
         for request_id in ids:
@@ -405,42 +419,28 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
     return prompts
 
 
-async def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
-                             response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
+                       response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
     head = {"id": response_id, "object": "text_completion", "created": created, "model": server.model_name}
-    usage_field = {"usage": None} if include_usage else {}
-    finished: list[list[Delta]] = [[] for _ in ids]
     offsets = [0] * len(ids)
-    try:
-        if body.echo:
-            for index in range(len(ids)):
-                prompt_text = server.tokenizer.decode(prompts[index // body.n])
-                offsets[index] = len(prompt_text)
-                yield _sse({**head, "choices": [{"index": index, "text": prompt_text, "logprobs": None,
-                                                  "finish_reason": None}], **usage_field})
-        pending = len(ids)
-        while pending:
-            delta: Delta = await output.get()
-            if delta.error:
-                yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
-                return
-            finished[delta.index] = [delta]
-            pending -= delta.finish_reason is not None
-            wants_logprobs = body.logprobs is not None
-            if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids):
-                continue
-            logprobs = None
-            if wants_logprobs:
-                logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[delta.index])
-            offsets[delta.index] += len(delta.text)
-            choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-            yield _sse({**head, "choices": [choice], **usage_field})
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, finished))})
-        yield b"data: [DONE]\n\n"
-    finally:
-        for request_id in ids:
-            server.engine.abort(request_id)
+    opening = []
+    if body.echo:
+        for index in range(len(ids)):
+            prompt_text = server.tokenizer.decode(prompts[index // body.n])
+            offsets[index] = len(prompt_text)
+            opening.append({"index": index, "text": prompt_text, "logprobs": None, "finish_reason": None})
+
+    def render(delta: Delta) -> dict[str, Any] | None:
+        wants_logprobs = body.logprobs is not None
+        if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids):
+            return None
+        logprobs = None
+        if wants_logprobs:
+            logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[delta.index])
+        offsets[delta.index] += len(delta.text)
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+    return _sse_stream(server, output, ids, prompts, head, include_usage, opening, render)
 
 
 async def responses(server: Server, request: Request) -> Response:

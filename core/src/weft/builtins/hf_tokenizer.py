@@ -1,9 +1,9 @@
-"""The "hf" tokenizer: a Hugging Face tokenizer from a local folder, chat templates rendered by Weft.
+"""The "hf" tokenizer: transformers' AutoTokenizer from a local folder, chat templates rendered by Weft.
 
-When the folder has a ``tokenizer.json`` it is read with the ``tokenizers``
-library directly (transformers' import alone costs seconds at start-up);
-otherwise, or when the tokenizer needs transformers' post-processing
-(``clean_up_tokenization_spaces``), transformers' AutoTokenizer loads it.
+:meth:`HFTokenizer.from_folder` with ``fast=True`` reads a ``tokenizer.json``
+with the ``tokenizers`` library directly instead (transformers' import alone
+costs seconds at start-up); weft-gguf uses it for the tokenizer it converted
+and cached itself.
 """
 
 from __future__ import annotations
@@ -44,14 +44,15 @@ class HFTokenizer(Tokenizer):
         return cls.from_folder(Path(source.path), eos_ids_of(source))
 
     @classmethod
-    def from_folder(cls, folder: Path, extra_eos_ids: Sequence[int] = ()) -> HFTokenizer:
+    def from_folder(cls, folder: Path, extra_eos_ids: Sequence[int] = (), fast: bool = False) -> HFTokenizer:
+        """AutoTokenizer on ``folder``; with ``fast``, its tokenizer.json through ``tokenizers`` when it suffices."""
         config = _read_json(folder / "tokenizer_config.json")
         template = config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take the default one
             template = next((item["template"] for item in template if item.get("name") == "default"), None)
-        if (folder / "tokenizer.json").is_file() and not config.get("clean_up_tokenization_spaces"):
+        if fast and (folder / "tokenizer.json").is_file() and not config.get("clean_up_tokenization_spaces"):
             return cls._from_tokenizers(folder, config, template, extra_eos_ids)
         return cls.from_transformers(_auto_tokenizer(folder), extra_eos_ids, template)
 

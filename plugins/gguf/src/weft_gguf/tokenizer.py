@@ -25,7 +25,7 @@ class GGUFTokenizer(HFTokenizer):
         cached = cache_dir() / "gguf" / f"{file_key(path, 'tokenizer')}.tokenizer"
         eos = eos_ids_of(source)
         if (cached / "tokenizer.json").is_file():
-            return cls.from_folder(cached, eos)
+            return cls.from_folder(cached, eos, fast=True)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -33,4 +33,4 @@ class GGUFTokenizer(HFTokenizer):
             tokenizer.save_pretrained(str(cached))
         except OSError:
             return cls.from_transformers(tokenizer, eos)
-        return cls.from_folder(cached, eos)
+        return cls.from_folder(cached, eos, fast=True)

@@ -10,7 +10,7 @@ both alike. Batch 1 is also compared with the memory roofline: the bytes of weig
 step divided by the copy bandwidth measured in the same run. Every figure is printed with the
 ratio Weft / HF. Usage::
 
-    python bench/cpu_generate.py [--dtypes float32,bfloat16] [--skip-startup]
+    python bench/cpu_generate.py [--dtypes float32,bfloat16] [--skip-startup] [--skip-throughput]
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     from weft import LLM
 
@@ -143,7 +144,7 @@ def main() -> None:
           f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}")
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in [] if args.skip_throughput else args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         llm = LLM(engine={"dtype": dtype_name})
         model = hf_model(dtype)

@@ -52,3 +52,24 @@ def test_weight_cache_is_written_once_and_read_back(tmp_path, monkeypatch):
     assert first.keys() == second.keys() and len(first) == 272
     assert all(torch.equal(first[name], second[name]) for name in first)
     assert "lm_head.weight" not in first  # tied embeddings
+
+
+def test_native_tokenizer_conversion_matches_transformers(tmp_path, monkeypatch, tokenizer_files):
+    """The tokenizer weft-gguf writes from the GGUF equals the one transformers converts (tokenizer_files)."""
+    from tokenizers import Tokenizer
+
+    monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
+    source = GGUFLoader().resolve("smollm2-135m-instruct")
+    (folder,) = (tmp_path / "gguf").glob("*.tokenizer")
+    ours, reference = Tokenizer.from_file(str(folder / "tokenizer.json")), Tokenizer.from_file(str(tokenizer_files / "tokenizer.json"))
+    texts = ["Hello, world!", "  two  spaces", "naïve café 图片🌍 ∑", "<|im_start|>user\nHi<|im_end|>\n",
+             "def f(x):\n\treturn x**2", "3.14159 and 1234567890", "The quick brown fox. " * 30]
+    for text in texts:
+        assert ours.encode(text).ids == reference.encode(text).ids, text
+    assert ours.get_vocab_size() == reference.get_vocab_size()
+    assert (folder / "chat_template.jinja").read_text() == (tokenizer_files / "chat_template.jinja").read_text()
+    from weft_gguf.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer.from_source(source)
+    assert tokenizer.eos_token_ids == frozenset({2})
+    assert tokenizer.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}

@@ -45,3 +45,8 @@ def file_key(path: Path, *extra: str) -> str:
     stat = path.stat()
     identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), CACHE_FORMAT, *extra])
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def tokenizer_cache(path: Path) -> Path:
+    """The folder holding a GGUF file's tokenizer as Hugging Face files."""
+    return cache_dir() / "gguf" / f"{file_key(path, 'tokenizer')}.tokenizer"

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from weft.contracts.loader import ModelSource, WeightLoader
-from weft_gguf.files import ALIASES, cache_dir, file_key, resolve_alias
+from weft_gguf.convert import write_tokenizer
+from weft_gguf.files import ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -138,7 +139,15 @@ class GGUFLoader(WeightLoader):
         if not path.is_file():
             raise ValueError(f"model {source!r}: no such GGUF file")
         name = source if source in ALIASES else path.name.removesuffix(".gguf")
-        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=cached_config(path, self._reader), tokenizer="gguf", name=name)
+        config = cached_config(path, self._reader)
+        tokenizer_folder = tokenizer_cache(path)
+        if not (tokenizer_folder / "tokenizer.json").is_file():
+            # While the file is parsed anyway: its byte-level BPE vocabulary, for the "gguf" tokenizer.
+            try:
+                write_tokenizer(self._reader(path), tokenizer_folder)
+            except OSError as error:
+                print(f"weft-gguf: could not cache the tokenizer in {tokenizer_folder}: {error}", file=sys.stderr)
+        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=config, tokenizer="gguf", name=name)
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open

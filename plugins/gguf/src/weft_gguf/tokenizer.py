@@ -1,8 +1,9 @@
-"""The "gguf" tokenizer: the tokenizer embedded in a GGUF file, through transformers' converter.
+"""The "gguf" tokenizer: the tokenizer embedded in a GGUF file.
 
-The converted tokenizer (tokenizer.json, chat template) is saved in the cache
-folder on first use; later starts read it with the ``tokenizers`` library
-without importing transformers.
+The GGUF loader caches byte-level BPE vocabularies as Hugging Face files while
+it parses the file (:mod:`weft_gguf.convert`); they are read with the
+``tokenizers`` library, without importing transformers. Other vocabularies go
+through transformers' GGUF converter once, and are cached the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import msgspec
 
 from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
 from weft.contracts.loader import ModelSource
-from weft_gguf.files import cache_dir, file_key
+from weft_gguf.files import tokenizer_cache
 
 
 class GGUFTokenizer(HFTokenizer):
@@ -22,7 +23,7 @@ class GGUFTokenizer(HFTokenizer):
     @classmethod
     def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> HFTokenizer:
         path = Path(source.path)
-        cached = cache_dir() / "gguf" / f"{file_key(path, 'tokenizer')}.tokenizer"
+        cached = tokenizer_cache(path)
         eos = eos_ids_of(source)
         if (cached / "tokenizer.json").is_file():
             return cls.from_folder(cached, eos, fast=True)

@@ -20,7 +20,7 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 def inverse_frequencies(head_dim: int, parameters: dict[str, Any]) -> torch.Tensor:
     base = float(parameters["rope_theta"])
-    # Computed on the CPU whatever the default device (models are built on the meta device).
+    # Computed on the CPU in float32 whatever the defaults the model is built under.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     kind = parameters["rope_type"]
     if kind == "default":

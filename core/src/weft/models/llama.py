@@ -18,7 +18,7 @@ from weft.contracts.attention import AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import Attention, ForwardContext
-from weft.layers.linear import Embedding, Linear
+from weft.layers.linear import Embedding, Linear, default_dtype
 from weft.layers.norm import RMSNorm
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -169,14 +169,11 @@ class LlamaFamily(ModelFamily):
 
     def build(self, config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
         settings = LlamaSettings(config.hf_config, config.architecture)
-        # Built on the meta device and then given uninitialised storage: load_weights fills every
-        # parameter, so random initialisation would be wasted time.
-        with torch.device("meta"):
+        # Weft's Linear and Embedding skip random initialisation (load_weights fills every
+        # parameter), so building directly on the device in the runtime dtype costs nothing.
+        with torch.device(device), default_dtype(getattr(torch, config.dtype)):
             module = LlamaForCausalLM(settings, config.max_model_len)
-        module = module.to(getattr(torch, config.dtype)).to_empty(device=device)
-        if settings.tie_word_embeddings:
-            module.lm_head.weight = module.model.embed_tokens.weight
-        module.model.rotary = RotaryEmbedding(settings.head_dim, config.max_model_len, settings.rope).to(device)
+        module.model.rotary.to(device)
         return module.eval()
 
     def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -131,8 +131,9 @@ def discover() -> list[PluginEntry]:
     """Every plugin entry point of every slot, with its status. Imports nothing."""
     allowed = allowlist()
     entries: list[PluginEntry] = []
+    installed = metadata.entry_points()  # one scan of the installed distributions for every group
     for slot, group in SLOT_GROUPS.items():
-        for ep in metadata.entry_points(group=group):
+        for ep in installed.select(group=group):
             dist = ep.dist
             dist_name = dist.metadata["Name"] if dist is not None else "<unknown>"
             builtin = canonicalize_name(dist_name) == CORE_DISTRIBUTION

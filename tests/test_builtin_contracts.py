@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 
-from weft.testing import AttentionContract, LoaderContract
+from weft.testing import AttentionContract, LoaderContract, ModelContract
 
 
 class TestTorchAttention(AttentionContract):
@@ -31,3 +31,20 @@ class TestGGUFLoader(LoaderContract):
 class TestTorchAttentionSmallBlocks(AttentionContract):
     plugin_name = "torch"
     block_size = 4
+
+
+class TestLlamaFamilyOnQwen3(ModelContract):
+    plugin_name = "Qwen3ForCausalLM"
+
+    @pytest.fixture
+    def model_source(self, tmp_path, tokenizer_files):
+        return str(make_tiny_model(tmp_path / "tiny", "qwen3", tokenizer_files))
+
+
+class TestLlamaFamilyOnMistral(ModelContract):
+    plugin_name = "MistralForCausalLM"
+    block_size = 8
+
+    @pytest.fixture
+    def model_source(self, tmp_path, tokenizer_files):
+        return str(make_tiny_model(tmp_path / "tiny", "mistral-window", tokenizer_files))

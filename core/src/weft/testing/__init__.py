@@ -22,9 +22,13 @@ from weft.testing.suites import (
     AttentionContract,
     HooksContract,
     LoaderContract,
+    ModelContract,
     OpContract,
     PlatformContract,
     TokenizerContract,
 )
 
-__all__ = ["AttentionContract", "HooksContract", "LoaderContract", "OpContract", "PlatformContract", "TokenizerContract"]
+__all__ = [
+    "AttentionContract", "HooksContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
+    "TokenizerContract",
+]

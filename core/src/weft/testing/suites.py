@@ -360,3 +360,71 @@ def _reference_attention(query, keys, values, first_position, layer):
         visible &= key_positions > query_positions - layer.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+class ModelContract(_Contract):
+    """The model-family contract (:mod:`weft.contracts.model`), on a checkpoint the author provides.
+
+    ``plugin_name`` is the Hugging Face architecture the family registers; give a
+    ``model_source`` fixture (a string an installed loader accepts) holding a small
+    checkpoint of that architecture.
+    """
+
+    slot = "model"
+    block_size: ClassVar[int] = 16
+
+    @pytest.fixture
+    def model_source(self) -> str:
+        raise NotImplementedError("define a `model_source` fixture returning a small checkpoint of your architecture")
+
+    @pytest.fixture
+    def parts(self, plugin, model_source, weft_registry):
+        from weft.contracts.model import ModelConfig
+
+        classes = sorted(weft_registry.load_all("loader").values(), key=lambda loader_class: -loader_class.priority)
+        loader = next((candidate for candidate in (cls() for cls in classes) if candidate.accepts(model_source)), None)
+        assert loader is not None, f"no installed loader accepts {model_source!r}"
+        source = loader.resolve(model_source)
+        assert self.plugin_name in source.hf_config.get("architectures", []), "the checkpoint is of another architecture"
+        config = ModelConfig(
+            architecture=self.plugin_name, hf_config=source.hf_config, dtype="float32", block_size=self.block_size,
+            max_model_len=min(source.hf_config.get("max_position_embeddings", 512), 512),
+        )
+        return plugin(), loader, source, config
+
+    def test_kv_cache_groups_cover_every_attention_layer_once(self, parts):
+        import torch
+
+        from weft.contracts.kv_cache import KVCacheGroupSpec
+        from weft.layers.attention import Attention
+
+        family, _, _, config = parts
+        groups = family.kv_cache_groups(config)
+        assert groups and all(isinstance(group, KVCacheGroupSpec) for group in groups)
+        module = family.build(config, torch.device("cpu"))
+        layers = [m.layer_name for m in module.modules() if isinstance(m, Attention)]
+        declared = [name for group in groups for name in group.layer_names]
+        assert sorted(declared) == sorted(layers), "every attention layer must be in exactly one KV-cache group"
+        for index, group in enumerate(groups):
+            for layer in module.modules():
+                if isinstance(layer, Attention) and layer.layer_name in group.layer_names:
+                    assert layer.group == index, f"{layer.layer_name} reads group {layer.group}, declared in {index}"
+
+    def test_load_weights_refuses_missing_and_unknown_tensors(self, parts):
+        import torch
+
+        family, loader, source, config = parts
+        weights = list(loader.iter_weights(source, "float32"))
+        family.load_weights(family.build(config, torch.device("cpu")), weights)
+        with pytest.raises(ValueError):
+            family.load_weights(family.build(config, torch.device("cpu")), weights[1:])
+        with pytest.raises(ValueError):
+            family.load_weights(family.build(config, torch.device("cpu")), [*weights, ("no.such.tensor", torch.zeros(1))])
+
+    def test_generates_through_the_engine(self, model_source):
+        from weft.entrypoints.llm import LLM
+        from weft.sampling_params import SamplingParams
+
+        llm = LLM(model=model_source, engine={"block_size": self.block_size, "num_kv_blocks": 256, "max_model_len": 256})
+        outputs = llm.generate([[5, 6, 7], [8] * 40], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]

@@ -19,6 +19,7 @@ import msgspec
 
 from weft import __version__
 from weft.config import ConfigError, EngineConfig, ServerConfig, UseConfig, WeftConfig, load_config, parse_override
+from weft.plugins.errors import PluginError
 
 CORE_COMMANDS = ("plugins", "config", "generate", "serve")
 DEFAULT_CONFIG_FILE = "weft.toml"
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except (ConfigError, _plugin_error_type()) as error:
+    except (ConfigError, PluginError) as error:
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:
@@ -43,12 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         return 0
-
-
-def _plugin_error_type() -> type[Exception]:
-    from weft.plugins import PluginError
-
-    return PluginError
 
 
 def _wants_plugin_commands(argv: list[str]) -> bool:

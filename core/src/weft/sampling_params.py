@@ -64,3 +64,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def choices(self) -> list[SamplingParams]:
+        """One single-sample copy per choice: ``n=1``, and the seed advanced by the choice index."""
+        return [
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+            for index in range(self.n)
+        ]

@@ -220,7 +220,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token: Any) -> None:
         params = request.params
         token_id = token.token_id
-        request.output_token_ids.append(token_id)
+        request.append_token(token_id)
         if request.logprobs is not None:
             entries = {token_id: Logprob(token.logprob, token.rank, self.tokenizer.decode([token_id], False))}
             for rank, (candidate, value) in enumerate(token.top_logprobs or (), start=1):

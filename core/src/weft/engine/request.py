@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        """Prompt then output ids, kept in step by :meth:`append_token` (read every step: never rebuilt)."""
         self.params = params
         self.max_tokens = max_tokens
         """Tokens this request may generate: params.max_tokens capped by the context length."""
@@ -66,15 +68,14 @@ class Request:
         """Output text with stop strings removed (when the request stopped on one)."""
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.user_data: Any = None
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -117,11 +117,10 @@ class LLM:
         try:
             for (text, token_ids), request_params in zip(encoded, params):
                 base = str(next(self._ids))
-                requests = []
-                for index in range(request_params.n):
-                    seed = None if request_params.seed is None else request_params.seed + index
-                    sample_params = request_params if request_params.n == 1 and seed == request_params.seed else _one_of(request_params, seed)
-                    requests.append(engine.add_request(f"{base}-{index}", token_ids, sample_params))
+                requests = [
+                    engine.add_request(f"{base}-{index}", token_ids, choice)
+                    for index, choice in enumerate(request_params.choices())
+                ]
                 groups.append((base, text, token_ids, requests))
         except Exception:
             for _, _, _, requests in groups:
@@ -155,12 +154,6 @@ class LLM:
             )
             for base, text, token_ids, requests in groups
         ]
-
-
-def _one_of(params: SamplingParams, seed: int | None) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 def completion(request: Request, index: int) -> CompletionOutput:

@@ -113,14 +113,15 @@ class Server:
                 f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
             )
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[asyncio.Queue, list[str]]:
+    async def start(self, prompts: list[list[int]], params: SamplingParams) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
         output: asyncio.Queue = asyncio.Queue()
-        batch = []
-        for prompt_index, prompt in enumerate(prompts):
-            for choice in range(n):
-                seed = None if params.seed is None else params.seed + choice
-                batch.append((uuid.uuid4().hex, prompt, msgspec.structs.replace(params, seed=seed), prompt_index * n + choice))
+        choices = params.choices()
+        batch = [
+            (uuid.uuid4().hex, prompt, choice, prompt_index * len(choices) + index)
+            for prompt_index, prompt in enumerate(prompts)
+            for index, choice in enumerate(choices)
+        ]
         ids = [request_id for request_id, *_ in batch]
         try:
             await self.engine.submit(batch, output)
@@ -167,6 +168,7 @@ class Server:
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         try:
             return SamplingParams(
+                n=getattr(body, "n", None) or 1,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0,
@@ -288,7 +290,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
-    output, ids = await server.start([prompt], params, body.n)
+    output, ids = await server.start([prompt], params)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -372,7 +374,7 @@ async def completions(server: Server, request: Request) -> Response:
         server.check_length(prompt, body.max_tokens)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     params = server.sampling_params(body, max_tokens, body.logprobs)
-    output, ids = await server.start(prompts, params, body.n)
+    output, ids = await server.start(prompts, params)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -465,7 +467,7 @@ async def responses(server: Server, request: Request) -> Response:
                                 seed=body.seed),
         body.max_output_tokens, None,
     )
-    output, ids = await server.start([prompt], params, 1)
+    output, ids = await server.start([prompt], params)
     response = _ResponseObject(server, body, prompt)
     if body.stream:
         return StreamingResponse(_responses_stream(server, output, ids, response), media_type="text/event-stream")

@@ -69,6 +69,14 @@ class EngineConfig(_Section, frozen=True):
     ] = "auto"
     seed: Annotated[int, Meta(description="seed of unseeded sampling")] = 0
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
+    graph_batch_sizes: Annotated[
+        list[Annotated[int, Meta(ge=1)]],
+        Meta(description="decode batch sizes captured as graphs; default: 1, 2, 4, 8, then every 8 up to max_num_seqs"),
+    ] | None = None
+    runtime_jit: Annotated[
+        Literal["warn", "error"],
+        Meta(description="a kernel variant compiled after warm-up: warn (and compile) or error"),
+    ] = "warn"
     tensor_parallel_size: Annotated[int, Meta(ge=1, description="devices a model is sharded over")] = 1
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe, torch_has_library, visible_device_count
 
@@ -44,8 +45,9 @@ class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
     distributed_backend: ClassVar[str] = "nccl"
-    default_attention: ClassVar[str] = "torch"
+    default_attention: ClassVar[str] = "triton"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
+    supports_graph_capture: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> PlatformProbe:
@@ -56,3 +58,25 @@ class CudaPlatform(Platform):
 
         free, total = torch.cuda.mem_get_info(index)
         return MemoryInfo(free=free, total=total)
+
+    def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        import torch
+
+        if getattr(self, "_graph_pool", None) is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        # Run once outside the graph on a side stream: lazy initialisation (cuBLAS
+        # workspaces, kernel loading) must not happen during capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            outputs = fn()
+
+        def replay() -> Any:
+            graph.replay()
+            return outputs
+
+        return replay

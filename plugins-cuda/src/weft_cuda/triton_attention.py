@@ -12,6 +12,14 @@ looked up, so any block size works) with an online softmax, masking causally
 sliding window, skipping tiles wholly before the window.
 
 Runs on NVIDIA GPUs, and on the CPU under ``TRITON_INTERPRET=1`` for tests.
+
+The kernel goes through core's warm-up contract (:mod:`weft.kernels.warmup`):
+its compile key holds the dtype, the layer's head shape and window flag, the
+cache block size and the tile height; :meth:`TritonAttention.prepare` registers
+it with every layer shape, and the cache block sizes arrive through
+:meth:`TritonAttention.kv_cache_shape`, so warm-up compiles each variant the
+model will launch before the first request. Values that change from step to
+step (the block table's row stride, the window length) are not specialised on.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import triton
 import triton.language as tl
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
+from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, register
 
 DECODE_BLOCK_M = 16
 """Rows per program when every request decodes (rows are query heads of one KV head)."""
@@ -32,7 +42,7 @@ BLOCK_N = 64
 """Keys per inner iteration, independent of the cache's block size."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _paged_attention_kernel(
     query, key_cache, value_cache, output, block_table, seq_lens, query_start,
     scale, window,
@@ -102,6 +112,86 @@ def _paged_attention_kernel(
     )
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``): nothing to compile."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class PagedAttentionKey(CompileKey, frozen=True):
+    dtype: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    block_m: int
+    has_window: bool
+
+
+class PagedAttentionKernel(Kernel):
+    """The paged-attention kernel under the warm-up contract; one instance per backend."""
+
+    name: ClassVar[str] = "weft_cuda.paged_attention"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[AttentionLayer] = []
+        self.dtypes: list[torch.dtype] = []
+        self.block_sizes: list[int] = []
+
+    def dispatch(self, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int) -> PagedAttentionKey:
+        return PagedAttentionKey(
+            dtype=str(dtype).removeprefix("torch."), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim, block_size=block_size, block_m=block_m,
+            has_window=layer.sliding_window is not None,
+        )
+
+    def input_space(self) -> InputSpace | None:
+        if not (self.layers and self.dtypes and self.block_sizes):
+            return None
+        return (
+            Choice("dtype", self.dtypes) * Choice("layer", self.layers)
+            * Choice("block_size", self.block_sizes) * Choice("block_m", (DECODE_BLOCK_M, PREFILL_BLOCK_M))
+        )
+
+    def compile(self, key: PagedAttentionKey) -> Any:
+        if interpreting():
+            return key
+        dtype = getattr(torch, key.dtype)
+        heads, kv_heads, dim, block = key.num_heads, key.num_kv_heads, key.head_dim, key.block_size
+        # The launch's signature with the runtime strides of contiguous query/output rows and of
+        # the default cache layout; pointers are given as dtypes (16-byte aligned, as at runtime).
+        return _paged_attention_kernel.warmup(
+            dtype, dtype, dtype, dtype, torch.int32, torch.int32, torch.int32,
+            1.0, 0,
+            heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, heads * dim, dim, 1,
+            grid=(1,), **self._constants(key),
+        )
+
+    @staticmethod
+    def _constants(key: PagedAttentionKey) -> dict[str, Any]:
+        return dict(
+            GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_SIZE=key.block_size,
+            BLOCK_M=key.block_m, BLOCK_N=BLOCK_N, HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32",
+        )
+
+    def launch(
+        self, compiled: Any, *, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int,
+        query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch,
+    ) -> None:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key = self.dispatch(dtype, layer, block_size, block_m)
+        grid = (batch.seq_lens.shape[0], triton.cdiv(batch.max_query_len * (layer.num_heads // layer.num_kv_heads), block_m), layer.num_kv_heads)
+        _paged_attention_kernel[grid](
+            query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
+            layer.scale, layer.sliding_window or 0,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            output.stride(0), output.stride(1), batch.block_table.stride(0),
+            **self._constants(key),
+        )
+
+
 class TritonAttentionMetadata(msgspec.Struct):
     batch: AttentionBatch
     block_m: int
@@ -113,6 +203,11 @@ class TritonAttention(AttentionBackend):
 
     name: ClassVar[str] = "triton"
     supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
+    supports_graph_capture: ClassVar[bool] = True
+
+    def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
+        super().__init__(options, platform)
+        self.kernel = PagedAttentionKernel()
 
     def check_layer(self, layer: AttentionLayer) -> None:
         super().check_layer(layer)
@@ -122,6 +217,17 @@ class TritonAttention(AttentionBackend):
                 f"attention backend 'triton': {layer.num_heads} query heads over {layer.num_kv_heads} KV heads "
                 f"(group of {group}) is not supported; groups must be a power of two up to {DECODE_BLOCK_M}"
             )
+
+    def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:
+        super().prepare(layers, dtype)
+        self.kernel.layers = list(dict.fromkeys(layers))
+        self.kernel.dtypes = [getattr(torch, dtype)]
+        register(self.kernel)
+
+    def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
+        if spec.block_size not in self.kernel.block_sizes:
+            self.kernel.block_sizes.append(spec.block_size)
+        return super().kv_cache_shape(num_blocks, spec)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M if batch.max_query_len == 1 else PREFILL_BLOCK_M)
@@ -136,20 +242,11 @@ class TritonAttention(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         batch = metadata.batch
-        heads, dim = layer.num_kv_heads, layer.head_dim
         self.store_kv(kv_cache, key, value, batch.slot_mapping)
+        query = query.contiguous()
         output = torch.empty_like(query)
-        group = layer.num_heads // heads
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_requests = batch.seq_lens.shape[0]
-        block_m = metadata.block_m
-        grid = (num_requests, triton.cdiv(batch.max_query_len * group, block_m), heads)
-        _paged_attention_kernel[grid](
-            query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
-            layer.scale, layer.sliding_window or 0,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            output.stride(0), output.stride(1), batch.block_table.stride(0),
-            GROUP=group, HEAD_DIM=dim, BLOCK_SIZE=batch.block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            HAS_WINDOW=layer.sliding_window is not None, IEEE=query.dtype == torch.float32,
+        self.kernel(
+            dtype=query.dtype, layer=layer, block_size=batch.block_size, block_m=metadata.block_m,
+            query=query, kv_cache=kv_cache, output=output, batch=batch,
         )
         return output

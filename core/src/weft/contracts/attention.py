@@ -66,6 +66,15 @@ class AttentionBackend(PluginBase):
     supported_head_dims: ClassVar[tuple[int, ...] | None] = None
     """Head dims this backend computes; None means any."""
     supports_sliding_window: ClassVar[bool] = True
+    supports_graph_capture: ClassVar[bool] = False
+    """Whether decode steps through this backend can be captured as graphs and replayed.
+
+    True promises: :meth:`build_metadata` and :meth:`forward` read the batch's
+    tensors only on the device (no ``.tolist()``, no host decisions on their
+    values), so the metadata stays right when the tensors' contents change but
+    not their shapes; ``max_query_len`` is 1 and ``max_seq_len`` is the
+    context length for captured steps.
+    """
 
     def __init__(self, options: msgspec.Struct | None, platform: Platform) -> None:
         self.options = options if options is not None else self.Options()

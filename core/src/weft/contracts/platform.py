@@ -20,6 +20,7 @@ Everything else on the class may import torch lazily.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -99,10 +100,16 @@ class Platform(PluginBase):
         """The dtype used when ``engine.dtype = "auto"``."""
         return self.supported_dtypes[0]
 
-    def capture_graph(self, fn: Any, *args: Any) -> Any:
-        """Capture ``fn(*args)`` into a replayable graph; returns a callable replaying it.
+    def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Capture ``fn()`` into a replayable graph; returns a callable that replays it.
 
-        Only called when :attr:`supports_graph_capture` is true.
+        ``fn`` reads and writes only tensors that outlive the graph (the model
+        runner's static input buffers, the KV cache); calling the returned
+        function re-runs the captured work on their current contents and returns
+        the tensors ``fn`` returned at capture, now holding the new results.
+        Graphs captured by one platform instance share one memory pool, so
+        capture the largest batch first. Only called when
+        :attr:`supports_graph_capture` is true.
         """
         raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
 

@@ -26,7 +26,8 @@ from weft.layers.attention import Attention
 from weft.outputs import Logprob
 from weft.plugins import PluginError, PluginRegistry
 from weft.plugins.selection import select_platform
-from weft.runner.model_runner import ModelRunner
+from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
+from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
 from weft.runner.sampler import Sampler
 from weft.sampling_params import SamplingParams
 
@@ -81,10 +82,12 @@ class LLMEngine:
         self.attention = attention_class(self._options("attention", attention_class, attention_name), self.platform)
 
         torch.manual_seed(engine.seed)
-        self.model = self.family.build(self.model_config, self.device)
-        self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
-        layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
-        self.attention.prepare(layers, self.dtype)
+        # Kernels the model and the attention backend will launch register while they are built.
+        with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
+            self.model = self.family.build(self.model_config, self.device)
+            self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
+            layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
+            self.attention.prepare(layers, self.dtype)
 
         self.groups = self.family.kv_cache_groups(self.model_config)
         num_blocks = self._num_kv_blocks()
@@ -92,7 +95,8 @@ class LLMEngine:
         kv_caches = {}
         torch_dtype = getattr(torch, self.dtype)
         for group, count in zip(self.groups, num_blocks):
-            shape = self.attention.kv_cache_shape(count, group.spec)
+            # One block beyond the manager's: the scratch block padded graph rows write to.
+            shape = self.attention.kv_cache_shape(count + 1, group.spec)
             for layer in group.layer_names:
                 kv_caches[layer] = torch.zeros(shape, dtype=torch_dtype, device=self.device)
         self.scheduler = Scheduler(
@@ -101,6 +105,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.kv_cache_manager, self.device, Sampler(engine.seed)
         )
+        compiled = self.kernels.warm_up()
+        if compiled:
+            logger.info("kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items()))
+        self._capture_graphs(num_blocks)
         self.requests: dict[str, Request] = {}
         self.model_name = config.server.served_model_name or self.source.name
         logger.info(
@@ -108,6 +116,25 @@ class LLMEngine:
             time.monotonic() - started, self.model_name, self.platform.name, self.dtype, num_blocks,
         )
         self.hooks.hook.weft_engine_started(engine=self)
+
+    def _capture_graphs(self, num_blocks: list[int]) -> None:
+        """Capture decode graphs when the platform and the attention backend both can, unless told not to."""
+        engine = self.config.engine
+        if engine.enforce_eager:
+            return
+        if not (self.platform.supports_graph_capture and self.attention.supports_graph_capture):
+            if self.platform.supports_graph_capture:
+                logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
+            return
+        sizes = sorted(set(engine.graph_batch_sizes or default_graph_sizes(engine.max_num_seqs)))
+        too_large = [size for size in sizes if size > engine.max_num_seqs]
+        if too_large:
+            raise ValueError(
+                f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
+                f"remove them or raise max_num_seqs"
+            )
+        seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.max_model_len)
+        logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
 
     def _options(self, slot: str, plugin: Any, name: str) -> msgspec.Struct:
         return plugin_options(self.config, plugin.Options, slot, name)

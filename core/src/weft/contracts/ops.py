@@ -53,6 +53,14 @@ class OpImplementation(PluginBase):
         """Whether this implementation can run now (a compiler present, a device capable)."""
         return True
 
+    def declare(self, **shape: Any) -> None:
+        """A layer that will call this op says, at construction, the static shape of its calls.
+
+        Implementations that compile a kernel per shape record it here and
+        register the kernel for warm-up (:mod:`weft.kernels.warmup`); the
+        default ignores it. Each op documents the keys it passes.
+        """
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 

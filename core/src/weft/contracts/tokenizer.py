@@ -132,6 +132,11 @@ class IncrementalDetokenizer:
         self.text += piece
         return piece
 
+    def push_all(self, token_ids: Sequence[int]) -> str:
+        """Add many ids and flush: the text :meth:`push` of each then :meth:`flush` would give, in two decodes."""
+        self._ids.extend(token_ids)
+        return self.flush()
+
     def flush(self) -> str:
         """At the end of the stream: return held-back text (an incomplete character as U+FFFD)."""
         decode = self._tokenizer.decode

@@ -178,8 +178,13 @@ class KVCacheManager:
         nothing, when a group has too few free blocks; the scheduler then
         preempts or waits.
         """
-        new_request = request_id not in self._blocks
-        held = self._blocks.get(request_id) or [[] for _ in self.groups]
+        held = self._blocks.get(request_id)
+        new_request = held is None
+        if not new_request and all(
+            len(blocks) >= group.spec.blocks_for_tokens(num_tokens) for group, blocks in zip(self.groups, held)
+        ):
+            return True  # a decode step inside blocks it already holds: the common case, kept cheap
+        held = held or [[] for _ in self.groups]
         reused = prefix.blocks if (new_request and prefix is not None) else tuple(() for _ in self.groups)
         needed = []
         for group, pool, blocks, shared in zip(self.groups, self.pools, held, reused):

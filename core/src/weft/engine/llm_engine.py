@@ -25,7 +25,8 @@ from weft.engine.scheduler import Scheduler
 from weft.layers.attention import Attention
 from weft.outputs import Logprob
 from weft.plugins import PluginError, PluginRegistry
-from weft.plugins.selection import select_platform
+from weft.layers.ops import LAYER_OPS, using_ops
+from weft.plugins.selection import choose_op, select_platform
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
 from weft.runner.sampler import Sampler
@@ -84,7 +85,9 @@ class LLMEngine:
         torch.manual_seed(engine.seed)
         # Kernels the model and the attention backend will launch register while they are built.
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
-            self.model = self.family.build(self.model_config, self.device)
+            self.ops = self._choose_ops()
+            with using_ops(self.ops):
+                self.model = self.family.build(self.model_config, self.device)
             self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
@@ -116,6 +119,15 @@ class LLMEngine:
             time.monotonic() - started, self.model_name, self.platform.name, self.dtype, num_blocks,
         )
         self.hooks.hook.weft_engine_started(engine=self)
+
+    def _choose_ops(self) -> dict[str, Any]:
+        forced = self.config.use.ops
+        unknown = sorted(set(forced) - set(LAYER_OPS))
+        if unknown:
+            raise ValueError(f"use.ops names {unknown}, which no layer calls; known ops: {', '.join(LAYER_OPS)}")
+        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS}
+        logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
+        return ops
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:
         """Capture decode graphs when the platform and the attention backend both can, unless told not to."""
@@ -182,7 +194,10 @@ class LLMEngine:
 
     # Requests.
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream_text: bool = True
+    ) -> Request:
+        """Queue a request. ``stream_text=False``: its text is read only once it finishes (offline generation)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -204,6 +219,7 @@ class LLMEngine:
         request = Request(
             request_id, prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids,
             detokenizer=self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens), generator=generator,
+            stream_text=stream_text,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -260,7 +276,7 @@ class LLMEngine:
         elif may_stop and token_id in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
-        else:
+        elif not request.defer_text:
             piece = request.detokenizer.push(token_id)
             if piece:
                 previous = len(request.text)
@@ -270,7 +286,13 @@ class LLMEngine:
         if not request.finished and (generated >= request.max_tokens or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
         if request.finished and not isinstance(request.stop_reason, str):
-            request.text += request.detokenizer.flush()
+            if request.defer_text:
+                # Every output id except one that stopped the request (EOS, a stop id): what push would have seen.
+                stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED
+                text_ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
+                request.text += request.detokenizer.push_all(text_ids)
+            else:
+                request.text += request.detokenizer.flush()
 
     def _check_stop_strings(self, request: Request, previous_length: int) -> bool:
         params = request.params

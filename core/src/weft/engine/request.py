@@ -45,6 +45,7 @@ class Request:
         eos_token_ids: frozenset[int],
         detokenizer: IncrementalDetokenizer | None = None,
         generator: torch.Generator | None = None,
+        stream_text: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +67,9 @@ class Request:
         self.generator = generator
         self.text = ""
         """Output text with stop strings removed (when the request stopped on one)."""
+        self.defer_text = not stream_text and not params.stop
+        """Detokenize once when the request finishes instead of token by token: nobody reads the
+        text before then (``stream_text`` False) and no stop string needs it."""
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
 

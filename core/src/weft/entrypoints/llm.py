@@ -20,6 +20,7 @@ from weft.config import EngineConfig, WeftConfig, load_config
 from weft.engine.llm_engine import LLMEngine
 from weft.engine.request import Request
 from weft.outputs import CompletionOutput, RequestOutput
+from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
 
 _SECTIONS = ("use", "engine", "server", "plugins")
@@ -36,7 +37,15 @@ class LLM:
     engine options may also be given flat, as in vLLM (``max_num_seqs=8``).
     """
 
-    def __init__(self, model: str | None = None, config: str | Path | WeftConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | Path | WeftConfig | None = None,
+        registry: PluginRegistry | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``registry``: the plugins to build from (default: every installed one, as discovered)."""
+        self._registry = registry
         if isinstance(config, WeftConfig):
             if model is not None or overrides:
                 raise TypeError("LLM(config=<WeftConfig>) takes no other arguments; apply them to the config")
@@ -59,7 +68,7 @@ class LLM:
 
     def _start(self, config: WeftConfig) -> None:
         self.config = config
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, self._registry)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -118,7 +127,7 @@ class LLM:
             for (text, token_ids), request_params in zip(encoded, params):
                 base = str(next(self._ids))
                 requests = [
-                    engine.add_request(f"{base}-{index}", token_ids, choice)
+                    engine.add_request(f"{base}-{index}", token_ids, choice, stream_text=False)
                     for index, choice in enumerate(request_params.choices())
                 ]
                 groups.append((base, text, token_ids, requests))
@@ -132,6 +141,8 @@ class LLM:
         try:
             while engine.has_unfinished:
                 engine.step()
+                if not progress.enabled:
+                    continue
                 finished = sum(all(request.finished for request in requests) for *_, requests in groups)
                 if finished != done:
                     done = finished

@@ -13,7 +13,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from weft.layers.ops import current_op
 
 
 @contextlib.contextmanager
@@ -28,8 +31,21 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class Linear(nn.Linear):
+    """``y = x W^T + b`` through the engine's ``linear`` op (plain torch outside an engine)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.op = current_op("linear")
+        if self.op is not None:
+            self.op.declare(out_features=out_features, in_features=in_features, bias=bias, dtype=self.weight.dtype)
+
     def reset_parameters(self) -> None:
         """No random initialisation: the checkpoint provides the weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.op(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):

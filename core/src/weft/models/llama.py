@@ -20,6 +20,7 @@ from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import Attention, ForwardContext
 from weft.layers.linear import Embedding, Linear, default_dtype
 from weft.layers.norm import RMSNorm
+from weft.layers.ops import current_op
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -72,6 +73,9 @@ class LlamaAttention(nn.Module):
             scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index],
         )
         self.attn = Attention(layer_name(index), 0, spec)
+        self.rotary = current_op("rotary")
+        if self.rotary is not None:
+            self.rotary.declare(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -81,7 +85,7 @@ class LlamaAttention(nn.Module):
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = apply_rotary(query, key, *rotary)
+        query, key = (self.rotary or apply_rotary)(query, key, *rotary)
         output = self.attn(query, key, value, context)
         return self.o_proj(output.reshape(tokens, self.q_size))
 
@@ -92,9 +96,15 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = settings.intermediate_size
         self.gate_up_proj = Linear(settings.hidden_size, 2 * settings.intermediate_size, bias=settings.mlp_bias)
         self.down_proj = Linear(settings.intermediate_size, settings.hidden_size, bias=settings.mlp_bias)
+        self.act = current_op("silu_and_mul")
+        if self.act is not None:
+            self.act.declare(width=settings.intermediate_size, dtype=self.down_proj.weight.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        if self.act is not None:
+            return self.down_proj(self.act(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -106,9 +116,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), context)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+        context: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream before it)``; the next norm adds them (fused)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, context)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -122,9 +141,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(rotary, hidden, context)
-        return self.norm(hidden)
+            hidden, residual = layer(rotary, hidden, residual, context)
+        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
+        self._zeros = array("i", [0]) * max(widths)
         self._fill_padding(0, max(sizes))
         for size in sorted(set(sizes), reverse=True):
             self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
@@ -208,8 +210,11 @@ class ModelRunner:
             block_size = group.spec.block_size
             tables = [self.kv_cache_manager.block_ids(item.request.request_id, (index,))[0] for item in step.scheduled]
             width = max(len(table) for table in tables)
-            rows = [list(table) + [0] * (width - len(table)) for table in tables]
-            static.block_tables[index][:count, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+            rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
+            for table in tables:
+                rows.extend(table)
+                rows.extend(self._zeros[: width - len(table)])
+            static.block_tables[index][:count, :width].copy_(torch.frombuffer(rows, dtype=torch.int32).view(count, width))
             slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
             static.slot_mappings[index][:count].copy_(torch.tensor(slots, dtype=torch.int32))
         if count < size:

@@ -1,0 +1,145 @@
+"""Shared pieces of the GPU benchmarks and GPU tests.
+
+* Ceilings measured in the same run: device-to-device copy bandwidth, and the
+  bf16 matmul rate on large random matrices.
+* Model shapes (Llama-3-8B, Qwen3-0.6B) as Hugging Face config dicts.
+* Random-weight models that never touch the disk: :class:`MemoryLoader` is a
+  weight-loader plugin serving a config and a weight iterator registered in
+  this process (random tensors made on the GPU, or a Hugging Face model's own
+  state dict so both run identical weights); :func:`registry_with_memory_loader`
+  adds it to the installed plugins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from weft.contracts.loader import ModelSource, WeightLoader
+from weft.plugins import PluginRegistry
+from weft.plugins.discovery import PluginEntry, discover
+
+LLAMA3_8B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=16384, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001,
+)
+"""Llama-3-8B's shape (context cut to 16k: the benchmarks need no more)."""
+
+QWEN3_0_6B: dict[str, Any] = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    bos_token_id=151643, eos_token_id=151645,
+)
+
+
+def out_path(name: str) -> Path | None:
+    """``$OUT/name`` when $OUT is set (the device machine's output folder)."""
+    root = os.environ.get("OUT")
+    return Path(root) / name if root else None
+
+
+def copy_bandwidth(gigabytes: int = 4) -> float:
+    """Bytes per second of a device-to-device copy (read + write), a practical HBM ceiling."""
+    size = gigabytes << 30
+    source = torch.empty(size, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    seconds = cuda_time(lambda: target.copy_(source), repeats=10)
+    del source, target
+    return 2 * size / seconds
+
+
+def matmul_rate(size: int = 8192) -> float:
+    """FLOP/s of a bf16 ``size``-cubed matmul on random data (cuBLAS)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    seconds = cuda_time(lambda: a @ b, repeats=20)
+    return 2 * size**3 / seconds
+
+
+def cuda_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Mean seconds of ``fn()`` over ``repeats`` back-to-back calls, timed with CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def hf_config(shape: dict[str, Any]):
+    from transformers import AutoConfig
+
+    spec = dict(shape)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def hf_parameter_shapes(shape: dict[str, Any]) -> list[tuple[str, torch.Size]]:
+    """Names and shapes of a Hugging Face model's parameters, from a model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(shape))
+    return [(name, parameter.shape) for name, parameter in model.named_parameters()]
+
+
+def random_weights(shape: dict[str, Any], dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Callable[[], Iterator]:
+    """A weight iterator of random tensors made on the GPU: N(0, std) matrices, norms of ones."""
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        for name, size in hf_parameter_shapes(shape):
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(size, dtype=dtype, device="cuda")
+            else:
+                yield name, torch.empty(size, dtype=dtype, device="cuda").normal_(0, std, generator=generator)
+
+    return weights
+
+
+class MemoryLoader(WeightLoader):
+    """Serves models registered in this process: ``memory:<name>``."""
+
+    name: ClassVar[str] = "memory"
+    priority: ClassVar[int] = 100
+    models: ClassVar[dict[str, tuple[dict[str, Any], Callable[[], Iterator], Path]]] = {}
+
+    @classmethod
+    def add(cls, name: str, shape: dict[str, Any], weights: Callable[[], Iterator], tokenizer: Path) -> str:
+        cls.models[name] = (shape, weights, tokenizer)
+        return f"memory:{name}"
+
+    def accepts(self, source: str) -> bool:
+        return source.startswith("memory:") and source[7:] in self.models
+
+    def resolve(self, source: str) -> ModelSource:
+        shape, _, tokenizer = self.models[source[7:]]
+        config = {key: value for key, value in shape.items()}
+        return ModelSource(path=str(tokenizer), format="memory", hf_config=config, tokenizer="hf", name=source)
+
+    def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        _, weights, _ = self.models[source.name[7:]]
+        for name, tensor in weights():
+            yield name, tensor.to(getattr(torch, dtype))
+
+
+def registry_with_memory_loader() -> PluginRegistry:
+    entry = PluginEntry(
+        slot="loader", name="memory", target=f"{__name__}:MemoryLoader", distribution="weft-bench", version="0",
+        core_api="", builtin=False,
+    )
+    return PluginRegistry(discover() + [entry])

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU machine's run: install the carried wheels, then run the named parts, logging to $OUT.
+#   bash bench/gpu_session.sh tests decode prefill throughput attention
+# Needs .whl (weft-core, weft-cuda and the pure-Python dependencies the image lacks) and
+# .whl/tokenizer (SmolLM2's tokenizer files), both carried.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WEFT_TEST_TOKENIZER=$PWD/.whl/tokenizer
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+git log --oneline -1 2>/dev/null
+for part in "$@"; do
+    echo "=== $part"
+    case $part in
+        tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_triton_attention.py tests/test_cuda_ops.py \
+                   tests/test_cuda_graphs.py tests/test_gpu_parity.py -s 2>&1 | tee "$out/gpu_tests.log" ;;
+        attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
+        prefill-sweep) python3 bench/gpu_prefill.py --sweep --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_prefill.log" ;;
+        *) python3 "bench/gpu_$part.py" --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_$part.log" ;;
+    esac
+done

@@ -1,0 +1,149 @@
+"""weft-cuda's implementations of core ops."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from weft.contracts.ops import OpImplementation
+
+
+class LinearTriton(OpImplementation):
+    """``linear`` with the Triton skinny-matrix kernel for one row in bf16/fp16; cuBLAS otherwise.
+
+    Batch-1 decode is where cuBLAS streams small weight matrices well below the
+    memory bandwidth (see docs/benchmarks.md); larger batches are compute-shaped
+    and go to cuBLAS unchanged.
+    """
+
+    op: ClassVar[str] = "linear"
+    platforms: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    priority: ClassVar[int] = 10
+    tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
+
+    def __init__(self, platform: Any) -> None:
+        super().__init__(platform)
+        from weft.kernels.warmup import register
+        from weft_cuda.gemv import GemvKernel
+
+        self.kernel = register(GemvKernel())
+
+    @classmethod
+    def is_available(cls, platform: Any) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None
+
+    def declare(self, **shape: Any) -> None:
+        import torch
+
+        if shape["dtype"] in (torch.bfloat16, torch.float16):
+            self.kernel.add_shape(shape["out_features"], shape["in_features"], shape["bias"], shape["dtype"])
+
+    def __call__(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        from weft_cuda.gemv import MAX_ROWS
+
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        flat = x.reshape(rows, x.shape[-1])
+        if not flat.is_contiguous() or flat.data_ptr() % 16:
+            flat = flat.contiguous() if flat.data_ptr() % 16 == 0 else flat.clone()
+        out_features, in_features = weight.shape
+        y = self.kernel(
+            dtype=x.dtype, n=out_features, k=in_features, m=rows, has_bias=bias is not None,
+            x=flat, weight=weight, bias=bias,
+        )
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+class _FusedOp(OpImplementation):
+    """A weft-cuda fused kernel for half-precision tensors; float32 goes to core's reference."""
+
+    platforms: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    priority: ClassVar[int] = 10
+    tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
+    kernel_class: ClassVar[str]
+
+    def __init__(self, platform: Any) -> None:
+        super().__init__(platform)
+        import weft_cuda.fused as fused
+        from weft.kernels.warmup import register
+
+        self.kernel = register(getattr(fused, self.kernel_class)())
+
+    @classmethod
+    def is_available(cls, platform: Any) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None
+
+    @staticmethod
+    def fused(dtype: Any) -> bool:
+        import torch
+
+        return dtype in (torch.bfloat16, torch.float16)
+
+
+class RmsNormTriton(_FusedOp):
+    """``rms_norm`` (with the residual add) in one kernel per call."""
+
+    op: ClassVar[str] = "rms_norm"
+    kernel_class: ClassVar[str] = "RmsNormKernel"
+
+    def declare(self, **shape: Any) -> None:
+        if self.fused(shape["dtype"]):
+            self.kernel.add(shape["dtype"], (shape["hidden_size"],))
+
+    def __call__(self, x: Any, weight: Any, eps: float, residual: Any = None) -> Any:
+        from weft.layers.norm import rms_norm
+
+        if not self.fused(x.dtype) or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+            return rms_norm(x, weight, eps, residual)
+        x = x.contiguous()
+        residual = residual.contiguous() if residual is not None else None
+        return self.kernel(dtype=x.dtype, shape=(x.shape[-1],), flag=residual is not None, x=x, weight=weight, eps=eps, residual=residual)
+
+
+class RotaryTriton(_FusedOp):
+    """``rotary`` for queries and keys of one token in one program, read in place from the fused projection."""
+
+    op: ClassVar[str] = "rotary"
+    kernel_class: ClassVar[str] = "RotaryKernel"
+
+    def declare(self, **shape: Any) -> None:
+        if self.fused(shape["dtype"]) and shape["head_dim"] % 16 == 0:
+            self.kernel.add(shape["dtype"], (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]))
+
+    def __call__(self, query: Any, key: Any, cos: Any, sin: Any) -> Any:
+        from weft.layers.rotary import apply_rotary
+
+        dim = query.shape[-1]
+        usable = (
+            self.fused(query.dtype) and dim % 16 == 0 and key.dtype == query.dtype == cos.dtype == sin.dtype
+            and query.stride(-1) == key.stride(-1) == 1 and query.stride(1) == key.stride(1) == dim
+        )
+        if not usable:
+            return apply_rotary(query, key, cos, sin)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        return self.kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key, cos=cos, sin=sin)
+
+
+class SiluAndMulTriton(_FusedOp):
+    op: ClassVar[str] = "silu_and_mul"
+    kernel_class: ClassVar[str] = "SiluAndMulKernel"
+
+    def declare(self, **shape: Any) -> None:
+        if self.fused(shape["dtype"]):
+            self.kernel.add(shape["dtype"], (shape["width"],))
+
+    def __call__(self, x: Any) -> Any:
+        import torch.nn.functional as F
+
+        if not self.fused(x.dtype):
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        x = x.contiguous()
+        return self.kernel(dtype=x.dtype, shape=(x.shape[-1] // 2,), x=x)

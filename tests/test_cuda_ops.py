@@ -1,0 +1,91 @@
+"""weft-cuda's skinny-matrix linear kernel: equal to F.linear, under the interpreter on the CPU and on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from weft.kernels.warmup import compile_many  # noqa: E402
+from weft.testing import OpContract  # noqa: E402
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("rows", [1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_kernel_matches_linear_interpreted(rows, bias):
+    from weft_cuda.gemv import GemvKernel
+
+    generator = torch.Generator().manual_seed(rows)
+    n, k = 40, 600  # neither a multiple of the tiles: masked edges in both directions
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    b = torch.randn(n, generator=generator) if bias else None
+    kernel = GemvKernel()
+    kernel.add_shape(n, k, bias, torch.float32)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1  # the one-row tile
+    y = kernel(dtype=x.dtype, n=n, k=k, m=rows, has_bias=bias, x=x, weight=weight, bias=b)
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert kernel.monitor.misses == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestLinearTritonOnGPU(OpContract):
+    plugin_name = "linear.triton"
+    device = "cuda"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_and_mul"])
+def test_fused_kernels_match_their_references_interpreted(op):
+    """The kernels themselves (float32 on the CPU), on every example input of the op's reference."""
+    from weft.builtins import ops as references
+    from weft_cuda import fused
+
+    reference = {"rms_norm": references.RmsNormTorch, "rotary": references.RotaryTorch,
+                 "silu_and_mul": references.SiluAndMulTorch}[op](None)
+    kernel = {"rms_norm": fused.RmsNormKernel, "rotary": fused.RotaryKernel, "silu_and_mul": fused.SiluAndMulKernel}[op]()
+    checked = 0
+    for args, kwargs in type(reference).example_inputs("cpu"):
+        if args[0].dtype != torch.float32:
+            continue  # the interpreter computes in numpy, which has no bfloat16
+        if op == "rms_norm":
+            x, weight, eps = args
+            residual = kwargs.get("residual")
+            got = kernel(dtype=x.dtype, shape=(x.shape[-1],), flag=residual is not None, x=x, weight=weight, eps=eps, residual=residual)
+        elif op == "rotary":
+            query, key, cos, sin = args
+            got = kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], query.shape[2]), query=query, key=key, cos=cos, sin=sin)
+        else:
+            (x,) = args
+            got = kernel(dtype=x.dtype, shape=(x.shape[-1] // 2,), x=x)
+        expected = reference(*args, **kwargs)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestRmsNormTritonOnGPU(OpContract):
+    plugin_name = "rms_norm.triton"
+    device = "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestRotaryTritonOnGPU(OpContract):
+    plugin_name = "rotary.triton"
+    device = "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestSiluAndMulTritonOnGPU(OpContract):
+    plugin_name = "silu_and_mul.triton"
+    device = "cuda"

@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=None, help="HF batch (default: all requests)")
+    parser.add_argument("--profile", action="store_true", help="also profile the host side of a second Weft run")
     args = parser.parse_args()
     print(f"# gpu_throughput: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bandwidth = copy_bandwidth()
@@ -91,6 +92,13 @@ def main() -> None:
     outputs = llm.generate(lists, params)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    if args.profile:  # where the host time of a second, identical run goes
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(llm.generate, lists, params)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == output_tokens
     rate = output_tokens / seconds
     roofline = decode_roofline(shape, args.requests, args.prompt, args.output, bandwidth)

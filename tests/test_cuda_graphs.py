@@ -91,7 +91,7 @@ def test_warm_up_compiles_every_variant_before_serving(tiny_llama):
     llm = LLM(model=str(tiny_llama), use={"attention": "triton"},
               engine={"block_size": 4, "num_kv_blocks": 256, "runtime_jit": "error", "max_num_batched_tokens": 16})
     kernel = llm.engine.kernels.kernels["weft_cuda.paged_attention"]
-    assert len(kernel.compiled) == 2  # one layer shape, one block size, decode and prefill tiles
+    assert len(kernel.compiled) == 3  # one layer shape and block size: decode, split-key decode, prefill
     # Chunked prefill, prefill mixed with decodes, decode-only steps: no miss (error mode would raise).
     llm.generate(prompts(4), staggered(4, 12))
     assert kernel.monitor.misses == [] and kernel.monitor.mode == "error"

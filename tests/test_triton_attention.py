@@ -39,3 +39,46 @@ class TestTritonAttentionInterpretedSmallBlocks(AttentionContract):
     plugin_name = "triton"
     head_dims = (32,)
     block_size = 4
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("requests", [1, 3, 12])
+@pytest.mark.parametrize("window", [None, 37])
+def test_split_key_decode_matches_torch_backend(requests, window):
+    """Decode-only steps of few requests take the split-key path (partial softmaxes merged); same result."""
+    import torch
+
+    from weft.builtins.cpu import CpuPlatform
+    from weft.builtins.torch_attention import TorchAttention
+    from weft.contracts.attention import AttentionBatch, AttentionLayer
+    from weft_cuda.triton_attention import TritonAttention, decode_splits
+
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    dtype = torch.float32
+    generator = torch.Generator().manual_seed(requests)
+    layer = AttentionLayer(num_heads=8, num_kv_heads=2, head_dim=32, scale=32**-0.5, sliding_window=window)
+    block = 8
+    lengths = torch.randint(1, 150, (requests,), generator=generator).tolist()
+    lengths[0] = 149  # one long context: every key range holds keys
+    per_request = -(-max(lengths) // block)
+    num_blocks = requests * per_request + 1
+    cache = torch.randn(2, num_blocks, block, 2, 32, generator=generator).to(device, dtype)
+    table = torch.randperm(num_blocks - 1, generator=generator)[: requests * per_request].view(requests, per_request)
+    table = table.to(device, torch.int32)
+    positions = torch.tensor([length - 1 for length in lengths], device=device)
+    slots = table[torch.arange(requests, device=device), positions // block].long() * block + positions % block
+    batch = AttentionBatch(
+        query_start=torch.arange(requests + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table=table, slot_mapping=slots.to(torch.int32), max_query_len=1, max_seq_len=max(lengths), block_size=block,
+    )
+    query = torch.randn(requests, 8, 32, generator=generator).to(device, dtype)
+    key = torch.randn(requests, 2, 32, generator=generator).to(device, dtype)
+    value = torch.randn(requests, 2, 32, generator=generator).to(device, dtype)
+    results = {}
+    for backend in (TritonAttention(None, CpuPlatform()), TorchAttention(None, CpuPlatform())):
+        backend.prepare([layer], "float32")
+        metadata = backend.build_metadata(batch)
+        results[backend.name] = backend.forward(layer, query, key, value, cache.clone(), metadata)
+    assert TritonAttention(None, CpuPlatform()).build_metadata(batch).splits == decode_splits(requests) > 1
+    torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)

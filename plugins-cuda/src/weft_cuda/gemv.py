@@ -53,16 +53,22 @@ def block_rows(m: int) -> int:
     return 1 if m <= 1 else 2 if m == 2 else 4
 
 
-def tile_config(n: int, k: int, block_m: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``N x K`` weight, from a tile sweep on an H200.
+def pays(n: int, k: int) -> bool:
+    """Whether this kernel beats cuBLAS for an ``N x K`` weight at one row.
 
-    Long K tiles (1024) keep the most bytes in flight per program; narrow column
-    strips give small matrices enough programs to cover the 132 SMs.
+    Measured in CUDA graphs on an H200 (docs/benchmarks.md): on Llama-3-8B's
+    qkv_proj (6144x4096) and o_proj (4096x4096) it streams 3.5-3.7 TB/s where
+    cuBLAS gives 3.2-3.3; on gate_up (28672x4096), down (4096x14336) and the LM
+    head cuBLAS is level or faster. So: matrices up to 32M elements.
     """
-    block_k = 1024 if block_m == 1 else 256
-    if n <= 4096:
-        return 4, block_k, 8
-    return (8 if n <= 32768 else 16), block_k, 4
+    return n * k <= 32 << 20
+
+
+def tile_config(n: int, k: int, block_m: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)``: from a tile sweep on an H200, strips of 8 columns walking
+    K in tiles of 1024 (the most bytes in flight per program) with 4 warps were best for the
+    matrices this kernel takes."""
+    return 8, (1024 if block_m == 1 else 256), 4
 
 
 class GemvKey(CompileKey, frozen=True):

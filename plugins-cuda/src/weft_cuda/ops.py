@@ -8,7 +8,8 @@ from weft.contracts.ops import OpImplementation
 
 
 class LinearTriton(OpImplementation):
-    """``linear`` with the Triton skinny-matrix kernel for one row in bf16/fp16; cuBLAS otherwise.
+    """``linear`` with the Triton skinny-matrix kernel for one row of bf16/fp16 on the matrices where it
+    beats cuBLAS (:func:`weft_cuda.gemv.pays`); cuBLAS otherwise.
 
     Batch-1 decode is where cuBLAS streams small weight matrices well below the
     memory bandwidth (see docs/benchmarks.md); larger batches are compute-shaped
@@ -36,17 +37,22 @@ class LinearTriton(OpImplementation):
     def declare(self, **shape: Any) -> None:
         import torch
 
-        if shape["dtype"] in (torch.bfloat16, torch.float16):
+        from weft_cuda.gemv import pays
+
+        if shape["dtype"] in (torch.bfloat16, torch.float16) and pays(shape["out_features"], shape["in_features"]):
             self.kernel.add_shape(shape["out_features"], shape["in_features"], shape["bias"], shape["dtype"])
 
     def __call__(self, x: Any, weight: Any, bias: Any = None) -> Any:
         import torch
         import torch.nn.functional as F
 
-        from weft_cuda.gemv import MAX_ROWS
+        from weft_cuda.gemv import MAX_ROWS, pays
 
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+        if (
+            rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
+            or not pays(*weight.shape)
+        ):
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         if not flat.is_contiguous() or flat.data_ptr() % 16:

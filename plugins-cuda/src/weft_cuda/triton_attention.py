@@ -112,6 +112,99 @@ def _paged_attention_kernel(
     )
 
 
+MAX_SPLITS = 16
+"""Most key ranges one decode request's keys are split into (flash-decoding)."""
+
+
+def decode_splits(num_requests: int) -> int:
+    """Key ranges per request for a decode-only step of ``num_requests``: few requests leave most of
+    the GPU idle (one program per request and KV head), so their keys are split across programs
+    and the partial softmaxes merged by a second kernel. Depends only on the batch size, so a
+    captured graph keeps it."""
+    return 16 if num_requests <= 2 else 8 if num_requests <= 8 else 4 if num_requests <= 16 else 1
+
+
+@triton.jit(do_not_specialize=["window", "stride_bt", "splits"])
+def _decode_split_kernel(
+    query, key_cache, value_cache, partial, partial_max, partial_sum, block_table, seq_lens,
+    scale, window, splits,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (request, KV head, key range) of a decode step: an unnormalised partial softmax."""
+    request = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + request)
+    rows = tl.arange(0, BLOCK_M)
+    valid = rows < GROUP
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(query + request * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=valid[:, None], other=0.0)
+    position = seq_len - 1
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(position - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_key, splits), BLOCK_N) * BLOCK_N
+    low = first_key + split * per_split
+    high = tl.minimum(low + per_split, seq_len)
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    accumulator = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    for tile_start in range(low, high, BLOCK_N):
+        key_positions = tile_start + keys
+        visible = (key_positions < high) & (key_positions >= first_key)
+        physical = tl.load(block_table + request * stride_bt + key_positions // BLOCK_SIZE, mask=visible, other=0)
+        offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
+            + kv_head * stride_ch + dims[None, :]
+        k = tl.load(key_cache + offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(value_cache + offsets, mask=visible[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - safe_max)
+        weights = tl.exp(scores - safe_max[:, None])
+        running_sum = running_sum * correction + tl.sum(weights, 1)
+        if IEEE:
+            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+        else:
+            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+        running_max = new_max
+    slot = ((request * KV_HEADS + kv_head) * MAX_SPLITS + split) * BLOCK_M + rows
+    tl.store(partial + slot[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=valid[:, None])
+    tl.store(partial_max + slot, running_max, mask=valid)
+    tl.store(partial_sum + slot, running_sum, mask=valid)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _decode_merge_kernel(
+    partial, partial_max, partial_sum, output, splits, stride_ot, stride_oh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    """Merge one (request, query head)'s partial softmaxes into its attention output."""
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    parts = tl.arange(0, MAX_SPLITS)
+    used = parts < splits
+    slot = ((request * KV_HEADS + kv_head) * MAX_SPLITS + parts) * BLOCK_M + head % GROUP
+    maxima = tl.load(partial_max + slot, mask=used, other=float("-inf"))
+    sums = tl.load(partial_sum + slot, mask=used, other=0.0)
+    top = tl.max(maxima, 0)
+    scale = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - top))
+    dims = tl.arange(0, HEAD_DIM)
+    accumulators = tl.load(partial + slot[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
+    total = tl.sum(sums * scale, 0)
+    result = tl.sum(accumulators * scale[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(output + request * stride_ot + head * stride_oh + dims, result.to(output.dtype.element_ty))
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``): nothing to compile."""
     import os
@@ -127,6 +220,8 @@ class PagedAttentionKey(CompileKey, frozen=True):
     block_size: int
     block_m: int
     has_window: bool
+    split: bool = False
+    """The two-kernel split-key decode path (:func:`decode_splits`)."""
 
 
 class PagedAttentionKernel(Kernel):
@@ -140,11 +235,13 @@ class PagedAttentionKernel(Kernel):
         self.dtypes: list[torch.dtype] = []
         self.block_sizes: list[int] = []
 
-    def dispatch(self, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int) -> PagedAttentionKey:
+    def dispatch(
+        self, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int, splits: int = 1
+    ) -> PagedAttentionKey:
         return PagedAttentionKey(
             dtype=str(dtype).removeprefix("torch."), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim, block_size=block_size, block_m=block_m,
-            has_window=layer.sliding_window is not None,
+            has_window=layer.sliding_window is not None, split=splits > 1,
         )
 
     def input_space(self) -> InputSpace | None:
@@ -153,7 +250,8 @@ class PagedAttentionKernel(Kernel):
         return (
             Choice("dtype", self.dtypes) * Choice("layer", self.layers)
             * Choice("block_size", self.block_sizes) * Choice("block_m", (DECODE_BLOCK_M, PREFILL_BLOCK_M))
-        )
+            * Choice("splits", (1, MAX_SPLITS))
+        ).where(lambda block_m, splits: splits == 1 or block_m == DECODE_BLOCK_M)
 
     def compile(self, key: PagedAttentionKey) -> Any:
         if interpreting():
@@ -162,11 +260,31 @@ class PagedAttentionKernel(Kernel):
         heads, kv_heads, dim, block = key.num_heads, key.num_kv_heads, key.head_dim, key.block_size
         # The launch's signature with the runtime strides of contiguous query/output rows and of
         # the default cache layout; pointers are given as dtypes (16-byte aligned, as at runtime).
+        if key.split:
+            split = _decode_split_kernel.warmup(
+                dtype, dtype, dtype, torch.float32, torch.float32, torch.float32, torch.int32, torch.int32,
+                1.0, 0, 2, heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, 1,
+                grid=(1,), **self._split_constants(key),
+            )
+            merge = _decode_merge_kernel.warmup(
+                torch.float32, torch.float32, torch.float32, dtype, 2, heads * dim, dim,
+                grid=(1,), KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=key.block_m,
+                MAX_SPLITS=MAX_SPLITS,
+            )
+            return split, merge
         return _paged_attention_kernel.warmup(
             dtype, dtype, dtype, dtype, torch.int32, torch.int32, torch.int32,
             1.0, 0,
             heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, heads * dim, dim, 1,
             grid=(1,), **self._constants(key),
+        )
+
+    @staticmethod
+    def _split_constants(key: PagedAttentionKey) -> dict[str, Any]:
+        return dict(
+            KV_HEADS=key.num_kv_heads, GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim,
+            BLOCK_SIZE=key.block_size, BLOCK_M=key.block_m, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
+            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32",
         )
 
     @staticmethod
@@ -178,10 +296,13 @@ class PagedAttentionKernel(Kernel):
 
     def launch(
         self, compiled: Any, *, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int,
-        query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch,
+        query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch, splits: int = 1,
     ) -> None:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key = self.dispatch(dtype, layer, block_size, block_m)
+        key = self.dispatch(dtype, layer, block_size, block_m, splits)
+        if key.split:
+            self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch)
+            return
         grid = (batch.seq_lens.shape[0], triton.cdiv(batch.max_query_len * (layer.num_heads // layer.num_kv_heads), block_m), layer.num_kv_heads)
         _paged_attention_kernel[grid](
             query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
@@ -192,10 +313,33 @@ class PagedAttentionKernel(Kernel):
         )
 
 
+    def _launch_split(
+        self, key: PagedAttentionKey, layer: AttentionLayer, splits: int, query: torch.Tensor, key_cache: torch.Tensor,
+        value_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch,
+    ) -> None:
+        requests, kv_heads = batch.seq_lens.shape[0], layer.num_kv_heads
+        partial = torch.empty(requests, kv_heads, MAX_SPLITS, key.block_m, layer.head_dim, dtype=torch.float32, device=query.device)
+        partial_max = torch.empty(requests, kv_heads, MAX_SPLITS, key.block_m, dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+        _decode_split_kernel[(requests, kv_heads, splits)](
+            query, key_cache, value_cache, partial, partial_max, partial_sum, batch.block_table, batch.seq_lens,
+            layer.scale, layer.sliding_window or 0, splits,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            batch.block_table.stride(0), **self._split_constants(key),
+        )
+        _decode_merge_kernel[(requests, layer.num_heads)](
+            partial, partial_max, partial_sum, output, splits, output.stride(0), output.stride(1),
+            KV_HEADS=kv_heads, GROUP=layer.num_heads // kv_heads, HEAD_DIM=layer.head_dim, BLOCK_M=key.block_m,
+            MAX_SPLITS=MAX_SPLITS,
+        )
+
+
 class TritonAttentionMetadata(msgspec.Struct):
     batch: AttentionBatch
     block_m: int
     """Rows per program: small for decode-only steps, large when a prefill chunk is present."""
+    splits: int = 1
+    """Key ranges per request on decode-only steps of few requests (:func:`decode_splits`)."""
 
 
 class TritonAttention(AttentionBackend):
@@ -230,7 +374,9 @@ class TritonAttention(AttentionBackend):
         return super().kv_cache_shape(num_blocks, spec)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M if batch.max_query_len == 1 else PREFILL_BLOCK_M)
+        if batch.max_query_len == 1:
+            return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M, splits=decode_splits(batch.seq_lens.shape[0]))
+        return TritonAttentionMetadata(batch=batch, block_m=PREFILL_BLOCK_M)
 
     def forward(
         self,
@@ -247,6 +393,6 @@ class TritonAttention(AttentionBackend):
         output = torch.empty_like(query)
         self.kernel(
             dtype=query.dtype, layer=layer, block_size=batch.block_size, block_m=metadata.block_m,
-            query=query, kv_cache=kv_cache, output=output, batch=batch,
+            splits=metadata.splits, query=query, kv_cache=kv_cache, output=output, batch=batch,
         )
         return output

@@ -30,7 +30,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 class Request:
@@ -87,7 +90,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:

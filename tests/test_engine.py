@@ -217,3 +217,12 @@ def test_hooks_see_the_engine_and_every_finished_request(llm):
     before = hooks.finished["length"]
     llm.generate(prompts(3), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert hooks.finished["length"] == before + 3
+
+
+def test_use_ops_names_are_checked_and_forced_implementations_used(tiny_model):
+    with pytest.raises(ValueError, match=r"use.ops names \['softmax'\], which no layer calls; known ops: linear, rms_norm"):
+        LLM(model=str(tiny_model), use={"ops": {"softmax": "torch"}}, engine={"num_kv_blocks": 64})
+    llm = LLM(model=str(tiny_model), use={"ops": {"linear": "torch"}}, engine={"num_kv_blocks": 64})
+    assert {name: type(op).__name__ for name, op in llm.engine.ops.items()} == {
+        "linear": "LinearTorch", "rms_norm": "RmsNormTorch", "rotary": "RotaryTorch", "silu_and_mul": "SiluAndMulTorch",
+    }

@@ -122,9 +122,11 @@ class LLMEngine:
 
     def _choose_ops(self) -> dict[str, Any]:
         forced = self.config.use.ops
-        unknown = sorted(set(forced) - set(LAYER_OPS))
+        installed = {name.partition(".")[0] for name in self.registry.names("ops")}
+        unknown = sorted(set(forced) - set(LAYER_OPS) - installed)
         if unknown:
-            raise ValueError(f"use.ops names {unknown}, which no layer calls; known ops: {', '.join(LAYER_OPS)}")
+            known = ", ".join(sorted(set(LAYER_OPS) | installed))
+            raise ValueError(f"use.ops names {unknown}, which no installed plugin implements; known ops: {known}")
         ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS}
         logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
         return ops

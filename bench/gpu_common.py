@@ -55,7 +55,6 @@ def copy_bandwidth(gigabytes: int = 4) -> float:
     for _ in range(3):
         target.copy_(source)
     seconds = cuda_time(lambda: target.copy_(source), repeats=10)
-    del source, target
     return 2 * size / seconds
 
 

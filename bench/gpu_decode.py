@@ -88,7 +88,6 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
             f"({'/'.join(map(str, best))}); max |error| {error:.1e}",
             flush=True,
         )
-        del weight
     print(
         f"  projections per step: cuBLAS {totals['cublas'] * 1e3:.3f} ms, Triton {totals['triton'] * 1e3:.3f} ms, "
         f"faster of each {totals['best'] * 1e3:.3f} ms (copy bandwidth {bandwidth / 1e12:.2f} TB/s)",

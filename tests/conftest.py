@@ -29,7 +29,7 @@ class Site:
     ) -> None:
         dist_info = self.root / f"{name.replace('-', '_')}-{version}.dist-info"
         dist_info.mkdir()
-        metadata = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
         metadata += [f"Requires-Dist: {requirement}" for requirement in requires]
         (dist_info / "METADATA").write_text("\n".join(metadata) + "\n")
         lines = []

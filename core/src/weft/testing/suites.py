@@ -319,7 +319,7 @@ class AttentionContract(_Contract):
             query = torch.randn(total, 4, head_dim, generator=generator).to(dtype).to(device)
             key = torch.randn(total, 2, head_dim, generator=generator).to(dtype).to(device)
             value = torch.randn(total, 2, head_dim, generator=generator).to(dtype).to(device)
-            starts, slots, row = [0], [], 0
+            starts, slots = [0], []
             for request, cached, new in step:
                 for position in range(cached, cached + new):
                     slots.append(tables[request][position // self.block_size] * self.block_size + position % self.block_size)

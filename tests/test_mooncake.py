@@ -11,16 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import make_tiny_model
-
-pytest.importorskip("mooncake.store", reason="weft-mooncake[cpu] is not installed")
-
-from weft_mooncake.local import LocalMooncake  # noqa: E402
-
-from weft.engine.kv_cache_manager import block_hashes  # noqa: E402
-from weft.entrypoints.llm import LLM  # noqa: E402
-from weft.sampling_params import SamplingParams  # noqa: E402
+from weft.engine.kv_cache_manager import block_hashes
+from weft.entrypoints.llm import LLM
+from weft.sampling_params import SamplingParams
+from weft.testing import KVConnectorContract
+from weft_mooncake.local import LocalMooncake
 
 ENGINE = {"num_kv_blocks": 96, "max_model_len": 200, "block_size": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -247,3 +243,67 @@ def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_ag
         with connected(llama, store) as second:
             assert generate(second, prompts[5:6]) == expected[5:6]
             assert second.engine.kv_connector.stats.hit_tokens == (len(prompts[5]) - 1) // 16 * 16
+
+
+def test_a_failed_load_is_recomputed(store, llama, caplog):
+    """The store claims the blocks (the keys exist) but holds objects of the wrong size: loading them fails."""
+    from mooncake.store import MooncakeDistributedStore
+
+    prompt = [(13 * i + 7) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 tokens after
+    expected = reference(llama, [prompt])
+    with connected(llama, store) as first:
+        generate(first, [prompt])
+    keys = keys_for(first, "attention", prompt)
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
+    try:
+        assert client.batch_remove(keys, True) == [0] * len(keys)
+        assert [client.put(key, b"\1" * 64) for key in keys] == [0] * len(keys)
+    finally:
+        client.close()
+
+    with connected(llama, store) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
+        computed = count_prefill_tokens(second)
+        assert generate(second, [prompt]) == expected
+        stats = second.engine.kv_connector.stats
+    assert (stats.hit_tokens, stats.failed_load_tokens) == (48, 48)
+    assert computed[0] == (len(prompt) - 48) + len(prompt)  # the step that relied on the load, then all of it again
+    assert any("could not load 48 tokens" in record.getMessage() for record in caplog.records)
+
+
+class TestMooncakeConnectorContract(KVConnectorContract):
+    plugin_name = "mooncake"
+
+    @pytest.fixture
+    def connector_options(self, store):
+        return store.options()
+
+    @pytest.fixture
+    def model_source(self, llama):
+        return str(llama)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"plugins.mooncake.master_server_address": "nohost"}, "plugins.mooncake.master_server_address: expected str matching"),
+        ({"plugins.mooncake.role": "reader"}, "plugins.mooncake.role: expected one of 'both', 'producer', 'consumer', got 'reader'"),
+        ({"plugins.mooncake.global_segment_size": -1}, "plugins.mooncake.global_segment_size: expected int >= 0"),
+        ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key Valid keys here: master_server_address"),
+        ({"plugins.mooncake.protocol": "rdma"}, "protocol = 'rdma' needs device_name"),
+    ],
+)
+def test_options_are_checked_with_errors_naming_the_key(overrides, message):
+    from weft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_an_unreachable_master_is_a_clear_start_up_error(llama):
+    from weft_mooncake.local import free_port
+
+    port = free_port()
+    with pytest.raises(ConnectionError, match=f"master_server_address = '127.0.0.1:{port}'"):
+        LLM(model=str(llama), engine=ENGINE, use={"kv_connector": "mooncake"}, plugins={"mooncake": {
+            "master_server_address": f"127.0.0.1:{port}", "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"}})

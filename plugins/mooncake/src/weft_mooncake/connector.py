@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
-
 from weft.contracts.kv_connector import (
     ConnectorContext,
     ConnectorOutput,
@@ -42,29 +41,24 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
+
 from weft_mooncake.store import StoreClient, rpc_failed
 
 if TYPE_CHECKING:
     import torch
-
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
 logger = logging.getLogger("weft.mooncake")
 
 
-def _host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
 class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[plugins.mooncake]``: where the store is and what this engine does with it (Mooncake's own names)."""
 
-    master_server_address: Annotated[str, Meta(description="host:port of mooncake_master's RPC service")] = (
-        "127.0.0.1:50051"
-    )
+    master_server_address: Annotated[
+        str, Meta(pattern=r"^[^:\s]+:[0-9]{1,5}$", description="host:port of mooncake_master's RPC service")
+    ] = "127.0.0.1:50051"
     metadata_server: Annotated[
-        str, Meta(description="transfer-engine metadata service, e.g. http://host:port/metadata (the master's "
+        str, Meta(min_length=1, description="transfer-engine metadata service, e.g. http://host:port/metadata (the master's "
                               "--enable_http_metadata_server), an etcd host:port, or P2PHANDSHAKE")
     ] = "http://127.0.0.1:8080/metadata"
     global_segment_size: Annotated[
@@ -83,13 +77,6 @@ class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     ] = "both"
 
     def __post_init__(self) -> None:
-        if not _host_port(self.master_server_address):
-            raise ValueError(
-                f"master_server_address = {self.master_server_address!r} is not host:port; "
-                f"give mooncake_master's address, e.g. '127.0.0.1:50051'"
-            )
-        if not self.metadata_server.strip():
-            raise ValueError("metadata_server is empty; give e.g. 'http://127.0.0.1:8080/metadata'")
         if self.protocol == "rdma" and not self.device_name:
             raise ValueError("protocol = 'rdma' needs device_name (e.g. 'mlx5_0'); or use protocol = 'tcp'")
 

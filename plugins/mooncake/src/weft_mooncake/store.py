@@ -12,6 +12,7 @@ is picked up without restarting the engine.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +57,16 @@ class StoreClient:
     ) -> None:
         self.master_server_address = master_server_address
         self.probe_interval = probe_interval
-        self.store = import_store_class()()
+        store_class = import_store_class()
+        host, _, port = master_server_address.rpartition(":")
+        try:  # Mooncake's setup retries an absent master for about 90 s: answer at once instead
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as error:
+            raise ConnectionError(
+                f"weft-mooncake cannot reach mooncake_master at master_server_address = {master_server_address!r} "
+                f"({error.strerror or error}); start it (mooncake_master --rpc_port={port} ...) or fix the address"
+            ) from None
+        self.store = store_class()
         status = self.store.setup(
             local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name,
             master_server_address,

@@ -65,7 +65,7 @@ def main() -> None:
         return torch.randint(100, 40000, (count,), generator=generator).tolist()
 
     engine = {"enable_prefix_caching": False, "dtype": "float32"}
-    with LocalMooncake(segment_size=2 << 30) as store:
+    with LocalMooncake(segment_size=1 << 30) as store:
         connector = {"use": {"kv_connector": "mooncake"}, "plugins": {"mooncake": store.options()}}
         shared = tokens(args.prefix)
         with LLM(engine=engine, **connector) as writer:

@@ -307,3 +307,18 @@ def test_an_unreachable_master_is_a_clear_start_up_error(llama):
     with pytest.raises(ConnectionError, match=f"master_server_address = '127.0.0.1:{port}'"):
         LLM(model=str(llama), engine=ENGINE, use={"kv_connector": "mooncake"}, plugins={"mooncake": {
             "master_server_address": f"127.0.0.1:{port}", "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"}})
+
+
+def test_preempted_requests_give_the_same_tokens_and_are_stored(store, llama):
+    prompts = [[(17 * i + 29 * p) % 6000 + 60 for i in range(90 + 5 * p)] for p in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(llama), engine=ENGINE)
+    expected = [output.outputs[0].token_ids for output in plain.generate(prompts, params)]
+    with connected(llama, store, engine={"num_kv_blocks": 16}) as tight:  # room for two of the requests at a time
+        preemptions = []
+        preempt = tight.engine.scheduler._preempt
+        tight.engine.scheduler._preempt = lambda request: (preemptions.append(request.request_id), preempt(request))
+        assert [output.outputs[0].token_ids for output in tight.generate(prompts, params)] == expected
+    assert preemptions, "the test needs preemptions"
+    for prompt in prompts:
+        assert stored(store, keys_for(tight, "attention", prompt)) == [1] * (len(prompt) // 16)

@@ -24,7 +24,10 @@ for every layer → the forward pass → ``save_kv_layer`` for every layer →
 synchronous: a load must be complete when ``wait_for_layer_load`` returns, and the
 engine refuses ``load_async=True``. A request whose load failed
 (``ConnectorOutput.failed_loads``) keeps its blocks, its output of that step is
-discarded, and the tokens that were to be loaded are recomputed.
+discarded, and the tokens that were to be loaded are recomputed; the worker must
+not save that request's blocks of that step (their KV saw an incomplete context).
+The engine asks for external hits only when every group is prefix-cacheable (the
+same rule as its own prefix cache); it still hands every request to the connector.
 
 Saves may outlive the step: ``request_finished`` returns ``delay_free=True`` and
 the engine keeps the request's blocks until ``get_finished`` reports the request in

@@ -42,13 +42,17 @@ from weft.contracts.kv_connector import (
     connector_block_size,
 )
 
-from weft_mooncake.store import StoreClient, rpc_failed
+from weft_mooncake.store import StoreClient
 
 if TYPE_CHECKING:
     import torch
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
 logger = logging.getLogger("weft.mooncake")
+
+MAX_SLICES_PER_CALL = 1024
+"""Buffer slices one batch call may move: larger batches overflow the TCP transport's queue (parts of
+them fail) and can outlast the master's read lease (10 s), on a loaded machine."""
 
 
 class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -204,7 +208,7 @@ class MooncakeStoreConnector(KVConnector):
         if not hashes:
             return 0
         keys = [self.key(group, block_hash) for block_hash in hashes for group in self.stored_groups]
-        found = self.client.call("lookup", lambda: self.client.store.batch_is_exist(keys), rpc_failed)
+        found = self.client.call("lookup", self.client.store.batch_is_exist, keys)
         if found is None:
             return 0
         width = len(self.stored_groups)
@@ -216,6 +220,7 @@ class MooncakeStoreConnector(KVConnector):
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int
     ) -> None:
+        # Called at every admission, after a preemption too: the request's tracking starts afresh.
         hits = self._hits.pop(request.request_id, 0)
         tracked = _Tracked(request, block_ids, stored=hits)
         if num_external_tokens:
@@ -225,8 +230,6 @@ class MooncakeStoreConnector(KVConnector):
 
     def build_connector_meta(self, step: ConnectorStep) -> MooncakeStepMetadata:
         loads, saves = [], []
-        for request_id in step.preempted:
-            self._tracked.pop(request_id, None)
         for scheduled in step.requests:
             tracked = self._tracked.get(scheduled.request_id)
             if tracked is None:
@@ -294,6 +297,22 @@ class MooncakeStoreConnector(KVConnector):
             )
         return tensor[0].data_ptr(), tensor[1].data_ptr(), block_bytes
 
+    def _batches(self, objects: Sequence[BlockTransfer]):
+        """``(keys, addresses, sizes)`` of consecutive objects, at most :data:`MAX_SLICES_PER_CALL` slices each."""
+        keys: list[str] = []
+        addresses: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for block in objects:
+            block_addresses, block_sizes = self._buffers(block)
+            if keys and sum(map(len, sizes)) + len(block_sizes) > MAX_SLICES_PER_CALL:
+                yield keys, addresses, sizes
+                keys, addresses, sizes = [], [], []
+            keys.append(block.key)
+            addresses.append(block_addresses)
+            sizes.append(block_sizes)
+        if keys:
+            yield keys, addresses, sizes
+
     def _buffers(self, transfer: BlockTransfer) -> tuple[list[int], list[int]]:
         addresses, sizes = [], []
         for keys_base, values_base, block_bytes in self._layouts[transfer.group]:
@@ -318,20 +337,14 @@ class MooncakeStoreConnector(KVConnector):
                 future.result()
         if not metadata.loads:
             return
-        keys, addresses, sizes, owners = [], [], [], []
         for transfer in metadata.loads:
-            for block in transfer.objects:
-                block_addresses, block_sizes = self._buffers(block)
-                keys.append(block.key)
-                addresses.append(block_addresses)
-                sizes.append(block_sizes)
-                owners.append(transfer.request_id)
-        results = self.client.call(
-            "load", lambda: self.client.store.batch_get_into_multi_buffers(keys, addresses, sizes), rpc_failed
-        )
-        for index, owner in enumerate(owners):
-            if results is None or results[index] != sum(sizes[index]):
-                self._failed_loads.add(owner)
+            for keys, addresses, sizes in self._batches(transfer.objects):
+                if transfer.request_id in self._failed_loads:
+                    break
+                store = self.client.store
+                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, addresses, sizes)
+                if results is None or any(got != sum(want) for got, want in zip(results, sizes, strict=True)):
+                    self._failed_loads.add(transfer.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`: every layer is ready."""
@@ -349,16 +362,14 @@ class MooncakeStoreConnector(KVConnector):
             if not self.client.available:
                 self.dropped_saves += len(transfer.objects)
                 continue
-            keys = [block.key for block in transfer.objects]
-            buffers = [self._buffers(block) for block in transfer.objects]
-            future = self._executor.submit(self._put, keys, [b[0] for b in buffers], [b[1] for b in buffers])
-            self._pending.setdefault(transfer.request_id, []).append(future)
+            for keys, addresses, sizes in self._batches(transfer.objects):
+                future = self._executor.submit(self._put, keys, addresses, sizes)
+                self._pending.setdefault(transfer.request_id, []).append(future)
 
     def _put(self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]) -> None:
         try:
-            results = self.client.call(
-                "save", lambda: self.client.store.batch_put_from_multi_buffers(keys, addresses, sizes), rpc_failed
-            )
+            store = self.client.store
+            results = self.client.call("save", store.batch_put_from_multi_buffers, keys, addresses, sizes)
         except Exception:  # a save is best effort: never let it fail the engine
             logger.exception("weft-mooncake: saving %d objects failed", len(keys))
             results = None

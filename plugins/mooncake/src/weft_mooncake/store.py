@@ -87,15 +87,12 @@ class StoreClient:
     def available(self) -> bool:
         return self._available
 
-    def call(self, operation: str, function: Callable[[], _Result], failed: Callable[[_Result], bool]) -> _Result | None:
-        """Run ``function`` against the store; None when the store is (or turns out to be) unavailable.
-
-        ``failed`` tells from the result whether the master could not be reached.
-        """
+    def call(self, operation: str, function: Callable[..., _Result], *args: Any) -> _Result | None:
+        """``function(*args)`` (a method of :attr:`store`); None when the store is (or turns out to be) unavailable."""
         if not self._available or self._closed:
             return None
-        result = function()
-        if failed(result):
+        result = function(*args)
+        if rpc_failed(result):
             self._mark_unavailable(operation)
             return None
         return result

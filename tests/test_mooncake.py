@@ -322,3 +322,27 @@ def test_preempted_requests_give_the_same_tokens_and_are_stored(store, llama):
     assert preemptions, "the test needs preemptions"
     for prompt in prompts:
         assert stored(store, keys_for(tight, "attention", prompt)) == [1] * (len(prompt) // 16)
+
+
+def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, start_server):
+    """Two real HTTP servers, one after the other: the second serves the shared prefix from the store."""
+    import httpx
+
+    shared = [(19 * i + 3) % 5000 + 70 for i in range(64)]
+    prompts = [shared + [5, 6, 7], shared + [8, 9, 10, 11]]
+    expected = reference(llama, prompts)
+    config = {"model": str(llama), "engine": ENGINE, "use": {"kv_connector": "mooncake"},
+              "plugins": {"mooncake": store.options()}}
+    answers = []
+    for prompt in prompts:
+        server = start_server(**config)
+        body = {"model": server.engine.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["text"])
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        hits = server.engine.kv_connector.stats.hit_tokens
+        server.stop()  # the server's shutdown closes the engine, which waits for its saves
+    assert f"weft_kv_connector_hit_tokens {float(hits)}" in metrics and hits == 64
+    tokenizer = LLM(model=str(llama), engine=ENGINE).tokenizer
+    assert answers == [tokenizer.decode(tokens) for tokens in expected]

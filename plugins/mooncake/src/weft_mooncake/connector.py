@@ -251,7 +251,7 @@ class MooncakeStoreConnector(KVConnector):
     def update_connector_output(self, output: ConnectorOutput) -> None:
         for request_id in output.failed_loads:
             tracked = self._tracked.get(request_id)
-            if tracked is not None:  # its blocks are recomputed: save them again from the first non-local one
+            if tracked is not None:  # its blocks are recomputed: save them all again (Mooncake skips stored keys)
                 tracked.stored = 0
 
     def request_finished(

@@ -346,3 +346,24 @@ def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, st
     assert f"weft_kv_connector_hit_tokens {float(hits)}" in metrics and hits == 64
     tokenizer = LLM(model=str(llama), engine=ENGINE).tokenizer
     assert answers == [tokenizer.decode(tokens) for tokens in expected]
+
+
+def test_what_an_engine_process_saved_outlives_it(store, llama):
+    """The first engine runs in its own process, which exits before the second engine starts."""
+    import subprocess
+    import sys
+    import textwrap
+
+    prompt = [(23 * i + 9) % 7000 + 80 for i in range(52)]  # three full blocks
+    expected = reference(llama, [prompt])
+    code = textwrap.dedent(f"""
+        from weft import LLM, SamplingParams
+        with LLM(model={str(llama)!r}, engine={ENGINE!r}, use={{"kv_connector": "mooncake"}},
+                 plugins={{"mooncake": {store.options()!r}}}) as llm:
+            llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens=1))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with connected(llama, store) as later:
+        assert generate(later, [prompt]) == expected
+        assert later.engine.kv_connector.stats.hit_tokens == 48

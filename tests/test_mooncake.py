@@ -367,3 +367,23 @@ def test_what_an_engine_process_saved_outlives_it(store, llama):
     with connected(llama, store) as later:
         assert generate(later, [prompt]) == expected
         assert later.engine.kv_connector.stats.hit_tokens == 48
+
+
+def test_objects_in_an_engines_own_segment_vanish_with_it(tmp_path, llama):
+    """No storage node: the engine contributes the memory (global_segment_size > 0), so its objects die with it."""
+    store = LocalMooncake(log_dir=tmp_path)
+    store.start_master()
+    try:
+        prompt = [(29 * i + 1) % 8000 + 90 for i in range(50)]  # three full blocks
+        expected = reference(llama, [prompt])
+        with connected(llama, store, global_segment_size=64 << 20) as contributing:
+            assert generate(contributing, [prompt]) == expected
+            contributing.engine.kv_connector.reclaim(wait=30)  # its saves are done
+            with connected(llama, store) as reader:
+                assert generate(reader, [prompt]) == expected
+                assert reader.engine.kv_connector.stats.hit_tokens == 48
+        with connected(llama, store) as later:
+            assert generate(later, [prompt]) == expected
+            assert later.engine.kv_connector.stats.hit_tokens == 0
+    finally:
+        store.stop()

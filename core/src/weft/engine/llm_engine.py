@@ -203,8 +203,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         connector = self.kv_connector
         if not plan.scheduled:
-            if connector is not None and connector.reclaim():
-                return []  # blocks of finished requests were waiting for their saves
+            if connector is not None and (connector.reclaim() or plan.passed_over):
+                return []  # blocks of finished requests were waiting for their saves, or lookups are to be repeated
             if self.scheduler.waiting and not self.scheduler.running:
                 request = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")

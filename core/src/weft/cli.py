@@ -126,7 +126,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="model alias, folder, GGUF file or cached HF repo id")
     group.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-        help="set any key, e.g. --set plugins.mooncake.master=host:50051 (repeatable; VALUE is a TOML literal)",
+        help="set any key, e.g. --set plugins.mooncake.master_server_address=host:50051 (repeatable; VALUE is a TOML literal)",
     )
     for section, struct in _FLAG_SECTIONS:
         for field in msgspec.structs.fields(struct):

@@ -10,8 +10,8 @@ prints the schema, the defaults and those descriptions.
 Example::
 
     class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-        master: Annotated[str, msgspec.Meta(description="host:port of mooncake_master")]
-        segment_bytes: int = 1 << 30
+        master_server_address: Annotated[str, msgspec.Meta(description="host:port of mooncake_master")]
+        global_segment_size: int = 0
 
     class MooncakeConnector(KVConnector):
         Options = MooncakeOptions

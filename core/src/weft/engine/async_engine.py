@@ -152,6 +152,8 @@ class AsyncEngine:
 
         self._command(abort_all)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     @property
     def accepting(self) -> bool:

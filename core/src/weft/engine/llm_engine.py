@@ -2,9 +2,10 @@
 
 Construction order: hooks (``weft_configure``), platform, loader and model
 source, tokenizer, model family (by the checkpoint's architecture), attention
-backend, model and weights, KV cache, scheduler and runner
-(``weft_engine_started``). :meth:`LLMEngine.step` runs one scheduler step and
-returns the requests that advanced.
+backend, model and weights, KV cache, KV connector (``use.kv_connector``),
+scheduler and runner (``weft_engine_started``). :meth:`LLMEngine.step` runs one
+scheduler step and returns the requests that advanced; :meth:`LLMEngine.close`
+lets the KV connector finish its saves.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from weft.config import WeftConfig, plugin_options
 from weft.contracts.loader import ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.engine.kv_cache_manager import KVCacheManager
+from weft.engine.kv_connector import build_kv_connector
 from weft.engine.request import Request, RequestStatus
 from weft.engine.scheduler import Scheduler
 from weft.layers.attention import Attention
@@ -102,8 +104,12 @@ class LLMEngine:
             shape = self.attention.kv_cache_shape(count + 1, group.spec)
             for layer in group.layer_names:
                 kv_caches[layer] = torch.zeros(shape, dtype=torch_dtype, device=self.device)
+        self.kv_connector = build_kv_connector(
+            self.registry, config, self.source, self.groups, kv_caches, self.kv_cache_manager
+        )
         self.scheduler = Scheduler(
-            self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.enable_chunked_prefill
+            self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.enable_chunked_prefill,
+            self.kv_connector,
         )
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.kv_cache_manager, self.device, Sampler(engine.seed)
@@ -240,15 +246,26 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """One scheduler step; returns the requests that produced a token or finished."""
         plan = self.scheduler.schedule()
+        connector = self.kv_connector
         if not plan.scheduled:
+            if connector is not None and (connector.reclaim() or plan.passed_over):
+                return []  # blocks of finished requests were waiting for their saves, or lookups are to be repeated
             if self.scheduler.waiting and not self.scheduler.running:
                 request = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
             return []
+        if connector is not None:
+            connector.start_step(plan)
         sampled = self.runner.execute(plan)
+        failed_loads = connector.finish_step() if connector is not None else {}
         advanced = []
         for item, token in zip(plan.scheduled, sampled):
             request = item.request
+            if request.request_id in failed_loads:  # its KV is incomplete: recompute what was to be loaded
+                request.num_computed_tokens -= failed_loads[request.request_id]
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens -= failed_loads[request.request_id]
+                continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache_manager.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if token is None:
@@ -261,6 +278,11 @@ class LLMEngine:
                 self.scheduler.finish(request, request.status)
                 self._finished(request)
         return advanced
+
+    def close(self) -> None:
+        """Let the KV connector finish its pending saves and disconnect. Idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def _append_token(self, request: Request, token: Any) -> None:
         params = request.params

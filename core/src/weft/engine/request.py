@@ -62,7 +62,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        """Prompt tokens served from the prefix cache when first scheduled."""
+        """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

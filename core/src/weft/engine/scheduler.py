@@ -7,16 +7,24 @@ order while budget and sequence slots remain. A request that can't get KV
 blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
+
+With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
+takes the tokens after its local prefix-cache hit that the connector can load;
+a request the connector cannot answer for yet is passed over for this step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from weft.engine.kv_connector import KVConnectorRuntime
 
 
 class ScheduledRequest(msgspec.Struct):
@@ -33,6 +41,8 @@ class ScheduledRequest(msgspec.Struct):
 class SchedulerOutput(msgspec.Struct):
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    passed_over: int = 0
+    """Waiting requests the KV connector could not answer for yet (asked again next step)."""
 
     @property
     def num_tokens(self) -> int:
@@ -46,8 +56,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        connector: KVConnectorRuntime | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -85,31 +97,42 @@ class Scheduler:
                 budget -= count
                 index += 1
 
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
             prefix = self.kv_cache.find_computed_prefix(tokens)
-            needed = len(tokens) - prefix.num_tokens
+            external = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else 0
+            if external is None:
+                passed_over.append(self.waiting.popleft())
+                continue
+            needed = len(tokens) - prefix.num_tokens - external
             count = min(needed, budget) if self.enable_chunked_prefill else needed
             if count > budget:
                 break
             first_time = request.num_preemptions == 0
             if not self.kv_cache.allocate_slots(
-                request.request_id, prefix.num_tokens + count, prefix, prompt_length=len(tokens) if first_time else 0
+                request.request_id, prefix.num_tokens + external + count, prefix,
+                prompt_length=len(tokens) if first_time else 0,
             ):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = prefix.num_tokens
+            request.num_computed_tokens = prefix.num_tokens + external
             if first_time:
-                request.num_cached_tokens = prefix.num_tokens
+                request.num_cached_tokens = prefix.num_tokens + external
+            if self.connector is not None:
+                self.connector.allocated(request, external)
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, count))
             budget -= count
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+        self.waiting.extendleft(reversed(passed_over))
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, passed_over=len(passed_over))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        if self.connector is not None:
+            self.connector.preempted(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -122,4 +145,5 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        if self.connector is None or not self.connector.request_finished(request):
+            self.kv_cache.free(request.request_id)

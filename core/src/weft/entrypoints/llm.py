@@ -109,6 +109,16 @@ class LLM:
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, params, use_tqdm)
 
+    def close(self) -> None:
+        """Let the KV connector finish its pending saves and disconnect (also on leaving a ``with`` block)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @staticmethod
     def _params_for(count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
         if sampling_params is None:

@@ -42,6 +42,12 @@ class ServerMetrics:
               registry=self.registry).set_function(lambda: kv_cache.stats.query_tokens)
         Gauge("weft_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
               registry=self.registry).set_function(lambda: kv_cache.stats.hit_tokens)
+        connector = engine.kv_connector
+        if connector is not None:
+            Gauge("weft_kv_connector_hit_tokens", "Prompt tokens loaded through the KV connector",
+                  registry=self.registry).set_function(lambda: connector.stats.hit_tokens)
+            Gauge("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
+                  registry=self.registry).set_function(lambda: connector.stats.failed_load_tokens)
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)

@@ -21,6 +21,7 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 from weft.testing.suites import (
     AttentionContract,
     HooksContract,
+    KVConnectorContract,
     LoaderContract,
     ModelContract,
     OpContract,
@@ -29,6 +30,6 @@ from weft.testing.suites import (
 )
 
 __all__ = [
-    "AttentionContract", "HooksContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
+    "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
     "TokenizerContract",
 ]

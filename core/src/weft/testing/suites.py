@@ -428,3 +428,123 @@ class ModelContract(_Contract):
         llm = LLM(model=model_source, engine={"block_size": self.block_size, "num_kv_blocks": 256, "max_model_len": 256})
         outputs = llm.generate([[5, 6, 7], [8] * 40], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]
+
+
+class KVConnectorContract(_Contract):
+    """The KV-connector contract (:mod:`weft.contracts.kv_connector`).
+
+    Provide ``connector_options`` (the ``[plugins.<name>]`` table, e.g. pointing at a
+    store the test started) and ``model_source`` (a small checkpoint an installed
+    loader accepts). A connector that stores prefixes for later engines keeps
+    ``stores_prefixes = True``: then a second engine must load what a first one
+    saved and generate exactly what an engine without the connector generates.
+    """
+
+    slot = "kv_connector"
+    stores_prefixes: ClassVar[bool] = True
+    block_size: ClassVar[int] = 16
+
+    @pytest.fixture
+    def connector_options(self) -> dict[str, Any]:
+        raise NotImplementedError("define a `connector_options` fixture returning your [plugins.<name>] table")
+
+    @pytest.fixture
+    def model_source(self) -> str:
+        raise NotImplementedError("define a `model_source` fixture returning a small checkpoint")
+
+    @pytest.fixture
+    def build(self, plugin, connector_options):
+        import uuid
+
+        import msgspec
+
+        from weft.contracts.kv_connector import ConnectorContext
+
+        options = msgspec.convert(connector_options, plugin.Options)
+        context = ConnectorContext(model=f"conformance-{uuid.uuid4().hex}")  # nothing stored matches it
+        built = []
+
+        def build(role, groups):
+            connector = plugin(options, role, groups, context)
+            built.append(connector)
+            return connector
+
+        yield build
+        for connector in built:
+            connector.close()
+
+    @staticmethod
+    def _groups(block_size: int, ring_block_size: int | None = None):
+        from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+        shape = dict(dtype="float32", num_kv_heads=2, head_dim=8)
+        groups = [KVCacheGroupSpec("attention", ("layer.0",), FullAttentionSpec(block_size=block_size, **shape))]
+        if ring_block_size is not None:
+            ring = SlidingWindowSpec(block_size=ring_block_size, window=24, ring=True, **shape)
+            groups.append(KVCacheGroupSpec("window_ring", ("layer.1",), ring))
+        return tuple(groups)
+
+    @staticmethod
+    def _request(request_id: str, prompt: list[int], groups):
+        from weft.contracts.kv_connector import ConnectorRequest, connector_block_size
+        from weft.engine.kv_cache_manager import block_hashes
+
+        size = connector_block_size(groups)
+        return ConnectorRequest(request_id=request_id, prompt_token_ids=tuple(prompt), block_hashes=tuple(block_hashes(prompt, size)))
+
+    def test_is_a_kv_connector_named_as_registered(self, plugin):
+        from weft.contracts.kv_connector import KVConnector
+
+        assert issubclass(plugin, KVConnector)
+        assert plugin.name == self.plugin_name, "the class's name must equal its entry-point name"
+
+    def test_lookup_has_no_side_effects_and_unknown_or_short_prompts_match_nothing(self, build):
+        groups = self._groups(self.block_size)
+        scheduler = build("scheduler", groups)
+        short = self._request("short", list(range(1, self.block_size)), groups)
+        assert scheduler.get_num_new_matched_tokens(short, 0) == (0, False)
+        unknown = self._request("unknown", list(range(100, 100 + 5 * self.block_size)), groups)
+        first = scheduler.get_num_new_matched_tokens(unknown, 0)
+        assert first == scheduler.get_num_new_matched_tokens(unknown, 0) == (0, False)
+
+    def test_a_ring_group_with_an_odd_block_size_does_not_break_start_up_or_lookups(self, build):
+        groups = self._groups(self.block_size, ring_block_size=3 * self.block_size + 5)
+        scheduler, worker = build("scheduler", groups), build("worker", groups)
+        request = self._request("ring", list(range(7, 7 + 4 * self.block_size)), groups)
+        assert len(request.block_hashes) == 4, "the stored block size comes from the prefix-cacheable groups only"
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert isinstance(worker, type(scheduler))
+
+    def test_step_metadata_is_msgspec_encodable_and_reports_are_connector_outputs(self, build):
+        import msgspec
+
+        from weft.contracts.kv_connector import ConnectorOutput, ConnectorStep, ConnectorStepRequest
+
+        groups = self._groups(self.block_size)
+        scheduler = build("scheduler", groups)
+        request = self._request("meta", list(range(3, 3 + 2 * self.block_size + 3)), groups)
+        scheduler.update_state_after_alloc(request, ((0, 1, 2),), 0)
+        step = ConnectorStep(requests=(ConnectorStepRequest("meta", 0, len(request.prompt_token_ids), ((0, 1, 2),)),))
+        msgspec.msgpack.encode(scheduler.build_connector_meta(step))
+        msgspec.msgpack.encode(scheduler.build_connector_meta(ConnectorStep(requests=())))
+        delay_free, params = scheduler.request_finished(request, ((0, 1, 2),))
+        assert isinstance(delay_free, bool) and (params is None or isinstance(params, dict))
+        scheduler.update_connector_output(ConnectorOutput(finished_sending=frozenset({"meta"})))
+
+    def test_a_second_engine_reuses_what_the_first_stored(self, plugin, connector_options, model_source):
+        if not self.stores_prefixes:
+            pytest.skip("this connector does not store prefixes for later engines")
+        from weft.entrypoints.llm import LLM
+        from weft.sampling_params import SamplingParams
+
+        engine = {"block_size": self.block_size, "num_kv_blocks": 64, "max_model_len": 256}
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompt = [(37 * i + 11) % 1000 + 5 for i in range(3 * self.block_size + 4)]
+        expected = LLM(model=model_source, engine=engine).generate([prompt], params)[0].outputs[0].token_ids
+        connected = dict(model=model_source, engine=engine, use={"kv_connector": self.plugin_name},
+                         plugins={self.plugin_name: connector_options})
+        with LLM(**connected) as first:
+            assert first.generate([prompt], params)[0].outputs[0].token_ids == expected
+        with LLM(**connected) as second:
+            assert second.generate([prompt], params)[0].outputs[0].token_ids == expected
+            assert second.engine.kv_connector.stats.hit_tokens == 3 * self.block_size

@@ -1,0 +1,389 @@
+"""weft-mooncake against a real Mooncake master and storage node, started here on free loopback ports.
+
+The reference for every output is the same model run without a connector.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model
+from weft.engine.kv_cache_manager import block_hashes
+from weft.entrypoints.llm import LLM
+from weft.sampling_params import SamplingParams
+from weft.testing import KVConnectorContract
+from weft_mooncake.local import LocalMooncake
+
+ENGINE = {"num_kv_blocks": 96, "max_model_len": 200, "block_size": 16}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SHARED = [(7 * i + 3) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with LocalMooncake(segment_size=128 << 20, log_dir=tmp_path_factory.mktemp("mooncake")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, tokenizer_files) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_files)
+
+
+def connected(model: Path, store: LocalMooncake, engine: dict | None = None, **options) -> LLM:
+    return LLM(
+        model=str(model), engine={**ENGINE, **(engine or {})}, use={"kv_connector": "mooncake"},
+        plugins={"mooncake": store.options(**options)},
+    )
+
+
+def reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model=str(model), engine=ENGINE)
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
+
+
+def count_prefill_tokens(llm: LLM) -> list[int]:
+    """Counts the prompt tokens the model runner computes (the engine's own stats are not the witness)."""
+    counted = [0]
+    execute = llm.engine.runner.execute
+
+    def counting(step):
+        counted[0] += sum(
+            min(item.num_new_tokens, item.request.num_prompt_tokens - item.request.num_computed_tokens)
+            for item in step.scheduled if item.request.num_computed_tokens < item.request.num_prompt_tokens
+        )
+        return execute(step)
+
+    llm.engine.runner.execute = counting
+    return counted
+
+
+def stored(store: LocalMooncake, keys: list[str]) -> list[int]:
+    """Which keys the store holds, asked by a separate Mooncake client."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", store.metadata_server, 0, 0, "tcp", "", store.master_server_address) == 0
+    try:
+        return client.batch_is_exist(keys)
+    finally:
+        client.close()
+
+
+def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
+    """The documented key layout, rebuilt from the engine's model identity and the prompt's block hashes."""
+    context = llm.engine.kv_connector.worker_side.context
+    prefix = f"weft/{context.model}/float32/tp0of1/pp0of1/{group}/16/"
+    return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
+
+
+def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama):
+    first_prompt, second_prompt = SHARED + [11, 12, 13], SHARED + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+    expected = reference(llama, [first_prompt, second_prompt])
+
+    with connected(llama, store) as first:
+        assert generate(first, [first_prompt]) == expected[:1]
+        assert first.engine.kv_connector.stats.hit_tokens == 0
+    assert stored(store, keys_for(first, "attention", first_prompt)) == [1, 1, 1, 1]
+
+    with connected(llama, store) as second:
+        computed = count_prefill_tokens(second)
+        assert generate(second, [second_prompt]) == expected[1:]
+        stats = second.engine.kv_connector.stats
+    assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)
+    assert computed[0] == len(second_prompt) - 64
+    # The blocks of the second prompt's tail were saved too (5 full blocks of 80 tokens).
+    assert stored(store, keys_for(second, "attention", second_prompt)) == [1] * 5
+
+
+def test_a_consumer_loads_but_never_saves_and_a_producer_saves_but_never_loads(store, llama):
+    prompt = [(5 * i + 1) % 3000 + 20 for i in range(50)]  # three full blocks
+    expected = reference(llama, [prompt])
+    with connected(llama, store, role="consumer") as consumer:
+        assert generate(consumer, [prompt]) == expected
+    assert stored(store, keys_for(consumer, "attention", prompt)) == [0, 0, 0]
+    for _ in range(2):
+        with connected(llama, store, role="producer") as producer:
+            assert generate(producer, [prompt]) == expected
+            assert producer.engine.kv_connector.stats.hit_tokens == 0
+    assert stored(store, keys_for(producer, "attention", prompt)) == [1, 1, 1]
+    with connected(llama, store, role="consumer") as consumer:
+        assert generate(consumer, [prompt]) == expected
+        assert consumer.engine.kv_connector.stats.hit_tokens == 48
+
+
+def test_the_last_token_is_always_computed_and_short_prompts_match_nothing(store, llama):
+    exact = [(3 * i + 2) % 2000 + 30 for i in range(32)]  # exactly two blocks
+    expected = reference(llama, [exact, exact[:10]])
+    with connected(llama, store) as first:
+        generate(first, [exact])
+    with connected(llama, store) as second:
+        computed = count_prefill_tokens(second)
+        assert generate(second, [exact, exact[:10]]) == expected
+        # One block loaded; the second holds the last token, so it is computed; a 10-token prompt has no block.
+        assert second.engine.kv_connector.stats.hit_tokens == 16
+        assert computed[0] == 16 + 10
+
+
+RING_FAMILY = '''
+    from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from weft.models.llama import LlamaFamily, LlamaSettings, layer_name
+
+
+    class RingWindowFamily(LlamaFamily):
+        """Llama whose sliding-window layers keep their KV in a ring group, as DeepSeek V4 does: not prefix-cacheable.
+
+        The engine has no ring storage yet, so the ring's one block spans max_model_len tokens
+        (an odd size: it must not change the store's block size).
+        """
+
+        def kv_cache_groups(self, config):
+            settings = LlamaSettings(config.hf_config, config.architecture)
+            windows = settings.sliding_windows
+            full = tuple(layer_name(i) for i, window in enumerate(windows) if window is None)
+            ring = tuple(layer_name(i) for i, window in enumerate(windows) if window is not None)
+            shape = dict(dtype=config.dtype, num_kv_heads=settings.num_kv_heads, head_dim=settings.head_dim)
+            return (
+                KVCacheGroupSpec("attention", full, FullAttentionSpec(block_size=config.block_size, **shape)),
+                KVCacheGroupSpec("window_ring", ring, SlidingWindowSpec(
+                    block_size=config.max_model_len, window=max(w for w in windows if w), ring=True, **shape)),
+            )
+
+        def build(self, config, device):
+            module = super().build(config, device)
+            for layer in module.model.layers:
+                if layer.self_attn.attn.spec.sliding_window is not None:
+                    layer.self_attn.attn.group = 1
+            return module
+'''
+
+
+@pytest.fixture
+def ring_model(tmp_path, tokenizer_files, site, monkeypatch) -> Path:
+    folder = make_tiny_model(tmp_path / "ring", "mistral-window", tokenizer_files)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["RingWindowForCausalLM"]
+    config["layer_types"] = ["full_attention", "sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+    site.add_distribution(
+        "weft-ring-window", entry_points={"weft.model": {"RingWindowForCausalLM": "ring_window:RingWindowFamily"}},
+        modules={"ring_window": RING_FAMILY},
+    )
+    monkeypatch.syspath_prepend(str(site.root))
+    return folder
+
+
+def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(store, ring_model):
+    prompt = SHARED + [40, 41]
+    expected = reference(ring_model, [prompt, prompt])
+
+    with connected(ring_model, store) as first:
+        groups = first.engine.groups
+        assert [group.prefix_cacheable for group in groups] == [True, False]
+        assert first.engine.kv_connector.worker_side.block_size == 16
+        assert generate(first, [prompt]) == expected[:1]
+    assert stored(store, keys_for(first, "attention", prompt)) == [1, 1, 1, 1]
+    assert stored(store, keys_for(first, "window_ring", prompt)) == [0, 0, 0, 0]
+
+    with connected(ring_model, store) as second:  # the ring's state cannot be loaded: the prompt is computed in full
+        computed = count_prefill_tokens(second)
+        assert generate(second, [prompt]) == expected[1:]
+        assert second.engine.kv_connector.stats.hit_tokens == 0
+    assert computed[0] == len(prompt)
+
+
+def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_again(tmp_path, llama, caplog):
+    prompts = [[(11 * i + 5 * p) % 5000 + 40 for i in range(40 + 6 * p)] for p in range(6)]
+    expected = reference(llama, prompts)
+    with LocalMooncake(segment_size=64 << 20, log_dir=tmp_path) as store:
+        llm = connected(llama, store, engine={"max_num_batched_tokens": 24})  # prefills span several steps
+        engine = llm.engine
+        assert generate(llm, prompts[:1]) == expected[:1]
+
+        steps = [0]
+        execute = engine.runner.execute
+
+        def kill_on_third_step(step):
+            steps[0] += 1
+            if steps[0] == 3:
+                store.kill_master()
+            return execute(step)
+
+        engine.runner.execute = kill_on_third_step
+        with caplog.at_level(logging.WARNING, logger="weft.mooncake"):
+            assert generate(llm, prompts[1:4]) == expected[1:4]  # in flight when the master dies
+            assert generate(llm, prompts[4:5]) == expected[4:5]  # admitted while it is away
+        warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+        assert any("unreachable (save failed" in message for message in warnings), warnings
+        assert any("unreachable (lookup failed" in message for message in warnings), warnings
+        assert engine.kv_connector.worker_side.dropped_saves > 0, "saves were planned while the master was away"
+        engine.runner.execute = execute
+        assert not engine.kv_connector.has_delayed_frees or engine.kv_connector.reclaim(wait=30)
+        assert engine.kv_cache_manager.usage() == 0, "every block is back once the requests finished"
+
+        store.start_master()
+        store.wait_for_segment()
+        connector = engine.kv_connector
+        deadline = time.monotonic() + 60
+        while not (connector.scheduler_side.client.available and connector.worker_side.client.available):
+            assert time.monotonic() < deadline, "the connector did not reconnect to the restarted master"
+            time.sleep(0.2)
+        assert generate(llm, prompts[5:6]) == expected[5:6]
+        llm.close()
+        assert stored(store, keys_for(llm, "attention", prompts[5])) == [1] * (len(prompts[5]) // 16)
+
+        with connected(llama, store) as second:
+            assert generate(second, prompts[5:6]) == expected[5:6]
+            assert second.engine.kv_connector.stats.hit_tokens == (len(prompts[5]) - 1) // 16 * 16
+
+
+def test_a_failed_load_is_recomputed(store, llama, caplog):
+    """The store claims the blocks (the keys exist) but holds objects of the wrong size: loading them fails."""
+    from mooncake.store import MooncakeDistributedStore
+
+    prompt = [(13 * i + 7) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 tokens after
+    expected = reference(llama, [prompt])
+    with connected(llama, store) as first:
+        generate(first, [prompt])
+    keys = keys_for(first, "attention", prompt)
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
+    try:
+        assert client.batch_remove(keys, True) == [0] * len(keys)
+        assert [client.put(key, b"\1" * 64) for key in keys] == [0] * len(keys)
+    finally:
+        client.close()
+
+    with connected(llama, store) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
+        computed = count_prefill_tokens(second)
+        assert generate(second, [prompt]) == expected
+        stats = second.engine.kv_connector.stats
+    assert (stats.hit_tokens, stats.failed_load_tokens) == (48, 48)
+    assert computed[0] == (len(prompt) - 48) + len(prompt)  # the step that relied on the load, then all of it again
+    assert any("could not load 48 tokens" in record.getMessage() for record in caplog.records)
+
+
+class TestMooncakeConnectorContract(KVConnectorContract):
+    plugin_name = "mooncake"
+
+    @pytest.fixture
+    def connector_options(self, store):
+        return store.options()
+
+    @pytest.fixture
+    def model_source(self, llama):
+        return str(llama)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"plugins.mooncake.master_server_address": "nohost"}, "plugins.mooncake.master_server_address: expected str matching"),
+        ({"plugins.mooncake.role": "reader"}, "plugins.mooncake.role: expected one of 'both', 'producer', 'consumer', got 'reader'"),
+        ({"plugins.mooncake.global_segment_size": -1}, "plugins.mooncake.global_segment_size: expected int >= 0"),
+        ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key Valid keys here: master_server_address"),
+        ({"plugins.mooncake.protocol": "rdma"}, "protocol = 'rdma' needs device_name"),
+    ],
+)
+def test_options_are_checked_with_errors_naming_the_key(overrides, message):
+    from weft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_an_unreachable_master_is_a_clear_start_up_error(llama):
+    from weft_mooncake.local import free_port
+
+    port = free_port()
+    with pytest.raises(ConnectionError, match=f"master_server_address = '127.0.0.1:{port}'"):
+        LLM(model=str(llama), engine=ENGINE, use={"kv_connector": "mooncake"}, plugins={"mooncake": {
+            "master_server_address": f"127.0.0.1:{port}", "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"}})
+
+
+def test_preempted_requests_give_the_same_tokens_and_are_stored(store, llama):
+    prompts = [[(17 * i + 29 * p) % 6000 + 60 for i in range(90 + 5 * p)] for p in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(llama), engine=ENGINE)
+    expected = [output.outputs[0].token_ids for output in plain.generate(prompts, params)]
+    with connected(llama, store, engine={"num_kv_blocks": 16}) as tight:  # room for two of the requests at a time
+        preemptions = []
+        preempt = tight.engine.scheduler._preempt
+        tight.engine.scheduler._preempt = lambda request: (preemptions.append(request.request_id), preempt(request))
+        assert [output.outputs[0].token_ids for output in tight.generate(prompts, params)] == expected
+    assert preemptions, "the test needs preemptions"
+    for prompt in prompts:
+        assert stored(store, keys_for(tight, "attention", prompt)) == [1] * (len(prompt) // 16)
+
+
+def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, start_server):
+    """Two real HTTP servers, one after the other: the second serves the shared prefix from the store."""
+    import httpx
+
+    shared = [(19 * i + 3) % 5000 + 70 for i in range(64)]
+    prompts = [shared + [5, 6, 7], shared + [8, 9, 10, 11]]
+    expected = reference(llama, prompts)
+    config = {"model": str(llama), "engine": ENGINE, "use": {"kv_connector": "mooncake"},
+              "plugins": {"mooncake": store.options()}}
+    answers = []
+    for prompt in prompts:
+        server = start_server(**config)
+        body = {"model": server.engine.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["text"])
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        hits = server.engine.kv_connector.stats.hit_tokens
+        server.stop()  # the server's shutdown closes the engine, which waits for its saves
+    assert f"weft_kv_connector_hit_tokens {float(hits)}" in metrics and hits == 64
+    tokenizer = LLM(model=str(llama), engine=ENGINE).tokenizer
+    assert answers == [tokenizer.decode(tokens) for tokens in expected]
+
+
+def test_what_an_engine_process_saved_outlives_it(store, llama):
+    """The first engine runs in its own process, which exits before the second engine starts."""
+    import subprocess
+    import sys
+    import textwrap
+
+    prompt = [(23 * i + 9) % 7000 + 80 for i in range(52)]  # three full blocks
+    expected = reference(llama, [prompt])
+    code = textwrap.dedent(f"""
+        from weft import LLM, SamplingParams
+        with LLM(model={str(llama)!r}, engine={ENGINE!r}, use={{"kv_connector": "mooncake"}},
+                 plugins={{"mooncake": {store.options()!r}}}) as llm:
+            llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens=1))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with connected(llama, store) as later:
+        assert generate(later, [prompt]) == expected
+        assert later.engine.kv_connector.stats.hit_tokens == 48
+
+
+def test_objects_in_an_engines_own_segment_vanish_with_it(tmp_path, llama):
+    """No storage node: the engine contributes the memory (global_segment_size > 0), so its objects die with it."""
+    store = LocalMooncake(log_dir=tmp_path)
+    store.start_master()
+    try:
+        prompt = [(29 * i + 1) % 8000 + 90 for i in range(50)]  # three full blocks
+        expected = reference(llama, [prompt])
+        with connected(llama, store, global_segment_size=64 << 20) as contributing:
+            assert generate(contributing, [prompt]) == expected
+            contributing.engine.kv_connector.reclaim(wait=30)  # its saves are done
+            with connected(llama, store) as reader:
+                assert generate(reader, [prompt]) == expected
+                assert reader.engine.kv_connector.stats.hit_tokens == 48
+        with connected(llama, store) as later:
+            assert generate(later, [prompt]) == expected
+            assert later.engine.kv_connector.stats.hit_tokens == 0
+    finally:
+        store.stop()

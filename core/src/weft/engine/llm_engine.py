@@ -25,7 +25,7 @@ from weft.engine.scheduler import Scheduler
 from weft.layers.attention import Attention
 from weft.outputs import Logprob
 from weft.plugins import PluginError, PluginRegistry
-from weft.plugins.selection import select_platform
+from weft.plugins.selection import choose_op, select_platform
 from weft.runner.model_runner import ModelRunner
 from weft.runner.sampler import Sampler
 from weft.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class LLMEngine:
         except PluginError as error:
             raise PluginError(f"model {config.model!r} has architecture {architecture!r}: {error}") from error
         self.family = family_class(self._options("model", family_class, architecture))
+        self.family.choose_op = lambda op: choose_op(self.registry, op, self.platform, config.use.ops.get(op))
         context_length = self.source.hf_config.get("max_position_embeddings", 4096)
         self.max_model_len = engine.max_model_len or context_length
         if self.max_model_len > context_length:
@@ -90,11 +91,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, engine.enable_prefix_caching)
         kv_caches = {}
-        torch_dtype = getattr(torch, self.dtype)
         for group, count in zip(self.groups, num_blocks):
-            shape = self.attention.kv_cache_shape(count, group.spec)
+            shape = self.family.kv_cache_shape(group.spec, count) or self.attention.kv_cache_shape(count, group.spec)
             for layer in group.layer_names:
-                kv_caches[layer] = torch.zeros(shape, dtype=torch_dtype, device=self.device)
+                kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
         self.scheduler = Scheduler(
             self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.enable_chunked_prefill
         )

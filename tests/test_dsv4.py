@@ -42,6 +42,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: torch's intra-op threads only contend (20x slower on a loaded 2-core box)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     folder = write_checkpoint(tmp_path_factory.mktemp(f"dsv4{request.param}"), CONFIGS[request.param], seed=7)
@@ -129,6 +138,16 @@ def _engine_tokens(folder, **engine) -> list[list[int]]:
     from weft.sampling_params import SamplingParams
 
     llm = _llm(folder, **engine)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    llm.preemptions = 0
+
+    def counting_schedule():
+        plan = schedule()
+        llm.preemptions += len(plan.preempted)
+        return plan
+
+    scheduler.schedule = counting_schedule
     prompts = [random_ids(length, seed=10 + length) for length in PROMPT_LENGTHS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     return [list(output.outputs[0].token_ids) for output in outputs], llm
@@ -150,6 +169,7 @@ def test_preemption_and_prefix_caching_change_no_token(checkpoint):
     # 32 blocks per group is what one 256-token request needs; three requests growing to ~105
     # tokens each need more, so the scheduler preempts and recomputes.
     tight, llm = _engine_tokens(folder, num_kv_blocks=32)
+    assert llm.preemptions > 0
     assert tight == reference
     cached, llm = _engine_tokens(folder, enable_prefix_caching=True)
     assert cached == reference

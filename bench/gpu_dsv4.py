@@ -114,8 +114,8 @@ def main() -> None:
     for name, generate in (("hf", hf_generate), ("weft", weft_generate)):
         rates, outputs = [], None
         for _ in range(args.repeats):
-            first, _ = timed(lambda: generate(1), args.device)
-            total, outputs = timed(lambda: generate(args.new_tokens), args.device)
+            first, _ = timed(lambda run=generate: run(1), args.device)
+            total, outputs = timed(lambda run=generate: run(args.new_tokens), args.device)
             rates.append(args.batch * (args.new_tokens - 1) / (total - first))
         results[name] = {"decode_tok_s": statistics.median(rates), "runs": rates, "outputs": outputs}
 

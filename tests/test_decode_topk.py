@@ -27,12 +27,9 @@ def python_topk(scores: torch.Tensor, seq_lens: list[int], q: int, block_size: i
             position = seq_lens[b // q] - q + b % q
             visible = min(math.ceil(max(position + 1, 0) / block_size), max_block)
 
-            def rank(block: int) -> tuple[float, int]:
-                value = float(scores[head, b, block])
-                value = NAN_SCORE_FP32 if math.isnan(value) else value + 0.0
-                return (-value, block)
-
-            chosen = sorted(range(visible), key=rank)[:topk]
+            row = [float(value) for value in scores[head, b, :visible]]
+            row = [NAN_SCORE_FP32 if math.isnan(value) else value + 0.0 for value in row]
+            chosen = sorted(range(visible), key=lambda block, row=row: (-row[block], block))[:topk]
             rows.append(chosen + [-1] * (topk - len(chosen)))
         result.append(rows)
     return result

@@ -144,5 +144,6 @@ class DecodeTopKTriton(OpImplementation):
             total_q, decode_query_len, block_size, max_block, topk,
             scores.stride(0), scores.stride(1), output.stride(0), output.stride(1),
             CHUNK=chunk, TOPK_PAD=topk_pad, CHUNKS=chunks,
+            num_warps=8 if max(chunk, chunks * topk_pad) >= 4096 else 4,
         )
         return output

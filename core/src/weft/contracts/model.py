@@ -70,6 +70,15 @@ class ModelFamily(PluginBase):
             f"but does not define kv_cache_shape for it"
         )
 
+    def load_dtype(self, dtype: str) -> str:
+        """The dtype the engine asks the loader for, given the runtime ``dtype``.
+
+        Default: the runtime dtype. A family that keeps some parameters in float32 whatever
+        the runtime dtype returns "float32", so those get the checkpoint's full precision
+        (the others are rounded when copied into their parameters, as a cast would).
+        """
+        return dtype
+
     @abstractmethod
     def build(self, config: ModelConfig, device: torch.device) -> torch.nn.Module:
         """Build the module with uninitialised (or random) weights on ``device``."""

@@ -83,7 +83,7 @@ class LLMEngine:
 
         torch.manual_seed(engine.seed)
         self.model = self.family.build(self.model_config, self.device)
-        self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
+        self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.family.load_dtype(self.dtype)))
         layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
         self.attention.prepare(layers, self.dtype)
 

@@ -936,6 +936,11 @@ class DeepseekV4Family(ModelFamily):
             return (num_blocks, spec.state_elements)
         raise ValueError(f"DeepSeek V4 declares no {type(spec).__name__} group")
 
+    def load_dtype(self, dtype: str) -> str:
+        # mHC, sinks, position biases and norm weights stay float32 in a bf16 model: read the
+        # checkpoint at full precision; copy_ rounds the rest into their parameters.
+        return "float32"
+
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV4ForCausalLM:
         s = DeepseekV4Settings(config.hf_config)
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):

@@ -99,7 +99,7 @@ class Driver:
             self.family.choose_op = lambda op: topk_op
         self.model = self.family.build(self.config, self.device)
         loader = SafetensorsLoader()
-        self.family.load_weights(self.model, loader.iter_weights(loader.resolve(str(folder)), dtype))
+        self.family.load_weights(self.model, loader.iter_weights(loader.resolve(str(folder)), self.family.load_dtype(dtype)))
         self.groups = self.family.kv_cache_groups(self.config)
         self.manager = KVCacheManager(self.groups, [num_blocks] * len(self.groups), enable_prefix_caching=False)
         self.caches = {}

@@ -32,13 +32,15 @@ from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E40
 ATOL = RTOL = 1e-4
 
 # Two schedules: A mixes all three layer types with 2 streams; B has 3 streams, a shorter window,
-# HCA at rate 16, one hash-MoE layer and a sigmoid router. Small index_topk makes selection matter.
+# HCA at rate 16, one hash-MoE layer, a sigmoid router and YaRN on the compressed branches'
+# RoPE (beyond 32 positions). Small index_topk makes selection matter.
 CONFIGS = {
     "A": tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3),
     "B": tiny_config(
         [CSA, HCA, CSA], hc_mult=3, sliding_window=8, index_topk=4, index_n_heads=3,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         mlp_layer_types=["hash_moe", "moe", "moe"], scoring_func="sigmoid",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
     ),
 }
 
@@ -289,3 +291,27 @@ class TestDeepseekV4ModelContract(ModelContract):
     @pytest.fixture
     def model_source(self, contract_checkpoint) -> str:
         return str(contract_checkpoint)
+
+
+def test_tiny_checkpoint_script_and_weft_generate(tmp_path):
+    folder = tmp_path / "tiny"
+    made = subprocess.run(
+        [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(folder), "--layer-types", "csa,hca,sliding"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["DeepseekV4ForCausalLM"]
+    result = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "generate", "--model", str(folder), "--prompt", "Hello, world!",
+         "--prompt", "The lightning indexer picks the best entries.", "--max-tokens", "24", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [len(row["outputs"][0]["token_ids"]) for row in rows] == [24, 24]
+    assert all(row["outputs"][0]["finish_reason"] == "length" for row in rows)
+    bad = subprocess.run(
+        [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(tmp_path / "x"), "--layer-types", "csa,mla"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and "--layer-types: unknown ['mla']" in bad.stderr

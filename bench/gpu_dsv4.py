@@ -99,9 +99,12 @@ def main() -> None:
         with stable_topk(), torch.no_grad():
             return hf.generate(inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
 
+    max_model_len = args.prompt_len + args.new_tokens + 16
     llm = LLM(model=str(folder), engine={
-        "dtype": args.dtype, "block_size": 16, "max_model_len": args.prompt_len + args.new_tokens + 16,
+        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
         "max_num_seqs": args.batch, "max_num_batched_tokens": max(2048, args.prompt_len),
+        # Enough blocks in every group for the whole batch at full length (no preemption).
+        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
     })
     prompt_lists = prompts.tolist()
 

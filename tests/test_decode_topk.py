@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from weft.ops.decode_topk import NAN_SCORE, DecodeTopKTorch
+from weft.builtins.decode_topk import NAN_SCORE, DecodeTopKTorch
 from weft.testing import OpContract
 
 NAN_SCORE_FP32 = float(torch.tensor(NAN_SCORE, dtype=torch.float32))  # scores compare in fp32

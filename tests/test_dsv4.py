@@ -105,7 +105,7 @@ def test_indexer_on_the_triton_top_k_matches_transformers(checkpoint):
 
 
 def test_the_engine_gives_the_indexer_the_op_it_chose(checkpoint):
-    from weft.ops.decode_topk import DecodeTopKTorch
+    from weft.builtins.decode_topk import DecodeTopKTorch
 
     folder, _ = checkpoint
     llm = _llm(folder)
@@ -219,6 +219,28 @@ def test_kv_cache_groups_and_their_flags(checkpoint):
     assert len(groups["csa_kv"].layer_names) == kinds.count(CSA) == len(groups["indexer_keys"].layer_names)
     assert len(groups["compressor_state"].layer_names) == kinds.count(CSA) + kinds.count(HCA)
     assert groups["compressor_state"].spec.dtype == "float32"
+
+
+def test_the_manager_grows_and_frees_every_group(checkpoint):
+    from weft.engine.kv_cache_manager import KVCacheManager
+
+    folder, _ = checkpoint
+    groups = Driver(folder).groups
+    manager = KVCacheManager(groups, [64] * len(groups))
+    index = {group.name: i for i, group in enumerate(groups)}
+    window = groups[index["window"]].spec
+    for length in (1, 8, 9, 40, 200):
+        assert manager.allocate_slots("r", length)
+        held = {group.name: len(blocks) for group, blocks in zip(groups, manager.block_ids("r"))}
+        assert held["window"] == min(-(-length // 8), window.ring_blocks)  # the ring stops growing
+        assert held["compressor_state"] == 1
+        for name in ("csa_kv", "hca_kv", "indexer_keys"):
+            if name in held:
+                assert held[name] == -(-length // groups[index[name]].spec.block_size)
+    assert manager.allocate_slots("other", 30)
+    manager.free("r")
+    manager.free("other")
+    assert manager.num_free_blocks() == (64,) * len(groups)
 
 
 def test_mhc_weights_are_doubly_stochastic_with_post_in_0_2(checkpoint):

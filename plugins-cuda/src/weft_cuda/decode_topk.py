@@ -1,4 +1,4 @@
-"""``decode_topk.triton``: the decode block top-k (``weft.ops.decode_topk``) as one Triton kernel.
+"""``decode_topk.triton``: the decode block top-k (reference: ``weft.builtins.decode_topk``) as one Triton kernel.
 
 Each block's score becomes one int64 sort key: the float's bits mapped to a signed integer in
 score order (NaN first replaced by -1e30, -0.0 by +0.0), shifted up 32 bits, with
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from weft.contracts.ops import OpImplementation
-from weft.ops.decode_topk import check_inputs
+from weft.builtins.decode_topk import check_inputs
 
 MAX_CHUNKS = 16
 MIN_CHUNK = 128

@@ -43,7 +43,7 @@ from weft.contracts.kv_cache import (
 from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import ForwardContext
 from weft.layers.linear import Embedding, Linear, default_dtype
-from weft.ops.decode_topk import DecodeTopKTorch
+from weft.builtins.decode_topk import DecodeTopKTorch
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -275,7 +275,7 @@ class Compressor(nn.Module):
             old = torch.arange(base, start, device=kv.device)
             source_kv = torch.cat([state[old % self.span, : self.width].to(kv.dtype), kv[: last * m - start]])
             source_gate = torch.cat([state[old % self.span, self.width :], gate[: last * m - start]])
-            entries = self._pool(source_kv, source_gate, first, last, base)
+            entries = self._pool(source_kv, source_gate, first, last)
             positions = torch.arange(first, last, device=kv.device) * m
             entries = apply_rope(entries, *rope.table(positions, entries.dtype))
         keep = min(n, self.span)
@@ -316,8 +316,7 @@ class Compressor(nn.Module):
                 missing = (window == 0)[:, None, None] & (torch.arange(2 * m, device=kv.device) < m)[None, :, None]
                 source_kv = source_kv.masked_fill(missing, 0.0)
                 source_gate = source_gate.masked_fill(missing, float("-inf"))
-            weights = source_gate.softmax(dim=1, dtype=torch.float32).to(source_kv.dtype)
-            entries = self.kv_norm((source_kv * weights).sum(dim=1))
+            entries = self.pool_windows(source_kv, source_gate)
             entries = apply_rope(entries, *rope.table(window * m, entries.dtype))
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
             flat[slots] = entries.to(cache.dtype)
@@ -327,7 +326,8 @@ class Compressor(nn.Module):
         entries = flat[table.gather(1, index // per_block) * per_block + index % per_block]
         return entries, index < counts[:, None]
 
-    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, last: int, base: int) -> torch.Tensor:
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """Entries ``first .. last - 1`` from the consecutive source tokens of their windows."""
         m, d, count = self.ratio, self.dim, last - first
         if not self.overlap:
             kv, gate = kv.view(count, m, d), gate.view(count, m, d)
@@ -340,6 +340,10 @@ class Compressor(nn.Module):
             windows_gate = gate.view(count + 1, m, 2 * d)
             kv = torch.cat([windows_kv[:-1, :, :d], windows_kv[1:, :, d:]], dim=1)
             gate = torch.cat([windows_gate[:-1, :, :d], windows_gate[1:, :, d:]], dim=1)
+        return self.pool_windows(kv, gate)
+
+    def pool_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``[count, slots, dim]`` windows to entries: softmax over the slots per channel (fp32), weighted sum, norm."""
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return self.kv_norm((kv * weights).sum(dim=1))
 

@@ -52,3 +52,24 @@ def test_group_specs_round_trip_through_msgspec():
     groups = deepseek_like_groups()
     decoded = msgspec.json.decode(msgspec.json.encode(groups), type=tuple[KVCacheGroupSpec, ...])
     assert decoded == groups
+
+
+def test_slot_mappings_follow_each_layout():
+    import torch
+
+    table = torch.tensor([[7, 3, 5, 9, 2]], dtype=torch.int32)
+    rows = torch.zeros(6, dtype=torch.long)
+    positions = torch.tensor([0, 15, 16, 47, 48, 70])
+    full = FullAttentionSpec(block_size=16, dtype="float16", num_kv_heads=1, head_dim=8)
+    assert full.slot_mapping(table, rows, positions).tolist() == [112, 127, 48, 95, 144, 38]
+    assert full.paged_attention
+    # A ring of ceil(32 / 16) + 1 = 3 blocks: position p sits in block (p // 16) % 3.
+    ring = SlidingWindowSpec(block_size=16, dtype="float16", num_kv_heads=1, head_dim=8, window=32, ring=True)
+    assert ring.ring_blocks == 3 and not ring.paged_attention
+    assert ring.slot_mapping(table, rows, positions).tolist() == [112, 127, 48, 95, 112, 54]
+    # Compressed, 16 source tokens (4 entries) per block: the entry each token pools into.
+    compressed = CompressedSpec(block_size=16, dtype="float16", compress_ratio=4, entry_dim=8)
+    assert compressed.slot_mapping(table, rows, positions).tolist() == [28, 31, 12, 23, 36, 9]
+    assert not compressed.paged_attention
+    state = RecurrentStateSpec(block_size=16, dtype="float32", state_elements=4)
+    assert state.slot_mapping(table, rows, positions).tolist() == [7] * 6 and not state.paged_attention

@@ -91,4 +91,6 @@ class SafetensorsLoader(WeightLoader):
         for file in sorted(Path(source.path).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name).to(target)
+                    tensor = handle.get_tensor(name)
+                    # Integer tensors (DeepSeek V4's token -> expert table) are indices, not weights.
+                    yield name, tensor.to(target) if tensor.is_floating_point() else tensor

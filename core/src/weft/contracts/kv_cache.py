@@ -22,7 +22,12 @@ assuming that every group may go everywhere.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 
@@ -59,6 +64,23 @@ class KVCacheSpec(msgspec.Struct, frozen=True, tag_field="kind"):
         """Blocks a request holding ``num_tokens`` tokens needs in this group."""
         return -(-num_tokens // self.block_size)
 
+    @property
+    def paged_attention(self) -> bool:
+        """Whether the attention backend owns this group's layout and attends over it (plain paged K/V).
+
+        Other groups (compressed entries, recurrent state, rings) belong to the model that declares
+        them: its family gives their tensor shape (:meth:`ModelFamily.kv_cache_shape`) and reads them.
+        """
+        return False
+
+    def slot_mapping(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache slot (``block * block_size + offset``) of the token at each position.
+
+        ``block_table`` is ``[num_reqs, max_blocks]``, ``rows`` the request row of each token.
+        """
+        size = self.block_size
+        return block_table[rows, positions // size].long() * size + positions % size
+
 
 class FullAttentionSpec(KVCacheSpec, frozen=True, tag="full_attention"):
     """Keys and values of every token: grows with the sequence; prefix-cacheable."""
@@ -68,6 +90,10 @@ class FullAttentionSpec(KVCacheSpec, frozen=True, tag="full_attention"):
 
     @property
     def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def paged_attention(self) -> bool:
         return True
 
     def page_size_bytes(self) -> int:
@@ -80,6 +106,11 @@ class SlidingWindowSpec(KVCacheSpec, frozen=True, tag="sliding_window"):
     Blocks wholly outside the window may be freed. Whether it is prefix-cacheable
     depends on the storage: ``ring=True`` overwrites slots in place, so a block's
     contents are not a function of one prefix and must never be reused.
+
+    A ring holds at most :attr:`ring_blocks` blocks; the token at position ``p``
+    lives in the request's block ``(p // block_size) % ring_blocks``, so the last
+    ``window`` tokens before a step are still there while the step writes its own.
+    Attention backends run only non-ring windows; a ring belongs to the model.
     """
 
     num_kv_heads: int
@@ -91,10 +122,24 @@ class SlidingWindowSpec(KVCacheSpec, frozen=True, tag="sliding_window"):
     def prefix_cacheable(self) -> bool:
         return not self.ring
 
+    @property
+    def paged_attention(self) -> bool:
+        return not self.ring
+
+    @property
+    def ring_blocks(self) -> int:
+        return -(-self.window // self.block_size) + 1
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         if self.ring:
-            return min(super().blocks_for_tokens(num_tokens), -(-self.window // self.block_size) + 1)
+            return min(super().blocks_for_tokens(num_tokens), self.ring_blocks)
         return super().blocks_for_tokens(num_tokens)
+
+    def slot_mapping(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.ring:
+            return super().slot_mapping(block_table, rows, positions)
+        size = self.block_size
+        return block_table[rows, (positions // size) % self.ring_blocks].long() * size + positions % size
 
     def page_size_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
@@ -125,6 +170,11 @@ class CompressedSpec(KVCacheSpec, frozen=True, tag="compressed"):
     def page_size_bytes(self) -> int:
         return (self.block_size // self.compress_ratio) * self.entry_dim * dtype_size(self.dtype)
 
+    def slot_mapping(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The entry slot each token contributes to (written when the token completes its window)."""
+        size, per_block = self.block_size, self.block_size // self.compress_ratio
+        return block_table[rows, positions // size].long() * per_block + (positions % size) // self.compress_ratio
+
 
 class RecurrentStateSpec(KVCacheSpec, frozen=True, tag="recurrent_state"):
     """A fixed-size state per request, overwritten each step (a compressor's partial window).
@@ -145,6 +195,10 @@ class RecurrentStateSpec(KVCacheSpec, frozen=True, tag="recurrent_state"):
 
     def page_size_bytes(self) -> int:
         return self.state_elements * dtype_size(self.dtype)
+
+    def slot_mapping(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The request's one state block, for every token."""
+        return block_table[rows, 0].long()
 
 
 class KVCacheGroupSpec(msgspec.Struct, frozen=True):

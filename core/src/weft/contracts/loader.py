@@ -56,4 +56,5 @@ class WeightLoader(PluginBase):
 
     @abstractmethod
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_tensor_name, tensor)`` pairs in ``dtype``, each tensor once."""
+        """Yield ``(hf_tensor_name, tensor)`` pairs, each tensor once: floating-point tensors in ``dtype``,
+        integer tensors (index tables) as stored."""

@@ -17,7 +17,7 @@ KV-cache tensors of each group (the engine's model-runner documents it).
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,7 +27,7 @@ from weft.contracts.plugin import PluginBase
 if TYPE_CHECKING:
     import torch
 
-    from weft.contracts.kv_cache import KVCacheGroupSpec
+    from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -48,10 +48,36 @@ class ModelFamily(PluginBase):
 
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()
+        self.choose_op: Callable[[str], Any] | None = None
+        """Set by the engine before :meth:`build`: ``choose_op("decode_topk")`` is the implementation of
+        that core op chosen for the engine's platform (``weft.plugins.selection.choose_op``, honouring
+        ``use.ops``). None outside an engine: a model then uses the op's torch reference."""
 
     @abstractmethod
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         """Declare the model's KV-cache groups; every attention layer belongs to exactly one."""
+
+    def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...] | None:
+        """Shape of one layer's cache tensor for a group this model manages itself.
+
+        Return None for a group the attention backend owns (``spec.paged_attention``):
+        the backend then chooses the layout. The tensor's dtype is ``spec.dtype``.
+        """
+        if spec.paged_attention:
+            return None
+        raise NotImplementedError(
+            f"model family {type(self).__name__} declares a {type(spec).__name__} KV-cache group "
+            f"but does not define kv_cache_shape for it"
+        )
+
+    def load_dtype(self, dtype: str) -> str:
+        """The dtype the engine asks the loader for, given the runtime ``dtype``.
+
+        Default: the runtime dtype. A family that keeps some parameters in float32 whatever
+        the runtime dtype returns "float32", so those get the checkpoint's full precision
+        (the others are rounded when copied into their parameters, as a cast would).
+        """
+        return dtype
 
     @abstractmethod
     def build(self, config: ModelConfig, device: torch.device) -> torch.nn.Module:

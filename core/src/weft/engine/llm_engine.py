@@ -27,9 +27,9 @@ from weft.engine.scheduler import Scheduler
 from weft.layers.attention import Attention
 from weft.outputs import Logprob
 from weft.plugins import PluginError, PluginRegistry
+from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.ops import LAYER_OPS, using_ops
 from weft.plugins.selection import choose_op, select_platform
-from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
 from weft.runner.sampler import Sampler
 from weft.sampling_params import SamplingParams
@@ -70,6 +70,7 @@ class LLMEngine:
         except PluginError as error:
             raise PluginError(f"model {config.model!r} has architecture {architecture!r}: {error}") from error
         self.family = family_class(self._options("model", family_class, architecture))
+        self.family.choose_op = lambda op: choose_op(self.registry, op, self.platform, config.use.ops.get(op))
         context_length = self.source.hf_config.get("max_position_embeddings", 4096)
         self.max_model_len = engine.max_model_len or context_length
         if self.max_model_len > context_length:
@@ -90,7 +91,7 @@ class LLMEngine:
             self.ops = self._choose_ops()
             with using_ops(self.ops):
                 self.model = self.family.build(self.model_config, self.device)
-            self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.dtype))
+            self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.family.load_dtype(self.dtype)))
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
 
@@ -98,12 +99,11 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, engine.enable_prefix_caching)
         kv_caches = {}
-        torch_dtype = getattr(torch, self.dtype)
         for group, count in zip(self.groups, num_blocks):
             # One block beyond the manager's: the scratch block padded graph rows write to.
-            shape = self.attention.kv_cache_shape(count + 1, group.spec)
+            shape = self.family.kv_cache_shape(group.spec, count + 1) or self.attention.kv_cache_shape(count + 1, group.spec)
             for layer in group.layer_names:
-                kv_caches[layer] = torch.zeros(shape, dtype=torch_dtype, device=self.device)
+                kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
         self.kv_connector = build_kv_connector(
             self.registry, config, self.source, self.groups, kv_caches, self.kv_cache_manager
         )
@@ -145,6 +145,12 @@ class LLMEngine:
         if not (self.platform.supports_graph_capture and self.attention.supports_graph_capture):
             if self.platform.supports_graph_capture:
                 logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
+            return
+        managed = [group.name for group in self.groups if not group.spec.paged_attention]
+        if managed:
+            # The runner's static buffers hold paged-attention block tables; groups a model
+            # manages itself (rings, compressed entries) lay their slots out another way.
+            logger.info("decode runs eagerly: KV-cache groups %s are managed by the model", managed)
             return
         sizes = sorted(set(engine.graph_batch_sizes or default_graph_sizes(engine.max_num_seqs)))
         too_large = [size for size in sizes if size > engine.max_num_seqs]

@@ -8,7 +8,7 @@ import msgspec
 import torch
 from torch import nn
 
-from weft.contracts.attention import AttentionBackend, AttentionLayer
+from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 
 
 class ForwardContext(msgspec.Struct):
@@ -16,9 +16,11 @@ class ForwardContext(msgspec.Struct):
 
     backend: AttentionBackend
     metadata: list[Any]
-    """The backend's metadata for each KV-cache group."""
+    """The backend's metadata for each KV-cache group (None for a group the backend does not own)."""
     kv_caches: dict[str, torch.Tensor]
     """The cache tensor of each attention layer, by layer name."""
+    batches: list[AttentionBatch] = []
+    """The step's block tables and slots for each KV-cache group, for models that manage a group themselves."""
 
 
 class Attention(nn.Module):

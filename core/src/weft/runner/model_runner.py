@@ -1,8 +1,11 @@
 """Builds the flat batch of one step, runs the model and samples.
 
 The batch lays the scheduled tokens of every request end to end. For each
-KV-cache group it also builds the block table and each new token's cache slot,
-then asks the attention backend for its metadata once; every layer reuses it.
+KV-cache group it also builds the block table and each new token's cache slot
+(as the group's spec lays them out), then asks the attention backend for its
+metadata once for each group the backend owns; every layer reuses it. Groups a
+model manages itself (compressed entries, recurrent state, rings) get no backend
+metadata: the model reads their :class:`AttentionBatch` from the context.
 
 Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`).
 A graph is captured per batch size over static input buffers; a step of ``n``
@@ -107,13 +110,13 @@ class ModelRunner:
         rows = torch.repeat_interleave(
             torch.arange(len(seq_lens), device=device), query_start_tensor.diff().long()
         )
-        metadata = []
+        metadata, batches = [], []
         for index, group in enumerate(self.groups):
             tables = [self.kv_cache_manager.block_ids(item.request.request_id, (index,))[0] for item in step.scheduled]
             width = max(len(table) for table in tables)
             block_table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
             size = group.spec.block_size
-            slot_mapping = block_table[rows, position_tensor // size].long() * size + position_tensor % size
+            slot_mapping = group.spec.slot_mapping(block_table, rows, position_tensor)
             batch = AttentionBatch(
                 query_start=query_start_tensor,
                 seq_lens=seq_lens_tensor,
@@ -123,8 +126,9 @@ class ModelRunner:
                 max_seq_len=max(seq_lens),
                 block_size=size,
             )
-            metadata.append(self.backend.build_metadata(batch))
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
+            batches.append(batch)
+            metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(input_ids, position_tensor, context)
         sampling = [i for i, item in enumerate(step.scheduled) if item.samples]
         results: list[SampledToken | None] = [None] * len(step.scheduled)
@@ -165,7 +169,7 @@ class ModelRunner:
         """The decode forward over the first ``size`` rows of the static buffers; what a graph captures."""
         static = self.static
         assert static is not None
-        metadata = []
+        metadata, batches = [], []
         for index, group in enumerate(self.groups):
             batch = AttentionBatch(
                 query_start=static.query_start[: size + 1],
@@ -176,8 +180,9 @@ class ModelRunner:
                 max_seq_len=self.max_model_len,
                 block_size=group.spec.block_size,
             )
+            batches.append(batch)
             metadata.append(self.backend.build_metadata(batch))
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
         return self.model.compute_logits(hidden)
 

@@ -401,9 +401,14 @@ class ModelContract(_Contract):
         family, _, _, config = parts
         groups = family.kv_cache_groups(config)
         assert groups and all(isinstance(group, KVCacheGroupSpec) for group in groups)
+        every = [name for group in groups for name in group.layer_names]
+        assert all(group.layer_names for group in groups), "every KV-cache group must hold at least one layer"
+        assert len(every) == len(set(every)), "a cache tensor name (layer name) may appear in one group only"
         module = family.build(config, torch.device("cpu"))
         layers = [m.layer_name for m in module.modules() if isinstance(m, Attention)]
-        declared = [name for group in groups for name in group.layer_names]
+        # Groups the attention backend owns are read through weft's Attention layers; the others
+        # (compressed entries, recurrent state, rings) are read by the model itself.
+        declared = [name for group in groups if group.spec.paged_attention for name in group.layer_names]
         assert sorted(declared) == sorted(layers), "every attention layer must be in exactly one KV-cache group"
         for index, group in enumerate(groups):
             for layer in module.modules():

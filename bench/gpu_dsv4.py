@@ -1,0 +1,152 @@
+"""weft-dsv4 on an NVIDIA GPU: decode throughput against transformers' ``generate()`` in the same run,
+on a random DeepSeek V4 config larger than the CPU tests' (bf16, Triton decode_topk in the indexer).
+
+Both sides load the same checkpoint (random weights, written by ``weft_dsv4.tiny_checkpoint``),
+generate greedily for the same batch of equal-length prompts (no padding: transformers' V4
+compressor ignores attention masks), EOS ignored. Decode throughput = batch x (new tokens - 1)
+/ (time for N tokens - time for 1 token), so prefill is excluded on both sides; medians of
+``--repeats`` runs. Also printed: how many leading greedy tokens the two bf16 runs share.
+
+    python bench/gpu_dsv4.py [--batch 16] [--prompt-len 512] [--new-tokens 128] [--out DIR]
+
+Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``--out`` or the environment's $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHORT = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention", "sliding": "sliding_attention"}
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layer-types", default="hca,csa,csa,hca,sliding,csa,hca,csa")
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=256)
+    parser.add_argument("--q-lora-rank", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--experts-per-token", type=int, default=4)
+    parser.add_argument("--moe-intermediate-size", type=int, default=512)
+    parser.add_argument("--hc-mult", type=int, default=4)
+    parser.add_argument("--sliding-window", type=int, default=128)
+    parser.add_argument("--hca-rate", type=int, default=64)
+    parser.add_argument("--index-topk", type=int, default=64)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of this script)")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_dsv4.json (default: $OUT)")
+    return parser.parse_args()
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    from weft_dsv4.tiny_checkpoint import tiny_config
+
+    kinds = [SHORT[kind] for kind in args.layer_types.split(",")]
+    return tiny_config(
+        kinds, hc_mult=args.hc_mult, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        num_attention_heads=args.heads, head_dim=args.head_dim, q_lora_rank=args.q_lora_rank,
+        moe_intermediate_size=args.moe_intermediate_size, n_routed_experts=args.experts,
+        num_experts_per_tok=args.experts_per_token, o_groups=4, o_lora_rank=args.hidden_size // 4,
+        index_n_heads=8, index_head_dim=64, index_topk=args.index_topk, sliding_window=args.sliding_window,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": args.hca_rate},
+        max_position_embeddings=8192,
+    )
+
+
+def timed(run, device: str) -> tuple[float, object]:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    args = arguments()
+    import transformers
+
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4.reference import stable_topk
+    from weft_dsv4.tiny_checkpoint import write_checkpoint
+
+    dtype = getattr(torch, args.dtype)
+    folder = write_checkpoint(Path(tempfile.mkdtemp()) / "dsv4", config_of(args), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, args.vocab_size, (args.batch, args.prompt_len), generator=generator)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
+    hf.generation_config.eos_token_id = None
+    inputs = prompts.to(args.device)
+
+    def hf_generate(tokens: int):
+        with stable_topk(), torch.no_grad():
+            return hf.generate(inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+    max_model_len = args.prompt_len + args.new_tokens + 16
+    llm = LLM(model=str(folder), engine={
+        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
+        "max_num_seqs": args.batch, "max_num_batched_tokens": max(2048, args.prompt_len),
+        # Enough blocks in every group for the whole batch at full length (no preemption).
+        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
+    })
+    prompt_lists = prompts.tolist()
+
+    def weft_generate(tokens: int):
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        return llm.generate(prompt_lists, params, use_tqdm=False)
+
+    hf_generate(2), weft_generate(2)  # warm-up: kernels compiled, allocator primed
+    results = {}
+    for name, generate in (("hf", hf_generate), ("weft", weft_generate)):
+        rates, outputs = [], None
+        for _ in range(args.repeats):
+            first, _ = timed(lambda run=generate: run(1), args.device)
+            total, outputs = timed(lambda run=generate: run(args.new_tokens), args.device)
+            rates.append(args.batch * (args.new_tokens - 1) / (total - first))
+        results[name] = {"decode_tok_s": statistics.median(rates), "runs": rates, "outputs": outputs}
+
+    hf_tokens = results["hf"]["outputs"][:, args.prompt_len :].tolist()
+    weft_tokens = [list(output.outputs[0].token_ids) for output in results["weft"]["outputs"]]
+    shared = []
+    for ours, theirs in zip(weft_tokens, hf_tokens):
+        count = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        shared.append(count)
+    report = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+        "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "config": {k: v for k, v in config_of(args).items() if k != "compress_rates"} | {"hca_rate": args.hca_rate},
+        "hf_decode_tok_s": results["hf"]["decode_tok_s"], "weft_decode_tok_s": results["weft"]["decode_tok_s"],
+        "ratio_weft_over_hf": results["weft"]["decode_tok_s"] / results["hf"]["decode_tok_s"],
+        "hf_runs": results["hf"]["runs"], "weft_runs": results["weft"]["runs"],
+        "greedy_tokens_shared_with_hf": shared,
+    }
+    print(json.dumps(report, indent=2))
+    print(
+        f"decode throughput, batch {args.batch}, {args.dtype}: weft {report['weft_decode_tok_s']:.1f} tok/s, "
+        f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
+        f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
+    )
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_dsv4.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""weft-dsv4 against Hugging Face's DeepseekV4ForCausalLM with identical random weights (fp32, CPU).
+
+transformers' indexer calls ``torch.topk``, whose CPU tie order depends on the row length, so its
+top-k is made stable (ties to the lower entry index, as Weft's decode_topk orders them) while it
+runs: see ``weft_dsv4.reference.stable_topk`` and shared/reference/dsv4.md.
+
+Tolerance for logits: fp32 on both sides, same math in a different order (Weft computes each
+request's attention over a window ring and compressed-entry caches; HF over concatenated tensors)
+gives differences of a few 1e-6 on logits of magnitude ~1-3; we assert atol = rtol = 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("weft_dsv4")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("this transformers has no DeepseekV4ForCausalLM (needs >= 5.17; CI pins 5.24)", allow_module_level=True)
+
+from weft.testing import ModelContract  # noqa: E402
+from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
+from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
+
+ATOL = RTOL = 1e-4
+
+# Two schedules: A mixes all three layer types with 2 streams; B has 3 streams, a shorter window,
+# HCA at rate 16, one hash-MoE layer, a sigmoid router and YaRN on the compressed branches'
+# RoPE (beyond 32 positions). Small index_topk makes selection matter.
+CONFIGS = {
+    "A": tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3),
+    "B": tiny_config(
+        [CSA, HCA, CSA], hc_mult=3, sliding_window=8, index_topk=4, index_n_heads=3,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "moe", "moe"], scoring_func="sigmoid",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: torch's intra-op threads only contend (20x slower on a loaded 2-core box)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp(f"dsv4{request.param}"), CONFIGS[request.param], seed=7)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return folder, hf
+
+
+def random_ids(count: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(2, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with stable_topk(), torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_transformers_weights_load_under_their_own_names(checkpoint):
+    folder, hf = checkpoint
+    driver = Driver(folder)
+    ours = dict(driver.model.named_parameters())
+    theirs = hf.state_dict()
+    layer = next(i for i, kind in enumerate(hf.config.layer_types) if kind == CSA)
+    prefix = f"model.layers.{layer}.self_attn"
+    assert torch.equal(ours[f"{prefix}.indexer.weights_proj.weight"], theirs[f"{prefix}.compressor.indexer.scorer.weights_proj.weight"])
+    assert torch.equal(ours[f"{prefix}.indexer.compressor.position_bias"], theirs[f"{prefix}.compressor.indexer.position_bias"])
+    assert torch.equal(ours["model.layers.0.mlp.experts.gate_up_proj"], theirs["model.layers.0.mlp.experts.gate_up_proj"])
+    assert torch.equal(ours["lm_head.weight"], theirs["lm_head.weight"])
+
+
+def test_prefill_logits_match_transformers(checkpoint):
+    folder, hf = checkpoint
+    ids = random_ids(70, seed=1)  # crosses several windows of every rate and the sliding window
+    ours = Driver(folder).step([("a", ids)])[0]
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_indexer_on_the_triton_top_k_matches_transformers(checkpoint):
+    pytest.importorskip("triton")
+    from weft_cuda.decode_topk import DecodeTopKTriton
+
+    folder, hf = checkpoint
+    ids = random_ids(34, seed=8)
+    driver = Driver(folder, topk_op=DecodeTopKTriton(None))
+    prefill = driver.step([("a", ids[:30])])[0]
+    decoded = [driver.step([("a", [token])])[0][0] for token in ids[30:]]
+    torch.testing.assert_close(torch.cat([prefill, torch.stack(decoded)]), hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_the_engine_gives_the_indexer_the_op_it_chose(checkpoint):
+    from weft.builtins.decode_topk import DecodeTopKTorch
+
+    folder, _ = checkpoint
+    llm = _llm(folder)
+    attention = [layer.self_attn for layer in llm.engine.model.model.layers if layer.self_attn.indexer is not None]
+    assert attention and all(isinstance(layer.topk_op, DecodeTopKTorch) for layer in attention)  # the CPU's choice
+
+
+def test_logits_at_each_position_ignore_later_tokens(checkpoint):
+    folder, _ = checkpoint
+    ids = random_ids(48, seed=2)
+    other = ids[:20] + random_ids(28, seed=3)
+    driver = Driver(folder)
+    full, changed = driver.step([("a", ids), ("b", other)])
+    torch.testing.assert_close(full[:20], changed[:20], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(full[20:], changed[20:], atol=1e-3)
+    for length in (1, 3, 4, 7, 8, 15, 16, 17, 33):
+        prefix = Driver(folder).step([("p", ids[:length])])[0]
+        torch.testing.assert_close(prefix, full[:length], atol=1e-5, rtol=1e-5)
+
+
+def test_incremental_decode_equals_one_shot_prefill(checkpoint):
+    folder, _ = checkpoint
+    ids = random_ids(41, seed=4)
+    one_shot = Driver(folder).step([("a", ids)])[0]
+    driver = Driver(folder)
+    rows = [driver.step([("a", [token])])[0][0] for token in ids]
+    torch.testing.assert_close(torch.stack(rows), one_shot, atol=ATOL, rtol=RTOL)
+
+
+def test_chunked_prefill_equals_one_full_forward(checkpoint):
+    folder, _ = checkpoint
+    ids = random_ids(60, seed=5)
+    full = Driver(folder).step([("a", ids)])[0]
+    driver, rows, start = Driver(folder), [], 0
+    for size in (3, 1, 5, 8, 2, 13, 4, 24):
+        # Batched with an unrelated request of its own phase, as continuous batching does.
+        chunk, _ = driver.step([("a", ids[start : start + size]), (f"other{start}", random_ids(size + 2, seed=start))])
+        rows.append(chunk)
+        start += size
+    torch.testing.assert_close(torch.cat(rows), full, atol=ATOL, rtol=RTOL)
+
+
+def _llm(folder, **engine):
+    from weft.entrypoints.llm import LLM
+
+    settings = {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 256, "max_num_batched_tokens": 24}
+    settings.update(engine)
+    return LLM(model=str(folder), engine=settings)
+
+
+PROMPT_LENGTHS = (5, 23, 41)
+
+
+def _engine_tokens(folder, **engine) -> list[list[int]]:
+    from weft.sampling_params import SamplingParams
+
+    llm = _llm(folder, **engine)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    llm.preemptions = 0
+
+    def counting_schedule():
+        plan = schedule()
+        llm.preemptions += len(plan.preempted)
+        return plan
+
+    scheduler.schedule = counting_schedule
+    prompts = [random_ids(length, seed=10 + length) for length in PROMPT_LENGTHS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    return [list(output.outputs[0].token_ids) for output in outputs], llm
+
+
+def test_greedy_generation_through_the_engine_equals_transformers_generate(checkpoint):
+    folder, hf = checkpoint
+    tokens, _ = _engine_tokens(folder)
+    for length, ours in zip(PROMPT_LENGTHS, tokens):
+        prompt = random_ids(length, seed=10 + length)
+        with stable_topk(), torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        assert ours == generated[0, length:].tolist(), f"prompt of {length} tokens"
+
+
+def test_preemption_and_prefix_caching_change_no_token(checkpoint):
+    folder, _ = checkpoint
+    reference, _ = _engine_tokens(folder, enable_prefix_caching=False)
+    # 32 blocks per group is what one 256-token request needs; three requests growing to ~105
+    # tokens each need more, so the scheduler preempts and recomputes.
+    tight, llm = _engine_tokens(folder, num_kv_blocks=32)
+    assert llm.preemptions > 0
+    assert tight == reference
+    cached, llm = _engine_tokens(folder, enable_prefix_caching=True)
+    assert cached == reference
+    # The window ring and the compressor state cannot be rebuilt from cached blocks, so the
+    # manager must not reuse the compressed groups' blocks alone.
+    assert llm.engine.kv_cache_manager.prefix_caching is False
+    assert llm.engine.kv_cache_manager.stats.hit_tokens == 0
+
+
+def test_kv_cache_groups_and_their_flags(checkpoint):
+    folder, _ = checkpoint
+    groups = {group.name: group for group in Driver(folder).groups}
+    config = json.loads((folder / "config.json").read_text())
+    kinds = config["layer_types"]
+    assert set(groups) == {"window", "compressor_state", "indexer_keys", "csa_kv"} | ({"hca_kv"} if HCA in kinds else set())
+    for name in ("window", "compressor_state"):
+        assert not groups[name].prefix_cacheable and groups[name].transferable
+    for name in ("csa_kv", "hca_kv", "indexer_keys"):
+        if name in groups:
+            assert groups[name].prefix_cacheable and groups[name].transferable
+    assert len(groups["window"].layer_names) == len(kinds)
+    assert len(groups["csa_kv"].layer_names) == kinds.count(CSA) == len(groups["indexer_keys"].layer_names)
+    assert len(groups["compressor_state"].layer_names) == kinds.count(CSA) + kinds.count(HCA)
+    assert groups["compressor_state"].spec.dtype == "float32"
+
+
+def test_the_manager_grows_and_frees_every_group(checkpoint):
+    from weft.engine.kv_cache_manager import KVCacheManager
+
+    folder, _ = checkpoint
+    groups = Driver(folder).groups
+    manager = KVCacheManager(groups, [64] * len(groups))
+    index = {group.name: i for i, group in enumerate(groups)}
+    window = groups[index["window"]].spec
+    for length in (1, 8, 9, 40, 200):
+        assert manager.allocate_slots("r", length)
+        held = {group.name: len(blocks) for group, blocks in zip(groups, manager.block_ids("r"))}
+        assert held["window"] == min(-(-length // 8), window.ring_blocks)  # the ring stops growing
+        assert held["compressor_state"] == 1
+        for name in ("csa_kv", "hca_kv", "indexer_keys"):
+            if name in held:
+                assert held[name] == -(-length // groups[index[name]].spec.block_size)
+    assert manager.allocate_slots("other", 30)
+    manager.free("r")
+    manager.free("other")
+    assert manager.num_free_blocks() == (64,) * len(groups)
+
+
+def test_mhc_weights_are_doubly_stochastic_with_post_in_0_2(checkpoint):
+    folder, _ = checkpoint
+    model = Driver(folder).model
+    streams = torch.randn(37, model.settings.hc_mult, model.settings.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer in model.model.layers:
+        for connection in (layer.attn_hc, layer.ffn_hc):
+            pre, post, comb = connection.weights(streams)
+            # Sinkhorn ends on a column normalisation: columns sum to 1 up to hc_eps; rows only
+            # approximately after 20 rounds (up to ~0.03 with these random weights), and they converge.
+            torch.testing.assert_close(comb.sum(dim=-2), torch.ones(comb.shape[:-1]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(comb.sum(dim=-1), torch.ones(comb.shape[:-1]), atol=5e-2, rtol=0)
+            assert bool((post > 0).all() and (post < 2).all() and (pre > 0).all())
+            row_error = (comb.sum(dim=-1) - 1).abs().max()
+            connection.iterations = 500
+            _, _, converged = connection.weights(streams)
+            converged_error = (converged.sum(dim=-1) - 1).abs().max()
+            assert converged_error < 1e-3 and (row_error < 1e-5 or converged_error < row_error / 10)
+
+
+def test_hash_routed_layers_pick_exactly_tid2eid(checkpoint):
+    folder, hf = checkpoint
+    model = Driver(folder).model
+    ids = torch.tensor(random_ids(50, seed=6))
+    hidden = torch.randn(50, model.settings.hidden_size, generator=torch.Generator().manual_seed(1))
+    hashed = [i for i, kind in enumerate(model.settings.mlp_layer_types) if kind == "hash_moe"]
+    assert hashed
+    for index in hashed:
+        experts, weights = model.model.layers[index].mlp.gate(hidden, ids)
+        table = hf.model.layers[index].mlp.gate.tid2eid
+        assert torch.equal(experts, table[ids])
+        torch.testing.assert_close(weights.sum(-1), torch.full((50,), model.settings.routed_scaling_factor))
+
+
+def test_plugins_list_shows_the_family_only_when_weft_dsv4_is_installed():
+    code = """
+        import contextlib, importlib.metadata as metadata, io, json, sys
+        if sys.argv[1] == "hidden":
+            everything = metadata.distributions
+            metadata.distributions = lambda **kw: (d for d in everything(**kw) if d.metadata["Name"] != "weft-dsv4")
+        from weft.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["plugins", "list", "--json"])
+        rows = [row for row in json.loads(out.getvalue())["plugins"] if row["name"] == "DeepseekV4ForCausalLM"]
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "weft_dsv4"))
+        print(json.dumps({"rows": rows, "heavy": heavy}))
+    """
+    import textwrap
+
+    shown = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "installed"], capture_output=True, text=True, timeout=120)
+    hidden = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "hidden"], capture_output=True, text=True, timeout=120)
+    shown_report = json.loads(shown.stdout.strip().splitlines()[-1])
+    hidden_report = json.loads(hidden.stdout.strip().splitlines()[-1])
+    assert [(row["slot"], row["distribution"], row["status"]) for row in shown_report["rows"]] == [("model", "weft-dsv4", "ok")]
+    assert shown_report["heavy"] == []
+    assert hidden_report["rows"] == []
+
+
+@pytest.fixture(scope="module")
+def contract_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dsv4contract"), CONFIGS["A"], seed=3)
+
+
+class TestDeepseekV4ModelContract(ModelContract):
+    plugin_name = "DeepseekV4ForCausalLM"
+    block_size = 8
+
+    @pytest.fixture
+    def model_source(self, contract_checkpoint) -> str:
+        return str(contract_checkpoint)
+
+
+def test_tiny_checkpoint_script_and_weft_generate(tmp_path):
+    folder = tmp_path / "tiny"
+    made = subprocess.run(
+        [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(folder), "--layer-types", "csa,hca,sliding"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["DeepseekV4ForCausalLM"]
+    result = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "generate", "--model", str(folder), "--prompt", "Hello, world!",
+         "--prompt", "The lightning indexer picks the best entries.", "--max-tokens", "24", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [len(row["outputs"][0]["token_ids"]) for row in rows] == [24, 24]
+    assert all(row["outputs"][0]["finish_reason"] == "length" for row in rows)
+    bad = subprocess.run(
+        [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(tmp_path / "x"), "--layer-types", "csa,mla"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and "--layer-types: unknown ['mla']" in bad.stderr

@@ -1,0 +1,78 @@
+"""weft-dsv4 on an NVIDIA GPU, against transformers' DeepseekV4ForCausalLM on a larger random config:
+fp32 greedy generation through the engine (Triton decode_topk in the indexer) equals generate();
+bf16 logits are as close to the fp32 reference as transformers' own bf16 run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("weft_dsv4")
+pytest.importorskip("triton")
+
+from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
+from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
+
+LARGER = tiny_config(
+    [HCA, CSA, CSA, HCA, SLIDING, CSA], hc_mult=4, vocab_size=4096, hidden_size=512, num_attention_heads=8, head_dim=128,
+    q_lora_rank=256, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4, o_groups=4, o_lora_rank=128,
+    index_n_heads=4, index_head_dim=64, index_topk=16, sliding_window=64,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+)
+PROMPT_LENGTHS = (17, 150, 301)
+
+
+def prompt(length: int) -> list[int]:
+    return torch.randint(2, 4096, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dsv4gpu"), LARGER, seed=11)
+
+
+def hf_model(folder, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+    from weft_cuda.decode_topk import DecodeTopKTriton
+
+    llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024})
+    indexers = [layer.self_attn.topk_op for layer in llm.engine.model.model.layers if layer.self_attn.indexer is not None]
+    assert indexers and all(isinstance(op, DecodeTopKTriton) for op in indexers)
+    outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    hf = hf_model(folder, torch.float32)
+    for length, output in zip(PROMPT_LENGTHS, outputs):
+        with stable_topk(), torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
+
+
+def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(folder):
+    from weft_cuda.decode_topk import DecodeTopKTriton
+
+    ids = prompt(400)
+    with stable_topk(), torch.no_grad():
+        reference = hf_model(folder, torch.float32)(torch.tensor([ids], device="cuda")).logits[0].float()
+        theirs = hf_model(folder, torch.bfloat16)(torch.tensor([ids], device="cuda")).logits[0].float()
+    driver = Driver(folder, dtype="bfloat16", device="cuda", block_size=16, max_model_len=1024, topk_op=DecodeTopKTriton(None))
+    prefill = driver.step([("a", ids[:300])])[0]
+    decoded = torch.cat([driver.step([("a", [token])])[0] for token in ids[300:]])
+    ours = torch.cat([prefill, decoded])
+    our_error = (ours - reference).abs().mean().item()
+    their_error = (theirs - reference).abs().mean().item()
+    print(f"bf16 mean |logit error| vs fp32: weft {our_error:.4f}, transformers {their_error:.4f}")
+    assert our_error <= 1.5 * their_error + 1e-3
+    agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    their_agreement = (theirs.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    print(f"bf16 top-1 agreement with fp32: weft {agreement:.3f}, transformers {their_agreement:.3f}")
+    assert agreement >= their_agreement - 0.05

@@ -135,15 +135,30 @@ def test_the_last_token_is_always_computed_and_short_prompts_match_nothing(store
 
 RING_FAMILY = '''
     from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from weft.layers.attention import Attention
     from weft.models.llama import LlamaFamily, LlamaSettings, layer_name
+
+
+    class RingAttention(Attention):
+        """A ring group is the model's own (no backend metadata for it): build the backend's view of it here."""
+
+        def forward(self, query, key, value, context):
+            metadata = context.backend.build_metadata(context.batches[self.group])
+            return context.backend.forward(self.spec, query, key, value, context.kv_caches[self.layer_name], metadata)
 
 
     class RingWindowFamily(LlamaFamily):
         """Llama whose sliding-window layers keep their KV in a ring group, as DeepSeek V4 does: not prefix-cacheable.
 
-        The engine has no ring storage yet, so the ring's one block spans max_model_len tokens
-        (an odd size: it must not change the store's block size).
+        The ring's one block spans max_model_len tokens (an odd size: it must not change the
+        store's block size), so its ring layout is the plain one and the attention backend can
+        attend over it; DeepSeek V4's own rings are tested in tests/test_dsv4.py.
         """
+
+        def kv_cache_shape(self, spec, num_blocks):
+            if spec.paged_attention:
+                return None
+            return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
         def kv_cache_groups(self, config):
             settings = LlamaSettings(config.hf_config, config.architecture)
@@ -160,8 +175,9 @@ RING_FAMILY = '''
         def build(self, config, device):
             module = super().build(config, device)
             for layer in module.model.layers:
-                if layer.self_attn.attn.spec.sliding_window is not None:
-                    layer.self_attn.attn.group = 1
+                attn = layer.self_attn.attn
+                if attn.spec.sliding_window is not None:
+                    layer.self_attn.attn = RingAttention(attn.layer_name, 1, attn.spec)
             return module
 '''
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel
+from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, Zipped
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -42,29 +42,30 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexp
 
 
 @triton.jit
+def _rotate_heads(source, target, token, stride_source, c, s, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """Rotate the ``HEADS`` heads of one token (``rotate_half`` layout) into a contiguous target."""
+    heads = tl.arange(0, BLOCK_HEADS)
+    dims = tl.arange(0, HALF)
+    mask = (heads < HEADS)[:, None]
+    first = source + token * stride_source + heads[:, None] * 2 * HALF + dims[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out = target + token * HEADS * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
+    tl.store(out, (x1 * c - x2 * s).to(target.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x2 * c + x1 * s).to(target.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     query, key, cos, sin, query_out, key_out, stride_qt, stride_kt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)
-    heads = tl.arange(0, BLOCK_HEADS)
     c = tl.load(cos + token * 2 * HALF + dims).to(tl.float32)[None, :]
     s = tl.load(sin + token * 2 * HALF + dims).to(tl.float32)[None, :]
-    q_mask = (heads < HEADS)[:, None]
-    q_first = query + token * stride_qt + heads[:, None] * 2 * HALF + dims[None, :]
-    x1 = tl.load(q_first, mask=q_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(q_first + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    q_out = query_out + token * HEADS * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
-    tl.store(q_out, (x1 * c - x2 * s).to(query_out.dtype.element_ty), mask=q_mask)
-    tl.store(q_out + HALF, (x2 * c + x1 * s).to(query_out.dtype.element_ty), mask=q_mask)
-    k_mask = (heads < KV_HEADS)[:, None]
-    k_first = key + token * stride_kt + heads[:, None] * 2 * HALF + dims[None, :]
-    y1 = tl.load(k_first, mask=k_mask, other=0.0).to(tl.float32)
-    y2 = tl.load(k_first + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    k_out = key_out + token * KV_HEADS * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
-    tl.store(k_out, (y1 * c - y2 * s).to(key_out.dtype.element_ty), mask=k_mask)
-    tl.store(k_out + HALF, (y2 * c + y1 * s).to(key_out.dtype.element_ty), mask=k_mask)
+    _rotate_heads(query, query_out, token, stride_qt, c, s, HEADS, HALF, BLOCK_HEADS)
+    _rotate_heads(key, key_out, token, stride_kt, c, s, KV_HEADS, HALF, BLOCK_HEADS)
 
 
 @triton.jit
@@ -106,12 +107,8 @@ class _FusedKernel(Kernel):
     def input_space(self) -> InputSpace | None:
         if not self.shapes:
             return None
-        points = [{"dtype": dtype, "shape": shape, "flag": flag} for dtype, shape in self.shapes for flag in self.flags]
-        return Choice("point", points)
-
-    def warmup_keys(self) -> list[CompileKey]:
-        space = self.input_space()
-        return [] if space is None else list(dict.fromkeys(self.dispatch(**p["point"]) for p in space.points()))
+        dtypes, shapes = zip(*self.shapes)
+        return Zipped(dtype=dtypes, shape=shapes) * Choice("flag", self.flags)
 
     def compile(self, key: FusedKey) -> Any:
         from weft_cuda.triton_attention import interpreting

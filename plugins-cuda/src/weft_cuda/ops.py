@@ -55,8 +55,8 @@ class LinearTriton(OpImplementation):
         ):
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
-        if not flat.is_contiguous() or flat.data_ptr() % 16:
-            flat = flat.contiguous() if flat.data_ptr() % 16 == 0 else flat.clone()
+        if not flat.is_contiguous() or flat.data_ptr() % 16:  # the kernel was compiled for aligned rows
+            flat = flat.clone(memory_format=torch.contiguous_format)
         out_features, in_features = weight.shape
         y = self.kernel(
             dtype=x.dtype, n=out_features, k=in_features, m=rows, has_bias=bias is not None,

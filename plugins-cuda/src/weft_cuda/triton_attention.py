@@ -46,6 +46,41 @@ PREFILL_STAGES = 2
 """Keys per inner iteration, independent of the cache's block size."""
 
 
+@triton.jit
+def _load_key_tile(
+    key_cache, value_cache, table_row, key_positions, loadable, kv_head, dims,
+    stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+):
+    """Keys and values of one tile of positions; a tile may span several cache blocks, so each
+    key's block is looked up in the request's block-table row."""
+    physical = tl.load(table_row + key_positions // BLOCK_SIZE, mask=loadable, other=0)
+    offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
+        + kv_head * stride_ch + dims[None, :]
+    k = tl.load(key_cache + offsets, mask=loadable[:, None], other=0.0)
+    v = tl.load(value_cache + offsets, mask=loadable[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, scale, running_max, running_sum, accumulator, IEEE: tl.constexpr):
+    """Fold one key tile into the running (max, sum, unnormalised output); ``visible`` masks scores."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    correction = tl.exp(running_max - safe_max)
+    weights = tl.exp(scores - safe_max[:, None])
+    running_sum = running_sum * correction + tl.sum(weights, 1)
+    if IEEE:
+        accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+    else:
+        accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+    return new_max, running_sum, accumulator
+
+
 @triton.jit(do_not_specialize=["window", "stride_bt"])
 def _paged_attention_kernel(
     query, key_cache, value_cache, output, block_table, seq_lens, query_start,
@@ -83,32 +118,18 @@ def _paged_attention_kernel(
         start_key = (tl.maximum(first_position - window + 1, 0) // BLOCK_N) * BLOCK_N
     keys = tl.arange(0, BLOCK_N)
     for tile_start in range(start_key, end_key, BLOCK_N):
-        # A key tile may span several cache blocks: look each key's block up in the table.
         key_positions = tile_start + keys
         in_context = key_positions < seq_len
-        physical = tl.load(block_table + request * stride_bt + key_positions // BLOCK_SIZE, mask=in_context, other=0)
-        offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
-            + kv_head * stride_ch + dims[None, :]
-        k = tl.load(key_cache + offsets, mask=in_context[:, None], other=0.0)
-        v = tl.load(value_cache + offsets, mask=in_context[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
+        k, v = _load_key_tile(
+            key_cache, value_cache, block_table + request * stride_bt, key_positions, in_context, kv_head, dims,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+        )
         visible = (key_positions[None, :] <= positions[:, None]) & in_context[None, :]
         if HAS_WINDOW:
             visible = visible & (key_positions[None, :] > positions[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.exp(running_max - safe_max)
-        weights = tl.exp(scores - safe_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, 1)
-        if IEEE:
-            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-        else:
-            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v)
-        running_max = new_max
+        running_max, running_sum, accumulator = _online_softmax_step(
+            q, k, v, visible, scale, running_max, running_sum, accumulator, IEEE,
+        )
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
         output + (first + query_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -160,26 +181,13 @@ def _decode_split_kernel(
     for tile_start in range(low, high, BLOCK_N):
         key_positions = tile_start + keys
         visible = (key_positions < high) & (key_positions >= first_key)
-        physical = tl.load(block_table + request * stride_bt + key_positions // BLOCK_SIZE, mask=visible, other=0)
-        offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
-            + kv_head * stride_ch + dims[None, :]
-        k = tl.load(key_cache + offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(value_cache + offsets, mask=visible[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.exp(running_max - safe_max)
-        weights = tl.exp(scores - safe_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, 1)
-        if IEEE:
-            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-        else:
-            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(v.dtype), v)
-        running_max = new_max
+        k, v = _load_key_tile(
+            key_cache, value_cache, block_table + request * stride_bt, key_positions, visible, kv_head, dims,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+        )
+        running_max, running_sum, accumulator = _online_softmax_step(
+            q, k, v, visible[None, :], scale, running_max, running_sum, accumulator, IEEE,
+        )
     slot = ((request * KV_HEADS + kv_head) * MAX_SPLITS + split) * BLOCK_M + rows
     tl.store(partial + slot[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=valid[:, None])
     tl.store(partial_max + slot, running_max, mask=valid)

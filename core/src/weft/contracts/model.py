@@ -17,7 +17,7 @@ KV-cache tensors of each group (the engine's model-runner documents it).
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -48,10 +48,6 @@ class ModelFamily(PluginBase):
 
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()
-        self.choose_op: Callable[[str], Any] | None = None
-        """Set by the engine before :meth:`build`: ``choose_op("decode_topk")`` is the implementation of
-        that core op chosen for the engine's platform (``weft.plugins.selection.choose_op``, honouring
-        ``use.ops``). None outside an engine: a model then uses the op's torch reference."""
 
     @abstractmethod
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:

@@ -70,7 +70,6 @@ class LLMEngine:
         except PluginError as error:
             raise PluginError(f"model {config.model!r} has architecture {architecture!r}: {error}") from error
         self.family = family_class(self._options("model", family_class, architecture))
-        self.family.choose_op = lambda op: choose_op(self.registry, op, self.platform, config.use.ops.get(op))
         context_length = self.source.hf_config.get("max_position_embeddings", 4096)
         self.max_model_len = engine.max_model_len or context_length
         if self.max_model_len > context_length:

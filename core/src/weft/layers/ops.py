@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from weft.contracts.ops import OpImplementation
 
-LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "silu_and_mul")
-"""Ops core's layers call; their references are in :mod:`weft.builtins.ops`."""
+LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "silu_and_mul", "decode_topk")
+"""Core ops that layers call, core's and model families' alike; their references are in
+:mod:`weft.builtins` (``ops``, ``decode_topk``)."""
 
 _active: contextvars.ContextVar[dict[str, OpImplementation]] = contextvars.ContextVar("weft_layer_ops", default={})
 

@@ -156,6 +156,7 @@ class ModelRunner:
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
         self._zeros = array("i", [0]) * max(widths)
+        self._rows = torch.arange(max(sizes), device=self.device)
         self._fill_padding(0, max(sizes))
         for size in sorted(set(sizes), reverse=True):
             self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
@@ -201,27 +202,22 @@ class ModelRunner:
         static = self.static
         assert static is not None
         count = len(step.scheduled)
-        token_ids, positions, seq_lens = [], [], []
-        for item in step.scheduled:
-            request = item.request
-            position = request.num_computed_tokens
-            token_ids.append(request.all_token_ids[position])
-            positions.append(position)
-            seq_lens.append(position + 1)
-        static.input_ids[:count].copy_(torch.tensor(token_ids, dtype=torch.long))
-        static.positions[:count].copy_(torch.tensor(positions, dtype=torch.long))
-        static.seq_lens[:count].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        requests = [item.request for item in step.scheduled]
+        positions = [request.num_computed_tokens for request in requests]
+        static.input_ids[:count].copy_(torch.tensor([r.all_token_ids[p] for r, p in zip(requests, positions)]))
+        static.positions[:count].copy_(torch.tensor(positions))
+        static.seq_lens[:count].copy_(static.positions[:count] + 1)
         for index, group in enumerate(self.groups):
-            block_size = group.spec.block_size
-            tables = [self.kv_cache_manager.block_ids(item.request.request_id, (index,))[0] for item in step.scheduled]
+            tables = [self.kv_cache_manager.block_ids(request.request_id, (index,))[0] for request in requests]
             width = max(len(table) for table in tables)
             rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
             for table in tables:
                 rows.extend(table)
                 rows.extend(self._zeros[: width - len(table)])
-            static.block_tables[index][:count, :width].copy_(torch.frombuffer(rows, dtype=torch.int32).view(count, width))
-            slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
-            static.slot_mappings[index][:count].copy_(torch.tensor(slots, dtype=torch.int32))
+            block_table = static.block_tables[index]
+            block_table[:count, :width].copy_(torch.frombuffer(rows, dtype=torch.int32).view(count, width))
+            slots = group.spec.slot_mapping(block_table, self._rows[:count], static.positions[:count])
+            static.slot_mappings[index][:count].copy_(slots)
         if count < size:
             self._fill_padding(count, size)
         logits = self.graphs[size]()

@@ -43,6 +43,7 @@ from weft.contracts.kv_cache import (
 from weft.contracts.model import ModelConfig, ModelFamily
 from weft.layers.attention import ForwardContext
 from weft.layers.linear import Embedding, Linear, default_dtype
+from weft.layers.ops import current_op
 from weft.builtins.decode_topk import DecodeTopKTorch
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -952,7 +953,7 @@ class DeepseekV4Family(ModelFamily):
         groups = self.kv_cache_groups(config)
         module.model.group_names = tuple(group.name for group in groups)
         module.model.ring_blocks = groups[0].spec.ring_blocks
-        topk = self.choose_op("decode_topk") if self.choose_op is not None else DecodeTopKTorch(None)
+        topk = current_op("decode_topk") or DecodeTopKTorch(None)
         for layer in module.model.layers:
             layer.self_attn.topk_op = topk
         module.model.ropes.to(device)

@@ -17,6 +17,7 @@ from weft.contracts.attention import AttentionBatch
 from weft.contracts.model import ModelConfig
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.layers.attention import ForwardContext
+from weft.layers.ops import using_ops
 
 
 @contextlib.contextmanager
@@ -95,9 +96,8 @@ class Driver:
         )
         self.device = torch.device(device)
         self.family = DeepseekV4Family()
-        if topk_op is not None:
-            self.family.choose_op = lambda op: topk_op
-        self.model = self.family.build(self.config, self.device)
+        with using_ops({"decode_topk": topk_op} if topk_op is not None else {}):
+            self.model = self.family.build(self.config, self.device)
         loader = SafetensorsLoader()
         self.family.load_weights(self.model, loader.iter_weights(loader.resolve(str(folder)), self.family.load_dtype(dtype)))
         self.groups = self.family.kv_cache_groups(self.config)

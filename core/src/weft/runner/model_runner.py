@@ -156,7 +156,7 @@ class ModelRunner:
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
         self._zeros = array("i", [0]) * max(widths)
-        self._rows = torch.arange(max(sizes), device=self.device)
+        self._rows = torch.arange(max(sizes))
         self._fill_padding(0, max(sizes))
         for size in sorted(set(sizes), reverse=True):
             self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
@@ -204,9 +204,12 @@ class ModelRunner:
         count = len(step.scheduled)
         requests = [item.request for item in step.scheduled]
         positions = [request.num_computed_tokens for request in requests]
+        # Staged on the host (a few microseconds of CPU ops), then one copy each: device-side
+        # derivations would add kernel launches to every decode step.
+        host_positions = torch.tensor(positions)
         static.input_ids[:count].copy_(torch.tensor([r.all_token_ids[p] for r, p in zip(requests, positions)]))
-        static.positions[:count].copy_(torch.tensor(positions))
-        static.seq_lens[:count].copy_(static.positions[:count] + 1)
+        static.positions[:count].copy_(host_positions)
+        static.seq_lens[:count].copy_(host_positions + 1)
         for index, group in enumerate(self.groups):
             tables = [self.kv_cache_manager.block_ids(request.request_id, (index,))[0] for request in requests]
             width = max(len(table) for table in tables)
@@ -214,10 +217,9 @@ class ModelRunner:
             for table in tables:
                 rows.extend(table)
                 rows.extend(self._zeros[: width - len(table)])
-            block_table = static.block_tables[index]
-            block_table[:count, :width].copy_(torch.frombuffer(rows, dtype=torch.int32).view(count, width))
-            slots = group.spec.slot_mapping(block_table, self._rows[:count], static.positions[:count])
-            static.slot_mappings[index][:count].copy_(slots)
+            host_table = torch.frombuffer(rows, dtype=torch.int32).view(count, width)
+            static.block_tables[index][:count, :width].copy_(host_table)
+            static.slot_mappings[index][:count].copy_(group.spec.slot_mapping(host_table, self._rows[:count], host_positions))
         if count < size:
             self._fill_padding(count, size)
         logits = self.graphs[size]()

@@ -96,19 +96,33 @@ class LocalMooncake:
         return self
 
     def start_master(self, timeout: float = 60.0) -> None:
-        """Start (or restart) the master; returns once its metadata server answers."""
+        """Start (or restart) the master; returns once its metadata server answers and its RPC port accepts.
+
+        (The two come up separately: on a loaded machine the metadata server can answer first.)
+        """
+        import socket
+
         self.master = self._spawn(self.master_command(), "master.log")
         deadline = time.monotonic() + timeout
-        while True:
+        host, _, port = self.master_server_address.rpartition(":")
+
+        def ready() -> bool:
             try:
                 urllib.request.urlopen(f"{self.metadata_server}?key=weft-ready", timeout=1)
-                return
             except urllib.error.HTTPError:  # it answers (404: no such key)
-                return
+                pass
             except OSError:
-                if self.master.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mooncake_master did not start; see {self.log_dir / 'master.log'}") from None
-                time.sleep(0.1)
+                return False
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except OSError:
+                return False
+            return True
+
+        while not ready():
+            if self.master.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master did not start; see {self.log_dir / 'master.log'}")
+            time.sleep(0.1)
 
     def wait_for_segment(self, timeout: float = 60.0) -> None:
         """Block until the store accepts a put: the storage node's segment is mounted on the current master.

@@ -98,31 +98,41 @@ class LocalMooncake:
     def start_master(self, timeout: float = 60.0) -> None:
         """Start (or restart) the master; returns once its metadata server answers and its RPC port accepts.
 
-        (The two come up separately: on a loaded machine the metadata server can answer first.)
+        The ports were free when chosen, but another process may take one before the master binds
+        it (the choice comes from the kernel's ephemeral range). A first start that does not come
+        up therefore tries again on fresh ports; a restart keeps its ports, which clients know.
         """
+        first_start = self.master is None
+        for attempt in range(3 if first_start else 1):
+            if attempt:
+                self.rpc_port, self.metadata_port, self.metrics_port = (free_port() for _ in range(3))
+            self.master = self._spawn(self.master_command(), "master.log")
+            if self._wait_for_master(timeout if attempt == 2 or not first_start else min(timeout, 20.0)):
+                return
+            self.master.kill()
+            self.master.wait()
+        raise RuntimeError(f"mooncake_master did not start; see {self.log_dir / 'master.log'}")
+
+    def _wait_for_master(self, timeout: float) -> bool:
+        """Whether the master's metadata server answers and its RPC port accepts within ``timeout``
+        (the two come up separately: on a loaded machine the metadata server can answer first)."""
         import socket
 
-        self.master = self._spawn(self.master_command(), "master.log")
         deadline = time.monotonic() + timeout
-        host, _, port = self.master_server_address.rpartition(":")
-
-        def ready() -> bool:
+        while self.master.poll() is None and time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.metadata_server}?key=weft-ready", timeout=1)
             except urllib.error.HTTPError:  # it answers (404: no such key)
                 pass
             except OSError:
-                return False
+                time.sleep(0.1)
+                continue
             try:
-                socket.create_connection((host, int(port)), timeout=1).close()
+                socket.create_connection(("127.0.0.1", self.rpc_port), timeout=1).close()
+                return True
             except OSError:
-                return False
-            return True
-
-        while not ready():
-            if self.master.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master did not start; see {self.log_dir / 'master.log'}")
-            time.sleep(0.1)
+                time.sleep(0.1)
+        return False
 
     def wait_for_segment(self, timeout: float = 60.0) -> None:
         """Block until the store accepts a put: the storage node's segment is mounted on the current master.

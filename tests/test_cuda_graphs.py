@@ -90,7 +90,7 @@ def test_padded_graph_path_equals_eager(model, request, eager_replay_platform):
 def test_warm_up_compiles_every_variant_before_serving(tiny_llama):
     llm = LLM(model=str(tiny_llama), use={"attention": "triton"},
               engine={"block_size": 4, "num_kv_blocks": 256, "runtime_jit": "error", "max_num_batched_tokens": 16})
-    kernel = llm.engine.kernels.kernels["weft_cuda.paged_attention"]
+    kernel = llm.engine.worker.kernels.kernels["weft_cuda.paged_attention"]
     assert len(kernel.compiled) == 3  # one layer shape and block size: decode, split-key decode, prefill
     # Chunked prefill, prefill mixed with decodes, decode-only steps: no miss (error mode would raise).
     llm.generate(prompts(4), staggered(4, 12))
@@ -123,7 +123,7 @@ def test_cuda_graphs_equal_eager_on_gpu(model, dtype, request):
     eager = LLM(model=folder, use={"platform": "cuda"}, engine={**engine, "enforce_eager": True})
     expected = token_ids(eager.generate(batch, params))
     graphs = LLM(model=folder, use={"platform": "cuda"}, engine=engine)
-    assert graphs.engine.runner.graphs and graphs.engine.attention.name == "triton"
+    assert graphs.engine.runner.graphs and graphs.engine.worker.attention.name == "triton"
     assert token_ids(graphs.generate(batch, params)) == expected
 
 
@@ -139,5 +139,5 @@ def test_no_kernel_compiles_after_warm_up_on_gpu(tiny_window):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=5 + i) for i in range(len(workload))]
     outputs = llm.generate(workload, params)
     assert all(output.outputs[0].token_ids for output in outputs)
-    assert llm.engine.kernels.kernels["weft_cuda.paged_attention"].monitor.misses == []
+    assert llm.engine.worker.kernels.kernels["weft_cuda.paged_attention"].monitor.misses == []
     assert triton_compiled_variants() == before

@@ -109,7 +109,7 @@ def test_the_engine_gives_the_indexer_the_op_it_chose(checkpoint):
 
     folder, _ = checkpoint
     llm = _llm(folder)
-    attention = [layer.self_attn for layer in llm.engine.model.model.layers if layer.self_attn.indexer is not None]
+    attention = [layer.self_attn for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None]
     assert attention and all(isinstance(layer.topk_op, DecodeTopKTorch) for layer in attention)  # the CPU's choice
 
 

@@ -47,7 +47,7 @@ def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
     from weft_cuda.decode_topk import DecodeTopKTriton
 
     llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024})
-    indexers = [layer.self_attn.topk_op for layer in llm.engine.model.model.layers if layer.self_attn.indexer is not None]
+    indexers = [layer.self_attn.topk_op for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None]
     assert indexers and all(isinstance(op, DecodeTopKTriton) for op in indexers)
     outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     hf = hf_model(folder, torch.float32)

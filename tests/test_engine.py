@@ -73,7 +73,7 @@ def test_preemption_happens_in_the_tight_configuration(tiny_model):
     requests = [engine.add_request(str(index), prompt, GREEDY) for index, prompt in enumerate(prompts(8, seed=5))]
     while engine.has_unfinished:
         engine.step()
-    assert sum(request.num_preemptions for request in requests) > 0
+    assert engine.scheduler.num_preemptions > 0
     assert all(len(request.output_token_ids) == GREEDY.max_tokens for request in requests)
 
 
@@ -129,12 +129,12 @@ def test_greedy_with_repetition_penalty_matches_hf(tiny_model, llm):
 
 
 def test_presence_and_frequency_penalties_follow_openai(llm):
-    from weft.engine.request import Request
+    from weft.contracts.executor import NewRequest
+    from weft.runner.model_runner import RequestState
     from weft.runner.sampler import _apply_penalties
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    request = Request("r", [1, 2], params, 10, frozenset())
-    request.output_token_ids = [5, 5, 7]
+    request = RequestState(NewRequest("r", [1, 2, 5, 5, 7], 2, params, (), ((),), 0))
     logits = torch.zeros(10)
     _apply_penalties(logits, request)
     expected = torch.zeros(10)
@@ -223,7 +223,7 @@ def test_use_ops_names_are_checked_and_forced_implementations_used(tiny_model):
     with pytest.raises(ValueError, match=r"use.ops names \['softmax'\], which no installed plugin implements; known ops: .*linear"):
         LLM(model=str(tiny_model), use={"ops": {"softmax": "torch"}}, engine={"num_kv_blocks": 64})
     llm = LLM(model=str(tiny_model), use={"ops": {"linear": "torch"}}, engine={"num_kv_blocks": 64})
-    assert {name: type(op).__name__ for name, op in llm.engine.ops.items()} == {
+    assert {name: type(op).__name__ for name, op in llm.engine.worker.ops.items()} == {
         "linear": "LinearTorch", "rms_norm": "RmsNormTorch", "rotary": "RotaryTorch", "silu_and_mul": "SiluAndMulTorch",
         "decode_topk": "DecodeTopKTorch",
     }

@@ -38,7 +38,7 @@ def test_tiny_models_match_hf_greedy_on_gpu(kind, tmp_path, tokenizer_files):
     reference = hf_greedy(hf, prompts)
     llm = LLM(model=str(folder), use={"platform": "cuda"},
               engine={"dtype": "float32", "max_num_batched_tokens": 96, "block_size": 16, "num_kv_blocks": 512})
-    assert llm.engine.runner.graphs and llm.engine.attention.name == "triton"
+    assert llm.engine.runner.graphs and llm.engine.worker.attention.name == "triton"
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, expected, output in zip(prompts, reference, outputs):
         assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"

@@ -49,11 +49,15 @@ def test_tiny_random_models_match_hf(kind, tmp_path, tokenizer_files):
     folder = make_tiny_model(tmp_path / kind, kind, tokenizer_files)
     prompts = prompts_of_lengths([1, 3, 7, 16, 17, 40, 90, 150])
     reference = hf_greedy(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval(), prompts)
-    # A small step budget and block size force chunked prefill and many blocks per request.
-    llm = LLM(model=str(folder), engine={"max_num_batched_tokens": 96, "block_size": 8, "num_kv_blocks": 512})
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, expected, output in zip(prompts, reference, outputs):
-        assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+    # A small step budget and block size force chunked prefill and many blocks per request; with
+    # asynchronous scheduling each decode reads the token the step before sampled from the device.
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(folder), engine={"max_num_batched_tokens": 96, "block_size": 8, "num_kv_blocks": 512,
+                                             "async_scheduling": async_scheduling})
+        assert llm.engine.core.async_scheduling is async_scheduling
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        for prompt, expected, output in zip(prompts, reference, outputs):
+            assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged (async {async_scheduling})"
 
 
 @pytest.fixture(scope="module")

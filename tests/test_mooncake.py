@@ -202,7 +202,7 @@ def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(sto
     expected = reference(ring_model, [prompt, prompt])
 
     with connected(ring_model, store) as first:
-        groups = first.engine.groups
+        groups = first.engine.core.groups
         assert [group.prefix_cacheable for group in groups] == [True, False]
         assert first.engine.kv_connector.worker_side.block_size == 16
         assert generate(first, [prompt]) == expected[:1]

@@ -55,8 +55,12 @@ class UseConfig(_Section, frozen=True):
 class EngineConfig(_Section, frozen=True):
     """Scheduling, KV cache and numerics."""
 
-    max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running in one step")] = 64
-    max_num_batched_tokens: Annotated[int, Meta(ge=1, description="token budget of one step")] = 2048
+    max_num_seqs: Annotated[
+        int, Meta(ge=1, description="most requests running in one step; default: the platform's (CPU 64, H200-class GPU 512)")
+    ] | None = None
+    max_num_batched_tokens: Annotated[
+        int, Meta(ge=1, description="token budget of one step; default: the platform's (CPU 2048, H200-class GPU 8192)")
+    ] | None = None
     max_model_len: Annotated[int, Meta(ge=1, description="context length; default: the model's")] | None = None
     block_size: Annotated[int, Meta(ge=1, le=4096, description="tokens per KV-cache block")] = 16
     num_kv_blocks: Annotated[int, Meta(ge=1, description="KV-cache blocks; default: sized from memory")] | None = None
@@ -77,7 +81,15 @@ class EngineConfig(_Section, frozen=True):
         Literal["warn", "error"],
         Meta(description="a kernel variant compiled after warm-up: warn (and compile) or error"),
     ] = "warn"
-    tensor_parallel_size: Annotated[int, Meta(ge=1, description="devices a model is sharded over")] = 1
+    async_scheduling: Annotated[
+        bool, Meta(description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it")
+    ] | None = None
+    distributed_executor_backend: Annotated[
+        str, Meta(description="executor plugin that runs the model on workers (uniproc: in the engine core's process)")
+    ] = "uniproc"
+    tensor_parallel_size: Annotated[
+        int, Meta(ge=1, description="devices a model is sharded over (only 1 until tensor parallelism lands)")
+    ] = 1
 
 
 class ServerConfig(_Section, frozen=True):
@@ -101,6 +113,18 @@ class WeftConfig(_Section, frozen=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     plugins: dict[str, dict[str, Any]] = {}
     """Each plugin's own options by plugin name, validated against its Options Struct."""
+
+
+PLATFORM_SIZED = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling")
+"""Engine options whose default the platform chooses for its device (:meth:`Platform.engine_defaults`)."""
+
+
+def with_platform_defaults(config: WeftConfig, defaults: Mapping[str, Any]) -> WeftConfig:
+    """``config`` with each platform-sized engine option the user left unset taken from ``defaults``."""
+    chosen = {key: defaults[key] for key in PLATFORM_SIZED if getattr(config.engine, key) is None}
+    if not chosen:
+        return config
+    return msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, **chosen))
 
 
 class ConfigError(ValueError):
@@ -142,6 +166,12 @@ def load_config(
         config = msgspec.convert(raw, WeftConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
+    if config.engine.tensor_parallel_size != 1:
+        where = OVERRIDE_SOURCE if "engine.tensor_parallel_size" in override_paths else source
+        raise ConfigError(
+            f"{where}: engine.tensor_parallel_size = {config.engine.tensor_parallel_size}: tensor parallelism is "
+            f"not implemented yet, so the model would silently run on one device; set it to 1"
+        )
     if config.plugins:
         from weft.plugins import PluginRegistry
 

@@ -6,7 +6,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe, torch_has_library, visible_device_count
+from weft.contracts.platform import (
+    EngineDefaults,
+    MemoryInfo,
+    Platform,
+    PlatformProbe,
+    torch_has_library,
+    visible_device_count,
+)
 
 
 def probe_nvidia(root: Path = Path("/")) -> PlatformProbe:
@@ -58,6 +65,16 @@ class CudaPlatform(Platform):
 
         free, total = torch.cuda.mem_get_info(index)
         return MemoryInfo(free=free, total=total)
+
+    def engine_defaults(self) -> EngineDefaults:
+        """Sized by device memory: an H100/H200-class GPU (70 GiB and more) batches 512 sequences and
+        8,192 tokens a step; the host prepares step N+1 while the GPU runs step N."""
+        total = self.memory_info().total
+        if total >= 70 << 30:
+            return EngineDefaults(max_num_seqs=512, max_num_batched_tokens=8192, async_scheduling=True)
+        if total >= 30 << 30:
+            return EngineDefaults(max_num_seqs=256, max_num_batched_tokens=4096, async_scheduling=True)
+        return EngineDefaults(max_num_seqs=128, max_num_batched_tokens=2048, async_scheduling=True)
 
     def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         import torch

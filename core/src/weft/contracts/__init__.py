@@ -13,6 +13,7 @@ loader          ``weft.loader``         :class:`weft.contracts.loader.WeightLoad
 tokenizer       ``weft.tokenizer``      :class:`weft.contracts.tokenizer.Tokenizer`
 kv_connector    ``weft.kv_connector``   :class:`weft.contracts.kv_connector.KVConnector`
 ops             ``weft.ops``            :class:`weft.contracts.ops.OpImplementation`
+executor        ``weft.executor``       :class:`weft.contracts.executor.Executor`
 hooks           ``weft.hooks``          a module or object with ``@hookimpl`` functions
                                         (:mod:`weft.contracts.hooks`)
 ==============  ======================  =========================================
@@ -42,6 +43,7 @@ SLOT_GROUPS: dict[str, str] = {
     "tokenizer": "weft.tokenizer",
     "kv_connector": "weft.kv_connector",
     "ops": "weft.ops",
+    "executor": "weft.executor",
     "hooks": "weft.hooks",
 }
 """Each slot and the entry-point group its plugins register under."""

@@ -109,6 +109,9 @@ class KVConnector(PluginBase):
     """Scheduler and worker sides of KV transfer. Built as ``Connector(options, role, groups, context)``."""
 
     name: ClassVar[str]
+    metadata_type: ClassVar[Any] = Any
+    """The type :meth:`build_connector_meta` returns. The metadata reaches workers as msgpack
+    bytes (they may live in other processes) and is decoded as this type."""
 
     def __init__(
         self,

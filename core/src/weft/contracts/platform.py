@@ -46,6 +46,16 @@ class PlatformProbe(msgspec.Struct, frozen=True):
     """Free-form facts for ``weft plugins doctor`` (driver version, architectures)."""
 
 
+class EngineDefaults(msgspec.Struct, frozen=True):
+    """Engine options sized for a platform's device, used where ``weft.toml`` leaves them unset."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = False
+    """Whether scheduling the next step while one runs gains anything (a device that computes
+    while the host works)."""
+
+
 class MemoryInfo(msgspec.Struct, frozen=True):
     """Memory of one device, in bytes."""
 
@@ -95,6 +105,13 @@ class Platform(PluginBase):
     @abstractmethod
     def memory_info(self, index: int = 0) -> MemoryInfo:
         """Free and total memory of device ``index``; the engine sizes the KV cache from it."""
+
+    def engine_defaults(self) -> EngineDefaults:
+        """Scheduler sizes and options for this platform's device; may query the device.
+
+        The base class gives CPU-sized values; accelerator platforms size them from the device.
+        """
+        return EngineDefaults()
 
     def default_dtype(self) -> str:
         """The dtype used when ``engine.dtype = "auto"``."""

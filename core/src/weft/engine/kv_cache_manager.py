@@ -137,6 +137,10 @@ class KVCacheManager:
         chosen = range(len(self.groups)) if group_ids is None else group_ids
         return tuple(tuple(blocks[index]) for index in chosen)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds blocks."""
+        return request_id in self._blocks
+
     def usage(self) -> float:
         """Share of blocks held by requests, over all groups."""
         total = sum(pool.num_blocks for pool in self.pools)

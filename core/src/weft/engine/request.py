@@ -1,10 +1,14 @@
-"""One sequence being generated, and the states it moves through.
+"""One sequence in the engine core, and the states it moves through.
 
 ::
 
     WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
        ^                     |
        +------preempt--------+   (blocks freed; recomputed from scratch when rescheduled)
+
+Only the :class:`~weft.engine.scheduler.Scheduler` writes a request's progress
+and status. Text, stop strings and decoded logprobs are not the core's business:
+:mod:`weft.engine.output_processor` keeps them beside the API.
 """
 
 from __future__ import annotations
@@ -14,10 +18,6 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
-    from weft.contracts.tokenizer import IncrementalDetokenizer
-    from weft.outputs import Logprob
     from weft.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 
 
 class Request:
-    """The engine's state of one sequence."""
+    """The engine core's state of one sequence."""
 
     def __init__(
         self,
@@ -46,9 +46,7 @@ class Request:
         params: SamplingParams,
         max_tokens: int,
         eos_token_ids: frozenset[int],
-        detokenizer: IncrementalDetokenizer | None = None,
-        generator: torch.Generator | None = None,
-        stream_text: bool = True,
+        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,20 +59,14 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        """Tokens whose KV is computed or being computed by a step in flight."""
+        self.num_output_placeholders = 0
+        """Tokens sampled by a step in flight whose ids have not reached the scheduler yet."""
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
         self.num_preemptions = 0
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.detokenizer = detokenizer
-        self.generator = generator
-        self.text = ""
-        """Output text with stop strings removed (when the request stopped on one)."""
-        self.defer_text = not stream_text and not params.stop
-        """Detokenize once when the request finishes instead of token by token: nobody reads the
-        text before then (``stream_text`` False) and no stop string needs it."""
-        self.stop_reason: str | int | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.stop_reason: int | None = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -83,6 +75,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

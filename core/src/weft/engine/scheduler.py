@@ -8,6 +8,17 @@ blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
 
+The scheduler is the one writer of request state. :meth:`Scheduler.schedule`
+decides the step and returns a self-contained
+:class:`~weft.contracts.executor.SchedulerOutput` (workers never read the
+KV-cache manager); :meth:`Scheduler.update_from_output` applies what the step
+produced: sampled tokens, stop rules, freed blocks, the KV connector's report.
+
+With asynchronous scheduling the next step is scheduled before the previous
+one's tokens are known: a request that samples in a step in flight counts one
+output placeholder, is scheduled for its next decode already, and its real
+token replaces the placeholder when the step's output arrives.
+
 With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
 takes the tokens after its local prefix-cache hit that the connector can load;
 a request the connector cannot answer for yet is passed over for this step.
@@ -20,33 +31,23 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from weft.contracts.executor import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput, TokenLogprobs
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from weft.engine.kv_connector import KVConnectorRuntime
+    from weft.engine.kv_connector import SchedulerConnector
 
 
-class ScheduledRequest(msgspec.Struct):
-    request: Request
-    num_new_tokens: int
-    """Tokens to compute this step, starting at ``request.num_computed_tokens``."""
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """What one request produced in one step, as the engine core reports it."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens, so it samples the next."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-class SchedulerOutput(msgspec.Struct):
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-    passed_over: int = 0
-    """Waiting requests the KV connector could not answer for yet (asked again next step)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -55,45 +56,67 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
         enable_chunked_prefill: bool = True,
-        connector: KVConnectorRuntime | None = None,
+        connector: SchedulerConnector | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._sent_blocks: dict[str, list[int]] = {}
+        """Blocks per group each request's workers already hold."""
+        self._finished_ids: list[str] = []
+        """Requests ended or preempted since the last step: workers drop them."""
+        self._epochs: deque[dict[str, tuple[int, bool]]] = deque()
+        """Per step in flight, for each scheduled request: its preemption count then, and whether it samples."""
+        self.passed_over = 0
+        """Waiting requests the KV connector could not answer for in the last step."""
+        self.num_preemptions = 0
+        """Preemptions since start."""
+        self.newly_finished: list[Request] = []
+        """Requests that ended since the owner last took this list (for the request-finished hook)."""
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # Scheduling.
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            needed = request.num_tokens - request.num_computed_tokens
+            needed = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
+                needed = 0  # its last token is in flight: nothing more to compute
             count = min(needed, budget) if self.enable_chunked_prefill else needed
-            if count > budget:
+            if count <= 0 or count > budget:
                 index += 1
                 continue
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, count))
+                scheduled.append((request, count))
                 budget -= count
                 index += 1
 
@@ -122,28 +145,148 @@ class Scheduler:
             if first_time:
                 request.num_cached_tokens = prefix.num_tokens + external
             if self.connector is not None:
-                self.connector.allocated(request, external)
+                self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id))
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, count))
+            scheduled.append((request, count))
             budget -= count
         self.waiting.extendleft(reversed(passed_over))
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted, passed_over=len(passed_over))
+        self.passed_over = len(passed_over)
+        return self._build_output(scheduled, preempted)
+
+    def _build_output(self, scheduled: list[tuple[Request, int]], preempted: list[str]) -> SchedulerOutput:
+        new_requests: list[NewRequest] = []
+        cached_requests: list[CachedRequest] = []
+        counts: dict[str, int] = {}
+        epochs: dict[str, tuple[int, bool]] = {}
+        for request, count in scheduled:
+            request_id = request.request_id
+            blocks = self.kv_cache.block_ids(request_id)
+            sent = self._sent_blocks.get(request_id)
+            if sent is None:
+                new_requests.append(NewRequest(
+                    request_id, list(request.all_token_ids), request.num_prompt_tokens, request.params,
+                    tuple(request.eos_token_ids), blocks, request.num_computed_tokens,
+                ))
+            else:
+                grown = any(len(group) > held for group, held in zip(blocks, sent))
+                cached_requests.append(CachedRequest(
+                    request_id, request.num_computed_tokens,
+                    tuple(group[held:] for group, held in zip(blocks, sent)) if grown else None,
+                ))
+            self._sent_blocks[request_id] = [len(group) for group in blocks]
+        for request, count in scheduled:
+            counts[request.request_id] = count
+        metadata = None
+        if self.connector is not None:
+            metadata = self.connector.build_metadata(
+                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled],
+                preempted,
+            )
+        for request, count in scheduled:
+            request.num_computed_tokens += count
+            samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+            request.num_output_placeholders += samples  # this step samples the request's next token
+            epochs[request.request_id] = (request.num_preemptions, samples)
+        self._epochs.append(epochs)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            new_requests=new_requests, cached_requests=cached_requests, num_scheduled_tokens=counts,
+            finished_request_ids=finished, preempted_request_ids=preempted, kv_connector_metadata=metadata,
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         if self.connector is not None:
             self.connector.preempted(request)
+        self._forget_on_workers(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark ``request`` finished (or aborted) and free its blocks; safe in any state."""
-        request.status = status
+    def _forget_on_workers(self, request_id: str) -> None:
+        if self._sent_blocks.pop(request_id, None) is not None:
+            self._finished_ids.append(request_id)
+
+    # Results.
+
+    def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply one step's results: tokens, stop rules, the KV connector's report. Returns each request's progress.
+
+        Steps must be applied in the order they were scheduled.
+        """
+        epochs = self._epochs.popleft()
+        report = sampled.connector_output
+        failed = self.connector.failed_loads(report) if self.connector is not None and report is not None else {}
+        outputs: list[EngineCoreOutput] = []
+        for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
+            request = self.requests.get(request_id)
+            preemptions, samples = epochs.get(request_id, (-1, False))
+            if request is None or request.finished or request.num_preemptions != preemptions:
+                continue  # finished (a stop, an abort) or preempted while this step was in flight
+            request.num_output_placeholders -= samples
+            if request_id in failed:
+                # Its KV is incomplete: recompute what was to be loaded and this step's tokens (workers
+                # discarded what they sampled for it).
+                request.num_computed_tokens -= failed[request_id] + output.num_scheduled_tokens[request_id]
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens -= failed[request_id]
+                continue
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)
+            if token is None:
+                continue
+            request.append_token(token)
+            self._check_stop(request, token)
+            logprobs = sampled.logprobs.get(request_id)
+            outputs.append(EngineCoreOutput(
+                request_id, [token], [logprobs] if logprobs is not None else None,
+                request.finish_reason, request.stop_reason, request.num_cached_tokens,
+            ))
+            if request.finished:
+                self._free(request)
+        if self.connector is not None and report is not None:
+            for request_id in self.connector.update(report):
+                self.kv_cache.free(request_id)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.params
+        generated = len(request.output_token_ids)
+        if generated >= params.min_tokens:
+            if token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+        if generated >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """End a request (an abort, a stop string the API found) and free its blocks; safe in any state."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self.connector is None or not self.connector.request_finished(request):
+        if not request.finished:
+            request.status = status
+        self._free(request)
+        return request
+
+    def _free(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.newly_finished.append(request)
+        self._forget_on_workers(request.request_id)
+        if self.connector is None or not self.connector.request_finished(
+            request, self.kv_cache.block_ids(request.request_id) if self.kv_cache.holds(request.request_id) else None
+        ):
             self.kv_cache.free(request.request_id)

@@ -18,7 +18,7 @@ from typing import Any
 
 from weft.config import EngineConfig, WeftConfig, load_config
 from weft.engine.llm_engine import LLMEngine
-from weft.engine.request import Request
+from weft.engine.output_processor import RequestOutputState
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
@@ -132,7 +132,7 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool | None) -> list[RequestOutput]:
         engine = self.engine
-        groups: list[tuple[str, str | None, list[int], list[Request]]] = []
+        groups: list[tuple[str, str | None, list[int], list[RequestOutputState]]] = []
         try:
             for (text, token_ids), request_params in zip(encoded, params):
                 base = str(next(self._ids))
@@ -169,23 +169,12 @@ class LLM:
                 request_id=base,
                 prompt=text,
                 prompt_token_ids=token_ids,
-                outputs=[completion(request, index) for index, request in enumerate(requests)],
+                outputs=[request.completion(index) for index, request in enumerate(requests)],
                 finished=True,
                 num_cached_tokens=requests[0].num_cached_tokens,
             )
             for base, text, token_ids, requests in groups
         ]
-
-
-def completion(request: Request, index: int) -> CompletionOutput:
-    return CompletionOutput(
-        index=index,
-        text=request.text,
-        token_ids=list(request.output_token_ids),
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        logprobs=request.logprobs,
-    )
 
 
 class _Progress:

@@ -1,4 +1,10 @@
-"""Builds the flat batch of one step, runs the model and samples.
+"""Runs one step's :class:`~weft.contracts.executor.SchedulerOutput`: batch, forward, sample.
+
+The runner keeps its own state of every request it was handed
+(:class:`RequestState`: token ids, block ids per KV-cache group, sampling
+parameters), created from the step's ``NewRequest`` and updated from its
+``CachedRequest`` entries; it never reads the engine's scheduler or KV-cache
+manager. It appends the tokens it samples to that state itself.
 
 The batch lays the scheduled tokens of every request end to end. For each
 KV-cache group it also builds the block table and each new token's cache slot
@@ -12,6 +18,12 @@ A graph is captured per batch size over static input buffers; a step of ``n``
 decodes replays the smallest captured size ``>= n``, its extra rows padded as
 one-token requests whose key and value go to a scratch block no request owns.
 Steps with a prefill chunk, or more decodes than the largest size, run eagerly.
+
+Asynchronous output: when every request of a step samples greedily with no
+logprobs or penalties, the sampled ids stay on the device and are copied to the
+host in the background; :meth:`ModelRunner.execute` returns before they arrive.
+The next step reads a request's still-unknown last token from the device, so
+scheduling and input preparation overlap the device's work.
 """
 
 from __future__ import annotations
@@ -25,14 +37,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch
+from weft.contracts.executor import ModelRunnerOutput, NewRequest, SchedulerOutput, StepHandle, TokenLogprobs
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.layers.attention import ForwardContext
-from weft.runner.sampler import SampledToken, Sampler
+from weft.runner.sampler import Sampler, plain_greedy
 
 if TYPE_CHECKING:
+    from weft.contracts.kv_connector import ConnectorOutput
     from weft.contracts.platform import Platform
-    from weft.engine.kv_cache_manager import KVCacheManager
-    from weft.engine.scheduler import SchedulerOutput
+    from weft.runner.kv_connector import WorkerConnector
 
 logger = logging.getLogger("weft.runner")
 
@@ -42,6 +55,32 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
     sizes += list(range(8, max_num_seqs + 1, 8))
     return sorted(set(sizes) | {max_num_seqs})
+
+
+class RequestState:
+    """The runner's copy of one request."""
+
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
+                 "block_ids", "num_computed_tokens")
+
+    def __init__(self, new: NewRequest) -> None:
+        self.request_id = new.request_id
+        self.token_ids = list(new.token_ids)
+        """Known token ids; with asynchronous output the last sampled one may still be on the device."""
+        self.num_prompt_tokens = new.num_prompt_tokens
+        self.params = new.params
+        self.eos_token_ids = frozenset(new.eos_token_ids)
+        self.generator = torch.Generator().manual_seed(new.params.seed) if new.params.seed is not None else None
+        self.block_ids = [list(group) for group in new.block_ids]
+        self.num_computed_tokens = new.num_computed_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class StaticInputs:
@@ -56,6 +95,44 @@ class StaticInputs:
         self.slot_mappings = [torch.zeros(size, dtype=torch.int32, device=device) for _ in widths]
 
 
+class _PendingStep(StepHandle):
+    """A step whose greedy tokens are being copied to the host."""
+
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
+                 connector_output: ConnectorOutput | None) -> None:
+        self.runner = runner
+        self.states = states
+        self.request_ids = [state.request_id for state in states]
+        self.sampling = sampling
+        """Batch rows that sampled, in the order of ``device_tokens``."""
+        self.device_tokens = device_tokens
+        self.connector_output = connector_output
+        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=device_tokens.is_cuda)
+        self.host_tokens.copy_(device_tokens, non_blocking=True)
+        self.event = torch.cuda.Event() if device_tokens.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+        self.output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self.output is None:
+            if self.event is not None:
+                self.event.synchronize()
+            tokens: list[int | None] = [None] * len(self.request_ids)
+            for row, token in zip(self.sampling, self.host_tokens.tolist()):
+                tokens[row] = token
+            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output)
+        return self.output
+
+
+class _HostStep(StepHandle):
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -63,83 +140,177 @@ class ModelRunner:
         backend: AttentionBackend,
         groups: Sequence[KVCacheGroupSpec],
         kv_caches: dict[str, torch.Tensor],
-        kv_cache_manager: KVCacheManager,
         device: torch.device,
         sampler: Sampler,
+        connector: WorkerConnector | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.groups = tuple(groups)
         self.kv_caches = kv_caches
-        self.kv_cache_manager = kv_cache_manager
         self.device = device
         self.sampler = sampler
+        self.connector = connector
+        self.requests: dict[str, RequestState] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.static: StaticInputs | None = None
         self.scratch_blocks: list[int] = []
         self.max_model_len = 0
+        self._pending: _PendingStep | None = None
+        """The last step whose tokens may still be on their way to the host. Callers take a step's
+        result before they launch the step after next."""
+
+    # The step.
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[SampledToken | None]:
-        """Run one step; returns the sampled token of each scheduled request (None: mid-prefill)."""
-        count = len(step.scheduled)
-        if self.graphs and step.num_tokens == count:
+    def execute(self, step: SchedulerOutput) -> StepHandle:
+        """Run one step; the handle's result has the sampled token of each scheduled request (None: mid-prefill)."""
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            self.requests[new.request_id] = RequestState(new)
+        for cached in step.cached_requests:
+            state = self.requests[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_block_ids is not None:
+                for blocks, added in zip(state.block_ids, cached.new_block_ids):
+                    blocks.extend(added)
+        if step.is_empty:
+            report = self.connector.poll(step.finished_request_ids) if self.connector is not None else None
+            return _HostStep(ModelRunnerOutput([], [], connector_output=report))
+        if self.connector is not None:
+            self.connector.start_step(step.kv_connector_metadata)
+        request_ids = list(step.num_scheduled_tokens)
+        states = [self.requests[request_id] for request_id in request_ids]
+        counts = list(step.num_scheduled_tokens.values())
+        sampling = [row for row, (state, count) in enumerate(zip(states, counts))
+                    if state.num_computed_tokens + count >= len(state.token_ids)]
+        logits = self._forward(states, counts, sampling)
+        report = self.connector.finish_step(step.finished_request_ids) if self.connector is not None else None
+        # Each state's computed count moves past this step (the next step's CachedRequest confirms it).
+        for state, count in zip(states, counts):
+            state.num_computed_tokens += count
+        if logits is None:
+            return _HostStep(self.finish_step(states, [None] * len(request_ids), {}, report))
+        sampled_states = [states[row] for row in sampling]
+        if all(plain_greedy(state) for state in sampled_states):
+            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report)
+            return self._pending
+        self._resolve_pending()  # penalties and min_tokens read every earlier output token
+        tokens: list[int | None] = [None] * len(request_ids)
+        logprobs: dict[str, TokenLogprobs] = {}
+        for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
+            tokens[row] = sampled.token_id
+            if sampled.logprob is not None:
+                logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
+        return _HostStep(self.finish_step(states, tokens, logprobs, report))
+
+    def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
+                    report: ConnectorOutput | None) -> ModelRunnerOutput:
+        """Append each sampled token to its request's state; returns the step's output."""
+        failed = report.failed_loads if report is not None else frozenset()
+        for row, (state, token) in enumerate(zip(states, tokens)):
+            if token is None:
+                continue
+            if state.request_id in failed:  # computed over incomplete KV: the scheduler recomputes it
+                tokens[row] = None
+                continue
+            if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
+                state.token_ids.append(token)
+        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report)
+
+    def _resolve_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
+        """The logits of the rows in ``sampling`` (None when no row samples)."""
+        count = len(states)
+        if self.graphs and sum(counts) == count:
             size = self._graph_size(count)
             if size is not None:
-                logits = self._replay(step, size)
-                return list(self.sampler(logits, [item.request for item in step.scheduled]))
-        return self._execute_eager(step)
+                logits = self._replay(states, size)
+                return logits if len(sampling) == count else logits[sampling]
+        return self._execute_eager(states, counts, sampling)
 
-    def _execute_eager(self, step: SchedulerOutput) -> list[SampledToken | None]:
+    def _unknown_tokens(self, states: list[RequestState], counts: list[int]) -> tuple[list[int], list[int]] | None:
+        """Batch positions whose token the previous step sampled but the host has not seen, and their rows there."""
+        pending = self._pending
+        if pending is None or pending.output is not None:
+            return None
+        previous = {pending.request_ids[row]: index for index, row in enumerate(pending.sampling)}
+        positions, rows = [], []
+        offset = 0
+        for state, count in zip(states, counts):
+            if state.num_computed_tokens + count > len(state.token_ids):
+                positions.append(offset + count - 1)
+                rows.append(previous[state.request_id])
+            offset += count
+        return (positions, rows) if positions else None
+
+    def _gather_tokens(self, states: list[RequestState], counts: list[int]) -> list[int]:
         token_ids: list[int] = []
+        for state, count in zip(states, counts):
+            start = state.num_computed_tokens
+            known = state.token_ids[start : start + count]
+            token_ids.extend(known)
+            token_ids.extend([0] * (count - len(known)))  # filled from the device (see _unknown_tokens)
+        return token_ids
+
+    def _fill_unknown(self, input_ids: torch.Tensor, states: list[RequestState], counts: list[int]) -> None:
+        unknown = self._unknown_tokens(states, counts)
+        if unknown is None:
+            return
+        positions, rows = unknown
+        assert self._pending is not None
+        source = self._pending.device_tokens[self._to_device(rows, torch.long)]
+        input_ids.index_copy_(0, self._to_device(positions, torch.long), source)
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        # non_blocking: a blocking host-to-device copy would wait for the step in flight.
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
         positions: list[int] = []
         query_start = [0]
         seq_lens = []
-        for item in step.scheduled:
-            start = item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            token_ids.extend(item.request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start.append(len(token_ids))
-            seq_lens.append(end)
+        for state, count in zip(states, counts):
+            start = state.num_computed_tokens
+            positions.extend(range(start, start + count))
+            query_start.append(query_start[-1] + count)
+            seq_lens.append(start + count)
         device = self.device
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
-        query_start_tensor = torch.tensor(query_start, dtype=torch.int32, device=device)
-        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        rows = torch.repeat_interleave(
-            torch.arange(len(seq_lens), device=device), query_start_tensor.diff().long()
-        )
+        input_ids = self._to_device(self._gather_tokens(states, counts), torch.long)
+        self._fill_unknown(input_ids, states, counts)
+        position_tensor = self._to_device(positions, torch.long)
+        query_start_tensor = self._to_device(query_start, torch.int32)
+        seq_lens_tensor = self._to_device(seq_lens, torch.int32)
+        rows = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_start_tensor.diff().long())
         metadata, batches = [], []
         for index, group in enumerate(self.groups):
-            tables = [self.kv_cache_manager.block_ids(item.request.request_id, (index,))[0] for item in step.scheduled]
+            tables = [state.block_ids[index] for state in states]
             width = max(len(table) for table in tables)
-            block_table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-            size = group.spec.block_size
+            block_table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+            block_table = block_table.to(device, non_blocking=True)
             slot_mapping = group.spec.slot_mapping(block_table, rows, position_tensor)
             batch = AttentionBatch(
                 query_start=query_start_tensor,
                 seq_lens=seq_lens_tensor,
                 block_table=block_table,
                 slot_mapping=slot_mapping.to(torch.int32),
-                max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+                max_query_len=max(counts),
                 max_seq_len=max(seq_lens),
-                block_size=size,
+                block_size=group.spec.block_size,
             )
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(input_ids, position_tensor, context)
-        sampling = [i for i, item in enumerate(step.scheduled) if item.samples]
-        results: list[SampledToken | None] = [None] * len(step.scheduled)
         if not sampling:
-            return results
-        last_rows = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=device)
-        logits = self.model.compute_logits(hidden[last_rows])
-        sampled = self.sampler(logits, [step.scheduled[i].request for i in sampling])
-        for i, token in zip(sampling, sampled):
-            results[i] = token
-        return results
+            return None
+        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
+        return self.model.compute_logits(hidden[last_rows])
 
     # Graphs.
 
@@ -198,28 +369,31 @@ class ModelRunner:
             static.block_tables[index][start:stop] = self.scratch_blocks[index]
             static.slot_mappings[index][start:stop] = self.scratch_blocks[index] * group.spec.block_size
 
-    def _replay(self, step: SchedulerOutput, size: int) -> torch.Tensor:
+    def _replay(self, states: list[RequestState], size: int) -> torch.Tensor:
         static = self.static
         assert static is not None
-        count = len(step.scheduled)
-        requests = [item.request for item in step.scheduled]
-        positions = [request.num_computed_tokens for request in requests]
+        count = len(states)
+        counts = [1] * count
+        positions = [state.num_computed_tokens for state in states]
         # Staged on the host (a few microseconds of CPU ops), then one copy each: device-side
         # derivations would add kernel launches to every decode step.
         host_positions = torch.tensor(positions)
-        static.input_ids[:count].copy_(torch.tensor([r.all_token_ids[p] for r, p in zip(requests, positions)]))
-        static.positions[:count].copy_(host_positions)
-        static.seq_lens[:count].copy_(host_positions + 1)
+        static.input_ids[:count].copy_(torch.tensor(self._gather_tokens(states, counts)), non_blocking=True)
+        self._fill_unknown(static.input_ids, states, counts)
+        static.positions[:count].copy_(host_positions, non_blocking=True)
+        static.seq_lens[:count].copy_(host_positions + 1, non_blocking=True)
         for index, group in enumerate(self.groups):
-            tables = [self.kv_cache_manager.block_ids(request.request_id, (index,))[0] for request in requests]
+            tables = [state.block_ids[index] for state in states]
             width = max(len(table) for table in tables)
             rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
             for table in tables:
                 rows.extend(table)
                 rows.extend(self._zeros[: width - len(table)])
             host_table = torch.frombuffer(rows, dtype=torch.int32).view(count, width)
-            static.block_tables[index][:count, :width].copy_(host_table)
-            static.slot_mappings[index][:count].copy_(group.spec.slot_mapping(host_table, self._rows[:count], host_positions))
+            static.block_tables[index][:count, :width].copy_(host_table, non_blocking=True)
+            static.slot_mappings[index][:count].copy_(
+                group.spec.slot_mapping(host_table, self._rows[:count], host_positions), non_blocking=True
+            )
         if count < size:
             self._fill_padding(count, size)
         logits = self.graphs[size]()
@@ -232,4 +406,3 @@ def describe_sizes(sizes: Sequence[int]) -> str:
     if len(ordered) <= 6:
         return ", ".join(map(str, ordered))
     return f"{', '.join(map(str, ordered[:4]))}..{ordered[-1]} ({len(ordered)} sizes)"
-

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 if TYPE_CHECKING:
-    from weft.engine.request import Request
+    from weft.runner.model_runner import RequestState as Request
     from weft.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class Sampler:
         Rows of plain greedy requests (no logprobs, no penalties) take their
         argmax where the logits are; only the other rows are copied to the host.
         """
-        plain = [row for row, request in enumerate(requests) if _plain_greedy(request)]
+        plain = [row for row, request in enumerate(requests) if plain_greedy(request)]
         if len(plain) == len(requests):
             return [SampledToken(token) for token in logits.argmax(dim=-1).tolist()]
         sampled: list[SampledToken | None] = [None] * len(requests)
@@ -107,7 +107,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def _plain_greedy(request: Request) -> bool:
+def plain_greedy(request: Request) -> bool:
+    """Whether the request's next token is its raw argmax (no logprobs, penalties or bans to apply)."""
     return request.params.greedy and request.params.logprobs is None and not _needs_processing(request)
 
 

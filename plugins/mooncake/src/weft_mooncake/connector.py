@@ -124,6 +124,7 @@ class MooncakeStoreConnector(KVConnector):
     """Full prompt blocks in Mooncake's distributed store (MooncakeStore), loaded back on a prefix hit."""
 
     name: ClassVar[str] = "mooncake"
+    metadata_type: ClassVar[Any] = MooncakeStepMetadata
     Options = MooncakeOptions
 
     def __init__(

@@ -1,0 +1,181 @@
+"""The executor slot: where the model runs, and the one-way step that reaches it.
+
+The engine core schedules a step and hands its :class:`SchedulerOutput` to the
+executor chosen by ``engine.distributed_executor_backend``; the executor runs
+it on its workers and returns one :class:`ModelRunnerOutput`. The output is
+self-contained: a worker keeps its own copy of each request (token ids, block
+tables, sampling parameters) from the first time the request is scheduled and
+updates it from later steps, so it never reads the engine's KV-cache manager
+or scheduler. Data flows one way: scheduler → workers → sampled tokens back.
+
+What a step carries, per request:
+
+* first time scheduled (and again after a preemption, when its blocks were
+  freed): a :class:`NewRequest` with every token id known so far, its block ids
+  in every KV-cache group and its sampling parameters;
+* later steps: a :class:`CachedRequest` with the number of tokens already
+  computed and only the blocks added since the previous step. The worker appends
+  the token it sampled for the request itself; with asynchronous scheduling the
+  next step may be scheduled before that token reached the host, and the worker
+  reads it from the device.
+
+``SchedulerOutput`` and ``ModelRunnerOutput`` encode with msgspec
+(:func:`encode_step`), so executors whose workers live in other processes send
+them as bytes; an in-process executor may too (``uniproc`` does, which keeps the
+contract honest).
+
+Executor call order: ``Executor(options, config)`` → :meth:`Executor.load_model`
+(workers build the model and report their KV-cache groups and memory) →
+:meth:`Executor.initialize_kv_cache` (the blocks per group the engine chose;
+workers allocate caches, warm kernels up, capture graphs) → :meth:`Executor.execute_model`
+once per step → :meth:`Executor.shutdown`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import msgspec
+
+from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_connector import ConnectorOutput
+from weft.contracts.plugin import PluginBase
+from weft.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, frozen=True, array_like=True):
+    """A request the workers have not seen since its blocks were (re)allocated."""
+
+    request_id: str
+    token_ids: list[int]
+    """Every known token: the prompt, then the outputs so far (after a preemption)."""
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    """Token ids that end the request (empty with ``ignore_eos``); ``min_tokens`` bans them."""
+    block_ids: tuple[tuple[int, ...], ...]
+    """The request's blocks in every KV-cache group, in the model's group order."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache and connector hits)."""
+
+
+class CachedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """A request the workers already hold, scheduled again."""
+
+    request_id: str
+    num_computed_tokens: int
+    """Tokens whose KV is in the cache before this step."""
+    new_block_ids: tuple[tuple[int, ...], ...] | None
+    """Blocks appended to each group since the previous step; None when there are none."""
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    """Everything workers need for one step."""
+
+    new_requests: list[NewRequest]
+    cached_requests: list[CachedRequest]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute per scheduled request, in batch order (new requests first)."""
+    finished_request_ids: list[str] = []
+    """Requests that ended (or were preempted) since the previous step: workers drop them."""
+    preempted_request_ids: list[str] = []
+    """Of those, the ones preempted while scheduling this step (their blocks are already free)."""
+    kv_connector_metadata: bytes | None = None
+    """The KV connector's metadata for this step (msgpack of what its scheduler role built; workers
+    decode it as the connector's ``metadata_type``), when a connector is configured."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The sampled token's log-probability and rank, and the top-n candidates, from the raw distribution."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    """What the workers return for one step."""
+
+    request_ids: list[str]
+    """The scheduled requests, in batch order."""
+    sampled_token_ids: list[int | None]
+    """The token sampled for each request; None for a request mid-prefill (nothing sampled)."""
+    logprobs: dict[str, TokenLogprobs] = {}
+    """For requests that asked for logprobs."""
+    connector_output: ConnectorOutput | None = None
+
+
+def encode_step(value: SchedulerOutput | ModelRunnerOutput) -> bytes:
+    return msgspec.msgpack.encode(value)
+
+
+def decode_scheduler_output(data: bytes) -> SchedulerOutput:
+    return msgspec.msgpack.decode(data, type=SchedulerOutput)
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """What the workers report once the model is loaded."""
+
+    groups: list[KVCacheGroupSpec]
+    """The model's KV-cache groups."""
+    available_kv_bytes: int
+    """Memory each worker may give its KV cache (the least over workers)."""
+
+
+class StepHandle:
+    """A step launched on the workers; :meth:`result` waits for its output.
+
+    Executors that launch work asynchronously (a device stream, other
+    processes) return a handle whose :meth:`result` blocks until the sampled
+    tokens are on the host; the engine schedules the next step meanwhile.
+    """
+
+    def result(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+class DoneStep(StepHandle):
+    """A step whose output is already known."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class Executor(PluginBase):
+    """Runs the model on workers. Built as ``Executor(options, config)`` in the engine core's process."""
+
+    name: ClassVar[str]
+    supports_async_output: ClassVar[bool] = False
+    """Whether :meth:`execute_model` returns before the step's tokens reach the host
+    (the condition for asynchronous scheduling to overlap anything)."""
+
+    def __init__(self, options: msgspec.Struct | None, config: Any) -> None:
+        self.options = options if options is not None else self.Options()
+        self.config = config
+
+    @abstractmethod
+    def load_model(self) -> WorkerInfo:
+        """Build the model on every worker and load its weights."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: list[int]) -> None:
+        """Allocate ``num_blocks[g]`` blocks for each KV-cache group, warm kernels up, capture graphs."""
+
+    @abstractmethod
+    def execute_model(self, step: SchedulerOutput) -> StepHandle:
+        """Launch one step on the workers."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their devices. Idempotent."""

@@ -1,0 +1,218 @@
+"""The engine core: the scheduler and the executor, stepping requests given as token ids.
+
+Building (:meth:`EngineCore.__init__`): hooks (``weft_configure``), the platform's
+engine defaults, the executor (``engine.distributed_executor_backend``) and its
+workers' model, KV-cache sizing, the KV-cache manager, the KV connector's
+scheduler role and the scheduler (``weft_engine_started``). Stepping
+(:meth:`EngineCore.step`): schedule → execute → :meth:`Scheduler.update_from_output
+<weft.engine.scheduler.Scheduler.update_from_output>`.
+
+With asynchronous scheduling the core keeps one step in flight: it schedules
+and launches step N+1, then waits for step N's tokens while the device runs
+N+1. Greedy output is the same either way.
+
+The core knows no text: requests arrive tokenized (:class:`EngineCoreRequest`) and
+leave as :class:`~weft.engine.scheduler.EngineCoreOutput` token ids. It runs in
+the caller's process (``LLM``) or in its own (:mod:`weft.engine.core_process`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from weft.config import WeftConfig, with_platform_defaults
+from weft.contracts.executor import SchedulerOutput, StepHandle
+from weft.engine.kv_cache_manager import KVCacheManager
+from weft.engine.kv_connector import SchedulerConnector
+from weft.engine.request import Request
+from weft.engine.scheduler import EngineCoreOutput, Scheduler
+from weft.plugins import PluginRegistry
+from weft.resolve import load_kv_connector, max_model_len, options_for, resolve_source
+from weft.runner.worker import build_platform
+from weft.sampling_params import SamplingParams
+
+logger = logging.getLogger("weft.engine")
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
+    """A request as the engine core takes it: token ids and how to sample."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int
+    """``params.max_tokens`` capped by the context length (the API side computes it)."""
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The core's gauges, sent to the API side with its outputs."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    connector_hit_tokens: int | None = None
+    connector_failed_load_tokens: int | None = None
+
+
+def resolve_engine_config(config: WeftConfig, registry: PluginRegistry) -> WeftConfig:
+    """``config`` with the platform-sized engine options the user left unset filled in by the platform."""
+    platform = build_platform(registry, config)
+    return with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
+
+
+class EngineCore:
+    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
+        started = time.monotonic()
+        self.registry = registry or PluginRegistry()
+        self.hooks = self.registry.hooks()
+        self.hooks.hook.weft_configure(config=config)
+        self.config = config = resolve_engine_config(config, self.registry)
+        engine = config.engine
+        executor_name = engine.distributed_executor_backend
+        executor_class = self.registry.load("executor", executor_name)
+        self.executor = executor_class(options_for(config, "executor", executor_class, executor_name), config)
+        info = self.executor.load_model()
+        self.groups = info.groups
+        _, self.source = resolve_source(self.registry, config)
+        self.max_model_len = max_model_len(config, self.source)
+        self.num_blocks = self._num_kv_blocks(info.available_kv_bytes)
+        self.kv_cache_manager = KVCacheManager(self.groups, self.num_blocks, engine.enable_prefix_caching)
+        self.executor.initialize_kv_cache(self.num_blocks)
+        self.kv_connector = None
+        connector = load_kv_connector(self.registry, config, self.source)
+        if connector is not None:
+            connector_class, options, context = connector
+            self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
+            engine.enable_chunked_prefill, self.kv_connector,
+        )
+        self.async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
+        if self.async_scheduling and self.kv_connector is not None:
+            logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", self.kv_connector.name)
+            self.async_scheduling = False
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        logger.info(
+            "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
+            time.monotonic() - started, self.num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
+            "on" if self.async_scheduling else "off",
+        )
+        self.hooks.hook.weft_engine_started(engine=self)
+
+    def _num_kv_blocks(self, available_bytes: int) -> list[int]:
+        engine = self.config.engine
+        if engine.num_kv_blocks is not None:
+            counts = [engine.num_kv_blocks] * len(self.groups)
+        else:
+            bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in self.groups]
+            share = available_bytes // len(self.groups)
+            counts = [share // size for size in bytes_per_block]
+        for group, count in zip(self.groups, counts):
+            needed = group.spec.blocks_for_tokens(self.max_model_len)
+            if count < needed:
+                raise ValueError(
+                    f"the KV cache holds {count} blocks of group {group.name!r} but one request of "
+                    f"max_model_len {self.max_model_len} needs {needed}; raise engine.cpu_kv_cache_bytes "
+                    f"(or engine.num_kv_blocks) or lower engine.max_model_len"
+                )
+        return counts
+
+    # Requests.
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        self.scheduler.add(Request(
+            request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
+            frozenset(request.eos_token_ids),
+        ))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.finish(request_id)
+        self._report_finished()
+
+    def _report_finished(self) -> None:
+        finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
+        for request in finished:
+            self.hooks.hook.weft_request_finished(
+                request_id=request.request_id, finish_reason=request.finish_reason,
+                num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
+            )
+
+    @property
+    def has_work(self) -> bool:
+        connector = self.kv_connector
+        return (self.scheduler.has_unfinished or self._in_flight is not None
+                or (connector is not None and connector.has_delayed_frees))
+
+    # Stepping.
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched)."""
+        if not self.async_scheduling:
+            output = self._schedule()
+            return self._apply(output, self.executor.execute_model(output))
+        launched = None
+        if self.scheduler.has_unfinished or self._in_flight is None:
+            output = self._schedule()
+            launched = (output, self.executor.execute_model(output))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return []
+        return self._apply(*previous)
+
+    def _schedule(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
+            connector = self.kv_connector
+            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over):
+                request = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
+        return output
+
+    def _apply(self, output: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
+        results = self.scheduler.update_from_output(output, handle.result())
+        if self.scheduler.newly_finished:
+            self._report_finished()
+        if output.is_empty and not results:
+            time.sleep(0.002)  # waiting on the connector (saves, lookups): don't spin
+        return results
+
+    def stats(self) -> CoreStats:
+        manager, connector = self.kv_cache_manager, self.kv_connector
+        return CoreStats(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
+            prefix_cache_hit_tokens=manager.stats.hit_tokens,
+            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
+            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+        )
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the step in flight and the KV connector's pending saves, then stop the workers. Idempotent."""
+        if self.executor is None:
+            return
+        deadline = time.monotonic() + timeout
+        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+        while self.has_work and time.monotonic() < deadline:
+            self.step()
+        if self.kv_connector is not None:
+            if self.kv_connector.has_delayed_frees:
+                logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",
+                               self.kv_connector.name, timeout)
+            self.kv_connector.close()
+        self.executor.shutdown()
+        self.executor = None  # type: ignore[assignment]
+
+    def describe(self) -> dict[str, Any]:
+        engine = self.config.engine
+        return {"max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
+                "async_scheduling": self.async_scheduling, "num_kv_blocks": self.num_blocks}

@@ -1,0 +1,42 @@
+"""The API side's view of the model: tokenizer, limits, and requests checked before they reach the core.
+
+Built from the configuration alone (no weights, no device), in whichever process
+serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
+"""
+
+from __future__ import annotations
+
+from weft.config import WeftConfig
+from weft.engine.engine_core import EngineCoreRequest
+from weft.plugins import PluginRegistry
+from weft.resolve import load_tokenizer, max_model_len, resolve_source
+from weft.sampling_params import SamplingParams
+
+
+class Frontend:
+    def __init__(self, config: WeftConfig, registry: PluginRegistry) -> None:
+        _, self.source = resolve_source(registry, config)
+        self.tokenizer = load_tokenizer(registry, config, self.source)
+        self.max_model_len = max_model_len(config, self.source)
+        self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
+        self.model_name = config.server.served_model_name or self.source.name
+
+    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+        """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the context length is {self.max_model_len}; "
+                f"shorten the prompt or raise engine.max_model_len"
+            )
+        vocab = self.vocab_size
+        if vocab is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        bad_stops = [token for token in params.stop_token_ids if vocab is not None and not 0 <= token < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
+        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens)

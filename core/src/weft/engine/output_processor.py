@@ -1,0 +1,146 @@
+"""Turns the engine core's token ids into what callers read: text, stop strings, decoded logprobs.
+
+Runs beside the API (in the API server's process under ``weft serve``, in the
+caller's process for ``LLM``), never in the engine core. Per request it keeps an
+incremental detokenizer and the text so far. The core ends a request on EOS,
+a stop token id or its length; stop *strings* are found here, and a request that
+hit one is reported back so the caller aborts it in the core.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from weft.outputs import CompletionOutput, Logprob
+
+if TYPE_CHECKING:
+    from weft.contracts.tokenizer import Tokenizer
+    from weft.engine.scheduler import EngineCoreOutput
+    from weft.sampling_params import SamplingParams
+
+
+class RequestOutputState:
+    """One request as its caller sees it."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                 stream_text: bool) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        """Output text with stop strings removed (when the request stopped on one)."""
+        self.defer_text = not stream_text and not params.stop
+        """Detokenize once when the request finishes instead of token by token: nobody reads the
+        text before then (``stream_text`` False) and no stop string needs it."""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_cached_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def completion(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index, text=self.text, token_ids=list(self.output_token_ids), finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, logprobs=self.logprobs,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestOutputState] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            stream_text: bool = True) -> RequestOutputState:
+        state = RequestOutputState(request_id, prompt_token_ids, params, self.tokenizer, stream_text)
+        self.requests[request_id] = state
+        return state
+
+    def abort(self, request_id: str) -> RequestOutputState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and not state.finished:
+            state.finish_reason = "abort"
+        return state
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutputState], list[str]]:
+        """Apply the core's outputs; returns the requests that advanced, and those that hit a stop
+        string (finished here: the caller aborts them in the core)."""
+        advanced, stopped = [], []
+        now = time.monotonic()
+        for output in outputs:
+            state = self.requests.get(output.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.num_cached_tokens = output.num_cached_tokens
+            for position in range(len(output.new_token_ids)):
+                if self._append(state, output, position):
+                    stopped.append(state.request_id)
+                    break
+            advanced.append(state)
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+        return advanced, stopped
+
+    def _append(self, state: RequestOutputState, output: EngineCoreOutput, position: int) -> bool:
+        """Add the output's token at ``position``; True when it completed a stop string."""
+        token_id = output.new_token_ids[position]
+        last = position == len(output.new_token_ids) - 1
+        state.output_token_ids.append(token_id)
+        if state.logprobs is not None and output.new_logprobs:
+            entry = output.new_logprobs[position]
+            decode = self.tokenizer.decode
+            entries = {token_id: Logprob(entry.logprob, entry.rank, decode([token_id], False))}
+            for rank, (candidate, value) in enumerate(entry.top, start=1):
+                entries.setdefault(candidate, Logprob(value, rank, decode([candidate], False)))
+            state.logprobs.append(entries)
+        finish_reason = output.finish_reason if last else None
+        # The token that ended the request (EOS, a stop id) is not part of the text.
+        stopped_by_token = finish_reason == "stop"
+        if not state.defer_text and not stopped_by_token:
+            piece = state.detokenizer.push(token_id)
+            if piece:
+                previous = len(state.text)
+                state.text += piece
+                may_stop = len(state.output_token_ids) >= state.params.min_tokens
+                if may_stop and state.params.stop and self._check_stop_strings(state, previous):
+                    return True
+        if finish_reason is not None:
+            state.finish_reason = finish_reason
+            state.stop_reason = output.stop_reason
+            if state.defer_text:
+                text_ids = state.output_token_ids[:-1] if stopped_by_token else state.output_token_ids
+                state.text += state.detokenizer.push_all(text_ids)
+            else:
+                state.text += state.detokenizer.flush()
+        return False
+
+    def _check_stop_strings(self, state: RequestOutputState, previous_length: int) -> bool:
+        params = state.params
+        longest = max(len(stop) for stop in params.stop)
+        search_from = max(0, previous_length - longest + 1)
+        found = None
+        for stop in params.stop:
+            index = state.text.find(stop, search_from)
+            if index != -1 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
+            return False
+        index, stop = found
+        state.text = state.text[: index + len(stop)] if params.include_stop_str_in_output else state.text[:index]
+        state.stop_reason = stop
+        state.finish_reason = "stop"
+        return True

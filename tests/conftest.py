@@ -196,7 +196,8 @@ class RunningServer:
 
     @property
     def engine(self):
-        return self.app.state.server.engine.engine
+        """The API process's AsyncEngine (the engine core runs in its own process)."""
+        return self.app.state.server.engine
 
     def stop(self) -> None:
         self.uvicorn.should_exit = True

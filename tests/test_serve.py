@@ -37,7 +37,7 @@ def offline():
 def wait_until_idle(engine, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not engine.requests and engine.kv_cache_manager.usage() == 0.0:
+        if not engine.has_unfinished and engine.stats.kv_cache_usage == 0.0:
             return True
         time.sleep(0.05)
     return False
@@ -193,7 +193,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in received)
-        assert engine.kv_cache_manager.usage() > 0
+        assert engine.stats.kv_cache_usage > 0
     assert wait_until_idle(engine), "the aborted request kept its KV blocks"
 
 
@@ -305,7 +305,7 @@ def test_shutdown_drains_in_flight_requests(start_server, tokenizer_files, tmp_p
     caller = threading.Thread(target=lambda: result.setdefault("response", httpx.post(f"{running.url}/v1/completions", json=payload, timeout=120)))
     caller.start()
     deadline = time.monotonic() + 30
-    while not running.engine.requests and time.monotonic() < deadline:
+    while not running.engine.has_unfinished and time.monotonic() < deadline:
         time.sleep(0.01)
     running.uvicorn.should_exit = True
     caller.join(timeout=120)

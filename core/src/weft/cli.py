@@ -463,8 +463,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from weft.entrypoints.serve import serve
 
     config, _ = config_from_args(args)
-    serve(config)
-    return 0
+    return serve(config)
 
 
 def run_config_show(args: argparse.Namespace) -> int:

@@ -1,28 +1,38 @@
-"""The engine on its own thread, fed and drained from asyncio.
+"""The API process's engine: the engine core in its own process, fed and drained from asyncio.
 
-:class:`AsyncEngine` owns an :class:`~weft.engine.llm_engine.LLMEngine`; only its
-thread touches it. Coroutines submit requests and aborts as commands; the
-thread steps the engine and hands each request's progress back to the
-submitting event loop as :class:`Delta` items on an ``asyncio.Queue``. The
-event loop therefore never waits on model compute.
+:class:`AsyncEngine` starts the core (:mod:`weft.engine.core_process`), sends
+it tokenized requests and aborts over ZMQ, and turns the token ids it streams
+back into text with the output processor, on the event loop. Each request's
+progress goes to the submitting coroutine's ``asyncio.Queue`` as :class:`Delta`
+items. HTTP, tokenization and detokenization share this process; the
+scheduler and the model run in the core's, so neither waits on the other's GIL.
+
+If the core process dies, every open request ends with a 503 error delta, new
+requests are refused, and ``on_core_death`` is called (``weft serve`` exits
+non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import queue
-import threading
+import multiprocessing
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from weft.engine.llm_engine import LLMEngine
-from weft.engine.request import Request
+from weft.config import WeftConfig
+from weft.engine.core_process import Abort, AddRequests, Failed, FromCore, Ready, Shutdown, StepOutputs, run_engine_core
+from weft.engine.engine_core import CoreStats
+from weft.engine.frontend import Frontend
+from weft.engine.output_processor import OutputProcessor, RequestOutputState
 from weft.outputs import Logprob
+from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
 
 logger = logging.getLogger("weft.engine")
@@ -33,7 +43,11 @@ class QueueFullError(Exception):
 
 
 class ShuttingDownError(Exception):
-    """The engine is draining and takes no new requests."""
+    """The engine is draining (or its core is gone) and takes no new requests."""
+
+
+class CoreStartError(RuntimeError):
+    """The engine core process could not build the engine."""
 
 
 class Delta(msgspec.Struct):
@@ -50,10 +64,10 @@ class Delta(msgspec.Struct):
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    error_status: int = 500
 
 
 class _Subscriber(msgspec.Struct):
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     index: int
     published_tokens: int = 0
@@ -62,175 +76,248 @@ class _Subscriber(msgspec.Struct):
 
 
 class AsyncEngine:
-    """Runs an LLMEngine on a dedicated thread for asyncio callers."""
+    """Starts the engine core process; call :meth:`start` on the event loop before submitting."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, observer: Any = None) -> None:
-        self.engine = engine
+    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None, max_queued_requests: int = 1024,
+                 startup_timeout: float = 3600.0) -> None:
+        self.config = config
+        self.registry = registry or PluginRegistry()
+        self.frontend = Frontend(config, self.registry)
+        self.tokenizer = self.frontend.tokenizer
+        self.model_name = self.frontend.model_name
+        self.max_model_len = self.frontend.max_model_len
         self.max_queued_requests = max_queued_requests
-        self.observer = observer
-        """Optional object with ``first_token(seconds)``, ``inter_token(seconds)``, ``finished(request)``."""
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self.observer: Any = None
+        """Optional object with ``first_token(seconds)``, ``inter_token(seconds)``, ``finished(state)``."""
+        self.on_core_death: Callable[[], None] | None = None
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stats = CoreStats()
         self._subscribers: dict[str, _Subscriber] = {}
         self._accepting = True
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weft-engine", daemon=True)
-        self._thread.start()
+        self.dead = False
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self._start_core(startup_timeout)
+
+    # The core process.
+
+    def _start_core(self, timeout: float) -> None:
+        import zmq
+
+        self._folder = tempfile.mkdtemp(prefix="weft-core-")
+        input_address = f"ipc://{self._folder}/input"
+        output_address = f"ipc://{self._folder}/output"
+        self._zmq = zmq.Context()
+        self._input = self._zmq.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(input_address)
+        self._output = self._zmq.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core, args=(self.config, input_address, output_address, os.getpid()),
+            name="weft-engine-core", daemon=True,
+        )
+        self.process.start()
+        deadline = time.monotonic() + timeout
+        while not self._output.poll(200):
+            if not self.process.is_alive():
+                self._close_sockets()
+                raise CoreStartError(f"the engine core process exited with code {self.process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                self._close_sockets()
+                raise CoreStartError(f"the engine core did not start within {timeout:.0f} s")
+        message = self._decoder.decode(self._output.recv())
+        if isinstance(message, Failed):
+            self.process.join(timeout=10)
+            self._close_sockets()
+            first_line = message.message.splitlines()[0]
+            raise CoreStartError(f"the engine core could not start: {first_line}\n{message.message}")
+        assert isinstance(message, Ready)
+        self.engine_settings = message.engine
+        logger.info("engine core process %d ready: %s", self.process.pid, message.engine)
+
+    async def start(self) -> None:
+        """Start reading the core's outputs and watching the process (on the serving event loop)."""
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
+
+    async def _read_outputs(self) -> None:
+        import zmq
+
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        fd = self._output.getsockopt(zmq.FD)
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                while self._output.poll(0):
+                    message = self._decoder.decode(self._output.recv())
+                    if isinstance(message, StepOutputs):
+                        self._handle(message)
+                readable.clear()
+                if self._output.poll(0):
+                    continue
+                await readable.wait()
+        finally:
+            loop.remove_reader(fd)
+
+    async def _watch_core(self) -> None:
+        while self.process.is_alive() or self._stopping:
+            if self._stopping:
+                return
+            await asyncio.sleep(0.2)
+        self._core_died()
+
+    def _core_died(self) -> None:
+        self.dead = True
+        self._accepting = False
+        message = f"the engine core process died (exit code {self.process.exitcode}); the server is shutting down"
+        logger.error(message)
+        self._fail_all(message, 503)
+        if self.on_core_death is not None:
+            self.on_core_death()
 
     # Called from the event loop.
 
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``.
 
-        Raises ValueError (a bad request), QueueFullError or ShuttingDownError. If
-        the caller is cancelled meanwhile, it must :meth:`abort` the ids it gave.
+        Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
-        loop = asyncio.get_running_loop()
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def add() -> None:
-            added: list[str] = []
-            try:
-                if not self._accepting:
-                    raise ShuttingDownError("the server is shutting down")
-                if len(self.engine.scheduler.waiting) + len(requests) > self.max_queued_requests:
-                    raise QueueFullError(f"{len(self.engine.scheduler.waiting)} requests are already waiting")
-                for request_id, prompt_token_ids, params, index in requests:
-                    self.engine.add_request(request_id, prompt_token_ids, params)
-                    added.append(request_id)
-                    self._subscribers[request_id] = _Subscriber(loop, output, index, last_token_time=time.monotonic())
-            except Exception as error:
-                for request_id in added:
-                    self._subscribers.pop(request_id, None)
-                    self.engine.abort(request_id)
-                done.set_exception(error)
-            else:
-                done.set_result(None)
-
-        self._command(add)
-        await asyncio.wrap_future(done)
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core is gone")
+        if self.stats.waiting + len(requests) > self.max_queued_requests:
+            raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
+        core_requests = [self.frontend.core_request(request_id, prompt, params) for request_id, prompt, params, _ in requests]
+        now = time.monotonic()
+        for (request_id, _, params, index), core_request in zip(requests, core_requests):
+            self.outputs.add(request_id, core_request.prompt_token_ids, params)
+            self._subscribers[request_id] = _Subscriber(output, index, last_token_time=now)
+        self.stats.waiting += len(requests)
+        self._send(AddRequests(core_requests))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (safe to call for finished or unknown ids)."""
+        self._subscribers.pop(request_id, None)
+        state = self.outputs.abort(request_id)
+        if state is None:
+            return
+        if self.observer is not None:
+            self.observer.finished(state)
+        if not self.dead:
+            self._send(Abort([request_id]))
 
-        def abort() -> None:
-            self._subscribers.pop(request_id, None)
-            request = self.engine.requests.get(request_id)
-            self.engine.abort(request_id)
-            if request is not None and self.observer is not None:
-                self.observer.finished(request)
-
-        self._command(abort)
-
-    def call(self, function: Callable[[LLMEngine], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``function(engine)`` on the engine thread; its result comes back as a future."""
-        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                result.set_result(function(self.engine))
-            except Exception as error:
-                result.set_exception(error)
-
-        self._command(run)
-        return result
-
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests, wait up to ``timeout`` seconds for running ones, abort the rest, stop."""
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and await asyncio.wrap_future(self.call(lambda e: e.has_unfinished)):
-            await asyncio.sleep(0.05)
-        self.stop()
-
-    def stop(self) -> None:
-        def abort_all() -> None:
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
-            self._subscribers.clear()
-            self._stopped.set()
-
-        self._command(abort_all)
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
-            self.engine.close()
+    def _send(self, message: Any) -> None:
+        self._input.send(self._encoder.encode(message))
 
     @property
     def accepting(self) -> bool:
         return self._accepting
 
-    def _command(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.outputs.requests)
 
-    # The engine thread.
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, wait up to ``timeout`` seconds for running ones, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.outputs.requests and time.monotonic() < deadline and not self.dead:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.outputs.requests):
+            subscriber = self._subscribers.get(request_id)
+            self.abort(request_id)
+            if subscriber is not None:
+                subscriber.queue.put_nowait(self._error_delta(subscriber, "the server is shutting down", 503))
+        self.stop()
 
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    command()
-                except Exception:
-                    logger.exception("engine command failed")
-            if self._stopped.is_set():
-                return
-            if not self.engine.has_unfinished:
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
-                continue
+    def stop(self) -> None:
+        """Stop the core process (it finishes its KV connector's saves first). Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._accepting = False
+        for task in self._tasks:
+            task.cancel()
+        if self.process.is_alive():
+            self._send(Shutdown())
+            self.process.join(timeout=60)
+            if self.process.is_alive():
+                logger.warning("the engine core did not stop within 60 s; killing it")
+                self.process.kill()
+                self.process.join(timeout=5)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    # Outputs.
+
+    def _handle(self, message: StepOutputs) -> None:
+        self.stats = message.stats
+        for request_id, error in message.errors.items():
+            subscriber = self._subscribers.pop(request_id, None)
+            state = self.outputs.abort(request_id)
+            if subscriber is not None:
+                subscriber.queue.put_nowait(self._error_delta(subscriber, error, 400 if "internal error" not in error else 500))
+            if state is not None and self.observer is not None:
+                self.observer.finished(state)
+        advanced, stopped = self.outputs.process(message.outputs)
+        if stopped:
+            self._send(Abort(stopped))
+        for state in advanced:
             try:
-                advanced = self.engine.step()
-            except Exception as error:
-                logger.exception("engine step failed; failing its requests")
-                self._fail_all(f"internal error: {type(error).__name__}: {error}")
-                continue
-            for request in advanced:
-                try:
-                    self._publish(request)
-                except Exception:
-                    logger.exception("could not publish progress of request %s", request.request_id)
+                self._publish(state)
+            except Exception:
+                logger.exception("could not publish progress of request %s", state.request_id)
 
-    def _publish(self, request: Request) -> None:
-        subscriber = self._subscribers.get(request.request_id)
+    def _publish(self, state: RequestOutputState) -> None:
+        subscriber = self._subscribers.get(state.request_id)
         if subscriber is None:
             return
         now = time.monotonic()
         if self.observer is not None:
             if subscriber.published_tokens == 0:
-                self.observer.first_token(now - request.arrival_time)
+                self.observer.first_token(now - state.arrival_time)
             else:
                 self.observer.inter_token(now - subscriber.last_token_time)
         subscriber.last_token_time = now
-        tokens = request.output_token_ids[subscriber.published_tokens :]
-        logprobs = request.logprobs[subscriber.published_tokens :] if request.logprobs is not None else None
+        tokens = state.output_token_ids[subscriber.published_tokens :]
+        logprobs = state.logprobs[subscriber.published_tokens :] if state.logprobs is not None else None
         # Hold back text that may be the start of a stop string until it is decided.
-        holdback = max((len(stop) for stop in request.params.stop), default=1) - 1
-        end = len(request.text) if request.finished else max(subscriber.published_chars, len(request.text) - holdback)
-        text = request.text[subscriber.published_chars : end]
-        subscriber.published_tokens = len(request.output_token_ids)
+        holdback = max((len(stop) for stop in state.params.stop), default=1) - 1
+        end = len(state.text) if state.finished else max(subscriber.published_chars, len(state.text) - holdback)
+        text = state.text[subscriber.published_chars : end]
+        subscriber.published_tokens = len(state.output_token_ids)
         subscriber.published_chars = end
         delta = Delta(
             index=subscriber.index, token_ids=list(tokens), text=text, logprobs=logprobs,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=request.num_cached_tokens,
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=len(state.output_token_ids),
+            num_cached_tokens=state.num_cached_tokens,
         )
-        if request.finished:
-            self._subscribers.pop(request.request_id, None)
+        if state.finished:
+            self._subscribers.pop(state.request_id, None)
             if self.observer is not None:
-                self.observer.finished(request)
-        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, delta)
+                self.observer.finished(state)
+        subscriber.queue.put_nowait(delta)
 
-    def _fail_all(self, message: str) -> None:
+    @staticmethod
+    def _error_delta(subscriber: _Subscriber, message: str, status: int) -> Delta:
+        return Delta(
+            index=subscriber.index, token_ids=[], text="", logprobs=None, finish_reason="error", stop_reason=None,
+            num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0, error=message, error_status=status,
+        )
+
+    def _fail_all(self, message: str, status: int) -> None:
         for request_id, subscriber in list(self._subscribers.items()):
-            self.engine.abort(request_id)
-            failure = Delta(
-                index=subscriber.index, token_ids=[], text="", logprobs=None, finish_reason="error", stop_reason=None,
-                num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0, error=message,
-            )
-            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, failure)
+            self.outputs.abort(request_id)
+            subscriber.queue.put_nowait(self._error_delta(subscriber, message, status))
         self._subscribers.clear()

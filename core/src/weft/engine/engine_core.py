@@ -186,6 +186,12 @@ class EngineCore:
             time.sleep(0.002)  # waiting on the connector (saves, lookups): don't spin
         return results
 
+    def reset_after_failure(self) -> None:
+        """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
+        self._in_flight = None
+        self.scheduler.forget_steps_in_flight()
+        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+
     def stats(self) -> CoreStats:
         manager, connector = self.kv_cache_manager, self.kv_connector
         return CoreStats(

@@ -252,6 +252,12 @@ class Scheduler:
                 self.kv_cache.free(request_id)
         return outputs
 
+    def forget_steps_in_flight(self) -> None:
+        """Steps scheduled but never applied (one raised): their results will not come."""
+        self._epochs.clear()
+        for request in self.running:
+            request.num_output_placeholders = 0
+
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.params
         generated = len(request.output_token_ids)

@@ -60,11 +60,11 @@ class Server:
     def __init__(self, engine: AsyncEngine, config: WeftConfig) -> None:
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.engine.tokenizer
-        self.model_name = engine.engine.model_name
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
         self.api_key = config.server.api_key or os.environ.get("WEFT_API_KEY") or None
-        self.metrics = ServerMetrics(engine.engine)
+        self.metrics = ServerMetrics(engine)
         engine.observer = self.metrics
         self.created = int(time.time())
 
@@ -156,7 +156,8 @@ class Server:
                 if delta is None:
                     continue
                 if delta.error:
-                    raise HTTPError(500, delta.error, "server_error")
+                    kind = "server_error" if delta.error_status >= 500 else "invalid_request_error"
+                    raise HTTPError(delta.error_status, delta.error, kind)
                 deltas[delta.index].append(delta)
                 pending -= delta.finish_reason is not None
         finally:
@@ -255,6 +256,7 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
         yield
         await engine.drain(config.server.shutdown_timeout)
 
@@ -285,7 +287,7 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 async def chat_completions(server: Server, request: Request) -> Response:
     body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest)
     server.check_model(body.model)
-    prompt = server.chat_prompt(body.messages, body.add_generation_prompt)
+    prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
@@ -369,7 +371,7 @@ async def completions(server: Server, request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         raise HTTPError(400, "echo with logprobs needs prompt log-probabilities, which Weft does not compute yet; "
                         "drop one of them", param="echo")
-    prompts = _completion_prompts(server, body.prompt)
+    prompts = await asyncio.to_thread(_completion_prompts, server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -460,7 +462,7 @@ async def responses(server: Server, request: Request) -> Response:
             if isinstance(content, list):
                 content = [{"type": part.type, "text": part.text} for part in content]
             messages.append(p.ChatMessage(role=item.role or "user", content=content))
-    prompt = server.chat_prompt(messages, True)
+    prompt = await asyncio.to_thread(server.chat_prompt, messages, True)
     server.check_length(prompt, body.max_output_tokens)
     params = server.sampling_params(
         p.ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
@@ -578,6 +580,8 @@ async def detokenize(server: Server, request: Request) -> Response:
 
 
 async def health(server: Server, request: Request) -> Response:
+    if server.engine.dead:
+        return PlainTextResponse("engine core is gone", status_code=503)
     if not server.engine.accepting:
         return PlainTextResponse("shutting down", status_code=503)
     return PlainTextResponse("ok")

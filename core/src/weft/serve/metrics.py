@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from weft.engine.llm_engine import LLMEngine
-    from weft.engine.request import Request
+    from weft.engine.async_engine import AsyncEngine
+    from weft.engine.output_processor import RequestOutputState as Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
@@ -16,7 +16,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 class ServerMetrics:
     """Counters, gauges and histograms; also the AsyncEngine's observer."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("weft_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("weft_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
@@ -28,26 +28,25 @@ class ServerMetrics:
             "weft_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        scheduler, kv_cache = engine.scheduler, engine.kv_cache_manager
-        Gauge("weft_requests_waiting", "Requests waiting to be scheduled", registry=self.registry).set_function(
-            lambda: len(scheduler.waiting)
-        )
-        Gauge("weft_requests_running", "Requests being generated", registry=self.registry).set_function(
-            lambda: len(scheduler.running)
-        )
-        Gauge("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", registry=self.registry).set_function(kv_cache.usage)
-        Gauge("weft_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
-              registry=self.registry).set_function(lambda: kv_cache.stats.hit_rate)
-        Gauge("weft_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-              registry=self.registry).set_function(lambda: kv_cache.stats.query_tokens)
-        Gauge("weft_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
-              registry=self.registry).set_function(lambda: kv_cache.stats.hit_tokens)
-        connector = engine.kv_connector
-        if connector is not None:
-            Gauge("weft_kv_connector_hit_tokens", "Prompt tokens loaded through the KV connector",
-                  registry=self.registry).set_function(lambda: connector.stats.hit_tokens)
-            Gauge("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
-                  registry=self.registry).set_function(lambda: connector.stats.failed_load_tokens)
+        # The engine core's gauges, as of the last step it reported.
+        gauges = [
+            ("weft_requests_waiting", "Requests waiting to be scheduled", lambda stats: stats.waiting),
+            ("weft_requests_running", "Requests being generated", lambda stats: stats.running),
+            ("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", lambda stats: stats.kv_cache_usage),
+            ("weft_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
+             lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1)),
+            ("weft_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+             lambda stats: stats.prefix_cache_query_tokens),
+            ("weft_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", lambda stats: stats.prefix_cache_hit_tokens),
+            ("weft_kv_connector_hit_tokens", "Prompt tokens loaded through the KV connector",
+             lambda stats: stats.connector_hit_tokens or 0),
+            ("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
+             lambda stats: stats.connector_failed_load_tokens or 0),
+        ]
+        if engine.config.use.kv_connector == "none":
+            gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
+        for name, description, read in gauges:
+            Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)

@@ -1,0 +1,125 @@
+"""The engine core in its own process, and the messages it exchanges with the API process over ZMQ.
+
+The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
+``multiprocessing``'s spawn method; the core connects, builds its
+:class:`~weft.engine.engine_core.EngineCore` and answers :class:`Ready` (or
+:class:`Failed`). Then it loops: take every waiting message (new requests,
+aborts, shutdown), run one step when it has work, and push the step's outputs
+with the core's gauges. Messages are msgpack-encoded msgspec Structs. The core
+exits when told to, or when the API process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import msgspec
+
+from weft.config import WeftConfig
+from weft.engine.engine_core import CoreStats, EngineCoreRequest
+from weft.engine.scheduler import EngineCoreOutput
+
+logger = logging.getLogger("weft.engine")
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ToCore = AddRequests | Abort | Shutdown
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    engine: dict[str, object]
+    """The effective engine settings (platform-sized defaults resolved), for logs and ``weft config show``."""
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    message: str
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    errors: dict[str, str] = {}
+    """Requests the core refused or failed, with the reason; they are gone from the core."""
+
+
+FromCore = Ready | Failed | StepOutputs
+
+
+def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """The core process's main function."""
+    import zmq
+
+    from weft.engine.engine_core import EngineCore
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    try:
+        core = EngineCore(config)
+    except BaseException as error:
+        outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")))
+        outputs.close(linger=5000)
+        raise SystemExit(1) from None
+    outputs.send(encoder.encode(Ready(core.describe())))
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    try:
+        while True:
+            errors: dict[str, str] = {}
+            timeout = 0 if core.has_work else 1000
+            stop = received = False
+            while poller.poll(timeout):
+                message = decoder.decode(inputs.recv())
+                timeout, received = 0, True
+                if isinstance(message, Shutdown):
+                    stop = True
+                    break
+                if isinstance(message, Abort):
+                    core.abort(message.request_ids)
+                    continue
+                for request in message.requests:
+                    try:
+                        core.add_request(request)
+                    except ValueError as error:
+                        errors[request.request_id] = str(error)
+            if stop:
+                break
+            if not core.has_work:
+                if os.getppid() != parent_pid:
+                    logger.error("the API process is gone; the engine core exits")
+                    break
+                if received:  # the API side's gauges follow aborts too
+                    outputs.send(encoder.encode(StepOutputs([], core.stats(), errors)))
+                continue
+            try:
+                produced = core.step()
+            except Exception as error:
+                logger.exception("engine step failed; failing the requests it held")
+                failed = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                core.reset_after_failure()
+                errors.update({request_id: f"internal error: {type(error).__name__}: {error}" for request_id in failed})
+                produced = []
+            outputs.send(encoder.encode(StepOutputs(produced, core.stats(), errors)))
+    finally:
+        core.close()
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        context.term()

@@ -127,6 +127,17 @@ def tokenizer_files(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models: torch's intra-op threads only contend (20x slower on a loaded 2-core box)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 TINY_CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "llama3-rope": dict(

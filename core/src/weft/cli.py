@@ -21,7 +21,7 @@ from weft import __version__
 from weft.config import ConfigError, EngineConfig, ServerConfig, UseConfig, WeftConfig, load_config, parse_override
 from weft.plugins.errors import PluginError
 
-CORE_COMMANDS = ("plugins", "config", "generate", "serve")
+CORE_COMMANDS = ("plugins", "config", "generate", "serve", "verify")
 DEFAULT_CONFIG_FILE = "weft.toml"
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:
-        if args.run not in (run_generate, run_serve):
+        if args.run not in (run_generate, run_serve, run_verify):
             raise
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
@@ -86,6 +86,10 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     add_generate_arguments(generate)
     add_config_arguments(generate)
     generate.set_defaults(run=run_generate)
+
+    verify = commands.add_parser("verify", help="check a model family token for token against its Hugging Face reference")
+    add_verify_arguments(verify)
+    verify.set_defaults(run=run_verify)
 
     if with_plugin_commands:
         _add_plugin_commands(commands)
@@ -476,6 +480,35 @@ def run_config_show(args: argparse.Namespace) -> int:
         return 0
     print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
     sys.stdout.write(msgspec.toml.encode(data).decode())
+    return 0
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a folder with config.json and *.safetensors, or a cached HF repo id")
+    parser.add_argument("--reference", choices=("hf",), default="hf", help="what to compare against: hf (transformers)")
+    parser.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: four built-in prompts)")
+    parser.add_argument("--dtype", help="weights and activations on both sides: float32 (default), float16 or bfloat16")
+    parser.add_argument("--max-tokens", type=int, help="greedy tokens per prompt (default 16)")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from weft.verify import DEFAULT_PROMPTS, verify
+
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    if args.prompts:
+        try:
+            prompts = tuple(line for line in Path(args.prompts).read_text().splitlines() if line.strip())
+        except OSError as error:
+            raise ConfigError(f"--prompts {args.prompts}: {error.strerror}") from None
+        if not prompts:
+            raise ConfigError(f"--prompts {args.prompts}: the file holds no prompt; write one per line")
+    given = {"dtype": args.dtype, "max_tokens": args.max_tokens}
+    report = verify(args.model, prompts, reference=args.reference, **{k: v for k, v in given.items() if v is not None})
+    print(report.table())
+    failure = report.failure_message()
+    if failure is not None:
+        print(f"weft: verify: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,10 +12,17 @@ The module returned by :meth:`ModelFamily.build` is called by the model runner a
 
 where ``context`` carries the attention backend, its per-step metadata and the
 KV-cache tensors of each group (the engine's model-runner documents it).
+
+``weft verify`` checks a family against its Hugging Face transformers reference on the
+same checkpoint. Two optional methods tell it how: :meth:`ModelFamily.hf_architecture`
+names the transformers class (default: the checkpoint's architecture itself) and
+:meth:`ModelFamily.hf_reference_context` wraps every call into the reference (default:
+nothing changes).
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -74,6 +81,26 @@ class ModelFamily(PluginBase):
         (the others are rounded when copied into their parameters, as a cast would).
         """
         return dtype
+
+    def hf_architecture(self, architecture: str) -> str:
+        """The transformers class ``weft verify`` takes as the reference for ``architecture``.
+
+        ``architecture`` is the checkpoint's ``architectures[0]``, the name this family is
+        registered under. Default: that same name. A family registered under a name of its
+        own that reproduces a transformers model (the checkpoint's weights load into that
+        class unchanged) returns the class's name, e.g. ``"LlamaForCausalLM"``.
+        """
+        return architecture
+
+    def hf_reference_context(self) -> contextlib.AbstractContextManager[None]:
+        """A context ``weft verify`` runs the transformers reference inside (loading excluded).
+
+        Default: nothing changes. A family whose reference makes a choice the model leaves
+        open returns the adjustment that makes it choose as Weft does; it must change no result
+        that is not such a choice (DeepSeek V4: a stable top-k, so the indexer breaks score ties
+        toward the lower index as Weft's ``decode_topk`` does).
+        """
+        return contextlib.nullcontext()
 
     @abstractmethod
     def build(self, config: ModelConfig, device: torch.device) -> torch.nn.Module:

@@ -24,6 +24,7 @@ step's tokens, write back what later steps need.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterable
@@ -945,6 +946,13 @@ class DeepseekV4Family(ModelFamily):
         # mHC, sinks, position biases and norm weights stay float32 in a bf16 model: read the
         # checkpoint at full precision; copy_ rounds the rest into their parameters.
         return "float32"
+
+    def hf_reference_context(self) -> contextlib.AbstractContextManager[None]:
+        # transformers' indexer calls torch.topk, whose CPU tie order depends on the row length;
+        # a stable top-k breaks ties toward the lower index, as Weft's decode_topk does.
+        from weft_dsv4.reference import stable_topk
+
+        return stable_topk()
 
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV4ForCausalLM:
         s = DeepseekV4Settings(config.hf_config)

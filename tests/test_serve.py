@@ -133,19 +133,39 @@ def test_64_concurrent_streams_complete_with_the_right_text(server, offline):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(64)]
     expected = [out.outputs[0].text for out in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
 
+    long_prompt = "apple " * 7900  # about 7,900 tokens: tokenized, then prefilled in chunks by the core
+    health_latencies: list[float] = []
+
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        done = asyncio.Event()
 
         async def one(prompt):
             stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True)
             return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
+        async def watch_health():
+            async with httpx.AsyncClient(timeout=30) as http:
+                while not done.is_set():
+                    started = time.monotonic()
+                    assert (await http.get(f"{server.url}/health")).status_code == 200
+                    health_latencies.append(time.monotonic() - started)
+                    await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch_health())
         try:
-            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+            long = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0, max_tokens=1)
+            *texts, long_reply = await asyncio.gather(*(one(prompt) for prompt in prompts), long)
+            assert long_reply.usage.prompt_tokens > 7000
+            return texts
         finally:
+            done.set()
+            await watcher
             await client.close()
 
     assert asyncio.run(run()) == expected
+    # The engine core runs in its own process: HTTP answers while it prefills (bench/serve_load.py measures the p99).
+    assert len(health_latencies) > 10 and max(health_latencies) < 1.0, sorted(health_latencies)[-5:]
     assert wait_until_idle(server.engine)
 
 

@@ -198,7 +198,11 @@ class AsyncEngine:
             self.outputs.add(request_id, core_request.prompt_token_ids, params)
             self._subscribers[request_id] = _Subscriber(output, index, last_token_time=now)
         self.stats.waiting += len(requests)
-        self._send(AddRequests(core_requests))
+        if not self._send(AddRequests(core_requests)):
+            for request_id, *_ in requests:
+                self._subscribers.pop(request_id, None)
+                self.outputs.abort(request_id)
+            raise ShuttingDownError("the engine core is gone")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (safe to call for finished or unknown ids)."""
@@ -211,8 +215,15 @@ class AsyncEngine:
         if not self.dead:
             self._send(Abort([request_id]))
 
-    def _send(self, message: Any) -> None:
-        self._input.send(self._encoder.encode(message))
+    def _send(self, message: Any) -> bool:
+        """Send to the core without ever blocking the event loop; False when no core is connected (it died)."""
+        import zmq
+
+        try:
+            self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:  # a PUSH socket without a peer: the core is gone (the watcher reports it)
+            return False
+        return True
 
     @property
     def accepting(self) -> bool:

@@ -1,0 +1,203 @@
+"""The engine core: one-way steps, the core in its own process, what happens when that process dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from conftest import make_tiny_model
+
+from weft import LLM, SamplingParams
+from weft.contracts.executor import SchedulerOutput, decode_scheduler_output, encode_step
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer_files):
+    return make_tiny_model(tmp_path_factory.mktemp("core") / "llama", "llama", tokenizer_files)
+
+
+def test_steps_cross_to_the_worker_as_bytes_and_carry_blocks_only_when_they_grow(tiny_model):
+    """What the scheduler sends is self-contained and survives msgpack; later steps send only new blocks."""
+    llm = LLM(model=str(tiny_model), engine={"block_size": 4, "num_kv_blocks": 128, "max_num_batched_tokens": 8})
+    engine = llm.engine
+    sent: list[SchedulerOutput] = []
+    execute = engine.core.executor.execute_model
+
+    def recording(step):
+        sent.append(decode_scheduler_output(encode_step(step)))
+        return execute(step)
+
+    engine.core.executor.execute_model = recording
+    prompt = list(range(5, 25))  # 20 tokens: three chunks of at most 8
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    first = sent[0]
+    assert [new.request_id for new in first.new_requests] == ["a"]
+    assert first.new_requests[0].token_ids == prompt and first.new_requests[0].params.max_tokens == 6
+    assert first.num_scheduled_tokens == {"a": 8}
+    later = [step for step in sent[1:] if step.num_scheduled_tokens]
+    assert all(not step.new_requests and step.cached_requests[0].request_id == "a" for step in later)
+    blocks = list(first.new_requests[0].block_ids[0])
+    for step in later:
+        grown = step.cached_requests[0].new_block_ids
+        if grown is not None:
+            blocks.extend(grown[0])
+    # 20 prompt tokens + 6 outputs (the last is never computed): 25 tokens in blocks of 4.
+    assert len(blocks) == 7 and len(set(blocks)) == 7
+    assert engine.kv_cache_manager.usage() == 0.0
+
+
+def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops(tiny_model):
+    """Asynchronous scheduling with preemptions, stop tokens and mixed lengths: identical greedy tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30, 41, 5, 60, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)] * 4
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(tiny_model), engine={
+            "block_size": 4, "num_kv_blocks": 48, "max_model_len": 128, "max_num_batched_tokens": 32,
+            "async_scheduling": async_scheduling,
+        })
+        outputs = llm.generate(prompts, params)
+        results[async_scheduling] = [output.outputs[0].token_ids for output in outputs]
+        assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
+        assert llm.engine.kv_cache_manager.usage() == 0.0
+    assert results[True] == results[False]
+    # A stop token found in the synchronous run's output ends the asynchronous run at the same place.
+    stop = results[False][0][10]
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling})
+        output = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop],
+                                                           ignore_eos=True))[0].outputs[0]
+        assert output.token_ids == results[False][0][: results[False][0].index(stop) + 1]
+        assert output.finish_reason == "stop" and output.stop_reason == stop
+
+
+def test_engine_settings_come_from_the_platform_unless_set(tiny_model):
+    from weft.builtins.cpu import CpuPlatform
+
+    defaults = CpuPlatform().engine_defaults()
+    llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 64})
+    engine = llm.engine.config.engine
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling) == (
+        defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.async_scheduling)
+    assert llm.engine.scheduler.max_num_seqs == defaults.max_num_seqs
+    tuned = LLM(model=str(tiny_model), engine={"num_kv_blocks": 64, "max_num_seqs": 3, "max_num_batched_tokens": 100})
+    assert (tuned.engine.scheduler.max_num_seqs, tuned.engine.scheduler.max_num_batched_tokens) == (3, 100)
+
+
+def test_options_that_would_do_nothing_are_refused(tiny_model):
+    from weft.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size = 2: tensor parallelism is not implemented"):
+        LLM(model=str(tiny_model), tensor_parallel_size=2)
+    with pytest.raises(Exception, match="executor"):
+        LLM(model=str(tiny_model), engine={"distributed_executor_backend": "nosuch", "num_kv_blocks": 64})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine core: the spawned child of the server (not multiprocessing's resource tracker)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == server_pid and b"spawn_main" in command:
+            return int(entry.name)
+    raise AssertionError("no engine core process found")
+
+
+def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
+    port = _free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WEFT_")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", "--model", str(tiny_model), "--set", f"server.port={port}",
+         "--set", "engine.num_kv_blocks=512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start:\n" + "".join(log)
+            time.sleep(0.2)
+        body = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 400, "ignore_eos": True}
+        results: list[httpx.Response | Exception] = []
+
+        def call(stream: bool) -> None:
+            try:
+                if stream:
+                    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+                        results.append(httpx.Response(response.status_code, content="".join(response.iter_lines()).encode()))
+                else:
+                    results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+            except Exception as error:  # noqa: BLE001 - a refused connection once the server exited is fine
+                results.append(error)
+
+        callers = [threading.Thread(target=call, args=(index % 2 == 0,)) for index in range(6)]
+        for caller in callers:
+            caller.start()
+        time.sleep(1.0)
+        core = _core_pid(server.pid)
+        killed = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        try:
+            code = server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit after its engine core died:\n" + "".join(log))
+        exited = time.monotonic() - killed
+        for caller in callers:
+            caller.join(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert code != 0, "".join(log)
+    assert exited < 5, f"the server took {exited:.1f} s to exit"
+    responses = [result for result in results if isinstance(result, httpx.Response)]
+    assert len(results) == 6 and responses, results
+    for response in responses:
+        if response.status_code == 200:  # a stream: its headers went out before the core died
+            assert b"engine core process died" in response.content, response.content[-300:]
+        else:
+            assert response.status_code == 503 and "engine core process died" in response.json()["error"]["message"]
+    assert "engine core process died" in "".join(log)
+
+
+def test_core_outputs_round_trip_msgpack():
+    from weft.engine.core_process import FromCore, StepOutputs
+    from weft.engine.engine_core import CoreStats
+    from weft.engine.scheduler import EngineCoreOutput
+
+    message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=FromCore) == message

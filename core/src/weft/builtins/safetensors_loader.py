@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from weft.contracts.loader import ModelSource, WeightLoader
+from weft.generation_config import read_generation_config
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 
@@ -81,7 +82,7 @@ class SafetensorsLoader(WeightLoader):
         name = source if not Path(source).expanduser().is_dir() else folder.resolve().name
         return ModelSource(
             path=str(folder.resolve()), format="safetensors", hf_config=json.loads(config_file.read_text()),
-            tokenizer="hf", name=name,
+            tokenizer="hf", name=name, generation_config=read_generation_config(folder),
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""The "safetensors" loader: a Hugging Face folder (config.json, *.safetensors, tokenizer files).
+"""The "safetensors" loader: a Hugging Face folder (config.json, *.safetensors, tokenizer files,
+an optional generation_config.json).
 
 Sources it accepts: a local folder, or a Hugging Face repo id whose snapshot is
 in the local cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else

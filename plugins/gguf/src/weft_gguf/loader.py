@@ -1,6 +1,8 @@
 """The "gguf" loader: a GGUF file (or an alias naming one) as a Hugging Face-shaped model.
 
-The config is synthesised from the GGUF metadata; tensors are dequantized with
+The config is synthesised from the GGUF metadata, the generation config from its
+``general.sampling.*`` keys (else what :data:`~weft_gguf.files.ALIAS_GENERATION_CONFIGS`
+declares for an alias); tensors are dequantized with
 the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
 Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,

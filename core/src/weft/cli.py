@@ -358,6 +358,10 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
+"""``weft generate``'s own defaults where neither a flag nor the model's generation config sets a value."""
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompts = parser.add_argument_group("prompts")
     prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -370,13 +374,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="render prompts as a user message with the model's chat template (default: when it has one)",
     )
-    sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0)
-    sampling.add_argument("--min-p", type=float, default=0.0)
-    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling = parser.add_argument_group(
+        "sampling", "an option left out takes the model's generation config (engine.generation_config), else its default"
+    )
+    sampling.add_argument("--max-tokens", type=int, help=f"most tokens per answer (default {GENERATE_DEFAULTS['max_tokens']})")
+    sampling.add_argument("--temperature", type=float, help=f"0 is greedy (default {GENERATE_DEFAULTS['temperature']:g})")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling; off unless set here or by the model")
+    sampling.add_argument("--top-k", type=int, help="keep the k most likely tokens; off unless set here or by the model")
+    sampling.add_argument("--min-p", type=float, help="drop tokens below min-p times the top one's probability; off unless set here or by the model")
+    sampling.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty; off unless set here or by the model")
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--frequency-penalty", type=float, default=0.0)
     sampling.add_argument("--sample-seed", type=int, default=None, help="seed of this run's sampling")
@@ -418,17 +424,22 @@ def run_generate(args: argparse.Namespace) -> int:
     from weft.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)
-    try:
-        params = SamplingParams(
-            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, seed=args.sample_seed, stop=tuple(args.stop),
-            max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
-        )
+    flags = {
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_tokens,
+    }
+    given = {field: value for field, value in flags.items() if value is not None}
+    fixed = dict(
+        n=args.n, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.sample_seed, stop=tuple(args.stop), logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+    )
+    try:  # the flags are checked before the model loads
+        SamplingParams(**fixed, **given)
     except ValueError as error:
         raise ConfigError(str(error).replace("SamplingParams.", "--").replace("_", "-")) from None
     config, _ = config_from_args(args)
     llm = LLM(config=config)
+    params = SamplingParams(**fixed, **{**GENERATE_DEFAULTS, **llm.model_sampling_defaults, **given})
     chat = args.chat if args.chat is not None else llm.tokenizer.has_chat_template
     if chat or any(not isinstance(prompt, str) for prompt in prompts):
         outputs = llm.chat([p if not isinstance(p, str) else [{"role": "user", "content": p}] for p in prompts], params)

@@ -11,6 +11,7 @@
     kv_connector = "none"
     [engine]
     max_num_seqs = 64
+    generation_config = "auto"        # sampling defaults: the model's; "none": Weft's; or a folder with generation_config.json
     [server]
     port = 8000
     [plugins.mooncake]                # each plugin's own options, checked against its Options Struct
@@ -90,6 +91,11 @@ class EngineConfig(_Section, frozen=True):
     tensor_parallel_size: Annotated[
         int, Meta(ge=1, description="devices a model is sharded over (only 1 until tensor parallelism lands)")
     ] = 1
+    generation_config: Annotated[
+        str,
+        Meta(description="sampling defaults of requests that leave them unset: auto (the model's generation config), "
+                         "none (Weft's: temperature 1, top_p 1...), or a folder holding a generation_config.json"),
+    ] = "auto"
 
 
 class ServerConfig(_Section, frozen=True):
@@ -172,12 +178,25 @@ def load_config(
             f"{where}: engine.tensor_parallel_size = {config.engine.tensor_parallel_size}: tensor parallelism is "
             f"not implemented yet, so the model would silently run on one device; set it to 1"
         )
+    _check_generation_config(config, source, override_paths)
     if config.plugins:
         from weft.plugins import PluginRegistry
 
         plugins = validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
         config = msgspec.structs.replace(config, plugins=plugins)
     return config
+
+
+def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:
+    """``engine.generation_config`` is a keyword or a folder holding generation_config.json (checked before any model loads)."""
+    value = config.engine.generation_config
+    if value in ("auto", "none") or (Path(value).expanduser() / "generation_config.json").is_file():
+        return
+    where = OVERRIDE_SOURCE if _set_by_override(["engine", "generation_config"], override_paths) else source
+    raise ConfigError(
+        f"{where}: engine.generation_config: {value!r} is neither 'auto', 'none' nor a folder holding a "
+        f"generation_config.json; give 'auto' (the model's defaults), 'none' (Weft's) or such a folder"
+    )
 
 
 def parse_override(assignment: str) -> tuple[str, Any]:

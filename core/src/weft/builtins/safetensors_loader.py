@@ -1,4 +1,5 @@
-"""The "safetensors" loader: a Hugging Face folder (config.json, *.safetensors, tokenizer files).
+"""The "safetensors" loader: a Hugging Face folder (config.json, *.safetensors, tokenizer files,
+an optional generation_config.json).
 
 Sources it accepts: a local folder, or a Hugging Face repo id whose snapshot is
 in the local cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
@@ -18,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from weft.contracts.loader import ModelSource, WeightLoader
+from weft.generation_config import read_generation_config
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 
@@ -81,7 +83,7 @@ class SafetensorsLoader(WeightLoader):
         name = source if not Path(source).expanduser().is_dir() else folder.resolve().name
         return ModelSource(
             path=str(folder.resolve()), format="safetensors", hf_config=json.loads(config_file.read_text()),
-            tokenizer="hf", name=name,
+            tokenizer="hf", name=name, generation_config=read_generation_config(folder),
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:

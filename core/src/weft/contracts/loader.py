@@ -35,6 +35,12 @@ class ModelSource(msgspec.Struct, frozen=True):
     """The tokenizer plugin that reads this source when ``use.tokenizer = "auto"``."""
     name: str
     """The name served as the model id."""
+    generation_config: dict[str, Any] = {}
+    """The model's ``generation_config.json`` contents, under Hugging Face's key names (``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``...). Formats without
+    one give what they carry instead (a GGUF file's ``general.sampling.*`` metadata), or what the plugin
+    declares for the model; empty when the model states nothing. Under ``engine.generation_config =
+    "auto"`` its sampling keys are the defaults of requests that leave them unset (:mod:`weft.generation_config`)."""
 
 
 class WeightLoader(PluginBase):

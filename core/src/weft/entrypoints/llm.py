@@ -19,6 +19,7 @@ from typing import Any
 from weft.config import EngineConfig, WeftConfig, load_config
 from weft.engine.llm_engine import LLMEngine
 from weft.engine.output_processor import RequestOutputState
+from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class LLM:
 
     ``LLM(config="weft.toml", model=..., use={...}, engine={...}, plugins={...})``;
     engine options may also be given flat, as in vLLM (``max_num_seqs=8``).
+    ``model_sampling_defaults``: the SamplingParams fields the model's generation config sets
+    (``engine.generation_config``), which :meth:`get_default_sampling_params` applies.
     """
 
     def __init__(
@@ -70,7 +73,12 @@ class LLM:
         self.config = config
         self.engine = LLMEngine(config, self._registry)
         self.tokenizer = self.engine.tokenizer
+        self.model_sampling_defaults = load_model_sampling_defaults(self.engine.frontend.source, config.engine.generation_config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: the model's generation config over Weft's defaults."""
+        return SamplingParams(**self.model_sampling_defaults)
 
     def generate(
         self,
@@ -78,7 +86,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+
+        ``sampling_params=None``: :meth:`get_default_sampling_params`; a SamplingParams given is used as it is.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -99,7 +110,7 @@ class LLM:
         use_tqdm: bool | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate a reply."""
+        """Render each conversation with the model's chat template and generate a reply (``sampling_params`` as in :meth:`generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         params = self._params_for(len(conversations), sampling_params)
         encoded = []
@@ -119,10 +130,9 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @staticmethod
-    def _params_for(count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+    def _params_for(self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params = list(sampling_params)

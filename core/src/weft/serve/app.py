@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
+from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import Logprob
 from weft.sampling_params import SamplingParams
 from weft.serve import protocol as p
@@ -67,6 +68,7 @@ class Server:
         self.metrics = ServerMetrics(engine)
         engine.observer = self.metrics
         self.created = int(time.time())
+        self.model_sampling_defaults = load_model_sampling_defaults(engine.frontend.source, config.engine.generation_config)
 
     # Plumbing shared by the handlers.
 
@@ -165,25 +167,32 @@ class Server:
                 self.engine.abort(request_id)
         return deltas
 
-    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
+                        unset_max_tokens: int | None = None) -> SamplingParams:
+        """The request's sampling values; one it leaves unset comes from the model's generation config
+        (``engine.generation_config``), else Weft's default. ``unset_max_tokens``: the endpoint's own
+        default max_tokens (None: up to the context length)."""
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+        requested = {
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+            "repetition_penalty": body.repetition_penalty, "max_tokens": max_tokens,
+        }
+        chosen = {
+            "max_tokens": unset_max_tokens, **self.model_sampling_defaults,
+            **{field: value for field, value in requested.items() if value is not None},
+        }
         try:
             return SamplingParams(
                 n=getattr(body, "n", None) or 1,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
-                min_p=body.min_p or 0.0,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0,
                 seed=body.seed,
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
-                max_tokens=max_tokens,
                 min_tokens=body.min_tokens or 0,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                **chosen,
             )
         except ValueError as error:
             field = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -374,8 +383,7 @@ async def completions(server: Server, request: Request) -> Response:
     prompts = await asyncio.to_thread(_completion_prompts, server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
-    max_tokens = body.max_tokens if body.max_tokens is not None else 16
-    params = server.sampling_params(body, max_tokens, body.logprobs)
+    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16)
     output, ids = await server.start(prompts, params)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:

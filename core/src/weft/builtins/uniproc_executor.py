@@ -15,11 +15,11 @@ class UniprocExecutor(Executor):
     name: ClassVar[str] = "uniproc"
     supports_async_output: ClassVar[bool] = True
 
-    def __init__(self, options: Any, config: Any) -> None:
-        super().__init__(options, config)
+    def __init__(self, options: Any, config: Any, registry: Any = None) -> None:
+        super().__init__(options, config, registry)
         from weft.runner.worker import Worker
 
-        self.worker = Worker(config)
+        self.worker = Worker(config, registry)
         self._closed = False
 
     def load_model(self) -> WorkerInfo:

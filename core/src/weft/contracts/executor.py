@@ -154,16 +154,22 @@ class DoneStep(StepHandle):
 
 
 class Executor(PluginBase):
-    """Runs the model on workers. Built as ``Executor(options, config)`` in the engine core's process."""
+    """Runs the model on workers. Built as ``Executor(options, config, registry)`` in the engine core's process.
+
+    ``config`` has the platform-sized engine defaults resolved. ``registry`` is the engine's
+    :class:`~weft.plugins.PluginRegistry`: workers in this process build their plugins from it;
+    workers in other processes discover the installed plugins themselves.
+    """
 
     name: ClassVar[str]
     supports_async_output: ClassVar[bool] = False
     """Whether :meth:`execute_model` returns before the step's tokens reach the host
     (the condition for asynchronous scheduling to overlap anything)."""
 
-    def __init__(self, options: msgspec.Struct | None, config: Any) -> None:
+    def __init__(self, options: msgspec.Struct | None, config: Any, registry: Any = None) -> None:
         self.options = options if options is not None else self.Options()
         self.config = config
+        self.registry = registry
 
     @abstractmethod
     def load_model(self) -> WorkerInfo:

@@ -77,7 +77,7 @@ class EngineCore:
         engine = config.engine
         executor_name = engine.distributed_executor_backend
         executor_class = self.registry.load("executor", executor_name)
-        self.executor = executor_class(options_for(config, "executor", executor_class, executor_name), config)
+        self.executor = executor_class(options_for(config, "executor", executor_class, executor_name), config, self.registry)
         info = self.executor.load_model()
         self.groups = info.groups
         _, self.source = resolve_source(self.registry, config)

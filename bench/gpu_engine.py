@@ -1,0 +1,247 @@
+"""The engine with default settings on the GPU: offline throughput and serving, against baselines measured in the same run.
+
+Parts (``--part``, repeatable):
+
+* ``qwen``: a Qwen3-0.6B shape, 256 requests x (512 prompt, 256 output) tokens, greedy, EOS ignored:
+  ``LLM.generate`` with default engine settings against Hugging Face ``generate()`` on the same
+  random bf16 weights (all prompts in one batch: equal lengths, no padding).
+* ``llama8b``: a Llama-3-8B shape, 512 x (512, 256): ``LLM.generate`` with default settings against a
+  physical estimate for this GPU: prefill at the bf16 matmul rate, each decode step at the larger of
+  its HBM time (weights plus the KV of every running request, at the measured copy bandwidth) and
+  its matmul time.
+* ``serve``: the ``qwen`` workload as 256 concurrent streaming completions through ``weft serve``
+  (the engine core in its own process), against offline ``LLM.generate`` of the same requests
+  from the same checkpoint folder, measured in the same run. Clients run in 4 processes so that
+  the client side is not the bottleneck.
+
+Usage: python bench/gpu_engine.py --tokenizer DIR --part qwen --part llama8b --part serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gpu_common import LLAMA3_8B, QWEN3_0_6B, MemoryLoader, copy_bandwidth, hf_config, matmul_rate, random_weights
+from gpu_common import registry_with_memory_loader
+
+from weft import LLM, SamplingParams
+
+
+def hf_generate(model, prompts: torch.Tensor, output: int) -> float:
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, max_new_tokens=output, min_new_tokens=output, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    torch.cuda.synchronize()
+    assert generated.shape[1] == prompts.shape[1] + output, generated.shape
+    return time.perf_counter() - started
+
+
+def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output
+    return seconds
+
+
+def engine_settings(llm: LLM) -> str:
+    engine = llm.engine.config.engine
+    return (f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
+            f"async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}")
+
+
+def random_prompts(count: int, length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(10, vocab - 10, (count, length), generator=torch.Generator().manual_seed(1))
+
+
+def part_qwen(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    requests, prompt, output = 256, 512, 256
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_config(QWEN3_0_6B), dtype=torch.bfloat16).eval()
+    prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"])
+    hf_rate = requests * output / hf_generate(hf, prompts.cuda(), output)
+    print(f"qwen3-0.6b {requests} x ({prompt}, {output}): HF transformers generate() {hf_rate:,.0f} output tokens/s", flush=True)
+    state = dict(hf.state_dict())
+    del hf
+    gc.collect()
+    model = MemoryLoader.add("qwen3-0.6b", QWEN3_0_6B, lambda: iter(state.items()), args.tokenizer)
+    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    seconds = weft_generate(llm, prompts.tolist(), output)
+    rate = requests * output / seconds
+    print(f"qwen3-0.6b: Weft (defaults: {engine_settings(llm)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
+          f"= {rate / hf_rate:.1f}x HF", flush=True)
+    llm.close()
+    del llm, state
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float) -> float:
+    """Seconds for the workload: prefill at the matmul rate, decode steps at max(HBM time, matmul time)."""
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads, dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    per_layer = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter
+    parameters = layers * per_layer + shape["vocab_size"] * hidden  # the LM head; embeddings are a gather
+    weight_bytes = 2 * parameters
+    kv_per_token = 2 * 2 * layers * kv_heads * dim
+    seconds = 2 * parameters * requests * prompt / flops
+    for step in range(1, output):
+        hbm = (weight_bytes + requests * kv_per_token * (prompt + step)) / bandwidth
+        seconds += max(hbm, 2 * parameters * requests / flops)
+    return seconds
+
+
+def part_llama8b(args: argparse.Namespace) -> None:
+    requests, prompt, output = 512, 512, 256
+    bandwidth, flops = copy_bandwidth(), matmul_rate()
+    estimate = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops)
+    print(f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
+          f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s)", flush=True)
+    model = MemoryLoader.add("llama-3-8b", LLAMA3_8B, random_weights(LLAMA3_8B, torch.bfloat16), args.tokenizer)
+    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    prompts = random_prompts(requests, prompt, LLAMA3_8B["vocab_size"]).tolist()
+    seconds = weft_generate(llm, prompts, output)
+    rate = requests * output / seconds
+    print(f"llama-3-8b: Weft (defaults: {engine_settings(llm)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
+          f"= {rate / estimate:.2f}x the physical estimate", flush=True)
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _client(url: str, model: str, prompts: list[list[int]], output: int, start_at: float, results) -> None:
+    import httpx
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int, float]:
+        body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        started = time.perf_counter()
+        first, chunks = None, 0
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - started
+        return first or 0.0, chunks, time.time()
+
+    async def run() -> list[tuple[float, int, float]]:
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            while time.time() < start_at:
+                await asyncio.sleep(0.001)
+            return await asyncio.gather(*(one(http, prompt) for prompt in prompts))
+
+    results.put(asyncio.run(run()))
+
+
+def part_serve(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    requests, prompt, output, client_processes = 256, 512, 256, 4
+    folder = Path("/tmp/weft-bench-qwen3-0.6b")
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_config(QWEN3_0_6B), dtype=torch.bfloat16).eval()
+    hf.save_pretrained(str(folder))
+    for file in Path(args.tokenizer).iterdir():
+        shutil.copy(file, folder / file.name)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"]).tolist()
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(Path(os.environ.get("OUT", "/tmp")) / "gpu_serve_server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", "--model", str(folder), "--set", f"server.port={port}",
+         "--set", "use.platform='cuda'", "--set", "engine.dtype='bfloat16'"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"weft serve did not start; see {log.name}")
+            time.sleep(0.5)
+        # Warm the server (first prefill and decode shapes).
+        httpx.post(f"{url}/v1/completions", json={"model": folder.name, "prompt": prompts[0], "max_tokens": 16},
+                   timeout=120).raise_for_status()
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        start_at = time.time() + 3.0
+        share = requests // client_processes
+        clients = [context.Process(target=_client, args=(url, folder.name, prompts[i * share:(i + 1) * share], output,
+                                                          start_at, queue)) for i in range(client_processes)]
+        for client in clients:
+            client.start()
+        results = [item for _ in clients for item in queue.get(timeout=900)]
+        for client in clients:
+            client.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        log.close()
+    ttfts = sorted(first for first, _, _ in results)
+    chunks = sum(count for _, count, _ in results)
+    served_seconds = max(end for _, _, end in results) - start_at  # wall clock: comparable across the client processes
+    served_rate = requests * output / served_seconds
+    print(f"serve: {requests} concurrent streaming completions, {chunks:,} chunks: {served_rate:,.0f} output tokens/s "
+          f"({served_seconds:.2f} s), TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[int(0.99 * len(ttfts))]:.2f} s",
+          flush=True)
+    llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    seconds = weft_generate(llm, prompts, output)
+    offline_rate = requests * output / seconds
+    print(f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
+          f"served at {served_rate / offline_rate:.0%} of offline", flush=True)
+    llm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "serve"], required=True)
+    args = parser.parse_args()
+    print(f"# gpu_engine: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for part in args.part:
+        {"qwen": part_qwen, "llama8b": part_llama8b, "serve": part_serve}[part](args)
+
+
+if __name__ == "__main__":
+    main()

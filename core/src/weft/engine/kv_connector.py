@@ -174,6 +174,7 @@ class KVConnectorRuntime:
                     num_computed_tokens=item.request.num_computed_tokens,
                     num_new_tokens=item.num_new_tokens,
                     block_ids=self.kv_cache_manager.block_ids(item.request.request_id),
+                    num_external_tokens=self._loading.get(item.request.request_id, 0),
                 )
                 for item in plan.scheduled
             ),

@@ -97,12 +97,13 @@ The load range
     When it admits a request, the engine asks ``get_num_new_matched_tokens(request,
     num_computed_tokens)`` with ``num_computed_tokens`` the tokens its own prefix
     cache holds for the request (its local hit, a multiple of ``size``). The answer
-    ``n`` counts the tokens after those that the connector can load; an admitted
-    request then gets ``update_state_after_alloc(request, block_ids, n)``, and in
-    its next step ``ConnectorStepRequest.num_computed_tokens`` is the local hit plus
-    ``n`` and ``ConnectorStepRequest.num_external_tokens`` is ``n``: the worker loads
-    the tokens ``[num_computed_tokens - num_external_tokens, num_computed_tokens)``
-    into that step's ``block_ids``, before the forward pass computes the rest.
+    ``n`` counts the tokens after those that the connector can load. The admitted
+    request gets ``update_state_after_alloc(request, block_ids, n)``, and in the step
+    it was admitted for, ``ConnectorStepRequest.num_computed_tokens`` is the local
+    hit plus ``n`` and ``ConnectorStepRequest.num_external_tokens`` is ``n``: the
+    worker loads the tokens ``[num_computed_tokens - num_external_tokens,
+    num_computed_tokens)`` into that step's ``block_ids``, before the forward pass
+    computes the rest.
 
 The last token
     A connector never offers a request's last token: the engine computes it to
@@ -166,7 +167,7 @@ class ConnectorStepRequest(msgspec.Struct, frozen=True):
     num_external_tokens: int = 0
     """The last tokens of ``num_computed_tokens`` that the worker loads from outside in this step (0: none).
 
-    Non-zero in the first step after an admission whose lookup offered them. Added in
+    Non-zero in the step a request was admitted for when its lookup offered them. Added in
     core API 1.1: a connector that reads it declares ``weft-core>=1.1``.
     """
 

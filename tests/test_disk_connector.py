@@ -50,6 +50,32 @@ def test_the_docs_demo_run_twice_loads_the_first_runs_blocks_in_the_second(llama
     assert int(second_loaded) == (int(length) - 1) // 16 * 16  # every full block but the one holding the last token
 
 
+def test_damaged_files_are_failed_loads_and_recomputed(llama, tmp_path, caplog):
+    """Its own failure path (the kit's failed-load case poisons loads from outside the connector)."""
+    import logging
+
+    from weft import LLM, SamplingParams
+
+    engine = {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
+    connected = dict(model=str(llama), engine=engine, use={"kv_connector": "disk"}, plugins={"disk": {"path": str(tmp_path)}})
+    prompt = [(7 * i + 5) % 900 + 20 for i in range(40)]  # two full blocks
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model=str(llama), engine=engine) as plain:
+        expected = plain.generate([prompt], greedy)[0].outputs[0].token_ids
+    with LLM(**connected) as first:
+        first.generate([prompt], greedy)
+    files = list(tmp_path.rglob("*.pt"))
+    assert len(files) == 2
+    for file in files:
+        file.write_bytes(b"not a tensor")
+    with LLM(**connected) as second, caplog.at_level(logging.WARNING):
+        output = second.generate([prompt], greedy)[0]
+    assert output.outputs[0].token_ids == expected and output.num_cached_tokens == 0
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("weft-example-disk: loading request" in message for message in messages), messages
+    assert any("could not load 32 tokens" in message for message in messages), messages
+
+
 def _groups():
     from weft.contracts.kv_cache import CompressedSpec, FullAttentionSpec, KVCacheGroupSpec
 

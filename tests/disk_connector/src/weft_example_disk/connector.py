@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -169,7 +170,8 @@ class DiskConnector(KVConnector):
             try:
                 for file in files:
                     self._load(file)
-            except (OSError, RuntimeError, ValueError) as error:  # missing, damaged or foreign: the engine recomputes
+            except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as error:
+                # A missing, damaged or foreign file: report the load failed, and the engine recomputes.
                 logger.warning("weft-example-disk: loading request %s failed: %s", request_id, error)
                 self._failed.add(request_id)
 

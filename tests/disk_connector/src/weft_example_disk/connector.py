@@ -24,7 +24,7 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 import torch
-from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_cache import KVCacheGroupSpec, prefix_cacheable_groups
 from weft.contracts.kv_connector import (
     ConnectorContext,
     ConnectorOutput,
@@ -83,7 +83,7 @@ class DiskConnector(KVConnector):
     ) -> None:
         super().__init__(options, role, groups, context)
         self.block_size = connector_block_size(self.groups)
-        self.stored_groups = [index for index, group in enumerate(self.groups) if group.prefix_cacheable]
+        self.stored_groups = prefix_cacheable_groups(self.groups)  # never a ring or a recurrent state
         ranks = f"tp{context.tp_rank}of{context.tp_size}-pp{context.pp_rank}of{context.pp_size}"
         self.root = Path(self.options.path).expanduser() / context.model.replace("/", "--") / ranks
         self._tracked: dict[str, _Tracked] = {}  # scheduler role

@@ -107,6 +107,17 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module of tiny models: torch's intra-op threads only contend (20x slower on a loaded 2-core box)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (converted from the GGUF by transformers), saved as HF tokenizer files.
@@ -125,17 +136,6 @@ def tokenizer_files(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(folder))
     return folder
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """For modules of tiny models: torch's intra-op threads only contend (20x slower on a loaded 2-core box)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 TINY_CONFIGS = {

@@ -63,11 +63,11 @@ def add_ops(site):
     )
 
 
-def run_kit(site, tmp_path, body: str) -> subprocess.CompletedProcess[str]:
+def run_kit(site, tmp_path, body: str, *pytest_args: str) -> subprocess.CompletedProcess[str]:
     test_file = tmp_path / "test_kit_run.py"
     test_file.write_text(textwrap.dedent(body))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), *pytest_args],
         capture_output=True, text=True, env=site.env(), cwd=tmp_path, timeout=300,
     )
 
@@ -157,3 +157,54 @@ def test_choose_op_by_platform_and_priority(site):
     assert lines[1] == "ScaleReference"
     assert "use.ops.scale = 'elsewhere': that implementation cannot run on platform 'cpu'" in lines[2]
     assert "no ops plugin named 'scale.missing'" in lines[3]
+
+
+EAGER_DISK = """
+    import msgspec
+    from weft_example_disk.connector import DiskConnector
+
+    class EagerDisk(DiskConnector):
+        name = "eager"  # registered as "eager-disk"
+
+        def build_connector_meta(self, step):
+            # The defect: it takes a prefill chunk for the whole prompt, so it saves blocks not computed yet.
+            whole = [msgspec.structs.replace(item, num_new_tokens=item.num_new_tokens + 10_000) for item in step.requests]
+            return super().build_connector_meta(msgspec.structs.replace(step, requests=tuple(whole)))
+"""
+
+
+def test_kv_connector_kit_fails_a_misnamed_connector_that_saves_blocks_before_they_are_computed(
+    site, tmp_path, tokenizer_files
+):
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama", tokenizer_files)
+    site.add_distribution(
+        "weft-eager-disk", entry_points={"weft.kv_connector": {"eager-disk": "eager_disk:EagerDisk"}},
+        modules={"eager_disk": EAGER_DISK},
+    )
+    result = run_kit(
+        site,
+        tmp_path,
+        f"""
+        import pytest
+        from weft.testing import KVConnectorContract
+
+        class TestEagerDisk(KVConnectorContract):
+            plugin_name = "eager-disk"
+
+            @pytest.fixture
+            def connector_options(self, tmp_path):
+                return {{"path": str(tmp_path)}}
+
+            @pytest.fixture
+            def model_source(self):
+                return {str(model)!r}
+        """,
+        "-k", "named_as_registered or second_engine or chunked",
+    )
+    summary = result.stdout.split("short test summary")[-1]
+    assert "FAILED test_kit_run.py::TestEagerDisk::test_chunked_prefill_saves_and_loads" in summary, result.stdout
+    assert "EagerDisk.name is 'eager' but its entry point is 'eager-disk'" in result.stdout
+    assert "second_engine" not in summary  # a prompt computed in one step is saved right
+    assert "2 failed, 1 passed" in result.stdout

@@ -18,6 +18,8 @@ from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract
 from weft_mooncake.local import LocalMooncake
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ENGINE = {"num_kv_blocks": 96, "max_model_len": 200, "block_size": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SHARED = [(7 * i + 3) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens

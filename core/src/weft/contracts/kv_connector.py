@@ -7,6 +7,11 @@ is built twice, once per role, with the same validated options:
   outside and which blocks to save, and hands per-step metadata to workers;
 * the **worker** role moves the bytes, layer by layer, around the forward pass.
 
+The class's ``name`` is its entry-point name, the one users write in
+``use.kv_connector``: the engine names the connector by it in its messages and
+the conformance kit (:class:`weft.testing.KVConnectorContract`) fails a
+connector whose ``name`` differs from its entry point.
+
 Hybrid models have several KV-cache groups; a connector that stores blocks
 must use only the prefix-cacheable groups and one that sends blocks to a peer
 only the transferable ones (:mod:`weft.contracts.kv_cache`).
@@ -35,6 +40,79 @@ the engine keeps the request's blocks until ``get_finished`` reports the request
 handed to another request in the same step, so the worker must finish the
 request's pending saves (``ConnectorStep.preempted``) before it writes any block.
 ``close`` ends both roles, after pending saves.
+
+Prefix blocks
+    A stored prefix block covers :func:`connector_block_size` tokens (``size``).
+    ``ConnectorRequest.block_hashes[i]`` is the chained hash of the prompt's
+    tokens ``[0, (i + 1) * size)``: a key made of it (with the model identity,
+    ``ConnectorContext.model``, the group and the dtype) names the block's bytes
+    exactly. In a group whose ``spec.block_size`` is smaller, one prefix block is
+    ``size // spec.block_size`` consecutive blocks of the group.
+
+The cache tensors (``register_kv_caches``)
+    One tensor per layer name of every group (prefix-cacheable or not), keyed by
+    the names in ``KVCacheGroupSpec.layer_names``, of dtype ``spec.dtype``, on the
+    platform's device (host memory on the ``cpu`` platform). Their layout depends
+    on who owns the group:
+
+    * groups the attention backend owns (``spec.paged_attention``: a
+      ``FullAttentionSpec``, a ``SlidingWindowSpec`` without ``ring``) have the
+      backend's ``AttentionBackend.kv_cache_shape(num_blocks, spec)``. Weft's
+      backends (``torch``; ``triton`` in weft-cuda) use the default
+      ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: keys at ``[0]``,
+      values at ``[1]``, block ``b`` at ``[:, b]``, and the token at position ``p``
+      of a request in slot ``p % block_size`` of its block ``p // block_size``;
+    * groups the model manages (a ring ``SlidingWindowSpec``, ``CompressedSpec``,
+      ``RecurrentStateSpec``) have the family's
+      ``ModelFamily.kv_cache_shape(spec, num_blocks)``. DeepSeek V4 (weft-dsv4)
+      puts the block first: a ring ``[num_blocks, block_size, head_dim]`` (keys
+      are the values), compressed entries ``[num_blocks, block_size //
+      compress_ratio, entry_dim]``, a recurrent state ``[num_blocks, state_elements]``.
+
+    A connector that relies on a layout checks it in ``register_kv_caches``
+    (a block of one layer is ``spec.page_size_bytes()`` bytes in the layouts
+    above, except DeepSeek V4's rings) and refuses any other with an error naming
+    the layer, its shape and the layout it expected; :func:`block_axis` does that
+    for the layouts above. The tensors may hold more
+    blocks than the engine hands out (a scratch block that padded rows of a
+    captured graph write to); only blocks named in ``block_ids`` belong to requests.
+
+What ``block_ids`` covers
+    Wherever a connector is given ``block_ids`` it is one tuple per group, for all
+    groups in the model's order (index it with the group's position in
+    ``groups``), holding every block the request holds at that moment, in token
+    order: a group's block ``i`` holds the request's tokens ``[i * spec.block_size,
+    (i + 1) * spec.block_size)`` (a ring group holds at most ``spec.ring_blocks``
+    blocks, reused in turn; a recurrent group one). That is the local prefix-cache
+    hit's blocks (shared with other requests: read them, never write them), the
+    blocks external tokens are loaded into, and the blocks of every token
+    computed so far and in this step. ``update_state_after_alloc`` sees the blocks
+    of the request's first step only (with chunked prefill a prompt's later blocks
+    are allocated in later steps), so a connector takes the blocks to load and save
+    from each step's ``ConnectorStepRequest.block_ids``. ``request_finished`` gets
+    every block the request holds at its end (prompt and generated tokens), or empty
+    tuples when it holds none (it finished while waiting, or after a preemption).
+
+The load range
+    When it admits a request, the engine asks ``get_num_new_matched_tokens(request,
+    num_computed_tokens)`` with ``num_computed_tokens`` the tokens its own prefix
+    cache holds for the request (its local hit, a multiple of ``size``). The answer
+    ``n`` counts the tokens after those that the connector can load. The admitted
+    request gets ``update_state_after_alloc(request, block_ids, n)``, and in the step
+    it was admitted for, ``ConnectorStepRequest.num_computed_tokens`` is the local
+    hit plus ``n`` and ``ConnectorStepRequest.num_external_tokens`` is ``n``: the
+    worker loads the tokens ``[num_computed_tokens - num_external_tokens,
+    num_computed_tokens)`` into that step's ``block_ids``, before the forward pass
+    computes the rest.
+
+The last token
+    A connector never offers a request's last token: the engine computes it to
+    sample the next one, so ``num_computed_tokens + n`` stays below the request's
+    length (for a connector that stores full prompt blocks: at most
+    ``(len(prompt_token_ids) - 1) // size`` blocks). The engine enforces it:
+    :meth:`SchedulerConnector.lookup <weft.engine.kv_connector.SchedulerConnector.lookup>`
+    raises RuntimeError naming the connector and the request for an offer that
+    reaches the last token, or a negative one.
 """
 
 from __future__ import annotations
@@ -85,7 +163,13 @@ class ConnectorStepRequest(msgspec.Struct, frozen=True):
     num_new_tokens: int
     """Tokens the forward computes for it in this step."""
     block_ids: tuple[tuple[int, ...], ...]
-    """The request's blocks in every group (all groups, in the model's order)."""
+    """Every block the request holds, per group (all groups, in the model's order; see the module docstring)."""
+    num_external_tokens: int = 0
+    """The last tokens of ``num_computed_tokens`` that the worker loads from outside in this step (0: none).
+
+    Non-zero in the step a request was admitted for when its lookup offered them. Added in
+    core API 1.1: a connector that reads it declares ``weft-core>=1.1``.
+    """
 
 
 class ConnectorStep(msgspec.Struct, frozen=True):
@@ -128,15 +212,23 @@ class KVConnector(PluginBase):
     # Scheduler side.
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded from outside.
+        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that can be loaded from outside.
 
         Returns ``(n, load_async)``; ``n is None`` means "not known yet, ask next
-        step". Must have no side effects; ``load_async`` is False when n == 0.
+        step". Must have no side effects; ``load_async`` is False (the engine loads
+        synchronously and refuses True). ``num_computed_tokens + n`` must stay below
+        the request's length: the last token is always computed (the engine raises).
         """
         return 0, False
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
-        """Blocks (per group) were allocated for ``request``; decide on ``num_external_tokens``."""
+        """The engine admitted ``request`` to load ``num_external_tokens`` tokens (the lookup's answer, or 0).
+
+        ``block_ids`` are the blocks of its first step only; the load range and every
+        later block come with the steps (:class:`ConnectorStepRequest`). Decide on
+        ``num_external_tokens``, not on whether ``block_ids`` is empty. Called again
+        after every preemption: start the request's tracking afresh.
+        """
 
     def build_connector_meta(self, step: ConnectorStep) -> Any:
         """Metadata for this step's workers; resets per-step state.
@@ -149,13 +241,20 @@ class KVConnector(PluginBase):
         """Workers' report after a step."""
 
     def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """The request ended. Returns ``(delay_free, params)``: delay freeing its blocks until sent."""
+        """The request ended. Returns ``(delay_free, params)``: delay freeing its blocks until sent.
+
+        ``block_ids``: every block it holds now, per group (empty tuples when it holds none).
+        """
         return False, None
 
     # Worker side.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The worker's KV-cache tensors by layer name, once at start-up."""
+        """The worker's KV-cache tensors by layer name (every layer of every group), once at start-up.
+
+        Check the layout you rely on here (the module docstring lists each group
+        kind's) and raise ValueError naming the layer, its shape and the layout expected.
+        """
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         """Metadata from :meth:`build_connector_meta` for the step about to run."""
@@ -199,3 +298,30 @@ def connector_block_size(groups: Sequence[KVCacheGroupSpec]) -> int | None:
     """
     sizes = [group.spec.block_size for group in groups if group.prefix_cacheable]
     return lcm(*sizes) if sizes else None
+
+
+def block_axis(group: KVCacheGroupSpec, layer_name: str, kv_cache: torch.Tensor) -> int:
+    """The axis of ``kv_cache`` (``layer_name``'s tensor, in ``group``) that indexes blocks.
+
+    1 in the attention backends' default layout ``[2, num_blocks, block_size, ...]``,
+    0 in the block-first layouts of model-managed groups (see the module docstring);
+    either way one block of the layer is ``spec.page_size_bytes()`` bytes. Raises
+    ValueError naming the layer, its shape and the layout expected for any other.
+    Added in core API 1.1.
+    """
+    spec = group.spec
+    page = spec.page_size_bytes()
+    if spec.paged_attention:
+        if kv_cache.dim() >= 3 and kv_cache.shape[0] == 2 and kv_cache.shape[2] == spec.block_size:
+            if kv_cache[:, 0].numel() * kv_cache.element_size() == page:
+                return 1
+        expected = f"the default [2, num_blocks, {spec.block_size}, num_kv_heads, head_dim] of {page} bytes per block"
+    else:
+        if kv_cache.dim() >= 2 and kv_cache[0].numel() * kv_cache.element_size() == page:
+            return 0
+        expected = f"block first, [num_blocks, ...] of {page} bytes per block"
+    raise ValueError(
+        f"KV cache of {layer_name} (group {group.name!r}, {type(spec).__name__}) has shape {tuple(kv_cache.shape)} "
+        f"and dtype {kv_cache.dtype}; expected {expected} (AttentionBackend.kv_cache_shape, "
+        f"ModelFamily.kv_cache_shape). A connector needs its own code for another layout"
+    )

@@ -158,6 +158,7 @@ class SchedulerConnector:
                 ConnectorStepRequest(
                     request_id=request.request_id, num_computed_tokens=request.num_computed_tokens,
                     num_new_tokens=count, block_ids=block_ids,
+                    num_external_tokens=self._loading.get(request.request_id, 0),
                 )
                 for request, count, block_ids in scheduled
             ),

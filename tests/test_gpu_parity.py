@@ -94,7 +94,8 @@ def test_llama3_8b_shape_bf16_logits_agree_with_hf(tokenizer_files):
               engine={"dtype": "bfloat16", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 8})
     teacher = TeacherSampler(forced)
     llm.engine.runner.sampler = teacher
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True))
+    # logprobs send every step through the sampler (plain greedy rows take their argmax on the device).
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True, logprobs=0))
     assert len(teacher.logits) == len(forced) + 1
 
     hf_error = relative_errors(hf_bf16, exact)

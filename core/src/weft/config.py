@@ -60,7 +60,7 @@ class EngineConfig(_Section, frozen=True):
         int, Meta(ge=1, description="most requests running in one step; default: the platform's (CPU 64, H200-class GPU 512)")
     ] | None = None
     max_num_batched_tokens: Annotated[
-        int, Meta(ge=1, description="token budget of one step; default: the platform's (CPU 2048, H200-class GPU 8192)")
+        int, Meta(ge=1, description="token budget of one step; default: the platform's (CPU 2048, H200-class GPU 16384)")
     ] | None = None
     max_model_len: Annotated[int, Meta(ge=1, description="context length; default: the model's")] | None = None
     block_size: Annotated[int, Meta(ge=1, le=4096, description="tokens per KV-cache block")] = 16

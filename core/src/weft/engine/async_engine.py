@@ -154,10 +154,19 @@ class AsyncEngine:
         loop.add_reader(fd, readable.set)
         try:
             while True:
+                # Everything that arrived, then one delta per request: when this process falls behind
+                # the core, a request's tokens of several steps go out as one chunk.
+                advanced: dict[str, RequestOutputState] = {}
                 while self._output.poll(0):
                     message = self._decoder.decode(self._output.recv())
                     if isinstance(message, StepOutputs):
-                        self._handle(message)
+                        for state in self._handle(message):
+                            advanced[state.request_id] = state
+                for state in advanced.values():
+                    try:
+                        self._publish(state)
+                    except Exception:
+                        logger.exception("could not publish progress of request %s", state.request_id)
                 readable.clear()
                 if self._output.poll(0):
                     continue
@@ -271,7 +280,8 @@ class AsyncEngine:
 
     # Outputs.
 
-    def _handle(self, message: StepOutputs) -> None:
+    def _handle(self, message: StepOutputs) -> list[RequestOutputState]:
+        """Apply one message of the core; returns the requests that advanced."""
         self.stats = message.stats
         for request_id, error in message.errors.items():
             subscriber = self._subscribers.pop(request_id, None)
@@ -283,11 +293,7 @@ class AsyncEngine:
         advanced, stopped = self.outputs.process(message.outputs)
         if stopped:
             self._send(Abort(stopped))
-        for state in advanced:
-            try:
-                self._publish(state)
-            except Exception:
-                logger.exception("could not publish progress of request %s", state.request_id)
+        return advanced
 
     def _publish(self, state: RequestOutputState) -> None:
         subscriber = self._subscribers.get(state.request_id)

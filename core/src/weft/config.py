@@ -277,17 +277,11 @@ def validate_plugin_options(
 
 
 def to_builtins(config: WeftConfig, *, reveal_secrets: bool = False) -> dict[str, Any]:
-    """The configuration as plain data (None values dropped, the API key masked)."""
+    """The configuration as plain data, every key included (unset ones as None), the API key masked."""
     data = msgspec.to_builtins(config)
     if data["server"].get("api_key") and not reveal_secrets:
         data["server"]["api_key"] = "***"
-    return _drop_none(data)
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _drop_none(item) for key, item in value.items() if item is not None}
-    return value
+    return data
 
 
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

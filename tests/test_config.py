@@ -192,6 +192,7 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
     assert shown["engine"]["max_num_seqs"] == 8
     everything = last_json(site.weft("config", "show", "--json", cwd=tmp_path).stdout)
     assert everything["engine"]["max_model_len"] is None and everything["server"]["api_key"] is None
+    assert everything["plugins_lock"] is None
 
 
 def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site, tmp_path):

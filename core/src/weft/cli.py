@@ -2,7 +2,7 @@
 
 Core commands never load plugin implementations unless their job is to
 (``plugins inspect``, ``plugins doctor``, ``plugins list --check``, ``config show``
-with plugin tables); ``plugins list`` reads metadata only.
+with plugin tables); ``plugins list`` and ``plugins freeze`` read metadata only.
 Commands contributed by plugins (the ``weft_cli_commands`` hook) are looked up
 only when the first argument is not a core command.
 """
@@ -73,10 +73,14 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON (the options as JSON Schema)")
     inspect.set_defaults(run=run_plugins_inspect)
     doctor = plugin_commands.add_parser(
-        "doctor", help="load every selected plugin, probe platforms, import every enabled plugin"
+        "doctor", help="load every selected plugin, probe platforms, import every enabled plugin, check the plugin lock"
     )
     add_config_arguments(doctor)
     doctor.set_defaults(run=run_plugins_doctor)
+    freeze = plugin_commands.add_parser(
+        "freeze", help="print the installed plugin set as a lock file: weft plugins freeze > weft.lock (imports nothing)"
+    )
+    freeze.set_defaults(run=run_plugins_freeze)
 
     config = commands.add_parser("config", help="show the effective configuration")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
@@ -321,6 +325,7 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
     from weft.plugins.discovery import allowlist, unmatched_allowlist_names
     from weft.plugins.health import fix_for, load_failures
+    from weft.plugins.lock import lock_path, verify_plugin_lock
     from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
 
     registry = PluginRegistry()
@@ -362,6 +367,9 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         return 1
     config, path = loaded
     print(f"      config file: {path or '(none: defaults)'}")
+    named_lock = lock_path(config)
+    if named_lock is not None:
+        check("plugin lock", lambda: verify_plugin_lock(config))
 
     probes.update((name, probe) for name, (_, probe) in probe_platforms(registry).items())
     for name, probe in probes.items():
@@ -405,6 +413,13 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
         return 1
     print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def run_plugins_freeze(args: argparse.Namespace) -> int:
+    from weft.plugins.lock import freeze
+
+    sys.stdout.write(freeze())
     return 0
 
 

@@ -3,6 +3,7 @@
 ::
 
     model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id in the local cache
+    plugins_lock = "weft.lock"        # optional: `weft plugins freeze` output; engine starts verify against it
     [use]                             # which plugin fills each slot; "auto" lets the platform decide
     platform = "auto"
     attention = "auto"
@@ -114,6 +115,12 @@ class WeftConfig(_Section, frozen=True):
     """The whole configuration."""
 
     model: Annotated[str, Meta(description="alias, local folder, GGUF file, or HF repo id in the local cache")] = DEFAULT_MODEL
+    plugins_lock: Annotated[
+        str,
+        Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "
+                         "different installed plugin set; default: $WEFT_PLUGINS_LOCK if set"),
+    ] | None = None
+    """A top-level key, not ``[plugins] lock``: ``[plugins]`` holds one options table per plugin name."""
     use: UseConfig = msgspec.field(default_factory=UseConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -172,6 +179,9 @@ def load_config(
         config = msgspec.convert(raw, WeftConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
+    if config.plugins_lock is not None and path is not None and "plugins_lock" not in override_paths:
+        # A lock named in the file is found next to it, wherever the command runs.
+        config = msgspec.structs.replace(config, plugins_lock=str(Path(path).parent / config.plugins_lock))
     if config.engine.tensor_parallel_size != 1:
         where = OVERRIDE_SOURCE if "engine.tensor_parallel_size" in override_paths else source
         raise ConfigError(

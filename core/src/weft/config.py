@@ -358,7 +358,8 @@ def _explain(
         choices = ", ".join(repr(choice) for choice in _literal_choices(root, parts))
         explanation = f"expected one of {choices}, got {value!r}"
     else:
-        explanation = message.replace("`", "")
+        # TOML has no null, so an optional key's "| null" is no choice a weft.toml can make.
+        explanation = message.replace("`", "").replace(" | null", "")
         explanation = explanation[:1].lower() + explanation[1:]
         found, value = _lookup(raw, parts)
         if found and ", got " in explanation:

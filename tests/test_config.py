@@ -163,3 +163,53 @@ def test_a_name_shared_by_two_slots_needs_a_qualified_table(site, tmp_path):
     qualified = site.weft("config", "show", "--json", "--set", 'plugins."platform.dual".threads=4')
     assert qualified.returncode == 0, qualified.stderr
     assert last_json(qualified.stdout)["plugins"] == {"platform.dual": {"threads": 4}}
+
+
+def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
+    import tomllib
+
+    toml = site.weft("config", "show", "--set", "engine.max_model_len=256", cwd=tmp_path)
+    assert toml.returncode == 0, toml.stderr
+    shown = tomllib.loads(toml.stdout)  # the output stays valid TOML
+    comments: dict[str, list[str]] = {}
+    table = ""
+    for line in toml.stdout.splitlines():
+        if line.startswith("["):
+            table = line.strip("[]")
+        elif line.startswith("# ") and ": unset" in line:
+            comments.setdefault(table, []).append(line)
+    everything = last_json(site.weft("config", "show", "--json", "--set", "engine.max_model_len=256", cwd=tmp_path).stdout)
+    unset = 0
+    for name in ("", "engine", "server"):
+        section = everything[name] if name else everything
+        for key, value in section.items():
+            if value is None:  # TOML has no null: a comment naming the key and what leaving it unset means
+                unset += 1
+                assert any(line.startswith(f"# {key}: unset (") for line in comments.get(name, [])), (name, key)
+            elif not isinstance(value, dict):  # tables are compared key by key on their own
+                assert (shown[name] if name else shown)[key] == value, (name, key)
+    assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins_lock"] is None
+    assert shown["engine"]["max_model_len"] == 256
+
+
+def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site, tmp_path):
+    site.add_distribution(
+        "weft-diskstore",
+        entry_points={"weft.kv_connector": {"diskstore": "diskstore_impl:DiskStore"}},
+        modules={"diskstore_impl": "raise RuntimeError('config show imported the plugin')\n"},
+    )
+    write(tmp_path, '[use]\nkv_connector = "diskstor"\n')
+    show = site.weft("config", "show", cwd=tmp_path)
+    assert show.returncode == 1
+    [message] = [line.removeprefix("weft: error: ") for line in show.stderr.splitlines() if line.startswith("weft: error: ")]
+    assert message.startswith("use.kv_connector = 'diskstor': no kv_connector plugin named 'diskstor' is installed; available: ")
+    assert message.endswith("did you mean 'diskstore'?")
+    doctor = site.weft("plugins", "doctor", cwd=tmp_path)
+    assert doctor.returncode == 1 and f"FAIL  {message}" in doctor.stdout
+    typo_in_ops = site.weft("config", "show", "--set", "use.ops.rms_norm=trch", cwd=tmp_path)
+    assert "use.ops.rms_norm = 'trch': no ops plugin named 'rms_norm.trch'" in typo_in_ops.stderr
+    assert "did you mean 'rms_norm.torch'?" in typo_in_ops.stderr
+    write(tmp_path, '[use]\nkv_connector = "diskstore"\n')
+    fixed = site.weft("config", "show", "--json", cwd=tmp_path)  # names are checked from metadata: nothing imported
+    assert fixed.returncode == 0, fixed.stderr
+    assert last_json(fixed.stdout)["use"]["kv_connector"] == "diskstore"

@@ -17,6 +17,7 @@ from weft.entrypoints.llm import LLM
 from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract
 from weft_mooncake.local import LocalMooncake
+from weft_mooncake.system import missing_library_problem
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,7 +27,15 @@ SHARED = [(7 * i + 3) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tok
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def mooncake_runs() -> None:
+    """Skips the test when Mooncake's client or binaries cannot load a system library (named in the reason)."""
+    problem = missing_library_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def store(mooncake_runs, tmp_path_factory):
     with LocalMooncake(segment_size=128 << 20, log_dir=tmp_path_factory.mktemp("mooncake")) as running:
         yield running
 
@@ -218,7 +227,7 @@ def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(sto
     assert computed[0] == len(prompt)
 
 
-def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_again(tmp_path, llama, caplog):
+def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_again(mooncake_runs, tmp_path, llama, caplog):
     prompts = [[(11 * i + 5 * p) % 5000 + 40 for i in range(40 + 6 * p)] for p in range(6)]
     expected = reference(llama, prompts)
     with LocalMooncake(segment_size=64 << 20, log_dir=tmp_path) as store:
@@ -318,7 +327,7 @@ def test_options_are_checked_with_errors_naming_the_key(overrides, message):
         load_config(None, overrides)
 
 
-def test_an_unreachable_master_is_a_clear_start_up_error(llama):
+def test_an_unreachable_master_is_a_clear_start_up_error(mooncake_runs, llama):
     from weft_mooncake.local import free_port
 
     port = free_port()
@@ -387,7 +396,7 @@ def test_what_an_engine_process_saved_outlives_it(store, llama):
         assert later.engine.kv_connector.stats.hit_tokens == 48
 
 
-def test_objects_in_an_engines_own_segment_vanish_with_it(tmp_path, llama):
+def test_objects_in_an_engines_own_segment_vanish_with_it(mooncake_runs, tmp_path, llama):
     """No storage node: the engine contributes the memory (global_segment_size > 0), so its objects die with it."""
     store = LocalMooncake(log_dir=tmp_path)
     store.start_master()

@@ -363,3 +363,103 @@ def test_doctor_passes_on_a_healthy_install(site):
     assert result.returncode == 0, result.stdout
     assert "ok    use.platform = 'auto'" in result.stdout and "-> 'torch'" in result.stdout
     assert "no problems found" in result.stdout
+
+
+def add_fastops(site):
+    """A platform-neutral op plugin whose module imports a dependency that is not installed (declared in an extra)."""
+    site.add_distribution(
+        "weft-fastops",
+        requires=("weft-core>=1.0,<2", "fastops-kernels>=2; extra == 'kernels'"),
+        entry_points={"weft.ops": {"rms_norm.fast": "fastops_impl:FastRmsNorm"}},
+        modules={"fastops_impl": "import fastops_kernels\n"},
+    )
+
+
+def add_accel(site):
+    """A platform distribution (its platform unavailable here) whose op fails to import, as weft-cuda's Triton ops do
+    on a machine without triton."""
+    site.add_distribution(
+        "weft-accel",
+        entry_points={"weft.platform": {"accel": "accel_platform:Accel"}, "weft.ops": {"rms_norm.accel": "accel_ops:AccelRmsNorm"}},
+        modules={"accel_platform": platform_module("accel", cls="Accel"), "accel_ops": "import accel_runtime_xyz\n"},
+    )
+
+
+def test_doctor_and_list_check_report_a_plugin_that_does_not_import_with_the_fix(site):
+    add_fastops(site)
+    doctor = site.weft("plugins", "doctor")
+    assert doctor.returncode == 1, doctor.stdout
+    assert (
+        "FAIL  ops/rms_norm.fast (weft-fastops 0.1.0) does not import: "
+        "ModuleNotFoundError: No module named 'fastops_kernels'" in doctor.stdout
+    )
+    assert "fix: install fastops_kernels (pip install 'weft-fastops[kernels]' installs fastops-kernels>=2)" in doctor.stdout
+    assert "no problems found" not in doctor.stdout
+
+    plain = {row["name"]: row for row in last_json(site.weft("plugins", "list", "--json").stdout)["plugins"]}
+    assert plain["rms_norm.fast"]["status"] == "ok"  # metadata only: the listing does not import it
+    checked = site.weft("plugins", "list", "--check", "--json")
+    assert checked.returncode == 0, checked.stderr
+    rows = {row["name"]: row for row in last_json(checked.stdout)["plugins"]}
+    assert rows["rms_norm.fast"]["status"] == "broken"
+    assert rows["rms_norm.fast"]["problem"].startswith("ModuleNotFoundError: No module named 'fastops_kernels'. Fix: install fastops_kernels")
+    assert rows["cpu"]["status"] == "ok" and rows["rms_norm.torch"]["status"] == "ok"
+    table = site.weft("plugins", "list", "--check")
+    assert any(line.split()[:2] == ["ops", "rms_norm.fast"] and line.split()[-1] == "broken" for line in table.stdout.splitlines())
+
+
+def test_a_plugin_meant_for_an_unavailable_platform_is_a_doctor_warning_naming_that_platform(site):
+    add_accel(site)
+    doctor = site.weft("plugins", "doctor")
+    assert doctor.returncode == 0, doctor.stdout
+    assert "warn  ops/rms_norm.accel (weft-accel 0.1.0) does not import: ModuleNotFoundError" in doctor.stdout
+    assert (
+        "fix: install the package that provides the module 'accel_runtime_xyz' (a dependency weft-accel does not declare), "
+        "or use weft-accel on a machine where its platform 'accel' is available (here: throwaway)" in doctor.stdout
+    )
+    assert "no problems found (" in doctor.stdout  # a warning, not a problem
+
+
+def test_a_selected_plugin_that_does_not_import_gets_its_fix_in_doctor(site):
+    add_fastops(site)
+    doctor = site.weft("plugins", "doctor", "--set", "use.ops.rms_norm=fast")
+    assert doctor.returncode == 1
+    lines = doctor.stdout.splitlines()
+    failed = next(index for index, line in enumerate(lines) if line.startswith("FAIL  use.ops.rms_norm = 'fast': "))
+    assert "No module named 'fastops_kernels'" in lines[failed]
+    assert lines[failed + 1].strip().startswith("fix: install fastops_kernels (pip install 'weft-fastops[kernels]'")
+    assert "rms_norm.fast (weft-fastops 0.1.0) does not import" not in doctor.stdout  # reported once, as selected
+
+
+def test_an_engine_start_logs_a_broken_plugin_once_at_debug_unless_it_could_have_been_chosen(site, tokenizer_files, tmp_path):
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama", tokenizer_files)
+    add_accel(site)
+    add_fastops(site)
+    result = site.python(
+        f"""
+        import json, logging
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append((record.levelname, record.getMessage()))
+
+        logging.getLogger("weft.plugins").addHandler(Keep())
+        logging.getLogger("weft.plugins").setLevel(logging.DEBUG)
+        from weft import LLM
+        llm = LLM(model={str(model)!r}, engine={{"num_kv_blocks": 32}})
+        print(llm.engine.worker.platform.name)
+        print(json.dumps([record for record in records if "failed to load" in record[1]]))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    platform, records = result.stdout.strip().splitlines()[-2:]
+    assert platform == "cpu"
+    accel = [(level, message) for level, message in json.loads(records) if "rms_norm.accel" in message]
+    fast = [(level, message) for level, message in json.loads(records) if "rms_norm.fast" in message]
+    assert [level for level, _ in accel] == ["DEBUG"], accel
+    assert "accel_runtime_xyz" in accel[0][1] and "meant for platform 'accel', not 'cpu'" in accel[0][1]
+    assert [level for level, _ in fast] == ["WARNING"], fast  # it could have run on cpu: worth a warning
+    assert "rms_norm.accel" not in result.stderr  # nothing at warning level about the accelerator's op

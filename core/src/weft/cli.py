@@ -1,7 +1,8 @@
 """The ``weft`` command.
 
 Core commands never load plugin implementations unless their job is to
-(``plugins inspect``, ``plugins doctor``, ``config show`` with plugin tables).
+(``plugins inspect``, ``plugins doctor``, ``plugins list --check``, ``config show``
+with plugin tables); ``plugins list`` and ``plugins freeze`` read metadata only.
 Commands contributed by plugins (the ``weft_cli_commands`` hook) are looked up
 only when the first argument is not a core command.
 """
@@ -62,14 +63,24 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     plugin_commands = plugins.add_subparsers(title="plugins commands", metavar="COMMAND")
     listing = plugin_commands.add_parser("list", help="every installed plugin, from metadata only (imports nothing)")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "--check", action="store_true",
+        help="also import every enabled plugin: one that fails is 'broken', with the exception and the fix",
+    )
     listing.set_defaults(run=run_plugins_list)
     inspect = plugin_commands.add_parser("inspect", help="a plugin's details and option schema")
     inspect.add_argument("name", help="plugin name, or slot.name when several slots use the name")
     inspect.add_argument("--json", action="store_true", help="print JSON (the options as JSON Schema)")
     inspect.set_defaults(run=run_plugins_inspect)
-    doctor = plugin_commands.add_parser("doctor", help="load every selected plugin and probe platforms")
+    doctor = plugin_commands.add_parser(
+        "doctor", help="load every selected plugin, probe platforms, import every enabled plugin, check the plugin lock"
+    )
     add_config_arguments(doctor)
     doctor.set_defaults(run=run_plugins_doctor)
+    freeze = plugin_commands.add_parser(
+        "freeze", help="print the installed plugin set as a lock file: weft plugins freeze > weft.lock (imports nothing)"
+    )
+    freeze.set_defaults(run=run_plugins_freeze)
 
     config = commands.add_parser("config", help="show the effective configuration")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
@@ -211,6 +222,8 @@ def run_plugins_list(args: argparse.Namespace) -> int:
 
     entries = discover()
     unmatched = unmatched_allowlist_names(entries, allowlist())
+    if args.check:
+        entries = _mark_broken(entries)
     if args.json:
         rows = [
             {
@@ -237,6 +250,22 @@ def run_plugins_list(args: argparse.Namespace) -> int:
     for name in unmatched:
         print(f"\nWEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution")
     return 0
+
+
+def _mark_broken(entries: list[Any]) -> list[Any]:
+    """``entries`` with each enabled plugin that fails to import marked ``broken`` (the error and the fix)."""
+    from weft.plugins import PluginRegistry
+    from weft.plugins.health import load_failures
+    from weft.plugins.selection import probe_platforms
+
+    registry = PluginRegistry(entries)
+    probes = {name: probe for name, (_, probe) in probe_platforms(registry).items()}
+    broken = {(failure.entry.slot, failure.entry.name): failure for failure in load_failures(registry, probes, None)}
+    return [
+        msgspec.structs.replace(entry, status="broken", problem=f"{failure.error}. Fix: {failure.fix}")
+        if (failure := broken.get((entry.slot, entry.name))) else entry
+        for entry in entries
+    ]
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -295,18 +324,28 @@ def _slots() -> tuple[str, ...]:
 def run_plugins_doctor(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
     from weft.plugins.discovery import allowlist, unmatched_allowlist_names
-    from weft.plugins.selection import probe_platforms, select_platform
+    from weft.plugins.health import fix_for, load_failures
+    from weft.plugins.lock import lock_path, verify_plugin_lock
+    from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
 
     registry = PluginRegistry()
     failures: list[str] = []
     warnings: list[str] = []
+    selected: set[tuple[str, str]] = set()
+    probes: dict[str, Any] = {}
 
-    def check(label: str, action: Any) -> Any:
+    def check(label: str, action: Any, plugin: tuple[str, str] | None = None) -> Any:
+        """Run ``action``; a PluginError or ConfigError is a problem. ``plugin``: the (slot, name) it loads."""
+        if plugin is not None:
+            selected.add(plugin)
         try:
             result = action()
         except (PluginError, ConfigError) as error:
             failures.append(f"{label}: {error}")
             print(f"FAIL  {label}: {error}")
+            if plugin is not None and error.__cause__ is not None:  # it was found, and failed to import
+                entry = registry.find(*plugin)
+                print(f"      fix: {fix_for(entry, error.__cause__, registry.platforms_of(entry.distribution), probes)}")
             return None
         print(f"ok    {label}")
         return result
@@ -328,33 +367,59 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         return 1
     config, path = loaded
     print(f"      config file: {path or '(none: defaults)'}")
+    named_lock = lock_path(config)
+    if named_lock is not None:
+        check("plugin lock", lambda: verify_plugin_lock(config))
 
-    for name, (_, probe) in probe_platforms(registry).items():
+    probes.update((name, probe) for name, (_, probe) in probe_platforms(registry).items())
+    for name, probe in probes.items():
         state = "available" if probe.available else "unavailable"
         print(f"      platform {name}: {state}, priority {probe.priority}: {probe.reason}")
-    selected = check(f"use.platform = {config.use.platform!r}", lambda: select_platform(registry, config.use.platform))
-    if selected is not None:
-        platform, _ = selected
+    use = config.use
+    chosen = check(use_label("platform", use), lambda: select_platform(registry, use.platform),
+                   None if use.platform == "auto" else ("platform", use.platform))
+    platform_name = None
+    if chosen is not None:
+        platform, _ = chosen
+        platform_name = platform.name
         print(f"      platform: {platform.name}")
-        attention = config.use.attention if config.use.attention != "auto" else platform.default_attention
-        check(f"use.attention = {config.use.attention!r} -> {attention!r}", lambda: registry.load("attention", attention))
-        for op, implementation in config.use.ops.items():
-            check(f"use.ops.{op} = {implementation!r}", lambda op=op, impl=implementation: registry.load("ops", f"{op}.{impl}"))
+        if use.attention == "auto":
+            attention = platform.default_attention
+            check(f"{use_label('attention', use)} -> {attention!r}", lambda: registry.load("attention", attention),
+                  ("attention", attention))
+    for key, slot, name in plugins_named_in_use(use):
+        if slot != "platform":
+            check(use_label(key, use), lambda slot=slot, name=name: registry.load(slot, name), (slot, name))
     for slot in ("loader", "tokenizer"):
-        name = getattr(config.use, slot)
-        if name == "auto":
+        if getattr(use, slot) == "auto":
             print(f"      use.{slot} = 'auto': chosen from the model source when the model loads")
-        else:
-            check(f"use.{slot} = {name!r}", lambda slot=slot, name=name: registry.load(slot, name))
-    if config.use.kv_connector != "none":
-        check(f"use.kv_connector = {config.use.kv_connector!r}", lambda: registry.load("kv_connector", config.use.kv_connector))
     check("hooks", lambda: print(f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"))
+
+    engine_starts = not failures
+    # Every other enabled plugin: one that does not import is a problem unless it is meant for another platform.
+    unselected = [failure for failure in load_failures(registry, probes, platform_name)
+                  if (failure.entry.slot, failure.entry.name) not in selected]
+    for failure in unselected:
+        label = f"{failure.entry.slot}/{failure.entry.name} ({failure.entry.distribution} {failure.entry.version})"
+        line = f"{label} does not import: {failure.error}"
+        (warnings if failure.expected else failures).append(line)
+        print(f"{'warn' if failure.expected else 'FAIL'}  {line}")
+        print(f"      fix: {failure.fix}")
+    if not unselected:
+        print("ok    every enabled plugin imports")
 
     print()
     if failures:
-        print(f"{len(failures)} problem(s) found; the engine would not start.")
+        print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
         return 1
     print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def run_plugins_freeze(args: argparse.Namespace) -> int:
+    from weft.plugins.lock import freeze
+
+    sys.stdout.write(freeze())
     return 0
 
 
@@ -483,15 +548,57 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_config_show(args: argparse.Namespace) -> int:
     from weft.config import to_builtins
+    from weft.plugins import PluginRegistry
+    from weft.plugins.selection import use_problems
 
-    config, path = config_from_args(args)
+    registry = PluginRegistry()
+    config, path = config_from_args(args, registry)
+    problems = use_problems(config.use, registry)
+    for problem in problems:
+        print(f"weft: error: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     data = to_builtins(config)
     if args.json:
         sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
         return 0
     print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
-    sys.stdout.write(msgspec.toml.encode(data).decode())
+    print("\n".join(_toml_lines(data)))
     return 0
+
+
+def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = ()) -> list[str]:
+    """``table`` as TOML; a key whose value is None (TOML has no null) is a comment saying it is unset."""
+    lines = [f"[{'.'.join(map(_toml_key, path))}]"] if path else []
+    for key, value in table.items():
+        if value is None:
+            description = _description((*path, key))
+            lines.append(f"# {_toml_key(key)}: unset{f' ({description})' if description else ''}")
+        elif not isinstance(value, dict):
+            lines += msgspec.toml.encode({key: value}).decode().splitlines()
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", *_toml_lines(value, (*path, key))]
+    return lines
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(char.isascii() and (char.isalnum() or char in "-_") for char in key) else msgspec.json.encode(key).decode()
+
+
+def _description(path: tuple[str, ...]) -> str:
+    """The description of the weft.toml key at ``path`` ('' for a plugin's own option)."""
+    struct: Any = WeftConfig
+    for part in path:
+        fields = {field.encode_name: field for field in msgspec.structs.fields(struct)} if _is_struct(struct) else {}
+        if part not in fields:
+            return ""
+        struct, description = _unwrap(fields[part].type)
+    return description
+
+
+def _is_struct(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, msgspec.Struct)
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 ::
 
     model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id in the local cache
+    plugins_lock = "weft.lock"        # optional: `weft plugins freeze` output; engine starts verify against it
     [use]                             # which plugin fills each slot; "auto" lets the platform decide
     platform = "auto"
     attention = "auto"
@@ -114,6 +115,12 @@ class WeftConfig(_Section, frozen=True):
     """The whole configuration."""
 
     model: Annotated[str, Meta(description="alias, local folder, GGUF file, or HF repo id in the local cache")] = DEFAULT_MODEL
+    plugins_lock: Annotated[
+        str,
+        Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "
+                         "different installed plugin set; default: $WEFT_PLUGINS_LOCK if set"),
+    ] | None = None
+    """A top-level key, not ``[plugins] lock``: ``[plugins]`` holds one options table per plugin name."""
     use: UseConfig = msgspec.field(default_factory=UseConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -172,6 +179,9 @@ def load_config(
         config = msgspec.convert(raw, WeftConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
+    if config.plugins_lock is not None and path is not None and "plugins_lock" not in override_paths:
+        # A lock named in the file is found next to it, wherever the command runs.
+        config = msgspec.structs.replace(config, plugins_lock=str(Path(path).parent / config.plugins_lock))
     if config.engine.tensor_parallel_size != 1:
         where = OVERRIDE_SOURCE if "engine.tensor_parallel_size" in override_paths else source
         raise ConfigError(
@@ -277,17 +287,11 @@ def validate_plugin_options(
 
 
 def to_builtins(config: WeftConfig, *, reveal_secrets: bool = False) -> dict[str, Any]:
-    """The configuration as plain data (None values dropped, the API key masked)."""
+    """The configuration as plain data, every key included (unset ones as None), the API key masked."""
     data = msgspec.to_builtins(config)
     if data["server"].get("api_key") and not reveal_secrets:
         data["server"]["api_key"] = "***"
-    return _drop_none(data)
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _drop_none(item) for key, item in value.items() if item is not None}
-    return value
+    return data
 
 
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -354,7 +358,8 @@ def _explain(
         choices = ", ".join(repr(choice) for choice in _literal_choices(root, parts))
         explanation = f"expected one of {choices}, got {value!r}"
     else:
-        explanation = message.replace("`", "")
+        # TOML has no null, so an optional key's "| null" is no choice a weft.toml can make.
+        explanation = message.replace("`", "").replace(" | null", "")
         explanation = explanation[:1].lower() + explanation[1:]
         found, value = _lookup(raw, parts)
         if found and ", got " in explanation:

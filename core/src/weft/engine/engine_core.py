@@ -31,6 +31,7 @@ from weft.engine.kv_connector import SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import load_kv_connector, max_model_len, options_for, resolve_source
 from weft.runner.worker import build_platform
 from weft.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry) -> WeftC
 
 class EngineCore:
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
+        verify_plugin_lock(config)  # refuse an installed plugin set that differs from the configured lock
         started = time.monotonic()
         self.registry = registry or PluginRegistry()
         self.hooks = self.registry.hooks()

@@ -9,6 +9,9 @@ on ``weft-core``) and a status:
 ``conflict``      another enabled distribution registers the same name in the same slot;
 ``disabled``      excluded by the ``WEFT_PLUGINS`` allowlist.
 
+(``weft plugins list --check`` imports the ``ok`` ones and marks each that fails
+``broken``, with the exception and the fix: see :mod:`weft.plugins.health`.)
+
 ``WEFT_PLUGINS`` lists distribution names, plugin names or ``slot.name``
 pairs separated by commas; ``none`` disables every plugin outside weft-core.
 Core's own entries are always enabled.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 
 import msgspec
 from packaging.markers import default_environment
@@ -91,14 +95,19 @@ def unmatched_allowlist_names(entries: list[PluginEntry], allowed: Allowlist) ->
     return [item for item in requested if item not in known and canonicalize_name(item) not in known]
 
 
+def requirements(dist: metadata.Distribution) -> Iterator[Requirement]:
+    """``dist``'s declared requirements (``Requires-Dist``), extras and markers included; unparsable ones skipped."""
+    for line in dist.requires or ():
+        try:
+            yield Requirement(line)
+        except InvalidRequirement:
+            continue
+
+
 def declared_core_api(dist: metadata.Distribution) -> str:
     """The specifier of ``dist``'s unconditional requirement on weft-core ('' if none)."""
     environment = {**default_environment(), "extra": ""}
-    for line in dist.requires or ():
-        try:
-            requirement = Requirement(line)
-        except InvalidRequirement:
-            continue
+    for requirement in requirements(dist):
         if canonicalize_name(requirement.name) != CORE_DISTRIBUTION:
             continue
         if requirement.marker is not None and not requirement.marker.evaluate(environment):

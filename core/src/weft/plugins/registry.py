@@ -2,13 +2,17 @@
 
 A plugin the user selected that fails to load raises :class:`PluginError`
 carrying the cause. When core loads every plugin of a slot on its own
-initiative (platform probing, hooks, op selection), a broken plugin is logged
-as a warning and skipped.
+initiative (platform probing, hooks, op selection), a broken plugin is
+skipped and logged once per registry: at DEBUG when it comes from a
+distribution whose platforms are not the one running (weft-cuda's Triton ops
+on a CPU machine without triton), as a warning otherwise.
+``weft plugins doctor`` reports every one with its fix (:mod:`weft.plugins.health`).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from importlib.metadata import EntryPoint
 from typing import Any
 
@@ -51,6 +55,9 @@ class PluginRegistry:
     def __init__(self, entries: list[PluginEntry] | None = None) -> None:
         self.entries = discover() if entries is None else entries
         self._loaded: dict[tuple[str, str], Any] = {}
+        self._failures: dict[tuple[str, str], BaseException] = {}
+        """What importing each plugin that failed raised; it is not imported again."""
+        self._reported: set[str] = set()
         self._hooks: pluggy.PluginManager | None = None
         for name in unmatched_allowlist_names(self.entries, allowlist()):
             warn_plugin_problem(f"WEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution")
@@ -87,26 +94,44 @@ class PluginRegistry:
         if key in self._loaded:
             return self._loaded[key]
         entry = self.find(slot, name)
-        trace("load %s %r from %s %s (%s)", slot, name, entry.distribution, entry.version, entry.target)
-        try:
-            manager = _Driver(SLOT_GROUPS[slot], name, chosen=[entry])
-        except Exception as error:
-            raise PluginError(
-                f"{slot} {entry.describe()} failed to load from {entry.target}: {type(error).__name__}: {error}"
-            ) from error
-        self._loaded[key] = manager.driver
-        return manager.driver
+        if key not in self._failures:
+            trace("load %s %r from %s %s (%s)", slot, name, entry.distribution, entry.version, entry.target)
+            try:
+                self._loaded[key] = _Driver(SLOT_GROUPS[slot], name, chosen=[entry]).driver
+                return self._loaded[key]
+            except Exception as error:
+                self._failures[key] = error
+        error = self._failures[key]
+        raise PluginError(load_failure_message(entry, error)) from error
 
-    def load_all(self, slot: str, prefix: str = "") -> dict[str, Any]:
+    def platforms_of(self, distribution: str) -> list[str]:
+        """The names of the platform plugins ``distribution`` registers (from metadata)."""
+        return [entry.name for entry in self.entries if entry.slot == "platform" and entry.distribution == distribution]
+
+    def meant_for_another_platform(self, entry: PluginEntry, platform: str | None) -> bool:
+        """Whether ``entry`` comes with platforms of its own, none of them ``platform`` (the one running).
+
+        Such a plugin failing to load here is expected: weft-cuda's Triton ops on a CPU machine."""
+        platforms = self.platforms_of(entry.distribution)
+        return platform is not None and bool(platforms) and platform not in platforms
+
+    def load_all(self, slot: str, prefix: str = "", *, platform: str | None = None) -> dict[str, Any]:
         """Load every usable plugin of ``slot`` (whose name starts with ``prefix``).
 
-        Broken ones are warned about and left out.
+        Broken ones are left out and logged once (see the module docstring); ``platform`` names the
+        platform running, when known: a plugin meant for another one that fails is logged at DEBUG.
         """
         entries = [entry for entry in self.slot_entries(slot) if entry.name.startswith(prefix)]
         for entry in entries:
             if entry.status in ("incompatible", "conflict"):
-                warn_plugin_problem(f"skipping {slot} {entry.describe()}: {entry.problem}")
-        wanted = [entry.name for entry in entries if entry.status == "ok" and (slot, entry.name) not in self._loaded]
+                self._report(f"skipping {slot} {entry.describe()}: {entry.problem}")
+        for entry in entries:
+            if (slot, entry.name) in self._failures:
+                self._report_failure(entry, platform)
+        wanted = [
+            entry.name for entry in entries
+            if entry.status == "ok" and (slot, entry.name) not in self._loaded and (slot, entry.name) not in self._failures
+        ]
         if wanted:
             by_name = {entry.name: entry for entry in entries if entry.status == "ok"}
             for name in wanted:
@@ -114,11 +139,8 @@ class PluginRegistry:
                 trace("load %s %r from %s %s (%s)", slot, name, entry.distribution, entry.version, entry.target)
 
             def on_failure(_manager: Any, entry_point: Any, error: Exception) -> None:
-                entry = by_name[entry_point.name]
-                warn_plugin_problem(
-                    f"installed {slot} {entry.describe()} failed to load and is skipped: "
-                    f"{type(error).__name__}: {error}"
-                )
+                self._failures[(slot, entry_point.name)] = error
+                self._report_failure(by_name[entry_point.name], platform)
 
             manager = _Named(
                 SLOT_GROUPS[slot], names=wanted, on_load_failure_callback=on_failure, name_order=True,
@@ -150,6 +172,24 @@ class PluginRegistry:
             manager.enable_tracing()
         self._hooks = manager
         return manager
+
+    def _report_failure(self, entry: PluginEntry, platform: str | None) -> None:
+        message = f"installed {load_failure_message(entry, self._failures[(entry.slot, entry.name)])}; it is skipped"
+        if self.meant_for_another_platform(entry, platform):
+            message += f" (it is meant for platform {' or '.join(map(repr, self.platforms_of(entry.distribution)))}, not {platform!r})"
+            self._report(message, logging.DEBUG)
+        else:
+            self._report(message)
+
+    def _report(self, message: str, level: int = logging.WARNING) -> None:
+        """Log ``message`` the first time this registry meets it."""
+        if message not in self._reported:
+            self._reported.add(message)
+            logger.log(level, message)
+
+
+def load_failure_message(entry: PluginEntry, error: BaseException) -> str:
+    return f"{entry.slot} {entry.describe()} failed to load from {entry.target}: {type(error).__name__}: {error}"
 
 
 def _check_slot(slot: str) -> None:

@@ -8,6 +8,7 @@ from weft.plugins.errors import PluginError
 from weft.plugins.registry import PluginRegistry, warn_plugin_problem
 
 if TYPE_CHECKING:
+    from weft.config import UseConfig
     from weft.contracts.ops import OpImplementation
     from weft.contracts.platform import Platform, PlatformProbe
 
@@ -57,9 +58,41 @@ def choose_op(registry: PluginRegistry, op: str, platform: Platform, forced: str
         return implementation(platform)
     candidates: list[Any] = [
         implementation
-        for name, implementation in registry.load_all("ops", prefix=f"{op}.").items()
+        for name, implementation in registry.load_all("ops", prefix=f"{op}.", platform=platform.name).items()
         if implementation.runs_on(platform.name) and implementation.is_available(platform)
     ]
     if not candidates:
         raise PluginError(f"no implementation of op {op!r} runs on platform {platform.name!r}")
     return max(candidates, key=lambda implementation: implementation.priority)(platform)
+
+
+def plugins_named_in_use(use: UseConfig) -> list[tuple[str, str, str]]:
+    """``(key, slot, plugin name)`` of each plugin ``[use]`` names (``auto`` and ``none`` name none)."""
+    named = [
+        (slot, slot, getattr(use, slot))
+        for slot in ("platform", "attention", "loader", "tokenizer")
+        if getattr(use, slot) != "auto"
+    ]
+    if use.kv_connector != "none":
+        named.append(("kv_connector", "kv_connector", use.kv_connector))
+    named += [(f"ops.{op}", "ops", f"{op}.{implementation}") for op, implementation in use.ops.items()]
+    return named
+
+
+def use_problems(use: UseConfig, registry: PluginRegistry) -> list[str]:
+    """One line per plugin ``[use]`` names that is not installed or cannot be used (from metadata, importing nothing).
+
+    ``weft plugins doctor`` reports the same lines (it then also imports them)."""
+    problems = []
+    for key, slot, name in plugins_named_in_use(use):
+        try:
+            registry.find(slot, name)
+        except PluginError as error:
+            problems.append(f"{use_label(key, use)}: {error}")
+    return problems
+
+
+def use_label(key: str, use: UseConfig) -> str:
+    """``use.kv_connector = 'diskstore'``: how doctor and ``config show`` name a ``[use]`` key."""
+    value = use.ops[key.partition(".")[2]] if key.startswith("ops.") else getattr(use, key)
+    return f"use.{key} = {value!r}"

@@ -111,7 +111,10 @@ class LocalMooncake:
                 return
             self.master.kill()
             self.master.wait()
-        raise RuntimeError(f"mooncake_master did not start; see {self.log_dir / 'master.log'}")
+        from weft_mooncake.system import missing_library_problem
+
+        problem = missing_library_problem() or f"see {self.log_dir / 'master.log'}"
+        raise RuntimeError(f"mooncake_master did not start: {problem}")
 
     def _wait_for_master(self, timeout: float) -> bool:
         """Whether the master's metadata server answers and its RPC port accepts within ``timeout``

@@ -32,11 +32,9 @@ def import_store_class() -> type:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:
-        raise ImportError(
-            f"weft-mooncake needs Mooncake's Python client ({error}); install it with "
-            f"pip install 'weft-mooncake[cpu]' (CPU-only machines) or 'weft-mooncake[cuda]'. On Debian it also "
-            f"needs the system libraries: apt-get install libibverbs1 librdmacm1 libnuma1"
-        ) from error
+        from weft_mooncake.system import explain_import_error
+
+        raise ImportError(explain_import_error(error)) from error
     return MooncakeDistributedStore
 
 

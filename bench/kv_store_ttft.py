@@ -38,9 +38,7 @@ def ttft(llm, prompt: list[int]) -> float:
 
 def settle(llm) -> None:
     """Wait until the connector's background saves are done, so that they do not overlap the next measurement."""
-    connector = llm.engine.kv_connector
-    while connector.has_delayed_frees:
-        connector.reclaim(wait=1.0)
+    llm.engine.core.wait_for_saves(timeout=600)
 
 
 def median(values: list[float]) -> float:

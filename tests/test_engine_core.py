@@ -97,6 +97,14 @@ def test_engine_settings_come_from_the_platform_unless_set(tiny_model):
     assert llm.engine.scheduler.max_num_seqs == defaults.max_num_seqs
     tuned = LLM(model=str(tiny_model), engine={"num_kv_blocks": 64, "max_num_seqs": 3, "max_num_batched_tokens": 100})
     assert (tuned.engine.scheduler.max_num_seqs, tuned.engine.scheduler.max_num_batched_tokens) == (3, 100)
+    # `weft config show` prints the values the engine would use.
+    shown = subprocess.run([sys.executable, "-m", "weft.cli", "config", "show", "--json", "--set", "engine.max_num_seqs=5"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    engine_shown = msgspec.json.decode(shown.stdout)["engine"]
+    assert engine_shown["max_num_seqs"] == 5
+    assert engine_shown["max_num_batched_tokens"] == defaults.max_num_batched_tokens
+    assert engine_shown["async_scheduling"] is defaults.async_scheduling
 
 
 def test_options_that_would_do_nothing_are_refused(tiny_model):

@@ -64,16 +64,19 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def count_prefill_tokens(llm: LLM) -> list[int]:
     """Counts the prompt tokens the model runner computes (the engine's own stats are not the witness)."""
     counted = [0]
-    execute = llm.engine.runner.execute
+    runner = llm.engine.runner
+    execute = runner.execute
 
     def counting(step):
-        counted[0] += sum(
-            min(item.num_new_tokens, item.request.num_prompt_tokens - item.request.num_computed_tokens)
-            for item in step.scheduled if item.request.num_computed_tokens < item.request.num_prompt_tokens
-        )
+        known = {new.request_id: (new.num_computed_tokens, new.num_prompt_tokens) for new in step.new_requests}
+        for cached in step.cached_requests:
+            known[cached.request_id] = (cached.num_computed_tokens, runner.requests[cached.request_id].num_prompt_tokens)
+        for request_id, count in step.num_scheduled_tokens.items():
+            done, prompt = known[request_id]
+            counted[0] += max(0, min(count, prompt - done))
         return execute(step)
 
-    llm.engine.runner.execute = counting
+    runner.execute = counting
     return counted
 
 
@@ -91,7 +94,7 @@ def stored(store: LocalMooncake, keys: list[str]) -> list[int]:
 
 def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
     """The documented key layout, rebuilt from the engine's model identity and the prompt's block hashes."""
-    context = llm.engine.kv_connector.worker_side.context
+    context = llm.engine.worker.kv_connector.worker_side.context
     prefix = f"weft/{context.model}/float32/tp0of1/pp0of1/{group}/16/"
     return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
 
@@ -215,7 +218,7 @@ def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(sto
     with connected(ring_model, store) as first:
         groups = first.engine.core.groups
         assert [group.prefix_cacheable for group in groups] == [True, False]
-        assert first.engine.kv_connector.worker_side.block_size == 16
+        assert first.engine.worker.kv_connector.worker_side.block_size == 16
         assert generate(first, [prompt]) == expected[:1]
     assert stored(store, keys_for(first, "attention", prompt)) == [1, 1, 1, 1]
     assert stored(store, keys_for(first, "window_ring", prompt)) == [0, 0, 0, 0]
@@ -251,16 +254,17 @@ def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_ag
         warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
         assert any("unreachable (save failed" in message for message in warnings), warnings
         assert any("unreachable (lookup failed" in message for message in warnings), warnings
-        assert engine.kv_connector.worker_side.dropped_saves > 0, "saves were planned while the master was away"
+        assert engine.worker.kv_connector.worker_side.dropped_saves > 0, "saves were planned while the master was away"
         engine.runner.execute = execute
-        assert not engine.kv_connector.has_delayed_frees or engine.kv_connector.reclaim(wait=30)
+        assert engine.core.wait_for_saves(timeout=30)
         assert engine.kv_cache_manager.usage() == 0, "every block is back once the requests finished"
 
         store.start_master()
         store.wait_for_segment()
         connector = engine.kv_connector
         deadline = time.monotonic() + 60
-        while not (connector.scheduler_side.client.available and connector.worker_side.client.available):
+        worker_side = engine.worker.kv_connector.worker_side
+        while not (connector.scheduler_side.client.available and worker_side.client.available):
             assert time.monotonic() < deadline, "the connector did not reconnect to the restarted master"
             time.sleep(0.2)
         assert generate(llm, prompts[5:6]) == expected[5:6]
@@ -368,7 +372,7 @@ def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, st
         assert response.status_code == 200, response.text
         answers.append(response.json()["choices"][0]["text"])
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        hits = server.engine.kv_connector.stats.hit_tokens
+        hits = server.engine.stats.connector_hit_tokens
         server.stop()  # the server's shutdown closes the engine, which waits for its saves
     assert f"weft_kv_connector_hit_tokens {float(hits)}" in metrics and hits == 64
     tokenizer = LLM(model=str(llama), engine=ENGINE).tokenizer
@@ -405,7 +409,7 @@ def test_objects_in_an_engines_own_segment_vanish_with_it(mooncake_runs, tmp_pat
         expected = reference(llama, [prompt])
         with connected(llama, store, global_segment_size=64 << 20) as contributing:
             assert generate(contributing, [prompt]) == expected
-            contributing.engine.kv_connector.reclaim(wait=30)  # its saves are done
+            assert contributing.engine.core.wait_for_saves(timeout=30)  # its saves are done
             with connected(llama, store) as reader:
                 assert generate(reader, [prompt]) == expected
                 assert reader.engine.kv_connector.stats.hit_tokens == 48

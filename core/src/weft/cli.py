@@ -558,13 +558,30 @@ def run_config_show(args: argparse.Namespace) -> int:
         print(f"weft: error: {problem}", file=sys.stderr)
     if problems:
         return 1
+    config, platform_note = _platform_sized(config, registry)
     data = to_builtins(config)
     if args.json:
         sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
         return 0
     print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
+    print(f"# {platform_note}")
     print("\n".join(_toml_lines(data)))
     return 0
+
+
+def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]:
+    """``config`` with the engine options the platform sizes filled in as the engine would, and a note
+    saying where they came from (they stay unset when the platform cannot be built here)."""
+    from weft.config import PLATFORM_SIZED, plugin_options, with_platform_defaults
+    from weft.plugins.selection import select_platform
+
+    try:
+        platform_class, _ = select_platform(registry, config.use.platform)
+        platform = platform_class(plugin_options(config, platform_class.Options, "platform", platform_class.name))
+        defaults = msgspec.structs.asdict(platform.engine_defaults())
+    except Exception as error:  # noqa: BLE001 - the listing still helps without a usable platform
+        return config, f"engine.{', engine.'.join(PLATFORM_SIZED)}: the platform's, which cannot be read here ({error})"
+    return with_platform_defaults(config, defaults), f"engine defaults sized by platform {platform_class.name!r}"
 
 
 def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = ()) -> list[str]:

@@ -188,6 +188,15 @@ class EngineCore:
             time.sleep(0.002)  # waiting on the connector (saves, lookups): don't spin
         return results
 
+    def wait_for_saves(self, timeout: float) -> bool:
+        """Step (nothing scheduled but the workers' reports) until no finished request waits for its
+        KV connector saves, or ``timeout`` seconds; True when none waits."""
+        deadline = time.monotonic() + timeout
+        connector = self.kv_connector
+        while connector is not None and connector.has_delayed_frees and time.monotonic() < deadline:
+            self.step()
+        return connector is None or not connector.has_delayed_frees
+
     def reset_after_failure(self) -> None:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
         self._in_flight = None
@@ -210,8 +219,9 @@ class EngineCore:
             return
         deadline = time.monotonic() + timeout
         self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
-        while self.has_work and time.monotonic() < deadline:
+        while self._in_flight is not None:
             self.step()
+        self.wait_for_saves(max(0.0, deadline - time.monotonic()))
         if self.kv_connector is not None:
             if self.kv_connector.has_delayed_frees:
                 logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",

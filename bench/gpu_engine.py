@@ -11,8 +11,9 @@ Parts (``--part``, repeatable):
   its matmul time.
 * ``serve``: the ``qwen`` workload as 256 concurrent streaming completions through ``weft serve``
   (the engine core in its own process), against offline ``LLM.generate`` of the same requests
-  from the same checkpoint folder, measured in the same run. Clients run in 4 processes so that
-  the client side is not the bottleneck.
+  from the same checkpoint folder, measured in the same run. Clients run in 8 processes so that
+  the client side is not the bottleneck; the CPU time of the API process, the engine core and
+  the busiest client process is printed beside the rate.
 
 Usage: python bench/gpu_engine.py --tokenizer DIR --part qwen --part llama8b --part serve
 """
@@ -133,7 +134,7 @@ def part_llama8b(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
 
 
-def _client(url: str, model: str, prompts: list[list[int]], output: int, start_at: float, results) -> None:
+def _client(url: str, model: str, prompts: list[list[int]], output: int, ready, go, results) -> None:
     import httpx
 
     async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int, float]:
@@ -153,9 +154,12 @@ def _client(url: str, model: str, prompts: list[list[int]], output: int, start_a
     async def run() -> list[tuple[float, int, float]]:
         limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-            while time.time() < start_at:
+            ready.put(None)
+            while not go.is_set():  # every client process is up (imports done) before any request leaves
                 await asyncio.sleep(0.001)
-            return await asyncio.gather(*(one(http, prompt) for prompt in prompts))
+            cpu = time.process_time()
+            streams = await asyncio.gather(*(one(http, prompt) for prompt in prompts))
+            return streams, time.process_time() - cpu
 
     results.put(asyncio.run(run()))
 
@@ -163,7 +167,7 @@ def _client(url: str, model: str, prompts: list[list[int]], output: int, start_a
 def part_serve(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    requests, prompt, output, client_processes = 256, 512, 256, 4
+    requests, prompt, output, client_processes = 256, 512, 256, 8
     folder = Path("/tmp/weft-bench-qwen3-0.6b")
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(0)
@@ -203,17 +207,24 @@ def part_serve(args: argparse.Namespace) -> None:
         # Warm the server (first prefill and decode shapes).
         httpx.post(f"{url}/v1/completions", json={"model": folder.name, "prompt": prompts[0], "max_tokens": 16},
                    timeout=120).raise_for_status()
+        processes = {"API process": server.pid, "engine core": _child_with(server.pid, b"spawn_main")}
         context = multiprocessing.get_context("spawn")
-        queue = context.Queue()
-        start_at = time.time() + 3.0
-        share = requests // client_processes
-        clients = [context.Process(target=_client, args=(url, folder.name, prompts[i * share:(i + 1) * share], output,
-                                                          start_at, queue)) for i in range(client_processes)]
+        queue, ready, go = context.Queue(), context.Queue(), context.Event()
+        clients = [context.Process(target=_client, args=(url, folder.name, prompts[i::client_processes], output,
+                                                          ready, go, queue)) for i in range(client_processes)]
         for client in clients:
             client.start()
-        results = [item for _ in clients for item in queue.get(timeout=900)]
+        for _ in clients:
+            ready.get(timeout=300)
+        cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+        start_at = time.time()
+        go.set()
+        reports = [queue.get(timeout=900) for _ in clients]
+        results = [item for streams, _ in reports for item in streams]
+        client_cpu = max(cpu for _, cpu in reports)
         for client in clients:
             client.join()
+        cpu_used = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items()}
     finally:
         server.terminate()
         server.wait(timeout=120)
@@ -225,12 +236,34 @@ def part_serve(args: argparse.Namespace) -> None:
     print(f"serve: {requests} concurrent streaming completions, {chunks:,} chunks: {served_rate:,.0f} output tokens/s "
           f"({served_seconds:.2f} s), TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[int(0.99 * len(ttfts))]:.2f} s",
           flush=True)
+    print("serve: CPU seconds over the run: " + ", ".join(
+        f"{name} {seconds:.2f} s ({seconds / served_seconds:.0%} of one core)" for name, seconds in cpu_used.items())
+        + f", busiest client process {client_cpu:.2f} s ({client_cpu / served_seconds:.0%})", flush=True)
     llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
     seconds = weft_generate(llm, prompts, output)
     offline_rate = requests * output / seconds
     print(f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
           f"served at {served_rate / offline_rate:.0%} of offline", flush=True)
     llm.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _child_with(parent: int, marker: bytes) -> int:
+    """The child of ``parent`` whose command line contains ``marker``."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and marker in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise RuntimeError(f"no child of {parent} runs {marker!r}")
 
 
 def main() -> None:

@@ -72,6 +72,8 @@ class _Subscriber(msgspec.Struct):
     index: int
     published_tokens: int = 0
     published_chars: int = 0
+    observed_tokens: int = 0
+    """Tokens the observer (metrics) has seen."""
     last_token_time: float = 0.0
 
 
@@ -299,25 +301,28 @@ class AsyncEngine:
         subscriber = self._subscribers.get(state.request_id)
         if subscriber is None:
             return
-        now = time.monotonic()
-        if self.observer is not None:
-            if subscriber.published_tokens == 0:
+        generated = len(state.output_token_ids)
+        if self.observer is not None and generated > subscriber.observed_tokens:
+            now = time.monotonic()
+            if subscriber.observed_tokens == 0:
                 self.observer.first_token(now - state.arrival_time)
             else:
                 self.observer.inter_token(now - subscriber.last_token_time)
-        subscriber.last_token_time = now
-        tokens = state.output_token_ids[subscriber.published_tokens :]
-        logprobs = state.logprobs[subscriber.published_tokens :] if state.logprobs is not None else None
+            subscriber.observed_tokens, subscriber.last_token_time = generated, now
         # Hold back text that may be the start of a stop string until it is decided.
         holdback = max((len(stop) for stop in state.params.stop), default=1) - 1
         end = len(state.text) if state.finished else max(subscriber.published_chars, len(state.text) - holdback)
+        if end == subscriber.published_chars and not state.finished and state.logprobs is None:
+            return  # nothing a client sees yet: these tokens go out with the next delta that has text
+        tokens = state.output_token_ids[subscriber.published_tokens :]
+        logprobs = state.logprobs[subscriber.published_tokens :] if state.logprobs is not None else None
         text = state.text[subscriber.published_chars : end]
-        subscriber.published_tokens = len(state.output_token_ids)
+        subscriber.published_tokens = generated
         subscriber.published_chars = end
         delta = Delta(
             index=subscriber.index, token_ids=list(tokens), text=text, logprobs=logprobs,
             finish_reason=state.finish_reason, stop_reason=state.stop_reason,
-            num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=len(state.output_token_ids),
+            num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=generated,
             num_cached_tokens=state.num_cached_tokens,
         )
         if state.finished:

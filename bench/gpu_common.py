@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
 from weft.contracts.loader import ModelSource, WeightLoader
 from weft.plugins import PluginRegistry
 from weft.plugins.discovery import PluginEntry, discover
@@ -78,6 +79,20 @@ def cuda_time(fn: Callable[[], Any], repeats: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / repeats
+
+
+def hf_generate(model, prompts: torch.Tensor, output: int) -> float:
+    """Seconds of HF ``generate()``: greedy, exactly ``output`` new tokens per prompt (EOS disabled), one batch."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, max_new_tokens=output, min_new_tokens=output, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    assert generated.shape[1] == prompts.shape[1] + output, generated.shape
+    return seconds
 
 
 def hf_config(shape: dict[str, Any]):

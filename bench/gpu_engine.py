@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import gc
-import json
 import multiprocessing
 import os
 import shutil
@@ -35,22 +33,18 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import LLAMA3_8B, QWEN3_0_6B, MemoryLoader, copy_bandwidth, hf_config, matmul_rate, random_weights
-from gpu_common import registry_with_memory_loader
-
+from gpu_common import (
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    MemoryLoader,
+    copy_bandwidth,
+    hf_config,
+    hf_generate,
+    matmul_rate,
+    random_weights,
+    registry_with_memory_loader,
+)
 from weft import LLM, SamplingParams
-
-
-def hf_generate(model, prompts: torch.Tensor, output: int) -> float:
-    config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=output, min_new_tokens=output, eos_token_id=None, pad_token_id=0)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
-    torch.cuda.synchronize()
-    assert generated.shape[1] == prompts.shape[1] + output, generated.shape
-    return time.perf_counter() - started
 
 
 def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
@@ -95,7 +89,7 @@ def part_qwen(args: argparse.Namespace) -> None:
     print(f"qwen3-0.6b: Weft (defaults: {engine_settings(llm)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
           f"= {rate / hf_rate:.1f}x HF", flush=True)
     llm.close()
-    del llm, state
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -14,14 +14,19 @@ Usage: python bench/gpu_throughput.py --tokenizer DIR [--requests 256] [--prompt
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import time
 from pathlib import Path
 
 import torch
-from gpu_common import QWEN3_0_6B, MemoryLoader, copy_bandwidth, hf_config, registry_with_memory_loader
-
+from gpu_common import (
+    QWEN3_0_6B,
+    MemoryLoader,
+    copy_bandwidth,
+    hf_config,
+    hf_generate,
+    registry_with_memory_loader,
+)
 from weft import LLM, SamplingParams
 
 
@@ -36,19 +41,6 @@ def decode_roofline(shape: dict, requests: int, prompt: int, output: int, bandwi
     for step in range(output - 1):
         total += weights + requests * kv_per_token * (prompt + step + 1)
     return total / bandwidth
-
-
-def hf_generate(model, prompts: torch.Tensor, output: int) -> float:
-    config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=output, min_new_tokens=output, eos_token_id=None, pad_token_id=0)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    assert generated.shape[1] == prompts.shape[1] + output, generated.shape
-    return seconds
 
 
 def main() -> None:

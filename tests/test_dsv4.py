@@ -157,18 +157,9 @@ def _engine_tokens(folder, **engine) -> list[list[int]]:
     from weft.sampling_params import SamplingParams
 
     llm = _llm(folder, **engine)
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-    llm.preemptions = 0
-
-    def counting_schedule():
-        plan = schedule()
-        llm.preemptions += len(plan.preempted)
-        return plan
-
-    scheduler.schedule = counting_schedule
     prompts = [random_ids(length, seed=10 + length) for length in PROMPT_LENGTHS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    llm.preemptions = llm.engine.scheduler.num_preemptions
     return [list(output.outputs[0].token_ids) for output in outputs], llm
 
 

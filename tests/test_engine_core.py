@@ -15,7 +15,6 @@ import httpx
 import msgspec
 import pytest
 from conftest import make_tiny_model
-
 from weft import LLM, SamplingParams
 from weft.contracts.executor import SchedulerOutput, decode_scheduler_output, encode_step
 

@@ -94,7 +94,7 @@ def stored(store: LocalMooncake, keys: list[str]) -> list[int]:
 
 def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
     """The documented key layout, rebuilt from the engine's model identity and the prompt's block hashes."""
-    context = llm.engine.worker.kv_connector.worker_side.context
+    context = llm.engine.kv_connector.scheduler_side.context
     prefix = f"weft/{context.model}/float32/tp0of1/pp0of1/{group}/16/"
     return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from weft.contracts.executor import Executor, SchedulerOutput, StepHandle, WorkerInfo, decode_scheduler_output, encode_step
+from weft.contracts.executor import (
+    Executor,
+    SchedulerOutput,
+    StepHandle,
+    WorkerInfo,
+    decode_scheduler_output,
+    encode_step,
+)
 
 
 class UniprocExecutor(Executor):

@@ -195,7 +195,8 @@ class KVConnector(PluginBase):
     name: ClassVar[str]
     metadata_type: ClassVar[Any] = Any
     """The type :meth:`build_connector_meta` returns. The metadata reaches workers as msgpack
-    bytes (they may live in other processes) and is decoded as this type."""
+    bytes inside the step (they may live in other processes) and is decoded as this type;
+    left as ``Any``, the return annotation of ``build_connector_meta`` is used when it resolves."""
 
     def __init__(
         self,

@@ -27,7 +27,16 @@ from typing import Any
 import msgspec
 
 from weft.config import WeftConfig
-from weft.engine.core_process import Abort, AddRequests, Failed, FromCore, Ready, Shutdown, StepOutputs, run_engine_core
+from weft.engine.core_process import (
+    Abort,
+    AddRequests,
+    Failed,
+    FromCore,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    run_engine_core,
+)
 from weft.engine.engine_core import CoreStats
 from weft.engine.frontend import Frontend
 from weft.engine.output_processor import OutputProcessor, RequestOutputState

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from weft.contracts.executor import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput, TokenLogprobs
+from weft.contracts.executor import (
+    CachedRequest,
+    ModelRunnerOutput,
+    NewRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.request import Request, RequestStatus
 
@@ -158,7 +164,7 @@ class Scheduler:
         cached_requests: list[CachedRequest] = []
         counts: dict[str, int] = {}
         epochs: dict[str, tuple[int, bool]] = {}
-        for request, count in scheduled:
+        for request, _ in scheduled:
             request_id = request.request_id
             blocks = self.kv_cache.block_ids(request_id)
             sent = self._sent_blocks.get(request_id)

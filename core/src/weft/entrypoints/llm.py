@@ -20,7 +20,7 @@ from weft.config import EngineConfig, WeftConfig, load_config
 from weft.engine.llm_engine import LLMEngine
 from weft.engine.output_processor import RequestOutputState
 from weft.generation_config import load_model_sampling_defaults
-from weft.outputs import CompletionOutput, RequestOutput
+from weft.outputs import RequestOutput
 from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
 

@@ -11,7 +11,8 @@ for before the forward starts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import typing
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -35,7 +36,7 @@ class WorkerConnector:
         self.worker_side = connector_class(options, "worker", tuple(groups), context)
         self.worker_side.register_kv_caches(kv_caches)
         self.kv_caches = kv_caches
-        self._decoder = msgspec.msgpack.Decoder(connector_class.metadata_type)
+        self._decoder = msgspec.msgpack.Decoder(metadata_type(connector_class))
         self._closed = False
 
     def start_step(self, metadata: bytes | None) -> None:
@@ -63,3 +64,20 @@ class WorkerConnector:
             self._closed = True
             self.worker_side.close()
 
+
+def metadata_type(connector_class: type[KVConnector]) -> Any:
+    """The type the connector's step metadata decodes as: its ``metadata_type``, else the return
+    annotation of its ``build_connector_meta``, else plain msgpack data."""
+    if connector_class.metadata_type is not Any:
+        return connector_class.metadata_type
+    for cls in connector_class.__mro__:  # an override without an annotation keeps its base's type
+        method = cls.__dict__.get("build_connector_meta")
+        if method is None:
+            continue
+        try:
+            annotated = typing.get_type_hints(method).get("return", Any)
+        except Exception:  # noqa: BLE001 - an annotation only importable under TYPE_CHECKING
+            continue
+        if annotated is not Any:
+            return annotated
+    return Any

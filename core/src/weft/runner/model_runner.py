@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch
-from weft.contracts.executor import ModelRunnerOutput, NewRequest, SchedulerOutput, StepHandle, TokenLogprobs
+from weft.contracts.executor import (
+    ModelRunnerOutput,
+    NewRequest,
+    SchedulerOutput,
+    StepHandle,
+    TokenLogprobs,
+)
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.layers.attention import ForwardContext
 from weft.runner.sampler import Sampler, plain_greedy

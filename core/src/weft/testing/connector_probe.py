@@ -36,12 +36,6 @@ class LoadRange(msgspec.Struct, frozen=True, array_like=True):
     block_ids: tuple[tuple[int, ...], ...]
 
 
-class ProbeMetadata(msgspec.Struct, frozen=True):
-    connector: Any
-    """What the connector's own ``build_connector_meta`` returned."""
-    loads: tuple[LoadRange, ...]
-
-
 class Probe:
     """What the probed connector's roles saw, for the test to assert on."""
 
@@ -55,11 +49,19 @@ class Probe:
 def probed(connector_class: type[KVConnector], fail_loads: bool = False) -> type[KVConnector]:
     """A subclass of ``connector_class`` that records into its ``kit_probe`` and, with ``fail_loads``, fails every load."""
 
+    from weft.runner.kv_connector import metadata_type
+
+    # The probe's metadata carries the connector's own, typed so that it decodes as the connector's type.
+    step_metadata = msgspec.defstruct(
+        "ProbeMetadata", [("connector", metadata_type(connector_class)), ("loads", tuple[LoadRange, ...])], frozen=True
+    )
+
     class Probed(connector_class):  # type: ignore[valid-type, misc]
         kit_probe = Probe()
+        metadata_type = step_metadata
         _probe_loads: tuple[LoadRange, ...] = ()
 
-        def build_connector_meta(self, step: ConnectorStep) -> ProbeMetadata:
+        def build_connector_meta(self, step: ConnectorStep) -> Any:
             loads = tuple(
                 LoadRange(item.request_id, item.num_computed_tokens - item.num_external_tokens, item.num_computed_tokens,
                           item.block_ids)
@@ -67,13 +69,13 @@ def probed(connector_class: type[KVConnector], fail_loads: bool = False) -> type
             )
             self.kit_probe.loads += loads
             self.kit_probe.preempted |= step.preempted
-            return ProbeMetadata(super().build_connector_meta(step), loads)
+            return step_metadata(super().build_connector_meta(step), loads)
 
         def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
             super().register_kv_caches(kv_caches)
             self._probe_caches = kv_caches
 
-        def bind_connector_metadata(self, metadata: ProbeMetadata) -> None:
+        def bind_connector_metadata(self, metadata: Any) -> None:
             self._probe_loads = metadata.loads
             super().bind_connector_metadata(metadata.connector)
 

@@ -59,9 +59,10 @@ def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
     return seconds
 
 
-def engine_settings(llm: LLM) -> str:
+def engine_settings(llm: LLM, overrides: dict) -> str:
     engine = llm.engine.config.engine
-    return (f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
+    given = f"set {overrides}; " if overrides else "defaults: "
+    return given + (f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
             f"async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}")
 
 
@@ -83,10 +84,11 @@ def part_qwen(args: argparse.Namespace) -> None:
     del hf
     gc.collect()
     model = MemoryLoader.add("qwen3-0.6b", QWEN3_0_6B, lambda: iter(state.items()), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
+              engine={"dtype": "bfloat16", **args.engine})
     seconds = weft_generate(llm, prompts.tolist(), output)
     rate = requests * output / seconds
-    print(f"qwen3-0.6b: Weft (defaults: {engine_settings(llm)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
+    print(f"qwen3-0.6b: Weft ({engine_settings(llm, args.engine)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
           f"= {rate / hf_rate:.1f}x HF", flush=True)
     llm.close()
     del llm
@@ -116,11 +118,12 @@ def part_llama8b(args: argparse.Namespace) -> None:
     print(f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
           f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s)", flush=True)
     model = MemoryLoader.add("llama-3-8b", LLAMA3_8B, random_weights(LLAMA3_8B, torch.bfloat16), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
+              engine={"dtype": "bfloat16", **args.engine})
     prompts = random_prompts(requests, prompt, LLAMA3_8B["vocab_size"]).tolist()
     seconds = weft_generate(llm, prompts, output)
     rate = requests * output / seconds
-    print(f"llama-3-8b: Weft (defaults: {engine_settings(llm)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
+    print(f"llama-3-8b: Weft ({engine_settings(llm, args.engine)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
           f"= {rate / estimate:.2f}x the physical estimate", flush=True)
     llm.close()
     del llm
@@ -264,7 +267,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "serve"], required=True)
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option for the offline qwen and llama8b runs (default: none, the platform's)")
     args = parser.parse_args()
+    from weft.config import parse_override
+
+    args.engine = dict(parse_override(assignment) for assignment in args.engine)
     print(f"# gpu_engine: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for part in args.part:
         {"qwen": part_qwen, "llama8b": part_llama8b, "serve": part_serve}[part](args)

@@ -5,9 +5,12 @@ back to back (64 new tokens, EOS ignored); the script reports requests/s, output
 tokens/s, and the p50/p90/p99 of time to first token and inter-token latency. The
 baseline is the engine's own ceiling: offline ``LLM.generate`` of the same requests
 in batches of the same size, measured after the server stops (one machine, shared
-cores). Usage::
+cores). With ``--health``, it instead measures ``/health`` latency (p50, p99, max), with the server idle and
+then while 64 clients stream and a prompt of about 8,000 tokens is tokenized and prefilled (the
+engine core runs in its own process, so HTTP keeps answering; the goal is a p99 under 100 ms).
+Usage::
 
-    python bench/serve_load.py [--requests-per-client 2] [--port 8765]
+    python bench/serve_load.py [--requests-per-client 2] [--port 8765] [--health]
 """
 
 from __future__ import annotations
@@ -78,6 +81,32 @@ async def load(url: str, clients: int, per_client: int) -> dict[str, float]:
     }
 
 
+async def health_latencies(url: str, until: asyncio.Event | None, count: int = 0) -> list[float]:
+    """``/health`` round trips every 20 ms, until ``until`` is set (or ``count`` of them)."""
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        while (until is not None and not until.is_set()) or len(latencies) < count:
+            started = time.perf_counter()
+            (await http.get(f"{url}/health")).raise_for_status()
+            latencies.append(time.perf_counter() - started)
+            await asyncio.sleep(0.02)
+    return latencies
+
+
+async def health_under_load(url: str) -> tuple[list[float], list[float]]:
+    """``/health`` latencies idle, then under 64 streaming clients and one ~8,000-token prompt."""
+    idle = await health_latencies(url, None, count=100)
+    done = asyncio.Event()
+    probe = asyncio.create_task(health_latencies(url, done))
+    async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=80)) as http:
+        long = http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "apple " * 7900, "max_tokens": 1})
+        streams = [one_request(http, url, index) for index in range(64)]
+        responses = await asyncio.gather(long, *streams)
+        responses[0].raise_for_status()
+    done.set()
+    return idle, await probe
+
+
 def offline_tokens_per_s(clients: int, per_client: int) -> float:
     from weft import LLM, SamplingParams
 
@@ -96,6 +125,7 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--health", action="store_true", help="measure /health latency under load instead")
     args = parser.parse_args()
     levels = [int(level) for level in args.concurrency.split(",")]
     url = f"http://127.0.0.1:{args.port}"
@@ -115,10 +145,20 @@ def main() -> None:
                 sys.exit(f"the server did not start: {server.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
         asyncio.run(load(url, 1, 1))  # warm-up
-        served = {level: asyncio.run(load(url, level, args.requests_per_client)) for level in levels}
+        if args.health:
+            idle, loaded = asyncio.run(health_under_load(url))
+        else:
+            served = {level: asyncio.run(load(url, level, args.requests_per_client)) for level in levels}
     finally:
         server.terminate()
         server.wait(timeout=60)
+    if args.health:
+        print(f"# serve_load --health: {MODEL}, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}")
+        for name, values in (("idle", idle), ("64 streams + 8k-token prompt", loaded)):
+            print(f"/health {name:30s} n={len(values):4d}  p50 {percentile(values, 0.5) * 1e3:7.1f} ms  "
+                  f"p99 {percentile(values, 0.99) * 1e3:7.1f} ms  max {max(values) * 1e3:7.1f} ms", flush=True)
+        print(f"p99 under load / p99 idle: {percentile(loaded, 0.99) / percentile(idle, 0.99):.1f}x (goal: p99 < 100 ms)")
+        return
     print(f"# serve_load: {MODEL}, {NEW_TOKENS} new tokens per request, {args.requests_per_client} requests per client, "
           f"{os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}")
     for level in levels:

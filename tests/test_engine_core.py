@@ -208,3 +208,24 @@ def test_core_outputs_round_trip_msgpack():
 
     message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=FromCore) == message
+
+
+def test_the_core_in_its_own_process_gives_the_in_process_greedy_tokens(tiny_model, start_server):
+    """Served (core in its own process, async scheduling on and off) equals offline in-process generation."""
+    import torch
+
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (4, 19, 33)]
+    offline = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256})
+    expected = [output.outputs[0].token_ids for output in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    for async_scheduling in (False, True):
+        server = start_server(model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling})
+        assert server.engine.engine_settings["async_scheduling"] is async_scheduling
+        body = {"model": tiny_model.name, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+        assert [choice["text"] for choice in choices] == [offline.tokenizer.decode(tokens) for tokens in expected]
+        assert response.json()["usage"]["completion_tokens"] == 12 * len(prompts)
+        server.stop()

@@ -10,8 +10,8 @@ for before the forward starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import typing
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec

@@ -38,6 +38,7 @@ import torch
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch
 from weft.contracts.executor import (
+    DoneStep,
     ModelRunnerOutput,
     NewRequest,
     SchedulerOutput,
@@ -131,14 +132,6 @@ class _PendingStep(StepHandle):
         return self.output
 
 
-class _HostStep(StepHandle):
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -183,7 +176,7 @@ class ModelRunner:
                     blocks.extend(added)
         if step.is_empty:
             report = self.connector.poll(step.finished_request_ids) if self.connector is not None else None
-            return _HostStep(ModelRunnerOutput([], [], connector_output=report))
+            return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
             self.connector.start_step(step.kv_connector_metadata)
         request_ids = list(step.num_scheduled_tokens)
@@ -197,7 +190,7 @@ class ModelRunner:
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         if logits is None:
-            return _HostStep(self.finish_step(states, [None] * len(request_ids), {}, report))
+            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
             self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report)
@@ -209,7 +202,7 @@ class ModelRunner:
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
                 logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return _HostStep(self.finish_step(states, tokens, logprobs, report))
+        return DoneStep(self.finish_step(states, tokens, logprobs, report))
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
                     report: ConnectorOutput | None) -> ModelRunnerOutput:

@@ -540,10 +540,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from weft.engine.async_engine import CoreStartError
     from weft.entrypoints.serve import serve
 
     config, _ = config_from_args(args)
-    return serve(config)
+    try:
+        return serve(config)
+    except CoreStartError as error:
+        print(f"weft: error: {error}", file=sys.stderr)
+        return 1
 
 
 def run_config_show(args: argparse.Namespace) -> int:

@@ -146,8 +146,8 @@ class AsyncEngine:
         if isinstance(message, Failed):
             self.process.join(timeout=10)
             self._close_sockets()
-            first_line = message.message.splitlines()[0]
-            raise CoreStartError(f"the engine core could not start: {first_line}\n{message.message}")
+            logger.debug("the engine core's traceback:\n%s", message.traceback)
+            raise CoreStartError(f"the engine core could not start: {message.message}")
         assert isinstance(message, Ready)
         self.engine_settings = message.engine
         logger.info("engine core process %d ready: %s", self.process.pid, message.engine)

@@ -46,6 +46,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
     message: str
+    traceback: str = ""
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -75,7 +76,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     try:
         core = EngineCore(config)
     except BaseException as error:
-        outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")))
+        outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}", traceback.format_exc())))
         outputs.close(linger=5000)
         raise SystemExit(1) from None
     outputs.send(encoder.encode(Ready(core.describe())))

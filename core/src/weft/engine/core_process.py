@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 
 import msgspec
@@ -65,6 +66,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
 
     from weft.engine.engine_core import EngineCore
 
+    # Ctrl-C reaches the whole process group; the API process decides when the core stops
+    # (Shutdown, after draining), so the core must not die of it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)

@@ -229,3 +229,24 @@ def test_the_core_in_its_own_process_gives_the_in_process_greedy_tokens(tiny_mod
         assert [choice["text"] for choice in choices] == [offline.tokenizer.decode(tokens) for tokens in expected]
         assert response.json()["usage"]["completion_tokens"] == 12 * len(prompts)
         server.stop()
+
+
+def test_an_interrupted_generate_leaves_the_engine_ready_for_the_next(tiny_model):
+    llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 128, "async_scheduling": True})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(10, 30)), list(range(40, 47))]
+    expected = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    execute, calls = llm.engine.core.executor.execute_model, [0]
+
+    def interrupted(step):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return execute(step)
+
+    llm.engine.core.executor.execute_model = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    llm.engine.core.executor.execute_model = execute
+    assert not llm.engine.has_unfinished and llm.engine.kv_cache_manager.usage() == 0.0
+    assert [output.outputs[0].token_ids for output in llm.generate(prompts, params)] == expected

@@ -82,8 +82,17 @@ class LLMEngine:
         return bool(self.outputs.requests) or self.core.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutputState]:
-        """One engine step; returns the requests that produced a token or finished."""
-        advanced, stopped = self.outputs.process(self.core.step())
+        """One engine step; returns the requests that produced a token or finished.
+
+        If the step raises (or is interrupted), every request is aborted, so the engine serves the next ones."""
+        try:
+            produced = self.core.step()
+        except BaseException:
+            self.core.reset_after_failure()
+            for request_id in list(self.outputs.requests):
+                self.outputs.abort(request_id)
+            raise
+        advanced, stopped = self.outputs.process(produced)
         if stopped:
             self.core.abort(stopped)
         return advanced

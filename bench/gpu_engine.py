@@ -70,30 +70,39 @@ def random_prompts(count: int, length: int, vocab: int) -> torch.Tensor:
     return torch.randint(10, vocab - 10, (count, length), generator=torch.Generator().manual_seed(1))
 
 
-def part_qwen(args: argparse.Namespace) -> None:
+def against_hf(args: argparse.Namespace, name: str, shape: dict, requests: int, prompt: int, output: int,
+               hf_batch: int) -> tuple[float, float, str]:
+    """HF ``generate()`` on the first ``hf_batch`` requests, then Weft's ``LLM.generate`` of all of them on the
+    same random bf16 weights. Returns (HF tokens/s, Weft tokens/s, Weft's engine settings)."""
     from transformers import AutoModelForCausalLM
 
-    requests, prompt, output = 256, 512, 256
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_config(QWEN3_0_6B), dtype=torch.bfloat16).eval()
-    prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"])
-    hf_rate = requests * output / hf_generate(hf, prompts.cuda(), output)
-    print(f"qwen3-0.6b {requests} x ({prompt}, {output}): HF transformers generate() {hf_rate:,.0f} output tokens/s", flush=True)
+        hf = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16).eval()
+    prompts = random_prompts(requests, prompt, shape["vocab_size"])
+    hf_rate = hf_batch * output / hf_generate(hf, prompts[:hf_batch].cuda(), output)
+    print(f"{name} {requests} x ({prompt}, {output}): HF transformers generate() {hf_rate:,.0f} output tokens/s "
+          f"(batch {hf_batch})", flush=True)
     state = dict(hf.state_dict())
     del hf
     gc.collect()
-    model = MemoryLoader.add("qwen3-0.6b", QWEN3_0_6B, lambda: iter(state.items()), args.tokenizer)
+    model = MemoryLoader.add(name, shape, lambda: iter(state.items()), args.tokenizer)
     llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
               engine={"dtype": "bfloat16", **args.engine})
     seconds = weft_generate(llm, prompts.tolist(), output)
-    rate = requests * output / seconds
-    print(f"qwen3-0.6b: Weft ({engine_settings(llm, args.engine)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
-          f"= {rate / hf_rate:.1f}x HF", flush=True)
+    settings = engine_settings(llm, args.engine)
     llm.close()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    return hf_rate, requests * output / seconds, settings
+
+
+def part_qwen(args: argparse.Namespace) -> None:
+    requests, prompt, output = 256, 512, 256
+    hf_rate, rate, settings = against_hf(args, "qwen3-0.6b", QWEN3_0_6B, requests, prompt, output, hf_batch=requests)
+    print(f"qwen3-0.6b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
+          f"= {rate / hf_rate:.1f}x HF", flush=True)
 
 
 def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float) -> float:
@@ -112,34 +121,15 @@ def physical_estimate(shape: dict, requests: int, prompt: int, output: int, band
 
 
 def part_llama8b(args: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM
-
-    requests, prompt, output, hf_batch = 512, 512, 256, 128
+    requests, prompt, output = 512, 512, 256
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     estimate = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops)
     print(f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
           f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s)", flush=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_config(LLAMA3_8B), dtype=torch.bfloat16).eval()
-    prompts = random_prompts(requests, prompt, LLAMA3_8B["vocab_size"])
     # HF generate() on the first 128 requests (its cache grows by concatenation: all 512 would take minutes).
-    hf_rate = hf_batch * output / hf_generate(hf, prompts[:hf_batch].cuda(), output)
-    print(f"llama-3-8b: HF transformers generate() {hf_rate:,.0f} output tokens/s (batch {hf_batch})", flush=True)
-    state = dict(hf.state_dict())
-    del hf
-    gc.collect()
-    model = MemoryLoader.add("llama-3-8b", LLAMA3_8B, lambda: iter(state.items()), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", **args.engine})
-    seconds = weft_generate(llm, prompts.tolist(), output)
-    rate = requests * output / seconds
-    print(f"llama-3-8b: Weft ({engine_settings(llm, args.engine)}) {rate:,.0f} output tokens/s ({seconds:.2f} s) "
+    hf_rate, rate, settings = against_hf(args, "llama-3-8b", LLAMA3_8B, requests, prompt, output, hf_batch=128)
+    print(f"llama-3-8b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
           f"= {rate / estimate:.2f}x the physical estimate, {rate / hf_rate:.1f}x HF", flush=True)
-    llm.close()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _client(url: str, model: str, prompts: list[list[int]], output: int, ready, go, results) -> None:

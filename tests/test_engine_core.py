@@ -206,7 +206,8 @@ def test_core_outputs_round_trip_msgpack():
     from weft.engine.engine_core import CoreStats
     from weft.engine.scheduler import EngineCoreOutput
 
-    message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"})
+    message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"},
+                          {"y": "internal error: RuntimeError: boom"})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=FromCore) == message
 
 

@@ -577,16 +577,14 @@ def run_config_show(args: argparse.Namespace) -> int:
 def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]:
     """``config`` with the engine options the platform sizes filled in as the engine would, and a note
     saying where they came from (they stay unset when the platform cannot be built here)."""
-    from weft.config import PLATFORM_SIZED, plugin_options, with_platform_defaults
-    from weft.plugins.selection import select_platform
+    from weft.config import PLATFORM_SIZED
+    from weft.resolve import build_platform, resolve_engine_config
 
     try:
-        platform_class, _ = select_platform(registry, config.use.platform)
-        platform = platform_class(plugin_options(config, platform_class.Options, "platform", platform_class.name))
-        defaults = msgspec.structs.asdict(platform.engine_defaults())
+        platform = build_platform(registry, config)
+        return resolve_engine_config(config, registry, platform), f"engine defaults sized by platform {platform.name!r}"
     except Exception as error:  # noqa: BLE001 - the listing still helps without a usable platform
         return config, f"engine.{', engine.'.join(PLATFORM_SIZED)}: the platform's, which cannot be read here ({error})"
-    return with_platform_defaults(config, defaults), f"engine defaults sized by platform {platform_class.name!r}"
 
 
 def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = ()) -> list[str]:

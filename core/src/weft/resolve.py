@@ -13,14 +13,27 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig, plugin_options
+from weft.config import WeftConfig, plugin_options, with_platform_defaults
 from weft.contracts.loader import ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.plugins import PluginError, PluginRegistry
+from weft.plugins.selection import select_platform
 
 
 def options_for(config: WeftConfig, slot: str, plugin: Any, name: str) -> msgspec.Struct:
     return plugin_options(config, plugin.Options, slot, name)
+
+
+def build_platform(registry: PluginRegistry, config: WeftConfig) -> Any:
+    """The platform ``use.platform`` selects, built with its options (no device touched until asked)."""
+    platform_class, _ = select_platform(registry, config.use.platform)
+    return platform_class(options_for(config, "platform", platform_class, platform_class.name))
+
+
+def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform: Any = None) -> WeftConfig:
+    """``config`` with the platform-sized engine options the user left unset filled in by the platform."""
+    platform = platform or build_platform(registry, config)
+    return with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
 
 
 def resolve_source(registry: PluginRegistry, config: WeftConfig) -> tuple[WeightLoader, ModelSource]:

@@ -78,16 +78,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     num_scheduled_tokens: dict[str, int]
     """Tokens to compute per scheduled request, in batch order (new requests first)."""
     finished_request_ids: list[str] = []
-    """Requests that ended (or were preempted) since the previous step: workers drop them."""
-    preempted_request_ids: list[str] = []
-    """Of those, the ones preempted while scheduling this step (their blocks are already free)."""
+    """Requests that ended, or were preempted (their blocks already freed), since the previous step:
+    workers drop them; a preempted one comes back as a NewRequest."""
     kv_connector_metadata: bytes | None = None
     """The KV connector's metadata for this step (msgpack of what its scheduler role built; workers
     decode it as the connector's ``metadata_type``), when a connector is configured."""
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
     @property
     def is_empty(self) -> bool:

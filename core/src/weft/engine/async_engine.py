@@ -294,13 +294,14 @@ class AsyncEngine:
     def _handle(self, message: StepOutputs) -> list[RequestOutputState]:
         """Apply one message of the core; returns the requests that advanced."""
         self.stats = message.stats
-        for request_id, error in message.errors.items():
-            subscriber = self._subscribers.pop(request_id, None)
-            state = self.outputs.abort(request_id)
-            if subscriber is not None:
-                subscriber.queue.put_nowait(self._error_delta(subscriber, error, 400 if "internal error" not in error else 500))
-            if state is not None and self.observer is not None:
-                self.observer.finished(state)
+        for errors, status in ((message.refused, 400), (message.failed, 500)):
+            for request_id, error in errors.items():
+                subscriber = self._subscribers.pop(request_id, None)
+                state = self.outputs.abort(request_id)
+                if subscriber is not None:
+                    subscriber.queue.put_nowait(self._error_delta(subscriber, error, status))
+                if state is not None and self.observer is not None:
+                    self.observer.finished(state)
         advanced, stopped = self.outputs.process(message.outputs)
         if stopped:
             self._send(Abort(stopped))

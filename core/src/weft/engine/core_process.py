@@ -53,8 +53,10 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     outputs: list[EngineCoreOutput]
     stats: CoreStats
-    errors: dict[str, str] = {}
-    """Requests the core refused or failed, with the reason; they are gone from the core."""
+    refused: dict[str, str] = {}
+    """Requests the core would not take (a bad request), with the reason."""
+    failed: dict[str, str] = {}
+    """Requests a failed step ended (an internal error), with the reason. Both are gone from the core."""
 
 
 FromCore = Ready | Failed | StepOutputs
@@ -88,7 +90,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     poller.register(inputs, zmq.POLLIN)
     try:
         while True:
-            errors: dict[str, str] = {}
+            refused: dict[str, str] = {}
             timeout = 0 if core.has_work else 1000
             stop = received = False
             while poller.poll(timeout):
@@ -104,7 +106,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                     try:
                         core.add_request(request)
                     except ValueError as error:
-                        errors[request.request_id] = str(error)
+                        refused[request.request_id] = str(error)
             if stop:
                 break
             if not core.has_work:
@@ -112,17 +114,18 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                     logger.error("the API process is gone; the engine core exits")
                     break
                 if received:  # the API side's gauges follow aborts too
-                    outputs.send(encoder.encode(StepOutputs([], core.stats(), errors)))
+                    outputs.send(encoder.encode(StepOutputs([], core.stats(), refused)))
                 continue
+            failed: dict[str, str] = {}
             try:
                 produced = core.step()
             except Exception as error:
                 logger.exception("engine step failed; failing the requests it held")
-                failed = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
                 core.reset_after_failure()
-                errors.update({request_id: f"internal error: {type(error).__name__}: {error}" for request_id in failed})
+                failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
                 produced = []
-            outputs.send(encoder.encode(StepOutputs(produced, core.stats(), errors)))
+            outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
         core.close()
         outputs.close(linger=1000)

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig, with_platform_defaults
+from weft.config import WeftConfig
 from weft.contracts.executor import SchedulerOutput, StepHandle
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.kv_connector import SchedulerConnector
@@ -32,8 +32,13 @@ from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
-from weft.resolve import load_kv_connector, max_model_len, options_for, resolve_source
-from weft.runner.worker import build_platform
+from weft.resolve import (
+    load_kv_connector,
+    max_model_len,
+    options_for,
+    resolve_engine_config,
+    resolve_source,
+)
 from weft.sampling_params import SamplingParams
 
 logger = logging.getLogger("weft.engine")
@@ -60,12 +65,6 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hit_tokens: int = 0
     connector_hit_tokens: int | None = None
     connector_failed_load_tokens: int | None = None
-
-
-def resolve_engine_config(config: WeftConfig, registry: PluginRegistry) -> WeftConfig:
-    """``config`` with the platform-sized engine options the user left unset filled in by the platform."""
-    platform = build_platform(registry, config)
-    return with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
 
 
 class EngineCore:

@@ -7,6 +7,7 @@ serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
 from __future__ import annotations
 
 from weft.config import WeftConfig
+from weft.contracts.loader import ModelSource
 from weft.engine.engine_core import EngineCoreRequest
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
@@ -14,8 +15,9 @@ from weft.sampling_params import SamplingParams
 
 
 class Frontend:
-    def __init__(self, config: WeftConfig, registry: PluginRegistry) -> None:
-        _, self.source = resolve_source(registry, config)
+    def __init__(self, config: WeftConfig, registry: PluginRegistry, source: ModelSource | None = None) -> None:
+        """``source``: the model source when the caller resolved it already (an in-process core)."""
+        self.source = source or resolve_source(registry, config)[1]
         self.tokenizer = load_tokenizer(registry, config, self.source)
         self.max_model_len = max_model_len(config, self.source)
         self.vocab_size: int | None = self.source.hf_config.get("vocab_size")

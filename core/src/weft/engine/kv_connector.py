@@ -149,10 +149,9 @@ class SchedulerConnector:
             return True
         return False
 
-    def build_metadata(
-        self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]], preempted: Sequence[str]
-    ) -> bytes:
-        """The connector's metadata for a step scheduling ``(request, new tokens, block ids)``, as msgpack."""
+    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]]) -> bytes:
+        """The connector's metadata for a step scheduling ``(request, new tokens, block ids)``, as msgpack;
+        it names the requests preempted since the previous step."""
         step = ConnectorStep(
             requests=tuple(
                 ConnectorStepRequest(

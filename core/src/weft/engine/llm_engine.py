@@ -22,7 +22,7 @@ class LLMEngine:
         self.registry = registry or PluginRegistry()
         self.core = EngineCore(config, self.registry)
         self.config = self.core.config
-        self.frontend = Frontend(self.config, self.registry)
+        self.frontend = Frontend(self.config, self.registry, self.core.source)
         self.tokenizer = self.frontend.tokenizer
         self.model_name = self.frontend.model_name
         self.max_model_len = self.frontend.max_model_len

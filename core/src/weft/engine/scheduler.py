@@ -103,7 +103,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted: list[str] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -118,7 +117,6 @@ class Scheduler:
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
@@ -157,9 +155,9 @@ class Scheduler:
             budget -= count
         self.waiting.extendleft(reversed(passed_over))
         self.passed_over = len(passed_over)
-        return self._build_output(scheduled, preempted)
+        return self._build_output(scheduled)
 
-    def _build_output(self, scheduled: list[tuple[Request, int]], preempted: list[str]) -> SchedulerOutput:
+    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         new_requests: list[NewRequest] = []
         cached_requests: list[CachedRequest] = []
         counts: dict[str, int] = {}
@@ -185,8 +183,7 @@ class Scheduler:
         metadata = None
         if self.connector is not None:
             metadata = self.connector.build_metadata(
-                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled],
-                preempted,
+                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled]
             )
         for request, count in scheduled:
             request.num_computed_tokens += count
@@ -197,7 +194,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             new_requests=new_requests, cached_requests=cached_requests, num_scheduled_tokens=counts,
-            finished_request_ids=finished, preempted_request_ids=preempted, kv_connector_metadata=metadata,
+            finished_request_ids=finished, kv_connector_metadata=metadata,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -21,18 +21,20 @@ from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, using_ops
 from weft.plugins import PluginRegistry
-from weft.plugins.selection import choose_op, select_platform
-from weft.resolve import load_family, load_kv_connector, model_config, options_for, resolve_source
+from weft.plugins.selection import choose_op
+from weft.resolve import (
+    build_platform,
+    load_family,
+    load_kv_connector,
+    model_config,
+    options_for,
+    resolve_source,
+)
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
 from weft.runner.sampler import Sampler
 
 logger = logging.getLogger("weft.runner")
-
-
-def build_platform(registry: PluginRegistry, config: WeftConfig) -> Any:
-    platform_class, _ = select_platform(registry, config.use.platform)
-    return platform_class(options_for(config, "platform", platform_class, platform_class.name))
 
 
 def resolve_dtype(config: WeftConfig, platform: Any) -> str:
@@ -47,7 +49,7 @@ def resolve_dtype(config: WeftConfig, platform: Any) -> str:
 
 class Worker:
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
-        """``config`` has its engine defaults already resolved for the platform (:func:`weft.engine.defaults.resolve_engine_defaults`)."""
+        """``config`` has its platform-sized engine options resolved (:func:`weft.resolve.resolve_engine_config`)."""
         self.config = config
         self.registry = registry or PluginRegistry()
         self.platform = build_platform(self.registry, config)

@@ -1,0 +1,189 @@
+"""Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON) and ``llama3_json`` (Llama 3's bare JSON).
+
+Both read the whole output so far (:meth:`~weft.contracts.tool_parser.ToolParser.scan`)
+with two helpers other parsers may use too: :func:`json_value_end` finds where a JSON
+value ends in text that may still be growing, and :func:`marker_overlap` says how much
+of a text's tail could be the start of a marker (held back while streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, ClassVar
+
+from weft.contracts.tool_parser import PartialCall, Scan, ToolParser, is_valid_call
+
+_SCALAR = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null")
+
+
+def json_value_end(text: str, start: int, final: bool = False) -> int | None:
+    """Index just past the JSON value starting at ``text[start]`` (after whitespace); None while it is unfinished.
+
+    Strings, objects and arrays end at their closing character (escapes and nesting
+    followed); a number or literal ends at the next character that cannot continue it,
+    or at the end of ``text`` when ``final``. Only the extent is found: the value may
+    still be invalid JSON (``json.loads`` decides).
+    """
+    position = start
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    if position >= len(text):
+        return None
+    if text[position] not in "{[\"":
+        match = _SCALAR.match(text, position)
+        if match is None:
+            return position + 1  # not JSON: let the caller's json.loads say so
+        return match.end() if match.end() < len(text) or final else None
+    depth, in_string, escaped = 0, False, False
+    for index in range(position, len(text)):
+        char = text[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 0:
+                    return index + 1
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
+
+
+def marker_overlap(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper start of ``marker``."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+_CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def json_call(body: str, raw: str, finished: bool) -> PartialCall | None:
+    """A call written as ``{"name": ..., "arguments"|"parameters": {...}}`` at the start of ``body``.
+
+    While the object is unfinished, the arguments stream as their raw text once the name is
+    known (None until then). Finished, the object must parse: its arguments are then the raw
+    text of the value (or the string's content when the model wrote them as a JSON string).
+    """
+    header = _CALL_HEADER.match(body)
+    end = json_value_end(body, 0, final=finished)
+    if end is None and not finished:
+        if header is None:
+            return None
+        name = json.loads(f'"{header[1]}"')
+        if body[header.end() : header.end() + 1] in ('"', ""):
+            return PartialCall(name, "", False, raw)  # arguments as a JSON string: they go out whole
+        arguments_end = json_value_end(body, header.end())
+        return PartialCall(name, body[header.end() : arguments_end], False, raw)
+    try:
+        parsed = json.loads(body[: end or len(body)])
+    except ValueError:
+        return PartialCall(json.loads(f'"{header[1]}"') if header else "", "", False, raw)
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return PartialCall("", "", False, raw)
+    arguments: Any = parsed.get("arguments", parsed.get("parameters", {}))
+    if header is not None and not isinstance(arguments, str):
+        value_end = json_value_end(body, header.end(), final=True)
+        text = body[header.end() : value_end].strip()
+    else:
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return PartialCall(parsed["name"], text, True, raw)
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen 2/2.5/3 write them."""
+
+    name: ClassVar[str] = "hermes"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    open_tag: ClassVar[str] = "<tool_call>"
+    close_tag: ClassVar[str] = "</tool_call>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        position = 0
+        while True:
+            opened = text.find(self.open_tag, position)
+            if opened < 0:
+                tail = text[position:]
+                content.append(tail if final else tail[: len(tail) - marker_overlap(tail, self.open_tag)])
+                break
+            content.append(text[position:opened])
+            body_start = opened + len(self.open_tag)
+            closed = text.find(self.close_tag, body_start)
+            finished = closed >= 0 or final
+            body_end = closed if closed >= 0 else len(text)
+            if closed < 0 and not final:  # a close tag may be arriving
+                body_end -= marker_overlap(text[body_start:], self.close_tag)
+            raw = text[opened : closed + len(self.close_tag) if closed >= 0 else len(text)]
+            call = json_call(text[body_start:body_end], raw, finished)
+            if call is not None and closed >= 0 and not is_valid_call(call):
+                content.append(raw)  # a finished call that is not one: it stays where it was, as text
+            elif call is not None:
+                calls.append(call)
+            if closed < 0:
+                break
+            position = closed + len(self.close_tag)
+        return Scan("".join(content), calls)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: the answer is ``{"name": ..., "parameters": {...}}`` (several joined by ``;``),
+    optionally after ``<|python_tag|>``. An answer that starts otherwise is content."""
+
+    name: ClassVar[str] = "llama3_json"
+    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    python_tag: ClassVar[str] = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = len(text) - len(text.lstrip())
+        if text.startswith(self.python_tag, start):
+            start += len(self.python_tag)
+            start += len(text[start:]) - len(text[start:].lstrip())
+        elif not final and self.python_tag.startswith(text[start:]):
+            return Scan("", [])  # nothing, or the tag arriving: undecided
+        if start >= len(text):
+            return Scan(text if final else "", [])
+        if text[start] != "{":
+            return Scan(text, [])
+        calls: list[PartialCall] = []
+        position = start
+        while position < len(text):
+            end = json_value_end(text, position, final)
+            call = json_call(text[position : end or len(text)], text[position : end or len(text)], end is not None or final)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            position = end
+            rest = text[position:]
+            position += len(rest) - len(rest.lstrip(" \t\r\n;"))
+            if position < len(text) and text[position] != "{":
+                if final:
+                    return Scan(text, [])  # trailing prose: not a call answer after all
+                break
+        return Scan("", calls)
+
+    def tools_prompt(self, tools: Any) -> str:
+        listed = "\n\n".join(json.dumps({"type": "function", "function": tool}, ensure_ascii=False) for tool in tools)
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+            "that best answers the given prompt.\n\n"
+            'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. '
+            f"Do not use variables.\n\n{listed}"
+        )
+
+    def render_calls(self, calls: Any) -> str:
+        return "; ".join(json.dumps({"name": call["name"], "parameters": call["arguments"]}, ensure_ascii=False) for call in calls)

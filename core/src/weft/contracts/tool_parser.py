@@ -1,0 +1,193 @@
+"""The tool-parser slot: finding the tool calls in what a model wrote.
+
+Models write tool calls in their own format (Hermes/Qwen ``<tool_call>{...}</tool_call>``,
+Llama 3's bare JSON, DeepSeek V4's DSML). A parser turns a request's output text into
+OpenAI's shape: content, and calls with a name and JSON arguments.
+
+``use.tool_parser`` names the parser; ``auto`` takes the one whose :attr:`ToolParser.architectures`
+lists the checkpoint's architecture (none: tool calls are not parsed, ``tool_choice="auto"``
+returns plain content).
+
+A parser object serves one request: ``Parser(options, tools)``, where ``tools`` are the
+request's function definitions (``{"name", "description", "parameters"}``). A parser
+implements one method, :meth:`ToolParser.scan`, over the whole text so far; the base
+class derives from it the whole-output answer (:meth:`ToolParser.parse`) and the
+streaming one (:meth:`ToolParser.push`, then :meth:`ToolParser.finish`), so the two always
+agree. ``scan`` must be prefix-stable: as the text grows, the content it reports and the
+name and arguments of each call only grow. Whatever a parser raises, the base class
+answers with the text as content (a malformed call never fails a request).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+logger = logging.getLogger("weft.tool_parser")
+
+
+class ToolCall(msgspec.Struct):
+    """A complete call: ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed call: the first piece of a call has its id and name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ParsedOutput(msgspec.Struct):
+    content: str | None
+    """Text that is not a call (None when there is none)."""
+    calls: list[ToolCall]
+
+
+class StreamDelta(msgspec.Struct):
+    content: str = ""
+    calls: list[ToolCallDelta] = []
+
+
+class PartialCall(msgspec.Struct):
+    """A call as far as the text goes."""
+
+    name: str
+    arguments: str
+    """JSON text of the arguments so far (a prefix of the final text until ``complete``)."""
+    complete: bool
+    raw: str = ""
+    """The call's source text, for the fallback to content when the finished call is not valid."""
+
+
+class Scan(msgspec.Struct):
+    content: str
+    """Text that is not part of a call, so far. When not ``final``, hold back a tail that may start a call."""
+    calls: list[PartialCall]
+
+
+class ToolParser(PluginBase):
+    """Finds tool calls in one request's output text."""
+
+    name: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]] = ()
+    """Hugging Face architectures this parser is the default for (``use.tool_parser = "auto"``)."""
+    needs_special_tokens: ClassVar[bool] = False
+    """Whether the format's markers are special tokens, which the text must keep (``skip_special_tokens=False``)."""
+
+    def __init__(self, options: msgspec.Struct | None = None, tools: Sequence[dict[str, Any]] = ()) -> None:
+        self.options = options if options is not None else self.Options()
+        self.tools = list(tools)
+        self._text = ""
+        self._sent_content = 0
+        self._sent: list[tuple[str, int]] = []
+        """Per streamed call: its id and how many characters of its arguments went out."""
+
+    @abstractmethod
+    def scan(self, text: str, final: bool) -> Scan:
+        """Content and calls in ``text`` (the whole output so far); ``final``: nothing more will come."""
+
+    # Templates that do not render tools themselves get them in the parser's format.
+
+    def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
+        """A system-prompt paragraph presenting ``tools`` and the call format (for chat templates that ignore ``tools``)."""
+        listed = "\n".join(json.dumps({"type": "function", "function": tool}, ensure_ascii=False) for tool in tools)
+        return (
+            "You may call one or more functions to assist with the user query. The functions:\n"
+            f"<tools>\n{listed}\n</tools>\n"
+            "For each function call, answer with a JSON object with the function name and arguments within "
+            '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+    def render_calls(self, calls: Sequence[dict[str, Any]]) -> str:
+        """An assistant turn's calls (``{"name", "arguments"}``, arguments a dict) as the model writes them
+        (for chat templates that ignore ``tool_calls``)."""
+        return "\n".join(
+            "<tool_call>\n" + json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+            + "\n</tool_call>"
+            for call in calls
+        )
+
+    # Derived from scan.
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The content and the complete, valid calls of a whole output; a call that is unfinished or
+        whose arguments are not a JSON object stays in the content."""
+        scan = self._safe_scan(text, final=True)
+        valid = [call for call in scan.calls if is_valid_call(call)]
+        if len(valid) < len(scan.calls) and not valid:
+            return ParsedOutput(text or None, [])
+        content = scan.content + "".join(call.raw for call in scan.calls if not is_valid_call(call))
+        return ParsedOutput(content or None, [ToolCall(_call_id(), call.name, call.arguments) for call in valid])
+
+    def push(self, text: str) -> StreamDelta:
+        """Add the next piece of output; returns the content and call pieces now certain."""
+        self._text += text
+        return self._advance(final=False)
+
+    def finish(self) -> StreamDelta:
+        """The output ended: what was held back. A call none of which was streamed yet and that is
+        unfinished or invalid comes out as content."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> StreamDelta:
+        scan = self._safe_scan(self._text, final)
+        calls = scan.calls
+        content = scan.content
+        if final:
+            content += "".join(call.raw for call in calls[len(self._sent) :] if not is_valid_call(call))
+            calls = calls[: len(self._sent)] + [call for call in calls[len(self._sent) :] if is_valid_call(call)]
+        else:  # a call streams once its name is known; the ones after it wait
+            named = next((index for index, call in enumerate(calls) if not call.name), len(calls))
+            calls = calls[:named]
+        delta = StreamDelta()
+        if len(content) > self._sent_content:
+            delta.content = content[self._sent_content :]
+            self._sent_content = len(content)
+        for index, call in enumerate(calls):
+            if index == len(self._sent):
+                self._sent.append((_call_id(), 0))
+                delta.calls.append(ToolCallDelta(index, self._sent[index][0], call.name))
+            call_id, sent = self._sent[index]
+            if len(call.arguments) > sent:
+                piece = call.arguments[sent:]
+                if delta.calls and delta.calls[-1].index == index:
+                    delta.calls[-1].arguments += piece
+                else:
+                    delta.calls.append(ToolCallDelta(index, arguments=piece))
+                self._sent[index] = (call_id, len(call.arguments))
+        return delta
+
+    def _safe_scan(self, text: str, final: bool) -> Scan:
+        try:
+            return self.scan(text, final)
+        except Exception:
+            logger.warning("tool parser %r failed on the output; it is returned as content", self.name, exc_info=True)
+            return Scan(text if final else "", [])
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def is_valid_call(call: PartialCall) -> bool:
+    """A finished call whose arguments are a JSON object."""
+    if not call.complete:
+        return False
+    try:
+        return isinstance(json.loads(call.arguments), dict)
+    except ValueError:
+        return False

@@ -10,6 +10,7 @@
     loader = "auto"
     tokenizer = "auto"
     kv_connector = "none"
+    structured_output = "auto"        # grammar backend (weft-xgrammar); tool_parser and reasoning_parser likewise
     [engine]
     max_num_seqs = 64
     generation_config = "auto"        # sampling defaults: the model's; "none": Weft's; or a folder with generation_config.json
@@ -51,6 +52,15 @@ class UseConfig(_Section, frozen=True):
     loader: Annotated[str, Meta(description="weight loader, or auto: the first that accepts the model source")] = "auto"
     tokenizer: Annotated[str, Meta(description="tokenizer, or auto: the one the loader names for the source")] = "auto"
     kv_connector: Annotated[str, Meta(description="KV connector, or none")] = "none"
+    structured_output: Annotated[
+        str, Meta(description="structured-output backend, none, or auto: the installed one of highest priority")
+    ] = "auto"
+    tool_parser: Annotated[
+        str, Meta(description="tool-call parser, none, or auto: the one made for the model's architecture")
+    ] = "auto"
+    reasoning_parser: Annotated[
+        str, Meta(description="reasoning parser, none, or auto: the one made for the model's architecture")
+    ] = "auto"
     ops: Annotated[dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")] = {}
 
 

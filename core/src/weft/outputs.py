@@ -36,3 +36,5 @@ class RequestOutput(msgspec.Struct):
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams(prompt_logprobs=n)``: per prompt token (None for the first) its Logprob and the top-n."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from weft.contracts.structured_output import StructuredOutputsParams
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """Sampling options of one request.
@@ -35,6 +37,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """Return the log-probabilities of the sampled token and of this many most likely ones."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (needs a structured-output backend)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value in [-100, 100] added to its logit before sampling (-100 bans it, +100 all but forces it)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Sample only among these tokens."""
+    bad_words: tuple[str, ...] = ()
+    """Words never to generate: the last token of each is banned when the output ends with the ones before it."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` tokenized (with and without a leading space); filled in when the request is submitted."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token and of this many most likely ones at each position."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +56,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         else:
             msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        msgspec.structs.force_setattr(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            msgspec.structs.force_setattr(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            msgspec.structs.force_setattr(self, "logit_bias", {int(token): float(value) for token, value in self.logit_bias.items()})
         checks = [
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)"),
@@ -56,6 +75,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", self.prompt_logprobs,
+             "must be in [0, 20]"),
+            (self.logit_bias is None or all(-100 <= value <= 100 for value in self.logit_bias.values()), "logit_bias",
+             self.logit_bias, "values must be in [-100, 100]"),
+            (self.logit_bias is None or all(token >= 0 for token in self.logit_bias), "logit_bias", self.logit_bias,
+             "token ids must be >= 0"),
+            (self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
+             "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids >= 0"),
+            (all(isinstance(word, str) and word.strip() for word in self.bad_words), "bad_words", self.bad_words,
+             "must be non-empty strings"),
         ]
         for ok, field, value, rule in checks:
             if not ok:

@@ -31,8 +31,11 @@ class HFTokenizer(Tokenizer):
         eos_token_ids: frozenset[int],
         special_tokens: dict[str, str],
         chat_template: str | None,
+        backend: Any = None,
     ) -> None:
+        """``backend``: the ``tokenizers.Tokenizer`` underneath, when there is one (it lists the vocabulary)."""
         self._encode, self._decode = encode, decode
+        self._backend = backend
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self.special_tokens = special_tokens
@@ -72,6 +75,7 @@ class HFTokenizer(Tokenizer):
             eos_token_ids=frozenset(eos),
             special_tokens={key: value or "" for key, value in special.items()},
             chat_template=template,
+            backend=fast,
         )
 
     @classmethod
@@ -88,6 +92,7 @@ class HFTokenizer(Tokenizer):
             eos_token_ids=frozenset(eos),
             special_tokens={"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""},
             chat_template=chat_template if isinstance(chat_template, str) else None,
+            backend=getattr(tokenizer, "backend_tokenizer", None),
         )
 
     @property
@@ -108,11 +113,67 @@ class HFTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
+    def vocabulary_bytes(self) -> list[bytes]:
+        if self._backend is None:
+            return super().vocabulary_bytes()
+        return vocabulary_bytes(self._backend, self.vocab_size)
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
         variables = {**self.special_tokens, **template_kwargs}
         return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, **variables)
+
+
+def vocabulary_bytes(backend: Any, vocab_size: int) -> list[bytes]:
+    """Each token's bytes in decoded text, from a ``tokenizers.Tokenizer``: byte-level BPE (GPT-2's
+    byte-to-character map), SentencePiece-style (``▁`` for a space, ``<0xNN>`` byte-fallback tokens) or
+    plain strings; added tokens are their literal text, special ones ``b""``."""
+    spec = json.loads(backend.to_str())
+    decoders = _decoder_types(spec.get("decoder"))
+    added = {token["id"]: token for token in spec.get("added_tokens", [])}
+    byte_level = "ByteLevel" in decoders
+    byte_fallback = "ByteFallback" in decoders
+    metaspace = "Metaspace" in decoders or "Replace" in decoders
+    if not (byte_level or metaspace) and decoders - {"Fuse", "Strip"}:
+        raise NotImplementedError(
+            f"the tokenizer's decoder ({', '.join(sorted(decoders))}) is neither byte-level nor SentencePiece-style; "
+            f"structured outputs cannot map its tokens to bytes"
+        )
+    from_char = {char: byte for byte, char in _bytes_to_unicode().items()}
+    table = [b""] * vocab_size
+    for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if not 0 <= token_id < vocab_size:
+            continue
+        if token_id in added:
+            table[token_id] = b"" if added[token_id].get("special") else token.encode()
+        elif byte_level and all(char in from_char for char in token):
+            table[token_id] = bytes(from_char[char] for char in token)
+        elif byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            table[token_id] = bytes([int(token[3:5], 16)])
+        else:
+            table[token_id] = (token.replace("\u2581", " ") if metaspace else token).encode()
+    return table
+
+
+def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:
+    if not decoder:
+        return set()
+    if decoder.get("type") == "Sequence":
+        return {kind for inner in decoder.get("decoders", []) for kind in _decoder_types(inner)}
+    return {decoder.get("type", "")}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character byte-level BPE vocabularies spell it with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
 
 
 def _auto_tokenizer(folder: Path) -> Any:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import msgspec
+
 from weft.contracts.executor import (
     Executor,
+    GrammarOutput,
     SchedulerOutput,
     StepHandle,
     WorkerInfo,
@@ -35,8 +38,11 @@ class UniprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, step: SchedulerOutput) -> StepHandle:
+    def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         return self.worker.execute_model(decode_scheduler_output(encode_step(step)))
+
+    def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
+        return self.worker.sample_tokens(msgspec.msgpack.decode(msgspec.msgpack.encode(grammar), type=GrammarOutput))
 
     def shutdown(self) -> None:
         if not self._closed:

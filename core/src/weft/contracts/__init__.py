@@ -3,20 +3,23 @@
 A plugin implements one of the contracts below and registers it under the
 slot's entry-point group; the entry-point *name* is what ``weft.toml`` selects.
 
-==============  ======================  =========================================
-slot            entry-point group       contract
-==============  ======================  =========================================
-platform        ``weft.platform``       :class:`weft.contracts.platform.Platform`
-attention       ``weft.attention``      :class:`weft.contracts.attention.AttentionBackend`
-model           ``weft.model``          :class:`weft.contracts.model.ModelFamily`
-loader          ``weft.loader``         :class:`weft.contracts.loader.WeightLoader`
-tokenizer       ``weft.tokenizer``      :class:`weft.contracts.tokenizer.Tokenizer`
-kv_connector    ``weft.kv_connector``   :class:`weft.contracts.kv_connector.KVConnector`
-ops             ``weft.ops``            :class:`weft.contracts.ops.OpImplementation`
-executor        ``weft.executor``       :class:`weft.contracts.executor.Executor`
-hooks           ``weft.hooks``          a module or object with ``@hookimpl`` functions
-                                        (:mod:`weft.contracts.hooks`)
-==============  ======================  =========================================
+=================  ==========================  ==================================================
+slot               entry-point group           contract
+=================  ==========================  ==================================================
+platform           ``weft.platform``           :class:`weft.contracts.platform.Platform`
+attention          ``weft.attention``          :class:`weft.contracts.attention.AttentionBackend`
+model              ``weft.model``              :class:`weft.contracts.model.ModelFamily`
+loader             ``weft.loader``             :class:`weft.contracts.loader.WeightLoader`
+tokenizer          ``weft.tokenizer``          :class:`weft.contracts.tokenizer.Tokenizer`
+kv_connector       ``weft.kv_connector``       :class:`weft.contracts.kv_connector.KVConnector`
+ops                ``weft.ops``                :class:`weft.contracts.ops.OpImplementation`
+executor           ``weft.executor``           :class:`weft.contracts.executor.Executor`
+structured_output  ``weft.structured_output``  :class:`weft.contracts.structured_output.StructuredOutputBackend`
+tool_parser        ``weft.tool_parser``        :class:`weft.contracts.tool_parser.ToolParser`
+reasoning_parser   ``weft.reasoning_parser``   :class:`weft.contracts.reasoning_parser.ReasoningParser`
+hooks              ``weft.hooks``              a module or object with ``@hookimpl`` functions
+                                               (:mod:`weft.contracts.hooks`)
+=================  ==========================  ==================================================
 
 Model families register one entry point per Hugging Face architecture they
 build (``LlamaForCausalLM = mypkg.llama:LlamaFamily``); op implementations are
@@ -44,6 +47,9 @@ SLOT_GROUPS: dict[str, str] = {
     "kv_connector": "weft.kv_connector",
     "ops": "weft.ops",
     "executor": "weft.executor",
+    "structured_output": "weft.structured_output",
+    "tool_parser": "weft.tool_parser",
+    "reasoning_parser": "weft.reasoning_parser",
     "hooks": "weft.hooks",
 }
 """Each slot and the entry-point group its plugins register under."""

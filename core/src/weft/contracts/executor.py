@@ -28,7 +28,8 @@ Executor call order: ``Executor(options, config)`` → :meth:`Executor.load_mode
 (workers build the model and report their KV-cache groups and memory) →
 :meth:`Executor.initialize_kv_cache` (the blocks per group the engine chose;
 workers allocate caches, warm kernels up, capture graphs) → :meth:`Executor.execute_model`
-once per step → :meth:`Executor.shutdown`.
+once per step (and :meth:`Executor.sample_tokens` after a step with structured
+outputs) → :meth:`Executor.shutdown`.
 """
 
 from __future__ import annotations
@@ -83,10 +84,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     kv_connector_metadata: bytes | None = None
     """The KV connector's metadata for this step (msgpack of what its scheduler role built; workers
     decode it as the connector's ``metadata_type``), when a connector is configured."""
+    structured_output_request_ids: list[str] = []
+    """Requests that sample this step under a structured-output constraint (or may: their reasoning
+    has not ended yet): workers sample only once :meth:`Executor.sample_tokens` brings the bitmask."""
 
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+class GrammarOutput(msgspec.Struct, array_like=True):
+    """The token bitmask of one step's constrained rows (layout: :mod:`weft.contracts.structured_output`)."""
+
+    request_ids: list[str]
+    """The masked requests, a subset of the step's ``structured_output_request_ids``; the others sample freely."""
+    bitmask: bytes
+    """int32 rows, one per request in ``request_ids``, native byte order, row-major."""
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -107,6 +120,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, TokenLogprobs] = {}
     """For requests that asked for logprobs."""
     connector_output: ConnectorOutput | None = None
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    """For requests that asked for prompt logprobs and computed prompt tokens this step: the position
+    of the first prompt token covered, and per token from there the logprob of that prompt token
+    given the ones before it."""
 
 
 def encode_step(value: SchedulerOutput | ModelRunnerOutput) -> bytes:
@@ -175,8 +192,13 @@ class Executor(PluginBase):
         """Allocate ``num_blocks[g]`` blocks for each KV-cache group, warm kernels up, capture graphs."""
 
     @abstractmethod
-    def execute_model(self, step: SchedulerOutput) -> StepHandle:
-        """Launch one step on the workers."""
+    def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
+        """Launch one step on the workers; None when the step has structured outputs, whose
+        sampling waits for :meth:`sample_tokens`."""
+
+    def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
+        """Sample the step :meth:`execute_model` launched last, its constrained rows masked by ``grammar``."""
+        raise NotImplementedError(f"executor {self.name!r} does not support structured outputs")
 
     def shutdown(self) -> None:
         """Stop the workers and release their devices. Idempotent."""

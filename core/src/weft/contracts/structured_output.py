@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -165,6 +166,11 @@ class StructuredOutputBackend(PluginBase):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled`` (fast)."""
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """Fill row ``i`` of ``bitmask`` for ``matchers[i]``; a backend may spread the rows over threads."""
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
 
     def close(self) -> None:
         """Release threads and caches. Idempotent."""

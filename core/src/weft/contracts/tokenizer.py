@@ -79,6 +79,14 @@ class Tokenizer(PluginBase):
             normalized.append(copy)
         return normalized
 
+    def vocabulary_bytes(self) -> list[bytes]:
+        """Per token id, the bytes the token adds to decoded text; ``b""`` for special tokens (those
+        ``skip_special_tokens`` drops). Structured-output backends build their token tables from it."""
+        raise NotImplementedError(
+            f"tokenizer {type(self).__name__} cannot list its tokens' bytes, which structured outputs need; "
+            f"implement vocabulary_bytes()"
+        )
+
     @property
     def has_chat_template(self) -> bool:
         """Whether :meth:`apply_chat_template` can render conversations."""

@@ -125,6 +125,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 core.reset_after_failure()
                 failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
                 produced = []
+            refused.update(core.take_refused())  # constraints that failed to compile
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
         core.close()

@@ -25,11 +25,12 @@ from typing import Any
 import msgspec
 
 from weft.config import WeftConfig
-from weft.contracts.executor import SchedulerOutput, StepHandle
+from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.kv_connector import SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
+from weft.engine.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
@@ -53,6 +54,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     """``params.max_tokens`` capped by the context length (the API side computes it)."""
+    grammar_starts_after: tuple[int, ...] = ()
+    """With a structured-output constraint and reasoning first: the tokens that end the reasoning; the
+    constraint covers what follows them (empty: the whole output)."""
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -91,9 +95,12 @@ class EngineCore:
         if connector is not None:
             connector_class, options, context = connector
             self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
+        self.structured_outputs = StructuredOutputManager(
+            config, self.registry, self.source, self.source.hf_config.get("vocab_size"),
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
-            engine.enable_chunked_prefill, self.kv_connector,
+            engine.enable_chunked_prefill, self.kv_connector, self.structured_outputs,
         )
         self.async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
         if self.async_scheduling and self.kv_connector is not None:
@@ -130,10 +137,13 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
-        self.scheduler.add(Request(
+        core_request = Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             frozenset(request.eos_token_ids),
-        ))
+        )
+        if request.params.structured_outputs is not None:
+            self.structured_outputs.add(core_request, request.grammar_starts_after)
+        self.scheduler.add(core_request)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -157,24 +167,45 @@ class EngineCore:
     # Stepping.
 
     def step(self) -> list[EngineCoreOutput]:
-        """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched)."""
+        """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched).
+
+        A step with structured outputs samples once the core has filled its bitmask, while the
+        workers run its forward; the mask needs every earlier token, so the step in flight is
+        applied first."""
         if not self.async_scheduling:
             output = self._schedule()
-            return self._apply(output, self.executor.execute_model(output))
+            handle = self.executor.execute_model(output)
+            if handle is None:
+                handle = self.executor.sample_tokens(self._grammar_output(output))
+            return self._apply(output, handle)
+        results: list[EngineCoreOutput] = []
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
-            launched = (output, self.executor.execute_model(output))
+            handle = self.executor.execute_model(output)
+            if handle is None:
+                if self._in_flight is not None:
+                    results, self._in_flight = self._apply(*self._in_flight), None
+                handle = self.executor.sample_tokens(self._grammar_output(output))
+            launched = (output, handle)
         previous, self._in_flight = self._in_flight, launched
-        if previous is None:
-            return []
-        return self._apply(*previous)
+        if previous is not None:
+            results += self._apply(*previous)
+        return results
+
+    def _grammar_output(self, output: SchedulerOutput) -> GrammarOutput:
+        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests)
+
+    def take_refused(self) -> dict[str, str]:
+        """Requests the scheduler ended because they cannot run, with the reason, since the last call."""
+        refused, self.scheduler.refused = self.scheduler.refused, {}
+        return refused
 
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
         if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
             connector = self.kv_connector
-            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over):
+            if not self.scheduler.passed_over and (connector is None or not connector.has_delayed_frees):
                 request = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
         return output
@@ -228,6 +259,7 @@ class EngineCore:
             self.kv_connector.close()
         self.executor.shutdown()
         self.executor = None  # type: ignore[assignment]
+        self.structured_outputs.close()
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine

@@ -6,6 +6,11 @@ serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+import msgspec
+
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
 from weft.engine.engine_core import EngineCoreRequest
@@ -22,9 +27,30 @@ class Frontend:
         self.max_model_len = max_model_len(config, self.source)
         self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
         self.model_name = config.server.served_model_name or self.source.name
+        self.config = config
+        self.registry = registry
+        self._structured_output: Any = None
+        self._structured_output_lock = threading.Lock()
 
-    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
-        """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model."""
+    def structured_output_backend(self) -> Any:
+        """The structured-output backend class requests are validated with (imported on first use); None when
+        there is none (or ``use.structured_output = "none"``)."""
+        from weft.plugins.selection import select_structured_output
+
+        with self._structured_output_lock:
+            if self._structured_output is None:
+                self._structured_output = (select_structured_output(self.registry, self.config.use.structured_output),)
+            return self._structured_output[0]
+
+    def architecture(self) -> str | None:
+        architectures = self.source.hf_config.get("architectures") or [None]
+        return architectures[0]
+
+    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     grammar_starts_after: tuple[int, ...] = ()) -> EngineCoreRequest:
+        """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model.
+
+        ``grammar_starts_after``: the tokens ending the reasoning, when a constraint applies to the answer after it."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -35,10 +61,31 @@ class Frontend:
         vocab = self.vocab_size
         if vocab is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
-        bad_stops = [token for token in params.stop_token_ids if vocab is not None and not 0 <= token < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
+        for field, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                              ("allowed_token_ids", params.allowed_token_ids or ())):
+            out_of_range = [token for token in tokens if vocab is not None and not 0 <= token < vocab]
+            if out_of_range:
+                raise ValueError(f"{field}: token ids must be in [0, {vocab}); got {out_of_range[:5]}")
+        if params.structured_outputs is not None:
+            backend = self.structured_output_backend()
+            if backend is None:
+                from weft.engine.structured_output import no_backend_message
+
+                raise ValueError(no_backend_message(self.config))
+            backend.validate(params.structured_outputs)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
-        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens)
+        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens, tuple(grammar_starts_after))
+
+    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as it would start the text and after a space (as vLLM bans them)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                tokens = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if tokens and tokens not in sequences:
+                    sequences.append(tokens)
+        return tuple(sequences)

@@ -95,6 +95,12 @@ class LLMEngine:
         advanced, stopped = self.outputs.process(produced)
         if stopped:
             self.core.abort(stopped)
+        refused = self.core.take_refused()
+        if refused:
+            for request_id in refused:
+                self.outputs.abort(request_id)
+            request_id, reason = next(iter(refused.items()))
+            raise ValueError(f"request {request_id!r}: {reason}")
         return advanced
 
     def close(self) -> None:

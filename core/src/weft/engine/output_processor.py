@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from weft.outputs import CompletionOutput, Logprob
 
 if TYPE_CHECKING:
+    from weft.contracts.executor import TokenLogprobs
     from weft.contracts.tokenizer import Tokenizer
     from weft.engine.scheduler import EngineCoreOutput
     from weft.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ class RequestOutputState:
         """Detokenize once when the request finishes instead of token by token: nobody reads the
         text before then (``stream_text`` False) and no stop string needs it."""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        """Per prompt token (None for the first, which nothing predicts), once the core sent them."""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_cached_tokens = 0
@@ -86,6 +89,10 @@ class OutputProcessor:
             if state.first_token_time is None:
                 state.first_token_time = now
             state.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] + [
+                    self._decoded(entry, token) for entry, token in zip(output.prompt_logprobs, state.prompt_token_ids[1:])
+                ]
             for position in range(len(output.new_token_ids)):
                 if self._append(state, output, position):
                     stopped.append(state.request_id)
@@ -101,12 +108,7 @@ class OutputProcessor:
         last = position == len(output.new_token_ids) - 1
         state.output_token_ids.append(token_id)
         if state.logprobs is not None and output.new_logprobs:
-            entry = output.new_logprobs[position]
-            decode = self.tokenizer.decode
-            entries = {token_id: Logprob(entry.logprob, entry.rank, decode([token_id], False))}
-            for rank, (candidate, value) in enumerate(entry.top, start=1):
-                entries.setdefault(candidate, Logprob(value, rank, decode([candidate], False)))
-            state.logprobs.append(entries)
+            state.logprobs.append(self._decoded(output.new_logprobs[position], token_id))
         finish_reason = output.finish_reason if last else None
         # The token that ended the request (EOS, a stop id) is not part of the text.
         stopped_by_token = finish_reason == "stop"
@@ -127,6 +129,14 @@ class OutputProcessor:
             else:
                 state.text += state.detokenizer.flush()
         return False
+
+    def _decoded(self, entry: TokenLogprobs, token_id: int) -> dict[int, Logprob]:
+        """A token's logprob and its top candidates, each with its text."""
+        decode = self.tokenizer.decode
+        entries = {token_id: Logprob(entry.logprob, entry.rank, decode([token_id], False))}
+        for rank, (candidate, value) in enumerate(entry.top, start=1):
+            entries.setdefault(candidate, Logprob(value, rank, decode([candidate], False)))
+        return entries
 
     def _check_stop_strings(self, state: RequestOutputState, previous_length: int) -> bool:
         params = state.params

@@ -18,6 +18,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from weft.contracts.executor import TokenLogprobs
+    from weft.engine.structured_output import ConstraintState
     from weft.sampling_params import SamplingParams
 
 
@@ -67,6 +69,11 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.stop_reason: int | None = None
+        self.constraint: ConstraintState | None = None
+        """The structured-output constraint's compilation and matcher (:mod:`weft.engine.structured_output`)."""
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
+        """Logprobs of prompt tokens 1.. as the steps computed them (when the request asked)."""
+        self.prompt_logprobs_sent = False
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

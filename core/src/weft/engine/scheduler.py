@@ -43,6 +43,7 @@ from weft.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from weft.engine.kv_connector import SchedulerConnector
+    from weft.engine.structured_output import StructuredOutputManager
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):
@@ -54,6 +55,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With the request's first token, when it asked for prompt logprobs: those of prompt tokens 1..."""
 
 
 class Scheduler:
@@ -65,9 +68,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         connector: SchedulerConnector | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.connector = connector
+        self.structured_outputs = structured_outputs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,7 +87,11 @@ class Scheduler:
         self._epochs: deque[dict[str, tuple[int, bool]]] = deque()
         """Per step in flight, for each scheduled request: its preemption count then, and whether it samples."""
         self.passed_over = 0
-        """Waiting requests the KV connector could not answer for in the last step."""
+        """Waiting requests passed over in the last step: the KV connector could not answer for them
+        yet, or their structured-output constraint is still compiling."""
+        self.refused: dict[str, str] = {}
+        """Requests ended because they cannot run (a constraint that failed to compile), with the reason,
+        since the owner last took this dict."""
         self.num_preemptions = 0
         """Preemptions since start."""
         self.newly_finished: list[Request] = []
@@ -127,9 +136,15 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.constraint is not None and not self._constraint_ready(request):
+                if not request.finished:
+                    passed_over.append(self.waiting.popleft())
+                continue
             tokens = request.all_token_ids
-            prefix = self.kv_cache.find_computed_prefix(tokens)
-            external = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else 0
+            # Prompt logprobs need every prompt token computed here: no cached or loaded prefix.
+            computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+            prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens)
+            external = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None and not computes_all else 0
             if external is None:
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -157,11 +172,23 @@ class Scheduler:
         self.passed_over = len(passed_over)
         return self._build_output(scheduled)
 
+    def _constraint_ready(self, request: Request) -> bool:
+        """Whether the request's constraint is compiled; one that failed to compile ends the request."""
+        assert self.structured_outputs is not None
+        try:
+            return self.structured_outputs.ready(request)
+        except ValueError as error:
+            self.waiting.remove(request)
+            self.refused[request.request_id] = str(error)
+            self.finish(request.request_id)
+            return False
+
     def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         new_requests: list[NewRequest] = []
         cached_requests: list[CachedRequest] = []
         counts: dict[str, int] = {}
         epochs: dict[str, tuple[int, bool]] = {}
+        constrained: list[str] = []
         for request, _ in scheduled:
             request_id = request.request_id
             blocks = self.kv_cache.block_ids(request_id)
@@ -190,11 +217,13 @@ class Scheduler:
             samples = request.num_computed_tokens == request.num_tokens_with_placeholders
             request.num_output_placeholders += samples  # this step samples the request's next token
             epochs[request.request_id] = (request.num_preemptions, samples)
+            if samples and request.constraint is not None and self.structured_outputs.constrains(request):  # type: ignore[union-attr]
+                constrained.append(request.request_id)
         self._epochs.append(epochs)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             new_requests=new_requests, cached_requests=cached_requests, num_scheduled_tokens=counts,
-            finished_request_ids=finished, kv_connector_metadata=metadata,
+            finished_request_ids=finished, kv_connector_metadata=metadata, structured_output_request_ids=constrained,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -239,14 +268,21 @@ class Scheduler:
                 continue
             known = min(request.num_computed_tokens, request.num_tokens)
             self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)
+            if request_id in sampled.prompt_logprobs:
+                self._add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
             if token is None:
                 continue
             request.append_token(token)
+            if request.constraint is not None:
+                self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
             self._check_stop(request, token)
             logprobs = sampled.logprobs.get(request_id)
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
             outputs.append(EngineCoreOutput(
                 request_id, [token], [logprobs] if logprobs is not None else None,
-                request.finish_reason, request.stop_reason, request.num_cached_tokens,
+                request.finish_reason, request.stop_reason, request.num_cached_tokens, prompt_logprobs,
             ))
             if request.finished:
                 self._free(request)
@@ -254,6 +290,16 @@ class Scheduler:
             for request_id in self.connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, position: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the logprobs of prompt tokens not seen yet (a recomputation after a preemption repeats some)."""
+        have = request.prompt_logprobs
+        if have is None or request.prompt_logprobs_sent:
+            return
+        skip = len(have) + 1 - position  # the first entry scores prompt token ``position``; token 0 has none
+        if skip >= 0:
+            have.extend(entries[skip:])
 
     def forget_steps_in_flight(self) -> None:
         """Steps scheduled but never applied (one raised): their results will not come."""

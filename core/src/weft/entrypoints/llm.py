@@ -182,6 +182,7 @@ class LLM:
                 outputs=[request.completion(index) for index, request in enumerate(requests)],
                 finished=True,
                 num_cached_tokens=requests[0].num_cached_tokens,
+                prompt_logprobs=requests[0].prompt_logprobs,
             )
             for base, text, token_ids, requests in groups
         ]

@@ -66,6 +66,38 @@ def choose_op(registry: PluginRegistry, op: str, platform: Platform, forced: str
     return max(candidates, key=lambda implementation: implementation.priority)(platform)
 
 
+def select_structured_output(registry: PluginRegistry, name: str) -> Any:
+    """The structured-output backend class ``use.structured_output`` names; under ``auto`` the installed
+    one of highest priority; None for ``none`` or when none is installed."""
+    if name == "none":
+        return None
+    if name != "auto":
+        return registry.load("structured_output", name)
+    backends = registry.load_all("structured_output")
+    if not backends:
+        return None
+    return max(backends.values(), key=lambda backend: backend.priority)
+
+
+def select_parser(registry: PluginRegistry, slot: str, name: str, architecture: str | None) -> Any:
+    """The ``tool_parser`` or ``reasoning_parser`` class ``name`` selects; under ``auto`` the one whose
+    ``architectures`` lists ``architecture``; None for ``none`` or when no parser claims it."""
+    if name == "none":
+        return None
+    if name != "auto":
+        return registry.load(slot, name)
+    claiming = sorted(
+        (parser_name, parser) for parser_name, parser in registry.load_all(slot).items()
+        if architecture in getattr(parser, "architectures", ())
+    )
+    if len(claiming) > 1:
+        names = ", ".join(repr(parser_name) for parser_name, _ in claiming)
+        raise PluginError(
+            f"several {slot} plugins ({names}) are made for architecture {architecture!r}; choose one with use.{slot}"
+        )
+    return claiming[0][1] if claiming else None
+
+
 def plugins_named_in_use(use: UseConfig) -> list[tuple[str, str, str]]:
     """``(key, slot, plugin name)`` of each plugin ``[use]`` names (``auto`` and ``none`` name none)."""
     named = [
@@ -75,6 +107,11 @@ def plugins_named_in_use(use: UseConfig) -> list[tuple[str, str, str]]:
     ]
     if use.kv_connector != "none":
         named.append(("kv_connector", "kv_connector", use.kv_connector))
+    named += [
+        (slot, slot, getattr(use, slot))
+        for slot in ("structured_output", "tool_parser", "reasoning_parser")
+        if getattr(use, slot) not in ("auto", "none")
+    ]
     named += [(f"ops.{op}", "ops", f"{op}.{implementation}") for op, implementation in use.ops.items()]
     return named
 

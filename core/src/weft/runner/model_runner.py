@@ -24,6 +24,14 @@ logprobs or penalties, the sampled ids stay on the device and are copied to the
 host in the background; :meth:`ModelRunner.execute` returns before they arrive.
 The next step reads a request's still-unknown last token from the device, so
 scheduling and input preparation overlap the device's work.
+
+Structured outputs: a step that lists ``structured_output_request_ids`` stops after
+the forward (:meth:`ModelRunner.execute` returns None) and samples in
+:meth:`ModelRunner.sample_tokens`, once the engine core sent the bitmask; the mask
+is applied to the logits on the device.
+
+Prompt logprobs: a request that asks for them runs its prefill eagerly, and the
+step scores each prompt token it computed from the logits of the position before.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from weft.contracts.attention import AttentionBackend, AttentionBatch
 from weft.contracts.executor import (
     DoneStep,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequest,
     SchedulerOutput,
@@ -47,6 +56,7 @@ from weft.contracts.executor import (
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.layers.attention import ForwardContext
+from weft.runner.logits_processors import apply_token_bitmask
 from weft.runner.sampler import Sampler, plain_greedy
 
 if TYPE_CHECKING:
@@ -106,8 +116,9 @@ class _PendingStep(StepHandle):
     """A step whose greedy tokens are being copied to the host."""
 
     def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
-                 connector_output: ConnectorOutput | None) -> None:
+                 connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
         self.runner = runner
+        self.prompt_logprobs = prompt_logprobs
         self.states = states
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
@@ -128,8 +139,20 @@ class _PendingStep(StepHandle):
             tokens: list[int | None] = [None] * len(self.request_ids)
             for row, token in zip(self.sampling, self.host_tokens.tolist()):
                 tokens[row] = token
-            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output)
+            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, self.prompt_logprobs)
         return self.output
+
+
+PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
+
+
+class _AwaitingMask:
+    """A step whose forward ran and whose sampling waits for the grammar bitmask."""
+
+    def __init__(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
+                 report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
+        self.states, self.sampling, self.logits, self.report = states, sampling, logits, report
+        self.prompt_logprobs = prompt_logprobs
 
 
 class ModelRunner:
@@ -158,6 +181,7 @@ class ModelRunner:
         self._pending: _PendingStep | None = None
         """The last step whose tokens may still be on their way to the host. Callers take a step's
         result before they launch the step after next."""
+        self._awaiting: _AwaitingMask | None = None
 
     # The step.
 
@@ -184,28 +208,46 @@ class ModelRunner:
         counts = list(step.num_scheduled_tokens.values())
         sampling = [row for row, (state, count) in enumerate(zip(states, counts))
                     if state.num_computed_tokens + count >= len(state.token_ids)]
-        logits = self._forward(states, counts, sampling)
+        prompt_logprobs: PromptLogprobs = {}
+        logits = self._forward(states, counts, sampling, prompt_logprobs)
         report = self.connector.finish_step(step.finished_request_ids) if self.connector is not None else None
         # Each state's computed count moves past this step (the next step's CachedRequest confirms it).
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
+        if step.structured_output_request_ids:
+            self._awaiting = _AwaitingMask(states, sampling, logits, report, prompt_logprobs)
+            return None
+        return self._sample(states, sampling, logits, report, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
+        """Sample the step :meth:`execute` left waiting, its constrained rows masked by ``grammar``."""
+        awaiting, self._awaiting = self._awaiting, None
+        assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
+        if grammar.request_ids and awaiting.logits is not None:
+            row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
+            apply_token_bitmask(awaiting.logits, [row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask)
+        return self._sample(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs)
+
+    def _sample(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
+                report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> StepHandle:
         if logits is None:
-            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report))
+            return DoneStep(self.finish_step(states, [None] * len(states), {}, report, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report)
+            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report, prompt_logprobs)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
-        tokens: list[int | None] = [None] * len(request_ids)
+        tokens: list[int | None] = [None] * len(states)
         logprobs: dict[str, TokenLogprobs] = {}
         for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
-                logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return DoneStep(self.finish_step(states, tokens, logprobs, report))
+                logprobs[states[row].request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
+        return DoneStep(self.finish_step(states, tokens, logprobs, report, prompt_logprobs))
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
-                    report: ConnectorOutput | None) -> ModelRunnerOutput:
+                    report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
         """Append each sampled token to its request's state; returns the step's output."""
         failed = report.failed_loads if report is not None else frozenset()
         for row, (state, token) in enumerate(zip(states, tokens)):
@@ -216,22 +258,24 @@ class ModelRunner:
                 continue
             if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
                 state.token_ids.append(token)
-        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report)
+        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, prompt_logprobs or {})
 
     def _resolve_pending(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
 
-    def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
-        """The logits of the rows in ``sampling`` (None when no row samples)."""
+    def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int],
+                 prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
+        """The logits of the rows in ``sampling`` (None when no row samples); fills ``prompt_logprobs``."""
         count = len(states)
-        if self.graphs and sum(counts) == count:
+        scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
+        if self.graphs and sum(counts) == count and not scores_prompt:
             size = self._graph_size(count)
             if size is not None:
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
-        return self._execute_eager(states, counts, sampling)
+        return self._execute_eager(states, counts, sampling, prompt_logprobs)
 
     def _unknown_tokens(self, states: list[RequestState], counts: list[int]) -> tuple[list[int], list[int]] | None:
         """Batch positions whose token the previous step sampled but the host has not seen, and their rows there."""
@@ -270,7 +314,8 @@ class ModelRunner:
         # non_blocking: a blocking host-to-device copy would wait for the step in flight.
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
+    def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int],
+                       prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
         positions: list[int] = []
         query_start = [0]
         seq_lens = []
@@ -306,10 +351,32 @@ class ModelRunner:
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(input_ids, position_tensor, context)
+        for row, (state, count) in enumerate(zip(states, counts)):
+            positions_scored = _scored_prompt_positions(state, count)
+            if positions_scored:
+                prompt_logprobs[state.request_id] = self._score_prompt(state, hidden, query_start[row], positions_scored)
         if not sampling:
             return None
         last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
         return self.model.compute_logits(hidden[last_rows])
+
+    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,
+                      positions: range) -> tuple[int, list[TokenLogprobs]]:
+        """Logprobs of prompt tokens ``positions.start + 1 ..`` from the logits at ``positions``."""
+        top = state.params.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        first = batch_start + positions.start - state.num_computed_tokens  # this step's rows start at the computed count
+        for chunk in range(0, len(positions), _PROMPT_LOGPROB_CHUNK):
+            rows = range(first + chunk, first + min(chunk + _PROMPT_LOGPROB_CHUNK, len(positions)))
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.start : rows.stop]).float(), dim=-1).cpu()
+            targets = torch.tensor(state.token_ids[positions.start + chunk + 1 : positions.start + chunk + 1 + len(rows)])
+            chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+            ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+            best = logprobs.topk(top, dim=-1) if top else None
+            for index in range(len(rows)):
+                candidates = list(zip(best.indices[index].tolist(), best.values[index].tolist())) if best is not None else []
+                entries.append(TokenLogprobs(float(chosen[index]), int(ranks[index]), candidates))
+        return positions.start + 1, entries
 
     # Graphs.
 
@@ -397,6 +464,18 @@ class ModelRunner:
             self._fill_padding(count, size)
         logits = self.graphs[size]()
         return logits[:count]
+
+
+_PROMPT_LOGPROB_CHUNK = 256
+"""Prompt positions scored at once (their logits are ``chunk x vocab`` floats)."""
+
+
+def _scored_prompt_positions(state: RequestState, count: int) -> range:
+    """Positions of this step whose logits score a prompt token (the next one), for a request that asked."""
+    if state.params.prompt_logprobs is None:
+        return range(0)
+    start = state.num_computed_tokens
+    return range(start, min(start + count, state.num_prompt_tokens - 1))
 
 
 def describe_sizes(sizes: Sequence[int]) -> str:

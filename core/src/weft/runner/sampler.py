@@ -1,6 +1,7 @@
 """Turn the logits of one step into the next token of each request.
 
-Order of processing, per request: penalties (repetition over prompt and
+Order of processing, per request: allowed tokens, bad words and logit bias
+(:mod:`weft.runner.logits_processors`), penalties (repetition over prompt and
 output, presence/frequency over output), the ``min_tokens`` ban on EOS and stop
 ids, then greedy argmax, or temperature, top-k, top-p, min-p and a draw from the
 request's own generator when it has a seed. Log-probabilities are those of
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import torch
+
+from weft.runner.logits_processors import apply_request_processors, needs_request_processors
 
 if TYPE_CHECKING:
     from weft.runner.model_runner import RequestState as Request
@@ -57,6 +60,7 @@ class Sampler:
             logits = logits.clone()
             for row, request in enumerate(requests):
                 if _needs_processing(request):
+                    apply_request_processors(logits[row], request)
                     _apply_penalties(logits[row], request)
         greedy = [row for row, request in enumerate(requests) if request.params.greedy]
         tokens = torch.empty(len(requests), dtype=torch.long)
@@ -82,7 +86,10 @@ class Sampler:
         return sampled
 
     def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        probs = torch.softmax(filter_logits(logits, request.params), dim=-1)
+        filtered = filter_logits(logits, request.params)
+        if torch.isneginf(filtered).all():  # every token banned (say a constraint's end under min_tokens)
+            return int(logits.argmax())
+        probs = torch.softmax(filtered, dim=-1)
         generator = request.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -119,6 +126,7 @@ def _needs_processing(request: Request) -> bool:
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or len(request.output_token_ids) < params.min_tokens
+        or needs_request_processors(params)
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weft.config import WeftConfig
-from weft.contracts.executor import SchedulerOutput, StepHandle, WorkerInfo
+from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, using_ops
@@ -139,9 +139,13 @@ class Worker:
         seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
 
-    def execute_model(self, step: SchedulerOutput) -> StepHandle:
+    def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         assert self.runner is not None, "initialize_kv_cache first"
         return self.runner.execute(step)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
+        assert self.runner is not None, "initialize_kv_cache first"
+        return self.runner.sample_tokens(grammar)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -1,0 +1,194 @@
+"""The engine core's side of structured outputs: compiling constraints, per-step bitmasks, accepting tokens.
+
+:class:`StructuredOutputManager` lives beside the scheduler. When a request with a
+constraint arrives, its compilation is queued on a worker thread (the backend itself is
+built there too, the first time: it loads the tokenizer and indexes the vocabulary);
+compiled constraints are cached by constraint, so a schema sent by many requests compiles
+once. The scheduler leaves a request waiting, at no cost to the running ones, until
+:meth:`StructuredOutputManager.ready` says its matcher exists.
+
+A request whose reasoning comes first (``grammar_starts_after``: the tokens that end it)
+samples freely until those tokens were generated; its constraint covers the answer only.
+
+Per step, :meth:`StructuredOutputManager.grammar_output` fills one bitmask row per
+constrained request that samples; :meth:`StructuredOutputManager.accept` advances a
+request's matcher over each token the step produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weft.contracts.executor import GrammarOutput
+from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
+
+if TYPE_CHECKING:
+    from weft.config import WeftConfig
+    from weft.contracts.structured_output import StructuredOutputBackend, StructuredOutputsParams
+    from weft.engine.request import Request
+    from weft.plugins import PluginRegistry
+
+logger = logging.getLogger("weft.engine")
+
+COMPILED_CACHE_SIZE = 512
+"""Distinct constraints whose compiled form the engine keeps."""
+
+
+class ConstraintState:
+    """One request's constraint: its compilation, then its matcher."""
+
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed")
+
+    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, starts_after: tuple[int, ...]) -> None:
+        self.constraint = constraint
+        self.compiled = compiled
+        self.matcher: GrammarMatcher | None = None
+        self.starts_after = starts_after
+        self.active = not starts_after
+        """Whether output tokens are constrained now (after the reasoning, when there is one)."""
+        self.failed = False
+        """A sampled token the matcher refused (it then constrains nothing more)."""
+
+
+class StructuredOutputManager:
+    def __init__(self, config: WeftConfig, registry: PluginRegistry, source: Any, vocab_size: int) -> None:
+        self.config = config
+        self.registry = registry
+        self.source = source
+        self.vocab_size = vocab_size
+        """Width of the model's logits."""
+        self._backend_class: Any = None
+        self._backend: Future | None = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None
+
+    # Requests.
+
+    def add(self, request: Request, starts_after: tuple[int, ...] = ()) -> None:
+        """Start compiling the request's constraint (ValueError when no backend is installed)."""
+        constraint = request.params.structured_outputs
+        assert constraint is not None
+        request.constraint = ConstraintState(constraint, self._compile(constraint), tuple(starts_after))
+
+    def ready(self, request: Request) -> bool:
+        """Whether the request's matcher exists; raises ValueError when its constraint failed to compile."""
+        state = request.constraint
+        if state is None or state.matcher is not None:
+            return True
+        if not state.compiled.done():
+            return False
+        try:
+            compiled = state.compiled.result()
+        except Exception as error:
+            raise ValueError(str(error)) from None
+        state.matcher = self._backend.result().matcher(compiled)  # type: ignore[union-attr]
+        return True
+
+    def accept(self, request: Request, token_id: int) -> None:
+        """Advance the request's matcher over a token it just generated."""
+        state = request.constraint
+        if state is None or state.failed or state.matcher is None:
+            return
+        if not state.active:
+            tail = request.output_token_ids[-len(state.starts_after) :]
+            state.active = tuple(tail) == state.starts_after
+            return
+        if state.matcher.is_terminated():
+            return
+        if not state.matcher.accept_token(token_id):
+            # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
+            logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
+                           request.request_id, token_id, state.constraint.kind)
+            state.failed = True
+
+    @staticmethod
+    def constrains(request: Request) -> bool:
+        """Whether the request's next sample may need a mask (it has a live constraint)."""
+        state = request.constraint
+        return state is not None and not state.failed and not (state.matcher is not None and state.matcher.is_terminated())
+
+    # Steps.
+
+    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> GrammarOutput:
+        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now."""
+        masked: list[str] = []
+        matchers: list[GrammarMatcher] = []
+        for request_id in request_ids:
+            request = requests.get(request_id)
+            state = request.constraint if request is not None else None
+            if state is None or not state.active or state.failed or state.matcher is None or state.matcher.is_terminated():
+                continue  # finished meanwhile, still reasoning, or done: it samples freely
+            masked.append(request_id)
+            matchers.append(state.matcher)
+        if not masked:
+            return GrammarOutput([], b"")
+        bitmask = self._rows(len(masked))
+        self._backend.result().fill_bitmasks(matchers, bitmask)  # type: ignore[union-attr]
+        return GrammarOutput(masked, bitmask.numpy().tobytes())
+
+    def _rows(self, count: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < count:
+            self._bitmask = torch.empty(max(count, 64), bitmask_words(self.vocab_size), dtype=torch.int32)
+        return self._bitmask[:count]
+
+    # Compilation.
+
+    def _compile(self, constraint: StructuredOutputsParams) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._start()
+            future = self._compiled.get(constraint)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._compiled.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile_now, constraint)  # type: ignore[union-attr]
+            self._compiled[constraint] = future
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return future
+
+    def _start(self) -> None:
+        from weft.plugins.selection import select_structured_output
+
+        self._backend_class = select_structured_output(self.registry, self.config.use.structured_output)
+        if self._backend_class is None:
+            raise ValueError(no_backend_message(self.config))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                                        thread_name_prefix="weft-grammar")
+        self._backend = self._pool.submit(self._build_backend)
+
+    def _build_backend(self) -> StructuredOutputBackend:
+        from weft.resolve import load_tokenizer, options_for
+
+        tokenizer = load_tokenizer(self.registry, self.config, self.source)
+        tokens = tokenizer.vocabulary_bytes()
+        vocabulary = Vocabulary(tokens[: self.vocab_size], self.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+        backend_class = self._backend_class
+        backend = backend_class(options_for(self.config, "structured_output", backend_class, backend_class.name), vocabulary)
+        logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
+        return backend
+
+    def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
+        return self._backend.result().compile(constraint)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._backend is not None and self._backend.done() and self._backend.exception() is None:
+                self._backend.result().close()
+            self._pool = None
+
+
+def no_backend_message(config: WeftConfig) -> str:
+    if config.use.structured_output == "none":
+        return "structured outputs are off (use.structured_output = 'none'); remove the constraint or turn them on"
+    return "structured outputs need a backend and none is installed; pip install weft-xgrammar"

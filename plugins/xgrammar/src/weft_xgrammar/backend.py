@@ -1,0 +1,136 @@
+"""The ``xgrammar`` structured-output backend.
+
+xgrammar compiles a JSON schema, regular expression or EBNF grammar against the model's
+vocabulary into a compiled grammar (its own cache keeps those too); a ``GrammarMatcher``
+walks one request through it, filling the int32 bitmask rows Weft's contract fixes (the
+same layout xgrammar uses). Validation parses the constraint without a vocabulary, which
+is cheap and catches what compiling would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+import msgspec
+
+from weft.contracts.structured_output import GrammarMatcher, StructuredOutputBackend, StructuredOutputsParams, Vocabulary
+
+if TYPE_CHECKING:
+    import torch
+
+
+class XgrammarOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    compile_threads: Annotated[int, msgspec.Meta(ge=1, description="threads xgrammar compiles one grammar with")] = 8
+    cache_limit_bytes: Annotated[
+        int, msgspec.Meta(ge=0, description="memory for xgrammar's cache of compiled grammars (0: no limit)")
+    ] = 256 << 20
+    fill_threads: Annotated[int, msgspec.Meta(ge=1, description="threads filling one step's bitmask rows")] = 4
+    max_whitespace: Annotated[
+        int, msgspec.Meta(ge=1, description="JSON with free whitespace: most whitespace characters in a row")
+    ] = 4
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+_PARALLEL_ROWS = 16
+"""From this many rows a step's bitmask is filled by xgrammar's threads."""
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its timestamp and C++ source location."""
+    return _SOURCE_PREFIX.sub("", str(error).strip()).strip()
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF whose only sentences are ``choices`` (JSON string escapes are valid EBNF literals)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class XgrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """JSON schema, JSON object, regex, choice and EBNF constraints on xgrammar."""
+
+    name: ClassVar[str] = "xgrammar"
+    Options: ClassVar[type[msgspec.Struct]] = XgrammarOptions
+    options: XgrammarOptions
+
+    def __init__(self, options: msgspec.Struct | None, vocabulary: Vocabulary) -> None:
+        super().__init__(options, vocabulary)
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo(
+            vocabulary.token_bytes, xgr.VocabType.RAW, vocab_size=vocabulary.size,
+            stop_token_ids=list(vocabulary.eos_token_ids),
+        )
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=self.options.compile_threads, cache_enabled=True,
+            cache_limit_bytes=self.options.cache_limit_bytes or -1,
+        )
+        self.batch = xgr.BatchGrammarMatcher(max_threads=self.options.fill_threads)
+
+    @classmethod
+    def validate(cls, constraint: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        kind = constraint.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(json.dumps(constraint.schema()), any_whitespace=constraint.any_whitespace)
+            elif kind == "regex":
+                if "\x00" in constraint.regex:  # type: ignore[operator]
+                    raise ValueError("contains a NUL character")
+                xgr.Grammar.from_regex(constraint.regex)
+            elif kind == "choice":
+                xgr.Grammar.from_ebnf(choice_grammar(constraint.choice))  # type: ignore[arg-type]
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(constraint.grammar)
+        except Exception as error:
+            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {_reason(error)}") from None
+
+    def compile(self, constraint: StructuredOutputsParams) -> Any:
+        compiler, kind = self.compiler, constraint.kind
+        whitespace = {"any_whitespace": constraint.any_whitespace}
+        if constraint.any_whitespace:
+            whitespace["max_whitespace_cnt"] = self.options.max_whitespace
+        else:
+            whitespace["separators"] = (",", ":")
+        if kind == "json":
+            return compiler.compile_json_schema(constraint.json, strict_mode=True, **whitespace)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(constraint.regex)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(constraint.choice))  # type: ignore[arg-type]
+        return compiler.compile_grammar(constraint.grammar)
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return XgrammarMatcher(self._xgr.GrammarMatcher(compiled, max_rollback_tokens=self.max_rollback_tokens))
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        if len(matchers) < _PARALLEL_ROWS or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):
+            super().fill_bitmasks(matchers, bitmask)
+            return
+        self.batch.batch_fill_next_token_bitmask([matcher.matcher for matcher in matchers], bitmask)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.compiler.clear_cache()

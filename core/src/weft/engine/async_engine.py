@@ -74,6 +74,8 @@ class Delta(msgspec.Struct):
     num_cached_tokens: int
     error: str | None = None
     error_status: int = 500
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """In the first delta of a request that asked for prompt logprobs."""
 
 
 class _Subscriber(msgspec.Struct):
@@ -83,6 +85,7 @@ class _Subscriber(msgspec.Struct):
     published_chars: int = 0
     observed_tokens: int = 0
     """Tokens the observer (metrics) has seen."""
+    sent_prompt_logprobs: bool = False
     last_token_time: float = 0.0
 
 
@@ -203,8 +206,11 @@ class AsyncEngine:
 
     # Called from the event loop.
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue) -> None:
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
+                     grammar_starts_after: tuple[int, ...] = ()) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``.
+
+        ``grammar_starts_after``: see :meth:`weft.engine.frontend.Frontend.core_request`.
 
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
@@ -212,7 +218,10 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core is gone")
         if self.stats.waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
-        core_requests = [self.frontend.core_request(request_id, prompt, params) for request_id, prompt, params, _ in requests]
+        core_requests = [
+            self.frontend.core_request(request_id, prompt, params, grammar_starts_after)
+            for request_id, prompt, params, _ in requests
+        ]
         now = time.monotonic()
         for (request_id, _, params, index), core_request in zip(requests, core_requests):
             self.outputs.add(request_id, core_request.prompt_token_ids, params)
@@ -335,6 +344,8 @@ class AsyncEngine:
             num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=generated,
             num_cached_tokens=state.num_cached_tokens,
         )
+        if state.prompt_logprobs is not None and not subscriber.sent_prompt_logprobs:
+            delta.prompt_logprobs, subscriber.sent_prompt_logprobs = state.prompt_logprobs, True
         if state.finished:
             self._subscribers.pop(state.request_id, None)
             if self.observer is not None:

@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,8 +34,12 @@ from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
 from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import Logprob
+from weft.contracts.structured_output import StructuredOutputsParams
+from weft.plugins.selection import select_parser
+from weft.resolve import options_for
 from weft.sampling_params import SamplingParams
 from weft.serve import protocol as p
+from weft.serve import structured, tools
 from weft.serve.metrics import ServerMetrics
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -69,7 +74,26 @@ class Server:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.model_sampling_defaults = load_model_sampling_defaults(engine.frontend.source, config.engine.generation_config)
+        architecture = engine.frontend.architecture()
+        self.tool_parser, self.tool_parser_options = self._parser("tool_parser", config.use.tool_parser, architecture)
+        self.reasoning_parser, self.reasoning_parser_options = self._parser(
+            "reasoning_parser", config.use.reasoning_parser, architecture,
+        )
+        # The structured-output backend's import takes seconds: done now, off the event loop.
+        threading.Thread(target=self._import_structured_output_backend, daemon=True).start()
 
+    def _parser(self, slot: str, name: str, architecture: str | None) -> tuple[Any, Any]:
+        parser = select_parser(self.engine.registry, slot, name, architecture)
+        if parser is None:
+            return None, None
+        logger.info("%s: %s", slot, parser.name)
+        return parser, options_for(self.config, slot, parser, parser.name)
+
+    def _import_structured_output_backend(self) -> None:
+        try:
+            self.engine.frontend.structured_output_backend()
+        except Exception:
+            logger.warning("the structured-output backend cannot be loaded", exc_info=True)
     # Plumbing shared by the handlers.
 
     def check_auth(self, request: Request) -> None:
@@ -115,7 +139,8 @@ class Server:
                 f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
             )
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> tuple[asyncio.Queue, list[str]]:
+    async def start(self, prompts: list[list[int]], params: SamplingParams,
+                    grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
@@ -126,7 +151,7 @@ class Server:
         ]
         ids = [request_id for request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output)
+            await self.engine.submit(batch, output, grammar_starts_after)
         except BaseException as error:
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -168,10 +193,19 @@ class Server:
         return deltas
 
     def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
-                        unset_max_tokens: int | None = None) -> SamplingParams:
+                        unset_max_tokens: int | None = None, constraint: StructuredOutputsParams | None = None,
+                        **extra: Any) -> SamplingParams:
         """The request's sampling values; one it leaves unset comes from the model's generation config
         (``engine.generation_config``), else Weft's default. ``unset_max_tokens``: the endpoint's own
-        default max_tokens (None: up to the context length)."""
+        default max_tokens (None: up to the context length). ``constraint``: the output's structured-output
+        constraint; ``extra``: more SamplingParams fields."""
+        logit_bias = None
+        if body.logit_bias:
+            try:
+                logit_bias = {int(token): value for token, value in body.logit_bias.items()}
+            except ValueError:
+                raise HTTPError(400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}",
+                                param="logit_bias") from None
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         requested = {
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
@@ -192,7 +226,12 @@ class Server:
                 min_tokens=body.min_tokens or 0,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                structured_outputs=constraint,
+                logit_bias=logit_bias,
+                allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+                bad_words=tuple(body.bad_words or ()),
                 **chosen,
+                **extra,
             )
         except ValueError as error:
             field = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -205,16 +244,37 @@ class Server:
         return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
 
     def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    settings: tools.ToolSettings | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of a conversation, with its tools (:func:`weft.serve.tools.render_prompt`)."""
         plain = [msgspec.structs.asdict(message) for message in messages]
         plain = [{key: value for key, value in message.items() if value is not None} for message in plain]
         try:
-            normalized = self.tokenizer.normalize_messages(plain)
-            text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt)
+            return tools.render_prompt(self.tokenizer, plain, add_generation_prompt, settings, self.tool_parser,
+                                       template_kwargs or {})
         except ValueError as error:
             raise HTTPError(400, str(error), param="messages") from None
         except TemplateError as error:
             raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def reply(self, prompt_text: str, settings: tools.ToolSettings | None) -> tools.AssistantOutput:
+        """How one choice's text becomes an assistant message (reasoning, content, tool calls)."""
+        reasoning = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_text)
+        return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options))
+
+    def grammar_starts_after(self, prompt_text: str, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
+        """The tokens ending the reasoning, when the model reasons first and a constraint covers the answer."""
+        if constraint is None or tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_text) is None:
+            return ()
+        return tuple(self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False))
+
+    def keeps_special_tokens(self, settings: tools.ToolSettings | None) -> bool:
+        """Whether the output text must keep special tokens: the markers the parsers read are some."""
+        return bool((self.reasoning_parser is not None and self.reasoning_parser.needs_special_tokens) or (
+            settings is not None and settings.choice == "auto" and self.tool_parser is not None
+            and self.tool_parser.needs_special_tokens))
 
 
 def _sse(data: Any) -> bytes:
@@ -247,6 +307,8 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
 
 
 def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] = ()) -> Starlette:
+    from weft.serve.responses import responses
+
     server = Server(engine, config)
 
     def endpoint(handler: Callable[[Server, Request], Awaitable[Response]], auth: bool = True) -> Handler:
@@ -296,17 +358,25 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 async def chat_completions(server: Server, request: Request) -> Response:
     body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest)
     server.check_model(body.model)
-    prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt)
+    settings, constraint, field = _chat_tools_and_constraint(body)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        template_kwargs["reasoning_effort"] = body.reasoning_effort
+    prompt_text = await asyncio.to_thread(server.render_chat, body.messages, body.add_generation_prompt, settings,
+                                          template_kwargs)
+    prompt = server.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
-    params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
-    output, ids = await server.start([prompt], params)
+    extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
+    params = server.sampling_params(body, max_tokens, top if body.logprobs else None, constraint=constraint, **extra)
+    output, ids = await _start_constrained(server, [prompt], params, field, server.grammar_starts_after(prompt_text, constraint))
+    replies = [server.reply(prompt_text, settings) for _ in ids]
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _chat_stream(server, output, ids, [prompt], body, response_id, created, include_usage),
+            _chat_stream(server, output, ids, [prompt], body, response_id, created, include_usage, replies, settings),
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
@@ -314,11 +384,20 @@ async def chat_completions(server: Server, request: Request) -> Response:
     for index, choice in enumerate(deltas):
         tokens = [token for delta in choice for token in delta.token_ids]
         entries = [entry for delta in choice for entry in (delta.logprobs or [])]
+        reasoning, content, calls = replies[index].parse("".join(delta.text for delta in choice))
+        message: dict[str, Any] = {"role": "assistant", "content": content if content is not None or calls else ""}
+        if replies[index].reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call in calls
+            ]
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": "".join(delta.text for delta in choice)},
+            "message": message,
             "logprobs": _chat_logprobs(entries, tokens, top) if body.logprobs else None,
-            "finish_reason": choice[-1].finish_reason,
+            "finish_reason": _finish_reason(choice[-1].finish_reason, bool(calls), settings),
             "stop_reason": choice[-1].stop_reason,
         })
     return JSONResponse({
@@ -327,22 +406,78 @@ async def chat_completions(server: Server, request: Request) -> Response:
     })
 
 
+def _chat_tools_and_constraint(body: p.ChatCompletionRequest) -> tuple[tools.ToolSettings | None, StructuredOutputsParams | None, str]:
+    """The request's tools and the constraint on its output (a forced tool choice's, or its format's)."""
+    try:
+        settings = tools.chat_tools(body)
+        constraint, field = structured.from_sampling_fields(body)
+    except ValueError as error:
+        raise HTTPError(400, str(error), param=field_of(error)) from None
+    forced = tools.forced_constraint(settings)
+    if forced is not None and constraint is not None:
+        raise HTTPError(400, "tool_choice forces a tool call, which the output format would contradict; drop "
+                        "response_format (or structured_outputs) or let tool_choice be 'auto'", param="tool_choice")
+    if forced is not None:
+        return settings, forced, "tools"
+    return settings, constraint, field
+
+
+async def _start_constrained(server: Server, prompts: list[list[int]], params: SamplingParams, field: str,
+                             grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
+    """``Server.start``, a constraint the backend refuses named by the field the client used."""
+    try:
+        return await server.start(prompts, params, grammar_starts_after)
+    except HTTPError as error:
+        if error.status == 400 and params.structured_outputs is not None and "structured_outputs" in error.message:
+            error.message, error.param = structured.name_field(error.message, field), field
+        raise
+
+
+def _finish_reason(reason: str | None, called: bool, settings: tools.ToolSettings | None) -> str | None:
+    """``tool_calls`` for an answer that ended with calls the model chose (a named function's stays ``stop``)."""
+    if called and reason == "stop" and settings is not None and settings.choice != "function":
+        return "tool_calls"
+    return reason
+
+
 def _chat_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
-                       response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+                 response_id: str, created: int, include_usage: bool, replies: list[tools.AssistantOutput],
+                 settings: tools.ToolSettings | None) -> AsyncIterator[bytes]:
     head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
     opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                for index in range(len(ids))]
+    called = [False] * len(ids)
 
     def render(delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and not delta.finish_reason and not (body.logprobs and delta.token_ids):
+        reply = replies[delta.index]
+        piece = reply.push(delta.text) if delta.text else tools.MessageDelta()
+        if delta.finish_reason is not None:
+            last = reply.finish()
+            piece = tools.MessageDelta(piece.reasoning + last.reasoning, piece.content + last.content, piece.calls + last.calls)
+        fields: dict[str, Any] = {}
+        if piece.reasoning:
+            fields["reasoning_content"] = piece.reasoning
+        if piece.content:
+            fields["content"] = piece.content
+        if piece.calls:
+            called[delta.index] = True
+            fields["tool_calls"] = [_tool_call_delta(call) for call in piece.calls]
+        if not fields and not delta.finish_reason and not (body.logprobs and delta.token_ids):
             return None
         return {
-            "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            "index": delta.index, "delta": fields,
             "logprobs": _chat_logprobs(delta.logprobs or [], delta.token_ids, body.top_logprobs or 0) if body.logprobs else None,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": _finish_reason(delta.finish_reason, called[delta.index], settings),
         }
 
     return _sse_stream(server, output, ids, prompts, head, include_usage, opening, render)
+
+
+def _tool_call_delta(call: Any) -> dict[str, Any]:
+    """OpenAI's streamed call piece: the first carries id, type and name."""
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], head: dict[str, Any],
@@ -377,14 +512,20 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
 async def completions(server: Server, request: Request) -> Response:
     body: p.CompletionRequest = await server.read(request, p.CompletionRequest)
     server.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise HTTPError(400, "echo with logprobs needs prompt log-probabilities, which Weft does not compute yet; "
-                        "drop one of them", param="echo")
+    try:
+        constraint, field = structured.from_sampling_fields(body)
+    except ValueError as error:
+        raise HTTPError(400, str(error), param=field_of(error)) from None
     prompts = await asyncio.to_thread(_completion_prompts, server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
-    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16)
-    output, ids = await server.start(prompts, params)
+    # echo with logprobs scores the prompt too: its logprobs come from the same forward as the output's.
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
+                                    prompt_logprobs=prompt_logprobs)
+    output, ids = await _start_constrained(server, prompts, params, field)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -395,18 +536,62 @@ async def completions(server: Server, request: Request) -> Response:
     deltas = await server.collect(request, output, ids)
     choices = []
     for index, choice in enumerate(deltas):
-        prefix = server.tokenizer.decode(prompts[index // body.n]) if body.echo else ""
+        prompt = prompts[index // body.n]
+        prefix = server.tokenizer.decode(prompt) if body.echo else ""
         tokens = [token for delta in choice for token in delta.token_ids]
         entries = [entry for delta in choice for entry in (delta.logprobs or [])]
-        choices.append({
-            "index": index, "text": prefix + "".join(delta.text for delta in choice),
-            "logprobs": _completion_logprobs(entries, tokens, body.logprobs, len(prefix)) if body.logprobs is not None else None,
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _completion_logprobs(entries, tokens, body.logprobs, len(prefix))
+            if body.echo:
+                logprobs = _join_logprobs(_prompt_completion_logprobs(server, choice[0].prompt_logprobs, prompt, body.logprobs), logprobs)
+        entry: dict[str, Any] = {
+            "index": index, "text": prefix + "".join(delta.text for delta in choice), "logprobs": logprobs,
             "finish_reason": choice[-1].finish_reason, "stop_reason": choice[-1].stop_reason,
-        })
+        }
+        if body.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = _prompt_logprobs_json(choice[0].prompt_logprobs)
+        choices.append(entry)
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
         "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
     })
+
+
+def field_of(error: Exception) -> str:
+    """The field a ``"field: problem"`` message names."""
+    return str(error).split(":", 1)[0].split(" ", 1)[0]
+
+
+def _prompt_completion_logprobs(server: Server, entries: list[dict[int, Logprob] | None] | None, prompt: list[int],
+                                top: int) -> dict[str, list[Any]]:
+    """The prompt's tokens in a completion's logprobs shape (the first token has none, as in OpenAI's API)."""
+    result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entry in zip(prompt, entries or [None] * len(prompt)):
+        text = server.tokenizer.decode([token], skip_special_tokens=False)
+        result["tokens"].append(text)
+        result["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+            continue
+        result["token_logprobs"].append(entry[token].logprob)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        result["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in ranked})
+    return result
+
+
+def _join_logprobs(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {key: first[key] + second[key] for key in first}
+
+
+def _prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None or ``{token id: {logprob, rank, decoded_token}}``."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(token): msgspec.to_builtins(lp) for token, lp in entry.items()} for entry in entries]
 
 
 def _is_token_list(value: Any) -> bool:
@@ -436,127 +621,34 @@ def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
     head = {"id": response_id, "object": "text_completion", "created": created, "model": server.model_name}
     offsets = [0] * len(ids)
     opening = []
-    if body.echo:
+    wants_logprobs = body.logprobs is not None
+    # echo: the prompt opens each choice; with logprobs it goes out with the first delta, which brings its logprobs.
+    echo_pending = [bool(body.echo and wants_logprobs)] * len(ids)
+    if body.echo and not wants_logprobs:
         for index in range(len(ids)):
             prompt_text = server.tokenizer.decode(prompts[index // body.n])
             offsets[index] = len(prompt_text)
             opening.append({"index": index, "text": prompt_text, "logprobs": None, "finish_reason": None})
 
     def render(delta: Delta) -> dict[str, Any] | None:
-        wants_logprobs = body.logprobs is not None
-        if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids):
+        index = delta.index
+        if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids) and not echo_pending[index]:
             return None
-        logprobs = None
-        if wants_logprobs:
-            logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[delta.index])
-        offsets[delta.index] += len(delta.text)
-        return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        text, logprobs = delta.text, None
+        if echo_pending[index]:
+            echo_pending[index] = False
+            prompt = prompts[index // body.n]
+            prompt_text = server.tokenizer.decode(prompt)
+            offsets[index] = len(prompt_text)
+            text = prompt_text + text
+            echoed = _prompt_completion_logprobs(server, delta.prompt_logprobs, prompt, body.logprobs)
+            logprobs = _join_logprobs(echoed, _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[index]))
+        elif wants_logprobs:
+            logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[index])
+        offsets[index] += len(delta.text)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     return _sse_stream(server, output, ids, prompts, head, include_usage, opening, render)
-
-
-async def responses(server: Server, request: Request) -> Response:
-    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
-    server.check_model(body.model)
-    messages = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    if isinstance(body.input, str):
-        messages.append(p.ChatMessage(role="user", content=body.input))
-    else:
-        for position, item in enumerate(body.input):
-            if item.type not in (None, "message"):
-                raise HTTPError(400, f"input[{position}].type: {item.type!r} items are not supported; send messages",
-                                param=f"input[{position}].type")
-            content = item.content
-            if isinstance(content, list):
-                content = [{"type": part.type, "text": part.text} for part in content]
-            messages.append(p.ChatMessage(role=item.role or "user", content=content))
-    prompt = await asyncio.to_thread(server.chat_prompt, messages, True)
-    server.check_length(prompt, body.max_output_tokens)
-    params = server.sampling_params(
-        p.ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed),
-        body.max_output_tokens, None,
-    )
-    output, ids = await server.start([prompt], params)
-    response = _ResponseObject(server, body, prompt)
-    if body.stream:
-        return StreamingResponse(_responses_stream(server, output, ids, response), media_type="text/event-stream")
-    (choice,) = await server.collect(request, output, ids)
-    return JSONResponse(response.finished("".join(delta.text for delta in choice), choice))
-
-
-class _ResponseObject:
-    """The Responses API's ``response`` object, in progress and finished."""
-
-    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int]) -> None:
-        self.server, self.body, self.prompt = server, body, prompt
-        self.id, self.message_id, self.created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
-
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
-
-    def state(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-              incomplete: bool = False) -> dict[str, Any]:
-        body = self.body
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
-            "model": self.server.model_name, "instructions": body.instructions, "output": output,
-            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
-            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-            "usage": usage,
-        }
-
-    def finished(self, text: str, choice: list[Delta]) -> dict[str, Any]:
-        usage = self.server.usage([self.prompt], [choice])
-        incomplete = choice[-1].finish_reason == "length"
-        return self.state(
-            "incomplete" if incomplete else "completed", [self.message(text, "completed")],
-            {
-                "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens,
-                "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
-                "output_tokens_details": {"reasoning_tokens": 0},
-            },
-            incomplete,
-        )
-
-
-async def _responses_stream(server: Server, output: asyncio.Queue, ids: list[str], response: _ResponseObject) -> AsyncIterator[bytes]:
-    sequence = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal sequence
-        sequence += 1
-        return f"event: {kind}\n".encode() + _sse({"type": kind, "sequence_number": sequence - 1, **fields})
-
-    where = {"item_id": response.message_id, "output_index": 0, "content_index": 0}
-    try:
-        yield event("response.created", response=response.state("in_progress", []))
-        yield event("response.in_progress", response=response.state("in_progress", []))
-        yield event("response.output_item.added", output_index=0, item=response.message("", "in_progress"))
-        yield event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        text, deltas = "", []
-        while True:
-            delta: Delta = await output.get()
-            if delta.error:
-                yield event("error", message=delta.error, code="server_error", param=None)
-                return
-            deltas.append(delta)
-            if delta.text:
-                text += delta.text
-                yield event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
-            if delta.finish_reason is not None:
-                break
-        final = response.finished(text, deltas)
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
-        yield event("response.output_item.done", output_index=0, item=response.message(text, "completed"))
-        yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
-    finally:
-        for request_id in ids:
-            server.engine.abort(request_id)
 
 
 async def models(server: Server, request: Request) -> Response:

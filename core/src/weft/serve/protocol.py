@@ -24,6 +24,58 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` request field."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """Chat and completions' ``response_format``: text, json_object, or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition | None = None
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``{"type": "function", "function": {"name": ...}}`` (chat) or ``{"type": "function", "name": ...}`` (Responses)."""
+
+    type: str = "function"
+    function: ToolChoiceFunction | None = None
+    name: str | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by chat and text completions. ``null`` means the default, as in OpenAI's API."""
 
@@ -50,12 +102,20 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -64,6 +124,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -71,6 +136,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """A string, a list of strings, a list of token ids, or a list of token-id lists (checked by the handler)."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
 class ResponseContentPart(msgspec.Struct, kw_only=True):
@@ -82,6 +148,36 @@ class ResponseInputItem(msgspec.Struct, kw_only=True):
     role: str | None = None
     type: str | None = None
     content: str | list[ResponseContentPart] | None = None
+    call_id: str | None = None
+    """``function_call`` and ``function_call_output`` items."""
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ResponseContentPart] | None = None
+
+
+class ResponseFunctionTool(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseTextFormat(msgspec.Struct, kw_only=True):
+    type: str
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseText(msgspec.Struct, kw_only=True):
+    format: ResponseTextFormat | None = None
+
+
+class ResponseReasoning(msgspec.Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -94,6 +190,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stream: bool | None = None
     user: str | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    reasoning: ResponseReasoning | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

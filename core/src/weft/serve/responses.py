@@ -1,0 +1,273 @@
+"""The Responses API: input items to a conversation, the reply as output items, whole or as events.
+
+Input items: messages (``role`` and text content), ``function_call`` items (a call the
+model made earlier; consecutive ones form one assistant turn) and ``function_call_output``
+items (a tool's result, rendered as a ``tool`` message); ``reasoning`` items are dropped
+(models are not shown their earlier thinking). ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` and ``reasoning.effort`` work as on chat
+completions (:mod:`weft.serve.tools`, :mod:`weft.serve.structured`).
+
+Output items, in order: a ``reasoning`` item (when the model has a reasoning parser), a
+``message`` with the answer's text (unless the answer is only calls), one
+``function_call`` item per call. Streaming opens each item as its first text arrives:
+``response.reasoning_text.delta``, ``response.output_text.delta`` and
+``response.function_call_arguments.delta`` events inside ``output_item.added`` /
+``output_item.done``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from weft.engine.async_engine import Delta
+from weft.serve import protocol as p
+from weft.serve import structured, tools
+from weft.serve.app import HTTPError, Server, _sse, _start_constrained, field_of
+
+
+async def responses(server: Server, request: Request) -> Response:
+    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
+    server.check_model(body.model)
+    messages = input_messages(body)
+    try:
+        settings = tools.responses_tools(body)
+        constraint, field = structured.from_text_format(body.text)
+    except ValueError as error:
+        raise HTTPError(400, str(error), param=field_of(error)) from None
+    forced = tools.forced_constraint(settings)
+    if forced is not None and constraint is not None:
+        raise HTTPError(400, "tool_choice forces a tool call, which text.format would contradict; drop text.format "
+                        "or let tool_choice be 'auto'", param="tool_choice")
+    if forced is not None:
+        constraint, field = forced, "tools"
+    template_kwargs = {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
+    prompt_text = await asyncio.to_thread(server.render_chat, messages, True, settings, template_kwargs)
+    prompt = server.tokenizer.encode(prompt_text, add_special_tokens=False)
+    server.check_length(prompt, body.max_output_tokens)
+    extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
+    params = server.sampling_params(
+        p.ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
+                                seed=body.seed),
+        body.max_output_tokens, None, constraint=constraint, **extra,
+    )
+    output, ids = await _start_constrained(server, [prompt], params, field, server.grammar_starts_after(prompt_text, constraint))
+    response = ResponseObject(server, body, prompt, settings)
+    reply = server.reply(prompt_text, settings)
+    if body.stream:
+        return StreamingResponse(_stream(server, output, ids, response, reply), media_type="text/event-stream")
+    (choice,) = await server.collect(request, output, ids)
+    reasoning, content, calls = reply.parse("".join(delta.text for delta in choice))
+    items = []
+    if reasoning:
+        items.append(response.reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning or "", "completed"))
+    if content is not None or not calls:
+        items.append(response.message_item(f"msg_{uuid.uuid4().hex}", content or "", "completed"))
+    items += [response.call_item(f"fc_{uuid.uuid4().hex}", call.id, call.name, call.arguments, "completed") for call in calls]
+    return JSONResponse(response.finished(items, choice))
+
+
+def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
+    """The conversation the input items describe (after ``instructions`` as a system message)."""
+    messages = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        return [*messages, p.ChatMessage(role="user", content=body.input)]
+    for position, item in enumerate(body.input):
+        where = f"input[{position}]"
+        if item.type in (None, "message"):
+            content = item.content
+            if isinstance(content, list):
+                content = [{"type": part.type, "text": part.text} for part in content]
+            messages.append(p.ChatMessage(role=item.role or "user", content=content))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise HTTPError(400, f"{where}: a function_call item needs call_id and name", param=where)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            previous = messages[-1] if messages else None
+            if previous is not None and previous.role == "assistant" and previous.tool_calls and not previous.content:
+                previous.tool_calls.append(call)
+            else:
+                messages.append(p.ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise HTTPError(400, f"{where}: a function_call_output item needs the call_id it answers", param=where)
+            output = item.output
+            if isinstance(output, list):
+                output = "".join(part.text or "" for part in output)
+            messages.append(p.ChatMessage(role="tool", tool_call_id=item.call_id, content=output or ""))
+        elif item.type != "reasoning":
+            raise HTTPError(400, f"{where}.type: {item.type!r} items are not supported; send messages, function_call "
+                            f"and function_call_output items", param=f"{where}.type")
+    return messages
+
+
+class ResponseObject:
+    """The Responses API's ``response`` object, in progress and finished, and its output items."""
+
+    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int], settings: tools.ToolSettings | None) -> None:
+        self.server, self.body, self.prompt, self.settings = server, body, prompt, settings
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+
+    def message_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+    @staticmethod
+    def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+                "status": status}
+
+    def state(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              incomplete: bool = False) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "model": self.server.model_name, "instructions": body.instructions, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "tool_choice": msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto",
+            "tools": msgspec.to_builtins(body.tools or []),
+            "text": msgspec.to_builtins(body.text) if body.text is not None else {"format": {"type": "text"}},
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "usage": usage,
+        }
+
+    def finished(self, items: list[dict[str, Any]], choice: list[Delta]) -> dict[str, Any]:
+        usage = self.server.usage([self.prompt], [choice])
+        incomplete = choice[-1].finish_reason == "length"
+        return self.state(
+            "incomplete" if incomplete else "completed", items,
+            {
+                "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+                "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+            incomplete,
+        )
+
+
+class _StreamedItems:
+    """The output items of a streamed response, opened as their text arrives."""
+
+    def __init__(self, response: ResponseObject, event: Callable[..., bytes]) -> None:
+        self.response, self.event = response, event
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.text = ""
+
+    def feed(self, piece: tools.MessageDelta) -> list[bytes]:
+        events: list[bytes] = []
+        if piece.reasoning:
+            events += self._ensure("reasoning")
+            self.text += piece.reasoning
+            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=piece.reasoning))
+        if piece.content:
+            events += self._ensure("message")
+            self.text += piece.content
+            events.append(self.event("response.output_text.delta", **self._where(), content_index=0, delta=piece.content,
+                                     logprobs=[]))
+        for call in piece.calls:
+            if call.id is not None:
+                events += self._close()
+                item = self.response.call_item(f"fc_{uuid.uuid4().hex}", call.id, call.name or "", "", "in_progress")
+                events += self._open(item)
+            if call.arguments:
+                self.text += call.arguments
+                events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=call.arguments))
+        return events
+
+    def finish(self) -> list[bytes]:
+        events = self._close()
+        if not self.items:  # an empty answer is still one (empty) message
+            events += self._ensure("message") + self._close()
+        return events
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def _ensure(self, kind: str) -> list[bytes]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        events = self._close()
+        if kind == "reasoning":
+            return events + self._open(self.response.reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
+        events += self._open(self.response.message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return events + [self.event("response.content_part.added", **self._where(), content_index=0, part=part)]
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        self.open, self.text = item, ""
+        return [self.event("response.output_item.added", output_index=len(self.items), item=item)]
+
+    def _close(self) -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        where, text, events = self._where(), self.text, []
+        if item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
+            done = self.response.reasoning_item(item["id"], text, "completed")
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            events.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
+            done = self.response.message_item(item["id"], text, "completed")
+        else:
+            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text))
+            done = self.response.call_item(item["id"], item["call_id"], item["name"], text, "completed")
+        events.append(self.event("response.output_item.done", output_index=len(self.items), item=done))
+        self.items.append(done)
+        self.open = None
+        return events
+
+
+async def _stream(server: Server, output: asyncio.Queue, ids: list[str], response: ResponseObject,
+                  reply: tools.AssistantOutput) -> AsyncIterator[bytes]:
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return f"event: {kind}\n".encode() + _sse({"type": kind, "sequence_number": sequence - 1, **fields})
+
+    items = _StreamedItems(response, event)
+    try:
+        yield event("response.created", response=response.state("in_progress", []))
+        yield event("response.in_progress", response=response.state("in_progress", []))
+        deltas = []
+        while True:
+            delta: Delta = await output.get()
+            if delta.error:
+                yield event("error", message=delta.error, code="server_error", param=None)
+                return
+            deltas.append(delta)
+            piece = reply.push(delta.text) if delta.text else tools.MessageDelta()
+            if delta.finish_reason is not None:
+                last = reply.finish()
+                piece = tools.MessageDelta(piece.reasoning + last.reasoning, piece.content + last.content,
+                                           piece.calls + last.calls)
+            for chunk in items.feed(piece):
+                yield chunk
+            if delta.finish_reason is not None:
+                break
+        for chunk in items.finish():
+            yield chunk
+        final = response.finished(items.items, deltas)
+        yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    finally:
+        for request_id in ids:
+            server.engine.abort(request_id)

@@ -215,6 +215,14 @@ class RunningServer:
         self.thread.join(timeout=60)
 
 
+@pytest.fixture(scope="session")
+def default_server():
+    """One server on the default model for every test module that needs no special configuration."""
+    running = RunningServer({"engine": {"max_num_seqs": 64}})
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def start_server():
     servers = []

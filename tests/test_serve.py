@@ -10,7 +10,6 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import RunningServer
 
 from weft import LLM, SamplingParams
 
@@ -18,10 +17,8 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def server():
-    running = RunningServer({"engine": {"max_num_seqs": 64}})
-    yield running
-    running.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

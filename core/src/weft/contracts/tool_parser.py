@@ -131,6 +131,8 @@ class ToolParser(PluginBase):
         if len(valid) < len(scan.calls) and not valid:
             return ParsedOutput(text or None, [])
         content = scan.content + "".join(call.raw for call in scan.calls if not is_valid_call(call))
+        if valid:
+            content = content.rstrip()  # the line breaks before a call are layout, not content
         return ParsedOutput(content or None, [ToolCall(_call_id(), call.name, call.arguments) for call in valid])
 
     def push(self, text: str) -> StreamDelta:
@@ -153,6 +155,8 @@ class ToolParser(PluginBase):
         else:  # a call streams once its name is known; the ones after it wait
             named = next((index for index, call in enumerate(calls) if not call.name), len(calls))
             calls = calls[:named]
+        if not final or calls:
+            content = content.rstrip()  # trailing whitespace waits: before a call it is layout, not content
         delta = StreamDelta()
         if len(content) > self._sent_content:
             delta.content = content[self._sent_content :]

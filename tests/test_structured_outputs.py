@@ -1,0 +1,394 @@
+"""Structured outputs, tool calling, logit bias and prompt logprobs, with the official openai client against a
+real server on the default model (SmolLM2), and offline through ``LLM``.
+
+Outputs are checked with independent tools: ``jsonschema`` validates JSON against the request's schema,
+``re.fullmatch`` regular expressions, Hugging Face transformers (the same GGUF weights) the prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from conftest import smollm2_gguf
+
+from weft import LLM, SamplingParams
+from weft.contracts.structured_output import StructuredOutputsParams
+
+MODEL = "smollm2-135m-instruct"
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "artist", "doctor", "pilot"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+        },
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address", "skills", "active"],
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a timezone",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}}, "required": ["timezone"]},
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def test_twenty_json_schema_requests_at_temperature_one_validate(client):
+    def one(seed):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a person and describe them in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+            temperature=1.0, seed=seed, max_tokens=300,
+        )
+        return reply.choices[0]
+
+    with ThreadPoolExecutor(20) as pool:
+        choices = list(pool.map(one, range(20)))
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({choice.message.content for choice in choices}) > 1  # sampled, not one forced string
+
+
+def test_json_object_and_vllm_structured_outputs_field(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        response_format={"type": "json_object"}, temperature=1.0, seed=5, max_tokens=200,
+    )
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still a valid prefix of an object
+        assert reply.choices[0].message.content.lstrip().startswith("{")
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}
+    reply = client.completions.create(
+        model=MODEL, prompt="Some numbers:", temperature=1.0, seed=1, max_tokens=60, extra_body={"structured_outputs": {"json": schema}},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
+
+
+def test_regex_choice_and_grammar_always_hold(client):
+    pattern = r"[A-Z][a-z]{2,8} [0-9]{3}-[0-9]{4}"
+    replies = client.completions.create(
+        model=MODEL, prompt="Name and phone number:", n=6, temperature=1.0, seed=3, max_tokens=40,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
+    for choice in replies.choices:
+        assert re.fullmatch(pattern, choice.text), choice.text
+    colours = ["red", "green", "blue", "dark purple"]
+    replies = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], n=6, temperature=1.0, seed=4, max_tokens=10,
+        extra_body={"structured_outputs": {"choice": colours}},
+    )
+    assert all(choice.message.content in colours for choice in replies.choices)
+    grammar = 'root ::= "The answer is " ("yes" | "no") "."'
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], temperature=1.0, max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
+    assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
+
+
+def test_streamed_constrained_output_equals_the_whole(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A person in JSON."}], temperature=0, max_tokens=300,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**kwargs, stream=True)
+                       if chunk.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(whole), PERSON)
+
+
+def test_bad_constraints_get_400_naming_the_problem(default_server):
+    def post(payload):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **payload}
+        return httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=60)
+
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+         "response_format.json_schema.schema", "frobnicate"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "parenthesis"),
+        ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar", "EBNF"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one", "regex, choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "give one of them", ""),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "unique"),
+        ({"logit_bias": {"abc": 5}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": 300}}, "logit_bias", "100"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias", "[0, 49152)"),
+    ]
+    for payload, *fragments in cases:
+        response = post(payload)
+        assert response.status_code == 400, (payload, response.text)
+        message = response.json()["error"]["message"]
+        assert all(fragment in message for fragment in fragments), (payload, message)
+    assert post({"max_tokens": 2}).status_code == 200
+
+
+def _validate_call(call, tools=(WEATHER, TIME)):
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_required_and_named_tool_choice_yield_valid_calls(client):
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=seed,
+            max_tokens=200, parallel_tool_calls=False,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        _validate_call(choice.message.tool_calls[0])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named,
+                                           temperature=1.0, seed=9, max_tokens=200)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and [call.function.name for call in choice.message.tool_calls] == ["get_time"]
+    _validate_call(choice.message.tool_calls[0])
+
+
+def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(client):
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, seed=2,
+            max_tokens=200, stream=True,
+        ))
+        pieces = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
+        calls: dict[int, dict] = {}
+        for piece in pieces:
+            if piece.index not in calls:
+                assert piece.id and piece.function.name and piece.type == "function"  # the first piece of a call
+                calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
+            else:
+                assert piece.id is None and piece.function.name is None
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+        assert calls and len(pieces) > len(calls) + 1  # the arguments came in several pieces
+        for call in calls.values():
+            schema = next(tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == call["name"])
+            jsonschema.validate(json.loads(call["arguments"]), schema)
+        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+        assert finish == ["tool_calls" if tool_choice == "required" else "stop"]
+
+
+def test_two_turn_tool_conversation(client, default_server):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=100,
+    ).choices[0].message
+    call = first.tool_calls[0]
+    conversation = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "It is 22 degrees and sunny."},
+    ]
+    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], temperature=0, max_tokens=40)
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert choice.message.tool_calls is None
+    # The call and the tool's result reached the prompt through the chat template.
+    rendered = default_server.app.state.server.render_chat(
+        [openai_message for openai_message in _protocol_messages(conversation)], True,
+    )
+    assert "22 degrees and sunny" in rendered and "get_weather" in rendered
+
+
+def _protocol_messages(messages):
+    import msgspec
+
+    from weft.serve import protocol
+
+    return msgspec.convert(messages, list[protocol.ChatMessage])
+
+
+def test_tool_choice_none_and_auto_return_content(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=20)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=20)
+    message = reply.choices[0].message
+    assert message.content or message.tool_calls
+
+
+def test_responses_api_tools_text_format_and_function_call_items(client):
+    tool = {"type": "function", **WEATHER["function"]}
+    response = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    follow_up = client.responses.create(
+        model=MODEL, max_output_tokens=20, temperature=0, tools=[tool],
+        input=[{"role": "user", "content": "Weather in Oslo?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Snowing, -3 degrees."}],
+    )
+    assert follow_up.output_text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    formatted = client.responses.create(
+        model=MODEL, input="Name a city as JSON.", max_output_tokens=60, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+    )
+    jsonschema.validate(json.loads(formatted.output_text), schema)
+    events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required",
+                                          max_output_tokens=120, stream=True, parallel_tool_calls=False))
+    kinds = [event.type for event in events]
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    streamed = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert streamed == done.arguments
+    jsonschema.validate(json.loads(done.arguments), WEATHER["function"]["parameters"])
+
+
+def test_logit_bias_bans_and_forces_tokens(client, default_server):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=0)
+    tokenizer = default_server.app.state.server.tokenizer
+    (first,) = tokenizer.encode(plain.choices[0].logprobs.tokens[0], add_special_tokens=False)
+    banned = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logit_bias={str(first): -100})
+    banned_ids = tokenizer.encode(banned.choices[0].text, add_special_tokens=False)
+    assert first not in banned_ids and banned.choices[0].text != plain.choices[0].text
+    forced_token = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0,
+                                            max_tokens=6, logit_bias={str(forced_token): 100}, logprobs=True)
+    assert [item.token for item in forced.choices[0].logprobs.content] == [tokenizer.decode([forced_token])] * 6
+
+
+def test_allowed_token_ids_and_bad_words(client, default_server):
+    tokenizer = default_server.app.state.server.tokenizer
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    reply = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, max_tokens=8,
+                                      extra_body={"allowed_token_ids": allowed})
+    assert set(tokenizer.encode(reply.choices[0].text, add_special_tokens=False)) <= set(allowed)
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
+    word = plain.choices[0].text.split()[0]
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8,
+                                      extra_body={"bad_words": [word]})
+    assert word not in reply.choices[0].text.split()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_prompt_logprobs(hf_model, token_ids):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[position, token]) for position, token in enumerate(token_ids[1:])]
+
+
+def test_echo_with_logprobs_returns_hf_prompt_logprobs(client, default_server, hf_model):
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0)
+    tokens = default_server.app.state.server.tokenizer.encode(prompt)
+    logprobs = reply.choices[0].logprobs
+    assert reply.choices[0].text.startswith(prompt)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = _hf_prompt_logprobs(hf_model, tokens)
+    assert logprobs.token_logprobs[1 : len(tokens)] == pytest.approx(expected, abs=2e-3)
+    assert len(logprobs.tokens) == len(tokens) + 4
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True)
+    streamed = [value for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for value in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed[1 : len(tokens)] == pytest.approx(expected, abs=2e-3)
+
+
+# Offline: the same features through LLM.
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(model=MODEL)
+    yield engine
+    engine.close()
+
+
+def test_offline_structured_outputs_and_prompt_logprobs(llm, hf_model):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer"}},
+              "required": ["colour", "count"]}
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+              for seed in range(4)]
+    for output in llm.generate(["A JSON object:"] * 4, params):
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    prompt = "Paris is the capital and largest city of France."
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(output.prompt_token_ids)
+    expected = _hf_prompt_logprobs(hf_model, output.prompt_token_ids)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], output.prompt_token_ids[1:])]
+    assert got == pytest.approx(expected, abs=2e-3)
+    assert all(len(entry) >= 3 for entry in output.prompt_logprobs[1:])
+
+
+def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
+    """A constraint still compiling keeps only its own request waiting; identical constraints compile once."""
+    from weft_xgrammar.backend import XgrammarBackend
+
+    release, calls = threading.Event(), []
+    compile_original = XgrammarBackend.compile
+
+    def slow_compile(self, constraint):
+        calls.append(constraint)
+        release.wait(timeout=120)
+        return compile_original(self, constraint)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
+    engine = llm.engine
+    constraint = StructuredOutputsParams(regex=r"(ab){3}")
+    slow = [engine.add_request(f"slow-{index}", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=constraint))
+            for index in range(2)]
+    plain = engine.add_request("plain", llm.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=5))
+    try:
+        while not plain.finished:
+            engine.step()
+        waiting = {request.request_id for request in engine.scheduler.waiting}
+        assert {"slow-0", "slow-1"} <= waiting  # the plain request ran to the end meanwhile
+    finally:
+        release.set()
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.requests == {} and len(calls) == 1
+    assert [request.text for request in slow] == ["ababab", "ababab"]

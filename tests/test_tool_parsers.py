@@ -1,0 +1,225 @@
+"""Tool-call and reasoning parsers on recorded model outputs: whole, streamed in random pieces, malformed and cut short.
+
+The outputs are what the models write (Qwen 2.5/3 and Hermes ``<tool_call>`` JSON, Llama 3.1/3.2 JSON,
+DeepSeek V4's DSML). Streaming must give the content and calls the whole-output parse gives; a
+malformed or unfinished call never raises and comes back as content.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
+
+from weft.builtins.reasoning_parsers import ThinkReasoningParser
+from weft.builtins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from weft.plugins import PluginRegistry
+from weft.plugins.selection import select_parser
+from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
+
+QWEN_TWO_CALLS = (
+    "<tool_call>\n"
+    '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n'
+    "</tool_call>\n"
+    "<tool_call>\n"
+    '{"name": "get_temperature_date", "arguments": {"location": "San Francisco, CA, USA", "date": "2024-10-01"}}\n'
+    "</tool_call>"
+)
+HERMES_WITH_TEXT = (
+    "Sure, let me look that up for you.\n"
+    "<tool_call>\n"
+    '{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n'
+    "</tool_call>"
+)
+HERMES_BRACES_IN_STRINGS = (
+    '<tool_call>\n{"name": "run_code", "arguments": {"code": "if (x) { return \\"}\\"; } // ünïcødé ✓", "lang": "js"}}\n</tool_call>'
+)
+HERMES_STRINGIFIED_ARGUMENTS = '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"weft\\"}"}\n</tool_call>'
+LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+LLAMA_TAGGED_TWO = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
+DSV4_CALLS = (
+    "I will check both.\n\n"
+    "<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris "Rive Gauche"</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="hours" string="false">[8, 12]</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n"
+    '<｜DSML｜invoke name="read_file">\n'
+    '<｜DSML｜parameter name="path" string="true">/tmp/example.lean</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls>"
+)
+
+WELL_FORMED = [
+    (HermesToolParser, QWEN_TWO_CALLS, None, [
+        ("get_current_temperature", {"location": "San Francisco, CA, USA"}),
+        ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01"}),
+    ]),
+    (HermesToolParser, HERMES_WITH_TEXT, "Sure, let me look that up for you.", [("get_stock_fundamentals", {"symbol": "TSLA"})]),
+    (HermesToolParser, HERMES_BRACES_IN_STRINGS, None, [("run_code", {"code": 'if (x) { return "}"; } // ünïcødé ✓', "lang": "js"})]),
+    (HermesToolParser, HERMES_STRINGIFIED_ARGUMENTS, None, [("search", {"query": "weft"})]),
+    (HermesToolParser, "The weather is sunny today; no tool is needed.", "The weather is sunny today; no tool is needed.", []),
+    (Llama3JsonToolParser, LLAMA_ONE, None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    (Llama3JsonToolParser, LLAMA_TAGGED_TWO, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (Llama3JsonToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
+    (DeepseekV4ToolParser, DSV4_CALLS, "I will check both.", [
+        ("get_weather", {"city": 'Paris "Rive Gauche"', "days": 3, "hours": [8, 12]}),
+        ("read_file", {"path": "/tmp/example.lean"}),
+    ]),
+    (DeepseekV4ToolParser, "No calls, only an answer.", "No calls, only an answer.", []),
+]
+
+MALFORMED = [
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'),  # a brace short
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "argu'),  # cut by max_tokens
+    (HermesToolParser, "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),  # not JSON at all
+    (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),  # arguments not an object
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": }}'),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": "Par'),
+    (Llama3JsonToolParser, '{"answer": 42}'),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {}} and then some prose'),
+    (DeepseekV4ToolParser, DSV4_CALLS[:170]),  # cut inside the first parameter
+    (DeepseekV4ToolParser, '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n'),
+]
+
+
+def stream(parser, text: str, seed: int):
+    """Feed ``text`` in random pieces; the content and the calls (name, arguments) the deltas add up to."""
+    rng = random.Random(seed)
+    content, calls, position = "", {}, 0
+    deltas = []
+    while position < len(text):
+        size = rng.randint(1, 7)
+        deltas.append(parser.push(text[position : position + size]))
+        position += size
+    deltas.append(parser.finish())
+    for delta in deltas:
+        content += delta.content
+        for piece in delta.calls:
+            if piece.index not in calls:
+                assert piece.id and piece.name, "a call's first piece carries its id and name"
+                calls[piece.index] = {"name": piece.name, "arguments": ""}
+            else:
+                assert piece.id is None and piece.name is None
+            calls[piece.index]["arguments"] += piece.arguments
+    return content, [(call["name"], call["arguments"]) for call in calls.values()]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), WELL_FORMED)
+def test_recorded_outputs_parse_whole_and_streamed(parser, text, content, calls):
+    parsed = parser().parse(text)
+    assert parsed.content == content
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == calls
+    assert len({call.id for call in parsed.calls}) == len(calls)
+    for seed in range(8):
+        streamed_content, streamed_calls = stream(parser(), text, seed)
+        assert streamed_content == (content or "")
+        assert [(name, json.loads(arguments)) for name, arguments in streamed_calls] == calls
+
+
+@pytest.mark.parametrize(("parser", "text"), MALFORMED)
+def test_malformed_and_partial_calls_fall_back_to_content(parser, text):
+    parsed = parser().parse(text)
+    assert parsed.calls == [] and parsed.content == text
+    for seed in range(4):
+        streamed_content, streamed_calls = stream(parser(), text, seed)  # never raises
+        for _, arguments in streamed_calls:
+            assert isinstance(arguments, str)
+        if not streamed_calls:
+            assert streamed_content == text
+
+
+def test_a_parser_that_raises_answers_with_the_text_as_content():
+    class Broken(HermesToolParser):
+        def scan(self, text, final):
+            raise RuntimeError("bug")
+
+    assert Broken().parse("hello").content == "hello"
+    assert stream(Broken(), "hello", 0) == ("hello", [])
+
+
+def test_dsv4_calls_rendered_by_the_parser_parse_back():
+    calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "flags": {"a": True}}}]
+    parsed = DeepseekV4ToolParser().parse(DeepseekV4ToolParser().render_calls(calls))
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [(c["name"], c["arguments"]) for c in calls]
+    hermes = HermesToolParser().parse(HermesToolParser().render_calls(calls))
+    assert [(call.name, json.loads(call.arguments)) for call in hermes.calls] == [(c["name"], c["arguments"]) for c in calls]
+    llama = Llama3JsonToolParser().parse(Llama3JsonToolParser().render_calls(calls * 2))
+    assert [json.loads(call.arguments) for call in llama.calls] == [calls[0]["arguments"]] * 2
+
+
+def test_forced_choice_parsers_read_the_constrained_json():
+    named = NamedCallParser("get_weather")
+    parsed = named.parse('  {"city": "Paris", "unit": "celsius"}')
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert stream(NamedCallParser("get_weather"), '{"city": "Paris"}', 1) == ("", [("get_weather", '{"city": "Paris"}')])
+    required = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"timezone": "CET"}}]'
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})]
+    assert [(call.name, json.loads(call.arguments)) for call in RequiredCallsParser().parse(required).calls] == expected
+    for seed in range(4):
+        assert [(name, json.loads(arguments)) for name, arguments in stream(RequiredCallsParser(), required, seed)[1]] == expected
+    cut = RequiredCallsParser().parse('[{"name": "get_weather", "parameters": {"ci')
+    assert cut.calls == [] and cut.content is not None
+
+
+def test_reasoning_parsers_split_thinking_from_the_answer():
+    qwen3 = "<think>\nThe user asks about Paris. It is in France.\n</think>\n\nParis is in France."
+    think = ThinkReasoningParser(prompt="<|im_start|>assistant\n")
+    assert think.parse(qwen3) == ("\nThe user asks about Paris. It is in France.\n", "\n\nParis is in France.")
+    opened = ThinkReasoningParser(prompt="<|im_start|>assistant\n<think>\n")
+    assert opened.parse("Thinking...</think>Answer.") == ("Thinking...", "Answer.")
+    assert opened.parse("Still thinking when max_tokens hit") == ("Still thinking when max_tokens hit", None)
+    closed = ThinkReasoningParser(prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not closed.reasoning_expected()
+    dsv4 = DeepseekV4ReasoningParser(prompt="<｜User｜>hi<｜Assistant｜><think>")
+    calls_only = DSV4_CALLS.split("\n\n", 1)[1]
+    assert dsv4.parse("Plan: call the tool.\n\n" + calls_only) == ("Plan: call the tool.\n\n", calls_only)
+    assert dsv4.parse("Short.</think>The answer is 4.") == ("Short.", "The answer is 4.")
+    assert not DeepseekV4ReasoningParser(prompt="<｜Assistant｜></think>").reasoning_expected()
+    for parser, text in ((think, qwen3), (dsv4, "Plan.</think>Answer")):
+        whole = parser.parse(text)
+        for seed in range(5):
+            fresh = type(parser)(prompt=parser.prompt)
+            rng, position, reasoning, content = random.Random(seed), 0, "", ""
+            while position < len(text):
+                size = rng.randint(1, 4)
+                piece = fresh.push(text[position : position + size])
+                reasoning, content, position = reasoning + piece[0], content + piece[1], position + size
+            last = fresh.finish()
+            assert (reasoning + last[0] or None, content + last[1] or None) == whole
+
+
+def test_assistant_output_reasoning_then_dsml_calls_streamed():
+    prompt = "<｜Assistant｜><think>"
+    text = "The user wants weather; I should call the tool.</think>Checking.\n\n" + DSV4_CALLS.split("\n\n", 1)[1]
+    whole = AssistantOutput(DeepseekV4ReasoningParser(prompt=prompt), DeepseekV4ToolParser()).parse(text)
+    assert whole[0] == "The user wants weather; I should call the tool." and whole[1] == "Checking."
+    assert [call.name for call in whole[2]] == ["get_weather", "read_file"]
+    output = AssistantOutput(DeepseekV4ReasoningParser(prompt=prompt), DeepseekV4ToolParser())
+    reasoning = content = ""
+    calls: dict[int, str] = {}
+    for index in range(0, len(text), 3):
+        for delta in (output.push(text[index : index + 3]),):
+            reasoning, content = reasoning + delta.reasoning, content + delta.content
+            for piece in delta.calls:
+                calls[piece.index] = calls.get(piece.index, "") + piece.arguments
+    last = output.finish()
+    reasoning, content = reasoning + last.reasoning, content + last.content
+    for piece in last.calls:
+        calls[piece.index] = calls.get(piece.index, "") + piece.arguments
+    assert (reasoning, content) == (whole[0], whole[1])
+    assert [json.loads(arguments) for arguments in calls.values()] == [json.loads(call.arguments) for call in whole[2]]
+
+
+def test_parsers_are_chosen_by_architecture_or_by_name():
+    registry = PluginRegistry()
+    assert select_parser(registry, "tool_parser", "auto", "Qwen2ForCausalLM") is HermesToolParser
+    assert select_parser(registry, "tool_parser", "auto", "LlamaForCausalLM") is Llama3JsonToolParser
+    assert select_parser(registry, "tool_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ToolParser
+    assert select_parser(registry, "reasoning_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ReasoningParser
+    assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
+    assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
+    assert select_parser(registry, "tool_parser", "none", "Qwen2ForCausalLM") is None

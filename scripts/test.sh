@@ -10,7 +10,7 @@ venv=${WEFT_VENV:-$root/.venv}
 # transformers is pinned: weft-dsv4's parity tests use its DeepseekV4ForCausalLM as the reference,
 # whose mHC and compressor details changed between releases (5.24 matches DeepSeek's own code).
 WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "$root/tests/broken_llama_plugin" "$root/tests/disk_connector" "pytest>=8" "accelerate>=1.0" \
-    "openai>=1.40" "httpx>=0.27" "triton>=3.3" "numpy<2.4" "transformers==5.24.0"
+    "openai>=1.40" "httpx>=0.27" "triton>=3.3" "numpy<2.4" "transformers==5.24.0" "jsonschema>=4.20"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     export TRITON_INTERPRET=1
 fi

@@ -27,15 +27,15 @@ MODEL = "smollm2-135m-instruct"
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["engineer", "artist", "doctor", "pilot"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
             "required": ["city", "zip"],
         },
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 2},
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "role", "address", "skills", "active"],
@@ -47,7 +47,7 @@ WEATHER = {
         "description": "The weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
             "required": ["city", "unit"],
         },
     },
@@ -57,7 +57,7 @@ TIME = {
     "function": {
         "name": "get_time",
         "description": "The local time in a timezone",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}}, "required": ["timezone"]},
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 16}}, "required": ["timezone"]},
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -124,13 +124,16 @@ def test_regex_choice_and_grammar_always_hold(client):
 
 
 def test_streamed_constrained_output_equals_the_whole(client):
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A person in JSON."}], temperature=0, max_tokens=300,
-                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-    whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**kwargs, stream=True)
-                       if chunk.choices)
-    assert streamed == whole
-    jsonschema.validate(json.loads(whole), PERSON)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
+              "required": ["city", "population"]}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A city in JSON."}], temperature=0, max_tokens=100,
+                  response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(lambda: client.chat.completions.create(**kwargs).choices[0].message.content)
+        chunks = pool.submit(lambda: list(client.chat.completions.create(**kwargs, stream=True)))
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks.result() if chunk.choices)
+    assert streamed == whole.result()
+    jsonschema.validate(json.loads(streamed), schema)
 
 
 def test_bad_constraints_get_400_naming_the_problem(default_server):
@@ -169,29 +172,36 @@ def _validate_call(call, tools=(WEATHER, TIME)):
 
 
 def test_required_and_named_tool_choice_yield_valid_calls(client):
-    for seed in range(3):
-        reply = client.chat.completions.create(
-            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=seed,
-            max_tokens=200, parallel_tool_calls=False,
-        )
-        choice = reply.choices[0]
+    named = {"type": "function", "function": {"name": "get_time"}}
+
+    def one(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required" if seed < 3 else named,
+            temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False,
+        ).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        *required, forced = pool.map(one, range(4))
+    for choice in required:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert len(choice.message.tool_calls) == 1
         _validate_call(choice.message.tool_calls[0])
-    named = {"type": "function", "function": {"name": "get_time"}}
-    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named,
-                                           temperature=1.0, seed=9, max_tokens=200)
-    choice = reply.choices[0]
-    assert choice.finish_reason == "stop" and [call.function.name for call in choice.message.tool_calls] == ["get_time"]
-    _validate_call(choice.message.tool_calls[0])
+    assert forced.finish_reason == "stop" and [call.function.name for call in forced.message.tool_calls] == ["get_time"]
+    _validate_call(forced.message.tool_calls[0])
 
 
 def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(client):
-    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        chunks = list(client.chat.completions.create(
+    choices = ("required", {"type": "function", "function": {"name": "get_weather"}})
+
+    def chunks_of(tool_choice):
+        return list(client.chat.completions.create(
             model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, seed=2,
-            max_tokens=200, stream=True,
+            max_tokens=200, stream=True, parallel_tool_calls=False,
         ))
+
+    with ThreadPoolExecutor(2) as pool:
+        streams = list(pool.map(chunks_of, choices))
+    for tool_choice, chunks in zip(choices, streams):
         pieces = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
         calls: dict[int, dict] = {}
         for piece in pieces:

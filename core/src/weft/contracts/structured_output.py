@@ -63,8 +63,9 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            # Canonical text: equal schemas are one cache entry, and the Struct stays hashable.
-            msgspec.structs.force_setattr(self, "json", json.dumps(self.json, sort_keys=True, separators=(",", ":")))
+            # Compact text: equal schemas are one cache entry, and the Struct stays hashable. Key order
+            # is kept: a schema's property order is the order the output writes them in.
+            msgspec.structs.force_setattr(self, "json", json.dumps(self.json, separators=(",", ":")))
         if self.choice is not None:
             msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

@@ -213,10 +213,12 @@ class _HermesWriter(ToolParser):
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Earlier calls as templates expect them: ``arguments`` as an object, not JSON text."""
+    """Earlier calls as templates expect them: ``arguments`` as an object, not JSON text, and a content
+    (empty) beside the calls."""
     if not message.get("tool_calls"):
         return message
     message = copy.deepcopy(message)
+    message.setdefault("content", "")
     for call in message["tool_calls"]:
         function = call.get("function", call)
         arguments = function.get("arguments")

@@ -1,0 +1,98 @@
+"""Structured-output overhead: batch-32 decode throughput with a JSON schema on every request against none.
+
+Both runs decode the same prompts greedily for the same number of tokens, in the same engine:
+the baseline samples freely (``ignore_eos``, so every request decodes every token), the other
+constrains every request with a JSON schema that cannot complete within that many tokens (a
+long array of short strings), so every token is sampled under its grammar mask. Prefill is left
+out: the clock starts once every request has its first token. Each mode runs ``--repeats`` times,
+alternating; the best of each is compared. Wanted: ratio >= 0.8.
+
+    python bench/structured_output.py                                   # CPU, the default model
+    python bench/structured_output.py --gpu --tokenizer .whl/tokenizer  # GPU, SmolLM2-135M's shape, random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from weft import LLM, SamplingParams
+from weft.contracts.structured_output import StructuredOutputsParams
+
+LONG_ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 4000}
+"""Far more tokens than any run decodes: the grammar is never complete, every row is masked."""
+
+SMOLLM2_135M: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+
+def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    """Seconds from every request's first token to the last request's end, and the tokens decoded meanwhile."""
+    engine = llm.engine
+    states = [engine.add_request(f"bench-{time.monotonic_ns()}-{index}", prompt, params, stream_text=False)
+              for index, prompt in enumerate(prompts)]
+    while any(not state.output_token_ids for state in states):
+        engine.step()
+    started = time.perf_counter()
+    first = sum(len(state.output_token_ids) for state in states)
+    while engine.has_unfinished:
+        engine.step()
+    seconds = time.perf_counter() - started
+    return seconds, sum(len(state.output_token_ids) for state in states) - first
+
+
+def build(args: argparse.Namespace) -> LLM:
+    if not args.gpu:
+        return LLM(model=args.model, engine={"max_num_seqs": args.batch})
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_common import MemoryLoader, random_weights, registry_with_memory_loader
+
+    import torch
+
+    model = MemoryLoader.add("smollm2-135m-random", SMOLLM2_135M, random_weights(SMOLLM2_135M, torch.bfloat16),
+                             Path(args.tokenizer))
+    return LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
+               engine={"dtype": "bfloat16", "max_num_seqs": args.batch})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the CPU run's model")
+    parser.add_argument("--gpu", action="store_true", help="on the GPU, SmolLM2-135M's shape with random weights")
+    parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    llm = build(args)
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer.encode(f"Write a list of {index + 3} short words as a JSON array:") for index in range(args.batch)]
+    plain = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=LONG_ARRAY))
+    decode_seconds(llm, prompts[:2], constrained)  # compile the schema, warm both paths up
+    decode_seconds(llm, prompts[:2], plain)
+    best = {"plain": 0.0, "json schema": 0.0}
+    for _ in range(args.repeats):
+        for name, params in (("plain", plain), ("json schema", constrained)):
+            seconds, tokens = decode_seconds(llm, prompts, params)
+            best[name] = max(best[name], tokens / seconds)
+    settings = llm.engine.core.describe()
+    print(f"engine: {'GPU ' + str(SMOLLM2_135M['hidden_size']) + '-wide random SmolLM2-135M shape' if args.gpu else args.model}; "
+          f"{settings}")
+    print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}")
+    print(f"  plain:       {best['plain']:10.1f} tok/s")
+    print(f"  json schema: {best['json schema']:10.1f} tok/s")
+    print(f"  ratio json schema / plain: {best['json schema'] / best['plain']:.3f} (wanted >= 0.8)")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

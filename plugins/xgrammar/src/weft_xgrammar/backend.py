@@ -69,6 +69,7 @@ class XgrammarBackend(StructuredOutputBackend):
     """JSON schema, JSON object, regex, choice and EBNF constraints on xgrammar."""
 
     name: ClassVar[str] = "xgrammar"
+    max_rollback_tokens: ClassVar[int] = 1 << 30
     Options: ClassVar[type[msgspec.Struct]] = XgrammarOptions
     options: XgrammarOptions
 
@@ -124,7 +125,7 @@ class XgrammarBackend(StructuredOutputBackend):
         return compiler.compile_grammar(constraint.grammar)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
-        return XgrammarMatcher(self._xgr.GrammarMatcher(compiled, max_rollback_tokens=self.max_rollback_tokens))
+        return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         if len(matchers) < _PARALLEL_ROWS or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):

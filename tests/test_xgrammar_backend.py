@@ -1,0 +1,123 @@
+"""weft-xgrammar against xgrammar itself, and the pieces the engine builds on: the vocabulary's bytes,
+the bitmask applied on the device, rollback, validation messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from weft_xgrammar.backend import XgrammarBackend
+
+from weft.builtins.hf_tokenizer import HFTokenizer, vocabulary_bytes
+from weft.config import load_config
+from weft.contracts.structured_output import StructuredOutputsParams, Vocabulary, bitmask_words
+from weft.plugins import PluginRegistry
+from weft.resolve import load_tokenizer, resolve_source
+from weft.runner.logits_processors import apply_token_bitmask
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    registry, config = PluginRegistry(), load_config(None, {})
+    _, source = resolve_source(registry, config)
+    return load_tokenizer(registry, config, source)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    vocabulary = Vocabulary(tokenizer.vocabulary_bytes(), tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    return XgrammarBackend(None, vocabulary)
+
+
+def test_vocabulary_bytes_decode_like_the_tokenizer(tokenizer):
+    table = tokenizer.vocabulary_bytes()
+    assert len(table) == tokenizer.vocab_size
+    for token_id in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text and table[token_id]:  # part of a multi-byte character: compared below, joined
+            assert table[token_id].decode() == text, token_id
+    assert all(table[token_id] == b"" for token_id in tokenizer.eos_token_ids)  # special tokens are never text
+    text = 'Grüße, {"ключ": "値"} 🌍\n\ttabs'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(table[token_id] for token_id in ids).decode() == text
+
+
+def test_vocabulary_bytes_of_a_sentencepiece_style_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "▁world": 4, "<0xC3>": 5, "<0xA9>": 6, "a": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<s>", "</s>"])
+    table = vocabulary_bytes(backend, len(vocab))
+    assert table[3] == b" hello" and table[4] == b" world" and table[5] == b"\xc3" and table[6] == b"\xa9"
+    assert table[1] == table[2] == b"" and table[7] == b"a"
+    assert HFTokenizer(lambda *a: [], lambda *a: "", 8, frozenset(), {}, None, backend).vocabulary_bytes() == table
+
+
+def test_the_bitmask_applied_on_the_device_equals_xgrammars_own(backend, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    matchers = [backend.matcher(compiled) for _ in range(20)]
+    for count, matcher in enumerate(matchers):  # each at another point of '{"a": 12, "b": "x"}'
+        for token in tokenizer.encode('{"a": 12, "b": "x"}', add_special_tokens=False)[: count % 8]:
+            assert matcher.accept_token(token)
+    vocab = tokenizer.vocab_size
+    bitmask = torch.zeros(len(matchers), bitmask_words(vocab), dtype=torch.int32)
+    backend.fill_bitmasks(matchers, bitmask)  # 20 rows: xgrammar's batch path
+    serial = torch.zeros_like(bitmask)
+    for row, matcher in enumerate(matchers):
+        matcher.fill_bitmask(serial, row)
+    assert torch.equal(bitmask, serial)
+    logits = torch.randn(len(matchers) + 3, vocab)
+    rows = [index + 3 for index in range(len(matchers))]
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected[3:], bitmask)
+    apply_token_bitmask(logits, rows, bitmask.numpy().tobytes())
+    assert torch.equal(logits, expected)
+
+
+def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
+    compiled = backend.compile(StructuredOutputsParams(regex=r"(ab|cd){2}!"))
+    matcher = backend.matcher(compiled)
+    masks = []
+    tokens = [tokenizer.encode(piece, add_special_tokens=False)[0] for piece in ("ab", "cd", "!")]
+    for token in tokens:
+        mask = torch.zeros(1, bitmask_words(tokenizer.vocab_size), dtype=torch.int32)
+        matcher.fill_bitmask(mask, 0)
+        masks.append(mask)
+        assert matcher.accept_token(token)
+    assert not matcher.is_terminated()
+    eos = min(tokenizer.eos_token_ids)
+    assert matcher.accept_token(eos) and matcher.is_terminated()
+    matcher.rollback(3)  # back to after "ab": the end token and "!" and "cd" undone
+    assert not matcher.is_terminated()
+    mask = torch.zeros_like(masks[1])
+    matcher.fill_bitmask(mask, 0)
+    assert torch.equal(mask, masks[1])
+    assert not matcher.accept_token(tokens[2])  # "!" is not allowed after one pair
+
+
+@pytest.mark.parametrize(("constraint", "fragment"), [
+    (StructuredOutputsParams(json={"type": "frobnicate"}), "structured_outputs.json: xgrammar cannot compile it: Unsupported type"),
+    (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error"),
+    (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar: xgrammar cannot compile it: EBNF parser error"),
+])
+def test_validation_names_the_field_and_the_reason(constraint, fragment):
+    with pytest.raises(ValueError) as error:
+        XgrammarBackend.validate(constraint)
+    assert fragment in str(error.value) and "/project/cpp" not in str(error.value)
+
+
+def test_constraints_are_checked_when_made():
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar or json_object; got regex, choice"):
+        StructuredOutputsParams(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        StructuredOutputsParams(choice=())
+    schema = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}}}
+    params = StructuredOutputsParams(json=schema)
+    assert list(json.loads(params.json)["properties"]) == ["z", "a"]  # the order the output writes them in
+    assert hash(params) == hash(StructuredOutputsParams(json=json.dumps(schema, separators=(",", ":"))))

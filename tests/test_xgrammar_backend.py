@@ -101,6 +101,62 @@ def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
     assert not matcher.accept_token(tokens[2])  # "!" is not allowed after one pair
 
 
+TOOL_CALL = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "days", "unit"],
+}
+
+
+def hf_constrained_greedy(folder, prompts: list[list[int]], schema: dict, max_new_tokens: int, device: str = "cpu"):
+    """Transformers' greedy ``generate()`` under xgrammar's own logits processor, its vocabulary read from the
+    Hugging Face tokenizer (independently of Weft's ``vocabulary_bytes``)."""
+    import xgrammar.contrib.hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=model.config.vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=4)
+    outputs = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            generated = model.generate(
+                torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)], do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=0,
+            )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer_files):
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_files)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_llama, async_scheduling, one_torch_thread):
+    """The whole path (vocabulary, compile, bitmask in the core, mask on the logits, accepting tokens) against
+    transformers + xgrammar's own logits processor on identical weights; with asynchronous scheduling the
+    forward of each step is launched before the previous step's tokens are accepted."""
+    from weft import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 200 + index, 31] for index in range(4)]
+    expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 40)
+    with LLM(model=str(tiny_llama), engine={"max_num_seqs": 4, "async_scheduling": async_scheduling}) as llm:
+        assert llm.engine.core.async_scheduling is async_scheduling
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+        outputs = llm.generate(prompts, params)
+    for output, reference in zip(outputs, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
+        if output.outputs[0].finish_reason == "stop":
+            assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
+
+
 @pytest.mark.parametrize(("constraint", "fragment"), [
     (StructuredOutputsParams(json={"type": "frobnicate"}), "structured_outputs.json: xgrammar cannot compile it: Unsupported type"),
     (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error"),

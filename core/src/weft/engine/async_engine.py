@@ -203,8 +203,10 @@ class AsyncEngine:
 
     # Called from the event loop.
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue) -> None:
-        """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``.
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
+                     kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
+        (``kv_transfer_params``: for the KV connector, one request only).
 
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
@@ -212,7 +214,10 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core is gone")
         if self.stats.waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
-        core_requests = [self.frontend.core_request(request_id, prompt, params) for request_id, prompt, params, _ in requests]
+        core_requests = [
+            self.frontend.core_request(request_id, prompt, params, kv_transfer_params)
+            for request_id, prompt, params, _ in requests
+        ]
         now = time.monotonic()
         for (request_id, _, params, index), core_request in zip(requests, core_requests):
             self.outputs.add(request_id, core_request.prompt_token_ids, params)

@@ -121,7 +121,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 produced = core.step()
             except Exception as error:
                 logger.exception("engine step failed; failing the requests it held")
-                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                held = core.scheduler.unfinished_ids
                 core.reset_after_failure()
                 failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
                 produced = []

@@ -27,7 +27,7 @@ import msgspec
 from weft.config import WeftConfig
 from weft.contracts.executor import SchedulerOutput, StepHandle
 from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.kv_connector import SchedulerConnector
+from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.plugins import PluginRegistry
@@ -53,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     """``params.max_tokens`` capped by the context length (the API side computes it)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the KV connector (:attr:`weft.contracts.kv_connector.ConnectorRequest.params`)."""
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -65,6 +67,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hit_tokens: int = 0
     connector_hit_tokens: int | None = None
     connector_failed_load_tokens: int | None = None
+    waiting_for_remote_kv: int = 0
+    connector_metrics: dict[str, ConnectorMetricTotal] = {}
+    """The KV connector's metrics summed since start, by name."""
 
 
 class EngineCore:
@@ -132,7 +137,7 @@ class EngineCore:
             raise ValueError("the prompt is empty; give at least one token")
         self.scheduler.add(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            frozenset(request.eos_token_ids),
+            frozenset(request.eos_token_ids), kv_transfer_params=request.kv_transfer_params,
         ))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -174,7 +179,8 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
             connector = self.kv_connector
-            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over):
+            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over
+                                         or self.scheduler.receiving):
                 request = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
         return output
@@ -200,16 +206,18 @@ class EngineCore:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
         self._in_flight = None
         self.scheduler.forget_steps_in_flight()
-        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+        self.abort(self.scheduler.unfinished_ids)
 
     def stats(self) -> CoreStats:
         manager, connector = self.kv_cache_manager, self.kv_connector
         return CoreStats(
-            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.receiving), running=len(self.scheduler.running),
+            waiting_for_remote_kv=len(self.scheduler.receiving),
             kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
             connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
             connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            connector_metrics=connector.metric_totals if connector is not None else {},
         )
 
     def close(self, timeout: float = 60.0) -> None:
@@ -217,7 +225,7 @@ class EngineCore:
         if self.executor is None:
             return
         deadline = time.monotonic() + timeout
-        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+        self.abort(self.scheduler.unfinished_ids)
         while self._in_flight is not None:
             self.step()
         self.wait_for_saves(max(0.0, deadline - time.monotonic()))

@@ -6,6 +6,8 @@ serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
 from weft.engine.engine_core import EngineCoreRequest
@@ -23,7 +25,8 @@ class Frontend:
         self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
         self.model_name = config.server.served_model_name or self.source.name
 
-    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     kv_transfer_params: dict[str, Any] | None = None) -> EngineCoreRequest:
         """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -41,4 +44,4 @@ class Frontend:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
-        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens)
+        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens, kv_transfer_params)

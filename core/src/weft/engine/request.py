@@ -3,8 +3,10 @@
 ::
 
     WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
-       ^                     |
-       +------preempt--------+   (blocks freed; recomputed from scratch when rescheduled)
+     ^  |  ^                 |
+     |  |  +----preempt------+   (blocks freed; recomputed from scratch when rescheduled)
+     |  +--asynchronous KV load--> WAITING_FOR_REMOTE_KV   (holds its blocks, in no step)
+     +----KV arrived (or failed: computed instead)--+
 
 Only the :class:`~weft.engine.scheduler.Scheduler` writes a request's progress
 and status. Text, stop strings and decoded logprobs are not the core's business:
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.sampling_params import SamplingParams
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -47,6 +50,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +71,8 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.stop_reason: int | None = None
+        self.kv_transfer_params = kv_transfer_params
+        """What the KV connector is to do with this request (the API's ``kv_transfer_params``)."""
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -21,7 +21,11 @@ token replaces the placeholder when the step's output arrives.
 
 With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
 takes the tokens after its local prefix-cache hit that the connector can load;
-a request the connector cannot answer for yet is passed over for this step.
+a request the connector cannot answer for yet is passed over for this step. A
+request whose KV arrives asynchronously (a decode instance receiving its prefill)
+gets its blocks and waits in :attr:`Scheduler.receiving`, outside the running
+batch, until the connector reports the KV there (or failed: it is then computed);
+it then goes back to the head of the queue, keeping its blocks.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}
+        """Requests holding blocks that a KV connector is filling asynchronously; in no step until it is done."""
         self.requests: dict[str, Request] = {}
         self._sent_blocks: dict[str, list[int]] = {}
         """Blocks per group each request's workers already hold."""
@@ -96,7 +102,11 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [request.request_id for request in [*self.running, *self.waiting, *self.receiving.values()]]
 
     # Scheduling.
 
@@ -128,28 +138,37 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            prefix = self.kv_cache.find_computed_prefix(tokens)
-            external = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else 0
-            if external is None:
-                passed_over.append(self.waiting.popleft())
-                continue
-            needed = len(tokens) - prefix.num_tokens - external
+            first_time = request.num_preemptions == 0
+            resumed = self.kv_cache.holds(request.request_id)  # back from an asynchronous load, with its blocks
+            prefix, local, external, load_async = None, request.num_computed_tokens, 0, False
+            if not resumed:
+                prefix = self.kv_cache.find_computed_prefix(tokens)
+                offer = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else (0, False)
+                if offer is None:
+                    passed_over.append(self.waiting.popleft())
+                    continue
+                local, (external, load_async) = prefix.num_tokens, offer
+            computed = local + external
+            needed = 0 if load_async else len(tokens) - computed
             count = min(needed, budget) if self.enable_chunked_prefill else needed
             if count > budget:
                 break
-            first_time = request.num_preemptions == 0
             if not self.kv_cache.allocate_slots(
-                request.request_id, prefix.num_tokens + external + count, prefix,
-                prompt_length=len(tokens) if first_time else 0,
+                request.request_id, computed + count, prefix, prompt_length=len(tokens) if first_time else 0,
             ):
                 break
             self.waiting.popleft()
+            if first_time and not resumed:
+                request.num_cached_tokens = local if load_async else computed
+            if self.connector is not None and not resumed:
+                self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id), load_async)
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                request.num_computed_tokens = local
+                self.receiving[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = prefix.num_tokens + external
-            if first_time:
-                request.num_cached_tokens = prefix.num_tokens + external
-            if self.connector is not None:
-                self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id))
+            request.num_computed_tokens = computed
             self.running.append(request)
             scheduled.append((request, count))
             budget -= count
@@ -223,6 +242,14 @@ class Scheduler:
         epochs = self._epochs.popleft()
         report = sampled.connector_output
         failed = self.connector.failed_loads(report) if self.connector is not None and report is not None else {}
+        if self.connector is not None and report is not None:
+            for request_id, arrived in self.connector.received(report).items():
+                request = self.receiving.pop(request_id)
+                request.num_computed_tokens += arrived
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens += arrived
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
         outputs: list[EngineCoreOutput] = []
         for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
             request = self.requests.get(request_id)
@@ -284,6 +311,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.receiving.pop(request_id, None)
         if not request.finished:
             request.status = status
         self._free(request)

@@ -175,7 +175,8 @@ class ModelRunner:
                 for blocks, added in zip(state.block_ids, cached.new_block_ids):
                     blocks.extend(added)
         if step.is_empty:
-            report = self.connector.poll(step.finished_request_ids) if self.connector is not None else None
+            report = (self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
+                      if self.connector is not None else None)
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
             self.connector.start_step(step.kv_connector_metadata)

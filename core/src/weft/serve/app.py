@@ -115,10 +115,14 @@ class Server:
                 f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
             )
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> tuple[asyncio.Queue, list[str]]:
+    async def start(self, prompts: list[list[int]], params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
+        if kv_transfer_params is not None and len(prompts) * len(choices) != 1:
+            raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "
+                            "send n = 1 and a single prompt", param="kv_transfer_params")
         batch = [
             (uuid.uuid4().hex, prompt, choice, prompt_index * len(choices) + index)
             for prompt_index, prompt in enumerate(prompts)
@@ -126,7 +130,7 @@ class Server:
         ]
         ids = [request_id for request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output)
+            await self.engine.submit(batch, output, kv_transfer_params)
         except BaseException as error:
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -301,7 +305,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
-    output, ids = await server.start([prompt], params)
+    output, ids = await server.start([prompt], params, body.kv_transfer_params)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -384,7 +388,7 @@ async def completions(server: Server, request: Request) -> Response:
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
     params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16)
-    output, ids = await server.start(prompts, params)
+    output, ids = await server.start(prompts, params, body.kv_transfer_params)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -1,12 +1,19 @@
-"""Prometheus metrics of one server (prometheus_client, a registry per app)."""
+"""Prometheus metrics of one server (prometheus_client, a registry per app).
+
+The engine core's gauges and its KV connector's metrics are read from the last
+stats the core sent; the connector's are declared by its class
+(:attr:`weft.contracts.kv_connector.KVConnector.metrics`) and summed over workers by the core.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
+    from weft.contracts.kv_connector import ConnectorMetric
     from weft.engine.async_engine import AsyncEngine
     from weft.engine.output_processor import RequestOutputState as Request
 
@@ -42,11 +49,16 @@ class ServerMetrics:
              lambda stats: stats.connector_hit_tokens or 0),
             ("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
              lambda stats: stats.connector_failed_load_tokens or 0),
+            ("weft_kv_connector_requests_waiting_for_kv", "Requests waiting for their KV to arrive through the connector",
+             lambda stats: stats.waiting_for_remote_kv),
         ]
         if engine.config.use.kv_connector == "none":
             gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
         for name, description, read in gauges:
             Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
+        if engine.config.use.kv_connector != "none":
+            connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
+            self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
@@ -58,3 +70,27 @@ class ServerMetrics:
         self.requests.labels(request.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(len(request.output_token_ids))
+
+
+class _ConnectorMetrics:
+    """A collector of the KV connector's metrics, as the core last reported them."""
+
+    def __init__(self, engine: AsyncEngine, specs: tuple[ConnectorMetric, ...]) -> None:
+        self.engine = engine
+        self.specs = specs
+
+    def collect(self):
+        totals = self.engine.stats.connector_metrics
+        for spec in self.specs:
+            name = f"weft_kv_connector_{spec.name}"
+            total = totals.get(spec.name)
+            if spec.kind == "counter":
+                family = CounterMetricFamily(name.removesuffix("_total"), spec.help)
+                family.add_metric([], total.total if total is not None else 0.0)
+            else:
+                family = HistogramMetricFamily(name, spec.help)
+                counts = total.buckets if total is not None else [0] * len(spec.buckets)
+                buckets = [(repr(float(bound)), count) for bound, count in zip(spec.buckets, counts)]
+                buckets.append(("+Inf", total.count if total is not None else 0))
+                family.add_metric([], buckets, total.total if total is not None else 0.0)
+            yield family

@@ -50,6 +50,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the server's KV connector (prefill/decode disaggregation: set by a P/D proxy)."""
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):

@@ -117,6 +117,8 @@ class NixlStepMetadata(msgspec.Struct, frozen=True):
     """Transfer ids of producer requests that ended before their prefill completed."""
     abandoned: tuple[tuple[str, str, str], ...] = ()
     """``(request id, transfer id, address)`` of consumer requests that ended while their KV was on the way."""
+    declined: tuple[tuple[str, str], ...] = ()
+    """``(transfer id, address)`` of consumer requests that need none of their KV (a local prefix hit covers it)."""
     preempted: frozenset[str] = frozenset()
 
 
@@ -220,6 +222,7 @@ class NixlConnector(KVConnector):
         self._receives: list[Receive] = []
         self._ended: list[str] = []
         self._abandoned: list[tuple[str, str, str]] = []
+        self._declined: list[tuple[str, str]] = []
         # Worker role.
         self.agent: KVAgent | None = None
         self.producer_channel: ProducerChannel | None = None
@@ -261,6 +264,10 @@ class NixlConnector(KVConnector):
                 request.request_id, transfer.transfer_id, address, first,
                 tuple(block_ids[index][start:] for index, start in zip(self.transferable, first)),
             ))
+        elif (self.consumes and params.get("do_remote_prefill") and request.request_id not in self._consumed
+              and (address := _remote_address(request)) is not None):
+            self._consumed.add(request.request_id)
+            self._declined.append((str(params["transfer_id"]), address))
         elif self.produces and params.get("do_remote_decode") and isinstance(params.get("transfer_id"), str):
             inject = bool(params.get("inject_failure")) and self.options.fault_injection
             self._producing[request.request_id] = _Produced(params["transfer_id"], len(request.prompt_token_ids), inject)
@@ -283,9 +290,9 @@ class NixlConnector(KVConnector):
                 produced.sent = False  # its prefill is computed again, and sent then
         metadata = NixlStepMetadata(
             sends=tuple(sends), receives=tuple(self._receives), ended=tuple(self._ended),
-            abandoned=tuple(self._abandoned), preempted=step.preempted,
+            abandoned=tuple(self._abandoned), declined=tuple(self._declined), preempted=step.preempted,
         )
-        self._receives, self._ended, self._abandoned = [], [], []
+        self._receives, self._ended, self._abandoned, self._declined = [], [], [], []
         return metadata
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
@@ -365,6 +372,8 @@ class NixlConnector(KVConnector):
                 waiting.abandoned = True
                 if not self.consumer_channel.abandon(_rank_address(address, self.context.tp_rank), transfer_id):
                     self._receive_over(transfer_id, arrived=False)  # never registered: nothing can be written
+            for transfer_id, address in metadata.declined:
+                self.consumer_channel.decline(_rank_address(address, self.context.tp_rank), transfer_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Receives complete asynchronously (reported by :meth:`get_finished`); nothing loads in the step."""
@@ -410,8 +419,8 @@ class NixlConnector(KVConnector):
         assert channel is not None and agent is not None
         now = time.monotonic()
         for transfer_id, ready in list(self._ready.items()):
-            if channel.is_ended(transfer_id):  # its consumer gave up before registering
-                self._send_over(transfer_id, ready.request_id, failed=True)
+            if channel.is_ended(transfer_id):  # its consumer abandoned or declined it
+                self._send_over(transfer_id, ready.request_id, failed=False)
                 continue
             taken = channel.take(transfer_id)
             if taken is None:
@@ -515,8 +524,9 @@ class NixlConnector(KVConnector):
             if isinstance(event, Notice):
                 self._receive_over(event.transfer_id, arrived=False, reason=event.reason)
                 continue
-            reason = ("the prefill instance's process went away" if event == "gone" else
-                      f"the prefill instance {event}")
+            reason = {"gone": "the prefill instance's process went away",
+                      "unreachable": f"the prefill instance's side channel {address} refuses connections"
+                      }.get(event, f"the prefill instance {event}")
             for transfer_id, waiting in list(self._waiting.items()):
                 if _rank_address(waiting.address, self.context.tp_rank) == address:
                     self._receive_over(transfer_id, arrived=False, reason=reason)

@@ -37,6 +37,8 @@ logger = logging.getLogger("weft.nixl")
 
 HEARTBEAT_MS = 500
 """How often a consumer checks that a producer's process is alive; it is declared gone after 4 missed beats."""
+CONNECT_TIMEOUT = 3.0
+"""Seconds a consumer keeps trying to reach a producer that refuses connections before it gives up on it."""
 
 
 class GroupDescription(msgspec.Struct, frozen=True, array_like=True):
@@ -240,14 +242,17 @@ class _Producer:
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TTL, 4 * HEARTBEAT_MS)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         self.socket.connect(f"tcp://{address}")
         self.socket.send(_encoder.encode(hello))
         self.accepted: bool | None = None
         self.error = ""
         self.connected = False
-        self.waiting: list[Register] = []
-        """Registrations held until the handshake is answered."""
+        self.since = time.monotonic()
+        self.waiting: list[Register | Abandon] = []
+        """Messages held until the handshake is answered."""
 
     def close(self) -> None:
         self.socket.disable_monitor()
@@ -270,10 +275,7 @@ class ConsumerChannel:
             producer = self._producers[address] = _Producer(self._context, address, self.hello)
         if producer.accepted is False:
             return producer.error
-        if producer.accepted:
-            producer.socket.send(_encoder.encode(registration))
-        else:
-            producer.waiting.append(registration)
+        self._send(producer, registration)
         return None
 
     def abandon(self, address: str, transfer_id: str) -> bool:
@@ -287,6 +289,21 @@ class ConsumerChannel:
         producer.socket.send(_encoder.encode(Abandon(transfer_id)))
         return True
 
+    def decline(self, address: str, transfer_id: str) -> None:
+        """The consumer needs none of ``transfer_id``'s KV (it has it all locally): the producer may release it."""
+        producer = self._producers.get(address)
+        if producer is None:
+            producer = self._producers[address] = _Producer(self._context, address, self.hello)
+        if producer.accepted is not False:
+            self._send(producer, Abandon(transfer_id))
+
+    @staticmethod
+    def _send(producer: _Producer, message: Register | Abandon) -> None:
+        if producer.accepted:
+            producer.socket.send(_encoder.encode(message))
+        else:
+            producer.waiting.append(message)
+
     def poll(self) -> list[tuple[str, Any]]:
         """What arrived: ``(address, Notice)``, ``(address, "refused: <why>")`` for a refused handshake
         (its waiting registrations fail), ``(address, "gone")`` when a producer's process went away."""
@@ -296,8 +313,11 @@ class ConsumerChannel:
                 event = recv_monitor_message(producer.monitor)["event"]
                 if event == zmq.EVENT_CONNECTED:
                     producer.connected = True
-                elif event == zmq.EVENT_DISCONNECTED and producer.connected:
-                    events.append((address, "gone"))
+                gone = event == zmq.EVENT_DISCONNECTED and producer.connected
+                unreachable = (event == zmq.EVENT_CONNECT_RETRIED and not producer.connected
+                               and time.monotonic() - producer.since > CONNECT_TIMEOUT)
+                if gone or unreachable:
+                    events.append((address, "gone" if gone else "unreachable"))
                     producer.close()
                     del self._producers[address]  # a new handshake when it comes back
                     break

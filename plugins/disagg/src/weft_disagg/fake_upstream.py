@@ -1,0 +1,77 @@
+"""An upstream that answers completions with fixed bytes: for measuring the proxy's own overhead
+(``bench/pd.py``) and checking that it passes bytes through untouched.
+
+It plays both roles: ``GET /kv_transfer`` names a side channel (nothing listens there; the
+proxy only passes the address on), and ``POST /v1/completions`` or ``/v1/chat/completions``
+streams ``chunks`` (a list of byte strings; each is written as one body chunk) with status 200.
+A request body may steer one answer, for tests: ``"fake_status": 503`` answers that status
+with an OpenAI error body, ``"fake_fail_times": n`` only the first ``n`` times (per
+``transfer_id``-less path, counted by the app).
+
+Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette:
+    failures: dict[str, int] = {}
+    seen: list[dict] = []
+
+    async def completion(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body())
+        seen.append(body)
+        status = body.get("fake_status")
+        if status is not None:
+            key = request.url.path
+            failures[key] = failures.get(key, 0) + 1
+            if failures[key] <= body.get("fake_fail_times", 1 << 30):
+                error = {"error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}}
+                return JSONResponse(error, status_code=status)
+
+        async def stream() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(stream(), media_type="text/event-stream" if body.get("stream") else "application/json")
+
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def kv_transfer(request: Request) -> Response:
+        return JSONResponse({"kv_connector": "nixl", "role": "kv_producer", "side_channel_host": "127.0.0.1",
+                             "side_channel_port": side_channel_port, "tensor_parallel_size": 1})
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completion, methods=["POST"]),
+        Route("/v1/chat/completions", completion, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/kv_transfer", kv_transfer, methods=["GET"]),
+    ])
+    app.state.seen = seen
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--chunk-bytes", type=int, default=64)
+    parser.add_argument("--chunks", type=int, default=1000)
+    args = parser.parse_args(argv)
+    chunk = (b"data: " + b"x" * max(args.chunk_bytes - 8, 0) + b"\n\n")[: args.chunk_bytes]
+    uvicorn.run(create_app([chunk] * args.chunks), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

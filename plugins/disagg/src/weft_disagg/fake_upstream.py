@@ -4,9 +4,10 @@
 It plays both roles: ``GET /kv_transfer`` names a side channel (nothing listens there; the
 proxy only passes the address on), and ``POST /v1/completions`` or ``/v1/chat/completions``
 streams ``chunks`` (a list of byte strings; each is written as one body chunk) with status 200.
-A request body may steer one answer, for tests: ``"fake_status": 503`` answers that status
-with an OpenAI error body, ``"fake_fail_times": n`` only the first ``n`` times (per
-``transfer_id``-less path, counted by the app).
+A request body may steer the answer of a decode leg (or a direct request; a prefill leg always
+succeeds), for tests: ``"fake_status": 503`` answers that status with an OpenAI error body,
+``"fake_fail_times": n`` only the first ``n`` times, counted over every fake upstream of the
+process by ``"fake_key"``.
 
 Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
 """
@@ -23,18 +24,22 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 
+_failures: dict[str, int] = {}
+"""Answers failed so far per ``fake_key``, over every fake upstream of the process."""
+
+
 def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette:
-    failures: dict[str, int] = {}
     seen: list[dict] = []
 
     async def completion(request: Request) -> Response:
         body = msgspec.json.decode(await request.body())
         seen.append(body)
         status = body.get("fake_status")
-        if status is not None:
-            key = request.url.path
-            failures[key] = failures.get(key, 0) + 1
-            if failures[key] <= body.get("fake_fail_times", 1 << 30):
+        prefill_leg = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
+        if status is not None and not prefill_leg:
+            key = str(body.get("fake_key", ""))
+            _failures[key] = _failures.get(key, 0) + 1
+            if _failures[key] <= body.get("fake_fail_times", 1 << 30):
                 error = {"error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}}
                 return JSONResponse(error, status_code=status)
 

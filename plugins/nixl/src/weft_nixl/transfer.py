@@ -78,7 +78,10 @@ class KVAgent:
                  transferable: Sequence[int], kv_caches: dict[str, torch.Tensor]) -> None:
         nixl_agent, nixl_agent_config = import_nixl()
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        # No progress thread: NIXL's spins without pause (a core per instance, which slowed a shared
+        # 2-core machine tenfold). Transfers progress from the worker's calls instead: every step, and an
+        # instance with a transfer in flight keeps stepping (a leased or parked request is work).
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
         tensors = [kv_caches[layer] for index in transferable for layer in groups[index].layer_names]
         first = tensors[0]
         self.memory_type = "DRAM" if first.device.type == "cpu" else "VRAM"

@@ -385,6 +385,8 @@ class NixlConnector(KVConnector):
         metadata = self._metadata
         if metadata is None or self.producer_channel is None:
             return
+        if metadata.sends and self.agent is not None:
+            self.agent.wait_for_device()  # the forward's kernels may still be writing the blocks to send
         for send in metadata.sends:
             self._ready[send.transfer_id] = _Ready(send)
         self._progress_sends()

@@ -88,6 +88,7 @@ class KVAgent:
         self.device_id = max(first.get_device(), 0)
         self.regions = [group_regions(groups[index], kv_caches) for index in transferable]
         """Per transferable group (in the order of ``transferable``), its regions."""
+        self._device = first.device
         unique = list({tensor.data_ptr(): tensor for tensor in tensors}.values())
         self._registered = self.agent.register_memory(unique)
         self._peers: dict[bytes, str] = {}
@@ -127,6 +128,13 @@ class KVAgent:
             self.agent.get_xfer_descs(remote_descs, self.memory_type), peer, notification,
         )
         return handle, int(local_descs[:, 1].sum())
+
+    def wait_for_device(self) -> None:
+        """Until the device finished the work queued so far (a no-op for host memory)."""
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self._device)
 
     def post(self, handle: Any) -> str:
         """Start a write; ``DONE``, ``PROC`` (in progress) or ``ERR``."""

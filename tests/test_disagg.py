@@ -145,19 +145,17 @@ def ask(client: openai.OpenAI, model: str, api: str, prompt: str, stream: bool, 
     common = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, stream=stream, extra_body=extra or None)
     if stream:
         common["stream_options"] = {"include_usage": True}
-    if api == "chat":
+    chat = api == "chat"
+    if chat:
         reply = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-        pieces = (lambda chunk: chunk.choices[0].delta.content or "" if chunk.choices else "")
-        whole = (lambda reply: reply.choices[0].message.content)
     else:
         reply = client.completions.create(prompt=prompt, **common)
-        pieces = (lambda chunk: chunk.choices[0].text if chunk.choices else "")
-        whole = (lambda reply: reply.choices[0].text)
     if not stream:
-        return whole(reply), reply.usage.completion_tokens
+        return (reply.choices[0].message.content if chat else reply.choices[0].text), reply.usage.completion_tokens
     text, tokens = "", None
     for chunk in reply:
-        text += pieces(chunk)
+        if chunk.choices:
+            text += (chunk.choices[0].delta.content or "") if chat else chunk.choices[0].text
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return text, tokens

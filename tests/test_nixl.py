@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("weft_nixl")
 
+from conftest import make_tiny_model  # noqa: E402
 from weft.testing import KVConnectorContract  # noqa: E402
 from weft_nixl.side_channel import (  # noqa: E402
     ConsumerChannel,
@@ -24,8 +25,6 @@ from weft_nixl.side_channel import (  # noqa: E402
     mismatch,
 )
 from weft_nixl.transfer import Region  # noqa: E402
-
-from conftest import make_tiny_model  # noqa: E402
 
 
 def free_port() -> int:

@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-
 _failures: dict[str, int] = {}
 """Answers failed so far per ``fake_key``, over every fake upstream of the process."""
 

@@ -320,7 +320,13 @@ class NixlConnector(KVConnector):
     # Worker role.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from weft_nixl.side_channel import ConsumerChannel, EngineDescription, GroupDescription, Hello, ProducerChannel
+        from weft_nixl.side_channel import (
+            ConsumerChannel,
+            EngineDescription,
+            GroupDescription,
+            Hello,
+            ProducerChannel,
+        )
         from weft_nixl.transfer import KVAgent
 
         if not self.transferable:
@@ -422,20 +428,20 @@ class NixlConnector(KVConnector):
         now = time.monotonic()
         for transfer_id, ready in list(self._ready.items()):
             if channel.is_ended(transfer_id):  # its consumer abandoned or declined it
-                self._send_over(transfer_id, ready.request_id, failed=False)
+                self._send_over(ready.request_id, failed=False)
                 continue
             taken = channel.take(transfer_id)
             if taken is None:
                 if now - ready.since > self.options.lease_timeout:
                     channel.end(transfer_id, f"no decode instance registered within lease_timeout "
                                              f"({self.options.lease_timeout:g} s)")
-                    self._send_over(transfer_id, ready.request_id, failed=True)
+                    self._send_over(ready.request_id, failed=True)
                 continue
             identity, registration, arrived = taken
             if ready.inject_failure or now - arrived > registration.timeout / 2:
                 reason = "fault injected" if ready.inject_failure else "the registration arrived too late to write"
                 channel.end(transfer_id, reason, identity)
-                self._send_over(transfer_id, ready.request_id, failed=True)
+                self._send_over(ready.request_id, failed=True)
                 continue
             self._write(transfer_id, ready, identity, registration)
         for transfer_id, writing in list(self._writing.items()):
@@ -447,10 +453,10 @@ class NixlConnector(KVConnector):
             if state == "DONE":
                 self._observe("send_bytes_total", writing.num_bytes)
                 self._observe("send_seconds", time.monotonic() - writing.started)
-                self._send_over(transfer_id, writing.request_id, failed=False)
+                self._send_over(writing.request_id, failed=False)
             else:
                 channel.end(transfer_id, "the NIXL write failed", writing.identity)
-                self._send_over(transfer_id, writing.request_id, failed=True)
+                self._send_over(writing.request_id, failed=True)
 
     def _write(self, transfer_id: str, ready: _Ready, identity: bytes, registration: Any) -> None:
         channel, agent = self.producer_channel, self.agent
@@ -466,21 +472,21 @@ class NixlConnector(KVConnector):
             peer_name = agent.add_peer(peer.agent_metadata)
             if not any(len(local) for local, _ in pairs):
                 agent.notify(peer_name, notification)
-                self._send_over(transfer_id, ready.request_id, failed=False)
+                self._send_over(ready.request_id, failed=False)
                 return
             handle, num_bytes = agent.write(peer_name, peer.regions, peer.device_id, pairs, notification)
             state = agent.post(handle)
         except Exception as error:  # noqa: BLE001 - a transfer failure must not fail the engine
             logger.warning("weft-nixl: could not write the KV of transfer %s: %s", transfer_id, error)
             channel.end(transfer_id, f"the NIXL write could not start: {error}", identity)
-            self._send_over(transfer_id, ready.request_id, failed=True)
+            self._send_over(ready.request_id, failed=True)
             return
         self._observe("send_started_total")
         self._writing[transfer_id] = _Writing(ready.request_id, handle, num_bytes, identity)
         if state == "ERR":
             logger.warning("weft-nixl: posting the KV write of transfer %s failed", transfer_id)
 
-    def _send_over(self, transfer_id: str, request_id: str, failed: bool) -> None:
+    def _send_over(self, request_id: str, failed: bool) -> None:
         if failed:
             self._observe("send_failures_total")
         self._sent.add(request_id)
@@ -491,7 +497,7 @@ class NixlConnector(KVConnector):
         for transfer_id, ready in list(self._ready.items()):
             if ready.request_id == request_id:
                 del self._ready[transfer_id]  # it is prefilled and sent again
-        for transfer_id, writing in list(self._writing.items()):
+        for writing in list(self._writing.values()):
             if writing.request_id == request_id and agent is not None:
                 while agent.state(writing.handle) == "PROC":
                     time.sleep(0.0005)

@@ -227,7 +227,7 @@ class ProducerChannel:
         for transfer_id, (_, since) in list(self._ended.items()):
             if now - since > self.ended_ttl:
                 del self._ended[transfer_id]
-        for transfer_id, (identity, registration, since) in list(self._registrations.items()):
+        for transfer_id, (_, registration, since) in list(self._registrations.items()):
             if now - since > registration.timeout:  # its consumer computed the prompt already
                 del self._registrations[transfer_id]
 

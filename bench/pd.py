@@ -64,7 +64,7 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900) -> N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {process.returncode} (see its pd_*.log)")
+            raise RuntimeError(f"{url}: the process exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -72,6 +72,16 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900) -> N
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's ``/metrics``, by sample name with its labels as written (``name{label="value"}``)."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
 
 
 def llama8b_checkpoint(tokenizer: Path) -> Path:
@@ -122,12 +132,7 @@ class Cluster:
         self.vocab = int(args.vocab)
 
     def metrics(self, name: str) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(f"{self.urls[name]}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
-        return values
+        return scrape_metrics(self.urls[name])
 
     def stop(self) -> None:
         for process in self.processes.values():

@@ -28,6 +28,9 @@ openai = pytest.importorskip("openai")
 
 from conftest import make_tiny_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from pd import scrape_metrics, wait_healthy  # noqa: E402
+
 try:
     from weft_nixl.transfer import import_nixl
 
@@ -65,17 +68,10 @@ class Process:
                                             stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait_until_healthy(self, url: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{self.name} did not become healthy in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_healthy(url, self.process, timeout)
+        except RuntimeError as error:
+            pytest.fail(f"{self.name}: {error}:\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -120,12 +116,7 @@ class Cluster:
         return openai.OpenAI(base_url=f"{self.urls[name]}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def metrics(self, name: str) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(f"{self.urls[name]}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
-        return values
+        return scrape_metrics(self.urls[name])
 
     def stop(self) -> None:
         for process in self.processes.values():

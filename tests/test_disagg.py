@@ -88,13 +88,16 @@ class Process:
 
 
 class Cluster:
-    def __init__(self, model: Path, folder: Path) -> None:
-        self.ports = {name: free_port() for name in ("prefill1", "prefill2", "decode", "proxy")}
+    """Prefill instances ``prefill1``.. (fault injection on), a decode instance without prefix caching, the proxy."""
+
+    def __init__(self, model: Path, folder: Path, prefill_instances: int = 2) -> None:
+        prefills = [f"prefill{index + 1}" for index in range(prefill_instances)]
+        self.ports = {name: free_port() for name in (*prefills, "decode", "proxy")}
         self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
         common = ["serve", "--model", str(model), "--kv-connector", "nixl", "--max-model-len", "512",
                   "--set", "engine.cpu_kv_cache_bytes=33554432", "--set", "plugins.nixl.transfer_timeout=30.0"]
         self.processes: dict[str, Process] = {}
-        for name in ("prefill1", "prefill2"):
+        for name in prefills:
             self.processes[name] = Process(name, [
                 *common, "--port", str(self.ports[name]), "--set", 'plugins.nixl.role="kv_producer"',
                 "--set", f"plugins.nixl.side_channel_port={free_port()}", "--set", "plugins.nixl.fault_injection=true",
@@ -103,10 +106,10 @@ class Cluster:
             *common, "--port", str(self.ports["decode"]), "--set", 'plugins.nixl.role="kv_consumer"',
             "--set", "engine.enable_prefix_caching=false",
         ], folder)
-        for name in ("prefill1", "prefill2", "decode"):
+        for name in (*prefills, "decode"):
             self.processes[name].wait_until_healthy(self.urls[name])
         self.processes["proxy"] = Process("proxy", [
-            "proxy", "pd", "--prefill", self.urls["prefill1"], self.urls["prefill2"], "--decode", self.urls["decode"],
+            "proxy", "pd", "--prefill", *(self.urls[name] for name in prefills), "--decode", self.urls["decode"],
             "--port", str(self.ports["proxy"]), "--health-interval", "0.5", "--log-level", "warning",
         ], folder)
         self.processes["proxy"].wait_until_healthy(self.urls["proxy"])
@@ -258,3 +261,4 @@ def test_the_proxy_keeps_serving_when_a_prefill_instance_is_killed_mid_run(clust
     assert [text for text, _ in after_kill] == [
         ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)[0] for prompt in prompts[:4]]
     assert cluster.metrics("prefill1")["weft_kv_connector_send_started_total"] - before == 4
+

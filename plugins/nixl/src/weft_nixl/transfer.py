@@ -58,13 +58,19 @@ def import_nixl() -> tuple[Any, Any]:
 
 
 def group_regions(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) -> list[Region]:
-    """The regions of every layer of ``group``, in layer order (see the module docstring)."""
+    """The regions of every layer of ``group``, in layer order (see the module docstring).
+
+    A group the attention backend owns must have its default layout (:func:`block_axis` checks it);
+    a group the model manages puts the block first, whatever a block holds (DeepSeek V4's rings keep
+    one vector per slot, less than ``page_size_bytes``): the two instances' handshake compares the
+    bytes per block, so only the same layout on both sides is written.
+    """
     regions = []
     for layer in group.layer_names:
         tensor = kv_caches[layer]
-        axis = block_axis(group, layer, tensor)
         if not tensor.is_contiguous():
             raise ValueError(f"weft-nixl: the KV cache of {layer} is not contiguous (shape {tuple(tensor.shape)})")
+        axis = block_axis(group, layer, tensor) if group.spec.paged_attention else 0
         parts = [tensor] if axis == 0 else [tensor[0], tensor[1]]
         for part in parts:
             regions.append(Region(part.data_ptr(), part[0].numel() * part.element_size(), part.shape[0]))

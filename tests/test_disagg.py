@@ -204,6 +204,23 @@ def test_a_transfer_failure_injected_on_the_producer_makes_decode_compute_the_pr
     assert producers == 1
 
 
+def test_an_abandoned_transfer_makes_decode_compute_the_prompt_at_once(cluster):
+    """``POST /kv_transfer/abandon`` on the prefill instance (the proxy's call when a prefill leg fails before
+    its engine saw it): the decode leg hears at once, well before its transfer_timeout (30 s here)."""
+    prompt = "Nobody will prefill this prompt for the decode instance"
+    side_channel = httpx.get(f"{cluster.urls['prefill1']}/kv_transfer").json()
+    assert httpx.post(f"{cluster.urls['prefill1']}/kv_transfer/abandon", json={"transfer_id": "t-abandoned"}).json() == {
+        "abandoned": "t-abandoned"}
+    before = cluster.metrics("decode")["weft_kv_connector_receive_failures_total"]
+    started = time.monotonic()
+    answer = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False, kv_transfer_params={
+        "do_remote_prefill": True, "transfer_id": "t-abandoned", "remote_host": side_channel["side_channel_host"],
+        "remote_port": side_channel["side_channel_port"]})
+    assert time.monotonic() - started < 25  # a notice, not the 30 s transfer_timeout
+    assert answer == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
+    assert cluster.metrics("decode")["weft_kv_connector_receive_failures_total"] == before + 1
+
+
 def held(cluster: Cluster, name: str) -> tuple[float, float, float]:
     metrics = cluster.metrics(name)
     return metrics["weft_requests_running"], metrics["weft_requests_waiting"], metrics["weft_kv_cache_usage_ratio"]

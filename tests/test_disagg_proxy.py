@@ -126,6 +126,19 @@ def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, u
         "remote_host": "127.0.0.1", "remote_port": 7777}}
 
 
+def test_a_failed_prefill_leg_does_not_fail_the_request_and_ends_its_transfer(proxy, upstreams):
+    upstreams["prefill"].seen.clear()
+    upstreams["prefill"].app.state.abandoned.clear()
+    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503), timeout=30)
+    assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
+    (prefill,) = upstreams["prefill"].seen
+    deadline = time.monotonic() + 10
+    while not upstreams["prefill"].app.state.abandoned:
+        assert time.monotonic() < deadline, "the proxy did not end the failed leg's transfer"
+        time.sleep(0.05)
+    assert upstreams["prefill"].app.state.abandoned == [{"transfer_id": prefill["kv_transfer_params"]["transfer_id"]}]
+
+
 def test_decode_instances_take_turns(proxy, upstreams):
     for upstream in upstreams.values():
         upstream.seen.clear()

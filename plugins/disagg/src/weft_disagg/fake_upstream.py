@@ -4,10 +4,11 @@
 It plays both roles: ``GET /kv_transfer`` names a side channel (nothing listens there; the
 proxy only passes the address on), and ``POST /v1/completions`` or ``/v1/chat/completions``
 streams ``chunks`` (a list of byte strings; each is written as one body chunk) with status 200.
-A request body may steer the answer of a decode leg (or a direct request; a prefill leg always
-succeeds), for tests: ``"fake_status": 503`` answers that status with an OpenAI error body,
-``"fake_fail_times": n`` only the first ``n`` times, counted over every fake upstream of the
-process by ``"fake_key"``.
+A request body may steer the answer of a decode leg (or a direct request), for tests:
+``"fake_status": 503`` answers that status with an OpenAI error body, ``"fake_fail_times": n``
+only the first ``n`` times, counted over every fake upstream of the process by ``"fake_key"``;
+``"fake_prefill_status": 503`` answers a prefill leg so. ``POST /kv_transfer/abandon`` bodies are
+recorded in ``app.state.abandoned``.
 
 Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
 """
@@ -29,13 +30,14 @@ _failures: dict[str, int] = {}
 
 def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette:
     seen: list[dict] = []
+    abandoned: list[dict] = []
 
     async def completion(request: Request) -> Response:
         body = msgspec.json.decode(await request.body())
         seen.append(body)
-        status = body.get("fake_status")
         prefill_leg = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
-        if status is not None and not prefill_leg:
+        status = body.get("fake_prefill_status") if prefill_leg else body.get("fake_status")
+        if status is not None:
             key = str(body.get("fake_key", ""))
             _failures[key] = _failures.get(key, 0) + 1
             if _failures[key] <= body.get("fake_fail_times", 1 << 30):
@@ -51,6 +53,10 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
     async def health(request: Request) -> Response:
         return PlainTextResponse("ok")
 
+    async def abandon(request: Request) -> Response:
+        abandoned.append(msgspec.json.decode(await request.body()))
+        return JSONResponse({"abandoned": abandoned[-1].get("transfer_id")})
+
     async def kv_transfer(request: Request) -> Response:
         return JSONResponse({"kv_connector": "nixl", "role": "kv_producer", "side_channel_host": "127.0.0.1",
                              "side_channel_port": side_channel_port, "tensor_parallel_size": 1})
@@ -60,8 +66,10 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
         Route("/v1/chat/completions", completion, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/kv_transfer", kv_transfer, methods=["GET"]),
+        Route("/kv_transfer/abandon", abandon, methods=["POST"]),
     ])
     app.state.seen = seen
+    app.state.abandoned = abandoned
     return app
 
 

@@ -265,7 +265,7 @@ class PDProxy:
             decode_body = {**body, "kv_transfer_params": {
                 **given, "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port,
             }}
-            prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
+            prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers, transfer_id))
         decode.in_flight += 1
         started = time.monotonic()
         try:
@@ -282,7 +282,8 @@ class PDProxy:
             raise
         return decode, response, prefill_task, started
 
-    async def _prefill(self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    async def _prefill(self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
+                       transfer_id: str) -> None:
         assert self.client is not None
         instance.in_flight += 1
         started = time.monotonic()
@@ -293,6 +294,10 @@ class PDProxy:
                 self.metrics.leg_failures.labels("prefill").inc()
                 logger.warning("%s answered %d: %s (the decode instance computes the prompt)", instance,
                                response.status_code, response.text[:200])
+                # The engine may never have seen the request: end its transfer, so the decode instance
+                # does not wait for KV that will not come.
+                await self.client.post(f"{instance.url}/kv_transfer/abandon", json={"transfer_id": transfer_id},
+                                       headers=headers, timeout=5.0)
         except httpx.TransportError as error:
             instance.healthy = False
             self.metrics.leg_failures.labels("prefill").inc()

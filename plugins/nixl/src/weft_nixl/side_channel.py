@@ -8,7 +8,9 @@ NIXL moves the KV; this channel carries what NIXL needs first and what it cannot
   in :class:`HelloReply`.
 * :class:`Register` (consumer -> producer, per request): the transfer id the proxy gave both
   legs and the consumer's blocks to write, per transferable group.
-* :class:`Abandon` (consumer -> producer): the consumer's request ended; don't write.
+* :class:`Abandon` (consumer -> producer): the consumer's request ended, or needs no KV; don't write.
+  The producer's own API sends it too (``POST /kv_transfer/abandon``) when a P/D proxy's prefill
+  leg failed before the engine saw the request, so the consumer hears at once.
 * :class:`Notice` (producer -> consumer): the transfer will not happen (the producer's request
   ended before its prefill did, the write failed, a fault was injected, the lease expired).
   Completion is not sent here: it is NIXL's notification, delivered after the data.
@@ -96,6 +98,10 @@ class Notice(msgspec.Struct, tag=True, array_like=True):
 Message = Hello | HelloReply | Register | Abandon | Notice
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
 
 
 def mismatch(producer: EngineDescription, consumer: EngineDescription) -> str | None:
@@ -212,12 +218,12 @@ class ProducerChannel:
                 self._send(identity, Notice(message.transfer_id, "the prefill instance has no handshake from this decode worker"))
             elif ended is not None:
                 self._send(identity, Notice(message.transfer_id, ended[0]))
-        elif isinstance(message, Abandon):
+        elif isinstance(message, Abandon):  # from the decode worker, or the prefill instance's API (its leg failed)
             with self._lock:
-                registered = self._registrations.pop(message.transfer_id, None) is not None
-                self._ended[message.transfer_id] = ("the decode instance abandoned the request", time.monotonic())
-            if registered:
-                self._send(identity, Notice(message.transfer_id, "abandoned"))
+                registration = self._registrations.pop(message.transfer_id, None)
+                self._ended[message.transfer_id] = ("the request was abandoned", time.monotonic())
+            if registration is not None:
+                self._send(registration[0], Notice(message.transfer_id, "abandoned"))
 
     def _send(self, identity: bytes, message: Message) -> None:
         self._socket.send_multipart([identity, _encoder.encode(message)])

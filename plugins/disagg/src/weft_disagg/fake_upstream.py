@@ -7,8 +7,8 @@ streams ``chunks`` (a list of byte strings; each is written as one body chunk) w
 A request body may steer the answer of a decode leg (or a direct request), for tests:
 ``"fake_status": 503`` answers that status with an OpenAI error body, ``"fake_fail_times": n``
 only the first ``n`` times, counted over every fake upstream of the process by ``"fake_key"``;
-``"fake_prefill_status": 503`` answers a prefill leg so. ``POST /kv_transfer/abandon`` bodies are
-recorded in ``app.state.abandoned``.
+``"fake_prefill_status": 503`` answers a prefill leg so; ``"fake_delay": seconds`` holds a decode
+leg's answer back. ``POST /kv_transfer/abandon`` bodies are recorded in ``app.state.abandoned``.
 
 Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
 """
@@ -16,6 +16,7 @@ Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-byte
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -43,6 +44,9 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
             if _failures[key] <= body.get("fake_fail_times", 1 << 30):
                 error = {"error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}}
                 return JSONResponse(error, status_code=status)
+
+        if not prefill_leg and body.get("fake_delay"):
+            await asyncio.sleep(float(body["fake_delay"]))
 
         async def stream() -> AsyncIterator[bytes]:
             for chunk in chunks:

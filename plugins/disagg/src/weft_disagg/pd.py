@@ -238,8 +238,8 @@ class PDProxy:
                 tried.append(decode)
                 continue
             forwarded = {name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers}
-            return StreamingResponse(self._relay(decode, response, prefill_task, started),
-                                     status_code=response.status_code, headers=forwarded)
+            relay = _Relay(self, decode, response, prefill_task, started)
+            return _RelayedResponse(relay, status_code=response.status_code, headers=forwarded)
         raise AssertionError("unreachable: the last attempt returns")
 
     async def _send(self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
@@ -306,26 +306,6 @@ class PDProxy:
         finally:
             instance.in_flight -= 1
 
-    async def _relay(self, decode: Instance, response: httpx.Response, prefill_task: asyncio.Task | None,
-                     started: float) -> AsyncIterator[bytes]:
-        """The decode response's bytes as they come; the prefill leg never outlives it."""
-        first = True
-        try:
-            async for chunk in response.aiter_raw():
-                if first:
-                    self.metrics.leg_seconds.labels("decode_first_byte").observe(time.monotonic() - started)
-                    first = False
-                self.metrics.forwarded_bytes.inc(len(chunk))
-                yield chunk
-            self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
-        except httpx.TransportError as error:  # the client sees the response end early
-            self.metrics.leg_failures.labels("decode").inc()
-            logger.warning("%s broke off its response: %s: %s", decode, type(error).__name__, error)
-        finally:
-            decode.in_flight -= 1
-            await response.aclose()
-            await _settle(prefill_task)
-
     async def passthrough(self, request: Request) -> Response:
         """``GET`` routes answered by a decode instance (``/v1/models``), bytes untouched."""
         assert self.client is not None
@@ -347,6 +327,56 @@ class PDProxy:
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Relay:
+    """One answered attempt: the decode response to forward, and what must end with it."""
+
+    def __init__(self, proxy: PDProxy, decode: Instance, response: httpx.Response, prefill_task: asyncio.Task | None,
+                 started: float) -> None:
+        self.proxy, self.decode, self.response, self.prefill_task, self.started = proxy, decode, response, prefill_task, started
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The decode response's bytes as they come."""
+        metrics, first = self.proxy.metrics, True
+        try:
+            async for chunk in self.response.aiter_raw():
+                if first:
+                    metrics.leg_seconds.labels("decode_first_byte").observe(time.monotonic() - self.started)
+                    first = False
+                metrics.forwarded_bytes.inc(len(chunk))
+                yield chunk
+            metrics.leg_seconds.labels("decode").observe(time.monotonic() - self.started)
+        except httpx.TransportError as error:  # the client sees the response end early
+            metrics.leg_failures.labels("decode").inc()
+            logger.warning("%s broke off its response: %s: %s", self.decode, type(error).__name__, error)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the decode response and end the prefill leg (once; also when streaming never started)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.decode.in_flight -= 1
+        await self.response.aclose()
+        await _settle(self.prefill_task)
+
+
+class _RelayedResponse(StreamingResponse):
+    """A streaming response that closes its relay however the response ends: a client that disconnects
+    before the first byte never starts the body's generator, whose ``finally`` would not run."""
+
+    def __init__(self, relay: _Relay, **kwargs: Any) -> None:
+        super().__init__(relay.chunks(), **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
 
 
 async def _settle(task: asyncio.Task | None) -> None:

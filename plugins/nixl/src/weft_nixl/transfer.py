@@ -15,6 +15,7 @@ and carries a notification the peer's agent receives after the data.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,13 @@ def import_nixl() -> tuple[Any, Any]:
 
     The per-CUDA wheels come first: the ``nixl`` meta package picks its build by probing the
     driver, and picks one that does not import on a machine without a GPU.
+
+    On a machine without InfiniBand devices, UCX's InfiniBand and RDMA-CM modules are not loaded
+    (``UCX_MODULES``, unless the user set it): they have nothing to drive there, and with them NIXL
+    1.5's wheel crashes every process at exit (a segfault in its bundled libnl-route).
     """
+    if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+        os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
     errors = []
     for module in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:

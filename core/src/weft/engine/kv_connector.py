@@ -124,13 +124,14 @@ class SchedulerConnector:
         count, load_async = self.scheduler_side.get_num_new_matched_tokens(connector_request, num_computed_tokens)
         if count is None:
             return None
-        if count and not (self.all_transferable if load_async else self.loads_possible):
-            kind, rule = ("asynchronous", "transferable") if load_async else ("synchronous", "prefix-cacheable")
-            refused = [group.name for group in self.groups if not getattr(group, rule.replace("-", "_"))]
-            raise RuntimeError(
-                f"KV connector {self.name!r} offered an {kind} load of request {request.request_id!r}, but KV-cache "
-                f"groups {refused} are not {rule}"
-            )
+        if count and load_async and not self.all_transferable:
+            refused = [group.name for group in self.groups if not group.transferable]
+            raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "
+                               f"{request.request_id!r}, but KV-cache groups {refused} are not transferable")
+        if count and not load_async and not self.loads_possible:
+            refused = [group.name for group in self.groups if not group.prefix_cacheable]
+            raise RuntimeError(f"KV connector {self.name!r} offered a synchronous load of request "
+                               f"{request.request_id!r}, but KV-cache groups {refused} are not prefix-cacheable")
         if count < 0 or num_computed_tokens + count >= request.num_tokens:
             raise RuntimeError(
                 f"KV connector {self.name!r} offered {count} tokens of request {request.request_id!r} after "

@@ -23,8 +23,10 @@ with a new transfer and prefill leg; the last one's status and body go to the cl
 other upstream status is forwarded as it is. An upstream that cannot be reached or breaks
 off is a 502, anything else a 500; a body that is not JSON is a 415 (wrong content type) or
 400 (malformed). A prefill leg that fails does not fail the request: the decode instance
-computes the prompt itself. Instances that fail are left out until their ``/health`` answers
-again; with no prefill instance left, requests go to decode instances alone.
+computes the prompt itself (a prefill instance that answered an error is asked to end the
+transfer, ``POST /kv_transfer/abandon``, so the decode instance need not wait for it). Instances
+that fail are left out until their ``/health`` answers again; with no prefill instance left,
+requests go to decode instances alone.
 """
 
 from __future__ import annotations

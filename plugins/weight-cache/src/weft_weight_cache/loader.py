@@ -68,9 +68,11 @@ class WeightCacheLoader(SafetensorsLoader):
         identity = device_identity(load.device, load.local_rank)
         path = socket_dir(options) / socket_name(identity)
         try:
+            if not path.is_symlink() and not path.exists():
+                raise FileNotFoundError(path)
             client = WeightCacheClient(path, options.timeout, options.max_frame_bytes)
-        except FileNotFoundError:
-            reason = f"no daemon serves {identity} ({path} does not exist; start one with `weft weights serve`)"
+        except (FileNotFoundError, ConnectionRefusedError):
+            reason = f"no daemon serves {identity} (nothing listens at {path}; start one with `weft weights serve`)"
         except (OSError, SafetyError) as error:
             reason = f"cannot use {path}: {error}"
         else:

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
-
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import LoadConfig
 from weft.plugins import PluginRegistry
@@ -151,7 +150,7 @@ def test_three_gloo_ranks_load_collectively_and_the_last_stage_draft_loads_alone
         for rank in range(world)
     ]
     outputs = [process.communicate(timeout=240)[0] for process in processes]
-    for process, output in zip(processes, outputs):
+    for process, output in zip(processes, outputs, strict=True):
         assert process.returncode == 0, output
     expected = plain(checkpoint, "float32")
     for name in [f"target{rank}.pt" for rank in range(world)] + ["draft.pt"]:

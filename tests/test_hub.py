@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save, save_file
-
 from hub_server import HubServer, Repo
+from safetensors.torch import save, save_file
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.config import load_config
 from weft.contracts.loader import LoadConfig
@@ -209,7 +208,7 @@ def test_two_concurrent_starts_share_one_download(hub, env, tmp_path):
     ]
     outputs = [process.communicate(timeout=120) for process in processes]
     hub.slow_files = set()
-    for process, (stdout, stderr) in zip(processes, outputs):
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, stderr
     paths = {stdout.strip() for stdout, _ in outputs}
     assert paths == {str(env / "models--org--tiny" / "snapshots" / COMMIT_A)}

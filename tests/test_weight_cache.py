@@ -20,7 +20,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-
 from conftest import make_tiny_model
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import LoadConfig

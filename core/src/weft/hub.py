@@ -151,7 +151,11 @@ def _progress_class() -> Any:
 
 
 def _explain(error: Exception, repo: str, revision: str) -> ValueError:
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"Hugging Face repo {repo!r} at revision {revision!r} ({endpoint()})"
     if isinstance(error, GatedRepoError):

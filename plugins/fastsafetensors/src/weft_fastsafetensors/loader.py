@@ -24,7 +24,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import torch
-
 from weft.builtins.safetensors_loader import SafetensorsLoader, cast
 from weft.contracts.loader import ModelSource
 from weft.hub import weight_files

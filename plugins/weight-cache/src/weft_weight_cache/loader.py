@@ -19,7 +19,6 @@ from typing import Annotated, ClassVar
 
 import msgspec
 import torch
-
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import ModelSource
 

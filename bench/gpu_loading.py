@@ -15,6 +15,7 @@ Usage: python bench/gpu_loading.py --tokenizer DIR [--dir /tmp/weft-llama8b] --p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -86,6 +87,7 @@ def load_model_seconds(folder: Path, loader: str, cold: bool) -> tuple[float, st
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del worker
+    gc.collect()  # the model and its engine hold reference cycles: free them before the next measurement
     torch.cuda.empty_cache()
     return seconds, "cold" if dropped else "warm"
 
@@ -110,6 +112,7 @@ def engine_start(folder: Path, loader: str, socket_dir: Path) -> tuple[float, li
     tokens = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
     llm.close()
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     return seconds, list(tokens)
 

@@ -120,7 +120,7 @@ STASH = '''
 
 def test_an_asynchronous_load_parks_the_request_outside_the_batch_until_its_kv_arrives_or_fails(tiny, site, monkeypatch):
     site.add_distribution(
-        "weft-stash", requires=("weft-core>=1.2,<2",),
+        "weft-stash", requires=("weft-core>=1.3,<2",),
         entry_points={"weft.kv_connector": {"stash": "stash:StashConnector"}}, modules={"stash": STASH},
     )
     monkeypatch.syspath_prepend(str(site.root))

@@ -36,7 +36,7 @@ The engine asks for external hits when every group is prefix-cacheable (the same
 rule as its own prefix cache), and for any request that carries connector
 ``params`` (a transfer of that very request); it hands every request to the connector.
 
-Asynchronous loads (core API 1.2)
+Asynchronous loads (core API 1.3)
     A lookup may answer ``(n, True)``: the request's KV arrives from outside while
     the engine does other work (a decode instance receiving the KV its prefill
     instance pushes). The engine allocates the request's blocks for its first
@@ -55,7 +55,7 @@ Asynchronous loads (core API 1.2)
     goes to ``request_finished`` with its blocks; returning ``delay_free=True`` keeps
     them until the worker names it in ``finished_receiving`` or ``finished_sending``.
 
-Metrics (core API 1.2)
+Metrics (core API 1.3)
     A connector declares :class:`ConnectorMetric` s in ``metrics``; its workers
     report observations in ``ConnectorOutput.observations`` (a counter's increments,
     a histogram's samples, since their previous report). ``weft serve`` exposes
@@ -167,7 +167,7 @@ class ConnectorRequest(msgspec.Struct, frozen=True):
     """Chained hashes (:func:`weft.engine.kv_cache_manager.hash_block`) of the request's full prompt
     blocks of :func:`connector_block_size` tokens; prefix-cacheable groups share them."""
     params: dict[str, Any] = {}
-    """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API 1.2)."""
+    """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API 1.3)."""
 
 
 class ConnectorContext(msgspec.Struct, frozen=True):
@@ -212,13 +212,13 @@ class ConnectorOutput(msgspec.Struct, frozen=True):
 
     finished_sending: frozenset[str] = frozenset()
     finished_receiving: frozenset[str] = frozenset()
-    """Requests whose asynchronous load completed (core API 1.2), or that ended while receiving
+    """Requests whose asynchronous load completed (core API 1.3), or that ended while receiving
     and whose blocks no write can reach any more."""
     failed_loads: frozenset[str] = frozenset()
     """Requests whose external KV could not be loaded; the scheduler recomputes them."""
     observations: dict[str, list[float]] = {}
     """Per :class:`ConnectorMetric` name: a counter's increments or a histogram's samples since the
-    previous report (core API 1.2)."""
+    previous report (core API 1.3)."""
 
 
 class ConnectorMetric(msgspec.Struct, frozen=True):
@@ -237,7 +237,7 @@ class KVConnector(PluginBase):
 
     name: ClassVar[str]
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = ()
-    """What the workers report in ``ConnectorOutput.observations`` (core API 1.2)."""
+    """What the workers report in ``ConnectorOutput.observations`` (core API 1.3)."""
     metadata_type: ClassVar[Any] = Any
     """The type :meth:`build_connector_meta` returns. The metadata reaches workers as msgpack
     bytes inside the step (they may live in other processes) and is decoded as this type;

@@ -70,6 +70,14 @@ class EngineConfig(_Section, frozen=True):
     cpu_kv_cache_bytes: Annotated[int, Meta(ge=1, description="KV-cache bytes on the CPU platform")] = 1 << 30
     enable_prefix_caching: Annotated[bool, Meta(description="reuse KV blocks of identical prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, Meta(description="split long prompts across steps")] = True
+    long_prefill_token_threshold: Annotated[
+        int, Meta(ge=0, description="a prefill needing more tokens is long: while other requests wait or run it gets "
+                                    "this many per step, then the budget they leave; default: a quarter of "
+                                    "max_num_batched_tokens; 0: no cap")
+    ] | None = None
+    max_long_partial_prefills: Annotated[
+        int, Meta(ge=1, description="long prefills running at once; a long prompt beyond that waits while shorter ones go first")
+    ] = 1
     dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
     ] = "auto"

@@ -5,7 +5,9 @@ The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 :class:`~weft.engine.engine_core.EngineCore` and answers :class:`Ready` (or
 :class:`Failed`). Then it loops: take every waiting message (new requests,
 aborts, shutdown), run one step when it has work, and push the step's outputs
-with the core's gauges. Messages are msgpack-encoded msgspec Structs. The core
+with the core's gauges. A step that raises is retried once (its running requests
+preempted and recomputed); a second failure in a row fails every request the
+core holds. Messages are msgpack-encoded msgspec Structs. The core
 exits when told to, or when the API process is gone.
 """
 
@@ -60,6 +62,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 
 FromCore = Ready | Failed | StepOutputs
+
+STEP_FAILED = "the engine step failed twice (the server log has the details)"
 
 
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
@@ -118,12 +122,12 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 continue
             failed: dict[str, str] = {}
             try:
-                produced = core.step()
-            except Exception as error:
-                logger.exception("engine step failed; failing the requests it held")
+                produced = core.step_with_retry()
+            except Exception:
+                logger.exception("engine step failed again; failing the requests it held")
                 held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
                 core.reset_after_failure()
-                failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
+                failed = dict.fromkeys(held, STEP_FAILED)
                 produced = []
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:

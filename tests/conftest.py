@@ -185,16 +185,12 @@ class RunningServer:
         import threading
         import time
 
-        import uvicorn
-
         from weft.config import load_config
-        from weft.entrypoints.serve import build_app, graceful_timeout
+        from weft.entrypoints.serve import build_app, build_server
 
         self.config = load_config(None, config_overrides)
         self.app = build_app(self.config)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=graceful_timeout(self.config)
-        ))
+        self.uvicorn = build_server(self.app, self.config, log_level="warning", port=0)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -211,8 +207,9 @@ class RunningServer:
         return self.app.state.server.engine
 
     def stop(self) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=60)
+        """The graceful shutdown a signal starts (in-flight requests may finish for server.shutdown_timeout)."""
+        self.uvicorn.request_shutdown()
+        self.thread.join(timeout=120)
 
 
 @pytest.fixture

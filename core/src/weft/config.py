@@ -116,7 +116,27 @@ class ServerConfig(_Section, frozen=True):
     served_model_name: Annotated[str, Meta(description="model id clients use; default: the model's name")] | None = None
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest accepted request body")] = 8 << 20
     max_queued_requests: Annotated[int, Meta(ge=1, description="waiting requests before 503")] = 1024
-    shutdown_timeout: Annotated[float, Meta(ge=0, description="seconds to drain in-flight requests")] = 30.0
+    shutdown_timeout: Annotated[
+        float, Meta(ge=0, description="on SIGINT/SIGTERM: seconds in-flight requests may take to finish while new ones get 503")
+    ] = 30.0
+    request_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a request may take from arrival to its last token; then it is stopped "
+                                      "(408; a stream gets an error event)")
+    ] = 1800.0
+    header_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a client may take to send a request's headers; then the connection is closed")
+    ] = 30.0
+    body_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
+    ] = 60.0
+    max_sequences_per_request: Annotated[
+        int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
+    ] = 256
+    special_tokens_in_content: Annotated[
+        Literal["text", "control"],
+        Meta(description="special-token text inside chat messages: text (encoded as plain text, so users cannot "
+                         "spoof roles) or control (encoded as the control tokens, the old behaviour)"),
+    ] = "text"
 
 
 class WeftConfig(_Section, frozen=True):

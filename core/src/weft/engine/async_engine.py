@@ -202,7 +202,7 @@ class AsyncEngine:
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
         if not self._accepting:
-            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core is gone")
+            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core process died")
         if self.stats.waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
         core_requests = [self.frontend.core_request(request_id, prompt, params) for request_id, prompt, params, _ in requests]
@@ -218,7 +218,7 @@ class AsyncEngine:
                 for request_id, *_ in requests:
                     self._subscribers.pop(request_id, None)
                     self.outputs.abort(request_id)
-            raise ShuttingDownError("the engine core is gone")
+            raise ShuttingDownError("the engine core process died")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (safe to call for finished or unknown ids)."""
@@ -296,11 +296,13 @@ class AsyncEngine:
         """End a drain in progress now (a second Ctrl-C)."""
         self._drain_deadline = time.monotonic()
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop the core process: it finishes its step and its KV connector's saves within ``timeout``
-        seconds, else it is killed. Idempotent."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the core process: it finishes its step (and its KV connector's saves) within ``timeout``
+        seconds, else it is killed; default: 1 s, 60 s with a KV connector. Idempotent."""
         if self._stopping:
             return
+        if timeout is None:
+            timeout = 1.0 if self.config.use.kv_connector == "none" else 60.0
         self._stopping = True
         self._accepting = False
         for task in self._tasks:
@@ -309,7 +311,7 @@ class AsyncEngine:
             self._send(Shutdown())
             self.process.join(timeout=timeout)
             if self.process.is_alive():
-                logger.warning("the engine core did not stop within %.0f s; killing it", timeout)
+                logger.warning("the engine core did not stop within %g s; killing it", timeout)
                 self.process.kill()
                 self.process.join(timeout=5)
         if self._reader is not None:

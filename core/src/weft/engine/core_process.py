@@ -72,9 +72,10 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
 
     from weft.engine.engine_core import EngineCore
 
-    # Ctrl-C reaches the whole process group; the API process decides when the core stops
-    # (Shutdown, after draining), so the core must not die of it first.
+    # Ctrl-C reaches the whole process group (and a service manager may SIGTERM every process of it);
+    # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)

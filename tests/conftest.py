@@ -224,3 +224,26 @@ def start_server():
     yield start
     for server in servers:
         server.stop()
+
+
+POISON_TOKEN = 45749
+"""SmolLM2's " xyl": :func:`poisoned_model`'s embedding of it is NaN."""
+POISONED_TEXT = "Tell me about the xyl"
+"""A prompt ending in the poisoned token: its logits are NaN (the torch backend stores non-finite keys and
+values as zeros, so a NaN earlier in a prompt reaches no other position, and no other request)."""
+
+
+def poisoned_model(folder: Path, tokenizer_files: Path) -> Path:
+    """A tiny Llama (context 9,000 tokens) whose embedding row of :data:`POISON_TOKEN` is NaN."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(folder, "llama", tokenizer_files)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][POISON_TOKEN] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 9000
+    (folder / "config.json").write_text(json.dumps(config))
+    assert torch.isnan(load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"][POISON_TOKEN]).all()
+    return folder

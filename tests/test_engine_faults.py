@@ -152,3 +152,23 @@ def test_a_failed_step_is_retried_once_then_fails_everything(tiny_llm, monkeypat
     monkeypatch.setattr(executor, "execute_model", real)
     assert [output.outputs[0].token_ids for output in tiny_llm.generate(prompts, params)] == expected
     assert tiny_llm.engine.kv_cache_manager.usage() == 0.0
+
+
+def test_nan_activations_of_one_request_never_reach_another(tmp_path, tokenizer_files, one_torch_thread):
+    """Concurrently (padded decode batches) and afterwards (recycled blocks), other requests' tokens are
+    those they get alone; the request whose logits are NaN finishes with ``error``."""
+    from conftest import POISONED_TEXT, poisoned_model
+
+    llm = LLM(model=str(poisoned_model(tmp_path / "poisoned", tokenizer_files)),
+              engine={"num_kv_blocks": 48, "max_model_len": 512})
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        prompts = [f"Count from {index} to {index + 9}:" for index in range(3)]
+        alone = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+        mixed = llm.generate([*prompts, "Tell me about the xylophone.", POISONED_TEXT], params)
+        assert [output.outputs[0].finish_reason for output in mixed] == ["length"] * 4 + ["error"]
+        assert [output.outputs[0].token_ids for output in mixed[:3]] == alone
+        llm.generate([POISONED_TEXT, "Tell me about the xylophone."] * 3, params)  # their blocks go back to the pool
+        assert [output.outputs[0].token_ids for output in llm.generate(prompts, params)] == alone
+    finally:
+        llm.close()

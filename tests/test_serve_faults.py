@@ -4,8 +4,8 @@ Each test replays a finding of the fault sweep (an extreme sampling value, a
 request whose logits turn NaN, an 8 MB prompt, malformed bodies, amplification,
 slow clients, a long prefill ahead of a short request, Ctrl-C during streams)
 and checks the server now isolates it. The model is a tiny random Llama with
-SmolLM2's tokenizer whose embedding of one token (" xyl", in " xylophone") is
-NaN: any request containing it produces NaN logits, and only that request may fail.
+SmolLM2's tokenizer whose embedding of one token (" xyl") is NaN: a prompt
+ending in it produces NaN logits, and only that request may fail.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import POISONED_TEXT, poisoned_model
 
-POISON_TOKEN = 45749
-"""SmolLM2's " xyl": the tiny model's embedding of it is NaN."""
-POISONED_TEXT = "Tell me about the xylophone."
 
 
 def _free_port() -> int:
@@ -90,23 +88,6 @@ class ServeProcess:
                 self.process.wait()
 
 
-def poisoned_model(folder: Path, tokenizer_files: Path) -> Path:
-    """A tiny Llama (context 9,000 tokens) whose embedding row of :data:`POISON_TOKEN` is NaN."""
-    import torch
-    from conftest import make_tiny_model
-    from safetensors.torch import load_file, save_file
-
-    make_tiny_model(folder, "llama", tokenizer_files)
-    weights = load_file(str(folder / "model.safetensors"))
-    weights["model.embed_tokens.weight"][POISON_TOKEN] = float("nan")
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 9000
-    (folder / "config.json").write_text(json.dumps(config))
-    assert torch.isnan(load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"][POISON_TOKEN]).all()
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer_files) -> Path:
     return poisoned_model(tmp_path_factory.mktemp("poisoned") / "poisoned", tokenizer_files)
@@ -153,7 +134,7 @@ def test_a_request_with_nan_logits_fails_alone_and_the_others_finish(server):
     for worker in workers:
         worker.start()
     with pytest.raises(openai.InternalServerError) as failed:
-        client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": POISONED_TEXT}], max_tokens=16)
+        client.completions.create(model=server.name, prompt=POISONED_TEXT, max_tokens=16)
     with pytest.raises(openai.APIError, match="not finite"):  # the stream's error event
         list(client.completions.create(model=server.name, prompt=POISONED_TEXT, max_tokens=16, stream=True))
     for worker in workers:

@@ -93,7 +93,7 @@ def model(tmp_path_factory, tokenizer_files) -> Path:
     return poisoned_model(tmp_path_factory.mktemp("poisoned") / "poisoned", tokenizer_files)
 
 
-REQUEST_TIMEOUT = 6
+REQUEST_TIMEOUT = 20
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +224,11 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
      "application/json", 400, "text"),
     ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
      "application/json", 400, "content[0].text"),
-    ("/v1/chat/completions", f'{{"model": "M", "messages": {_deep(5000)}}}'.encode(), "application/json", 400, "nested"),
-    ("/v1/chat/completions", f'{{"model": "M", "messages": [{{"role": "user", "content": "hi", "x": {_deep(900)}}}]}}'.encode(),
-     "application/json", 400, "nested"),
+    ("/v1/chat/completions", f'{{"model": "M", "messages": {_deep(5000)}}}'.encode(), "application/json", 400, "messages[0]"),
+    ("/v1/chat/completions", f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi", "x": {_deep(5000)}}}]}}'.encode(),
+     "application/json", 400, "nested too deeply"),
+    ("/v1/chat/completions", f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi", "tool_calls": [{{"a": {_deep(200)}}}]}}]}}'.encode(),
+     "application/json", 400, "messages[0].tool_calls[0].a"),
     ("/v1/chat/completions", f'{{"model": "M", "metadata": {{"a": {_deep(80)}}}}}'.encode(), "application/json", 400, "metadata"),
     ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "application/json", 400, "UTF-8"),
     ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}', "application/json", 400, "JSON"),
@@ -260,7 +262,7 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
      "application/json", 400, "mystery"),
     ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
      "application/json", 400, "content[0]"),
-    ("/v1/completions", b'{"model": "M", "prompt": [[1, 2], "a"]}', "application/json", 400, "prompt"),
+    ("/v1/completions", b'{"model": "M", "prompt": [[1, 2], 3]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": [-5]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": [99999999]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": []}', "application/json", 400, "prompt"),
@@ -502,3 +504,48 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
             assert last["choices"][0]["finish_reason"] == "length"
     assert errors == 24  # the long streams were cut at the timeout, the short ones finished
     assert "Traceback" not in server.log and "ERROR" not in server.log, server.log[-3000:]
+
+
+# 8. A standard fuzzer, driven by /openapi.json.
+
+FUZZ_EXAMPLES = 25
+"""Examples per endpoint and mode (schema-valid, then schema-violating): about a minute in all."""
+
+
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+    from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 8
+
+    def bounded(case) -> None:
+        """Generation stays short (the fuzzer's subject is the API, not a 9,000-token decode)."""
+        body = case.body
+        if not isinstance(body, dict):
+            return
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            if isinstance(body.get(field), int) and not isinstance(body[field], bool) and body[field] > 4:
+                body[field] = 4
+        path = case.operation.path
+        if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 4  # else: up to the context length
+        if path == "/v1/responses" and body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 4
+
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def fuzz(case) -> None:
+                bounded(case)
+                case.call_and_validate(base_url=server.url, checks=checks, timeout=60)
+
+            fuzz()
+    assert "Traceback" not in server.log, server.log[-4000:]

@@ -90,7 +90,8 @@ def decode(data: bytes, body_type: type[Any], endpoint: str) -> Any:
         raise HTTPError(400, f"the JSON body is nested too deeply (more than {MAX_NESTING} levels)") from None
     too_deep = _nested_too_deeply(msgspec.to_builtins(body))
     if too_deep is not None:
-        raise HTTPError(400, f"{too_deep}: nested more than {MAX_NESTING} levels deep", param=too_deep)
+        shown = too_deep if len(too_deep) <= 80 else too_deep[:80] + "..."
+        raise HTTPError(400, f"{shown}: nested more than {MAX_NESTING} levels deep", param=shown)
     return body
 
 

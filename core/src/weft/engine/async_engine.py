@@ -124,6 +124,7 @@ class AsyncEngine:
         self._accepting = True
         self.dead = False
         self._stopping = False
+        self._reader_done = False
         self._drain_deadline: float | None = None
         self._tasks: list[asyncio.Task] = []
         self._start_core(startup_timeout)
@@ -307,13 +308,18 @@ class AsyncEngine:
         self._accepting = False
         for task in self._tasks:
             task.cancel()
+        # The reader keeps draining the core's last messages until it exits (a core can't close its
+        # socket while messages it sent wait to be read).
         if self.process.is_alive():
             self._send(Shutdown())
             self.process.join(timeout=timeout)
             if self.process.is_alive():
-                logger.warning("the engine core did not stop within %g s; killing it", timeout)
+                # Without a KV connector nothing is lost: it was finishing a step or exiting.
+                log = logger.info if self.config.use.kv_connector == "none" else logger.warning
+                log("the engine core did not stop within %g s; killing it", timeout)
                 self.process.kill()
                 self.process.join(timeout=5)
+        self._reader_done = True
         if self._reader is not None:
             self._reader.join(timeout=5)
         self._close_sockets()
@@ -329,7 +335,7 @@ class AsyncEngine:
     def _read_outputs(self) -> None:
         assert self._loop is not None
         loop = self._loop
-        while not self._stopping:
+        while not self._reader_done:
             if not self._output.poll(100):
                 continue
             # Everything that arrived, then one delta per request: when this process falls behind

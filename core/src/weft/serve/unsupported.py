@@ -52,6 +52,10 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Any]]] = {
         "guided_grammar": ("structured outputs (vLLM's guided decoding)", NOOP),
         "structured_outputs": ("structured outputs", NOOP),
     },
+    "chat.messages": {
+        # Declared on ChatMessage (messages ignore unknown fields, so the handler checks this one itself).
+        "tool_calls": ("tool calling", []),
+    },
     "responses": {
         "tools": ("tool calling", []),
         "tool_choice": ("tool calling", "none"),

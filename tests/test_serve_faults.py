@@ -28,7 +28,6 @@ import pytest
 from conftest import POISONED_TEXT, poisoned_model
 
 
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -524,7 +523,11 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import not_a_server_error
     from schemathesis.generation import GenerationMode
-    from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -569,7 +572,6 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
 def test_no_unsupported_row_names_a_declared_field():
     """When a feature lands its field is declared on the request Struct: its row must go (issue 15's tools...)."""
     import msgspec
-
     from weft.serve import protocol
     from weft.serve.unsupported import IGNORED, UNSUPPORTED
 

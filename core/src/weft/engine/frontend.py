@@ -15,7 +15,6 @@ from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
 from weft.sampling_params import SamplingParams
 
-
 _CHARS_PER_TOKEN_BOUND = 32
 """Texts longer than this many characters per token of context are checked on a prefix first (tokens
 of natural text average 3 to 5 characters; a text whose first ``max_model_len * 32`` characters

@@ -19,6 +19,7 @@ from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
 from weft.serve.lifecycle import GracefulServer, uvicorn_config
 
+
 def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Starlette:
     """Start the engine core and return the app serving it (plugins' ``weft_http_routes`` included)."""
     registry = registry or PluginRegistry()

@@ -130,7 +130,7 @@ class _PendingStep(StepHandle):
             tokens: list[int | None] = [None] * len(self.request_ids)
             failed: dict[str, str] = {}
             host_tokens, healthy = self.host_tokens.tolist()
-            for row, token, ok in zip(self.sampling, host_tokens, healthy):
+            for row, token, ok in zip(self.sampling, host_tokens, healthy, strict=True):
                 if ok:
                     tokens[row] = token
                 else:

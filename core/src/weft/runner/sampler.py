@@ -111,7 +111,7 @@ def greedy_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_tokens(logits: torch.Tensor) -> list[SampledToken]:
     tokens, healthy = greedy_maxima(logits)
     return [SampledToken(token) if ok else SampledToken(-1, error=NON_FINITE_LOGITS)
-            for token, ok in zip(tokens.tolist(), healthy.tolist())]
+            for token, ok in zip(tokens.tolist(), healthy.tolist(), strict=True)]
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _examples(model: str) -> dict[str, dict[str, Any]]:
 def openapi_document(model: str) -> bytes:
     bodies = [kind for _, _, _, request, response, _ in ENDPOINTS for kind in (request, response) if isinstance(kind, type)]
     schemas, components = msgspec.json.schema_components([*bodies, p.ErrorResponse], ref_template="#/components/schemas/{name}")
-    schema_of = dict(zip([*bodies, p.ErrorResponse], schemas))
+    schema_of = dict(zip([*bodies, p.ErrorResponse], schemas, strict=True))
     error = {"description": "An error, in OpenAI's shape", "content": {"application/json": {"schema": schema_of[p.ErrorResponse]}}}
     paths: dict[str, Any] = {}
     for path, method, summary, request, response, streams in ENDPOINTS:

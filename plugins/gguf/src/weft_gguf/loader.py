@@ -22,11 +22,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
 from weft.contracts.loader import ModelSource, WeightLoader
+
 from weft_gguf import checksum
 from weft_gguf.convert import write_tokenizer
-from weft_gguf.files import ALIAS_GENERATION_CONFIGS, ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
+from weft_gguf.files import (
+    ALIAS_GENERATION_CONFIGS,
+    ALIASES,
+    cache_dir,
+    file_key,
+    resolve_alias,
+    tokenizer_cache,
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

@@ -248,7 +248,7 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
 
 def request_id(request: Request) -> str:
     """The id of one HTTP request: in its ``X-Request-Id`` response header, its engine requests' ids and the log."""
-    if "request_id" not in request.state._state:
+    if getattr(request.state, "request_id", None) is None:
         request.state.request_id = uuid.uuid4().hex
     return request.state.request_id
 

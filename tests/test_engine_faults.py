@@ -153,13 +153,19 @@ def test_a_failed_step_is_retried_once_then_fails_everything(tiny_llm, monkeypat
     assert tiny_llm.engine.kv_cache_manager.usage() == 0.0
 
 
-def test_nan_activations_of_one_request_never_reach_another(tmp_path, tokenizer_files, one_torch_thread):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]),
+])
+def test_nan_activations_of_one_request_never_reach_another(device, tmp_path, tokenizer_files, one_torch_thread):
     """Concurrently (padded decode batches) and afterwards (recycled blocks), other requests' tokens are
-    those they get alone; the request whose logits are NaN finishes with ``error``."""
+    those they get alone; the request whose logits are NaN finishes with ``error``. On CUDA: Triton
+    attention, graphs and the device-side greedy path."""
     from conftest import POISONED_TEXT, poisoned_model
 
+    platform = {"use": {"platform": "cuda"}} if device == "cuda" else {}
     llm = LLM(model=str(poisoned_model(tmp_path / "poisoned", tokenizer_files)),
-              engine={"num_kv_blocks": 48, "max_model_len": 512})
+              engine={"num_kv_blocks": 48, "max_model_len": 512}, **platform)
     try:
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         prompts = [f"Count from {index} to {index + 9}:" for index in range(3)]

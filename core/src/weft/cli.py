@@ -10,6 +10,8 @@ only when the first argument is not a core command.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import types
 import typing
@@ -545,10 +547,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config, _ = config_from_args(args)
     try:
-        return serve(config)
+        status = serve(config)
     except CoreStartError as error:
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
+    # The server, the engine core and their sockets are closed: skip the interpreter's teardown (over a
+    # second with torch loaded), so a shutdown ends within server.shutdown_timeout plus about a second.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_config_show(args: argparse.Namespace) -> int:

@@ -70,6 +70,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     waiting_for_remote_kv: int = 0
     connector_metrics: dict[str, ConnectorMetricTotal] = {}
     """The KV connector's metrics summed since start, by name."""
+    num_preemptions: int = 0
+    """Preemptions since the core started (a counter)."""
+    num_steps: int = 0
+    """Steps run since the core started."""
 
 
 class EngineCore:
@@ -96,10 +100,15 @@ class EngineCore:
         if connector is not None:
             connector_class, options, context = connector
             self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
+        threshold = engine.long_prefill_token_threshold
         self.scheduler = Scheduler(
             self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
             engine.enable_chunked_prefill, self.kv_connector,
+            max(1, engine.max_num_batched_tokens // 4) if threshold is None else threshold, engine.max_long_partial_prefills,
         )
+        self.num_steps = 0
+        self._failed_steps = 0
+        """Steps in a row that raised (see :meth:`step_with_retry`)."""
         self.async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
         if self.async_scheduling and self.kv_connector is not None:
             logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", self.kv_connector.name)
@@ -163,6 +172,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched)."""
+        self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
             return self._apply(output, self.executor.execute_model(output))
@@ -174,6 +184,23 @@ class EngineCore:
         if previous is None:
             return []
         return self._apply(*previous)
+
+    def step_with_retry(self) -> list[EngineCoreOutput]:
+        """:meth:`step`; one that raises is retried once: the first failure is logged and its running
+        requests are recomputed by the next call; a second failure in a row raises (the caller fails
+        the requests, :meth:`reset_after_failure`)."""
+        try:
+            produced = self.step()
+        except Exception:
+            self._failed_steps += 1
+            if self._failed_steps > 1:
+                self._failed_steps = 0
+                raise
+            logger.exception("engine step failed; retrying it once (running requests are recomputed)")
+            self.recover_from_failure()
+            return []
+        self._failed_steps = 0
+        return produced
 
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
@@ -202,6 +229,13 @@ class EngineCore:
             self.step()
         return connector is None or not connector.has_delayed_frees
 
+    def recover_from_failure(self) -> None:
+        """A step raised: drop the step in flight and preempt every running request, so the next step
+        recomputes them from their tokens (what they generated so far is kept)."""
+        self._in_flight = None
+        self.scheduler.forget_steps_in_flight()
+        self.scheduler.preempt_all()
+
     def reset_after_failure(self) -> None:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
         self._in_flight = None
@@ -218,6 +252,7 @@ class EngineCore:
             connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
             connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
             connector_metrics=connector.metric_totals if connector is not None else {},
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
         )
 
     def close(self, timeout: float = 60.0) -> None:

@@ -2,7 +2,7 @@
 
 ::
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
+    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
      ^  |  ^                 |
      |  |  +----preempt------+   (blocks freed; recomputed from scratch when rescheduled)
      |  +--asynchronous KV load--> WAITING_FOR_REMOTE_KV   (holds its blocks, in no step)
@@ -30,13 +30,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    """The step could not serve it (non-finite logits, a failed draw); the others went on."""
 
     @property
     def finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+_FINISHED = frozenset({
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+})
 
 
 class Request:
@@ -70,6 +74,8 @@ class Request:
         """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time = self.arrival_time
+        """When the scheduler first gave it tokens (the end of its time in the queue)."""
         self.stop_reason: int | None = None
         self.kv_transfer_params = kv_transfer_params
         """What the KV connector is to do with this request (the API's ``kv_transfer_params``)."""

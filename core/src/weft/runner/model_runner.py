@@ -47,7 +47,7 @@ from weft.contracts.executor import (
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.layers.attention import ForwardContext
-from weft.runner.sampler import Sampler, plain_greedy
+from weft.runner.sampler import NON_FINITE_LOGITS, Sampler, greedy_maxima, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -105,18 +105,20 @@ class StaticInputs:
 class _PendingStep(StepHandle):
     """A step whose greedy tokens are being copied to the host."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], logits: torch.Tensor,
                  connector_output: ConnectorOutput | None) -> None:
         self.runner = runner
         self.states = states
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
         """Batch rows that sampled, in the order of ``device_tokens``."""
-        self.device_tokens = device_tokens
+        self.device_tokens, healthy = greedy_maxima(logits)
         self.connector_output = connector_output
-        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=device_tokens.is_cuda)
-        self.host_tokens.copy_(device_tokens, non_blocking=True)
-        self.event = torch.cuda.Event() if device_tokens.is_cuda else None
+        # Tokens and health flags cross to the host in one copy.
+        both = torch.stack([self.device_tokens, healthy.long()])
+        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
+        self.host_tokens.copy_(both, non_blocking=True)
+        self.event = torch.cuda.Event() if both.is_cuda else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None
@@ -126,9 +128,14 @@ class _PendingStep(StepHandle):
             if self.event is not None:
                 self.event.synchronize()
             tokens: list[int | None] = [None] * len(self.request_ids)
-            for row, token in zip(self.sampling, self.host_tokens.tolist()):
-                tokens[row] = token
-            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output)
+            failed: dict[str, str] = {}
+            host_tokens, healthy = self.host_tokens.tolist()
+            for row, token, ok in zip(self.sampling, host_tokens, healthy, strict=True):
+                if ok:
+                    tokens[row] = token
+                else:
+                    failed[self.request_ids[row]] = NON_FINITE_LOGITS
+            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, failed)
         return self.output
 
 
@@ -191,38 +198,44 @@ class ModelRunner:
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         if logits is None:
-            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report))
+            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report, {}))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report)
+            self._pending = _PendingStep(self, states, sampling, logits, report)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
         tokens: list[int | None] = [None] * len(request_ids)
         logprobs: dict[str, TokenLogprobs] = {}
+        failed: dict[str, str] = {}
         for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
+            if sampled.error is not None:
+                failed[request_ids[row]] = sampled.error
+                continue
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
                 logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return DoneStep(self.finish_step(states, tokens, logprobs, report))
+        return DoneStep(self.finish_step(states, tokens, logprobs, report, failed))
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
-                    report: ConnectorOutput | None) -> ModelRunnerOutput:
-        """Append each sampled token to its request's state; returns the step's output."""
-        failed = report.failed_loads if report is not None else frozenset()
+                    report: ConnectorOutput | None, failed: dict[str, str]) -> ModelRunnerOutput:
+        """Append each sampled token to its request's state; returns the step's output (``failed``: requests
+        that got no token, with the reason)."""
+        failed_loads = report.failed_loads if report is not None else frozenset()
         for row, (state, token) in enumerate(zip(states, tokens)):
             if token is None:
                 continue
-            if state.request_id in failed:  # computed over incomplete KV: the scheduler recomputes it
+            if state.request_id in failed_loads:  # computed over incomplete KV: the scheduler recomputes it
                 tokens[row] = None
                 continue
             if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
                 state.token_ids.append(token)
-        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report)
+        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, failed)
 
     def _resolve_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        # Taken first: a step whose result raises is reported once, not again by every later step.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
         """The logits of the rows in ``sampling`` (None when no row samples)."""

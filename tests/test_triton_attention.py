@@ -1,4 +1,4 @@
-"""weft-cuda's Triton attention kernel passes the attention contract: on the CPU under Triton's
+"""weft-triton's attention kernel passes the attention contract: on the CPU under Triton's
 interpreter (small shapes), and on an NVIDIA GPU in bf16 when one is present."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     from weft.builtins.cpu import CpuPlatform
     from weft.builtins.torch_attention import TorchAttention
     from weft.contracts.attention import AttentionBatch, AttentionLayer
-    from weft_cuda.triton_attention import TritonAttention, decode_splits
+    from weft_triton.attention import TritonAttention, decode_splits
 
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     dtype = torch.float32

@@ -114,9 +114,11 @@ class _PendingStep(StepHandle):
         """Batch rows that sampled, in the order of ``device_tokens``."""
         self.device_tokens = device_tokens
         self.connector_output = connector_output
-        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=device_tokens.is_cuda)
+        # Any accelerator (CUDA, ROCm, XPU): a pinned copy, and an event on its device to wait for.
+        accelerated = device_tokens.device.type != "cpu"
+        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=accelerated)
         self.host_tokens.copy_(device_tokens, non_blocking=True)
-        self.event = torch.cuda.Event() if device_tokens.is_cuda else None
+        self.event = torch.Event(device=device_tokens.device) if accelerated else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None

@@ -80,8 +80,8 @@ def main() -> None:
         multi = multi_op(scores, seq_lens, 1, 1, 16, launch=MULTI_CHUNK)
         assert torch.equal(single, multi) and torch.equal(single.cpu(), expected), (heads, rows, capacity)
         assert multi_op.counters.eq(0).all()
-        single_time = graph_time(lambda: single_op(scores, seq_lens, 1, 1, 16))
-        multi_time = graph_time(lambda: multi_op(scores, seq_lens, 1, 1, 16, launch=MULTI_CHUNK))
+        single_time = graph_time(lambda op=single_op, s=scores, n=seq_lens: op(s, n, 1, 1, 16))
+        multi_time = graph_time(lambda op=multi_op, s=scores, n=seq_lens: op(s, n, 1, 1, 16, launch=MULTI_CHUNK))
         assert multi_op.counters.eq(0).all() and torch.equal(single_op(scores, seq_lens, 1, 1, 16), multi)
         ratios.append(multi_time / single_time)
         print(f"{heads:>5} {rows:>5} {capacity:>8} {str(tuple(policy)):>34} {single_time * 1e6:>10.2f} "

@@ -23,17 +23,18 @@ def _suites() -> dict[str, type]:
     registry = PluginRegistry()
     for platform in PLATFORMS:
         title = platform.capitalize()
-        platform_class = registry.load("platform", platform)
-        suites[f"Test{title}Platform"] = type(f"Test{title}Platform", (PlatformContract,), {"plugin_name": platform})
         gpu = platform != "cpu"
-        suites[f"Test{title}Attention"] = type(
+        mark = pytest.mark.gpu if gpu else (lambda suite: suite)  # `-m gpu` selects them on a GPU machine
+        platform_class = registry.load("platform", platform)
+        suites[f"Test{title}Platform"] = mark(type(f"Test{title}Platform", (PlatformContract,), {"plugin_name": platform}))
+        suites[f"Test{title}Attention"] = mark(type(
             f"Test{title}Attention", (AttentionContract,),
             {"plugin_name": platform_class.default_attention, "platform": platform,
              "dtype": "bfloat16" if gpu else "float32", "tolerance": (2e-2, 2e-2) if gpu else (1e-4, 1e-4)},
-        )
+        ))
         for name in OP_IMPLEMENTATIONS:
             class_name = f"Test{title}Op_{name.replace('.', '_')}"
-            suites[class_name] = type(class_name, (OpContract,), {"plugin_name": name, "platform": platform})
+            suites[class_name] = mark(type(class_name, (OpContract,), {"plugin_name": name, "platform": platform}))
     return suites
 
 

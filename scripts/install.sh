@@ -21,6 +21,7 @@ mooncake_build=cpu
 command -v nvidia-smi >/dev/null 2>&1 && mooncake_build=cuda
 "${pip[@]}" install \
     "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" \
+    "$root/plugins/fastsafetensors" "$root/plugins/weight-cache" \
     "$root/plugins/triton" "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).

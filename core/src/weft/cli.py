@@ -138,7 +138,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, ``--model``, ``--set KEY=VALUE`` and one flag per scalar option of [use], [engine], [server]."""
     group = parser.add_argument_group("configuration (flags override the file)")
     group.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_CONFIG_FILE} if present)")
-    group.add_argument("--model", help="model alias, folder, GGUF file or cached HF repo id")
+    group.add_argument("--model", help="model alias, folder, GGUF file or HF repo id (org/name[@revision])")
     group.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
         help="set any key, e.g. --set plugins.mooncake.master_server_address=host:50051 (repeatable; VALUE is a TOML literal)",

@@ -2,7 +2,7 @@
 
 ::
 
-    model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id in the local cache
+    model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id (downloaded if missing)
     plugins_lock = "weft.lock"        # optional: `weft plugins freeze` output; engine starts verify against it
     [use]                             # which plugin fills each slot; "auto" lets the platform decide
     platform = "auto"
@@ -92,6 +92,13 @@ class EngineConfig(_Section, frozen=True):
     tensor_parallel_size: Annotated[
         int, Meta(ge=1, description="devices a model is sharded over (only 1 until tensor parallelism lands)")
     ] = 1
+    revision: Annotated[
+        str, Meta(description="Hugging Face revision (branch, tag or commit) of a repo id model, for weights and "
+                              "tokenizer alike; default: the one after '@' in model, else main")
+    ] | None = None
+    download_dir: Annotated[
+        str, Meta(description="Hugging Face cache a repo id downloads into; default: HF_HUB_CACHE, else HF_HOME/hub")
+    ] | None = None
     generation_config: Annotated[
         str,
         Meta(description="sampling defaults of requests that leave them unset: auto (the model's generation config), "
@@ -114,7 +121,9 @@ class ServerConfig(_Section, frozen=True):
 class WeftConfig(_Section, frozen=True):
     """The whole configuration."""
 
-    model: Annotated[str, Meta(description="alias, local folder, GGUF file, or HF repo id in the local cache")] = DEFAULT_MODEL
+    model: Annotated[
+        str, Meta(description="alias, local folder, GGUF file, or HF repo id (org/name[@revision], downloaded if missing)")
+    ] = DEFAULT_MODEL
     plugins_lock: Annotated[
         str,
         Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "

@@ -144,6 +144,36 @@ def test_gpu_platforms_share_one_base_and_differ_only_in_what_differs():
         XpuPlatform().capture_graph(lambda: None)
 
 
+def test_gpu_base_takes_memory_dtype_device_and_arch_from_the_device_module(monkeypatch):
+    """The base's device-facing half on a stand-in for ``torch.xpu`` (no Intel GPU here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from weft_xpu.platform import XpuPlatform
+
+    selected, total, bf16 = [], [141 << 30], [True]
+    module = SimpleNamespace(
+        mem_get_info=lambda index: (total[0] // 2, total[0]), set_device=selected.append,
+        is_bf16_supported=lambda: bf16[0], current_device=lambda: 1,
+    )
+    monkeypatch.setattr(XpuPlatform, "device_module", property(lambda self: module))
+    monkeypatch.setattr(XpuPlatform, "device_arch", lambda self, index: f"pvc-{index}")
+    platform = XpuPlatform()
+    assert platform.memory_info(0).total == 141 << 30 and platform.memory_info(0).free == 141 << 29
+    sizes = []
+    for gib in (141, 48, 16):
+        total[0] = gib << 30
+        defaults = platform.engine_defaults()
+        sizes.append((defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.async_scheduling))
+    assert sizes == [(512, 16384, True), (256, 4096, True), (128, 2048, True)]
+    assert platform.default_dtype() == "bfloat16"
+    bf16[0] = False
+    assert platform.default_dtype() == "float16"  # a device without bf16 arithmetic
+    assert platform.select_device(2) == torch.device("xpu", 2) and selected == [2]
+    assert platform.launch_arch(torch.device("xpu")) == "pvc-1" and platform.launch_arch(torch.device("xpu", 3)) == "pvc-3"
+
+
 def test_the_arch_option_forces_the_launch_arch_without_a_device():
     import msgspec
     import torch
@@ -166,3 +196,36 @@ def test_visible_device_count(monkeypatch, value, expected):
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     assert visible_device_count(4, "CUDA_VISIBLE_DEVICES") == expected
+
+
+def test_without_triton_the_kernels_step_aside_for_the_torch_references():
+    """On a machine without Triton (hidden here), weft-triton's entry points still import, a GPU platform's
+    default attention and every op fall back to core's torch implementations, and naming the Triton
+    backend fails with the fix."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import json, sys
+sys.modules["triton"] = None
+from weft.plugins import PluginRegistry
+from weft.plugins.selection import choose_op
+from weft_rocm.platform import RocmPlatform
+from weft_triton.attention import TritonAttention
+registry = PluginRegistry()
+platform = RocmPlatform()
+ops = {op: type(choose_op(registry, op, platform)).__name__ for op in ("decode_topk", "linear", "rms_norm")}
+try:
+    TritonAttention(None, platform)
+    error = ""
+except RuntimeError as caught:
+    error = str(caught)
+print(json.dumps({"attention": RocmPlatform.default_attention, "ops": ops, "error": error}))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["attention"] == "torch"
+    assert report["ops"] == {"decode_topk": "DecodeTopKTorch", "linear": "LinearTorch", "rms_norm": "RmsNormTorch"}
+    assert "needs the triton package" in report["error"] and "use.attention = 'torch'" in report["error"]

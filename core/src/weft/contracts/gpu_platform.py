@@ -12,7 +12,7 @@ that name its vendor, runtime and torch build, and implements two methods:
 The base turns a scan into the :class:`~weft.contracts.platform.PlatformProbe`
 (visibility variables, a torch build with the platform's library) and gives,
 through torch's device module (``torch.cuda``, ``torch.xpu``): device
-selection, memory, streams and synchronisation, dtypes (bfloat16 where the
+selection, memory, dtypes (bfloat16 where the
 device has it), engine defaults sized by device memory, graph capture through
 torch's CUDA-graph API (CUDA graphs, and HIP graphs on ROCm, whose torch build
 uses the ``cuda`` device type), and the default attention backend: ``triton``
@@ -151,21 +151,12 @@ class GpuPlatform(Platform):
         return torch.get_device_module(self.device_type)
 
     def select_device(self, index: int) -> torch.device:
-        """Make local device ``index`` this process's current device (one worker per device) and return it."""
         self.device_module.set_device(index)
         return self.device(index)
 
     def memory_info(self, index: int = 0) -> MemoryInfo:
         free, total = self.device_module.mem_get_info(index)
         return MemoryInfo(free=free, total=total)
-
-    def synchronize(self, index: int | None = None) -> None:
-        """Wait for the work queued on device ``index`` (the current one by default)."""
-        self.device_module.synchronize(index)
-
-    def stream(self, index: int | None = None) -> Any:
-        """A new stream on device ``index``, for work that overlaps the current stream's."""
-        return self.device_module.Stream(index)
 
     def launch_arch(self, device: torch.device) -> str:
         """The architecture kernel launch policies tune for on ``device``: the ``arch`` option when set,

@@ -121,7 +121,7 @@ class PlatformContract(_Contract):
 
         assert available.default_dtype() in available.supported_dtypes
         dtype = getattr(torch, available.default_dtype())
-        values = torch.arange(1, 9, device=available.device(0)).to(dtype)
+        values = torch.arange(1, 9, device=available.select_device(0)).to(dtype)
         assert values.device.type == available.device_type
         assert (values * 2).sum().item() == 72
 

@@ -229,3 +229,12 @@ print(json.dumps({"attention": RocmPlatform.default_attention, "ops": ops, "erro
     assert report["attention"] == "torch"
     assert report["ops"] == {"decode_topk": "DecodeTopKTorch", "linear": "LinearTorch", "rms_norm": "RmsNormTorch"}
     assert "needs the triton package" in report["error"] and "use.attention = 'torch'" in report["error"]
+
+
+def test_triton_attention_refuses_a_platform_without_a_triton_backend(monkeypatch):
+    from weft.builtins.cpu import CpuPlatform
+    from weft_triton.attention import TritonAttention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="cannot run on platform 'cpu'.*use.attention = 'torch'"):
+        TritonAttention(None, CpuPlatform())

@@ -22,7 +22,7 @@ import torch
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
 from weft.kernels.warmup import register
-from weft_triton.runtime import MISSING_TRITON
+from weft_triton.runtime import MISSING_TRITON, interpreting, runs_on
 
 DECODE_BLOCK_M = 16
 """Rows per program when every request decodes (rows are query heads of one KV head)."""
@@ -63,6 +63,13 @@ class TritonAttention(AttentionBackend):
             if (error.name or "").partition(".")[0] != "triton":
                 raise
             raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
+        if not (interpreting() or runs_on(platform)):
+            backend = getattr(platform, "triton_backend", None)
+            raise RuntimeError(
+                f"attention backend 'triton' cannot run on platform {platform.name!r}: "
+                + (f"the installed triton has no {backend!r} backend" if backend else "Triton has no backend for it")
+                + "; set use.attention = 'torch' (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+            )
         self.kernel = PagedAttentionKernel()
 
     def check_layer(self, layer: AttentionLayer) -> None:

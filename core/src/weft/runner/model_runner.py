@@ -114,11 +114,13 @@ class _PendingStep(StepHandle):
         """Batch rows that sampled, in the order of ``device_tokens``."""
         self.device_tokens, healthy = greedy_maxima(logits)
         self.connector_output = connector_output
-        # Tokens and health flags cross to the host in one copy.
+        # Tokens and health flags cross to the host in one copy. On any accelerator (CUDA, ROCm, XPU):
+        # a pinned copy, and an event on its device to wait for.
         both = torch.stack([self.device_tokens, healthy.long()])
-        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
+        accelerated = both.device.type != "cpu"
+        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=accelerated)
         self.host_tokens.copy_(both, non_blocking=True)
-        self.event = torch.cuda.Event() if both.is_cuda else None
+        self.event = torch.Event(device=both.device) if accelerated else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None

@@ -120,6 +120,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, TokenLogprobs] = {}
     """For requests that asked for logprobs."""
     connector_output: ConnectorOutput | None = None
+    failed: dict[str, str] = {}
+    """Requests that got no token this step, with the reason (their logits were not finite, their
+    sampling raised): the scheduler ends each one alone; the step's other requests go on."""
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
     """For requests that asked for prompt logprobs and computed prompt tokens this step: the position
     of the first prompt token covered, and per token from there the logprob of that prompt token

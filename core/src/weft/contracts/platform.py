@@ -102,6 +102,11 @@ class Platform(PluginBase):
 
         return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
 
+    def select_device(self, index: int) -> torch.device:
+        """Make local device ``index`` this process's current device and return it (a worker process
+        owns one device). The CPU has nothing to select (added in core API 1.2)."""
+        return self.device(index)
+
     @abstractmethod
     def memory_info(self, index: int = 0) -> MemoryInfo:
         """Free and total memory of device ``index``; the engine sizes the KV cache from it."""

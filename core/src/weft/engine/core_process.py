@@ -5,7 +5,9 @@ The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 :class:`~weft.engine.engine_core.EngineCore` and answers :class:`Ready` (or
 :class:`Failed`). Then it loops: take every waiting message (new requests,
 aborts, shutdown), run one step when it has work, and push the step's outputs
-with the core's gauges. Messages are msgpack-encoded msgspec Structs. The core
+with the core's gauges. A step that raises is retried once (its running requests
+preempted and recomputed); a second failure in a row fails every request the
+core holds. Messages are msgpack-encoded msgspec Structs. The core
 exits when told to, or when the API process is gone.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import traceback
 
 import msgspec
@@ -61,6 +64,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 FromCore = Ready | Failed | StepOutputs
 
+STEP_FAILED = "the engine step failed twice (the server log has the details)"
+
 
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """The core process's main function."""
@@ -68,9 +73,10 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
 
     from weft.engine.engine_core import EngineCore
 
-    # Ctrl-C reaches the whole process group; the API process decides when the core stops
-    # (Shutdown, after draining), so the core must not die of it first.
+    # Ctrl-C reaches the whole process group (and a service manager may SIGTERM every process of it);
+    # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -118,12 +124,12 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 continue
             failed: dict[str, str] = {}
             try:
-                produced = core.step()
-            except Exception as error:
-                logger.exception("engine step failed; failing the requests it held")
-                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                produced = core.step_with_retry()
+            except Exception:
+                logger.exception("engine step failed again; failing the requests it held")
+                held = core.scheduler.unfinished_ids
                 core.reset_after_failure()
-                failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
+                failed = dict.fromkeys(held, STEP_FAILED)
                 produced = []
             refused.update(core.take_refused())  # constraints that failed to compile
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
@@ -132,3 +138,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()
+    # Everything is closed: skip the interpreter's teardown (torch's takes over a second), so a
+    # shutdown's exit is not held up by it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

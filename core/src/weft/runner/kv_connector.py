@@ -4,8 +4,8 @@
 and brackets each forward pass: the step's metadata (built by the scheduler
 role, carried in the :class:`~weft.contracts.executor.SchedulerOutput` as
 msgpack bytes) is bound and loads run before the forward; saves and the
-worker's report follow it. Loads are synchronous: every layer's load is waited
-for before the forward starts.
+worker's report follow it. Synchronous loads are waited for, every layer, before
+the forward starts; asynchronous ones complete in later steps' reports.
 """
 
 from __future__ import annotations
@@ -55,9 +55,14 @@ class WorkerConnector:
         self.worker_side.clear_connector_metadata()
         return output
 
-    def poll(self, finished_request_ids: Sequence[str]) -> ConnectorOutput:
-        """The report of a step that ran no forward (the engine waits for saves to finish)."""
-        return self.worker_side.get_finished(set(finished_request_ids))
+    def poll(self, metadata: bytes | None, finished_request_ids: Sequence[str]) -> ConnectorOutput:
+        """A step that runs no forward (the engine waits for saves or asynchronous loads): its metadata
+        is bound and loads may start; returns the worker's report."""
+        self.worker_side.bind_connector_metadata(self._decoder.decode(metadata) if metadata is not None else None)
+        self.worker_side.start_load_kv()
+        output = self.worker_side.get_finished(set(finished_request_ids))
+        self.worker_side.clear_connector_metadata()
+        return output
 
     def close(self) -> None:
         if not self._closed:

@@ -57,7 +57,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import apply_token_bitmask
-from weft.runner.sampler import Sampler, plain_greedy
+from weft.runner.sampler import NON_FINITE_LOGITS, Sampler, greedy_maxima, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -112,10 +112,13 @@ class StaticInputs:
         self.slot_mappings = [torch.zeros(size, dtype=torch.int32, device=device) for _ in widths]
 
 
+PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
+
+
 class _PendingStep(StepHandle):
     """A step whose greedy tokens are being copied to the host."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], logits: torch.Tensor,
                  connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
         self.runner = runner
         self.prompt_logprobs = prompt_logprobs
@@ -123,11 +126,15 @@ class _PendingStep(StepHandle):
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
         """Batch rows that sampled, in the order of ``device_tokens``."""
-        self.device_tokens = device_tokens
+        self.device_tokens, healthy = greedy_maxima(logits)
         self.connector_output = connector_output
-        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=device_tokens.is_cuda)
-        self.host_tokens.copy_(device_tokens, non_blocking=True)
-        self.event = torch.cuda.Event() if device_tokens.is_cuda else None
+        # Tokens and health flags cross to the host in one copy. On any accelerator (CUDA, ROCm, XPU):
+        # a pinned copy, and an event on its device to wait for.
+        both = torch.stack([self.device_tokens, healthy.long()])
+        accelerated = both.device.type != "cpu"
+        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=accelerated)
+        self.host_tokens.copy_(both, non_blocking=True)
+        self.event = torch.Event(device=both.device) if accelerated else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None
@@ -137,13 +144,16 @@ class _PendingStep(StepHandle):
             if self.event is not None:
                 self.event.synchronize()
             tokens: list[int | None] = [None] * len(self.request_ids)
-            for row, token in zip(self.sampling, self.host_tokens.tolist()):
-                tokens[row] = token
-            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, self.prompt_logprobs)
+            failed: dict[str, str] = {}
+            host_tokens, healthy = self.host_tokens.tolist()
+            for row, token, ok in zip(self.sampling, host_tokens, healthy, strict=True):
+                if ok:
+                    tokens[row] = token
+                else:
+                    failed[self.request_ids[row]] = NON_FINITE_LOGITS
+            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, failed,
+                                                  self.prompt_logprobs)
         return self.output
-
-
-PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
 
 
 class _AwaitingMask:
@@ -199,7 +209,8 @@ class ModelRunner:
                 for blocks, added in zip(state.block_ids, cached.new_block_ids):
                     blocks.extend(added)
         if step.is_empty:
-            report = self.connector.poll(step.finished_request_ids) if self.connector is not None else None
+            report = (self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
+                      if self.connector is not None else None)
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
             self.connector.start_step(step.kv_connector_metadata)
@@ -232,38 +243,47 @@ class ModelRunner:
     def _sample(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
                 report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> StepHandle:
         if logits is None:
-            return DoneStep(self.finish_step(states, [None] * len(states), {}, report, prompt_logprobs))
+            return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report, prompt_logprobs)
+            self._pending = _PendingStep(self, states, sampling, logits, report, prompt_logprobs)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
         tokens: list[int | None] = [None] * len(states)
         logprobs: dict[str, TokenLogprobs] = {}
+        failed: dict[str, str] = {}
         for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
+            request_id = states[row].request_id
+            if sampled.error is not None:
+                failed[request_id] = sampled.error
+                continue
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
-                logprobs[states[row].request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return DoneStep(self.finish_step(states, tokens, logprobs, report, prompt_logprobs))
+                logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
+        return DoneStep(self.finish_step(states, tokens, logprobs, report, failed, prompt_logprobs))
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
-                    report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
-        """Append each sampled token to its request's state; returns the step's output."""
-        failed = report.failed_loads if report is not None else frozenset()
+                    report: ConnectorOutput | None, failed: dict[str, str],
+                    prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
+        """Append each sampled token to its request's state; returns the step's output (``failed``: requests
+        that got no token, with the reason)."""
+        failed_loads = report.failed_loads if report is not None else frozenset()
         for row, (state, token) in enumerate(zip(states, tokens)):
             if token is None:
                 continue
-            if state.request_id in failed:  # computed over incomplete KV: the scheduler recomputes it
+            if state.request_id in failed_loads:  # computed over incomplete KV: the scheduler recomputes it
                 tokens[row] = None
                 continue
             if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
                 state.token_ids.append(token)
-        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, prompt_logprobs or {})
+        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, failed,
+                                 prompt_logprobs or {})
 
     def _resolve_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        # Taken first: a step whose result raises is reported once, not again by every later step.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int],
                  prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:

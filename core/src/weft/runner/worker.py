@@ -24,6 +24,7 @@ from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
 from weft.resolve import (
     build_platform,
+    load_config_for,
     load_family,
     load_kv_connector,
     model_config,
@@ -60,7 +61,7 @@ class Worker:
 
     def load_model(self) -> WorkerInfo:
         config, engine = self.config, self.config.engine
-        self.loader, self.source = resolve_source(self.registry, config)
+        self.loader, self.source = resolve_source(self.registry, config, load_config_for(config, str(self.device)))
         self.family = load_family(self.registry, config, self.source)
         self.model_config = model_config(config, self.source, self.dtype)
         attention_name = config.use.attention if config.use.attention != "auto" else self.platform.default_attention

@@ -1,11 +1,15 @@
 """The starlette app: OpenAI Chat Completions, Completions and Responses, models, health, metrics.
 
-Every handler validates its body into a msgspec Struct, checks the model name
-(a plain string comparison: a request never names a path), turns the request
-into engine requests (one per prompt and choice) and either collects their
-deltas or streams them as server-sent events. Leaving a handler for any
-reason (a client that disconnects included) aborts the engine requests that
-are still running, which frees their KV blocks.
+Every handler validates its body into a msgspec Struct (:mod:`weft.serve.body`),
+checks the model name (a plain string comparison: a request never names a path),
+turns the request into engine requests (one per prompt and choice) and either
+collects their deltas or streams them as server-sent events. Tokenization,
+chat templating and detokenization of prompts run on worker threads, never on
+the event loop. Leaving a handler for any reason (a client that disconnects
+included) aborts the engine requests that are still running, which frees their
+KV blocks. A stream that ends in an error sends an OpenAI-shaped error event,
+then ``[DONE]``. An unexpected exception is logged with the request's id and
+answered with a generic 500 naming that id, never with the exception's text.
 """
 
 from __future__ import annotations
@@ -33,26 +37,19 @@ from starlette.routing import Route
 from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
 from weft.generation_config import load_model_sampling_defaults
-from weft.outputs import Logprob
 from weft.contracts.structured_output import StructuredOutputsParams
+from weft.outputs import Logprob
 from weft.plugins.selection import select_parser
 from weft.resolve import options_for
 from weft.sampling_params import SamplingParams
 from weft.serve import protocol as p
 from weft.serve import structured, tools
+from weft.serve.body import HTTPError, check_media_type, decode, error_type, read_bytes
 from weft.serve.metrics import ServerMetrics
+from weft.serve.openapi import openapi_route
 
 Handler = Callable[[Request], Awaitable[Response]]
 logger = logging.getLogger("weft.serve")
-
-
-class HTTPError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
 
 def error_response(error: HTTPError) -> Response:
@@ -94,6 +91,7 @@ class Server:
             self.engine.frontend.structured_output_backend()
         except Exception:
             logger.warning("the structured-output backend cannot be loaded", exc_info=True)
+
     # Plumbing shared by the handlers.
 
     def check_auth(self, request: Request) -> None:
@@ -104,24 +102,11 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
-    async def read(self, request: Request, body_type: type[Any]) -> Any:
-        limit = self.config.server.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", param=None)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-        try:
-            return msgspec.json.decode(bytes(body), type=body_type)
-        except msgspec.ValidationError as error:
-            message, _, path = str(error).partition(" - at `$")
-            field = path.rstrip("`").lstrip(".") or None
-            raise HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field) from None
-        except msgspec.DecodeError as error:
-            raise HTTPError(400, f"malformed JSON body: {error}") from None
+    async def read(self, request: Request, body_type: type[Any], endpoint: str = "") -> Any:
+        """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`)."""
+        check_media_type(request)
+        data = await read_bytes(request, self.config.server.max_body_bytes, self.config.server.body_timeout)
+        return decode(data, body_type, endpoint)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -139,22 +124,36 @@ class Server:
                 f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
             )
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams,
+    async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None,
                     grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
-        """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
+        """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
+        Engine request ids are the HTTP request's id and the choice's index. ``grammar_starts_after``:
+        see :meth:`weft.engine.frontend.Frontend.core_request`."""
+        sequences = len(prompts) * params.n
+        limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
+        if sequences > limit:
+            raise HTTPError(
+                400, f"n ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request may "
+                f"have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)", param="n",
+            )
+        if kv_transfer_params is not None and sequences != 1:
+            raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "
+                            "send n = 1 and a single prompt", param="kv_transfer_params")
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
+        base = request_id(request)
         batch = [
-            (uuid.uuid4().hex, prompt, choice, prompt_index * len(choices) + index)
+            (f"{base}-{prompt_index * len(choices) + index}", prompt, choice, prompt_index * len(choices) + index)
             for prompt_index, prompt in enumerate(prompts)
             for index, choice in enumerate(choices)
         ]
-        ids = [request_id for request_id, *_ in batch]
+        ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output, grammar_starts_after)
+            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after)
         except BaseException as error:
-            for request_id in ids:
-                self.engine.abort(request_id)
+            for engine_request_id in ids:
+                self.engine.abort(engine_request_id)
             if isinstance(error, QueueFullError):
                 raise HTTPError(503, f"the server is busy ({error}); retry later", "server_error",
                                 headers={"Retry-After": "1"}) from None
@@ -183,13 +182,12 @@ class Server:
                 if delta is None:
                     continue
                 if delta.error:
-                    kind = "server_error" if delta.error_status >= 500 else "invalid_request_error"
-                    raise HTTPError(delta.error_status, delta.error, kind)
+                    raise HTTPError(delta.error_status, delta.error)
                 deltas[delta.index].append(delta)
                 pending -= delta.finish_reason is not None
         finally:
-            for request_id in ids:
-                self.engine.abort(request_id)
+            for engine_request_id in ids:
+                self.engine.abort(engine_request_id)
         return deltas
 
     def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
@@ -206,6 +204,7 @@ class Server:
             except ValueError:
                 raise HTTPError(400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}",
                                 param="logit_bias") from None
+
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         requested = {
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
@@ -243,30 +242,32 @@ class Server:
         cached = sum(choice[-1].num_cached_tokens for choice in deltas if choice)
         return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
 
-    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-
-    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    settings: tools.ToolSettings | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text of a conversation, with its tools (:func:`weft.serve.tools.render_prompt`)."""
-        plain = [msgspec.structs.asdict(message) for message in messages]
-        plain = [{key: value for key, value in message.items() if value is not None} for message in plain]
+    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    settings: tools.ToolSettings | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
+        call it on a worker thread: templating and encoding take time)."""
+        plain = [msgspec.to_builtins(message) for message in messages]
         try:
-            return tools.render_prompt(self.tokenizer, plain, add_generation_prompt, settings, self.tool_parser,
-                                       template_kwargs or {})
+            conversation, kwargs = tools.chat_input(self.tokenizer, plain, add_generation_prompt, settings,
+                                                    self.tool_parser, template_kwargs or {})
+            return self.engine.frontend.encode_chat(conversation, add_generation_prompt, **kwargs)
         except ValueError as error:
             raise HTTPError(400, str(error), param="messages") from None
         except TemplateError as error:
             raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
 
-    def reply(self, prompt_text: str, settings: tools.ToolSettings | None) -> tools.AssistantOutput:
+    def prompt_tail(self, prompt: list[int]) -> str:
+        """The end of a prompt as text: what the reasoning parser reads (whether the template opened the thinking)."""
+        return self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+
+    def reply(self, prompt_tail: str, settings: tools.ToolSettings | None) -> tools.AssistantOutput:
         """How one choice's text becomes an assistant message (reasoning, content, tool calls)."""
-        reasoning = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_text)
+        reasoning = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail)
         return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options))
 
-    def grammar_starts_after(self, prompt_text: str, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
+    def grammar_starts_after(self, prompt_tail: str, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
         """The tokens ending the reasoning, when the model reasons first and a constraint covers the answer."""
-        if constraint is None or tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_text) is None:
+        if constraint is None or tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail) is None:
             return ()
         return tuple(self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False))
 
@@ -277,8 +278,17 @@ class Server:
             and self.tool_parser.needs_special_tokens))
 
 
+_PROMPT_TAIL_TOKENS = 64
+"""Tokens at a prompt's end a reasoning parser reads (a template opens or closes the thinking there)."""
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _sse_error(message: str, status: int) -> bytes:
+    """The event that ends a failed stream (``[DONE]`` follows), shaped like OpenAI's error body."""
+    return _sse(p.ErrorResponse(p.ErrorBody(message=message, type=error_type(status), code=str(status))))
 
 
 def _chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int) -> dict[str, Any]:
@@ -306,6 +316,19 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
     return result
 
 
+def request_id(request: Request) -> str:
+    """The id of one HTTP request: in its ``X-Request-Id`` response header, its engine requests' ids and the log."""
+    if getattr(request.state, "request_id", None) is None:
+        request.state.request_id = uuid.uuid4().hex
+    return request.state.request_id
+
+
+def internal_error(request: Request) -> HTTPError:
+    """The 500 for an unexpected exception: a generic message naming the request (the log has the rest)."""
+    logger.exception("internal error in request %s (%s %s)", request_id(request), request.method, request.url.path)
+    return HTTPError(500, f"internal error in request {request_id(request)}; the server log has the details")
+
+
 def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] = ()) -> Starlette:
     from weft.serve.responses import responses
 
@@ -316,12 +339,13 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
             try:
                 if auth:
                     server.check_auth(request)
-                return await handler(server, request)
+                response = await handler(server, request)
             except HTTPError as error:
-                return error_response(error)
-            except Exception as error:
-                logger.exception("error while serving %s", request.url.path)
-                return error_response(HTTPError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
+                response = error_response(error)
+            except Exception:
+                response = error_response(internal_error(request))
+            response.headers["X-Request-Id"] = request_id(request)
+            return response
 
         return wrapped
 
@@ -329,7 +353,8 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         yield
-        await engine.drain(config.server.shutdown_timeout)
+        await engine.drain(config.server.shutdown_timeout)  # done already after a signal (weft.serve.lifecycle)
+        engine.stop()
 
     routes = [
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
@@ -340,12 +365,13 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+        openapi_route(server.model_name),
         *extra_routes,
     ]
     async def http_error(request: Request, error: Exception) -> Response:
         status = getattr(error, "status_code", 500)
         message = f"{request.method} {request.url.path}: {getattr(error, 'detail', 'error')}"
-        return error_response(HTTPError(status, message, "not_found_error" if status == 404 else "invalid_request_error"))
+        return error_response(HTTPError(status, message))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error})
     app.state.server = server
@@ -356,23 +382,23 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest)
+    body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest, "chat.completions")
     server.check_model(body.model)
     settings, constraint, field = _chat_tools_and_constraint(body)
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
-    prompt_text = await asyncio.to_thread(server.render_chat, body.messages, body.add_generation_prompt, settings,
-                                          template_kwargs)
-    prompt = server.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None, constraint=constraint, **extra)
-    output, ids = await _start_constrained(server, [prompt], params, field, server.grammar_starts_after(prompt_text, constraint))
-    replies = [server.reply(prompt_text, settings) for _ in ids]
-    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    tail = server.prompt_tail(prompt)
+    output, ids = await _start_constrained(server, request, [prompt], params, field, body.kv_transfer_params,
+                                           server.grammar_starts_after(tail, constraint))
+    replies = [server.reply(tail, settings) for _ in ids]
+    response_id, created = f"chatcmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
@@ -422,11 +448,12 @@ def _chat_tools_and_constraint(body: p.ChatCompletionRequest) -> tuple[tools.Too
     return settings, constraint, field
 
 
-async def _start_constrained(server: Server, prompts: list[list[int]], params: SamplingParams, field: str,
+async def _start_constrained(server: Server, request: Request, prompts: list[list[int]], params: SamplingParams,
+                             field: str, kv_transfer_params: dict[str, Any] | None = None,
                              grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
     """``Server.start``, a constraint the backend refuses named by the field the client used."""
     try:
-        return await server.start(prompts, params, grammar_starts_after)
+        return await server.start(request, prompts, params, kv_transfer_params, grammar_starts_after)
     except HTTPError as error:
         if error.status == 400 and params.structured_outputs is not None and "structured_outputs" in error.message:
             error.message, error.param = structured.name_field(error.message, field), field
@@ -484,7 +511,8 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
                       include_usage: bool, opening: list[dict[str, Any]],
                       render: Callable[[Delta], dict[str, Any] | None]) -> AsyncIterator[bytes]:
     """Chunks of a chat or text completion stream: ``opening`` choices, one per delta ``render`` keeps,
-    the usage chunk, ``[DONE]``. Leaving early (a disconnect) aborts the requests."""
+    the usage chunk, ``[DONE]``; or up to an error event, then ``[DONE]``. Leaving early (a disconnect)
+    aborts the requests."""
     usage_field = {"usage": None} if include_usage else {}
     last: list[list[Delta]] = [[] for _ in ids]
     try:
@@ -494,23 +522,26 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
         while pending:
             delta: Delta = await output.get()
             if delta.error:
-                yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
-                return
+                yield _sse_error(delta.error, delta.error_status)
+                break
             last[delta.index] = [delta]
             pending -= delta.finish_reason is not None
             choice = render(delta)
             if choice is not None:
                 yield _sse({**head, "choices": [choice], **usage_field})
-        if include_usage:
+        if include_usage and not pending:
             yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
-        yield b"data: [DONE]\n\n"
+    except Exception:  # after the headers went out: the client gets an error event, the log the details
+        logger.exception("internal error in stream %s", head["id"])
+        yield _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
     finally:
-        for request_id in ids:
-            server.engine.abort(request_id)
+        for engine_request_id in ids:
+            server.engine.abort(engine_request_id)
+    yield b"data: [DONE]\n\n"
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body: p.CompletionRequest = await server.read(request, p.CompletionRequest)
+    body: p.CompletionRequest = await server.read(request, p.CompletionRequest, "completions")
     server.check_model(body.model)
     try:
         constraint, field = structured.from_sampling_fields(body)
@@ -525,8 +556,8 @@ async def completions(server: Server, request: Request) -> Response:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
                                     prompt_logprobs=prompt_logprobs)
-    output, ids = await _start_constrained(server, prompts, params, field)
-    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    output, ids = await _start_constrained(server, request, prompts, params, field, body.kv_transfer_params)
+    response_id, created = f"cmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
@@ -534,17 +565,28 @@ async def completions(server: Server, request: Request) -> Response:
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
+    choices = await asyncio.to_thread(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
+    return JSONResponse({
+        "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
+        "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
+    })
+
+
+def _completion_choices(server: Server, body: p.CompletionRequest, prompts: list[list[int]],
+                        deltas: list[list[Delta]]) -> list[dict[str, Any]]:
+    echoed = [server.tokenizer.decode(prompt) for prompt in prompts] if body.echo else []
     choices = []
     for index, choice in enumerate(deltas):
         prompt = prompts[index // body.n]
-        prefix = server.tokenizer.decode(prompt) if body.echo else ""
+        prefix = echoed[index // body.n] if body.echo else ""
         tokens = [token for delta in choice for token in delta.token_ids]
         entries = [entry for delta in choice for entry in (delta.logprobs or [])]
         logprobs = None
         if body.logprobs is not None:
             logprobs = _completion_logprobs(entries, tokens, body.logprobs, len(prefix))
             if body.echo:
-                logprobs = _join_logprobs(_prompt_completion_logprobs(server, choice[0].prompt_logprobs, prompt, body.logprobs), logprobs)
+                echoed_logprobs = _prompt_completion_logprobs(server, choice[0].prompt_logprobs, prompt, body.logprobs)
+                logprobs = _join_logprobs(echoed_logprobs, logprobs)
         entry: dict[str, Any] = {
             "index": index, "text": prefix + "".join(delta.text for delta in choice), "logprobs": logprobs,
             "finish_reason": choice[-1].finish_reason, "stop_reason": choice[-1].stop_reason,
@@ -552,10 +594,7 @@ async def completions(server: Server, request: Request) -> Response:
         if body.prompt_logprobs is not None:
             entry["prompt_logprobs"] = _prompt_logprobs_json(choice[0].prompt_logprobs)
         choices.append(entry)
-    return JSONResponse({
-        "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
-        "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
-    })
+    return choices
 
 
 def field_of(error: Exception) -> str:
@@ -610,7 +649,10 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
             400, "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
             param="prompt",
         )
-    prompts = [server.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt]
+    try:
+        prompts = [server.engine.frontend.encode_prompt(item) if isinstance(item, str) else list(item) for item in prompt]
+    except ValueError as error:
+        raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     if any(not item for item in prompts):
         raise HTTPError(400, "prompt: every prompt needs at least one token", param="prompt")
     return prompts
@@ -659,24 +701,28 @@ async def models(server: Server, request: Request) -> Response:
 
 
 async def tokenize(server: Server, request: Request) -> Response:
-    body: p.TokenizeRequest = await server.read(request, p.TokenizeRequest)
+    body: p.TokenizeRequest = await server.read(request, p.TokenizeRequest, "tokenize")
     server.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
-        tokens = server.chat_prompt(body.messages, True)
+        tokens = await asyncio.to_thread(server.chat_prompt, body.messages, True)
     else:
-        tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        try:
+            tokens = await asyncio.to_thread(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
+        except ValueError as error:
+            raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
 
 
 async def detokenize(server: Server, request: Request) -> Response:
-    body: p.DetokenizeRequest = await server.read(request, p.DetokenizeRequest)
+    body: p.DetokenizeRequest = await server.read(request, p.DetokenizeRequest, "detokenize")
     server.check_model(body.model)
     bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
-    return JSONResponse({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    text = await asyncio.to_thread(server.tokenizer.decode, body.tokens, False)
+    return JSONResponse({"prompt": text})
 
 
 async def health(server: Server, request: Request) -> Response:

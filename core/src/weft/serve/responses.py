@@ -18,8 +18,8 @@ Output items, in order: a ``reasoning`` item (when the model has a reasoning par
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,11 +30,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from weft.engine.async_engine import Delta
 from weft.serve import protocol as p
 from weft.serve import structured, tools
-from weft.serve.app import HTTPError, Server, _sse, _start_constrained, field_of
+from weft.serve.app import Server, _sse, _start_constrained, field_of, request_id
+from weft.serve.body import HTTPError, error_type
+
+logger = logging.getLogger("weft.serve")
 
 
 async def responses(server: Server, request: Request) -> Response:
-    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
+    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest, "responses")
     server.check_model(body.model)
     messages = input_messages(body)
     try:
@@ -49,8 +52,7 @@ async def responses(server: Server, request: Request) -> Response:
     if forced is not None:
         constraint, field = forced, "tools"
     template_kwargs = {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
-    prompt_text = await asyncio.to_thread(server.render_chat, messages, True, settings, template_kwargs)
-    prompt = server.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt = await asyncio.to_thread(server.chat_prompt, messages, True, settings, template_kwargs)
     server.check_length(prompt, body.max_output_tokens)
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(
@@ -58,19 +60,21 @@ async def responses(server: Server, request: Request) -> Response:
                                 seed=body.seed),
         body.max_output_tokens, None, constraint=constraint, **extra,
     )
-    output, ids = await _start_constrained(server, [prompt], params, field, server.grammar_starts_after(prompt_text, constraint))
-    response = ResponseObject(server, body, prompt, settings)
-    reply = server.reply(prompt_text, settings)
+    tail = server.prompt_tail(prompt)
+    output, ids = await _start_constrained(server, request, [prompt], params, field, None,
+                                           server.grammar_starts_after(tail, constraint))
+    response = ResponseObject(server, body, prompt, request_id(request))
+    reply = server.reply(tail, settings)
     if body.stream:
         return StreamingResponse(_stream(server, output, ids, response, reply), media_type="text/event-stream")
     (choice,) = await server.collect(request, output, ids)
     reasoning, content, calls = reply.parse("".join(delta.text for delta in choice))
     items = []
     if reasoning:
-        items.append(response.reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning or "", "completed"))
+        items.append(response.reasoning_item(response.item_id("rs"), reasoning, "completed"))
     if content is not None or not calls:
-        items.append(response.message_item(f"msg_{uuid.uuid4().hex}", content or "", "completed"))
-    items += [response.call_item(f"fc_{uuid.uuid4().hex}", call.id, call.name, call.arguments, "completed") for call in calls]
+        items.append(response.message_item(response.item_id("msg"), content or "", "completed"))
+    items += [response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed") for call in calls]
     return JSONResponse(response.finished(items, choice))
 
 
@@ -111,9 +115,16 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
 class ResponseObject:
     """The Responses API's ``response`` object, in progress and finished, and its output items."""
 
-    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int], settings: tools.ToolSettings | None) -> None:
-        self.server, self.body, self.prompt, self.settings = server, body, prompt, settings
-        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int], http_request_id: str) -> None:
+        self.server, self.body, self.prompt = server, body, prompt
+        self.id, self.created = f"resp_{http_request_id}", int(time.time())
+        self._items = 0
+
+    def item_id(self, prefix: str) -> str:
+        """``msg_<request id>``, then ``msg_<request id>_1``...: ids of the output items, unique in the response."""
+        self._items += 1
+        suffix = f"_{self._items - 1}" if self._items > 1 else ""
+        return f"{prefix}_{self.id.removeprefix('resp_')}{suffix}"
 
     def message_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
@@ -182,7 +193,7 @@ class _StreamedItems:
         for call in piece.calls:
             if call.id is not None:
                 events += self._close()
-                item = self.response.call_item(f"fc_{uuid.uuid4().hex}", call.id, call.name or "", "", "in_progress")
+                item = self.response.call_item(self.response.item_id("fc"), call.id, call.name or "", "", "in_progress")
                 events += self._open(item)
             if call.arguments:
                 self.text += call.arguments
@@ -204,8 +215,8 @@ class _StreamedItems:
             return []
         events = self._close()
         if kind == "reasoning":
-            return events + self._open(self.response.reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
-        events += self._open(self.response.message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
+            return events + self._open(self.response.reasoning_item(self.response.item_id("rs"), "", "in_progress"))
+        events += self._open(self.response.message_item(self.response.item_id("msg"), "", "in_progress"))
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return events + [self.event("response.content_part.added", **self._where(), content_index=0, part=part)]
 
@@ -252,7 +263,10 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
         while True:
             delta: Delta = await output.get()
             if delta.error:
-                yield event("error", message=delta.error, code="server_error", param=None)
+                yield event("error", message=delta.error, code=error_type(delta.error_status), param=None)
+                failed = response.state("failed", items.items)
+                yield event("response.failed", response={**failed, "error": {"code": error_type(delta.error_status),
+                                                                              "message": delta.error}})
                 return
             deltas.append(delta)
             piece = reply.push(delta.text) if delta.text else tools.MessageDelta()
@@ -268,6 +282,10 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
             yield chunk
         final = response.finished(items.items, deltas)
         yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    except Exception:
+        logger.exception("internal error in stream %s", response.id)
+        yield event("error", message=f"internal error in request {response.id}; the server log has the details",
+                    code="server_error", param=None)
     finally:
         for request_id in ids:
             server.engine.abort(request_id)

@@ -8,7 +8,7 @@
   objects (one, unless parallel calls are allowed) over the tools' schemas; the two
   parsers here read them (:class:`NamedCallParser`, :class:`RequiredCallsParser`).
   ``auto`` leaves the model free and parses its own format with the model's tool parser.
-* :func:`render_prompt` hands the tools and earlier calls to the chat template; a template
+* :func:`chat_input` hands the tools and earlier calls to the chat template; a template
   that ignores them gets them written in the tool parser's format instead.
 * :class:`AssistantOutput` splits one choice's text into reasoning, content and tool calls,
   whole or streamed.
@@ -171,36 +171,36 @@ def call_parser(settings: ToolSettings | None, tool_parser: type[ToolParser] | N
 # The prompt.
 
 
-def render_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
-                  settings: ToolSettings | None, tool_parser: type[ToolParser] | None,
-                  template_kwargs: dict[str, Any]) -> str:
-    """The prompt text: the template renders the tools and earlier calls, or, when it ignores them,
-    they are written into the conversation in the tool parser's format (Hermes' without one)."""
+def chat_input(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+               settings: ToolSettings | None, tool_parser: type[ToolParser] | None,
+               template_kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template arguments to render: the template gets the tools and earlier calls, or, when
+    it ignores them (its text is the same without), they are written into the conversation in the tool
+    parser's format (Hermes' without one)."""
     writer = tool_parser() if tool_parser is not None else _HermesWriter()
-    messages = [_template_message(message) for message in tokenizer.normalize_messages(messages)]
-    calls_ignored = False
+    messages = [_template_message(message) for message in messages]
+
+    def render(conversation: list[dict[str, Any]], **extra: Any) -> str:
+        return tokenizer.apply_chat_template(tokenizer.normalize_messages(conversation), add_generation_prompt,
+                                             **template_kwargs, **extra)
+
     if any(message.get("tool_calls") for message in messages):
         without_calls = [{key: value for key, value in message.items() if key != "tool_calls"} for message in messages]
-        calls_ignored = tokenizer.apply_chat_template(without_calls, add_generation_prompt, **template_kwargs) == \
-            tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-        if calls_ignored:
+        if render(without_calls) == render(messages):
             messages = [_calls_as_content(message, writer) for message in messages]
     tools = settings.tools if settings is not None and settings.choice != "none" else None
     if not tools:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return messages, dict(template_kwargs)
     wrapped = [{"type": "function", "function": function} for function in tools]
-    with_tools = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=wrapped, **template_kwargs)
-    if with_tools != tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs):
-        return with_tools
+    if render(messages, tools=wrapped) != render(messages):
+        return messages, {**template_kwargs, "tools": wrapped}
     # The template ignores tools: present them in a system message of the parser's format.
     prompt = writer.tools_prompt(tools)
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0])
-        first["content"] = f"{first.get('content') or ''}\n\n{prompt}".lstrip()
-        messages = [first, *messages[1:]]
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}".lstrip()}, *messages[1:]]
     else:
         messages = [{"role": "system", "content": prompt}, *messages]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+    return messages, dict(template_kwargs)
 
 
 class _HermesWriter(ToolParser):

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.generation_config import read_generation_config
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -87,12 +87,34 @@ class SafetensorsLoader(WeightLoader):
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, part in self.iter_weight_slices(source, dtype):
+            yield name, part.load()
+
+    def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         from safetensors import safe_open
 
         target = getattr(torch, dtype)
         for file in sorted(Path(source.path).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    # Integer tensors (DeepSeek V4's token -> expert table) are indices, not weights.
-                    yield name, tensor.to(target) if tensor.is_floating_point() else tensor
+                    yield name, SafetensorsSlice(handle.get_slice(name), target)
+
+
+class SafetensorsSlice(WeightSlice):
+    """One tensor of an open safetensors file; ``narrow`` reads only the asked range from disk."""
+
+    def __init__(self, stored: object, dtype: torch.dtype) -> None:
+        self.stored = stored
+        self.dtype = dtype
+        self.shape = tuple(stored.get_shape())
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Integer tensors (DeepSeek V4's token -> expert table) are indices, not weights.
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return self._cast(self.stored[index])
+
+    def load(self) -> torch.Tensor:
+        return self._cast(self.stored[:] if self.shape else self.stored[()])

@@ -106,6 +106,8 @@ class AsyncEngine:
         self._subscribers: dict[str, _Subscriber] = {}
         self._accepting = True
         self.dead = False
+        self.death_reason = ""
+        """Why the core stopped, when it said (its workers failed)."""
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
         self._start_core(startup_timeout)
@@ -173,6 +175,8 @@ class AsyncEngine:
                     if isinstance(message, StepOutputs):
                         for state in self._handle(message):
                             advanced[state.request_id] = state
+                    elif isinstance(message, Failed):
+                        self.death_reason = message.message
                 for state in advanced.values():
                     try:
                         self._publish(state)
@@ -195,7 +199,8 @@ class AsyncEngine:
     def _core_died(self) -> None:
         self.dead = True
         self._accepting = False
-        message = f"the engine core process died (exit code {self.process.exitcode}); the server is shutting down"
+        reason = f": {self.death_reason}" if self.death_reason else ""
+        message = f"the engine core process died (exit code {self.process.exitcode}){reason}; the server is shutting down"
         logger.error(message)
         self._fail_all(message, 503)
         if self.on_core_death is not None:

@@ -19,6 +19,7 @@ import traceback
 import msgspec
 
 from weft.config import WeftConfig
+from weft.contracts.executor import ExecutorFailed
 from weft.engine.engine_core import CoreStats, EngineCoreRequest
 from weft.engine.scheduler import EngineCoreOutput
 
@@ -46,6 +47,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start, or (its last message) it stops because its workers are gone."""
+
     message: str
     traceback: str = ""
 
@@ -88,6 +91,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     outputs.send(encoder.encode(Ready(core.describe())))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    fatal: ExecutorFailed | None = None
     try:
         while True:
             refused: dict[str, str] = {}
@@ -119,6 +123,13 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             failed: dict[str, str] = {}
             try:
                 produced = core.step()
+            except ExecutorFailed as error:
+                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                core.reset_after_failure()
+                failed = {request_id: f"the engine's workers failed: {error}" for request_id in held}
+                outputs.send(encoder.encode(StepOutputs([], core.stats(), refused, failed)))
+                fatal = error
+                break
             except Exception as error:
                 logger.exception("engine step failed; failing the requests it held")
                 held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
@@ -128,6 +139,11 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
         core.close()
+        if fatal is not None:
+            logger.error("the engine core stops: %s", fatal)
+            outputs.send(encoder.encode(Failed(str(fatal))))
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()
+    if fatal is not None:
+        raise SystemExit(1)

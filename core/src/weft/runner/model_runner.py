@@ -24,6 +24,13 @@ logprobs or penalties, the sampled ids stay on the device and are copied to the
 host in the background; :meth:`ModelRunner.execute` returns before they arrive.
 The next step reads a request's still-unknown last token from the device, so
 scheduling and input preparation overlap the device's work.
+
+Several ranks (:mod:`weft.distributed`): every rank runs the same steps and keeps
+the same request state. Tensor ranks compute the whole vocabulary's logits and
+sample alike; with pipeline stages the forward runs in micro-batches
+(:mod:`weft.runner.pipeline`), the last stage samples and broadcasts the tokens to
+every rank. Under tensor parallelism a captured graph ends at the hidden states: the
+LM head's all-gather runs after the replay.
 """
 
 from __future__ import annotations
@@ -46,8 +53,9 @@ from weft.contracts.executor import (
     TokenLogprobs,
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
-from weft.runner.sampler import Sampler, plain_greedy
+from weft.runner.sampler import SampledToken, Sampler, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -142,8 +150,12 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         connector: WorkerConnector | None = None,
+        parallel: ParallelGroups = SINGLE,
     ) -> None:
         self.model = model
+        self.parallel = parallel
+        self.logits_in_graph = parallel.layout.tensor_parallel_size == 1
+        """Whether a captured decode graph includes the LM head (not when its all-gather cannot be captured)."""
         self.backend = backend
         self.groups = tuple(groups)
         self.kv_caches = kv_caches
@@ -189,20 +201,40 @@ class ModelRunner:
         # Each state's computed count moves past this step (the next step's CachedRequest confirms it).
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
-        if logits is None:
+        if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, logits.argmax(dim=-1), report)
+            device_tokens = logits.argmax(dim=-1) if logits is not None else self._empty_tokens(len(sampling))
+            self._pending = _PendingStep(self, states, sampling, self._shared(device_tokens), report)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
         tokens: list[int | None] = [None] * len(request_ids)
         logprobs: dict[str, TokenLogprobs] = {}
-        for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
+        for row, sampled in zip(sampling, self._sample(logits, sampled_states)):
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
                 logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
         return DoneStep(self.finish_step(states, tokens, logprobs, report))
+
+    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> list[SampledToken]:
+        """The sampler's tokens; on a stage before the last, the last stage's (logprobs stay there)."""
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            assert logits is not None
+            return self.sampler(logits, states)
+        sampled = self.sampler(logits, states) if logits is not None else []
+        values = [token.token_id for token in sampled] if sampled else [0] * len(states)
+        shared = self._shared(torch.tensor(values, dtype=torch.long, device=self.device)).tolist()
+        return sampled or [SampledToken(token) for token in shared]
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last stage's sampled tokens on every pipeline stage (tensor ranks sample alike)."""
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            return tokens
+        return self.parallel.broadcast_from_output_rank(tokens)
+
+    def _empty_tokens(self, count: int) -> torch.Tensor:
+        return torch.empty(count, dtype=torch.long, device=self.device)
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
                     report: ConnectorOutput | None) -> ModelRunnerOutput:
@@ -224,7 +256,11 @@ class ModelRunner:
             self._pending = None
 
     def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
-        """The logits of the rows in ``sampling`` (None when no row samples)."""
+        """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last)."""
+        if self.parallel.layout.pipeline_parallel_size > 1:
+            from weft.runner.pipeline import forward_in_micro_batches
+
+            return forward_in_micro_batches(self, states, counts, sampling)
         count = len(states)
         if self.graphs and sum(counts) == count:
             size = self._graph_size(count)
@@ -271,6 +307,16 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
+        input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
+        hidden = self.model(input_ids, positions, context)
+        if not sampling:
+            return None
+        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
+        return self.model.compute_logits(hidden[last_rows])
+
+    def prepare_inputs(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
+        each request's tokens start in the flat batch."""
         positions: list[int] = []
         query_start = [0]
         seq_lens = []
@@ -305,11 +351,7 @@ class ModelRunner:
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
-        hidden = self.model(input_ids, position_tensor, context)
-        if not sampling:
-            return None
-        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
-        return self.model.compute_logits(hidden[last_rows])
+        return input_ids, position_tensor, context, query_start
 
     # Graphs.
 
@@ -355,7 +397,7 @@ class ModelRunner:
             metadata.append(self.backend.build_metadata(batch))
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Make rows ``start:stop`` one-token requests at position 0 that live in the scratch blocks."""
@@ -395,8 +437,8 @@ class ModelRunner:
             )
         if count < size:
             self._fill_padding(count, size)
-        logits = self.graphs[size]()
-        return logits[:count]
+        output = self.graphs[size]()
+        return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
 
 
 def describe_sizes(sizes: Sequence[int]) -> str:

@@ -104,6 +104,8 @@ class MultiprocExecutor(Executor):
         self._sent = 0
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._waiting_steps: deque[int] = deque()
+        self._joined: set[int] = set()
+        """Ranks that said Hello."""
         self._node_seen: dict[int, float] = {}
         """Nodes other than 0 that joined, and when their launcher was last heard."""
         check_layout(config, registry, self.placement)
@@ -159,11 +161,12 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + self.timeout
         while len(hosts) < world or subscribed < world:
             while self.steps.poll(0):
-                if self.steps.recv()[:1] == b"\x01":
+                if self.steps.recv()[:1] == b"\x01":  # a worker's subscription: it will see every message
                     subscribed += 1
-            message = self._receive(deadline, "start")
+            message = self._receive(deadline, "start", patience=0.1)
             if isinstance(message, Hello):
                 hosts[message.rank] = message.host
+                self._joined.add(message.rank)
                 node = self.placement.node_of(message.rank)
                 if node:
                     self._node_seen[node] = time.monotonic()
@@ -211,8 +214,10 @@ class MultiprocExecutor(Executor):
 
     # Watching the workers.
 
-    def _receive(self, deadline: float | None, phase: str) -> FromWorkers:
-        """The next answer from the workers; raises ExecutorFailed when one died, failed, or none answered in time."""
+    def _receive(self, deadline: float | None, phase: str, patience: float | None = None) -> FromWorkers | None:
+        """The next answer from the workers (None after ``patience`` seconds without one); raises ExecutorFailed
+        when a worker died, failed, or none answered by ``deadline``."""
+        given_up = time.monotonic() + patience if patience is not None else None
         while True:
             self._check()
             if self.results.poll(100):
@@ -228,6 +233,8 @@ class MultiprocExecutor(Executor):
             self._watch()
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"the workers did not {phase} within engine.distributed.worker_timeout = {self.timeout:g} s")
+            if given_up is not None and time.monotonic() > given_up:
+                return None
 
     def _watch(self) -> None:
         for rank, process in self.processes.items():
@@ -235,7 +242,11 @@ class MultiprocExecutor(Executor):
                 # Its own report may be on the way: it names the error, not just the exit.
                 if self.results.poll(200):
                     return
-                self._fail(f"worker rank {rank} (pid {process.pid}) {exit_cause(process.exitcode)}")
+                hint = "" if rank in self._joined else (
+                    " before it started; a script that starts an engine with several workers must do so under "
+                    "`if __name__ == \"__main__\":` (multiprocessing's spawn imports the script again in each worker)"
+                )
+                self._fail(f"worker rank {rank} (pid {process.pid}) {exit_cause(process.exitcode)}{hint}")
         now = time.monotonic()
         for node, seen in self._node_seen.items():
             if now - seen > NODE_SILENCE_SECONDS:

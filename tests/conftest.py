@@ -152,8 +152,9 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """A random-weight Hugging Face checkpoint of ``kind`` saved as safetensors, with SmolLM2's tokenizer."""
+def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 0, **sizes: object) -> Path:
+    """A random-weight Hugging Face checkpoint of ``kind`` saved as safetensors, with SmolLM2's tokenizer;
+    ``sizes`` override config values (``vocab_size=1001``)."""
     import shutil
 
     import torch
@@ -161,11 +162,11 @@ def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int =
 
     spec = dict(TINY_CONFIGS[kind])
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-        eos_token_id=2, **spec,
+    defaults = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
     )
+    config = AutoConfig.for_model(model_type, **{**defaults, **spec, **sizes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so greedy paths are not flat

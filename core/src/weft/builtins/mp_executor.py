@@ -223,9 +223,7 @@ class MultiprocExecutor(Executor):
             if self.results.poll(100):
                 message = self.decoder.decode(self.results.recv())
                 if isinstance(message, WorkerFailed):
-                    detail = f"\n{message.traceback}" if message.traceback else ""
-                    logger.error("worker rank %d failed: %s%s", message.rank, message.cause, detail)
-                    self._fail(f"worker rank {message.rank} failed: {message.cause}")
+                    self._fail(self._root_cause(message))
                 if isinstance(message, NodeAlive):
                     self._node_seen[message.node_rank] = time.monotonic()
                     continue
@@ -235,6 +233,26 @@ class MultiprocExecutor(Executor):
                 self._fail(f"the workers did not {phase} within engine.distributed.worker_timeout = {self.timeout:g} s")
             if given_up is not None and time.monotonic() > given_up:
                 return None
+
+    def _root_cause(self, first: WorkerFailed) -> str:
+        """What to blame: when one rank dies, the others' collectives fail too; the one killed is the cause."""
+        reports = [first]
+        settle = time.monotonic() + 1.0
+        while time.monotonic() < settle:
+            if self.results.poll(50):
+                message = self.decoder.decode(self.results.recv())
+                if isinstance(message, WorkerFailed):
+                    reports.append(message)
+        for report in reports:
+            detail = f"\n{report.traceback}" if report.traceback else ""
+            logger.error("worker rank %d failed: %s%s", report.rank, report.cause, detail)
+        for rank, process in self.processes.items():
+            if process.exitcode is not None and process.exitcode < 0:
+                return f"worker rank {rank} (pid {process.pid}) {exit_cause(process.exitcode)}"
+        killed = [report for report in reports if not report.traceback]  # a node launcher's report of a death
+        blamed = killed[0] if killed else first
+        verb = "" if killed else "failed: "
+        return f"worker rank {blamed.rank} {verb}{blamed.cause}"
 
     def _watch(self) -> None:
         for rank, process in self.processes.items():

@@ -97,6 +97,7 @@ def run_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, stor
         channel = WorkerChannel(store.get("steps").decode(), store.get("results").decode())
         channel.send(Hello(layout.rank, os.getpid(), socket.gethostname()))
         worker, parallel = build_worker(config, layout, local_rank, store)
+        logger.info("worker rank %d (pid %d) joined on %s", layout.rank, os.getpid(), worker.device)
         serve_steps(worker, channel, layout, parent_pid)
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the engine, then the process exits
         if channel is not None:
@@ -122,10 +123,13 @@ def build_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, st
     registry = PluginRegistry()
     platform = build_platform(registry, config)
     device = platform.device(local_rank)
-    if device.type == "cuda":
-        import torch
+    import torch
 
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "cpu":  # the ranks share the host's cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // layout.world_size))
     parallel = init_parallel(layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout)
     return Worker(config, registry, parallel, platform), parallel
 

@@ -12,6 +12,7 @@ exits when told to, or when the API process is gone.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import traceback
@@ -74,6 +75,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     # Ctrl-C reaches the whole process group; the API process decides when the core stops
     # (Shutdown, after draining), so the core must not die of it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started as a daemon (it dies with the API process), yet its executor may start worker processes,
+    # which multiprocessing refuses to daemons; the core stops them itself, and they watch it.
+    multiprocessing.current_process().daemon = False
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)

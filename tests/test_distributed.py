@@ -1,0 +1,252 @@
+"""Distributed execution on CPU: gloo, fp32, tiny random checkpoints, real worker processes.
+
+Every parallel layout must give the greedy tokens of one device: tensor parallelism on
+the shapes it has to handle (a vocabulary two ranks do not divide, one key/value head
+for two ranks, a sliding window), pipeline stages with an explicit partition, both
+together on four processes, two launchers on one host, ``weft serve`` with two tensor
+ranks through the official client. A killed worker ends the engine with an error that
+names its rank; impossible layouts are refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import make_tiny_model
+from weft import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 300], list(range(100, 140)), [7] * 12]
+"""Token ids below 1,001; the third is longer than the Mistral window."""
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def greedy_tokens(model: Path, **engine: object) -> tuple[list[list[int]], list[int]]:
+    """The greedy tokens of every prompt, and the engine's KV blocks per group."""
+    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, **engine})
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        return [output.outputs[0].token_ids for output in outputs], llm.engine.core.num_blocks
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_files):
+    """``checkpoint(kind, **sizes)``: a tiny random checkpoint, made once per module."""
+    made: dict[tuple, Path] = {}
+
+    def get(kind: str, **sizes: object) -> Path:
+        key = (kind, tuple(sorted(sizes.items())))
+        if key not in made:
+            name = "-".join([kind, *(f"{k}{v}" for k, v in sorted(sizes.items()))])
+            made[key] = make_tiny_model(tmp_path_factory.mktemp("distributed") / name, kind, tokenizer_files, **sizes)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("kind", "sizes", "layout"),
+    [
+        ("llama", {"vocab_size": 1001}, {"tensor_parallel_size": 2}),
+        ("qwen3", {"num_key_value_heads": 1}, {"tensor_parallel_size": 2}),
+        ("mistral-window", {}, {"tensor_parallel_size": 2}),
+        ("llama", {"num_hidden_layers": 3}, {"pipeline_parallel_size": 2, "pipeline_partition": [2, 1]}),
+        ("llama3-rope", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ],
+    ids=["tp2-vocab-1001", "tp2-qwen3-one-kv-head", "tp2-mistral-window", "pp2-partition-2-1", "tp2-pp2-tied-embeddings"],
+)
+def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint, kind, sizes, layout):
+    model = checkpoint(kind, **sizes)
+    expected, blocks_one = greedy_tokens(model)
+    got, blocks_parallel = greedy_tokens(model, **layout)
+    assert got == expected
+    vocab = sizes.get("vocab_size", 49152)
+    assert all(0 <= token < vocab for tokens in got for token in tokens)  # padded rows never sampled
+    # The KV cache is sized per rank: each rank holds its key/value heads (one replicated head when the
+    # ranks outnumber them) and its stage's layers, in the same cpu_kv_cache_bytes.
+    kv_heads = sizes.get("num_key_value_heads", 2)
+    share = max(1, kv_heads // layout.get("tensor_parallel_size", 1)) / kv_heads
+    layers = sizes.get("num_hidden_layers", 2)
+    most_layers = max(layout.get("pipeline_partition") or [layers // layout.get("pipeline_parallel_size", 1)])
+    assert abs(blocks_parallel[0] - blocks_one[0] * layers / most_layers / share) <= 1
+
+
+def test_micro_batches_split_the_requests_by_tokens():
+    from weft.runner.pipeline import micro_batches
+
+    assert micro_batches([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert micro_batches([100, 1, 1], 2) == [range(0, 1), range(1, 3)]
+    assert micro_batches([1, 1, 100], 2) == [range(0, 2), range(2, 3)]
+    assert micro_batches([5], 4) == [range(0, 1)]
+    assert micro_batches([1] * 5, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+
+
+def test_impossible_layouts_are_refused_with_the_numbers_and_the_fix(checkpoint, monkeypatch):
+    from weft.config import ConfigError, load_config
+
+    model = str(checkpoint("llama"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 3 does not divide the model's 4 attention heads; "
+                                         r"use a tensor_parallel_size among 1, 2, 4"):
+        LLM(model=model, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size = 3 is more stages than the model's 2 layers"):
+        LLM(model=model, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"pipeline_partition = \[2, 1\] gives 3 layers, but the model has 2"):
+        LLM(model=model, pipeline_parallel_size=2, pipeline_partition=[2, 1])
+    with pytest.raises(ConfigError, match=r"'uniproc' runs one worker .* 2 x 1 = 2 ranks; use 'mp'"):
+        load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed_executor_backend": "uniproc"})
+    with pytest.raises(ConfigError, match=r"pipeline_partition = \[2\] lists 1 stages but engine.pipeline_parallel_size = 2"):
+        load_config(None, {"engine.pipeline_parallel_size": 2, "engine.pipeline_partition": [2]})
+    with pytest.raises(ConfigError, match=r"node_rank = 2 but engine.distributed.nnodes = 2"):
+        load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2, "node_rank": 2}})
+    with pytest.raises(ConfigError, match=r"1 x 3 = 3 ranks cannot be spread evenly over engine.distributed.nnodes = 2"):
+        load_config(None, {"engine.pipeline_parallel_size": 3, "engine.distributed": {"nnodes": 2}})
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: LlamaForCausalLM has no experts"):
+        LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=True)
+
+    # More ranks than devices: a node that sees one accelerator.
+    import weft.plugins.selection as selection
+    from weft.contracts.platform import PlatformProbe
+    from weft_cuda.platform import CudaPlatform
+
+    monkeypatch.setattr(selection, "select_platform", lambda registry, name: (CudaPlatform, PlatformProbe(True, "one GPU", 100, 1)))
+    with pytest.raises(ValueError, match=r"needs 2 devices on each of 1 node\(s\), but this node has 1 visible cuda device"):
+        LLM(model=model, tensor_parallel_size=2)
+
+
+def test_torchrun_variables_place_the_launcher():
+    from weft.config import ConfigError, load_config
+    from weft.distributed.placement import placement
+
+    config = load_config(None, {"engine.tensor_parallel_size": 4})
+    torchrun = {"GROUP_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "MASTER_ADDR": "10.0.0.7",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    where = placement(config, torchrun)
+    assert (where.nnodes, where.node_rank, where.master_addr, where.master_port) == (2, 1, "10.0.0.7", 29500)
+    assert where.agent_store and where.node_ranks() == range(2, 4) and where.run_id == "weft/job7/0"
+    explicit = load_config(None, {"engine.tensor_parallel_size": 4, "engine.distributed": {"node_rank": 0, "master_port": 4000}})
+    assert (placement(explicit, torchrun).node_rank, placement(explicit, torchrun).master_port) == (0, 4000)
+    with pytest.raises(ConfigError, match="run torchrun with --nproc-per-node 1"):
+        placement(config, {**torchrun, "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match=r"2 nodes need a rendezvous port .* set engine.distributed.master_port"):
+        placement(load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2}}), {})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if not key.startswith(("WEFT_", "MASTER_", "TORCHELASTIC"))}
+
+
+def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoint):
+    model = checkpoint("llama")
+    expected, _ = greedy_tokens(model)
+    port = _free_port()
+    common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576"]
+    node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    try:
+        got, _ = greedy_tokens(model, tensor_parallel_size=2,
+                               distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port})
+        status = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        log = node1.stdout.read()
+    assert got == expected
+    assert status == 0, log
+    assert "node 1 of 2: ranks 1-1" in log
+
+
+def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokenizer_files):
+    """The official client against `weft serve` with tensor_parallel_size = 2; then one worker is killed
+    mid-stream: the stream ends with an error naming its rank and the server exits non-zero."""
+    from openai import OpenAI
+
+    model = checkpoint("llama")
+    offline = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20})
+    completion_expected = offline.generate(["The capital of France is"], GREEDY)[0].outputs[0].text
+    chat = [{"role": "user", "content": "Name three colours."}]
+    chat_expected = offline.chat(chat, GREEDY)[0].outputs[0].text
+    offline.engine.close()
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", "--model", str(model), "--tensor-parallel-size", "2",
+         "--set", f"server.port={port}", "--set", "engine.cpu_kv_cache_bytes=1048576"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment(),
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start:\n" + "".join(log)
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        completion = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=16,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == completion_expected
+        streamed = client.chat.completions.create(model=model.name, messages=chat, max_tokens=16, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == chat_expected
+
+        pids = {int(pid): int(rank) for rank, pid in re.findall(r"worker rank (\d+) \(pid (\d+)\) joined", "".join(log))}
+        victim = next(pid for pid, rank in pids.items() if rank == 1)
+        received: list[str] = []
+
+        def stream() -> None:
+            try:
+                for chunk in client.completions.create(model=model.name, prompt="Once", max_tokens=5000, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+                    received.append(chunk.choices[0].text if chunk.choices else "")
+            except Exception as error:  # noqa: BLE001 - the error the stream ends with
+                received.append(f"ERROR {error}")
+
+        caller = threading.Thread(target=stream)
+        caller.start()
+        while len(received) < 3:
+            assert caller.is_alive(), received
+            time.sleep(0.05)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        try:
+            code = server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit after a worker died:\n" + "".join(log))
+        stopped = time.monotonic() - killed
+        caller.join(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    output = "".join(log)
+    assert code != 0, output
+    assert stopped < 30
+    assert f"worker rank 1 (pid {victim}) killed by SIGKILL" in output
+    assert "worker rank 1" in received[-1], received[-3:]

@@ -160,12 +160,14 @@ def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoi
     expected, _ = greedy_tokens(model)
     port = _free_port()
     common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576"]
+              "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576",
+              "--set", "engine.distributed.worker_timeout=120"]
     node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
     try:
         got, _ = greedy_tokens(model, tensor_parallel_size=2,
-                               distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port})
+                               distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port,
+                                            "worker_timeout": 120})
         status = node1.wait(timeout=60)
     finally:
         if node1.poll() is None:
@@ -222,7 +224,7 @@ def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokeni
 
         def stream() -> None:
             try:
-                for chunk in client.completions.create(model=model.name, prompt="Once", max_tokens=5000, stream=True,
+                for chunk in client.completions.create(model=model.name, prompt="Once", max_tokens=500, stream=True,
                                                        extra_body={"ignore_eos": True}):
                     received.append(chunk.choices[0].text if chunk.choices else "")
             except Exception as error:  # noqa: BLE001 - the error the stream ends with

@@ -51,7 +51,7 @@ from weft.distributed.messages import (
     WorkerFailed,
 )
 from weft.distributed.placement import Placement, placement
-from weft.distributed.rendezvous import config_digest, serve_store
+from weft.distributed.rendezvous import publish_config, serve_store
 from weft.resolve import parallel_layout
 
 logger = logging.getLogger("weft.distributed")
@@ -135,7 +135,7 @@ class MultiprocExecutor(Executor):
         results_port = self.results.bind_to_random_port(f"tcp://{host}")
         self.store.set("steps", f"tcp://{advertised}:{steps_port}")
         self.store.set("results", f"tcp://{advertised}:{results_port}")
-        self.store.set("config", config_digest(self.config))
+        publish_config(self.store, self.config)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(FromWorkers)
 

@@ -20,7 +20,7 @@ import msgspec
 from weft.config import ConfigError, WeftConfig
 from weft.distributed.messages import NodeAlive, WorkerFailed
 from weft.distributed.placement import placement
-from weft.distributed.rendezvous import StoreAddress, config_digest, connect_store
+from weft.distributed.rendezvous import StoreAddress, connect_store, leader_config
 
 logger = logging.getLogger("weft.distributed")
 
@@ -45,15 +45,17 @@ def run_node(config: WeftConfig) -> int:
     logger.info("node %d of %d: ranks %d-%d, waiting for node 0 at %s:%d",
                 where.node_rank, where.nnodes, ranks.start, ranks.stop - 1, where.master_addr, where.master_port)
     store = connect_store(address)
-    if store.get("config").decode() != config_digest(config):
-        raise ConfigError(
-            f"node {where.node_rank}'s configuration differs from node 0's (model, [use], [engine] or [plugins]); "
-            f"start every node with the same weft.toml and flags (only [engine.distributed] may differ)"
-        )
     context = zmq.Context()
     results = context.socket(zmq.PUSH)
     results.connect(store.get("results").decode())
     encoder = msgspec.msgpack.Encoder()
+    try:
+        config = leader_config(store, config)
+    except ValueError as error:
+        results.send(encoder.encode(WorkerFailed(ranks.start, f"(node {where.node_rank}) {error}")))
+        results.close(linger=2000)
+        context.term()
+        raise ConfigError(str(error)) from None
     layout = parallel_layout(config)
     spawn = torch_mp.get_context("spawn")
     processes: dict[int, Any] = {}

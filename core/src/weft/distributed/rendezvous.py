@@ -2,15 +2,15 @@
 
 Node 0's engine core serves the store (torch.distributed's ``TCPStore``) unless
 torchrun's agent already does; worker processes and the launchers of other nodes
-connect to it. The engine writes the addresses of its step channel there and a
-digest of its configuration (a node started with a different one is refused);
+connect to it. The engine writes the addresses of its step channel there and its
+configuration, which the workers of every node run (a node started with a different
+one is refused);
 torch.distributed's own rendezvous uses the same store under another prefix.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 from typing import Any
 
 import msgspec
@@ -59,12 +59,45 @@ def connect_store(address: StoreAddress) -> Any:
     return PrefixStore(address.prefix, store)
 
 
-def config_digest(config: WeftConfig) -> str:
-    """What every node must agree on: the model, the plugins chosen, the engine and plugin options
-    (``[engine.distributed]`` says where each node is, so it differs between nodes)."""
-    engine = msgspec.structs.replace(config.engine, distributed=type(config.engine.distributed)())
+def shared_settings(config: WeftConfig) -> bytes:
+    """What every node must agree on: the model, the plugins chosen, the engine and plugin options.
+    ``[engine.distributed]`` says where each node is and the platform-sized options are node 0's to
+    choose (its resolved configuration is what every worker runs), so neither takes part."""
+    from weft.config import PLATFORM_SIZED
+
+    engine = msgspec.structs.replace(
+        config.engine, distributed=type(config.engine.distributed)(), **{key: None for key in PLATFORM_SIZED}
+    )
     fields = {"model": config.model, "use": config.use, "engine": engine, "plugins": config.plugins}
-    return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
+    return msgspec.json.encode(fields, order="sorted")
+
+
+def publish_config(store: Any, config: WeftConfig) -> None:
+    """Node 0's configuration (platform-sized options resolved), for the workers of every other node."""
+    store.set("config", msgspec.msgpack.encode(config))
+
+
+def leader_config(store: Any, config: WeftConfig) -> WeftConfig:
+    """Node 0's configuration, once it published it; raises ValueError when ``config`` differs in what nodes share."""
+    leader = msgspec.msgpack.decode(store.get("config"), type=WeftConfig)
+    mine, theirs = _flat(msgspec.json.decode(shared_settings(config))), _flat(msgspec.json.decode(shared_settings(leader)))
+    differing = sorted(key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key))
+    if differing:
+        raise ValueError(
+            f"this node's configuration differs from node 0's in {', '.join(differing)}; start every node with "
+            f"the same weft.toml and flags (only [engine.distributed] may differ)"
+        )
+    return leader
+
+
+def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def distributed_store(store: Any) -> Any:

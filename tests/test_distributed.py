@@ -252,3 +252,41 @@ def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokeni
     assert stopped < 30
     assert f"worker rank 1 (pid {victim}) killed by SIGKILL" in output
     assert "worker rank 1" in received[-1], received[-3:]
+
+
+def test_two_tensor_parallel_engines_share_prefixes_through_mooncake(checkpoint, tmp_path):
+    """Each rank stores its own heads' blocks under its rank's keys; a second TP=2 engine loads them."""
+    from weft.engine.kv_cache_manager import block_hashes
+    from weft_mooncake.local import LocalMooncake
+    from weft_mooncake.system import missing_library_problem
+
+    problem = missing_library_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    from mooncake.store import MooncakeDistributedStore
+
+    model = checkpoint("llama")
+    shared = [(7 * i + 3) % 4000 + 10 for i in range(70)]  # four full blocks of 16, and 6 tokens
+    first_prompt, second_prompt = shared + [11, 12], shared + [21, 22, 23]
+    reference = LLM(model=str(model), engine={"num_kv_blocks": 96})
+    expected = [output.outputs[0].token_ids for output in reference.generate([first_prompt, second_prompt], GREEDY)]
+    reference.engine.close()
+    engine = {"num_kv_blocks": 96, "tensor_parallel_size": 2}
+    with LocalMooncake(segment_size=64 << 20, log_dir=tmp_path) as store:
+        options = {"use": {"kv_connector": "mooncake"}, "plugins": {"mooncake": store.options()}}
+        with LLM(model=str(model), engine=engine, **options) as first:
+            assert first.generate([first_prompt], GREEDY)[0].outputs[0].token_ids == expected[0]
+            model_identity = first.engine.kv_connector.scheduler_side.context.model
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", store.metadata_server, 0, 0, "tcp", "", store.master_server_address) == 0
+        try:
+            for rank in (0, 1):
+                prefix = f"weft/{model_identity}/float32/tp{rank}of2/pp0of1/attention/16/"
+                keys = [prefix + block_hash.hex() for block_hash in block_hashes(first_prompt, 16)]
+                assert client.batch_is_exist(keys) == [1, 1, 1, 1], rank
+        finally:
+            client.close()
+        with LLM(model=str(model), engine=engine, **options) as second:
+            assert second.generate([second_prompt], GREEDY)[0].outputs[0].token_ids == expected[1]
+            stats = second.engine.kv_connector.stats
+            assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)

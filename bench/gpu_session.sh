@@ -15,6 +15,7 @@ for part in "$@"; do
     case $part in
         tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_triton_attention.py tests/test_cuda_ops.py \
                    tests/test_cuda_graphs.py tests/test_gpu_parity.py -s 2>&1 | tee "$out/gpu_tests.log" ;;
+        tp-tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_distributed_gpu.py -s 2>&1 | tee "$out/gpu_tp_tests.log" ;;
         attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
         throughput-profile) python3 bench/gpu_throughput.py --profile --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_throughput.log" ;;
         prefill-sweep) python3 bench/gpu_prefill.py --sweep --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_prefill.log" ;;

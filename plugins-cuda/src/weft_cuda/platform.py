@@ -77,6 +77,12 @@ class CudaPlatform(Platform):
             return EngineDefaults(max_num_seqs=256, max_num_batched_tokens=4096, async_scheduling=True)
         return EngineDefaults(max_num_seqs=128, max_num_batched_tokens=2048, async_scheduling=True)
 
+    def communicator(self, group: Any, device: Any) -> Any:
+        """NCCL, with one-shot all-reduces over NVLink peer memory that decode graphs capture (weft_cuda.communicator)."""
+        from weft_cuda.communicator import CudaCommunicator
+
+        return CudaCommunicator(group, device)
+
     def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         import torch
 

@@ -121,8 +121,8 @@ class Platform(PluginBase):
         """The collectives tensor-parallel layers run over ``group`` (a torch.distributed process group).
 
         Default: :class:`weft.distributed.communicator.Communicator`, plain torch.distributed calls on
-        :attr:`distributed_backend`. A platform returns a subclass with faster collectives, and one whose
-        ``capturable`` is true lets decode graphs capture them (added in core API 1.2).
+        :attr:`distributed_backend`. A platform returns a subclass with faster collectives; one whose
+        ``can_capture(dtype)`` is true lets decode graphs capture them (added in core API 1.2).
         """
         from weft.distributed.communicator import Communicator
 

@@ -11,8 +11,6 @@ and many.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,10 +18,6 @@ import torch
 
 class Communicator:
     """All-reduce and all-gather over ``group`` (a torch.distributed process group; None: one rank)."""
-
-    capturable: bool = False
-    """Whether its collectives may be captured in the platform's graphs (NCCL's hung there:
-    with a communicator that cannot, decode runs eagerly under tensor parallelism)."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
@@ -54,10 +48,11 @@ class Communicator:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Graphs are being captured inside the block (a communicator may prepare buffers first)."""
-        yield
+    def can_capture(self, dtype: torch.dtype) -> bool:
+        """Whether collectives on ``dtype`` may be captured in the platform's graphs. Not plain
+        torch.distributed's (NCCL hung there): with such a communicator decode runs eagerly under
+        tensor parallelism."""
+        return False
 
     def close(self) -> None:
         """Release what the communicator holds."""

@@ -144,9 +144,9 @@ class Worker:
             return
         layout = self.parallel.layout
         if layout.pipeline_parallel_size > 1:
-            logger.info("decode runs eagerly: pipeline stages exchange micro-batches between graphs' steps")
+            logger.info("decode runs eagerly under pipeline parallelism (stages hand micro-batches to each other)")
             return
-        if layout.tensor_parallel_size > 1 and not self.parallel.tensor.capturable:
+        if layout.tensor_parallel_size > 1 and not self.parallel.tensor.can_capture(getattr(torch, self.dtype)):
             logger.info("decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
                         self.platform.distributed_backend)
             return
@@ -163,8 +163,7 @@ class Worker:
                 f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
                 f"remove them or raise max_num_seqs"
             )
-        with self.parallel.tensor.capturing():
-            seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
+        seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
 
     def execute_model(self, step: SchedulerOutput) -> StepHandle:

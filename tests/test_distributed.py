@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 
@@ -290,3 +291,106 @@ def test_two_tensor_parallel_engines_share_prefixes_through_mooncake(checkpoint,
             assert second.generate([second_prompt], GREEDY)[0].outputs[0].token_ids == expected[1]
             stats = second.engine.kv_connector.stats
             assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)
+
+
+def test_deepseek_v4_with_expert_parallelism_gives_the_greedy_tokens_of_one_device(tmp_path):
+    """EP=2: each rank holds half of the routed experts, the dense parts split over both; 4 prompts, 32 tokens."""
+    pytest.importorskip("weft_dsv4")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV4ForCausalLM")
+    from weft_dsv4.model import CSA, HCA, SLIDING
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3), seed=7)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (length,), generator=generator).tolist() for length in (5, 23, 41, 12)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 256, "max_num_batched_tokens": 24}
+    with LLM(model=str(folder), engine=engine) as one:
+        expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
+    with LLM(model=str(folder), engine={**engine, "tensor_parallel_size": 2, "enable_expert_parallel": True}) as two:
+        assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
+
+
+class _Recording:
+    """Wraps a loader's WeightSlice and records what is read of it."""
+
+    def __init__(self, name: str, stored, reads: list) -> None:
+        self.name, self.stored, self.reads = name, stored, reads
+        self.shape = stored.shape
+
+    def narrow(self, dim: int, start: int, length: int):
+        self.reads.append((self.name, dim, start, length))
+        return self.stored.narrow(dim, start, length)
+
+    def load(self):
+        self.reads.append((self.name, "whole"))
+        return self.stored.load()
+
+
+def _load_rank(folder: Path, family, rank: int, **layout: object):
+    """Build and load ``family``'s model as ``rank`` of two tensor ranks (no process group: no forward runs)."""
+    from weft.builtins.safetensors_loader import SafetensorsLoader
+    from weft.contracts.loader import WeightSlice
+    from weft.contracts.model import ModelConfig
+    from weft.contracts.parallel import ParallelLayout
+    from weft.distributed.communicator import Communicator
+    from weft.distributed.state import ParallelGroups, using_parallel
+
+    class Recording(_Recording, WeightSlice):
+        pass
+
+    parallel_layout = ParallelLayout(tensor_parallel_size=2, rank=rank, **layout)
+    tensor = Communicator(None, torch.device("cpu"))
+    tensor.size, tensor.rank = 2, rank
+    loader = SafetensorsLoader()
+    source = loader.resolve(str(folder))
+    config = ModelConfig(architecture=source.hf_config["architectures"][0], hf_config=source.hf_config, dtype="float32",
+                         block_size=16, max_model_len=256, parallel=parallel_layout)
+    with using_parallel(ParallelGroups(parallel_layout, tensor, torch.device("cpu"))):
+        module = family.build(config, torch.device("cpu"))
+    reads: list = []
+    family.load_weights(module, ((name, Recording(name, part, reads)) for name, part in loader.iter_weight_slices(source, "float32")))
+    return module, reads
+
+
+def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
+    from safetensors.torch import load_file
+    from weft.models.llama import LlamaFamily
+
+    folder = checkpoint("llama", vocab_size=1001)  # 4 heads of 16, 2 KV heads, MLP 128, vocabulary 1,001
+    stored = load_file(str(folder / "model.safetensors"))
+    module, reads = _load_rank(folder, LlamaFamily(), rank=1)
+    read = {(name, *rest) for name, *rest in reads}
+    layer = "model.layers.0"
+    assert (f"{layer}.self_attn.q_proj.weight", 0, 32, 32) in read  # query heads 2-3
+    assert (f"{layer}.self_attn.k_proj.weight", 0, 16, 16) in read  # key/value head 1
+    assert (f"{layer}.self_attn.o_proj.weight", 1, 32, 32) in read  # the input columns of heads 2-3
+    assert (f"{layer}.mlp.down_proj.weight", 1, 64, 64) in read
+    assert ("model.embed_tokens.weight", 0, 501, 500) in read  # rows 501-1000, one padding row
+    whole = {name for name, *rest in reads if rest == ["whole"]}
+    assert all(name.endswith("norm.weight") for name in whole), whole
+    attention = module.model.layers[0].self_attn
+    expected = torch.cat([stored[f"{layer}.self_attn.q_proj.weight"][32:], stored[f"{layer}.self_attn.k_proj.weight"][16:],
+                          stored[f"{layer}.self_attn.v_proj.weight"][16:]])
+    assert attention.qkv_proj.weight.equal(expected)
+    embedding = module.model.embed_tokens.weight
+    assert embedding[:500].equal(stored["model.embed_tokens.weight"][501:]) and not embedding[500].any()
+
+    pytest.importorskip("weft_dsv4")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        return
+    from weft_dsv4.model import CSA, HCA, DeepseekV4Family
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    dsv4 = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA]), seed=7)  # 8 routed experts
+    module, reads = _load_rank(dsv4, DeepseekV4Family(), rank=1, enable_expert_parallel=True)
+    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in reads if ".experts." in name}
+    assert experts_read == {4, 5, 6, 7}
+    stored = load_file(str(next(dsv4.glob("*.safetensors"))))
+    routed = module.model.layers[1].mlp.experts
+    down = next(name for name in stored if ".1.ffn.experts.5.w2" in name or "layers.1.mlp.experts.5.down_proj" in name)
+    assert routed.down_proj[1].equal(stored[down])
+

@@ -68,10 +68,17 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """``y = sum over ranks (x_r W_r^T) + b``: W's columns split, the partial outputs all-reduced."""
+    """``y = sum over ranks (x_r W_r^T) + b``: W's columns split, the partial outputs all-reduced.
 
-    def __init__(self, shard: Shard, out_features: int, bias: bool) -> None:
+    ``reduce=False`` returns this rank's partial sum (the caller adds partial sums of several
+    layers and all-reduces once, as a mixture of experts does); it takes no bias.
+    """
+
+    def __init__(self, shard: Shard, out_features: int, bias: bool, reduce: bool = True) -> None:
+        if bias and not reduce:
+            raise ValueError("RowParallelLinear(reduce=False) returns partial sums: it cannot add a bias")
         self.tensor: Communicator = current_parallel().tensor
+        self.reduce = reduce
         self.shard = shard
         # The op sees no bias when the sum comes after it: the bias is added once, to the sum.
         super().__init__(shard.length, out_features, bias)
@@ -80,6 +87,8 @@ class RowParallelLinear(Linear):
             self.op.declare(out_features=out_features, in_features=shard.length, bias=False, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return super().forward(x)
         if not self.bias_after_sum:
             return self.tensor.all_reduce(super().forward(x))
         partial = F.linear(x, self.weight) if self.op is None else self.op(x, self.weight, None)

@@ -394,3 +394,31 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
     down = next(name for name in stored if ".1.ffn.experts.5.w2" in name or "layers.1.mlp.experts.5.down_proj" in name)
     assert routed.down_proj[1].equal(stored[down])
 
+
+
+def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_device(checkpoint):
+    """`weft generate` joins a running Ray cluster (plugins.ray.address) and places two ranks as actors."""
+    import json
+
+    ray = pytest.importorskip("ray")
+    model = checkpoint("llama")
+    prompts = ["The capital of France is", "Once upon a time"]
+    with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}) as one:
+        expected = [output.outputs[0].token_ids for output in one.generate(prompts, GREEDY)]
+    cluster = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, namespace="weft-test",
+                       log_to_driver=False)
+    try:
+        address = cluster.address_info["gcs_address"]
+        run = subprocess.run(
+            [sys.executable, "-m", "weft.cli", "generate", "--json", "--no-chat", "--model", str(model),
+             "--max-tokens", "16", "--ignore-eos", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+             "--set", f'plugins.ray.address="{address}"', "--set", "engine.cpu_kv_cache_bytes=1048576",
+             *(argument for prompt in prompts for argument in ("--prompt", prompt))],
+            capture_output=True, text=True, timeout=600, env=_environment(),
+        )
+    finally:
+        ray.shutdown()
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [result["outputs"][0]["token_ids"] for result in results] == expected
+    assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors

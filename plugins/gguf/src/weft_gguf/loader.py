@@ -6,7 +6,8 @@ declares for an alias); tensors are dequantized with
 the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
 Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
-keyed by the file's identity and the dtype, so a warm start skips the work.
+keyed by the file's identity and the dtype, so a warm start skips the work; the
+ranks of a tensor-parallel engine read only their slices of that file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
 from weft_gguf.convert import write_tokenizer
 from weft_gguf.files import ALIAS_GENERATION_CONFIGS, ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
 
@@ -171,18 +172,25 @@ class GGUFLoader(WeightLoader):
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, part in self.iter_weight_slices(source, dtype):
+            yield name, part.load()
+
+    def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
+        """Slices of the dequantized cache file (written first if absent: the file is dequantized once)."""
         from safetensors import safe_open
+        from weft.builtins.safetensors_loader import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
-        if cached.is_file():
-            with safe_open(str(cached), framework="pt") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-            return
-        tensors = self._dequantize(source, getattr(torch, dtype))
-        self._readers.pop(str(Path(source.path).resolve()), None)
-        _save_atomically(tensors, cached)
-        yield from tensors.items()
+        if not cached.is_file():
+            tensors = self._dequantize(source, getattr(torch, dtype))
+            self._readers.pop(str(Path(source.path).resolve()), None)
+            if not _save_atomically(tensors, cached):
+                for name, tensor in tensors.items():
+                    yield name, LoadedSlice(tensor)
+                return
+        with safe_open(str(cached), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, SafetensorsSlice(handle.get_slice(name), getattr(torch, dtype))
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf
@@ -208,8 +216,8 @@ class GGUFLoader(WeightLoader):
         return tensors
 
 
-def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> None:
-    """Write the cache file under a temporary name and rename it, so readers never see half a file."""
+def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> bool:
+    """Write the cache file under a temporary name and rename it, so readers never see half a file; False if it could not."""
     from safetensors.torch import save_file
 
     try:
@@ -219,3 +227,5 @@ def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> Non
         os.replace(temporary, destination)
     except OSError as error:
         print(f"weft-gguf: could not write the weight cache {destination}: {error}", file=sys.stderr)
+        return False
+    return True

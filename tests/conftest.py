@@ -228,3 +228,41 @@ def start_server():
     yield start
     for server in servers:
         server.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_weft_serve(args: list[str], port: int, env: dict[str, str], timeout: float = 180) -> tuple[subprocess.Popen, list[str]]:
+    """``weft serve ARGS --set server.port=PORT`` as a process; returns it and its output so far (a list that
+    keeps filling) once ``/health`` answers 200. Fails the test, with the output, if it exits or never answers."""
+    import threading
+    import time
+
+    import httpx
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", *args, "--set", f"server.port={port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            pytest.fail("the server exited while starting:\n" + "".join(log))
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server, log
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            pytest.fail("the server did not start:\n" + "".join(log))
+        time.sleep(0.2)
+

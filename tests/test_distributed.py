@@ -13,17 +13,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import free_port, make_tiny_model, start_weft_serve
 from weft import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -146,12 +144,6 @@ def test_torchrun_variables_place_the_launcher():
         placement(load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2}}), {})
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(("WEFT_", "MASTER_", "TORCHELASTIC"))}
 
@@ -159,7 +151,7 @@ def _environment() -> dict[str, str]:
 def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoint):
     model = checkpoint("llama")
     expected, _ = greedy_tokens(model)
-    port = _free_port()
+    port = free_port()
     common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576",
               "--set", "engine.distributed.worker_timeout=120"]
@@ -191,26 +183,11 @@ def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokeni
     chat_expected = offline.chat(chat, GREEDY)[0].outputs[0].text
     offline.engine.close()
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "weft.cli", "serve", "--model", str(model), "--tensor-parallel-size", "2",
-         "--set", f"server.port={port}", "--set", "engine.cpu_kv_cache_bytes=1048576"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment(),
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    port = free_port()
+    server, log = start_weft_serve(["--model", str(model), "--tensor-parallel-size", "2",
+                                    "--set", "engine.cpu_kv_cache_bytes=1048576"], port, _environment(), timeout=240)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, "".join(log)
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start:\n" + "".join(log)
-            time.sleep(0.2)
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         completion = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=16,
                                                temperature=0, extra_body={"ignore_eos": True})

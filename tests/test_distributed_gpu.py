@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
-
+from test_gpu_parity import TeacherSampler, relative_errors
 from weft import LLM, SamplingParams
-from weft.runner.sampler import SampledToken
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,18 +44,6 @@ def test_tiny_llama_greedy_on_two_gpus_equals_one(layout, tmp_path, tokenizer_fi
         assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
 
 
-class TeacherSampler:
-    """Stands in for the sampler: records each step's logits and returns the forced next token."""
-
-    def __init__(self, forced: list[int]) -> None:
-        self.forced, self.logits = forced, []
-
-    def __call__(self, logits, requests):
-        self.logits.append(logits[0].float().cpu())
-        step = len(self.logits) - 1
-        return [SampledToken(self.forced[step] if step < len(self.forced) else 0)]
-
-
 def teacher_forced_logits(worker, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
     """Drive one worker through the prompt and the forced decode steps, as the scheduler would."""
     from weft.contracts.executor import CachedRequest, NewRequest, SchedulerOutput
@@ -76,7 +63,6 @@ def teacher_forced_logits(worker, prompt: list[int], forced: list[int]) -> list[
 def rank_logits(rank: int, world: int, port: int, dtype: str, prompt: list[int], forced: list[int], results) -> None:
     """One rank of a Llama-3-8B-shaped model: its teacher-forced logits (rank 0 reports them) and whether it captured graphs."""
     from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
-
     from weft.config import load_config
     from weft.contracts.parallel import ParallelLayout
     from weft.distributed.state import SINGLE, init_parallel
@@ -103,10 +89,6 @@ def rank_logits(rank: int, world: int, port: int, dtype: str, prompt: list[int],
     if rank == 0:
         results.put((bool(worker.runner.graphs), logits))
     parallel.close()
-
-
-def relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([(a - b).norm() / b.norm() for a, b in zip(logits, reference)])
 
 
 def test_llama3_8b_shape_tp2_bf16_logits_within_the_bf16_band_of_tp1(tokenizer_files):

@@ -23,7 +23,6 @@ import warnings
 from typing import Any
 
 import torch
-
 from weft.distributed.communicator import Communicator
 
 logger = logging.getLogger("weft.cuda")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import deque
 from typing import Any, ClassVar
@@ -40,8 +39,8 @@ from weft.distributed.messages import (
     Execute,
     FromWorkers,
     Hello,
-    InitializeKVCache,
     Initialized,
+    InitializeKVCache,
     Loaded,
     LoadModel,
     NodeAlive,

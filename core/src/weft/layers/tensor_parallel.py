@@ -109,9 +109,7 @@ class VocabParallelEmbedding(Embedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         self.tensor: Communicator = current_parallel().tensor
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // self.tensor.size)
-        self.first_row = self.tensor.rank * self.rows_per_rank
-        self.rows = max(0, min(vocab_size - self.first_row, self.rows_per_rank))
+        self.rows_per_rank, self.first_row, self.rows = vocab_rows(vocab_size, self.tensor)
         super().__init__(self.rows_per_rank, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -132,9 +130,7 @@ class ParallelLMHead(Linear):
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         self.tensor: Communicator = current_parallel().tensor
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // self.tensor.size)
-        self.first_row = self.tensor.rank * self.rows_per_rank
-        self.rows = max(0, min(vocab_size - self.first_row, self.rows_per_rank))
+        self.rows_per_rank, self.first_row, self.rows = vocab_rows(vocab_size, self.tensor)
         super().__init__(hidden_size, self.rows_per_rank, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,6 +141,13 @@ class ParallelLMHead(Linear):
 
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
         load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+
+
+def vocab_rows(vocab_size: int, tensor: Communicator) -> tuple[int, int, int]:
+    """``(rows per rank, this rank's first row, its rows of the vocabulary)``: the rest of its rows are padding."""
+    per_rank = -(-vocab_size // tensor.size)
+    first = tensor.rank * per_rank
+    return per_rank, first, max(0, min(vocab_size - first, per_rank))
 
 
 def load_vocab_rows(parameter: torch.Tensor, first: int, rows: int, weight: WeightSlice | torch.Tensor, name: str,

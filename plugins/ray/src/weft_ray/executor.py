@@ -28,7 +28,6 @@ import time
 from typing import Any, ClassVar, Literal
 
 import msgspec
-
 from weft.contracts.executor import (
     Executor,
     ExecutorFailed,
@@ -100,7 +99,6 @@ class RayExecutor(Executor):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from weft.plugins.selection import select_platform
 
         self.layout = parallel_layout(config)

@@ -110,7 +110,7 @@ def speed() -> None:
     from weft.builtins.torch_attention import TorchAttention
     from weft.contracts.attention import AttentionBatch, AttentionLayer
     from weft_cuda.platform import CudaPlatform
-    from weft_cuda.triton_attention import TritonAttention
+    from weft_triton.attention import TritonAttention
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -55,7 +55,7 @@ def graph_time(fn, launches: int = 20) -> float:
 def projection_profile(shape: dict, bandwidth: float) -> float:
     """Per projection at one row, inside CUDA graphs: cuBLAS against the Triton kernel; returns the
     step's projection time with the faster of the two for each."""
-    from weft_cuda.gemv import _gemv_kernel, tile_config
+    from weft_triton.gemv import _gemv_kernel, tile_config
 
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]

@@ -16,6 +16,10 @@ Parts (``--part``, repeatable):
   the client side is not the bottleneck; the CPU time of the API process, the engine core and
   the busiest client process is printed beside the rate.
 
+``--profile N`` records the timed offline ``LLM.generate`` of ``qwen`` and ``llama8b`` with
+torch.profiler and prints the N CUDA kernels with the most device time, the device-busy share of
+the wall time and the CPU time of the host thread.
+
 Usage: python bench/gpu_engine.py --tokenizer DIR --part qwen --part llama8b --part serve
 """
 
@@ -47,16 +51,37 @@ from gpu_common import (
 from weft import LLM, SamplingParams
 
 
+PROFILE_KERNELS = 0
+"""Kernels to list from a profile of the timed ``LLM.generate`` (``--profile``); 0 records none."""
+
+
 def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm
     torch.cuda.synchronize()
-    started = time.perf_counter()
+    profiler = None
+    if PROFILE_KERNELS:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.start()
+    started, cpu_started = time.perf_counter(), time.thread_time()
     outputs = llm.generate(prompts, params)
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output
+    if profiler is not None:
+        profiler.stop()
+        print_kernel_profile(profiler, seconds, cpu_seconds)
     return seconds
+
+
+def print_kernel_profile(profiler: torch.profiler.profile, seconds: float, cpu_seconds: float) -> None:
+    """The kernels with the most device time, and how busy the device was (the profile adds host overhead)."""
+    kernels = [event for event in profiler.key_averages() if event.device_time_total > 0]
+    busy = sum(event.device_time_total for event in kernels) / 1e6
+    print(f"  profile: {seconds:.2f} s wall, device busy {busy:.2f} s ({busy / seconds:.0%}), host thread CPU {cpu_seconds:.2f} s")
+    for event in sorted(kernels, key=lambda event: -event.device_time_total)[:PROFILE_KERNELS]:
+        total = event.device_time_total / 1e6
+        print(f"  {total:7.3f} s {total / busy:6.1%} {event.count:8d} x {event.device_time_total / event.count:8.1f} us  {event.key[:110]}")
 
 
 def engine_settings(llm: LLM, overrides: dict) -> str:
@@ -105,8 +130,13 @@ def part_qwen(args: argparse.Namespace) -> None:
           f"= {rate / hf_rate:.1f}x HF", flush=True)
 
 
-def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float) -> float:
-    """Seconds for the workload: prefill at the matmul rate, decode steps at max(HBM time, matmul time)."""
+def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float,
+                      sequential: bool = False) -> float:
+    """Seconds for the workload: prefill at the matmul rate, decode steps at max(HBM time, matmul time).
+
+    ``sequential``: each decode step's attention (reading the KV of every running request) runs after
+    its matmuls instead of overlapping them, as in a forward that runs layer by layer on one stream:
+    the step takes max(weight bytes, matmul time) plus the KV read time."""
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv_heads, dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     per_layer = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter
@@ -115,8 +145,12 @@ def physical_estimate(shape: dict, requests: int, prompt: int, output: int, band
     kv_per_token = 2 * 2 * layers * kv_heads * dim
     seconds = 2 * parameters * requests * prompt / flops
     for step in range(1, output):
-        hbm = (weight_bytes + requests * kv_per_token * (prompt + step)) / bandwidth
-        seconds += max(hbm, 2 * parameters * requests / flops)
+        kv_read = requests * kv_per_token * (prompt + step) / bandwidth
+        matmul = 2 * parameters * requests / flops
+        if sequential:
+            seconds += max(weight_bytes / bandwidth, matmul) + kv_read
+        else:
+            seconds += max(weight_bytes / bandwidth + kv_read, matmul)
     return seconds
 
 
@@ -124,12 +158,15 @@ def part_llama8b(args: argparse.Namespace) -> None:
     requests, prompt, output = 512, 512, 256
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     estimate = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops)
+    sequential = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops, sequential=True)
     print(f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
-          f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s)", flush=True)
+          f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s); with attention after the "
+          f"matmuls instead of overlapping them: {sequential:,.0f}", flush=True)
     # HF generate() on the first 128 requests (its cache grows by concatenation: all 512 would take minutes).
     hf_rate, rate, settings = against_hf(args, "llama-3-8b", LLAMA3_8B, requests, prompt, output, hf_batch=128)
     print(f"llama-3-8b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
-          f"= {rate / estimate:.2f}x the physical estimate, {rate / hf_rate:.1f}x HF", flush=True)
+          f"= {rate / estimate:.2f}x the physical estimate, {rate / sequential:.2f}x the sequential one, "
+          f"{rate / hf_rate:.1f}x HF", flush=True)
 
 
 def _client(url: str, model: str, prompts: list[list[int]], output: int, ready, go, results) -> None:
@@ -270,8 +307,13 @@ def main() -> None:
     parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "serve"], required=True)
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for the offline qwen and llama8b runs (default: none, the platform's)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the timed offline runs and print the N kernels with the most device time")
     args = parser.parse_args()
     from weft.config import parse_override
+
+    global PROFILE_KERNELS
+    PROFILE_KERNELS = args.profile
 
     args.engine = dict(parse_override(assignment) for assignment in args.engine)
     print(f"# gpu_engine: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

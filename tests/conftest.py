@@ -186,16 +186,12 @@ class RunningServer:
         import threading
         import time
 
-        import uvicorn
-
         from weft.config import load_config
-        from weft.entrypoints.serve import build_app, graceful_timeout
+        from weft.entrypoints.serve import build_app, build_server
 
         self.config = load_config(None, config_overrides)
         self.app = build_app(self.config)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=graceful_timeout(self.config)
-        ))
+        self.uvicorn = build_server(self.app, self.config, log_level="warning", port=0)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -212,8 +208,9 @@ class RunningServer:
         return self.app.state.server.engine
 
     def stop(self) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=60)
+        """The graceful shutdown a signal starts (in-flight requests may finish for server.shutdown_timeout)."""
+        self.uvicorn.request_shutdown()
+        self.thread.join(timeout=120)
 
 
 @pytest.fixture
@@ -266,3 +263,25 @@ def start_weft_serve(args: list[str], port: int, env: dict[str, str], timeout: f
             pytest.fail("the server did not start:\n" + "".join(log))
         time.sleep(0.2)
 
+
+POISON_TOKEN = 45749
+"""SmolLM2's " xyl": :func:`poisoned_model`'s embedding of it is NaN."""
+POISONED_TEXT = "Tell me about the xyl"
+"""A prompt ending in the poisoned token: its logits are NaN (the torch backend stores non-finite keys and
+values as zeros, so a NaN earlier in a prompt reaches no other position, and no other request)."""
+
+
+def poisoned_model(folder: Path, tokenizer_files: Path) -> Path:
+    """A tiny Llama (context 9,000 tokens) whose embedding row of :data:`POISON_TOKEN` is NaN."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(folder, "llama", tokenizer_files)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][POISON_TOKEN] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 9000
+    (folder / "config.json").write_text(json.dumps(config))
+    assert torch.isnan(load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"][POISON_TOKEN]).all()
+    return folder

@@ -90,7 +90,7 @@ def test_padded_graph_path_equals_eager(model, request, eager_replay_platform):
 def test_warm_up_compiles_every_variant_before_serving(tiny_llama):
     llm = LLM(model=str(tiny_llama), use={"attention": "triton"},
               engine={"block_size": 4, "num_kv_blocks": 256, "runtime_jit": "error", "max_num_batched_tokens": 16})
-    kernel = llm.engine.worker.kernels.kernels["weft_cuda.paged_attention"]
+    kernel = llm.engine.worker.kernels.kernels["weft_triton.paged_attention"]
     assert len(kernel.compiled) == 3  # one layer shape and block size: decode, split-key decode, prefill
     # Chunked prefill, prefill mixed with decodes, decode-only steps: no miss (error mode would raise).
     llm.generate(prompts(4), staggered(4, 12))
@@ -107,7 +107,7 @@ def test_graph_sizes_beyond_max_num_seqs_are_refused(tiny_llama, eager_replay_pl
 
 
 def triton_compiled_variants() -> int:
-    from weft_cuda.triton_attention import _paged_attention_kernel
+    from weft_triton.paged_attention import _paged_attention_kernel
 
     return sum(len(caches[0]) for caches in _paged_attention_kernel.device_caches.values())
 
@@ -139,5 +139,5 @@ def test_no_kernel_compiles_after_warm_up_on_gpu(tiny_window):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=5 + i) for i in range(len(workload))]
     outputs = llm.generate(workload, params)
     assert all(output.outputs[0].token_ids for output in outputs)
-    assert llm.engine.worker.kernels.kernels["weft_cuda.paged_attention"].monitor.misses == []
+    assert llm.engine.worker.kernels.kernels["weft_triton.paged_attention"].monitor.misses == []
     assert triton_compiled_variants() == before

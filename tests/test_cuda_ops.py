@@ -1,4 +1,4 @@
-"""weft-cuda's skinny-matrix linear kernel: equal to F.linear, under the interpreter on the CPU and on a GPU."""
+"""weft-triton's skinny-matrix linear kernel: equal to F.linear, under the interpreter on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from weft.testing import OpContract  # noqa: E402
 @pytest.mark.parametrize("rows", [1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_kernel_matches_linear_interpreted(rows, bias):
-    from weft_cuda.gemv import GemvKernel
+    from weft_triton.gemv import GemvKernel
 
     generator = torch.Generator().manual_seed(rows)
     n, k = 40, 600  # neither a multiple of the tiles: masked edges in both directions
@@ -45,7 +45,7 @@ class TestLinearTritonOnGPU(OpContract):
 def test_fused_kernels_match_their_references_interpreted(op):
     """The kernels themselves (float32 on the CPU), on every example input of the op's reference."""
     from weft.builtins import ops as references
-    from weft_cuda import fused
+    from weft_triton import fused
 
     reference = {"rms_norm": references.RmsNormTorch, "rotary": references.RotaryTorch,
                  "silu_and_mul": references.SiluAndMulTorch}[op](None)

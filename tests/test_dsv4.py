@@ -88,7 +88,7 @@ def test_prefill_logits_match_transformers(checkpoint):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
 def test_indexer_on_the_triton_top_k_matches_transformers(checkpoint):
     pytest.importorskip("triton")
-    from weft_cuda.decode_topk import DecodeTopKTriton
+    from weft_triton.ops import DecodeTopKTriton
 
     folder, hf = checkpoint
     ids = random_ids(34, seed=8)

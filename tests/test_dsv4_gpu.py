@@ -44,7 +44,7 @@ def hf_model(folder, dtype):
 def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
-    from weft_cuda.decode_topk import DecodeTopKTriton
+    from weft_triton.ops import DecodeTopKTriton
 
     llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024})
     indexers = [layer.self_attn.topk_op for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None]
@@ -58,7 +58,7 @@ def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
 
 
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(folder):
-    from weft_cuda.decode_topk import DecodeTopKTriton
+    from weft_triton.ops import DecodeTopKTriton
 
     ids = prompt(400)
     with stable_topk(), torch.no_grad():

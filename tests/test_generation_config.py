@@ -262,26 +262,23 @@ def assert_paris(answers: dict[int, str]) -> None:
     assert not missing, f"{len(missing)} of {len(answers)} seeds answered without 'Paris': {missing}"
 
 
-SMOLLM2_FIRST_TOKEN_TIE = (
-    "SmolLM2-135M-Instruct Q4_1 nearly ties its first token on this prompt (p('The') = 0.152, p('L') = 0.140, "
-    "equal to transformers on the same GGUF): at the model card's temperature 0.2 / top_p 0.9, 33 of 50 seeds "
-    "answered 'Paris' (at temperature 1, 23 of 50); seeds 3 and 5 here start \"L'Étoile...\""
-)
+PARIS_SEEDS = range(12)
+"""At the model card's sampling the README's question answered 'Paris' for 50 seeds of 50 (2026-12-01); the bare
+question without 'Answer in one sentence.' nearly ties its first token on this Q4_1 model (p('The') = 0.152,
+p('L') = 0.140, equal to transformers on the same GGUF) and answered 'Paris' for 33 of 50."""
 
 
-@pytest.mark.xfail(strict=True, reason=SMOLLM2_FIRST_TOKEN_TIE)
 def test_readme_curl_example_answers_paris(default_server):
-    answers = {seed: post_chat(default_server, {**readme_request(), "seed": seed}) for seed in SEEDS}
+    answers = {seed: post_chat(default_server, {**readme_request(), "seed": seed}) for seed in PARIS_SEEDS}
     assert_paris(answers)
 
 
-@pytest.mark.xfail(strict=True, reason=SMOLLM2_FIRST_TOKEN_TIE)
 def test_readme_openai_example_answers_paris(default_server):
     client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
     body = readme_request()
     answers = {
         seed: client.chat.completions.create(model=body["model"], max_tokens=body["max_tokens"], messages=body["messages"],
                                              seed=seed).choices[0].message.content
-        for seed in SEEDS
+        for seed in PARIS_SEEDS
     }
     assert_paris(answers)

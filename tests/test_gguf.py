@@ -73,3 +73,44 @@ def test_native_tokenizer_conversion_matches_transformers(tmp_path, monkeypatch,
     tokenizer = GGUFTokenizer.from_source(source)
     assert tokenizer.eos_token_ids == frozenset({2})
     assert tokenizer.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+
+
+def test_a_corrupted_weight_cache_is_rebuilt_with_one_warning(tmp_path, monkeypatch):
+    """Truncated, overwritten inside, or without its checksums: the next load rebuilds the cache from the GGUF."""
+    from weft_gguf import checksum
+
+    monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
+    loader = GGUFLoader()
+    source = loader.resolve("smollm2-135m-instruct")
+    built = {"count": 0}
+
+    def counting(self, source, dtype):  # stands in for the dequantization (seconds): the cache is the subject
+        built["count"] += 1
+        generator = torch.Generator().manual_seed(0)
+        return {f"model.layers.{index}.mlp.up_proj.weight": torch.randn(256, 512, generator=generator, dtype=dtype)
+                for index in range(4)}
+
+    monkeypatch.setattr(GGUFLoader, "_dequantize", counting)
+    expected = dict(loader.iter_weights(source, "float32"))
+    (cached,) = (tmp_path / "gguf").glob("*.safetensors")
+    assert checksum.sidecar(cached).is_file() and built["count"] == 1
+    assert dict(loader.iter_weights(source, "float32")).keys() == expected.keys() and built["count"] == 1
+
+    def corrupt_middle(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(range(64))
+        path.write_bytes(bytes(data))
+
+    corruptions = [
+        ("truncated", lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])),
+        ("changed since it was written", corrupt_middle),
+        ("missing its checksum file", lambda path: checksum.sidecar(path).unlink()),
+    ]
+    for expected_reason, corrupt in corruptions:
+        corrupt(cached)
+        before = built["count"]
+        with pytest.warns(UserWarning, match=expected_reason) as caught:
+            reloaded = dict(loader.iter_weights(source, "float32"))
+        assert len(caught) == 1 and built["count"] == before + 1
+        assert reloaded.keys() == expected.keys() and all(torch.equal(reloaded[name], expected[name]) for name in expected)
+        assert checksum.problem(cached) is None  # rebuilt, with fresh checksums

@@ -45,3 +45,106 @@ def test_a_request_the_connector_cannot_answer_for_yet_is_passed_over_and_asked_
 
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert sorted(hesitant.ASKED.values()) == [3, 3]
+
+
+STASH = '''
+    import torch
+    from weft.contracts.kv_connector import ConnectorOutput, KVConnector
+
+    STORE = {}  # prompt -> {layer: tensor of the prompt's blocks}, kept by the first engine
+    SEEN = {"parked": [], "polls": 0}
+
+
+    class StashConnector(KVConnector):
+        """Keeps each prompt's KV in this process after its prefill; a later engine receives it asynchronously,
+        a few steps after admission (or is told it failed, for prompts starting with token 13)."""
+
+        name = "stash"
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.parked, self.saves, self.receiving, self.caches = {}, [], {}, None
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            if request.prompt_token_ids not in STORE:
+                return 0, False
+            return len(request.prompt_token_ids) - 1 - num_computed_tokens, True
+
+        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+            if num_external_tokens:
+                self.parked[request.request_id] = (request.prompt_token_ids, block_ids[0])
+            else:
+                self.saves.append(request)
+
+        def build_connector_meta(self, step):
+            saves = [(r.request_id, list(r.prompt_token_ids), list(s.block_ids[0])) for s in step.requests
+                     for r in self.saves if r.request_id == s.request_id and s.num_computed_tokens == 0]
+            self.saves = [r for r in self.saves if r.request_id not in {s[0] for s in saves}]
+            parked = [(request_id, list(prompt), list(blocks)) for request_id, (prompt, blocks) in self.parked.items()]
+            self.parked.clear()
+            return {"saves": saves, "parked": parked}
+
+        def register_kv_caches(self, kv_caches):
+            self.caches = kv_caches
+
+        def bind_connector_metadata(self, metadata):
+            self.metadata = metadata
+
+        def start_load_kv(self):
+            for request_id, prompt, blocks in (self.metadata or {}).get("parked", []):
+                SEEN["parked"].append(request_id)
+                self.receiving[request_id] = [tuple(prompt), blocks, 3]  # arrives after 3 more reports
+
+        def wait_for_save(self):
+            for request_id, prompt, blocks in (self.metadata or {}).get("saves", []):
+                STORE[tuple(prompt)] = {layer: cache[:, blocks].clone() for layer, cache in self.caches.items()}
+
+        def get_finished(self, finished_request_ids):
+            SEEN["polls"] += 1
+            arrived, failed = set(), set()
+            for request_id, entry in list(self.receiving.items()):
+                entry[2] -= 1
+                if entry[2] > 0:
+                    continue
+                del self.receiving[request_id]
+                prompt, blocks, _ = entry
+                if prompt[0] == 13:
+                    failed.add(request_id)
+                    continue
+                for layer, cache in self.caches.items():
+                    cache[:, blocks] = STORE[prompt][layer][:, : len(blocks)]
+                arrived.add(request_id)
+            return ConnectorOutput(finished_receiving=frozenset(arrived), failed_loads=frozenset(failed))
+'''
+
+
+def test_an_asynchronous_load_parks_the_request_outside_the_batch_until_its_kv_arrives_or_fails(tiny, site, monkeypatch):
+    site.add_distribution(
+        "weft-stash", requires=("weft-core>=1.3,<2",),
+        entry_points={"weft.kv_connector": {"stash": "stash:StashConnector"}}, modules={"stash": STASH},
+    )
+    monkeypatch.syspath_prepend(str(site.root))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 9, [13, 10, 11] * 7, [21, 22] * 20]
+    engine = {"num_kv_blocks": 64, "max_model_len": 128, "block_size": 16}
+    expected = [output.outputs[0].token_ids for output in LLM(model=str(tiny), engine=engine).generate(prompts, params)]
+    with LLM(model=str(tiny), engine=engine, use={"kv_connector": "stash"}) as first:  # computes and stashes
+        first.generate(prompts, params)
+    import stash
+
+    with LLM(model=str(tiny), engine=engine, use={"kv_connector": "stash"}) as second:
+        scheduler = second.engine.core.scheduler
+        parked_sizes = []
+        step = second.engine.core.step
+
+        def watching():
+            parked_sizes.append((len(scheduler.receiving), len(scheduler.running)))
+            return step()
+
+        second.engine.core.step = watching
+        outputs = second.generate(prompts, params)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert len(stash.SEEN["parked"]) == 3
+    assert (3, 0) in parked_sizes  # all three waited outside the running batch
+    # The two that arrived computed only their last prompt token; the failed one computed its prompt.
+    assert [output.num_cached_tokens for output in outputs] == [len(prompts[0]) - 1, 0, len(prompts[2]) - 1]

@@ -25,7 +25,8 @@ def test_listing_imports_no_torch_and_no_plugin_module(site):
         with contextlib.redirect_stdout(out):
             code = main(["plugins", "list", "--json"])
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in
-                       ("torch", "spy_impl", "spy_hooks", "weft_cuda", "weft_rocm", "weft_xpu", "weft_example_bytes")
+                       ("torch", "triton", "spy_impl", "spy_hooks", "weft_cuda", "weft_rocm", "weft_xpu", "weft_triton",
+                        "weft_example_bytes")
                        or m.startswith("weft.builtins"))
         print(json.dumps({"code": code, "heavy": heavy, "listing": json.loads(out.getvalue())}))
         """
@@ -200,6 +201,7 @@ def test_allowlist_name_matching_nothing_is_reported(site):
     assert report["unmatched_allowlist"] == ["no-such-plugin"]
     rows = {row["name"]: row["status"] for row in report["plugins"]}
     assert rows["extra"] == "ok" and rows["cuda"] == "ok" and rows["rocm"] == "disabled"
+    assert rows["decode_topk.triton"] == "ok"  # weft-cuda requires weft-triton, which comes with it
     loading = site.python("from weft.plugins import PluginRegistry; PluginRegistry()", WEFT_PLUGINS="no-such-plugin")
     assert "WEFT_PLUGINS names 'no-such-plugin', which matches no installed plugin" in loading.stderr
 

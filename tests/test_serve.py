@@ -327,7 +327,7 @@ def test_shutdown_drains_in_flight_requests(start_server, tokenizer_files, tmp_p
     deadline = time.monotonic() + 30
     while not running.engine.has_unfinished and time.monotonic() < deadline:
         time.sleep(0.01)
-    running.uvicorn.should_exit = True
+    running.uvicorn.request_shutdown()
     caller.join(timeout=120)
     running.thread.join(timeout=120)
     response = result["response"]
@@ -343,7 +343,7 @@ def test_shutdown_gives_up_after_the_timeout(start_server, tokenizer_files, tmp_
     with httpx.stream("POST", f"{running.url}/v1/completions", json=payload, timeout=120) as response:
         next(response.iter_lines())
         started = time.monotonic()
-        running.uvicorn.should_exit = True
+        running.uvicorn.request_shutdown()
         running.thread.join(timeout=60)
     assert not running.thread.is_alive() and time.monotonic() - started < 30
 

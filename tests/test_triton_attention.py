@@ -1,4 +1,4 @@
-"""weft-cuda's Triton attention kernel passes the attention contract: on the CPU under Triton's
+"""weft-triton's attention kernel passes the attention contract: on the CPU under Triton's
 interpreter (small shapes), and on an NVIDIA GPU in bf16 when one is present."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     from weft.builtins.cpu import CpuPlatform
     from weft.builtins.torch_attention import TorchAttention
     from weft.contracts.attention import AttentionBatch, AttentionLayer
-    from weft_cuda.triton_attention import TritonAttention, decode_splits
+    from weft_cuda.platform import CudaPlatform
+    from weft_triton.attention import TritonAttention, decode_splits
 
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     dtype = torch.float32
@@ -76,9 +77,10 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     key = torch.randn(requests, 2, 32, generator=generator).to(device, dtype)
     value = torch.randn(requests, 2, 32, generator=generator).to(device, dtype)
     results = {}
-    for backend in (TritonAttention(None, CpuPlatform()), TorchAttention(None, CpuPlatform())):
+    platform = CpuPlatform() if device == "cpu" else CudaPlatform()
+    for backend in (TritonAttention(None, platform), TorchAttention(None, platform)):
         backend.prepare([layer], "float32")
         metadata = backend.build_metadata(batch)
         results[backend.name] = backend.forward(layer, query, key, value, cache.clone(), metadata)
-    assert TritonAttention(None, CpuPlatform()).build_metadata(batch).splits == decode_splits(requests) > 1
+    assert TritonAttention(None, platform).build_metadata(batch).splits == decode_splits(requests) > 1
     torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)

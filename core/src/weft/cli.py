@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import types
 import typing
@@ -139,7 +140,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, ``--model``, ``--set KEY=VALUE`` and one flag per scalar option of [use], [engine], [server]."""
     group = parser.add_argument_group("configuration (flags override the file)")
     group.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_CONFIG_FILE} if present)")
-    group.add_argument("--model", help="model alias, folder, GGUF file or cached HF repo id")
+    group.add_argument("--model", help="model alias, folder, GGUF file or HF repo id (org/name[@revision])")
     group.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
         help="set any key, e.g. --set plugins.mooncake.master_server_address=host:50051 (repeatable; VALUE is a TOML literal)",
@@ -563,10 +564,16 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return run_node(config)
     try:
-        return serve(config)
+        status = serve(config)
     except CoreStartError as error:
         print(f"weft: error: {error}", file=sys.stderr)
         return 1
+    # The server, the engine core and their sockets are closed: skip the interpreter's teardown (over a
+    # second with torch loaded), so a shutdown ends within server.shutdown_timeout plus about a second.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_config_show(args: argparse.Namespace) -> int:

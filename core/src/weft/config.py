@@ -2,7 +2,7 @@
 
 ::
 
-    model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id in the local cache
+    model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id (downloaded if missing)
     plugins_lock = "weft.lock"        # optional: `weft plugins freeze` output; engine starts verify against it
     [use]                             # which plugin fills each slot; "auto" lets the platform decide
     platform = "auto"
@@ -82,6 +82,14 @@ class EngineConfig(_Section, frozen=True):
     cpu_kv_cache_bytes: Annotated[int, Meta(ge=1, description="KV-cache bytes on the CPU platform")] = 1 << 30
     enable_prefix_caching: Annotated[bool, Meta(description="reuse KV blocks of identical prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, Meta(description="split long prompts across steps")] = True
+    long_prefill_token_threshold: Annotated[
+        int, Meta(ge=0, description="a prefill needing more tokens is long: while other requests wait or run it gets "
+                                    "this many per step, then the budget they leave; default: a quarter of "
+                                    "max_num_batched_tokens; 0: no cap")
+    ] | None = None
+    max_long_partial_prefills: Annotated[
+        int, Meta(ge=1, description="long prefills running at once; a long prompt beyond that waits while shorter ones go first")
+    ] = 1
     dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
     ] = "auto"
@@ -115,6 +123,13 @@ class EngineConfig(_Section, frozen=True):
         bool, Meta(description="mixture-of-experts models: spread whole routed experts over the tensor-parallel ranks")
     ] = False
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
+    revision: Annotated[
+        str, Meta(description="Hugging Face revision (branch, tag or commit) of a repo id model, for weights and "
+                              "tokenizer alike; default: the one after '@' in model, else main")
+    ] | None = None
+    download_dir: Annotated[
+        str, Meta(description="Hugging Face cache a repo id downloads into; default: HF_HUB_CACHE, else HF_HOME/hub")
+    ] | None = None
     generation_config: Annotated[
         str,
         Meta(description="sampling defaults of requests that leave them unset: auto (the model's generation config), "
@@ -131,13 +146,35 @@ class ServerConfig(_Section, frozen=True):
     served_model_name: Annotated[str, Meta(description="model id clients use; default: the model's name")] | None = None
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest accepted request body")] = 8 << 20
     max_queued_requests: Annotated[int, Meta(ge=1, description="waiting requests before 503")] = 1024
-    shutdown_timeout: Annotated[float, Meta(ge=0, description="seconds to drain in-flight requests")] = 30.0
+    shutdown_timeout: Annotated[
+        float, Meta(ge=0, description="on SIGINT/SIGTERM: seconds in-flight requests may take to finish while new ones get 503")
+    ] = 30.0
+    request_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a request may take from arrival to its last token; then it is stopped "
+                                      "(408; a stream gets an error event)")
+    ] = 1800.0
+    header_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a client may take to send a request's headers; then the connection is closed")
+    ] = 30.0
+    body_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
+    ] = 60.0
+    max_sequences_per_request: Annotated[
+        int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
+    ] = 256
+    special_tokens_in_content: Annotated[
+        Literal["text", "control"],
+        Meta(description="special-token text inside chat messages: text (encoded as plain text, so users cannot "
+                         "spoof roles) or control (encoded as the control tokens, the old behaviour)"),
+    ] = "text"
 
 
 class WeftConfig(_Section, frozen=True):
     """The whole configuration."""
 
-    model: Annotated[str, Meta(description="alias, local folder, GGUF file, or HF repo id in the local cache")] = DEFAULT_MODEL
+    model: Annotated[
+        str, Meta(description="alias, local folder, GGUF file, or HF repo id (org/name[@revision], downloaded if missing)")
+    ] = DEFAULT_MODEL
     plugins_lock: Annotated[
         str,
         Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "

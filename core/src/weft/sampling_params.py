@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+SAMPLING_EPS = 1e-5
+"""A temperature below this is greedy decoding (as in vLLM): dividing logits by it would overflow."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Wider factors overflow or underflow float32 logits (a penalty of 1e-300 turns them to inf)."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """Sampling options of one request.
 
-    ``temperature = 0`` is greedy decoding. ``top_k <= 0``, ``top_p = 1`` and
+    ``temperature = 0`` (anything below :data:`SAMPLING_EPS`) is greedy decoding. ``top_k <= 0``, ``top_p = 1`` and
     ``min_p = 0`` disable those filters. Penalties follow vLLM/OpenAI:
     ``repetition_penalty`` (HF's, over prompt and output tokens) divides positive
     logits and multiplies negative ones; ``presence_penalty`` and
@@ -42,7 +49,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         else:
             msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
+            *((math.isfinite(value), name, value, "must be a finite number") for name, value in (
+                ("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
+                ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty),
+            )),
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
@@ -50,7 +63,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)"),
+            (low <= self.repetition_penalty <= high, "repetition_penalty", self.repetition_penalty,
+             f"must be in [{low}, {high}] (1 disables it)"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]"),
@@ -63,7 +77,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     def choices(self) -> list[SamplingParams]:
         """One single-sample copy per choice: ``n=1``, and the seed advanced by the choice index."""

@@ -1,11 +1,16 @@
-"""The ROCm platform. Its probe reads the amdkfd topology in sysfs and never initialises HIP."""
+"""The ROCm platform. Its probe reads the amdkfd topology in sysfs and never initialises HIP.
+
+ROCm's torch build uses the ``cuda`` device type: ``torch.cuda`` drives HIP, RCCL serves the
+``nccl`` distributed backend, and ``torch.cuda.CUDAGraph`` captures HIP graphs, so everything but
+the probe and the architecture name comes from :class:`~weft.contracts.gpu_platform.GpuPlatform`.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import ClassVar
 
-from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe, torch_has_library, visible_device_count
+from weft.contracts.gpu_platform import DeviceScan, GpuPlatform
 
 
 def gfx_name(target_version: int) -> str:
@@ -14,45 +19,35 @@ def gfx_name(target_version: int) -> str:
     return f"gfx{major}{minor:x}{stepping:x}"
 
 
-def probe_amd(root: Path = Path("/")) -> PlatformProbe:
-    """Probe the machine whose filesystem is at ``root`` for AMD GPUs usable by torch."""
-    if not (root / "dev/kfd").exists():
-        return PlatformProbe(available=False, reason="no AMD GPU driver (/dev/kfd is absent)")
-    architectures = []
-    for properties in sorted((root / "sys/class/kfd/kfd/topology/nodes").glob("*/properties")):
-        fields = dict(line.split(None, 1) for line in properties.read_text(errors="replace").splitlines() if " " in line)
-        target = int(fields.get("gfx_target_version", "0").strip() or 0)
-        if target:
-            architectures.append(gfx_name(target))
-    count = visible_device_count(len(architectures), "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-    details = {"architectures": ", ".join(architectures)}
-    if count == 0:
-        return PlatformProbe(available=False, reason="amdkfd present but no visible GPU", details=details)
-    if not torch_has_library("libtorch_hip.so"):
-        return PlatformProbe(
-            available=False,
-            reason="AMD GPU found but the installed torch has no ROCm support; install a ROCm build of torch",
-            device_count=count,
-            details=details,
-        )
-    return PlatformProbe(available=True, reason=f"{count} AMD GPU(s)", priority=100, device_count=count, details=details)
-
-
-class RocmPlatform(Platform):
-    """AMD GPUs through ROCm/HIP (torch's ``cuda`` device type); RCCL through the nccl backend."""
+class RocmPlatform(GpuPlatform):
+    """AMD GPUs through ROCm/HIP (torch's ``cuda`` device type); RCCL through the nccl backend; HIP graphs."""
 
     name: ClassVar[str] = "rocm"
     device_type: ClassVar[str] = "cuda"
     distributed_backend: ClassVar[str] = "nccl"
-    default_attention: ClassVar[str] = "torch"
-    supported_dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
+    supports_graph_capture: ClassVar[bool] = True
+    vendor: ClassVar[str] = "AMD"
+    runtime: ClassVar[str] = "ROCm"
+    torch_library: ClassVar[str] = "libtorch_hip.so"
+    visibility_variables: ClassVar[tuple[str, ...]] = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    triton_backend: ClassVar[str | None] = "amd"
 
     @classmethod
-    def probe(cls) -> PlatformProbe:
-        return probe_amd()
+    def scan(cls, root: Path) -> DeviceScan:
+        if not (root / "dev/kfd").exists():
+            return DeviceScan(driver=False, missing="/dev/kfd is absent")
+        architectures = []
+        # Node 0.. in numeric order (node 10 after node 9); CPU nodes report gfx_target_version 0.
+        nodes = (root / "sys/class/kfd/kfd/topology/nodes").glob("*/properties")
+        for properties in sorted(nodes, key=lambda path: int(path.parent.name) if path.parent.name.isdigit() else -1):
+            fields = dict(line.split(None, 1) for line in properties.read_text(errors="replace").splitlines() if " " in line)
+            target = int(fields.get("gfx_target_version", "0").strip() or 0)
+            if target:
+                architectures.append(gfx_name(target))
+        return DeviceScan(driver=True, devices=architectures, details={"architectures": ", ".join(architectures)})
 
-    def memory_info(self, index: int = 0) -> MemoryInfo:
+    def device_arch(self, index: int) -> str:
         import torch
 
-        free, total = torch.cuda.mem_get_info(index)
-        return MemoryInfo(free=free, total=total)
+        # "gfx950:sramecc+:xnack-": the target, then its feature flags.
+        return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]

@@ -11,7 +11,7 @@ see. Semantics (``shared/reference/ops.md``):
   real score), -0.0 equals +0.0, +/-Inf are ordinary values;
 - output: int32 ``[heads, total_q, topk]``, slots past ``min(topk, visible)`` are -1.
 
-This reference sorts with torch's stable sort; the Triton implementation (weft-cuda)
+This reference sorts with torch's stable sort; the Triton implementation (weft-triton)
 packs the same order into one integer key per block.
 """
 

@@ -31,8 +31,12 @@ class HFTokenizer(Tokenizer):
         eos_token_ids: frozenset[int],
         special_tokens: dict[str, str],
         chat_template: str | None,
+        special_token_texts: frozenset[str] = frozenset(),
+        encode_plain: Callable[[str], list[int]] | None = None,
     ) -> None:
         self._encode, self._decode = encode, decode
+        self._special_token_texts = special_token_texts
+        self._encode_plain = encode_plain
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self.special_tokens = special_tokens
@@ -61,17 +65,24 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as FastTokenizer
 
         fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        plain = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        plain.encode_special_tokens = True  # a second instance: the flag is per object, encodes run on threads
         special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
         eos = set(extra_eos_ids)
         if special["eos_token"] and fast.token_to_id(special["eos_token"]) is not None:
             eos.add(fast.token_to_id(special["eos_token"]))
         return cls(
-            encode=lambda text, add_special: fast.encode(text, add_special_tokens=add_special).ids,
+            # encode_batch releases the GIL while it works (encode holds it: seconds for a long text).
+            encode=lambda text, add_special: fast.encode_batch([text], add_special_tokens=add_special)[0].ids,
             decode=lambda ids, skip: fast.decode(ids, skip_special_tokens=skip),
             vocab_size=fast.get_vocab_size(with_added_tokens=True),
             eos_token_ids=frozenset(eos),
             special_tokens={key: value or "" for key, value in special.items()},
             chat_template=template,
+            special_token_texts=frozenset(
+                token.content for token in fast.get_added_tokens_decoder().values() if token.special
+            ),
+            encode_plain=lambda text: plain.encode_batch([text], add_special_tokens=False)[0].ids,
         )
 
     @classmethod
@@ -88,6 +99,10 @@ class HFTokenizer(Tokenizer):
             eos_token_ids=frozenset(eos),
             special_tokens={"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""},
             chat_template=chat_template if isinstance(chat_template, str) else None,
+            special_token_texts=frozenset(
+                token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special
+            ) | frozenset(getattr(tokenizer, "all_special_tokens", ())),
+            encode_plain=lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True),
         )
 
     @property
@@ -100,6 +115,13 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._encode(text, add_special_tokens)
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return self._special_token_texts
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self._encode_plain(text) if self._encode_plain is not None else super().encode_plain(text)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._decode(list(token_ids), skip_special_tokens)

@@ -6,6 +6,7 @@ attends in two shapes: all single-token decodes together, padded to the
 longest context, and each prefill chunk on its own. Both go through
 ``scaled_dot_product_attention`` with an explicit mask (causal with the
 chunk's offset into the context, and the sliding window when the layer has one).
+Non-finite keys and values are stored as zeros, so one request's NaNs never reach another's attention.
 """
 
 from __future__ import annotations
@@ -95,7 +96,10 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         heads, dim = layer.num_kv_heads, layer.head_dim
-        self.store_kv(kv_cache, key, value, metadata.slot_mapping)
+        # Masked positions still enter the products below with weight 0, and 0 * NaN is NaN: a request whose
+        # keys or values are not finite (NaN activations) must not leave them where other requests' padded or
+        # recycled blocks read. Its own outputs are NaN anyway, and the sampler fails it alone.
+        self.store_kv(kv_cache, key.nan_to_num(0.0, 0.0, 0.0), value.nan_to_num(0.0, 0.0, 0.0), metadata.slot_mapping)
         key_blocks, value_blocks = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
         output = torch.empty_like(query)
         gqa = layer.num_heads != layer.num_kv_heads

@@ -108,6 +108,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, TokenLogprobs] = {}
     """For requests that asked for logprobs."""
     connector_output: ConnectorOutput | None = None
+    failed: dict[str, str] = {}
+    """Requests that got no token this step, with the reason (their logits were not finite, their
+    sampling raised): the scheduler ends each one alone; the step's other requests go on."""
 
 
 def encode_step(value: SchedulerOutput | ModelRunnerOutput) -> bytes:
@@ -131,7 +134,7 @@ class ExecutorFailed(RuntimeError):
     """The workers are gone (one died, failed, or stopped answering): the engine cannot go on.
 
     The message names the rank and the cause. The engine fails the requests in flight and shuts
-    down; every later call of the executor raises the same error (added in core API 1.2).
+    down; every later call of the executor raises the same error (added in core API 1.4).
     """
 
 

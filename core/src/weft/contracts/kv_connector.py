@@ -25,14 +25,41 @@ run → ``update_connector_output`` → ``request_finished`` when a request ends
 Worker-side call order per step (:mod:`weft.engine.kv_connector` drives both
 roles): ``bind_connector_metadata`` → ``start_load_kv`` → ``wait_for_layer_load``
 for every layer → the forward pass → ``save_kv_layer`` for every layer →
-``wait_for_save`` → ``get_finished`` → ``clear_connector_metadata``. Loads are
-synchronous: a load must be complete when ``wait_for_layer_load`` returns, and the
-engine refuses ``load_async=True``. A request whose load failed
+``wait_for_save`` → ``get_finished`` → ``clear_connector_metadata``. A step that
+schedules no request still binds its metadata, calls ``start_load_kv`` and
+``get_finished`` (no forward, no saves). Synchronous loads (``load_async=False``)
+must be complete when ``wait_for_layer_load`` returns. A request whose load failed
 (``ConnectorOutput.failed_loads``) keeps its blocks, its output of that step is
 discarded, and the tokens that were to be loaded are recomputed; the worker must
 not save that request's blocks of that step (their KV saw an incomplete context).
-The engine asks for external hits only when every group is prefix-cacheable (the
-same rule as its own prefix cache); it still hands every request to the connector.
+The engine asks for external hits when every group is prefix-cacheable (the same
+rule as its own prefix cache), and for any request that carries connector
+``params`` (a transfer of that very request); it hands every request to the connector.
+
+Asynchronous loads (core API 1.3)
+    A lookup may answer ``(n, True)``: the request's KV arrives from outside while
+    the engine does other work (a decode instance receiving the KV its prefill
+    instance pushes). The engine allocates the request's blocks for its first
+    ``num_computed_tokens + n`` tokens, calls ``update_state_after_alloc`` with all of
+    them, and parks the request outside the running batch (status
+    ``WAITING_FOR_REMOTE_KV``); the connector tells its workers what to receive
+    through ``build_connector_meta`` (the request is in no step until its KV is
+    there). The worker names the request in ``finished_receiving`` once every block
+    landed: it is then scheduled with ``num_computed_tokens + n`` tokens computed. In
+    ``failed_loads`` instead (a failed or timed-out transfer), it computes the ``n``
+    tokens itself, in the same blocks: the worker must not name a request there
+    while a write into its blocks may still land. An asynchronous offer moves a
+    request's whole state, so every group must be transferable (the engine raises
+    otherwise); a synchronous offer for a model with a group that is not
+    prefix-cacheable is refused the same way. A request that ends while receiving
+    goes to ``request_finished`` with its blocks; returning ``delay_free=True`` keeps
+    them until the worker names it in ``finished_receiving`` or ``finished_sending``.
+
+Metrics (core API 1.3)
+    A connector declares :class:`ConnectorMetric` s in ``metrics``; its workers
+    report observations in ``ConnectorOutput.observations`` (a counter's increments,
+    a histogram's samples, since their previous report). ``weft serve`` exposes
+    them summed over workers as ``weft_kv_connector_<name>`` on ``/metrics``.
 
 Saves may outlive the step: ``request_finished`` returns ``delay_free=True`` and
 the engine keeps the request's blocks until ``get_finished`` reports the request in
@@ -140,7 +167,7 @@ class ConnectorRequest(msgspec.Struct, frozen=True):
     """Chained hashes (:func:`weft.engine.kv_cache_manager.hash_block`) of the request's full prompt
     blocks of :func:`connector_block_size` tokens; prefix-cacheable groups share them."""
     params: dict[str, Any] = {}
-    """Connector-specific fields carried on the request (``kv_transfer_params``)."""
+    """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API 1.3)."""
 
 
 class ConnectorContext(msgspec.Struct, frozen=True):
@@ -185,14 +212,32 @@ class ConnectorOutput(msgspec.Struct, frozen=True):
 
     finished_sending: frozenset[str] = frozenset()
     finished_receiving: frozenset[str] = frozenset()
+    """Requests whose asynchronous load completed (core API 1.3), or that ended while receiving
+    and whose blocks no write can reach any more."""
     failed_loads: frozenset[str] = frozenset()
     """Requests whose external KV could not be loaded; the scheduler recomputes them."""
+    observations: dict[str, list[float]] = {}
+    """Per :class:`ConnectorMetric` name: a counter's increments or a histogram's samples since the
+    previous report (core API 1.3)."""
+
+
+class ConnectorMetric(msgspec.Struct, frozen=True):
+    """A metric a connector's workers report; ``weft serve`` exposes it as ``weft_kv_connector_<name>``."""
+
+    name: str
+    """Lower case, digits and underscores; a counter's name ends in ``_total`` by Prometheus' custom."""
+    help: str
+    kind: Literal["counter", "histogram"] = "counter"
+    buckets: tuple[float, ...] = ()
+    """A histogram's upper bounds, ascending (``+Inf`` is implied)."""
 
 
 class KVConnector(PluginBase):
     """Scheduler and worker sides of KV transfer. Built as ``Connector(options, role, groups, context)``."""
 
     name: ClassVar[str]
+    metrics: ClassVar[tuple[ConnectorMetric, ...]] = ()
+    """What the workers report in ``ConnectorOutput.observations`` (core API 1.3)."""
     metadata_type: ClassVar[Any] = Any
     """The type :meth:`build_connector_meta` returns. The metadata reaches workers as msgpack
     bytes inside the step (they may live in other processes) and is decoded as this type;
@@ -216,9 +261,10 @@ class KVConnector(PluginBase):
         """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that can be loaded from outside.
 
         Returns ``(n, load_async)``; ``n is None`` means "not known yet, ask next
-        step". Must have no side effects; ``load_async`` is False (the engine loads
-        synchronously and refuses True). ``num_computed_tokens + n`` must stay below
-        the request's length: the last token is always computed (the engine raises).
+        step". Must have no side effects. ``load_async`` True parks the request until
+        its KV arrives (see "Asynchronous loads"); it is False when ``n`` is 0.
+        ``num_computed_tokens + n`` must stay below the request's length: the last
+        token is always computed (the engine raises).
         """
         return 0, False
 

@@ -4,8 +4,17 @@
 :meth:`~WeightLoader.accepts` the ``model`` string, in descending
 :attr:`~WeightLoader.priority`, and takes the first that does. A source is
 whatever the user wrote in ``model``: an alias a plugin defines, a local folder,
-a file, or a Hugging Face repo id present in the local cache. A loader never
-downloads implicitly and never opens a path it was not given.
+a file, or a Hugging Face repo id (``org/name``, ``org/name@revision``).
+``accepts`` never touches the network; ``resolve`` may download a repo id's
+missing files through :mod:`weft.hub` (Hugging Face's cache, its file lock and
+``HF_HUB_OFFLINE``), and never opens a path it was not given.
+
+Each loader instance carries the :class:`LoadConfig` of the worker that built it
+(:attr:`WeightLoader.load_config`): where downloads go, which revision, the
+worker's device and its place among the parallel ranks. A loader that hands the
+work to another (a cache falling back to disk, a draft model on one pipeline
+stage) builds that one with a copy of it (``msgspec.structs.replace``), never
+with a config assembled field by field.
 
 Under tensor parallelism each rank needs only its part of most tensors. A loader
 that can read part of a stored tensor overrides :meth:`WeightLoader.iter_weight_slices`
@@ -86,14 +95,61 @@ def as_slice(weight: Any) -> WeightSlice:
     return weight if isinstance(weight, WeightSlice) else LoadedSlice(weight)
 
 
+class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How one worker loads one model: the loader, where downloads go, and where the worker sits.
+
+    Added in core API 1.2. Built by :func:`weft.resolve.load_config_for` from ``weft.toml`` and the
+    worker's place; ranks follow torch.distributed's layout, tensor-parallel ranks innermost.
+    """
+
+    loader: str = "auto"
+    """The loader's name (``use.loader``), or ``"auto"``."""
+    revision: str | None = None
+    """The Hugging Face revision (branch, tag or 40-hex commit) of a repo id (``engine.revision``)."""
+    download_dir: str | None = None
+    """The Hugging Face cache a repo id downloads into (``engine.download_dir``); default ``HF_HUB_CACHE``."""
+    device: str = "cpu"
+    """The worker's device (``"cpu"``, ``"cuda:0"``): a loader may place tensors there directly."""
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_rank: int = 0
+    data_parallel_rank: int = 0
+    local_rank: int = 0
+    """The worker's device index on its node."""
+
+    @property
+    def global_rank(self) -> int:
+        """The worker's rank in the whole job: ``dp_rank * tp + tp_rank`` without pipeline parallelism,
+        ``(dp_rank * pp + pp_rank) * tp + tp_rank`` with it."""
+        stage = self.data_parallel_rank * self.pipeline_parallel_size + self.pipeline_parallel_rank
+        return stage * self.tensor_parallel_size + self.tensor_parallel_rank
+
+
 class WeightLoader(PluginBase):
     """Resolves model sources and streams their tensors."""
 
     priority: ClassVar[int] = 0
     """Order of the ``accepts`` poll under ``use.loader = "auto"`` (higher first)."""
 
+    single_stage_fallback: ClassVar[str | None] = None
+    """For a loader whose loading is collective over the whole world group (every rank must load the
+    same model at the same time): the loader that reads alone, used instead for a model only some
+    ranks hold, such as a draft model on one pipeline stage (:func:`weft.resolve.draft_load_config`).
+    None: this loader reads alone. Added in core API 1.2."""
+
+    load_config: LoadConfig = LoadConfig()
+    """The worker's load configuration (set by :meth:`for_load`; the default for a loader built bare)."""
+
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()
+
+    @classmethod
+    def for_load(cls, options: msgspec.Struct | None, load_config: LoadConfig) -> WeightLoader:
+        """The loader with ``options``, carrying ``load_config`` (how core builds loaders)."""
+        loader = cls(options)
+        loader.load_config = load_config
+        return loader
 
     @abstractmethod
     def accepts(self, source: str) -> bool:
@@ -112,6 +168,6 @@ class WeightLoader(PluginBase):
         """As :meth:`iter_weights`, each tensor as a :class:`WeightSlice` that reads only the part asked for.
 
         The default reads every tensor whole; loaders whose format allows partial reads override it
-        (added in core API 1.2)."""
+        (added in core API 1.4)."""
         for name, tensor in self.iter_weights(source, dtype):
             yield name, LoadedSlice(tensor)

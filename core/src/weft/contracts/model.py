@@ -63,7 +63,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     """Tokens per KV-cache block chosen by the engine."""
     max_model_len: int
     parallel: ParallelLayout = ParallelLayout()
-    """How the model is spread over devices, and this process's rank (added in core API 1.2)."""
+    """How the model is spread over devices, and this process's rank (added in core API 1.4)."""
 
 
 class ModelFamily(PluginBase):
@@ -71,7 +71,7 @@ class ModelFamily(PluginBase):
 
     reads_weight_slices: ClassVar[bool] = False
     """Whether :meth:`load_weights` takes :class:`~weft.contracts.loader.WeightSlice` objects
-    (and reads only this rank's part of each tensor) instead of whole tensors (added in core API 1.2)."""
+    (and reads only this rank's part of each tensor) instead of whole tensors (added in core API 1.4)."""
 
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -80,7 +80,7 @@ class ModelFamily(PluginBase):
         """Raise ValueError, naming the numbers and the fix, when ``config.parallel`` cannot hold this model.
 
         Called before any worker starts. The default accepts one device only: a family that
-        shards its layers overrides it (added in core API 1.2).
+        shards its layers overrides it (added in core API 1.4).
         """
         layout = config.parallel
         if layout.world_size > 1 or layout.enable_expert_parallel:

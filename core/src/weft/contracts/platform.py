@@ -102,6 +102,11 @@ class Platform(PluginBase):
 
         return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
 
+    def select_device(self, index: int) -> torch.device:
+        """Make local device ``index`` this process's current device and return it (a worker process
+        owns one device). The CPU has nothing to select (added in core API 1.2)."""
+        return self.device(index)
+
     @abstractmethod
     def memory_info(self, index: int = 0) -> MemoryInfo:
         """Free and total memory of device ``index``; the engine sizes the KV cache from it."""
@@ -122,7 +127,7 @@ class Platform(PluginBase):
 
         Default: :class:`weft.distributed.communicator.Communicator`, plain torch.distributed calls on
         :attr:`distributed_backend`. A platform returns a subclass with faster collectives; one whose
-        ``can_capture(dtype)`` is true lets decode graphs capture them (added in core API 1.2).
+        ``can_capture(dtype)`` is true lets decode graphs capture them (added in core API 1.4).
         """
         from weft.distributed.communicator import Communicator
 

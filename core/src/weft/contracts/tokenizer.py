@@ -12,8 +12,10 @@ the middle of a multi-byte character (a byte-level token may carry half of one).
 
 from __future__ import annotations
 
+import re
+import secrets
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -74,10 +76,66 @@ class Tokenizer(PluginBase):
                             f"messages[{index}].content[{part_index}]: this model supports text content only; "
                             f"got {kind!r}"
                         )
-                    texts.append(part.get("text", ""))
+                    text = part.get("text")
+                    if not isinstance(text, str):
+                        raise ValueError(
+                            f"messages[{index}].content[{part_index}].text: a {kind} part needs a string; got {text!r}"
+                        )
+                    texts.append(text)
                 copy["content"] = "\n\n".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise ValueError(f"messages[{index}].content: expected a string or a list of parts, got {content!r}")
             normalized.append(copy)
         return normalized
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        """Texts :meth:`encode` turns into control tokens (``<|im_end|>``...). :meth:`encode_chat` encodes
+        them as plain text where they appear inside messages. Default: none."""
+        return frozenset()
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of ``text`` with any special-token text in it encoded as ordinary text (no control tokens).
+        The default, :meth:`encode` without special tokens, is right when :attr:`special_token_texts` is empty."""
+        return self.encode(text, add_special_tokens=False)
+
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        control_tokens_in_content: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Normalize, render and encode a conversation.
+
+        Special-token text typed inside the messages (``<|im_end|>\\n<|im_start|>system``) is encoded as
+        plain text, so a user cannot end their turn or open a system one; the template's own control
+        tokens are unaffected. Each occurrence is swapped for a random private-use marker before
+        rendering, and the markers are encoded with :meth:`encode_plain` after. With
+        ``control_tokens_in_content`` the text is encoded as is (special-token text becomes control tokens).
+        """
+        specials = () if control_tokens_in_content else tuple(sorted(self.special_token_texts, key=len, reverse=True))
+        found = re.compile("|".join(re.escape(special) for special in specials)) if specials else None
+        if found is None or not _any_string(messages, template_kwargs, found):
+            text = self.apply_chat_template(self.normalize_messages(messages), add_generation_prompt, **template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        nonce = secrets.randbelow(10**12)
+        marker_of = {special: f"\ue000{nonce}.{index}\ue001" for index, special in enumerate(specials)}
+        special_of = {marker: special for special, marker in marker_of.items()}
+
+        def mask(value: str) -> str:
+            return found.sub(lambda match: marker_of[match.group()], value)
+
+        masked = _map_strings(list(messages), mask)
+        text = self.apply_chat_template(self.normalize_messages(masked), add_generation_prompt, **_map_strings(template_kwargs, mask))
+        ids: list[int] = []
+        pieces = re.split("(" + "|".join(re.escape(marker) for marker in special_of) + ")", text)
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                ids += self.encode_plain(special_of[piece])
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
+        return ids
 
     @property
     def has_chat_template(self) -> bool:
@@ -146,3 +204,35 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += piece
         return piece
+
+
+_WINDOW = 1 << 16
+
+
+def _any_string(messages: Any, template_kwargs: Any, pattern: re.Pattern[str]) -> bool:
+    """Whether any string inside ``messages`` or ``template_kwargs`` matches ``pattern``."""
+    stack = [messages, template_kwargs]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            # In overlapping windows (special tokens are far shorter than the overlap): ``re`` holds the GIL
+            # while it scans, which would stall the server's event loop for a long text.
+            for start in range(0, max(len(node), 1), _WINDOW):
+                if pattern.search(node, start, start + _WINDOW + 256):
+                    return True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return False
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """A copy of ``value`` with ``change`` applied to every string inside it (dict keys included)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {_map_strings(key, change): _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(item, change) for item in value)
+    return value

@@ -122,12 +122,10 @@ def build_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, st
 
     registry = PluginRegistry()
     platform = build_platform(registry, config)
-    device = platform.device(local_rank)
-    import torch
+    device = platform.select_device(local_rank)
+    if device.type == "cpu":  # the ranks share the host's cores
+        import torch
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif device.type == "cpu":  # the ranks share the host's cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // layout.world_size))
     parallel = init_parallel(layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout)

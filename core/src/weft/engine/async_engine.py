@@ -1,15 +1,19 @@
 """The API process's engine: the engine core in its own process, fed and drained from asyncio.
 
-:class:`AsyncEngine` starts the core (:mod:`weft.engine.core_process`), sends
-it tokenized requests and aborts over ZMQ, and turns the token ids it streams
-back into text with the output processor, on the event loop. Each request's
-progress goes to the submitting coroutine's ``asyncio.Queue`` as :class:`Delta`
-items. HTTP, tokenization and detokenization share this process; the
-scheduler and the model run in the core's, so neither waits on the other's GIL.
+:class:`AsyncEngine` starts the core (:mod:`weft.engine.core_process`) and sends
+it tokenized requests and aborts over ZMQ from the event loop. A reader thread
+receives what the core streams back and turns token ids into text with the
+output processor (detokenization and stop strings stay off the event loop);
+each request's progress goes to the submitting coroutine's ``asyncio.Queue`` as
+:class:`Delta` items, handed over with ``call_soon_threadsafe``. A lock guards
+the request tables the loop and the reader share. The scheduler and the model
+run in the core's process, so neither waits on the other's GIL.
 
-If the core process dies, every open request ends with a 503 error delta, new
-requests are refused, and ``on_core_death`` is called (``weft serve`` exits
-non-zero).
+A request ends with an error delta (``error`` and an HTTP status) when the core
+refuses it (400) or fails it (500: non-finite logits, a step that failed twice),
+when it outlives ``request_timeout`` (408: it is aborted, its KV blocks freed),
+when a drain gives up on it (503), or when the core process dies (503: new
+requests are refused and ``on_core_death`` is called; ``weft serve`` exits non-zero).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -84,13 +89,18 @@ class _Subscriber(msgspec.Struct):
     observed_tokens: int = 0
     """Tokens the observer (metrics) has seen."""
     last_token_time: float = 0.0
+    deadline: float | None = None
+    """``time.monotonic()`` after which the request is aborted (``request_timeout``)."""
+
+
+Delivery = tuple[asyncio.Queue, Delta]
 
 
 class AsyncEngine:
     """Starts the engine core process; call :meth:`start` on the event loop before submitting."""
 
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None, max_queued_requests: int = 1024,
-                 startup_timeout: float = 3600.0) -> None:
+                 startup_timeout: float = 3600.0, request_timeout: float | None = None) -> None:
         self.config = config
         self.registry = registry or PluginRegistry()
         self.frontend = Frontend(config, self.registry)
@@ -98,17 +108,26 @@ class AsyncEngine:
         self.model_name = self.frontend.model_name
         self.max_model_len = self.frontend.max_model_len
         self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        """Seconds a request may take from submission to its last token (None: no limit)."""
         self.observer: Any = None
-        """Optional object with ``first_token(seconds)``, ``inter_token(seconds)``, ``finished(state)``."""
+        """Optional object with ``first_token(seconds)``, ``inter_token(seconds)``, ``finished(state)``,
+        ``failed(reason)`` (called from the reader thread and the loop)."""
         self.on_core_death: Callable[[], None] | None = None
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = CoreStats()
         self._subscribers: dict[str, _Subscriber] = {}
+        self._lock = threading.Lock()
+        """Guards ``outputs`` and ``_subscribers``, shared by the event loop and the reader thread."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
         self._accepting = True
         self.dead = False
         self.death_reason = ""
         """Why the core stopped, when it said (its workers failed)."""
         self._stopping = False
+        self._reader_done = False
+        self._drain_deadline: float | None = None
         self._tasks: list[asyncio.Task] = []
         self._start_core(startup_timeout)
 
@@ -155,44 +174,17 @@ class AsyncEngine:
         logger.info("engine core process %d ready: %s", self.process.pid, message.engine)
 
     async def start(self) -> None:
-        """Start reading the core's outputs and watching the process (on the serving event loop)."""
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
+        """Start the reader thread and the watcher of the core process and deadlines (on the serving loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read_outputs, name="weft-engine-outputs", daemon=True)
+        self._reader.start()
+        self._tasks = [asyncio.create_task(self._watch())]
 
-    async def _read_outputs(self) -> None:
-        import zmq
-
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        fd = self._output.getsockopt(zmq.FD)
-        loop.add_reader(fd, readable.set)
-        try:
-            while True:
-                # Everything that arrived, then one delta per request: when this process falls behind
-                # the core, a request's tokens of several steps go out as one chunk.
-                advanced: dict[str, RequestOutputState] = {}
-                while self._output.poll(0):
-                    message = self._decoder.decode(self._output.recv())
-                    if isinstance(message, StepOutputs):
-                        for state in self._handle(message):
-                            advanced[state.request_id] = state
-                    elif isinstance(message, Failed):
-                        self.death_reason = message.message
-                for state in advanced.values():
-                    try:
-                        self._publish(state)
-                    except Exception:
-                        logger.exception("could not publish progress of request %s", state.request_id)
-                readable.clear()
-                if self._output.poll(0):
-                    continue
-                await readable.wait()
-        finally:
-            loop.remove_reader(fd)
-
-    async def _watch_core(self) -> None:
+    async def _watch(self) -> None:
         while self.process.is_alive() or self._stopping:
             if self._stopping:
                 return
+            self._expire_overdue()
             await asyncio.sleep(0.2)
         self._core_died()
 
@@ -202,37 +194,46 @@ class AsyncEngine:
         reason = f": {self.death_reason}" if self.death_reason else ""
         message = f"the engine core process died (exit code {self.process.exitcode}){reason}; the server is shutting down"
         logger.error(message)
-        self._fail_all(message, 503)
+        self._fail_all(message, 503, "engine_dead")
         if self.on_core_death is not None:
             self.on_core_death()
 
     # Called from the event loop.
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue) -> None:
-        """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``.
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
+                     kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
+        (``kv_transfer_params``: for the KV connector, one request only).
 
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
         if not self._accepting:
-            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core is gone")
+            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core process died")
         if self.stats.waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
-        core_requests = [self.frontend.core_request(request_id, prompt, params) for request_id, prompt, params, _ in requests]
+        core_requests = [
+            self.frontend.core_request(request_id, prompt, params, kv_transfer_params)
+            for request_id, prompt, params, _ in requests
+        ]
         now = time.monotonic()
-        for (request_id, _, params, index), core_request in zip(requests, core_requests):
-            self.outputs.add(request_id, core_request.prompt_token_ids, params)
-            self._subscribers[request_id] = _Subscriber(output, index, last_token_time=now)
+        deadline = None if self.request_timeout is None else now + self.request_timeout
+        with self._lock:
+            for (request_id, _, params, index), core_request in zip(requests, core_requests):
+                self.outputs.add(request_id, core_request.prompt_token_ids, params)
+                self._subscribers[request_id] = _Subscriber(output, index, last_token_time=now, deadline=deadline)
         self.stats.waiting += len(requests)
         if not self._send(AddRequests(core_requests)):
-            for request_id, *_ in requests:
-                self._subscribers.pop(request_id, None)
-                self.outputs.abort(request_id)
-            raise ShuttingDownError("the engine core is gone")
+            with self._lock:
+                for request_id, *_ in requests:
+                    self._subscribers.pop(request_id, None)
+                    self.outputs.abort(request_id)
+            raise ShuttingDownError("the engine core process died")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (safe to call for finished or unknown ids)."""
-        self._subscribers.pop(request_id, None)
-        state = self.outputs.abort(request_id)
+        with self._lock:
+            self._subscribers.pop(request_id, None)
+            state = self.outputs.abort(request_id)
         if state is None:
             return
         if self.observer is not None:
@@ -258,34 +259,77 @@ class AsyncEngine:
     def has_unfinished(self) -> bool:
         return bool(self.outputs.requests)
 
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests, wait up to ``timeout`` seconds for running ones, abort the rest, stop."""
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self.outputs.requests and time.monotonic() < deadline and not self.dead:
-            await asyncio.sleep(0.05)
-        for request_id in list(self.outputs.requests):
-            subscriber = self._subscribers.get(request_id)
-            self.abort(request_id)
-            if subscriber is not None:
-                subscriber.queue.put_nowait(self._error_delta(subscriber, "the server is shutting down", 503))
-        self.stop()
+    def _expire_overdue(self) -> None:
+        """Abort requests past their deadline; each gets a 408 error delta."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [request_id for request_id, subscriber in self._subscribers.items()
+                       if subscriber.deadline is not None and now > subscriber.deadline]
+        if not overdue:
+            return
+        message = (f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped; "
+                   f"ask for fewer tokens or raise the limit")
+        self._end_with_error(overdue, message, 408, "timeout")
+        self._send(Abort(overdue))
 
-    def stop(self) -> None:
-        """Stop the core process (it finishes its KV connector's saves first). Idempotent."""
+    def _end_with_error(self, request_ids: list[str], message: str, status: int, reason: str) -> None:
+        """Forget ``request_ids`` here (not in the core) and send each subscriber an error delta."""
+        deliveries: list[Delivery] = []
+        with self._lock:
+            for request_id in request_ids:
+                subscriber = self._subscribers.pop(request_id, None)
+                state = self.outputs.abort(request_id, reason)
+                if subscriber is not None:
+                    deliveries.append((subscriber.queue, self._error_delta(subscriber, f"{message} (request {request_id})", status)))
+                if state is not None and self.observer is not None:
+                    self.observer.finished(state)
+                    self.observer.failed(reason)
+        for queue, delta in deliveries:
+            queue.put_nowait(delta)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, wait up to ``timeout`` seconds for running ones (less if :meth:`hurry`
+        is called), end the rest with a 503 error delta, stop the core."""
+        self._accepting = False
+        self._drain_deadline = time.monotonic() + timeout
+        while self.outputs.requests and time.monotonic() < self._drain_deadline and not self.dead:
+            await asyncio.sleep(0.05)
+        remaining = list(self.outputs.requests)
+        if remaining:
+            logger.warning("shutdown: %d requests still running after %.0f s; ending them", len(remaining), timeout)
+            self._end_with_error(remaining, "the server is shutting down", 503, "shutdown")
+            if not self.dead:
+                self._send(Abort(remaining))
+
+    def hurry(self) -> None:
+        """End a drain in progress now (a second Ctrl-C)."""
+        self._drain_deadline = time.monotonic()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the core process: it finishes its step (and its KV connector's saves) within ``timeout``
+        seconds, else it is killed; default: 1 s, 60 s with a KV connector. Idempotent."""
         if self._stopping:
             return
+        if timeout is None:
+            timeout = 1.0 if self.config.use.kv_connector == "none" else 60.0
         self._stopping = True
         self._accepting = False
         for task in self._tasks:
             task.cancel()
+        # The reader keeps draining the core's last messages until it exits (a core can't close its
+        # socket while messages it sent wait to be read).
         if self.process.is_alive():
             self._send(Shutdown())
-            self.process.join(timeout=60)
+            self.process.join(timeout=timeout)
             if self.process.is_alive():
-                logger.warning("the engine core did not stop within 60 s; killing it")
+                # Without a KV connector nothing is lost: it was finishing a step or exiting.
+                log = logger.info if self.config.use.kv_connector == "none" else logger.warning
+                log("the engine core did not stop within %g s; killing it", timeout)
                 self.process.kill()
                 self.process.join(timeout=5)
+        self._reader_done = True
+        if self._reader is not None:
+            self._reader.join(timeout=5)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -294,33 +338,87 @@ class AsyncEngine:
         self._zmq.term()
         shutil.rmtree(self._folder, ignore_errors=True)
 
-    # Outputs.
+    # Outputs, on the reader thread.
 
-    def _handle(self, message: StepOutputs) -> list[RequestOutputState]:
-        """Apply one message of the core; returns the requests that advanced."""
-        self.stats = message.stats
-        for errors, status in ((message.refused, 400), (message.failed, 500)):
-            for request_id, error in errors.items():
-                subscriber = self._subscribers.pop(request_id, None)
-                state = self.outputs.abort(request_id)
-                if subscriber is not None:
-                    subscriber.queue.put_nowait(self._error_delta(subscriber, error, status))
-                if state is not None and self.observer is not None:
-                    self.observer.finished(state)
-        advanced, stopped = self.outputs.process(message.outputs)
-        if stopped:
+    def _read_outputs(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        while not self._reader_done:
+            if not self._output.poll(100):
+                continue
+            # Everything that arrived, then one delta per request: when this process falls behind
+            # the core, a request's tokens of several steps go out as one chunk.
+            messages = []
+            while self._output.poll(0):
+                messages.append(self._decoder.decode(self._output.recv()))
+            for message in messages:
+                if isinstance(message, Failed):  # the core's last word: it stops because its workers are gone
+                    self.death_reason = message.message
+            try:
+                deliveries, stopped = self._handle([message for message in messages if isinstance(message, StepOutputs)])
+            except Exception:
+                logger.exception("could not process the engine core's outputs")
+                continue
+            if deliveries or stopped:
+                try:
+                    loop.call_soon_threadsafe(self._deliver, deliveries, stopped)
+                except RuntimeError:  # the loop is closed: the server is gone
+                    return
+
+    def _deliver(self, deliveries: list[Delivery], stopped: list[str]) -> None:
+        if stopped and not self.dead:
             self._send(Abort(stopped))
-        return advanced
+        for queue, delta in deliveries:
+            queue.put_nowait(delta)
 
-    def _publish(self, state: RequestOutputState) -> None:
+    def _handle(self, messages: list[StepOutputs]) -> tuple[list[Delivery], list[str]]:
+        """Apply the core's messages; returns the deltas to hand out and the requests that hit a stop string."""
+        deliveries: list[Delivery] = []
+        all_stopped: list[str] = []
+        with self._lock:
+            advanced: dict[str, RequestOutputState] = {}
+            for message in messages:
+                self.stats = message.stats
+                for errors, status, reason in ((message.refused, 400, "rejected"), (message.failed, 500, "engine_error")):
+                    for request_id, error in errors.items():
+                        subscriber = self._subscribers.pop(request_id, None)
+                        state = self.outputs.abort(request_id, "error")
+                        text = error if status == 400 else f"internal error in request {request_id}: {error}"
+                        if subscriber is not None:
+                            deliveries.append((subscriber.queue, self._error_delta(subscriber, text, status)))
+                        if state is not None and self.observer is not None:
+                            self.observer.finished(state)
+                            self.observer.failed(reason)
+                states, stopped = self.outputs.process(message.outputs)
+                all_stopped += stopped
+                for state in states:
+                    advanced[state.request_id] = state
+            for state in advanced.values():
+                try:
+                    delivery = self._publish(state)
+                except Exception:
+                    logger.exception("could not publish progress of request %s", state.request_id)
+                    continue
+                if delivery is not None:
+                    deliveries.append(delivery)
+        return deliveries, all_stopped
+
+    def _publish(self, state: RequestOutputState) -> Delivery | None:
         subscriber = self._subscribers.get(state.request_id)
         if subscriber is None:
-            return
+            return None
+        if state.finish_reason == "error":
+            self._subscribers.pop(state.request_id, None)
+            if self.observer is not None:
+                self.observer.finished(state)
+                self.observer.failed("engine_error")
+            message = f"internal error in request {state.request_id}: {state.error}; the other requests go on"
+            return subscriber.queue, self._error_delta(subscriber, message, 500)
         generated = len(state.output_token_ids)
         if self.observer is not None and generated > subscriber.observed_tokens:
             now = time.monotonic()
             if subscriber.observed_tokens == 0:
-                self.observer.first_token(now - state.arrival_time)
+                self.observer.first_token(now - state.arrival_time, state.queued_seconds)
             else:
                 self.observer.inter_token(now - subscriber.last_token_time)
             subscriber.observed_tokens, subscriber.last_token_time = generated, now
@@ -328,7 +426,7 @@ class AsyncEngine:
         holdback = max((len(stop) for stop in state.params.stop), default=1) - 1
         end = len(state.text) if state.finished else max(subscriber.published_chars, len(state.text) - holdback)
         if end == subscriber.published_chars and not state.finished and state.logprobs is None:
-            return  # nothing a client sees yet: these tokens go out with the next delta that has text
+            return None  # nothing a client sees yet: these tokens go out with the next delta that has text
         tokens = state.output_token_ids[subscriber.published_tokens :]
         logprobs = state.logprobs[subscriber.published_tokens :] if state.logprobs is not None else None
         text = state.text[subscriber.published_chars : end]
@@ -344,7 +442,7 @@ class AsyncEngine:
             self._subscribers.pop(state.request_id, None)
             if self.observer is not None:
                 self.observer.finished(state)
-        subscriber.queue.put_nowait(delta)
+        return subscriber.queue, delta
 
     @staticmethod
     def _error_delta(subscriber: _Subscriber, message: str, status: int) -> Delta:
@@ -353,8 +451,7 @@ class AsyncEngine:
             num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0, error=message, error_status=status,
         )
 
-    def _fail_all(self, message: str, status: int) -> None:
-        for request_id, subscriber in list(self._subscribers.items()):
-            self.outputs.abort(request_id)
-            subscriber.queue.put_nowait(self._error_delta(subscriber, message, status))
-        self._subscribers.clear()
+    def _fail_all(self, message: str, status: int, reason: str) -> None:
+        with self._lock:
+            ids = list(self._subscribers)
+        self._end_with_error(ids, message, status, reason)

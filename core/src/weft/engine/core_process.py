@@ -5,7 +5,9 @@ The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 :class:`~weft.engine.engine_core.EngineCore` and answers :class:`Ready` (or
 :class:`Failed`). Then it loops: take every waiting message (new requests,
 aborts, shutdown), run one step when it has work, and push the step's outputs
-with the core's gauges. Messages are msgpack-encoded msgspec Structs. The core
+with the core's gauges. A step that raises is retried once (its running requests
+preempted and recomputed); a second failure in a row fails every request the
+core holds. Messages are msgpack-encoded msgspec Structs. The core
 exits when told to, or when the API process is gone.
 """
 
@@ -15,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import traceback
 
 import msgspec
@@ -65,6 +68,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 FromCore = Ready | Failed | StepOutputs
 
+STEP_FAILED = "the engine step failed twice (the server log has the details)"
+
 
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """The core process's main function."""
@@ -72,9 +77,10 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
 
     from weft.engine.engine_core import EngineCore
 
-    # Ctrl-C reaches the whole process group; the API process decides when the core stops
-    # (Shutdown, after draining), so the core must not die of it first.
+    # Ctrl-C reaches the whole process group (and a service manager may SIGTERM every process of it);
+    # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Started as a daemon (it dies with the API process), yet its executor may start worker processes,
     # which multiprocessing refuses to daemons; the core stops them itself, and they watch it.
     multiprocessing.current_process().daemon = False
@@ -126,19 +132,19 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 continue
             failed: dict[str, str] = {}
             try:
-                produced = core.step()
+                produced = core.step_with_retry()
             except ExecutorFailed as error:
-                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+                held = core.scheduler.unfinished_ids
                 core.reset_after_failure()
                 failed = {request_id: f"the engine's workers failed: {error}" for request_id in held}
                 outputs.send(encoder.encode(StepOutputs([], core.stats(), refused, failed)))
                 fatal = error
                 break
-            except Exception as error:
-                logger.exception("engine step failed; failing the requests it held")
-                held = [request.request_id for request in [*core.scheduler.running, *core.scheduler.waiting]]
+            except Exception:
+                logger.exception("engine step failed again; failing the requests it held")
+                held = core.scheduler.unfinished_ids
                 core.reset_after_failure()
-                failed = {request_id: f"internal error: {type(error).__name__}: {error}" for request_id in held}
+                failed = dict.fromkeys(held, STEP_FAILED)
                 produced = []
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
@@ -149,5 +155,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()
-    if fatal is not None:
-        raise SystemExit(1)
+    # Everything is closed: skip the interpreter's teardown (torch's takes over a second), so a
+    # shutdown's exit is not held up by it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if fatal is not None else 0)

@@ -27,7 +27,7 @@ import msgspec
 from weft.config import WeftConfig, executor_name
 from weft.contracts.executor import ExecutorFailed, SchedulerOutput, StepHandle
 from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.kv_connector import SchedulerConnector
+from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.plugins import PluginRegistry
@@ -53,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     """``params.max_tokens`` capped by the context length (the API side computes it)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the KV connector (:attr:`weft.contracts.kv_connector.ConnectorRequest.params`)."""
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -65,6 +67,13 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hit_tokens: int = 0
     connector_hit_tokens: int | None = None
     connector_failed_load_tokens: int | None = None
+    waiting_for_remote_kv: int = 0
+    connector_metrics: dict[str, ConnectorMetricTotal] = {}
+    """The KV connector's metrics summed since start, by name."""
+    num_preemptions: int = 0
+    """Preemptions since the core started (a counter)."""
+    num_steps: int = 0
+    """Steps run since the core started."""
 
 
 class EngineCore:
@@ -91,10 +100,15 @@ class EngineCore:
         if connector is not None:
             connector_class, options, context = connector
             self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
+        threshold = engine.long_prefill_token_threshold
         self.scheduler = Scheduler(
             self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
             engine.enable_chunked_prefill, self.kv_connector,
+            max(1, engine.max_num_batched_tokens // 4) if threshold is None else threshold, engine.max_long_partial_prefills,
         )
+        self.num_steps = 0
+        self._failed_steps = 0
+        """Steps in a row that raised (see :meth:`step_with_retry`)."""
         self.async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
         if self.async_scheduling and self.kv_connector is not None:
             logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", self.kv_connector.name)
@@ -132,7 +146,7 @@ class EngineCore:
             raise ValueError("the prompt is empty; give at least one token")
         self.scheduler.add(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            frozenset(request.eos_token_ids),
+            frozenset(request.eos_token_ids), kv_transfer_params=request.kv_transfer_params,
         ))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -158,6 +172,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched)."""
+        self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
             return self._apply(output, self.executor.execute_model(output))
@@ -170,11 +185,31 @@ class EngineCore:
             return []
         return self._apply(*previous)
 
+    def step_with_retry(self) -> list[EngineCoreOutput]:
+        """:meth:`step`; one that raises is retried once: the first failure is logged and its running
+        requests are recomputed by the next call; a second failure in a row raises (the caller fails
+        the requests, :meth:`reset_after_failure`)."""
+        try:
+            produced = self.step()
+        except ExecutorFailed:
+            raise  # the workers are gone: nothing to retry on
+        except Exception:
+            self._failed_steps += 1
+            if self._failed_steps > 1:
+                self._failed_steps = 0
+                raise
+            logger.exception("engine step failed; retrying it once (running requests are recomputed)")
+            self.recover_from_failure()
+            return []
+        self._failed_steps = 0
+        return produced
+
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
         if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
             connector = self.kv_connector
-            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over):
+            if connector is None or not (connector.has_delayed_frees or self.scheduler.passed_over
+                                         or self.scheduler.receiving):
                 request = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
         return output
@@ -196,20 +231,30 @@ class EngineCore:
             self.step()
         return connector is None or not connector.has_delayed_frees
 
+    def recover_from_failure(self) -> None:
+        """A step raised: drop the step in flight and preempt every running request, so the next step
+        recomputes them from their tokens (what they generated so far is kept)."""
+        self._in_flight = None
+        self.scheduler.forget_steps_in_flight()
+        self.scheduler.preempt_all()
+
     def reset_after_failure(self) -> None:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
         self._in_flight = None
         self.scheduler.forget_steps_in_flight()
-        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+        self.abort(self.scheduler.unfinished_ids)
 
     def stats(self) -> CoreStats:
         manager, connector = self.kv_cache_manager, self.kv_connector
         return CoreStats(
-            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.receiving), running=len(self.scheduler.running),
+            waiting_for_remote_kv=len(self.scheduler.receiving),
             kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
             connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
             connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            connector_metrics=connector.metric_totals if connector is not None else {},
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
         )
 
     def close(self, timeout: float = 60.0) -> None:
@@ -217,7 +262,7 @@ class EngineCore:
         if self.executor is None:
             return
         deadline = time.monotonic() + timeout
-        self.abort([request.request_id for request in [*self.scheduler.running, *self.scheduler.waiting]])
+        self.abort(self.scheduler.unfinished_ids)
         try:
             while self._in_flight is not None:
                 self.step()

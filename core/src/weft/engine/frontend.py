@@ -6,12 +6,19 @@ serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
 from weft.engine.engine_core import EngineCoreRequest
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
 from weft.sampling_params import SamplingParams
+
+_CHARS_PER_TOKEN_BOUND = 32
+"""Texts longer than this many characters per token of context are checked on a prefix first (tokens
+of natural text average 3 to 5 characters; a text whose first ``max_model_len * 32`` characters
+already fill the context cannot fit)."""
 
 
 class Frontend:
@@ -22,8 +29,36 @@ class Frontend:
         self.max_model_len = max_model_len(config, self.source)
         self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
         self.model_name = config.server.served_model_name or self.source.name
+        self.special_tokens_in_content = config.server.special_tokens_in_content
 
-    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; a text far longer than the context is refused (ValueError) after
+        encoding only a prefix of it, not all of it."""
+        self._refuse_far_too_long(text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation (``server.special_tokens_in_content`` decides whether special-token
+        text inside messages is plain text or control tokens); ValueError for a message far too long."""
+        for message in messages:
+            if message.get("role") in ("system", "developer", "user") and isinstance(message.get("content"), str):
+                self._refuse_far_too_long(message["content"], False)
+        control = self.special_tokens_in_content == "control"
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, control, **template_kwargs)
+
+    def _refuse_far_too_long(self, text: str, add_special_tokens: bool) -> None:
+        if len(text) <= self.max_model_len * _CHARS_PER_TOKEN_BOUND:
+            return
+        cut = text.rfind(" ", 0, self.max_model_len * _CHARS_PER_TOKEN_BOUND)
+        prefix = self.tokenizer.encode(text[: cut if cut > 0 else self.max_model_len * _CHARS_PER_TOKEN_BOUND], add_special_tokens)
+        if len(prefix) >= self.max_model_len:
+            raise ValueError(
+                f"a text of {len(text)} characters has more than {len(prefix) - 1} tokens, but the context length is "
+                f"{self.max_model_len}; shorten it"
+            )
+
+    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     kv_transfer_params: dict[str, Any] | None = None) -> EngineCoreRequest:
         """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -41,4 +76,4 @@ class Frontend:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
-        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens)
+        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens, kv_transfer_params)

@@ -13,7 +13,13 @@ and hands them back to the scheduler once the workers report the saves done.
 External hits are used only when every KV-cache group is prefix-cacheable: the
 state of a ring or recurrent group after a prefix cannot be loaded, so a hybrid
 model with such a group computes its prompts in full (its storable groups are
-still saved for others). The same rule governs the local prefix cache.
+still saved for others). The same rule governs the local prefix cache. The one
+exception is a request that carries connector ``params`` and is offered an
+asynchronous load: its whole state (every group, each transferable) arrives from
+an instance that computed the same request.
+
+The workers' metric observations (``ConnectorOutput.observations``) are summed
+here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
 """
 
 from __future__ import annotations
@@ -57,6 +63,15 @@ class ConnectorStats(msgspec.Struct):
     """Finished requests whose blocks waited for their saves."""
 
 
+class ConnectorMetricTotal(msgspec.Struct, array_like=True):
+    """A connector metric summed since start: a counter's total, or a histogram's sum, count and buckets."""
+
+    total: float = 0.0
+    count: int = 0
+    buckets: list[int] = []
+    """Samples at or below each of the metric's bounds (cumulative, as Prometheus counts them)."""
+
+
 class SchedulerConnector:
     """The scheduler role of one connector, and the engine state the contract needs."""
 
@@ -77,11 +92,16 @@ class SchedulerConnector:
                 "KV connector %r: groups %s are not prefix-cacheable, so prompts are computed in full; "
                 "the other groups are still handed to the connector", self.name, skipped,
             )
+        self.all_transferable = all(group.transferable for group in self.groups)
         self.scheduler_side = connector_class(options, "scheduler", self.groups, context)
         self.stats = ConnectorStats()
+        self.metric_specs = {metric.name: metric for metric in connector_class.metrics}
+        self.metric_totals: dict[str, ConnectorMetricTotal] = {}
         self._requests: dict[str, ConnectorRequest] = {}
         self._loading: dict[str, int] = {}
         """External tokens each request admitted in a step in flight is to load."""
+        self._receiving: dict[str, int] = {}
+        """External tokens each request parked for an asynchronous load is to receive."""
         self._admitted: set[str] = set()
         """Requests holding blocks."""
         self._preempted: set[str] = set()
@@ -91,38 +111,45 @@ class SchedulerConnector:
 
     # The scheduler's calls.
 
-    def lookup(self, request: Request, num_computed_tokens: int) -> int | None:
-        """Tokens after ``num_computed_tokens`` that the connector can load for ``request`` (None: ask again later).
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """``(tokens, load_async)``: the tokens after ``num_computed_tokens`` that the connector can load for
+        ``request``, and whether they arrive asynchronously (None: ask again later).
 
-        Enforces the contract's last-token rule: the last known token is always computed.
+        Enforces the contract's rules: the last known token is always computed, and an offer moves only
+        what is safe to move (see the module docstring).
         """
         connector_request = self._connector_request(request)
-        if not self.loads_possible:
-            return 0
+        if not (self.loads_possible or connector_request.params):
+            return 0, False
         count, load_async = self.scheduler_side.get_num_new_matched_tokens(connector_request, num_computed_tokens)
         if count is None:
             return None
-        if load_async:
-            raise RuntimeError(
-                f"KV connector {self.name!r} asked to load request {request.request_id!r} asynchronously; "
-                f"Weft's engine loads synchronously before the forward pass, so a connector must return load_async=False"
-            )
+        if count and load_async and not self.all_transferable:
+            refused = [group.name for group in self.groups if not group.transferable]
+            raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "
+                               f"{request.request_id!r}, but KV-cache groups {refused} are not transferable")
+        if count and not load_async and not self.loads_possible:
+            refused = [group.name for group in self.groups if not group.prefix_cacheable]
+            raise RuntimeError(f"KV connector {self.name!r} offered a synchronous load of request "
+                               f"{request.request_id!r}, but KV-cache groups {refused} are not prefix-cacheable")
         if count < 0 or num_computed_tokens + count >= request.num_tokens:
             raise RuntimeError(
                 f"KV connector {self.name!r} offered {count} tokens of request {request.request_id!r} after "
                 f"{num_computed_tokens} computed ones, but the request has {request.num_tokens} and its last must be computed"
             )
-        return count
+        return count, load_async and count > 0
 
-    def allocated(self, request: Request, num_external_tokens: int, block_ids: tuple[tuple[int, ...], ...]) -> None:
-        """The scheduler admitted ``request`` with ``block_ids``, ``num_external_tokens`` of them to load."""
+    def allocated(self, request: Request, num_external_tokens: int, block_ids: tuple[tuple[int, ...], ...],
+                  load_async: bool = False) -> None:
+        """The scheduler admitted ``request`` with ``block_ids``, ``num_external_tokens`` of them to load
+        (``load_async``: parked until they arrive)."""
         connector_request = self._connector_request(request)
         self.scheduler_side.update_state_after_alloc(connector_request, block_ids, num_external_tokens)
         self._admitted.add(request.request_id)
-        if self.loads_possible and request.num_preemptions == 0:
+        if (self.loads_possible or connector_request.params) and request.num_preemptions == 0:
             self.stats.lookups += 1
         if num_external_tokens:
-            self._loading[request.request_id] = num_external_tokens
+            (self._receiving if load_async else self._loading)[request.request_id] = num_external_tokens
             self.stats.hits += 1
             self.stats.hit_tokens += num_external_tokens
 
@@ -136,6 +163,7 @@ class SchedulerConnector:
         request_id = request.request_id
         connector_request = self._requests.pop(request_id, None)
         self._loading.pop(request_id, None)
+        self._receiving.pop(request_id, None)
         if connector_request is None:  # the connector never saw it
             return False
         holds_blocks = request_id in self._admitted and block_ids is not None
@@ -169,8 +197,11 @@ class SchedulerConnector:
     # The workers' report.
 
     def failed_loads(self, report: ConnectorOutput) -> dict[str, int]:
-        """The requests whose load failed in the reported step, with the external tokens they were to load."""
-        failed = {request_id: self._loading.get(request_id, 0) for request_id in report.failed_loads}
+        """The requests whose synchronous load failed in the reported step, with the external tokens they were to load."""
+        failed = {
+            request_id: self._loading.get(request_id, 0)
+            for request_id in report.failed_loads if request_id not in self._receiving
+        }
         for request_id, count in failed.items():
             self.stats.failed_load_tokens += count
             logger.warning(
@@ -179,12 +210,41 @@ class SchedulerConnector:
         self._loading.clear()
         return failed
 
+    def received(self, report: ConnectorOutput) -> dict[str, int]:
+        """The parked requests whose asynchronous load the report resolves, with the tokens that arrived
+        (0 when it failed: they are computed instead)."""
+        resolved: dict[str, int] = {}
+        for request_id in report.finished_receiving & self._receiving.keys():
+            resolved[request_id] = self._receiving.pop(request_id)
+        for request_id in report.failed_loads & self._receiving.keys():
+            count = self._receiving.pop(request_id)
+            resolved[request_id] = 0
+            self.stats.failed_load_tokens += count
+            logger.warning("KV connector %r could not receive %d tokens of request %s; computing them",
+                           self.name, count, request_id)
+        return resolved
+
     def update(self, report: ConnectorOutput) -> list[str]:
-        """Hand the report to the scheduler role; returns finished requests whose saves completed (free their blocks)."""
+        """Hand the report to the scheduler role; returns finished requests no transfer reaches any more
+        (free their blocks)."""
         self.scheduler_side.update_connector_output(report)
-        done = sorted(report.finished_sending & self._delayed)
+        self._add_observations(report.observations)
+        done = sorted((report.finished_sending | report.finished_receiving) & self._delayed)
         self._delayed.difference_update(done)
         return done
+
+    def _add_observations(self, observations: dict[str, list[float]]) -> None:
+        for name, values in observations.items():
+            spec = self.metric_specs.get(name)
+            if spec is None:
+                continue  # not declared in the connector's metrics: nothing would expose it
+            total = self.metric_totals.setdefault(name, ConnectorMetricTotal(buckets=[0] * len(spec.buckets)))
+            total.total += sum(values)
+            total.count += len(values)
+            for value in values:
+                for index, bound in enumerate(spec.buckets):
+                    if value <= bound:
+                        total.buckets[index] += 1
 
     @property
     def has_delayed_frees(self) -> bool:
@@ -200,7 +260,10 @@ class SchedulerConnector:
         if known is None:
             prompt = tuple(request.prompt_token_ids)
             hashes = block_hashes(prompt, self.block_size) if self.block_size else []
-            known = ConnectorRequest(request_id=request.request_id, prompt_token_ids=prompt, block_hashes=tuple(hashes))
+            known = ConnectorRequest(
+                request_id=request.request_id, prompt_token_ids=prompt, block_hashes=tuple(hashes),
+                params=request.kv_transfer_params or {},
+            )
             self._requests[request.request_id] = known
         return known
 

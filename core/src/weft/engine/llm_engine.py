@@ -84,9 +84,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutputState]:
         """One engine step; returns the requests that produced a token or finished.
 
-        If the step raises (or is interrupted), every request is aborted, so the engine serves the next ones."""
+        A step that raises is retried once; if it raises again (or is interrupted), every request is
+        aborted, so the engine serves the next ones, and the error propagates. A request the step could
+        not serve alone (non-finite logits) finishes with ``finish_reason="error"``."""
         try:
-            produced = self.core.step()
+            produced = self.core.step_with_retry()
         except BaseException:
             self.core.reset_after_failure()
             for request_id in list(self.outputs.requests):

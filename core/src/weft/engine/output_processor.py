@@ -38,6 +38,10 @@ class RequestOutputState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        """Why the core failed the request (finish reason ``error``)."""
+        self.queued_seconds: float | None = None
+        """Time from its arrival in the core to its first scheduling (known with its first token)."""
         self.num_cached_tokens = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -68,10 +72,11 @@ class OutputProcessor:
         self.requests[request_id] = state
         return state
 
-    def abort(self, request_id: str) -> RequestOutputState | None:
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutputState | None:
+        """Forget a request; one still running finishes with ``reason`` (``abort``, ``timeout``, ``error``)."""
         state = self.requests.pop(request_id, None)
         if state is not None and not state.finished:
-            state.finish_reason = "abort"
+            state.finish_reason = reason
         return state
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutputState], list[str]]:
@@ -83,8 +88,15 @@ class OutputProcessor:
             state = self.requests.get(output.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if output.error is not None:
+                state.finish_reason, state.error = output.finish_reason or "error", output.error
+                advanced.append(state)
+                self.requests.pop(state.request_id, None)
+                continue
             if state.first_token_time is None:
                 state.first_token_time = now
+            if output.queued_seconds is not None:
+                state.queued_seconds = output.queued_seconds
             state.num_cached_tokens = output.num_cached_tokens
             for position in range(len(output.new_token_ids)):
                 if self._append(state, output, position):

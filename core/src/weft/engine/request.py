@@ -2,9 +2,11 @@
 
 ::
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
-       ^                     |
-       +------preempt--------+   (blocks freed; recomputed from scratch when rescheduled)
+    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
+     ^  |  ^                 |
+     |  |  +----preempt------+   (blocks freed; recomputed from scratch when rescheduled)
+     |  +--asynchronous KV load--> WAITING_FOR_REMOTE_KV   (holds its blocks, in no step)
+     +----KV arrived (or failed: computed instead)--+
 
 Only the :class:`~weft.engine.scheduler.Scheduler` writes a request's progress
 and status. Text, stop strings and decoded logprobs are not the core's business:
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.sampling_params import SamplingParams
@@ -23,17 +25,22 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    """The step could not serve it (non-finite logits, a failed draw); the others went on."""
 
     @property
     def finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+_FINISHED = frozenset({
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+})
 
 
 class Request:
@@ -47,6 +54,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,7 +74,11 @@ class Request:
         """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time = self.arrival_time
+        """When the scheduler first gave it tokens (the end of its time in the queue)."""
         self.stop_reason: int | None = None
+        self.kv_transfer_params = kv_transfer_params
+        """What the KV connector is to do with this request (the API's ``kv_transfer_params``)."""
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

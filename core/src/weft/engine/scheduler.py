@@ -3,7 +3,11 @@
 Every step the scheduler gives each running request the tokens it still needs
 (one for a decode, the rest of a prompt for a prefill, cut to the remaining
 budget when chunked prefill is on), then admits waiting requests in arrival
-order while budget and sequence slots remain. A request that can't get KV
+order while budget and sequence slots remain. Long prefills do not starve short
+requests: a prefill of more than ``long_prefill_token_threshold`` tokens gets
+that many first and the budget the others leave after, and at most
+``max_long_partial_prefills`` of them run at once (a long prompt beyond that
+waits while shorter ones behind it are admitted). A request that can't get KV
 blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
@@ -21,11 +25,16 @@ token replaces the placeholder when the step's output arrives.
 
 With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
 takes the tokens after its local prefix-cache hit that the connector can load;
-a request the connector cannot answer for yet is passed over for this step.
+a request the connector cannot answer for yet is passed over for this step. A
+request whose KV arrives asynchronously (a decode instance receiving its prefill)
+gets its blocks and waits in :attr:`Scheduler.receiving`, outside the running
+batch, until the connector reports the KV there (or failed: it is then computed);
+it then goes back to the head of the queue, keeping its blocks.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -54,6 +63,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
+    """Why the request failed (finish reason ``error``): this step could not serve it."""
+    queued_seconds: float | None = None
+    """With a request's first token: the time from its arrival in the core to its first scheduling."""
 
 
 class Scheduler:
@@ -65,6 +78,8 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         connector: SchedulerConnector | None = None,
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
         self.connector = connector
@@ -72,8 +87,15 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        """A prefill needing more tokens than this is long: while others wait or run, it gets this many
+        per step (then whatever budget they leave), and at most ``max_long_partial_prefills`` long
+        prefills run at once. 0: no cap."""
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}
+        """Requests holding blocks that a KV connector is filling asynchronously; in no step until it is done."""
         self.requests: dict[str, Request] = {}
         self._sent_blocks: dict[str, list[int]] = {}
         """Blocks per group each request's workers already hold."""
@@ -96,13 +118,20 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [request.request_id for request in [*self.running, *self.waiting, *self.receiving.values()]]
 
     # Scheduling.
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[str, tuple[Request, int]] = {}
+        long_cap = self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
+        capped: list[Request] = []
+        """Long prefills held to ``long_cap`` tokens until the others had their share."""
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -111,51 +140,88 @@ class Scheduler:
             if len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
                 needed = 0  # its last token is in flight: nothing more to compute
             count = min(needed, budget) if self.enable_chunked_prefill else needed
+            if long_cap and count > long_cap:
+                count = long_cap
+                capped.append(request)
             if count <= 0 or count > budget:
                 index += 1
                 continue
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running.pop()
                 self._preempt(victim)
+                if victim in capped:
+                    capped.remove(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append((request, count))
+                scheduled[request.request_id] = (request, count)
                 budget -= count
                 index += 1
 
         passed_over: list[Request] = []
+        set_aside: list[Request] = []
+        long_prefills = len(capped)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            prefix = self.kv_cache.find_computed_prefix(tokens)
-            external = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else 0
-            if external is None:
-                passed_over.append(self.waiting.popleft())
-                continue
-            needed = len(tokens) - prefix.num_tokens - external
+            first_time = request.num_preemptions == 0
+            resumed = self.kv_cache.holds(request.request_id)  # back from an asynchronous load, with its blocks
+            prefix, local, external, load_async = None, request.num_computed_tokens, 0, False
+            if not resumed:
+                prefix = self.kv_cache.find_computed_prefix(tokens)
+                offer = self.connector.lookup(request, prefix.num_tokens) if self.connector is not None else (0, False)
+                if offer is None:
+                    passed_over.append(self.waiting.popleft())
+                    set_aside.append(passed_over[-1])
+                    continue
+                local, (external, load_async) = prefix.num_tokens, offer
+            computed = local + external
+            needed = 0 if load_async else len(tokens) - computed
             count = min(needed, budget) if self.enable_chunked_prefill else needed
+            long = bool(long_cap) and count > long_cap
+            if long and long_prefills >= self.max_long_partial_prefills:
+                set_aside.append(self.waiting.popleft())  # its turn comes when a long prefill ends; shorter ones go first
+                continue
+            if long:
+                count = long_cap
             if count > budget:
                 break
-            first_time = request.num_preemptions == 0
             if not self.kv_cache.allocate_slots(
-                request.request_id, prefix.num_tokens + external + count, prefix,
-                prompt_length=len(tokens) if first_time else 0,
+                request.request_id, computed + count, prefix, prompt_length=len(tokens) if first_time else 0,
             ):
                 break
             self.waiting.popleft()
+            if first_time and not resumed:
+                request.num_cached_tokens = local if load_async else computed
+            if self.connector is not None and not resumed:
+                self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id), load_async)
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                request.num_computed_tokens = local
+                self.receiving[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = prefix.num_tokens + external
+            request.num_computed_tokens = computed
             if first_time:
-                request.num_cached_tokens = prefix.num_tokens + external
-            if self.connector is not None:
-                self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id))
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            scheduled.append((request, count))
+            scheduled[request.request_id] = (request, count)
             budget -= count
-        self.waiting.extendleft(reversed(passed_over))
+            if long:
+                long_prefills += 1
+                capped.append(request)
+        self.waiting.extendleft(reversed(set_aside))
         self.passed_over = len(passed_over)
-        return self._build_output(scheduled)
+        # What the others left of the budget goes back to the long prefills.
+        for request in capped:
+            if budget <= 0:
+                break
+            _, count = scheduled[request.request_id]
+            extra = min(request.num_tokens - request.num_computed_tokens - count, budget)
+            if extra > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count + extra):
+                scheduled[request.request_id] = (request, count + extra)
+                budget -= extra
+        return self._build_output(list(scheduled.values()))
 
     def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         new_requests: list[NewRequest] = []
@@ -223,6 +289,14 @@ class Scheduler:
         epochs = self._epochs.popleft()
         report = sampled.connector_output
         failed = self.connector.failed_loads(report) if self.connector is not None and report is not None else {}
+        if self.connector is not None and report is not None:
+            for request_id, arrived in self.connector.received(report).items():
+                request = self.receiving.pop(request_id)
+                request.num_computed_tokens += arrived
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens += arrived
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
         outputs: list[EngineCoreOutput] = []
         for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
             request = self.requests.get(request_id)
@@ -230,6 +304,12 @@ class Scheduler:
             if request is None or request.finished or request.num_preemptions != preemptions:
                 continue  # finished (a stop, an abort) or preempted while this step was in flight
             request.num_output_placeholders -= samples
+            if request_id in sampled.failed:
+                outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
+                ))
+                self.finish(request_id, RequestStatus.FINISHED_ERROR)
+                continue
             if request_id in failed:
                 # Its KV is incomplete: recompute what was to be loaded and this step's tokens (workers
                 # discarded what they sampled for it).
@@ -244,9 +324,11 @@ class Scheduler:
             request.append_token(token)
             self._check_stop(request, token)
             logprobs = sampled.logprobs.get(request_id)
+            first = len(request.output_token_ids) == 1
             outputs.append(EngineCoreOutput(
                 request_id, [token], [logprobs] if logprobs is not None else None,
                 request.finish_reason, request.stop_reason, request.num_cached_tokens,
+                queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
             ))
             if request.finished:
                 self._free(request)
@@ -254,6 +336,11 @@ class Scheduler:
             for request_id in self.connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
+
+    def preempt_all(self) -> None:
+        """Preempt every running request (after a failed step: their KV may be incomplete)."""
+        while self.running:
+            self._preempt(self.running.pop())
 
     def forget_steps_in_flight(self) -> None:
         """Steps scheduled but never applied (one raised): their results will not come."""
@@ -284,6 +371,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.receiving.pop(request_id, None)
         if not request.finished:
             request.status = status
         self._free(request)

@@ -110,14 +110,16 @@ class LLM:
         use_tqdm: bool | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate a reply (``sampling_params`` as in :meth:`generate`)."""
+        """Render each conversation with the model's chat template and generate a reply (``sampling_params`` as in :meth:`generate`).
+
+        Special-token text inside the messages is encoded as plain text unless ``server.special_tokens_in_content``
+        is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         params = self._params_for(len(conversations), sampling_params)
         encoded = []
         for conversation in conversations:
-            normalized = self.tokenizer.normalize_messages(conversation)  # type: ignore[arg-type]
-            text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
-            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+            token_ids = self.engine.frontend.encode_chat(list(conversation), add_generation_prompt, **template_kwargs)
+            encoded.append((self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids))
         return self._run(encoded, params, use_tqdm)
 
     def close(self) -> None:

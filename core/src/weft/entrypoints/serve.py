@@ -1,9 +1,14 @@
-"""``weft serve``: the engine core in its own process, the starlette app under uvicorn in this one."""
+"""``weft serve``: the engine core in its own process, the starlette app under uvicorn in this one.
+
+Shutdown (SIGINT, SIGTERM) is graceful (:mod:`weft.serve.lifecycle`): the listener
+stays up answering 503 while in-flight requests finish, for at most
+``server.shutdown_timeout`` seconds; then the rest end with an error, the core
+stops and the process exits 0.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 
 from starlette.applications import Starlette
@@ -12,12 +17,14 @@ from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
+from weft.serve.lifecycle import GracefulServer, uvicorn_config
 
 
 def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Starlette:
     """Start the engine core and return the app serving it (plugins' ``weft_http_routes`` included)."""
     registry = registry or PluginRegistry()
-    engine = AsyncEngine(config, registry, config.server.max_queued_requests)
+    server = config.server
+    engine = AsyncEngine(config, registry, server.max_queued_requests, request_timeout=server.request_timeout)
     try:
         routes = [route for contributed in registry.hooks().hook.weft_http_routes() for route in (contributed or ())]
         return create_app(engine, config, routes)
@@ -26,35 +33,35 @@ def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Sta
         raise
 
 
-def graceful_timeout(config: WeftConfig) -> int:
-    """uvicorn's wait for open connections at shutdown (it treats 0 as "forever", so at least 1 s)."""
-    return max(1, math.ceil(config.server.shutdown_timeout))
+def build_server(app: Starlette, config: WeftConfig, log_level: str = "info", port: int | None = None) -> GracefulServer:
+    """The uvicorn server for ``app`` (``port``: instead of ``server.port``)."""
+    settings = config.server
+    engine: AsyncEngine = app.state.server.engine
+    return GracefulServer(
+        uvicorn_config(app, settings.host, settings.port if port is None else port, settings.header_timeout, log_level),
+        engine, settings.shutdown_timeout,
+    )
 
 
 def serve(config: WeftConfig) -> int:
     """Serve until interrupted; returns the exit status (1 when the engine core died)."""
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config)
-    server = app.state.server
+    state = app.state.server
     print(
-        f"weft: serving {server.model_name!r} on http://{config.server.host}:{config.server.port}/v1"
-        f"{' (API key required)' if server.api_key else ''}",
+        f"weft: serving {state.model_name!r} on http://{config.server.host}:{config.server.port}/v1"
+        f"{' (API key required)' if state.api_key else ''}",
         file=sys.stderr,
     )
-    engine: AsyncEngine = server.engine
-    uvicorn_server = uvicorn.Server(uvicorn.Config(
-        app, host=config.server.host, port=config.server.port, log_level="info",
-        timeout_graceful_shutdown=graceful_timeout(config),
-    ))
+    engine: AsyncEngine = state.engine
+    server = build_server(app, config)
 
     def core_died() -> None:
-        uvicorn_server.should_exit = True
+        server.should_exit = True
 
     engine.on_core_death = core_died
     try:
-        uvicorn_server.run()
+        server.run()
     finally:
         engine.stop()
     if engine.dead:

@@ -14,7 +14,8 @@ on ``weft-core``) and a status:
 
 ``WEFT_PLUGINS`` lists distribution names, plugin names or ``slot.name``
 pairs separated by commas; ``none`` disables every plugin outside weft-core.
-Core's own entries are always enabled.
+Core's own entries are always enabled, and a listed distribution brings the
+plugin distributions it requires (``weft-cuda`` brings ``weft-triton``'s kernels).
 """
 
 from __future__ import annotations
@@ -84,6 +85,23 @@ def allowlist() -> Allowlist:
     return Allowlist(names=frozenset(items | {canonicalize_name(item) for item in items}), raw=raw)
 
 
+def with_required_distributions(allowed: Allowlist, dists: dict[str, metadata.Distribution]) -> Allowlist:
+    """``allowed`` plus the plugin distributions (of ``dists``, by canonical name) that a listed one requires."""
+    if not allowed.names:
+        return allowed
+    environment = {**default_environment(), "extra": ""}
+    names = set(allowed.names)
+    pending = [name for name in dists if name in names]
+    while pending:
+        for requirement in requirements(dists[pending.pop()]):
+            required = canonicalize_name(requirement.name)
+            if required in dists and required not in names:
+                if requirement.marker is None or requirement.marker.evaluate(environment):
+                    names.add(required)
+                    pending.append(required)
+    return msgspec.structs.replace(allowed, names=frozenset(names))
+
+
 def unmatched_allowlist_names(entries: list[PluginEntry], allowed: Allowlist) -> list[str]:
     """Names in ``WEFT_PLUGINS`` that match no installed plugin (typos, uninstalled plugins)."""
     if not allowed.names:
@@ -138,9 +156,13 @@ def compatibility_problem(entry: PluginEntry) -> str:
 
 def discover() -> list[PluginEntry]:
     """Every plugin entry point of every slot, with its status. Imports nothing."""
-    allowed = allowlist()
     entries: list[PluginEntry] = []
     installed = metadata.entry_points()  # one scan of the installed distributions for every group
+    plugin_dists = {
+        canonicalize_name(ep.dist.metadata["Name"]): ep.dist
+        for group in SLOT_GROUPS.values() for ep in installed.select(group=group) if ep.dist is not None
+    }
+    allowed = with_required_distributions(allowlist(), plugin_dists)
     for slot, group in SLOT_GROUPS.items():
         for ep in installed.select(group=group):
             dist = ep.dist

@@ -4,12 +4,13 @@
 and brackets each forward pass: the step's metadata (built by the scheduler
 role, carried in the :class:`~weft.contracts.executor.SchedulerOutput` as
 msgpack bytes) is bound and loads run before the forward; saves and the
-worker's report follow it. Loads are synchronous: every layer's load is waited
-for before the forward starts.
+worker's report follow it. Synchronous loads are waited for, every layer, before
+the forward starts; asynchronous ones complete in later steps' reports.
 
 With several ranks each has its own worker role (its own slice of every block);
 their reports are gathered every step and combined alike on every rank: a load
-failed if it failed anywhere, a request finished sending once every rank said so.
+failed if it failed anywhere, a request finished sending (or receiving) once every
+rank said so, the observations of all ranks together.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ class WorkerConnector:
         self.worker_side.clear_connector_metadata()
         return self._combined(output)
 
-    def poll(self, finished_request_ids: Sequence[str]) -> ConnectorOutput:
-        """The report of a step that ran no forward (the engine waits for saves to finish)."""
-        return self._combined(self.worker_side.get_finished(set(finished_request_ids)))
+    def poll(self, metadata: bytes | None, finished_request_ids: Sequence[str]) -> ConnectorOutput:
+        """A step that runs no forward (the engine waits for saves or asynchronous loads): its metadata
+        is bound and loads may start; returns the worker's report."""
+        self.worker_side.bind_connector_metadata(self._decoder.decode(metadata) if metadata is not None else None)
+        self.worker_side.start_load_kv()
+        output = self.worker_side.get_finished(set(finished_request_ids))
+        self.worker_side.clear_connector_metadata()
+        return self._combined(output)
 
     def _combined(self, output: ConnectorOutput) -> ConnectorOutput:
         if self.gather is None:
@@ -81,7 +87,11 @@ class WorkerConnector:
                 del counts[request]
             finished[field] = done
         failed = frozenset().union(*(report.failed_loads for report in reports))
-        return ConnectorOutput(failed_loads=failed, **finished)
+        observations: dict[str, list[float]] = {}
+        for report in reports:
+            for name, values in report.observations.items():
+                observations.setdefault(name, []).extend(values)
+        return ConnectorOutput(failed_loads=failed, observations=observations, **finished)
 
     def close(self) -> None:
         if not self._closed:

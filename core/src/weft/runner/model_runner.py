@@ -55,7 +55,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
-from weft.runner.sampler import SampledToken, Sampler, plain_greedy
+from weft.runner.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, SampledToken, Sampler, greedy_maxima, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -114,7 +114,8 @@ class _PendingStep(StepHandle):
     """A step whose greedy tokens are being copied to the host."""
 
     def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
-                 connector_output: ConnectorOutput | None) -> None:
+                 healthy: torch.Tensor, connector_output: ConnectorOutput | None) -> None:
+        """``device_tokens``: each sampling row's argmax; ``healthy``: whether its logits were finite."""
         self.runner = runner
         self.states = states
         self.request_ids = [state.request_id for state in states]
@@ -122,9 +123,13 @@ class _PendingStep(StepHandle):
         """Batch rows that sampled, in the order of ``device_tokens``."""
         self.device_tokens = device_tokens
         self.connector_output = connector_output
-        self.host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=device_tokens.is_cuda)
-        self.host_tokens.copy_(device_tokens, non_blocking=True)
-        self.event = torch.cuda.Event() if device_tokens.is_cuda else None
+        # Tokens and health flags cross to the host in one copy. On any accelerator (CUDA, ROCm, XPU):
+        # a pinned copy, and an event on its device to wait for.
+        both = torch.stack([self.device_tokens, healthy.long()])
+        accelerated = both.device.type != "cpu"
+        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=accelerated)
+        self.host_tokens.copy_(both, non_blocking=True)
+        self.event = torch.Event(device=both.device) if accelerated else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None
@@ -134,9 +139,14 @@ class _PendingStep(StepHandle):
             if self.event is not None:
                 self.event.synchronize()
             tokens: list[int | None] = [None] * len(self.request_ids)
-            for row, token in zip(self.sampling, self.host_tokens.tolist()):
-                tokens[row] = token
-            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output)
+            failed: dict[str, str] = {}
+            host_tokens, healthy = self.host_tokens.tolist()
+            for row, token, ok in zip(self.sampling, host_tokens, healthy, strict=True):
+                if ok:
+                    tokens[row] = token
+                else:
+                    failed[self.request_ids[row]] = NON_FINITE_LOGITS
+            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, failed)
         return self.output
 
 
@@ -187,7 +197,8 @@ class ModelRunner:
                 for blocks, added in zip(state.block_ids, cached.new_block_ids):
                     blocks.extend(added)
         if step.is_empty:
-            report = self.connector.poll(step.finished_request_ids) if self.connector is not None else None
+            report = (self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
+                      if self.connector is not None else None)
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
             self.connector.start_step(step.kv_connector_metadata)
@@ -202,58 +213,70 @@ class ModelRunner:
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         if not sampling:
-            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report))
+            return DoneStep(self.finish_step(states, [None] * len(request_ids), {}, report, {}))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            device_tokens = logits.argmax(dim=-1) if logits is not None else self._empty_tokens(len(sampling))
-            self._pending = _PendingStep(self, states, sampling, self._shared(device_tokens), report)
+            self._pending = _PendingStep(self, states, sampling, *self._greedy(logits, len(sampling)), report)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
         tokens: list[int | None] = [None] * len(request_ids)
         logprobs: dict[str, TokenLogprobs] = {}
+        failed: dict[str, str] = {}
         for row, sampled in zip(sampling, self._sample(logits, sampled_states)):
+            if sampled.error is not None:
+                failed[request_ids[row]] = sampled.error
+                continue
             tokens[row] = sampled.token_id
             if sampled.logprob is not None:
                 logprobs[request_ids[row]] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return DoneStep(self.finish_step(states, tokens, logprobs, report))
+        return DoneStep(self.finish_step(states, tokens, logprobs, report, failed))
+
+    def _greedy(self, logits: torch.Tensor | None, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sampling row's argmax and whether its logits are finite; under pipeline parallelism the
+        last stage's, broadcast to every stage (tensor ranks compute them alike)."""
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            assert logits is not None
+            return greedy_maxima(logits)
+        if logits is not None:
+            tokens, healthy = greedy_maxima(logits)
+            both = torch.stack([tokens, healthy.long()])
+        else:
+            both = torch.empty((2, count), dtype=torch.long, device=self.device)
+        both = self.parallel.broadcast_from_output_rank(both)
+        return both[0], both[1].bool()
 
     def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> list[SampledToken]:
-        """The sampler's tokens; on a stage before the last, the last stage's (logprobs stay there)."""
+        """The sampler's tokens; under pipeline parallelism the last stage's on every stage (the failures'
+        reasons and the logprobs stay on the last stage, whose output the executor returns)."""
         if self.parallel.layout.pipeline_parallel_size == 1:
             assert logits is not None
             return self.sampler(logits, states)
         sampled = self.sampler(logits, states) if logits is not None else []
-        values = [token.token_id for token in sampled] if sampled else [0] * len(states)
-        shared = self._shared(torch.tensor(values, dtype=torch.long, device=self.device)).tolist()
-        return sampled or [SampledToken(token) for token in shared]
-
-    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The last stage's sampled tokens on every pipeline stage (tensor ranks sample alike)."""
-        if self.parallel.layout.pipeline_parallel_size == 1:
-            return tokens
-        return self.parallel.broadcast_from_output_rank(tokens)
-
-    def _empty_tokens(self, count: int) -> torch.Tensor:
-        return torch.empty(count, dtype=torch.long, device=self.device)
+        values = [token.token_id if token.error is None else -1 for token in sampled] or [0] * len(states)
+        shared = self.parallel.broadcast_from_output_rank(torch.tensor(values, dtype=torch.long, device=self.device))
+        return sampled or [SampledToken(token) if token >= 0 else SampledToken(-1, error=SAMPLING_FAILED)
+                           for token in shared.tolist()]
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
-                    report: ConnectorOutput | None) -> ModelRunnerOutput:
-        """Append each sampled token to its request's state; returns the step's output."""
-        failed = report.failed_loads if report is not None else frozenset()
+                    report: ConnectorOutput | None, failed: dict[str, str]) -> ModelRunnerOutput:
+        """Append each sampled token to its request's state; returns the step's output (``failed``: requests
+        that got no token, with the reason)."""
+        failed_loads = report.failed_loads if report is not None else frozenset()
         for row, (state, token) in enumerate(zip(states, tokens)):
             if token is None:
                 continue
-            if state.request_id in failed:  # computed over incomplete KV: the scheduler recomputes it
+            if state.request_id in failed_loads:  # computed over incomplete KV: the scheduler recomputes it
                 tokens[row] = None
                 continue
             if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
                 state.token_ids.append(token)
-        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report)
+        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, failed)
 
     def _resolve_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        # Taken first: a step whose result raises is reported once, not again by every later step.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int]) -> torch.Tensor | None:
         """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last)."""

@@ -6,10 +6,15 @@ ids, then greedy argmax, or temperature, top-k, top-p, min-p and a draw from the
 request's own generator when it has a seed. Log-probabilities are those of
 the model's raw distribution (before penalties and temperature), as vLLM
 returns by default.
+
+Everything but the plain greedy argmax runs on the host in float32. A row whose
+logits are not finite, or whose sampling raises, gets an error instead of a
+token: the scheduler fails that request alone and the step's others go on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -20,11 +25,19 @@ if TYPE_CHECKING:
     from weft.sampling_params import SamplingParams
 
 
+NON_FINITE_LOGITS = "the model's logits for it are not finite (NaN or inf)"
+SAMPLING_FAILED = "sampling its next token failed"
+
+logger = logging.getLogger("weft.runner")
+
+
 class SampledToken(msgspec.Struct):
     token_id: int
     logprob: float | None = None
     rank: int | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
+    """Why this row got no token (its logits are not finite, its draw failed): its request fails alone."""
 
 
 class Sampler:
@@ -36,55 +49,69 @@ class Sampler:
 
         Rows of plain greedy requests (no logprobs, no penalties) take their
         argmax where the logits are; only the other rows are copied to the host.
+        A row whose logits hold a NaN or +inf, or only -inf, gets an error instead of a token.
         """
         plain = [row for row, request in enumerate(requests) if plain_greedy(request)]
         if len(plain) == len(requests):
-            return [SampledToken(token) for token in logits.argmax(dim=-1).tolist()]
+            return greedy_tokens(logits)
         sampled: list[SampledToken | None] = [None] * len(requests)
         if plain:
-            for row, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
-                sampled[row] = SampledToken(token)
+            for row, token in zip(plain, greedy_tokens(logits[plain])):
+                sampled[row] = token
         others = [row for row in range(len(requests)) if sampled[row] is None]
         for row, token in zip(others, self._sample_on_host(logits[others].float().cpu(), [requests[row] for row in others])):
             sampled[row] = token
         return sampled  # type: ignore[return-value]
 
     def _sample_on_host(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        healthy = torch.isfinite(logits.max(dim=-1).values).tolist()
         raw_logprobs = None
         if any(request.params.logprobs is not None for request in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(_needs_processing(request) for request in requests):
-            logits = logits.clone()
-            for row, request in enumerate(requests):
-                if _needs_processing(request):
-                    _apply_penalties(logits[row], request)
-        greedy = [row for row, request in enumerate(requests) if request.params.greedy]
-        tokens = torch.empty(len(requests), dtype=torch.long)
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        for row, request in enumerate(requests):
-            if not request.params.greedy:
-                tokens[row] = self._draw(logits[row], request)
         sampled = []
         for row, request in enumerate(requests):
-            token = int(tokens[row])
-            if raw_logprobs is None or request.params.logprobs is None:
-                sampled.append(SampledToken(token))
+            if not healthy[row]:
+                sampled.append(SampledToken(-1, error=NON_FINITE_LOGITS))
                 continue
-            row_logprobs = raw_logprobs[row]
-            chosen = float(row_logprobs[token])
-            rank = int((row_logprobs > chosen).sum()) + 1
-            top = []
-            if request.params.logprobs:
-                values, indices = row_logprobs.topk(request.params.logprobs)
-                top = list(zip(indices.tolist(), values.tolist()))
-            sampled.append(SampledToken(token, chosen, rank, top))
+            try:
+                sampled.append(self._sample_row(logits[row], None if raw_logprobs is None else raw_logprobs[row], request))
+            except Exception:  # one request's failure must not end the step of the others
+                logger.exception("sampling request %s failed", request.request_id)
+                sampled.append(SampledToken(-1, error=SAMPLING_FAILED))
         return sampled
+
+    def _sample_row(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None, request: Request) -> SampledToken:
+        if _needs_processing(request):
+            logits = logits.clone()
+            _apply_penalties(logits, request)
+        token = int(logits.argmax()) if request.params.greedy else self._draw(logits, request)
+        if raw_logprobs is None or request.params.logprobs is None:
+            return SampledToken(token)
+        chosen = float(raw_logprobs[token])
+        rank = int((raw_logprobs > chosen).sum()) + 1
+        top = []
+        if request.params.logprobs:
+            values, indices = raw_logprobs.topk(request.params.logprobs)
+            top = list(zip(indices.tolist(), values.tolist()))
+        return SampledToken(token, chosen, rank, top)
 
     def _draw(self, logits: torch.Tensor, request: Request) -> int:
         probs = torch.softmax(filter_logits(logits, request.params), dim=-1)
         generator = request.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax, and whether the row is healthy: its maximum is finite (max propagates NaN,
+    so a NaN anywhere, a +inf, or a row of -inf all fail), on the logits' device without a sync."""
+    values, tokens = logits.max(dim=-1)
+    return tokens, torch.isfinite(values)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[SampledToken]:
+    tokens, healthy = greedy_maxima(logits)
+    return [SampledToken(token) if ok else SampledToken(-1, error=NON_FINITE_LOGITS)
+            for token, ok in zip(tokens.tolist(), healthy.tolist(), strict=True)]
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -30,6 +30,7 @@ from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
 from weft.resolve import (
     build_platform,
+    load_config_for,
     load_family,
     load_kv_connector,
     model_config,
@@ -71,7 +72,13 @@ class Worker:
 
     def load_model(self) -> WorkerInfo:
         config, engine = self.config, self.config.engine
-        self.loader, self.source = resolve_source(self.registry, config)
+        layout = self.parallel.layout
+        load_config = load_config_for(
+            config, str(self.device), tensor_parallel_rank=layout.tensor_rank,
+            pipeline_parallel_size=layout.pipeline_parallel_size, pipeline_parallel_rank=layout.pipeline_rank,
+            local_rank=self.device.index or 0,
+        )
+        self.loader, self.source = resolve_source(self.registry, config, load_config)
         self.family = load_family(self.registry, config, self.source)
         self.model_config = model_config(config, self.source, self.dtype, self.parallel.layout)
         self.family.check_parallel(self.model_config)

@@ -1,11 +1,15 @@
 """The starlette app: OpenAI Chat Completions, Completions and Responses, models, health, metrics.
 
-Every handler validates its body into a msgspec Struct, checks the model name
-(a plain string comparison: a request never names a path), turns the request
-into engine requests (one per prompt and choice) and either collects their
-deltas or streams them as server-sent events. Leaving a handler for any
-reason (a client that disconnects included) aborts the engine requests that
-are still running, which frees their KV blocks.
+Every handler validates its body into a msgspec Struct (:mod:`weft.serve.body`),
+checks the model name (a plain string comparison: a request never names a path),
+turns the request into engine requests (one per prompt and choice) and either
+collects their deltas or streams them as server-sent events. Tokenization,
+chat templating and detokenization of prompts run on worker threads, never on
+the event loop. Leaving a handler for any reason (a client that disconnects
+included) aborts the engine requests that are still running, which frees their
+KV blocks. A stream that ends in an error sends an OpenAI-shaped error event,
+then ``[DONE]``. An unexpected exception is logged with the request's id and
+answered with a generic 500 naming that id, never with the exception's text.
 """
 
 from __future__ import annotations
@@ -35,19 +39,13 @@ from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import Logprob
 from weft.sampling_params import SamplingParams
 from weft.serve import protocol as p
+from weft.serve.body import HTTPError, check_media_type, decode, error_type, read_bytes
 from weft.serve.metrics import ServerMetrics
+from weft.serve.openapi import openapi_route
+from weft.serve.unsupported import explain
 
 Handler = Callable[[Request], Awaitable[Response]]
 logger = logging.getLogger("weft.serve")
-
-
-class HTTPError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
 
 def error_response(error: HTTPError) -> Response:
@@ -80,24 +78,11 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
-    async def read(self, request: Request, body_type: type[Any]) -> Any:
-        limit = self.config.server.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", param=None)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-        try:
-            return msgspec.json.decode(bytes(body), type=body_type)
-        except msgspec.ValidationError as error:
-            message, _, path = str(error).partition(" - at `$")
-            field = path.rstrip("`").lstrip(".") or None
-            raise HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field) from None
-        except msgspec.DecodeError as error:
-            raise HTTPError(400, f"malformed JSON body: {error}") from None
+    async def read(self, request: Request, body_type: type[Any], endpoint: str = "") -> Any:
+        """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`)."""
+        check_media_type(request)
+        data = await read_bytes(request, self.config.server.max_body_bytes, self.config.server.body_timeout)
+        return decode(data, body_type, endpoint)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -115,21 +100,34 @@ class Server:
                 f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
             )
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> tuple[asyncio.Queue, list[str]]:
-        """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue."""
+    async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None) -> tuple[asyncio.Queue, list[str]]:
+        """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
+        Engine request ids are the HTTP request's id and the choice's index."""
+        sequences = len(prompts) * params.n
+        limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
+        if sequences > limit:
+            raise HTTPError(
+                400, f"n ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request may "
+                f"have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)", param="n",
+            )
+        if kv_transfer_params is not None and sequences != 1:
+            raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "
+                            "send n = 1 and a single prompt", param="kv_transfer_params")
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
+        base = request_id(request)
         batch = [
-            (uuid.uuid4().hex, prompt, choice, prompt_index * len(choices) + index)
+            (f"{base}-{prompt_index * len(choices) + index}", prompt, choice, prompt_index * len(choices) + index)
             for prompt_index, prompt in enumerate(prompts)
             for index, choice in enumerate(choices)
         ]
-        ids = [request_id for request_id, *_ in batch]
+        ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output)
+            await self.engine.submit(batch, output, kv_transfer_params)
         except BaseException as error:
-            for request_id in ids:
-                self.engine.abort(request_id)
+            for engine_request_id in ids:
+                self.engine.abort(engine_request_id)
             if isinstance(error, QueueFullError):
                 raise HTTPError(503, f"the server is busy ({error}); retry later", "server_error",
                                 headers={"Retry-After": "1"}) from None
@@ -158,13 +156,12 @@ class Server:
                 if delta is None:
                     continue
                 if delta.error:
-                    kind = "server_error" if delta.error_status >= 500 else "invalid_request_error"
-                    raise HTTPError(delta.error_status, delta.error, kind)
+                    raise HTTPError(delta.error_status, delta.error)
                 deltas[delta.index].append(delta)
                 pending -= delta.finish_reason is not None
         finally:
-            for request_id in ids:
-                self.engine.abort(request_id)
+            for engine_request_id in ids:
+                self.engine.abort(engine_request_id)
         return deltas
 
     def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
@@ -205,20 +202,27 @@ class Server:
         return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
 
     def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        plain = [msgspec.structs.asdict(message) for message in messages]
-        plain = [{key: value for key, value in message.items() if value is not None} for message in plain]
+        """The conversation's token ids (call it on a worker thread: templating and encoding take time)."""
+        for index, message in enumerate(messages):
+            reason = explain("chat.messages", "tool_calls", message.tool_calls)
+            if reason is not None:
+                raise HTTPError(400, f"messages[{index}].{reason}", param=f"messages[{index}].tool_calls")
+        plain = [msgspec.to_builtins(message) for message in messages]
         try:
-            normalized = self.tokenizer.normalize_messages(plain)
-            text = self.tokenizer.apply_chat_template(normalized, add_generation_prompt)
+            return self.engine.frontend.encode_chat(plain, add_generation_prompt)
         except ValueError as error:
             raise HTTPError(400, str(error), param="messages") from None
         except TemplateError as error:
             raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _sse_error(message: str, status: int) -> bytes:
+    """The event that ends a failed stream (``[DONE]`` follows), shaped like OpenAI's error body."""
+    return _sse(p.ErrorResponse(p.ErrorBody(message=message, type=error_type(status), code=str(status))))
 
 
 def _chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int) -> dict[str, Any]:
@@ -246,6 +250,19 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
     return result
 
 
+def request_id(request: Request) -> str:
+    """The id of one HTTP request: in its ``X-Request-Id`` response header, its engine requests' ids and the log."""
+    if getattr(request.state, "request_id", None) is None:
+        request.state.request_id = uuid.uuid4().hex
+    return request.state.request_id
+
+
+def internal_error(request: Request) -> HTTPError:
+    """The 500 for an unexpected exception: a generic message naming the request (the log has the rest)."""
+    logger.exception("internal error in request %s (%s %s)", request_id(request), request.method, request.url.path)
+    return HTTPError(500, f"internal error in request {request_id(request)}; the server log has the details")
+
+
 def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] = ()) -> Starlette:
     server = Server(engine, config)
 
@@ -254,12 +271,13 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
             try:
                 if auth:
                     server.check_auth(request)
-                return await handler(server, request)
+                response = await handler(server, request)
             except HTTPError as error:
-                return error_response(error)
-            except Exception as error:
-                logger.exception("error while serving %s", request.url.path)
-                return error_response(HTTPError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
+                response = error_response(error)
+            except Exception:
+                response = error_response(internal_error(request))
+            response.headers["X-Request-Id"] = request_id(request)
+            return response
 
         return wrapped
 
@@ -267,7 +285,8 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         yield
-        await engine.drain(config.server.shutdown_timeout)
+        await engine.drain(config.server.shutdown_timeout)  # done already after a signal (weft.serve.lifecycle)
+        engine.stop()
 
     routes = [
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
@@ -278,12 +297,13 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+        openapi_route(server.model_name),
         *extra_routes,
     ]
     async def http_error(request: Request, error: Exception) -> Response:
         status = getattr(error, "status_code", 500)
         message = f"{request.method} {request.url.path}: {getattr(error, 'detail', 'error')}"
-        return error_response(HTTPError(status, message, "not_found_error" if status == 404 else "invalid_request_error"))
+        return error_response(HTTPError(status, message))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error})
     app.state.server = server
@@ -294,15 +314,15 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest)
+    body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest, "chat.completions")
     server.check_model(body.model)
     prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
-    output, ids = await server.start([prompt], params)
-    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    output, ids = await server.start(request, [prompt], params, body.kv_transfer_params)
+    response_id, created = f"chatcmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
@@ -349,7 +369,8 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
                       include_usage: bool, opening: list[dict[str, Any]],
                       render: Callable[[Delta], dict[str, Any] | None]) -> AsyncIterator[bytes]:
     """Chunks of a chat or text completion stream: ``opening`` choices, one per delta ``render`` keeps,
-    the usage chunk, ``[DONE]``. Leaving early (a disconnect) aborts the requests."""
+    the usage chunk, ``[DONE]``; or up to an error event, then ``[DONE]``. Leaving early (a disconnect)
+    aborts the requests."""
     usage_field = {"usage": None} if include_usage else {}
     last: list[list[Delta]] = [[] for _ in ids]
     try:
@@ -359,23 +380,26 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
         while pending:
             delta: Delta = await output.get()
             if delta.error:
-                yield _sse({"error": {"message": delta.error, "type": "server_error", "code": "500"}})
-                return
+                yield _sse_error(delta.error, delta.error_status)
+                break
             last[delta.index] = [delta]
             pending -= delta.finish_reason is not None
             choice = render(delta)
             if choice is not None:
                 yield _sse({**head, "choices": [choice], **usage_field})
-        if include_usage:
+        if include_usage and not pending:
             yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
-        yield b"data: [DONE]\n\n"
+    except Exception:  # after the headers went out: the client gets an error event, the log the details
+        logger.exception("internal error in stream %s", head["id"])
+        yield _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
     finally:
-        for request_id in ids:
-            server.engine.abort(request_id)
+        for engine_request_id in ids:
+            server.engine.abort(engine_request_id)
+    yield b"data: [DONE]\n\n"
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body: p.CompletionRequest = await server.read(request, p.CompletionRequest)
+    body: p.CompletionRequest = await server.read(request, p.CompletionRequest, "completions")
     server.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise HTTPError(400, "echo with logprobs needs prompt log-probabilities, which Weft does not compute yet; "
@@ -384,8 +408,8 @@ async def completions(server: Server, request: Request) -> Response:
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
     params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16)
-    output, ids = await server.start(prompts, params)
-    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    output, ids = await server.start(request, prompts, params, body.kv_transfer_params)
+    response_id, created = f"cmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
@@ -393,9 +417,10 @@ async def completions(server: Server, request: Request) -> Response:
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
+    echoed = await asyncio.to_thread(lambda: [server.tokenizer.decode(prompt) for prompt in prompts]) if body.echo else []
     choices = []
     for index, choice in enumerate(deltas):
-        prefix = server.tokenizer.decode(prompts[index // body.n]) if body.echo else ""
+        prefix = echoed[index // body.n] if body.echo else ""
         tokens = [token for delta in choice for token in delta.token_ids]
         entries = [entry for delta in choice for entry in (delta.logprobs or [])]
         choices.append({
@@ -425,7 +450,10 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
             400, "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
             param="prompt",
         )
-    prompts = [server.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt]
+    try:
+        prompts = [server.engine.frontend.encode_prompt(item) if isinstance(item, str) else list(item) for item in prompt]
+    except ValueError as error:
+        raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     if any(not item for item in prompts):
         raise HTTPError(400, "prompt: every prompt needs at least one token", param="prompt")
     return prompts
@@ -456,7 +484,7 @@ def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
 
 
 async def responses(server: Server, request: Request) -> Response:
-    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest)
+    body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest, "responses")
     server.check_model(body.model)
     messages = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     if isinstance(body.input, str):
@@ -468,7 +496,7 @@ async def responses(server: Server, request: Request) -> Response:
                                 param=f"input[{position}].type")
             content = item.content
             if isinstance(content, list):
-                content = [{"type": part.type, "text": part.text} for part in content]
+                content = [p.ContentPart(type=part.type, text=part.text) for part in content]
             messages.append(p.ChatMessage(role=item.role or "user", content=content))
     prompt = await asyncio.to_thread(server.chat_prompt, messages, True)
     server.check_length(prompt, body.max_output_tokens)
@@ -477,8 +505,8 @@ async def responses(server: Server, request: Request) -> Response:
                                 seed=body.seed),
         body.max_output_tokens, None,
     )
-    output, ids = await server.start([prompt], params)
-    response = _ResponseObject(server, body, prompt)
+    output, ids = await server.start(request, [prompt], params)
+    response = _ResponseObject(server, body, prompt, request_id(request))
     if body.stream:
         return StreamingResponse(_responses_stream(server, output, ids, response), media_type="text/event-stream")
     (choice,) = await server.collect(request, output, ids)
@@ -488,9 +516,9 @@ async def responses(server: Server, request: Request) -> Response:
 class _ResponseObject:
     """The Responses API's ``response`` object, in progress and finished."""
 
-    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int]) -> None:
+    def __init__(self, server: Server, body: p.ResponsesRequest, prompt: list[int], http_request_id: str) -> None:
         self.server, self.body, self.prompt = server, body, prompt
-        self.id, self.message_id, self.created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
+        self.id, self.message_id, self.created = f"resp_{http_request_id}", f"msg_{http_request_id}", int(time.time())
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
@@ -541,7 +569,10 @@ async def _responses_stream(server: Server, output: asyncio.Queue, ids: list[str
         while True:
             delta: Delta = await output.get()
             if delta.error:
-                yield event("error", message=delta.error, code="server_error", param=None)
+                yield event("error", message=delta.error, code=error_type(delta.error_status), param=None)
+                failed = response.state("failed", [])
+                yield event("response.failed", response={**failed, "error": {"code": error_type(delta.error_status),
+                                                                              "message": delta.error}})
                 return
             deltas.append(delta)
             if delta.text:
@@ -554,9 +585,13 @@ async def _responses_stream(server: Server, output: asyncio.Queue, ids: list[str
         yield event("response.content_part.done", **where, part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
         yield event("response.output_item.done", output_index=0, item=response.message(text, "completed"))
         yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    except Exception:
+        logger.exception("internal error in stream %s", response.id)
+        yield event("error", message=f"internal error in request {response.id}; the server log has the details",
+                    code="server_error", param=None)
     finally:
-        for request_id in ids:
-            server.engine.abort(request_id)
+        for engine_request_id in ids:
+            server.engine.abort(engine_request_id)
 
 
 async def models(server: Server, request: Request) -> Response:
@@ -567,24 +602,28 @@ async def models(server: Server, request: Request) -> Response:
 
 
 async def tokenize(server: Server, request: Request) -> Response:
-    body: p.TokenizeRequest = await server.read(request, p.TokenizeRequest)
+    body: p.TokenizeRequest = await server.read(request, p.TokenizeRequest, "tokenize")
     server.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
-        tokens = server.chat_prompt(body.messages, True)
+        tokens = await asyncio.to_thread(server.chat_prompt, body.messages, True)
     else:
-        tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        try:
+            tokens = await asyncio.to_thread(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
+        except ValueError as error:
+            raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
 
 
 async def detokenize(server: Server, request: Request) -> Response:
-    body: p.DetokenizeRequest = await server.read(request, p.DetokenizeRequest)
+    body: p.DetokenizeRequest = await server.read(request, p.DetokenizeRequest, "detokenize")
     server.check_model(body.model)
     bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
-    return JSONResponse({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    text = await asyncio.to_thread(server.tokenizer.decode, body.tokens, False)
+    return JSONResponse({"prompt": text})
 
 
 async def health(server: Server, request: Request) -> Response:

@@ -1,24 +1,51 @@
-"""Prometheus metrics of one server (prometheus_client, a registry per app)."""
+"""Prometheus metrics of one server (prometheus_client, a registry per app).
+
+The engine core's gauges and its KV connector's metrics are read from the last
+stats the core sent; the connector's are declared by its class
+(:attr:`weft.contracts.kv_connector.KVConnector.metrics`) and summed over workers by the core.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from weft.contracts.kv_connector import ConnectorMetric
     from weft.engine.async_engine import AsyncEngine
     from weft.engine.output_processor import RequestOutputState as Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
+
+FAILURE_REASONS = {
+    "timeout": "outlived server.request_timeout",
+    "engine_error": "the engine could not serve it (non-finite logits, a step that failed twice)",
+    "rejected": "the engine core refused it",
+    "shutdown": "still running when a shutdown's drain ended",
+    "engine_dead": "the engine core process died",
+}
+"""The ``reason`` label of ``weft_request_failures_total``."""
 
 
 class ServerMetrics:
-    """Counters, gauges and histograms; also the AsyncEngine's observer."""
+    """Counters, gauges and histograms; also the AsyncEngine's observer (called from its reader thread too)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("weft_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry)
+        self.failures = Counter(
+            "weft_request_failures", "Requests that ended in an error, by reason: "
+            + "; ".join(f"{reason}: {meaning}" for reason, meaning in FAILURE_REASONS.items()),
+            ["reason"], registry=self.registry,
+        )
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
         self.prompt_tokens = Counter("weft_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
         self.generation_tokens = Counter("weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry)
         self.time_to_first_token = Histogram(
@@ -27,6 +54,14 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "weft_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=_LATENCY_BUCKETS,
             registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "weft_request_queue_time_seconds", "Arrival in the engine core to first scheduling", buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "weft_e2e_request_latency_seconds", "Arrival to the end of a request, whatever ended it",
+            buckets=_REQUEST_BUCKETS, registry=self.registry,
         )
         # The engine core's gauges, as of the last step it reported.
         gauges = [
@@ -42,14 +77,22 @@ class ServerMetrics:
              lambda stats: stats.connector_hit_tokens or 0),
             ("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
              lambda stats: stats.connector_failed_load_tokens or 0),
+            ("weft_kv_connector_requests_waiting_for_kv", "Requests waiting for their KV to arrive through the connector",
+             lambda stats: stats.waiting_for_remote_kv),
         ]
         if engine.config.use.kv_connector == "none":
             gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
         for name, description, read in gauges:
             Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
+        if engine.config.use.kv_connector != "none":
+            connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
+            self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
+        self.registry.register(_CoreCounters(engine))
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, queued_seconds: float | None = None) -> None:
         self.time_to_first_token.observe(seconds)
+        if queued_seconds is not None:
+            self.queue_time.observe(queued_seconds)
 
     def inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
@@ -58,3 +101,44 @@ class ServerMetrics:
         self.requests.labels(request.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(len(request.output_token_ids))
+        self.e2e_latency.observe(time.monotonic() - request.arrival_time)
+
+    def failed(self, reason: str) -> None:
+        self.failures.labels(reason).inc()
+
+
+class _CoreCounters(Collector):
+    """Counters the engine core keeps (reported with its gauges): preemptions and steps."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.engine.stats
+        yield CounterMetricFamily("weft_preemptions", "Requests preempted (KV blocks taken back, recomputed later)",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("weft_engine_steps", "Engine steps run", value=stats.num_steps)
+
+
+class _ConnectorMetrics(Collector):
+    """A collector of the KV connector's metrics, as the core last reported them."""
+
+    def __init__(self, engine: AsyncEngine, specs: tuple[ConnectorMetric, ...]) -> None:
+        self.engine = engine
+        self.specs = specs
+
+    def collect(self):
+        totals = self.engine.stats.connector_metrics
+        for spec in self.specs:
+            name = f"weft_kv_connector_{spec.name}"
+            total = totals.get(spec.name)
+            if spec.kind == "counter":
+                family = CounterMetricFamily(name.removesuffix("_total"), spec.help)
+                family.add_metric([], total.total if total is not None else 0.0)
+            else:
+                family = HistogramMetricFamily(name, spec.help)
+                counts = total.buckets if total is not None else [0] * len(spec.buckets)
+                buckets = [(repr(float(bound)), count) for bound, count in zip(spec.buckets, counts)]
+                buckets.append(("+Inf", total.count if total is not None else 0))
+                family.add_metric([], buckets, total.total if total is not None else 0.0)
+            yield family

@@ -23,6 +23,21 @@ def _run_isolated(code: str) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _platform_under_test(weft_registry, name: str | None) -> Any:
+    """An instance of platform ``name`` (skipping the test, with the probe's reason, where it is not
+    available), or of the platform ``use.platform = "auto"`` would choose when ``name`` is None."""
+    from weft.plugins.selection import select_platform
+
+    if name is None:
+        platform_class, _ = select_platform(weft_registry)
+        return platform_class()
+    platform_class = weft_registry.load("platform", name)
+    probe = platform_class.probe()
+    if not probe.available:
+        pytest.skip(f"platform {name!r} is not available here: {probe.reason}")
+    return platform_class()
+
+
 class _Contract:
     slot: ClassVar[str]
     plugin_name: ClassVar[str]
@@ -89,12 +104,44 @@ class PlatformContract(_Contract):
         assert probe.reason.strip(), "a probe must say why it is or is not available"
         assert probe.device_count >= 0
 
-    def test_memory_info_when_available(self, plugin):
+    @pytest.fixture
+    def available(self, plugin):
+        """An instance of the platform; the test is skipped, with the probe's reason, where it is not available."""
         probe = plugin.probe()
         if not probe.available:
             pytest.skip(f"platform {self.plugin_name!r} is not available here: {probe.reason}")
-        info = plugin().memory_info(0)
+        return plugin()
+
+    def test_memory_info_when_available(self, available):
+        info = available.memory_info(0)
         assert 0 < info.total and 0 <= info.free <= info.total
+
+    def test_device_computes_when_available(self, available):
+        import torch
+
+        assert available.default_dtype() in available.supported_dtypes
+        dtype = getattr(torch, available.default_dtype())
+        values = torch.arange(1, 9, device=available.select_device(0)).to(dtype)
+        assert values.device.type == available.device_type
+        assert (values * 2).sum().item() == 72
+
+    def test_distributed_backend_is_built_when_available(self, available):
+        import torch.distributed
+
+        assert torch.distributed.is_available() and torch.distributed.is_backend_available(available.distributed_backend), (
+            f"the installed torch has no {available.distributed_backend!r} backend for platform {self.plugin_name!r}"
+        )
+
+    def test_graph_capture_replays_when_declared(self, available):
+        if not available.supports_graph_capture:
+            pytest.skip(f"platform {self.plugin_name!r} declares no graph capture")
+        import torch
+
+        source = torch.arange(4, dtype=torch.float32, device=available.device(0))
+        target = torch.zeros_like(source)
+        replay = available.capture_graph(lambda: target.copy_(source * 2))
+        source.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+        assert replay().tolist() == [10.0, 12.0, 14.0, 16.0]
 
 
 class TokenizerContract(_Contract):
@@ -158,12 +205,15 @@ class TokenizerContract(_Contract):
 class OpContract(_Contract):
     """The ops contract (:mod:`weft.contracts.ops`): an implementation equals the op's reference.
 
-    ``plugin_name`` is ``"<op>.<implementation>"``. Set ``device`` to run the
-    comparison on another torch device than the CPU.
+    ``plugin_name`` is ``"<op>.<implementation>"``. Set ``platform`` to run the
+    comparison on that platform's device (skipped, with the reason, where it is
+    not available), or ``device`` to run it on another torch device than the
+    CPU under the platform ``auto`` chooses.
     """
 
     slot = "ops"
     device: ClassVar[str] = "cpu"
+    platform: ClassVar[str | None] = None
 
     @pytest.fixture
     def reference(self, weft_registry, plugin):
@@ -179,21 +229,18 @@ class OpContract(_Contract):
         assert issubclass(plugin, OpImplementation)
         assert self.plugin_name.partition(".")[0] == plugin.op
 
-    def test_matches_the_reference(self, plugin, reference):
+    def test_matches_the_reference(self, plugin, reference, weft_registry):
         if importlib.util.find_spec("torch") is None:
             pytest.skip("torch is not installed")
         import torch
 
-        from weft.plugins.selection import select_platform
-        from weft.plugins import PluginRegistry
-
-        platform_class, _ = select_platform(PluginRegistry())
-        platform = platform_class()
+        platform = _platform_under_test(weft_registry, self.platform)
         if not plugin.runs_on(platform.name) or not plugin.is_available(platform):
             pytest.skip(f"{self.plugin_name} does not run on platform {platform.name!r}")
         implementation, expected_impl = plugin(platform), reference(platform)
         rtol, atol = plugin.tolerance
-        cases = list(reference.example_inputs(self.device))
+        device = str(platform.device(0)) if self.platform is not None else self.device
+        cases = list(reference.example_inputs(device))
         assert cases, "the reference must provide example inputs"
         for args, kwargs in cases:
             expected = expected_impl(*args, **kwargs)
@@ -271,28 +318,31 @@ class AttentionContract(_Contract):
     Two engine steps run through the backend: first every request prefills part
     of its prompt, then one continues its prefill, others decode and one starts
     fresh. Each step's output is compared with softmax attention computed from
-    the whole key/value history the suite keeps itself. Set ``device`` and
+    the whole key/value history the suite keeps itself. Set ``platform`` to run
+    on that platform's device (skipped, with the reason, where it is not
+    available), or ``device`` under the platform ``auto`` chooses; and
     ``dtype``/``tolerance`` for accelerators.
     """
 
     slot = "attention"
     device: ClassVar[str] = "cpu"
+    platform: ClassVar[str | None] = None
     dtype: ClassVar[str] = "float32"
     tolerance: ClassVar[tuple[float, float]] = (1e-4, 1e-4)
     head_dims: ClassVar[tuple[int, ...]] = (64, 128)
     block_size: ClassVar[int] = 16
 
     @pytest.fixture
-    def backend(self, plugin):
-        from weft.plugins import PluginRegistry
-        from weft.plugins.selection import select_platform
+    def target_platform(self, weft_registry):
+        return _platform_under_test(weft_registry, self.platform)
 
-        platform_class, _ = select_platform(PluginRegistry())
-        return plugin(None, platform_class())
+    @pytest.fixture
+    def backend(self, plugin, target_platform):
+        return plugin(None, target_platform)
 
     @pytest.mark.parametrize("window", [None, 20])
     @pytest.mark.parametrize("head_dim_index", [0, 1])
-    def test_mixed_prefill_and_decode_steps_match_the_reference(self, backend, window, head_dim_index):
+    def test_mixed_prefill_and_decode_steps_match_the_reference(self, backend, target_platform, window, head_dim_index):
         if head_dim_index >= len(self.head_dims):
             pytest.skip("fewer head sizes declared")
         import torch
@@ -301,7 +351,8 @@ class AttentionContract(_Contract):
         from weft.contracts.kv_cache import FullAttentionSpec
 
         head_dim = self.head_dims[head_dim_index]
-        dtype, device = getattr(torch, self.dtype), torch.device(self.device)
+        device = target_platform.device(0) if self.platform is not None else torch.device(self.device)
+        dtype = getattr(torch, self.dtype)
         layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window)
         backend.prepare([layer], self.dtype)
         spec = FullAttentionSpec(block_size=self.block_size, dtype=self.dtype, num_kv_heads=2, head_dim=head_dim)

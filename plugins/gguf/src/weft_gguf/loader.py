@@ -7,7 +7,9 @@ the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
 Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
 keyed by the file's identity and the dtype, so a warm start skips the work; the
-ranks of a tensor-parallel engine read only their slices of that file.
+cache's checksums (:mod:`weft_gguf.checksum`) are verified on every read, and a
+truncated or changed cache is rebuilt with one warning. The ranks of a
+tensor-parallel engine read only their slices of that file.
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
 from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
+
+from weft_gguf import checksum
 from weft_gguf.convert import write_tokenizer
-from weft_gguf.files import ALIAS_GENERATION_CONFIGS, ALIASES, cache_dir, file_key, resolve_alias, tokenizer_cache
+from weft_gguf.files import (
+    ALIAS_GENERATION_CONFIGS,
+    ALIASES,
+    cache_dir,
+    file_key,
+    resolve_alias,
+    tokenizer_cache,
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -114,7 +125,10 @@ def cached_metadata(path: Path, kind: str, read: Any, open_reader: Any) -> dict[
     """``read(reader)`` of a GGUF file (``kind``: its name in the cache), computed once and then kept in the cache folder."""
     cached = cache_dir() / "gguf" / f"{file_key(path, kind)}.json"
     if cached.is_file():
-        return json.loads(cached.read_text())
+        try:
+            return json.loads(cached.read_text())
+        except ValueError:
+            warnings.warn(f"weft-gguf: the {kind} cache {cached} is not valid JSON; rebuilding it", stacklevel=2)
     metadata = read(open_reader(path))
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -181,16 +195,21 @@ class GGUFLoader(WeightLoader):
         from weft.builtins.safetensors_loader import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
-        if not cached.is_file():
-            tensors = self._dequantize(source, getattr(torch, dtype))
-            self._readers.pop(str(Path(source.path).resolve()), None)
-            if not _save_atomically(tensors, cached):
-                for name, tensor in tensors.items():
-                    yield name, LoadedSlice(tensor)
+        if cached.is_file():
+            wrong = checksum.problem(cached)
+            if wrong is None:
+                with safe_open(str(cached), framework="pt") as handle:
+                    for name in handle.keys():
+                        yield name, SafetensorsSlice(handle.get_slice(name), dtype)
                 return
-        with safe_open(str(cached), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, SafetensorsSlice(handle.get_slice(name), getattr(torch, dtype))
+            warnings.warn(f"weft-gguf: the weight cache {cached} is {wrong}; rebuilding it from {source.path}",
+                          stacklevel=2)
+            checksum.remove(cached)
+        tensors = self._dequantize(source, getattr(torch, dtype))
+        self._readers.pop(str(Path(source.path).resolve()), None)
+        _save_atomically(tensors, cached)
+        for name, tensor in tensors.items():
+            yield name, LoadedSlice(tensor)
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf
@@ -216,16 +235,17 @@ class GGUFLoader(WeightLoader):
         return tensors
 
 
-def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> bool:
-    """Write the cache file under a temporary name and rename it, so readers never see half a file; False if it could not."""
+def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> None:
+    """Write the cache file and its checksums under temporary names and rename them, so readers never see
+    half a file; a file without its checksums (a crash between the renames) is rebuilt."""
     from safetensors.torch import save_file
 
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         temporary = destination.with_suffix(f".{os.getpid()}.tmp")
         save_file(tensors, str(temporary))
+        sums = checksum.record(temporary, destination)
         os.replace(temporary, destination)
+        os.replace(sums, checksum.sidecar(destination))
     except OSError as error:
         print(f"weft-gguf: could not write the weight cache {destination}: {error}", file=sys.stderr)
-        return False
-    return True

@@ -1,49 +1,47 @@
-"""The "triton" attention backend: paged attention for mixed prefill/decode steps in one Triton kernel.
+"""Paged attention for mixed prefill/decode steps in one Triton kernel (the ``triton`` backend's kernels).
 
 The cache layout is the torch backend's, ``[2, num_blocks, block_size, kv_heads,
-head_dim]``; new keys and values are stored with ``index_copy_``, then one
-kernel launch attends every query of the step. A program owns one request, one
-KV head and a tile of ``BLOCK_M`` rows, where a row is one (query position,
-query head) pair of that KV head's group (GQA packing: decode steps fill the
-tile with the group's heads instead of padding). It walks the request's blocks
-through the block table in tiles of ``BLOCK_N`` keys (each key's cache block
-looked up, so any block size works) with an online softmax, masking causally
-(the queries are the last ``query_len`` positions of the context) and by the
-sliding window, skipping tiles wholly before the window.
+head_dim]``. A program owns one request, one KV head and a tile of ``BLOCK_M``
+rows, where a row is one (query position, query head) pair of that KV head's
+group (GQA packing: decode steps fill the tile with the group's heads instead of
+padding). It walks the request's blocks through the block table in tiles of
+``BLOCK_N`` keys (each key's cache block looked up, so any block size works)
+with an online softmax, masking causally (the queries are the last
+``query_len`` positions of the context) and by the sliding window, skipping
+tiles wholly before the window. Decode steps of few requests split each
+request's keys over several programs and merge the partial softmaxes
+(:func:`weft_triton.attention.decode_splits`).
 
-Runs on NVIDIA GPUs, and on the CPU under ``TRITON_INTERPRET=1`` for tests.
+Runs wherever Triton has a backend for the device (NVIDIA, AMD, Intel XPU), and
+on the CPU under ``TRITON_INTERPRET=1`` for tests.
 
 The kernel goes through core's warm-up contract (:mod:`weft.kernels.warmup`):
 its compile key holds the dtype, the layer's head shape and window flag, the
-cache block size and the tile height; :meth:`TritonAttention.prepare` registers
-it with every layer shape, and the cache block sizes arrive through
-:meth:`TritonAttention.kv_cache_shape`, so warm-up compiles each variant the
-model will launch before the first request. Values that change from step to
-step (the block table's row stride, the window length) are not specialised on.
+cache block size and the tile height; the backend registers it with every layer
+shape and the cache block sizes, so warm-up compiles each variant the model will
+launch before the first request. Values that change from step to step (the block
+table's row stride, the window length) are not specialised on.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import msgspec
 import torch
 import triton
 import triton.language as tl
 
-from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
-from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, register
+from weft.contracts.attention import AttentionBatch, AttentionLayer
+from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel
+from weft_triton.attention import DECODE_BLOCK_M, MAX_SPLITS, PREFILL_BLOCK_M
+from weft_triton.runtime import interpreting
 
-DECODE_BLOCK_M = 16
-"""Rows per program when every request decodes (rows are query heads of one KV head)."""
-PREFILL_BLOCK_M = 64
 BLOCK_N = 64
+"""Keys per inner iteration, independent of the cache's block size."""
 PREFILL_BLOCK_N = 32
 PREFILL_STAGES = 2
 """Prefill tiles: 64 rows against 32-key tiles, two pipeline stages. On an H200 a tile sweep of an
 8k-token Llama-3-8B prefill measured 253 TFLOP/s for these against 214 for 64x64 with 3 stages."""
-"""Keys per inner iteration, independent of the cache's block size."""
 
 
 @triton.jit
@@ -137,18 +135,6 @@ def _paged_attention_kernel(
     )
 
 
-MAX_SPLITS = 16
-"""Most key ranges one decode request's keys are split into (flash-decoding)."""
-
-
-def decode_splits(num_requests: int) -> int:
-    """Key ranges per request for a decode-only step of ``num_requests``: few requests leave most of
-    the GPU idle (one program per request and KV head), so their keys are split across programs
-    and the partial softmaxes merged by a second kernel. Depends only on the batch size, so a
-    captured graph keeps it."""
-    return 16 if num_requests <= 2 else 8 if num_requests <= 8 else 4 if num_requests <= 16 else 1
-
-
 @triton.jit(do_not_specialize=["window", "stride_bt", "splits"])
 def _decode_split_kernel(
     query, key_cache, value_cache, partial, partial_max, partial_sum, block_table, seq_lens,
@@ -217,13 +203,6 @@ def _decode_merge_kernel(
     tl.store(output + request * stride_ot + head * stride_oh + dims, result.to(output.dtype.element_ty))
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``): nothing to compile."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 class PagedAttentionKey(CompileKey, frozen=True):
     dtype: str
     num_heads: int
@@ -239,7 +218,7 @@ class PagedAttentionKey(CompileKey, frozen=True):
 class PagedAttentionKernel(Kernel):
     """The paged-attention kernel under the warm-up contract; one instance per backend."""
 
-    name: ClassVar[str] = "weft_cuda.paged_attention"
+    name: ClassVar[str] = "weft_triton.paged_attention"
 
     def __init__(self) -> None:
         super().__init__()
@@ -346,67 +325,3 @@ class PagedAttentionKernel(Kernel):
             KV_HEADS=kv_heads, GROUP=layer.num_heads // kv_heads, HEAD_DIM=layer.head_dim, BLOCK_M=key.block_m,
             MAX_SPLITS=MAX_SPLITS,
         )
-
-
-class TritonAttentionMetadata(msgspec.Struct):
-    batch: AttentionBatch
-    block_m: int
-    """Rows per program: small for decode-only steps, large when a prefill chunk is present."""
-    splits: int = 1
-    """Key ranges per request on decode-only steps of few requests (:func:`decode_splits`)."""
-
-
-class TritonAttention(AttentionBackend):
-    """Paged attention in one Triton kernel for any mix of prefill chunks and decodes; GQA; sliding windows."""
-
-    name: ClassVar[str] = "triton"
-    supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
-    supports_graph_capture: ClassVar[bool] = True
-
-    def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
-        super().__init__(options, platform)
-        self.kernel = PagedAttentionKernel()
-
-    def check_layer(self, layer: AttentionLayer) -> None:
-        super().check_layer(layer)
-        group = layer.num_heads // layer.num_kv_heads
-        if group & (group - 1) or group > DECODE_BLOCK_M:
-            raise ValueError(
-                f"attention backend 'triton': {layer.num_heads} query heads over {layer.num_kv_heads} KV heads "
-                f"(group of {group}) is not supported; groups must be a power of two up to {DECODE_BLOCK_M}"
-            )
-
-    def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:
-        super().prepare(layers, dtype)
-        self.kernel.layers = list(dict.fromkeys(layers))
-        self.kernel.dtypes = [getattr(torch, dtype)]
-        register(self.kernel)
-
-    def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
-        if spec.block_size not in self.kernel.block_sizes:
-            self.kernel.block_sizes.append(spec.block_size)
-        return super().kv_cache_shape(num_blocks, spec)
-
-    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
-        if batch.max_query_len == 1:
-            return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M, splits=decode_splits(batch.seq_lens.shape[0]))
-        return TritonAttentionMetadata(batch=batch, block_m=PREFILL_BLOCK_M)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: TritonAttentionMetadata,
-    ) -> torch.Tensor:
-        batch = metadata.batch
-        self.store_kv(kv_cache, key, value, batch.slot_mapping)
-        query = query.contiguous()
-        output = torch.empty_like(query)
-        self.kernel(
-            dtype=query.dtype, layer=layer, block_size=batch.block_size, block_m=metadata.block_m,
-            splits=metadata.splits, query=query, kv_cache=kv_cache, output=output, batch=batch,
-        )
-        return output

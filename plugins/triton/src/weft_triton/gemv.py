@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from weft.kernels.warmup import Choice, CompileKey, InputSpace, IntRange, Kernel, Zipped
+from weft_triton.runtime import interpreting
 
 MAX_ROWS = 1
 """Rows this kernel takes. Measured on an H200 (docs/benchmarks.md): at one row it streams every
@@ -80,7 +81,7 @@ class GemvKey(CompileKey, frozen=True):
 
 
 class GemvKernel(Kernel):
-    name: ClassVar[str] = "weft_cuda.gemv"
+    name: ClassVar[str] = "weft_triton.gemv"
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,8 +104,6 @@ class GemvKernel(Kernel):
         return Choice("dtype", self.dtypes) * Zipped(n=n, k=k, has_bias=has_bias) * IntRange("m", 1, MAX_ROWS + 1)
 
     def compile(self, key: GemvKey) -> Any:
-        from weft_cuda.triton_attention import interpreting
-
         if interpreting():
             return key
         dtype = getattr(torch, key.dtype)

@@ -1,43 +1,48 @@
-"""weft-cuda's implementations of core ops."""
+"""weft-triton's implementations of core ops: on every platform whose Triton backend is installed.
+
+Each is available where :func:`weft_triton.runtime.runs_on` says the platform's Triton backend is
+installed (NVIDIA, AMD, Intel XPU); elsewhere the op's torch reference is chosen. The kernels are
+imported when an implementation is built, so this module imports without Triton.
+"""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from weft.contracts.ops import OpImplementation
+from weft_triton.decode_topk_policy import DecodeTopKLaunch, decode_topk_launch
+from weft_triton.runtime import runs_on
 
 
 class LinearTriton(OpImplementation):
     """``linear`` with the Triton skinny-matrix kernel for one row of bf16/fp16 on the matrices where it
-    beats cuBLAS (:func:`weft_cuda.gemv.pays`); cuBLAS otherwise.
+    beat cuBLAS on an H200 (:func:`weft_triton.gemv.pays`); the vendor's BLAS through ``F.linear`` otherwise.
 
     Batch-1 decode is where cuBLAS streams small weight matrices well below the
     memory bandwidth (see docs/benchmarks.md); larger batches are compute-shaped
-    and go to cuBLAS unchanged.
+    and go to the BLAS unchanged. The threshold was measured on NVIDIA only; force
+    ``[use.ops] linear = "torch"`` to keep every projection on hipBLASLt or oneDNN.
     """
 
     op: ClassVar[str] = "linear"
-    platforms: ClassVar[frozenset[str]] = frozenset({"cuda"})
     priority: ClassVar[int] = 10
     tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
 
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
         from weft.kernels.warmup import register
-        from weft_cuda.gemv import GemvKernel
+        from weft_triton.gemv import GemvKernel
 
         self.kernel = register(GemvKernel())
 
     @classmethod
     def is_available(cls, platform: Any) -> bool:
-        import importlib.util
-
-        return importlib.util.find_spec("triton") is not None
+        return runs_on(platform)
 
     def declare(self, **shape: Any) -> None:
         import torch
 
-        from weft_cuda.gemv import pays
+        from weft_triton.gemv import pays
 
         if shape["dtype"] in (torch.bfloat16, torch.float16) and pays(shape["out_features"], shape["in_features"]):
             self.kernel.add_shape(shape["out_features"], shape["in_features"], shape["bias"], shape["dtype"])
@@ -46,7 +51,7 @@ class LinearTriton(OpImplementation):
         import torch
         import torch.nn.functional as F
 
-        from weft_cuda.gemv import MAX_ROWS, pays
+        from weft_triton.gemv import MAX_ROWS, pays
 
         rows = x.numel() // x.shape[-1]
         if (
@@ -66,25 +71,22 @@ class LinearTriton(OpImplementation):
 
 
 class _FusedOp(OpImplementation):
-    """A weft-cuda fused kernel for half-precision tensors; float32 goes to core's reference."""
+    """A weft-triton fused kernel for half-precision tensors; float32 goes to core's reference."""
 
-    platforms: ClassVar[frozenset[str]] = frozenset({"cuda"})
     priority: ClassVar[int] = 10
     tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
     kernel_class: ClassVar[str]
 
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
-        import weft_cuda.fused as fused
+        import weft_triton.fused as fused
         from weft.kernels.warmup import register
 
         self.kernel = register(getattr(fused, self.kernel_class)())
 
     @classmethod
     def is_available(cls, platform: Any) -> bool:
-        import importlib.util
-
-        return importlib.util.find_spec("triton") is not None
+        return runs_on(platform)
 
     @staticmethod
     def fused(dtype: Any) -> bool:
@@ -153,3 +155,48 @@ class SiluAndMulTriton(_FusedOp):
             return F.silu(gate) * up
         x = x.contiguous()
         return self.kernel(dtype=x.dtype, shape=(x.shape[-1] // 2,), x=x)
+
+
+class DecodeTopKTriton(OpImplementation):
+    """``decode_topk`` in one Triton launch whose geometry follows the launch policy for the device's
+    architecture (:mod:`weft_triton.decode_topk_policy`); the platform's ``arch`` option forces one."""
+
+    op: ClassVar[str] = "decode_topk"
+    priority: ClassVar[int] = 10
+    tolerance: ClassVar[tuple[float, float]] = (0.0, 0.0)
+
+    def __init__(self, platform: Any) -> None:
+        super().__init__(platform)
+        from weft_triton.decode_topk import DecodeTopKLauncher
+
+        self.launcher = DecodeTopKLauncher()
+        self._archs: dict[Any, str] = {}
+
+    @classmethod
+    def is_available(cls, platform: Any) -> bool:
+        return runs_on(platform)
+
+    @property
+    def counters(self) -> Any:
+        """The completion counters (all zero between launches); None before the first launch."""
+        return self.launcher.counters
+
+    def arch(self, device: Any) -> str:
+        """The architecture the launch policy tunes for on ``device`` (``""`` without a GPU platform)."""
+        if device not in self._archs:
+            launch_arch = getattr(self.platform, "launch_arch", None)
+            self._archs[device] = launch_arch(device) if launch_arch is not None else ""
+        return self._archs[device]
+
+    def launch_for(self, scores: Any, topk: int) -> DecodeTopKLaunch:
+        """The geometry the policy gives for these scores on this device."""
+        heads, total_q, capacity = scores.shape
+        return decode_topk_launch(self.arch(scores.device), topk, capacity, total_q, heads)
+
+    def __call__(self, scores: Any, seq_lens: Any, decode_query_len: int, block_size: int, topk: int,
+                 launch: DecodeTopKLaunch | None = None) -> Any:
+        """The op; ``launch`` overrides the policy's geometry (which never changes the result)."""
+        from weft.builtins.decode_topk import check_inputs
+
+        check_inputs(scores, seq_lens, decode_query_len, block_size, topk)
+        return self.launcher(scores, seq_lens, decode_query_len, block_size, topk, launch or self.launch_for(scores, topk))

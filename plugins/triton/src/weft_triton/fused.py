@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, Zipped
+from weft_triton.runtime import interpreting
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,13 +112,11 @@ class _FusedKernel(Kernel):
         return Zipped(dtype=dtypes, shape=shapes) * Choice("flag", self.flags)
 
     def compile(self, key: FusedKey) -> Any:
-        from weft_cuda.triton_attention import interpreting
-
         return key if interpreting() else self._warm(key, getattr(torch, key.dtype))
 
 
 class RmsNormKernel(_FusedKernel):
-    name: ClassVar[str] = "weft_cuda.rms_norm"
+    name: ClassVar[str] = "weft_triton.rms_norm"
     flags: ClassVar[tuple[bool, ...]] = (False, True)
 
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
@@ -137,7 +136,7 @@ class RmsNormKernel(_FusedKernel):
 
 
 class RotaryKernel(_FusedKernel):
-    name: ClassVar[str] = "weft_cuda.rotary"
+    name: ClassVar[str] = "weft_triton.rotary"
 
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
         heads, kv_heads, dim = key.shape
@@ -158,7 +157,7 @@ class RotaryKernel(_FusedKernel):
 
 
 class SiluAndMulKernel(_FusedKernel):
-    name: ClassVar[str] = "weft_cuda.silu_and_mul"
+    name: ClassVar[str] = "weft_triton.silu_and_mul"
 
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
         (width,) = key.shape

@@ -1,0 +1,1 @@
+"""weft-fastsafetensors: the ``fastsafetensors`` weight loader (``use.loader = "fastsafetensors"``)."""

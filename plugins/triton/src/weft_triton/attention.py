@@ -1,0 +1,117 @@
+"""The ``triton`` attention backend: paged attention for mixed prefill/decode steps in one Triton launch.
+
+New keys and values are stored with ``index_copy_``, then one launch of
+:mod:`weft_triton.paged_attention` attends every query of the step (two for
+decode steps of few requests, whose keys are split over several programs).
+The backend chooses the tiles per step and registers the kernel with core's
+warm-up contract: :meth:`TritonAttention.prepare` with every layer shape, and
+:meth:`TritonAttention.kv_cache_shape` with the cache block sizes, so warm-up
+compiles each variant the model will launch before the first request.
+
+Importing this module imports no Triton: the kernels load when the backend is
+built, which fails with the fix when Triton is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+
+from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
+from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from weft.kernels.warmup import register
+from weft_triton.runtime import MISSING_TRITON, interpreting, runs_on
+
+DECODE_BLOCK_M = 16
+"""Rows per program when every request decodes (rows are query heads of one KV head)."""
+PREFILL_BLOCK_M = 64
+"""Rows per program when a prefill chunk is present."""
+MAX_SPLITS = 16
+"""Most key ranges one decode request's keys are split into (flash-decoding)."""
+
+
+def decode_splits(num_requests: int) -> int:
+    """Key ranges per request for a decode-only step of ``num_requests``: few requests leave most of
+    the GPU idle (one program per request and KV head), so their keys are split across programs
+    and the partial softmaxes merged by a second kernel. Depends only on the batch size, so a
+    captured graph keeps it."""
+    return 16 if num_requests <= 2 else 8 if num_requests <= 8 else 4 if num_requests <= 16 else 1
+
+
+class TritonAttentionMetadata(msgspec.Struct):
+    batch: AttentionBatch
+    block_m: int
+    """Rows per program: small for decode-only steps, large when a prefill chunk is present."""
+    splits: int = 1
+    """Key ranges per request on decode-only steps of few requests (:func:`decode_splits`)."""
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention in one Triton kernel for any mix of prefill chunks and decodes; GQA; sliding windows."""
+
+    name: ClassVar[str] = "triton"
+    supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
+    supports_graph_capture: ClassVar[bool] = True
+
+    def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
+        super().__init__(options, platform)
+        try:
+            from weft_triton.paged_attention import PagedAttentionKernel
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] != "triton":
+                raise
+            raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
+        if not (interpreting() or runs_on(platform)):
+            backend = getattr(platform, "triton_backend", None)
+            raise RuntimeError(
+                f"attention backend 'triton' cannot run on platform {platform.name!r}: "
+                + (f"the installed triton has no {backend!r} backend" if backend else "Triton has no backend for it")
+                + "; set use.attention = 'torch' (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+            )
+        self.kernel = PagedAttentionKernel()
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        super().check_layer(layer)
+        group = layer.num_heads // layer.num_kv_heads
+        if group & (group - 1) or group > DECODE_BLOCK_M:
+            raise ValueError(
+                f"attention backend 'triton': {layer.num_heads} query heads over {layer.num_kv_heads} KV heads "
+                f"(group of {group}) is not supported; groups must be a power of two up to {DECODE_BLOCK_M}"
+            )
+
+    def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:
+        super().prepare(layers, dtype)
+        self.kernel.layers = list(dict.fromkeys(layers))
+        self.kernel.dtypes = [getattr(torch, dtype)]
+        register(self.kernel)
+
+    def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
+        if spec.block_size not in self.kernel.block_sizes:
+            self.kernel.block_sizes.append(spec.block_size)
+        return super().kv_cache_shape(num_blocks, spec)
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        if batch.max_query_len == 1:
+            return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M, splits=decode_splits(batch.seq_lens.shape[0]))
+        return TritonAttentionMetadata(batch=batch, block_m=PREFILL_BLOCK_M)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        batch = metadata.batch
+        self.store_kv(kv_cache, key, value, batch.slot_mapping)
+        query = query.contiguous()
+        output = torch.empty_like(query)
+        self.kernel(
+            dtype=query.dtype, layer=layer, block_size=batch.block_size, block_m=metadata.block_m,
+            splits=metadata.splits, query=query, kv_cache=kv_cache, output=output, batch=batch,
+        )
+        return output

@@ -7,7 +7,9 @@
   weight-loader plugin serving a config and a weight iterator registered in
   this process (random tensors made on the GPU, or a Hugging Face model's own
   state dict so both run identical weights); :func:`registry_with_memory_loader`
-  adds it to the installed plugins.
+  adds it to the installed plugins. :class:`RandomLoader` serves ``random:<shape>``
+  in every process, worker processes included (:func:`install_random_loader`):
+  each makes the same seeded tensors on its own GPU.
 """
 
 from __future__ import annotations
@@ -149,6 +151,47 @@ class MemoryLoader(WeightLoader):
         _, weights, _ = self.models[source.name[7:]]
         for name, tensor in weights():
             yield name, tensor.to(getattr(torch, dtype))
+
+
+SHAPES: dict[str, dict[str, Any]] = {"llama3-8b": LLAMA3_8B, "qwen3-0.6b": QWEN3_0_6B}
+
+
+class RandomLoader(WeightLoader):
+    """``random:<shape>`` (a name in :data:`SHAPES`): seeded N(0, 0.02) bf16 weights made on the loading
+    process's GPU, the same in every process; SmolLM2's tokenizer from ``$WEFT_TEST_TOKENIZER``."""
+
+    name: ClassVar[str] = "random"
+    priority: ClassVar[int] = 100
+
+    def accepts(self, source: str) -> bool:
+        return source.startswith("random:") and source[7:] in SHAPES
+
+    def resolve(self, source: str) -> ModelSource:
+        tokenizer = os.environ["WEFT_TEST_TOKENIZER"]
+        return ModelSource(path=tokenizer, format="random", hf_config=dict(SHAPES[source[7:]]), tokenizer="hf", name=source)
+
+    def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in random_weights(SHAPES[source.name[7:]], torch.bfloat16)():
+            yield name, tensor.to(getattr(torch, dtype))
+
+
+def install_random_loader(folder: Path) -> None:
+    """Make :class:`RandomLoader` an installed plugin (a distribution in ``folder``, put on ``sys.path``), so that
+    the worker processes of a multi-process engine, which discover plugins themselves, find it too."""
+    import importlib
+    import sys
+
+    dist_info = folder / "weft_bench_random-0.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: weft-bench-random\nVersion: 0\n"
+                                        "Requires-Dist: weft-core>=1.0,<2\n")
+    (dist_info / "entry_points.txt").write_text(f"[weft.loader]\nrandom = {__name__}:RandomLoader\n")
+    bench = str(Path(__file__).resolve().parent)
+    for entry in (str(folder), bench):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), bench, os.environ.get("PYTHONPATH", "")]))
+    importlib.invalidate_caches()
 
 
 def registry_with_memory_loader() -> PluginRegistry:

@@ -152,8 +152,9 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """A random-weight Hugging Face checkpoint of ``kind`` saved as safetensors, with SmolLM2's tokenizer."""
+def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 0, **sizes: object) -> Path:
+    """A random-weight Hugging Face checkpoint of ``kind`` saved as safetensors, with SmolLM2's tokenizer;
+    ``sizes`` override config values (``vocab_size=1001``)."""
     import shutil
 
     import torch
@@ -161,11 +162,11 @@ def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int =
 
     spec = dict(TINY_CONFIGS[kind])
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-        eos_token_id=2, **spec,
+    defaults = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
     )
+    config = AutoConfig.for_model(model_type, **{**defaults, **spec, **sizes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so greedy paths are not flat
@@ -232,6 +233,43 @@ def start_server():
     yield start
     for server in servers:
         server.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_weft_serve(args: list[str], port: int, env: dict[str, str], timeout: float = 180) -> tuple[subprocess.Popen, list[str]]:
+    """``weft serve ARGS --set server.port=PORT`` as a process; returns it and its output so far (a list that
+    keeps filling) once ``/health`` answers 200. Fails the test, with the output, if it exits or never answers."""
+    import threading
+    import time
+
+    import httpx
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", *args, "--set", f"server.port={port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            pytest.fail("the server exited while starting:\n" + "".join(log))
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server, log
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            pytest.fail("the server did not start:\n" + "".join(log))
+        time.sleep(0.2)
 
 
 POISON_TOKEN = 45749

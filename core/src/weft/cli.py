@@ -146,19 +146,29 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         help="set any key, e.g. --set plugins.mooncake.master_server_address=host:50051 (repeatable; VALUE is a TOML literal)",
     )
     for section, struct in _FLAG_SECTIONS:
-        for field in msgspec.structs.fields(struct):
+        for path, field in _scalar_fields(section, struct):
             base, description = _unwrap(field.type)
-            if isinstance(base, type) and issubclass(base, (dict, list)):
-                continue
             flag = "--" + field.name.replace("_", "-")
-            dest = f"cfg:{section}.{field.name}"
-            text = f"{section}.{field.name}: {description}" if description else f"{section}.{field.name}"
+            dest = f"cfg:{path}"
+            text = f"{path}: {description}" if description else path
             if base is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
             elif base is str:
                 group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text, type=_Text)
             else:
                 group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
+
+
+def _scalar_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
+    """``(key path, field)`` of every scalar option of ``struct``, nested tables' (``[engine.distributed]``) included."""
+    found = []
+    for field in msgspec.structs.fields(struct):
+        base, _ = _unwrap(field.type)
+        if _is_struct(base):
+            found.extend(_scalar_fields(f"{section}.{field.name}", base))
+        elif not (isinstance(base, type) and issubclass(base, (dict, list))):
+            found.append((f"{section}.{field.name}", field))
+    return found
 
 
 class _Text(str):
@@ -546,6 +556,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from weft.entrypoints.serve import serve
 
     config, _ = config_from_args(args)
+    from weft.distributed.placement import placement
+
+    if placement(config).node_rank > 0:
+        from weft.distributed.node import run_node
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        return run_node(config)
     try:
         status = serve(config)
     except CoreStartError as error:

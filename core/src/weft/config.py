@@ -64,6 +64,18 @@ class UseConfig(_Section, frozen=True):
     ops: Annotated[dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")] = {}
 
 
+class DistributedConfig(_Section, frozen=True):
+    """Several nodes: one launcher per node (``weft serve`` on each); torchrun's variables fill what is unset."""
+
+    nnodes: Annotated[int, Meta(ge=1, description="nodes the model spans; default: $WORLD_SIZE / $LOCAL_WORLD_SIZE under torchrun, else 1")] | None = None
+    node_rank: Annotated[int, Meta(ge=0, description="this node's index (0 runs the engine); default: $GROUP_RANK or $NODE_RANK, else 0")] | None = None
+    master_addr: Annotated[str, Meta(description="address of node 0, where workers meet; default: $MASTER_ADDR, else 127.0.0.1")] | None = None
+    master_port: Annotated[int, Meta(ge=0, le=65535, description="TCP port of the rendezvous on node 0; default: $MASTER_PORT, else a free one (one node only)")] | None = None
+    worker_timeout: Annotated[
+        float, Meta(gt=0, description="seconds a worker may take to start, load, join the others or finish a collective")
+    ] = 600.0
+
+
 class EngineConfig(_Section, frozen=True):
     """Scheduling, KV cache and numerics."""
 
@@ -105,11 +117,22 @@ class EngineConfig(_Section, frozen=True):
         bool, Meta(description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it")
     ] | None = None
     distributed_executor_backend: Annotated[
-        str, Meta(description="executor plugin that runs the model on workers (uniproc: in the engine core's process)")
-    ] = "uniproc"
+        str,
+        Meta(description="executor plugin that runs the model on workers: uniproc (one worker in the engine core's "
+                         "process), mp (one process per device), ray (weft-ray); default: uniproc on one device, mp above"),
+    ] | None = None
     tensor_parallel_size: Annotated[
-        int, Meta(ge=1, description="devices a model is sharded over (only 1 until tensor parallelism lands)")
+        int, Meta(ge=1, description="devices each layer is sharded over (attention heads, MLP columns, vocabulary)")
     ] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1, description="stages the layers are split over")] = 1
+    pipeline_partition: Annotated[
+        list[Annotated[int, Meta(ge=1)]],
+        Meta(description="layers of each pipeline stage, first stage first; default: an even split"),
+    ] | None = None
+    enable_expert_parallel: Annotated[
+        bool, Meta(description="mixture-of-experts models: spread whole routed experts over the tensor-parallel ranks")
+    ] = False
+    distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
     revision: Annotated[
         str, Meta(description="Hugging Face revision (branch, tag or commit) of a repo id model, for weights and "
                               "tokenizer alike; default: the one after '@' in model, else main")
@@ -229,12 +252,7 @@ def load_config(
     if config.plugins_lock is not None and path is not None and "plugins_lock" not in override_paths:
         # A lock named in the file is found next to it, wherever the command runs.
         config = msgspec.structs.replace(config, plugins_lock=str(Path(path).parent / config.plugins_lock))
-    if config.engine.tensor_parallel_size != 1:
-        where = OVERRIDE_SOURCE if "engine.tensor_parallel_size" in override_paths else source
-        raise ConfigError(
-            f"{where}: engine.tensor_parallel_size = {config.engine.tensor_parallel_size}: tensor parallelism is "
-            f"not implemented yet, so the model would silently run on one device; set it to 1"
-        )
+    _check_parallel(config, source, override_paths)
     _check_generation_config(config, source, override_paths)
     if config.plugins:
         from weft.plugins import PluginRegistry
@@ -242,6 +260,54 @@ def load_config(
         plugins = validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
         config = msgspec.structs.replace(config, plugins=plugins)
     return config
+
+
+def world_size(engine: EngineConfig) -> int:
+    """Ranks one model spans."""
+    return engine.tensor_parallel_size * engine.pipeline_parallel_size
+
+
+def executor_name(engine: EngineConfig) -> str:
+    """The executor ``engine.distributed_executor_backend`` names, or the default for the world size."""
+    if engine.distributed_executor_backend is not None:
+        return engine.distributed_executor_backend
+    return "uniproc" if world_size(engine) == 1 else "mp"
+
+
+def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -> None:
+    """The parallel layout's own consistency (what needs the model or the devices is checked at start)."""
+    engine = config.engine
+
+    def where(*keys: str) -> str:
+        return OVERRIDE_SOURCE if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys) else source
+
+    world = world_size(engine)
+    sizes = (f"tensor_parallel_size x pipeline_parallel_size = {engine.tensor_parallel_size} x "
+             f"{engine.pipeline_parallel_size} = {world} ranks")
+    if engine.distributed_executor_backend == "uniproc" and world > 1:
+        raise ConfigError(
+            f"{where('distributed_executor_backend', 'tensor_parallel_size', 'pipeline_parallel_size')}: "
+            f"engine.distributed_executor_backend = 'uniproc' runs one worker in the engine core's process, but "
+            f"{sizes}; use 'mp' (or 'ray'), or set both sizes to 1"
+        )
+    partition = engine.pipeline_partition
+    if partition is not None and len(partition) != engine.pipeline_parallel_size:
+        raise ConfigError(
+            f"{where('pipeline_partition', 'pipeline_parallel_size')}: engine.pipeline_partition = {partition} lists "
+            f"{len(partition)} stages but engine.pipeline_parallel_size = {engine.pipeline_parallel_size}; "
+            f"give one layer count per stage"
+        )
+    nodes, node_rank = engine.distributed.nnodes, engine.distributed.node_rank
+    if nodes is not None and node_rank is not None and node_rank >= nodes:
+        raise ConfigError(
+            f"{where('distributed.node_rank', 'distributed.nnodes')}: engine.distributed.node_rank = {node_rank} but "
+            f"engine.distributed.nnodes = {nodes}; node ranks run from 0 to {nodes - 1}"
+        )
+    if nodes is not None and world % nodes:
+        raise ConfigError(
+            f"{where('distributed.nnodes', 'tensor_parallel_size', 'pipeline_parallel_size')}: {sizes} cannot be "
+            f"spread evenly over engine.distributed.nnodes = {nodes} nodes; make the world size a multiple of nnodes"
+        )
 
 
 def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:

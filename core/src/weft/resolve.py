@@ -16,6 +16,7 @@ import msgspec
 from weft.config import WeftConfig, plugin_options, with_platform_defaults
 from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
+from weft.contracts.parallel import ParallelLayout
 from weft.plugins import PluginError, PluginRegistry
 from weft.plugins.selection import select_platform
 
@@ -122,10 +123,21 @@ def max_model_len(config: WeftConfig, source: ModelSource) -> int:
     return length
 
 
-def model_config(config: WeftConfig, source: ModelSource, dtype: str) -> ModelConfig:
+def parallel_layout(config: WeftConfig, rank: int = 0) -> ParallelLayout:
+    """The layout ``[engine]`` asks for, seen from ``rank``."""
+    engine = config.engine
+    partition = tuple(engine.pipeline_partition) if engine.pipeline_partition is not None else None
+    return ParallelLayout(
+        tensor_parallel_size=engine.tensor_parallel_size, pipeline_parallel_size=engine.pipeline_parallel_size,
+        enable_expert_parallel=engine.enable_expert_parallel, pipeline_partition=partition, rank=rank,
+    )
+
+
+def model_config(config: WeftConfig, source: ModelSource, dtype: str, layout: ParallelLayout | None = None) -> ModelConfig:
     return ModelConfig(
         architecture=architecture_of(config, source), hf_config=source.hf_config, dtype=dtype,
         block_size=config.engine.block_size, max_model_len=max_model_len(config, source),
+        parallel=layout or parallel_layout(config),
     )
 
 
@@ -135,8 +147,13 @@ def model_identity(source: ModelSource) -> str:
     return f"{source.name}@{digest[:12]}"
 
 
-def load_kv_connector(registry: PluginRegistry, config: WeftConfig, source: ModelSource) -> tuple[Any, Any, Any] | None:
-    """``(connector class, options, context)`` for ``use.kv_connector``; None for ``"none"``."""
+def load_kv_connector(
+    registry: PluginRegistry, config: WeftConfig, source: ModelSource, layout: ParallelLayout | None = None
+) -> tuple[Any, Any, Any] | None:
+    """``(connector class, options, context)`` for ``use.kv_connector``; None for ``"none"``.
+
+    ``layout``: the worker's rank (its context carries its tensor and pipeline ranks); the scheduler's role
+    gets rank 0's."""
     from weft.contracts.kv_connector import ConnectorContext
 
     name = config.use.kv_connector
@@ -144,5 +161,9 @@ def load_kv_connector(registry: PluginRegistry, config: WeftConfig, source: Mode
         return None
     connector_class = registry.load("kv_connector", name)
     options = options_for(config, "kv_connector", connector_class, name)
-    context = ConnectorContext(model=model_identity(source), tp_size=config.engine.tensor_parallel_size)
+    layout = layout or parallel_layout(config)
+    context = ConnectorContext(
+        model=model_identity(source), tp_rank=layout.tensor_rank, tp_size=layout.tensor_parallel_size,
+        pp_rank=layout.pipeline_rank, pp_size=layout.pipeline_parallel_size,
+    )
     return connector_class, options, context

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from weft.contracts.gpu_platform import DeviceScan, GpuPlatform
 
@@ -43,3 +43,9 @@ class CudaPlatform(GpuPlatform):
 
         major, minor = torch.cuda.get_device_capability(index)
         return f"sm_{major}{minor}"
+
+    def communicator(self, group: Any, device: Any) -> Any:
+        """NCCL, with one-shot all-reduces over NVLink peer memory that decode graphs capture (weft_cuda.communicator)."""
+        from weft_cuda.communicator import CudaCommunicator
+
+        return CudaCommunicator(group, device)

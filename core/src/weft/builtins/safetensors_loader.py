@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.generation_config import read_generation_config
 from weft.hub import hub_cache, is_repo_id, snapshot, weight_files
 
@@ -67,9 +67,29 @@ class SafetensorsLoader(WeightLoader):
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, part in self.iter_weight_slices(source, dtype):
+            yield name, part.load()
+
+    def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         from safetensors import safe_open
 
         for file in weight_files(Path(source.path)):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, cast(handle.get_tensor(name), dtype)
+                    yield name, SafetensorsSlice(handle.get_slice(name), dtype)
+
+
+class SafetensorsSlice(WeightSlice):
+    """One tensor of an open safetensors file; ``narrow`` reads only the asked range from disk."""
+
+    def __init__(self, stored: object, dtype: str) -> None:
+        self.stored = stored
+        self.dtype = dtype
+        self.shape = tuple(stored.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return cast(self.stored[index], self.dtype)
+
+    def load(self) -> torch.Tensor:
+        return cast(self.stored[:] if self.shape else self.stored[()], self.dtype)

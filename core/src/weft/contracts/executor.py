@@ -29,7 +29,8 @@ Executor call order: ``Executor(options, config)`` → :meth:`Executor.load_mode
 :meth:`Executor.initialize_kv_cache` (the blocks per group the engine chose;
 workers allocate caches, warm kernels up, capture graphs) → :meth:`Executor.execute_model`
 once per step (and :meth:`Executor.sample_tokens` after a step with structured
-outputs) → :meth:`Executor.shutdown`.
+outputs) → :meth:`Executor.shutdown`. An executor whose workers are lost raises
+:class:`ExecutorFailed` from any of them (and from a step handle's ``result``).
 """
 
 from __future__ import annotations
@@ -144,6 +145,14 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     """The model's KV-cache groups."""
     available_kv_bytes: int
     """Memory each worker may give its KV cache (the least over workers)."""
+
+
+class ExecutorFailed(RuntimeError):
+    """The workers are gone (one died, failed, or stopped answering): the engine cannot go on.
+
+    The message names the rank and the cause. The engine fails the requests in flight and shuts
+    down; every later call of the executor raises the same error (added in core API 1.4).
+    """
 
 
 class StepHandle:

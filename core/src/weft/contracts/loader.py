@@ -15,6 +15,12 @@ worker's device and its place among the parallel ranks. A loader that hands the
 work to another (a cache falling back to disk, a draft model on one pipeline
 stage) builds that one with a copy of it (``msgspec.structs.replace``), never
 with a config assembled field by field.
+
+Under tensor parallelism each rank needs only its part of most tensors. A loader
+that can read part of a stored tensor overrides :meth:`WeightLoader.iter_weight_slices`
+to yield :class:`WeightSlice` handles (safetensors' ``get_slice``; a GGUF file's rows);
+the model family narrows each to its rank's part, and only that part is read. The
+default wraps :meth:`~WeightLoader.iter_weights`, so every loader serves every family.
 """
 
 from __future__ import annotations
@@ -50,6 +56,43 @@ class ModelSource(msgspec.Struct, frozen=True):
     one give what they carry instead (a GGUF file's ``general.sampling.*`` metadata), or what the plugin
     declares for the model; empty when the model states nothing. Under ``engine.generation_config =
     "auto"`` its sampling keys are the defaults of requests that leave them unset (:mod:`weft.generation_config`)."""
+
+
+class WeightSlice:
+    """A stored tensor not yet read: its shape, and reads of the whole or of one range along one axis.
+
+    Valid until the iterator that yielded it moves on. Floating-point results are in the dtype
+    the iterator was asked for; integer tensors come as stored.
+    """
+
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Elements ``start .. start + length - 1`` along ``dim`` (only those are read where the format allows)."""
+        raise NotImplementedError
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor."""
+        raise NotImplementedError
+
+
+class LoadedSlice(WeightSlice):
+    """A tensor already in memory, behind the :class:`WeightSlice` interface."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, length)
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+
+def as_slice(weight: Any) -> WeightSlice:
+    """``weight`` as a :class:`WeightSlice` (a whole tensor is wrapped)."""
+    return weight if isinstance(weight, WeightSlice) else LoadedSlice(weight)
 
 
 class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,3 +163,11 @@ class WeightLoader(PluginBase):
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_tensor_name, tensor)`` pairs, each tensor once: floating-point tensors in ``dtype``,
         integer tensors (index tables) as stored."""
+
+    def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
+        """As :meth:`iter_weights`, each tensor as a :class:`WeightSlice` that reads only the part asked for.
+
+        The default reads every tensor whole; loaders whose format allows partial reads override it
+        (added in core API 1.4)."""
+        for name, tensor in self.iter_weights(source, dtype):
+            yield name, LoadedSlice(tensor)

@@ -13,6 +13,19 @@ The module returned by :meth:`ModelFamily.build` is called by the model runner a
 where ``context`` carries the attention backend, its per-step metadata and the
 KV-cache tensors of each group (the engine's model-runner documents it).
 
+Parallel layouts (:mod:`weft.contracts.parallel`): ``ModelConfig.parallel`` says how
+the model is spread, and :meth:`ModelFamily.check_parallel` refuses what the family
+cannot split (the default refuses every layout but one device). Under tensor
+parallelism the module is built with this rank's shards, its KV-cache groups hold
+this rank's key/value heads, and ``compute_logits`` returns the whole vocabulary on
+every tensor rank. Under pipeline parallelism a stage's module holds only its layers
+and is called with the previous stage's output::
+
+    out = module(input_ids, positions, context, intermediate)   # intermediate: None on the first stage
+    # every stage but the last returns a dict of tensors shaped as module.intermediate_spec(num_tokens) says
+
+and only the last stage computes logits.
+
 ``weft verify`` checks a family against its Hugging Face transformers reference on the
 same checkpoint. Two optional methods tell it how: :meth:`ModelFamily.hf_architecture`
 names the transformers class (default: the checkpoint's architecture itself) and
@@ -25,10 +38,11 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from weft.contracts.parallel import ParallelLayout
 from weft.contracts.plugin import PluginBase
 
 if TYPE_CHECKING:
@@ -48,13 +62,33 @@ class ModelConfig(msgspec.Struct, frozen=True):
     block_size: int
     """Tokens per KV-cache block chosen by the engine."""
     max_model_len: int
+    parallel: ParallelLayout = ParallelLayout()
+    """How the model is spread over devices, and this process's rank (added in core API 1.4)."""
 
 
 class ModelFamily(PluginBase):
     """Builds torch modules for some architectures and maps checkpoint weights onto them."""
 
+    reads_weight_slices: ClassVar[bool] = False
+    """Whether :meth:`load_weights` takes :class:`~weft.contracts.loader.WeightSlice` objects
+    (and reads only this rank's part of each tensor) instead of whole tensors (added in core API 1.4)."""
+
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()
+
+    def check_parallel(self, config: ModelConfig) -> None:
+        """Raise ValueError, naming the numbers and the fix, when ``config.parallel`` cannot hold this model.
+
+        Called before any worker starts. The default accepts one device only: a family that
+        shards its layers overrides it (added in core API 1.4).
+        """
+        layout = config.parallel
+        if layout.world_size > 1 or layout.enable_expert_parallel:
+            raise ValueError(
+                f"model family {type(self).__name__} ({config.architecture}) runs on one device only; "
+                f"set engine.tensor_parallel_size and engine.pipeline_parallel_size to 1"
+                + (" and engine.enable_expert_parallel to false" if layout.enable_expert_parallel else "")
+            )
 
     @abstractmethod
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
@@ -110,6 +144,8 @@ class ModelFamily(PluginBase):
     def load_weights(self, module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into ``module``.
 
+        ``weights`` yields whole tensors, or :class:`~weft.contracts.loader.WeightSlice` objects when
+        the family sets :attr:`reads_weight_slices` (a family that does should take both).
         Raise ValueError naming the tensor when a checkpoint tensor has no home
         or a parameter receives no tensor.
         """

@@ -122,6 +122,17 @@ class Platform(PluginBase):
         """The dtype used when ``engine.dtype = "auto"``."""
         return self.supported_dtypes[0]
 
+    def communicator(self, group: Any, device: torch.device) -> Any:
+        """The collectives tensor-parallel layers run over ``group`` (a torch.distributed process group).
+
+        Default: :class:`weft.distributed.communicator.Communicator`, plain torch.distributed calls on
+        :attr:`distributed_backend`. A platform returns a subclass with faster collectives; one whose
+        ``can_capture(dtype)`` is true lets decode graphs capture them (added in core API 1.4).
+        """
+        from weft.distributed.communicator import Communicator
+
+        return Communicator(group, device)
+
     def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Capture ``fn()`` into a replayable graph; returns a callable that replays it.
 

@@ -126,6 +126,8 @@ class AsyncEngine:
         self._reader: threading.Thread | None = None
         self._accepting = True
         self.dead = False
+        self.death_reason = ""
+        """Why the core stopped, when it said (its workers failed)."""
         self._stopping = False
         self._reader_done = False
         self._drain_deadline: float | None = None
@@ -192,7 +194,8 @@ class AsyncEngine:
     def _core_died(self) -> None:
         self.dead = True
         self._accepting = False
-        message = f"the engine core process died (exit code {self.process.exitcode}); the server is shutting down"
+        reason = f": {self.death_reason}" if self.death_reason else ""
+        message = f"the engine core process died (exit code {self.process.exitcode}){reason}; the server is shutting down"
         logger.error(message)
         self._fail_all(message, 503, "engine_dead")
         if self.on_core_death is not None:
@@ -354,6 +357,9 @@ class AsyncEngine:
             messages = []
             while self._output.poll(0):
                 messages.append(self._decoder.decode(self._output.recv()))
+            for message in messages:
+                if isinstance(message, Failed):  # the core's last word: it stops because its workers are gone
+                    self.death_reason = message.message
             try:
                 deliveries, stopped = self._handle([message for message in messages if isinstance(message, StepOutputs)])
             except Exception:

@@ -14,6 +14,7 @@ exits when told to, or when the API process is gone.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ import traceback
 import msgspec
 
 from weft.config import WeftConfig
+from weft.contracts.executor import ExecutorFailed
 from weft.engine.engine_core import CoreStats, EngineCoreRequest
 from weft.engine.scheduler import EngineCoreOutput
 
@@ -49,6 +51,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start, or (its last message) it stops because its workers are gone."""
+
     message: str
     traceback: str = ""
 
@@ -77,6 +81,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Started as a daemon (it dies with the API process), yet its executor may start worker processes,
+    # which multiprocessing refuses to daemons; the core stops them itself, and they watch it.
+    multiprocessing.current_process().daemon = False
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -94,6 +101,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     outputs.send(encoder.encode(Ready(core.describe())))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    fatal: ExecutorFailed | None = None
     try:
         while True:
             refused: dict[str, str] = {}
@@ -125,6 +133,13 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             failed: dict[str, str] = {}
             try:
                 produced = core.step_with_retry()
+            except ExecutorFailed as error:
+                held = core.scheduler.unfinished_ids
+                core.reset_after_failure()
+                failed = {request_id: f"the engine's workers failed: {error}" for request_id in held}
+                outputs.send(encoder.encode(StepOutputs([], core.stats(), refused, failed)))
+                fatal = error
+                break
             except Exception:
                 logger.exception("engine step failed again; failing the requests it held")
                 held = core.scheduler.unfinished_ids
@@ -135,6 +150,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
         core.close()
+        if fatal is not None:
+            logger.error("the engine core stops: %s", fatal)
+            outputs.send(encoder.encode(Failed(str(fatal))))
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()
@@ -143,4 +161,4 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if fatal is not None else 0)

@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig
-from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle
+from weft.config import WeftConfig, executor_name
+from weft.contracts.executor import ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
@@ -89,9 +89,9 @@ class EngineCore:
         self.hooks.hook.weft_configure(config=config)
         self.config = config = resolve_engine_config(config, self.registry)
         engine = config.engine
-        executor_name = engine.distributed_executor_backend
-        executor_class = self.registry.load("executor", executor_name)
-        self.executor = executor_class(options_for(config, "executor", executor_class, executor_name), config, self.registry)
+        name = executor_name(engine)
+        executor_class = self.registry.load("executor", name)
+        self.executor = executor_class(options_for(config, "executor", executor_class, name), config, self.registry)
         info = self.executor.load_model()
         self.groups = info.groups
         _, self.source = resolve_source(self.registry, config)
@@ -223,6 +223,8 @@ class EngineCore:
         the requests, :meth:`reset_after_failure`)."""
         try:
             produced = self.step()
+        except ExecutorFailed:
+            raise  # the workers are gone: nothing to retry on
         except Exception:
             self._failed_steps += 1
             if self._failed_steps > 1:
@@ -295,9 +297,12 @@ class EngineCore:
             return
         deadline = time.monotonic() + timeout
         self.abort(self.scheduler.unfinished_ids)
-        while self._in_flight is not None:
-            self.step()
-        self.wait_for_saves(max(0.0, deadline - time.monotonic()))
+        try:
+            while self._in_flight is not None:
+                self.step()
+            self.wait_for_saves(max(0.0, deadline - time.monotonic()))
+        except ExecutorFailed:
+            self._in_flight = None  # the workers are gone: nothing to finish
         if self.kv_connector is not None:
             if self.kv_connector.has_delayed_frees:
                 logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",

@@ -65,6 +65,7 @@ def serve(config: WeftConfig) -> int:
     finally:
         engine.stop()
     if engine.dead:
-        print(f"weft: error: the engine core process died (exit code {engine.process.exitcode})", file=sys.stderr)
+        reason = f": {engine.death_reason}" if engine.death_reason else ""
+        print(f"weft: error: the engine core process died (exit code {engine.process.exitcode}){reason}", file=sys.stderr)
         return 1
     return 0

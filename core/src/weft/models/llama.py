@@ -3,6 +3,13 @@
 One file, top to bottom, following Hugging Face's ``modeling_llama.py``; the
 projections q/k/v and gate/up are stacked into one matrix each, and attention
 goes through the paged :class:`weft.layers.attention.Attention`.
+
+Tensor parallelism (:mod:`weft.layers.tensor_parallel`): each rank holds its query heads,
+its key/value heads (replicated when the ranks outnumber them), its share of the MLP
+columns and of the vocabulary, and reads only those from the checkpoint. Pipeline
+parallelism: a stage builds its own layers (the others are empty placeholders, so
+parameter names keep the checkpoint's), the first stage the embedding, the last the
+final norm and the LM head; stages pass ``hidden`` and ``residual`` on.
 """
 
 from __future__ import annotations
@@ -16,9 +23,19 @@ from torch import nn
 
 from weft.contracts.attention import AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
+from weft.contracts.loader import as_slice
 from weft.contracts.model import ModelConfig, ModelFamily
+from weft.contracts.parallel import ParallelLayout, check_heads, head_range
 from weft.layers.attention import Attention, ForwardContext
-from weft.layers.linear import Embedding, Linear, default_dtype
+from weft.layers.linear import default_dtype
+from weft.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+    copy_checked,
+)
 from weft.layers.norm import RMSNorm
 from weft.layers.ops import current_op
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -27,7 +44,8 @@ from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 class LlamaSettings:
     """The numbers of one checkpoint's config, with each family's defaults."""
 
-    def __init__(self, config: dict[str, Any], architecture: str) -> None:
+    def __init__(self, config: dict[str, Any], architecture: str, layout: ParallelLayout | None = None) -> None:
+        self.layout = layout or ParallelLayout()
         self.hidden_size = config["hidden_size"]
         self.num_layers = config["num_hidden_layers"]
         self.num_heads = config["num_attention_heads"]
@@ -44,6 +62,23 @@ class LlamaSettings:
         self.mlp_bias = config.get("mlp_bias", False)
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.sliding_windows = self._sliding_windows(config, architecture)
+        tp, tensor_rank = self.layout.tensor_parallel_size, self.layout.tensor_rank
+        self.local_heads = self.num_heads // tp
+        self.first_kv_head, self.local_kv_heads = head_range(self.num_kv_heads, tp, tensor_rank)
+        self.local_intermediate = self.intermediate_size // tp
+        self.stage_layers = self.layout.stage_layers(self.num_layers)
+
+    def check(self) -> None:
+        """Raise ValueError, with the numbers and the fix, for a layout this checkpoint cannot take."""
+        tp = self.layout.tensor_parallel_size
+        check_heads("attention heads", self.num_heads, tp)
+        check_heads("key/value heads", self.num_kv_heads, tp, replicable=True)
+        if self.intermediate_size % tp:
+            raise ValueError(
+                f"engine.tensor_parallel_size = {tp} does not divide the model's intermediate_size "
+                f"{self.intermediate_size}; use a tensor_parallel_size that divides both it and the heads"
+            )
+        self.layout.check_layers(self.num_layers)
 
     def _sliding_windows(self, config: dict[str, Any], architecture: str) -> list[int | None]:
         window = config.get("sliding_window")
@@ -62,20 +97,23 @@ class LlamaAttention(nn.Module):
     def __init__(self, settings: LlamaSettings, index: int) -> None:
         super().__init__()
         s = settings
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.attention_bias)
-        self.o_proj = Linear(self.q_size, s.hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = s.local_heads, s.local_kv_heads, s.head_dim
+        self.q_size, self.kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
+        query = Shard(s.layout.tensor_rank * self.q_size, self.q_size)
+        key_value = Shard(s.first_kv_head * s.head_dim, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(s.hidden_size, [query, key_value, key_value], bias=s.attention_bias)
+        self.o_proj = RowParallelLinear(query, s.hidden_size, bias=False)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
-            num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
             scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index],
         )
         self.attn = Attention(layer_name(index), 0, spec)
         self.rotary = current_op("rotary")
         if self.rotary is not None:
-            self.rotary.declare(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
+            self.rotary.declare(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
+                                dtype=self.o_proj.weight.dtype)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -93,12 +131,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, settings: LlamaSettings) -> None:
         super().__init__()
-        self.intermediate_size = settings.intermediate_size
-        self.gate_up_proj = Linear(settings.hidden_size, 2 * settings.intermediate_size, bias=settings.mlp_bias)
-        self.down_proj = Linear(settings.intermediate_size, settings.hidden_size, bias=settings.mlp_bias)
+        self.intermediate_size = settings.local_intermediate
+        columns = Shard(settings.layout.tensor_rank * self.intermediate_size, self.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(settings.hidden_size, [columns, columns], bias=settings.mlp_bias)
+        self.down_proj = RowParallelLinear(columns, settings.hidden_size, bias=settings.mlp_bias)
         self.act = current_op("silu_and_mul")
         if self.act is not None:
-            self.act.declare(width=settings.intermediate_size, dtype=self.down_proj.weight.dtype)
+            self.act.declare(width=self.intermediate_size, dtype=self.down_proj.weight.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
@@ -133,17 +172,33 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(settings.vocab_size, settings.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(settings, index) for index in range(settings.num_layers))
-        self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
+        layout = settings.layout
+        self.stage_layers = settings.stage_layers
+        self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(settings.vocab_size, settings.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(settings, index) if index in self.stage_layers else nn.Module()
+            for index in range(settings.num_layers)
+        )
+        if self.is_last_stage:
+            self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.rotary = RotaryEmbedding(settings.head_dim, max_positions, settings.rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+        intermediate: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate["hidden"], intermediate["residual"]
         rotary = self.rotary.table(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rotary, hidden, residual, context)
+        for index in self.stage_layers:
+            hidden, residual = self.layers[index](rotary, hidden, residual, context)
+        if not self.is_last_stage:
+            return {"hidden": hidden, "residual": residual}
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
@@ -151,16 +206,27 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
         self.settings = settings
+        self.dtype = torch.get_default_dtype()
+        """The activations' dtype (the default dtype the family builds under)."""
         self.model = LlamaModel(settings, max_positions)
-        self.lm_head = Linear(settings.hidden_size, settings.vocab_size, bias=False)
-        if settings.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if settings.layout.is_last_stage:
+            self.lm_head = ParallelLMHead(settings.hidden_size, settings.vocab_size)
+            if settings.tie_word_embeddings and settings.layout.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, context)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+        intermediate: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self.model(input_ids, positions, context, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a stage hands the next for ``num_tokens`` tokens."""
+        shape = (num_tokens, self.settings.hidden_size)
+        return {"hidden": (shape, self.dtype), "residual": (shape, self.dtype)}
 
 
 def layer_name(index: int) -> str:
@@ -180,15 +246,24 @@ _STACKED = {
 class LlamaFamily(ModelFamily):
     """Llama-architecture decoders: Llama, Mistral, Qwen2, Qwen3, SmolLM2."""
 
+    reads_weight_slices = True
+
+    def check_parallel(self, config: ModelConfig) -> None:
+        LlamaSettings(config.hf_config, config.architecture, config.parallel).check()
+        if config.parallel.enable_expert_parallel:
+            raise ValueError(
+                f"engine.enable_expert_parallel: {config.architecture} has no experts to spread; set it to false"
+            )
+
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        settings = LlamaSettings(config.hf_config, config.architecture)
+        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
         spec = FullAttentionSpec(
-            block_size=config.block_size, dtype=config.dtype, num_kv_heads=settings.num_kv_heads, head_dim=settings.head_dim
+            block_size=config.block_size, dtype=config.dtype, num_kv_heads=settings.local_kv_heads, head_dim=settings.head_dim
         )
-        return (KVCacheGroupSpec("attention", tuple(layer_name(i) for i in range(settings.num_layers)), spec),)
+        return (KVCacheGroupSpec("attention", tuple(layer_name(i) for i in settings.stage_layers), spec),)
 
     def build(self, config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
-        settings = LlamaSettings(config.hf_config, config.architecture)
+        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
         # Weft's Linear and Embedding skip random initialisation (load_weights fills every
         # parameter), so building directly on the device in the runtime dtype costs nothing.
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
@@ -196,51 +271,68 @@ class LlamaFamily(ModelFamily):
         module.model.rotary.to(device)
         return module.eval()
 
-    def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        parameters = dict(module.named_parameters())
+    def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+        """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects; each rank copies (and reads) its part."""
         settings: LlamaSettings = module.settings
-        sizes = {
-            "qkv_proj": [settings.num_heads * settings.head_dim] + [settings.num_kv_heads * settings.head_dim] * 2,
-            "gate_up_proj": [settings.intermediate_size] * 2,
-        }
+        parameters = dict(module.named_parameters(remove_duplicate=False))
+        shared_head = settings.tie_word_embeddings and "model.embed_tokens.weight" in parameters
         filled: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and settings.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for checkpoint_part, (stacked, index) in _STACKED.items():
-                if f".{checkpoint_part}." in name:
-                    target, shard = name.replace(checkpoint_part, stacked), index
-                    break
-            if target not in parameters:
+            layer = _layer_index(name)
+            if layer is not None and layer not in settings.stage_layers:
+                continue  # another pipeline stage's
+            targets = self._targets(name, settings, parameters, shared_head)
+            if targets is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(module).__name__}")
-            parameter = parameters[target]
-            with torch.no_grad():
-                if shard is None:
-                    _copy(parameter.data, tensor, name)
-                    filled.add(target)
+            for target, shard in targets:
+                owner_name, _, parameter = target.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                loader = getattr(owner, "load_checkpoint_tensor", None)
+                if loader is not None:
+                    loader(parameter, tensor, name, shard or 0)
                 else:
-                    split = sizes[target.split(".")[-2]]
-                    offset = sum(split[:shard])
-                    _copy(parameter.data.narrow(0, offset, split[shard]), tensor, name)
-                    filled.add(f"{target}#{shard}")
+                    copy_checked(parameters[target].data, as_slice(tensor).load(), name)
+                filled.add(target if shard is None else f"{target}#{shard}")
         expected = set()
         for name in parameters:
             stacked = name.split(".")[-2]
-            if stacked in sizes:
-                expected |= {f"{name}#{i}" for i in range(len(sizes[stacked]))}
+            if stacked == "qkv_proj":
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif stacked == "gate_up_proj":
+                expected |= {f"{name}#{i}" for i in range(2)}
             else:
                 expected.add(name)
-        if settings.tie_word_embeddings:
+        if shared_head:
             expected.discard("lm_head.weight")
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")
 
+    @staticmethod
+    def _targets(
+        name: str, settings: LlamaSettings, parameters: dict[str, Any], shared_head: bool
+    ) -> list[tuple[str, int | None]] | None:
+        """The parameters (and stacked parts) checkpoint tensor ``name`` fills on this rank; None: it has no home."""
+        if name in _STAGE_TENSORS:  # on the first or the last pipeline stage only
+            targets = [(name, None)] if name in parameters and not (name == "lm_head.weight" and shared_head) else []
+            if name == "model.embed_tokens.weight" and settings.tie_word_embeddings and not shared_head \
+                    and "lm_head.weight" in parameters:
+                targets.append(("lm_head.weight", None))  # a tied head on a last stage without the embedding
+            return targets
+        for checkpoint_part, (stacked, index) in _STACKED.items():
+            if f".{checkpoint_part}." in name:
+                target = name.replace(checkpoint_part, stacked)
+                return [(target, index)] if target in parameters else None
+        return [(name, None)] if name in parameters else None
 
-def _copy(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
-    if destination.shape != source.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, expected {tuple(destination.shape)}")
-    destination.copy_(source)
+
+_STAGE_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _layer_index(name: str) -> int | None:
+    """``model.layers.7.mlp.up_proj.weight`` -> 7."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".")[2])

@@ -6,12 +6,18 @@ role, carried in the :class:`~weft.contracts.executor.SchedulerOutput` as
 msgpack bytes) is bound and loads run before the forward; saves and the
 worker's report follow it. Synchronous loads are waited for, every layer, before
 the forward starts; asynchronous ones complete in later steps' reports.
+
+With several ranks each has its own worker role (its own slice of every block);
+their reports are gathered every step and combined alike on every rank: a load
+failed if it failed anywhere, a request finished sending (or receiving) once every
+rank said so, the observations of all ranks together.
 """
 
 from __future__ import annotations
 
 import typing
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,8 +38,12 @@ class WorkerConnector:
         groups: Sequence[KVCacheGroupSpec],
         context: ConnectorContext,
         kv_caches: dict[str, torch.Tensor],
+        gather: Callable[[ConnectorOutput], list[ConnectorOutput]] | None = None,
     ) -> None:
+        """``gather``: every rank's report of a step (several ranks), else None."""
         self.worker_side = connector_class(options, "worker", tuple(groups), context)
+        self.gather = gather
+        self._reported: dict[str, Counter[str]] = {"finished_sending": Counter(), "finished_receiving": Counter()}
         self.worker_side.register_kv_caches(kv_caches)
         self.kv_caches = kv_caches
         self._decoder = msgspec.msgpack.Decoder(metadata_type(connector_class))
@@ -53,7 +63,7 @@ class WorkerConnector:
         self.worker_side.wait_for_save()
         output = self.worker_side.get_finished(set(finished_request_ids))
         self.worker_side.clear_connector_metadata()
-        return output
+        return self._combined(output)
 
     def poll(self, metadata: bytes | None, finished_request_ids: Sequence[str]) -> ConnectorOutput:
         """A step that runs no forward (the engine waits for saves or asynchronous loads): its metadata
@@ -62,7 +72,26 @@ class WorkerConnector:
         self.worker_side.start_load_kv()
         output = self.worker_side.get_finished(set(finished_request_ids))
         self.worker_side.clear_connector_metadata()
-        return output
+        return self._combined(output)
+
+    def _combined(self, output: ConnectorOutput) -> ConnectorOutput:
+        if self.gather is None:
+            return output
+        reports = self.gather(output)
+        finished = {}
+        for field, counts in self._reported.items():
+            for report in reports:
+                counts.update(getattr(report, field))
+            done = frozenset(request for request, count in counts.items() if count >= len(reports))
+            for request in done:
+                del counts[request]
+            finished[field] = done
+        failed = frozenset().union(*(report.failed_loads for report in reports))
+        observations: dict[str, list[float]] = {}
+        for report in reports:
+            for name, values in report.observations.items():
+                observations.setdefault(name, []).extend(values)
+        return ConnectorOutput(failed_loads=failed, observations=observations, **finished)
 
     def close(self) -> None:
         if not self._closed:

@@ -32,6 +32,13 @@ is applied to the logits on the device.
 
 Prompt logprobs: a request that asks for them runs its prefill eagerly, and the
 step scores each prompt token it computed from the logits of the position before.
+
+Several ranks (:mod:`weft.distributed`): every rank runs the same steps and keeps
+the same request state. Tensor ranks compute the whole vocabulary's logits and
+sample alike; with pipeline stages the forward runs in micro-batches
+(:mod:`weft.runner.pipeline`), the last stage samples and broadcasts the tokens to
+every rank. Under tensor parallelism a captured graph ends at the hidden states: the
+LM head's all-gather runs after the replay.
 """
 
 from __future__ import annotations
@@ -55,9 +62,17 @@ from weft.contracts.executor import (
     TokenLogprobs,
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import apply_token_bitmask
-from weft.runner.sampler import NON_FINITE_LOGITS, Sampler, greedy_maxima, plain_greedy
+from weft.runner.sampler import (
+    NON_FINITE_LOGITS,
+    SAMPLING_FAILED,
+    SampledToken,
+    Sampler,
+    greedy_maxima,
+    plain_greedy,
+)
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -118,15 +133,16 @@ PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
 class _PendingStep(StepHandle):
     """A step whose greedy tokens are being copied to the host."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], logits: torch.Tensor,
-                 connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
+                 healthy: torch.Tensor, connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
+        """``device_tokens``: each sampling row's argmax; ``healthy``: whether its logits were finite."""
         self.runner = runner
         self.prompt_logprobs = prompt_logprobs
         self.states = states
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
         """Batch rows that sampled, in the order of ``device_tokens``."""
-        self.device_tokens, healthy = greedy_maxima(logits)
+        self.device_tokens = device_tokens
         self.connector_output = connector_output
         # Tokens and health flags cross to the host in one copy. On any accelerator (CUDA, ROCm, XPU):
         # a pinned copy, and an event on its device to wait for.
@@ -175,8 +191,12 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         connector: WorkerConnector | None = None,
+        parallel: ParallelGroups = SINGLE,
     ) -> None:
         self.model = model
+        self.parallel = parallel
+        self.logits_in_graph = parallel.layout.tensor_parallel_size == 1
+        """Whether a captured decode graph includes the LM head (not when its all-gather cannot be captured)."""
         self.backend = backend
         self.groups = tuple(groups)
         self.kv_caches = kv_caches
@@ -228,7 +248,7 @@ class ModelRunner:
         if step.structured_output_request_ids:
             self._awaiting = _AwaitingMask(states, sampling, logits, report, prompt_logprobs)
             return None
-        return self._sample(states, sampling, logits, report, prompt_logprobs)
+        return self._sample_step(states, sampling, logits, report, prompt_logprobs)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
@@ -238,21 +258,21 @@ class ModelRunner:
         if grammar.request_ids and awaiting.logits is not None:
             row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
             apply_token_bitmask(awaiting.logits, [row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask)
-        return self._sample(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs)
+        return self._sample_step(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs)
 
-    def _sample(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
-                report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> StepHandle:
-        if logits is None:
+    def _sample_step(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
+                     report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> StepHandle:
+        if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
         if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, logits, report, prompt_logprobs)
+            self._pending = _PendingStep(self, states, sampling, *self._greedy(logits, len(sampling)), report, prompt_logprobs)
             return self._pending
         self._resolve_pending()  # penalties and min_tokens read every earlier output token
         tokens: list[int | None] = [None] * len(states)
         logprobs: dict[str, TokenLogprobs] = {}
         failed: dict[str, str] = {}
-        for row, sampled in zip(sampling, self.sampler(logits, sampled_states)):
+        for row, sampled in zip(sampling, self._sample(logits, sampled_states)):
             request_id = states[row].request_id
             if sampled.error is not None:
                 failed[request_id] = sampled.error
@@ -261,6 +281,32 @@ class ModelRunner:
             if sampled.logprob is not None:
                 logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
         return DoneStep(self.finish_step(states, tokens, logprobs, report, failed, prompt_logprobs))
+
+    def _greedy(self, logits: torch.Tensor | None, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sampling row's argmax and whether its logits are finite; under pipeline parallelism the
+        last stage's, broadcast to every stage (tensor ranks compute them alike)."""
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            assert logits is not None
+            return greedy_maxima(logits)
+        if logits is not None:
+            tokens, healthy = greedy_maxima(logits)
+            both = torch.stack([tokens, healthy.long()])
+        else:
+            both = torch.empty((2, count), dtype=torch.long, device=self.device)
+        both = self.parallel.broadcast_from_output_rank(both)
+        return both[0], both[1].bool()
+
+    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> list[SampledToken]:
+        """The sampler's tokens; under pipeline parallelism the last stage's on every stage (the failures'
+        reasons and the logprobs stay on the last stage, whose output the executor returns)."""
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            assert logits is not None
+            return self.sampler(logits, states)
+        sampled = self.sampler(logits, states) if logits is not None else []
+        values = [token.token_id if token.error is None else -1 for token in sampled] or [0] * len(states)
+        shared = self.parallel.broadcast_from_output_rank(torch.tensor(values, dtype=torch.long, device=self.device))
+        return sampled or [SampledToken(token) if token >= 0 else SampledToken(-1, error=SAMPLING_FAILED)
+                           for token in shared.tolist()]
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
                     report: ConnectorOutput | None, failed: dict[str, str],
@@ -287,7 +333,12 @@ class ModelRunner:
 
     def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int],
                  prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
-        """The logits of the rows in ``sampling`` (None when no row samples); fills ``prompt_logprobs``."""
+        """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last);
+        fills ``prompt_logprobs`` (not under pipeline parallelism, which refuses prompt logprobs)."""
+        if self.parallel.layout.pipeline_parallel_size > 1:
+            from weft.runner.pipeline import forward_in_micro_batches
+
+            return forward_in_micro_batches(self, states, counts, sampling)
         count = len(states)
         scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
         if self.graphs and sum(counts) == count and not scores_prompt:
@@ -336,6 +387,20 @@ class ModelRunner:
 
     def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int],
                        prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
+        input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
+        hidden = self.model(input_ids, positions, context)
+        for row, (state, count) in enumerate(zip(states, counts)):
+            positions_scored = _scored_prompt_positions(state, count)
+            if positions_scored:
+                prompt_logprobs[state.request_id] = self._score_prompt(state, hidden, query_start[row], positions_scored)
+        if not sampling:
+            return None
+        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
+        return self.model.compute_logits(hidden[last_rows])
+
+    def prepare_inputs(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
+        each request's tokens start in the flat batch."""
         positions: list[int] = []
         query_start = [0]
         seq_lens = []
@@ -370,15 +435,7 @@ class ModelRunner:
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
-        hidden = self.model(input_ids, position_tensor, context)
-        for row, (state, count) in enumerate(zip(states, counts)):
-            positions_scored = _scored_prompt_positions(state, count)
-            if positions_scored:
-                prompt_logprobs[state.request_id] = self._score_prompt(state, hidden, query_start[row], positions_scored)
-        if not sampling:
-            return None
-        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
-        return self.model.compute_logits(hidden[last_rows])
+        return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,
                       positions: range) -> tuple[int, list[TokenLogprobs]]:
@@ -442,7 +499,7 @@ class ModelRunner:
             metadata.append(self.backend.build_metadata(batch))
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Make rows ``start:stop`` one-token requests at position 0 that live in the scratch blocks."""
@@ -482,8 +539,8 @@ class ModelRunner:
             )
         if count < size:
             self._fill_padding(count, size)
-        logits = self.graphs[size]()
-        return logits[:count]
+        output = self.graphs[size]()
+        return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
 
 
 _PROMPT_LOGPROB_CHUNK = 256

@@ -6,6 +6,11 @@ an executor can build it in any process. Order: :meth:`Worker.load_model`
 and the backend will launch register while they are built), then
 :meth:`Worker.initialize_kv_cache` (cache tensors, the KV connector's worker
 role, kernel warm-up, graph capture), then :meth:`Worker.execute_model` per step.
+
+With several ranks (:mod:`weft.distributed`) each process builds one Worker with its
+:class:`~weft.distributed.state.ParallelGroups`: the model holds this rank's shards
+(and, under pipeline parallelism, its stage's layers), reads only those from disk when
+the loader and the family can, and sizes this rank's KV cache.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
+from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, using_ops
@@ -49,37 +55,55 @@ def resolve_dtype(config: WeftConfig, platform: Any) -> str:
 
 
 class Worker:
-    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
-        """``config`` has its platform-sized engine options resolved (:func:`weft.resolve.resolve_engine_config`)."""
+    def __init__(
+        self, config: WeftConfig, registry: PluginRegistry | None = None, parallel: ParallelGroups = SINGLE,
+        platform: Any = None,
+    ) -> None:
+        """``config`` has its platform-sized engine options resolved (:func:`weft.resolve.resolve_engine_config`);
+        ``parallel`` is this rank's groups (the default: one device), ``platform`` the one they were made on."""
         self.config = config
         self.registry = registry or PluginRegistry()
-        self.platform = build_platform(self.registry, config)
-        self.device = self.platform.device()
+        self.parallel = parallel
+        self.platform = platform or build_platform(self.registry, config)
+        self.device = parallel.device if parallel is not SINGLE else self.platform.device()
         self.dtype = resolve_dtype(config, self.platform)
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
 
     def load_model(self) -> WorkerInfo:
         config, engine = self.config, self.config.engine
-        self.loader, self.source = resolve_source(self.registry, config, load_config_for(config, str(self.device)))
+        layout = self.parallel.layout
+        load_config = load_config_for(
+            config, str(self.device), tensor_parallel_rank=layout.tensor_rank,
+            pipeline_parallel_size=layout.pipeline_parallel_size, pipeline_parallel_rank=layout.pipeline_rank,
+            local_rank=self.device.index or 0,
+        )
+        self.loader, self.source = resolve_source(self.registry, config, load_config)
         self.family = load_family(self.registry, config, self.source)
-        self.model_config = model_config(config, self.source, self.dtype)
+        self.model_config = model_config(config, self.source, self.dtype, self.parallel.layout)
+        self.family.check_parallel(self.model_config)
         attention_name = config.use.attention if config.use.attention != "auto" else self.platform.default_attention
         attention_class = self.registry.load("attention", attention_name)
         self.attention = attention_class(options_for(config, "attention", attention_class, attention_name), self.platform)
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
-            with using_ops(self.ops):
+            with using_ops(self.ops), using_parallel(self.parallel):
                 self.model = self.family.build(self.model_config, self.device)
-            self.family.load_weights(self.model, self.loader.iter_weights(self.source, self.family.load_dtype(self.dtype)))
+            load_dtype = self.family.load_dtype(self.dtype)
+            if self.family.reads_weight_slices:
+                weights = self.loader.iter_weight_slices(self.source, load_dtype)
+            else:
+                weights = self.loader.iter_weights(self.source, load_dtype)
+            self.family.load_weights(self.model, weights)
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
         self.groups = self.family.kv_cache_groups(self.model_config)
         if self.platform.device_type == "cpu":
             available = engine.cpu_kv_cache_bytes
         else:
-            available = int(self.platform.memory_info().free * engine.gpu_memory_utilization)
+            index = self.device.index if self.device.index is not None else 0
+            available = int(self.platform.memory_info(index).free * engine.gpu_memory_utilization)
         return WorkerInfo(groups=list(self.groups), available_kv_bytes=available)
 
     def _choose_ops(self) -> dict[str, Any]:
@@ -101,13 +125,14 @@ class Worker:
             for layer in group.layer_names:
                 kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
         self.kv_caches = kv_caches
-        connector = load_kv_connector(self.registry, self.config, self.source)
+        connector = load_kv_connector(self.registry, self.config, self.source, self.parallel.layout)
         if connector is not None:
             connector_class, options, context = connector
-            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches)
+            gather = self.parallel.all_gather_objects if self.parallel.world_size > 1 else None
+            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches, gather)
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
-            self.kv_connector,
+            self.kv_connector, self.parallel,
         )
         compiled = self.kernels.warm_up()
         if compiled:
@@ -123,6 +148,14 @@ class Worker:
         if not (self.platform.supports_graph_capture and self.attention.supports_graph_capture):
             if self.platform.supports_graph_capture:
                 logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
+            return
+        layout = self.parallel.layout
+        if layout.pipeline_parallel_size > 1:
+            logger.info("decode runs eagerly under pipeline parallelism (stages hand micro-batches to each other)")
+            return
+        if layout.tensor_parallel_size > 1 and not self.parallel.tensor.can_capture(getattr(torch, self.dtype)):
+            logger.info("decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
+                        self.platform.distributed_backend)
             return
         managed = [group.name for group in self.groups if not group.spec.paged_attention]
         if managed:

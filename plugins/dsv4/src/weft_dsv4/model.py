@@ -20,6 +20,15 @@ state in five KV-cache groups (see :class:`DeepseekV4Family.kv_cache_groups`):
 
 Each step works request by request: read what earlier steps left in the caches, add this
 step's tokens, write back what later steps need.
+
+Several ranks (``tensor_parallel_size``): each rank holds its attention heads (with their
+output groups and sinks), its share of the shared expert's columns and of the vocabulary;
+the shared key/value head, the compressors, the indexer, mHC and the router are computed
+alike on every rank (their KV-cache groups are the same on every rank). Routed experts are
+either split the same way (each expert's columns) or, with ``enable_expert_parallel``,
+spread whole over the ranks; either way every rank holds every token (the activations are
+replicated), adds what its experts and its shared-expert columns give, and one all-reduce
+per layer sums the ranks' shares.
 """
 
 from __future__ import annotations
@@ -41,11 +50,22 @@ from weft.contracts.kv_cache import (
     RecurrentStateSpec,
     SlidingWindowSpec,
 )
-from weft.contracts.model import ModelConfig, ModelFamily
-from weft.layers.attention import ForwardContext
-from weft.layers.linear import Embedding, Linear, default_dtype
-from weft.layers.ops import current_op
 from weft.builtins.decode_topk import DecodeTopKTorch
+from weft.contracts.loader import WeightSlice, as_slice
+from weft.contracts.model import ModelConfig, ModelFamily
+from weft.contracts.parallel import ParallelLayout, check_heads
+from weft.distributed.state import current_parallel
+from weft.layers.attention import ForwardContext
+from weft.layers.linear import Linear, default_dtype
+from weft.layers.ops import current_op
+from weft.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+    copy_checked,
+)
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -55,7 +75,7 @@ GROUPS = ("window", "csa_kv", "hca_kv", "indexer_keys", "compressor_state")
 class DeepseekV4Settings:
     """The numbers of a DeepSeek V4 ``config.json`` (HF's field names and defaults), validated."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], layout: ParallelLayout | None = None) -> None:
         self.vocab_size = config.get("vocab_size", 129280)
         self.hidden_size = config.get("hidden_size", 4096)
         self.num_layers = config.get("num_hidden_layers", 43)
@@ -92,6 +112,41 @@ class DeepseekV4Settings:
         self.layer_types = self._layer_types(config)
         self.mlp_layer_types = self._mlp_layer_types(config)
         self.rope_dim, self.rope = self._rope(config)
+        self.layout = layout or ParallelLayout()
+        tp, rank = self.layout.tensor_parallel_size, self.layout.tensor_rank
+        self.local_heads, self.local_groups = self.num_heads // tp, self.o_groups // tp
+        self.shared_intermediate = self.moe_intermediate_size // tp
+        """The shared expert's columns on this rank."""
+        if self.layout.enable_expert_parallel:
+            self.local_experts, self.first_expert = self.num_experts // tp, rank * (self.num_experts // tp)
+            self.expert_intermediate = self.moe_intermediate_size
+        else:
+            self.local_experts, self.first_expert = self.num_experts, 0
+            self.expert_intermediate = self.moe_intermediate_size // tp
+        """The routed experts this rank holds (``first_expert ..``) and each one's columns here."""
+
+    def check(self) -> None:
+        """Raise ValueError, with the numbers and the fix, for a layout this checkpoint cannot take."""
+        layout = self.layout
+        tp = layout.tensor_parallel_size
+        if layout.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"engine.pipeline_parallel_size = {layout.pipeline_parallel_size}: DeepSeek V4 runs on one pipeline "
+                f"stage; use tensor_parallel_size (with enable_expert_parallel) to spread it"
+            )
+        check_heads("attention heads", self.num_heads, tp)
+        divided = [("o_groups (output head groups)", self.o_groups),
+                   ("moe_intermediate_size (shared expert columns)", self.moe_intermediate_size)]
+        if layout.enable_expert_parallel:
+            divided.append(("n_routed_experts", self.num_experts))
+        for name, value in divided:
+            if value % tp:
+                raise ValueError(
+                    f"engine.tensor_parallel_size = {tp} does not divide the model's {name} {value}; use a "
+                    f"tensor_parallel_size that divides {self.num_heads} heads, {self.o_groups} output groups, "
+                    f"moe_intermediate_size {self.moe_intermediate_size}"
+                    + (f" and {self.num_experts} routed experts" if layout.enable_expert_parallel else "")
+                )
 
     def _layer_types(self, config: dict[str, Any]) -> list[str]:
         kinds = config.get("layer_types")
@@ -378,17 +433,21 @@ class DeepseekV4Attention(nn.Module):
         self.settings = s
         self.index = index
         self.kind = s.layer_types[index]
-        self.num_heads, self.head_dim, self.window = s.num_heads, s.head_dim, s.sliding_window
+        self.num_heads, self.head_dim, self.window = s.local_heads, s.head_dim, s.sliding_window
         self.rope_name = "main" if self.kind == SLIDING else "compress"
+        rank = s.layout.tensor_rank
         self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(s.q_lora_rank, s.rms_norm_eps)
-        self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.head_dim, bias=False)
+        heads = Shard(rank * s.local_heads, s.local_heads)
+        self.q_b_proj = ColumnParallelLinear(s.q_lora_rank, [Shard(heads.start * s.head_dim, heads.length * s.head_dim)], bias=False)
         self.kv_proj = Linear(s.hidden_size, s.head_dim, bias=False)
         self.kv_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         # Grouped low-rank output: each of o_groups head groups to o_lora_rank, then one mix.
-        self.o_a_proj = Linear(s.num_heads * s.head_dim // s.o_groups, s.o_groups * s.o_lora_rank, bias=False)
-        self.o_b_proj = Linear(s.o_groups * s.o_lora_rank, s.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.empty(s.num_heads, dtype=torch.float32))
+        groups = Shard(rank * s.local_groups * s.o_lora_rank, s.local_groups * s.o_lora_rank)
+        self.o_a_proj = ColumnParallelLinear(s.num_heads * s.head_dim // s.o_groups, [groups], bias=False)
+        self.o_b_proj = RowParallelLinear(groups, s.hidden_size, bias=False)
+        self.heads = heads
+        self.sinks = nn.Parameter(torch.empty(s.local_heads, dtype=torch.float32))
         self.compressor = None
         self.indexer = None
         if self.kind != SLIDING:
@@ -422,10 +481,14 @@ class DeepseekV4Attention(nn.Module):
             entries, entry_bias = compressed[request.index] if compressed is not None else (None, None)
             output[rows] = self._attend(query[rows], keys, window_bias, entries, entry_bias)
         output = apply_rope(output, cos, -sin)
-        grouped = output.reshape(tokens, s.o_groups, -1)
-        weight = self.o_a_proj.weight.view(s.o_groups, s.o_lora_rank, -1)
+        grouped = output.reshape(tokens, s.local_groups, -1)
+        weight = self.o_a_proj.weight.view(s.local_groups, s.o_lora_rank, -1)
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(tokens, -1)
         return self.o_b_proj(mixed)
+
+    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+        """The sinks of this rank's heads."""
+        copy_checked(getattr(self, parameter).data, as_slice(weight).narrow(0, self.heads.start, self.heads.length), name)
 
     def _window_keys(self, ring: torch.Tensor, request: RequestRows, new_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of positions ``start - window + 1 .. end - 1`` (earlier ones from the ring); stores the new ones."""
@@ -652,12 +715,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
+    """This rank's columns of the shared expert; returns its partial sum (the MoE all-reduces once)."""
+
     def __init__(self, s: DeepseekV4Settings) -> None:
         super().__init__()
         self.limit = s.swiglu_limit
-        self.gate_proj = Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.up_proj = Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.down_proj = Linear(s.moe_intermediate_size, s.hidden_size, bias=False)
+        columns = Shard(s.layout.tensor_rank * s.shared_intermediate, s.shared_intermediate)
+        self.gate_proj = ColumnParallelLinear(s.hidden_size, [columns], bias=False)
+        self.up_proj = ColumnParallelLinear(s.hidden_size, [columns], bias=False)
+        self.down_proj = RowParallelLinear(columns, s.hidden_size, bias=False, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -695,22 +761,54 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as stacked tensors: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``."""
+    """This rank's routed experts as stacked tensors: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``
+    (``E`` the experts it holds, ``I`` each one's columns it holds); returns its partial sum."""
 
     def __init__(self, s: DeepseekV4Settings) -> None:
         super().__init__()
         self.limit = s.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(s.num_experts, 2 * s.moe_intermediate_size, s.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(s.num_experts, s.hidden_size, s.moe_intermediate_size))
+        self.first, self.count = s.first_expert, s.local_experts
+        self.columns = Shard(0 if s.layout.enable_expert_parallel else s.layout.tensor_rank * s.expert_intermediate,
+                             s.expert_intermediate)
+        self.full_intermediate = s.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.count, 2 * s.expert_intermediate, s.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.count, s.hidden_size, s.expert_intermediate))
+
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.count
 
     def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         output = torch.zeros_like(hidden)
         for expert in experts.unique().tolist():
+            if not self.holds(expert):
+                continue  # another rank's: it adds that expert's share
             tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(hidden[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            current = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            local = expert - self.first
+            gate, up = F.linear(hidden[tokens], self.gate_up_proj[local]).chunk(2, dim=-1)
+            current = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[local])
             output.index_add_(0, tokens, (current * weights[tokens, slot, None]).to(output.dtype))
         return output
+
+    def load_expert(self, parameter: str, expert: int, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
+        """One expert's ``gate``/``up`` (``[I, H]``) or ``down`` (``[H, I]``) tensor: this rank's columns of it."""
+        weight, local, columns = as_slice(weight), expert - self.first, self.columns
+        if part == "down":
+            copy_checked(self.down_proj.data[local], weight.narrow(1, columns.start, columns.length), name)
+            return
+        offset = 0 if part == "gate" else columns.length
+        copy_checked(self.gate_up_proj.data[local].narrow(0, offset, columns.length),
+                     weight.narrow(0, columns.start, columns.length), name)
+
+    def load_stacked(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
+        """The stacked tensor of every expert (``[E, 2I, H]`` or ``[E, H, I]``): this rank's experts and columns."""
+        stacked = as_slice(weight).narrow(0, self.first, self.count)
+        columns = self.columns
+        if parameter == "down_proj":
+            copy_checked(self.down_proj.data, stacked.narrow(2, columns.start, columns.length), name)
+            return
+        gate = stacked.narrow(1, columns.start, columns.length)
+        up = stacked.narrow(1, self.full_intermediate + columns.start, columns.length)
+        copy_checked(self.gate_up_proj.data, torch.cat([gate, up], dim=1), name)
 
 
 class MoE(nn.Module):
@@ -719,10 +817,11 @@ class MoE(nn.Module):
         self.gate = Router(s, s.mlp_layer_types[index] == "hash_moe")
         self.experts = Experts(s)
         self.shared_experts = SharedExpert(s)
+        self.tensor = current_parallel().tensor
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(hidden, input_ids)
-        return self.experts(hidden, experts, weights) + self.shared_experts(hidden)
+        return self.tensor.all_reduce(self.experts(hidden, experts, weights) + self.shared_experts(hidden))
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -751,7 +850,7 @@ class DeepseekV4Model(nn.Module):
         self.group_names: tuple[str, ...] = ()
         """The KV-cache groups in the engine's order, and the window ring's length in blocks (set by the family)."""
         self.ring_blocks = 0
-        self.embed_tokens = Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(s, index) for index in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.hc_head = HyperHead(s)
@@ -772,7 +871,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.settings = s
         self.model = DeepseekV4Model(s, max_positions)
-        self.lm_head = Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(s.hidden_size, s.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, context)
@@ -894,6 +993,8 @@ def parameter_name(checkpoint_name: str) -> tuple[str, int | None, str | None]:
 class DeepseekV4Family(ModelFamily):
     """DeepSeek V4 / V4.1 (``DeepseekV4ForCausalLM``): CSA/HCA compressed sparse attention, mHC, hash MoE."""
 
+    reads_weight_slices = True
+
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         s = DeepseekV4Settings(config.hf_config)
         block_size = config.block_size
@@ -954,8 +1055,11 @@ class DeepseekV4Family(ModelFamily):
 
         return stable_topk()
 
+    def check_parallel(self, config: ModelConfig) -> None:
+        DeepseekV4Settings(config.hf_config, config.parallel).check()
+
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV4ForCausalLM:
-        s = DeepseekV4Settings(config.hf_config)
+        s = DeepseekV4Settings(config.hf_config, config.parallel)
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
             module = DeepseekV4ForCausalLM(s, config.max_model_len)
         groups = self.kv_cache_groups(config)
@@ -967,15 +1071,16 @@ class DeepseekV4Family(ModelFamily):
         module.model.ropes.to(device)
         return module.eval()
 
-    def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+        """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects: each rank reads its part
+        (its heads, columns and vocabulary rows; under expert parallelism only its experts)."""
         targets = dict(module.named_parameters())
         targets.update((name, buffer) for name, buffer in module.named_buffers() if name.endswith(("tid2eid", "e_score_correction_bias")))
-        intermediate = module.settings.moe_intermediate_size
         filled: set[str] = set()
         for checkpoint_name, tensor in weights:
             if checkpoint_name.startswith("mtp.") or ".mtp." in checkpoint_name:
                 continue  # the multi-token-prediction head is not part of the causal model
-            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 raise ValueError(
                     f"checkpoint tensor {checkpoint_name!r} is {tensor.dtype}: quantised DeepSeek V4 checkpoints are not "
                     f"supported yet; dequantise it to bfloat16 first"
@@ -983,26 +1088,28 @@ class DeepseekV4Family(ModelFamily):
             name, expert, part = parameter_name(checkpoint_name)
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in {type(module).__name__}")
-            destination = targets[name].data
-            key = name
-            if expert is not None:
-                destination = destination[expert]
-                if part != "down":
-                    destination = destination.narrow(0, 0 if part == "gate" else intermediate, intermediate)
-                key = f"{name}#{expert}.{part}"
-            if destination.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
-                )
-            with torch.no_grad():
-                destination.copy_(tensor)
-            filled.add(key)
+            owner_name, _, parameter = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if isinstance(owner, Experts):
+                if expert is None:
+                    owner.load_stacked(parameter, tensor, checkpoint_name)
+                    filled.add(name)
+                elif owner.holds(expert):  # another rank's expert is never read
+                    owner.load_expert(parameter, expert, part, tensor, checkpoint_name)
+                    filled.add(f"{name}#{expert}.{part}")
+                continue
+            loader = getattr(owner, "load_checkpoint_tensor", None)
+            if loader is not None:
+                loader(parameter, tensor, checkpoint_name)
+            else:
+                copy_checked(targets[name].data, as_slice(tensor).load(), checkpoint_name)
+            filled.add(name)
         expected = set()
-        for name, target in targets.items():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        for name in targets:
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in filled:
+                experts = module.get_submodule(name.rpartition(".")[0])
                 parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
-                whole = name in filled
-                expected |= {name} if whole else {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
+                expected |= {f"{name}#{e}.{p}" for e in range(experts.first, experts.first + experts.count) for p in parts}
             else:
                 expected.add(name)
         missing = sorted(expected - filled)

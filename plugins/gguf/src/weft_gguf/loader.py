@@ -8,7 +8,8 @@ Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
 keyed by the file's identity and the dtype, so a warm start skips the work; the
 cache's checksums (:mod:`weft_gguf.checksum`) are verified on every read, and a
-truncated or changed cache is rebuilt with one warning.
+truncated or changed cache is rebuilt with one warning. The ranks of a
+tensor-parallel engine read only their slices of that file.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from weft.contracts.loader import ModelSource, WeightLoader
+from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
 
 from weft_gguf import checksum
 from weft_gguf.convert import write_tokenizer
@@ -185,7 +186,13 @@ class GGUFLoader(WeightLoader):
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, part in self.iter_weight_slices(source, dtype):
+            yield name, part.load()
+
+    def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
+        """Slices of the dequantized cache file (written first if absent: the file is dequantized once)."""
         from safetensors import safe_open
+        from weft.builtins.safetensors_loader import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
         if cached.is_file():
@@ -193,7 +200,7 @@ class GGUFLoader(WeightLoader):
             if wrong is None:
                 with safe_open(str(cached), framework="pt") as handle:
                     for name in handle.keys():
-                        yield name, handle.get_tensor(name)
+                        yield name, SafetensorsSlice(handle.get_slice(name), dtype)
                 return
             warnings.warn(f"weft-gguf: the weight cache {cached} is {wrong}; rebuilding it from {source.path}",
                           stacklevel=2)
@@ -201,7 +208,8 @@ class GGUFLoader(WeightLoader):
         tensors = self._dequantize(source, getattr(torch, dtype))
         self._readers.pop(str(Path(source.path).resolve()), None)
         _save_atomically(tensors, cached)
-        yield from tensors.items()
+        for name, tensor in tensors.items():
+            yield name, LoadedSlice(tensor)
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf

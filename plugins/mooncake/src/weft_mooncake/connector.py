@@ -86,9 +86,12 @@ class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 
 class BlockTransfer(msgspec.Struct, frozen=True, array_like=True):
-    """One stored object: its key, its group, and the group's cache blocks it covers."""
+    """One stored object: its prefix block's hash, its group, and the group's cache blocks it covers.
 
-    key: str
+    Each worker keys it with its own rank (:meth:`MooncakeStoreConnector.key`): under tensor or pipeline
+    parallelism every rank stores its own part of the block."""
+
+    block_hash: bytes
     group: int
     blocks: tuple[int, ...]
 
@@ -187,7 +190,7 @@ class MooncakeStoreConnector(KVConnector):
             for group in self.stored_groups:
                 per_object = self.block_size // self.groups[group].spec.block_size
                 blocks = tracked.block_ids[group][position * per_object : (position + 1) * per_object]
-                objects.append(BlockTransfer(self.key(group, block_hash), group, tuple(blocks)))
+                objects.append(BlockTransfer(block_hash, group, tuple(blocks)))
         return tuple(objects)
 
     # Scheduler role.
@@ -308,7 +311,7 @@ class MooncakeStoreConnector(KVConnector):
             if keys and sum(map(len, sizes)) + len(block_sizes) > MAX_SLICES_PER_CALL:
                 yield keys, addresses, sizes
                 keys, addresses, sizes = [], [], []
-            keys.append(block.key)
+            keys.append(self.key(block.group, block.block_hash))
             addresses.append(block_addresses)
             sizes.append(block_sizes)
         if keys:

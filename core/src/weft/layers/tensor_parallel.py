@@ -1,0 +1,161 @@
+"""Layers sharded over the tensor-parallel ranks, each loading only its part of the checkpoint.
+
+``ColumnParallelLinear``   output features split (q/k/v heads, MLP gate and up): no communication;
+                           one weight may stack several checkpoint tensors, each split on its own
+``RowParallelLinear``      input features split (attention output, MLP down): partial sums all-reduced,
+                           the bias added once after the sum
+``VocabParallelEmbedding`` vocabulary rows split; a token outside a rank's rows looks up zeros, then all-reduce
+``ParallelLMHead``         vocabulary rows split; the logits all-gathered, the padding cut off
+
+A vocabulary the ranks do not divide is padded to ``ceil(vocab / tp)`` rows per rank;
+padded rows are zeros and their logits are cut before anything samples them.
+With one rank every layer is the plain one (no collective is called).
+
+Each layer reads its part through :class:`~weft.contracts.loader.WeightSlice`:
+:meth:`load_checkpoint_tensor` narrows the checkpoint tensor to this rank's range, so a
+loader that reads partially (safetensors, GGUF) never reads the rest from disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from weft.contracts.loader import WeightSlice, as_slice
+from weft.distributed.communicator import Communicator
+from weft.distributed.state import current_parallel
+from weft.layers.linear import Embedding, Linear
+
+
+class Shard(msgspec.Struct, frozen=True):
+    """This rank's rows of one checkpoint tensor along the split axis: ``start .. start + length - 1``."""
+
+    start: int
+    length: int
+
+    @classmethod
+    def even(cls, size: int, parts: int, index: int) -> Shard:
+        length = size // parts
+        return cls(index * length, length)
+
+
+def copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    if destination.shape != source.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, expected {tuple(destination.shape)}")
+    with torch.no_grad():
+        destination.copy_(source)
+
+
+class ColumnParallelLinear(Linear):
+    """``y = x W^T + b`` with W's rows split over the tensor ranks; ``y`` stays split.
+
+    ``shards`` lists the checkpoint tensors stacked into W, in order, and this rank's rows of each.
+    """
+
+    def __init__(self, in_features: int, shards: Sequence[Shard], bias: bool) -> None:
+        super().__init__(in_features, sum(shard.length for shard in shards), bias)
+        self.shards = tuple(shards)
+        self.offsets = [sum(shard.length for shard in shards[:index]) for index in range(len(shards))]
+
+    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+        """Copy this rank's rows of checkpoint tensor ``name`` (stacked part ``index``) into ``parameter``."""
+        shard = self.shards[index]
+        destination = getattr(self, parameter).data.narrow(0, self.offsets[index], shard.length)
+        copy_checked(destination, as_slice(weight).narrow(0, shard.start, shard.length), name)
+
+
+class RowParallelLinear(Linear):
+    """``y = sum over ranks (x_r W_r^T) + b``: W's columns split, the partial outputs all-reduced.
+
+    ``reduce=False`` returns this rank's partial sum (the caller adds partial sums of several
+    layers and all-reduces once, as a mixture of experts does); it takes no bias.
+    """
+
+    def __init__(self, shard: Shard, out_features: int, bias: bool, reduce: bool = True) -> None:
+        if bias and not reduce:
+            raise ValueError("RowParallelLinear(reduce=False) returns partial sums: it cannot add a bias")
+        self.tensor: Communicator = current_parallel().tensor
+        self.reduce = reduce
+        self.shard = shard
+        # The op sees no bias when the sum comes after it: the bias is added once, to the sum.
+        super().__init__(shard.length, out_features, bias)
+        self.bias_after_sum = bias and self.tensor.size > 1
+        if self.bias_after_sum and self.op is not None:
+            self.op.declare(out_features=out_features, in_features=shard.length, bias=False, dtype=self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return super().forward(x)
+        if not self.bias_after_sum:
+            return self.tensor.all_reduce(super().forward(x))
+        partial = F.linear(x, self.weight) if self.op is None else self.op(x, self.weight, None)
+        return self.tensor.all_reduce(partial) + self.bias
+
+    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+        weight = as_slice(weight)
+        destination = getattr(self, parameter).data
+        if parameter == "bias":
+            copy_checked(destination, weight.load(), name)
+        else:
+            copy_checked(destination, weight.narrow(1, self.shard.start, self.shard.length), name)
+
+
+class VocabParallelEmbedding(Embedding):
+    """Embedding rows split over the tensor ranks (``ceil(vocab / tp)`` each, the last ones padded)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        self.tensor: Communicator = current_parallel().tensor
+        self.vocab_size = vocab_size
+        self.rows_per_rank, self.first_row, self.rows = vocab_rows(vocab_size, self.tensor)
+        super().__init__(self.rows_per_rank, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tensor.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.first_row
+        inside = (local >= 0) & (local < self.rows)
+        hidden = F.embedding(local.masked_fill(~inside, 0), self.weight)
+        return self.tensor.all_reduce(hidden.masked_fill(~inside.unsqueeze(-1), 0))
+
+    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+        load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+
+
+class ParallelLMHead(Linear):
+    """Logits over the whole vocabulary on every tensor rank, each computing its rows' share."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        self.tensor: Communicator = current_parallel().tensor
+        self.vocab_size = vocab_size
+        self.rows_per_rank, self.first_row, self.rows = vocab_rows(vocab_size, self.tensor)
+        super().__init__(hidden_size, self.rows_per_rank, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(hidden)
+        if self.tensor.size == 1:
+            return logits
+        return self.tensor.all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+        load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+
+
+def vocab_rows(vocab_size: int, tensor: Communicator) -> tuple[int, int, int]:
+    """``(rows per rank, this rank's first row, its rows of the vocabulary)``: the rest of its rows are padding."""
+    per_rank = -(-vocab_size // tensor.size)
+    first = tensor.rank * per_rank
+    return per_rank, first, max(0, min(vocab_size - first, per_rank))
+
+
+def load_vocab_rows(parameter: torch.Tensor, first: int, rows: int, weight: WeightSlice | torch.Tensor, name: str,
+                    vocab_size: int) -> None:
+    weight = as_slice(weight)
+    if weight.shape[0] != vocab_size:
+        raise ValueError(f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's {vocab_size}")
+    with torch.no_grad():
+        parameter.data[rows:].zero_()
+    if rows:
+        copy_checked(parameter.data[:rows], weight.narrow(0, first, rows), name)

@@ -1,0 +1,420 @@
+"""Distributed execution on CPU: gloo, fp32, tiny random checkpoints, real worker processes.
+
+Every parallel layout must give the greedy tokens of one device: tensor parallelism on
+the shapes it has to handle (a vocabulary two ranks do not divide, one key/value head
+for two ranks, a sliding window), pipeline stages with an explicit partition, both
+together on four processes, two launchers on one host, ``weft serve`` with two tensor
+ranks through the official client. A killed worker ends the engine with an error that
+names its rank; impossible layouts are refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, make_tiny_model, start_weft_serve
+from weft import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 300], list(range(100, 140)), [7] * 12]
+"""Token ids below 1,001; the third is longer than the Mistral window."""
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def greedy_tokens(model: Path, **engine: object) -> tuple[list[list[int]], list[int]]:
+    """The greedy tokens of every prompt, and the engine's KV blocks per group."""
+    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, **engine})
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        return [output.outputs[0].token_ids for output in outputs], llm.engine.core.num_blocks
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_files):
+    """``checkpoint(kind, **sizes)``: a tiny random checkpoint, made once per module."""
+    made: dict[tuple, Path] = {}
+
+    def get(kind: str, **sizes: object) -> Path:
+        key = (kind, tuple(sorted(sizes.items())))
+        if key not in made:
+            name = "-".join([kind, *(f"{k}{v}" for k, v in sorted(sizes.items()))])
+            made[key] = make_tiny_model(tmp_path_factory.mktemp("distributed") / name, kind, tokenizer_files, **sizes)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("kind", "sizes", "layout"),
+    [
+        ("llama", {"vocab_size": 1001}, {"tensor_parallel_size": 2}),
+        ("qwen3", {"num_key_value_heads": 1}, {"tensor_parallel_size": 2}),
+        ("mistral-window", {}, {"tensor_parallel_size": 2}),
+        ("llama", {"num_hidden_layers": 3}, {"pipeline_parallel_size": 2, "pipeline_partition": [2, 1]}),
+        ("llama3-rope", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ],
+    ids=["tp2-vocab-1001", "tp2-qwen3-one-kv-head", "tp2-mistral-window", "pp2-partition-2-1", "tp2-pp2-tied-embeddings"],
+)
+def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint, kind, sizes, layout):
+    model = checkpoint(kind, **sizes)
+    expected, blocks_one = greedy_tokens(model)
+    got, blocks_parallel = greedy_tokens(model, **layout)
+    assert got == expected
+    vocab = sizes.get("vocab_size", 49152)
+    assert all(0 <= token < vocab for tokens in got for token in tokens)  # padded rows never sampled
+    # The KV cache is sized per rank: each rank holds its key/value heads (one replicated head when the
+    # ranks outnumber them) and its stage's layers, in the same cpu_kv_cache_bytes.
+    kv_heads = sizes.get("num_key_value_heads", 2)
+    share = max(1, kv_heads // layout.get("tensor_parallel_size", 1)) / kv_heads
+    layers = sizes.get("num_hidden_layers", 2)
+    most_layers = max(layout.get("pipeline_partition") or [layers // layout.get("pipeline_parallel_size", 1)])
+    assert abs(blocks_parallel[0] - blocks_one[0] * layers / most_layers / share) <= 1
+
+
+def test_micro_batches_split_the_requests_by_tokens():
+    from weft.runner.pipeline import micro_batches
+
+    assert micro_batches([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert micro_batches([100, 1, 1], 2) == [range(0, 1), range(1, 3)]
+    assert micro_batches([1, 1, 100], 2) == [range(0, 2), range(2, 3)]
+    assert micro_batches([5], 4) == [range(0, 1)]
+    assert micro_batches([1] * 5, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+
+
+def test_impossible_layouts_are_refused_with_the_numbers_and_the_fix(checkpoint, monkeypatch):
+    from weft.config import ConfigError, load_config
+
+    model = str(checkpoint("llama"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 3 does not divide the model's 4 attention heads; "
+                                         r"use a tensor_parallel_size among 1, 2, 4"):
+        LLM(model=model, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size = 3 is more stages than the model's 2 layers"):
+        LLM(model=model, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"pipeline_partition = \[2, 1\] gives 3 layers, but the model has 2"):
+        LLM(model=model, pipeline_parallel_size=2, pipeline_partition=[2, 1])
+    with pytest.raises(ConfigError, match=r"'uniproc' runs one worker .* 2 x 1 = 2 ranks; use 'mp'"):
+        load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed_executor_backend": "uniproc"})
+    with pytest.raises(ConfigError, match=r"pipeline_partition = \[2\] lists 1 stages but engine.pipeline_parallel_size = 2"):
+        load_config(None, {"engine.pipeline_parallel_size": 2, "engine.pipeline_partition": [2]})
+    with pytest.raises(ConfigError, match=r"node_rank = 2 but engine.distributed.nnodes = 2"):
+        load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2, "node_rank": 2}})
+    with pytest.raises(ConfigError, match=r"1 x 3 = 3 ranks cannot be spread evenly over engine.distributed.nnodes = 2"):
+        load_config(None, {"engine.pipeline_parallel_size": 3, "engine.distributed": {"nnodes": 2}})
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: LlamaForCausalLM has no experts"):
+        LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=True)
+
+    # More ranks than devices: a node that sees one accelerator.
+    import weft.plugins.selection as selection
+    from weft.contracts.platform import PlatformProbe
+    from weft_cuda.platform import CudaPlatform
+
+    monkeypatch.setattr(selection, "select_platform", lambda registry, name: (CudaPlatform, PlatformProbe(True, "one GPU", 100, 1)))
+    with pytest.raises(ValueError, match=r"needs 2 devices on each of 1 node\(s\), but this node has 1 visible cuda device"):
+        LLM(model=model, tensor_parallel_size=2)
+
+
+def test_torchrun_variables_place_the_launcher():
+    from weft.config import ConfigError, load_config
+    from weft.distributed.placement import placement
+
+    config = load_config(None, {"engine.tensor_parallel_size": 4})
+    torchrun = {"GROUP_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "MASTER_ADDR": "10.0.0.7",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    where = placement(config, torchrun)
+    assert (where.nnodes, where.node_rank, where.master_addr, where.master_port) == (2, 1, "10.0.0.7", 29500)
+    assert where.agent_store and where.node_ranks() == range(2, 4) and where.run_id == "weft/job7/0"
+    explicit = load_config(None, {"engine.tensor_parallel_size": 4, "engine.distributed": {"node_rank": 0, "master_port": 4000}})
+    assert (placement(explicit, torchrun).node_rank, placement(explicit, torchrun).master_port) == (0, 4000)
+    with pytest.raises(ConfigError, match="run torchrun with --nproc-per-node 1"):
+        placement(config, {**torchrun, "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match=r"2 nodes need a rendezvous port .* set engine.distributed.master_port"):
+        placement(load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2}}), {})
+
+
+def _environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if not key.startswith(("WEFT_", "MASTER_", "TORCHELASTIC"))}
+
+
+def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoint):
+    model = checkpoint("llama")
+    expected, _ = greedy_tokens(model)
+    port = free_port()
+    common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576",
+              "--set", "engine.distributed.worker_timeout=120"]
+    node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    try:
+        got, _ = greedy_tokens(model, tensor_parallel_size=2,
+                               distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port,
+                                            "worker_timeout": 120})
+        status = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        log = node1.stdout.read()
+    assert got == expected
+    assert status == 0, log
+    assert "node 1 of 2: ranks 1-1" in log
+
+
+def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokenizer_files):
+    """The official client against `weft serve` with tensor_parallel_size = 2; then one worker is killed
+    mid-stream: the stream ends with an error naming its rank and the server exits non-zero."""
+    from openai import OpenAI
+
+    model = checkpoint("llama")
+    offline = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20})
+    completion_expected = offline.generate(["The capital of France is"], GREEDY)[0].outputs[0].text
+    chat = [{"role": "user", "content": "Name three colours."}]
+    chat_expected = offline.chat(chat, GREEDY)[0].outputs[0].text
+    offline.engine.close()
+
+    port = free_port()
+    server, log = start_weft_serve(["--model", str(model), "--tensor-parallel-size", "2",
+                                    "--set", "engine.cpu_kv_cache_bytes=1048576"], port, _environment(), timeout=240)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        completion = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=16,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == completion_expected
+        streamed = client.chat.completions.create(model=model.name, messages=chat, max_tokens=16, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == chat_expected
+
+        pids = {int(pid): int(rank) for rank, pid in re.findall(r"worker rank (\d+) \(pid (\d+)\) joined", "".join(log))}
+        victim = next(pid for pid, rank in pids.items() if rank == 1)
+        received: list[str] = []
+
+        def stream() -> None:
+            try:
+                for chunk in client.completions.create(model=model.name, prompt="Once", max_tokens=500, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+                    received.append(chunk.choices[0].text if chunk.choices else "")
+            except Exception as error:  # noqa: BLE001 - the error the stream ends with
+                received.append(f"ERROR {error}")
+
+        caller = threading.Thread(target=stream)
+        caller.start()
+        while len(received) < 3:
+            assert caller.is_alive(), received
+            time.sleep(0.05)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        try:
+            code = server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit after a worker died:\n" + "".join(log))
+        stopped = time.monotonic() - killed
+        caller.join(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    output = "".join(log)
+    assert code != 0, output
+    assert stopped < 30
+    assert f"worker rank 1 (pid {victim}) killed by SIGKILL" in output
+    assert "worker rank 1" in received[-1], received[-3:]
+
+
+def test_two_tensor_parallel_engines_share_prefixes_through_mooncake(checkpoint, tmp_path):
+    """Each rank stores its own heads' blocks under its rank's keys; a second TP=2 engine loads them."""
+    from weft.engine.kv_cache_manager import block_hashes
+    from weft_mooncake.local import LocalMooncake
+    from weft_mooncake.system import missing_library_problem
+
+    problem = missing_library_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    from mooncake.store import MooncakeDistributedStore
+
+    model = checkpoint("llama")
+    shared = [(7 * i + 3) % 4000 + 10 for i in range(70)]  # four full blocks of 16, and 6 tokens
+    first_prompt, second_prompt = shared + [11, 12], shared + [21, 22, 23]
+    reference = LLM(model=str(model), engine={"num_kv_blocks": 96})
+    expected = [output.outputs[0].token_ids for output in reference.generate([first_prompt, second_prompt], GREEDY)]
+    reference.engine.close()
+    engine = {"num_kv_blocks": 96, "tensor_parallel_size": 2}
+    with LocalMooncake(segment_size=64 << 20, log_dir=tmp_path) as store:
+        options = {"use": {"kv_connector": "mooncake"}, "plugins": {"mooncake": store.options()}}
+        with LLM(model=str(model), engine=engine, **options) as first:
+            assert first.generate([first_prompt], GREEDY)[0].outputs[0].token_ids == expected[0]
+            model_identity = first.engine.kv_connector.scheduler_side.context.model
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", store.metadata_server, 0, 0, "tcp", "", store.master_server_address) == 0
+        try:
+            for rank in (0, 1):
+                prefix = f"weft/{model_identity}/float32/tp{rank}of2/pp0of1/attention/16/"
+                keys = [prefix + block_hash.hex() for block_hash in block_hashes(first_prompt, 16)]
+                assert client.batch_is_exist(keys) == [1, 1, 1, 1], rank
+        finally:
+            client.close()
+        with LLM(model=str(model), engine=engine, **options) as second:
+            assert second.generate([second_prompt], GREEDY)[0].outputs[0].token_ids == expected[1]
+            stats = second.engine.kv_connector.stats
+            assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)
+
+
+def test_deepseek_v4_with_expert_parallelism_gives_the_greedy_tokens_of_one_device(tmp_path):
+    """EP=2: each rank holds half of the routed experts, the dense parts split over both; 4 prompts, 32 tokens."""
+    pytest.importorskip("weft_dsv4")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV4ForCausalLM")
+    from weft_dsv4.model import CSA, HCA, SLIDING
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3), seed=7)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (length,), generator=generator).tolist() for length in (5, 23, 41, 12)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 256, "max_num_batched_tokens": 24}
+    with LLM(model=str(folder), engine=engine) as one:
+        expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
+    with LLM(model=str(folder), engine={**engine, "tensor_parallel_size": 2, "enable_expert_parallel": True}) as two:
+        assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
+
+
+class _Recording:
+    """Wraps a loader's WeightSlice and records what is read of it."""
+
+    def __init__(self, name: str, stored, reads: list) -> None:
+        self.name, self.stored, self.reads = name, stored, reads
+        self.shape = stored.shape
+
+    def narrow(self, dim: int, start: int, length: int):
+        self.reads.append((self.name, dim, start, length))
+        return self.stored.narrow(dim, start, length)
+
+    def load(self):
+        self.reads.append((self.name, "whole"))
+        return self.stored.load()
+
+
+def _load_rank(folder: Path, family, rank: int, **layout: object):
+    """Build and load ``family``'s model as ``rank`` of two tensor ranks (no process group: no forward runs)."""
+    from weft.builtins.safetensors_loader import SafetensorsLoader
+    from weft.contracts.loader import WeightSlice
+    from weft.contracts.model import ModelConfig
+    from weft.contracts.parallel import ParallelLayout
+    from weft.distributed.communicator import Communicator
+    from weft.distributed.state import ParallelGroups, using_parallel
+
+    class Recording(_Recording, WeightSlice):
+        pass
+
+    parallel_layout = ParallelLayout(tensor_parallel_size=2, rank=rank, **layout)
+    tensor = Communicator(None, torch.device("cpu"))
+    tensor.size, tensor.rank = 2, rank
+    loader = SafetensorsLoader()
+    source = loader.resolve(str(folder))
+    config = ModelConfig(architecture=source.hf_config["architectures"][0], hf_config=source.hf_config, dtype="float32",
+                         block_size=16, max_model_len=256, parallel=parallel_layout)
+    with using_parallel(ParallelGroups(parallel_layout, tensor, torch.device("cpu"))):
+        module = family.build(config, torch.device("cpu"))
+    reads: list = []
+    family.load_weights(module, ((name, Recording(name, part, reads)) for name, part in loader.iter_weight_slices(source, "float32")))
+    return module, reads
+
+
+def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
+    from safetensors.torch import load_file
+    from weft.models.llama import LlamaFamily
+
+    folder = checkpoint("llama", vocab_size=1001)  # 4 heads of 16, 2 KV heads, MLP 128, vocabulary 1,001
+    stored = load_file(str(folder / "model.safetensors"))
+    module, reads = _load_rank(folder, LlamaFamily(), rank=1)
+    read = {(name, *rest) for name, *rest in reads}
+    layer = "model.layers.0"
+    assert (f"{layer}.self_attn.q_proj.weight", 0, 32, 32) in read  # query heads 2-3
+    assert (f"{layer}.self_attn.k_proj.weight", 0, 16, 16) in read  # key/value head 1
+    assert (f"{layer}.self_attn.o_proj.weight", 1, 32, 32) in read  # the input columns of heads 2-3
+    assert (f"{layer}.mlp.down_proj.weight", 1, 64, 64) in read
+    assert ("model.embed_tokens.weight", 0, 501, 500) in read  # rows 501-1000, one padding row
+    whole = {name for name, *rest in reads if rest == ["whole"]}
+    assert all(name.endswith("norm.weight") for name in whole), whole
+    attention = module.model.layers[0].self_attn
+    expected = torch.cat([stored[f"{layer}.self_attn.q_proj.weight"][32:], stored[f"{layer}.self_attn.k_proj.weight"][16:],
+                          stored[f"{layer}.self_attn.v_proj.weight"][16:]])
+    assert attention.qkv_proj.weight.equal(expected)
+    embedding = module.model.embed_tokens.weight
+    assert embedding[:500].equal(stored["model.embed_tokens.weight"][501:]) and not embedding[500].any()
+
+    pytest.importorskip("weft_dsv4")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        return
+    from weft_dsv4.model import CSA, HCA, DeepseekV4Family
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    dsv4 = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA]), seed=7)  # 8 routed experts
+    module, reads = _load_rank(dsv4, DeepseekV4Family(), rank=1, enable_expert_parallel=True)
+    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in reads if ".experts." in name}
+    assert experts_read == {4, 5, 6, 7}
+    stored = load_file(str(next(dsv4.glob("*.safetensors"))))
+    routed = module.model.layers[1].mlp.experts
+    down = next(name for name in stored if ".1.ffn.experts.5.w2" in name or "layers.1.mlp.experts.5.down_proj" in name)
+    assert routed.down_proj[1].equal(stored[down])
+
+
+
+def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_device(checkpoint):
+    """`weft generate` joins a running Ray cluster (plugins.ray.address) and places two ranks as actors."""
+    import json
+
+    ray = pytest.importorskip("ray")
+    model = checkpoint("llama")
+    prompts = ["The capital of France is", "Once upon a time"]
+    with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}) as one:
+        expected = [output.outputs[0].token_ids for output in one.generate(prompts, GREEDY)]
+    cluster = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, namespace="weft-test",
+                       log_to_driver=False)
+    try:
+        address = cluster.address_info["gcs_address"]
+        run = subprocess.run(
+            [sys.executable, "-m", "weft.cli", "generate", "--json", "--no-chat", "--model", str(model),
+             "--max-tokens", "16", "--ignore-eos", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+             "--set", f'plugins.ray.address="{address}"', "--set", "engine.cpu_kv_cache_bytes=1048576",
+             *(argument for prompt in prompts for argument in ("--prompt", prompt))],
+            capture_output=True, text=True, timeout=600, env=_environment(),
+        )
+    finally:
+        ray.shutdown()
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [result["outputs"][0]["token_ids"] for result in results] == expected
+    assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
+
+
+def test_a_gguf_model_is_read_in_slices_and_runs_with_three_tensor_ranks():
+    """The embedded GGUF model (SmolLM2-135M: 9 heads, 3 KV heads) across three ranks: each reads its slices."""
+    from conftest import smollm2_gguf
+    from weft.plugins import PluginRegistry
+
+    path = str(smollm2_gguf())
+    loader = PluginRegistry().load("loader", "gguf")()
+    source = loader.resolve(path)
+    whole = dict(loader.iter_weights(source, "float32"))
+    name, part = next((name, part) for name, part in loader.iter_weight_slices(source, "float32") if name.endswith("q_proj.weight"))
+    assert part.narrow(0, 64, 64).equal(whole[name][64:128]) and part.narrow(1, 5, 7).equal(whole[name][:, 5:12])
+    prompts = [[1, 4093, 314, 3575, 282], [1, 2, 3]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=path, engine={"cpu_kv_cache_bytes": 16 << 20, "max_model_len": 256}) as one:
+        expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
+    with LLM(model=path, engine={"cpu_kv_cache_bytes": 16 << 20, "max_model_len": 256, "tensor_parallel_size": 3}) as three:
+        assert [output.outputs[0].token_ids for output in three.generate(prompts, params)] == expected

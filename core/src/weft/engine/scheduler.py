@@ -335,18 +335,18 @@ class Scheduler:
             if request is None or request.finished or request.num_preemptions != preemptions:
                 continue  # finished (a stop, an abort) or preempted while this step was in flight
             request.num_output_placeholders -= samples
-            if request_id in sampled.failed:
-                outputs.append(EngineCoreOutput(
-                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
-                ))
-                self.finish(request_id, RequestStatus.FINISHED_ERROR)
-                continue
             if request_id in failed:
                 # Its KV is incomplete: recompute what was to be loaded and this step's tokens (workers
                 # discarded what they sampled for it).
                 request.num_computed_tokens -= failed[request_id] + output.num_scheduled_tokens[request_id]
                 if request.num_preemptions == 0:
                     request.num_cached_tokens -= failed[request_id]
+                continue
+            if request_id in sampled.failed:
+                outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
+                ))
+                self.finish(request_id, RequestStatus.FINISHED_ERROR)
                 continue
             known = min(request.num_computed_tokens, request.num_tokens)
             self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)

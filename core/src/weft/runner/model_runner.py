@@ -322,6 +322,8 @@ class ModelRunner:
                 continue
             if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
                 state.token_ids.append(token)
+        # A row computed over a failed load is recomputed, whatever its logits were (the load may have left garbage).
+        failed = {request_id: reason for request_id, reason in failed.items() if request_id not in failed_loads}
         return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, failed,
                                  prompt_logprobs or {})
 

@@ -408,7 +408,7 @@ def test_two_nodes_on_loopback_serve_tp2_from_two_daemons(checkpoint):
     daemons = [
         subprocess.Popen(
             weft("weights", "serve", "--model", str(checkpoint), "--socket-dir", str(folders[node]), "--nnodes", "2",
-                 "--node-rank", str(node), "--rendezvous-port", str(port), "--tp-size", "2"),
+                 "--node-rank", str(node), "--rendezvous-port", str(port), "--tensor-parallel-size", "2"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
@@ -441,7 +441,7 @@ def test_two_nodes_on_loopback_serve_tp2_from_two_daemons(checkpoint):
 def test_the_daemons_port_must_not_be_the_engines(checkpoint, short_dir):
     result = subprocess.run(
         weft("weights", "serve", "--model", str(checkpoint), "--socket-dir", str(short_dir), "--nnodes", "2",
-             "--rendezvous-port", "29500"),
+             "--tensor-parallel-size", "2", "--rendezvous-port", "29500"),
         capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29500"},
     )
     assert result.returncode == 1 and "--rendezvous-port 29500 is the engine's MASTER_PORT" in result.stderr

@@ -45,13 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     daemon = serve.add_argument_group("daemons")
     daemon.add_argument("--devices", help="local device indices to serve, comma separated (default: every GPU; on the CPU: 0)")
     daemon.add_argument("--socket-dir", help="socket folder (default: plugins.weight-cache.socket_dir)")
-    daemon.add_argument("--nnodes", type=int, default=1, help="nodes, each running this launcher (default 1)")
-    daemon.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
-    daemon.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the daemons meet")
-    daemon.add_argument("--rendezvous-port", type=int, help="the daemons' port on --master-addr, the same on every "
-                                                            "node, not the engine's (default: plugins.weight-cache.rendezvous_port)")
-    daemon.add_argument("--tp-size", type=int, help="tensor-parallel size of the engines served (default: engine.tensor_parallel_size)")
-    daemon.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size of the engines served (default 1)")
+    daemon.add_argument("--rendezvous-port", type=int, help="the daemons' port on engine.distributed.master_addr, the "
+                        "same on every node, not the engine's (default: plugins.weight-cache.rendezvous_port)")
     serve.set_defaults(weights_command=run_serve)
 
 
@@ -92,6 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from weft.config import ConfigError, plugin_options
     from weft.plugins import PluginError
 
+    from weft.distributed.placement import placement
     from weft_weight_cache.loader import WeightCacheOptions, socket_dir
 
     if not logging.getLogger().handlers:
@@ -100,8 +96,11 @@ def run_serve(args: argparse.Namespace) -> int:
         config, _ = config_from_args(args)
         options = plugin_options(config, WeightCacheOptions, "loader", "weight-cache")
         devices = _devices(args.devices, config)
-        layout = Layout(args.nnodes, args.node_rank, devices, args.tp_size or config.engine.tensor_parallel_size,
-                        args.pp_size)
+        # Nodes, this node's rank and where they meet: the engine's own settings ([engine.distributed], the
+        # --nnodes/--node-rank/--master-addr flags, or torchrun's variables), so daemons and engines agree.
+        where = placement(config)
+        layout = Layout(where.nnodes, where.node_rank, devices, config.engine.tensor_parallel_size,
+                        config.engine.pipeline_parallel_size)
         port = args.rendezvous_port or options.rendezvous_port
         if layout.world > 1 and os.environ.get("MASTER_PORT") == str(port):
             raise ValueError(
@@ -112,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, PluginError, ValueError) as error:
         print(f"weft weights: error: {error}", file=sys.stderr)
         return 1
-    plan = dict(config=config, options=options, layout=layout, master=f"tcp://{args.master_addr}:{port}", folder=folder)
+    plan = dict(config=config, options=options, layout=layout, master=f"tcp://{where.master_addr}:{port}", folder=folder)
     if len(devices) == 1:
         return serve_device(local_index=0, **plan)
     import multiprocessing

@@ -18,6 +18,7 @@ from weft.builtins.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
+from weft.testing import ReasoningParserContract, ToolParserContract
 
 QWEN_TWO_CALLS = (
     "<tool_call>\n"
@@ -223,3 +224,33 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
     assert select_parser(registry, "tool_parser", "none", "Qwen2ForCausalLM") is None
+
+
+# The conformance kit's suites, on every parser Weft ships.
+
+
+class TestHermesContract(ToolParserContract):
+    plugin_name = "hermes"
+
+
+class TestLlama3JsonContract(ToolParserContract):
+    plugin_name = "llama3_json"
+    leading_text = ""  # a Llama 3 answer is calls or text, not both
+
+
+class TestDeepseekV4ToolContract(ToolParserContract):
+    plugin_name = "dsv4"
+
+
+class TestThinkContract(ReasoningParserContract):
+    plugin_name = "think"
+    thinking_prompt = "<|im_start|>assistant\n"
+    thinking_output = "<think>\nFirst, France.\n</think>\n\nParis."
+    reasoning, answer = "\nFirst, France.\n", "\n\nParis."
+
+
+class TestDeepseekV4ReasoningContract(ReasoningParserContract):
+    plugin_name = "dsv4"
+    thinking_prompt = "<｜User｜>Capital of France?<｜Assistant｜><think>"
+    thinking_output = "France's capital.</think>Paris."
+    reasoning, answer = "France's capital.", "Paris."

@@ -65,7 +65,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(default_server):
-    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=1800)
 
 
 def test_twenty_json_schema_requests_at_temperature_one_validate(client):
@@ -73,7 +73,7 @@ def test_twenty_json_schema_requests_at_temperature_one_validate(client):
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Invent a person and describe them in JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
-            temperature=1.0, seed=seed, max_tokens=300,
+            temperature=1.0, top_p=1.0, seed=seed, max_tokens=300,
         )
         return reply.choices[0]
 
@@ -88,7 +88,7 @@ def test_twenty_json_schema_requests_at_temperature_one_validate(client):
 def test_json_object_and_vllm_structured_outputs_field(client):
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
-        response_format={"type": "json_object"}, temperature=1.0, seed=5, max_tokens=200,
+        response_format={"type": "json_object"}, temperature=1.0, top_p=1.0, seed=5, max_tokens=200,
     )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
@@ -96,7 +96,7 @@ def test_json_object_and_vllm_structured_outputs_field(client):
         assert reply.choices[0].message.content.lstrip().startswith("{")
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}
     reply = client.completions.create(
-        model=MODEL, prompt="Some numbers:", temperature=1.0, seed=1, max_tokens=60, extra_body={"structured_outputs": {"json": schema}},
+        model=MODEL, prompt="Some numbers:", temperature=1.0, top_p=1.0, seed=1, max_tokens=60, extra_body={"structured_outputs": {"json": schema}},
     )
     jsonschema.validate(json.loads(reply.choices[0].text), schema)
 
@@ -104,20 +104,20 @@ def test_json_object_and_vllm_structured_outputs_field(client):
 def test_regex_choice_and_grammar_always_hold(client):
     pattern = r"[A-Z][a-z]{2,8} [0-9]{3}-[0-9]{4}"
     replies = client.completions.create(
-        model=MODEL, prompt="Name and phone number:", n=6, temperature=1.0, seed=3, max_tokens=40,
+        model=MODEL, prompt="Name and phone number:", n=6, temperature=1.0, top_p=1.0, seed=3, max_tokens=40,
         extra_body={"structured_outputs": {"regex": pattern}},
     )
     for choice in replies.choices:
         assert re.fullmatch(pattern, choice.text), choice.text
     colours = ["red", "green", "blue", "dark purple"]
     replies = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], n=6, temperature=1.0, seed=4, max_tokens=10,
+        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], n=6, temperature=1.0, top_p=1.0, seed=4, max_tokens=10,
         extra_body={"structured_outputs": {"choice": colours}},
     )
     assert all(choice.message.content in colours for choice in replies.choices)
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], temperature=1.0, max_tokens=20,
+        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], temperature=1.0, top_p=1.0, max_tokens=20,
         extra_body={"structured_outputs": {"grammar": grammar}},
     )
     assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
@@ -177,7 +177,7 @@ def test_required_and_named_tool_choice_yield_valid_calls(client):
     def one(seed):
         return client.chat.completions.create(
             model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required" if seed < 3 else named,
-            temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False,
+            temperature=1.0, top_p=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False,
         ).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
@@ -195,7 +195,7 @@ def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(cli
 
     def chunks_of(tool_choice):
         return list(client.chat.completions.create(
-            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, seed=2,
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, top_p=1.0, seed=2,
             max_tokens=200, stream=True, parallel_tool_calls=False,
         ))
 
@@ -274,7 +274,7 @@ def test_responses_api_tools_text_format_and_function_call_items(client):
     assert follow_up.output_text
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
     formatted = client.responses.create(
-        model=MODEL, input="Name a city as JSON.", max_output_tokens=60, temperature=1.0,
+        model=MODEL, input="Name a city as JSON.", max_output_tokens=60, temperature=1.0, top_p=1.0,
         text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
     )
     jsonschema.validate(json.loads(formatted.output_text), schema)
@@ -297,7 +297,7 @@ def test_logit_bias_bans_and_forces_tokens(client, default_server):
     banned_ids = tokenizer.encode(banned.choices[0].text, add_special_tokens=False)
     assert first not in banned_ids and banned.choices[0].text != plain.choices[0].text
     forced_token = tokenizer.encode(" banana", add_special_tokens=False)[0]
-    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0,
+    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0, top_p=1.0,
                                             max_tokens=6, logit_bias={str(forced_token): 100}, logprobs=True)
     assert [item.token for item in forced.choices[0].logprobs.content] == [tokenizer.decode([forced_token])] * 6
 
@@ -305,7 +305,7 @@ def test_logit_bias_bans_and_forces_tokens(client, default_server):
 def test_allowed_token_ids_and_bad_words(client, default_server):
     tokenizer = default_server.app.state.server.tokenizer
     allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
-    reply = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, max_tokens=8,
+    reply = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, top_p=1.0, max_tokens=8,
                                       extra_body={"allowed_token_ids": allowed})
     assert set(tokenizer.encode(reply.choices[0].text, add_special_tokens=False)) <= set(allowed)
     plain = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
@@ -358,9 +358,9 @@ def llm():
 
 
 def test_offline_structured_outputs_and_prompt_logprobs(llm, hf_model):
-    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["colour", "count"]}
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    params = [SamplingParams(temperature=1.0, top_p=1.0, seed=seed, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
               for seed in range(4)]
     for output in llm.generate(["A JSON object:"] * 4, params):
         jsonschema.validate(json.loads(output.outputs[0].text), schema)

@@ -132,7 +132,7 @@ class ToolParserContract(_Contract):
         parsed = plugin().parse(text)
         assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == expected
         for seed in range(6):
-            content, streamed = _stream_calls(plugin(), text, seed)
+            content, streamed = stream_tool_calls(plugin(), text, seed)
             assert content == (parsed.content or "")
             assert [(name, json.loads(arguments)) for name, arguments in streamed] == expected
 
@@ -141,13 +141,15 @@ class ToolParserContract(_Contract):
         for cut in range(0, len(text), max(1, len(text) // 25)):
             parsed = plugin().parse(text[:cut])
             assert all(isinstance(json.loads(call.arguments), dict) for call in parsed.calls)
-            _stream_calls(plugin(), text[:cut], cut)
+            stream_tool_calls(plugin(), text[:cut], cut)
         for garbage in ("{{{", "<tool_call>]]", "\x00\ufffd", '{"name": 1}'):
             plugin().parse(garbage)
-            _stream_calls(plugin(), garbage, 0)
+            stream_tool_calls(plugin(), garbage, 0)
 
 
-def _stream_calls(parser: Any, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:
+def stream_tool_calls(parser: Any, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:
+    """Feed ``text`` to ``parser`` in random pieces (``seed``): the content and the ``(name, arguments)`` of
+    each call its deltas add up to, checking that a call's first piece alone carries its id and name."""
     rng, position, content, calls = random.Random(seed), 0, "", {}
     deltas = []
     while position < len(text):
@@ -161,6 +163,8 @@ def _stream_calls(parser: Any, text: str, seed: int) -> tuple[str, list[tuple[st
             if piece.index not in calls:
                 assert piece.id and piece.name, "a call's first piece carries its id and name"
                 calls[piece.index] = [piece.name, ""]
+            else:
+                assert piece.id is None and piece.name is None, "only a call's first piece carries its id and name"
             calls[piece.index][1] += piece.arguments
     return content, [(name, arguments) for name, arguments in calls.values()]
 

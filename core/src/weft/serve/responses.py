@@ -82,7 +82,7 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         if item.type in (None, "message"):
             content = item.content
             if isinstance(content, list):
-                content = [{"type": part.type, "text": part.text} for part in content]
+                content = [p.ContentPart(type=part.type, text=part.text) for part in content]
             messages.append(p.ChatMessage(role=item.role or "user", content=content))
         elif item.type == "function_call":
             if not item.call_id or not item.name:

@@ -230,7 +230,8 @@ def test_two_turn_tool_conversation(client, default_server):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
         {"role": "tool", "tool_call_id": call.id, "content": "It is 22 degrees and sunny."},
     ]
-    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], temperature=0, max_tokens=40)
+    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=40)
     choice = final.choices[0]
     assert choice.finish_reason in ("stop", "length") and choice.message.content
     assert choice.message.tool_calls is None

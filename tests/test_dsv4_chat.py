@@ -114,6 +114,24 @@ def test_the_tokenizer_renders_tools_and_reasoning_settings(tokenizer):
         tokenizer.normalize_messages([{"role": "user", "content": [{"type": "input_image"}]}])
 
 
+def test_a_served_chat_hands_tools_to_the_template_and_parses_thinking_and_dsml(tokenizer):
+    from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
+
+    from weft.serve.tools import AssistantOutput, ToolSettings, chat_input, reasoning_parser
+
+    settings = ToolSettings([{"name": "search", "parameters": {"type": "object"}}], "auto")
+    messages, kwargs = chat_input(tokenizer, [{"role": "user", "content": "q"}], True, settings, DeepseekV4ToolParser, {})
+    assert kwargs["tools"] == [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    prompt = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, **kwargs)
+    assert "[tools:" in prompt and prompt.endswith("<think>high")  # the template rendered them itself
+    thinking = reasoning_parser(DeepseekV4ReasoningParser, None, prompt)
+    answer = 'Look it up.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">weft</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    reasoning, content, calls = AssistantOutput(thinking, DeepseekV4ToolParser()).parse(answer)
+    assert (reasoning, content) == ("Look it up.\n\n", None) and [(call.name, call.arguments) for call in calls] == [("search", '{"q": "weft"}')]
+    off = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, reasoning_effort="none", **kwargs)
+    assert reasoning_parser(DeepseekV4ReasoningParser, None, off) is None  # thinking off: all of it is the answer
+
+
 def test_draft_parallel_config_copies_everything_but_the_parallel_sizes():
     target = ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True, distributed_backend="gloo")
     draft = draft_parallel_config(target, tensor_parallel_size=2)

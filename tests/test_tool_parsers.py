@@ -18,6 +18,8 @@ from weft.builtins.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
+from weft.testing import ReasoningParserContract, ToolParserContract
+from weft.testing.output_suites import stream_tool_calls
 
 QWEN_TWO_CALLS = (
     "<tool_call>\n"
@@ -86,28 +88,6 @@ MALFORMED = [
 ]
 
 
-def stream(parser, text: str, seed: int):
-    """Feed ``text`` in random pieces; the content and the calls (name, arguments) the deltas add up to."""
-    rng = random.Random(seed)
-    content, calls, position = "", {}, 0
-    deltas = []
-    while position < len(text):
-        size = rng.randint(1, 7)
-        deltas.append(parser.push(text[position : position + size]))
-        position += size
-    deltas.append(parser.finish())
-    for delta in deltas:
-        content += delta.content
-        for piece in delta.calls:
-            if piece.index not in calls:
-                assert piece.id and piece.name, "a call's first piece carries its id and name"
-                calls[piece.index] = {"name": piece.name, "arguments": ""}
-            else:
-                assert piece.id is None and piece.name is None
-            calls[piece.index]["arguments"] += piece.arguments
-    return content, [(call["name"], call["arguments"]) for call in calls.values()]
-
-
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), WELL_FORMED)
 def test_recorded_outputs_parse_whole_and_streamed(parser, text, content, calls):
     parsed = parser().parse(text)
@@ -115,7 +95,7 @@ def test_recorded_outputs_parse_whole_and_streamed(parser, text, content, calls)
     assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == calls
     assert len({call.id for call in parsed.calls}) == len(calls)
     for seed in range(8):
-        streamed_content, streamed_calls = stream(parser(), text, seed)
+        streamed_content, streamed_calls = stream_tool_calls(parser(), text, seed)
         assert streamed_content == (content or "")
         assert [(name, json.loads(arguments)) for name, arguments in streamed_calls] == calls
 
@@ -125,7 +105,7 @@ def test_malformed_and_partial_calls_fall_back_to_content(parser, text):
     parsed = parser().parse(text)
     assert parsed.calls == [] and parsed.content == text
     for seed in range(4):
-        streamed_content, streamed_calls = stream(parser(), text, seed)  # never raises
+        streamed_content, streamed_calls = stream_tool_calls(parser(), text, seed)  # never raises
         for _, arguments in streamed_calls:
             assert isinstance(arguments, str)
         if not streamed_calls:
@@ -138,7 +118,7 @@ def test_a_parser_that_raises_answers_with_the_text_as_content():
             raise RuntimeError("bug")
 
     assert Broken().parse("hello").content == "hello"
-    assert stream(Broken(), "hello", 0) == ("hello", [])
+    assert stream_tool_calls(Broken(), "hello", 0) == ("hello", [])
 
 
 def test_dsv4_calls_rendered_by_the_parser_parse_back():
@@ -155,12 +135,12 @@ def test_forced_choice_parsers_read_the_constrained_json():
     named = NamedCallParser("get_weather")
     parsed = named.parse('  {"city": "Paris", "unit": "celsius"}')
     assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    assert stream(NamedCallParser("get_weather"), '{"city": "Paris"}', 1) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert stream_tool_calls(NamedCallParser("get_weather"), '{"city": "Paris"}', 1) == ("", [("get_weather", '{"city": "Paris"}')])
     required = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"timezone": "CET"}}]'
     expected = [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})]
     assert [(call.name, json.loads(call.arguments)) for call in RequiredCallsParser().parse(required).calls] == expected
     for seed in range(4):
-        assert [(name, json.loads(arguments)) for name, arguments in stream(RequiredCallsParser(), required, seed)[1]] == expected
+        assert [(name, json.loads(arguments)) for name, arguments in stream_tool_calls(RequiredCallsParser(), required, seed)[1]] == expected
     cut = RequiredCallsParser().parse('[{"name": "get_weather", "parameters": {"ci')
     assert cut.calls == [] and cut.content is not None
 
@@ -223,3 +203,33 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
     assert select_parser(registry, "tool_parser", "none", "Qwen2ForCausalLM") is None
+
+
+# The conformance kit's suites, on every parser Weft ships.
+
+
+class TestHermesContract(ToolParserContract):
+    plugin_name = "hermes"
+
+
+class TestLlama3JsonContract(ToolParserContract):
+    plugin_name = "llama3_json"
+    leading_text = ""  # a Llama 3 answer is calls or text, not both
+
+
+class TestDeepseekV4ToolContract(ToolParserContract):
+    plugin_name = "dsv4"
+
+
+class TestThinkContract(ReasoningParserContract):
+    plugin_name = "think"
+    thinking_prompt = "<|im_start|>assistant\n"
+    thinking_output = "<think>\nFirst, France.\n</think>\n\nParis."
+    reasoning, answer = "\nFirst, France.\n", "\n\nParis."
+
+
+class TestDeepseekV4ReasoningContract(ReasoningParserContract):
+    plugin_name = "dsv4"
+    thinking_prompt = "<｜User｜>Capital of France?<｜Assistant｜><think>"
+    thinking_output = "France's capital.</think>Paris."
+    reasoning, answer = "France's capital.", "Paris."

@@ -16,6 +16,7 @@ from weft.contracts.structured_output import StructuredOutputsParams, Vocabulary
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, resolve_source
 from weft.runner.logits_processors import apply_token_bitmask
+from weft.testing import StructuredOutputContract
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +178,15 @@ def test_constraints_are_checked_when_made():
     params = StructuredOutputsParams(json=schema)
     assert list(json.loads(params.json)["properties"]) == ["z", "a"]  # the order the output writes them in
     assert hash(params) == hash(StructuredOutputsParams(json=json.dumps(schema, separators=(",", ":"))))
+
+
+class TestXgrammarContract(StructuredOutputContract):
+    """The conformance kit's suite on weft-xgrammar, over the default model's vocabulary."""
+
+    plugin_name = "xgrammar"
+
+    @pytest.fixture
+    def tokenizer(self, plugin):
+        registry, config = PluginRegistry(), load_config(None, {})
+        _, source = resolve_source(registry, config)
+        return load_tokenizer(registry, config, source)

@@ -101,6 +101,26 @@ def json_call(body: str, raw: str, finished: bool) -> PartialCall | None:
     return PartialCall(parsed["name"], text, True, raw)
 
 
+def json_calls(text: str, position: int, final: bool, separators: str) -> tuple[list[PartialCall], int]:
+    """Call objects (:func:`json_call`) one after another from ``position``, ``separators`` between them: the
+    calls, and where reading stopped (a character that starts no call, or the end of the text)."""
+    calls: list[PartialCall] = []
+    while True:
+        rest = text[position:]
+        position += len(rest) - len(rest.lstrip(separators))
+        if position >= len(text) or text[position] != "{":
+            return calls, position
+        end = json_value_end(text, position, final)
+        element = text[position : end or len(text)]
+        call = json_call(element, element, end is not None or final)
+        if call is None:  # its name has not arrived yet
+            return calls, position
+        calls.append(call)
+        if end is None:
+            return calls, len(text)
+        position = end
+
+
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen 2/2.5/3 write them."""
 
@@ -157,23 +177,9 @@ class Llama3JsonToolParser(ToolParser):
             return Scan(text if final else "", [])
         if text[start] != "{":
             return Scan(text, [])
-        calls: list[PartialCall] = []
-        position = start
-        while position < len(text):
-            end = json_value_end(text, position, final)
-            call = json_call(text[position : end or len(text)], text[position : end or len(text)], end is not None or final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            position = end
-            rest = text[position:]
-            position += len(rest) - len(rest.lstrip(" \t\r\n;"))
-            if position < len(text) and text[position] != "{":
-                if final:
-                    return Scan(text, [])  # trailing prose: not a call answer after all
-                break
+        calls, stop = json_calls(text, start, final, " \t\r\n;")
+        if final and stop < len(text):
+            return Scan(text, [])  # trailing prose: not a call answer after all
         return Scan("", calls)
 
     def tools_prompt(self, tools: Any) -> str:

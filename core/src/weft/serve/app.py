@@ -437,15 +437,9 @@ def _chat_tools_and_constraint(body: p.ChatCompletionRequest) -> tuple[tools.Too
     try:
         settings = tools.chat_tools(body)
         constraint, field = structured.from_sampling_fields(body)
+        return (settings, *tools.output_constraint(settings, constraint, field, "response_format (or structured_outputs)"))
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
-    forced = tools.forced_constraint(settings)
-    if forced is not None and constraint is not None:
-        raise HTTPError(400, "tool_choice forces a tool call, which the output format would contradict; drop "
-                        "response_format (or structured_outputs) or let tool_choice be 'auto'", param="tool_choice")
-    if forced is not None:
-        return settings, forced, "tools"
-    return settings, constraint, field
 
 
 async def _start_constrained(server: Server, request: Request, prompts: list[list[int]], params: SamplingParams,

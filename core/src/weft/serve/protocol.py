@@ -291,9 +291,24 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None
+    """The thinking before the answer (models with a reasoning parser)."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -315,9 +330,16 @@ class ChatCompletion(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """None for an echoed prompt's first token (nothing predicts it)."""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct):
@@ -326,6 +348,8 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, with ``prompt_logprobs``: per prompt token, None for the first, else token id -> its logprob."""
 
 
 class Completion(msgspec.Struct):
@@ -344,12 +368,32 @@ class OutputText(msgspec.Struct):
     logprobs: list[Any]
 
 
-class OutputMessage(msgspec.Struct):
-    type: Literal["message"]
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     status: str
     role: Literal["assistant"]
     content: list[OutputText]
+
+
+class ReasoningText(msgspec.Struct):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(msgspec.Struct, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: str
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    """JSON text."""
+    status: str
 
 
 class ResponseUsage(msgspec.Struct):
@@ -369,10 +413,11 @@ class ResponseObject(msgspec.Struct):
     error: dict[str, str | None] | None
     model: str
     instructions: str | None
-    output: list[OutputMessage]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     tools: list[Any]
+    text: dict[str, Any]
     temperature: float | None
     top_p: float | None
     max_output_tokens: int | None

@@ -42,15 +42,9 @@ async def responses(server: Server, request: Request) -> Response:
     messages = input_messages(body)
     try:
         settings = tools.responses_tools(body)
-        constraint, field = structured.from_text_format(body.text)
+        constraint, field = tools.output_constraint(settings, *structured.from_text_format(body.text), "text.format")
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
-    forced = tools.forced_constraint(settings)
-    if forced is not None and constraint is not None:
-        raise HTTPError(400, "tool_choice forces a tool call, which text.format would contradict; drop text.format "
-                        "or let tool_choice be 'auto'", param="tool_choice")
-    if forced is not None:
-        constraint, field = forced, "tools"
     template_kwargs = {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
     prompt = await asyncio.to_thread(server.chat_prompt, messages, True, settings, template_kwargs)
     server.check_length(prompt, body.max_output_tokens)
@@ -88,7 +82,7 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         if item.type in (None, "message"):
             content = item.content
             if isinstance(content, list):
-                content = [{"type": part.type, "text": part.text} for part in content]
+                content = [p.ContentPart(type=part.type, text=part.text) for part in content]
             messages.append(p.ChatMessage(role=item.role or "user", content=content))
         elif item.type == "function_call":
             if not item.call_id or not item.name:

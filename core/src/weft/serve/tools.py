@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from weft.builtins.tool_parsers import json_call, json_value_end
+from weft.builtins.tool_parsers import json_calls, json_value_end
 from weft.contracts.reasoning_parser import ReasoningParser
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.contracts.tokenizer import Tokenizer
@@ -113,6 +113,19 @@ def forced_constraint(settings: ToolSettings | None) -> StructuredOutputsParams 
     return StructuredOutputsParams(json=schema)
 
 
+def output_constraint(settings: ToolSettings | None, constraint: StructuredOutputsParams | None, field: str,
+                      format_field: str) -> tuple[StructuredOutputsParams | None, str]:
+    """The output's one constraint and the field it came from: a forced tool choice's, or the format's
+    (``format_field``); both at once is a ValueError."""
+    forced = forced_constraint(settings)
+    if forced is None:
+        return constraint, field
+    if constraint is not None:
+        raise ValueError(f"tool_choice: it forces a tool call, which {format_field} would contradict; drop "
+                         f"{format_field} or let tool_choice be 'auto'")
+    return forced, "tools"
+
+
 class NamedCallParser(ToolParser):
     """The whole output is the arguments of one call to the named function."""
 
@@ -138,22 +151,7 @@ class RequiredCallsParser(ToolParser):
         position = len(text) - len(text.lstrip())
         if position >= len(text) or text[position] != "[":
             return Scan(text if final else "", [])
-        position += 1
-        calls: list[PartialCall] = []
-        while True:
-            rest = text[position:]
-            position += len(rest) - len(rest.lstrip(" \t\r\n,"))
-            if position >= len(text) or text[position] == "]":
-                break
-            end = json_value_end(text, position, final)
-            element = text[position : end or len(text)]
-            call = json_call(element, element, end is not None or final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            position = end
+        calls, _ = json_calls(text, position + 1, final, " \t\r\n,")
         return Scan("", calls)
 
 

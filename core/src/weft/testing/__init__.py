@@ -18,6 +18,7 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 ``weft_registry`` fixture.
 """
 
+from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
 from weft.testing.suites import (
     AttentionContract,
     HooksContract,
@@ -31,5 +32,5 @@ from weft.testing.suites import (
 
 __all__ = [
     "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
-    "TokenizerContract",
+    "ReasoningParserContract", "StructuredOutputContract", "TokenizerContract", "ToolParserContract",
 ]

@@ -13,7 +13,7 @@ A ``string="true"`` parameter's value is the text itself; otherwise it is JSON. 
 arguments are rebuilt as a JSON object, streamed parameter by parameter (a string value
 character by character).
 
-Thinking: with thinking on, V4.1's template ends the prompt with ``<think>``; the model
+Thinking: with thinking on, V4.1's template ends the prompt in an open ``<think>``; the model
 thinks, closes with ``</think>`` and answers. A tool call may also end the thinking
 without ``</think>``. With thinking off the prompt already ends with ``</think>``.
 """
@@ -122,7 +122,8 @@ class DeepseekV4ReasoningParser(ReasoningParser):
     needs_special_tokens: ClassVar[bool] = True
 
     def reasoning_expected(self) -> bool:
-        return self.prompt.rstrip().endswith(self.start)
+        """The template opened the thinking: the prompt's last marker is ``<think>``, not ``</think>``."""
+        return self.prompt.rfind(self.start) > self.prompt.rfind(self.end)
 
     def scan(self, text: str, final: bool) -> ReasoningScan:
         if not self.reasoning_expected():

@@ -160,7 +160,7 @@ def test_none_switch_offline(tiny_model):
         ("top_p", "0.9", "expected float, got str"),
         ("top_k", 2.5, "expected int, got float"),
         ("max_new_tokens", 0, "must be >= 1"),
-        ("repetition_penalty", 0, "must be > 0"),
+        ("repetition_penalty", 0, "must be in [0.01, 100.0]"),
     ],
 )
 def test_a_bad_value_names_the_file_the_key_and_the_fix(tmp_path, key, value, reason):

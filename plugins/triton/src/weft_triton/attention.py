@@ -14,6 +14,7 @@ built, which fails with the fix when Triton is missing.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, ClassVar
 
 import msgspec
@@ -57,19 +58,20 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
-        try:
-            from weft_triton.paged_attention import PagedAttentionKernel
-        except ModuleNotFoundError as error:
-            if (error.name or "").partition(".")[0] != "triton":
-                raise
-            raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
-        if not (interpreting() or runs_on(platform)):
+        # Refuse before importing the kernels: Triton decides at import whether they are interpreted.
+        if importlib.util.find_spec("triton") is not None and not (interpreting() or runs_on(platform)):
             backend = getattr(platform, "triton_backend", None)
             raise RuntimeError(
                 f"attention backend 'triton' cannot run on platform {platform.name!r}: "
                 + (f"the installed triton has no {backend!r} backend" if backend else "Triton has no backend for it")
                 + "; set use.attention = 'torch' (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
             )
+        try:
+            from weft_triton.paged_attention import PagedAttentionKernel
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] != "triton":
+                raise
+            raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
         self.kernel = PagedAttentionKernel()
 
     def check_layer(self, layer: AttentionLayer) -> None:

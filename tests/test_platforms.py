@@ -138,7 +138,8 @@ def test_gpu_platforms_share_one_base_and_differ_only_in_what_differs():
         own = set(vars(platform)) - {"__module__", "__doc__", "__qualname__", "__firstlineno__", "__static_attributes__"}
         assert own <= {"name", "device_type", "distributed_backend", "supports_graph_capture", "vendor", "runtime",
                        "torch_library", "visibility_variables", "triton_backend", "scan", "device_arch", "__abstractmethods__",
-                       "_abc_impl", "__annotations__"}, own
+                       "_abc_impl", "__annotations__",
+                       "communicator"}, own  # CUDA's peer-memory all-reduce (weft_cuda.communicator)
         assert platform.default_attention == ("triton" if triton_backend_installed(platform.triton_backend) else "torch")
     with pytest.raises(NotImplementedError, match="does not capture graphs"):
         XpuPlatform().capture_graph(lambda: None)

@@ -401,20 +401,13 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
     assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
 
 
-def test_a_gguf_model_is_read_in_slices_and_runs_with_three_tensor_ranks():
-    """The embedded GGUF model (SmolLM2-135M: 9 heads, 3 KV heads) across three ranks: each reads its slices."""
+def test_a_gguf_model_is_read_in_slices():
+    """The embedded GGUF model's tensors come as slices of its dequantized cache: a rank reads its part."""
     from conftest import smollm2_gguf
     from weft.plugins import PluginRegistry
 
-    path = str(smollm2_gguf())
     loader = PluginRegistry().load("loader", "gguf")()
-    source = loader.resolve(path)
+    source = loader.resolve(str(smollm2_gguf()))
     whole = dict(loader.iter_weights(source, "float32"))
     name, part = next((name, part) for name, part in loader.iter_weight_slices(source, "float32") if name.endswith("q_proj.weight"))
     assert part.narrow(0, 64, 64).equal(whole[name][64:128]) and part.narrow(1, 5, 7).equal(whole[name][:, 5:12])
-    prompts = [[1, 4093, 314, 3575, 282], [1, 2, 3]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(model=path, engine={"cpu_kv_cache_bytes": 16 << 20, "max_model_len": 256}) as one:
-        expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
-    with LLM(model=path, engine={"cpu_kv_cache_bytes": 16 << 20, "max_model_len": 256, "tensor_parallel_size": 3}) as three:
-        assert [output.outputs[0].token_ids for output in three.generate(prompts, params)] == expected

@@ -303,11 +303,6 @@ def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -
             f"{where('distributed.node_rank', 'distributed.nnodes')}: engine.distributed.node_rank = {node_rank} but "
             f"engine.distributed.nnodes = {nodes}; node ranks run from 0 to {nodes - 1}"
         )
-    if nodes is not None and world % nodes:
-        raise ConfigError(
-            f"{where('distributed.nnodes', 'tensor_parallel_size', 'pipeline_parallel_size')}: {sizes} cannot be "
-            f"spread evenly over engine.distributed.nnodes = {nodes} nodes; make the world size a multiple of nnodes"
-        )
 
 
 def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:

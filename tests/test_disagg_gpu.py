@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation on two GPUs, VRAM to VRAM: a random Llama-3-8B-shape checkpoint served by a
-prefill instance on GPU 0 and a decode instance on GPU 1 behind ``weft proxy pd``; greedy output through the
+"""Prefill/decode disaggregation, VRAM to VRAM: a random Llama-3-8B-shape checkpoint served by a prefill
+instance on GPU 0 and a decode instance on GPU 1 (both on GPU 0, each with 40% of its free memory, where the
+machine has one) behind ``weft proxy pd``; greedy output through the
 proxy equals the decode instance's alone, and every prompt token but the last arrives through NIXL
 (``bench/pd.py --part check``, which also measures TTFT and bandwidth with other parts)."""
 
@@ -14,7 +15,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,9 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_llama3_8b_shape_output_through_the_proxy_equals_one_instance(tokenizer_files, tmp_path):
     pytest.importorskip("weft_nixl")
     pytest.importorskip("weft_disagg")
+    gpus = ["--prefill-gpu", "0", "--decode-gpu", "1"]
+    if torch.cuda.device_count() == 1:
+        gpus = ["--prefill-gpu", "0", "--decode-gpu", "0", "--gpu-memory-utilization", "0.4"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "pd.py"), "--llama8b", "--tokenizer", str(tokenizer_files),
-         "--prefill-gpu", "0", "--decode-gpu", "1", "--part", "check", "--check-prompts", "16", "--prompt", "2048",
+         *gpus, "--part", "check", "--check-prompts", "16", "--prompt", "2048",
          "--output", "32", "--dtype", "float32"],
         capture_output=True, text=True, timeout=3000,
     )

@@ -171,7 +171,11 @@ def test_nan_activations_of_one_request_never_reach_another(device, tmp_path, to
         prompts = [f"Count from {index} to {index + 9}:" for index in range(3)]
         alone = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
         mixed = llm.generate([*prompts, "Tell me about the xylophone.", POISONED_TEXT], params)
-        assert [output.outputs[0].finish_reason for output in mixed] == ["length"] * 4 + ["error"]
+        # "xylophone" holds the poisoned token mid-prompt. The torch backend stores non-finite keys and values
+        # as zeros, so its later positions stay finite; Triton attention keeps them (its masked loads keep
+        # them from other requests' rows), so that request's own logits turn NaN and it alone fails too.
+        xylophone = "length" if device == "cpu" else "error"
+        assert [output.outputs[0].finish_reason for output in mixed] == ["length"] * 3 + [xylophone, "error"]
         assert [output.outputs[0].token_ids for output in mixed[:3]] == alone
         llm.generate([POISONED_TEXT, "Tell me about the xylophone."] * 3, params)  # their blocks go back to the pool
         assert [output.outputs[0].token_ids for output in llm.generate(prompts, params)] == alone

@@ -84,3 +84,49 @@ def test_split_key_decode_matches_torch_backend(requests, window):
         results[backend.name] = backend.forward(layer, query, key, value, cache.clone(), metadata)
     assert TritonAttention(None, platform).build_metadata(batch).splits == decode_splits(requests) > 1
     torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3), (10, 2)])
+def test_groups_that_are_not_powers_of_two_match_torch_backend(heads):
+    """Groups of 3 and 5 (SmolLM2's 9 query heads over 3 KV heads): a step mixing prefill chunks and decode
+    rows, then a decode-only step on the split-key path, both equal to the torch backend."""
+    import torch
+
+    from weft.builtins.cpu import CpuPlatform
+    from weft.builtins.torch_attention import TorchAttention
+    from weft.contracts.attention import AttentionBatch, AttentionLayer
+    from weft_cuda.platform import CudaPlatform
+    from weft_triton.attention import TritonAttention
+
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    num_heads, kv_heads = heads
+    generator = torch.Generator().manual_seed(num_heads)
+    layer = AttentionLayer(num_heads=num_heads, num_kv_heads=kv_heads, head_dim=32, scale=32**-0.5)
+    block = 8
+    platform = CpuPlatform() if device == "cpu" else CudaPlatform()
+    for query_lens, lengths in (([7, 1, 19], [30, 41, 19]), ([1, 1], [90, 13])):
+        requests = len(lengths)
+        per_request = -(-max(lengths) // block)
+        num_blocks = requests * per_request + 1
+        cache = torch.randn(2, num_blocks, block, kv_heads, 32, generator=generator).to(device)
+        table = torch.randperm(num_blocks - 1, generator=generator)[: requests * per_request].view(requests, per_request)
+        table = table.to(device, torch.int32)
+        positions = torch.cat([torch.arange(length - count, length) for count, length in zip(query_lens, lengths, strict=True)])
+        rows = torch.repeat_interleave(torch.arange(requests), torch.tensor(query_lens))
+        slots = table.cpu()[rows, positions // block].long() * block + positions % block
+        tokens = sum(query_lens)
+        batch = AttentionBatch(
+            query_start=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device), block_table=table,
+            slot_mapping=slots.to(device, torch.int32), max_query_len=max(query_lens), max_seq_len=max(lengths),
+            block_size=block,
+        )
+        query = torch.randn(tokens, num_heads, 32, generator=generator).to(device)
+        key = torch.randn(tokens, kv_heads, 32, generator=generator).to(device)
+        value = torch.randn(tokens, kv_heads, 32, generator=generator).to(device)
+        results = {}
+        for backend in (TritonAttention(None, platform), TorchAttention(None, platform)):
+            backend.prepare([layer], "float32")
+            results[backend.name] = backend.forward(layer, query, key, value, cache.clone(), backend.build_metadata(batch))
+        torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)

@@ -77,10 +77,10 @@ class TritonAttention(AttentionBackend):
     def check_layer(self, layer: AttentionLayer) -> None:
         super().check_layer(layer)
         group = layer.num_heads // layer.num_kv_heads
-        if group & (group - 1) or group > DECODE_BLOCK_M:
+        if group > DECODE_BLOCK_M:
             raise ValueError(
                 f"attention backend 'triton': {layer.num_heads} query heads over {layer.num_kv_heads} KV heads "
-                f"(group of {group}) is not supported; groups must be a power of two up to {DECODE_BLOCK_M}"
+                f"(group of {group}) is not supported; groups up to {DECODE_BLOCK_M} are; set use.attention = 'torch'"
             )
 
     def prepare(self, layers: list[AttentionLayer], dtype: str) -> None:

@@ -45,4 +45,6 @@ def test_constrained_greedy_on_gpu_equals_transformers(tmp_path, tokenizer_files
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
         if output.outputs[0].finish_reason == "stop":
-            assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
+            # strict=False: xgrammar 0.2.9's rule for a string with maxLength admits raw control characters
+            # (its plain string rule does not); both Weft and the reference follow the grammar xgrammar built.
+            assert json.loads(output.outputs[0].text, strict=False).keys() == TOOL_CALL["properties"].keys()

@@ -155,7 +155,9 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
         if output.outputs[0].finish_reason == "stop":
-            assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
+            # strict=False: xgrammar 0.2.9's rule for a string with maxLength admits raw control characters
+            # (its plain string rule does not); both Weft and the reference follow the grammar xgrammar built.
+            assert json.loads(output.outputs[0].text, strict=False).keys() == TOOL_CALL["properties"].keys()
 
 
 @pytest.mark.parametrize(("constraint", "fragment"), [

@@ -47,8 +47,9 @@ def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
 
 
 def build(args: argparse.Namespace) -> LLM:
+    plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
     if not args.gpu:
-        return LLM(model=args.model, engine={"max_num_seqs": args.batch})
+        return LLM(model=args.model, engine={"max_num_seqs": args.batch}, plugins=plugins)
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -59,7 +60,7 @@ def build(args: argparse.Namespace) -> LLM:
     model = MemoryLoader.add("smollm2-135m-random", SMOLLM2_135M, random_weights(SMOLLM2_135M, torch.bfloat16),
                              Path(args.tokenizer))
     return LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-               engine={"dtype": "bfloat16", "max_num_seqs": args.batch})
+               engine={"dtype": "bfloat16", "max_num_seqs": args.batch}, plugins=plugins)
 
 
 def main() -> None:
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fill-threads", type=int, help="plugins.xgrammar.fill_threads (default: the plugin's)")
     args = parser.parse_args()
     llm = build(args)
     tokenizer = llm.tokenizer
@@ -90,7 +92,8 @@ def main() -> None:
     settings = llm.engine.core.describe()
     print(f"engine: {'GPU ' + str(SMOLLM2_135M['hidden_size']) + '-wide random SmolLM2-135M shape' if args.gpu else args.model}; "
           f"{settings}")
-    print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}")
+    print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}; "
+          f"xgrammar fill threads: {args.fill_threads or 'default'}")
     for name in ("plain", "json schema"):
         print(f"  {name + ':':12} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     print(f"  ratio json schema / plain: {best['json schema'] / best['plain']:.3f} (wanted >= 0.8)")

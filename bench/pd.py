@@ -293,7 +293,7 @@ def main() -> None:
     parser.add_argument("--prefill-gpu", help="CUDA_VISIBLE_DEVICES of the prefill instance (GPU runs)")
     parser.add_argument("--decode-gpu", help="CUDA_VISIBLE_DEVICES of the decode instance (GPU runs)")
     parser.add_argument("--gpu-memory-utilization", type=float,
-                        help="engine.gpu_memory_utilization of both instances (about 0.4 when they share one GPU)")
+                        help="engine.gpu_memory_utilization of both instances (about 0.3 when they share one GPU)")
     parser.add_argument("--part", action="append", choices=["check", "latency", "bandwidth", "overhead"], required=True)
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (latency; the check's longest)")
     parser.add_argument("--output", type=int, default=64, help="output tokens")

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation, VRAM to VRAM: a random Llama-3-8B-shape checkpoint served by a prefill
-instance on GPU 0 and a decode instance on GPU 1 (both on GPU 0, each with 40% of its free memory, where the
+instance on GPU 0 and a decode instance on GPU 1 (both on GPU 0, each with 30% of its free memory, where the
 machine has one) behind ``weft proxy pd``; greedy output through the
 proxy equals the decode instance's alone, and every prompt token but the last arrives through NIXL
 (``bench/pd.py --part check``, which also measures TTFT and bandwidth with other parts)."""
@@ -26,7 +26,7 @@ def test_llama3_8b_shape_output_through_the_proxy_equals_one_instance(tokenizer_
     pytest.importorskip("weft_disagg")
     gpus = ["--prefill-gpu", "0", "--decode-gpu", "1"]
     if torch.cuda.device_count() == 1:
-        gpus = ["--prefill-gpu", "0", "--decode-gpu", "0", "--gpu-memory-utilization", "0.4"]
+        gpus = ["--prefill-gpu", "0", "--decode-gpu", "0", "--gpu-memory-utilization", "0.3"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "pd.py"), "--llama8b", "--tokenizer", str(tokenizer_files),
          *gpus, "--part", "check", "--check-prompts", "16", "--prompt", "2048",

@@ -53,12 +53,14 @@ def build(args: argparse.Namespace) -> LLM:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_common import MemoryLoader, random_weights, registry_with_memory_loader
+    from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
 
     import torch
 
-    model = MemoryLoader.add("smollm2-135m-random", SMOLLM2_135M, random_weights(SMOLLM2_135M, torch.bfloat16),
-                             Path(args.tokenizer))
+    # Llama-3-8B's layers over SmolLM2's vocabulary (the tokenizer the grammar is compiled against).
+    shape = SMOLLM2_135M if args.shape == "smollm2-135m" else {**LLAMA3_8B, "vocab_size": 49152, "bos_token_id": 1,
+                                                                "eos_token_id": 2}
+    model = MemoryLoader.add(f"{args.shape}-random", shape, random_weights(shape, torch.bfloat16), Path(args.tokenizer))
     return LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
                engine={"dtype": "bfloat16", "max_num_seqs": args.batch}, plugins=plugins)
 
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the CPU run's model")
     parser.add_argument("--gpu", action="store_true", help="on the GPU, SmolLM2-135M's shape with random weights")
     parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run)")
+    parser.add_argument("--shape", choices=["smollm2-135m", "llama3-8b"], default="smollm2-135m",
+                        help="the GPU run's layers (llama3-8b: Llama-3-8B's over SmolLM2's vocabulary)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     parser.add_argument("--repeats", type=int, default=3)
@@ -90,7 +94,7 @@ def main() -> None:
             runs[name].append(tokens / seconds)
             best[name] = max(best[name], tokens / seconds)
     settings = llm.engine.core.describe()
-    print(f"engine: {'GPU ' + str(SMOLLM2_135M['hidden_size']) + '-wide random SmolLM2-135M shape' if args.gpu else args.model}; "
+    print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else args.model}; "
           f"{settings}")
     print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}; "
           f"xgrammar fill threads: {args.fill_threads or 'default'}")

@@ -90,8 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from weft.distributed.placement import placement
     from weft_weight_cache.loader import WeightCacheOptions, socket_dir
 
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _log_to_stderr()
     try:
         config, _ = config_from_args(args)
         options = plugin_options(config, WeightCacheOptions, "loader", "weight-cache")
@@ -166,8 +165,7 @@ def serve_device(config: Any, options: Any, layout: Layout, master: str, folder:
     from weft_weight_cache.key import device_identity, socket_name
     from weft_weight_cache.safety import DeviceLock, SafetyError, prepare_socket_dir
 
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _log_to_stderr()
     ranks = layout.ranks(local_index)
     rank = layout.node_rank * len(layout.devices) + local_index
     lock = server = resident = None
@@ -241,3 +239,16 @@ def _check_same_checkpoint(key: Any, rank: int) -> None:
             f"daemon ranks {differing} hold another checkpoint than rank 0 (fingerprint, architecture, dtype, "
             f"Weft version: {everyone[differing[0]]} against {everyone[0]}); give every node the same model"
         )
+
+
+def _log_to_stderr() -> None:
+    """The daemon's own log (leases, refusals) on stderr at INFO, whatever handlers or levels imported
+    libraries left on the root logger (on the GPU machine the daemon's log came out empty without this)."""
+    package = logging.getLogger("weft.weight_cache")
+    if package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    package.propagate = False

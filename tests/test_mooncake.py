@@ -99,19 +99,30 @@ def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
     return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
 
 
-def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama):
-    first_prompt, second_prompt = SHARED + [11, 12, 13], SHARED + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+def block_bytes(llm: LLM) -> int:
+    """Bytes of one stored 16-token block: keys and values of every layer (the model's own KV-cache spec)."""
+    (group,) = llm.engine.core.groups
+    return group.spec.page_size_bytes() * len(group.layer_names)
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama, load_async):
+    shared = [(7 * i + 3 + 50 * load_async) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
+    first_prompt, second_prompt = shared + [11, 12, 13], shared + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
     expected = reference(llama, [first_prompt, second_prompt])
 
-    with connected(llama, store) as first:
+    with connected(llama, store, load_async=load_async) as first:
         assert generate(first, [first_prompt]) == expected[:1]
         assert first.engine.kv_connector.stats.hit_tokens == 0
     assert stored(store, keys_for(first, "attention", first_prompt)) == [1, 1, 1, 1]
 
-    with connected(llama, store) as second:
+    with connected(llama, store, load_async=load_async) as second:
         computed = count_prefill_tokens(second)
         assert generate(second, [second_prompt]) == expected[1:]
         stats = second.engine.kv_connector.stats
+        metrics = second.engine.kv_connector.metric_totals
+        assert metrics["loaded_bytes_total"].total == 4 * block_bytes(second)
+        assert metrics["load_seconds"].count == 1
     assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)
     assert computed[0] == len(second_prompt) - 64
     # The blocks of the second prompt's tail were saved too (5 full blocks of 80 tokens).
@@ -276,30 +287,92 @@ def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_ag
             assert second.engine.kv_connector.stats.hit_tokens == (len(prompts[5]) - 1) // 16 * 16
 
 
-def test_a_failed_load_is_recomputed(store, llama, caplog):
-    """The store claims the blocks (the keys exist) but holds objects of the wrong size: loading them fails."""
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_async):
+    """The store claims the blocks (the keys exist) but holds an object of the wrong size in the middle: the
+    blocks before it are written, then the load fails."""
     from mooncake.store import MooncakeDistributedStore
 
-    prompt = [(13 * i + 7) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 tokens after
+    prompt = [(13 * i + 7 + 40 * load_async) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 after
     expected = reference(llama, [prompt])
     with connected(llama, store) as first:
         generate(first, [prompt])
-    keys = keys_for(first, "attention", prompt)
+    middle = keys_for(first, "attention", prompt)[1]
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
     try:
-        assert client.batch_remove(keys, True) == [0] * len(keys)
-        assert [client.put(key, b"\1" * 64) for key in keys] == [0] * len(keys)
+        assert client.remove(middle, True) == 0
+        assert client.put(middle, b"\1" * 64) == 0
     finally:
         client.close()
 
-    with connected(llama, store) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
+    with connected(llama, store, load_async=load_async) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
         computed = count_prefill_tokens(second)
         assert generate(second, [prompt]) == expected
         stats = second.engine.kv_connector.stats
     assert (stats.hit_tokens, stats.failed_load_tokens) == (48, 48)
-    assert computed[0] == (len(prompt) - 48) + len(prompt)  # the step that relied on the load, then all of it again
-    assert any("could not load 48 tokens" in record.getMessage() for record in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    if load_async:  # it waited outside the batch: no step relied on the load
+        assert computed[0] == len(prompt)
+        assert any("could not receive 48 tokens" in message for message in messages), messages
+    else:  # the step that relied on the load, then all of it again
+        assert computed[0] == (len(prompt) - 48) + len(prompt)
+        assert any("could not load 48 tokens" in message for message in messages), messages
+
+
+def test_a_request_loading_from_the_store_waits_outside_the_batch_while_another_steps(store, llama):
+    shared = [(31 * i + 11) % 6000 + 70 for i in range(96)]  # six full blocks
+    loading, other = shared + [1, 2, 3], [(3 * i + 1) % 900 + 5 for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(llama), engine=ENGINE)
+    expected = [output.outputs[0].token_ids for output in plain.generate([other, loading], params)]
+    with connected(llama, store) as first:
+        generate(first, [shared + [9]])
+
+    with connected(llama, store) as second:
+        scheduler, runner = second.engine.scheduler, second.engine.runner
+        computed = count_prefill_tokens(second)
+        execute, steps = runner.execute, []
+
+        def watching(step):
+            prompts = {request_id: tuple(request.prompt_token_ids) for request_id, request in scheduler.requests.items()}
+            steps.append(({prompts[request_id] for request_id in step.num_scheduled_tokens},
+                          {tuple(request.prompt_token_ids) for request in scheduler.receiving.values()}))
+            return execute(step)
+
+        runner.execute = watching
+        outputs = second.generate([other, loading], params)
+        stats = second.engine.kv_connector.stats
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 96, 0)
+    assert computed[0] == len(other) + len(loading) - 96
+    while_loading = [stepped for stepped, receiving in steps if tuple(loading) in receiving]
+    assert while_loading and all(tuple(loading) not in stepped for stepped in while_loading)
+    assert any(tuple(other) in stepped for stepped in while_loading), "the other request stepped while one loaded"
+
+
+def test_a_request_that_ends_while_loading_keeps_its_blocks_until_the_load_is_over(store, llama):
+    prompt = [(37 * i + 5) % 7000 + 90 for i in range(84)]  # five full blocks
+    with connected(llama, store) as first:
+        generate(first, [prompt])
+    with connected(llama, store) as second:
+        engine = second.engine
+        execute, aborted = engine.runner.execute, []
+
+        def abort_once_its_load_started(step):
+            handle = execute(step)  # the worker starts the loads the step's metadata names
+            if "ends" in engine.scheduler.receiving:  # before the step's report: the load may be in flight
+                engine.abort("ends")
+                aborted.append(True)
+            return handle
+
+        engine.runner.execute = abort_once_its_load_started
+        engine.add_request("ends", prompt, GREEDY)
+        engine.step()
+        assert aborted, "the request was admitted to load outside the batch"
+        assert engine.kv_connector.stats.delayed_frees == 1, "its blocks stay while a load may write into them"
+        assert engine.core.wait_for_saves(timeout=30)
+        assert engine.kv_cache_manager.usage() == 0
 
 
 class TestMooncakeConnectorContract(KVConnectorContract):

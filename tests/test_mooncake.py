@@ -375,6 +375,37 @@ def test_a_request_that_ends_while_loading_keeps_its_blocks_until_the_load_is_ov
         assert engine.kv_cache_manager.usage() == 0
 
 
+def test_a_device_cache_stages_the_bytes_a_host_cache_stores():
+    """The device path's gather and scatter (run here on host tensors) against the buffer slices through which
+    the host path hands the store the cache's own bytes."""
+    import ctypes
+
+    import torch
+    from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
+    from weft_mooncake.blocks import HostBlocks, byte_layers, gather_blocks, group_layers, scatter_blocks
+    from weft_mooncake.connector import BlockTransfer
+
+    group = KVCacheGroupSpec("attention", ("l0", "l1", "l2"),
+                             FullAttentionSpec(block_size=4, dtype="float32", num_kv_heads=2, head_dim=8))
+    caches = {name: torch.randn(2, 10, 4, 2, 8) for name in group.layer_names}
+    objects = [BlockTransfer(b"a", 0, (7, 2)), BlockTransfer(b"b", 0, (3, 9))]
+    layers = group_layers(group, caches)
+    (batch,) = HostBlocks({0: layers}, lambda address, size: None).batches(objects, "save")
+    stored = b"".join(ctypes.string_at(address, size) for addresses, sizes in zip(batch.addresses, batch.sizes)
+                      for address, size in zip(addresses, sizes))
+
+    blocks = torch.tensor([7, 2, 3, 9])
+    staged = torch.empty(2, 3, 2, 2, layers.block_bytes, dtype=torch.uint8)
+    gather_blocks(byte_layers(layers.tensors, layers.block_bytes), blocks, staged)
+    assert staged.numpy().tobytes() == stored
+
+    loaded = {name: torch.zeros_like(cache) for name, cache in caches.items()}
+    scatter_blocks(staged, blocks, byte_layers(group_layers(group, loaded).tensors, layers.block_bytes))
+    for name, cache in caches.items():
+        assert torch.equal(loaded[name][:, blocks], cache[:, blocks])
+        assert not loaded[name][:, [0, 1, 4, 5, 6, 8]].any(), "no other block is written"
+
+
 class TestMooncakeConnectorContract(KVConnectorContract):
     plugin_name = "mooncake"
 

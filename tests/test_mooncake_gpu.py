@@ -65,7 +65,7 @@ def engine_process(model: Path, prompts: list[list[int]], connector: dict | None
         settings["use"]["kv_connector"] = "mooncake"
         settings["plugins"] = {"mooncake": connector}
     result = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, json.dumps(settings), json.dumps(prompts)],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line[len("REPORT "):])

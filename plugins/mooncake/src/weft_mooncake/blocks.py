@@ -142,8 +142,7 @@ class DeviceBlocks:
         first = next(iter(layers.values())).tensors[0]
         self.device = first.device
         self._layers = {
-            group: ([tensor.view(torch.uint8).view(2, tensor.shape[1], block_bytes) for tensor in tensors], block_bytes)
-            for group, (tensors, block_bytes) in layers.items()
+            group: (byte_layers(tensors, block_bytes), block_bytes) for group, (tensors, block_bytes) in layers.items()
         }
         self.half = staging_bytes // 2
         largest = max(self.object_bytes(group, 1) for group in layers)
@@ -194,10 +193,8 @@ class DeviceBlocks:
         stream = self.streams["save"]
         with torch.cuda.stream(stream):
             stream.wait_event(forward_done)
-            staged, blocks, count = self._staged(batch, "save")
-            for index, cache in enumerate(self._layers[batch.group][0]):
-                gathered = cache.index_select(1, blocks).view(2, len(batch.objects), count, -1)
-                staged[:, index].copy_(gathered.permute(1, 2, 0, 3))
+            staged, blocks = self._staged(batch, "save")
+            gather_blocks(self._layers[batch.group][0], blocks, staged)
             start = self._region["save"]
             self.staging[start : start + staged.numel()].copy_(staged.view(-1), non_blocking=True)
         stream.synchronize()
@@ -208,16 +205,14 @@ class DeviceBlocks:
 
         stream = self.streams["load"]
         with torch.cuda.stream(stream):
-            staged, blocks, count = self._staged(batch, "load")
+            staged, blocks = self._staged(batch, "load")
             start = self._region["load"]
             staged.view(-1).copy_(self.staging[start : start + staged.numel()], non_blocking=True)
-            for index, cache in enumerate(self._layers[batch.group][0]):
-                values = staged[:, index].permute(2, 0, 1, 3).reshape(2, len(batch.objects) * count, -1)
-                cache.index_copy_(1, blocks, values)
+            scatter_blocks(staged, blocks, self._layers[batch.group][0])
         stream.synchronize()
 
-    def _staged(self, batch: Batch, direction: Direction) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The scratch view ``[objects, layers, blocks per object, 2, block bytes]`` and the batch's block ids."""
+    def _staged(self, batch: Batch, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's scratch view (see :func:`gather_blocks`) and its block ids, on the device."""
         import torch
 
         tensors, block_bytes = self._layers[batch.group]
@@ -226,8 +221,29 @@ class DeviceBlocks:
         size = len(batch.objects) * self.object_bytes(batch.group, count)
         staged = self.scratch[start : start + size].view(len(batch.objects), len(tensors), count, 2, block_bytes)
         ids = [block for stored in batch.objects for block in stored.blocks]
-        blocks = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return staged, blocks, count
+        return staged, torch.tensor(ids, dtype=torch.long, device=self.device)
+
+
+def byte_layers(tensors: Sequence[torch.Tensor], block_bytes: int) -> list[torch.Tensor]:
+    """Each cache tensor ``[2, num_blocks, ...]`` seen as bytes, ``[2, num_blocks, block_bytes]``."""
+    import torch
+
+    return [tensor.view(torch.uint8).view(2, tensor.shape[1], block_bytes) for tensor in tensors]
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], blocks: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object, 2,
+    block bytes]``: object after object, the stored byte layout (the module docstring)."""
+    objects, _, count, _, _ = staged.shape
+    for index, cache in enumerate(layers):
+        staged[:, index].copy_(cache.index_select(1, blocks).view(2, objects, count, -1).permute(1, 2, 0, 3))
+
+
+def scatter_blocks(staged: torch.Tensor, blocks: torch.Tensor, layers: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`gather_blocks`: write ``staged`` into ``blocks`` of every layer."""
+    objects, _, count, _, _ = staged.shape
+    for index, cache in enumerate(layers):
+        cache.index_copy_(1, blocks, staged[:, index].permute(2, 0, 1, 3).reshape(2, objects * count, -1))
 
 
 def _by_group(objects: Sequence[StoredObject]) -> Iterator[tuple[int, list[StoredObject]]]:

@@ -390,8 +390,8 @@ class MooncakeStoreConnector(KVConnector):
                 self._released.add(request_id)
         for transfer in metadata.receives:
             self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer)
-        for transfer in metadata.loads:  # synchronous: in this thread, before the forward
-            if not self._load(transfer):
+        for transfer in metadata.loads:  # synchronous: done before the forward (on the loader, which owns the staging)
+            if not self._loader.submit(self._load, transfer).result():
                 self._failed_loads.add(transfer.request_id)
 
     def _load(self, transfer: RequestTransfer) -> bool:

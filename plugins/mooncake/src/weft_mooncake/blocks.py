@@ -191,7 +191,7 @@ class DeviceBlocks:
         import torch
 
         stream = self.streams["save"]
-        with torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(stream):  # the engine's cache may be an inference tensor
             stream.wait_event(forward_done)
             staged, blocks = self._staged(batch, "save")
             gather_blocks(self._layers[batch.group][0], blocks, staged)
@@ -204,7 +204,7 @@ class DeviceBlocks:
         import torch
 
         stream = self.streams["load"]
-        with torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(stream):
             staged, blocks = self._staged(batch, "load")
             start = self._region["load"]
             staged.view(-1).copy_(self.staging[start : start + staged.numel()], non_blocking=True)

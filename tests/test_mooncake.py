@@ -351,6 +351,43 @@ def test_a_request_loading_from_the_store_waits_outside_the_batch_while_another_
     assert any(tuple(other) in stepped for stepped in while_loading), "the other request stepped while one loaded"
 
 
+def test_loads_are_synchronous_under_tensor_or_pipeline_parallelism(store, caplog):
+    """A lookup of blocks the store holds for each layout: offered asynchronously on one rank only."""
+    import uuid
+
+    import msgspec
+    from mooncake.store import MooncakeDistributedStore
+    from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext, ConnectorRequest
+    from weft_mooncake.connector import MooncakeOptions, MooncakeStoreConnector
+
+    groups = (KVCacheGroupSpec("attention", ("layer.0",), FullAttentionSpec(block_size=16, dtype="float32",
+                                                                          num_kv_heads=2, head_dim=8)),)
+    prompt = list(range(40, 90))  # three full blocks
+    request = ConnectorRequest("r", tuple(prompt), tuple(block_hashes(prompt, 16)))
+    options = msgspec.convert(store.options(), MooncakeOptions)
+    model = f"layouts-{uuid.uuid4().hex}"
+    writer = MooncakeDistributedStore()
+    assert writer.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
+    answers = {}
+    try:
+        for tp_size, pp_size in ((1, 1), (2, 1), (1, 2)):
+            context = ConnectorContext(model=model, tp_size=tp_size, pp_size=pp_size)
+            with caplog.at_level(logging.INFO, logger="weft.mooncake"):
+                scheduler = MooncakeStoreConnector(options, "scheduler", groups, context)
+            try:
+                keys = [scheduler.key(0, block_hash) for block_hash in request.block_hashes]
+                assert [writer.put(key, b"\0" * 64) for key in keys] == [0, 0, 0]
+                answers[tp_size, pp_size] = scheduler.get_num_new_matched_tokens(request, 0)
+            finally:
+                scheduler.close()
+    finally:
+        writer.close()
+    assert answers == {(1, 1): (48, True), (2, 1): (48, False), (1, 2): (48, False)}
+    assert sum("loads synchronously under tensor or pipeline parallelism" in record.getMessage()
+               for record in caplog.records) == 2
+
+
 def test_a_request_that_ends_while_loading_keeps_its_blocks_until_the_load_is_over(store, llama):
     prompt = [(37 * i + 5) % 7000 + 90 for i in range(84)]  # five full blocks
     with connected(llama, store) as first:

@@ -12,7 +12,9 @@ prefix hash, so only an engine that would compute the same bytes finds it::
 Scheduler role: a request's lookup asks the store which leading blocks exist
 (prompts shorter than a block match nothing; the last token is always left to
 compute) and offers those beyond the engine's local prefix-cache hit. With
-``load_async`` (the default) the offer is asynchronous: the engine parks the
+``load_async`` (the default; not under tensor or pipeline parallelism, where the
+engine would recompute a request whose load failed on one rank while another
+rank's load may still be writing) the offer is asynchronous: the engine parks the
 request outside the running batch with its blocks, the workers load them in the
 background while other requests step, and report it in ``finished_receiving`` (or
 ``failed_loads``: it is then computed, in the same blocks). Otherwise the load is
@@ -183,6 +185,13 @@ class MooncakeStoreConnector(KVConnector):
         self.stored_groups = tuple(i for i, group in enumerate(self.groups) if group.prefix_cacheable)
         self.saves = options.role in ("both", "producer")
         self.loads = options.role in ("both", "consumer")
+        self.load_async = options.load_async and context.tp_size == 1 and context.pp_size == 1
+        if options.load_async and not self.load_async and role == "scheduler":
+            logger.info(
+                "weft-mooncake loads synchronously under tensor or pipeline parallelism (%d x %d ranks): the engine "
+                "recomputes a request as soon as one rank reports its load failed, while an asynchronous load of "
+                "another rank could still be writing into its blocks", context.tp_size, context.pp_size,
+            )
         prefix = (
             f"weft/{context.model}/{{dtype}}/tp{context.tp_rank}of{context.tp_size}/"
             f"pp{context.pp_rank}of{context.pp_size}/{{group}}/{self.block_size}/"
@@ -262,7 +271,7 @@ class MooncakeStoreConnector(KVConnector):
             hits = self._count_stored(request.block_hashes[:usable])
             self._hits[request.request_id] = hits
         count = max(hits * self.block_size - num_computed_tokens, 0)
-        return count, bool(count) and self.options.load_async
+        return count, bool(count) and self.load_async
 
     def _count_stored(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks whose objects of every stored group exist in the store."""
@@ -288,7 +297,7 @@ class MooncakeStoreConnector(KVConnector):
         if not num_external_tokens:
             return
         first = hits - num_external_tokens // self.block_size
-        if self.options.load_async:  # block_ids hold every block to load: the request is in no step until it is done
+        if self.load_async:  # block_ids hold every block to load: the request is in no step until it is done
             self._receives.append(RequestTransfer(request.request_id, self._objects(request, block_ids, first, hits)))
             tracked.receiving = True
         else:

@@ -1,8 +1,7 @@
-"""Time to first token with and without MooncakeStore hits, for a 2k-token shared prefix, in one run.
+"""Time to first token with and without MooncakeStore hits for a shared prefix, in one run, and the load bandwidth.
 
-On the default model (SmolLM2-135M-Instruct, float32), a real ``mooncake_master`` and a
-``mooncake_client`` storage node on loopback (weft_mooncake.local). A first engine
-computes the 2,048-token prefix once and saves it. Then, alternating, each of three rounds measures:
+A real ``mooncake_master`` and a ``mooncake_client`` storage node on loopback (weft_mooncake.local).
+A first engine computes the prefix once and saves it. Then, alternating, each round measures:
 
   * baseline: an engine without a connector computes prefix + a fresh 16-token tail;
   * store hit: an engine with the connector loads the prefix from the store and computes the tail;
@@ -11,9 +10,18 @@ computes the 2,048-token prefix once and saves it. Then, alternating, each of th
 
 Both measuring engines run with ``enable_prefix_caching = false``, so that every request of
 the connector engine goes to the store instead of the engine's own prefix cache. TTFT is the
-wall time of ``generate(max_tokens=1)``. Medians of the rounds, with the ratios to the baseline::
+wall time of ``generate(max_tokens=1)``. Medians of the rounds, with the ratios to the baseline.
+The load bandwidth is the bytes the hits loaded over the seconds their loads took (the connector's
+``loaded_bytes_total`` and ``load_seconds`` metrics: store reads and, on a GPU, the staging copies),
+against a pinned host-to-device copy of the same size measured in the same run on a GPU.
+
+* CPU (default): the default model (SmolLM2-135M-Instruct, float32), a 2k-token prefix.
+* ``--gpu``: the Llama-3-8B shape with random bf16 weights (``random:llama3-8b``, bench/gpu_common.py)
+  on the cuda platform, CUDA graphs on, a 4k-token prefix; the KV cache is on the GPU and moves
+  through the connector's pinned staging buffer::
 
     python bench/kv_store_ttft.py [--prefix 2048] [--rounds 3]
+    python bench/kv_store_ttft.py --gpu --tokenizer DIR [--prefix 4096] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,50 +55,109 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def pinned_copy_bandwidth(size: int) -> float:
+    """Bytes per second of one pinned host-to-device copy of ``size`` bytes (best of five)."""
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(size, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return size / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
+    parser.add_argument("--gpu", action="store_true", help="the Llama-3-8B shape on the GPU (needs --tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, help="folder of SmolLM2's tokenizer files, for --gpu")
+    parser.add_argument("--prefix", type=int, help="shared prefix tokens (default: 2048; 4096 with --gpu)")
     parser.add_argument("--tail", type=int, default=16, help="tokens after the prefix, fresh in every request")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, help="default: 3; 5 with --gpu")
+    parser.add_argument("--staging-mib", type=int, help="the connector's staging_buffer_size in MiB (default: its own)")
     args = parser.parse_args()
+    prefix = args.prefix or (4096 if args.gpu else 2048)
+    rounds = args.rounds or (5 if args.gpu else 3)
 
     from weft import LLM
     from weft_mooncake.local import LocalMooncake
 
-    print(f"# kv_store_ttft: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}")
+    if args.gpu:
+        if args.tokenizer is None:
+            parser.error("--gpu needs --tokenizer (a folder of SmolLM2's tokenizer files)")
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_common import install_random_loader
+
+        os.environ["WEFT_TEST_TOKENIZER"] = str(args.tokenizer.resolve())
+        install_random_loader(Path(tempfile.mkdtemp(prefix="weft-bench-site-")))
+        blocks = 2 * (prefix + args.tail) // 16 + 64  # room for one request and its warm-up
+        model, vocab = "random:llama3-8b", 120000
+        engine = {"enable_prefix_caching": False, "dtype": "bfloat16", "num_kv_blocks": blocks,
+                  "max_model_len": prefix + args.tail + 64}
+        use: dict[str, str] = {"platform": "cuda"}
+        machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        segment = (rounds + 3) * (prefix // 16) * (2 << 20)  # every prefix stored (2 MiB a block), and room to spare
+    else:
+        model, vocab = None, 40000
+        engine = {"enable_prefix_caching": False, "dtype": "float32"}
+        use = {}
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+                   f"threads {torch.get_num_threads()}")
+        segment = 1 << 30
+    print(f"# kv_store_ttft: {machine}, {time.strftime('%Y-%m-%d')}", flush=True)
     generator = torch.Generator().manual_seed(0)
 
     def tokens(count: int) -> list[int]:
-        return torch.randint(100, 40000, (count,), generator=generator).tolist()
+        return torch.randint(100, vocab, (count,), generator=generator).tolist()
 
-    engine = {"enable_prefix_caching": False, "dtype": "float32"}
-    with LocalMooncake(segment_size=1 << 30) as store:
-        connector = {"use": {"kv_connector": "mooncake"}, "plugins": {"mooncake": store.options()}}
-        shared = tokens(args.prefix)
-        with LLM(engine=engine, **connector) as writer:
+    plain = {"model": model, "engine": engine, "use": use} if model else {"engine": engine, "use": use}
+    with LocalMooncake(segment_size=segment) as store:
+        options = store.options(**({"staging_buffer_size": args.staging_mib << 20} if args.staging_mib else {}))
+        connector = {**plain, "use": {**use, "kv_connector": "mooncake"}, "plugins": {"mooncake": options}}
+        shared = tokens(prefix)
+        with LLM(**connector) as writer:
+            ttft(writer, tokens(32))  # warm-up
             seconds = ttft(writer, shared + tokens(args.tail))
-        print(f"first engine computed and saved the {args.prefix}-token prefix: {seconds:.2f} s", flush=True)
+        print(f"first engine computed and saved the {prefix}-token prefix: {seconds:.2f} s", flush=True)
 
-        baseline_engine = LLM(engine=engine)
-        with LLM(engine=engine, **connector) as reader:
+        baseline_engine = LLM(**plain)
+        with LLM(**connector) as reader:
             ttft(baseline_engine, tokens(32))  # warm-up of both engines
             ttft(reader, tokens(32))
+            settle(reader)
             runs: dict[str, list[float]] = {"baseline": [], "hit": [], "miss": []}
-            for _ in range(args.rounds):
+            loads = []
+            for _ in range(rounds):
                 runs["baseline"].append(ttft(baseline_engine, shared + tokens(args.tail)))
+                totals = reader.engine.kv_connector.metric_totals
+                before = {name: total.total for name, total in totals.items()}
                 runs["hit"].append(ttft(reader, shared + tokens(args.tail)))
-                runs["miss"].append(ttft(reader, tokens(args.prefix + args.tail)))
+                loads.append(tuple(totals[name].total - before.get(name, 0.0)
+                                   for name in ("loaded_bytes_total", "load_seconds")))
+                runs["miss"].append(ttft(reader, tokens(prefix + args.tail)))
                 settle(reader)
             stats = reader.engine.kv_connector.stats
-        assert stats.hit_tokens == args.rounds * args.prefix and stats.failed_load_tokens == 0, stats
+        baseline_engine.close()
+        assert stats.hit_tokens == rounds * prefix and stats.failed_load_tokens == 0, stats
 
     baseline = median(runs["baseline"])
-    print(f"prompt {args.prefix} + {args.tail} tokens, medians of {args.rounds} rounds "
-          f"(all: {', '.join(f'{name} ' + '/'.join(f'{v:.2f}' for v in values) for name, values in runs.items())})")
-    print(f"TTFT without connector      {baseline:6.2f} s   (baseline)")
-    print(f"TTFT with store hit         {median(runs['hit']):6.2f} s   ratio {baseline / median(runs['hit']):5.1f}x faster")
-    print(f"TTFT with store miss        {median(runs['miss']):6.2f} s   ratio {median(runs['miss']) / baseline:5.2f}x the baseline")
+    print(f"prompt {prefix} + {args.tail} tokens, medians of {rounds} rounds "
+          f"(all: {', '.join(f'{name} ' + '/'.join(f'{v:.3f}' for v in values) for name, values in runs.items())})")
+    print(f"TTFT without connector      {baseline:8.3f} s   (baseline: computes {prefix + args.tail} tokens)")
+    print(f"TTFT with store hit         {median(runs['hit']):8.3f} s   speed-up {baseline / median(runs['hit']):5.2f}x "
+          f"(baseline / hit: above 1 is faster)")
+    print(f"TTFT with store miss        {median(runs['miss']):8.3f} s   ratio {median(runs['miss']) / baseline:5.2f}x the baseline")
+    loaded, seconds = sorted(loads, key=lambda load: load[1])[len(loads) // 2]
+    rate = loaded / seconds
+    line = f"load of a hit: {loaded / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {rate / 1e9:.2f} GB/s (median of {rounds})"
+    if args.gpu:
+        ceiling = pinned_copy_bandwidth(int(loaded))
+        line += f"; a pinned host-to-device copy of the same size {ceiling / 1e9:.2f} GB/s: ratio {rate / ceiling:.2f}"
+    print(line)
 
 
 if __name__ == "__main__":

@@ -99,19 +99,30 @@ def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
     return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
 
 
-def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama):
-    first_prompt, second_prompt = SHARED + [11, 12, 13], SHARED + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+def block_bytes(llm: LLM) -> int:
+    """Bytes of one stored 16-token block: keys and values of every layer (the model's own KV-cache spec)."""
+    (group,) = llm.engine.core.groups
+    return group.spec.page_size_bytes() * len(group.layer_names)
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama, load_async):
+    shared = [(7 * i + 3 + 50 * load_async) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
+    first_prompt, second_prompt = shared + [11, 12, 13], shared + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
     expected = reference(llama, [first_prompt, second_prompt])
 
-    with connected(llama, store) as first:
+    with connected(llama, store, load_async=load_async) as first:
         assert generate(first, [first_prompt]) == expected[:1]
         assert first.engine.kv_connector.stats.hit_tokens == 0
     assert stored(store, keys_for(first, "attention", first_prompt)) == [1, 1, 1, 1]
 
-    with connected(llama, store) as second:
+    with connected(llama, store, load_async=load_async) as second:
         computed = count_prefill_tokens(second)
         assert generate(second, [second_prompt]) == expected[1:]
         stats = second.engine.kv_connector.stats
+        metrics = second.engine.kv_connector.metric_totals
+        assert metrics["loaded_bytes_total"].total == 4 * block_bytes(second)
+        assert metrics["load_seconds"].count == 1
     assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 64, 0)
     assert computed[0] == len(second_prompt) - 64
     # The blocks of the second prompt's tail were saved too (5 full blocks of 80 tokens).
@@ -276,30 +287,160 @@ def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_ag
             assert second.engine.kv_connector.stats.hit_tokens == (len(prompts[5]) - 1) // 16 * 16
 
 
-def test_a_failed_load_is_recomputed(store, llama, caplog):
-    """The store claims the blocks (the keys exist) but holds objects of the wrong size: loading them fails."""
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_async):
+    """The store claims the blocks (the keys exist) but holds an object of the wrong size in the middle: the
+    blocks before it are written, then the load fails."""
     from mooncake.store import MooncakeDistributedStore
 
-    prompt = [(13 * i + 7) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 tokens after
+    prompt = [(13 * i + 7 + 40 * load_async) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 after
     expected = reference(llama, [prompt])
     with connected(llama, store) as first:
         generate(first, [prompt])
-    keys = keys_for(first, "attention", prompt)
+    middle = keys_for(first, "attention", prompt)[1]
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
     try:
-        assert client.batch_remove(keys, True) == [0] * len(keys)
-        assert [client.put(key, b"\1" * 64) for key in keys] == [0] * len(keys)
+        assert client.remove(middle, True) == 0
+        assert client.put(middle, b"\1" * 64) == 0
     finally:
         client.close()
 
-    with connected(llama, store) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
+    with connected(llama, store, load_async=load_async) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
         computed = count_prefill_tokens(second)
         assert generate(second, [prompt]) == expected
         stats = second.engine.kv_connector.stats
     assert (stats.hit_tokens, stats.failed_load_tokens) == (48, 48)
-    assert computed[0] == (len(prompt) - 48) + len(prompt)  # the step that relied on the load, then all of it again
-    assert any("could not load 48 tokens" in record.getMessage() for record in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    if load_async:  # it waited outside the batch: no step relied on the load
+        assert computed[0] == len(prompt)
+        assert any("could not receive 48 tokens" in message for message in messages), messages
+    else:  # the step that relied on the load, then all of it again
+        assert computed[0] == (len(prompt) - 48) + len(prompt)
+        assert any("could not load 48 tokens" in message for message in messages), messages
+
+
+def test_a_request_loading_from_the_store_waits_outside_the_batch_while_another_steps(store, llama):
+    shared = [(31 * i + 11) % 6000 + 70 for i in range(96)]  # six full blocks
+    loading, other = shared + [1, 2, 3], [(3 * i + 1) % 900 + 5 for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(llama), engine=ENGINE)
+    expected = [output.outputs[0].token_ids for output in plain.generate([other, loading], params)]
+    with connected(llama, store) as first:
+        generate(first, [shared + [9]])
+
+    with connected(llama, store) as second:
+        scheduler, runner = second.engine.scheduler, second.engine.runner
+        computed = count_prefill_tokens(second)
+        execute, steps = runner.execute, []
+
+        def watching(step):
+            prompts = {request_id: tuple(request.prompt_token_ids) for request_id, request in scheduler.requests.items()}
+            steps.append(({prompts[request_id] for request_id in step.num_scheduled_tokens},
+                          {tuple(request.prompt_token_ids) for request in scheduler.receiving.values()}))
+            return execute(step)
+
+        runner.execute = watching
+        outputs = second.generate([other, loading], params)
+        stats = second.engine.kv_connector.stats
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert (stats.hits, stats.hit_tokens, stats.failed_load_tokens) == (1, 96, 0)
+    assert computed[0] == len(other) + len(loading) - 96
+    while_loading = [stepped for stepped, receiving in steps if tuple(loading) in receiving]
+    assert while_loading and all(tuple(loading) not in stepped for stepped in while_loading)
+    assert any(tuple(other) in stepped for stepped in while_loading), "the other request stepped while one loaded"
+
+
+def test_loads_are_synchronous_under_tensor_or_pipeline_parallelism(store, caplog):
+    """A lookup of blocks the store holds for each layout: offered asynchronously on one rank only."""
+    import uuid
+
+    import msgspec
+    from mooncake.store import MooncakeDistributedStore
+    from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext, ConnectorRequest
+    from weft_mooncake.connector import MooncakeOptions, MooncakeStoreConnector
+
+    groups = (KVCacheGroupSpec("attention", ("layer.0",), FullAttentionSpec(block_size=16, dtype="float32",
+                                                                          num_kv_heads=2, head_dim=8)),)
+    prompt = list(range(40, 90))  # three full blocks
+    request = ConnectorRequest("r", tuple(prompt), tuple(block_hashes(prompt, 16)))
+    options = msgspec.convert(store.options(), MooncakeOptions)
+    model = f"layouts-{uuid.uuid4().hex}"
+    writer = MooncakeDistributedStore()
+    assert writer.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
+    answers = {}
+    try:
+        for tp_size, pp_size in ((1, 1), (2, 1), (1, 2)):
+            context = ConnectorContext(model=model, tp_size=tp_size, pp_size=pp_size)
+            with caplog.at_level(logging.INFO, logger="weft.mooncake"):
+                scheduler = MooncakeStoreConnector(options, "scheduler", groups, context)
+            try:
+                keys = [scheduler.key(0, block_hash) for block_hash in request.block_hashes]
+                assert [writer.put(key, b"\0" * 64) for key in keys] == [0, 0, 0]
+                answers[tp_size, pp_size] = scheduler.get_num_new_matched_tokens(request, 0)
+            finally:
+                scheduler.close()
+    finally:
+        writer.close()
+    assert answers == {(1, 1): (48, True), (2, 1): (48, False), (1, 2): (48, False)}
+    assert sum("loads synchronously under tensor or pipeline parallelism" in record.getMessage()
+               for record in caplog.records) == 2
+
+
+def test_a_request_that_ends_while_loading_keeps_its_blocks_until_the_load_is_over(store, llama):
+    prompt = [(37 * i + 5) % 7000 + 90 for i in range(84)]  # five full blocks
+    with connected(llama, store) as first:
+        generate(first, [prompt])
+    with connected(llama, store) as second:
+        engine = second.engine
+        execute, aborted = engine.runner.execute, []
+
+        def abort_once_its_load_started(step):
+            handle = execute(step)  # the worker starts the loads the step's metadata names
+            if "ends" in engine.scheduler.receiving:  # before the step's report: the load may be in flight
+                engine.abort("ends")
+                aborted.append(True)
+            return handle
+
+        engine.runner.execute = abort_once_its_load_started
+        engine.add_request("ends", prompt, GREEDY)
+        engine.step()
+        assert aborted, "the request was admitted to load outside the batch"
+        assert engine.kv_connector.stats.delayed_frees == 1, "its blocks stay while a load may write into them"
+        assert engine.core.wait_for_saves(timeout=30)
+        assert engine.kv_cache_manager.usage() == 0
+
+
+def test_a_device_cache_stages_the_bytes_a_host_cache_stores():
+    """The device path's gather and scatter (run here on host tensors) against the buffer slices through which
+    the host path hands the store the cache's own bytes."""
+    import ctypes
+
+    import torch
+    from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
+    from weft_mooncake.blocks import HostBlocks, byte_layers, gather_blocks, group_layers, scatter_blocks
+    from weft_mooncake.connector import BlockTransfer
+
+    group = KVCacheGroupSpec("attention", ("l0", "l1", "l2"),
+                             FullAttentionSpec(block_size=4, dtype="float32", num_kv_heads=2, head_dim=8))
+    caches = {name: torch.randn(2, 10, 4, 2, 8) for name in group.layer_names}
+    objects = [BlockTransfer(b"a", 0, (7, 2)), BlockTransfer(b"b", 0, (3, 9))]
+    layers = group_layers(group, caches)
+    (batch,) = HostBlocks({0: layers}, lambda address, size: None).batches(objects, "save")
+    stored = b"".join(ctypes.string_at(address, size) for addresses, sizes in zip(batch.addresses, batch.sizes)
+                      for address, size in zip(addresses, sizes))
+
+    blocks = torch.tensor([7, 2, 3, 9])
+    staged = torch.empty(2, 3, 2, 2, layers.block_bytes, dtype=torch.uint8)
+    gather_blocks(byte_layers(layers.tensors, layers.block_bytes), blocks, staged)
+    assert staged.numpy().tobytes() == stored
+
+    loaded = {name: torch.zeros_like(cache) for name, cache in caches.items()}
+    scatter_blocks(staged, blocks, byte_layers(group_layers(group, loaded).tensors, layers.block_bytes))
+    for name, cache in caches.items():
+        assert torch.equal(loaded[name][:, blocks], cache[:, blocks])
+        assert not loaded[name][:, [0, 1, 4, 5, 6, 8]].any(), "no other block is written"
 
 
 class TestMooncakeConnectorContract(KVConnectorContract):
@@ -322,6 +463,8 @@ class TestMooncakeConnectorContract(KVConnectorContract):
         ({"plugins.mooncake.global_segment_size": -1}, "plugins.mooncake.global_segment_size: expected int >= 0"),
         ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key Valid keys here: master_server_address"),
         ({"plugins.mooncake.protocol": "rdma"}, "protocol = 'rdma' needs device_name"),
+        ({"plugins.mooncake.load_async": "yes"}, "plugins.mooncake.load_async: expected bool, got str"),
+        ({"plugins.mooncake.staging_buffer_size": 4096}, "plugins.mooncake.staging_buffer_size: expected int >= 1048576"),
     ],
 )
 def test_options_are_checked_with_errors_naming_the_key(overrides, message):

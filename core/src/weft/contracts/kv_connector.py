@@ -39,7 +39,7 @@ rule as its own prefix cache), and for any request that carries connector
 Asynchronous loads (core API 1.3)
     A lookup may answer ``(n, True)``: the request's KV arrives from outside while
     the engine does other work (a decode instance receiving the KV its prefill
-    instance pushes). The engine allocates the request's blocks for its first
+    instance pushes, a store hit loaded in the background). The engine allocates the request's blocks for its first
     ``num_computed_tokens + n`` tokens, calls ``update_state_after_alloc`` with all of
     them, and parks the request outside the running batch (status
     ``WAITING_FOR_REMOTE_KV``); the connector tells its workers what to receive

@@ -26,7 +26,7 @@ token replaces the placeholder when the step's output arrives.
 With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
 takes the tokens after its local prefix-cache hit that the connector can load;
 a request the connector cannot answer for yet is passed over for this step. A
-request whose KV arrives asynchronously (a decode instance receiving its prefill)
+request whose KV arrives asynchronously (a decode instance receiving its prefill, a store hit loading)
 gets its blocks and waits in :attr:`Scheduler.receiving`, outside the running
 batch, until the connector reports the KV there (or failed: it is then computed);
 it then goes back to the head of the queue, keeping its blocks.

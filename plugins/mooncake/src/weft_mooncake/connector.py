@@ -1,32 +1,48 @@
 """The MooncakeStore KV connector: full prompt blocks in Mooncake's distributed store, loaded back on a hit.
 
 One stored object is one prefix block (:func:`connector_block_size` tokens) of one
-prefix-cacheable KV-cache group, across all the group's layers, keys then values,
-copied straight from and into the engine's KV-cache tensors (they are registered
-with Mooncake's transfer engine; no staging copy). Its key names the model, the
-KV dtype, the TP and PP rank, the group, the block size and the block's chained
+prefix-cacheable KV-cache group, across all the group's layers, keys then values
+(:mod:`weft_mooncake.blocks`: straight from and into a host-memory cache, through a
+pinned staging buffer for a CUDA device cache). Its key names the model, the KV
+dtype, the TP and PP rank, the group, the block size and the block's chained
 prefix hash, so only an engine that would compute the same bytes finds it::
 
     weft/<model>@<config digest>/<dtype>/tp<rank>of<size>/pp<rank>of<size>/<group>/<block size>/<hash>
 
 Scheduler role: a request's lookup asks the store which leading blocks exist
 (prompts shorter than a block match nothing; the last token is always left to
-compute) and offers those beyond the engine's local prefix-cache hit. Every step
-it plans the loads of newly admitted requests and the saves of prompt blocks
-that became full (never blocks holding generated tokens). A preempted request
-starts afresh when it is admitted again.
+compute) and offers those beyond the engine's local prefix-cache hit. With
+``load_async`` (the default; not under tensor or pipeline parallelism, where the
+engine would recompute a request whose load failed on one rank while another
+rank's load may still be writing) the offer is asynchronous: the engine parks the
+request outside the running batch with its blocks, the workers load them in the
+background while other requests step, and report it in ``finished_receiving`` (or
+``failed_loads``: it is then computed, in the same blocks). Otherwise the load is
+planned in the step the request is admitted for and done before that step's
+forward. Every step plans the saves of prompt blocks that became full (never
+blocks holding generated tokens). A preempted request starts afresh when it is
+admitted again.
 
-Worker role: loads run before the forward pass, in one batch; a request any of
-whose objects is missing or the wrong size reports a failed load and is
-recomputed (its saves of that step are skipped). Saves run after the forward on
-a background thread, reading the cache blocks directly; finished requests keep
-their blocks until their saves are done (``delay_free``), and a preempted
-request's saves are finished before the next forward writes to any block.
+Worker role: one background thread loads, another saves. A request any of whose
+objects is missing or the wrong size reports a failed load and is recomputed (a
+synchronous load's request skips its saves of that step). Saves start after the
+forward and never block the step; finished requests keep their blocks until their
+saves are done (``delay_free``), and a preempted request's saves are finished
+before the next forward writes to any block. A request that ends while its load is
+in flight keeps its blocks until the load is over (it is then named in
+``finished_receiving``).
+
+Loads are not layer-wise: the engine's runtime waits for every layer before the
+forward starts (:mod:`weft.runner.kv_connector`), so ``wait_for_layer_load`` could
+not let the first layers compute early; an asynchronous load overlaps other
+requests' steps instead.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
@@ -35,6 +51,7 @@ import msgspec
 from msgspec import Meta
 from weft.contracts.kv_connector import (
     ConnectorContext,
+    ConnectorMetric,
     ConnectorOutput,
     ConnectorRequest,
     ConnectorStep,
@@ -42,6 +59,7 @@ from weft.contracts.kv_connector import (
     connector_block_size,
 )
 
+from weft_mooncake.blocks import Batch, DeviceBlocks, HostBlocks, group_layers
 from weft_mooncake.store import StoreClient
 
 if TYPE_CHECKING:
@@ -50,9 +68,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("weft.mooncake")
 
-MAX_SLICES_PER_CALL = 1024
-"""Buffer slices one batch call may move: larger batches overflow the TCP transport's queue (parts of
-them fail) and can outlast the master's read lease (10 s), on a loaded machine."""
+_LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -79,6 +95,14 @@ class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         Literal["both", "producer", "consumer"],
         Meta(description="both: save and load; producer: only save; consumer: only load, never save"),
     ] = "both"
+    load_async: Annotated[
+        bool, Meta(description="load a hit in the background while other requests step (the request waits outside "
+                               "the batch); false: load it before the forward of the step it is admitted for")
+    ] = True
+    staging_buffer_size: Annotated[
+        int, Meta(ge=1 << 20, description="bytes of pinned host memory (and as much device memory) that device KV "
+                                          "caches move through, half for loads and half for saves")
+    ] = 256 << 20
 
     def __post_init__(self) -> None:
         if self.protocol == "rdma" and not self.device_name:
@@ -105,14 +129,22 @@ class MooncakeStepMetadata(msgspec.Struct, frozen=True):
     """What the scheduler role asks the workers to do in one step (msgspec-encodable)."""
 
     loads: tuple[RequestTransfer, ...] = ()
+    """Synchronous loads: done before this step's forward."""
+    receives: tuple[RequestTransfer, ...] = ()
+    """Asynchronous loads to start: reported in ``finished_receiving`` or ``failed_loads``."""
     saves: tuple[RequestTransfer, ...] = ()
     preempted: frozenset[str] = frozenset()
+    ended: tuple[str, ...] = ()
+    """Requests that ended before their asynchronous load was reported done: name them in
+    ``finished_receiving`` once no write reaches their blocks."""
+    settled: tuple[str, ...] = ()
+    """Requests whose failed asynchronous load the scheduler took in (they are recomputed)."""
 
 
 class _Tracked:
     """The scheduler role's state of one admitted request."""
 
-    __slots__ = ("request", "block_ids", "stored", "load_from", "load_to", "saved_any")
+    __slots__ = ("request", "block_ids", "stored", "load_from", "load_to", "saved_any", "receiving")
 
     def __init__(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], stored: int) -> None:
         self.request = request
@@ -120,7 +152,10 @@ class _Tracked:
         self.stored = stored
         """Prefix blocks that are in the store or planned to be saved."""
         self.load_from = self.load_to = 0
+        """Prefix blocks a synchronous load fills in the request's next step."""
         self.saved_any = False
+        self.receiving = False
+        """An asynchronous load is planned and the workers have not reported it yet."""
 
 
 class MooncakeStoreConnector(KVConnector):
@@ -128,6 +163,13 @@ class MooncakeStoreConnector(KVConnector):
 
     name: ClassVar[str] = "mooncake"
     metadata_type: ClassVar[Any] = MooncakeStepMetadata
+    metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
+        ConnectorMetric("loaded_bytes_total", "Bytes of KV blocks loaded from the Mooncake store"),
+        ConnectorMetric("load_seconds", "Seconds one request's load from the Mooncake store took, copies included",
+                        "histogram", _LOAD_SECONDS_BUCKETS),
+        ConnectorMetric("saved_bytes_total", "Bytes of KV blocks saved to the Mooncake store"),
+        ConnectorMetric("dropped_saves_total", "Objects not saved: the store was unavailable or refused them"),
+    )
     Options = MooncakeOptions
 
     def __init__(
@@ -143,6 +185,13 @@ class MooncakeStoreConnector(KVConnector):
         self.stored_groups = tuple(i for i, group in enumerate(self.groups) if group.prefix_cacheable)
         self.saves = options.role in ("both", "producer")
         self.loads = options.role in ("both", "consumer")
+        self.load_async = options.load_async and context.tp_size == 1 and context.pp_size == 1
+        if options.load_async and not self.load_async and role == "scheduler":
+            logger.info(
+                "weft-mooncake loads synchronously under tensor or pipeline parallelism (%d x %d ranks): the engine "
+                "recomputes a request as soon as one rank reports its load failed, while an asynchronous load of "
+                "another rank could still be writing into its blocks", context.tp_size, context.pp_size,
+            )
         prefix = (
             f"weft/{context.model}/{{dtype}}/tp{context.tp_rank}of{context.tp_size}/"
             f"pp{context.pp_rank}of{context.pp_size}/{{group}}/{self.block_size}/"
@@ -166,15 +215,30 @@ class MooncakeStoreConnector(KVConnector):
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, int] = {}
         """Leading prefix blocks found in the store by the latest lookup of each waiting request."""
+        self._receives: list[RequestTransfer] = []
+        self._ended: list[str] = []
+        self._settled: list[str] = []
         # Worker role.
-        self._layouts: list[list[tuple[int, int, int]]] = [[] for _ in self.groups]
-        """Per group, per layer: (keys base address, values base address, bytes per block)."""
-        self._registered: list[int] = []
+        self.blocks: HostBlocks | DeviceBlocks | None = None
         self._metadata: MooncakeStepMetadata | None = None
         self._failed_loads: set[str] = set()
-        self._pending: dict[str, list[Future[Any]]] = {}
+        """Synchronous loads of this step that failed."""
+        self._pending: dict[str, list[Future[None]]] = {}
+        """Saves in flight per request."""
         self._awaiting: set[str] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-mooncake-save") if worker else None
+        self._receiving: dict[str, Future[bool]] = {}
+        """Asynchronous loads not reported yet, per request: whether every object arrived."""
+        self._ended_receiving: set[str] = set()
+        self._failed_receiving: set[str] = set()
+        """Reported as failed; named in ``finished_receiving`` if the request ends before it is settled."""
+        self._released: set[str] = set()
+        """Ended requests whose failed load is over: named in the next ``finished_receiving``."""
+        self._loader = self._saver = None
+        if worker:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-mooncake-load")
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-mooncake-save")
+        self._observations: dict[str, list[float]] = {}
+        self._observations_lock = threading.Lock()
         self.dropped_saves = 0
         """Objects not saved because the store was unavailable or refused them."""
 
@@ -183,13 +247,14 @@ class MooncakeStoreConnector(KVConnector):
     def key(self, group: int, block_hash: bytes) -> str:
         return self._key_prefixes[group] + block_hash.hex()
 
-    def _objects(self, tracked: _Tracked, first: int, end: int) -> tuple[BlockTransfer, ...]:
+    def _objects(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], first: int, end: int
+                 ) -> tuple[BlockTransfer, ...]:
         objects = []
         for position in range(first, end):
-            block_hash = tracked.request.block_hashes[position]
+            block_hash = request.block_hashes[position]
             for group in self.stored_groups:
                 per_object = self.block_size // self.groups[group].spec.block_size
-                blocks = tracked.block_ids[group][position * per_object : (position + 1) * per_object]
+                blocks = block_ids[group][position * per_object : (position + 1) * per_object]
                 objects.append(BlockTransfer(block_hash, group, tuple(blocks)))
         return tuple(objects)
 
@@ -205,7 +270,8 @@ class MooncakeStoreConnector(KVConnector):
         if hits is None:
             hits = self._count_stored(request.block_hashes[:usable])
             self._hits[request.request_id] = hits
-        return max(hits * self.block_size - num_computed_tokens, 0), False
+        count = max(hits * self.block_size - num_computed_tokens, 0)
+        return count, bool(count) and self.load_async
 
     def _count_stored(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks whose objects of every stored group exist in the store."""
@@ -227,10 +293,15 @@ class MooncakeStoreConnector(KVConnector):
         # Called at every admission, after a preemption too: the request's tracking starts afresh.
         hits = self._hits.pop(request.request_id, 0)
         tracked = _Tracked(request, block_ids, stored=hits)
-        if num_external_tokens:
-            tracked.load_to = hits
-            tracked.load_from = hits - num_external_tokens // self.block_size
         self._tracked[request.request_id] = tracked
+        if not num_external_tokens:
+            return
+        first = hits - num_external_tokens // self.block_size
+        if self.load_async:  # block_ids hold every block to load: the request is in no step until it is done
+            self._receives.append(RequestTransfer(request.request_id, self._objects(request, block_ids, first, hits)))
+            tracked.receiving = True
+        else:
+            tracked.load_from, tracked.load_to = first, hits
 
     def build_connector_meta(self, step: ConnectorStep) -> MooncakeStepMetadata:
         loads, saves = [], []
@@ -240,19 +311,32 @@ class MooncakeStoreConnector(KVConnector):
                 continue
             tracked.block_ids = scheduled.block_ids
             if tracked.load_to > tracked.load_from:
-                loads.append(RequestTransfer(scheduled.request_id, self._objects(tracked, tracked.load_from, tracked.load_to)))
+                objects = self._objects(tracked.request, tracked.block_ids, tracked.load_from, tracked.load_to)
+                loads.append(RequestTransfer(scheduled.request_id, objects))
                 tracked.load_from = tracked.load_to = 0
             if not self.saves:
                 continue
             computed = min(scheduled.num_computed_tokens + scheduled.num_new_tokens, len(tracked.request.prompt_token_ids))
             full = min(computed // self.block_size, len(tracked.request.block_hashes))
             if full > tracked.stored:
-                saves.append(RequestTransfer(scheduled.request_id, self._objects(tracked, tracked.stored, full)))
+                objects = self._objects(tracked.request, tracked.block_ids, tracked.stored, full)
+                saves.append(RequestTransfer(scheduled.request_id, objects))
                 tracked.stored = full
                 tracked.saved_any = True
-        return MooncakeStepMetadata(loads=tuple(loads), saves=tuple(saves), preempted=step.preempted)
+        metadata = MooncakeStepMetadata(
+            loads=tuple(loads), receives=tuple(self._receives), saves=tuple(saves), preempted=step.preempted,
+            ended=tuple(self._ended), settled=tuple(self._settled),
+        )
+        self._receives, self._ended, self._settled = [], [], []
+        return metadata
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
+        for request_id in output.finished_receiving | output.failed_loads:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.receiving:
+                tracked.receiving = False
+                if request_id in output.failed_loads:
+                    self._settled.append(request_id)
         for request_id in output.failed_loads:
             tracked = self._tracked.get(request_id)
             if tracked is not None:  # its blocks are recomputed: save them all again (Mooncake skips stored keys)
@@ -263,68 +347,34 @@ class MooncakeStoreConnector(KVConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._hits.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
-        return (tracked is not None and tracked.saved_any), None
+        if tracked is None:
+            return False, None
+        if tracked.receiving:  # a load may still write into its blocks
+            self._ended.append(request.request_id)
+            return True, None
+        return tracked.saved_any, None
 
     # Worker role.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for index in self.stored_groups:
-            group = self.groups[index]
-            for layer in group.layer_names:
-                tensor = kv_caches[layer]
-                self._layouts[index].append(self._layer_layout(layer, tensor, group))
-                if tensor.data_ptr() not in self._registered:
-                    status = self.client.store.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-                    if status != 0:
-                        raise RuntimeError(f"weft-mooncake: registering the KV cache of {layer} failed ({status})")
-                    self._registered.append(tensor.data_ptr())
-
-    @staticmethod
-    def _layer_layout(layer: str, tensor: torch.Tensor, group: KVCacheGroupSpec) -> tuple[int, int, int]:
-        if tensor.device.type != "cpu":
+        layers = {index: group_layers(self.groups[index], kv_caches) for index in self.stored_groups}
+        if not layers:
+            return
+        devices = {tensor.device for group in layers.values() for tensor in group.tensors}
+        if len(devices) > 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise ValueError(
-                f"weft-mooncake moves KV blocks from host memory; the cache of {layer} is on {tensor.device} "
-                f"(device caches need a staging buffer this connector does not have yet): use the cpu platform"
+                f"weft-mooncake moves KV blocks between the store and host memory or one CUDA device; "
+                f"this worker's stored KV caches are on {sorted(map(str, devices))}"
             )
-        page = group.spec.page_size_bytes()
-        if not tensor.is_contiguous() or tensor.dim() < 3 or tensor.shape[0] != 2:
-            raise ValueError(
-                f"weft-mooncake expects the default KV-cache layout [2, num_blocks, block_size, ...] "
-                f"(AttentionBackend.kv_cache_shape); {layer} has shape {tuple(tensor.shape)}"
-            )
-        half = tensor[0]
-        block_bytes = half[0].numel() * tensor.element_size()
-        if 2 * block_bytes != page:
-            raise ValueError(
-                f"weft-mooncake: a block of {layer} takes {2 * block_bytes} bytes but its group "
-                f"{group.name!r} declares {page}"
-            )
-        return tensor[0].data_ptr(), tensor[1].data_ptr(), block_bytes
+        if next(iter(devices)).type == "cpu":
+            self.blocks = HostBlocks(layers, self._register)
+        else:
+            self.blocks = DeviceBlocks(layers, self.options.staging_buffer_size, self._register)
 
-    def _batches(self, objects: Sequence[BlockTransfer]):
-        """``(keys, addresses, sizes)`` of consecutive objects, at most :data:`MAX_SLICES_PER_CALL` slices each."""
-        keys: list[str] = []
-        addresses: list[list[int]] = []
-        sizes: list[list[int]] = []
-        for block in objects:
-            block_addresses, block_sizes = self._buffers(block)
-            if keys and sum(map(len, sizes)) + len(block_sizes) > MAX_SLICES_PER_CALL:
-                yield keys, addresses, sizes
-                keys, addresses, sizes = [], [], []
-            keys.append(self.key(block.group, block.block_hash))
-            addresses.append(block_addresses)
-            sizes.append(block_sizes)
-        if keys:
-            yield keys, addresses, sizes
-
-    def _buffers(self, transfer: BlockTransfer) -> tuple[list[int], list[int]]:
-        addresses, sizes = [], []
-        for keys_base, values_base, block_bytes in self._layouts[transfer.group]:
-            for block in transfer.blocks:
-                offset = block * block_bytes
-                addresses += (keys_base + offset, values_base + offset)
-                sizes += (block_bytes, block_bytes)
-        return addresses, sizes
+    def _register(self, address: int, size: int) -> None:
+        status = self.client.store.register_buffer(address, size)
+        if status != 0:
+            raise RuntimeError(f"weft-mooncake: registering {size} bytes at {address:#x} with Mooncake failed ({status})")
 
     def bind_connector_metadata(self, metadata: MooncakeStepMetadata) -> None:
         self._metadata = metadata
@@ -339,70 +389,125 @@ class MooncakeStoreConnector(KVConnector):
         for request_id in metadata.preempted:  # their blocks may be written from now on
             for future in self._pending.pop(request_id, ()):
                 future.result()
-        if not metadata.loads:
-            return
-        for transfer in metadata.loads:
-            for keys, addresses, sizes in self._batches(transfer.objects):
-                if transfer.request_id in self._failed_loads:
-                    break
+        for request_id in metadata.settled:
+            self._failed_receiving.discard(request_id)
+        for request_id in metadata.ended:
+            if request_id in self._receiving:
+                self._ended_receiving.add(request_id)
+            elif request_id in self._failed_receiving:  # it failed before it ended: no write reaches its blocks
+                self._failed_receiving.discard(request_id)
+                self._released.add(request_id)
+        for transfer in metadata.receives:
+            self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer)
+        for transfer in metadata.loads:  # synchronous: done before the forward (on the loader, which owns the staging)
+            if not self._loader.submit(self._load, transfer).result():
+                self._failed_loads.add(transfer.request_id)
+
+    def _load(self, transfer: RequestTransfer) -> bool:
+        """Load a request's objects into its blocks; whether every object arrived."""
+        started = time.perf_counter()
+        loaded = 0
+        try:
+            for batch in self.blocks.batches(transfer.objects, "load"):
+                keys = self._keys(batch)
                 store = self.client.store
-                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, addresses, sizes)
-                if results is None or any(got != sum(want) for got, want in zip(results, sizes, strict=True)):
-                    self._failed_loads.add(transfer.request_id)
+                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes)
+                if results is None or any(got != sum(want) for got, want in zip(results, batch.sizes, strict=True)):
+                    return False
+                self.blocks.unstage_loaded(batch)
+                loaded += sum(map(sum, batch.sizes))
+        except Exception:  # a load that fails is recomputed: never let it fail the engine
+            logger.exception("weft-mooncake: loading request %s failed", transfer.request_id)
+            return False
+        self._observe("loaded_bytes_total", loaded)
+        self._observe("load_seconds", time.perf_counter() - started)
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in :meth:`start_load_kv`: every layer is ready."""
+        """Synchronous loads complete in :meth:`start_load_kv`; asynchronous ones in the background."""
 
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """An object spans all layers of its group, so saving starts in :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
         metadata = self._metadata
-        if metadata is None or not metadata.saves or self._executor is None:
+        if metadata is None or not metadata.saves or self._saver is None:
             return
+        forward_done = self.blocks.forward_done()
         for transfer in metadata.saves:
             if transfer.request_id in self._failed_loads:  # its KV of this step is not valid
                 continue
             if not self.client.available:
-                self.dropped_saves += len(transfer.objects)
+                self._dropped(len(transfer.objects))
                 continue
-            for keys, addresses, sizes in self._batches(transfer.objects):
-                future = self._executor.submit(self._put, keys, addresses, sizes)
-                self._pending.setdefault(transfer.request_id, []).append(future)
+            future = self._saver.submit(self._save, transfer, forward_done)
+            self._pending.setdefault(transfer.request_id, []).append(future)
 
-    def _put(self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]) -> None:
-        try:
-            store = self.client.store
-            results = self.client.call("save", store.batch_put_from_multi_buffers, keys, addresses, sizes)
-        except Exception:  # a save is best effort: never let it fail the engine
-            logger.exception("weft-mooncake: saving %d objects failed", len(keys))
-            results = None
-        refused = len(keys) if results is None else sum(1 for value in results if value != 0)
-        if refused:
-            self.dropped_saves += refused
-            logger.debug("weft-mooncake: %d of %d objects were not saved (%s)", refused, len(keys), results)
+    def _save(self, transfer: RequestTransfer, forward_done: Any) -> None:
+        for batch in self.blocks.batches(transfer.objects, "save"):
+            try:
+                self.blocks.stage_for_save(batch, forward_done)
+                store = self.client.store
+                keys = self._keys(batch)
+                results = self.client.call("save", store.batch_put_from_multi_buffers, keys, batch.addresses, batch.sizes)
+            except Exception:  # a save is best effort: never let it fail the engine
+                logger.exception("weft-mooncake: saving %d objects failed", len(batch.objects))
+                results = None
+            refused = len(batch.objects) if results is None else sum(1 for value in results if value != 0)
+            saved = sum(sum(sizes) for sizes, value in zip(batch.sizes, results or (), strict=False) if value == 0)
+            self._observe("saved_bytes_total", saved)
+            if refused:
+                self._dropped(refused)
+                logger.debug("weft-mooncake: %d of %d objects were not saved (%s)", refused, len(batch.objects), results)
+
+    def _keys(self, batch: Batch) -> list[str]:
+        return [self.key(batch.group, stored.block_hash) for stored in batch.objects]
+
+    def _dropped(self, count: int) -> None:
+        self.dropped_saves += count
+        self._observe("dropped_saves_total", count)
+
+    def _observe(self, name: str, value: float) -> None:
+        with self._observations_lock:
+            self._observations.setdefault(name, []).append(float(value))
 
     def get_finished(self, finished_request_ids: set[str]) -> ConnectorOutput:
         self._awaiting |= finished_request_ids
-        done = set()
+        sent = set()
         for request_id in self._awaiting:
             pending = [future for future in self._pending.get(request_id, ()) if not future.done()]
             if pending:
                 self._pending[request_id] = pending
             else:
                 self._pending.pop(request_id, None)
-                done.add(request_id)
-        self._awaiting -= done
-        failed, self._failed_loads = self._failed_loads, set()
-        return ConnectorOutput(finished_sending=frozenset(done), failed_loads=frozenset(failed))
+                sent.add(request_id)
+        self._awaiting -= sent
+        arrived, failed = self._released, self._failed_loads
+        self._released, self._failed_loads = set(), set()
+        for request_id in [request_id for request_id, future in self._receiving.items() if future.done()]:
+            complete = self._receiving.pop(request_id).result()
+            if complete or request_id in self._ended_receiving:
+                arrived.add(request_id)
+            else:
+                failed.add(request_id)
+                self._failed_receiving.add(request_id)
+            self._ended_receiving.discard(request_id)
+        with self._observations_lock:
+            observations, self._observations = self._observations, {}
+        return ConnectorOutput(
+            finished_sending=frozenset(sent), finished_receiving=frozenset(arrived), failed_loads=frozenset(failed),
+            observations=observations,
+        )
 
     # Both roles.
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        for address in self._registered:
-            self.client.store.unregister_buffer(address)
-        self._registered.clear()
+        for executor in (self._loader, self._saver):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._loader = self._saver = None
+        if self.blocks is not None:
+            for address in self.blocks.registered:
+                self.client.store.unregister_buffer(address)
+            self.blocks = None
         self.client.close()

@@ -1,0 +1,253 @@
+"""Where a stored object's bytes are on the worker: in the KV cache itself, or in a staging buffer.
+
+A stored object is one prefix block of one KV-cache group across all the group's
+layers: for each layer in the group's order, for each of the object's cache blocks,
+the block's keys then its values. Both kinds of cache give the store that same byte
+layout, so the store's bytes do not depend on where the cache lives.
+
+* :class:`HostBlocks`: a cache in host memory (the ``cpu`` platform). The cache tensors
+  are registered with Mooncake's transfer engine and every block's keys and values are
+  one buffer slice each: objects move straight between the cache and the store, with
+  no copy of ours.
+* :class:`DeviceBlocks`: a cache in CUDA device memory. Objects go through a pinned
+  host staging buffer registered with Mooncake (one slice per object): a save gathers
+  the blocks on the device into a scratch buffer and copies it to the staging buffer,
+  a load copies the staging buffer to the scratch buffer and scatters it into the
+  blocks. The copies run on a side stream per direction, outside the engine's
+  forward pass (and so outside any captured CUDA graph); a save first waits for the
+  forward that wrote its blocks (an event recorded after it). Each direction owns
+  half of both buffers, and one thread per direction uses it, one batch at a time.
+
+A batch is what one store call moves: the objects of one group, at most
+:data:`MAX_SLICES_PER_CALL` buffer slices and, through a staging buffer, at most half of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from weft.contracts.kv_cache import KVCacheGroupSpec
+
+MAX_SLICES_PER_CALL = 1024
+"""Buffer slices one batch call may move: larger batches overflow the TCP transport's queue (parts of
+them fail) and can outlast the master's read lease (10 s), on a loaded machine."""
+
+Direction = Literal["load", "save"]
+
+
+class StoredObject(Protocol):
+    """What a batch needs to know of a stored object (weft_mooncake.connector.BlockTransfer)."""
+
+    group: int
+    blocks: tuple[int, ...]
+
+
+class Batch(NamedTuple):
+    """One store call's objects (all of ``group``), with the buffer slices each object's bytes take."""
+
+    group: int
+    objects: list[StoredObject]
+    addresses: list[list[int]]
+    sizes: list[list[int]]
+
+
+class GroupLayers(NamedTuple):
+    """The cache tensors of one stored group's layers, checked for the default layout."""
+
+    tensors: list[torch.Tensor]
+    block_bytes: int
+    """Bytes of one block's keys (and as many of its values) in one layer."""
+
+
+def group_layers(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) -> GroupLayers:
+    """The group's cache tensors; ValueError naming the layer unless each has the default layout
+    ``[2, num_blocks, block_size, ...]``, contiguous, with the group's page size."""
+    tensors, block_bytes = [], 0
+    page = group.spec.page_size_bytes()
+    for layer in group.layer_names:
+        tensor = kv_caches[layer]
+        if not tensor.is_contiguous() or tensor.dim() < 3 or tensor.shape[0] != 2:
+            raise ValueError(
+                f"weft-mooncake expects the default KV-cache layout [2, num_blocks, block_size, ...] "
+                f"(AttentionBackend.kv_cache_shape), contiguous; {layer} has shape {tuple(tensor.shape)}"
+            )
+        block_bytes = tensor[0, 0].numel() * tensor.element_size()
+        if 2 * block_bytes != page:
+            raise ValueError(
+                f"weft-mooncake: a block of {layer} takes {2 * block_bytes} bytes but its group "
+                f"{group.name!r} declares {page}"
+            )
+        tensors.append(tensor)
+    return GroupLayers(tensors, block_bytes)
+
+
+class HostBlocks:
+    """A host-memory cache: objects move straight between the registered cache tensors and the store."""
+
+    def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None]) -> None:
+        self._layouts: dict[int, list[tuple[int, int, int]]] = {}
+        """Per stored group, per layer: (keys base address, values base address, bytes per block)."""
+        self.registered: list[int] = []
+        for group, (tensors, block_bytes) in layers.items():
+            self._layouts[group] = [(tensor[0].data_ptr(), tensor[1].data_ptr(), block_bytes) for tensor in tensors]
+            for tensor in tensors:
+                if tensor.data_ptr() not in self.registered:
+                    register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+                    self.registered.append(tensor.data_ptr())
+
+    def object_bytes(self, group: int, blocks_per_object: int) -> int:
+        return sum(2 * block_bytes for *_, block_bytes in self._layouts[group]) * blocks_per_object
+
+    def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
+        for group, of_group in _by_group(objects):
+            batch = Batch(group, [], [], [])
+            for stored in of_group:
+                addresses, sizes = [], []
+                for keys_base, values_base, block_bytes in self._layouts[group]:
+                    for block in stored.blocks:
+                        offset = block * block_bytes
+                        addresses += (keys_base + offset, values_base + offset)
+                        sizes += (block_bytes, block_bytes)
+                if batch.objects and sum(map(len, batch.sizes)) + len(sizes) > MAX_SLICES_PER_CALL:
+                    yield batch
+                    batch = Batch(group, [], [], [])
+                batch.objects.append(stored)
+                batch.addresses.append(addresses)
+                batch.sizes.append(sizes)
+            if batch.objects:
+                yield batch
+
+    def forward_done(self) -> None:
+        """The forward ran on the host: its blocks are written."""
+        return None
+
+    def stage_for_save(self, batch: Batch, forward_done: None) -> None:
+        """Nothing to stage: the store reads the cache."""
+
+    def unstage_loaded(self, batch: Batch) -> None:
+        """Nothing to unstage: the store wrote into the cache."""
+
+
+class DeviceBlocks:
+    """A CUDA device cache, moved through a pinned host staging buffer with copies on side streams."""
+
+    def __init__(
+        self, layers: dict[int, GroupLayers], staging_bytes: int, register: Callable[[int, int], None]
+    ) -> None:
+        import torch
+
+        first = next(iter(layers.values())).tensors[0]
+        self.device = first.device
+        self._layers = {
+            group: (byte_layers(tensors, block_bytes), block_bytes) for group, (tensors, block_bytes) in layers.items()
+        }
+        self.half = staging_bytes // 2
+        largest = max(self.object_bytes(group, 1) for group in layers)
+        if largest > self.half:
+            raise ValueError(
+                f"weft-mooncake: staging_buffer_size = {staging_bytes} holds half for loads and half for saves, and "
+                f"one stored block of this model takes {largest} bytes: set staging_buffer_size to at least {2 * largest}"
+            )
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True)
+        self.scratch = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
+        self.streams = {"load": torch.cuda.Stream(self.device), "save": torch.cuda.Stream(self.device)}
+        self._region = {"load": 0, "save": self.half}
+        register(self.staging.data_ptr(), staging_bytes)
+        self.registered = [self.staging.data_ptr()]
+
+    def object_bytes(self, group: int, blocks_per_object: int) -> int:
+        tensors, block_bytes = self._layers[group]
+        return len(tensors) * blocks_per_object * 2 * block_bytes
+
+    def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
+        base = self.staging.data_ptr() + self._region[direction]
+        for group, of_group in _by_group(objects):
+            batch, used = Batch(group, [], [], []), 0
+            for stored in of_group:
+                size = self.object_bytes(group, len(stored.blocks))
+                if batch.objects and (used + size > self.half or len(batch.objects) >= MAX_SLICES_PER_CALL):
+                    yield batch
+                    batch, used = Batch(group, [], [], []), 0
+                batch.objects.append(stored)
+                batch.addresses.append([base + used])
+                batch.sizes.append([size])
+                used += size
+            if batch.objects:
+                yield batch
+
+    def forward_done(self) -> torch.cuda.Event:
+        """An event after the work queued so far on the engine's stream (the forward that wrote the blocks)."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stage_for_save(self, batch: Batch, forward_done: torch.cuda.Event) -> None:
+        """Gather the batch's blocks into the staging buffer; returns once the bytes are there."""
+        import torch
+
+        stream = self.streams["save"]
+        with torch.inference_mode(), torch.cuda.stream(stream):  # the engine's cache may be an inference tensor
+            stream.wait_event(forward_done)
+            staged, blocks = self._staged(batch, "save")
+            gather_blocks(self._layers[batch.group][0], blocks, staged)
+            start = self._region["save"]
+            self.staging[start : start + staged.numel()].copy_(staged.view(-1), non_blocking=True)
+        stream.synchronize()
+
+    def unstage_loaded(self, batch: Batch) -> None:
+        """Scatter the batch's objects from the staging buffer into their blocks; returns once they are there."""
+        import torch
+
+        stream = self.streams["load"]
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            staged, blocks = self._staged(batch, "load")
+            start = self._region["load"]
+            staged.view(-1).copy_(self.staging[start : start + staged.numel()], non_blocking=True)
+            scatter_blocks(staged, blocks, self._layers[batch.group][0])
+        stream.synchronize()
+
+    def _staged(self, batch: Batch, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's scratch view (see :func:`gather_blocks`) and its block ids, on the device."""
+        import torch
+
+        tensors, block_bytes = self._layers[batch.group]
+        count = len(batch.objects[0].blocks)
+        start = self._region[direction]
+        size = len(batch.objects) * self.object_bytes(batch.group, count)
+        staged = self.scratch[start : start + size].view(len(batch.objects), len(tensors), count, 2, block_bytes)
+        ids = [block for stored in batch.objects for block in stored.blocks]
+        return staged, torch.tensor(ids, dtype=torch.long, device=self.device)
+
+
+def byte_layers(tensors: Sequence[torch.Tensor], block_bytes: int) -> list[torch.Tensor]:
+    """Each cache tensor ``[2, num_blocks, ...]`` seen as bytes, ``[2, num_blocks, block_bytes]``."""
+    import torch
+
+    return [tensor.view(torch.uint8).view(2, tensor.shape[1], block_bytes) for tensor in tensors]
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], blocks: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object, 2,
+    block bytes]``: object after object, the stored byte layout (the module docstring)."""
+    objects, _, count, _, _ = staged.shape
+    for index, cache in enumerate(layers):
+        staged[:, index].copy_(cache.index_select(1, blocks).view(2, objects, count, -1).permute(1, 2, 0, 3))
+
+
+def scatter_blocks(staged: torch.Tensor, blocks: torch.Tensor, layers: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`gather_blocks`: write ``staged`` into ``blocks`` of every layer."""
+    objects, _, count, _, _ = staged.shape
+    for index, cache in enumerate(layers):
+        cache.index_copy_(1, blocks, staged[:, index].permute(2, 0, 1, 3).reshape(2, objects * count, -1))
+
+
+def _by_group(objects: Sequence[StoredObject]) -> Iterator[tuple[int, list[StoredObject]]]:
+    groups: dict[int, list[StoredObject]] = {}
+    for stored in objects:
+        groups.setdefault(stored.group, []).append(stored)
+    yield from groups.items()

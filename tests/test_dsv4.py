@@ -25,7 +25,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV4ForCausalLM (needs >= 5.17; CI pins 5.24)", allow_module_level=True)
 
 from weft.testing import ModelContract  # noqa: E402
-from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.config import CSA, HCA, SLIDING  # noqa: E402
 from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
 from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 
@@ -76,6 +76,29 @@ def test_transformers_weights_load_under_their_own_names(checkpoint):
     assert torch.equal(ours[f"{prefix}.indexer.compressor.position_bias"], theirs[f"{prefix}.compressor.indexer.position_bias"])
     assert torch.equal(ours["model.layers.0.mlp.experts.gate_up_proj"], theirs["model.layers.0.mlp.experts.gate_up_proj"])
     assert torch.equal(ours["lm_head.weight"], theirs["lm_head.weight"])
+
+
+def test_the_weight_name_map_reads_every_saved_tensor_and_writes_every_parameter_back(checkpoint):
+    from safetensors import safe_open
+
+    from weft_dsv4.weights import checkpoint_name, parameter_name
+
+    folder, _ = checkpoint
+    model = Driver(folder).model
+    ours = dict(model.named_parameters()) | dict(model.named_buffers())
+    read = set()
+    with safe_open(str(folder / "model.safetensors"), "pt") as saved:
+        for key in saved.keys():
+            name, expert, part = parameter_name(key)
+            target = ours[name]
+            if expert is not None:  # one expert's w1/w3 (rows of gate_up_proj) or w2 (down_proj)
+                size = model.settings.moe_intermediate_size
+                target = target[expert] if part == "down" else target[expert][(0 if part == "gate" else size):][:size]
+            assert torch.equal(target, saved.get_tensor(key).to(target.dtype)), key
+            read.add((name, expert, part))
+    for name, expert, part in read:
+        assert parameter_name(checkpoint_name(name, expert, part)) == (name, expert, part)
+    assert {name for name, _, _ in read} == {name for name in ours if not name.endswith((".cos", ".sin"))}
 
 
 def test_prefill_logits_match_transformers(checkpoint):

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("weft_dsv4")
 pytest.importorskip("triton")
 
-from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.config import CSA, HCA, SLIDING  # noqa: E402
 from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
 from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 

@@ -276,6 +276,60 @@ def test_mhc_weights_are_doubly_stochastic_with_post_in_0_2(checkpoint):
             assert converged_error < 1e-3 and (row_error < 1e-5 or converged_error < row_error / 10)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("hc_mult", [2, 3, 4])
+def test_the_fused_mhc_kernel_matches_the_torch_reference(hc_mult):
+    pytest.importorskip("triton")
+    from weft_dsv4.mhc import mhc_weights
+    from weft_dsv4.mhc_kernel import MhcWeightsKernel
+
+    generator = torch.Generator().manual_seed(hc_mult)
+    width = (2 + hc_mult) * hc_mult
+    base, scale = torch.randn(width, generator=generator), 1 + torch.rand(3, generator=generator)
+    kernel = MhcWeightsKernel()
+    for tokens in (1, 17, 40):
+        mixes = torch.randn(tokens, width, generator=generator) * 3
+        for iterations in (1, 20):
+            fused = kernel(mixes=mixes, base=base, scale=scale, eps=1e-6, iterations=iterations)
+            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, iterations)):
+                torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_model_on_the_fused_mhc_kernel_matches_transformers(checkpoint):
+    pytest.importorskip("triton")
+    from weft_dsv4.mhc_kernel import MhcWeightsKernel
+
+    folder, hf = checkpoint
+    ids = random_ids(20, seed=9)
+    driver = Driver(folder)
+    kernel = MhcWeightsKernel()
+    for layer in driver.model.model.layers:
+        layer.attn_hc.kernel = layer.ffn_hc.kernel = kernel
+    torch.testing.assert_close(driver.step([("a", ids)])[0], hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_routed_experts_sum_each_token_s_picks(checkpoint):
+    """The sorted-token grouped GEMM against a plain per-token loop over the picked experts."""
+    from weft_dsv4.moe import clamped_swiglu
+
+    folder, _ = checkpoint
+    model = Driver(folder).model
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(13, model.settings.hidden_size, generator=generator)
+    experts_module = model.model.layers[-1].mlp.experts
+    experts = torch.stack([torch.randperm(model.settings.num_experts, generator=generator)[:2] for _ in range(13)])
+    experts[3] = experts[5]  # two tokens with the same picks
+    weights = torch.rand(13, 2, generator=generator)
+    expected = torch.zeros_like(hidden)
+    for token in range(13):
+        for slot in range(2):
+            e = int(experts[token, slot])
+            gate, up = (experts_module.gate_up_proj[e] @ hidden[token]).chunk(2)
+            expected[token] += weights[token, slot] * (experts_module.down_proj[e] @ clamped_swiglu(gate, up, experts_module.limit))
+    torch.testing.assert_close(experts_module(hidden, experts, weights), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_hash_routed_layers_pick_exactly_tid2eid(checkpoint):
     folder, hf = checkpoint
     model = Driver(folder).model

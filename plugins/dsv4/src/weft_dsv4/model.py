@@ -65,7 +65,7 @@ from weft.layers.ops import current_op
 from weft.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, copy_checked
 from weft_dsv4.attention import DeepseekV4Attention
 from weft_dsv4.config import CSA, HCA, DeepseekV4Settings, layer_groups
-from weft_dsv4.mhc import HyperConnection, HyperHead
+from weft_dsv4.mhc import HyperConnection, HyperHead, fused_kernel
 from weft_dsv4.moe import Experts, MoE
 from weft_dsv4.norm import RMSNorm
 from weft_dsv4.rope import InterleavedRope
@@ -204,8 +204,10 @@ class DeepseekV4Family(ModelFamily):
         module.model.group_names = tuple(group.name for group in groups)
         module.model.ring_blocks = groups[0].spec.ring_blocks
         topk = current_op("decode_topk") or DecodeTopKTorch(None)
+        mhc_kernel = fused_kernel(device, s.hc_mult)
         for layer in module.model.layers:
             layer.self_attn.topk_op = topk
+            layer.attn_hc.kernel = layer.ffn_hc.kernel = mhc_kernel
         module.model.ropes.to(device)
         return module.eval()
 

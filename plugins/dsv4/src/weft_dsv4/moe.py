@@ -16,6 +16,31 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``rows[ends[e-1]:ends[e]] @ weights[e].T`` for every expert ``e`` (``weights`` ``[E, out, in]``); rows
+    past ``ends[-1]`` are left undefined. One grouped GEMM where torch has it for these tensors
+    (``torch._grouped_mm``: CPU, and CUDA's bf16 on sm90+), else one matmul per expert."""
+    if _grouped_mm_runs(rows, weights):
+        return torch._grouped_mm(rows, weights.transpose(1, 2), offs=ends)
+    output = rows.new_empty((rows.shape[0], weights.shape[1]))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        output[start:end] = F.linear(rows[start:end], weights[expert])
+        start = end
+    return output
+
+
+def _grouped_mm_runs(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if rows.device.type == "cpu":
+        return True
+    if rows.device.type != "cuda" or rows.dtype != torch.bfloat16:
+        return False
+    # CUTLASS's grouped GEMM wants 16-byte aligned rows on both sides.
+    return torch.cuda.get_device_capability(rows.device) >= (9, 0) and rows.shape[-1] % 8 == 0 and weights.shape[1] % 8 == 0
+
+
 class SharedExpert(nn.Module):
     """This rank's columns of the shared expert; returns its partial sum (the MoE all-reduces once)."""
 
@@ -80,16 +105,21 @@ class Experts(nn.Module):
         return self.first <= expert < self.first + self.count
 
     def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(hidden)
-        for expert in experts.unique().tolist():
-            if not self.holds(expert):
-                continue  # another rank's: it adds that expert's share
-            tokens, slot = torch.where(experts == expert)
-            local = expert - self.first
-            gate, up = F.linear(hidden[tokens], self.gate_up_proj[local]).chunk(2, dim=-1)
-            current = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[local])
-            output.index_add_(0, tokens, (current * weights[tokens, slot, None]).to(output.dtype))
-        return output
+        """Every (token, expert) pair sorted by expert, each expert's rows through one grouped GEMM:
+        no host synchronisation, so the step stays capturable in a CUDA graph."""
+        k = experts.shape[1]
+        local = experts.flatten() - self.first
+        held = (local >= 0) & (local < self.count)
+        # Another rank's experts sort after this rank's last group and are left out of the GEMMs.
+        local = torch.where(held, local, self.count)
+        order = local.argsort(stable=True)
+        tokens = order // k
+        ends = torch.bincount(local, minlength=self.count + 1)[: self.count].cumsum(0).to(torch.int32)
+        gate, up = grouped_matmul(hidden[tokens], self.gate_up_proj, ends).chunk(2, dim=-1)
+        current = grouped_matmul(clamped_swiglu(gate, up, self.limit), self.down_proj, ends)
+        scale = torch.where(held, weights.flatten(), 0.0)[order, None]
+        contribution = torch.where(held[order, None], current * scale, 0.0).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, tokens, contribution)
 
     def load_expert(self, parameter: str, expert: int, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
         """One expert's ``gate``/``up`` (``[I, H]``) or ``down`` (``[H, I]``) tensor: this rank's columns of it."""

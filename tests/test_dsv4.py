@@ -212,10 +212,58 @@ def test_preemption_and_prefix_caching_change_no_token(checkpoint):
     assert tight == reference
     cached, llm = _engine_tokens(folder, enable_prefix_caching=True)
     assert cached == reference
-    # The window ring and the compressor state cannot be rebuilt from cached blocks, so the
-    # manager must not reuse the compressed groups' blocks alone.
-    assert llm.engine.kv_cache_manager.prefix_caching is False
-    assert llm.engine.kv_cache_manager.stats.hit_tokens == 0
+
+
+SHARED = random_ids(48, seed=20)  # a multiple of both schedules' snapshot unit (8 and 16 tokens)
+# Hits that leave one token (a decode-shaped first step), a short and a long (chunked) rest.
+SHARED_PROMPTS = [SHARED + [7], SHARED + random_ids(5, seed=21), SHARED[:33] + random_ids(30, seed=22), SHARED + random_ids(40, seed=23)]
+
+
+def _shared_prefix_tokens(folder, **engine):
+    from weft.sampling_params import SamplingParams
+
+    llm = _llm(folder, **engine)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = llm.generate([SHARED + random_ids(3, seed=24)], params)  # computes (and publishes) the shared prefix
+    rest = llm.generate(SHARED_PROMPTS, params)
+    llm.preemptions = llm.engine.scheduler.num_preemptions
+    return [list(output.outputs[0].token_ids) for output in first + rest], llm
+
+
+def test_prefix_cache_hits_resume_from_the_ring_and_state_snapshots(checkpoint):
+    folder, _ = checkpoint
+    reference, _ = _shared_prefix_tokens(folder, enable_prefix_caching=False)
+    cached, llm = _shared_prefix_tokens(folder, enable_prefix_caching=True)
+    manager = llm.engine.kv_cache_manager
+    assert manager.prefix_caching
+    names = {group.name for group in manager.groups}
+    assert {"window_checkpoint", "state_checkpoint"} <= names
+    # The first prompt's 48 shared tokens, found again by every later prompt (the third one up to its
+    # last snapshot boundary before token 33); chunked by the 24-token budget.
+    assert manager.stats.hit_tokens >= 3 * 48 + 32 - 16
+    assert cached == reference
+
+
+def test_prefix_cache_hits_after_preemption_change_no_token(checkpoint):
+    folder, _ = checkpoint
+    reference, _ = _shared_prefix_tokens(folder, enable_prefix_caching=False)
+    # Few blocks: requests are preempted, and resume from their own (or each other's) snapshots.
+    tight, llm = _shared_prefix_tokens(folder, enable_prefix_caching=True, num_kv_blocks=20, max_model_len=160)
+    assert llm.preemptions > 0 and llm.engine.kv_cache_manager.stats.hit_tokens > 0
+    assert tight == reference
+
+
+def test_snapshot_groups_exist_only_under_prefix_caching(checkpoint):
+    import msgspec
+
+    folder, _ = checkpoint
+    config = Driver(folder).config
+    plain = {group.name: group for group in Driver(folder).family.kv_cache_groups(config)}
+    cached = {group.name: group for group in Driver(folder).family.kv_cache_groups(msgspec.structs.replace(config, enable_prefix_caching=True))}
+    assert set(cached) - set(plain) == {"window_checkpoint", "state_checkpoint"}
+    assert cached["window"].checkpointed and cached["compressor_state"].checkpointed
+    assert not plain["window"].checkpointed and not plain["compressor_state"].checkpointed
+    assert cached["window_checkpoint"].prefix_cacheable and cached["state_checkpoint"].spec.dtype == "float32"
 
 
 def test_kv_cache_groups_and_their_flags(checkpoint):

@@ -66,6 +66,7 @@ class DeepseekV4Attention(nn.Module):
         for request in step.prefills:
             rows = slice(request.row_start, request.row_end)
             keys, key_positions = self._window_keys(ring, request, kv[rows])
+            self._snapshot_window(step, request, keys)
             query_positions = positions[rows]
             distance = query_positions.view(-1, 1) - key_positions.view(1, -1)
             window_bias = torch.zeros(distance.shape, dtype=torch.float32, device=hidden.device)
@@ -81,6 +82,35 @@ class DeepseekV4Attention(nn.Module):
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
         """The sinks of this rank's heads."""
         copy_checked(getattr(self, parameter).data, as_slice(weight).narrow(0, self.heads.start, self.heads.length), name)
+
+    def restore(self, step: StepLayout, hit: int, tables: dict[str, torch.Tensor]) -> None:
+        """Resume a request from a prefix hit of ``hit`` tokens: its window ring and compressor state
+        become the snapshots taken after token ``hit - 1``."""
+        block = hit // step.checkpoint_unit - 1
+        ring = step.caches[self.cache_names["window"]]
+        size = ring.shape[1]
+        snapshot = step.caches[self.cache_names["window_checkpoint"]][int(tables["window_checkpoint"][block])].view(self.window, -1)
+        positions = torch.arange(max(hit - self.window, 0), hit, device=ring.device)
+        slots = tables["window"][(positions // size) % step.ring_blocks] * size + positions % size
+        ring.view(-1, ring.shape[-1])[slots] = snapshot[positions - (hit - self.window)]
+        if self.compressor is not None:
+            saved = step.caches[self.cache_names["state_checkpoint"]][int(tables["state_checkpoint"][block])]
+            step.caches[self.cache_names["compressor_state"]][int(tables["compressor_state"][0])] = saved
+
+    def _boundaries(self, step: StepLayout, start: int, end: int) -> list[int]:
+        """The snapshot boundaries a request's tokens ``start .. end - 1`` cross (none without prefix caching)."""
+        unit = step.checkpoint_unit
+        return list(range((start // unit + 1) * unit, end + 1, unit)) if unit else []
+
+    def _snapshot_window(self, step: StepLayout, request: RequestRows, keys: torch.Tensor) -> None:
+        """Snapshot the last ``window`` keys at each boundary the request crosses; ``keys`` holds
+        positions ``max(0, start - window + 1) .. end - 1``."""
+        first = max(0, request.start - self.window + 1)
+        snapshots = step.caches.get(self.cache_names["window_checkpoint"])
+        for boundary in self._boundaries(step, request.start, request.end):
+            target = snapshots[int(request.tables["window_checkpoint"][boundary // step.checkpoint_unit - 1])]
+            positions = torch.arange(max(boundary - self.window, 0), boundary, device=keys.device)
+            target.view(self.window, -1)[positions - (boundary - self.window)] = keys[positions - first]
 
     def _window_keys(self, ring: torch.Tensor, request: RequestRows, new_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of positions ``start - window + 1 .. end - 1`` (earlier ones from the ring); stores the new ones."""
@@ -141,6 +171,13 @@ class DeepseekV4Attention(nn.Module):
         flat[ring_slots(positions[:, None])[:, 0]] = kv[rows]
         window = positions[:, None] - self.window + 1 + torch.arange(self.window, device=kv.device)
         keys = flat[ring_slots(window.clamp(min=0))]
+        at_boundary = [row for row, position in enumerate(batch.position_list)
+                       if step.checkpoint_unit and (position + 1) % step.checkpoint_unit == 0]
+        if at_boundary:
+            # The window keys of positions p - window + 1 .. p are this boundary's snapshot.
+            chosen = torch.tensor(at_boundary, device=kv.device)
+            blocks = self._snapshot_blocks(step, chosen, "window_checkpoint")
+            step.caches[self.cache_names["window_checkpoint"]][blocks] = keys[chosen].flatten(1)
         bias = torch.zeros(window.shape, dtype=torch.float32, device=kv.device).masked_fill_(window < 0, float("-inf"))
         if self.compressor is not None:
             m = self.compressor.ratio
@@ -171,9 +208,18 @@ class DeepseekV4Attention(nn.Module):
                 else:
                     picked = entries.new_zeros((*picks.shape, entries.shape[-1]))
                 picked_bias = torch.zeros(picks.shape, dtype=torch.float32, device=kv.device).masked_fill_(picks < 0, float("-inf"))
+            if at_boundary:
+                blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
+                step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]
             keys = torch.cat([keys, picked], dim=1)
             bias = torch.cat([bias, picked_bias], dim=1)
         return self._attend_rows(query[rows], keys, bias)
+
+    def _snapshot_blocks(self, step: StepLayout, chosen: torch.Tensor, group: str) -> torch.Tensor:
+        """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes."""
+        batch = step.decode
+        index = (batch.positions[chosen] + 1) // step.checkpoint_unit - 1
+        return batch.tables[group][chosen].gather(1, index[:, None])[:, 0]
 
     def _attend_rows(self, query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Each row's own keys (``[rows, keys, d]``, also the values) with the per-head sink in the softmax."""
@@ -207,7 +253,16 @@ class DeepseekV4Attention(nn.Module):
             rows = slice(request.row_start, request.row_end)
             layer_state = state[request.state_block]
             main_state = layer_state[: self.compressor.state_elements()].view(self.compressor.span, -1)
-            first, new = self.compressor.step(kv[rows], gate[rows], request.start, main_state, rope)
+            boundaries = self._boundaries(step, request.start, request.end)
+            snapshots = [
+                step.caches[self.cache_names["state_checkpoint"]][int(request.tables["state_checkpoint"][boundary // step.checkpoint_unit - 1])]
+                for boundary in boundaries
+            ]
+            first, new = self.compressor.step(
+                kv[rows], gate[rows], request.start, main_state, rope,
+                [(boundary, snapshot[: self.compressor.state_elements()].view(self.compressor.span, -1))
+                 for boundary, snapshot in zip(boundaries, snapshots)],
+            )
             entries = write_and_read_entries(entry_cache, request.tables[entry_table], first, new, request.end // m, m)
             query_positions = positions[rows]
             visible = (query_positions + 1) // m
@@ -218,7 +273,14 @@ class DeepseekV4Attention(nn.Module):
                 continue
             index_state = layer_state[self.compressor.state_elements() :][: self.indexer.compressor.state_elements()]
             index_state = index_state.view(self.indexer.compressor.span, -1)
-            first, new_keys = self.indexer.compressor.step(index_kv[rows], index_gate[rows], request.start, index_state, rope)
+            main = self.compressor.state_elements()
+            index_snapshots = [
+                (boundary, snapshot[main:][: self.indexer.compressor.state_elements()].view(self.indexer.compressor.span, -1))
+                for boundary, snapshot in zip(boundaries, snapshots)
+            ]
+            first, new_keys = self.indexer.compressor.step(
+                index_kv[rows], index_gate[rows], request.start, index_state, rope, index_snapshots,
+            )
             keys = write_and_read_entries(index_keys_cache, request.tables["indexer_keys"], first, new_keys, request.end // m, m)
             scores = self.indexer.scores(index_query[rows], index_weights[rows], keys)
             # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.

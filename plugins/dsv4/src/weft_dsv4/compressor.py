@@ -3,6 +3,7 @@ keeping the incomplete window (and CSA's overlap half-window) as recurrent state
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,15 +46,22 @@ class Compressor(nn.Module):
         return self.kv_proj(hidden), self.gate_proj(hidden) + self.position_bias[positions % self.ratio]
 
     def step(
-        self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: torch.Tensor, rope: InterleavedRope
+        self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: torch.Tensor, rope: InterleavedRope,
+        snapshots: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> tuple[int, torch.Tensor]:
         """Add tokens ``start .. start + n - 1`` (their projections) to one request's windows.
 
         ``state`` is the request's fp32 ring ``[span, 2 * width]`` (kv | gate per position, slot
-        ``position % span``), updated in place. Returns the index of the first entry completed
-        and the completed entries ``[count, dim]`` (possibly none).
+        ``position % span``), updated in place. Each ``(boundary, ring)`` of ``snapshots`` receives
+        the state as it stood after token ``boundary - 1`` (a prefix-cache checkpoint). Returns the
+        index of the first entry completed and the completed entries ``[count, dim]`` (possibly none).
         """
         m, n, end = self.ratio, kv.shape[0], start + kv.shape[0]
+        for boundary, ring in snapshots:
+            positions = torch.arange(max(boundary - self.span, 0), boundary, device=kv.device)
+            new = torch.cat([kv.float(), gate], dim=-1)[(positions - start).clamp(min=0)]
+            old = state[positions.clamp(max=max(start - 1, 0)) % self.span]
+            ring[positions % self.span] = torch.where((positions >= start)[:, None], new, old)
         first, last = start // m, end // m
         entries = kv.new_zeros((0, self.dim))
         if last > first:

@@ -9,7 +9,6 @@ from weft.contracts.parallel import ParallelLayout, check_heads
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-GROUPS = ("window", "csa_kv", "hca_kv", "indexer_keys", "compressor_state")
 
 
 class DeepseekV4Settings:
@@ -151,9 +150,10 @@ class DeepseekV4Settings:
 
 
 def layer_groups(kind: str) -> tuple[str, ...]:
-    """The KV-cache groups a layer of this type holds state in."""
+    """The KV-cache groups a layer of this type holds state in (the checkpoint groups only exist
+    under prefix caching)."""
     if kind == CSA:
-        return ("window", "csa_kv", "indexer_keys", "compressor_state")
+        return ("window", "csa_kv", "indexer_keys", "compressor_state", "window_checkpoint", "state_checkpoint")
     if kind == HCA:
-        return ("window", "hca_kv", "compressor_state")
-    return ("window",)
+        return ("window", "hca_kv", "compressor_state", "window_checkpoint", "state_checkpoint")
+    return ("window", "window_checkpoint")

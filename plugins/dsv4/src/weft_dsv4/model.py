@@ -51,6 +51,7 @@ from torch import nn
 
 from weft.builtins.decode_topk import DecodeTopKTorch
 from weft.contracts.kv_cache import (
+    CheckpointSpec,
     CompressedSpec,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -106,6 +107,9 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         step = StepLayout(context, self.group_names, self.ring_blocks)
+        for hit, tables in step.restores:
+            for layer in self.layers:
+                layer.self_attn.restore(step, hit, tables)
         hidden = self.embed_tokens(input_ids)
         streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         ropes = dict(self.ropes.items())
@@ -144,11 +148,12 @@ class DeepseekV4Family(ModelFamily):
         def compressed_block(ratio: int) -> int:
             return math.lcm(block_size, ratio)
 
+        checkpointed = config.enable_prefix_caching
         groups = [
             KVCacheGroupSpec("window", names("window"), SlidingWindowSpec(
                 block_size=block_size, dtype=config.dtype, num_kv_heads=1, head_dim=s.head_dim,
                 window=s.sliding_window, ring=True,
-            )),
+            ), checkpointed=checkpointed),
         ]
         if CSA in kinds:
             ratio = s.ratio(CSA)
@@ -169,7 +174,18 @@ class DeepseekV4Family(ModelFamily):
             elements = max(s.state_elements(kind) for kind in kinds)
             groups.append(KVCacheGroupSpec("compressor_state", names("compressor_state"), RecurrentStateSpec(
                 block_size=block_size, dtype="float32", state_elements=elements,
+            ), checkpointed=checkpointed))
+        if checkpointed:
+            # Snapshots of the ring (the last `window` keys) and of the compressor state at every
+            # boundary of the manager's hash unit, so that a prefix hit can resume exactly there.
+            unit = math.lcm(*(group.spec.block_size for group in groups))
+            groups.append(KVCacheGroupSpec("window_checkpoint", names("window_checkpoint"), CheckpointSpec(
+                block_size=unit, dtype=config.dtype, state_elements=s.sliding_window * s.head_dim,
             )))
+            if CSA in kinds or HCA in kinds:
+                groups.append(KVCacheGroupSpec("state_checkpoint", names("state_checkpoint"), CheckpointSpec(
+                    block_size=unit, dtype="float32", state_elements=elements,
+                )))
         return tuple(groups)
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
@@ -177,7 +193,7 @@ class DeepseekV4Family(ModelFamily):
             return (num_blocks, spec.block_size, spec.head_dim)
         if isinstance(spec, CompressedSpec):
             return (num_blocks, spec.block_size // spec.compress_ratio, spec.entry_dim)
-        if isinstance(spec, RecurrentStateSpec):
+        if isinstance(spec, (RecurrentStateSpec, CheckpointSpec)):
             return (num_blocks, spec.state_elements)
         raise ValueError(f"DeepSeek V4 declares no {type(spec).__name__} group")
 

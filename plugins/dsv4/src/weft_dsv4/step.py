@@ -32,6 +32,15 @@ class StepLayout:
         lengths = first.seq_lens.tolist()
         self.caches = context.kv_caches
         self.ring_blocks = ring_blocks
+        checkpoints = batches.get("window_checkpoint")
+        self.checkpoint_unit = checkpoints.block_size if checkpoints is not None else 0
+        """Tokens between two snapshots of the window ring and compressor state (0: prefix caching off)."""
+        self.restores = [
+            (hit, {name: batch.block_table[index].long() for name, batch in batches.items()})
+            for index, hit in enumerate(context.prefix_hits) if self.checkpoint_unit and hit and hit % self.checkpoint_unit == 0
+        ]
+        """``(tokens found cached, the request's blocks per group)`` of each request resuming from a prefix hit.
+        A hit that ends between snapshots came with the ring and state themselves (a prefill/decode transfer)."""
         decoding = [index for index in range(len(lengths)) if starts[index + 1] - starts[index] == 1]
         self.prefills = [
             RequestRows(
@@ -56,3 +65,6 @@ class DecodeBatch:
         self.tables = {name: batch.block_table[chosen].long() for name, batch in batches.items()}
         state = self.tables.get("compressor_state")
         self.state_blocks = state[:, 0] if state is not None else None
+        self.lengths = lengths
+        """Each decoding request's length after this token, by step row (``lengths[index]``)."""
+        self.indices = indices

@@ -25,7 +25,7 @@ nixl_build=cu12
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi | grep -q "CUDA Version: 13" && nixl_build=cu13
 "${pip[@]}" install \
     "$root/core" "$root/plugins/gguf" "$root/plugins/mooncake[$mooncake_build]" "$root/plugins/dsv4" "$root/plugins/xgrammar" \
-    "$root/plugins/ray" \
+    "$root/plugins/ray" "$root/plugins/hisparse" \
     "$root/plugins/nixl[$nixl_build]" "$root/plugins/disagg" \
     "$root/plugins/fastsafetensors" "$root/plugins/weight-cache" \
     "$root/plugins/triton" "$root/plugins-cuda" "$root/plugins-rocm" "$root/plugins-xpu" \

@@ -276,7 +276,7 @@ def test_deepseek_v4_with_expert_parallelism_gives_the_greedy_tokens_of_one_devi
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV4ForCausalLM")
-    from weft_dsv4.model import CSA, HCA, SLIDING
+    from weft_dsv4.config import CSA, HCA, SLIDING
     from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
 
     folder = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3), seed=7)
@@ -359,7 +359,8 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         return
-    from weft_dsv4.model import CSA, HCA, DeepseekV4Family
+    from weft_dsv4.config import CSA, HCA
+    from weft_dsv4.model import DeepseekV4Family
     from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
 
     dsv4 = write_checkpoint(tmp_path / "dsv4", tiny_config([HCA, CSA]), seed=7)  # 8 routed experts

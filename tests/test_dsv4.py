@@ -25,7 +25,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV4ForCausalLM (needs >= 5.17; CI pins 5.24)", allow_module_level=True)
 
 from weft.testing import ModelContract  # noqa: E402
-from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.config import CSA, HCA, SLIDING  # noqa: E402
 from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
 from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 
@@ -76,6 +76,29 @@ def test_transformers_weights_load_under_their_own_names(checkpoint):
     assert torch.equal(ours[f"{prefix}.indexer.compressor.position_bias"], theirs[f"{prefix}.compressor.indexer.position_bias"])
     assert torch.equal(ours["model.layers.0.mlp.experts.gate_up_proj"], theirs["model.layers.0.mlp.experts.gate_up_proj"])
     assert torch.equal(ours["lm_head.weight"], theirs["lm_head.weight"])
+
+
+def test_the_weight_name_map_reads_every_saved_tensor_and_writes_every_parameter_back(checkpoint):
+    from safetensors import safe_open
+
+    from weft_dsv4.weights import checkpoint_name, parameter_name
+
+    folder, _ = checkpoint
+    model = Driver(folder).model
+    ours = dict(model.named_parameters()) | dict(model.named_buffers())
+    read = set()
+    with safe_open(str(folder / "model.safetensors"), "pt") as saved:
+        for key in saved.keys():
+            name, expert, part = parameter_name(key)
+            target = ours[name]
+            if expert is not None:  # one expert's w1/w3 (rows of gate_up_proj) or w2 (down_proj)
+                size = model.settings.moe_intermediate_size
+                target = target[expert] if part == "down" else target[expert][(0 if part == "gate" else size):][:size]
+            assert torch.equal(target, saved.get_tensor(key).to(target.dtype)), key
+            read.add((name, expert, part))
+    for name, expert, part in read:
+        assert parameter_name(checkpoint_name(name, expert, part)) == (name, expert, part)
+    assert {name for name, _, _ in read} == {name for name in ours if not name.endswith((".cos", ".sin"))}
 
 
 def test_prefill_logits_match_transformers(checkpoint):
@@ -189,10 +212,58 @@ def test_preemption_and_prefix_caching_change_no_token(checkpoint):
     assert tight == reference
     cached, llm = _engine_tokens(folder, enable_prefix_caching=True)
     assert cached == reference
-    # The window ring and the compressor state cannot be rebuilt from cached blocks, so the
-    # manager must not reuse the compressed groups' blocks alone.
-    assert llm.engine.kv_cache_manager.prefix_caching is False
-    assert llm.engine.kv_cache_manager.stats.hit_tokens == 0
+
+
+SHARED = random_ids(48, seed=20)  # a multiple of both schedules' snapshot unit (8 and 16 tokens)
+# Hits that leave one token (a decode-shaped first step), a short and a long (chunked) rest.
+SHARED_PROMPTS = [SHARED + [7], SHARED + random_ids(5, seed=21), SHARED[:33] + random_ids(30, seed=22), SHARED + random_ids(40, seed=23)]
+
+
+def _shared_prefix_tokens(folder, **engine):
+    from weft.sampling_params import SamplingParams
+
+    llm = _llm(folder, **engine)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = llm.generate([SHARED + random_ids(3, seed=24)], params)  # computes (and publishes) the shared prefix
+    rest = llm.generate(SHARED_PROMPTS, params)
+    llm.preemptions = llm.engine.scheduler.num_preemptions
+    return [list(output.outputs[0].token_ids) for output in first + rest], llm
+
+
+def test_prefix_cache_hits_resume_from_the_ring_and_state_snapshots(checkpoint):
+    folder, _ = checkpoint
+    reference, _ = _shared_prefix_tokens(folder, enable_prefix_caching=False)
+    cached, llm = _shared_prefix_tokens(folder, enable_prefix_caching=True)
+    manager = llm.engine.kv_cache_manager
+    assert manager.prefix_caching
+    names = {group.name for group in manager.groups}
+    assert {"window_checkpoint", "state_checkpoint"} <= names
+    # The first prompt's 48 shared tokens, found again by every later prompt (the third one up to its
+    # last snapshot boundary before token 33); chunked by the 24-token budget.
+    assert manager.stats.hit_tokens >= 3 * 48 + 32 - 16
+    assert cached == reference
+
+
+def test_prefix_cache_hits_after_preemption_change_no_token(checkpoint):
+    folder, _ = checkpoint
+    reference, _ = _shared_prefix_tokens(folder, enable_prefix_caching=False)
+    # Few blocks: requests are preempted, and resume from their own (or each other's) snapshots.
+    tight, llm = _shared_prefix_tokens(folder, enable_prefix_caching=True, num_kv_blocks=20, max_model_len=160)
+    assert llm.preemptions > 0 and llm.engine.kv_cache_manager.stats.hit_tokens > 0
+    assert tight == reference
+
+
+def test_snapshot_groups_exist_only_under_prefix_caching(checkpoint):
+    import msgspec
+
+    folder, _ = checkpoint
+    config = Driver(folder).config
+    plain = {group.name: group for group in Driver(folder).family.kv_cache_groups(config)}
+    cached = {group.name: group for group in Driver(folder).family.kv_cache_groups(msgspec.structs.replace(config, enable_prefix_caching=True))}
+    assert set(cached) - set(plain) == {"window_checkpoint", "state_checkpoint"}
+    assert cached["window"].checkpointed and cached["compressor_state"].checkpointed
+    assert not plain["window"].checkpointed and not plain["compressor_state"].checkpointed
+    assert cached["window_checkpoint"].prefix_cacheable and cached["state_checkpoint"].spec.dtype == "float32"
 
 
 def test_kv_cache_groups_and_their_flags(checkpoint):
@@ -251,6 +322,60 @@ def test_mhc_weights_are_doubly_stochastic_with_post_in_0_2(checkpoint):
             _, _, converged = connection.weights(streams)
             converged_error = (converged.sum(dim=-1) - 1).abs().max()
             assert converged_error < 1e-3 and (row_error < 1e-5 or converged_error < row_error / 10)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("hc_mult", [2, 3, 4])
+def test_the_fused_mhc_kernel_matches_the_torch_reference(hc_mult):
+    pytest.importorskip("triton")
+    from weft_dsv4.mhc import mhc_weights
+    from weft_dsv4.mhc_kernel import MhcWeightsKernel
+
+    generator = torch.Generator().manual_seed(hc_mult)
+    width = (2 + hc_mult) * hc_mult
+    base, scale = torch.randn(width, generator=generator), 1 + torch.rand(3, generator=generator)
+    kernel = MhcWeightsKernel()
+    for tokens in (1, 17, 40):
+        mixes = torch.randn(tokens, width, generator=generator) * 3
+        for iterations in (1, 20):
+            fused = kernel(mixes=mixes, base=base, scale=scale, eps=1e-6, iterations=iterations)
+            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, iterations)):
+                torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_model_on_the_fused_mhc_kernel_matches_transformers(checkpoint):
+    pytest.importorskip("triton")
+    from weft_dsv4.mhc_kernel import MhcWeightsKernel
+
+    folder, hf = checkpoint
+    ids = random_ids(20, seed=9)
+    driver = Driver(folder)
+    kernel = MhcWeightsKernel()
+    for layer in driver.model.model.layers:
+        layer.attn_hc.kernel = layer.ffn_hc.kernel = kernel
+    torch.testing.assert_close(driver.step([("a", ids)])[0], hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_routed_experts_sum_each_token_s_picks(checkpoint):
+    """The sorted-token grouped GEMM against a plain per-token loop over the picked experts."""
+    from weft_dsv4.moe import clamped_swiglu
+
+    folder, _ = checkpoint
+    model = Driver(folder).model
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(13, model.settings.hidden_size, generator=generator)
+    experts_module = model.model.layers[-1].mlp.experts
+    experts = torch.stack([torch.randperm(model.settings.num_experts, generator=generator)[:2] for _ in range(13)])
+    experts[3] = experts[5]  # two tokens with the same picks
+    weights = torch.rand(13, 2, generator=generator)
+    expected = torch.zeros_like(hidden)
+    for token in range(13):
+        for slot in range(2):
+            e = int(experts[token, slot])
+            gate, up = (experts_module.gate_up_proj[e] @ hidden[token]).chunk(2)
+            expected[token] += weights[token, slot] * (experts_module.down_proj[e] @ clamped_swiglu(gate, up, experts_module.limit))
+    torch.testing.assert_close(experts_module(hidden, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_hash_routed_layers_pick_exactly_tid2eid(checkpoint):

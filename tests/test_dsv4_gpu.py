@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("weft_dsv4")
 pytest.importorskip("triton")
 
-from weft_dsv4.model import CSA, HCA, SLIDING  # noqa: E402
+from weft_dsv4.config import CSA, HCA, SLIDING  # noqa: E402
 from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
 from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 
@@ -76,3 +76,58 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(folder):
     their_agreement = (theirs.argmax(-1) == reference.argmax(-1)).float().mean().item()
     print(f"bf16 top-1 agreement with fp32: weft {agreement:.3f}, transformers {their_agreement:.3f}")
     assert agreement >= their_agreement - 0.05
+
+
+def test_the_compiled_mhc_kernel_matches_the_torch_reference():
+    from weft_dsv4.mhc import mhc_weights
+    from weft_dsv4.mhc_kernel import MhcWeightsKernel
+
+    kernel = MhcWeightsKernel()
+    for hc_mult in (2, 4):
+        generator = torch.Generator().manual_seed(hc_mult)
+        width = (2 + hc_mult) * hc_mult
+        base, scale = torch.randn(width, generator=generator).cuda(), (1 + torch.rand(3, generator=generator)).cuda()
+        for tokens in (1, 37, 1000):
+            mixes = (torch.randn(tokens, width, generator=generator) * 3).cuda()
+            fused = kernel(mixes=mixes, base=base, scale=scale, eps=1e-6, iterations=20)
+            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, 20)):
+                torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_routed_experts_grouped_gemm_in_bf16_matches_a_loop_over_experts():
+    from weft_dsv4.moe import grouped_matmul
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(300, 256, generator=generator).cuda().bfloat16()
+    weights = (torch.randn(16, 128, 256, generator=generator) * 0.05).cuda().bfloat16()
+    sizes = torch.randint(0, 40, (16,), generator=generator)
+    ends = sizes.cumsum(0).clamp(max=300).to(torch.int32).cuda()
+    ours = grouped_matmul(rows, weights, ends)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        torch.testing.assert_close(ours[start:end], rows[start:end] @ weights[expert].T, atol=2e-2, rtol=2e-2)
+        start = end
+
+
+def test_prefix_cache_hits_and_warmed_kernels_on_gpu_change_no_token(folder):
+    """bf16 engine, kernels warmed up with runtime_jit = "error" (a compile after warm-up fails):
+    prompts that share a 256-token prefix give the same tokens with prefix caching on and off."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    shared = prompt(256)
+    prompts = [shared + prompt(n) for n in (1, 40, 170)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        llm = LLM(model=str(folder), engine={
+            "dtype": "bfloat16", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024,
+            "enable_prefix_caching": caching, "runtime_jit": "error",
+        })
+        first = llm.generate([shared + [5]], params)
+        rest = llm.generate(prompts, params)
+        results[caching] = [list(output.outputs[0].token_ids) for output in first + rest]
+        if caching:
+            assert llm.engine.kv_cache_manager.stats.hit_tokens >= 3 * 256
+        del llm
+    assert results[True] == results[False]

@@ -15,6 +15,9 @@ and two flags tell the rest of the system what is safe:
     (prefill/decode disaggregation). A ring or recurrent group is transferable
     but not prefix-cacheable: "transferable is not storable".
 
+A ring or recurrent group may still take part in prefix caching when its model checkpoints it
+(:class:`CheckpointSpec`, :attr:`KVCacheGroupSpec.checkpointed`).
+
 Callers that move blocks pick the groups by these flags
 (:func:`prefix_cacheable_groups`, :func:`transferable_groups`) instead of
 assuming that every group may go everywhere.
@@ -201,12 +204,47 @@ class RecurrentStateSpec(KVCacheSpec, frozen=True, tag="recurrent_state"):
         return block_table[rows, 0].long()
 
 
+class CheckpointSpec(KVCacheSpec, frozen=True, tag="checkpoint"):
+    """Snapshots of a model's own state (a window ring, a recurrent state) as it stands after each
+    full block: block ``k`` holds the state after tokens ``0 .. (k + 1) * block_size - 1``.
+
+    A snapshot is a pure function of the prefix it ends, so these blocks are prefix-cacheable;
+    they are what lets the groups marked :attr:`KVCacheGroupSpec.checkpointed` take part in
+    prefix caching. The model writes one whenever a step crosses a block boundary and, on the
+    step after a prefix hit (:attr:`weft.layers.attention.ForwardContext.prefix_hits`), restores
+    the checkpointed groups from the snapshot at the hit's end.
+    """
+
+    state_elements: int
+    """Elements of one layer's snapshot."""
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def transferable(self) -> bool:
+        """A snapshot serves the instance's own prefix cache (and a prefix store); a prefill/decode
+        transfer moves the checkpointed state itself, so a decode instance needs none."""
+        return False
+
+    def page_size_bytes(self) -> int:
+        return self.state_elements * dtype_size(self.dtype)
+
+    def slot_mapping(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The snapshot block each token's position falls in."""
+        return block_table[rows, positions // self.block_size].long()
+
+
 class KVCacheGroupSpec(msgspec.Struct, frozen=True):
     """A named group of layers sharing one spec; the KV-cache manager keeps one block table per group."""
 
     name: str
     layer_names: tuple[str, ...]
-    spec: FullAttentionSpec | SlidingWindowSpec | CompressedSpec | RecurrentStateSpec
+    spec: FullAttentionSpec | SlidingWindowSpec | CompressedSpec | RecurrentStateSpec | CheckpointSpec
+    checkpointed: bool = False
+    """For a group that is not prefix-cacheable: its model restores it, after a prefix hit, from a
+    :class:`CheckpointSpec` group it also declares, so prefix caching may stay on (added in core API 1.5)."""
 
     @property
     def prefix_cacheable(self) -> bool:

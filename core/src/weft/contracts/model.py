@@ -64,6 +64,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     max_model_len: int
     parallel: ParallelLayout = ParallelLayout()
     """How the model is spread over devices, and this process's rank (added in core API 1.4)."""
+    enable_prefix_caching: bool = False
+    """Whether the engine reuses cached prefixes: a family with checkpointed groups declares its
+    checkpoint groups only then (added in core API 1.5)."""
 
 
 class ModelFamily(PluginBase):

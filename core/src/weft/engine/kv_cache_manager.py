@@ -6,9 +6,11 @@ request holds a block list per group. Prefix caching identifies a full block by
 the chained hash of its tokens and of every token before it, so two requests
 share a block only when their whole prefix up to that block is identical.
 
-Prefix hits are used only when every group is prefix-cacheable: a group that
-holds a ring buffer or recurrent state cannot reproduce the state after an
-arbitrary prefix, so reusing the other groups' blocks alone would be wrong.
+Prefix hits are used only when every group is prefix-cacheable or checkpointed: a
+group that holds a ring buffer or recurrent state cannot reproduce the state after
+an arbitrary prefix, so reusing the other groups' blocks alone would be wrong,
+unless its model restores it from a checkpoint group (``KVCacheGroupSpec.checkpointed``).
+A checkpointed group takes fresh blocks on a hit; only prefix-cacheable groups are looked up.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class KVCacheManager:
             raise ValueError(f"{len(groups)} KV-cache groups but {len(num_blocks)} block counts")
         self.groups = tuple(groups)
         self.pools = tuple(BlockPool(count) for count in num_blocks)
-        self.prefix_caching = enable_prefix_caching and all(group.prefix_cacheable for group in self.groups)
+        self.prefix_caching = enable_prefix_caching and all(group.prefix_cacheable or group.checkpointed for group in self.groups)
         self._hash_unit = lcm(*(group.spec.block_size for group in self.groups))
         self._blocks: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[list[bytes]]] = {}
@@ -161,13 +163,14 @@ class KVCacheManager:
         per_group: list[tuple[int, ...]] = []
         for group, pool in zip(self.groups, self.pools):
             found = []
-            for block_hash in block_hashes(token_ids[:usable], group.spec.block_size):
+            for block_hash in block_hashes(token_ids[:usable], group.spec.block_size) if group.prefix_cacheable else ():
                 block = pool.lookup(block_hash)
                 if block is None:
                     break
                 found.append(block)
             per_group.append(tuple(found))
-        num_tokens = min(len(found) * group.spec.block_size for found, group in zip(per_group, self.groups))
+        num_tokens = min(len(found) * group.spec.block_size
+                         for found, group in zip(per_group, self.groups) if group.prefix_cacheable)
         num_tokens = (num_tokens // self._hash_unit) * self._hash_unit
         blocks = tuple(found[: num_tokens // group.spec.block_size] for found, group in zip(per_group, self.groups))
         return ComputedPrefix(blocks=blocks, num_tokens=num_tokens)
@@ -218,6 +221,8 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
+            if not group.prefix_cacheable:
+                continue
             size = group.spec.block_size
             known = self._hashes[request_id][index]
             done, full = len(known), num_computed_tokens // size

@@ -21,6 +21,9 @@ class ForwardContext(msgspec.Struct):
     """The cache tensor of each attention layer, by layer name."""
     batches: list[AttentionBatch] = []
     """The step's block tables and slots for each KV-cache group, for models that manage a group themselves."""
+    prefix_hits: list[int] = []
+    """Per request row: the tokens a prefix hit (local or loaded) supplied, on the request's first step
+    since it was (re)scheduled; 0 otherwise. A model restores its checkpointed groups from them."""
 
 
 class Attention(nn.Module):

@@ -93,7 +93,7 @@ class RequestState:
     """The runner's copy of one request."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
-                 "block_ids", "num_computed_tokens")
+                 "block_ids", "num_computed_tokens", "prefix_hit")
 
     def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
@@ -105,6 +105,15 @@ class RequestState:
         self.generator = torch.Generator().manual_seed(new.params.seed) if new.params.seed is not None else None
         self.block_ids = [list(group) for group in new.block_ids]
         self.num_computed_tokens = new.num_computed_tokens
+        self.prefix_hit: int | None = None
+        """Tokens found cached (locally or loaded) when its first step ran; None before that step."""
+
+    def take_prefix_hit(self) -> int:
+        """On the request's first step (since it was (re)scheduled): the tokens it found cached; 0 later."""
+        if self.prefix_hit is not None:
+            return 0
+        self.prefix_hit = self.num_computed_tokens
+        return self.prefix_hit
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -343,9 +352,12 @@ class ModelRunner:
             return forward_in_micro_batches(self, states, counts, sampling)
         count = len(states)
         scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
-        if self.graphs and sum(counts) == count and not scores_prompt:
+        resumes = any(state.prefix_hit is None and state.num_computed_tokens for state in states)
+        if self.graphs and sum(counts) == count and not scores_prompt and not resumes:
             size = self._graph_size(count)
             if size is not None:
+                for state in states:
+                    state.take_prefix_hit()  # none resumes from a hit here: replays start from the ring as it is
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
         return self._execute_eager(states, counts, sampling, prompt_logprobs)
@@ -436,7 +448,9 @@ class ModelRunner:
             )
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
+        prefix_hits = [state.take_prefix_hit() for state in states]
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
+                                 prefix_hits=prefix_hits)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,

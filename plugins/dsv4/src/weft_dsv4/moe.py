@@ -1,0 +1,156 @@
+"""DeepSeek V4's MoE: the router (hash-routed ``tid2eid`` layers or scored top-k), the routed experts
+(this rank's, stacked) and the shared expert, summed over ranks by one all-reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weft.contracts.loader import WeightSlice, as_slice
+from weft.distributed.state import current_parallel
+from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
+from weft_dsv4.config import DeepseekV4Settings
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``rows[ends[e-1]:ends[e]] @ weights[e].T`` for every expert ``e`` (``weights`` ``[E, out, in]``); rows
+    past ``ends[-1]`` are left undefined. One grouped GEMM where torch has it for these tensors
+    (``torch._grouped_mm``: CPU, and CUDA's bf16 on sm90+), else one matmul per expert."""
+    if _grouped_mm_runs(rows, weights):
+        return torch._grouped_mm(rows, weights.transpose(1, 2), offs=ends)
+    output = rows.new_empty((rows.shape[0], weights.shape[1]))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        output[start:end] = F.linear(rows[start:end], weights[expert])
+        start = end
+    return output
+
+
+def _grouped_mm_runs(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if rows.device.type == "cpu":
+        return True
+    if rows.device.type != "cuda" or rows.dtype != torch.bfloat16:
+        return False
+    # CUTLASS's grouped GEMM wants 16-byte aligned rows on both sides.
+    return torch.cuda.get_device_capability(rows.device) >= (9, 0) and rows.shape[-1] % 8 == 0 and weights.shape[1] % 8 == 0
+
+
+class SharedExpert(nn.Module):
+    """This rank's columns of the shared expert; returns its partial sum (the MoE all-reduces once)."""
+
+    def __init__(self, s: DeepseekV4Settings) -> None:
+        super().__init__()
+        self.limit = s.swiglu_limit
+        columns = Shard(s.layout.tensor_rank * s.shared_intermediate, s.shared_intermediate)
+        self.gate_proj = ColumnParallelLinear(s.hidden_size, [columns], bias=False)
+        self.up_proj = ColumnParallelLinear(s.hidden_size, [columns], bias=False)
+        self.down_proj = RowParallelLinear(columns, s.hidden_size, bias=False, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    """Expert weights from the learned gate; the experts themselves from ``tid2eid[token]`` (hash
+    layers) or the top-k of ``score + e_score_correction_bias``."""
+
+    def __init__(self, s: DeepseekV4Settings, hashed: bool) -> None:
+        super().__init__()
+        self.hashed, self.top_k = hashed, s.experts_per_token
+        self.scoring_func, self.scaling = s.scoring_func, s.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(s.num_experts, s.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(s.vocab_size, s.experts_per_token, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(s.num_experts, dtype=torch.float32))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, self.weight)
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hashed:
+            experts = self.tid2eid[input_ids].long()
+        else:
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """This rank's routed experts as stacked tensors: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``
+    (``E`` the experts it holds, ``I`` each one's columns it holds); returns its partial sum."""
+
+    def __init__(self, s: DeepseekV4Settings) -> None:
+        super().__init__()
+        self.limit = s.swiglu_limit
+        self.first, self.count = s.first_expert, s.local_experts
+        self.columns = Shard(0 if s.layout.enable_expert_parallel else s.layout.tensor_rank * s.expert_intermediate,
+                             s.expert_intermediate)
+        self.full_intermediate = s.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.count, 2 * s.expert_intermediate, s.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.count, s.hidden_size, s.expert_intermediate))
+
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.count
+
+    def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every (token, expert) pair sorted by expert, each expert's rows through one grouped GEMM:
+        no host synchronisation, so the step stays capturable in a CUDA graph."""
+        k = experts.shape[1]
+        local = experts.flatten() - self.first
+        held = (local >= 0) & (local < self.count)
+        # Another rank's experts sort after this rank's last group and are left out of the GEMMs.
+        local = torch.where(held, local, self.count)
+        order = local.argsort(stable=True)
+        tokens = order // k
+        ends = torch.bincount(local, minlength=self.count + 1)[: self.count].cumsum(0).to(torch.int32)
+        gate, up = grouped_matmul(hidden[tokens], self.gate_up_proj, ends).chunk(2, dim=-1)
+        current = grouped_matmul(clamped_swiglu(gate, up, self.limit), self.down_proj, ends)
+        scale = torch.where(held, weights.flatten(), 0.0)[order, None]
+        contribution = torch.where(held[order, None], current * scale, 0.0).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, tokens, contribution)
+
+    def load_expert(self, parameter: str, expert: int, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
+        """One expert's ``gate``/``up`` (``[I, H]``) or ``down`` (``[H, I]``) tensor: this rank's columns of it."""
+        weight, local, columns = as_slice(weight), expert - self.first, self.columns
+        if part == "down":
+            copy_checked(self.down_proj.data[local], weight.narrow(1, columns.start, columns.length), name)
+            return
+        offset = 0 if part == "gate" else columns.length
+        copy_checked(self.gate_up_proj.data[local].narrow(0, offset, columns.length),
+                     weight.narrow(0, columns.start, columns.length), name)
+
+    def load_stacked(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
+        """The stacked tensor of every expert (``[E, 2I, H]`` or ``[E, H, I]``): this rank's experts and columns."""
+        stacked = as_slice(weight).narrow(0, self.first, self.count)
+        columns = self.columns
+        if parameter == "down_proj":
+            copy_checked(self.down_proj.data, stacked.narrow(2, columns.start, columns.length), name)
+            return
+        gate = stacked.narrow(1, columns.start, columns.length)
+        up = stacked.narrow(1, self.full_intermediate + columns.start, columns.length)
+        copy_checked(self.gate_up_proj.data, torch.cat([gate, up], dim=1), name)
+
+
+class MoE(nn.Module):
+    def __init__(self, s: DeepseekV4Settings, index: int) -> None:
+        super().__init__()
+        self.gate = Router(s, s.mlp_layer_types[index] == "hash_moe")
+        self.experts = Experts(s)
+        self.shared_experts = SharedExpert(s)
+        self.tensor = current_parallel().tensor
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.gate(hidden, input_ids)
+        return self.tensor.all_reduce(self.experts(hidden, experts, weights) + self.shared_experts(hidden))

@@ -1,0 +1,174 @@
+"""The scheduler side of HiSparse: where each page of a request's compressed KV lives.
+
+A request's compressed KV is a list of pages (one engine block each). A page starts **dirty**
+(on the GPU only). The scheduler plans its copy to a row of the pinned host pool; the plan
+travels to the workers in the step's connector metadata (:class:`SpillPlan`), and the page
+becomes **clean** only when every worker acknowledged the copy (:meth:`PagePlanner.acknowledge`).
+While free GPU blocks stay above ``transition_watermark = max(hot buffer blocks, num_blocks // 10)``
+requests keep their pages pinned; below it, clean pages are **unpinned**, tail-first, except the
+last ``keep_tail`` pages of each request: the GPU block goes back to the pool (counted free), but
+the request keeps reading it until the pool hands the block out again (:meth:`PagePlanner.reused`);
+from then on that page is read from the host.
+
+Only the contiguous durable prefix of a request (leading pages whose host copy is complete) is
+published to the host prefix cache; a preempted request's planned copies are dropped, never
+published. Each piece of state has one writer: this planner, on the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+
+import msgspec
+
+
+class PageState(enum.Enum):
+    DIRTY = "dirty"
+    """On the GPU only (a copy to the host may be planned)."""
+    CLEAN = "clean"
+    """On the GPU and, acknowledged by every worker, on the host."""
+    UNPINNED = "unpinned"
+    """On the host; the GPU block is free in the pool but still readable until it is reused."""
+
+
+class Page(msgspec.Struct):
+    gpu_block: int | None
+    """None once the pool reused the block: the page is read from the host."""
+    host_row: int | None = None
+    state: PageState = PageState.DIRTY
+    pending: frozenset[int] = frozenset()
+    """Workers whose acknowledgement of the planned copy is still missing."""
+
+
+class PlannedCopy(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    page: int
+    gpu_block: int
+    host_row: int
+
+
+class SpillPlan(msgspec.Struct, frozen=True):
+    """What the workers do this step: copy these pages to the host; these GPU blocks are unpinned."""
+
+    copies: tuple[PlannedCopy, ...] = ()
+    unpinned: tuple[int, ...] = ()
+
+    @property
+    def has_sync_kv_loads(self) -> bool:
+        return bool(self.copies)
+
+
+class PagePlanner:
+    """Page states of every request, spill planning and the host pool's rows."""
+
+    def __init__(self, num_blocks: int, hot_buffer_blocks: int, host_rows: int, workers: int, keep_tail: int = 2) -> None:
+        if host_rows < 1 or workers < 1:
+            raise ValueError(f"HiSparse needs host rows and workers; got host_rows={host_rows}, workers={workers}")
+        self.transition_watermark = max(hot_buffer_blocks, num_blocks // 10)
+        self.workers = frozenset(range(workers))
+        self.keep_tail = keep_tail
+        self.free_host_rows = list(range(host_rows))
+        self.pages: dict[str, list[Page]] = {}
+        self._unpinned_blocks: dict[int, tuple[str, int]] = {}
+
+    def add_pages(self, request_id: str, gpu_blocks: list[int]) -> None:
+        """New full pages of a request, in token order (dirty)."""
+        self.pages.setdefault(request_id, []).extend(Page(gpu_block=block) for block in gpu_blocks)
+
+    def plan(self, free_gpu_blocks: int) -> SpillPlan:
+        """Copies for dirty pages (while host rows last) and, below the watermark, unpins."""
+        copies = []
+        for request_id, pages in self.pages.items():
+            for index, page in enumerate(pages):
+                if page.state is PageState.DIRTY and not page.pending and self.free_host_rows:
+                    page.host_row = self.free_host_rows.pop(0)
+                    page.pending = self.workers
+                    copies.append(PlannedCopy(request_id, index, page.gpu_block, page.host_row))
+        unpinned = []
+        if free_gpu_blocks < self.transition_watermark:
+            for request_id, pages in self.pages.items():
+                for index in range(len(pages) - self.keep_tail - 1, -1, -1):  # tail-first, the last few kept
+                    page = pages[index]
+                    if page.state is PageState.CLEAN and free_gpu_blocks + len(unpinned) < self.transition_watermark:
+                        page.state = PageState.UNPINNED
+                        unpinned.append(page.gpu_block)
+                        self._unpinned_blocks[page.gpu_block] = (request_id, index)
+        return SpillPlan(copies=tuple(copies), unpinned=tuple(unpinned))
+
+    def acknowledge(self, worker: int, copies: tuple[PlannedCopy, ...]) -> None:
+        """A worker finished these copies; a page is clean once every worker has."""
+        for copy in copies:
+            pages = self.pages.get(copy.request_id)
+            if pages is None or copy.page >= len(pages) or pages[copy.page].host_row != copy.host_row:
+                continue  # the request was preempted or finished meanwhile: nothing to mark
+            page = pages[copy.page]
+            page.pending = page.pending - {worker}
+            if not page.pending and page.state is PageState.DIRTY:
+                page.state = PageState.CLEAN
+
+    def reused(self, gpu_block: int) -> None:
+        """The pool handed out an unpinned block: its page is read from the host from now on."""
+        owner = self._unpinned_blocks.pop(gpu_block, None)
+        if owner is not None:
+            request_id, index = owner
+            self.pages[request_id][index].gpu_block = None
+
+    def durable_prefix(self, request_id: str) -> int:
+        """Leading pages whose host copy is complete: what may be published to the host prefix cache."""
+        count = 0
+        for page in self.pages.get(request_id, ()):
+            if page.state is PageState.DIRTY:
+                break
+            count += 1
+        return count
+
+    def release(self, request_id: str) -> list[int]:
+        """A finished or preempted request: its host rows go back to the pool, planned copies included
+        (never published); returns the GPU blocks it still pinned."""
+        pinned = []
+        for page in self.pages.pop(request_id, ()):
+            if page.host_row is not None:
+                self.free_host_rows.append(page.host_row)
+            if page.gpu_block is not None:
+                if page.state is PageState.UNPINNED:
+                    self._unpinned_blocks.pop(page.gpu_block, None)
+                else:
+                    pinned.append(page.gpu_block)
+        return pinned
+
+
+class Location(msgspec.Struct, frozen=True, array_like=True):
+    """Where one selected entry is read: ``kind`` is ``"gpu"`` (block), ``"hot"`` (row of the
+    request's GPU hot buffer) or ``"host"`` (host row to copy into hot buffer row ``hot_row``)."""
+
+    kind: str
+    index: int
+    hot_row: int = -1
+
+
+class HotBuffer:
+    """A request's GPU rows holding host pages copied in, least recently used evicted first."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._by_page: OrderedDict[int, int] = OrderedDict()
+
+    def resolve(self, pages: list[Page], selected: list[int]) -> list[Location]:
+        """Where each selected page is read this step; host pages are assigned hot rows (LRU)."""
+        locations = []
+        for index in selected:
+            page = pages[index]
+            if page.gpu_block is not None:
+                locations.append(Location("gpu", page.gpu_block))
+            elif index in self._by_page:
+                self._by_page.move_to_end(index)
+                locations.append(Location("hot", self._by_page[index]))
+            else:
+                if len(self._by_page) < self.rows:
+                    row = len(self._by_page)
+                else:
+                    _, row = self._by_page.popitem(last=False)
+                self._by_page[index] = row
+                locations.append(Location("host", page.host_row, row))
+        return locations

@@ -1,0 +1,109 @@
+"""weft-hisparse's page state machine, resolver and speculative top-k layout, driven directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("weft_hisparse")
+
+from weft_hisparse.pages import HotBuffer, PagePlanner, PageState  # noqa: E402
+from weft_hisparse.topk import per_step_slots  # noqa: E402
+
+
+def states(planner: PagePlanner, request_id: str) -> list[str]:
+    return [page.state.value for page in planner.pages[request_id]]
+
+
+def test_the_watermark_is_the_hot_buffer_or_a_tenth_of_the_blocks():
+    assert PagePlanner(num_blocks=100, hot_buffer_blocks=4, host_rows=8, workers=1).transition_watermark == 10
+    assert PagePlanner(num_blocks=100, hot_buffer_blocks=16, host_rows=8, workers=1).transition_watermark == 16
+
+
+def test_a_page_is_clean_only_after_every_worker_acknowledged_its_copy():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
+    planner.add_pages("r", [10, 11, 12])
+    plan = planner.plan(free_gpu_blocks=50)
+    assert [(copy.page, copy.gpu_block) for copy in plan.copies] == [(0, 10), (1, 11), (2, 12)]
+    assert plan.has_sync_kv_loads and plan.unpinned == ()
+    assert planner.plan(free_gpu_blocks=50).copies == ()  # planned once
+    planner.acknowledge(0, plan.copies)
+    assert states(planner, "r") == ["dirty"] * 3 and planner.durable_prefix("r") == 0
+    planner.acknowledge(1, plan.copies[1:])
+    assert states(planner, "r") == ["dirty", "clean", "clean"]
+    assert planner.durable_prefix("r") == 0  # only the contiguous prefix is durable
+    planner.acknowledge(1, plan.copies[:1])
+    assert planner.durable_prefix("r") == 3
+
+
+def test_below_the_watermark_clean_pages_unpin_tail_first_keeping_the_last():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=1, keep_tail=2)
+    planner.add_pages("r", [20, 21, 22, 23, 24, 25])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)
+    assert planner.plan(free_gpu_blocks=50).unpinned == ()  # above the watermark: pinned
+    plan = planner.plan(free_gpu_blocks=8)  # two short of the watermark of 10
+    assert plan.unpinned == (23, 22)
+    assert states(planner, "r") == ["clean", "clean", "unpinned", "unpinned", "clean", "clean"]
+    assert planner.plan(free_gpu_blocks=0).unpinned == (21, 20)  # never the last two
+
+
+def test_a_reused_unpinned_page_is_read_from_the_host():
+    planner = PagePlanner(num_blocks=10, hot_buffer_blocks=3, host_rows=8, workers=1, keep_tail=1)
+    planner.add_pages("r", [1, 2, 3])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=9).copies)
+    assert planner.plan(free_gpu_blocks=0).unpinned == (2, 1)
+    buffer = HotBuffer(rows=1)
+    pages = planner.pages["r"]
+    # Unpinned but not reused: still read on the GPU.
+    assert [(loc.kind, loc.index) for loc in buffer.resolve(pages, [0, 1, 2])] == [("gpu", 1), ("gpu", 2), ("gpu", 3)]
+    planner.reused(1)
+    host_row = pages[0].host_row
+    first = buffer.resolve(pages, [0, 2])
+    assert [(loc.kind, loc.index, loc.hot_row) for loc in first] == [("host", host_row, 0), ("gpu", 3, -1)]
+    assert [(loc.kind, loc.index) for loc in buffer.resolve(pages, [0])] == [("hot", 0)]  # copied in last step
+    planner.reused(2)
+    # One hot row: page 1 evicts page 0 (least recently used), then page 0 comes back from the host.
+    assert [loc.kind for loc in buffer.resolve(pages, [1])] == ["host"]
+    assert [loc.kind for loc in buffer.resolve(pages, [0])] == ["host"]
+    assert pages[0].state is PageState.UNPINNED
+
+
+def test_a_preempted_request_s_planned_copies_are_dropped_not_published():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=3, workers=2)
+    planner.add_pages("r", [5, 6])
+    plan = planner.plan(free_gpu_blocks=50)
+    assert len(plan.copies) == 2 and planner.free_host_rows == [2]
+    assert sorted(planner.release("r")) == [5, 6]  # preempted: still pinned blocks go back to the engine
+    assert sorted(planner.free_host_rows) == [0, 1, 2]
+    for worker in (0, 1):
+        planner.acknowledge(worker, plan.copies)  # late acknowledgements change nothing
+    assert "r" not in planner.pages and planner.durable_prefix("r") == 0
+    planner.add_pages("r", [7])  # rescheduled: its pages start dirty again
+    assert states(planner, "r") == ["dirty"]
+
+
+def test_host_rows_run_out_and_come_back():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=2, workers=1)
+    planner.add_pages("a", [1, 2, 3])
+    assert len(planner.plan(free_gpu_blocks=50).copies) == 2
+    planner.release("a")
+    planner.add_pages("b", [4])
+    assert [copy.request_id for copy in planner.plan(free_gpu_blocks=50).copies] == ["b"]
+
+
+def test_speculative_top_k_is_written_per_step_and_read_back_in_token_order():
+    generator = torch.Generator().manual_seed(0)
+    requests, steps, k, per_block = 3, 2, 4, 4
+    block_table = torch.randperm(30, generator=generator)[: requests * 5].view(requests, 5).int()
+    logical = torch.randint(0, 20, (requests * steps, k), generator=generator)
+    logical[1, 2:] = -1
+    logical[4, :] = -1
+    by_step, slots, valid = per_step_slots(logical, block_table, per_block, steps)
+    for row in range(requests * steps):
+        request, step = divmod(row, steps)
+        for column in range(k):
+            entry = int(logical[row, column])
+            expected = -1 if entry < 0 else int(block_table[request, entry // per_block]) * per_block + entry % per_block
+            assert int(slots[row, column]) == expected == int(by_step[step, request, column])
+    assert valid.tolist() == (logical >= 0).sum(-1).tolist()
+    assert by_step.is_contiguous() and by_step.shape == (steps, requests, k)

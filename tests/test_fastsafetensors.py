@@ -67,6 +67,29 @@ def test_the_host_path_loads_the_plain_loaders_tensors(checkpoint, dtype):
     assert tensors["model.tid2eid"].dtype == torch.int64
 
 
+def test_the_engine_slice_path_goes_through_fastsafetensors(checkpoint, monkeypatch):
+    """Families that read weight slices (tensor parallelism) get this loader's tensors too, never the plain
+    reader's partial reads it would inherit from SafetensorsLoader."""
+    import weft_fastsafetensors.loader as module
+
+    loader = FastSafetensorsLoader.for_load(None, LoadConfig(loader="fastsafetensors"))
+    source = loader.resolve(str(checkpoint))
+    read = []
+    original = module.FastSafetensorsLoader.iter_weights
+
+    def counted(self, source, dtype):
+        for name, tensor in original(self, source, dtype):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(module.FastSafetensorsLoader, "iter_weights", counted)
+    sliced = {name: part.narrow(0, 0, 1) for name, part in loader.iter_weight_slices(source, "float32")}
+    expected = plain(checkpoint, "float32")
+    assert sorted(read) == sorted(expected) == sorted(sliced)
+    for name, tensor in expected.items():
+        assert torch.equal(sliced[name], tensor.narrow(0, 0, 1)), name
+
+
 def test_auto_never_picks_it_over_the_plain_reader(checkpoint):
     from weft.config import load_config
     from weft.resolve import resolve_source

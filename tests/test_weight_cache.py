@@ -392,7 +392,7 @@ def test_a_daemon_serves_an_engine_process_that_never_reads_the_checkpoint(check
         served = generate(model, short_dir, "--loader", "weight-cache")
         prompt = served["output"]["prompt_token_ids"]
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert served["output"]["outputs"][0]["token_ids"] == expected[0, len(prompt):].tolist()
+        assert served["output"]["outputs"][0]["token_ids"] == expected[0, len(prompt):].tolist(), served["log"]
         assert "loading from disk" not in served["log"]
 
         from_disk = generate(model, short_dir)  # the plain loader reads the zeroed shards: the test can tell

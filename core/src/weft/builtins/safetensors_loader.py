@@ -71,6 +71,11 @@ class SafetensorsLoader(WeightLoader):
             yield name, part.load()
 
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
+        if type(self).iter_weights is not SafetensorsLoader.iter_weights:
+            # A subclass that reads its own way (fastsafetensors, the weight-cache daemon): its tensors,
+            # whole, never this class's partial reads of the files behind its back.
+            yield from super().iter_weight_slices(source, dtype)
+            return
         from safetensors import safe_open
 
         for file in weight_files(Path(source.path)):

@@ -97,10 +97,12 @@ def run_serve(args: argparse.Namespace) -> int:
         devices = _devices(args.devices, config)
         # Nodes, this node's rank and where they meet: the engine's own settings ([engine.distributed], the
         # --nnodes/--node-rank/--master-addr flags, or torchrun's variables), so daemons and engines agree.
-        where = placement(config)
+        # The daemons meet on their own rendezvous port, never the engines' master port: placement's check
+        # that several nodes know a master port is the engines' concern.
+        port = args.rendezvous_port or options.rendezvous_port
+        where = placement(config, {**os.environ, "MASTER_PORT": os.environ.get("MASTER_PORT", str(port))})
         layout = Layout(where.nnodes, where.node_rank, devices, config.engine.tensor_parallel_size,
                         config.engine.pipeline_parallel_size)
-        port = args.rendezvous_port or options.rendezvous_port
         if layout.world > 1 and os.environ.get("MASTER_PORT") == str(port):
             raise ValueError(
                 f"--rendezvous-port {port} is the engine's MASTER_PORT: the daemons' process group needs a port of its own "

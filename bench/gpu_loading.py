@@ -122,8 +122,10 @@ def part_weight_cache(folder: Path) -> None:
     dropped = drop_page_cache()
     cold, tokens = engine_start(folder, "safetensors", socket_dir)
     start = time.perf_counter()
+    daemon_log = socket_dir.with_suffix(".log")
     daemon = subprocess.Popen([sys.executable, "-m", "weft.cli", "weights", "serve", "--model", str(folder),
-                               "--socket-dir", str(socket_dir)], stdout=subprocess.PIPE, text=True)
+                               "--socket-dir", str(socket_dir)], stdout=subprocess.PIPE, stderr=daemon_log.open("w"),
+                              text=True)
     line = daemon.stdout.readline()
     daemon_seconds = time.perf_counter() - start
     try:
@@ -141,7 +143,11 @@ def part_weight_cache(folder: Path) -> None:
           f"warm/cold = {warm / cold:.2f}", flush=True)
     print(f"Worker.load_model alone: disk {load_cold:.2f} s, weight cache {load_warm:.2f} s: ratio {load_warm / load_cold:.2f}",
           flush=True)
-    print(f"same 16 greedy tokens: {tokens == cached_tokens}", flush=True)
+    leases = daemon_log.read_text().count("weight cache: lease ")
+    print(f"same 16 greedy tokens: {tokens == cached_tokens}; leases the daemon granted: {leases} (2 expected: the "
+          f"engine and the timed load)", flush=True)
+    if leases < 2:
+        raise SystemExit(f"the engines did not map the daemon's weights (leases: {leases}); see {daemon_log}")
     if tokens != cached_tokens:
         raise SystemExit(f"the weight cache changed the output: {tokens} against {cached_tokens}")
 

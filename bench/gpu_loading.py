@@ -71,14 +71,17 @@ def drop_page_cache() -> bool:
         return False
 
 
-def load_model_seconds(folder: Path, loader: str, cold: bool) -> tuple[float, str]:
+def load_model_seconds(folder: Path, loader: str, cold: bool, socket_dir: Path | None = None) -> tuple[float, str]:
     from weft.config import load_config
     from weft.plugins import PluginRegistry
     from weft.resolve import resolve_engine_config
     from weft.runner.worker import Worker
 
     registry = PluginRegistry()
-    config = resolve_engine_config(load_config(None, {"model": str(folder), "use": {"loader": loader}}), registry)
+    overrides: dict = {"model": str(folder), "use": {"loader": loader}}
+    if socket_dir is not None:
+        overrides["plugins"] = {"weight-cache": {"socket_dir": str(socket_dir)}}
+    config = resolve_engine_config(load_config(None, overrides), registry)
     dropped = drop_page_cache() if cold else False
     worker = Worker(config, registry)
     torch.cuda.synchronize()
@@ -133,7 +136,7 @@ def part_weight_cache(folder: Path) -> None:
             raise SystemExit(f"the daemon did not start: {line}")
         drop_page_cache()
         warm, cached_tokens = engine_start(folder, "weight-cache", socket_dir)
-        load_warm = load_model_seconds(folder, "weight-cache", cold=True)[0]
+        load_warm = load_model_seconds(folder, "weight-cache", cold=True, socket_dir=socket_dir)[0]
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=120)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import free_port, make_tiny_model, start_weft_serve
 from weft import LLM, SamplingParams
+from weft.contracts.structured_output import StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -394,12 +395,21 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
              *(argument for prompt in prompts for argument in ("--prompt", prompt))],
             capture_output=True, text=True, timeout=600, env=_environment(),
         )
+        # Structured outputs through the actors: the forward, then the sampling with the bitmask.
+        constrained = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(
+            choice=["yes, certainly", "no, never", "maybe later"]))
+        with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}) as one:
+            expected_choice = [output.outputs[0].text for output in one.generate(prompts, constrained)]
+        with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}, tensor_parallel_size=2,
+                 distributed_executor_backend="ray", plugins={"ray": {"address": address}}) as spread:
+            chosen = [output.outputs[0].text for output in spread.generate(prompts, constrained)]
     finally:
         ray.shutdown()
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert [result["outputs"][0]["token_ids"] for result in results] == expected
     assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
+    assert chosen == expected_choice and set(chosen) <= {"yes, certainly", "no, never", "maybe later"}
 
 
 def test_a_gguf_model_is_read_in_slices():

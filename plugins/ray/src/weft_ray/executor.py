@@ -12,7 +12,9 @@ The engine core reserves one bundle per rank (``{"GPU": 1, "CPU": 1}`` on an acc
 before the next, SPREAD spreads them). Each actor makes its rank's worker exactly as a worker
 process of the ``mp`` executor does (:func:`weft.distributed.worker_process.build_worker`):
 the ranks meet at a TCP store the engine core serves and join torch.distributed. Every step
-goes to every actor; the output rank's answer is the step's output.
+goes to every actor; the output rank's answer is the step's output. A step with structured
+outputs goes as two calls to every actor, the forward and then the sampling with the step's
+grammar bitmask (an actor runs its calls in order).
 
 A worker that dies (its actor process killed, its node lost) or fails surfaces as a Ray
 error on the step's result: the executor raises :class:`~weft.contracts.executor.ExecutorFailed`
@@ -31,6 +33,7 @@ import msgspec
 from weft.contracts.executor import (
     Executor,
     ExecutorFailed,
+    GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
     StepHandle,
@@ -70,8 +73,14 @@ class RayWorker:
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute(self, step: bytes) -> ModelRunnerOutput:
-        return self.worker.execute_model(decode_scheduler_output(step)).result()
+    def execute(self, step: bytes) -> ModelRunnerOutput | None:
+        handle = self.worker.execute_model(decode_scheduler_output(step))
+        # None: the step has structured outputs and samples when sample() brings its bitmask (an actor runs
+        # its calls in the order they were sent, so sample() follows this execute()).
+        return None if handle is None else handle.result()
+
+    def sample(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        return self.worker.sample_tokens(grammar).result()
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -79,12 +88,15 @@ class RayWorker:
 
 
 class _Step(StepHandle):
-    def __init__(self, executor: RayExecutor, references: list[Any]) -> None:
-        self.executor, self.references = executor, references
+    def __init__(self, executor: RayExecutor, references: list[Any], forward: list[Any] | None = None) -> None:
+        """``forward``: the execute() calls of a step that samples through ``references`` (structured outputs)."""
+        self.executor, self.references, self.forward = executor, references, forward
         self.output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self.output is None:
+            if self.forward is not None:
+                self.executor.wait(self.forward, "run a step", deadline=None)  # a failed forward names its rank
             answers = self.executor.wait(self.references, "run a step", deadline=None)
             self.output = answers[self.executor.layout.output_rank]
         return self.output
@@ -106,6 +118,7 @@ class RayExecutor(Executor):
         self.timeout = config.engine.distributed.worker_timeout
         check_layout(config, registry, None)  # Ray places the ranks: whether a node has the devices is its call
         self.failure: ExecutorFailed | None = None
+        self._forward: list[Any] | None = None
         self.actors: list[Any] = []
         self.pids: dict[int, tuple[int, str]] = {}
         self.placement_group = None
@@ -199,11 +212,21 @@ class RayExecutor(Executor):
         self.wait([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors],
                   "allocate the KV cache", time.monotonic() + self.timeout)
 
-    def execute_model(self, step: SchedulerOutput) -> StepHandle:
+    def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         if self.failure is not None:
             raise self.failure
         payload = encode_step(step)
-        return _Step(self, [actor.execute.remote(payload) for actor in self.actors])
+        launched = [actor.execute.remote(payload) for actor in self.actors]
+        if step.structured_output_request_ids:
+            self._forward = launched
+            return None  # the actors sample once sample_tokens brings the bitmask
+        return _Step(self, launched)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
+        if self.failure is not None:
+            raise self.failure
+        forward, self._forward = self._forward, None
+        return _Step(self, [actor.sample.remote(grammar) for actor in self.actors], forward)
 
     def _kill_actors(self) -> None:
         import ray

@@ -107,3 +107,55 @@ def test_speculative_top_k_is_written_per_step_and_read_back_in_token_order():
             assert int(slots[row, column]) == expected == int(by_step[step, request, column])
     assert valid.tolist() == (logical >= 0).sum(-1).tolist()
     assert by_step.is_contiguous() and by_step.shape == (steps, requests, k)
+
+
+# End to end on a tiny DeepSeek V4 (CSA layers read their top-k through the connector).
+
+def _dsv4_checkpoint(tmp_path_factory):
+    pytest.importorskip("weft_dsv4")
+    from weft_dsv4.config import CSA, HCA, SLIDING
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    # index_topk=3 over 2 entries a page (csa_kv pages of 8 tokens): reads mix pinned and host pages.
+    return write_checkpoint(tmp_path_factory.mktemp("hisparse"), tiny_config([CSA, SLIDING, HCA, CSA], hc_mult=2, index_topk=3), seed=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv4(tmp_path_factory):
+    return _dsv4_checkpoint(tmp_path_factory)
+
+
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int):
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
+              "enable_prefix_caching": False}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    prompts = [torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (9, 30, 47)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
+    return [list(output.outputs[0].token_ids) for output in outputs], llm
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4):
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)
+    # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
+    # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
+    # (their own entries then come from the host), and one request is still preempted and
+    # recomputed. One block of hot rows (2 entries) for top-3 picks: entries are evicted and copied
+    # in again.
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 1, "keep_tail": 2}, num_kv_blocks=30)
+    assert tokens == reference
+    connector = llm.engine.scheduler.connector
+    assert connector.metric_totals["pages_copied_total"].total > 0
+    assert connector.metric_totals["host_entries_read_total"].total > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    # Every request ended: no page left, every host row back in the pool, every lent block accounted for.
+    planner = connector.scheduler_side.planner
+    assert planner.pages == {} and sorted(planner.free_host_rows) == list(range(64))
+    assert llm.engine.kv_cache_manager.num_free_blocks() == (30,) * len(llm.engine.kv_cache_manager.groups)
+    # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
+    worker = llm.engine.worker.kv_connector.worker_side
+    assert worker._step is None and worker._host_pages == {} and worker._hot == {}

@@ -40,7 +40,7 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
-from weft.engine.kv_cache_manager import block_hashes
+from weft.engine.kv_cache_manager import KVCacheManager, block_hashes
 
 if TYPE_CHECKING:
     from weft.engine.request import Request
@@ -177,10 +177,14 @@ class SchedulerConnector:
             return True
         return False
 
-    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]]) -> bytes:
+    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager) -> bytes:
         """The connector's metadata for a step scheduling ``(request, new tokens, block ids)``, as msgpack;
-        it names the requests preempted since the previous step."""
+        it names the requests preempted since the previous step. Lends ``kv_cache`` the blocks the
+        connector chose (the contract's "Lent blocks")."""
         step = ConnectorStep(
+            free_blocks=kv_cache.num_free_blocks(),
+            num_blocks=tuple(pool.num_blocks for pool in kv_cache.pools),
+            reclaimed=kv_cache.reclaimed(),
             requests=tuple(
                 ConnectorStepRequest(
                     request_id=request.request_id, num_computed_tokens=request.num_computed_tokens,
@@ -192,7 +196,10 @@ class SchedulerConnector:
             preempted=frozenset(self._preempted),
         )
         self._preempted.clear()
-        return msgspec.msgpack.encode(self.scheduler_side.build_connector_meta(step))
+        metadata = msgspec.msgpack.encode(self.scheduler_side.build_connector_meta(step))
+        for lent in self.scheduler_side.lent_blocks():
+            kv_cache.lend(lent)
+        return metadata
 
     # The workers' report.
 

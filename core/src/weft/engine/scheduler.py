@@ -278,7 +278,8 @@ class Scheduler:
         metadata = None
         if self.connector is not None:
             metadata = self.connector.build_metadata(
-                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled]
+                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled],
+                self.kv_cache,
             )
         for request, count in scheduled:
             request.num_computed_tokens += count

@@ -212,6 +212,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.connector = connector
+        self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
         self.requests: dict[str, RequestState] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.static: StaticInputs | None = None
@@ -450,7 +451,8 @@ class ModelRunner:
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         prefix_hits = [state.take_prefix_hit() for state in states]
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 prefix_hits=prefix_hits)
+                                 prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
+                                 sparse_entries=self.sparse_entries)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,

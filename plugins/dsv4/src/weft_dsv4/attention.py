@@ -208,6 +208,9 @@ class DeepseekV4Attention(nn.Module):
                 else:
                     picked = entries.new_zeros((*picks.shape, entries.shape[-1]))
                 picked_bias = torch.zeros(picks.shape, dtype=torch.float32, device=kv.device).masked_fill_(picks < 0, float("-inf"))
+                if step.sparse_entries is not None:  # a KV connector holds entries of lent blocks (weft-hisparse)
+                    request_ids = [step.request_ids[index] for index in batch.indices]
+                    picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, picked)
             if at_boundary:
                 blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
                 step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]

@@ -31,6 +31,9 @@ class StepLayout:
         starts = first.query_start.tolist()
         lengths = first.seq_lens.tolist()
         self.caches = context.kv_caches
+        self.request_ids = context.request_ids
+        self.sparse_entries = context.sparse_entries
+        """Where the selected entries of lent ``csa_kv`` blocks are read (a KV connector's reader), or None."""
         self.ring_blocks = ring_blocks
         checkpoints = batches.get("window_checkpoint")
         self.checkpoint_unit = checkpoints.block_size if checkpoints is not None else 0

@@ -96,6 +96,10 @@ class PagePlanner:
                         self._unpinned_blocks[page.gpu_block] = (request_id, index)
         return SpillPlan(copies=tuple(copies), unpinned=tuple(unpinned))
 
+    def owner(self, gpu_block: int) -> tuple[str, int]:
+        """The request and page an unpinned block still belongs to."""
+        return self._unpinned_blocks[gpu_block]
+
     def acknowledge(self, worker: int, copies: tuple[PlannedCopy, ...]) -> None:
         """A worker finished these copies; a page is clean once every worker has."""
         for copy in copies:

@@ -32,9 +32,14 @@ must be complete when ``wait_for_layer_load`` returns. A request whose load fail
 (``ConnectorOutput.failed_loads``) keeps its blocks, its output of that step is
 discarded, and the tokens that were to be loaded are recomputed; the worker must
 not save that request's blocks of that step (their KV saw an incomplete context).
-The engine asks for external hits when every group is prefix-cacheable (the same
-rule as its own prefix cache), and for any request that carries connector
-``params`` (a transfer of that very request); it hands every request to the connector.
+The engine asks for external hits when every group is prefix-cacheable or
+checkpointed (the same rule as its own prefix cache: the model restores a
+checkpointed group from the loaded snapshots), and for any request that carries
+connector ``params`` (a transfer of that very request); it hands every request to
+the connector. A transfer (an asynchronous load of a request with ``params``)
+moves the request's state itself but not the snapshot (``CheckpointSpec``)
+groups: the engine neither restores that request from snapshots nor publishes
+its snapshot blocks (``NewRequest.state_transferred``, core API 1.6).
 
 Asynchronous loads (core API 1.3)
     A lookup may answer ``(n, True)``: the request's KV arrives from outside while

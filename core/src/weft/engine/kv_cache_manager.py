@@ -27,7 +27,7 @@ from math import lcm
 
 import msgspec
 
-from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import LentBlock
 
 
@@ -141,6 +141,8 @@ class KVCacheManager:
         self._released: dict[str, set[tuple[int, int]]] = {}
         """Per request: (group, position) of its blocks already released to their pools (lent)."""
         self._reclaimed: list[LentBlock] = []
+        self._without_snapshots: set[str] = set()
+        """Requests whose state arrived by a transfer: their snapshot blocks were never written."""
         self.stats = PrefixCacheStats()
 
     def block_ids(self, request_id: str, group_ids: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
@@ -250,12 +252,19 @@ class KVCacheManager:
         reclaimed, self._reclaimed = tuple(self._reclaimed), []
         return reclaimed
 
+    def forgo_snapshots(self, request_id: str) -> None:
+        """The request's state arrived by a transfer without its snapshots: never publish its
+        snapshot (:class:`CheckpointSpec`) blocks, so no later hit can end in its prefix."""
+        self._without_snapshots.add(request_id)
+
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that are now full and computed, so later requests can reuse them."""
         if not self.prefix_caching:
             return
         for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
             if not group.prefix_cacheable:
+                continue
+            if request_id in self._without_snapshots and isinstance(group.spec, CheckpointSpec):
                 continue
             size = group.spec.block_size
             known = self._hashes[request_id][index]
@@ -273,6 +282,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(request_id, None)
         self._hashes.pop(request_id, None)
         released = self._released.pop(request_id, set())
+        self._without_snapshots.discard(request_id)
         if blocks is None:
             return
         for group, (pool, group_blocks) in enumerate(zip(self.pools, blocks)):

@@ -10,13 +10,14 @@ back in the step's :class:`~weft.contracts.executor.ModelRunnerOutput`. This
 side keeps the blocks of finished requests whose saves are still in flight,
 and hands them back to the scheduler once the workers report the saves done.
 
-External hits are used only when every KV-cache group is prefix-cacheable: the
-state of a ring or recurrent group after a prefix cannot be loaded, so a hybrid
-model with such a group computes its prompts in full (its storable groups are
-still saved for others). The same rule governs the local prefix cache. The one
-exception is a request that carries connector ``params`` and is offered an
-asynchronous load: its whole state (every group, each transferable) arrives from
-an instance that computed the same request.
+External hits are used only when every KV-cache group is prefix-cacheable or
+checkpointed: the state of a ring or recurrent group after a prefix cannot be
+loaded, so a hybrid model with such a group computes its prompts in full (its
+storable groups are still saved for others) unless its model restores the group
+from snapshot groups loaded with the rest. The same rule governs the local prefix
+cache. The one exception is a request that carries connector ``params`` and is
+offered an asynchronous load: its whole state (every group, each transferable, but
+the snapshots) arrives from an instance that computed the same request.
 
 The workers' metric observations (``ConnectorOutput.observations``) are summed
 here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import (
     ConnectorContext,
     ConnectorOutput,
@@ -85,14 +86,15 @@ class SchedulerConnector:
         self.name = connector_class.name
         self.groups = tuple(groups)
         self.block_size = connector_block_size(self.groups)
-        self.loads_possible = all(group.prefix_cacheable for group in self.groups)
+        self.loads_possible = all(group.prefix_cacheable or group.checkpointed for group in self.groups)
         if not self.loads_possible:
             skipped = [group.name for group in self.groups if not group.prefix_cacheable]
             logger.info(
                 "KV connector %r: groups %s are not prefix-cacheable, so prompts are computed in full; "
                 "the other groups are still handed to the connector", self.name, skipped,
             )
-        self.all_transferable = all(group.transferable for group in self.groups)
+        # A transfer moves the request's state itself; snapshots of its prefix stay behind (never published).
+        self.all_transferable = all(group.transferable or isinstance(group.spec, CheckpointSpec) for group in self.groups)
         self.scheduler_side = connector_class(options, "scheduler", self.groups, context)
         self.stats = ConnectorStats()
         self.metric_specs = {metric.name: metric for metric in connector_class.metrics}

@@ -43,7 +43,8 @@ class StepLayout:
             for index, hit in enumerate(context.prefix_hits) if self.checkpoint_unit and hit and hit % self.checkpoint_unit == 0
         ]
         """``(tokens found cached, the request's blocks per group)`` of each request resuming from a prefix hit.
-        A hit that ends between snapshots came with the ring and state themselves (a prefill/decode transfer)."""
+        A transferred prefix (a prefill/decode transfer) came with the ring and state themselves: the runner
+        reports no hit for it (``NewRequest.state_transferred``)."""
         decoding = [index for index in range(len(lengths)) if starts[index + 1] - starts[index] == 1]
         self.prefills = [
             RequestRows(

@@ -159,3 +159,21 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
     worker = llm.engine.worker.kv_connector.worker_side
     assert worker._step is None and worker._host_pages == {} and worker._hot == {}
+
+
+def test_sized_from_memory_the_sparse_group_gets_its_share_and_the_others_the_rest(tiny_dsv4):
+    from weft.entrypoints.llm import LLM
+
+    engine = {"block_size": 8, "max_model_len": 160, "cpu_kv_cache_bytes": 4 << 20, "enable_prefix_caching": False}
+    plain = LLM(model=str(tiny_dsv4), engine=engine).engine.core
+    sparse = LLM(model=str(tiny_dsv4), engine=engine, use={"kv_connector": "hisparse"},
+                 plugins={"hisparse": {"gpu_share": 0.1}}).engine.core
+
+    def shares(core):
+        sizes = [count * group.spec.page_size_bytes() * len(group.layer_names) for count, group in zip(core.num_blocks, core.groups)]
+        return {group.name: size / (4 << 20) for group, size in zip(core.groups, sizes)}
+
+    assert all(share == pytest.approx(1 / 5, abs=0.01) for share in shares(plain).values())
+    sparse_shares = shares(sparse)
+    assert sparse_shares.pop("csa_kv") == pytest.approx(0.1, abs=0.01)
+    assert all(share == pytest.approx(0.9 / 4, abs=0.01) for share in sparse_shares.values())

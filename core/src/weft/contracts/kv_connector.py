@@ -327,6 +327,12 @@ class KVConnector(PluginBase):
     def update_connector_output(self, output: ConnectorOutput) -> None:
         """Workers' report after a step."""
 
+    def kv_cache_shares(self) -> tuple[float, ...] | None:
+        """Scheduler role, once at start-up: the share of the KV-cache bytes each group gets, in the groups'
+        order (core API 1.6), when the engine sizes the cache from memory (not under ``engine.num_kv_blocks``).
+        None (the default): equal shares. A connector that keeps a group's blocks elsewhere needs fewer of them."""
+        return None
+
     def lent_blocks(self) -> tuple[LentBlock, ...]:
         """Blocks chosen by the last :meth:`build_connector_meta` that the pool may hand out again while
         their requests keep reading them (see "Lent blocks"; core API 1.6). None by default."""

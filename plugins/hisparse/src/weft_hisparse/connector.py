@@ -50,6 +50,11 @@ class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of entries")
     ] = 4
     keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
+    gpu_share: Annotated[
+        float, Meta(gt=0, lt=1, description="share of the KV-cache bytes for the group's GPU pages when the engine sizes "
+                                            "the cache from memory (the other groups split the rest); it must hold one "
+                                            "request of max_model_len, since a prefill reads every entry")
+    ] = 0.1
 
 
 class HostPage(msgspec.Struct, frozen=True, array_like=True):
@@ -147,6 +152,11 @@ class HiSparseConnector(KVConnector):
             self._planned[copy_name(copy)] = copy
         self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
         return HiSparseStep(copies=plan.copies, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted)))
+
+    def kv_cache_shares(self) -> tuple[float, ...]:
+        """The group's pages are mostly on the host: it gets ``gpu_share`` of the bytes, the others the rest."""
+        others = (1 - self.options.gpu_share) / (len(self.groups) - 1) if len(self.groups) > 1 else 0.0
+        return tuple(self.options.gpu_share if index == self.group else others for index in range(len(self.groups)))
 
     def lent_blocks(self) -> tuple[LentBlock, ...]:
         lent, self._lend = self._lend, ()

@@ -177,16 +177,21 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "concurrency_ratio": sparse["max_running"] / max(plain["max_running"], 1),
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
     }
-    print(json.dumps(report, indent=2))
-    print(
+    publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
         f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
         f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
         f"same greedy tokens: {report['same_tokens']}"
-    )
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_dsv4_hisparse.json").write_text(json.dumps(report, indent=2))
+    ))
+
+
+def publish(report: dict, out: str | None, name: str, summary: str) -> None:
+    """Print the report and its one-line summary; write it as ``out/name`` when given a folder."""
+    print(json.dumps(report, indent=2))
+    print(summary)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(json.dumps(report, indent=2))
 
 
 def main() -> None:
@@ -255,15 +260,11 @@ def main() -> None:
         "hf_runs": results["hf"]["runs"], "weft_runs": results["weft"]["runs"],
         "greedy_tokens_shared_with_hf": shared,
     }
-    print(json.dumps(report, indent=2))
-    print(
+    publish(report, args.out, "gpu_dsv4.json", (
         f"decode throughput, batch {args.batch}, {args.dtype}: weft {report['weft_decode_tok_s']:.1f} tok/s, "
         f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
         f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
-    )
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_dsv4.json").write_text(json.dumps(report, indent=2))
+    ))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,28 @@ def test_speculative_top_k_is_written_per_step_and_read_back_in_token_order():
     assert by_step.is_contiguous() and by_step.shape == (steps, requests, k)
 
 
+def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer_below_the_selection():
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, HiSparseStep, HostPage
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
+    worker = HiSparseConnector(HiSparseOptions(host_pages=4, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
+    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
+    worker.host["layer"].copy_(torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3))  # host row r, slot j: 6r + 3j..
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 1, 3),)))  # page 1 (entries 2, 3) at host row 3
+    gathered = torch.full((1, 3, 3), -1.0)
+    read = worker.read("layer", ["r"], torch.tensor([[0, 3, -1]]), gathered.clone())
+    assert read[0, 0].tolist() == [-1.0] * 3 and read[0, 2].tolist() == [-1.0] * 3  # GPU page and "none" untouched
+    assert read[0, 1].tolist() == [21.0, 22.0, 23.0]  # host row 3, slot 1
+    worker.read("layer", ["r"], torch.tensor([[3, 2, -1]]), gathered.clone())
+    assert worker.get_finished(set()).observations["host_entries_read_total"] == [1, 1]  # entry 3 was hot already
+    with pytest.raises(ValueError, match="hot_buffer_blocks = 1 holds 2 entries per request and layer, but layer selected 3"):
+        worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 0, 0),)))
+        worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
+
+
 # End to end on a tiny DeepSeek V4 (CSA layers read their top-k through the connector).
 
 def _dsv4_checkpoint(tmp_path_factory):
@@ -144,9 +166,9 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
     # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
     # (their own entries then come from the host), and one request is still preempted and
-    # recomputed. One block of hot rows (2 entries) for top-3 picks: entries are evicted and copied
-    # in again.
-    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 1, "keep_tail": 2}, num_kv_blocks=30)
+    # recomputed. Two blocks of hot rows (4 entries) for top-3 picks: entries are evicted and copied
+    # in again in later steps.
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30)
     assert tokens == reference
     connector = llm.engine.scheduler.connector
     assert connector.metric_totals["pages_copied_total"].total > 0
@@ -159,6 +181,7 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
     worker = llm.engine.worker.kv_connector.worker_side
     assert worker._step is None and worker._host_pages == {} and worker._hot == {}
+    assert all(slot is None for slots in worker._slots.values() for slot in slots)
 
 
 def test_sized_from_memory_the_sparse_group_gets_its_share_and_the_others_the_rest(tiny_dsv4):
@@ -177,3 +200,4 @@ def test_sized_from_memory_the_sparse_group_gets_its_share_and_the_others_the_re
     sparse_shares = shares(sparse)
     assert sparse_shares.pop("csa_kv") == pytest.approx(0.1, abs=0.01)
     assert all(share == pytest.approx(0.9 / 4, abs=0.01) for share in sparse_shares.values())
+

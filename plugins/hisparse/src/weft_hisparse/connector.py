@@ -118,7 +118,11 @@ class HiSparseConnector(KVConnector):
         self.host: dict[str, torch.Tensor] = {}
         self._step: HiSparseStep | None = None
         self._host_pages: dict[str, dict[int, int]] = {}
-        self._hot: dict[tuple[str, str], tuple[HotBuffer, torch.Tensor]] = {}
+        self._hot: dict[tuple[str, str], tuple[HotBuffer, int]] = {}
+        """Per (request, layer): its resolver and the first row of its slice of the layer's hot pool."""
+        self._slots: dict[str, list[str | None]] = {}
+        """Per layer: the request holding each slice of its hot pool (None: free)."""
+        self._hot_pools: dict[str, torch.Tensor] = {}
         self._acknowledged: list[str] = []
         self._observations: dict[str, list[float]] = {}
 
@@ -228,13 +232,14 @@ class HiSparseConnector(KVConnector):
         return self
 
     def read(self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Replace the selected entries of host pages: hot-buffer rows, copied in from the host when missing."""
+        """Replace the selected entries of host pages with their hot-buffer rows, copying in from the host only
+        the ones missing (LRU per request). The resolver's bookkeeping is host-side; the bytes move in one
+        gather from the host pool, one copy to the device and one scatter per layer and step."""
         if layer_name not in self.layers or not any(request_id in self._host_pages for request_id in request_ids):
             return entries
         per_page = self.layers[layer_name].shape[1]
-        host = self.host[layer_name].view(-1, entries.shape[-1])
         selected_rows = selected.tolist()
-        copied = 0
+        copy_from, copy_to, read_row, read_column, read_from = [], [], [], [], []
         for row, request_id in enumerate(request_ids):
             host_pages = self._host_pages.get(request_id)
             if not host_pages:
@@ -242,31 +247,66 @@ class HiSparseConnector(KVConnector):
             columns = [column for column, entry in enumerate(selected_rows[row]) if entry >= 0 and entry // per_page in host_pages]
             if not columns:
                 continue
-            buffer, hot = self._hot_buffer(request_id, layer_name, per_page, entries)
+            buffer, base = self._hot_buffer(request_id, layer_name, per_page)
             wanted = [selected_rows[row][column] for column in columns]
+            if len(wanted) > buffer.rows:  # one step's entries must not evict each other
+                raise ValueError(
+                    f"plugins.hisparse.hot_buffer_blocks = {self.options.hot_buffer_blocks} holds {buffer.rows} entries per "
+                    f"request and layer, but {layer_name} selected {len(wanted)} of host pages in one step; raise it to at "
+                    f"least {-(-selected.shape[-1] // per_page)} (the model's top-k in blocks of {per_page} entries)"
+                )
             # The resolver at entry granularity: each selected entry is a "page" of one host row.
             located = {entry: Page(gpu_block=None, host_row=host_pages[entry // per_page] * per_page + entry % per_page)
                        for entry in wanted}
             for column, location in zip(columns, buffer.resolve(located, wanted)):
+                hot_row = base + (location.hot_row if location.kind == "host" else location.index)
                 if location.kind == "host":
-                    hot[location.hot_row].copy_(host[location.index], non_blocking=True)
-                    copied += 1
-                entries[row, column] = hot[location.hot_row if location.kind == "host" else location.index]
-        if copied:
-            self._observe("host_entries_read_total", copied)
+                    copy_from.append(location.index)
+                    copy_to.append(hot_row)
+                read_row.append(row)
+                read_column.append(column)
+                read_from.append(hot_row)
+        hot = self._hot_pool(layer_name, entries)
+        if copy_from:
+            host = self.host[layer_name].view(-1, entries.shape[-1])
+            hot[torch.tensor(copy_to, device=hot.device)] = host[torch.tensor(copy_from)].to(hot.device, non_blocking=True)
+            self._observe("host_entries_read_total", len(copy_from))
+        if read_row:
+            index = torch.tensor([read_row, read_column], device=entries.device)
+            entries[index[0], index[1]] = hot[torch.tensor(read_from, device=hot.device)]
         return entries
 
-    def _hot_buffer(self, request_id: str, layer_name: str, per_page: int, like: torch.Tensor) -> tuple[HotBuffer, torch.Tensor]:
+    def _hot_buffer(self, request_id: str, layer_name: str, per_page: int) -> tuple[HotBuffer, int]:
+        """The request's resolver for the layer and the first row of its slice of the layer's hot pool."""
         key = (request_id, layer_name)
         if key not in self._hot:
             rows = self.options.hot_buffer_blocks * per_page
-            self._hot[key] = (HotBuffer(rows), like.new_zeros((rows, like.shape[-1])))
+            slots = self._slots.setdefault(layer_name, [])
+            slot = slots.index(None) if None in slots else len(slots)
+            if slot == len(slots):
+                slots.append(None)
+            slots[slot] = request_id
+            self._hot[key] = (HotBuffer(rows), slot * rows)
         return self._hot[key]
+
+    def _hot_pool(self, layer_name: str, like: torch.Tensor) -> torch.Tensor:
+        """The layer's GPU hot buffers, one slice of ``hot_buffer_blocks`` blocks of entries per request, grown on demand."""
+        rows = self.options.hot_buffer_blocks * self.layers[layer_name].shape[1]
+        needed = len(self._slots.get(layer_name, ())) * rows
+        pool = self._hot_pools.get(layer_name)
+        if pool is None or pool.shape[0] < needed:
+            grown = like.new_zeros((max(needed, 2 * (pool.shape[0] if pool is not None else 0)), like.shape[-1]))
+            if pool is not None:
+                grown[: pool.shape[0]] = pool
+            self._hot_pools[layer_name] = pool = grown
+        return pool
 
     def _forget(self, request_id: str) -> None:
         self._host_pages.pop(request_id, None)
         for key in [key for key in self._hot if key[0] == request_id]:
             del self._hot[key]
+            slots = self._slots[key[1]]
+            slots[slots.index(request_id)] = None
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.setdefault(name, []).append(value)

@@ -208,12 +208,10 @@ class HiSparseConnector(KVConnector):
         """The forward wrote this step's entries: copy the planned pages to the host."""
         if self._step is None or not self._step.copies:
             return
+        rows = torch.tensor([copy.host_row for copy in self._step.copies])
         for layer_name, cache in self.layers.items():
-            host = self.host[layer_name]
-            for copy in self._step.copies:
-                host[copy.host_row].copy_(cache[copy.gpu_block], non_blocking=True)
-        if any(cache.is_cuda for cache in self.layers.values()):
-            torch.cuda.current_stream().synchronize()  # acknowledged means on the host
+            blocks = torch.tensor([copy.gpu_block for copy in self._step.copies], device=cache.device)
+            self.host[layer_name][rows] = cache[blocks].to("cpu")  # one gather, one copy, one scatter; synchronous
         self._acknowledged.extend(copy_name(copy) for copy in self._step.copies)
         self._observe("pages_copied_total", len(self._step.copies))
 

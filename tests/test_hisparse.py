@@ -131,6 +131,33 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
 
+def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, ConnectorStep, ConnectorStepRequest, LentBlock
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, copy_name
+
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)),)
+    scheduler = HiSparseConnector(HiSparseOptions(host_pages=8, hot_buffer_blocks=1, keep_tail=1), "scheduler", groups,
+                                  ConnectorContext("m", tp_size=2))
+
+    def step(computed, preempted=frozenset(), free=0):
+        requests = tuple(ConnectorStepRequest(name, computed, 1, ((10, 11, 12, 13),)) for name in ("a",) if name not in preempted)
+        return ConnectorStep(requests=requests, preempted=frozenset(preempted), free_blocks=(free,), num_blocks=(100,))
+
+    first = scheduler.build_connector_meta(step(31))  # a decoding request with 4 full pages (32 tokens)
+    assert [copy.gpu_block for copy in first.copies] == [10, 11, 12, 13] and scheduler.lent_blocks() == ()
+    names = tuple(copy_name(copy) for copy in first.copies)
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={0: names}))  # one rank of two: nothing clean
+    assert scheduler.build_connector_meta(step(32)).copies == () and scheduler.lent_blocks() == ()
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={1: names[:2]}))  # pages 0 and 1 clean
+    scheduler.build_connector_meta(step(33))
+    assert scheduler.lent_blocks() == (LentBlock("a", 0, 1), LentBlock("a", 0, 0))  # tail-first, below the watermark
+    dropped = scheduler.build_connector_meta(step(34, preempted={"a"}))
+    assert dropped.dropped == ("a",) and dropped.copies == () and scheduler.lent_blocks() == ()
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={1: names[2:]}))  # late: changes nothing
+    assert scheduler.planner.pages == {} and sorted(scheduler.planner.free_host_rows) == list(range(8))
+
+
 # End to end on a tiny DeepSeek V4 (CSA layers read their top-k through the connector).
 
 def _dsv4_checkpoint(tmp_path_factory):

@@ -291,4 +291,4 @@ class KVCacheManager:
                 if (group, position) not in released:
                     pool.release(block)
                 elif self._lent.get((group, block), None) == LentBlock(request_id, group, position):
-                    del self._lent[(group, block)]  # still idle in the pool: nobody reclaims it from this request
+                    del self._lent[(group, block)]  # not handed out again: no reclaim to report for an ended request

@@ -16,7 +16,7 @@ throughput of each. Each side runs in its own process with the same KV-cache byt
 requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
 only decode, and whether both sides gave the same tokens.
 
-    python bench/gpu_dsv4.py --part hisparse [--requests 96] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1.5]
+    python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
 
 Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``$OUT/gpu_dsv4_hisparse.json``; ``--out`` or
 the environment's $OUT).
@@ -63,8 +63,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of this script)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_dsv4.json (default: $OUT)")
     parser.add_argument("--part", default="decode", choices=("decode", "hisparse"))
-    parser.add_argument("--requests", type=int, default=96, help="hisparse: long requests submitted at once")
-    parser.add_argument("--kv-gib", type=float, default=1.5, help="hisparse: KV-cache memory of each side, GiB")
+    parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
+    parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
     parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -113,7 +113,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     kv_bytes = int(args.kv_gib * (1 << 30))
     engine = {
         "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len, "max_num_seqs": args.requests,
-        "max_num_batched_tokens": 4096, "enable_prefix_caching": False,
+        "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
     }
     if args.device == "cuda":
         engine["gpu_memory_utilization"] = min(0.9, kv_bytes / torch.cuda.mem_get_info()[0])
@@ -170,6 +170,7 @@ def hisparse_part(args: argparse.Namespace) -> None:
         if run.returncode != 0:
             raise SystemExit(f"the {side} side failed:\n{run.stderr[-4000:]}")
         sides[side] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(json.dumps(sides[side]), flush=True)  # each side as soon as it is done
     plain, sparse = sides["plain"], sides["hisparse"]
     report = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,

@@ -177,7 +177,7 @@ class DeepseekV4Attention(nn.Module):
                 index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
                 index_query = apply_rope(index_query, cos, sin)
                 index_weights = self.indexer.weights_proj(hidden[rows]).float() * self.indexer.num_heads**-0.5
-                scores = self.indexer.row_scores(index_query, index_weights, index_keys)
+                scores = self.indexer.scores(index_query.unsqueeze(1), index_weights.unsqueeze(1), index_keys)[:, 0]
                 # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
                 seq_lens = (positions + 1 - (m - 1)).to(torch.int32)
                 picks = self.topk_op(scores.unsqueeze(0), seq_lens, 1, m, self.indexer.topk)[0].long()
@@ -222,7 +222,7 @@ class DeepseekV4Attention(nn.Module):
             index_query = self.indexer.q_b_proj(q_residual).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             index_query = apply_rope(index_query, cos, sin)
             index_weights = self.indexer.weights_proj(hidden).float() * self.indexer.num_heads**-0.5
-        results = []
+        entries, index_keys = [], []
         for request in step.prefills:
             rows = slice(request.row_start, request.row_end)
             layer_state = state[request.state_block]
@@ -237,9 +237,8 @@ class DeepseekV4Attention(nn.Module):
                 [(boundary, snapshot[: self.compressor.state_elements()].view(self.compressor.span, -1))
                  for boundary, snapshot in zip(boundaries, snapshots)],
             )
-            entries = write_and_read_entries(entry_cache, request.tables[entry_table], first, new, request.end // m, m)
+            entries.append(write_and_read_entries(entry_cache, request.tables[entry_table], first, new, request.end // m, m))
             if self.indexer is None:
-                results.append(entries)
                 continue
             index_state = layer_state[self.compressor.state_elements() :][: self.indexer.compressor.state_elements()]
             index_state = index_state.view(self.indexer.compressor.span, -1)
@@ -251,21 +250,22 @@ class DeepseekV4Attention(nn.Module):
             first, new_keys = self.indexer.compressor.step(
                 index_kv[rows], index_gate[rows], request.start, index_state, rope, index_snapshots,
             )
-            keys = write_and_read_entries(index_keys_cache, request.tables["indexer_keys"], first, new_keys, request.end // m, m)
-            scores = self.indexer.scores(index_query[rows], index_weights[rows], keys)
-            # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
-            seq_lens = torch.tensor([request.end - (m - 1)], dtype=torch.int32, device=hidden.device)
-            picks = self.topk_op(scores.unsqueeze(0), seq_lens, request.end - request.start, m, self.indexer.topk)[0]
-            if entries.shape[0]:
-                chosen = entries[picks.clamp(min=0).long()]
-            else:
-                chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
-            bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
-            results.append((chosen, bias.masked_fill_(picks < 0, float("-inf"))))
+            index_keys.append(write_and_read_entries(index_keys_cache, request.tables["indexer_keys"], first, new_keys, request.end // m, m))
+        batch = step.prefill_batch(self.window)
+        entries = pad_sequence(entries, batch_first=True)
         if self.indexer is None:
-            entries = pad_sequence(results, batch_first=True)
-            visible = (step.prefill_batch(self.window).query_positions + 1) // m
-            hidden_entries = torch.arange(entries.shape[1], device=hidden.device)[None, None, :] >= visible[:, :, None]
+            hidden_entries = torch.arange(entries.shape[1], device=hidden.device)[None, None, :] >= ((batch.query_positions + 1) // m)[:, :, None]
             bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=hidden.device)
             return entries, bias.masked_fill_(hidden_entries, float("-inf"))
-        return pad_sequence([chosen for chosen, _ in results], batch_first=True), pad_sequence([bias for _, bias in results], batch_first=True)
+        scores = self.indexer.scores(index_query[batch.query_rows], index_weights[batch.query_rows], pad_sequence(index_keys, batch_first=True))
+        # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1; the
+        # batch's queries are padded in front, so each request's last row sits at its last position.
+        requests, rows = batch.query_rows.shape
+        seq_lens = (batch.query_positions[:, -1] + 1 - (m - 1)).to(torch.int32)
+        picks = self.topk_op(scores.view(1, requests * rows, -1), seq_lens, rows, m, self.indexer.topk)[0].view(requests, rows, -1).long()
+        if entries.shape[1]:
+            chosen = entries[torch.arange(requests, device=hidden.device)[:, None, None], picks.clamp(min=0)]
+        else:
+            chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
+        bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
+        return chosen, bias.masked_fill_(picks < 0, float("-inf"))

@@ -88,10 +88,12 @@ class PrefillBatch:
         longest_query = max(request.end - request.start for request in prefills)
         longest_keys = max(request.end - max(0, request.start - window + 1) for request in prefills)
         offsets = torch.arange(longest_query, device=device)
-        self.query_valid = offsets[None, :] < (ends - starts)[:, None]
-        self.query_rows = torch.where(self.query_valid, row_starts[:, None] + offsets, 0)
-        """Each padded query's row of the step (0 for padding: ``query_valid`` says which are real)."""
-        self.query_positions = starts[:, None] + offsets
+        padding = longest_query - (ends - starts)
+        self.query_valid = offsets[None, :] >= padding[:, None]
+        self.query_rows = torch.where(self.query_valid, row_starts[:, None] + offsets - padding[:, None], 0)
+        """Each padded query's row of the step (0 for padding: ``query_valid`` says which are real). Padding comes
+        first, so each request's last query is the batch's last column (as ``decode_topk`` reads rows)."""
+        self.query_positions = ends[:, None] - longest_query + offsets
         key_positions = firsts[:, None] + torch.arange(longest_keys, device=device)
         key_valid = key_positions < ends[:, None]
         self.from_ring = key_positions < starts[:, None]

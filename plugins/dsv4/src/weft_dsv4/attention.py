@@ -8,12 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 
 from weft.contracts.loader import WeightSlice, as_slice
 from weft.layers.linear import Linear
 from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
-from weft_dsv4.compressor import Compressor, write_and_read_entries
+from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, SLIDING, DeepseekV4Settings, layer_groups
 from weft_dsv4.indexer import Indexer
 from weft_dsv4.norm import RMSNorm, unweighted_rms_norm
@@ -207,7 +206,7 @@ class DeepseekV4Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefilling requests' compressed entries, padded as :meth:`_attend` reads them, and their bias:
         HCA every entry of each request ``[requests, entries, d]``, CSA the indexer's picks of each query
-        ``[requests, rows, k, d]``. The compressors step one request at a time (each its own state)."""
+        ``[requests, rows, k, d]``."""
         if self.compressor is None:
             return None
         m = self.compressor.ratio
@@ -222,42 +221,24 @@ class DeepseekV4Attention(nn.Module):
             index_query = self.indexer.q_b_proj(q_residual).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             index_query = apply_rope(index_query, cos, sin)
             index_weights = self.indexer.weights_proj(hidden).float() * self.indexer.num_heads**-0.5
-        entries, index_keys = [], []
-        for request in step.prefills:
-            rows = slice(request.row_start, request.row_end)
-            layer_state = state[request.state_block]
-            main_state = layer_state[: self.compressor.state_elements()].view(self.compressor.span, -1)
-            boundaries = step.boundaries(request.start, request.end)
-            snapshots = [
-                step.caches[self.cache_names["state_checkpoint"]][int(request.tables["state_checkpoint"][boundary // step.checkpoint_unit - 1])]
-                for boundary in boundaries
-            ]
-            first, new = self.compressor.step(
-                kv[rows], gate[rows], request.start, main_state, rope,
-                [(boundary, snapshot[: self.compressor.state_elements()].view(self.compressor.span, -1))
-                 for boundary, snapshot in zip(boundaries, snapshots)],
-            )
-            entries.append(write_and_read_entries(entry_cache, request.tables[entry_table], first, new, request.end // m, m))
-            if self.indexer is None:
-                continue
-            index_state = layer_state[self.compressor.state_elements() :][: self.indexer.compressor.state_elements()]
-            index_state = index_state.view(self.indexer.compressor.span, -1)
-            main = self.compressor.state_elements()
-            index_snapshots = [
-                (boundary, snapshot[main:][: self.indexer.compressor.state_elements()].view(self.indexer.compressor.span, -1))
-                for boundary, snapshot in zip(boundaries, snapshots)
-            ]
-            first, new_keys = self.indexer.compressor.step(
-                index_kv[rows], index_gate[rows], request.start, index_state, rope, index_snapshots,
-            )
-            index_keys.append(write_and_read_entries(index_keys_cache, request.tables["indexer_keys"], first, new_keys, request.end // m, m))
         batch = step.prefill_batch(self.window)
-        entries = pad_sequence(entries, batch_first=True)
+        main = self.compressor.state_elements()
+        snapshots = step.caches.get(self.cache_names.get("state_checkpoint", ""))
+        entries = self.compressor.prefill(
+            kv, gate, batch, state[:, :main], entry_cache, step.batches[entry_table].block_table[batch.index].long(), rope,
+            snapshots[:, :main] if snapshots is not None else None,
+        )
         if self.indexer is None:
             hidden_entries = torch.arange(entries.shape[1], device=hidden.device)[None, None, :] >= ((batch.query_positions + 1) // m)[:, :, None]
             bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=hidden.device)
             return entries, bias.masked_fill_(hidden_entries, float("-inf"))
-        scores = self.indexer.scores(index_query[batch.query_rows], index_weights[batch.query_rows], pad_sequence(index_keys, batch_first=True))
+        elements = self.indexer.compressor.state_elements()
+        index_keys = self.indexer.compressor.prefill(
+            index_kv, index_gate, batch, state[:, main : main + elements], index_keys_cache,
+            step.batches["indexer_keys"].block_table[batch.index].long(), rope,
+            snapshots[:, main : main + elements] if snapshots is not None else None,
+        )
+        scores = self.indexer.scores(index_query[batch.query_rows], index_weights[batch.query_rows], index_keys)
         # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1; the
         # batch's queries are padded in front, so each request's last row sits at its last position.
         requests, rows = batch.query_rows.shape

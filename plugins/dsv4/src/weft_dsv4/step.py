@@ -1,6 +1,5 @@
-"""A step's requests as DeepSeek V4's layers read them: the prefilling requests (one by one for the
-compressors, padded into one batch for attention), the one-token (decoding) requests gathered into
-one batch, and the cache tensors by layer."""
+"""A step's requests as DeepSeek V4's layers read them: the prefilling requests padded into one batch,
+the one-token (decoding) requests gathered into one batch, and the cache tensors by layer."""
 
 from __future__ import annotations
 
@@ -11,14 +10,11 @@ import torch
 from weft.layers.attention import ForwardContext
 
 class RequestRows:
-    """One request's slice of the step: rows, positions ``start .. end - 1``, and its blocks per group."""
+    """One request's slice of the step: its index in the step's batch, rows, and positions ``start .. end - 1``."""
 
-    def __init__(self, index: int, row_start: int, row_end: int, end: int, tables: dict[str, torch.Tensor]) -> None:
+    def __init__(self, index: int, row_start: int, row_end: int, end: int) -> None:
         self.index, self.row_start, self.row_end = index, row_start, row_end
         self.start, self.end = end - (row_end - row_start), end
-        self.tables = tables
-        state = tables.get("compressor_state")
-        self.state_block = int(state[0]) if state is not None else -1
 
 
 class StepLayout:
@@ -46,10 +42,7 @@ class StepLayout:
         reports no hit for it (``NewRequest.state_transferred``)."""
         decoding = [index for index in range(len(lengths)) if starts[index + 1] - starts[index] == 1]
         self.prefills = [
-            RequestRows(
-                index, starts[index], starts[index + 1], lengths[index],
-                {name: batch.block_table[index].long() for name, batch in batches.items()},
-            )
+            RequestRows(index, starts[index], starts[index + 1], lengths[index])
             for index in range(len(lengths))
             if starts[index + 1] - starts[index] != 1
         ]
@@ -85,6 +78,10 @@ class PrefillBatch:
         ends = torch.tensor([request.end for request in prefills], device=device)
         row_starts = torch.tensor([request.row_start for request in prefills], device=device)
         firsts = (starts - window + 1).clamp(min=0)
+        self.index, self.starts, self.ends, self.row_starts = index, starts, ends, row_starts
+        """Each prefilling request's row of the step's batch, first and end positions, and first row."""
+        state = step.batches.get("compressor_state")
+        self.state_blocks = state.block_table[index, 0].long() if state is not None else None
         longest_query = max(request.end - request.start for request in prefills)
         longest_keys = max(request.end - max(0, request.start - window + 1) for request in prefills)
         offsets = torch.arange(longest_query, device=device)
@@ -118,6 +115,13 @@ class PrefillBatch:
         # Window snapshots: at each boundary B a request crosses, the keys of positions B - window .. B - 1.
         pairs = [(number, boundary) for number, request in enumerate(prefills) for boundary in step.boundaries(request.start, request.end)]
         self.snapshot_block = self.snapshot_offset = self.snapshot_request = self.snapshot_key = None
+        self.boundary_requests = torch.tensor([number for number, _ in pairs], dtype=torch.long, device=device)
+        self.boundaries = torch.tensor([boundary for _, boundary in pairs], dtype=torch.long, device=device)
+        """Each (request, boundary crossed) pair of the step, for the snapshots of the window and compressor state."""
+        self.boundary_snapshot_blocks = None
+        if pairs and "state_checkpoint" in step.batches:
+            state_tables = step.batches["state_checkpoint"].block_table[index].long()
+            self.boundary_snapshot_blocks = state_tables[self.boundary_requests, self.boundaries // step.checkpoint_unit - 1]
         if pairs:
             numbers = torch.tensor([number for number, _ in pairs], device=device)
             boundaries = torch.tensor([boundary for _, boundary in pairs], device=device)

@@ -9,15 +9,28 @@ compressor ignores attention masks), EOS ignored. Decode throughput = batch x (n
 
     python bench/gpu_dsv4.py [--batch 16] [--prompt-len 512] [--new-tokens 128] [--out DIR]
 
-Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``--out`` or the environment's $OUT).
+``--part hisparse``: how many concurrent long requests fit in the same KV-cache memory with weft-hisparse
+(the CSA entries in a host pool, the GPU pages a write-back cache) against without, and the decode
+throughput of each. Each side runs in its own process with the same KV-cache bytes (``--kv-gib``),
+``--requests`` prompts of ``--prompt-len`` tokens (32k by default) and greedy decoding; printed: the most
+requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
+only decode, and whether both sides gave the same tokens.
+
+    python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
+
+Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``$OUT/gpu_dsv4_hisparse.json``; ``--out`` or
+the environment's $OUT).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +62,17 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of this script)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_dsv4.json (default: $OUT)")
-    return parser.parse_args()
+    parser.add_argument("--part", default="decode", choices=("decode", "hisparse"))
+    parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
+    parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
+    parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
+    parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.part == "hisparse" and "--prompt-len" not in sys.argv:
+        args.prompt_len = 32768
+    if args.part == "hisparse" and "--new-tokens" not in sys.argv:
+        args.new_tokens = 64
+    return args
 
 
 def config_of(args: argparse.Namespace) -> dict:
@@ -63,7 +86,7 @@ def config_of(args: argparse.Namespace) -> dict:
         num_experts_per_tok=args.experts_per_token, o_groups=4, o_lora_rank=args.hidden_size // 4,
         index_n_heads=8, index_head_dim=64, index_topk=args.index_topk, sliding_window=args.sliding_window,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": args.hca_rate},
-        max_position_embeddings=8192,
+        max_position_embeddings=max(8192, args.prompt_len + args.new_tokens + 16),
     )
 
 
@@ -77,8 +100,109 @@ def timed(run, device: str) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def hisparse_side(args: argparse.Namespace) -> dict:
+    """One side of ``--part hisparse`` (its own process): the most requests holding blocks at once, and decode speed."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4.tiny_checkpoint import write_checkpoint
+
+    folder = write_checkpoint(Path(tempfile.mkdtemp()) / "dsv4", config_of(args), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, args.vocab_size, (args.requests, args.prompt_len), generator=generator).tolist()
+    max_model_len = args.prompt_len + args.new_tokens + 16
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    engine = {
+        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len, "max_num_seqs": args.requests,
+        "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
+    }
+    if args.device == "cuda":
+        engine["gpu_memory_utilization"] = min(0.9, kv_bytes / torch.cuda.mem_get_info()[0])
+    else:
+        engine["cpu_kv_cache_bytes"] = kv_bytes
+    extra = {}
+    if args.side == "hisparse":
+        pages = -(-max_model_len // 16)  # csa_kv pages (16 tokens, 4 entries) of one request
+        extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": {
+            "host_pages": args.requests * pages + 16, "hot_buffer_blocks": -(-args.index_topk // 4),
+            "gpu_share": args.gpu_share,
+        }}}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    core = llm.engine.core
+    scheduler = core.scheduler
+    schedule = scheduler.schedule
+    steps: list[tuple[float, int, bool]] = []
+    most = [0]
+
+    def recording():
+        output = schedule()
+        steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
+                      all(count == 1 for count in output.num_scheduled_tokens.values())))
+        most[0] = max(most[0], sum(1 for request in scheduler.running if core.kv_cache_manager.holds(request.request_id)))
+        return output
+
+    scheduler.schedule = recording
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - started
+    decode_tokens = decode_seconds = 0.0
+    for (at, tokens, decode_only), (next_at, _, _) in zip(steps, steps[1:]):
+        if decode_only and tokens:
+            decode_tokens += tokens
+            decode_seconds += next_at - at
+    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    totals = core.kv_connector.metric_totals if core.kv_connector is not None else {}
+    return {
+        "side": args.side, "max_running": most[0], "requests": args.requests, "prompt_len": args.prompt_len,
+        "num_blocks": dict(zip((group.name for group in core.groups), core.num_blocks)),
+        "preemptions": scheduler.num_preemptions, "wall_s": wall,
+        "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
+        "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+        "connector": {name: total.total for name, total in totals.items()},
+    }
+
+
+def hisparse_part(args: argparse.Namespace) -> None:
+    """Both sides, each in a fresh process (the same free memory), then the ratio."""
+    sides = {}
+    for side in ("plain", "hisparse"):
+        command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"the {side} side failed:\n{run.stderr[-4000:]}")
+        sides[side] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(json.dumps(sides[side]), flush=True)  # each side as soon as it is done
+    plain, sparse = sides["plain"], sides["hisparse"]
+    report = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,
+        "gpu_share": args.gpu_share, "plain": plain, "hisparse": sparse,
+        "concurrency_ratio": sparse["max_running"] / max(plain["max_running"], 1),
+        "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
+    }
+    publish(report, args.out, "gpu_dsv4_hisparse.json", (
+        f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
+        f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
+        f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
+        f"same greedy tokens: {report['same_tokens']}"
+    ))
+
+
+def publish(report: dict, out: str | None, name: str, summary: str) -> None:
+    """Print the report and its one-line summary; write it as ``out/name`` when given a folder."""
+    print(json.dumps(report, indent=2))
+    print(summary)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     args = arguments()
+    if args.side is not None:
+        print(json.dumps(hisparse_side(args)))
+        return
+    if args.part == "hisparse":
+        hisparse_part(args)
+        return
     import transformers
 
     from weft.entrypoints.llm import LLM
@@ -137,15 +261,11 @@ def main() -> None:
         "hf_runs": results["hf"]["runs"], "weft_runs": results["weft"]["runs"],
         "greedy_tokens_shared_with_hf": shared,
     }
-    print(json.dumps(report, indent=2))
-    print(
+    publish(report, args.out, "gpu_dsv4.json", (
         f"decode throughput, batch {args.batch}, {args.dtype}: weft {report['weft_decode_tok_s']:.1f} tok/s, "
         f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
         f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
-    )
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_dsv4.json").write_text(json.dumps(report, indent=2))
+    ))
 
 
 if __name__ == "__main__":

@@ -88,9 +88,10 @@ class Process:
 
 
 class Cluster:
-    """Prefill instances ``prefill1``.. (fault injection on), a decode instance without prefix caching, the proxy."""
+    """Prefill instances ``prefill1``.. (fault injection on), a decode instance (without prefix caching unless
+    ``decode_prefix_caching``), the proxy."""
 
-    def __init__(self, model: Path, folder: Path, prefill_instances: int = 2) -> None:
+    def __init__(self, model: Path, folder: Path, prefill_instances: int = 2, decode_prefix_caching: bool = False) -> None:
         prefills = [f"prefill{index + 1}" for index in range(prefill_instances)]
         self.ports = {name: free_port() for name in (*prefills, "decode", "proxy")}
         self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
@@ -104,7 +105,7 @@ class Cluster:
             ], folder)
         self.processes["decode"] = Process("decode", [
             *common, "--port", str(self.ports["decode"]), "--set", 'plugins.nixl.role="kv_consumer"',
-            "--set", "engine.enable_prefix_caching=false",
+            "--set", f"engine.enable_prefix_caching={str(decode_prefix_caching).lower()}",
         ], folder)
         for name in (*prefills, "decode"):
             self.processes[name].wait_until_healthy(self.urls[name])

@@ -202,6 +202,29 @@ def test_greedy_generation_through_the_engine_equals_transformers_generate(check
         assert ours == generated[0, length:].tolist(), f"prompt of {length} tokens"
 
 
+def test_prefills_of_several_requests_are_attended_as_one_batch_and_match_transformers(checkpoint, monkeypatch):
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4 import step
+
+    folder, hf = checkpoint
+    sizes = []
+    original = step.PrefillBatch.__init__
+
+    def recording(self, layout, window):
+        original(self, layout, window)
+        sizes.append(tuple(self.query_valid.sum(dim=1).tolist()))
+
+    monkeypatch.setattr(step.PrefillBatch, "__init__", recording)
+    llm = _llm(folder, max_num_batched_tokens=128)  # every prompt's prefill in the first step
+    prompts = [random_ids(length, seed=30 + length) for length in PROMPT_LENGTHS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert sizes[0] == PROMPT_LENGTHS
+    for prompt, output in zip(prompts, outputs):
+        with stable_topk(), torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert list(output.outputs[0].token_ids) == generated[0, len(prompt):].tolist()
+
+
 def test_preemption_and_prefix_caching_change_no_token(checkpoint):
     folder, _ = checkpoint
     reference, _ = _engine_tokens(folder, enable_prefix_caching=False)

@@ -107,3 +107,124 @@ def test_speculative_top_k_is_written_per_step_and_read_back_in_token_order():
             assert int(slots[row, column]) == expected == int(by_step[step, request, column])
     assert valid.tolist() == (logical >= 0).sum(-1).tolist()
     assert by_step.is_contiguous() and by_step.shape == (steps, requests, k)
+
+
+def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer_below_the_selection():
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, HiSparseStep, HostPage
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
+    worker = HiSparseConnector(HiSparseOptions(host_pages=4, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
+    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
+    worker.host["layer"].copy_(torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3))  # host row r, slot j: 6r + 3j..
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 1, 3),)))  # page 1 (entries 2, 3) at host row 3
+    gathered = torch.full((1, 3, 3), -1.0)
+    read = worker.read("layer", ["r"], torch.tensor([[0, 3, -1]]), gathered.clone())
+    assert read[0, 0].tolist() == [-1.0] * 3 and read[0, 2].tolist() == [-1.0] * 3  # GPU page and "none" untouched
+    assert read[0, 1].tolist() == [21.0, 22.0, 23.0]  # host row 3, slot 1
+    worker.read("layer", ["r"], torch.tensor([[3, 2, -1]]), gathered.clone())
+    assert worker.get_finished(set()).observations["host_entries_read_total"] == [1, 1]  # entry 3 was hot already
+    with pytest.raises(ValueError, match="hot_buffer_blocks = 1 holds 2 entries per request and layer, but layer selected 3"):
+        worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 0, 0),)))
+        worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
+
+
+def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, ConnectorStep, ConnectorStepRequest, LentBlock
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, copy_name
+
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)),)
+    scheduler = HiSparseConnector(HiSparseOptions(host_pages=8, hot_buffer_blocks=1, keep_tail=1), "scheduler", groups,
+                                  ConnectorContext("m", tp_size=2))
+
+    def step(computed, preempted=frozenset(), free=0):
+        requests = tuple(ConnectorStepRequest(name, computed, 1, ((10, 11, 12, 13),)) for name in ("a",) if name not in preempted)
+        return ConnectorStep(requests=requests, preempted=frozenset(preempted), free_blocks=(free,), num_blocks=(100,))
+
+    first = scheduler.build_connector_meta(step(31))  # a decoding request with 4 full pages (32 tokens)
+    assert [copy.gpu_block for copy in first.copies] == [10, 11, 12, 13] and scheduler.lent_blocks() == ()
+    names = tuple(copy_name(copy) for copy in first.copies)
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={0: names}))  # one rank of two: nothing clean
+    assert scheduler.build_connector_meta(step(32)).copies == () and scheduler.lent_blocks() == ()
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={1: names[:2]}))  # pages 0 and 1 clean
+    scheduler.build_connector_meta(step(33))
+    assert scheduler.lent_blocks() == (LentBlock("a", 0, 1), LentBlock("a", 0, 0))  # tail-first, below the watermark
+    dropped = scheduler.build_connector_meta(step(34, preempted={"a"}))
+    assert dropped.dropped == ("a",) and dropped.copies == () and scheduler.lent_blocks() == ()
+    scheduler.update_connector_output(ConnectorOutput(acknowledged={1: names[2:]}))  # late: changes nothing
+    assert scheduler.planner.pages == {} and sorted(scheduler.planner.free_host_rows) == list(range(8))
+
+
+# End to end on a tiny DeepSeek V4 (CSA layers read their top-k through the connector).
+
+def _dsv4_checkpoint(tmp_path_factory):
+    pytest.importorskip("weft_dsv4")
+    from weft_dsv4.config import CSA, HCA, SLIDING
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    # index_topk=3 over 2 entries a page (csa_kv pages of 8 tokens): reads mix pinned and host pages.
+    return write_checkpoint(tmp_path_factory.mktemp("hisparse"), tiny_config([CSA, SLIDING, HCA, CSA], hc_mult=2, index_topk=3), seed=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv4(tmp_path_factory):
+    return _dsv4_checkpoint(tmp_path_factory)
+
+
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int):
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
+              "enable_prefix_caching": False}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    prompts = [torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (9, 30, 47)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
+    return [list(output.outputs[0].token_ids) for output in outputs], llm
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4):
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)
+    # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
+    # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
+    # (their own entries then come from the host), and one request is still preempted and
+    # recomputed. Two blocks of hot rows (4 entries) for top-3 picks: entries are evicted and copied
+    # in again in later steps.
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30)
+    assert tokens == reference
+    connector = llm.engine.scheduler.connector
+    assert connector.metric_totals["pages_copied_total"].total > 0
+    assert connector.metric_totals["host_entries_read_total"].total > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    # Every request ended: no page left, every host row back in the pool, every lent block accounted for.
+    planner = connector.scheduler_side.planner
+    assert planner.pages == {} and sorted(planner.free_host_rows) == list(range(64))
+    assert llm.engine.kv_cache_manager.num_free_blocks() == (30,) * len(llm.engine.kv_cache_manager.groups)
+    # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
+    worker = llm.engine.worker.kv_connector.worker_side
+    assert worker._step is None and worker._host_pages == {} and worker._hot == {}
+    assert all(slot is None for slots in worker._slots.values() for slot in slots)
+
+
+def test_sized_from_memory_the_sparse_group_gets_its_share_and_the_others_the_rest(tiny_dsv4):
+    from weft.entrypoints.llm import LLM
+
+    engine = {"block_size": 8, "max_model_len": 160, "cpu_kv_cache_bytes": 4 << 20, "enable_prefix_caching": False}
+    plain = LLM(model=str(tiny_dsv4), engine=engine).engine.core
+    sparse = LLM(model=str(tiny_dsv4), engine=engine, use={"kv_connector": "hisparse"},
+                 plugins={"hisparse": {"gpu_share": 0.1}}).engine.core
+
+    def shares(core):
+        sizes = [count * group.spec.page_size_bytes() * len(group.layer_names) for count, group in zip(core.num_blocks, core.groups)]
+        return {group.name: size / (4 << 20) for group, size in zip(core.groups, sizes)}
+
+    assert all(share == pytest.approx(1 / 5, abs=0.01) for share in shares(plain).values())
+    sparse_shares = shares(sparse)
+    assert sparse_shares.pop("csa_kv") == pytest.approx(0.1, abs=0.01)
+    assert all(share == pytest.approx(0.9 / 4, abs=0.01) for share in sparse_shares.values())
+

@@ -132,3 +132,24 @@ def test_prefix_caching_off():
 def test_rejects_mismatched_sizes():
     with pytest.raises(ValueError, match="2 KV-cache groups but 1 block counts"):
         KVCacheManager([full_group(), full_group("other")], [4])
+
+
+def test_a_lent_block_is_free_until_reclaimed_and_never_released_twice():
+    from weft.contracts.kv_connector import LentBlock
+
+    manager = KVCacheManager([full_group()], [4], enable_prefix_caching=False)
+    assert manager.allocate_slots("a", 12)  # blocks 0, 1, 2
+    blocks = manager.block_ids("a")[0]
+    manager.lend(LentBlock("a", 0, 0))
+    manager.lend(LentBlock("a", 0, 0))  # twice: nothing more
+    manager.lend(LentBlock("a", 0, 1))
+    assert manager.num_free_blocks() == (3,) and manager.block_ids("a")[0] == blocks  # still listed
+    assert manager.reclaimed() == ()
+    assert manager.allocate_slots("b", 4)  # takes a lent block (freed ones are handed out first)
+    assert manager.reclaimed() == (LentBlock("a", 0, manager.block_ids("b")[0][0] == blocks[1] and 1 or 0),)
+    assert manager.reclaimed() == ()  # reported once
+    manager.free("a")  # releases only what it did not lend
+    assert manager.num_free_blocks() == (3,)
+    manager.free("b")
+    assert manager.num_free_blocks() == (4,)
+    assert manager.allocate_slots("c", 16) and manager.reclaimed() == ()  # a lent block of an ended request is plain free

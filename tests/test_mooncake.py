@@ -561,3 +561,28 @@ def test_objects_in_an_engines_own_segment_vanish_with_it(mooncake_runs, tmp_pat
             assert later.engine.kv_connector.stats.hit_tokens == 0
     finally:
         store.stop()
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_deepseek_v4_resumes_a_prefix_loaded_from_the_store_from_its_loaded_snapshots(store, tmp_path, load_async):
+    """DeepSeek V4 under prefix caching stores its snapshot groups with the entries; a second engine
+    loads them and restores the ring and compressor state from them, giving the tokens of no hit."""
+    pytest.importorskip("weft_dsv4")
+    from weft_dsv4.tiny_checkpoint import SHORT_NAMES, tiny_config, write_checkpoint
+
+    model = write_checkpoint(tmp_path, tiny_config([SHORT_NAMES[kind] for kind in ("hca", "csa", "sliding", "csa")], index_topk=3), seed=11)
+    engine = {"block_size": 8, "num_kv_blocks": 64, "max_model_len": 128, "enable_prefix_caching": True}
+    shared = [(5 * i + 1 + 30 * load_async) % 500 + 2 for i in range(52)]
+    first_prompt, second_prompt = shared + [11, 12], shared + [21, 22, 23, 24, 25, 26, 27]
+    plain = LLM(model=str(model), engine={**engine, "enable_prefix_caching": False})
+    expected = [output.outputs[0].token_ids for output in plain.generate([first_prompt, second_prompt], GREEDY)]
+
+    with connected(model, store, engine, load_async=load_async) as first:
+        assert generate(first, [first_prompt]) == expected[:1]
+    with connected(model, store, engine, load_async=load_async) as second:
+        unit = second.engine.kv_connector.block_size
+        computed = count_prefill_tokens(second)
+        assert generate(second, [second_prompt]) == expected[1:]
+        hit = second.engine.kv_connector.stats.hit_tokens
+    assert {"window_checkpoint", "state_checkpoint"} <= {group.name for group in second.engine.core.groups}
+    assert hit == (len(shared) // unit) * unit > 0 and computed[0] == len(second_prompt) - hit

@@ -60,6 +60,9 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     """The request's blocks in every KV-cache group, in the model's group order."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache and connector hits)."""
+    state_transferred: bool = False
+    """Its model-managed state (ring, recurrent state) after those tokens arrived whole from another
+    instance (core API 1.6): the model keeps it, never restoring it from snapshots of the prefix."""
 
 
 class CachedRequest(msgspec.Struct, frozen=True, array_like=True):

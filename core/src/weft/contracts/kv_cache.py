@@ -225,7 +225,8 @@ class CheckpointSpec(KVCacheSpec, frozen=True, tag="checkpoint"):
     @property
     def transferable(self) -> bool:
         """A snapshot serves the instance's own prefix cache (and a prefix store); a prefill/decode
-        transfer moves the checkpointed state itself, so a decode instance needs none."""
+        transfer moves the checkpointed state itself, so a decode instance needs none (it neither
+        restores the transferred request from snapshots nor publishes its snapshot blocks)."""
         return False
 
     def page_size_bytes(self) -> int:

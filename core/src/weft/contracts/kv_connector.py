@@ -32,9 +32,14 @@ must be complete when ``wait_for_layer_load`` returns. A request whose load fail
 (``ConnectorOutput.failed_loads``) keeps its blocks, its output of that step is
 discarded, and the tokens that were to be loaded are recomputed; the worker must
 not save that request's blocks of that step (their KV saw an incomplete context).
-The engine asks for external hits when every group is prefix-cacheable (the same
-rule as its own prefix cache), and for any request that carries connector
-``params`` (a transfer of that very request); it hands every request to the connector.
+The engine asks for external hits when every group is prefix-cacheable or
+checkpointed (the same rule as its own prefix cache: the model restores a
+checkpointed group from the loaded snapshots), and for any request that carries
+connector ``params`` (a transfer of that very request); it hands every request to
+the connector. A transfer (an asynchronous load of a request with ``params``)
+moves the request's state itself but not the snapshot (``CheckpointSpec``)
+groups: the engine neither restores that request from snapshots nor publishes
+its snapshot blocks (``NewRequest.state_transferred``, core API 1.6).
 
 Asynchronous loads (core API 1.3)
     A lookup may answer ``(n, True)``: the request's KV arrives from outside while
@@ -132,6 +137,25 @@ The load range
     num_computed_tokens)`` into that step's ``block_ids``, before the forward pass
     computes the rest.
 
+Lent blocks (core API 1.6)
+    A connector that keeps a copy of some blocks elsewhere (weft-hisparse: the compressed KV of
+    decoding requests, in a host pool) may let the engine hand those blocks out again while
+    their request still runs. After each ``build_connector_meta`` the engine asks
+    :meth:`KVConnector.lent_blocks`; it releases each named block to its pool at once (the
+    pool counts it free) and the block stays in the request's ``block_ids``, readable as before
+    until the pool hands it to another request. The next step's ``ConnectorStep.reclaimed``
+    names every lent block handed out since: from that step on the request's tokens in it must
+    be read from the connector's copy, never from the block. Lent blocks are never released
+    twice; a request's blocks that are reclaimed are not its own any more when it ends. A
+    connector's workers read those tokens for the model through :meth:`KVConnector.sparse_entry_reader`
+    (``ForwardContext.sparse_entries``). ``ConnectorStep.free_blocks`` and ``num_blocks`` give
+    each group's pool so that the connector can decide when to lend.
+
+Acknowledgements (core API 1.6)
+    A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``
+    under its rank (``pp_rank * tp_size + tp_rank``); the engine hands the scheduler role every
+    rank's list, so that it can wait for all of them.
+
 The last token
     A connector never offers a request's last token: the engine computes it to
     sample the next one, so ``num_computed_tokens + n`` stays below the request's
@@ -146,7 +170,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import lcm
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import msgspec
 
@@ -199,12 +223,26 @@ class ConnectorStepRequest(msgspec.Struct, frozen=True):
     """
 
 
+class LentBlock(msgspec.Struct, frozen=True, array_like=True):
+    """Block ``position`` (in token order) of group ``group`` of a request (see "Lent blocks")."""
+
+    request_id: str
+    group: int
+    position: int
+
+
 class ConnectorStep(msgspec.Struct, frozen=True):
     """What the engine scheduled in one step, for :meth:`KVConnector.build_connector_meta`."""
 
     requests: tuple[ConnectorStepRequest, ...]
     preempted: frozenset[str] = frozenset()
     """Requests preempted while scheduling this step: their blocks are already free."""
+    free_blocks: tuple[int, ...] = ()
+    """Each group's free blocks once this step's blocks are allocated (core API 1.6)."""
+    num_blocks: tuple[int, ...] = ()
+    """Each group's blocks in all (core API 1.6)."""
+    reclaimed: tuple[LentBlock, ...] = ()
+    """Lent blocks the pools handed to other requests since the previous step (core API 1.6)."""
 
 
 class ConnectorOutput(msgspec.Struct, frozen=True):
@@ -219,6 +257,8 @@ class ConnectorOutput(msgspec.Struct, frozen=True):
     observations: dict[str, list[float]] = {}
     """Per :class:`ConnectorMetric` name: a counter's increments or a histogram's samples since the
     previous report (core API 1.3)."""
+    acknowledged: dict[int, tuple[str, ...]] = {}
+    """Per rank: the connector's own names of planned work that rank completed in the step (core API 1.6)."""
 
 
 class ConnectorMetric(msgspec.Struct, frozen=True):
@@ -287,6 +327,17 @@ class KVConnector(PluginBase):
     def update_connector_output(self, output: ConnectorOutput) -> None:
         """Workers' report after a step."""
 
+    def kv_cache_shares(self) -> tuple[float, ...] | None:
+        """Scheduler role, once at start-up: the share of the KV-cache bytes each group gets, in the groups'
+        order (core API 1.6), when the engine sizes the cache from memory (not under ``engine.num_kv_blocks``).
+        None (the default): equal shares. A connector that keeps a group's blocks elsewhere needs fewer of them."""
+        return None
+
+    def lent_blocks(self) -> tuple[LentBlock, ...]:
+        """Blocks chosen by the last :meth:`build_connector_meta` that the pool may hand out again while
+        their requests keep reading them (see "Lent blocks"; core API 1.6). None by default."""
+        return ()
+
     def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
         """The request ended. Returns ``(delay_free, params)``: delay freeing its blocks until sent.
 
@@ -330,10 +381,30 @@ class KVConnector(PluginBase):
         """Requests whose asynchronous sends or receives completed."""
         return ConnectorOutput()
 
+    def sparse_entry_reader(self) -> SparseEntryReader | None:
+        """What the model reads selected entries of reclaimed blocks through (``ForwardContext.sparse_entries``;
+        core API 1.6). None: the model reads its caches only."""
+        return None
+
     # Both sides.
 
     def close(self) -> None:
         """The engine is shutting down: finish pending saves, release connections. Idempotent."""
+
+
+class SparseEntryReader(Protocol):
+    """Reads a sparse layer's selected cache entries that live outside the cache (core API 1.6).
+
+    A model that attends only selected entries of a model-managed group (DeepSeek V4's CSA layers:
+    the indexer's top-k of ``csa_kv``) gathers them from its cache and then passes them here; the
+    reader overwrites the rows whose block was lent and reclaimed with their own copy.
+    """
+
+    def read(self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """``selected`` ``[rows, k]`` entry indices in each request's token order (``-1``: none), ``entries``
+        ``[rows, k, dim]`` as gathered from the cache, one row per request of ``request_ids``. Returns
+        the entries, with those of reclaimed blocks replaced."""
+        ...
 
 
 def connector_block_size(groups: Sequence[KVCacheGroupSpec]) -> int | None:

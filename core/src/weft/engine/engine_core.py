@@ -96,14 +96,15 @@ class EngineCore:
         self.groups = info.groups
         _, self.source = resolve_source(self.registry, config)
         self.max_model_len = max_model_len(config, self.source)
-        self.num_blocks = self._num_kv_blocks(info.available_kv_bytes)
-        self.kv_cache_manager = KVCacheManager(self.groups, self.num_blocks, engine.enable_prefix_caching)
-        self.executor.initialize_kv_cache(self.num_blocks)
         self.kv_connector = None
         connector = load_kv_connector(self.registry, config, self.source)
         if connector is not None:
             connector_class, options, context = connector
             self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
+        shares = self.kv_connector.scheduler_side.kv_cache_shares() if self.kv_connector is not None else None
+        self.num_blocks = self._num_kv_blocks(info.available_kv_bytes, shares)
+        self.kv_cache_manager = KVCacheManager(self.groups, self.num_blocks, engine.enable_prefix_caching)
+        self.executor.initialize_kv_cache(self.num_blocks)
         self.structured_outputs = StructuredOutputManager(
             config, self.registry, self.source, self.source.hf_config.get("vocab_size"),
         )
@@ -129,14 +130,20 @@ class EngineCore:
         )
         self.hooks.hook.weft_engine_started(engine=self)
 
-    def _num_kv_blocks(self, available_bytes: int) -> list[int]:
+    def _num_kv_blocks(self, available_bytes: int, shares: tuple[float, ...] | None = None) -> list[int]:
+        """Blocks of each group: ``engine.num_kv_blocks``, else the available bytes split by ``shares`` (the KV
+        connector's, :meth:`~weft.contracts.kv_connector.KVConnector.kv_cache_shares`) or equally."""
         engine = self.config.engine
         if engine.num_kv_blocks is not None:
             counts = [engine.num_kv_blocks] * len(self.groups)
         else:
+            if shares is None:
+                shares = (1.0,) * len(self.groups)
+            if len(shares) != len(self.groups) or min(shares) <= 0:
+                raise ValueError(f"KV connector {self.kv_connector.name!r} gave KV-cache shares {shares} for "  # type: ignore[union-attr]
+                                 f"{len(self.groups)} groups; give one positive share per group")
             bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in self.groups]
-            share = available_bytes // len(self.groups)
-            counts = [share // size for size in bytes_per_block]
+            counts = [int(available_bytes * share / sum(shares)) // size for share, size in zip(shares, bytes_per_block)]
         for group, count in zip(self.groups, counts):
             needed = group.spec.blocks_for_tokens(self.max_model_len)
             if count < needed:

@@ -11,6 +11,10 @@ group that holds a ring buffer or recurrent state cannot reproduce the state aft
 an arbitrary prefix, so reusing the other groups' blocks alone would be wrong,
 unless its model restores it from a checkpoint group (``KVCacheGroupSpec.checkpointed``).
 A checkpointed group takes fresh blocks on a hit; only prefix-cacheable groups are looked up.
+
+A KV connector may lend a running request's block back to its pool (:meth:`KVCacheManager.lend`,
+the contract's "Lent blocks"): the pool counts it free, the request keeps it in its block list
+until the pool hands it out again, and :meth:`KVCacheManager.reclaimed` reports that hand-out.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from math import lcm
 
 import msgspec
 
-from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
+from weft.contracts.kv_connector import LentBlock
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -131,6 +136,13 @@ class KVCacheManager:
         self._hash_unit = lcm(*(group.spec.block_size for group in self.groups))
         self._blocks: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[list[bytes]]] = {}
+        self._lent: dict[tuple[int, int], LentBlock] = {}
+        """(group, block) -> the request position it was lent from, until the pool hands it out or the request ends."""
+        self._released: dict[str, set[tuple[int, int]]] = {}
+        """Per request: (group, position) of its blocks already released to their pools (lent)."""
+        self._reclaimed: list[LentBlock] = []
+        self._without_snapshots: set[str] = set()
+        """Requests whose state arrived by a transfer: their snapshot blocks were never written."""
         self.stats = PrefixCacheStats()
 
     def block_ids(self, request_id: str, group_ids: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
@@ -204,10 +216,11 @@ class KVCacheManager:
             for block in shared:
                 pool.touch(block)
             blocks.extend(shared)
-            blocks.extend(pool.take() for _ in range(count))
+            blocks.extend(self._take(pool) for _ in range(count))
         if new_request:
             self._blocks[request_id] = held
             self._hashes[request_id] = [[] for _ in self.groups]
+            self._released[request_id] = set()
         if new_request and prompt_length:
             cached = prefix.num_tokens if prefix is not None else 0
             self.stats.queries += 1
@@ -216,12 +229,42 @@ class KVCacheManager:
             self.stats.hits += cached > 0
         return True
 
+    def _take(self, pool: BlockPool) -> int:
+        block = pool.take()
+        lent = self._lent.pop((self.pools.index(pool), block), None)
+        if lent is not None:
+            self._reclaimed.append(lent)
+        return block
+
+    def lend(self, lent: LentBlock) -> None:
+        """Release one of a running request's blocks to its pool; the request keeps it in its list
+        (and may read it) until the pool hands it out again. Lending a block twice changes nothing."""
+        released = self._released.get(lent.request_id)
+        if released is None or (lent.group, lent.position) in released:
+            return
+        block = self._blocks[lent.request_id][lent.group][lent.position]
+        released.add((lent.group, lent.position))
+        self._lent[(lent.group, block)] = lent
+        self.pools[lent.group].release(block)
+
+    def reclaimed(self) -> tuple[LentBlock, ...]:
+        """Lent blocks the pools handed out again since the last call."""
+        reclaimed, self._reclaimed = tuple(self._reclaimed), []
+        return reclaimed
+
+    def forgo_snapshots(self, request_id: str) -> None:
+        """The request's state arrived by a transfer without its snapshots: never publish its
+        snapshot (:class:`CheckpointSpec`) blocks, so no later hit can end in its prefix."""
+        self._without_snapshots.add(request_id)
+
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that are now full and computed, so later requests can reuse them."""
         if not self.prefix_caching:
             return
         for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
             if not group.prefix_cacheable:
+                continue
+            if request_id in self._without_snapshots and isinstance(group.spec, CheckpointSpec):
                 continue
             size = group.spec.block_size
             known = self._hashes[request_id][index]
@@ -238,8 +281,14 @@ class KVCacheManager:
         """Release the request's blocks; cached ones stay reusable until evicted. Idempotent."""
         blocks = self._blocks.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        released = self._released.pop(request_id, set())
+        self._without_snapshots.discard(request_id)
         if blocks is None:
             return
-        for pool, group_blocks in zip(self.pools, blocks):
-            for block in reversed(group_blocks):
-                pool.release(block)
+        for group, (pool, group_blocks) in enumerate(zip(self.pools, blocks)):
+            for position in range(len(group_blocks) - 1, -1, -1):
+                block = group_blocks[position]
+                if (group, position) not in released:
+                    pool.release(block)
+                elif self._lent.get((group, block), None) == LentBlock(request_id, group, position):
+                    del self._lent[(group, block)]  # not handed out again: no reclaim to report for an ended request

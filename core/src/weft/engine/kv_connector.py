@@ -10,13 +10,14 @@ back in the step's :class:`~weft.contracts.executor.ModelRunnerOutput`. This
 side keeps the blocks of finished requests whose saves are still in flight,
 and hands them back to the scheduler once the workers report the saves done.
 
-External hits are used only when every KV-cache group is prefix-cacheable: the
-state of a ring or recurrent group after a prefix cannot be loaded, so a hybrid
-model with such a group computes its prompts in full (its storable groups are
-still saved for others). The same rule governs the local prefix cache. The one
-exception is a request that carries connector ``params`` and is offered an
-asynchronous load: its whole state (every group, each transferable) arrives from
-an instance that computed the same request.
+External hits are used only when every KV-cache group is prefix-cacheable or
+checkpointed: the state of a ring or recurrent group after a prefix cannot be
+loaded, so a hybrid model with such a group computes its prompts in full (its
+storable groups are still saved for others) unless its model restores the group
+from snapshot groups loaded with the rest. The same rule governs the local prefix
+cache. The one exception is a request that carries connector ``params`` and is
+offered an asynchronous load: its whole state (every group, each transferable, but
+the snapshots) arrives from an instance that computed the same request.
 
 The workers' metric observations (``ConnectorOutput.observations``) are summed
 here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import (
     ConnectorContext,
     ConnectorOutput,
@@ -40,7 +41,7 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
-from weft.engine.kv_cache_manager import block_hashes
+from weft.engine.kv_cache_manager import KVCacheManager, block_hashes
 
 if TYPE_CHECKING:
     from weft.engine.request import Request
@@ -85,14 +86,15 @@ class SchedulerConnector:
         self.name = connector_class.name
         self.groups = tuple(groups)
         self.block_size = connector_block_size(self.groups)
-        self.loads_possible = all(group.prefix_cacheable for group in self.groups)
+        self.loads_possible = all(group.prefix_cacheable or group.checkpointed for group in self.groups)
         if not self.loads_possible:
             skipped = [group.name for group in self.groups if not group.prefix_cacheable]
             logger.info(
                 "KV connector %r: groups %s are not prefix-cacheable, so prompts are computed in full; "
                 "the other groups are still handed to the connector", self.name, skipped,
             )
-        self.all_transferable = all(group.transferable for group in self.groups)
+        # A transfer moves the request's state itself; snapshots of its prefix stay behind (never published).
+        self.all_transferable = all(group.transferable or isinstance(group.spec, CheckpointSpec) for group in self.groups)
         self.scheduler_side = connector_class(options, "scheduler", self.groups, context)
         self.stats = ConnectorStats()
         self.metric_specs = {metric.name: metric for metric in connector_class.metrics}
@@ -177,10 +179,14 @@ class SchedulerConnector:
             return True
         return False
 
-    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]]) -> bytes:
+    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager) -> bytes:
         """The connector's metadata for a step scheduling ``(request, new tokens, block ids)``, as msgpack;
-        it names the requests preempted since the previous step."""
+        it names the requests preempted since the previous step. Lends ``kv_cache`` the blocks the
+        connector chose (the contract's "Lent blocks")."""
         step = ConnectorStep(
+            free_blocks=kv_cache.num_free_blocks(),
+            num_blocks=tuple(pool.num_blocks for pool in kv_cache.pools),
+            reclaimed=kv_cache.reclaimed(),
             requests=tuple(
                 ConnectorStepRequest(
                     request_id=request.request_id, num_computed_tokens=request.num_computed_tokens,
@@ -192,7 +198,10 @@ class SchedulerConnector:
             preempted=frozenset(self._preempted),
         )
         self._preempted.clear()
-        return msgspec.msgpack.encode(self.scheduler_side.build_connector_meta(step))
+        metadata = msgspec.msgpack.encode(self.scheduler_side.build_connector_meta(step))
+        for lent in self.scheduler_side.lent_blocks():
+            kv_cache.lend(lent)
+        return metadata
 
     # The workers' report.
 

@@ -75,6 +75,9 @@ class Request:
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
         self.num_preemptions = 0
+        self.state_transferred = False
+        """Its whole state arrived by a transfer (``kv_transfer_params`` and an asynchronous load) since it was
+        last (re)scheduled: no snapshot of the transferred prefix is in this instance."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time = self.arrival_time
         """When the scheduler first gave it tokens (the end of its time in the queue)."""

@@ -264,7 +264,7 @@ class Scheduler:
             if sent is None:
                 new_requests.append(NewRequest(
                     request_id, list(request.all_token_ids), request.num_prompt_tokens, request.params,
-                    tuple(request.eos_token_ids), blocks, request.num_computed_tokens,
+                    tuple(request.eos_token_ids), blocks, request.num_computed_tokens, request.state_transferred,
                 ))
             else:
                 grown = any(len(group) > held for group, held in zip(blocks, sent))
@@ -278,7 +278,8 @@ class Scheduler:
         metadata = None
         if self.connector is not None:
             metadata = self.connector.build_metadata(
-                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled]
+                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled],
+                self.kv_cache,
             )
         for request, count in scheduled:
             request.num_computed_tokens += count
@@ -303,6 +304,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.num_preemptions += 1
+        request.state_transferred = False
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -324,6 +326,9 @@ class Scheduler:
             for request_id, arrived in self.connector.received(report).items():
                 request = self.receiving.pop(request_id)
                 request.num_computed_tokens += arrived
+                if arrived and request.kv_transfer_params:
+                    request.state_transferred = True  # the ring and state, not the snapshots: none to publish
+                    self.kv_cache.forgo_snapshots(request_id)
                 if request.num_preemptions == 0:
                     request.num_cached_tokens += arrived
                 request.status = RequestStatus.WAITING

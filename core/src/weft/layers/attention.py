@@ -24,6 +24,10 @@ class ForwardContext(msgspec.Struct):
     prefix_hits: list[int] = []
     """Per request row: the tokens a prefix hit (local or loaded) supplied, on the request's first step
     since it was (re)scheduled; 0 otherwise. A model restores its checkpointed groups from them."""
+    request_ids: list[str] = []
+    """Per request row: its id (core API 1.6)."""
+    sparse_entries: Any = None
+    """The KV connector's :class:`~weft.contracts.kv_connector.SparseEntryReader`, when it offers one (core API 1.6)."""
 
 
 class Attention(nn.Module):

@@ -88,10 +88,12 @@ class WorkerConnector:
             finished[field] = done
         failed = frozenset().union(*(report.failed_loads for report in reports))
         observations: dict[str, list[float]] = {}
+        acknowledged: dict[int, tuple[str, ...]] = {}
         for report in reports:
             for name, values in report.observations.items():
                 observations.setdefault(name, []).extend(values)
-        return ConnectorOutput(failed_loads=failed, observations=observations, **finished)
+            acknowledged.update(report.acknowledged)
+        return ConnectorOutput(failed_loads=failed, observations=observations, acknowledged=acknowledged, **finished)
 
     def close(self) -> None:
         if not self._closed:

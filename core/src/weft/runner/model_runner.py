@@ -93,7 +93,7 @@ class RequestState:
     """The runner's copy of one request."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
-                 "block_ids", "num_computed_tokens", "prefix_hit")
+                 "block_ids", "num_computed_tokens", "prefix_hit", "state_transferred")
 
     def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
@@ -107,13 +107,14 @@ class RequestState:
         self.num_computed_tokens = new.num_computed_tokens
         self.prefix_hit: int | None = None
         """Tokens found cached (locally or loaded) when its first step ran; None before that step."""
+        self.state_transferred = new.state_transferred
 
     def take_prefix_hit(self) -> int:
         """On the request's first step (since it was (re)scheduled): the tokens it found cached; 0 later."""
         if self.prefix_hit is not None:
             return 0
         self.prefix_hit = self.num_computed_tokens
-        return self.prefix_hit
+        return 0 if self.state_transferred else self.prefix_hit
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -212,6 +213,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.connector = connector
+        self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
         self.requests: dict[str, RequestState] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.static: StaticInputs | None = None
@@ -450,7 +452,8 @@ class ModelRunner:
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         prefix_hits = [state.take_prefix_hit() for state in states]
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 prefix_hits=prefix_hits)
+                                 prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
+                                 sparse_entries=self.sparse_entries)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,

@@ -12,12 +12,12 @@ from torch import nn
 from weft.contracts.loader import WeightSlice, as_slice
 from weft.layers.linear import Linear
 from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
-from weft_dsv4.compressor import Compressor, write_and_read_entries
+from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, SLIDING, DeepseekV4Settings, layer_groups
 from weft_dsv4.indexer import Indexer
 from weft_dsv4.norm import RMSNorm, unweighted_rms_norm
 from weft_dsv4.rope import InterleavedRope, apply_rope
-from weft_dsv4.step import RequestRows, StepLayout
+from weft_dsv4.step import PrefillBatch, StepLayout
 
 class DeepseekV4Attention(nn.Module):
     def __init__(self, s: DeepseekV4Settings, index: int) -> None:
@@ -61,18 +61,13 @@ class DeepseekV4Attention(nn.Module):
         output = torch.empty_like(query)
         if step.decode is not None:
             output[step.decode.rows] = self._decode(query, kv, hidden, q_residual, ropes["compress"], step)
-        compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
-        ring = step.caches[self.cache_names["window"]]
-        for request in step.prefills:
-            rows = slice(request.row_start, request.row_end)
-            keys, key_positions = self._window_keys(ring, request, kv[rows])
-            self._snapshot_window(step, request, keys)
-            query_positions = positions[rows]
-            distance = query_positions.view(-1, 1) - key_positions.view(1, -1)
-            window_bias = torch.zeros(distance.shape, dtype=torch.float32, device=hidden.device)
-            window_bias.masked_fill_((distance < 0) | (distance >= self.window), float("-inf"))
-            entries, entry_bias = compressed[request.index] if compressed is not None else (None, None)
-            output[rows] = self._attend(query[rows], keys, window_bias, entries, entry_bias)
+        if step.prefills:
+            compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
+            batch = step.prefill_batch(self.window)
+            keys = self._prefill_window_keys(step, batch, kv)
+            entries, entry_bias = compressed if compressed is not None else (None, None)
+            attended = self._attend(query[batch.query_rows], keys, batch.window_bias, entries, entry_bias)
+            output[batch.query_rows[batch.query_valid]] = attended[batch.query_valid]
         output = apply_rope(output, cos, -sin)
         grouped = output.reshape(tokens, s.local_groups, -1)
         weight = self.o_a_proj.weight.view(s.local_groups, s.o_lora_rank, -1)
@@ -97,60 +92,42 @@ class DeepseekV4Attention(nn.Module):
             saved = step.caches[self.cache_names["state_checkpoint"]][int(tables["state_checkpoint"][block])]
             step.caches[self.cache_names["compressor_state"]][int(tables["compressor_state"][0])] = saved
 
-    def _boundaries(self, step: StepLayout, start: int, end: int) -> list[int]:
-        """The snapshot boundaries a request's tokens ``start .. end - 1`` cross (none without prefix caching)."""
-        unit = step.checkpoint_unit
-        return list(range((start // unit + 1) * unit, end + 1, unit)) if unit else []
-
-    def _snapshot_window(self, step: StepLayout, request: RequestRows, keys: torch.Tensor) -> None:
-        """Snapshot the last ``window`` keys at each boundary the request crosses; ``keys`` holds
-        positions ``max(0, start - window + 1) .. end - 1``."""
-        first = max(0, request.start - self.window + 1)
-        snapshots = step.caches.get(self.cache_names["window_checkpoint"])
-        for boundary in self._boundaries(step, request.start, request.end):
-            target = snapshots[int(request.tables["window_checkpoint"][boundary // step.checkpoint_unit - 1])]
-            positions = torch.arange(max(boundary - self.window, 0), boundary, device=keys.device)
-            target.view(self.window, -1)[positions - (boundary - self.window)] = keys[positions - first]
-
-    def _window_keys(self, ring: torch.Tensor, request: RequestRows, new_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of positions ``start - window + 1 .. end - 1`` (earlier ones from the ring); stores the new ones."""
-        spec_blocks, size = request.ring_blocks, ring.shape[1]
+    def _prefill_window_keys(self, step: StepLayout, batch: PrefillBatch, kv: torch.Tensor) -> torch.Tensor:
+        """Every prefilling request's window keys ``[requests, keys, d]`` (earlier ones from the ring); stores
+        the step's own in the ring and snapshots the window at each boundary crossed."""
+        ring = step.caches[self.cache_names["window"]]
         flat = ring.view(-1, ring.shape[-1])
-        first = max(0, request.start - self.window + 1)
-        old = torch.arange(first, request.start, device=new_keys.device)
-        table = request.window_table
-        old_slots = table[(old // size) % spec_blocks] * size + old % size
-        keys = torch.cat([flat[old_slots], new_keys])
-        keep = min(new_keys.shape[0], spec_blocks * size)
-        new = torch.arange(request.end - keep, request.end, device=new_keys.device)
-        flat[table[(new // size) % spec_blocks] * size + new % size] = new_keys[new_keys.shape[0] - keep :]
-        return keys, torch.arange(first, request.end, device=new_keys.device)
+        keys = torch.where(batch.from_ring[..., None], flat[batch.ring_slots], kv[batch.new_rows])
+        flat[batch.write_slots] = kv[batch.write_rows]
+        if batch.snapshot_block is not None:
+            snapshots = step.caches[self.cache_names["window_checkpoint"]].view(-1, self.window, ring.shape[-1])
+            snapshots[batch.snapshot_block, batch.snapshot_offset] = keys[batch.snapshot_request, batch.snapshot_key]
+        return keys
 
     def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, window_bias: torch.Tensor,
-        entries: torch.Tensor | None, entry_bias: torch.Tensor | None,
+        self, query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
+        entries: torch.Tensor | None = None, entry_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Softmax over window keys, compressed entries and the per-head sink; keys are also the values."""
+        """Softmax over each request's keys (also the values) and compressed entries, with the per-head sink.
+
+        ``query`` ``[requests, rows, heads, d]``, ``keys`` ``[requests, keys, d]`` with ``bias`` ``[requests, rows,
+        keys]``; ``entries`` are each request's ``[requests, entries, d]`` or each query's ``[requests, rows, k, d]``
+        with ``entry_bias`` ``[requests, rows, entries or k]``.
+        """
         scale = self.head_dim**-0.5
-        logits = (torch.einsum("thd,kd->htk", query, keys) * scale).float() + window_bias
+        logits = (torch.einsum("rthd,rkd->rhtk", query, keys) * scale).float() + bias[:, None]
         if entries is not None:
-            if entries.dim() == 3:  # per-query selections [rows, k, d]
-                entry_logits = torch.einsum("thd,tkd->htk", query, entries)
-            else:
-                entry_logits = torch.einsum("thd,kd->htk", query, entries)
-            entry_logits = (entry_logits * scale).float() + entry_bias
+            pattern = "rthd,rtkd->rhtk" if entries.dim() == 4 else "rthd,rkd->rhtk"
+            entry_logits = (torch.einsum(pattern, query, entries) * scale).float() + entry_bias[:, None]
             logits = torch.cat([logits, entry_logits], dim=-1)
-        sinks = self.sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        sinks = self.sinks.view(1, -1, 1, 1).expand(logits.shape[0], -1, logits.shape[2], 1)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1].to(query.dtype)
-        output = torch.einsum("htk,kd->thd", probs[..., : keys.shape[0]], keys)
+        output = torch.einsum("rhtk,rkd->rthd", probs[..., : keys.shape[1]], keys)
         if entries is not None:
-            entry_probs = probs[..., keys.shape[0] :]
-            if entries.dim() == 3:
-                output = output + torch.einsum("htk,tkd->thd", entry_probs, entries)
-            else:
-                output = output + torch.einsum("htk,kd->thd", entry_probs, entries)
+            pattern = "rhtk,rtkd->rthd" if entries.dim() == 4 else "rhtk,rkd->rthd"
+            output = output + torch.einsum(pattern, probs[..., keys.shape[1] :], entries)
         return output
 
     def _decode(
@@ -199,7 +176,7 @@ class DeepseekV4Attention(nn.Module):
                 index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
                 index_query = apply_rope(index_query, cos, sin)
                 index_weights = self.indexer.weights_proj(hidden[rows]).float() * self.indexer.num_heads**-0.5
-                scores = self.indexer.row_scores(index_query, index_weights, index_keys)
+                scores = self.indexer.scores(index_query.unsqueeze(1), index_weights.unsqueeze(1), index_keys)[:, 0]
                 # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
                 seq_lens = (positions + 1 - (m - 1)).to(torch.int32)
                 picks = self.topk_op(scores.unsqueeze(0), seq_lens, 1, m, self.indexer.topk)[0].long()
@@ -208,12 +185,15 @@ class DeepseekV4Attention(nn.Module):
                 else:
                     picked = entries.new_zeros((*picks.shape, entries.shape[-1]))
                 picked_bias = torch.zeros(picks.shape, dtype=torch.float32, device=kv.device).masked_fill_(picks < 0, float("-inf"))
+                if step.sparse_entries is not None:  # a KV connector holds entries of lent blocks (weft-hisparse)
+                    request_ids = [step.request_ids[index] for index in batch.indices]
+                    picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, picked)
             if at_boundary:
                 blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
                 step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]
             keys = torch.cat([keys, picked], dim=1)
             bias = torch.cat([bias, picked_bias], dim=1)
-        return self._attend_rows(query[rows], keys, bias)
+        return self._attend(query[rows].unsqueeze(1), keys, bias.unsqueeze(1))[:, 0]
 
     def _snapshot_blocks(self, step: StepLayout, chosen: torch.Tensor, group: str) -> torch.Tensor:
         """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes."""
@@ -221,20 +201,13 @@ class DeepseekV4Attention(nn.Module):
         index = (batch.positions[chosen] + 1) // step.checkpoint_unit - 1
         return batch.tables[group][chosen].gather(1, index[:, None])[:, 0]
 
-    def _attend_rows(self, query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Each row's own keys (``[rows, keys, d]``, also the values) with the per-head sink in the softmax."""
-        logits = (torch.einsum("bhd,bkd->hbk", query, keys) * self.head_dim**-0.5).float() + bias
-        sinks = self.sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = combined.softmax(dim=-1)[..., :-1].to(query.dtype)
-        return torch.einsum("hbk,bkd->bhd", probs, keys)
-
     def _compress(
         self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per prefilling request: its compressed entries (all, or the indexer's picks per query) and their bias."""
-        if self.compressor is None or not step.prefills:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prefilling requests' compressed entries, padded as :meth:`_attend` reads them, and their bias:
+        HCA every entry of each request ``[requests, entries, d]``, CSA the indexer's picks of each query
+        ``[requests, rows, k, d]``."""
+        if self.compressor is None:
             return None
         m = self.compressor.ratio
         kv, gate = self.compressor.project(hidden, positions)
@@ -248,49 +221,32 @@ class DeepseekV4Attention(nn.Module):
             index_query = self.indexer.q_b_proj(q_residual).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             index_query = apply_rope(index_query, cos, sin)
             index_weights = self.indexer.weights_proj(hidden).float() * self.indexer.num_heads**-0.5
-        results = {}
-        for request in step.prefills:
-            rows = slice(request.row_start, request.row_end)
-            layer_state = state[request.state_block]
-            main_state = layer_state[: self.compressor.state_elements()].view(self.compressor.span, -1)
-            boundaries = self._boundaries(step, request.start, request.end)
-            snapshots = [
-                step.caches[self.cache_names["state_checkpoint"]][int(request.tables["state_checkpoint"][boundary // step.checkpoint_unit - 1])]
-                for boundary in boundaries
-            ]
-            first, new = self.compressor.step(
-                kv[rows], gate[rows], request.start, main_state, rope,
-                [(boundary, snapshot[: self.compressor.state_elements()].view(self.compressor.span, -1))
-                 for boundary, snapshot in zip(boundaries, snapshots)],
-            )
-            entries = write_and_read_entries(entry_cache, request.tables[entry_table], first, new, request.end // m, m)
-            query_positions = positions[rows]
-            visible = (query_positions + 1) // m
-            if self.indexer is None:
-                bias = torch.zeros((query_positions.numel(), entries.shape[0]), dtype=torch.float32, device=hidden.device)
-                bias.masked_fill_(torch.arange(entries.shape[0], device=hidden.device).view(1, -1) >= visible.view(-1, 1), float("-inf"))
-                results[request.index] = (entries, bias)
-                continue
-            index_state = layer_state[self.compressor.state_elements() :][: self.indexer.compressor.state_elements()]
-            index_state = index_state.view(self.indexer.compressor.span, -1)
-            main = self.compressor.state_elements()
-            index_snapshots = [
-                (boundary, snapshot[main:][: self.indexer.compressor.state_elements()].view(self.indexer.compressor.span, -1))
-                for boundary, snapshot in zip(boundaries, snapshots)
-            ]
-            first, new_keys = self.indexer.compressor.step(
-                index_kv[rows], index_gate[rows], request.start, index_state, rope, index_snapshots,
-            )
-            keys = write_and_read_entries(index_keys_cache, request.tables["indexer_keys"], first, new_keys, request.end // m, m)
-            scores = self.indexer.scores(index_query[rows], index_weights[rows], keys)
-            # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
-            seq_lens = torch.tensor([request.end - (m - 1)], dtype=torch.int32, device=hidden.device)
-            picks = self.topk_op(scores.unsqueeze(0), seq_lens, request.end - request.start, m, self.indexer.topk)[0]
-            if entries.shape[0]:
-                chosen = entries[picks.clamp(min=0).long()]
-            else:
-                chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
-            bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
-            bias.masked_fill_(picks < 0, float("-inf"))
-            results[request.index] = (chosen, bias.unsqueeze(0))
-        return results
+        batch = step.prefill_batch(self.window)
+        main = self.compressor.state_elements()
+        snapshots = step.caches.get(self.cache_names.get("state_checkpoint", ""))
+        entries = self.compressor.prefill(
+            kv, gate, batch, state[:, :main], entry_cache, step.batches[entry_table].block_table[batch.index].long(), rope,
+            snapshots[:, :main] if snapshots is not None else None,
+        )
+        if self.indexer is None:
+            hidden_entries = torch.arange(entries.shape[1], device=hidden.device)[None, None, :] >= ((batch.query_positions + 1) // m)[:, :, None]
+            bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=hidden.device)
+            return entries, bias.masked_fill_(hidden_entries, float("-inf"))
+        elements = self.indexer.compressor.state_elements()
+        index_keys = self.indexer.compressor.prefill(
+            index_kv, index_gate, batch, state[:, main : main + elements], index_keys_cache,
+            step.batches["indexer_keys"].block_table[batch.index].long(), rope,
+            snapshots[:, main : main + elements] if snapshots is not None else None,
+        )
+        scores = self.indexer.scores(index_query[batch.query_rows], index_weights[batch.query_rows], index_keys)
+        # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1; the
+        # batch's queries are padded in front, so each request's last row sits at its last position.
+        requests, rows = batch.query_rows.shape
+        seq_lens = (batch.query_positions[:, -1] + 1 - (m - 1)).to(torch.int32)
+        picks = self.topk_op(scores.view(1, requests * rows, -1), seq_lens, rows, m, self.indexer.topk)[0].view(requests, rows, -1).long()
+        if entries.shape[1]:
+            chosen = entries[torch.arange(requests, device=hidden.device)[:, None, None], picks.clamp(min=0)]
+        else:
+            chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
+        bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
+        return chosen, bias.masked_fill_(picks < 0, float("-inf"))

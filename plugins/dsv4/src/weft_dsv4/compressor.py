@@ -3,7 +3,6 @@ keeping the incomplete window (and CSA's overlap half-window) as recurrent state
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +13,7 @@ from weft_dsv4.norm import RMSNorm
 from weft_dsv4.rope import InterleavedRope, apply_rope
 
 if TYPE_CHECKING:
-    from weft_dsv4.step import DecodeBatch
+    from weft_dsv4.step import DecodeBatch, PrefillBatch
 
 class Compressor(nn.Module):
     """Pools ``ratio`` tokens into one entry: per-channel softmax of ``gate + position_bias`` over the
@@ -45,37 +44,59 @@ class Compressor(nn.Module):
         """``kv`` (activation dtype) and ``gate + position_bias`` (fp32) of each token."""
         return self.kv_proj(hidden), self.gate_proj(hidden) + self.position_bias[positions % self.ratio]
 
-    def step(
-        self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: torch.Tensor, rope: InterleavedRope,
-        snapshots: Sequence[tuple[int, torch.Tensor]] = (),
-    ) -> tuple[int, torch.Tensor]:
-        """Add tokens ``start .. start + n - 1`` (their projections) to one request's windows.
+    def prefill(
+        self, kv: torch.Tensor, gate: torch.Tensor, batch: PrefillBatch, state: torch.Tensor, cache: torch.Tensor,
+        tables: torch.Tensor, rope: InterleavedRope, snapshots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Add every prefilling request's tokens (their projections ``kv``, ``gate`` by step row) to its windows,
+        store the entries they complete in ``cache`` (the requests' blocks ``tables`` ``[requests, blocks]``) and
+        return every request's entries ``[requests, longest, dim]`` (padded past each request's count).
 
-        ``state`` is the request's fp32 ring ``[span, 2 * width]`` (kv | gate per position, slot
-        ``position % span``), updated in place. Each ``(boundary, ring)`` of ``snapshots`` receives
-        the state as it stood after token ``boundary - 1`` (a prefix-cache checkpoint). Returns the
-        index of the first entry completed and the completed entries ``[count, dim]`` (possibly none).
+        ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``: each request's
+        fp32 ring (kv | gate per position, slot ``position % span``), updated in place. ``snapshots`` (the same
+        columns of the snapshot group) receive the state as it stood after each boundary a request crosses.
         """
-        m, n, end = self.ratio, kv.shape[0], start + kv.shape[0]
-        for boundary, ring in snapshots:
-            positions = torch.arange(max(boundary - self.span, 0), boundary, device=kv.device)
-            new = torch.cat([kv.float(), gate], dim=-1)[(positions - start).clamp(min=0)]
-            old = state[positions.clamp(max=max(start - 1, 0)) % self.span]
-            ring[positions % self.span] = torch.where((positions >= start)[:, None], new, old)
-        first, last = start // m, end // m
-        entries = kv.new_zeros((0, self.dim))
-        if last > first:
-            base = max(first - 1, 0) * m if self.overlap else first * m
-            old = torch.arange(base, start, device=kv.device)
-            source_kv = torch.cat([state[old % self.span, : self.width].to(kv.dtype), kv[: last * m - start]])
-            source_gate = torch.cat([state[old % self.span, self.width :], gate[: last * m - start]])
-            entries = self._pool(source_kv, source_gate, first, last)
-            positions = torch.arange(first, last, device=kv.device) * m
-            entries = apply_rope(entries, *rope.table(positions, entries.dtype))
-        keep = min(n, self.span)
-        slots = torch.arange(end - keep, end, device=kv.device) % self.span
-        state[slots] = torch.cat([kv[n - keep :].float(), gate[n - keep :]], dim=-1)
-        return first, entries
+        m, span, width, device = self.ratio, self.span, self.width, kv.device
+        ring = state.view(state.shape[0], span, 2 * width)
+        new = torch.cat([kv.float(), gate], dim=-1)
+
+        def source(request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            """Position ``position`` of request ``request`` (index tensors of one shape): the step's row or the ring."""
+            start = batch.starts[request]
+            row = (batch.row_starts[request] + position - start).clamp(0, new.shape[0] - 1)
+            old = ring[batch.state_blocks[request], position.clamp(min=0) % span]
+            return torch.where((position >= start)[..., None], new[row], old)
+
+        if snapshots is not None and batch.boundary_requests.numel():
+            positions = batch.boundaries[:, None] - span + torch.arange(span, device=device)
+            taken = positions >= 0
+            requests = batch.boundary_requests[:, None].expand_as(positions)[taken]
+            blocks = batch.boundary_snapshot_blocks[:, None].expand_as(positions)[taken]
+            target = snapshots.view(snapshots.shape[0], span, 2 * width)
+            target[blocks, positions[taken] % span] = source(requests, positions[taken])
+        # Entries first .. last - 1 of each request, where first = start // m and last = end // m.
+        firsts, lasts = batch.starts // m, batch.ends // m
+        counts = lasts - firsts
+        requests = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+        windows = firsts[requests] + torch.arange(requests.numel(), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        if requests.numel():
+            slots = 2 * m if self.overlap else m
+            positions = (windows[:, None] - (1 if self.overlap else 0)) * m + torch.arange(slots, device=device)
+            entries = self.windows_to_entries(source(requests[:, None].expand_as(positions), positions), windows, kv.dtype, rope)
+            per_block = cache.shape[1]
+            slots_of = tables[requests].gather(1, (windows // per_block)[:, None])[:, 0] * per_block + windows % per_block
+            cache.view(-1, cache.shape[-1])[slots_of] = entries.to(cache.dtype)
+        # The ring keeps each request's last span positions.
+        kept = batch.ends[:, None] - span + torch.arange(span, device=device)
+        kept_mask = kept >= torch.maximum(batch.starts, batch.ends - span)[:, None]
+        kept_requests = torch.arange(kept.shape[0], device=device)[:, None].expand_as(kept)[kept_mask]
+        kept_positions = kept[kept_mask]
+        values = new[batch.row_starts[kept_requests] + kept_positions - batch.starts[kept_requests]]
+        ring[batch.state_blocks[kept_requests], kept_positions % span] = values
+        per_block = cache.shape[1]
+        index = torch.arange(int(lasts.max()), device=device).expand(lasts.numel(), -1)
+        flat = cache.view(-1, cache.shape[-1])
+        return flat[tables.gather(1, index // per_block) * per_block + index % per_block]
 
     def decode_step(
         self, hidden: torch.Tensor, batch: DecodeBatch, state: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
@@ -100,18 +121,7 @@ class Compressor(nn.Module):
             window = (positions[rows] + 1) // m - 1
             width_tokens = 2 * m if self.overlap else m
             source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
-            gathered = ring[batch.state_blocks[rows][:, None], source % span]
-            source_kv, source_gate = gathered[..., :width].to(kv.dtype), gathered[..., width:]
-            if self.overlap:
-                d = self.dim
-                source_kv = torch.cat([source_kv[:, :m, :d], source_kv[:, m:, d:]], dim=1)
-                source_gate = torch.cat([source_gate[:, :m, :d], source_gate[:, m:, d:]], dim=1)
-                # Entry 0 has no window before it: its a-half is kv 0 with weight 0.
-                missing = (window == 0)[:, None, None] & (torch.arange(2 * m, device=kv.device) < m)[None, :, None]
-                source_kv = source_kv.masked_fill(missing, 0.0)
-                source_gate = source_gate.masked_fill(missing, float("-inf"))
-            entries = self.pool_windows(source_kv, source_gate)
-            entries = apply_rope(entries, *rope.table(window * m, entries.dtype))
+            entries = self.windows_to_entries(ring[batch.state_blocks[rows][:, None], source % span], window, kv.dtype, rope)
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
             flat[slots] = entries.to(cache.dtype)
         counts = (positions + 1) // m
@@ -120,34 +130,24 @@ class Compressor(nn.Module):
         entries = flat[table.gather(1, index // per_block) * per_block + index % per_block]
         return entries, index < counts[:, None]
 
-    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """Entries ``first .. last - 1`` from the consecutive source tokens of their windows."""
-        m, d, count = self.ratio, self.dim, last - first
-        if not self.overlap:
-            kv, gate = kv.view(count, m, d), gate.view(count, m, d)
-        else:
-            # [count, 2m, d]: half a of the window before, half b of the window itself.
-            if first == 0:
-                kv = torch.cat([kv.new_zeros((m, 2 * d)), kv])
-                gate = torch.cat([gate.new_full((m, 2 * d), float("-inf")), gate])
-            windows_kv = kv.view(count + 1, m, 2 * d)
-            windows_gate = gate.view(count + 1, m, 2 * d)
-            kv = torch.cat([windows_kv[:-1, :, :d], windows_kv[1:, :, d:]], dim=1)
-            gate = torch.cat([windows_gate[:-1, :, :d], windows_gate[1:, :, d:]], dim=1)
-        return self.pool_windows(kv, gate)
+    def windows_to_entries(self, sources: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype, rope: InterleavedRope) -> torch.Tensor:
+        """Entries ``windows`` ``[count]`` from the fp32 (kv | gate) of their source positions ``[count, slots, 2 * width]``
+        (``m`` positions, or ``2m`` from the window before with overlap), at their first position's RoPE."""
+        m, width = self.ratio, self.width
+        source_kv, source_gate = sources[..., :width].to(dtype), sources[..., width:]
+        if self.overlap:
+            d = self.dim
+            source_kv = torch.cat([source_kv[:, :m, :d], source_kv[:, m:, d:]], dim=1)
+            source_gate = torch.cat([source_gate[:, :m, :d], source_gate[:, m:, d:]], dim=1)
+            # Entry 0 has no window before it: its a-half is kv 0 with weight 0.
+            missing = (windows == 0)[:, None, None] & (torch.arange(2 * m, device=sources.device) < m)[None, :, None]
+            source_kv = source_kv.masked_fill(missing, 0.0)
+            source_gate = source_gate.masked_fill(missing, float("-inf"))
+        entries = self.pool_windows(source_kv, source_gate)
+        return apply_rope(entries, *rope.table(windows * m, entries.dtype))
 
     def pool_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``[count, slots, dim]`` windows to entries: softmax over the slots per channel (fp32), weighted sum, norm."""
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return self.kv_norm((kv * weights).sum(dim=1))
 
-
-def write_and_read_entries(cache: torch.Tensor, table: torch.Tensor, first: int, new: torch.Tensor, count: int, ratio: int) -> torch.Tensor:
-    """Store entries ``first ..`` of one request into its compressed-group blocks; return entries ``0 .. count - 1``."""
-    per_block = cache.shape[1]
-    flat = cache.view(-1, cache.shape[-1])
-    if new.shape[0]:
-        index = torch.arange(first, first + new.shape[0], device=new.device)
-        flat[table[index // per_block] * per_block + index % per_block] = new.to(cache.dtype)
-    index = torch.arange(count, device=cache.device)
-    return flat[table[index // per_block] * per_block + index % per_block]

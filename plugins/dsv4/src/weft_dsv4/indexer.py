@@ -22,11 +22,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(s.hidden_size, s.index_heads, bias=False)
 
     def scores(self, query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``[rows, entries]`` from indexer queries ``[rows, heads, d]``, head weights ``[rows, heads]``, keys."""
-        dots = torch.einsum("thd,wd->thw", query.float(), keys.float())
-        return (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
-
-    def row_scores(self, query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """As :meth:`scores`, each row with its own keys ``[rows, entries, d]``."""
-        dots = torch.einsum("bhd,bwd->bhw", query.float(), keys.float())
-        return (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
+        """``[requests, rows, entries]`` from indexer queries ``[requests, rows, heads, d]``, head weights
+        ``[requests, rows, heads]`` and each request's keys ``[requests, entries, d]``."""
+        dots = torch.einsum("rthd,rwd->rthw", query.float(), keys.float())
+        return (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=2)

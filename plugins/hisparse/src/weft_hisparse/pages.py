@@ -17,8 +17,9 @@ published. Each piece of state has one writer: this planner, on the scheduler.
 
 from __future__ import annotations
 
+import bisect
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgspec
 
@@ -71,30 +72,46 @@ class PagePlanner:
         self.free_host_rows = list(range(host_rows))
         self.pages: dict[str, list[Page]] = {}
         self._unpinned_blocks: dict[int, tuple[str, int]] = {}
+        self._unplanned: deque[tuple[str, int]] = deque()
+        """Dirty pages without a host row yet, oldest first (entries of released requests are skipped)."""
+        self._clean: dict[str, list[int]] = {}
+        """Per request: its clean (pinned) pages, ascending: what may be unpinned, without scanning every page."""
 
     def add_pages(self, request_id: str, gpu_blocks: list[int]) -> None:
         """New full pages of a request, in token order (dirty)."""
-        self.pages.setdefault(request_id, []).extend(Page(gpu_block=block) for block in gpu_blocks)
+        pages = self.pages.setdefault(request_id, [])
+        self._unplanned.extend((request_id, index) for index in range(len(pages), len(pages) + len(gpu_blocks)))
+        pages.extend(Page(gpu_block=block) for block in gpu_blocks)
 
     def plan(self, free_gpu_blocks: int) -> SpillPlan:
         """Copies for dirty pages (while host rows last) and, below the watermark, unpins."""
         copies = []
-        for request_id, pages in self.pages.items():
-            for index, page in enumerate(pages):
-                if page.state is PageState.DIRTY and not page.pending and self.free_host_rows:
-                    page.host_row = self.free_host_rows.pop(0)
-                    page.pending = self.workers
-                    copies.append(PlannedCopy(request_id, index, page.gpu_block, page.host_row))
+        while self._unplanned and self.free_host_rows:
+            request_id, index = self._unplanned.popleft()
+            pages = self.pages.get(request_id)
+            if pages is None or index >= len(pages) or pages[index].state is not PageState.DIRTY or pages[index].pending:
+                continue  # released, or planned already
+            page = pages[index]
+            page.host_row = self.free_host_rows.pop(0)
+            page.pending = self.workers
+            copies.append(PlannedCopy(request_id, index, page.gpu_block, page.host_row))
         unpinned = []
-        if free_gpu_blocks < self.transition_watermark:
-            for request_id, pages in self.pages.items():
-                for index in range(len(pages) - self.keep_tail - 1, -1, -1):  # tail-first, the last few kept
-                    page = pages[index]
-                    if page.state is PageState.CLEAN and free_gpu_blocks + len(unpinned) < self.transition_watermark:
-                        page.state = PageState.UNPINNED
-                        unpinned.append(page.gpu_block)
-                        self._unpinned_blocks[page.gpu_block] = (request_id, index)
+        for request_id, clean in self._clean.items():
+            if free_gpu_blocks + len(unpinned) >= self.transition_watermark:
+                break
+            position = bisect.bisect_left(clean, len(self.pages[request_id]) - self.keep_tail)  # the last few kept
+            while position and free_gpu_blocks + len(unpinned) < self.transition_watermark:
+                position -= 1
+                index = clean.pop(position)  # tail-first
+                page = self.pages[request_id][index]
+                page.state = PageState.UNPINNED
+                unpinned.append(page.gpu_block)
+                self._unpinned_blocks[page.gpu_block] = (request_id, index)
         return SpillPlan(copies=tuple(copies), unpinned=tuple(unpinned))
+
+    def owner(self, gpu_block: int) -> tuple[str, int]:
+        """The request and page an unpinned block still belongs to."""
+        return self._unpinned_blocks[gpu_block]
 
     def acknowledge(self, worker: int, copies: tuple[PlannedCopy, ...]) -> None:
         """A worker finished these copies; a page is clean once every worker has."""
@@ -106,6 +123,7 @@ class PagePlanner:
             page.pending = page.pending - {worker}
             if not page.pending and page.state is PageState.DIRTY:
                 page.state = PageState.CLEAN
+                bisect.insort(self._clean.setdefault(copy.request_id, []), copy.page)
 
     def reused(self, gpu_block: int) -> None:
         """The pool handed out an unpinned block: its page is read from the host from now on."""
@@ -127,6 +145,7 @@ class PagePlanner:
         """A finished or preempted request: its host rows go back to the pool, planned copies included
         (never published); returns the GPU blocks it still pinned."""
         pinned = []
+        self._clean.pop(request_id, None)
         for page in self.pages.pop(request_id, ()):
             if page.host_row is not None:
                 self.free_host_rows.append(page.host_row)

@@ -2,8 +2,10 @@
 
 A stored object is one prefix block of one KV-cache group across all the group's
 layers: for each layer in the group's order, for each of the object's cache blocks,
-the block's keys then its values. Both kinds of cache give the store that same byte
-layout, so the store's bytes do not depend on where the cache lives.
+the block's keys then its values (the attention backends' layout ``[2, num_blocks, ...]``),
+or the block's bytes (a model-managed group, block first: DeepSeek V4's compressed entries
+and snapshots). Both kinds of cache give the store that same byte layout, so the store's
+bytes do not depend on where the cache lives.
 
 * :class:`HostBlocks`: a cache in host memory (the ``cpu`` platform). The cache tensors
   are registered with Mooncake's transfer engine and every block's keys and values are
@@ -55,62 +57,61 @@ class Batch(NamedTuple):
 
 
 class GroupLayers(NamedTuple):
-    """The cache tensors of one stored group's layers, checked for the default layout."""
+    """The cache tensors of one stored group's layers, checked for a layout the store knows."""
 
     tensors: list[torch.Tensor]
     block_bytes: int
-    """Bytes of one block's keys (and as many of its values) in one layer."""
+    """Bytes of one block's part in one layer: its keys (as many for its values), or all of it (block first)."""
+    parts: int = 2
+    """2: keys and values, ``[2, num_blocks, ...]``; 1: block first, ``[num_blocks, ...]``."""
 
 
 def group_layers(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) -> GroupLayers:
-    """The group's cache tensors; ValueError naming the layer unless each has the default layout
-    ``[2, num_blocks, block_size, ...]``, contiguous, with the group's page size."""
-    tensors, block_bytes = [], 0
+    """The group's cache tensors; ValueError naming the layer unless each is contiguous in the
+    default layout ``[2, num_blocks, block_size, ...]`` or, for a model-managed group, block first
+    (``weft.contracts.kv_connector.block_axis``), with the group's page size."""
+    from weft.contracts.kv_connector import block_axis
+
+    tensors, parts = [], 2
     page = group.spec.page_size_bytes()
     for layer in group.layer_names:
         tensor = kv_caches[layer]
-        if not tensor.is_contiguous() or tensor.dim() < 3 or tensor.shape[0] != 2:
-            raise ValueError(
-                f"weft-mooncake expects the default KV-cache layout [2, num_blocks, block_size, ...] "
-                f"(AttentionBackend.kv_cache_shape), contiguous; {layer} has shape {tuple(tensor.shape)}"
-            )
-        block_bytes = tensor[0, 0].numel() * tensor.element_size()
-        if 2 * block_bytes != page:
-            raise ValueError(
-                f"weft-mooncake: a block of {layer} takes {2 * block_bytes} bytes but its group "
-                f"{group.name!r} declares {page}"
-            )
+        parts = 2 if block_axis(group, layer, tensor) == 1 else 1
+        if not tensor.is_contiguous():
+            raise ValueError(f"weft-mooncake expects contiguous KV caches; {layer} has strides {tensor.stride()}")
         tensors.append(tensor)
-    return GroupLayers(tensors, block_bytes)
+    return GroupLayers(tensors, page // parts, parts)
 
 
 class HostBlocks:
     """A host-memory cache: objects move straight between the registered cache tensors and the store."""
 
     def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None]) -> None:
-        self._layouts: dict[int, list[tuple[int, int, int]]] = {}
-        """Per stored group, per layer: (keys base address, values base address, bytes per block)."""
+        self._layouts: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        """Per stored group, per layer: (base address of each part, bytes of a block's part)."""
         self.registered: list[int] = []
-        for group, (tensors, block_bytes) in layers.items():
-            self._layouts[group] = [(tensor[0].data_ptr(), tensor[1].data_ptr(), block_bytes) for tensor in tensors]
+        for group, (tensors, block_bytes, parts) in layers.items():
+            self._layouts[group] = [
+                (tuple(part.data_ptr() for part in tensor) if parts == 2 else (tensor.data_ptr(),), block_bytes)
+                for tensor in tensors
+            ]
             for tensor in tensors:
                 if tensor.data_ptr() not in self.registered:
                     register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
                     self.registered.append(tensor.data_ptr())
 
     def object_bytes(self, group: int, blocks_per_object: int) -> int:
-        return sum(2 * block_bytes for *_, block_bytes in self._layouts[group]) * blocks_per_object
+        return sum(len(bases) * block_bytes for bases, block_bytes in self._layouts[group]) * blocks_per_object
 
     def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
         for group, of_group in _by_group(objects):
             batch = Batch(group, [], [], [])
             for stored in of_group:
                 addresses, sizes = [], []
-                for keys_base, values_base, block_bytes in self._layouts[group]:
+                for bases, block_bytes in self._layouts[group]:
                     for block in stored.blocks:
-                        offset = block * block_bytes
-                        addresses += (keys_base + offset, values_base + offset)
-                        sizes += (block_bytes, block_bytes)
+                        addresses += (base + block * block_bytes for base in bases)
+                        sizes += (block_bytes,) * len(bases)
                 if batch.objects and sum(map(len, batch.sizes)) + len(sizes) > MAX_SLICES_PER_CALL:
                     yield batch
                     batch = Batch(group, [], [], [])
@@ -142,7 +143,8 @@ class DeviceBlocks:
         first = next(iter(layers.values())).tensors[0]
         self.device = first.device
         self._layers = {
-            group: (byte_layers(tensors, block_bytes), block_bytes) for group, (tensors, block_bytes) in layers.items()
+            group: (byte_layers(tensors, block_bytes, parts), block_bytes, parts)
+            for group, (tensors, block_bytes, parts) in layers.items()
         }
         self.half = staging_bytes // 2
         largest = max(self.object_bytes(group, 1) for group in layers)
@@ -159,8 +161,8 @@ class DeviceBlocks:
         self.registered = [self.staging.data_ptr()]
 
     def object_bytes(self, group: int, blocks_per_object: int) -> int:
-        tensors, block_bytes = self._layers[group]
-        return len(tensors) * blocks_per_object * 2 * block_bytes
+        tensors, block_bytes, parts = self._layers[group]
+        return len(tensors) * blocks_per_object * parts * block_bytes
 
     def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
         base = self.staging.data_ptr() + self._region[direction]
@@ -215,35 +217,36 @@ class DeviceBlocks:
         """The batch's scratch view (see :func:`gather_blocks`) and its block ids, on the device."""
         import torch
 
-        tensors, block_bytes = self._layers[batch.group]
+        tensors, block_bytes, parts = self._layers[batch.group]
         count = len(batch.objects[0].blocks)
         start = self._region[direction]
         size = len(batch.objects) * self.object_bytes(batch.group, count)
-        staged = self.scratch[start : start + size].view(len(batch.objects), len(tensors), count, 2, block_bytes)
+        staged = self.scratch[start : start + size].view(len(batch.objects), len(tensors), count, parts, block_bytes)
         ids = [block for stored in batch.objects for block in stored.blocks]
         return staged, torch.tensor(ids, dtype=torch.long, device=self.device)
 
 
-def byte_layers(tensors: Sequence[torch.Tensor], block_bytes: int) -> list[torch.Tensor]:
-    """Each cache tensor ``[2, num_blocks, ...]`` seen as bytes, ``[2, num_blocks, block_bytes]``."""
+def byte_layers(tensors: Sequence[torch.Tensor], block_bytes: int, parts: int = 2) -> list[torch.Tensor]:
+    """Each cache tensor ``[2, num_blocks, ...]`` (or block first, ``parts`` 1) seen as bytes,
+    ``[parts, num_blocks, block_bytes]``."""
     import torch
 
-    return [tensor.view(torch.uint8).view(2, tensor.shape[1], block_bytes) for tensor in tensors]
+    return [tensor.view(torch.uint8).view(parts, -1, block_bytes) for tensor in tensors]
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], blocks: torch.Tensor, staged: torch.Tensor) -> None:
-    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object, 2,
+    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object, parts,
     block bytes]``: object after object, the stored byte layout (the module docstring)."""
-    objects, _, count, _, _ = staged.shape
+    objects, _, count, parts, _ = staged.shape
     for index, cache in enumerate(layers):
-        staged[:, index].copy_(cache.index_select(1, blocks).view(2, objects, count, -1).permute(1, 2, 0, 3))
+        staged[:, index].copy_(cache.index_select(1, blocks).view(parts, objects, count, -1).permute(1, 2, 0, 3))
 
 
 def scatter_blocks(staged: torch.Tensor, blocks: torch.Tensor, layers: Sequence[torch.Tensor]) -> None:
     """The inverse of :func:`gather_blocks`: write ``staged`` into ``blocks`` of every layer."""
-    objects, _, count, _, _ = staged.shape
+    objects, _, count, parts, _ = staged.shape
     for index, cache in enumerate(layers):
-        cache.index_copy_(1, blocks, staged[:, index].permute(2, 0, 1, 3).reshape(2, objects * count, -1))
+        cache.index_copy_(1, blocks, staged[:, index].permute(2, 0, 1, 3).reshape(parts, objects * count, -1))
 
 
 def _by_group(objects: Sequence[StoredObject]) -> Iterator[tuple[int, list[StoredObject]]]:

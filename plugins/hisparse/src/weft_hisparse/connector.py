@@ -1,0 +1,310 @@
+"""HiSparse as a KV connector (``use.kv_connector = "hisparse"``): both roles.
+
+Scheduler role: the pages (blocks) of the sparse group (``csa_kv`` for DeepSeek V4) of each decoding
+request join :class:`~weft_hisparse.pages.PagePlanner` once full; each step the planner's copies
+travel to the workers in :class:`HiSparseStep`, the pages acknowledged by every rank turn clean,
+and below the transition watermark clean pages are lent back to the engine's pool (the core
+contract's "Lent blocks"). A lent block the pool hands to another request (``ConnectorStep.reclaimed``)
+turns its page into host reads, sent to the workers as :class:`HostPage` s.
+
+Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
+of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
+under this rank, and the model's sparse reads (:meth:`read`): of each row's selected entries, those
+of host pages come from the request's hot buffer, copied in from the host only when missing (LRU).
+
+Only decoding requests (one token a step) take part: prefill reads every entry, decode only the top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import msgspec
+import torch
+from msgspec import Meta
+
+from weft.contracts.kv_connector import (
+    ConnectorContext,
+    ConnectorMetric,
+    ConnectorOutput,
+    ConnectorRequest,
+    ConnectorStep,
+    KVConnector,
+    LentBlock,
+    SparseEntryReader,
+    block_axis,
+)
+from weft_hisparse.pages import HotBuffer, Page, PagePlanner, PlannedCopy
+
+if TYPE_CHECKING:
+    from weft.contracts.kv_cache import KVCacheGroupSpec
+
+
+class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[plugins.hisparse]``: the host pool and the GPU hot buffer."""
+
+    group: Annotated[str, Meta(min_length=1, description="the KV-cache group read sparsely (DeepSeek V4: csa_kv)")] = "csa_kv"
+    host_pages: Annotated[int, Meta(ge=1, description="pages (blocks of the group, every layer) in the host pool")] = 4096
+    hot_buffer_blocks: Annotated[
+        int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of entries")
+    ] = 4
+    keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
+    gpu_share: Annotated[
+        float, Meta(gt=0, lt=1, description="share of the KV-cache bytes for the group's GPU pages when the engine sizes "
+                                            "the cache from memory (the other groups split the rest); it must hold one "
+                                            "request of max_model_len, since a prefill reads every entry")
+    ] = 0.1
+
+
+class HostPage(msgspec.Struct, frozen=True, array_like=True):
+    """Page ``page`` of a request is read from host row ``host_row`` from this step on."""
+
+    request_id: str
+    page: int
+    host_row: int
+
+
+class HiSparseStep(msgspec.Struct, frozen=True):
+    """What the workers do in one step."""
+
+    copies: tuple[PlannedCopy, ...] = ()
+    """Pages to copy to the host after the forward, then acknowledge."""
+    host_pages: tuple[HostPage, ...] = ()
+    dropped: tuple[str, ...] = ()
+    """Requests preempted since the last step: forget their host pages and hot buffers."""
+
+
+def copy_name(copy: PlannedCopy) -> str:
+    """How a worker acknowledges a copy (``ConnectorOutput.acknowledged``)."""
+    return f"{copy.host_row}:{copy.page}:{copy.request_id}"
+
+
+class HiSparseConnector(KVConnector):
+    """Host-resident sparse decode: the sparse group's pages in a host pool, GPU blocks a write-back cache."""
+
+    name: ClassVar[str] = "hisparse"
+    metadata_type: ClassVar[Any] = HiSparseStep
+    metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
+        ConnectorMetric("pages_copied_total", "Pages of the sparse group copied to the host pool"),
+        ConnectorMetric("host_entries_read_total", "Selected entries copied in from the host pool"),
+    )
+    Options = HiSparseOptions
+
+    def __init__(
+        self,
+        options: HiSparseOptions | None,
+        role: Literal["scheduler", "worker"],
+        groups: Sequence[KVCacheGroupSpec],
+        context: ConnectorContext,
+    ) -> None:
+        super().__init__(options, role, groups, context)
+        names = [group.name for group in self.groups]
+        if self.options.group not in names:
+            raise ValueError(
+                f"plugins.hisparse.group = {self.options.group!r}: the model has no such KV-cache group (it has {names}); "
+                f"HiSparse needs a model that reads a compressed group sparsely, such as DeepSeek V4 (csa_kv)"
+            )
+        self.group = names.index(self.options.group)
+        spec = self.groups[self.group].spec
+        self.page_tokens = spec.block_size
+        self.rank = context.pp_rank * context.tp_size + context.tp_rank
+        # Scheduler role.
+        self.planner: PagePlanner | None = None
+        self._planned: dict[str, PlannedCopy] = {}
+        self._lend: tuple[LentBlock, ...] = ()
+        # Worker role.
+        self.layers: dict[str, torch.Tensor] = {}
+        self.host: dict[str, torch.Tensor] = {}
+        self._step: HiSparseStep | None = None
+        self._host_pages: dict[str, dict[int, int]] = {}
+        self._hot: dict[tuple[str, str], tuple[HotBuffer, int]] = {}
+        """Per (request, layer): its resolver and the first row of its slice of the layer's hot pool."""
+        self._slots: dict[str, list[str | None]] = {}
+        """Per layer: the request holding each slice of its hot pool (None: free)."""
+        self._hot_pools: dict[str, torch.Tensor] = {}
+        self._acknowledged: list[str] = []
+        self._observations: dict[str, list[float]] = {}
+
+    # Scheduler role.
+
+    def build_connector_meta(self, step: ConnectorStep) -> HiSparseStep:
+        if self.planner is None:
+            self.planner = PagePlanner(
+                step.num_blocks[self.group], self.options.hot_buffer_blocks, self.options.host_pages,
+                self.context.tp_size * self.context.pp_size, self.options.keep_tail,
+            )
+        planner = self.planner
+        for request_id in step.preempted:
+            planner.release(request_id)
+        host_pages = []
+        for lent in step.reclaimed:
+            if lent.group != self.group or lent.request_id not in planner.pages:
+                continue
+            page = planner.pages[lent.request_id][lent.position]
+            planner.reused(page.gpu_block)
+            host_pages.append(HostPage(lent.request_id, lent.position, page.host_row))
+        for request in step.requests:
+            if request.num_new_tokens != 1:
+                continue  # prefilling (or recomputing after a preemption): it reads every entry
+            known = len(planner.pages.get(request.request_id, ()))
+            full = (request.num_computed_tokens + request.num_new_tokens) // self.page_tokens
+            if full > known:
+                planner.add_pages(request.request_id, list(request.block_ids[self.group][known:full]))
+        plan = planner.plan(step.free_blocks[self.group])
+        for copy in plan.copies:
+            self._planned[copy_name(copy)] = copy
+        self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
+        return HiSparseStep(copies=plan.copies, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted)))
+
+    def kv_cache_shares(self) -> tuple[float, ...]:
+        """The group's pages are mostly on the host: it gets ``gpu_share`` of the bytes, the others the rest."""
+        others = (1 - self.options.gpu_share) / (len(self.groups) - 1) if len(self.groups) > 1 else 0.0
+        return tuple(self.options.gpu_share if index == self.group else others for index in range(len(self.groups)))
+
+    def lent_blocks(self) -> tuple[LentBlock, ...]:
+        lent, self._lend = self._lend, ()
+        return lent
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        if self.planner is None:
+            return
+        for rank, names in output.acknowledged.items():
+            copies = tuple(self._planned[name] for name in names if name in self._planned)
+            self.planner.acknowledge(rank, copies)
+        for name, copy in list(self._planned.items()):
+            pages = self.planner.pages.get(copy.request_id)
+            if pages is None or copy.page >= len(pages) or pages[copy.page].host_row != copy.host_row or not pages[copy.page].pending:
+                del self._planned[name]  # acknowledged by every rank, or its request is gone
+
+    def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if self.planner is not None:
+            self.planner.release(request.request_id)
+        return False, None
+
+    # Worker role.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group = self.groups[self.group]
+        pin = torch.cuda.is_available()
+        for layer_name in group.layer_names:
+            cache = kv_caches[layer_name]
+            block_axis(group, layer_name, cache)  # block first, or a ValueError naming the layout expected
+            self.layers[layer_name] = cache
+            self.host[layer_name] = torch.zeros(
+                (self.options.host_pages, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin,
+            )
+
+    def bind_connector_metadata(self, metadata: HiSparseStep | None) -> None:
+        self._step = metadata
+        if metadata is None:
+            return
+        for request_id in metadata.dropped:
+            self._forget(request_id)
+        for page in metadata.host_pages:
+            self._host_pages.setdefault(page.request_id, {})[page.page] = page.host_row
+
+    def wait_for_save(self) -> None:
+        """The forward wrote this step's entries: copy the planned pages to the host."""
+        if self._step is None or not self._step.copies:
+            return
+        rows = torch.tensor([copy.host_row for copy in self._step.copies])
+        for layer_name, cache in self.layers.items():
+            blocks = torch.tensor([copy.gpu_block for copy in self._step.copies], device=cache.device)
+            self.host[layer_name][rows] = cache[blocks].to("cpu")  # one gather, one copy, one scatter; synchronous
+        self._acknowledged.extend(copy_name(copy) for copy in self._step.copies)
+        self._observe("pages_copied_total", len(self._step.copies))
+
+    def get_finished(self, finished_request_ids: set[str]) -> ConnectorOutput:
+        for request_id in finished_request_ids:
+            self._forget(request_id)
+        acknowledged = {self.rank: tuple(self._acknowledged)} if self._acknowledged else {}
+        observations, self._observations = self._observations, {}
+        self._acknowledged = []
+        return ConnectorOutput(acknowledged=acknowledged, observations=observations)
+
+    def clear_connector_metadata(self) -> None:
+        self._step = None
+
+    def sparse_entry_reader(self) -> SparseEntryReader:
+        return self
+
+    def read(self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Replace the selected entries of host pages with their hot-buffer rows, copying in from the host only
+        the ones missing (LRU per request). The resolver's bookkeeping is host-side; the bytes move in one
+        gather from the host pool, one copy to the device and one scatter per layer and step."""
+        if layer_name not in self.layers or not any(request_id in self._host_pages for request_id in request_ids):
+            return entries
+        per_page = self.layers[layer_name].shape[1]
+        selected_rows = selected.tolist()
+        copy_from, copy_to, read_row, read_column, read_from = [], [], [], [], []
+        for row, request_id in enumerate(request_ids):
+            host_pages = self._host_pages.get(request_id)
+            if not host_pages:
+                continue
+            columns = [column for column, entry in enumerate(selected_rows[row]) if entry >= 0 and entry // per_page in host_pages]
+            if not columns:
+                continue
+            buffer, base = self._hot_buffer(request_id, layer_name, per_page)
+            wanted = [selected_rows[row][column] for column in columns]
+            if len(wanted) > buffer.rows:  # one step's entries must not evict each other
+                raise ValueError(
+                    f"plugins.hisparse.hot_buffer_blocks = {self.options.hot_buffer_blocks} holds {buffer.rows} entries per "
+                    f"request and layer, but {layer_name} selected {len(wanted)} of host pages in one step; raise it to at "
+                    f"least {-(-selected.shape[-1] // per_page)} (the model's top-k in blocks of {per_page} entries)"
+                )
+            # The resolver at entry granularity: each selected entry is a "page" of one host row.
+            located = {entry: Page(gpu_block=None, host_row=host_pages[entry // per_page] * per_page + entry % per_page)
+                       for entry in wanted}
+            for column, location in zip(columns, buffer.resolve(located, wanted)):
+                hot_row = base + (location.hot_row if location.kind == "host" else location.index)
+                if location.kind == "host":
+                    copy_from.append(location.index)
+                    copy_to.append(hot_row)
+                read_row.append(row)
+                read_column.append(column)
+                read_from.append(hot_row)
+        hot = self._hot_pool(layer_name, entries)
+        if copy_from:
+            host = self.host[layer_name].view(-1, entries.shape[-1])
+            hot[torch.tensor(copy_to, device=hot.device)] = host[torch.tensor(copy_from)].to(hot.device, non_blocking=True)
+            self._observe("host_entries_read_total", len(copy_from))
+        if read_row:
+            index = torch.tensor([read_row, read_column], device=entries.device)
+            entries[index[0], index[1]] = hot[torch.tensor(read_from, device=hot.device)]
+        return entries
+
+    def _hot_buffer(self, request_id: str, layer_name: str, per_page: int) -> tuple[HotBuffer, int]:
+        """The request's resolver for the layer and the first row of its slice of the layer's hot pool."""
+        key = (request_id, layer_name)
+        if key not in self._hot:
+            rows = self.options.hot_buffer_blocks * per_page
+            slots = self._slots.setdefault(layer_name, [])
+            slot = slots.index(None) if None in slots else len(slots)
+            if slot == len(slots):
+                slots.append(None)
+            slots[slot] = request_id
+            self._hot[key] = (HotBuffer(rows), slot * rows)
+        return self._hot[key]
+
+    def _hot_pool(self, layer_name: str, like: torch.Tensor) -> torch.Tensor:
+        """The layer's GPU hot buffers, one slice of ``hot_buffer_blocks`` blocks of entries per request, grown on demand."""
+        rows = self.options.hot_buffer_blocks * self.layers[layer_name].shape[1]
+        needed = len(self._slots.get(layer_name, ())) * rows
+        pool = self._hot_pools.get(layer_name)
+        if pool is None or pool.shape[0] < needed:
+            grown = like.new_zeros((max(needed, 2 * (pool.shape[0] if pool is not None else 0)), like.shape[-1]))
+            if pool is not None:
+                grown[: pool.shape[0]] = pool
+            self._hot_pools[layer_name] = pool = grown
+        return pool
+
+    def _forget(self, request_id: str) -> None:
+        self._host_pages.pop(request_id, None)
+        for key in [key for key in self._hot if key[0] == request_id]:
+            del self._hot[key]
+            slots = self._slots[key[1]]
+            slots[slots.index(request_id)] = None
+
+    def _observe(self, name: str, value: float) -> None:
+        self._observations.setdefault(name, []).append(value)

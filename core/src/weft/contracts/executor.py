@@ -166,6 +166,10 @@ class StepHandle:
     def result(self) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting (False when the handle cannot tell)."""
+        return False
+
 
 class DoneStep(StepHandle):
     """A step whose output is already known."""
@@ -175,6 +179,9 @@ class DoneStep(StepHandle):
 
     def result(self) -> ModelRunnerOutput:
         return self.output
+
+    def done(self) -> bool:
+        return True
 
 
 class Executor(PluginBase):

@@ -13,6 +13,12 @@ samples freely until those tokens were generated; its constraint covers the answ
 Per step, :meth:`StructuredOutputManager.grammar_output` fills one bitmask row per
 constrained request that samples; :meth:`StructuredOutputManager.accept` advances a
 request's matcher over each token the step produced.
+
+The fill runs on its own thread (xgrammar releases the GIL while it fills), so the engine core
+schedules the next step meanwhile. Only that thread touches the matchers it fills until the
+caller takes the result: the scheduler reads whether a matcher terminated from
+:attr:`ConstraintState.terminated`, which :meth:`StructuredOutputManager.accept` keeps, and
+accepts only after the fill was taken.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ COMPILED_CACHE_SIZE = 512
 class ConstraintState:
     """One request's constraint: its compilation, then its matcher."""
 
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed")
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed", "terminated")
 
     def __init__(self, constraint: StructuredOutputsParams, compiled: Future, starts_after: tuple[int, ...]) -> None:
         self.constraint = constraint
@@ -55,6 +61,13 @@ class ConstraintState:
         """Whether output tokens are constrained now (after the reasoning, when there is one)."""
         self.failed = False
         """A sampled token the matcher refused (it then constrains nothing more)."""
+        self.terminated = False
+        """The matcher reached the end of its grammar (kept by ``accept``: a fill may be using the matcher)."""
+
+    @property
+    def masks(self) -> bool:
+        """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
+        return self.active and self.matcher is not None and not self.failed and not self.terminated
 
 
 class StructuredOutputManager:
@@ -68,6 +81,8 @@ class StructuredOutputManager:
         self._backend: Future | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None
+        """One thread filling the step's bitmask (never behind a compilation on the pool)."""
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
 
@@ -102,9 +117,11 @@ class StructuredOutputManager:
             tail = request.output_token_ids[-len(state.starts_after) :]
             state.active = tuple(tail) == state.starts_after
             return
-        if state.matcher.is_terminated():
+        if state.terminated:
             return
-        if not state.matcher.accept_token(token_id):
+        if state.matcher.accept_token(token_id):
+            state.terminated = state.matcher.is_terminated()
+        else:
             # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
             logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
                            request.request_id, token_id, state.constraint.kind)
@@ -114,23 +131,29 @@ class StructuredOutputManager:
     def constrains(request: Request) -> bool:
         """Whether the request's next sample may need a mask (it has a live constraint)."""
         state = request.constraint
-        return state is not None and not state.failed and not (state.matcher is not None and state.matcher.is_terminated())
+        return state is not None and not state.failed and not state.terminated
 
     # Steps.
 
-    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> GrammarOutput:
-        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now."""
+    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> Future[GrammarOutput]:
+        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled
+        on the fill thread; accept no token before taking the result."""
         masked: list[str] = []
         matchers: list[GrammarMatcher] = []
         for request_id in request_ids:
             request = requests.get(request_id)
             state = request.constraint if request is not None else None
-            if state is None or not state.active or state.failed or state.matcher is None or state.matcher.is_terminated():
+            if state is None or not state.masks:
                 continue  # finished meanwhile, still reasoning, or done: it samples freely
             masked.append(request_id)
-            matchers.append(state.matcher)
+            matchers.append(state.matcher)  # type: ignore[arg-type]
         if not masked:
-            return GrammarOutput([], b"")
+            empty: Future[GrammarOutput] = Future()
+            empty.set_result(GrammarOutput([], b""))
+            return empty
+        return self._filler.submit(self._fill, masked, matchers)  # type: ignore[union-attr]
+
+    def _fill(self, masked: list[str], matchers: list[GrammarMatcher]) -> GrammarOutput:
         bitmask = self._rows(len(masked))
         self._backend.result().fill_bitmasks(matchers, bitmask)  # type: ignore[union-attr]
         return GrammarOutput(masked, bitmask.numpy().tobytes())
@@ -164,6 +187,7 @@ class StructuredOutputManager:
             raise ValueError(no_backend_message(self.config))
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
                                         thread_name_prefix="weft-grammar")
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
         self._backend = self._pool.submit(self._build_backend)
 
     def _build_backend(self) -> StructuredOutputBackend:
@@ -183,6 +207,7 @@ class StructuredOutputManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._filler.shutdown(wait=True)  # type: ignore[union-attr]
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None

@@ -32,7 +32,9 @@ class TokenBitmask:
         self.device = device
         self.accelerated = device.type != "cpu"
         self._staging = torch.empty(0, dtype=torch.int32)
-        self._copied: torch.Event | None = None
+        self._copied = torch.Event(device=device) if self.accelerated else None
+        self._copying = False
+        """Whether a copy from the staging buffer was launched (``_copied`` marks its end)."""
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def apply(self, logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
@@ -68,11 +70,10 @@ class TokenBitmask:
     def _stage(self, rows: list[int], bitmask: bytes) -> torch.Tensor:
         """``rows`` then the bitmask words, one int32 tensor on the device."""
         size = len(rows) + len(bitmask) // 4
+        if self._copying:
+            self._copied.synchronize()  # type: ignore[union-attr]  # the last copy has left the buffer (long since, as a rule)
         if self._staging.numel() < size:
             self._staging = torch.empty(size, dtype=torch.int32, pin_memory=self.accelerated)
-            self._copied = None
-        elif self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the buffer (long since, as a rule)
         host = self._staging[:size]
         words = host.numpy()
         words[: len(rows)] = rows
@@ -80,8 +81,8 @@ class TokenBitmask:
         if not self.accelerated:
             return host
         staged = host.to(self.device, non_blocking=True)
-        self._copied = torch.Event(device=self.device)
-        self._copied.record()
+        self._copied.record()  # type: ignore[union-attr]
+        self._copying = True
         return staged
 
 

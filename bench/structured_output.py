@@ -8,12 +8,14 @@ out: the clock starts once every request has its first token. Each mode runs ``-
 alternating which goes first; the best of each is compared. Wanted: ratio >= 0.8.
 
     python bench/structured_output.py                                   # CPU, the default model
+    python bench/structured_output.py --tiny                            # CPU, host-bound: a 2-layer random Llama
     python bench/structured_output.py --gpu --tokenizer .whl/tokenizer  # GPU, SmolLM2-135M's shape, random weights
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,8 +48,29 @@ def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return seconds, sum(len(state.output_token_ids) for state in states) - first
 
 
-def build(args: argparse.Namespace) -> LLM:
+def tiny_model(folder: Path) -> str:
+    """tests/conftest.py's random 2-layer Llama (hidden size 64) with SmolLM2's tokenizer: a forward so small
+    that the step is host-bound on a CPU, as the 135M shape's is on a GPU."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from conftest import make_tiny_model, smollm2_gguf
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder / "tokenizer"))
+    return str(make_tiny_model(folder / "llama", "llama", folder / "tokenizer"))
+
+
+def build(args: argparse.Namespace, scratch: Path) -> LLM:
     plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
+    if args.tiny:
+        import torch
+
+        torch.set_num_threads(1)  # a forward this small gains nothing from threads that contend with the fill's
+        # The GPU run's engine settings (asynchronous scheduling is off by default on a CPU).
+        return LLM(model=tiny_model(scratch), engine={"max_num_seqs": args.batch, "async_scheduling": True},
+                   plugins=plugins)
     if not args.gpu:
         return LLM(model=args.model, engine={"max_num_seqs": args.batch}, plugins=plugins)
     import sys
@@ -68,6 +91,7 @@ def build(args: argparse.Namespace) -> LLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the CPU run's model")
+    parser.add_argument("--tiny", action="store_true", help="the CPU run on a random 2-layer Llama (host-bound)")
     parser.add_argument("--gpu", action="store_true", help="on the GPU, SmolLM2-135M's shape with random weights")
     parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run)")
     parser.add_argument("--shape", choices=["smollm2-135m", "llama3-8b"], default="smollm2-135m",
@@ -77,7 +101,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, help="plugins.xgrammar.fill_threads (default: the plugin's)")
     args = parser.parse_args()
-    llm = build(args)
+    with tempfile.TemporaryDirectory() as scratch:
+        run(args, build(args, Path(scratch)))
+
+
+def run(args: argparse.Namespace, llm: LLM) -> None:
     tokenizer = llm.tokenizer
     prompts = [tokenizer.encode(f"Write a list of {index + 3} short words as a JSON array:") for index in range(args.batch)]
     plain = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -94,7 +122,7 @@ def main() -> None:
             runs[name].append(tokens / seconds)
             best[name] = max(best[name], tokens / seconds)
     settings = llm.engine.core.describe()
-    print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else args.model}; "
+    print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
           f"{settings}")
     print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}; "
           f"xgrammar fill threads: {args.fill_threads or 'default'}")

@@ -85,6 +85,29 @@ def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint, kin
     assert abs(blocks_parallel[0] - blocks_one[0] * layers / most_layers / share) <= 1
 
 
+def test_structured_outputs_over_two_tensor_ranks_equal_transformers(checkpoint):
+    """The mp executor carries each step's bitmask to both ranks; its handles cannot tell whether the tokens
+    arrived, so the core launches the forward before accepting them, then fills the mask on its thread while
+    it schedules the next step. Constrained greedy equals transformers under xgrammar's own logits processor."""
+    from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
+
+    from weft.contracts.structured_output import StructuredOutputsParams
+
+    model = checkpoint("llama")
+    prompts = [[1, 5, 9, 200 + index, 31] for index in range(3)]
+    expected = hf_constrained_greedy(model, prompts, TOOL_CALL, 24)
+    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 22, "tensor_parallel_size": 2, "async_scheduling": True})
+    try:
+        assert llm.engine.core.async_scheduling and llm.engine.core.executor.name == "mp"
+        params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    for output, reference in zip(outputs, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference[: len(tokens)] and (len(tokens) == 24 or len(reference) - len(tokens) <= 1)
+
+
 def test_micro_batches_split_the_requests_by_tokens():
     from weft.runner.pipeline import micro_batches
 

@@ -12,7 +12,7 @@ from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
 
 from weft import LLM, SamplingParams
 from weft.contracts.structured_output import StructuredOutputsParams
-from weft.runner.logits_processors import apply_token_bitmask
+from weft.runner.logits_processors import TokenBitmask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -26,7 +26,7 @@ def test_the_bitmask_applied_on_the_gpu_equals_xgrammars_kernel():
     logits = torch.randn(rows + 5, vocab, generator=generator).cuda()
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected[5:], bitmask.cuda())
-    apply_token_bitmask(logits, list(range(5, rows + 5)), bitmask.numpy().tobytes())
+    TokenBitmask(logits.device).apply(logits, list(range(5, rows + 5)), bitmask.numpy().tobytes())
     assert torch.equal(logits, expected)
 
 

@@ -15,7 +15,7 @@ from weft.config import load_config
 from weft.contracts.structured_output import StructuredOutputsParams, Vocabulary, bitmask_words
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, resolve_source
-from weft.runner.logits_processors import apply_token_bitmask
+from weft.runner.logits_processors import TokenBitmask
 from weft.testing import StructuredOutputContract
 
 
@@ -73,11 +73,21 @@ def test_the_bitmask_applied_on_the_device_equals_xgrammars_own(backend, tokeniz
     for row, matcher in enumerate(matchers):
         matcher.fill_bitmask(serial, row)
     assert torch.equal(bitmask, serial)
+    token_bitmask = TokenBitmask(torch.device("cpu"))
     logits = torch.randn(len(matchers) + 3, vocab)
     rows = [index + 3 for index in range(len(matchers))]
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected[3:], bitmask)
-    apply_token_bitmask(logits, rows, bitmask.numpy().tobytes())
+    token_bitmask.apply(logits, rows, bitmask.numpy().tobytes())
+    assert torch.equal(logits, expected)
+    # Rows scattered over the batch (some requests sample freely), the staging buffer reused.
+    logits = torch.randn(2 * len(matchers), vocab)
+    rows = [2 * index + index % 3 % 2 for index in range(len(matchers))]
+    expected = logits.clone()
+    masked = expected[rows]
+    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    expected[rows] = masked
+    token_bitmask.apply(logits, rows, bitmask.numpy().tobytes())
     assert torch.equal(logits, expected)
 
 
@@ -158,6 +168,39 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
             # strict=False: xgrammar 0.2.9's rule for a string with maxLength admits raw control characters
             # (its plain string rule does not); both Weft and the reference follow the grammar xgrammar built.
             assert json.loads(output.outputs[0].text, strict=False).keys() == TOOL_CALL["properties"].keys()
+
+
+def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread):
+    """Asynchronous scheduling, each step's bitmask filled on its own thread while the core schedules the
+    next: 20 constrained requests (xgrammar's threaded fill) of staggered lengths, with unconstrained ones
+    among them (the masked rows are not the batch's first ones), each equal to transformers (under
+    xgrammar's own logits processor for the constrained ones). A mask filled before the previous token
+    was accepted, or a token accepted twice or out of order, breaks the equality."""
+    from transformers import AutoModelForCausalLM
+
+    from weft import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 300 + index, 31, 2 * index] for index in range(24)]
+    free = [index for index in range(len(prompts)) if index % 6 == 2]
+    lengths = [12 + index % 5 * 7 for index in range(len(prompts))]
+    constrained = [index for index in range(len(prompts)) if index not in free]
+    expected = dict(zip(constrained, hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 40)))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    for index in free:
+        with torch.inference_mode():
+            generated = model.generate(torch.tensor([prompts[index]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
+                                       do_sample=False, max_new_tokens=lengths[index], pad_token_id=0)
+        expected[index] = generated[0, 6:].tolist()
+    schema = StructuredOutputsParams(json=TOOL_CALL)
+    params = [SamplingParams(temperature=0, max_tokens=length, structured_outputs=None if index in free else schema)
+              for index, length in enumerate(lengths)]
+    with LLM(model=str(tiny_llama), engine={"max_num_seqs": len(prompts), "async_scheduling": True}) as llm:
+        assert llm.engine.core.async_scheduling
+        outputs = llm.generate(prompts, params)
+    for index, output in enumerate(outputs):
+        tokens, reference = output.outputs[0].token_ids, expected[index]
+        assert tokens == reference[: len(tokens)], index  # HF keeps the final EOS; the length caps the rest
+        assert len(tokens) == lengths[index] or len(reference) - len(tokens) <= 1, index
 
 
 @pytest.mark.parametrize(("constraint", "fragment"), [

@@ -169,6 +169,10 @@ class StepHandle:
     def result(self) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting (False when the handle cannot tell)."""
+        return False
+
 
 class DoneStep(StepHandle):
     """A step whose output is already known."""
@@ -178,6 +182,9 @@ class DoneStep(StepHandle):
 
     def result(self) -> ModelRunnerOutput:
         return self.output
+
+    def done(self) -> bool:
+        return True
 
 
 class Executor(PluginBase):

@@ -21,9 +21,11 @@ Where each call happens:
   :meth:`GrammarMatcher.fill_bitmask` writes the row of allowed tokens; the rows go
   to the workers with the step (:class:`~weft.contracts.executor.GrammarOutput`),
   which apply them to the logits on the device. The core fills them while the
-  workers run the step's forward.
-* Engine core, per sampled token: :meth:`GrammarMatcher.accept_token`;
-  :meth:`GrammarMatcher.rollback` undoes tokens (speculative tokens a verifier rejected).
+  workers run the step's forward, or while it schedules the next step.
+* Engine core, per sampled token: :meth:`GrammarMatcher.accept_token`, just before the
+  request's next fill; :meth:`GrammarMatcher.rollback` undoes tokens (speculative tokens a
+  verifier rejected). Accepting and filling run on one thread of their own, never
+  concurrently with each other for a matcher.
 
 The bitmask layout is fixed: ``int32`` rows of ``bitmask_words(vocab_size)`` words;
 bit ``i % 32`` of word ``i // 32`` is 1 when token ``i`` is allowed.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, wait
 from typing import Any
 
 import msgspec
@@ -122,7 +123,10 @@ class EngineCore:
         if self.async_scheduling and self.kv_connector is not None:
             logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", self.kv_connector.name)
             self.async_scheduling = False
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepHandle | None] | None = None
+        """The step launched last, with asynchronous scheduling; its handle is None while its sampling
+        waits for the bitmask being filled (:attr:`_bitmask`)."""
+        self._bitmask: Future[GrammarOutput] | None = None
         logger.info(
             "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
             time.monotonic() - started, self.num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
@@ -193,30 +197,56 @@ class EngineCore:
 
         A step with structured outputs samples once the core has filled its bitmask, while the
         workers run its forward; the mask needs every earlier token, so the step in flight is
-        applied first."""
+        applied first. With asynchronous scheduling the fill runs on the structured-output thread
+        across the return to the caller: the step in flight is then one whose sampling waits for
+        its mask (its handle is None), sampled by the next call once it has scheduled the step
+        after it."""
         self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
             handle = self.executor.execute_model(output)
             if handle is None:
-                handle = self.executor.sample_tokens(self._grammar_output(output))
+                handle = self.executor.sample_tokens(self._grammar_output(output).result())
             return self._apply(output, handle)
         results: list[EngineCoreOutput] = []
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
-            handle = self.executor.execute_model(output)
-            if handle is None:
-                if self._in_flight is not None:
-                    results, self._in_flight = self._apply(*self._in_flight), None
-                handle = self.executor.sample_tokens(self._grammar_output(output))
-            launched = (output, handle)
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            results += self._apply(*previous)
+            self._sample_in_flight()  # its tokens are the next forward's inputs
+            if not output.structured_output_request_ids:
+                launched = (output, self.executor.execute_model(output))
+            else:
+                # Tokens already on the host (a CPU worker samples as it returns) are accepted before
+                # the forward, which the fill then overlaps; otherwise the forward is launched first.
+                accept_first = self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
+                if accept_first:
+                    results = self._apply_in_flight()
+                    self._bitmask = self._grammar_output(output)
+                launched = (output, self.executor.execute_model(output))
+                if not accept_first:
+                    results = self._apply_in_flight()
+                    self._bitmask = self._grammar_output(output)
+        else:
+            self._sample_in_flight()
+        results += self._apply_in_flight()
+        self._in_flight = launched
         return results
 
-    def _grammar_output(self, output: SchedulerOutput) -> GrammarOutput:
+    def _sample_in_flight(self) -> None:
+        """Sample the step in flight if it waits for its bitmask."""
+        if self._in_flight is not None and self._in_flight[1] is None:
+            output, bitmask, self._bitmask = self._in_flight[0], self._bitmask, None
+            assert bitmask is not None
+            self._in_flight = (output, self.executor.sample_tokens(bitmask.result()))
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        (output, handle), self._in_flight = self._in_flight, None
+        assert handle is not None
+        return self._apply(output, handle)
+
+    def _grammar_output(self, output: SchedulerOutput) -> Future[GrammarOutput]:
         return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests)
 
     def take_refused(self) -> dict[str, str]:
@@ -275,15 +305,20 @@ class EngineCore:
     def recover_from_failure(self) -> None:
         """A step raised: drop the step in flight and preempt every running request, so the next step
         recomputes them from their tokens (what they generated so far is kept)."""
-        self._in_flight = None
-        self.scheduler.forget_steps_in_flight()
+        self._forget_in_flight()
         self.scheduler.preempt_all()
 
     def reset_after_failure(self) -> None:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
-        self._in_flight = None
-        self.scheduler.forget_steps_in_flight()
+        self._forget_in_flight()
         self.abort(self.scheduler.unfinished_ids)
+
+    def _forget_in_flight(self) -> None:
+        self._in_flight = None
+        if self._bitmask is not None:
+            wait([self._bitmask])  # the fill thread lets go of the matchers before any accepts a token
+            self._bitmask = None
+        self.scheduler.forget_steps_in_flight()
 
     def stats(self) -> CoreStats:
         manager, connector = self.kv_cache_manager, self.kv_connector
@@ -309,7 +344,7 @@ class EngineCore:
                 self.step()
             self.wait_for_saves(max(0.0, deadline - time.monotonic()))
         except ExecutorFailed:
-            self._in_flight = None  # the workers are gone: nothing to finish
+            self._forget_in_flight()  # the workers are gone: nothing to finish
         if self.kv_connector is not None:
             if self.kv_connector.has_delayed_frees:
                 logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",

@@ -11,8 +11,16 @@ A request whose reasoning comes first (``grammar_starts_after``: the tokens that
 samples freely until those tokens were generated; its constraint covers the answer only.
 
 Per step, :meth:`StructuredOutputManager.grammar_output` fills one bitmask row per
-constrained request that samples; :meth:`StructuredOutputManager.accept` advances a
-request's matcher over each token the step produced.
+constrained request that samples; :meth:`StructuredOutputManager.accept` records each token
+the step produced, which its request's matcher takes just before the next fill.
+
+Accepting and filling run on their own thread (xgrammar releases the GIL in both), so the
+engine core schedules the next step meanwhile. Only that thread uses a matcher once made, and the
+core calls :meth:`~StructuredOutputManager.accept` and
+:meth:`~StructuredOutputManager.grammar_output` only once it has taken the previous fill's
+result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags meanwhile: they
+only ever turn true, so a stale one costs a step that waits for a mask its request no longer
+needs (the fill leaves it out), never a wrong token.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ COMPILED_CACHE_SIZE = 512
 class ConstraintState:
     """One request's constraint: its compilation, then its matcher."""
 
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed")
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed", "terminated")
 
     def __init__(self, constraint: StructuredOutputsParams, compiled: Future, starts_after: tuple[int, ...]) -> None:
         self.constraint = constraint
@@ -55,6 +63,13 @@ class ConstraintState:
         """Whether output tokens are constrained now (after the reasoning, when there is one)."""
         self.failed = False
         """A sampled token the matcher refused (it then constrains nothing more)."""
+        self.terminated = False
+        """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
+
+    @property
+    def masks(self) -> bool:
+        """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
+        return self.active and self.matcher is not None and not self.failed and not self.terminated
 
 
 class StructuredOutputManager:
@@ -68,6 +83,10 @@ class StructuredOutputManager:
         self._backend: Future | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None
+        """One thread accepting tokens and filling the step's bitmask (never behind a compilation on the pool)."""
+        self._accepted: list[tuple[str, ConstraintState, int]] = []
+        """Tokens generated since the last fill, for their matchers, in order."""
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
 
@@ -94,46 +113,56 @@ class StructuredOutputManager:
         return True
 
     def accept(self, request: Request, token_id: int) -> None:
-        """Advance the request's matcher over a token it just generated."""
+        """Record a token the request just generated (its matcher takes it on the fill thread, before the next fill)."""
         state = request.constraint
-        if state is None or state.failed or state.matcher is None:
+        if state is None or state.failed or state.terminated or state.matcher is None:
             return
         if not state.active:
             tail = request.output_token_ids[-len(state.starts_after) :]
             state.active = tuple(tail) == state.starts_after
             return
-        if state.matcher.is_terminated():
-            return
-        if not state.matcher.accept_token(token_id):
-            # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
-            logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
-                           request.request_id, token_id, state.constraint.kind)
-            state.failed = True
+        self._accepted.append((request.request_id, state, token_id))
 
     @staticmethod
     def constrains(request: Request) -> bool:
         """Whether the request's next sample may need a mask (it has a live constraint)."""
         state = request.constraint
-        return state is not None and not state.failed and not (state.matcher is not None and state.matcher.is_terminated())
+        return state is not None and not state.failed and not state.terminated
 
     # Steps.
 
-    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> GrammarOutput:
-        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now."""
-        masked: list[str] = []
-        matchers: list[GrammarMatcher] = []
-        for request_id in request_ids:
-            request = requests.get(request_id)
-            state = request.constraint if request is not None else None
-            if state is None or not state.active or state.failed or state.matcher is None or state.matcher.is_terminated():
-                continue  # finished meanwhile, still reasoning, or done: it samples freely
-            masked.append(request_id)
-            matchers.append(state.matcher)
+    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> Future[GrammarOutput]:
+        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled on
+        the fill thread once every matcher took the tokens :meth:`accept` recorded; call neither method
+        again before taking the result."""
+        candidates = [(request_id, request.constraint) for request_id in request_ids
+                      if (request := requests.get(request_id)) is not None and request.constraint is not None]
+        if not candidates:  # finished meanwhile: the recorded tokens wait for the next fill
+            empty: Future[GrammarOutput] = Future()
+            empty.set_result(GrammarOutput([], b""))
+            return empty
+        accepted, self._accepted = self._accepted, []
+        return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
+
+    def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
+                         candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
+        for request_id, state, token_id in accepted:
+            if state.failed or state.terminated:
+                continue
+            if state.matcher.accept_token(token_id):  # type: ignore[union-attr]
+                state.terminated = state.matcher.is_terminated()  # type: ignore[union-attr]
+            else:
+                # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
+                logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
+                               request_id, token_id, state.constraint.kind)
+                state.failed = True
+        # Still reasoning, or done: it samples freely.
+        masked = [(request_id, state) for request_id, state in candidates if state.masks]
         if not masked:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
-        self._backend.result().fill_bitmasks(matchers, bitmask)  # type: ignore[union-attr]
-        return GrammarOutput(masked, bitmask.numpy().tobytes())
+        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,misc]
+        return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
 
     def _rows(self, count: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < count:
@@ -164,6 +193,7 @@ class StructuredOutputManager:
             raise ValueError(no_backend_message(self.config))
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
                                         thread_name_prefix="weft-grammar")
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
         self._backend = self._pool.submit(self._build_backend)
 
     def _build_backend(self) -> StructuredOutputBackend:
@@ -183,6 +213,7 @@ class StructuredOutputManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._filler.shutdown(wait=True)  # type: ignore[union-attr]
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None

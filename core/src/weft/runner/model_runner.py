@@ -64,7 +64,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
-from weft.runner.logits_processors import apply_token_bitmask
+from weft.runner.logits_processors import TokenBitmask
 from weft.runner.sampler import (
     NON_FINITE_LOGITS,
     SAMPLING_FAILED,
@@ -165,6 +165,9 @@ class _PendingStep(StepHandle):
             self.event.record()
         self.output: ModelRunnerOutput | None = None
 
+    def done(self) -> bool:
+        return self.output is not None or self.event is None or self.event.query()
+
     def result(self) -> ModelRunnerOutput:
         if self.output is None:
             if self.event is not None:
@@ -223,6 +226,7 @@ class ModelRunner:
         """The last step whose tokens may still be on their way to the host. Callers take a step's
         result before they launch the step after next."""
         self._awaiting: _AwaitingMask | None = None
+        self.token_bitmask = TokenBitmask(device)
 
     # The step.
 
@@ -268,7 +272,8 @@ class ModelRunner:
         assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
         if grammar.request_ids and awaiting.logits is not None:
             row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
-            apply_token_bitmask(awaiting.logits, [row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask)
+            self.token_bitmask.apply(awaiting.logits, [row_of[request_id] for request_id in grammar.request_ids],
+                                     grammar.bitmask)
         return self._sample_step(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs)
 
     def _sample_step(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,

@@ -62,6 +62,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of this script)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_dsv4.json (default: $OUT)")
+    parser.add_argument("--enforce-eager", action="store_true", help="decode: Weft without CUDA graphs")
     parser.add_argument("--part", default="decode", choices=("decode", "hisparse"))
     parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
@@ -228,7 +229,7 @@ def main() -> None:
         "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
         "max_num_seqs": args.batch, "max_num_batched_tokens": max(2048, args.prompt_len),
         # Enough blocks in every group for the whole batch at full length (no preemption).
-        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
+        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64, "enforce_eager": args.enforce_eager,
     })
     prompt_lists = prompts.tolist()
 
@@ -236,7 +237,7 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         return llm.generate(prompt_lists, params, use_tqdm=False)
 
-    hf_generate(2), weft_generate(2)  # warm-up: kernels compiled, allocator primed
+    hf_generate(args.new_tokens), weft_generate(args.new_tokens)  # warm-up at full length: every kernel compiled, allocator primed
     results = {}
     for name, generate in (("hf", hf_generate), ("weft", weft_generate)):
         rates, outputs = [], None
@@ -254,7 +255,7 @@ def main() -> None:
         shared.append(count)
     report = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
-        "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "dtype": args.dtype, "batch": args.batch, "decode_graphs": sorted(llm.engine.runner.graphs), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "config": {k: v for k, v in config_of(args).items() if k != "compress_rates"} | {"hca_rate": args.hca_rate},
         "hf_decode_tok_s": results["hf"]["decode_tok_s"], "weft_decode_tok_s": results["weft"]["decode_tok_s"],
         "ratio_weft_over_hf": results["weft"]["decode_tok_s"] / results["hf"]["decode_tok_s"],
@@ -262,7 +263,8 @@ def main() -> None:
         "greedy_tokens_shared_with_hf": shared,
     }
     publish(report, args.out, "gpu_dsv4.json", (
-        f"decode throughput, batch {args.batch}, {args.dtype}: weft {report['weft_decode_tok_s']:.1f} tok/s, "
+        f"decode throughput, batch {args.batch}, {args.dtype}, graphs {'on' if report['decode_graphs'] else 'off'}: "
+        f"weft {report['weft_decode_tok_s']:.1f} tok/s, "
         f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
         f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
     ))

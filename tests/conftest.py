@@ -118,6 +118,26 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def eager_replay_platform(monkeypatch):
+    """The CPU platform, made to 'capture' by returning the function itself: the runner's graph path (static
+    buffers, padding rows in the scratch blocks, ``ForwardContext.static_decode``) runs eagerly; counts replays."""
+    from weft.builtins.cpu import CpuPlatform
+
+    replays = []
+
+    def capture_graph(self, fn):
+        def replay():
+            replays.append(1)
+            return fn()
+
+        return replay
+
+    monkeypatch.setattr(CpuPlatform, "supports_graph_capture", True)
+    monkeypatch.setattr(CpuPlatform, "capture_graph", capture_graph)
+    return replays
+
+
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (converted from the GGUF by transformers), saved as HF tokenizer files.

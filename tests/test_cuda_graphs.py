@@ -17,7 +17,6 @@ import torch
 from conftest import make_tiny_model
 
 from weft import LLM, SamplingParams
-from weft.builtins.cpu import CpuPlatform
 
 pytest.importorskip("triton")
 
@@ -50,23 +49,6 @@ def tiny_llama(tmp_path_factory, tokenizer_files):
 @pytest.fixture(scope="module")
 def tiny_window(tmp_path_factory, tokenizer_files):
     return make_tiny_model(tmp_path_factory.mktemp("graphs") / "mistral", "mistral-window", tokenizer_files)
-
-
-@pytest.fixture
-def eager_replay_platform(monkeypatch):
-    """The CPU platform, made to 'capture' by returning the function itself; counts replays."""
-    replays = []
-
-    def capture_graph(self, fn):
-        def replay():
-            replays.append(1)
-            return fn()
-
-        return replay
-
-    monkeypatch.setattr(CpuPlatform, "supports_graph_capture", True)
-    monkeypatch.setattr(CpuPlatform, "capture_graph", capture_graph)
-    return replays
 
 
 @interpreted

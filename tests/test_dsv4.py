@@ -476,3 +476,30 @@ def test_tiny_checkpoint_script_and_weft_generate(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2 and "--layer-types: unknown ['mla']" in bad.stderr
+
+
+
+def test_the_decode_graph_path_changes_no_token(checkpoint, eager_replay_platform):
+    """Decode through the runner's static buffers (every group's block table padded to max_model_len, rows
+    padded to the captured size, the model reading nothing on the host) gives the eager engine's tokens, with
+    prefix caching on (snapshots written at boundaries from inside the graph) and off."""
+    from weft.sampling_params import SamplingParams
+
+    folder, _ = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for caching in (False, True):
+        reference, eager = _shared_prefix_tokens(folder, enable_prefix_caching=caching, enforce_eager=True)
+        assert not eager_replay_platform
+        graphs, llm = _shared_prefix_tokens(folder, enable_prefix_caching=caching, graph_batch_sizes=[1, 2, 4, 8])
+        assert sorted(llm.engine.runner.graphs) == [1, 2, 4, 8]
+        assert len(eager_replay_platform) >= 39  # the decode steps of both generate calls replayed
+        assert graphs == reference
+        # A follow-up turn: its prefix runs into the first request's generated tokens, whose snapshots the
+        # graph wrote at the boundaries decode crossed.
+        follow_up = SHARED + random_ids(3, seed=24) + reference[0][:37] + [9]
+        hits = llm.engine.kv_cache_manager.stats.hit_tokens
+        again = llm.generate([follow_up], params)[0].outputs[0].token_ids
+        assert list(again) == list(eager.generate([follow_up], params)[0].outputs[0].token_ids)
+        if caching:
+            assert llm.engine.kv_cache_manager.stats.hit_tokens - hits >= 80  # past the 51 prompt tokens
+        eager_replay_platform.clear()

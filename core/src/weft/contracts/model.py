@@ -93,6 +93,18 @@ class ModelFamily(PluginBase):
                 + (" and engine.enable_expert_parallel to false" if layout.enable_expert_parallel else "")
             )
 
+    def captures_managed_groups(self, config: ModelConfig, device: torch.device) -> bool:
+        """Whether decode may be captured in graphs although this model manages KV-cache groups itself
+        (groups whose spec is not ``paged_attention``) on ``device`` (added in core API 1.7).
+
+        Default: False, and such a model decodes eagerly. A family that returns True builds models
+        whose forward, given a :class:`~weft.layers.attention.ForwardContext` with ``static_decode``
+        set, reads the step only from device tensors (see that field) and never synchronises with the
+        host, so that the runner can capture it once per batch size and replay it. The runner still
+        decodes eagerly when a KV connector offers a sparse-entry reader (its reads run on the host).
+        """
+        return False
+
     @abstractmethod
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         """Declare the model's KV-cache groups; every attention layer belongs to exactly one."""

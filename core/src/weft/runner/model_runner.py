@@ -520,8 +520,9 @@ class ModelRunner:
                 block_size=group.spec.block_size,
             )
             batches.append(batch)
-            metadata.append(self.backend.build_metadata(batch))
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
+            metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
+                                 static_decode=True)
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
         return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 

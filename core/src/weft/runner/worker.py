@@ -145,7 +145,8 @@ class Worker:
         assert self.runner is not None
         if engine.enforce_eager:
             return
-        if not (self.platform.supports_graph_capture and self.attention.supports_graph_capture):
+        paged = any(group.spec.paged_attention for group in self.groups)
+        if not (self.platform.supports_graph_capture and (self.attention.supports_graph_capture or not paged)):
             if self.platform.supports_graph_capture:
                 logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
             return
@@ -158,10 +159,13 @@ class Worker:
                         self.platform.distributed_backend)
             return
         managed = [group.name for group in self.groups if not group.spec.paged_attention]
-        if managed:
-            # The runner's static buffers hold paged-attention block tables; groups a model
-            # manages itself (rings, compressed entries) lay their slots out another way.
-            logger.info("decode runs eagerly: KV-cache groups %s are managed by the model", managed)
+        if managed and not self.family.captures_managed_groups(self.model_config, self.device):
+            # The runner's static buffers hold every group's block table; a model that manages groups
+            # itself (rings, compressed entries) must read them without the host to be captured.
+            logger.info("decode runs eagerly: KV-cache groups %s are managed by the model, which cannot be captured", managed)
+            return
+        if managed and self.runner.sparse_entries is not None:
+            logger.info("decode runs eagerly: the KV connector reads sparse entries of groups %s on the host", managed)
             return
         sizes = sorted(set(engine.graph_batch_sizes or default_graph_sizes(engine.max_num_seqs)))
         too_large = [size for size in sizes if size > engine.max_num_seqs]

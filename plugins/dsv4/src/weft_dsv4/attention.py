@@ -148,11 +148,16 @@ class DeepseekV4Attention(nn.Module):
         flat[ring_slots(positions[:, None])[:, 0]] = kv[rows]
         window = positions[:, None] - self.window + 1 + torch.arange(self.window, device=kv.device)
         keys = flat[ring_slots(window.clamp(min=0))]
-        at_boundary = [row for row, position in enumerate(batch.position_list)
-                       if step.checkpoint_unit and (position + 1) % step.checkpoint_unit == 0]
-        if at_boundary:
+        unit = step.checkpoint_unit
+        chosen = None  # the rows whose token completes a snapshot boundary (all rows in a decode graph)
+        if unit:
+            at_boundary = batch.host_rows(lambda position: (position + 1) % unit == 0)
+            if at_boundary is None:
+                chosen = batch.rows
+            elif at_boundary:
+                chosen = torch.tensor(at_boundary, device=kv.device)
+        if chosen is not None:
             # The window keys of positions p - window + 1 .. p are this boundary's snapshot.
-            chosen = torch.tensor(at_boundary, device=kv.device)
             blocks = self._snapshot_blocks(step, chosen, "window_checkpoint")
             step.caches[self.cache_names["window_checkpoint"]][blocks] = keys[chosen].flatten(1)
         bias = torch.zeros(window.shape, dtype=torch.float32, device=kv.device).masked_fill_(window < 0, float("-inf"))
@@ -165,7 +170,10 @@ class DeepseekV4Attention(nn.Module):
                 hidden[rows], batch, state[:, :main], step.caches[self.cache_names[entry_group]], batch.tables[entry_group], rope,
             )
             if self.indexer is None:
-                picked, picked_bias = entries, torch.zeros(visible.shape, dtype=torch.float32, device=kv.device)
+                # Entries past a request's count are other blocks' (or padding's): zeroed, not only masked,
+                # so that a non-finite value there cannot reach this request's softmax.
+                picked = torch.where(visible[..., None], entries, 0.0)
+                picked_bias = torch.zeros(visible.shape, dtype=torch.float32, device=kv.device)
                 picked_bias.masked_fill_(~visible, float("-inf"))
             else:
                 index_state = state[:, main : main + self.indexer.compressor.state_elements()]
@@ -188,7 +196,7 @@ class DeepseekV4Attention(nn.Module):
                 if step.sparse_entries is not None:  # a KV connector holds entries of lent blocks (weft-hisparse)
                     request_ids = [step.request_ids[index] for index in batch.indices]
                     picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, picked)
-            if at_boundary:
+            if chosen is not None:
                 blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
                 step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]
             keys = torch.cat([keys, picked], dim=1)
@@ -196,10 +204,16 @@ class DeepseekV4Attention(nn.Module):
         return self._attend(query[rows].unsqueeze(1), keys, bias.unsqueeze(1))[:, 0]
 
     def _snapshot_blocks(self, step: StepLayout, chosen: torch.Tensor, group: str) -> torch.Tensor:
-        """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes."""
-        batch = step.decode
-        index = (batch.positions[chosen] + 1) // step.checkpoint_unit - 1
-        return batch.tables[group][chosen].gather(1, index[:, None])[:, 0]
+        """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes; in a decode
+        graph (every row chosen) a row whose token completes none writes to the group's scratch block."""
+        batch, unit = step.decode, step.checkpoint_unit
+        positions = batch.positions[chosen]
+        index = ((positions + 1) // unit - 1).clamp(min=0)
+        blocks = batch.tables[group][chosen].gather(1, index[:, None])[:, 0]
+        if batch.position_list is not None:
+            return blocks
+        scratch = step.caches[self.cache_names[group]].shape[0] - 1
+        return torch.where((positions + 1) % unit == 0, blocks, scratch)
 
     def _compress(
         self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout

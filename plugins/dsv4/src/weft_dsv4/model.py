@@ -73,6 +73,12 @@ from weft_dsv4.rope import InterleavedRope
 from weft_dsv4.step import StepLayout
 from weft_dsv4.weights import parameter_name
 
+FULL_WIDTH_DECODE_MAX_LEN = 65536
+"""Up to this ``max_model_len``, decode reads each request's compressed entries padded to every entry
+``max_model_len`` allows, eagerly as in a decode graph (the same shapes, so graphs on and off give the same
+tokens), and decode graphs are captured; beyond it decode runs eagerly over each batch's longest request."""
+
+
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, s: DeepseekV4Settings, index: int) -> None:
         super().__init__()
@@ -99,6 +105,8 @@ class DeepseekV4Model(nn.Module):
         self.group_names: tuple[str, ...] = ()
         """The KV-cache groups in the engine's order, and the window ring's length in blocks (set by the family)."""
         self.ring_blocks = 0
+        self.decode_width_tokens = 0
+        """Decode pads every group's block tables to this many tokens' blocks (0: to the batch's longest)."""
         self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(s, index) for index in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -106,7 +114,7 @@ class DeepseekV4Model(nn.Module):
         self.ropes = nn.ModuleDict({name: InterleavedRope(s.rope[name], s.head_dim, max_positions) for name in ("main", "compress")})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        step = StepLayout(context, self.group_names, self.ring_blocks)
+        step = StepLayout(context, self.group_names, self.ring_blocks, self.decode_width_tokens)
         for hit, tables in step.restores:
             for layer in self.layers:
                 layer.self_attn.restore(step, hit, tables)
@@ -136,6 +144,19 @@ class DeepseekV4Family(ModelFamily):
     """DeepSeek V4 / V4.1 (``DeepseekV4ForCausalLM``): CSA/HCA compressed sparse attention, mHC, hash MoE."""
 
     reads_weight_slices = True
+
+    def captures_managed_groups(self, config: ModelConfig, device: torch.device) -> bool:
+        """Decode graphs: the layers read a graph's static buffers on the device only (``StepLayout`` with
+        ``static_decode``). Not where the routed experts fall back to a matmul per expert (its row counts
+        come from the host): CUDA without torch's grouped GEMM for this dtype (before sm90, or float32)."""
+        if config.parallel.world_size > 1:
+            return False  # TP/PP collectives of the family are not captured yet
+        if config.max_model_len > FULL_WIDTH_DECODE_MAX_LEN:
+            return False  # a graph's decode reads every entry max_model_len allows: eager reads each request's own
+        from weft_dsv4.moe import _grouped_mm_runs
+
+        probe = torch.empty((1, 8), dtype=getattr(torch, config.dtype), device=device)
+        return _grouped_mm_runs(probe, probe.new_empty((1, 8, 8)))
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         s = DeepseekV4Settings(config.hf_config)
@@ -219,6 +240,8 @@ class DeepseekV4Family(ModelFamily):
         groups = self.kv_cache_groups(config)
         module.model.group_names = tuple(group.name for group in groups)
         module.model.ring_blocks = groups[0].spec.ring_blocks
+        if config.max_model_len <= FULL_WIDTH_DECODE_MAX_LEN:
+            module.model.decode_width_tokens = config.max_model_len
         topk = current_op("decode_topk") or DecodeTopKTorch(None)
         mhc_kernel = fused_kernel(device, s.hc_mult)
         for layer in module.model.layers:

@@ -114,12 +114,18 @@ class Experts(nn.Module):
         local = torch.where(held, local, self.count)
         order = local.argsort(stable=True)
         tokens = order // k
-        ends = torch.bincount(local, minlength=self.count + 1)[: self.count].cumsum(0).to(torch.int32)
+        # Where each expert's rows end in the sorted order (a bincount would synchronise with the host).
+        bounds = torch.arange(1, self.count + 1, device=local.device)
+        ends = torch.searchsorted(local[order], bounds).to(torch.int32)
         gate, up = grouped_matmul(hidden[tokens], self.gate_up_proj, ends).chunk(2, dim=-1)
         current = grouped_matmul(clamped_swiglu(gate, up, self.limit), self.down_proj, ends)
         scale = torch.where(held, weights.flatten(), 0.0)[order, None]
-        contribution = torch.where(held[order, None], current * scale, 0.0).to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, tokens, contribution)
+        contribution = torch.where(held[order, None], current.float() * scale, 0.0)
+        # Back to (token, choice) order and a sum over the k choices: the same order every run (an
+        # index_add_ sums with atomics on CUDA, so a token's k terms would add up in a varying order).
+        unsorted = torch.empty_like(contribution)
+        unsorted[order] = contribution
+        return unsorted.view(-1, k, unsorted.shape[-1]).sum(dim=1).to(hidden.dtype)
 
     def load_expert(self, parameter: str, expert: int, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
         """One expert's ``gate``/``up`` (``[I, H]``) or ``down`` (``[H, I]``) tensor: this rank's columns of it."""

@@ -20,11 +20,9 @@ class RequestRows:
 class StepLayout:
     """The step's requests (from the runner's per-group batches) and the cache tensors by layer."""
 
-    def __init__(self, context: ForwardContext, group_names: tuple[str, ...], ring_blocks: int) -> None:
+    def __init__(self, context: ForwardContext, group_names: tuple[str, ...], ring_blocks: int, decode_width_tokens: int = 0) -> None:
         batches = dict(zip(group_names, context.batches))
         first = batches["window"]
-        starts = first.query_start.tolist()
-        lengths = first.seq_lens.tolist()
         self.caches = context.kv_caches
         self.request_ids = context.request_ids
         self.sparse_entries = context.sparse_entries
@@ -33,6 +31,17 @@ class StepLayout:
         checkpoints = batches.get("window_checkpoint")
         self.checkpoint_unit = checkpoints.block_size if checkpoints is not None else 0
         """Tokens between two snapshots of the window ring and compressor state (0: prefix caching off)."""
+        self.batches = batches
+        """Each group's batch of the step, by group name."""
+        self._prefill_batch: PrefillBatch | None = None
+        if context.static_decode:
+            # A decode graph's forward: every row decodes, nothing is read on the host.
+            self.restores: list[tuple[int, dict[str, torch.Tensor]]] = []
+            self.prefills: list[RequestRows] = []
+            self.decode: DecodeBatch | None = DecodeBatch.static(batches)
+            return
+        starts = first.query_start.tolist()
+        lengths = first.seq_lens.tolist()
         self.restores = [
             (hit, {name: batch.block_table[index].long() for name, batch in batches.items()})
             for index, hit in enumerate(context.prefix_hits) if self.checkpoint_unit and hit and hit % self.checkpoint_unit == 0
@@ -46,10 +55,7 @@ class StepLayout:
             for index in range(len(lengths))
             if starts[index + 1] - starts[index] != 1
         ]
-        self.decode = DecodeBatch(decoding, starts, lengths, batches) if decoding else None
-        self.batches = batches
-        """Each group's batch of the step, by group name."""
-        self._prefill_batch: PrefillBatch | None = None
+        self.decode = DecodeBatch(decoding, starts, lengths, batches, decode_width_tokens) if decoding else None
 
     def boundaries(self, start: int, end: int) -> list[int]:
         """The snapshot boundaries tokens ``start .. end - 1`` cross (none without prefix caching)."""
@@ -139,15 +145,46 @@ class PrefillBatch:
 class DecodeBatch:
     """The step's one-token requests, gathered so that each layer handles them together."""
 
-    def __init__(self, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any]) -> None:
+    def __init__(self, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any],
+                 width_tokens: int = 0) -> None:
         device = batches["window"].block_table.device
         chosen = torch.tensor(indices, device=device)
         self.rows = torch.tensor([starts[index] for index in indices], device=device)
-        self.position_list = [lengths[index] - 1 for index in indices]
+        self.position_list: list[int] | None = [lengths[index] - 1 for index in indices]
+        """Each row's position on the host; None in a decode graph, where only ``positions`` exists."""
         self.positions = torch.tensor(self.position_list, device=device)
         self.tables = {name: batch.block_table[chosen].long() for name, batch in batches.items()}
+        self.full_width = bool(width_tokens)
+        """Whether the tables are padded to every block ``max_model_len`` allows, as a decode graph's are (then
+        layers read every entry the table can address, masked past each request's count: the shapes, and so
+        the arithmetic, of a graph's decode)."""
+        if width_tokens:
+            for name, batch in batches.items():
+                width = -(-width_tokens // batch.block_size)
+                table = self.tables[name]
+                self.tables[name] = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
         state = self.tables.get("compressor_state")
         self.state_blocks = state[:, 0] if state is not None else None
-        self.lengths = lengths
-        """Each decoding request's length after this token, by step row (``lengths[index]``)."""
         self.indices = indices
+        """Each decoding row's index in the step's batch."""
+
+    @classmethod
+    def static(cls, batches: dict[str, Any]) -> DecodeBatch:
+        """Every row of a decode graph's static buffers, read on the device only."""
+        first = batches["window"]
+        batch = cls.__new__(cls)
+        batch.rows = torch.arange(first.seq_lens.shape[0], device=first.seq_lens.device)
+        batch.position_list = None
+        batch.full_width = True
+        batch.positions = first.seq_lens.long() - 1
+        batch.tables = {name: group.block_table.long() for name, group in batches.items()}
+        state = batch.tables.get("compressor_state")
+        batch.state_blocks = state[:, 0] if state is not None else None
+        batch.indices = []
+        return batch
+
+    def host_rows(self, chosen) -> list[int] | None:
+        """The rows whose position satisfies ``chosen(position)``, or None in a decode graph (no host reads)."""
+        if self.position_list is None:
+            return None
+        return [row for row, position in enumerate(self.position_list) if chosen(position)]

@@ -33,7 +33,8 @@ class ForwardContext(msgspec.Struct):
     decodes one token, and ``batches`` are the runner's static device buffers, whose values change between
     replays. A model that manages groups itself may then read none of them on the host (no ``tolist``, no
     shapes taken from their values); each group's block table is padded to the longest table
-    ``max_model_len`` allows (zeros past a request's blocks), and padded rows are one-token requests at
+    ``max_model_len`` allows (past a request's blocks, whatever an earlier replay left there: mask by
+    position), and padded rows are one-token requests at
     position 0 whose every block is the group's scratch block, the last block of each cache tensor, which no
     request is given. Only set for families whose :meth:`~weft.contracts.model.ModelFamily.captures_managed_groups`
     is true; ``prefix_hits``, ``request_ids`` and ``sparse_entries`` are empty then."""

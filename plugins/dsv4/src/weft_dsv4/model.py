@@ -73,10 +73,12 @@ from weft_dsv4.rope import InterleavedRope
 from weft_dsv4.step import StepLayout
 from weft_dsv4.weights import parameter_name
 
-FULL_WIDTH_DECODE_MAX_LEN = 65536
-"""Up to this ``max_model_len``, decode reads each request's compressed entries padded to every entry
-``max_model_len`` allows, eagerly as in a decode graph (the same shapes, so graphs on and off give the same
-tokens), and decode graphs are captured; beyond it decode runs eagerly over each batch's longest request."""
+FULL_WIDTH_DECODE_MAX_LEN = 16384
+"""Up to this ``max_model_len``, decode graphs are captured (on a device where they can be), and there decode
+reads each request's compressed entries padded to every entry ``max_model_len`` allows, eagerly too (the same
+shapes, so graphs on and off give the same tokens). A graph's decode does work and holds activations in
+proportion to ``max_model_len`` (CSA's entries and indexer keys of every row of the largest batch), which the
+KV-cache budget does not reserve; beyond this length decode runs eagerly over each batch's longest request."""
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -155,8 +157,14 @@ class DeepseekV4Family(ModelFamily):
             return False  # a graph's decode reads every entry max_model_len allows: eager reads each request's own
         from weft_dsv4.moe import _grouped_mm_runs
 
-        probe = torch.empty((1, 8), dtype=getattr(torch, config.dtype), device=device)
-        return _grouped_mm_runs(probe, probe.new_empty((1, 8, 8)))
+        s = DeepseekV4Settings(config.hf_config, config.parallel)
+        hidden, columns = s.hidden_size, s.expert_intermediate
+
+        def runs(inputs: int, outputs: int) -> bool:  # only the shapes matter: expanded, nothing allocated
+            rows = torch.empty((1, 1), dtype=getattr(torch, config.dtype), device=device).expand(1, inputs)
+            return _grouped_mm_runs(rows, rows.new_empty((1, 1, 1)).expand(1, outputs, inputs))
+
+        return runs(hidden, 2 * columns) and runs(columns, hidden)
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         s = DeepseekV4Settings(config.hf_config)
@@ -240,7 +248,8 @@ class DeepseekV4Family(ModelFamily):
         groups = self.kv_cache_groups(config)
         module.model.group_names = tuple(group.name for group in groups)
         module.model.ring_blocks = groups[0].spec.ring_blocks
-        if config.max_model_len <= FULL_WIDTH_DECODE_MAX_LEN:
+        if device.type != "cpu" and self.captures_managed_groups(config, device):
+            # Eager decode in the shapes of a graph's (also under enforce_eager), so graphs on and off agree.
             module.model.decode_width_tokens = config.max_model_len
         topk = current_op("decode_topk") or DecodeTopKTorch(None)
         mhc_kernel = fused_kernel(device, s.hc_mult)

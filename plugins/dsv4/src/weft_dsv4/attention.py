@@ -148,14 +148,7 @@ class DeepseekV4Attention(nn.Module):
         flat[ring_slots(positions[:, None])[:, 0]] = kv[rows]
         window = positions[:, None] - self.window + 1 + torch.arange(self.window, device=kv.device)
         keys = flat[ring_slots(window.clamp(min=0))]
-        unit = step.checkpoint_unit
-        chosen = None  # the rows whose token completes a snapshot boundary (all rows in a decode graph)
-        if unit:
-            at_boundary = batch.host_rows(lambda position: (position + 1) % unit == 0)
-            if at_boundary is None:
-                chosen = batch.rows
-            elif at_boundary:
-                chosen = torch.tensor(at_boundary, device=kv.device)
+        chosen = batch.completing(step.checkpoint_unit) if step.checkpoint_unit else None  # rows at a snapshot boundary
         if chosen is not None:
             # The window keys of positions p - window + 1 .. p are this boundary's snapshot.
             blocks = self._snapshot_blocks(step, chosen, "window_checkpoint")
@@ -207,13 +200,9 @@ class DeepseekV4Attention(nn.Module):
         """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes; in a decode
         graph (every row chosen) a row whose token completes none writes to the group's scratch block."""
         batch, unit = step.decode, step.checkpoint_unit
-        positions = batch.positions[chosen]
-        index = ((positions + 1) // unit - 1).clamp(min=0)
+        index = ((batch.positions[chosen] + 1) // unit - 1).clamp(min=0)
         blocks = batch.tables[group][chosen].gather(1, index[:, None])[:, 0]
-        if batch.position_list is not None:
-            return blocks
-        scratch = step.caches[self.cache_names[group]].shape[0] - 1
-        return torch.where((positions + 1) % unit == 0, blocks, scratch)
+        return batch.or_scratch(chosen, unit, blocks, step.caches[self.cache_names[group]].shape[0] - 1)
 
     def _compress(
         self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout

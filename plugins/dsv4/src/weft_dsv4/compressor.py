@@ -115,18 +115,14 @@ class Compressor(nn.Module):
         ring[batch.state_blocks, positions % span] = torch.cat([kv.float(), gate], dim=-1)
         per_block = cache.shape[1]
         flat = cache.view(-1, cache.shape[-1])
-        complete = batch.host_rows(lambda position: (position + 1) % m == 0)
-        if complete is None or complete:
-            # In a decode graph every row pools; a row that completes no window writes to the scratch block.
-            rows = batch.rows if complete is None else torch.tensor(complete, device=kv.device)
+        rows = batch.completing(m)
+        if rows is not None:
             window = ((positions[rows] + 1) // m - 1).clamp(min=0)
             width_tokens = 2 * m if self.overlap else m
             source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
             entries = self.windows_to_entries(ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % span], window, kv.dtype, rope)
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
-            if complete is None:
-                slots = torch.where((positions + 1) % m == 0, slots, (cache.shape[0] - 1) * per_block)
-            flat[slots] = entries.to(cache.dtype)
+            flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = entries.to(cache.dtype)
         counts = (positions + 1) // m
         if batch.full_width:
             longest = table.shape[1] * per_block  # every entry the table can address (as a decode graph reads)

@@ -55,7 +55,7 @@ class StepLayout:
             for index in range(len(lengths))
             if starts[index + 1] - starts[index] != 1
         ]
-        self.decode = DecodeBatch(decoding, starts, lengths, batches, decode_width_tokens) if decoding else None
+        self.decode = DecodeBatch.of_step(decoding, starts, lengths, batches, decode_width_tokens) if decoding else None
 
     def boundaries(self, start: int, end: int) -> list[int]:
         """The snapshot boundaries tokens ``start .. end - 1`` cross (none without prefix caching)."""
@@ -145,46 +145,58 @@ class PrefillBatch:
 class DecodeBatch:
     """The step's one-token requests, gathered so that each layer handles them together."""
 
-    def __init__(self, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any],
-                 width_tokens: int = 0) -> None:
-        device = batches["window"].block_table.device
-        chosen = torch.tensor(indices, device=device)
-        self.rows = torch.tensor([starts[index] for index in indices], device=device)
-        self.position_list: list[int] | None = [lengths[index] - 1 for index in indices]
-        """Each row's position on the host; None in a decode graph, where only ``positions`` exists."""
-        self.positions = torch.tensor(self.position_list, device=device)
-        self.tables = {name: batch.block_table[chosen].long() for name, batch in batches.items()}
-        self.full_width = bool(width_tokens)
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, position_list: list[int] | None,
+                 tables: dict[str, torch.Tensor], indices: list[int], full_width: bool) -> None:
+        self.rows, self.positions = rows, positions
+        """Each decoding row's row of the step, and its position."""
+        self.position_list = position_list
+        """The positions on the host; None in a decode graph, where only ``positions`` exists."""
+        self.tables = tables
+        """Each group's block table of the decoding rows (``long``)."""
+        state = tables.get("compressor_state")
+        self.state_blocks = state[:, 0] if state is not None else None
+        self.indices = indices
+        """Each decoding row's index in the step's batch (empty in a decode graph)."""
+        self.full_width = full_width
         """Whether the tables are padded to every block ``max_model_len`` allows, as a decode graph's are (then
         layers read every entry the table can address, masked past each request's count: the shapes, and so
         the arithmetic, of a graph's decode)."""
-        if width_tokens:
-            for name, batch in batches.items():
-                width = -(-width_tokens // batch.block_size)
-                table = self.tables[name]
-                self.tables[name] = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
-        state = self.tables.get("compressor_state")
-        self.state_blocks = state[:, 0] if state is not None else None
-        self.indices = indices
-        """Each decoding row's index in the step's batch."""
+
+    @classmethod
+    def of_step(cls, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any],
+                width_tokens: int = 0) -> DecodeBatch:
+        """The step's rows ``indices`` (eager); with ``width_tokens``, tables padded to that many tokens' blocks."""
+        device = batches["window"].block_table.device
+        chosen = torch.tensor(indices, device=device)
+        position_list = [lengths[index] - 1 for index in indices]
+        tables = {}
+        for name, batch in batches.items():
+            table = batch.block_table[chosen].long()
+            if width_tokens:
+                table = torch.nn.functional.pad(table, (0, max(0, -(-width_tokens // batch.block_size) - table.shape[1])))
+            tables[name] = table
+        return cls(torch.tensor([starts[index] for index in indices], device=device),
+                   torch.tensor(position_list, device=device), position_list, tables, indices, bool(width_tokens))
 
     @classmethod
     def static(cls, batches: dict[str, Any]) -> DecodeBatch:
         """Every row of a decode graph's static buffers, read on the device only."""
         first = batches["window"]
-        batch = cls.__new__(cls)
-        batch.rows = torch.arange(first.seq_lens.shape[0], device=first.seq_lens.device)
-        batch.position_list = None
-        batch.full_width = True
-        batch.positions = first.seq_lens.long() - 1
-        batch.tables = {name: group.block_table.long() for name, group in batches.items()}
-        state = batch.tables.get("compressor_state")
-        batch.state_blocks = state[:, 0] if state is not None else None
-        batch.indices = []
-        return batch
+        rows = torch.arange(first.seq_lens.shape[0], device=first.seq_lens.device)
+        tables = {name: group.block_table.long() for name, group in batches.items()}
+        return cls(rows, first.seq_lens.long() - 1, None, tables, [], True)
 
-    def host_rows(self, chosen) -> list[int] | None:
-        """The rows whose position satisfies ``chosen(position)``, or None in a decode graph (no host reads)."""
+    def completing(self, every: int) -> torch.Tensor | None:
+        """The rows whose token completes a span of ``every`` positions (a compressed entry, a snapshot), or None
+        when none does; in a decode graph every row, whose writes then go through :meth:`or_scratch`."""
         if self.position_list is None:
-            return None
-        return [row for row, position in enumerate(self.position_list) if chosen(position)]
+            return self.rows
+        rows = [row for row, position in enumerate(self.position_list) if (position + 1) % every == 0]
+        return torch.tensor(rows, device=self.rows.device) if rows else None
+
+    def or_scratch(self, rows: torch.Tensor, every: int, targets: torch.Tensor, scratch: int) -> torch.Tensor:
+        """Where :meth:`completing` ``rows`` write: ``targets``, except, in a decode graph, ``scratch`` (a slot of the
+        cache's scratch block, its last) for a row whose token completes no span."""
+        if self.position_list is not None:
+            return targets
+        return torch.where((self.positions[rows] + 1) % every == 0, targets, scratch)

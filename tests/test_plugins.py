@@ -433,7 +433,10 @@ def test_a_selected_plugin_that_does_not_import_gets_its_fix_in_doctor(site):
     assert "rms_norm.fast (weft-fastops 0.1.0) does not import" not in doctor.stdout  # reported once, as selected
 
 
-def test_an_engine_start_logs_a_broken_plugin_once_at_debug_unless_it_could_have_been_chosen(site, tokenizer_files, tmp_path):
+def test_an_engine_start_logs_a_broken_plugin_nothing_selected_once_at_debug(site, tokenizer_files, tmp_path):
+    """Two broken op plugins nobody selected: one meant for another platform, one that could have run here.
+    An engine start (also with its core in a process of its own, as under ``weft serve``) logs each once, at
+    DEBUG, and prints nothing about them at the default level; doctor is where they are reported."""
     from conftest import make_tiny_model
 
     model = make_tiny_model(tmp_path / "llama", "llama", tokenizer_files)
@@ -451,8 +454,12 @@ def test_an_engine_start_logs_a_broken_plugin_once_at_debug_unless_it_could_have
         logging.getLogger("weft.plugins").addHandler(Keep())
         logging.getLogger("weft.plugins").setLevel(logging.DEBUG)
         from weft import LLM
+        from weft.config import load_config
+        from weft.engine.async_engine import AsyncEngine
         llm = LLM(model={str(model)!r}, engine={{"num_kv_blocks": 32}})
         print(llm.engine.worker.platform.name)
+        engine = AsyncEngine(load_config(None, {{"model": {str(model)!r}, "engine": {{"num_kv_blocks": 32}}}}))
+        engine.stop()  # its core process logged to stderr at INFO
         print(json.dumps([record for record in records if "failed to load" in record[1]]))
         """
     )
@@ -461,7 +468,8 @@ def test_an_engine_start_logs_a_broken_plugin_once_at_debug_unless_it_could_have
     assert platform == "cpu"
     accel = [(level, message) for level, message in json.loads(records) if "rms_norm.accel" in message]
     fast = [(level, message) for level, message in json.loads(records) if "rms_norm.fast" in message]
-    assert [level for level, _ in accel] == ["DEBUG"], accel
+    assert [level for level, _ in accel] == ["DEBUG"], accel  # once in this process, for both engines
     assert "accel_runtime_xyz" in accel[0][1] and "meant for platform 'accel', not 'cpu'" in accel[0][1]
-    assert [level for level, _ in fast] == ["WARNING"], fast  # it could have run on cpu: worth a warning
-    assert "rms_norm.accel" not in result.stderr  # nothing at warning level about the accelerator's op
+    assert [level for level, _ in fast] == ["DEBUG"], fast
+    assert "No module named 'fastops_kernels'" in fast[0][1]
+    assert "rms_norm.accel" not in result.stderr and "rms_norm.fast" not in result.stderr, result.stderr

@@ -88,6 +88,9 @@ class WorkerChannel:
 
 def run_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, store_address: StoreAddress, parent_pid: int) -> None:
     """A worker process's main function."""
+    from weft.plugins.registry import problems_reported_by_parent
+
+    problems_reported_by_parent()  # the engine's process logged the installed plugins' problems
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the engine decides
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [rank {layout.rank}]: %(message)s")
     channel: WorkerChannel | None = None

@@ -76,6 +76,9 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     import zmq
 
     from weft.engine.engine_core import EngineCore
+    from weft.plugins.registry import problems_reported_by_parent
+
+    problems_reported_by_parent()  # the API process logged the installed plugins' problems
 
     # Ctrl-C reaches the whole process group (and a service manager may SIGTERM every process of it);
     # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.

@@ -2,11 +2,14 @@
 
 A plugin the user selected that fails to load raises :class:`PluginError`
 carrying the cause. When core loads every plugin of a slot on its own
-initiative (platform probing, hooks, op selection), a broken plugin is
-skipped and logged once per registry: at DEBUG when it comes from a
-distribution whose platforms are not the one running (weft-cuda's Triton ops
-on a CPU machine without triton), as a warning otherwise.
-``weft plugins doctor`` reports every one with its fix (:mod:`weft.plugins.health`).
+initiative (platform probing, op selection, parsers), a broken plugin is
+skipped and logged at DEBUG: nothing selected it, and ``weft plugins doctor``
+reports every one with its fix (:mod:`weft.plugins.health`). A broken
+``weft.hooks`` plugin is a warning: hooks take part by being installed, so
+the user loses what it does. Each message is logged once per engine start:
+once per process, and not at all above DEBUG in the processes an engine
+starts for itself (the engine core process, workers), whose parent has
+logged the same messages (:func:`problems_reported_by_parent`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ class PluginRegistry:
         self._loaded: dict[tuple[str, str], Any] = {}
         self._failures: dict[tuple[str, str], BaseException] = {}
         """What importing each plugin that failed raised; it is not imported again."""
-        self._reported: set[str] = set()
         self._hooks: pluggy.PluginManager | None = None
         for name in unmatched_allowlist_names(self.entries, allowlist()):
             warn_plugin_problem(f"WEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution")
@@ -124,7 +126,8 @@ class PluginRegistry:
         entries = [entry for entry in self.slot_entries(slot) if entry.name.startswith(prefix)]
         for entry in entries:
             if entry.status in ("incompatible", "conflict"):
-                self._report(f"skipping {slot} {entry.describe()}: {entry.problem}")
+                quiet = entry.status == "incompatible" and slot != "hooks"  # a clash is the user's to resolve
+                _report(f"skipping {slot} {entry.describe()}: {entry.problem}", logging.DEBUG if quiet else logging.WARNING)
         for entry in entries:
             if (slot, entry.name) in self._failures:
                 self._report_failure(entry, platform)
@@ -166,7 +169,7 @@ class PluginRegistry:
                 manager.check_pending()
             except pluggy.PluginValidationError as error:
                 manager.unregister(plugin)
-                warn_plugin_problem(f"hooks plugin {name!r} is invalid and is skipped: {error}")
+                _report(f"hooks plugin {name!r} is invalid and is skipped: {error}", logging.WARNING)
         if tracing_enabled():
             manager.trace.root.setwriter(lambda message: trace("%s", message.rstrip()))
             manager.enable_tracing()
@@ -177,15 +180,26 @@ class PluginRegistry:
         message = f"installed {load_failure_message(entry, self._failures[(entry.slot, entry.name)])}; it is skipped"
         if self.meant_for_another_platform(entry, platform):
             message += f" (it is meant for platform {' or '.join(map(repr, self.platforms_of(entry.distribution)))}, not {platform!r})"
-            self._report(message, logging.DEBUG)
-        else:
-            self._report(message)
+        _report(message, logging.WARNING if entry.slot == "hooks" else logging.DEBUG)
 
-    def _report(self, message: str, level: int = logging.WARNING) -> None:
-        """Log ``message`` the first time this registry meets it."""
-        if message not in self._reported:
-            self._reported.add(message)
-            logger.log(level, message)
+
+_reported: set[str] = set()
+"""The plugin problems this process has logged."""
+_parent_reported = False
+
+
+def problems_reported_by_parent() -> None:
+    """Log plugin problems at DEBUG only, from now on in this process: called first thing by the
+    processes an engine starts for itself, whose parent logs the same problems at their level."""
+    global _parent_reported
+    _parent_reported = True
+
+
+def _report(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` the first time this process meets it."""
+    if message not in _reported:
+        _reported.add(message)
+        logger.log(logging.DEBUG if _parent_reported else level, message)
 
 
 def load_failure_message(entry: PluginEntry, error: BaseException) -> str:
@@ -198,5 +212,5 @@ def _check_slot(slot: str) -> None:
 
 
 def warn_plugin_problem(message: str) -> None:
-    """Report a problem with a plugin the user did not select: a warning, not an error."""
-    logger.warning(message)
+    """Report a problem with the plugin set that the user should see (once): a warning, not an error."""
+    _report(message, logging.WARNING)

@@ -61,7 +61,9 @@ class RayWorker:
     def start(self, config: Any, layout: Any, store: StoreAddress) -> tuple[int, str]:
         from weft.distributed.rendezvous import connect_store
         from weft.distributed.worker_process import build_worker
+        from weft.plugins.registry import problems_reported_by_parent
 
+        problems_reported_by_parent()  # the engine's process logged the installed plugins' problems
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [rank {layout.rank}]: %(message)s")
         # Ray gives the actor its bundle's device alone (CUDA_VISIBLE_DEVICES): it is device 0 here.
         self.worker, self.parallel = build_worker(config, layout, 0, connect_store(store))

@@ -120,7 +120,37 @@ def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
         assert expected in result.stderr, (text, result.stderr)
     good = site.weft("config", "show", "--json", "--config", str(write(tmp_path, '[plugins.store]\nmaster = "h:1"\n')))
     assert good.returncode == 0, good.stderr
-    assert last_json(good.stdout)["plugins"] == {"store": {"master": "h:1", "segment_bytes": 1024}}
+    assert last_json(good.stdout)["plugins"]["store"] == {"master": "h:1", "segment_bytes": 1024}
+
+
+def test_config_show_prints_every_installed_plugins_options_with_their_defaults(site, tmp_path):
+    site.add_distribution(
+        "weft-cache-opts",
+        entry_points={"weft.kv_connector": {"cachey": "cachey_impl:Cachey"}},
+        modules={
+            "cachey_impl": """
+                from typing import Annotated
+                import msgspec
+                from weft.contracts.kv_connector import KVConnector
+
+                class CacheyOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                    path: Annotated[str | None, msgspec.Meta(description="where blocks go; default: a temporary folder")] = None
+                    max_bytes: int = 1 << 20
+
+                class Cachey(KVConnector):
+                    name = "cachey"
+                    Options = CacheyOptions
+            """,
+        },
+    )
+    result = site.weft("config", "show", cwd=tmp_path)  # no [plugins.cachey] table anywhere
+    assert result.returncode == 0, result.stderr
+    table = result.stdout[result.stdout.index("[plugins.cachey]"):].split("\n\n")[0].splitlines()
+    assert table == [
+        "[plugins.cachey]", "# path: unset (where blocks go; default: a temporary folder)", "max_bytes = 1048576",
+    ], table
+    shown = last_json(site.weft("config", "show", "--json", cwd=tmp_path).stdout)
+    assert shown["plugins"]["cachey"] == {"path": None, "max_bytes": 1048576}
 
 
 def test_errors_blame_the_right_source(site, tmp_path):
@@ -162,7 +192,9 @@ def test_a_name_shared_by_two_slots_needs_a_qualified_table(site, tmp_path):
     assert ambiguous.returncode == 1 and '[plugins."platform.dual"]' in ambiguous.stderr
     qualified = site.weft("config", "show", "--json", "--set", 'plugins."platform.dual".threads=4')
     assert qualified.returncode == 0, qualified.stderr
-    assert last_json(qualified.stdout)["plugins"] == {"platform.dual": {"threads": 4}}
+    plugins = last_json(qualified.stdout)["plugins"]
+    assert plugins["platform.dual"] == {"threads": 4}
+    assert plugins["kv_connector.dual"] == {"master": ""}  # the other one's defaults, under its qualified name
 
 
 def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
@@ -190,6 +222,27 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
                 assert (shown[name] if name else shown)[key] == value, (name, key)
     assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins_lock"] is None
     assert shown["engine"]["max_model_len"] == 256
+
+
+def test_config_show_prints_the_values_the_engine_derives(site, tmp_path):
+    """Options whose default follows from others (or from the platform) show the value the engine runs with."""
+    one = last_json(site.weft("config", "show", "--json", "--max-num-batched-tokens", "1000", cwd=tmp_path).stdout)["engine"]
+    assert one["distributed_executor_backend"] == "uniproc"
+    assert one["long_prefill_token_threshold"] == 250
+    assert one["graph_batch_sizes"] == []  # the CPU platform captures no graphs
+    assert (one["max_num_seqs"], one["max_num_batched_tokens"], one["async_scheduling"]) == (64, 1000, False)
+    two = last_json(site.weft("config", "show", "--json", "--set", "engine.tensor_parallel_size=2", cwd=tmp_path).stdout)
+    assert two["engine"]["distributed_executor_backend"] == "mp"
+
+
+def test_options_that_would_do_nothing_on_one_rank_are_refused(tmp_path):
+    for table, value in (("nnodes", 2), ("node_rank", 1), ("master_addr", "10.0.0.2"), ("master_port", 29600)):
+        with pytest.raises(ConfigError, match=rf"engine.distributed.{table} = .* but tensor_parallel_size x "
+                                               rf"pipeline_parallel_size = 1 x 1 = 1 ranks: .*raise tensor_parallel_size"):
+            load_config(None, {"engine": {"distributed": {table: value}}})
+    # One node of rank 0 says what a single process is anyway; a real layout takes them all.
+    load_config(None, {"engine": {"distributed": {"nnodes": 1, "node_rank": 0}}})
+    load_config(None, {"engine": {"tensor_parallel_size": 2, "distributed": {"nnodes": 2, "node_rank": 1, "master_addr": "h"}}})
 
 
 def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site, tmp_path):

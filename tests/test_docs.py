@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"] + sorted(ROOT.glob("plugins*/**/README.md"))
 QUOTED = re.compile(r"<!-- file: (?P<path>\S+) -->\n```\w*\n(?P<code>.*?)^```$", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 PATH = re.compile(r"(?<![\w./-])(?P<path>(?:\.\./)+[\w./-]+|[\w-]+(?:/[\w.-]+)+\.\w+)")
@@ -36,11 +36,14 @@ def test_links_and_paths_stay_inside_the_repository():
         text = doc.read_text()
         for match in LINK.finditer(text):
             target = match["target"].split("#")[0]
-            if re.match(r"[a-z]+:", target) or not target:
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # a web page (or any other scheme): not in a clone
+                problems.append(f"{doc.relative_to(ROOT)}: link {match['target']!r} leaves the repository; name it in text")
+                continue
+            if not target:
                 continue
             resolved = (doc.parent / target).resolve()
             if not resolved.is_relative_to(ROOT) or not resolved.exists():
-                problems.append(f"{doc.name}: link {match['target']!r}")
+                problems.append(f"{doc.relative_to(ROOT)}: link {match['target']!r}")
         for match in PATH.finditer(text):
             path = match["path"]
             if path.startswith("../"):

@@ -67,7 +67,8 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.add_argument(
         "--check", action="store_true",
-        help="also import every enabled plugin: one that fails is 'broken', with the exception and the fix",
+        help="also import every enabled plugin: one that fails is 'broken', with the exception and the fix; "
+             "exits 1 when one of them could run on this machine (as doctor)",
     )
     listing.set_defaults(run=run_plugins_list)
     inspect = plugin_commands.add_parser("inspect", help="a plugin's details and option schema")
@@ -234,8 +235,9 @@ def run_plugins_list(args: argparse.Namespace) -> int:
 
     entries = discover()
     unmatched = unmatched_allowlist_names(entries, allowlist())
+    problem = False
     if args.check:
-        entries = _mark_broken(entries)
+        entries, problem = _mark_broken(entries)
     if args.json:
         rows = [
             {
@@ -252,7 +254,7 @@ def run_plugins_list(args: argparse.Namespace) -> int:
             for entry in entries
         ]
         sys.stdout.write(msgspec.json.encode({"plugins": rows, "unmatched_allowlist": unmatched}).decode() + "\n")
-        return 0
+        return 1 if problem else 0
     header = ("SLOT", "NAME", "DISTRIBUTION", "VERSION", "CORE API", "STATUS")
     rows = [(e.slot, e.name, e.distribution, e.version, e.core_api or "-", e.status) for e in entries]
     _print_table(header, rows)
@@ -261,23 +263,30 @@ def run_plugins_list(args: argparse.Namespace) -> int:
             print(f"\n{entry.slot}/{entry.name}: {entry.problem}")
     for name in unmatched:
         print(f"\nWEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution")
-    return 0
+    return 1 if problem else 0  # --check: a plugin that does not import, and would be usable here
 
 
-def _mark_broken(entries: list[Any]) -> list[Any]:
-    """``entries`` with each enabled plugin that fails to import marked ``broken`` (the error and the fix)."""
-    from weft.plugins import PluginRegistry
+def _mark_broken(entries: list[Any]) -> tuple[list[Any], bool]:
+    """``entries`` with each enabled plugin that fails to import marked ``broken`` (the error and the fix), and
+    whether one of them is a problem here (as doctor says: not one meant for a platform other than this one's)."""
+    from weft.plugins import PluginError, PluginRegistry
     from weft.plugins.health import load_failures
-    from weft.plugins.selection import probe_platforms
+    from weft.plugins.selection import probe_platforms, select_platform
 
     registry = PluginRegistry(entries)
     probes = {name: probe for name, (_, probe) in probe_platforms(registry).items()}
-    broken = {(failure.entry.slot, failure.entry.name): failure for failure in load_failures(registry, probes, None)}
-    return [
+    try:
+        platform: str | None = select_platform(registry, "auto")[0].name
+    except PluginError:
+        platform = None
+    failures = load_failures(registry, probes, platform)
+    broken = {(failure.entry.slot, failure.entry.name): failure for failure in failures}
+    marked = [
         msgspec.structs.replace(entry, status="broken", problem=f"{failure.error}. Fix: {failure.fix}")
         if (failure := broken.get((entry.slot, entry.name))) else entry
         for entry in entries
     ]
+    return marked, any(not failure.expected for failure in failures)
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -590,13 +599,48 @@ def run_config_show(args: argparse.Namespace) -> int:
         return 1
     config, platform_note = _platform_sized(config, registry)
     data = to_builtins(config)
+    option_types, unreadable = _plugin_option_types(registry)
+    data["plugins"] = {
+        **{name: msgspec.to_builtins(defaults) for name, (_, defaults) in option_types.items()},
+        **data.get("plugins", {}),
+    }
     if args.json:
         sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
         return 0
     print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
     print(f"# {platform_note}")
-    print("\n".join(_toml_lines(data)))
+    descriptions = {name: options_type for name, (options_type, _) in option_types.items()}
+    print("\n".join(_toml_lines(data, descriptions=descriptions)))
+    for line in unreadable:
+        print(f"# {line}")
     return 0
+
+
+def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], list[str]]:
+    """The options Struct and its defaults of every installed plugin that takes options, by the name of its
+    ``[plugins.<name>]`` table (``slot.name`` where two plugins share a name); and a line for each plugin
+    whose options cannot be read (it does not import, or an option has no default)."""
+    from weft.contracts.plugin import NoOptions
+    from weft.plugins import PluginError
+
+    usable = [entry for entry in registry.entries if entry.status == "ok"]
+    shared = {entry.name for entry in usable if sum(other.name == entry.name for other in usable) > 1}
+    found: dict[str, tuple[type, Any]] = {}
+    unreadable: list[str] = []
+    for entry in sorted(usable, key=lambda entry: (entry.name, entry.slot)):
+        table = f"{entry.slot}.{entry.name}" if entry.name in shared else entry.name
+        try:
+            options_type = getattr(registry.load(entry.slot, entry.name), "Options", NoOptions)
+        except PluginError as error:
+            unreadable.append(f"[plugins.{table}]: its options cannot be shown: {error} (see weft plugins doctor)")
+            continue
+        if options_type is NoOptions:
+            continue
+        try:
+            found[table] = (options_type, msgspec.convert({}, options_type))
+        except msgspec.ValidationError as error:
+            unreadable.append(f"[plugins.{table}]: no defaults to show ({error}); set them in weft.toml")
+    return found, unreadable
 
 
 def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]:
@@ -612,18 +656,19 @@ def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]
         return config, f"engine.{', engine.'.join(PLATFORM_SIZED)}: the platform's, which cannot be read here ({error})"
 
 
-def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = ()) -> list[str]:
-    """``table`` as TOML; a key whose value is None (TOML has no null) is a comment saying it is unset."""
+def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = (), descriptions: dict[str, type] | None = None) -> list[str]:
+    """``table`` as TOML; a key whose value is None (TOML has no null) is a comment saying it is unset
+    (with its description: from WeftConfig, or for ``plugins.<name>.*`` from ``descriptions[name]``)."""
     lines = [f"[{'.'.join(map(_toml_key, path))}]"] if path else []
     for key, value in table.items():
         if value is None:
-            description = _description((*path, key))
+            description = _description((*path, key), descriptions or {})
             lines.append(f"# {_toml_key(key)}: unset{f' ({description})' if description else ''}")
         elif not isinstance(value, dict):
             lines += msgspec.toml.encode({key: value}).decode().splitlines()
     for key, value in table.items():
         if isinstance(value, dict):
-            lines += ["", *_toml_lines(value, (*path, key))]
+            lines += ["", *_toml_lines(value, (*path, key), descriptions)]
     return lines
 
 
@@ -631,9 +676,11 @@ def _toml_key(key: str) -> str:
     return key if key and all(char.isascii() and (char.isalnum() or char in "-_") for char in key) else msgspec.json.encode(key).decode()
 
 
-def _description(path: tuple[str, ...]) -> str:
-    """The description of the weft.toml key at ``path`` ('' for a plugin's own option)."""
+def _description(path: tuple[str, ...], plugin_options: dict[str, type]) -> str:
+    """The description of the weft.toml key at ``path`` (a plugin's own option: from its options Struct)."""
     struct: Any = WeftConfig
+    if len(path) > 2 and path[0] == "plugins" and path[1] in plugin_options:
+        struct, path = plugin_options[path[1]], path[2:]
     for part in path:
         fields = {field.encode_name: field for field in msgspec.structs.fields(struct)} if _is_struct(struct) else {}
         if part not in fields:

@@ -107,7 +107,8 @@ class EngineConfig(_Section, frozen=True):
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
     graph_batch_sizes: Annotated[
         list[Annotated[int, Meta(ge=1)]],
-        Meta(description="decode batch sizes captured as graphs; default: 1, 2, 4, 8, then every 8 up to max_num_seqs"),
+        Meta(description="decode batch sizes captured as graphs; default: the platform's (1, 2, 4, 8, then every 8 up "
+                         "to max_num_seqs where it captures graphs; none on the CPU)"),
     ] | None = None
     runtime_jit: Annotated[
         Literal["warn", "error"],
@@ -298,6 +299,19 @@ def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -
             f"give one layer count per stage"
         )
     nodes, node_rank = engine.distributed.nnodes, engine.distributed.node_rank
+    if world == 1:
+        # One rank runs in the engine core's process: nothing meets anyone, so these would do nothing.
+        given = {key: value for key, value in msgspec.structs.asdict(engine.distributed).items()
+                 if key in ("nnodes", "node_rank", "master_addr", "master_port") and value is not None
+                 and (key, value) not in (("nnodes", 1), ("node_rank", 0))}
+        if given:
+            keys = [f"distributed.{key}" for key in given]
+            raise ConfigError(
+                f"{where(*keys)}: {', '.join(f'engine.{key} = {value!r}' for key, value in zip(keys, given.values()))} "
+                f"but {sizes}: one rank runs in the engine core's process and meets no other; raise "
+                f"tensor_parallel_size or pipeline_parallel_size to spread the model over nodes, or remove "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
     if nodes is not None and node_rank is not None and node_rank >= nodes:
         raise ConfigError(
             f"{where('distributed.node_rank', 'distributed.nnodes')}: engine.distributed.node_rank = {node_rank} but "

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig, plugin_options, with_platform_defaults
+from weft.config import WeftConfig, executor_name, plugin_options, with_platform_defaults
 from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.contracts.parallel import ParallelLayout
@@ -32,9 +32,20 @@ def build_platform(registry: PluginRegistry, config: WeftConfig) -> Any:
 
 
 def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform: Any = None) -> WeftConfig:
-    """``config`` with the platform-sized engine options the user left unset filled in by the platform."""
+    """``config`` with the engine options the user left unset that the platform sizes filled in by the
+    platform, and those derived from other options (the executor, the graph sizes, the long-prefill
+    threshold) computed: the engine runs, and ``weft config show`` prints, these values."""
     platform = platform or build_platform(registry, config)
-    return with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
+    config = with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
+    engine = config.engine
+    derived: dict[str, Any] = {}
+    if engine.distributed_executor_backend is None:
+        derived["distributed_executor_backend"] = executor_name(engine)
+    if engine.graph_batch_sizes is None:
+        derived["graph_batch_sizes"] = platform.graph_batch_sizes(engine.max_num_seqs)
+    if engine.long_prefill_token_threshold is None:
+        derived["long_prefill_token_threshold"] = max(1, engine.max_num_batched_tokens // 4)
+    return msgspec.structs.replace(config, engine=msgspec.structs.replace(engine, **derived)) if derived else config
 
 
 def load_config_for(config: WeftConfig, device: str = "cpu", **ranks: int) -> LoadConfig:

@@ -90,7 +90,7 @@ The cache tensors (``register_kv_caches``)
     * groups the attention backend owns (``spec.paged_attention``: a
       ``FullAttentionSpec``, a ``SlidingWindowSpec`` without ``ring``) have the
       backend's ``AttentionBackend.kv_cache_shape(num_blocks, spec)``. Weft's
-      backends (``torch``; ``triton`` in weft-cuda) use the default
+      backends (``torch``; ``triton`` in weft-triton) use the default
       ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: keys at ``[0]``,
       values at ``[1]``, block ``b`` at ``[:, b]``, and the token at position ``p``
       of a request in slot ``p % block_size`` of its block ``p // block_size``;

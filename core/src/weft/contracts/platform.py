@@ -118,6 +118,16 @@ class Platform(PluginBase):
         """
         return EngineDefaults()
 
+    def graph_batch_sizes(self, max_num_seqs: int) -> list[int]:
+        """Decode batch sizes captured as graphs where ``engine.graph_batch_sizes`` is unset: 1, 2, 4, 8,
+        then every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself); none on a platform
+        that captures no graphs (added in core API 1.8)."""
+        if not self.supports_graph_capture:
+            return []
+        sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
+        sizes += list(range(8, max_num_seqs + 1, 8))
+        return sorted(set(sizes) | {max_num_seqs})
+
     def default_dtype(self) -> str:
         """The dtype used when ``engine.dtype = "auto"``."""
         return self.supported_dtypes[0]

@@ -109,11 +109,10 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             config, self.registry, self.source, self.source.hf_config.get("vocab_size"),
         )
-        threshold = engine.long_prefill_token_threshold
         self.scheduler = Scheduler(
             self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
             engine.enable_chunked_prefill, self.kv_connector,
-            max(1, engine.max_num_batched_tokens // 4) if threshold is None else threshold, engine.max_long_partial_prefills,
+            engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
             self.structured_outputs,
         )
         self.num_steps = 0

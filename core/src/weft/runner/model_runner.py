@@ -82,13 +82,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("weft.runner")
 
 
-def default_graph_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` (and ``max_num_seqs`` itself)."""
-    sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
-    sizes += list(range(8, max_num_seqs + 1, 8))
-    return sorted(set(sizes) | {max_num_seqs})
-
-
 class RequestState:
     """The runner's copy of one request."""
 

@@ -38,7 +38,7 @@ from weft.resolve import (
     resolve_source,
 )
 from weft.runner.kv_connector import WorkerConnector
-from weft.runner.model_runner import ModelRunner, default_graph_sizes, describe_sizes
+from weft.runner.model_runner import ModelRunner, describe_sizes
 from weft.runner.sampler import Sampler
 
 logger = logging.getLogger("weft.runner")
@@ -167,7 +167,7 @@ class Worker:
         if managed and self.runner.sparse_entries is not None:
             logger.info("decode runs eagerly: the KV connector reads sparse entries of groups %s on the host", managed)
             return
-        sizes = sorted(set(engine.graph_batch_sizes or default_graph_sizes(engine.max_num_seqs)))
+        sizes = sorted(set(engine.graph_batch_sizes or self.platform.graph_batch_sizes(engine.max_num_seqs)))
         too_large = [size for size in sizes if size > engine.max_num_seqs]
         if too_large:
             raise ValueError(

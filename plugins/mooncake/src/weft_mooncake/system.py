@@ -51,7 +51,7 @@ def explain_import_error(error: ImportError) -> str:
 
 
 def missing_library_problem() -> str | None:
-    """Why Mooncake cannot run here for want of a system library, or None when nothing is missing.
+    """Why Mooncake cannot run here for want of a system library or of its own package, or None when nothing is missing.
 
     Asks the real thing: imports Mooncake's client and runs ``mooncake_master --version``.
     """
@@ -61,8 +61,9 @@ def missing_library_problem() -> str | None:
     try:
         import_store_class()
     except ImportError as error:
-        if _is_missing_library(error.__cause__):
-            return str(error)
+        cause = error.__cause__
+        if _is_missing_library(cause) or (isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("mooncake")):
+            return str(error)  # a library, or Mooncake's own package (weft-mooncake[cpu] or [cuda]) not installed
         raise
     master = subprocess.run([mooncake_binary("mooncake_master"), "--version"], capture_output=True, text=True, timeout=60)
     if LOADER_ERROR in master.stderr:

@@ -694,24 +694,23 @@ def _is_struct(value: Any) -> bool:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a folder with config.json and *.safetensors, or a cached HF repo id")
+    parser.add_argument(
+        "model", help="a folder with config.json and *.safetensors, a GGUF file or alias, or a cached HF repo id",
+    )
     parser.add_argument("--reference", choices=("hf",), default="hf", help="what to compare against: hf (transformers)")
-    parser.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: four built-in prompts)")
+    parser.add_argument(
+        "--prompts", metavar="FILE",
+        help="one prompt per line; or JSON Lines (a .jsonl file, or one whose first line is JSON), each line a JSON "
+             "string or {\"prompt\": ...}, for prompts of several lines (default: four built-in prompts)",
+    )
     parser.add_argument("--dtype", help="weights and activations on both sides: float32 (default), float16 or bfloat16")
     parser.add_argument("--max-tokens", type=int, help="greedy tokens per prompt (default 16)")
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from weft.verify import DEFAULT_PROMPTS, verify
+    from weft.verify import DEFAULT_PROMPTS, read_prompts, verify
 
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    if args.prompts:
-        try:
-            prompts = tuple(line for line in Path(args.prompts).read_text().splitlines() if line.strip())
-        except OSError as error:
-            raise ConfigError(f"--prompts {args.prompts}: {error.strerror}") from None
-        if not prompts:
-            raise ConfigError(f"--prompts {args.prompts}: the file holds no prompt; write one per line")
+    prompts = read_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
     given = {"dtype": args.dtype, "max_tokens": args.max_tokens}
     report = verify(args.model, prompts, reference=args.reference, **{k: v for k, v in given.items() if v is not None})
     print(report.table())

@@ -10,6 +10,8 @@ SAMPLING_EPS = 1e-5
 """A temperature below this is greedy decoding (as in vLLM): dividing logits by it would overflow."""
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 """Wider factors overflow or underflow float32 logits (a penalty of 1e-300 turns them to inf)."""
+MAX_LOGPROBS = 20
+"""The most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit for ``top_logprobs``)."""
 from weft.contracts.structured_output import StructuredOutputsParams
 
 
@@ -85,11 +87,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
              f"must be in [{low}, {high}] (1 disables it)"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+             f"must be in [0, {MAX_LOGPROBS}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", self.prompt_logprobs,
-             "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]"),
             (self.logit_bias is None or all(-100 <= value <= 100 for value in self.logit_bias.values()), "logit_bias",
              self.logit_bias, "values must be in [-100, 100]"),
             (self.logit_bias is None or all(token >= 0 for token in self.logit_bias), "logit_bias", self.logit_bias,

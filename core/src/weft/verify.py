@@ -1,24 +1,42 @@
 """``weft verify``: a model family against its Hugging Face transformers reference, on the same weights.
 
-Three runs over the same prompts, as token ids from Weft's tokenizer:
+Two implementations over the same prompts, as token ids from Weft's tokenizer:
 
-1. Weft's engine, through the public API: every prompt in one ``LLM.generate`` call, greedy,
-   ``max_tokens`` new tokens, the top two log-probabilities of each. The step budget is half
-   the longest prompt, so prompts are prefilled in chunks batched with other prompts' decodes.
-2. The reference: the transformers class the family names (:meth:`ModelFamily.hf_architecture`)
-   loaded from the same checkpoint folder in the same dtype, eager attention, run inside the
-   family's :meth:`ModelFamily.hf_reference_context`. It generates greedily with its own KV
-   cache, then gives its logits at every position of the prompt and its continuation.
-3. Teacher forcing: the family's module built through the contracts alone (plain torch layers,
-   the ``torch`` attention backend), fed that same sequence as one prefill. Its logits at every
-   position are compared with the reference's: the relative error of a position is the largest
-   absolute difference over the vocabulary divided by the reference's largest absolute logit.
+1. The reference: the transformers class the family names (:meth:`ModelFamily.hf_architecture`)
+   on the same checkpoint (a folder of config.json and ``*.safetensors``, or a GGUF file, which
+   transformers dequantizes in memory as Weft's gguf loader does), in the same dtype, eager
+   attention, run inside the family's :meth:`ModelFamily.hf_reference_context`. It generates
+   greedily with its own KV cache, then gives its logits at every position of the prompt and
+   its continuation from one full forward.
+2. Weft's engine, through the public API, in one ``LLM.generate`` call: every prompt greedy,
+   ``max_tokens`` new tokens with the top two log-probabilities of each; and beside them every
+   prompt followed by the reference's continuation, with its prompt log-probabilities
+   (teacher forcing). The step budget is half the longest prompt, so prompts are prefilled in
+   chunks batched with other requests' decodes; the teacher-forced log-probabilities come from
+   the same engine, kernels, attention backend, batching and chunked prefill as the greedy tokens.
 
-A prompt *matches* when Weft's tokens equal the reference's. Otherwise its first divergence is
-a *near-tie* when the two tokens are each other's runner-up within :func:`tie_threshold` on both
-sides: Weft's second choice is the reference's token and Weft's top-1/top-2 gap is within the
-threshold, and so is the reference's margin of its token over Weft's. The continuations differ
-from there on, so nothing after a tie is compared. Any other divergence is a failure.
+The engine reports log-probabilities, not logits: at each position the next token's and its top
+:data:`~weft.sampling_params.MAX_LOGPROBS`. The *teacher-forced error* of a position is the
+largest difference between Weft's log-probability of one of those tokens and the reference's
+(log-softmax of its logits), divided by the reference's logit scale there,
+``max(1, max |logit|)``. Two tokens' log-probability gap is their logit gap, so a gap between any
+two of those tokens moves by at most twice this error (times the scale) from one side to the other.
+
+A prompt *matches* when Weft's tokens equal the reference's. Otherwise its first divergence is a
+*near-tie* when Weft's second choice is the reference's token and both gaps, Weft's top-1/top-2 and
+the reference's margin of its token over Weft's, are within :func:`near_tie_bound` times the
+position's logit scale::
+
+    bound = max(TIE_ULPS x eps(dtype), TIE_SAFETY x noise)
+
+``noise`` is what rounding is measured to move this model's logits in this run
+(:func:`rounding_noise`): the larger of ``R``, the reference's own rounding noise (its cached-decode
+logits against its full forward at the same positions: the same math summed in another order, and
+the reference chooses its tokens by the one and is scored by the other), and the run's largest
+teacher-forced error, which counts only up to ``NOISE_FACTOR x max(R, eps)``: an error beyond that
+is a defect, not rounding, and excuses no divergence.
+The continuations differ after a divergence, so nothing after it is compared. Any other divergence
+is a failure.
 
 transformers is optional; it is imported when a verification starts.
 """
@@ -27,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,13 +55,12 @@ import msgspec
 import torch
 
 from weft.config import EngineConfig
-from weft.contracts.attention import AttentionBackend, AttentionBatch
-from weft.contracts.loader import ModelSource, WeightLoader
-from weft.contracts.model import ModelConfig, ModelFamily
-from weft.layers.attention import Attention, ForwardContext
-from weft.outputs import CompletionOutput, Logprob
+from weft.contracts.loader import ModelSource
+from weft.contracts.model import ModelFamily
+from weft.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_platform
+from weft.sampling_params import MAX_LOGPROBS
 
 DTYPES = tuple(name for name in typing.get_args(typing.get_type_hints(EngineConfig)["dtype"]) if name != "auto")
 """The dtypes both sides can run in: ``engine.dtype``'s explicit choices."""
@@ -57,22 +75,40 @@ DEFAULT_PROMPTS = (
     "1, 1, 2, 3, 5, 8, 13,",
 )
 
-TIE_ULPS = 16
-"""A near-tie is a logit gap of at most this many machine epsilons of the dtype, relative to the
-position's largest logit (:func:`tie_threshold`)."""
+TIE_ULPS = 2
+"""The near-tie bound's floor, in machine epsilons of the dtype (relative to the logit scale): the dtype's
+resolution, since each side's logits are rounded to it (float32 2.4e-7, bfloat16 1.6e-2)."""
+TIE_SAFETY = 4
+"""The near-tie bound over the measured noise: a gap moves by up to twice the largest log-probability
+error, and the greedy requests ran in other batches than the teacher-forced ones."""
+NOISE_FACTOR = 16
+"""How far Weft's teacher-forced error may exceed the reference's own rounding noise (or one eps, when that
+is smaller) and still count as rounding. Measured: SmolLM2-135M in float32, 1.3e-6 against the reference's
+2.8e-6; the tiny test checkpoints in bfloat16, up to 1.7e-2 (2.2 eps); a rope base ten times too large,
+0.2 to 0.7 in either dtype."""
 
 
-def tie_threshold(dtype: str, logits: torch.Tensor) -> float:
-    """The largest logit gap that is a near-tie in ``dtype`` at a position with these reference logits.
+def logit_scale(logits: torch.Tensor) -> torch.Tensor:
+    """``max(1, max |logit|)`` of each row: what a relative error or bound is relative to."""
+    return logits.abs().amax(-1).clamp_min(1.0)
 
-    ``TIE_ULPS * eps(dtype) * max(1, max |logit|)``, where ``eps`` is the dtype's machine epsilon
-    (float32 1.2e-7, float16 9.8e-4, bfloat16 7.8e-3): a gap within what rounding alone moves a
-    logit of that size when two correct implementations sum in different orders (on the tiny test
-    models Weft's logits differ from transformers' by about 8 eps in float32 and 3 in bfloat16).
-    With logits near 10 the threshold is 2e-5 in float32 and 1.25 in bfloat16.
-    """
-    scale = max(1.0, float(logits.abs().max()))
-    return TIE_ULPS * torch.finfo(getattr(torch, dtype)).eps * scale
+
+def rounding_noise(teacher_forced_error: float, reference_noise: float, dtype: str) -> float:
+    """What rounding moves the logits by in this run (relative): the reference's own noise, or the
+    teacher-forced error when that is larger but within :func:`noise_ceiling`."""
+    if teacher_forced_error <= noise_ceiling(reference_noise, dtype):
+        return max(reference_noise, teacher_forced_error)
+    return reference_noise
+
+
+def noise_ceiling(reference_noise: float, dtype: str) -> float:
+    """The largest teacher-forced error that counts as rounding: ``NOISE_FACTOR x max(reference_noise, eps)``."""
+    return NOISE_FACTOR * max(reference_noise, torch.finfo(getattr(torch, dtype)).eps)
+
+
+def near_tie_bound(dtype: str, noise: float) -> float:
+    """The largest gap that is a near-tie, relative to the position's logit scale (the module docstring)."""
+    return max(TIE_ULPS * torch.finfo(getattr(torch, dtype)).eps, TIE_SAFETY * noise)
 
 
 class Divergence(msgspec.Struct, frozen=True):
@@ -90,7 +126,7 @@ class Divergence(msgspec.Struct, frozen=True):
     """The reference's logit of its token minus its logit of Weft's token (its top-1/top-2 gap
     when Weft's token is its second choice)."""
     threshold: float
-    """:func:`tie_threshold` at this position."""
+    """:func:`near_tie_bound` times this position's logit scale."""
     tie: bool
 
 
@@ -100,8 +136,11 @@ class PromptResult(msgspec.Struct, frozen=True):
     weft_token_ids: list[int]
     reference_token_ids: list[int]
     divergence: Divergence | None
-    max_relative_error: float
-    """Largest relative logit error over every teacher-forced position (see the module docstring)."""
+    teacher_forced_error: float
+    """Largest teacher-forced error over every position of the prompt and the reference's continuation
+    (the module docstring)."""
+    reference_noise: float
+    """Largest relative difference between the reference's cached-decode logits and its full forward's."""
 
     @property
     def status(self) -> str:
@@ -121,7 +160,7 @@ class VerifyReport(msgspec.Struct, frozen=True):
     dtype: str
     max_tokens: int
     step_budget: int
-    """The engine's ``max_num_batched_tokens`` during the greedy run."""
+    """The engine's ``max_num_batched_tokens``."""
     results: list[PromptResult]
 
     @property
@@ -134,39 +173,65 @@ class VerifyReport(msgspec.Struct, frozen=True):
         """The first prompt (index, result) that diverged beyond a near-tie."""
         return next(((i, r) for i, r in enumerate(self.results) if r.status == "diverged"), None)
 
+    @property
+    def teacher_forced_error(self) -> float:
+        return max(result.teacher_forced_error for result in self.results)
+
+    @property
+    def reference_noise(self) -> float:
+        return max(result.reference_noise for result in self.results)
+
+    @property
+    def noise(self) -> float:
+        """:func:`rounding_noise` of this run, which the near-tie bound scales with."""
+        return rounding_noise(self.teacher_forced_error, self.reference_noise, self.dtype)
+
     def table(self) -> str:
         lines = [
             f"model        {self.model}",
             f"family       {self.architecture} ({self.family})",
             f"reference    {self.reference}",
-            f"run          {self.dtype}, {len(self.results)} prompts in one batch, {self.max_tokens} greedy tokens each, "
-            f"chunked prefill with a {self.step_budget}-token step budget",
+            f"run          {self.dtype}, {len(self.results)} prompts and their teacher-forced twins in one batch, "
+            f"{self.max_tokens} greedy tokens each, chunked prefill with a {self.step_budget}-token step budget",
             "",
         ]
-        header = ("PROMPT", "TOKENS", "GREEDY (SAME TOKENS)", "FIRST DIVERGENCE (STEP: WEFT vs REFERENCE)", "GAP WEFT", "GAP REF", "MAX REL ERR")
+        header = ("PROMPT", "TOKENS", "GREEDY (SAME TOKENS)", "FIRST DIVERGENCE (STEP: WEFT vs REFERENCE)", "GAP WEFT",
+                  "GAP REF", "TIE BOUND", "TF ERROR")
         rows = []
         for index, result in enumerate(self.results):
             divergence = result.divergence
             if divergence is None:
-                where, weft_gap, reference_gap = "-", "-", "-"
+                where, weft_gap, reference_gap, threshold = "-", "-", "-", "-"
             else:
                 where = (f"{divergence.step}: {divergence.weft_token} {divergence.weft_text!r} vs "
                          f"{divergence.reference_token} {divergence.reference_text!r}")
                 weft_gap, reference_gap = f"{divergence.weft_gap:.3g}", f"{divergence.reference_gap:.3g}"
+                threshold = f"{divergence.threshold:.3g}"
             matched = self.max_tokens if divergence is None else divergence.step
             status = f"{result.status} {matched}/{self.max_tokens}"
             rows.append((f"{index} {_preview(result.prompt)}", str(len(result.prompt_token_ids)), status, where,
-                         weft_gap, reference_gap, f"{result.max_relative_error:.2e}"))
+                         weft_gap, reference_gap, threshold, f"{result.teacher_forced_error:.2e}"))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         counts = {status: sum(r.status == status for r in self.results) for status in ("match", "tie", "diverged")}
-        worst = max(result.max_relative_error for result in self.results)
+        error, reference_noise = self.teacher_forced_error, self.reference_noise
+        ceiling = noise_ceiling(reference_noise, self.dtype)
+        counted = "within it" if error <= ceiling else "beyond it (a defect, not rounding)"
         lines += [
             "",
             f"{counts['match']}/{len(self.results)} prompts matched, {counts['tie']} diverged at a near-tie, "
-            f"{counts['diverged']} diverged; max relative logit error {worst:.2e} (teacher-forced, every position)",
-            f"near-tie: both tokens each other's runner-up within {TIE_ULPS} x eps({self.dtype}) x max(1, max |logit|)",
+            f"{counts['diverged']} diverged; max teacher-forced error {error:.2e}",
+            "TF ERROR   teacher forcing through Weft's engine (each prompt and the reference's continuation, in the batch",
+            "           above): the worst position's largest |Weft log-prob - reference log-prob| over the next token and",
+            f"           Weft's top {MAX_LOGPROBS}, over max(1, max |reference logit|)",
+            "TIE BOUND  a divergence is a near-tie when Weft's runner-up is the reference's token and both gaps are at most",
+            f"           max({TIE_ULPS} x eps({self.dtype}), {TIE_SAFETY} x noise) x max(1, max |logit|); noise: the larger "
+            f"of the reference's",
+            f"           own rounding noise R (its cached decode vs its full forward) and the TF error, counted up to "
+            f"{NOISE_FACTOR} x max(R, eps);",
+            f"           here R {reference_noise:.2e}, ceiling {ceiling:.2e}, TF error {error:.2e} {counted}: "
+            f"noise {self.noise:.2e}",
         ]
         return "\n".join(lines)
 
@@ -181,7 +246,7 @@ class VerifyReport(msgspec.Struct, frozen=True):
         message = (
             f"prompt {index} ({_preview(result.prompt)}) diverged at step {d.step}: weft {d.weft_token} {d.weft_text!r} "
             f"vs reference {d.reference_token} {d.reference_text!r}; reference margin {d.reference_gap:.3g}, "
-            f"weft top-1/top-2 gap {d.weft_gap:.3g}, near-tie threshold {d.threshold:.3g} ({self.dtype})"
+            f"weft top-1/top-2 gap {d.weft_gap:.3g}, near-tie bound {d.threshold:.3g} ({self.dtype})"
         )
         if d.reference_gap < 0:
             message += (
@@ -190,6 +255,40 @@ class VerifyReport(msgspec.Struct, frozen=True):
                 "hf_reference_context can fix it"
             )
         return message
+
+
+def read_prompts(path: str | Path) -> tuple[str, ...]:
+    """The prompts of a ``--prompts`` file: one per line, or JSON Lines (a ``.jsonl`` name, or a first line
+    that is a JSON string or object), each line a JSON string or ``{"prompt": "..."}`` (for prompts of
+    several lines). Blank lines are skipped."""
+    path = Path(path)
+    try:
+        lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    except OSError as error:
+        raise ValueError(f"--prompts {path}: {error.strerror}") from None
+    if not lines:
+        raise ValueError(f"--prompts {path}: the file holds no prompt; write one per line, or one JSON string per line")
+    if path.suffix != ".jsonl" and not isinstance(_json_or_none(lines[0][1]), str | dict):
+        return tuple(line for _, line in lines)
+    prompts = []
+    for number, line in lines:
+        item = _json_or_none(line)
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str) or not item:
+            raise ValueError(
+                f"{path}:{number}: expected a JSON string or an object with a 'prompt' string (JSON Lines, as the "
+                f"file's name or first line says), got {line[:60]!r}"
+            )
+        prompts.append(item)
+    return tuple(prompts)
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def verify(
@@ -201,7 +300,8 @@ def verify(
     reference: str = "hf",
     registry: PluginRegistry | None = None,
 ) -> VerifyReport:
-    """Compare the installed family of ``model`` (a checkpoint folder, or a cached HF repo id) with its reference.
+    """Compare the installed family of ``model`` (a checkpoint folder, a GGUF file or alias, or a cached HF
+    repo id) with its reference.
 
     Raises ValueError naming the problem when the model, a prompt or an option cannot be verified.
     """
@@ -215,46 +315,35 @@ def verify(
         raise ValueError("no prompts to verify; give at least one")
     transformers = _import_transformers()
     registry = registry or PluginRegistry()
-    loader, source = resolve_checkpoint(model, registry)
+    source = resolve_checkpoint(model, registry)
     architecture = (source.hf_config.get("architectures") or [None])[0]
     if architecture is None:
         raise ValueError(f"model {model!r}: its config.json names no 'architectures'; cannot choose a model family")
     family = registry.load("model", architecture)()
     reference_class = _reference_class(transformers, family, architecture)
     platform_class, _ = select_platform(registry)
-    platform = platform_class()
 
-    block_size = EngineConfig().block_size
     tokenizer = registry.load("tokenizer", source.tokenizer).from_source(source)
     encoded = [tokenizer.encode(prompt) for prompt in prompts]
     empty = [prompt for prompt, ids in zip(prompts, encoded) if not ids]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens; give prompts with text")
-    longest = max(len(ids) for ids in encoded)
-    step_budget = max(len(prompts), (longest + 1) // 2)
-    max_model_len = longest + max_tokens
-    engine = {
-        "dtype": dtype, "max_num_batched_tokens": step_budget, "max_num_seqs": len(prompts), "max_model_len": max_model_len,
-        # Room for every prompt at once (each group's blocks cover at least block_size tokens),
-        # instead of the engine's default share of the device's memory.
-        "num_kv_blocks": len(prompts) * -(-max_model_len // block_size),
-    }
-    outputs = _engine_greedy(model, registry, engine, encoded, max_tokens)
-    reference_tokens, reference_logits = _reference_runs(
-        reference_class, family, source, dtype, platform.device(), encoded, max_tokens
-    )
-    forced = TeacherForcedModel(registry, family, loader, source, dtype, platform, max_model_len, block_size)
+    runs = _reference_runs(reference_class, family, source, dtype, platform_class().device(), encoded, max_tokens)
+    step_budget = max(2 * len(prompts), (max(len(ids) for ids in encoded) + 1) // 2)
+    greedy, forced = _engine_runs(model, registry, dtype, step_budget, encoded, [run.tokens for run in runs], max_tokens)
+
+    errors = [teacher_forced_errors(output.prompt_logprobs or [None], run.logits) for output, run in zip(forced, runs)]
+    noise = rounding_noise(max(float(e.max()) for e in errors), max(run.noise for run in runs), dtype)
+    bound = near_tie_bound(dtype, noise)
     results = []
-    for prompt, ids, output, tokens, expected in zip(prompts, encoded, outputs, reference_tokens, reference_logits):
-        logits = forced.logits(ids + tokens[:-1]).cpu()
-        error = (logits - expected).abs().amax(-1) / expected.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    for prompt, ids, output, run, error in zip(prompts, encoded, greedy, runs, errors):
         divergence = first_divergence(
-            output.token_ids, output.logprobs or [], tokens, expected, len(ids), dtype,
+            output.token_ids, output.logprobs or [], run.tokens, run.logits, len(ids), bound,
             lambda ids: tokenizer.decode(ids, False),
         )
         results.append(PromptResult(
-            prompt=prompt, prompt_token_ids=ids, weft_token_ids=list(output.token_ids), reference_token_ids=tokens,
-            divergence=divergence, max_relative_error=float(error.max()),
+            prompt=prompt, prompt_token_ids=ids, weft_token_ids=list(output.token_ids), reference_token_ids=run.tokens,
+            divergence=divergence, teacher_forced_error=float(error.max()), reference_noise=run.noise,
         ))
     entry = registry.find("model", architecture)
     return VerifyReport(
@@ -264,8 +353,8 @@ def verify(
     )
 
 
-def resolve_checkpoint(model: str, registry: PluginRegistry) -> tuple[WeightLoader, ModelSource]:
-    """The loader and source of ``model``, refused unless transformers can load the same folder."""
+def resolve_checkpoint(model: str, registry: PluginRegistry) -> ModelSource:
+    """The source of ``model``, refused unless transformers can load the same weights from it."""
     loaders = sorted(registry.load_all("loader").items(), key=lambda item: -item[1].priority)
     for name, loader_class in loaders:
         loader = loader_class()
@@ -275,79 +364,48 @@ def resolve_checkpoint(model: str, registry: PluginRegistry) -> tuple[WeightLoad
     else:
         raise ValueError(
             f"model {model!r}: no installed loader accepts it; weft verify needs a folder with config.json "
-            f"and *.safetensors (or a Hugging Face repo id in the local cache)"
+            f"and *.safetensors, a GGUF file (or a Hugging Face repo id in the local cache)"
         )
-    folder = Path(source.path)
-    if source.format != "safetensors" or not (folder / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is a {source.format} source (loader {name!r}, {folder}): weft verify compares against "
-            f"Hugging Face transformers loading the same weights, which needs a folder with config.json and "
-            f"*.safetensors; convert the model to such a folder (for a GGUF: transformers' from_pretrained with "
-            f"gguf_file=..., then save_pretrained) and verify that"
-        )
-    return loader, source
+    if source.format == "gguf" or (source.format == "safetensors" and (Path(source.path) / "config.json").is_file()):
+        return source
+    raise ValueError(
+        f"model {model!r} is a {source.format} source (loader {name!r}, {source.path}): weft verify compares against "
+        f"Hugging Face transformers loading the same weights, which reads a folder with config.json and "
+        f"*.safetensors, or a GGUF file; convert the model to one of those and verify that"
+    )
 
 
-class TeacherForcedModel:
-    """A family's module built and loaded through the contracts alone, run over whole sequences.
+def teacher_forced_errors(prompt_logprobs: Sequence[dict[int, Logprob] | None], reference_logits: torch.Tensor) -> torch.Tensor:
+    """The teacher-forced error (module docstring) at each row of ``reference_logits``.
 
-    Plain torch layers (no op plugins) and the ``torch`` attention backend; each call is one
-    request prefilled in one step over fresh KV caches, as the model runner lays a step out.
+    ``prompt_logprobs`` is Weft's for the prompt and the reference's continuation: entry ``i`` (None
+    for the first token) scores token ``i`` from the logits at position ``i - 1``.
     """
-
-    def __init__(
-        self, registry: PluginRegistry, family: ModelFamily, loader: WeightLoader, source: ModelSource, dtype: str,
-        platform: Any, max_model_len: int, block_size: int,
-    ) -> None:
-        architecture = source.hf_config["architectures"][0]
-        self.config = ModelConfig(
-            architecture=architecture, hf_config=source.hf_config, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+    entries = prompt_logprobs[1:]
+    if len(entries) != len(reference_logits) or None in entries:
+        raise ValueError(
+            f"the engine scored {sum(entry is not None for entry in entries)} of the {len(reference_logits)} "
+            f"teacher-forced positions (prompt_logprobs); weft verify needs every one"
         )
-        self.device = platform.device()
-        self.family = family
-        self.module = family.build(self.config, self.device)
-        family.load_weights(self.module, loader.iter_weights(source, family.load_dtype(dtype)))
-        self.backend: AttentionBackend = registry.load("attention", "torch")(None, platform)
-        self.backend.prepare([m.spec for m in self.module.modules() if isinstance(m, Attention)], dtype)
-        self.groups = family.kv_cache_groups(self.config)
-
-    @torch.inference_mode()
-    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(token_ids), vocab]`` (float32) at every position of one sequence."""
-        count, device = len(token_ids), self.device
-        positions = torch.arange(count, device=device)
-        query_start = torch.tensor([0, count], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([count], dtype=torch.int32, device=device)
-        rows = torch.zeros(count, dtype=torch.long, device=device)
-        kv_caches, batches, metadata = {}, [], []
-        for group in self.groups:
-            spec = group.spec
-            blocks = spec.blocks_for_tokens(count)
-            shape = self.family.kv_cache_shape(spec, blocks) or self.backend.kv_cache_shape(blocks, spec)
-            for layer in group.layer_names:
-                kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device)
-            block_table = torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0)
-            batch = AttentionBatch(
-                query_start=query_start, seq_lens=seq_lens, block_table=block_table,
-                slot_mapping=spec.slot_mapping(block_table, rows, positions).to(torch.int32),
-                max_query_len=count, max_seq_len=count, block_size=spec.block_size,
-            )
-            batches.append(batch)
-            metadata.append(self.backend.build_metadata(batch) if spec.paged_attention else None)
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=kv_caches, batches=batches)
-        hidden = self.module(torch.tensor(list(token_ids), device=device), positions, context)
-        return self.module.compute_logits(hidden).float()
+    reference = torch.log_softmax(reference_logits, dim=-1)
+    errors = []
+    for row, entry in zip(reference, entries):
+        assert entry is not None
+        weft = torch.tensor([logprob.logprob for logprob in entry.values()])
+        errors.append((weft - row[list(entry)]).abs().max())
+    return torch.stack(errors) / logit_scale(reference_logits)
 
 
 def first_divergence(
     weft_tokens: Sequence[int], weft_logprobs: Sequence[dict[int, Logprob]], reference_tokens: Sequence[int],
-    reference_logits: torch.Tensor, prompt_length: int, dtype: str, decode: Callable[[list[int]], str],
+    reference_logits: torch.Tensor, prompt_length: int, bound: float, decode: Callable[[list[int]], str],
 ) -> Divergence | None:
     """Where Weft's greedy tokens first leave the reference's, and whether that is a near-tie.
 
     ``weft_logprobs`` holds Weft's top-2 log-probabilities per generated token (``logprobs=2``);
     ``reference_logits`` the reference's logits at every position of the prompt and its
-    continuation, so a generated token's row is ``prompt_length - 1 + step``.
+    continuation, so a generated token's row is ``prompt_length - 1 + step``; ``bound`` is
+    :func:`near_tie_bound`, relative to a row's :func:`logit_scale`.
     """
     step = next((i for i, (ours, theirs) in enumerate(zip(weft_tokens, reference_tokens)) if ours != theirs), None)
     if step is None:
@@ -358,7 +416,7 @@ def first_divergence(
     weft_gap = first.logprob - second.logprob
     row = reference_logits[prompt_length - 1 + step]
     reference_gap = float(row[reference_token] - row[weft_token])
-    threshold = tie_threshold(dtype, row)
+    threshold = bound * float(logit_scale(row))
     tie = second_token == reference_token and weft_gap <= threshold and reference_gap <= threshold
     return Divergence(
         step=step, weft_token=weft_token, reference_token=reference_token,
@@ -367,39 +425,70 @@ def first_divergence(
     )
 
 
-def _engine_greedy(
-    model: str, registry: PluginRegistry, engine: dict[str, Any], prompts: list[list[int]], max_tokens: int,
-) -> list[CompletionOutput]:
-    """Weft's greedy completions with their top-2 log-probabilities, every prompt in one ``generate`` call."""
+def _engine_runs(
+    model: str, registry: PluginRegistry, dtype: str, step_budget: int, prompts: list[list[int]],
+    continuations: list[list[int]], max_tokens: int,
+) -> tuple[list[CompletionOutput], list[RequestOutput]]:
+    """Weft's greedy completions with their top-2 log-probabilities, and each prompt followed by its
+    continuation with its prompt log-probabilities: all in one ``generate`` call."""
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
     # The reference applies no penalty, whatever the model's generation_config suggests.
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, repetition_penalty=1.0)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, repetition_penalty=1.0)
+    forced = msgspec.structs.replace(greedy, max_tokens=1, logprobs=None, prompt_logprobs=MAX_LOGPROBS)
+    requests = [*prompts, *(prompt + tokens for prompt, tokens in zip(prompts, continuations))]
+    max_model_len = max(len(ids) for ids in requests) + 1
+    block_size = EngineConfig().block_size
+    engine = {
+        "dtype": dtype, "max_num_batched_tokens": step_budget, "max_num_seqs": len(requests),
+        "max_model_len": max_model_len,
+        # Room for every request at once (each group's blocks cover at least block_size tokens),
+        # instead of the engine's default share of the device's memory.
+        "num_kv_blocks": len(requests) * -(-max_model_len // block_size),
+    }
     with LLM(model=model, registry=registry, engine=engine) as llm:
-        outputs = [output.outputs[0] for output in llm.generate(prompts, params)]
+        outputs = llm.generate(requests, [greedy] * len(prompts) + [forced] * len(prompts))
     del llm
-    gc.collect()  # the engine's weights and KV cache, before the reference loads
-    return outputs
+    gc.collect()
+    return [output.outputs[0] for output in outputs[: len(prompts)]], outputs[len(prompts) :]
+
+
+class _ReferenceRun(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    """The reference's greedy continuation of the prompt."""
+    logits: torch.Tensor
+    """Its logits (float32, on the CPU) at every position of the prompt and that continuation (its last
+    token excluded), from one full forward."""
+    noise: float
+    """The largest relative difference between its cached-decode logits and ``logits`` at the same positions."""
 
 
 def _reference_runs(
     reference_class: Any, family: ModelFamily, source: ModelSource, dtype: str, device: torch.device,
     prompts: list[list[int]], max_tokens: int,
-) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """The reference's greedy continuation of each prompt, and its logits (float32, on the CPU) at every
-    position of the prompt and that continuation (its last token excluded)."""
-    model = reference_class.from_pretrained(source.path, dtype=getattr(torch, dtype), attn_implementation="eager")
-    model = model.to(device).eval()
-    continuations, logits = [], []
+) -> list[_ReferenceRun]:
+    """The reference's greedy continuation of each prompt and its logits over them."""
+    model = _load_reference(reference_class, source, dtype).to(device).eval()
+    runs = []
     with torch.inference_mode(), family.hf_reference_context():
         for prompt in prompts:
-            tokens = _reference_greedy(model, prompt, max_tokens)
-            continuations.append(tokens)
-            logits.append(model(torch.tensor([prompt + tokens[:-1]], device=device)).logits[0].float().cpu())
+            tokens, decoded = _reference_greedy(model, prompt, max_tokens)
+            logits = model(torch.tensor([prompt + tokens[:-1]], device=device)).logits[0].float().cpu()
+            full = logits[len(prompt) - 1 :]
+            noise = float(((decoded - full).abs().amax(-1) / logit_scale(full)).max())
+            runs.append(_ReferenceRun(tokens, logits, noise))
     del model
-    gc.collect()
-    return continuations, logits
+    gc.collect()  # the reference's weights, before the engine loads
+    return runs
+
+
+def _load_reference(reference_class: Any, source: ModelSource, dtype: str) -> Any:
+    options = {"dtype": getattr(torch, dtype), "attn_implementation": "eager"}
+    if source.format == "gguf":
+        path = Path(source.path)  # dequantized in memory, as Weft's gguf loader does
+        return reference_class.from_pretrained(str(path.parent), gguf_file=path.name, **options)
+    return reference_class.from_pretrained(source.path, **options)
 
 
 def _import_transformers() -> Any:
@@ -426,17 +515,19 @@ def _reference_class(transformers: Any, family: ModelFamily, architecture: str) 
     return found
 
 
-def _reference_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
-    """``count`` greedy tokens: the argmax of the reference's logits at each step, with its own KV cache."""
+def _reference_greedy(model: Any, prompt: list[int], count: int) -> tuple[list[int], torch.Tensor]:
+    """``count`` greedy tokens, the argmax of the reference's logits at each step with its own KV cache;
+    and those logits (float32, on the CPU)."""
     # transformers 5.24 names the KV cache `cache`; earlier releases `past_key_values`.
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     output = model(torch.tensor([prompt], device=model.device), use_cache=True)
-    tokens = [int(output.logits[0, -1].argmax())]
-    while len(tokens) < count:
-        step = torch.tensor([tokens[-1:]], device=model.device)
+    rows = [output.logits[0, -1].float().cpu()]
+    while len(rows) < count:
+        step = torch.tensor([[int(rows[-1].argmax())]], device=model.device)
         output = model(step, use_cache=True, **{name: getattr(output, name)})
-        tokens.append(int(output.logits[0, -1].argmax()))
-    return tokens
+        rows.append(output.logits[0, -1].float().cpu())
+    logits = torch.stack(rows)
+    return logits.argmax(-1).tolist(), logits
 
 
 def _preview(prompt: str, width: int = 24) -> str:

@@ -120,7 +120,7 @@ def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
         assert expected in result.stderr, (text, result.stderr)
     good = site.weft("config", "show", "--json", "--config", str(write(tmp_path, '[plugins.store]\nmaster = "h:1"\n')))
     assert good.returncode == 0, good.stderr
-    assert last_json(good.stdout)["plugins"] == {"store": {"master": "h:1", "segment_bytes": 1024}}
+    assert last_json(good.stdout)["plugins"] == {"lock": None, "store": {"master": "h:1", "segment_bytes": 1024}}
 
 
 def test_errors_blame_the_right_source(site, tmp_path):
@@ -162,7 +162,7 @@ def test_a_name_shared_by_two_slots_needs_a_qualified_table(site, tmp_path):
     assert ambiguous.returncode == 1 and '[plugins."platform.dual"]' in ambiguous.stderr
     qualified = site.weft("config", "show", "--json", "--set", 'plugins."platform.dual".threads=4')
     assert qualified.returncode == 0, qualified.stderr
-    assert last_json(qualified.stdout)["plugins"] == {"platform.dual": {"threads": 4}}
+    assert last_json(qualified.stdout)["plugins"] == {"lock": None, "platform.dual": {"threads": 4}}
 
 
 def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
@@ -180,7 +180,7 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
             comments.setdefault(table, []).append(line)
     everything = last_json(site.weft("config", "show", "--json", "--set", "engine.max_model_len=256", cwd=tmp_path).stdout)
     unset = 0
-    for name in ("", "engine", "server"):
+    for name in ("", "engine", "server", "plugins"):
         section = everything[name] if name else everything
         for key, value in section.items():
             if value is None:  # TOML has no null: a comment naming the key and what leaving it unset means
@@ -188,7 +188,7 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
                 assert any(line.startswith(f"# {key}: unset (") for line in comments.get(name, [])), (name, key)
             elif not isinstance(value, dict):  # tables are compared key by key on their own
                 assert (shown[name] if name else shown)[key] == value, (name, key)
-    assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins_lock"] is None
+    assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins"]["lock"] is None
     assert shown["engine"]["max_model_len"] == 256
 
 

@@ -633,6 +633,8 @@ def _toml_key(key: str) -> str:
 
 def _description(path: tuple[str, ...]) -> str:
     """The description of the weft.toml key at ``path`` ('' for a plugin's own option)."""
+    if path == ("plugins", "lock"):
+        path = ("plugins_lock",)  # the field holding [plugins] lock (weft.config.to_builtins)
     struct: Any = WeftConfig
     for part in path:
         fields = {field.encode_name: field for field in msgspec.structs.fields(struct)} if _is_struct(struct) else {}

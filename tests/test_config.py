@@ -151,6 +151,7 @@ def test_config_show_prints_every_installed_plugins_options_with_their_defaults(
     ], table
     shown = last_json(site.weft("config", "show", "--json", cwd=tmp_path).stdout)
     assert shown["plugins"]["cachey"] == {"path": None, "max_bytes": 1048576}
+    assert last_json(site.weft("config", "show", "--json", cwd=tmp_path).stdout)["plugins"]["lock"] is None
 
 
 def test_errors_blame_the_right_source(site, tmp_path):
@@ -212,7 +213,7 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
             comments.setdefault(table, []).append(line)
     everything = last_json(site.weft("config", "show", "--json", "--set", "engine.max_model_len=256", cwd=tmp_path).stdout)
     unset = 0
-    for name in ("", "engine", "server"):
+    for name in ("", "engine", "server", "plugins"):
         section = everything[name] if name else everything
         for key, value in section.items():
             if value is None:  # TOML has no null: a comment naming the key and what leaving it unset means
@@ -220,7 +221,7 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
                 assert any(line.startswith(f"# {key}: unset (") for line in comments.get(name, [])), (name, key)
             elif not isinstance(value, dict):  # tables are compared key by key on their own
                 assert (shown[name] if name else shown)[key] == value, (name, key)
-    assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins_lock"] is None
+    assert unset >= 4 and everything["server"]["api_key"] is None and everything["plugins"]["lock"] is None
     assert shown["engine"]["max_model_len"] == 256
 
 

@@ -398,9 +398,13 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
 
 
 
-def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_device(checkpoint):
-    """`weft generate` joins a running Ray cluster (plugins.ray.address) and places two ranks as actors."""
+def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_device(checkpoint, site, tmp_path):
+    """`weft generate` joins a running Ray cluster (plugins.ray.address) and places two ranks as actors; an actor
+    whose machine lacks a plugin of the engine's lock refuses to start, naming its rank and the difference."""
     import json
+    import socket
+
+    from weft.plugins.lock import freeze
 
     ray = pytest.importorskip("ray")
     model = checkpoint("llama")
@@ -426,6 +430,19 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
         with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}, tensor_parallel_size=2,
                  distributed_executor_backend="ray", plugins={"ray": {"address": address}}) as spread:
             chosen = [output.outputs[0].text for output in spread.generate(prompts, constrained)]
+        # The engine's process sees one more plugin (its own site folder) than the cluster's actors do.
+        site.add_distribution("weft-alpha", entry_points={"weft.hooks": {"alpha": "weft_alpha"}},
+                              modules={"weft_alpha": ""})
+        lock = tmp_path / "weft.lock"
+        lock.write_text(site.weft("plugins", "freeze").stdout)
+        assert "weft-alpha" in lock.read_text() and "weft-alpha" not in freeze()
+        refused = subprocess.run(
+            [sys.executable, "-m", "weft.cli", "generate", "--model", str(model), "--max-tokens", "2", "--prompt", "hi",
+             "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+             "--set", f'plugins.ray.address="{address}"', "--set", "engine.cpu_kv_cache_bytes=1048576"],
+            capture_output=True, text=True, timeout=600,
+            env={**_environment(), "PYTHONPATH": site.env()["PYTHONPATH"], "WEFT_PLUGINS_LOCK": str(lock)},
+        )
     finally:
         ray.shutdown()
     assert run.returncode == 0, run.stderr[-3000:]
@@ -433,6 +450,10 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
     assert [result["outputs"][0]["token_ids"] for result in results] == expected
     assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
     assert chosen == expected_choice and set(chosen) <= {"yes, certainly", "no, never", "maybe later"}
+    assert refused.returncode == 1
+    assert re.search(rf"weft: error: the installed plugins on {re.escape(socket.gethostname())} \(Ray worker rank \d\) "
+                     rf"differ from the lock {re.escape(str(lock))} \(named by WEFT_PLUGINS_LOCK\):\n"
+                     rf"  - weft-alpha 0.1.0 removed: locked, but not installed\n", refused.stderr), refused.stderr[-3000:]
 
 
 def test_a_gguf_model_is_read_in_slices():

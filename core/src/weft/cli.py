@@ -678,6 +678,8 @@ def _toml_key(key: str) -> str:
 
 def _description(path: tuple[str, ...], plugin_options: dict[str, type]) -> str:
     """The description of the weft.toml key at ``path`` (a plugin's own option: from its options Struct)."""
+    if path == ("plugins", "lock"):
+        path = ("plugins_lock",)  # the field holding [plugins] lock (weft.config.to_builtins)
     struct: Any = WeftConfig
     if len(path) > 2 and path[0] == "plugins" and path[1] in plugin_options:
         struct, path = plugin_options[path[1]], path[2:]

@@ -3,7 +3,6 @@
 ::
 
     model = "smollm2-135m-instruct"   # alias, local folder, GGUF file, or HF repo id (downloaded if missing)
-    plugins_lock = "weft.lock"        # optional: `weft plugins freeze` output; engine starts verify against it
     [use]                             # which plugin fills each slot; "auto" lets the platform decide
     platform = "auto"
     attention = "auto"
@@ -16,6 +15,8 @@
     generation_config = "auto"        # sampling defaults: the model's; "none": Weft's; or a folder with generation_config.json
     [server]
     port = 8000
+    [plugins]
+    lock = "weft.lock"                # optional: `weft plugins freeze` output; engine starts verify against it
     [plugins.mooncake]                # each plugin's own options, checked against its Options Struct
 
 Values come from, in increasing precedence: the defaults below, the file,
@@ -191,7 +192,8 @@ class WeftConfig(_Section, frozen=True):
         Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "
                          "different installed plugin set; default: $WEFT_PLUGINS_LOCK if set"),
     ] | None = None
-    """A top-level key, not ``[plugins] lock``: ``[plugins]`` holds one options table per plugin name."""
+    """Spelled ``[plugins] lock`` in weft.toml (``plugins_lock``, the older spelling, is still read; giving both is
+    an error): :func:`load_config` moves it here, so ``plugins`` holds only the per-plugin option tables."""
     use: UseConfig = msgspec.field(default_factory=UseConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -242,17 +244,19 @@ def load_config(
             raw = msgspec.toml.decode(data)
         except msgspec.DecodeError as error:
             raise ConfigError(f"{source}: not valid TOML: {error}") from None
+    lock = _take_plugins_lock(raw, source)
+    if lock is not None:  # a lock named in the file is found next to it, wherever the command runs
+        lock = str(Path(path).parent / lock)
     override_paths = set()
     for key, value in _flatten(overrides or {}):
         _set_path(raw, key, value)
         override_paths.add(key)
+    overridden = _take_plugins_lock(raw, OVERRIDE_SOURCE)
+    raw["plugins_lock"] = lock if overridden is None else overridden
     try:
         config = msgspec.convert(raw, WeftConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
-    if config.plugins_lock is not None and path is not None and "plugins_lock" not in override_paths:
-        # A lock named in the file is found next to it, wherever the command runs.
-        config = msgspec.structs.replace(config, plugins_lock=str(Path(path).parent / config.plugins_lock))
     _check_parallel(config, source, override_paths)
     _check_generation_config(config, source, override_paths)
     if config.plugins:
@@ -261,6 +265,34 @@ def load_config(
         plugins = validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
         config = msgspec.structs.replace(config, plugins=plugins)
     return config
+
+
+def _take_plugins_lock(raw: dict[str, Any], source: str) -> str | None:
+    """Remove from ``raw`` the plugin lock it names, ``[plugins] lock`` or ``plugins_lock``, and return it.
+
+    Taken from the file before the overrides apply and again after, so an override's lock wins and an override
+    of the whole ``plugins`` table keeps the file's.
+    """
+    plugins = raw.get("plugins")
+    named = {}
+    if isinstance(plugins, dict) and "lock" in plugins:
+        named["plugins.lock"] = plugins["lock"]
+        raw["plugins"] = {key: value for key, value in plugins.items() if key != "lock"}
+    if "plugins_lock" in raw:
+        named["plugins_lock"] = raw.pop("plugins_lock")
+    if len(named) > 1:
+        raise ConfigError(
+            f"{source}: plugins.lock and plugins_lock both name the plugin lock; keep [plugins] lock only"
+        )
+    for key, value in named.items():
+        if not isinstance(value, str):
+            table = "; a plugin named 'lock' takes its options as [plugins.\"<slot>.lock\"]"
+            raise ConfigError(
+                f"{source}: {key}: expected str (a lock file written by `weft plugins freeze`), got "
+                f"{type(value).__name__} {value!r}{table if key == 'plugins.lock' else ''}"
+            )
+        return value
+    return None
 
 
 def world_size(engine: EngineConfig) -> int:
@@ -411,6 +443,7 @@ def validate_plugin_options(
 def to_builtins(config: WeftConfig, *, reveal_secrets: bool = False) -> dict[str, Any]:
     """The configuration as plain data, every key included (unset ones as None), the API key masked."""
     data = msgspec.to_builtins(config)
+    data["plugins"] = {"lock": data.pop("plugins_lock"), **data["plugins"]}  # where weft.toml spells it
     if data["server"].get("api_key") and not reveal_secrets:
         data["server"]["api_key"] = "***"
     return data

@@ -1,7 +1,9 @@
 """The launcher of a node other than node 0: ``weft serve`` there runs this node's workers for node 0's engine.
 
-It connects to node 0's store (waiting for it up to ``engine.distributed.worker_timeout``),
-refuses to start when its configuration differs from node 0's, starts one worker
+It first verifies this node's installed plugins against the plugin lock its configuration
+names (:mod:`weft.plugins.lock`), before it loads anything. Then it connects to node 0's
+store (waiting for it up to ``engine.distributed.worker_timeout``), refuses to start when
+its configuration differs from node 0's, starts one worker
 process per local rank, then watches: every second it tells the engine its node is
 alive, reports a worker that died (rank and cause) and stops the others, and stops
 them too when node 0 is gone. It exits 0 when its workers stopped because the
@@ -21,6 +23,7 @@ from weft.config import ConfigError, WeftConfig
 from weft.distributed.messages import NodeAlive, WorkerFailed
 from weft.distributed.placement import placement
 from weft.distributed.rendezvous import StoreAddress, connect_store, leader_config
+from weft.plugins.lock import verify_plugin_lock
 
 logger = logging.getLogger("weft.distributed")
 
@@ -29,6 +32,7 @@ HEARTBEAT_SECONDS = 1.0
 
 def run_node(config: WeftConfig) -> int:
     """Run this node's workers until node 0's engine shuts down; returns the exit status."""
+    verify_plugin_lock(config)  # this node's own installation, before torch, the store or any worker
     import torch.multiprocessing as torch_mp
     import zmq
 

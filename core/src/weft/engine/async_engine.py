@@ -47,6 +47,7 @@ from weft.engine.frontend import Frontend
 from weft.engine.output_processor import OutputProcessor, RequestOutputState
 from weft.outputs import Logprob
 from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
 from weft.sampling_params import SamplingParams
 
 logger = logging.getLogger("weft.engine")
@@ -104,6 +105,7 @@ class AsyncEngine:
 
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None, max_queued_requests: int = 1024,
                  startup_timeout: float = 3600.0, request_timeout: float | None = None) -> None:
+        verify_plugin_lock(config)  # before the frontend resolves the model (the core process checks again)
         self.config = config
         self.registry = registry or PluginRegistry()
         self.frontend = Frontend(config, self.registry)

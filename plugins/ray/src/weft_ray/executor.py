@@ -11,7 +11,10 @@ The engine core reserves one bundle per rank (``{"GPU": 1, "CPU": 1}`` on an acc
 ``{"CPU": 1}`` on the CPU platform); Ray puts them on the cluster's nodes (PACK fills a node
 before the next, SPREAD spreads them). Each actor makes its rank's worker exactly as a worker
 process of the ``mp`` executor does (:func:`weft.distributed.worker_process.build_worker`):
-the ranks meet at a TCP store the engine core serves and join torch.distributed. Every step
+the ranks meet at a TCP store the engine core serves and join torch.distributed. Before that,
+each actor verifies its machine's installed plugins against the plugin lock the engine core
+read (``[plugins] lock`` or ``WEFT_PLUGINS_LOCK``; the file need not exist on the actor's
+node) and refuses, naming its rank and host, when they differ. Every step
 goes to every actor; the output rank's answer is the step's output. A step with structured
 outputs goes as two calls to every actor, the forward and then the sampling with the step's
 grammar bitmask (an actor runs its calls in order).
@@ -43,6 +46,8 @@ from weft.contracts.executor import (
 )
 from weft.distributed.rendezvous import StoreAddress
 from weft.distributed.workers import check_layout, merge_worker_info
+from weft.plugins.errors import PluginError
+from weft.plugins.lock import NamedLock, configured_lock, verify_installed
 from weft.resolve import parallel_layout
 
 logger = logging.getLogger("weft.ray")
@@ -58,12 +63,15 @@ class RayOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 class RayWorker:
     """One rank in a Ray actor (``ray.remote`` is applied when the executor starts)."""
 
-    def start(self, config: Any, layout: Any, store: StoreAddress) -> tuple[int, str]:
+    def start(self, config: Any, layout: Any, store: StoreAddress, lock: NamedLock | None) -> tuple[int, str]:
+        """``lock``: the plugin lock the engine core read, which this actor's machine must match (None: none named)."""
         from weft.distributed.rendezvous import connect_store
         from weft.distributed.worker_process import build_worker
         from weft.plugins.registry import problems_reported_by_parent
 
         problems_reported_by_parent()  # the engine's process logged the installed plugins' problems
+        if lock is not None:
+            verify_installed(lock, f" on {socket.gethostname()} (Ray worker rank {layout.rank})")
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [rank {layout.rank}]: %(message)s")
         # Ray gives the actor its bundle's device alone (CUDA_VISIBLE_DEVICES): it is device 0 here.
         self.worker, self.parallel = build_worker(config, layout, 0, connect_store(store))
@@ -116,6 +124,7 @@ class RayExecutor(Executor):
         from weft.plugins.selection import select_platform
 
         self.layout = parallel_layout(config)
+        lock = configured_lock(config)
         world = self.layout.world_size
         self.timeout = config.engine.distributed.worker_timeout
         check_layout(config, registry, None)  # Ray places the ranks: whether a node has the devices is its call
@@ -148,7 +157,7 @@ class RayExecutor(Executor):
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
                     name=f"weft-worker-{rank}-{os.getpid()}",
                 ).remote())
-            started = self.wait([actor.start.remote(config, self.layout.at_rank(rank), address)
+            started = self.wait([actor.start.remote(config, self.layout.at_rank(rank), address, lock)
                                  for rank, actor in enumerate(self.actors)], "start", time.monotonic() + self.timeout)
             self.pids = dict(enumerate(started))
             logger.info("%d Ray workers joined (%s)", world, ", ".join(sorted({host for _, host in started})))
@@ -188,6 +197,9 @@ class RayExecutor(Executor):
                     self._fail(f"worker rank {rank}{self._where(rank)} died: {_first_line(error)}")
                 except RayTaskError as error:
                     cause = error.cause if getattr(error, "cause", None) is not None else error
+                    if isinstance(cause, PluginError):  # an actor refused to start (the plugin lock): its whole message
+                        self._kill_actors()
+                        raise cause from None
                     self._fail(f"worker rank {rank}{self._where(rank)} failed: {type(cause).__name__}: {_first_line(cause)}")
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"the workers did not {phase} within engine.distributed.worker_timeout = {self.timeout:g} s")

@@ -177,10 +177,10 @@ def stale_lock(site: Site, path: Path) -> str:
             f"  - weft-alpha 0.1.0 added")
 
 
-@pytest.mark.parametrize("command", [["serve"], ["generate", "hello"]])
-def test_serve_and_generate_check_the_lock_before_the_model(site, tmp_path, command):
+@pytest.mark.parametrize("command", [["serve", "--model"], ["generate", "hello", "--model"], ["verify"]])
+def test_serve_generate_and_verify_check_the_lock_before_the_model(site, tmp_path, command):
     refusal = stale_lock(site, tmp_path / "weft.lock")
-    result = site.weft(*command, "--model", "/no/such/model", WEFT_PLUGINS_LOCK=str(tmp_path / "weft.lock"))
+    result = site.weft(*command, "/no/such/model", WEFT_PLUGINS_LOCK=str(tmp_path / "weft.lock"))
     assert result.returncode == 1
     assert result.stderr.startswith(f"weft: error: {refusal}"), result.stderr
     assert "/no/such/model" not in result.stderr

@@ -54,11 +54,12 @@ from typing import Any
 import msgspec
 import torch
 
-from weft.config import EngineConfig
+from weft.config import EngineConfig, WeftConfig
 from weft.contracts.loader import ModelSource
 from weft.contracts.model import ModelFamily
 from weft.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
 from weft.plugins.selection import select_platform
 from weft.sampling_params import MAX_LOGPROBS
 
@@ -313,6 +314,7 @@ def verify(
         raise ValueError(f"max_tokens = {max_tokens}: must be >= 1")
     if not prompts:
         raise ValueError("no prompts to verify; give at least one")
+    verify_plugin_lock(WeftConfig())  # WEFT_PLUGINS_LOCK: refuse a different plugin set before importing any
     transformers = _import_transformers()
     registry = registry or PluginRegistry()
     source = resolve_checkpoint(model, registry)

@@ -19,7 +19,8 @@ def per_step_slots(
     """``logical`` ``[requests * steps, k]`` entry indices (``-1`` none), ``block_table`` ``[requests, blocks]``.
 
     Returns ``(by_step, slots, valid)``: the physical slots laid out ``[steps, requests, k]``, the same
-    storage viewed in token order ``[requests * steps, k]``, and each row's count of valid entries.
+    slots in token order ``[requests * steps, k]`` (a copy: the strided view cannot be flattened in
+    place), and each row's count of valid entries.
     """
     requests = block_table.shape[0]
     k = logical.shape[-1]

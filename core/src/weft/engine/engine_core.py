@@ -124,7 +124,7 @@ class EngineCore:
             self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, StepHandle | None] | None = None
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
-        waits for the bitmask being filled (:attr:`_bitmask`)."""
+        waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
         self._bitmask: Future[GrammarOutput] | None = None
         logger.info(
             "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
@@ -194,18 +194,20 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step: what finished steps produced (with asynchronous scheduling, the step before the one launched).
 
-        A step with structured outputs samples once the core has filled its bitmask, while the
-        workers run its forward; the mask needs every earlier token, so the step in flight is
-        applied first. With asynchronous scheduling the fill runs on the structured-output thread
-        across the return to the caller: the step in flight is then one whose sampling waits for
-        its mask (its handle is None), sampled by the next call once it has scheduled the step
+        A step with structured outputs samples once the core has filled its bitmask on the
+        structured-output thread, while the workers run its forward; the mask needs every earlier
+        token, so the step in flight is applied first. With asynchronous scheduling the fill also
+        runs across the return to the caller: the step in flight is then one whose sampling waits
+        for its mask (its handle is None), sampled by the next call once it has scheduled the step
         after it."""
         self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
+            if output.structured_output_request_ids:
+                self._bitmask = self._grammar_output(output)  # filled while the forward runs
             handle = self.executor.execute_model(output)
             if handle is None:
-                handle = self.executor.sample_tokens(self._grammar_output(output).result())
+                handle = self.executor.sample_tokens(self._take_bitmask())
             return self._apply(output, handle)
         results: list[EngineCoreOutput] = []
         launched = None
@@ -234,9 +236,12 @@ class EngineCore:
     def _sample_in_flight(self) -> None:
         """Sample the step in flight if it waits for its bitmask."""
         if self._in_flight is not None and self._in_flight[1] is None:
-            output, bitmask, self._bitmask = self._in_flight[0], self._bitmask, None
-            assert bitmask is not None
-            self._in_flight = (output, self.executor.sample_tokens(bitmask.result()))
+            self._in_flight = (self._in_flight[0], self.executor.sample_tokens(self._take_bitmask()))
+
+    def _take_bitmask(self) -> GrammarOutput:
+        bitmask, self._bitmask = self._bitmask, None
+        assert bitmask is not None
+        return bitmask.result()
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:

@@ -161,7 +161,7 @@ class StructuredOutputManager:
         if not masked:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
-        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,misc]
+        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,arg-type]
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
 
     def _rows(self, count: int) -> torch.Tensor:

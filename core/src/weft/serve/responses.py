@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from weft.engine.async_engine import Delta
 from weft.serve import protocol as p
 from weft.serve import structured, tools
-from weft.serve.app import Server, _sse, _start_constrained, field_of, request_id
 from weft.serve.body import HTTPError, error_type
+from weft.serve.server import Server, field_of, request_id, sse, start_constrained
 
 logger = logging.getLogger("weft.serve")
 
@@ -55,8 +55,8 @@ async def responses(server: Server, request: Request) -> Response:
         body.max_output_tokens, None, constraint=constraint, **extra,
     )
     tail = server.prompt_tail(prompt)
-    output, ids = await _start_constrained(server, request, [prompt], params, field, None,
-                                           server.grammar_starts_after(tail, constraint))
+    output, ids = await start_constrained(server, request, [prompt], params, field, None,
+                                          server.grammar_starts_after(tail, constraint))
     response = ResponseObject(server, body, prompt, request_id(request))
     reply = server.reply(tail, settings)
     if body.stream:
@@ -247,7 +247,7 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
     def event(kind: str, **fields: Any) -> bytes:
         nonlocal sequence
         sequence += 1
-        return f"event: {kind}\n".encode() + _sse({"type": kind, "sequence_number": sequence - 1, **fields})
+        return f"event: {kind}\n".encode() + sse({"type": kind, "sequence_number": sequence - 1, **fields})
 
     items = _StreamedItems(response, event)
     try:

@@ -335,8 +335,7 @@ def _load_rank(folder: Path, family, rank: int, **layout: object):
     from weft.builtins.safetensors_loader import SafetensorsLoader
     from weft.contracts.loader import WeightSlice
     from weft.contracts.model import ModelConfig
-    from weft.contracts.parallel import ParallelLayout
-    from weft.distributed.communicator import Communicator
+    from weft.contracts.parallel import Communicator, ParallelLayout
     from weft.distributed.state import ParallelGroups, using_parallel
 
     class Recording(_Recording, WeightSlice):

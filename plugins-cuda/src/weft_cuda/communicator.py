@@ -23,7 +23,7 @@ import warnings
 from typing import Any
 
 import torch
-from weft.distributed.communicator import Communicator
+from weft.contracts.parallel import Communicator
 
 logger = logging.getLogger("weft.cuda")
 

@@ -15,11 +15,24 @@ over the tensor ranks of its stage instead of sharding each expert.
 A family reads the layout from :attr:`weft.contracts.model.ModelConfig.parallel`
 (sizes, its rank, its layers) and the collectives from
 :func:`weft.distributed.state.current_parallel` while its module is built.
+
+The collectives of one process group are a :class:`Communicator`: plain
+torch.distributed calls (gloo on CPU, NCCL on CUDA, whatever the platform names).
+A platform may return a faster subclass from
+:meth:`weft.contracts.platform.Platform.communicator`; weft-cuda's reduces small
+messages through symmetric memory so decode graphs can capture them. With one
+rank every collective returns its input: the same layers serve one device and
+many. Like the rest of the contracts, importing this module imports no torch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,3 +143,46 @@ def check_heads(name: str, num_heads: int, tensor_parallel_size: int, replicable
         f"engine.tensor_parallel_size = {tensor_parallel_size} does not divide the model's {num_heads} {name}; "
         f"use a tensor_parallel_size among {', '.join(map(str, choices[:8]))}"
     )
+
+
+class Communicator:
+    """All-reduce and all-gather over ``group`` (a torch.distributed process group; None: one rank)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        if group is None:
+            self.size, self.rank = 1, 0
+        else:
+            import torch.distributed as dist
+
+            self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (may reuse ``tensor``'s memory)."""
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim``, rank 0 first."""
+        if self.size == 1:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def can_capture(self, dtype: torch.dtype) -> bool:
+        """Whether collectives on ``dtype`` may be captured in the platform's graphs. Not plain
+        torch.distributed's (NCCL hung there): with such a communicator decode runs eagerly under
+        tensor parallelism."""
+        return False
+
+    def close(self) -> None:
+        """Release what the communicator holds."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from weft.contracts.parallel import Communicator
 from weft.contracts.plugin import PluginBase
 
 if TYPE_CHECKING:
@@ -135,12 +136,10 @@ class Platform(PluginBase):
     def communicator(self, group: Any, device: torch.device) -> Any:
         """The collectives tensor-parallel layers run over ``group`` (a torch.distributed process group).
 
-        Default: :class:`weft.distributed.communicator.Communicator`, plain torch.distributed calls on
+        Default: :class:`weft.contracts.parallel.Communicator`, plain torch.distributed calls on
         :attr:`distributed_backend`. A platform returns a subclass with faster collectives; one whose
         ``can_capture(dtype)`` is true lets decode graphs capture them (added in core API 1.4).
         """
-        from weft.distributed.communicator import Communicator
-
         return Communicator(group, device)
 
     def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -4,7 +4,6 @@
                    torch-free
 ``rendezvous``     the store every rank meets at and the engine's step channel addresses published in it
 ``state``          this process's parallel groups: tensor-parallel collectives, pipeline sends, the token broadcast
-``communicator``   the collectives tensor-parallel layers call (platforms may provide faster ones)
 ``messages``       what the engine core and worker processes say to each other
 ``worker_process`` the main function of a worker process (``mp`` executor, and the launcher of every other node)
 ``node``           the launcher of a node other than node 0: starts its workers and watches them

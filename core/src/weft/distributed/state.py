@@ -5,7 +5,7 @@
 the same order: one tensor-parallel group per stage, one pipeline group per tensor
 rank, and a gloo group over the whole world for small host-side exchanges (NCCL
 moves device tensors only). The model's layers find the tensor-parallel
-:class:`~weft.distributed.communicator.Communicator` through :func:`current_parallel`
+:class:`~weft.contracts.parallel.Communicator` through :func:`current_parallel`
 while the model is built; the runner uses the rest (pipeline sends, the sampled
 tokens' broadcast, the KV connector's reports).
 
@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weft.contracts.parallel import ParallelLayout
-from weft.distributed.communicator import Communicator
+from weft.contracts.parallel import Communicator, ParallelLayout
 
 if TYPE_CHECKING:
     from weft.contracts.platform import Platform

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.contracts.loader import WeightSlice, as_slice
-from weft.distributed.communicator import Communicator
+from weft.contracts.parallel import Communicator
 from weft.distributed.state import current_parallel
 from weft.layers.linear import Embedding, Linear
 

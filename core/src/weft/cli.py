@@ -568,7 +568,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from weft.distributed.placement import placement
 
     if placement(config).node_rank > 0:
-        from weft.distributed.node import run_node
+        from weft.entrypoints.node import run_node
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return run_node(config)

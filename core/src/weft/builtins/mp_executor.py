@@ -6,7 +6,7 @@ that every worker subscribes to (a step is encoded once), answers come back on
 the other. It starts this node's ranks with torch.multiprocessing's spawn; the
 launchers of other nodes (``weft serve`` with ``engine.distributed.node_rank``
 above 0) start theirs, and every rank joins torch.distributed through the same
-store (:mod:`weft.distributed.worker_process`).
+store (:mod:`weft.runner.worker_process`).
 
 Per step the workers run the scheduler's output; the output rank (the last
 pipeline stage's first tensor rank) sends the sampled tokens back. Whenever the
@@ -132,7 +132,7 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         import torch.multiprocessing as torch_mp
 
-        from weft.distributed.worker_process import run_worker
+        from weft.runner.worker_process import run_worker
 
         spawn = torch_mp.get_context("spawn")
         for local_rank, rank in enumerate(self.placement.node_ranks(0)):

@@ -28,7 +28,7 @@ read the configuration), in every process that starts an engine or its workers
 from its own installation: ``EngineCore`` (``LLM``, ``weft generate``, the core
 process of ``weft serve``), ``AsyncEngine`` (``weft serve``'s API process,
 before it resolves the model), the launcher of each node other than node 0
-(:func:`weft.distributed.node.run_node`), and each Ray actor of weft-ray
+(:func:`weft.entrypoints.node.run_node`), and each Ray actor of weft-ray
 (:func:`verify_installed`, against the lock the engine read: the actor may run
 on a machine without the file). The ``mp`` executor's worker processes are
 spawned from the interpreter of a launcher that checked, so they do not check

@@ -10,7 +10,7 @@
 The engine core reserves one bundle per rank (``{"GPU": 1, "CPU": 1}`` on an accelerator,
 ``{"CPU": 1}`` on the CPU platform); Ray puts them on the cluster's nodes (PACK fills a node
 before the next, SPREAD spreads them). Each actor makes its rank's worker exactly as a worker
-process of the ``mp`` executor does (:func:`weft.distributed.worker_process.build_worker`):
+process of the ``mp`` executor does (:func:`weft.runner.worker_process.build_worker`):
 the ranks meet at a TCP store the engine core serves and join torch.distributed. Before that,
 each actor verifies its machine's installed plugins against the plugin lock the engine core
 read (``[plugins] lock`` or ``WEFT_PLUGINS_LOCK``; the file need not exist on the actor's
@@ -66,8 +66,8 @@ class RayWorker:
     def start(self, config: Any, layout: Any, store: StoreAddress, lock: NamedLock | None) -> tuple[int, str]:
         """``lock``: the plugin lock the engine core read, which this actor's machine must match (None: none named)."""
         from weft.distributed.rendezvous import connect_store
-        from weft.distributed.worker_process import build_worker
         from weft.plugins.registry import problems_reported_by_parent
+        from weft.runner.worker_process import build_worker
 
         problems_reported_by_parent()  # the engine's process logged the installed plugins' problems
         if lock is not None:

@@ -36,9 +36,9 @@ def run_node(config: WeftConfig) -> int:
     import torch.multiprocessing as torch_mp
     import zmq
 
-    from weft.distributed.worker_process import run_worker
     from weft.distributed.workers import exit_cause
     from weft.resolve import parallel_layout
+    from weft.runner.worker_process import run_worker
 
     where = placement(config)
     if where.node_rank == 0:

@@ -1,7 +1,7 @@
 """The main function of one worker process: a rank of the model.
 
 Started by the ``mp`` executor on node 0 and by the node launcher
-(:mod:`weft.distributed.node`) on the others, with spawn. It connects to the
+(:mod:`weft.entrypoints.node`) on the others, with spawn. It connects to the
 store, reads the engine's channel addresses there, joins torch.distributed,
 builds its :class:`~weft.runner.worker.Worker`, then follows the engine's
 messages (:mod:`weft.distributed.messages`). Any error is sent to the engine

@@ -163,7 +163,7 @@ def test_weft_toml_names_the_lock_in_the_plugins_table_and_config_show_prints_it
     assert shown.returncode == 0, shown.stderr
     assert tomllib.loads(shown.stdout)["plugins"]["lock"] == expected, shown.stdout
     as_json = site.weft("config", "show", "--json", "--config", str(weft_toml))
-    assert last_json(as_json.stdout)["plugins"] == {"lock": expected}
+    assert last_json(as_json.stdout)["plugins"]["lock"] == expected
     (tmp_path / "empty").mkdir()
     unset = site.weft("config", "show", cwd=tmp_path / "empty")
     assert "[plugins]\n# lock: unset (lock file from `weft plugins freeze`" in unset.stdout, unset.stdout

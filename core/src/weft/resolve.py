@@ -33,8 +33,8 @@ def build_platform(registry: PluginRegistry, config: WeftConfig) -> Any:
 
 def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform: Any = None) -> WeftConfig:
     """``config`` with the engine options the user left unset that the platform sizes filled in by the
-    platform, and those derived from other options (the executor, the graph sizes, the long-prefill
-    threshold) computed: the engine runs, and ``weft config show`` prints, these values."""
+    platform, and those derived from other options (:data:`weft.config.DERIVED`: the executor, the graph
+    sizes, the long-prefill threshold) computed: the engine runs, and ``weft config show`` prints, these."""
     platform = platform or build_platform(registry, config)
     config = with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
     engine = config.engine

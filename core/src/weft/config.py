@@ -204,6 +204,9 @@ class WeftConfig(_Section, frozen=True):
 PLATFORM_SIZED = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling")
 """Engine options whose default the platform chooses for its device (:meth:`Platform.engine_defaults`)."""
 
+DERIVED = ("distributed_executor_backend", "graph_batch_sizes", "long_prefill_token_threshold")
+"""Engine options whose default is computed from other options (:func:`weft.resolve.resolve_engine_config`)."""
+
 
 def with_platform_defaults(config: WeftConfig, defaults: Mapping[str, Any]) -> WeftConfig:
     """``config`` with each platform-sized engine option the user left unset taken from ``defaults``."""

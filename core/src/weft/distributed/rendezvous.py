@@ -61,12 +61,12 @@ def connect_store(address: StoreAddress) -> Any:
 
 def shared_settings(config: WeftConfig) -> bytes:
     """What every node must agree on: the model, the plugins chosen, the engine and plugin options.
-    ``[engine.distributed]`` says where each node is and the platform-sized options are node 0's to
-    choose (its resolved configuration is what every worker runs), so neither takes part."""
-    from weft.config import PLATFORM_SIZED
+    ``[engine.distributed]`` says where each node is, and the platform-sized and derived options are
+    node 0's to choose (its resolved configuration is what every worker runs), so none takes part."""
+    from weft.config import DERIVED, PLATFORM_SIZED
 
     engine = msgspec.structs.replace(
-        config.engine, distributed=type(config.engine.distributed)(), **{key: None for key in PLATFORM_SIZED}
+        config.engine, distributed=type(config.engine.distributed)(), **{key: None for key in PLATFORM_SIZED + DERIVED}
     )
     fields = {"model": config.model, "use": config.use, "engine": engine, "plugins": config.plugins}
     return msgspec.json.encode(fields, order="sorted")

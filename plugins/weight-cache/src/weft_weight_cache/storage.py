@@ -5,7 +5,7 @@ On the CPU the block is a ``memfd`` (anonymous shared memory), sealed against wr
 once filled, and handed to engines as a file descriptor over the socket; an engine maps it
 copy-on-write, so nothing it does reaches the daemon's copy. On a GPU it is one CUDA allocation
 whose IPC handle (``cudaIpcGetMemHandle``, through torch's storage sharing) engines open on the
-same device. Tensors sit at 256-byte aligned offsets.
+same device. Parts sit at 256-byte aligned offsets.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ PROMPTS = [[1, 5, 9, 33, 70], [1, 200, 300], list(range(100, 140)), [7] * 12]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def greedy_tokens(model: Path, **engine: object) -> tuple[list[list[int]], list[int]]:
-    """The greedy tokens of every prompt, and the engine's KV blocks per group."""
-    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, **engine})
+def greedy_tokens(model: Path, sections: dict | None = None, **engine: object) -> tuple[list[list[int]], list[int]]:
+    """The greedy tokens of every prompt, and the engine's KV blocks per group (``sections``: ``use``, ``plugins``)."""
+    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, **engine}, **(sections or {}))
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         return [output.outputs[0].token_ids for output in outputs], llm.engine.core.num_blocks
@@ -172,17 +172,19 @@ def _environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(("WEFT_", "MASTER_", "TORCHELASTIC"))}
 
 
-def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoint):
-    model = checkpoint("llama")
-    expected, _ = greedy_tokens(model)
+def two_launchers(model: Path, node1_args: tuple[str, ...] = (), sections: dict | None = None,
+                  node1_env: dict[str, str] | None = None) -> tuple[list[list[int]], str]:
+    """The greedy tokens of a TP=2 engine started as two launchers on 127.0.0.1 (node 0 in this process, node 1 a
+    ``weft serve`` given ``node1_args`` and ``node1_env``; ``sections`` for both), and node 1's log."""
     port = free_port()
     common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576",
               "--set", "engine.distributed.worker_timeout=120"]
-    node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1", *node1_args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**_environment(), **(node1_env or {})})
     try:
-        got, _ = greedy_tokens(model, tensor_parallel_size=2,
+        got, _ = greedy_tokens(model, sections, tensor_parallel_size=2,
                                distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port,
                                             "worker_timeout": 120})
         status = node1.wait(timeout=60)
@@ -190,8 +192,15 @@ def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoi
         if node1.poll() is None:
             node1.kill()
         log = node1.stdout.read()
-    assert got == expected
     assert status == 0, log
+    return got, log
+
+
+def test_two_launchers_on_one_host_give_the_greedy_tokens_of_one_device(checkpoint):
+    model = checkpoint("llama")
+    expected, _ = greedy_tokens(model)
+    got, log = two_launchers(model)
+    assert got == expected
     assert "node 1 of 2: ranks 1-1" in log
 
 
@@ -330,8 +339,9 @@ class _Recording:
         return self.stored.load()
 
 
-def _load_rank(folder: Path, family, rank: int, **layout: object):
-    """Build and load ``family``'s model as ``rank`` of two tensor ranks (no process group: no forward runs)."""
+def _load_rank(folder: Path, family, rank: int, loader=None, **layout: object):
+    """Build and load ``family``'s model as ``rank`` of two tensor ranks (no process group: no forward runs)
+    through ``loader`` (default: the plain safetensors loader)."""
     from weft.builtins.safetensors_loader import SafetensorsLoader
     from weft.contracts.loader import WeightSlice
     from weft.contracts.model import ModelConfig
@@ -344,7 +354,7 @@ def _load_rank(folder: Path, family, rank: int, **layout: object):
     parallel_layout = ParallelLayout(tensor_parallel_size=2, rank=rank, **layout)
     tensor = Communicator(None, torch.device("cpu"))
     tensor.size, tensor.rank = 2, rank
-    loader = SafetensorsLoader()
+    loader = loader or SafetensorsLoader()
     source = loader.resolve(str(folder))
     config = ModelConfig(architecture=source.hf_config["architectures"][0], hf_config=source.hf_config, dtype="float32",
                          block_size=16, max_model_len=256, parallel=parallel_layout)

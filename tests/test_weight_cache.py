@@ -20,11 +20,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import free_port, make_tiny_model
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import LoadConfig
 from weft_weight_cache.client import WeightCacheClient
-from weft_weight_cache.daemon import WeightCacheServer
+from weft_weight_cache.daemon import WeightCacheServer, load_resident
 from weft_weight_cache.key import cache_key, device_identity, socket_name
 from weft_weight_cache.loader import WeightCacheLoader, WeightCacheOptions
 from weft_weight_cache.protocol import (
@@ -34,6 +34,8 @@ from weft_weight_cache.protocol import (
     GetState,
     Mismatch,
     Ok,
+    TensorEntry,
+    TensorPart,
     decode_request,
     recv_frame,
     send_frame,
@@ -46,12 +48,13 @@ from weft_weight_cache.safety import (
     check_socket_dir,
     prepare_socket_dir,
 )
-from weft_weight_cache.storage import ResidentWeights, map_arena, tensor_views
+from weft_weight_cache.reads import ResidentSlice, whole_tensors
+from weft_weight_cache.storage import ResidentWeights, map_arena, part_views
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534
 KEY = CacheKey(
-    fingerprint="f" * 64, architecture="LlamaForCausalLM", tensor_parallel_size=1, tensor_parallel_rank=0,
+    fingerprint="f" * 64, architecture="LlamaForCausalLM", model_config="c" * 64, tensor_parallel_size=1, tensor_parallel_rank=0,
     pipeline_parallel_size=1, pipeline_parallel_rank=0, dtype="float32", quantization="none", revision="r",
     weft_version="1.2.0",
 )
@@ -80,7 +83,7 @@ class Served:
     """An in-process daemon serving :func:`weights` under :data:`KEY` on the CPU slot 0."""
 
     def __init__(self, folder: Path, **kwargs) -> None:
-        self.resident = ResidentWeights(weights(), "cpu")
+        self.resident = ResidentWeights(whole_tensors(weights()), "cpu")
         self.server = WeightCacheServer(KEY, self.resident, IDENTITY, folder / socket_name(IDENTITY), **kwargs)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -93,6 +96,12 @@ class Served:
         self.server.close()
         self.thread.join(timeout=10)
         self.resident.close()
+
+
+def whole_views(block: torch.Tensor, reply: Ok) -> dict[str, torch.Tensor]:
+    """The mapped tensors of a daemon that holds each one whole."""
+    assert all(len(entry.parts) == 1 and entry.parts[0].narrow is None for entry in reply.tensors)
+    return {entry.name: views[0] for entry, views in part_views(block, reply.tensors)}
 
 
 @pytest.fixture
@@ -227,7 +236,7 @@ def test_ok_maps_the_weights_copy_on_write_and_release_ends_the_lease(served):
         os.write(fds[0], b"overwrite")  # the arena is sealed against writes
     block = map_arena(reply.arena, fds, "cpu")
     os.close(fds[0])
-    mapped = dict(tensor_views(block, reply.tensors))
+    mapped = whole_views(block, reply)
     for name, tensor in weights():
         assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
     mapped["a.weight"].fill_(7)  # a private copy: the daemon's arena is untouched
@@ -235,7 +244,7 @@ def test_ok_maps_the_weights_copy_on_write_and_release_ends_the_lease(served):
     client.release(reply.lease)
     assert not served.server.leases
     again, fds = client.get_state(KEY, IDENTITY)
-    assert torch.equal(dict(tensor_views(map_arena(again.arena, fds, "cpu"), again.tensors))["a.weight"], weights()[0][1])
+    assert torch.equal(whole_views(map_arena(again.arena, fds, "cpu"), again)["a.weight"], weights()[0][1])
     os.close(fds[0])
     client.close()
     deadline = time.monotonic() + 10
@@ -302,7 +311,7 @@ def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(
     assert all(torch.equal(with_nothing[name], expected[name]) for name in expected)
 
     key = cache_key(source, loader.load_config, "float32")
-    resident = ResidentWeights([(name, tensor + 1) for name, tensor in expected.items()], "cpu")  # tell the two apart
+    resident = ResidentWeights(whole_tensors((name, tensor + 1) for name, tensor in expected.items()), "cpu")  # tell them apart
     server = WeightCacheServer(key, resident, IDENTITY, short_dir / socket_name(IDENTITY))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -327,6 +336,64 @@ def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(
     finally:
         server.close()
         resident.close()
+
+
+def test_a_daemon_holds_only_its_ranks_parts_and_the_rank_loads_what_it_would_read_from_disk(checkpoint, short_dir, caplog):
+    """Under TP=2 each daemon holds the parts its rank's model family reads (heads, columns, vocabulary rows;
+    norms whole); a rank loading from it gets the parameters and reads it gets from disk. A PP=2 stage holds
+    no part of the other stage's layers."""
+    from test_distributed import _load_rank
+    from weft.config import load_config
+    from weft.models.llama import LlamaFamily
+    from weft.resolve import load_config_for
+
+    whole = disk_weights(checkpoint)
+    config = load_config(None, {"model": str(checkpoint), "engine.tensor_parallel_size": 2})
+    held_bytes = []
+    for rank in (0, 1):
+        key, resident = load_resident(config, load_config_for(config, "cpu", tensor_parallel_rank=rank), "safetensors")
+        entries = {entry.name: entry for entry in resident.entries}
+        assert entries.keys() == whole.keys()
+        query = entries["model.layers.0.self_attn.q_proj.weight"]  # 4 heads of 16: two per rank
+        assert query.shape == [64, 64] and [part.narrow for part in query.parts] == [[0, 32 * rank, 32]]
+        assert [part.narrow for part in entries["model.layers.0.mlp.down_proj.weight"].parts] == [[1, 64 * rank, 64]]
+        assert [part.narrow for part in entries["model.norm.weight"].parts] == [None]
+        held_bytes.append(resident.nbytes)
+
+        server = WeightCacheServer(key, resident, IDENTITY, short_dir / socket_name(IDENTITY))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            caplog.clear()
+            engine = cache_loader(short_dir, tensor_parallel_size=2, tensor_parallel_rank=rank)
+            cached, cached_reads = _load_rank(checkpoint, LlamaFamily(), rank, loader=engine)
+            assert "loading from disk" not in caplog.text and not server.leases
+            from_disk, disk_reads = _load_rank(checkpoint, LlamaFamily(), rank)
+            assert cached_reads == disk_reads
+            disk_parameters = dict(from_disk.named_parameters())
+            for name, parameter in cached.named_parameters():
+                assert torch.equal(parameter, disk_parameters[name]), name
+
+            caplog.clear()  # a family that reads whole tensors cannot use parts: the disk
+            assert dict(engine.iter_weights(engine.resolve(str(checkpoint)), "float32")).keys() == whole.keys()
+            assert "holds parts of tensors, and this model family reads whole tensors" in caplog.text
+        finally:
+            server.close()
+            resident.close()
+    whole_bytes = sum(tensor.numel() * tensor.element_size() for tensor in whole.values())
+    assert max(held_bytes) < 0.55 * whole_bytes, (held_bytes, whole_bytes)
+
+    stages = load_config(None, {"model": str(checkpoint), "engine.pipeline_parallel_size": 2})
+    _, last = load_resident(stages, load_config_for(stages, "cpu", pipeline_parallel_size=2, pipeline_parallel_rank=1),
+                            "safetensors")
+    held = {entry.name for entry in last.entries if entry.parts}
+    last.close()
+    assert held and not any(name.startswith(("model.layers.0.", "model.embed_tokens")) for name in held), held
+
+    rows = ResidentSlice(TensorEntry("w", [4, 2], [TensorPart([0, 2, 2], "float32", [2, 2], 0)]), [torch.ones(2, 2)])
+    assert torch.equal(rows.narrow(0, 2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"holds 2..3 along dim 0 of 'w' for this rank, and the model reads 0..1 along "
+                                         r"dim 0: the daemon was started with other settings"):
+        rows.narrow(0, 0, 2)
 
 
 # A real daemon process and engine processes.
@@ -402,14 +469,24 @@ def test_a_daemon_serves_an_engine_process_that_never_reads_the_checkpoint(check
     assert "lease" in log and not (short_dir / "cpu0.sock").exists()
 
 
-def test_two_nodes_on_loopback_serve_tp2_from_two_daemons(checkpoint):
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_tp2_engine_of_two_launchers_on_loopback_maps_its_ranks_from_two_daemons(checkpoint, tmp_path, monkeypatch):
+    """Two nodes on 127.0.0.1, each with its own runtime folder (so its own default socket folder), its daemon and
+    its launcher of a TP=2 engine: each daemon holds its rank's parts; with the shards' data zeroed, the engine
+    gives the greedy tokens TP=1 read from disk before, and each daemon leased its weights to the engine."""
+    from test_distributed import greedy_tokens, two_launchers
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint, model)
+    expected, _ = greedy_tokens(model)
     port = free_port()
-    folders = [Path(tempfile.mkdtemp(prefix=f"wc{node}", dir="/tmp")) for node in (0, 1)]
+    runtime = [tempfile.mkdtemp(prefix=f"wc{node}", dir="/tmp") for node in (0, 1)]
+    folders = [Path(folder) / "weft-weight-cache" for folder in runtime]
     daemons = [
         subprocess.Popen(
-            weft("weights", "serve", "--model", str(checkpoint), "--socket-dir", str(folders[node]), "--nnodes", "2",
-                 "--node-rank", str(node), "--rendezvous-port", str(port), "--tensor-parallel-size", "2"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            weft("weights", "serve", "--model", str(model), "--nnodes", "2", "--node-rank", str(node),
+                 "--rendezvous-port", str(port), "--tensor-parallel-size", "2"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "XDG_RUNTIME_DIR": runtime[node]},
         )
         for node in (0, 1)
     ]
@@ -417,25 +494,41 @@ def test_two_nodes_on_loopback_serve_tp2_from_two_daemons(checkpoint):
         lines = [daemon.stdout.readline() for daemon in daemons]
         for node, line in enumerate(lines):
             assert f"for rank {node} of 2 (tp {node}/2, pp 0/1)" in line, line + daemons[node].stderr.read()
-        source = SafetensorsLoader().resolve(str(checkpoint))
-        expected = disk_weights(checkpoint)
+        source = SafetensorsLoader().resolve(str(model))
+        expected_weights = disk_weights(model)
         for node in (0, 1):
             rank = LoadConfig(tensor_parallel_size=2, tensor_parallel_rank=node)
             client = WeightCacheClient(folders[node] / "cpu0.sock")
             reply, fds = client.get_state(cache_key(source, rank, "float32"), IDENTITY)
             assert isinstance(reply, Ok), reply
-            mapped = dict(tensor_views(map_arena(reply.arena, fds, "cpu"), reply.tensors))
+            block = map_arena(reply.arena, fds, "cpu")
             os.close(fds[0])
-            assert mapped.keys() == expected.keys() and all(torch.equal(mapped[n], expected[n]) for n in expected)
+            mapped = {entry.name: (entry, views) for entry, views in part_views(block, reply.tensors)}
+            assert mapped.keys() == expected_weights.keys()
+            for name, (entry, views) in mapped.items():  # this rank's parts only, as read from disk
+                whole = expected_weights[name]
+                assert entry.parts, name
+                for part, view in zip(entry.parts, views):
+                    assert torch.equal(view, whole if part.narrow is None else whole.narrow(*part.narrow)), name
+            query = mapped["model.layers.0.self_attn.q_proj.weight"][0]
+            assert [part.narrow for part in query.parts] == [[0, 32 * node, 32]]
             wrong = LoadConfig(tensor_parallel_size=2, tensor_parallel_rank=1 - node)
             reply, _ = client.get_state(cache_key(source, wrong, "float32"), IDENTITY)
             assert isinstance(reply, Mismatch) and reply.fields == ["tensor_parallel_rank"]
             client.close()
+
+        zero_weights_keeping_headers_and_times(model)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", runtime[0])  # node 0's engine: this process and its workers
+        got, node1_log = two_launchers(model, ("--loader", "weight-cache"), {"use": {"loader": "weight-cache"}},
+                                       {"XDG_RUNTIME_DIR": runtime[1]})
+        assert got == expected, node1_log
+        assert "loading from disk" not in node1_log
     finally:
-        for daemon in daemons:
-            stop(daemon)
-        for folder in folders:
+        logs = [stop(daemon) for daemon in daemons]
+        for folder in runtime:
             shutil.rmtree(folder, ignore_errors=True)
+    for log in logs:  # the test's client above, then the engine's rank
+        assert log.count("weight cache: lease") == 2, log
 
 
 def test_the_daemons_port_must_not_be_the_engines(checkpoint, short_dir):
@@ -445,9 +538,3 @@ def test_the_daemons_port_must_not_be_the_engines(checkpoint, short_dir):
         capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29500"},
     )
     assert result.returncode == 1 and "--rendezvous-port 29500 is the engine's MASTER_PORT" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -28,6 +28,7 @@ from weft.plugins.lock import verify_plugin_lock
 logger = logging.getLogger("weft.distributed")
 
 HEARTBEAT_SECONDS = 1.0
+SHUTDOWN_GRACE_SECONDS = 10.0
 
 
 def run_node(config: WeftConfig) -> int:
@@ -80,7 +81,7 @@ def run_node(config: WeftConfig) -> int:
                 logger.error("worker rank %d %s; stopping this node's workers", rank, cause)
                 status = 1
                 break
-            if not _node_zero_alive(store):
+            if not _node_zero_alive(store) and not _ended_with_the_engine(processes.values()):
                 logger.error("node 0 is gone; stopping this node's workers")
                 status = 1
                 break
@@ -93,6 +94,15 @@ def run_node(config: WeftConfig) -> int:
         results.close(linger=1000)
         context.term()
     return status
+
+
+def _ended_with_the_engine(processes: Any) -> bool:
+    """Whether the workers all exit cleanly within a grace period: an engine that shut down told them to
+    stop just before its store went away, so they may still be on their way out."""
+    deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    return all(process.exitcode == 0 for process in processes)
 
 
 def _node_zero_alive(store: Any) -> bool:

@@ -184,7 +184,7 @@ def serve_device(config: Any, options: Any, layout: Layout, master: str, folder:
         load_config = load_config_for(config, device, **ranks)
         if layout.world > 1:
             _join_daemon_group(master, rank, layout.world, platform.device_type)
-        key, resident, _ = load_resident(config, load_config, options.disk_loader)
+        key, resident = load_resident(config, load_config, options.disk_loader)
         if layout.world > 1:
             _check_same_checkpoint(key, rank)
         server = WeightCacheServer(key, resident, identity, folder / socket_name(identity), options.max_frame_bytes)
@@ -198,7 +198,8 @@ def serve_device(config: Any, options: Any, layout: Layout, master: str, folder:
             if dist.is_initialized():
                 dist.destroy_process_group()
     print(
-        f"weft weights: serving {config.model} ({len(resident.entries)} tensors, {resident.nbytes / 2**20:.1f} MiB, "
+        f"weft weights: serving {config.model} (this rank's parts of {sum(bool(entry.parts) for entry in resident.entries)} "
+        f"tensors, {resident.nbytes / 2**20:.1f} MiB, "
         f"{key.dtype}) for rank {rank} of {layout.world} (tp {ranks['tensor_parallel_rank']}/{layout.tp}, "
         f"pp {ranks['pipeline_parallel_rank']}/{layout.pp}) on {identity} at {server.socket_path}", flush=True,
     )

@@ -1,7 +1,8 @@
 """The daemon: one device's weights, loaded once and kept resident, served to engines over its socket.
 
 :func:`load_resident` reads the weights as an engine worker at the same place would (the same
-platform dtype, model family load dtype and ranks, through the configured disk loader);
+platform dtype, model family load dtype and ranks, through the configured disk loader), and keeps
+only what that worker reads: its rank's part of each tensor (:mod:`weft_weight_cache.reads`);
 :class:`WeightCacheServer` answers :class:`~weft_weight_cache.protocol.GetState` with an
 :class:`~weft_weight_cache.protocol.Ok` lease when the key and the device match, and
 :class:`~weft_weight_cache.protocol.Mismatch` naming the differing fields when they do not.
@@ -41,26 +42,27 @@ from weft_weight_cache.storage import ResidentWeights
 logger = logging.getLogger("weft.weight_cache")
 
 
-def load_resident(config: Any, load_config: Any, disk_loader: str) -> tuple[CacheKey, ResidentWeights, Any]:
-    """Load the weights of ``config.model`` for the worker ``load_config`` describes, with ``disk_loader``.
+def load_resident(config: Any, load_config: Any, disk_loader: str) -> tuple[CacheKey, ResidentWeights]:
+    """Load the part of ``config.model`` that the worker ``load_config`` describes reads, with ``disk_loader``.
 
-    Returns the key engines must ask for, the packed weights on ``load_config.device``, and the source.
+    Returns the key engines must ask for and the packed parts on ``load_config.device``.
     """
     from weft.plugins import PluginRegistry
     from weft.resolve import build_loader, build_platform, load_family
     from weft.runner.worker import resolve_dtype
 
     from weft_weight_cache.key import cache_key
+    from weft_weight_cache.reads import rank_reads
 
     registry = PluginRegistry()
     platform = build_platform(registry, config)
     loader = build_loader(registry, config, disk_loader, msgspec.structs.replace(load_config, loader=disk_loader))
     source = loader.resolve(config.model)
     family = load_family(registry, config, source)
-    dtype = family.load_dtype(resolve_dtype(config, platform))
-    key = cache_key(source, load_config, dtype)
-    resident = ResidentWeights(loader.iter_weights(source, dtype), load_config.device)
-    return key, resident, source
+    dtype = resolve_dtype(config, platform)
+    key = cache_key(source, load_config, family.load_dtype(dtype))
+    resident = ResidentWeights(rank_reads(config, load_config, loader, source, family, dtype), load_config.device)
+    return key, resident
 
 
 class WeightCacheServer:

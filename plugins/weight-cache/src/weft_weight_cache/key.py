@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from weft import __version__
@@ -40,6 +41,7 @@ def cache_key(source: ModelSource, load_config: LoadConfig, dtype: str) -> Cache
     quantization = (source.hf_config.get("quantization_config") or {}).get("quant_method", "none")
     return CacheKey(
         fingerprint=fingerprint(folder), architecture=(source.hf_config.get("architectures") or ["?"])[0],
+        model_config=hashlib.sha256(json.dumps(source.hf_config, sort_keys=True, default=str).encode()).hexdigest(),
         tensor_parallel_size=load_config.tensor_parallel_size, tensor_parallel_rank=load_config.tensor_parallel_rank,
         pipeline_parallel_size=load_config.pipeline_parallel_size,
         pipeline_parallel_rank=load_config.pipeline_parallel_rank, dtype=dtype, quantization=str(quantization),

@@ -35,6 +35,8 @@ class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: str
     """sha256 over the weight shards' names and safetensors headers (tensor names, dtypes, shapes, offsets)."""
     architecture: str
+    model_config: str
+    """sha256 of the model's ``config.json`` contents: head counts, sizes and tied embeddings decide each rank's part."""
     tensor_parallel_size: int
     tensor_parallel_rank: int
     pipeline_parallel_size: int
@@ -60,13 +62,23 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
 Request = GetState | Release
 
 
-class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
-    """One tensor inside the arena: its checkpoint name, dtype (``float32``), shape and byte offset."""
+class TensorPart(msgspec.Struct, frozen=True, array_like=True):
+    """One read of a checkpoint tensor, held in the arena: the range read along one axis (``[dim, start,
+    length]``; None: the whole tensor), and the bytes' dtype (``float32``), shape and byte offset."""
 
-    name: str
+    narrow: list[int] | None
     dtype: str
     shape: list[int]
     offset: int
+
+
+class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One checkpoint tensor: its name, its whole shape, and the parts the served rank reads of it
+    (none: another pipeline stage's layer, another rank's expert)."""
+
+    name: str
+    shape: list[int]
+    parts: list[TensorPart]
 
 
 class CudaHandle(msgspec.Struct, frozen=True):

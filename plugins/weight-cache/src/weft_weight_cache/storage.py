@@ -1,10 +1,11 @@
-"""The arena: every tensor of a worker's weights in one block of memory another process can map.
+"""The arena: every part of a checkpoint tensor one rank reads (:mod:`weft_weight_cache.reads`), in one
+block of memory another process can map.
 
 On the CPU the block is a ``memfd`` (anonymous shared memory), sealed against writes and resizing
 once filled, and handed to engines as a file descriptor over the socket; an engine maps it
 copy-on-write, so nothing it does reaches the daemon's copy. On a GPU it is one CUDA allocation
 whose IPC handle (``cudaIpcGetMemHandle``, through torch's storage sharing) engines open on the
-same device. Tensors sit at 256-byte aligned offsets.
+same device. Parts sit at 256-byte aligned offsets.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from weft_weight_cache.protocol import Arena, CudaHandle, TensorEntry
+from weft_weight_cache.protocol import Arena, CudaHandle, TensorEntry, TensorPart
+from weft_weight_cache.reads import TensorReads
 
 ALIGN = 256
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -27,12 +29,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
+def layout(reads: list[TensorReads]) -> tuple[list[TensorEntry], int]:
     entries, offset = [], 0
-    for name, tensor in tensors:
-        offset = -(-offset // ALIGN) * ALIGN
-        entries.append(TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), offset))
-        offset += tensor.numel() * tensor.element_size()
+    for read in reads:
+        parts = []
+        for narrow, tensor in read.parts:
+            offset = -(-offset // ALIGN) * ALIGN
+            parts.append(TensorPart(narrow, dtype_name(tensor.dtype), list(tensor.shape), offset))
+            offset += tensor.numel() * tensor.element_size()
+        entries.append(TensorEntry(read.name, list(read.shape), parts))
     return entries, max(offset, 1)
 
 
@@ -41,32 +46,32 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ResidentWeights:
-    """A daemon's weights, packed into one arena on its device."""
+    """A daemon's weights (the parts its rank reads of each checkpoint tensor), packed into one arena on its device."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], device: str) -> None:
-        tensors = list(weights)
-        self.entries, self.nbytes = layout(tensors)
+    def __init__(self, reads: Iterable[TensorReads], device: str) -> None:
+        reads = list(reads)
+        self.entries, self.nbytes = layout(reads)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             self.fd = -1
             self.block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            self._fill(self.block, tensors)
+            self._fill(self.block, reads)
             torch.cuda.synchronize(self.device)
         else:
             self.fd = os.memfd_create("weft-weight-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.fd, self.nbytes)
             with mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED) as writable:
                 block = torch.frombuffer(writable, dtype=torch.uint8)
-                self._fill(block, tensors)
+                self._fill(block, reads)
                 del block
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
 
-    def _fill(self, block: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        while tensors:
-            entry = self.entries[len(self.entries) - len(tensors)]
-            _, tensor = tensors.pop(0)  # drop the loader's copy as soon as it is in the arena
-            source = _byte_view(tensor)
-            block[entry.offset:entry.offset + source.numel()].copy_(source)
+    def _fill(self, block: torch.Tensor, reads: list[TensorReads]) -> None:
+        for entry in self.entries:
+            read = reads.pop(0)  # drop the loader's copies as soon as they are in the arena
+            for part, (_, tensor) in zip(entry.parts, read.parts):
+                source = _byte_view(tensor)
+                block[part.offset:part.offset + source.numel()].copy_(source)
 
     def describe(self) -> tuple[Arena, tuple[int, ...]]:
         """The arena for one engine, and the descriptors to pass with it."""
@@ -106,11 +111,15 @@ def map_arena(arena: Arena, fds: list[int], device: str) -> torch.Tensor:
     raise ValueError(f"weight-cache: arena kind {arena.kind!r} is not one this loader maps")
 
 
-def tensor_views(block: torch.Tensor, entries: list[TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+def part_views(block: torch.Tensor, entries: list[TensorEntry]) -> Iterator[tuple[TensorEntry, list[torch.Tensor]]]:
+    """Each checkpoint tensor's entry with views of its parts in ``block``."""
     for entry in entries:
-        dtype = getattr(torch, entry.dtype)
-        count = 1
-        for size in entry.shape:
-            count *= size
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        yield entry.name, block[entry.offset:entry.offset + nbytes].view(dtype).view(entry.shape)
+        views = []
+        for part in entry.parts:
+            dtype = getattr(torch, part.dtype)
+            count = 1
+            for size in part.shape:
+                count *= size
+            nbytes = count * torch.empty(0, dtype=dtype).element_size()
+            views.append(block[part.offset:part.offset + nbytes].view(dtype).view(part.shape))
+        yield entry, views

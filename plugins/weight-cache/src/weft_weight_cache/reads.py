@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.contracts.model import ModelFamily
-from weft.distributed.communicator import Communicator
+from weft.contracts.parallel import Communicator
 
 from weft_weight_cache.protocol import TensorEntry
 

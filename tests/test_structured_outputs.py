@@ -185,7 +185,7 @@ def test_required_and_named_tool_choice_yield_valid_calls(client):
     _validate_call(forced.message.tool_calls[0])
 
 
-def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(client):
+def test_streamed_tool_calls_come_whole_once_valid_with_their_id_and_name(client):
     choices = ("required", {"type": "function", "function": {"name": "get_weather"}})
 
     def chunks_of(tool_choice):
@@ -198,18 +198,12 @@ def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(cli
         streams = list(pool.map(chunks_of, choices))
     for tool_choice, chunks in zip(choices, streams):
         pieces = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
-        calls: dict[int, dict] = {}
-        for piece in pieces:
-            if piece.index not in calls:
-                assert piece.id and piece.function.name and piece.type == "function"  # the first piece of a call
-                calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
-            else:
-                assert piece.id is None and piece.function.name is None
-            calls[piece.index]["arguments"] += piece.function.arguments or ""
-        assert calls and len(pieces) > len(calls) + 1  # the arguments came in several pieces
-        for call in calls.values():
-            schema = next(tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == call["name"])
-            jsonschema.validate(json.loads(call["arguments"]), schema)
+        assert len(pieces) == 1  # held back until complete and valid, then sent in one piece
+        (piece,) = pieces
+        assert piece.index == 0 and piece.id.startswith("call_") and piece.type == "function"
+        schema = next(tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == piece.function.name)
+        jsonschema.validate(json.loads(piece.function.arguments), schema)
+        assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
         assert finish == ["tool_calls" if tool_choice == "required" else "stop"]
 

@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any, ClassVar
 
+import msgspec
+
 from weft.contracts.tool_parser import PartialCall, Scan, ToolParser, is_valid_call
 
 _SCALAR = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null")
@@ -180,6 +182,8 @@ class Llama3JsonToolParser(ToolParser):
         calls, stop = json_calls(text, start, final, " \t\r\n;")
         if final and stop < len(text):
             return Scan(text, [])  # trailing prose: not a call answer after all
+        if not final:  # prose may still follow and make it all text: no call is certain before the end
+            calls = [msgspec.structs.replace(call, complete=False) for call in calls]
         return Scan("", calls)
 
     def tools_prompt(self, tools: Any) -> str:

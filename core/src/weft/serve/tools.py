@@ -281,19 +281,8 @@ class AssistantOutput:
                 delta = last
             else:
                 delta.content += last.content
-                delta.calls = _merge(delta.calls + last.calls)
+                delta.calls = delta.calls + last.calls
         return MessageDelta(reasoning, delta.content, delta.calls)  # type: ignore[union-attr]
-
-
-def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Pieces of one call next to each other become one piece."""
-    merged: list[ToolCallDelta] = []
-    for delta in deltas:
-        if merged and merged[-1].index == delta.index and delta.id is None:
-            merged[-1].arguments += delta.arguments
-        else:
-            merged.append(delta)
-    return merged
 
 
 def reasoning_parser(parser: type[ReasoningParser] | None, options: Any, prompt_text: str) -> ReasoningParser | None:

@@ -10,8 +10,8 @@ Tool calls come after the answer's text, in DeepSeek's markup (DSML)::
     </｜DSML｜tool_calls>
 
 A ``string="true"`` parameter's value is the text itself; otherwise it is JSON. The
-arguments are rebuilt as a JSON object, streamed parameter by parameter (a string value
-character by character).
+arguments are rebuilt as a JSON object; a call is complete (and streams, whole) once its
+``invoke`` closes.
 
 Thinking: with thinking on, V4.1's template ends the prompt in an open ``<think>``; the model
 thinks, closes with ``</think>`` and answers. A tool call may also end the thinking

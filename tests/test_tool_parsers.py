@@ -217,6 +217,19 @@ def test_assistant_output_reasoning_then_dsml_calls_streamed():
     assert [json.loads(arguments) for arguments in calls.values()] == [json.loads(call.arguments) for call in whole[2]]
 
 
+def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
+    assert [call.name for call in AssistantOutput(None, HermesToolParser()).parse(QWEN_TWO_CALLS)[2]] == [
+        "get_current_temperature", "get_temperature_date"]
+    _, content, calls = AssistantOutput(None, HermesToolParser(), parallel=False).parse(QWEN_TWO_CALLS)
+    assert content is None and [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("get_current_temperature", {"location": "San Francisco, CA, USA"})]
+    output = AssistantOutput(None, HermesToolParser(), parallel=False)
+    deltas = [output.push(QWEN_TWO_CALLS[index : index + 5]) for index in range(0, len(QWEN_TWO_CALLS), 5)] + [output.finish()]
+    pieces = [piece for delta in deltas for piece in delta.calls]
+    assert [(piece.index, piece.name, piece.arguments) for piece in pieces] == [(0, calls[0].name, calls[0].arguments)]
+    assert "".join(delta.content for delta in deltas) == ""
+
+
 def test_parsers_are_chosen_by_architecture_or_by_name():
     registry = PluginRegistry()
     assert select_parser(registry, "tool_parser", "auto", "Qwen2ForCausalLM") is HermesToolParser

@@ -249,11 +249,13 @@ class MessageDelta(msgspec.Struct):
 
 class AssistantOutput:
     """One choice's text as an assistant message: reasoning first (when the model has a reasoning
-    parser), then the answer's content and tool calls (when the request parses calls)."""
+    parser), then the answer's content and tool calls (when the request parses calls). Without
+    ``parallel`` (``parallel_tool_calls=false``) only the first call is kept."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.parallel = parallel
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """``(reasoning, content, calls)`` of the whole output."""
@@ -261,7 +263,7 @@ class AssistantOutput:
         if self.tools is None:
             return reasoning, answer or None, []
         parsed = self.tools.parse(answer or "")
-        return reasoning, parsed.content, parsed.calls
+        return reasoning, parsed.content, parsed.calls if self.parallel else parsed.calls[:1]
 
     def push(self, text: str) -> MessageDelta:
         reasoning, answer = self.reasoning.push(text) if self.reasoning is not None else ("", text)
@@ -282,7 +284,8 @@ class AssistantOutput:
             else:
                 delta.content += last.content
                 delta.calls = delta.calls + last.calls
-        return MessageDelta(reasoning, delta.content, delta.calls)  # type: ignore[union-attr]
+        calls = delta.calls if self.parallel else [call for call in delta.calls if call.index == 0]  # type: ignore[union-attr]
+        return MessageDelta(reasoning, delta.content, calls)  # type: ignore[union-attr]
 
 
 def reasoning_parser(parser: type[ReasoningParser] | None, options: Any, prompt_text: str) -> ReasoningParser | None:

@@ -74,20 +74,15 @@ _CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:a
 def json_call(body: str, raw: str, finished: bool) -> PartialCall | None:
     """A call written as ``{"name": ..., "arguments"|"parameters": {...}}`` at the start of ``body``.
 
-    While the object is unfinished, the arguments stream as their raw text once the name is
-    known (None until then). Finished, the object must parse: its arguments are then the raw
-    text of the value (or the string's content when the model wrote them as a JSON string).
+    While the object is unfinished, an incomplete call once the name is known (None until
+    then): a stream sends a call only once it is complete. Finished, the object must parse: its
+    arguments are then the raw text of the value (or the string's content when the model wrote
+    them as a JSON string).
     """
     header = _CALL_HEADER.match(body)
     end = json_value_end(body, 0, final=finished)
     if end is None and not finished:
-        if header is None:
-            return None
-        name = json.loads(f'"{header[1]}"')
-        if body[header.end() : header.end() + 1] in ('"', ""):
-            return PartialCall(name, "", False, raw)  # arguments as a JSON string: they go out whole
-        arguments_end = json_value_end(body, header.end())
-        return PartialCall(name, body[header.end() : arguments_end], False, raw)
+        return PartialCall(json.loads(f'"{header[1]}"'), "", False, raw) if header is not None else None
     try:
         parsed = json.loads(body[: end or len(body)])
     except ValueError:

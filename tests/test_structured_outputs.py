@@ -185,7 +185,9 @@ def test_required_and_named_tool_choice_yield_valid_calls(client):
     _validate_call(forced.message.tool_calls[0])
 
 
-def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(client):
+def test_streamed_forced_tool_calls_send_id_and_name_first_then_arguments_in_pieces(client):
+    """Under ``required`` or a named function the grammar holds the output to valid calls, so they stream as
+    OpenAI's do; under ``auto`` a call goes out whole once valid (tests/test_tool_parsers.py)."""
     choices = ("required", {"type": "function", "function": {"name": "get_weather"}})
 
     def chunks_of(tool_choice):
@@ -201,7 +203,7 @@ def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(cli
         calls: dict[int, dict] = {}
         for piece in pieces:
             if piece.index not in calls:
-                assert piece.id and piece.function.name and piece.type == "function"  # the first piece of a call
+                assert piece.id.startswith("call_") and piece.function.name and piece.type == "function"  # its first piece
                 calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
             else:
                 assert piece.id is None and piece.function.name is None
@@ -210,6 +212,7 @@ def test_streamed_tool_calls_send_id_and_name_first_then_arguments_in_pieces(cli
         for call in calls.values():
             schema = next(tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == call["name"])
             jsonschema.validate(json.loads(call["arguments"]), schema)
+        assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
         assert finish == ["tool_calls" if tool_choice == "required" else "stop"]
 

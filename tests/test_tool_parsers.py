@@ -19,7 +19,7 @@ from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
 from weft.testing import ReasoningParserContract, ToolParserContract
-from weft.testing.output_suites import stream_tool_calls
+from weft.testing.output_suites import parsed_tool_calls, stream_tool_calls
 
 QWEN_TWO_CALLS = (
     "<tool_call>\n"
@@ -87,6 +87,15 @@ MALFORMED = [
     (DeepseekV4ToolParser, '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n'),
 ]
 
+MIXED = [  # a valid call and a malformed or unfinished one
+    (HermesToolParser, QWEN_TWO_CALLS[:150]),  # one call, then cut by max_tokens inside the next
+    (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>\n' + HERMES_WITH_TEXT),  # bad, then good
+    (Llama3JsonToolParser, LLAMA_TAGGED_TWO[:80]),
+    (DeepseekV4ToolParser, DSV4_CALLS[:330]),  # the first invoke closed, the second cut short
+]
+
+RECORDED = [(parser, text) for parser, text, _, _ in WELL_FORMED] + MALFORMED + MIXED
+
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), WELL_FORMED)
 def test_recorded_outputs_parse_whole_and_streamed(parser, text, content, calls):
@@ -105,11 +114,25 @@ def test_malformed_and_partial_calls_fall_back_to_content(parser, text):
     parsed = parser().parse(text)
     assert parsed.calls == [] and parsed.content == text
     for seed in range(4):
-        streamed_content, streamed_calls = stream_tool_calls(parser(), text, seed)  # never raises
-        for _, arguments in streamed_calls:
-            assert isinstance(arguments, str)
-        if not streamed_calls:
-            assert streamed_content == text
+        assert stream_tool_calls(parser(), text, seed) == (text, [])  # no call delta for a call that is none
+
+
+@pytest.mark.parametrize(("parser", "text"), RECORDED)
+def test_streaming_gives_what_the_whole_output_parse_gives(parser, text):
+    """Each recorded output, whole and cut short (max_tokens) at many points, streamed in random pieces."""
+    for cut in [*range(0, len(text), 7), len(text)]:
+        expected = parsed_tool_calls(parser().parse(text[:cut]))
+        for seed in range(3):
+            assert stream_tool_calls(parser(), text[:cut], seed) == expected, (cut, seed)
+
+
+def test_mixed_outputs_keep_the_valid_call_and_the_rest_as_content():
+    parsed = HermesToolParser().parse(MIXED[0][1])
+    assert [call.name for call in parsed.calls] == ["get_current_temperature"]
+    assert parsed.content == MIXED[0][1][MIXED[0][1].index("</tool_call>") + len("</tool_call>") :]
+    parsed = HermesToolParser().parse(MIXED[1][1])
+    assert [call.name for call in parsed.calls] == ["get_stock_fundamentals"]
+    assert parsed.content.startswith('<tool_call>\n{"name": "f"') and parsed.content.endswith("look that up for you.")
 
 
 def test_a_parser_that_raises_answers_with_the_text_as_content():
@@ -192,6 +215,19 @@ def test_assistant_output_reasoning_then_dsml_calls_streamed():
         calls[piece.index] = calls.get(piece.index, "") + piece.arguments
     assert (reasoning, content) == (whole[0], whole[1])
     assert [json.loads(arguments) for arguments in calls.values()] == [json.loads(call.arguments) for call in whole[2]]
+
+
+def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
+    assert [call.name for call in AssistantOutput(None, HermesToolParser()).parse(QWEN_TWO_CALLS)[2]] == [
+        "get_current_temperature", "get_temperature_date"]
+    _, content, calls = AssistantOutput(None, HermesToolParser(), parallel=False).parse(QWEN_TWO_CALLS)
+    assert content is None and [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("get_current_temperature", {"location": "San Francisco, CA, USA"})]
+    output = AssistantOutput(None, HermesToolParser(), parallel=False)
+    deltas = [output.push(QWEN_TWO_CALLS[index : index + 5]) for index in range(0, len(QWEN_TWO_CALLS), 5)] + [output.finish()]
+    pieces = [piece for delta in deltas for piece in delta.calls]
+    assert [(piece.index, piece.name, piece.arguments) for piece in pieces] == [(0, calls[0].name, calls[0].arguments)]
+    assert "".join(delta.content for delta in deltas) == ""
 
 
 def test_parsers_are_chosen_by_architecture_or_by_name():

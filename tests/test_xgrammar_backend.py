@@ -112,6 +112,87 @@ def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
     assert not matcher.accept_token(tokens[2])  # "!" is not allowed after one pair
 
 
+BOUNDED_STRINGS = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1},
+                   "note": {"type": "string", "minLength": 2, "maxLength": 24}},
+    "required": ["name", "tags", "note"],
+}
+"""Strings with maxLength or minLength: xgrammar 0.2.9's own rule for them admits raw control characters."""
+AT_LEAST_ONE_CHARACTER = {**BOUNDED_STRINGS, "properties": {
+    "name": {"type": "string", "minLength": 1}, "tags": {"type": "array", "items": {"type": "string", "minLength": 1}},
+    "note": {"type": "string", "minLength": 1}}}
+
+
+def control_tokens(tokenizer) -> list[int]:
+    """The tokens holding a raw control character (U+0000-U+001F), which a JSON string may not."""
+    return [token for token, text in enumerate(tokenizer.vocabulary_bytes()) if any(byte < 0x20 for byte in text)]
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(json=BOUNDED_STRINGS), StructuredOutputsParams(json=BOUNDED_STRINGS, any_whitespace=False),
+    StructuredOutputsParams(json=AT_LEAST_ONE_CHARACTER), StructuredOutputsParams(json_object=True),
+])
+def test_no_raw_control_character_is_allowed_inside_a_string(backend, tokenizer, constraint):
+    """At the start of each string and inside it, the mask allows no token holding a control character
+    (json.loads would refuse it), and still allows ordinary text."""
+    separator = " " if constraint.any_whitespace else ""
+    pieces = ["{", '"name"', f":{separator}", '"', "A", "da", '"', f",{separator}", '"tags"', f":{separator}", '["', "x",
+              '"', "]", f",{separator}", '"note"', f":{separator}", '"', "o", "k", '"', "}"]
+    in_string = {4, 5, 6, 11, 12, 18, 19, 20}  # after this many pieces the output is inside a string
+    matcher = backend.matcher(backend.compile(constraint))
+    for index, piece in enumerate(pieces):
+        for token in tokenizer.encode(piece, add_special_tokens=False):
+            assert matcher.accept_token(token), (piece, token)
+        if index + 1 in in_string:
+            _assert_string_mask(matcher, tokenizer, "".join(pieces[: index + 1]))
+    assert matcher.accept_token(min(tokenizer.eos_token_ids)) and matcher.is_terminated()
+
+
+def test_no_raw_control_character_is_allowed_in_a_forced_tool_calls_string(backend, tokenizer):
+    from weft.serve.tools import ToolSettings, forced_constraint
+
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                                                      "required": ["city"]}}
+    for choice, opening in (("required", '[{"name": "get_weather", "parameters": {"city": "'), ("function", '{"city": "P')):
+        constraint = forced_constraint(ToolSettings([weather], choice, "get_weather" if choice == "function" else None))
+        matcher = backend.matcher(backend.compile(constraint))
+        for token in tokenizer.encode(opening, add_special_tokens=False):
+            assert matcher.accept_token(token), (opening, token)
+        _assert_string_mask(matcher, tokenizer, opening)
+
+
+def _assert_string_mask(matcher, tokenizer, written: str) -> None:
+    """Inside a string: the mask allows no token holding a control character, and allows ordinary text."""
+    controls = control_tokens(tokenizer)
+    assert len(controls) >= 32
+    mask = torch.zeros(1, bitmask_words(tokenizer.vocab_size), dtype=torch.int32)
+    matcher.fill_bitmask(mask, 0)
+    allowed = [token for token in controls if (int(mask[0, token // 32]) >> (token % 32)) & 1]
+    assert allowed == [], f"after {written!r}: {[tokenizer.vocabulary_bytes()[token] for token in allowed][:8]}"
+    ordinary = [tokenizer.encode(text, add_special_tokens=False)[0] for text in ("a", "ab", " ", "é")]
+    assert all((int(mask[0, token // 32]) >> (token % 32)) & 1 for token in ordinary), written
+
+
+def test_outputs_pushed_toward_control_characters_stay_json(tiny_llama, tokenizer, one_torch_thread):
+    """Sampling at temperature 1.0 with +30 on every control-character token: each finished output
+    parses with json.loads (strict, as JSON is) and validates against the schema."""
+    import jsonschema
+
+    from weft import LLM, SamplingParams
+
+    bias = {token: 30.0 for token in control_tokens(tokenizer)}
+    params = [SamplingParams(temperature=1.0, top_p=1.0, seed=seed, max_tokens=80, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(json=BOUNDED_STRINGS)) for seed in range(6)]
+    with LLM(model=str(tiny_llama), engine={"max_num_seqs": 6}) as llm:
+        outputs = llm.generate([[1, 5, 9, 200 + seed, 31] for seed in range(6)], params)
+    finished = [output.outputs[0].text for output in outputs if output.outputs[0].finish_reason == "stop"]
+    assert len(finished) >= 3
+    for text in finished:
+        jsonschema.validate(json.loads(text), BOUNDED_STRINGS)
+
+
 TOOL_CALL = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}, "unit": {"enum": ["C", "F"]}},
@@ -119,16 +200,24 @@ TOOL_CALL = {
 }
 
 
+def json_grammar_without_raw_controls(schema: dict, **settings) -> str:
+    """xgrammar's grammar for ``schema``, its character class of length-bounded strings (which admits raw
+    control characters in xgrammar 0.2.9) replaced by JSON's: the grammar weft-xgrammar should build."""
+    grammar = str(xgr.Grammar.from_json_schema(json.dumps(schema), **settings))
+    return grammar.replace('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]')
+
+
 def hf_constrained_greedy(folder, prompts: list[list[int]], schema: dict, max_new_tokens: int, device: str = "cpu"):
     """Transformers' greedy ``generate()`` under xgrammar's own logits processor, its vocabulary read from the
-    Hugging Face tokenizer (independently of Weft's ``vocabulary_bytes``)."""
+    Hugging Face tokenizer (independently of Weft's ``vocabulary_bytes``), the grammar
+    :func:`json_grammar_without_raw_controls`."""
     import xgrammar.contrib.hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=model.config.vocab_size)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=4)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(json_grammar_without_raw_controls(schema, max_whitespace_cnt=4))
     outputs = []
     for prompt in prompts:
         with torch.inference_mode():
@@ -165,9 +254,7 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
         if output.outputs[0].finish_reason == "stop":
-            # strict=False: xgrammar 0.2.9's rule for a string with maxLength admits raw control characters
-            # (its plain string rule does not); both Weft and the reference follow the grammar xgrammar built.
-            assert json.loads(output.outputs[0].text, strict=False).keys() == TOOL_CALL["properties"].keys()
+            assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
 
 
 def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread):

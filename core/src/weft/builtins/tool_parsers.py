@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any, ClassVar
 
+import msgspec
+
 from weft.contracts.tool_parser import PartialCall, Scan, ToolParser, is_valid_call
 
 _SCALAR = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null")
@@ -72,9 +74,11 @@ _CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:a
 def json_call(body: str, raw: str, finished: bool) -> PartialCall | None:
     """A call written as ``{"name": ..., "arguments"|"parameters": {...}}`` at the start of ``body``.
 
-    While the object is unfinished, the arguments stream as their raw text once the name is
-    known (None until then). Finished, the object must parse: its arguments are then the raw
-    text of the value (or the string's content when the model wrote them as a JSON string).
+    While the object is unfinished, an incomplete call once the name is known (None until
+    then), with the raw text of its arguments so far (which a stream sends in pieces only where
+    a grammar holds the output to valid calls, :attr:`ToolParser.streams_pieces`). Finished, the
+    object must parse: its arguments are then the raw text of the value (or the string's content
+    when the model wrote them as a JSON string).
     """
     header = _CALL_HEADER.match(body)
     end = json_value_end(body, 0, final=finished)
@@ -180,6 +184,8 @@ class Llama3JsonToolParser(ToolParser):
         calls, stop = json_calls(text, start, final, " \t\r\n;")
         if final and stop < len(text):
             return Scan(text, [])  # trailing prose: not a call answer after all
+        if not final:  # prose may still follow and make it all text: no call is certain before the end
+            calls = [msgspec.structs.replace(call, complete=False) for call in calls]
         return Scan("", calls)
 
     def tools_prompt(self, tools: Any) -> str:

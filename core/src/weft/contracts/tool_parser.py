@@ -14,14 +14,20 @@ implements one method, :meth:`ToolParser.scan`, over the whole text so far; the 
 class derives from it the whole-output answer (:meth:`ToolParser.parse`) and the
 streaming one (:meth:`ToolParser.push`, then :meth:`ToolParser.finish`), so the two always
 agree. ``scan`` must be prefix-stable: as the text grows, the content it reports and the
-name and arguments of each call only grow. Whatever a parser raises, the base class
-answers with the text as content (a malformed call never fails a request).
+name and arguments of each call only grow, and a call once ``complete`` stays as it is
+(a format where later text can still undo a call reports it complete only when ``final``).
+A stream sends a call whole, in one delta, once it is complete and valid: never a piece
+of a call the whole-output parse would leave in the content. A parser whose calls a grammar
+enforces (:attr:`ToolParser.streams_pieces`: ``tool_choice = "required"`` or a named function)
+streams as OpenAI does instead: a call's id and name first, then its arguments in pieces. Whatever a parser raises,
+the base class answers with the text as content (a malformed call never fails a request).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from abc import abstractmethod
 from collections.abc import Sequence
@@ -43,7 +49,8 @@ class ToolCall(msgspec.Struct):
 
 
 class ToolCallDelta(msgspec.Struct, omit_defaults=True):
-    """A piece of a streamed call: the first piece of a call has its id and name, later ones more arguments."""
+    """A piece of a streamed call: the first piece of a call has its id and name, later ones more arguments
+    (:class:`ToolParser` sends each call as one piece; the type allows what OpenAI's stream does)."""
 
     index: int
     id: str | None = None
@@ -69,6 +76,7 @@ class PartialCall(msgspec.Struct):
     arguments: str
     """JSON text of the arguments so far (a prefix of the final text until ``complete``)."""
     complete: bool
+    """Nothing later in the output can change the call or take it back."""
     raw: str = ""
     """The call's source text, for the fallback to content when the finished call is not valid."""
 
@@ -87,14 +95,18 @@ class ToolParser(PluginBase):
     """Hugging Face architectures this parser is the default for (``use.tool_parser = "auto"``)."""
     needs_special_tokens: ClassVar[bool] = False
     """Whether the format's markers are special tokens, which the text must keep (``skip_special_tokens=False``)."""
+    streams_pieces: ClassVar[bool] = False
+    """Whether a stream sends each call's id and name as soon as they are known, then its arguments in pieces:
+    only for output a grammar holds to valid calls (what is sent can never turn out not to be a call)."""
 
     def __init__(self, options: msgspec.Struct | None = None, tools: Sequence[dict[str, Any]] = ()) -> None:
         self.options = options if options is not None else self.Options()
         self.tools = list(tools)
         self._text = ""
         self._sent_content = 0
-        self._sent: list[tuple[str, int]] = []
-        """Per streamed call: its id and how many characters of its arguments went out."""
+        self._sent_calls = 0
+        self._sent_pieces: list[tuple[str, int]] = []
+        """With :attr:`streams_pieces`, per streamed call: its id and how many characters of its arguments went out."""
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -136,43 +148,60 @@ class ToolParser(PluginBase):
         return ParsedOutput(content or None, [ToolCall(_call_id(), call.name, call.arguments) for call in valid])
 
     def push(self, text: str) -> StreamDelta:
-        """Add the next piece of output; returns the content and call pieces now certain."""
+        """Add the next piece of output; returns the content and the calls now certain."""
         self._text += text
         return self._advance(final=False)
 
     def finish(self) -> StreamDelta:
-        """The output ended: what was held back. A call none of which was streamed yet and that is
-        unfinished or invalid comes out as content."""
+        """The output ended: the rest of what :meth:`parse` gives for the whole of it."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> StreamDelta:
-        scan = self._safe_scan(self._text, final)
-        calls = scan.calls
-        content = scan.content
+        if self.streams_pieces:
+            return self._advance_in_pieces(final)
         if final:
-            content += "".join(call.raw for call in calls[len(self._sent) :] if not is_valid_call(call))
-            calls = calls[: len(self._sent)] + [call for call in calls[len(self._sent) :] if is_valid_call(call)]
-        else:  # a call streams once its name is known; the ones after it wait
-            named = next((index for index, call in enumerate(calls) if not call.name), len(calls))
-            calls = calls[:named]
-        if not final or calls:
-            content = content.rstrip()  # trailing whitespace waits: before a call it is layout, not content
+            parsed = self.parse(self._text)
+            content, calls = parsed.content or "", [(call.name, call.arguments) for call in parsed.calls]
+        else:
+            scan = self._safe_scan(self._text, final=False)
+            calls = []
+            for call in scan.calls:
+                if not call.complete:
+                    break
+                if is_valid_call(call):  # a complete invalid call goes to the content at the end, as in parse
+                    calls.append((call.name, call.arguments))
+            content = scan.content.rstrip()  # trailing whitespace waits: before a call it is layout, not content
+            if not calls:  # until a valid call, the output may turn out to be text as written (parse's fallback)
+                content = os.path.commonprefix([content, self._text])
+        delta = StreamDelta(content[self._sent_content :])
+        self._sent_content = max(self._sent_content, len(content))
+        for index in range(self._sent_calls, len(calls)):
+            delta.calls.append(ToolCallDelta(index, _call_id(), *calls[index]))
+        self._sent_calls = max(self._sent_calls, len(calls))
+        return delta
+
+    def _advance_in_pieces(self, final: bool) -> StreamDelta:
+        """A grammar keeps the output to calls: each goes out as soon as it is named, its arguments as they grow."""
+        scan = self._safe_scan(self._text, final)
+        calls = list(scan.calls)
+        named = next((index for index, call in enumerate(calls) if not call.name), len(calls))
+        calls = calls[:named]  # a call streams once its name is known; the ones after it wait
         delta = StreamDelta()
-        if len(content) > self._sent_content:
-            delta.content = content[self._sent_content :]
-            self._sent_content = len(content)
+        if final and scan.content[self._sent_content :]:  # a grammar's output cut short: what was not a call
+            delta.content = scan.content[self._sent_content :]
+            self._sent_content = len(scan.content)
         for index, call in enumerate(calls):
-            if index == len(self._sent):
-                self._sent.append((_call_id(), 0))
-                delta.calls.append(ToolCallDelta(index, self._sent[index][0], call.name))
-            call_id, sent = self._sent[index]
+            if index == len(self._sent_pieces):
+                self._sent_pieces.append((_call_id(), 0))
+                delta.calls.append(ToolCallDelta(index, self._sent_pieces[index][0], call.name))
+            call_id, sent = self._sent_pieces[index]
             if len(call.arguments) > sent:
                 piece = call.arguments[sent:]
                 if delta.calls and delta.calls[-1].index == index:
                     delta.calls[-1].arguments += piece
                 else:
                     delta.calls.append(ToolCallDelta(index, arguments=piece))
-                self._sent[index] = (call_id, len(call.arguments))
+                self._sent_pieces[index] = (call_id, len(call.arguments))
         return delta
 
     def _safe_scan(self, text: str, final: bool) -> Scan:

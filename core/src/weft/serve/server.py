@@ -241,7 +241,8 @@ class Server:
     def reply(self, prompt_tail: str, settings: tools.ToolSettings | None) -> tools.AssistantOutput:
         """How one choice's text becomes an assistant message (reasoning, content, tool calls)."""
         reasoning = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail)
-        return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options))
+        return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options),
+                                     settings is None or settings.parallel)
 
     def grammar_starts_after(self, prompt_tail: str, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
         """The tokens ending the reasoning, when the model reasons first and a constraint covers the answer."""

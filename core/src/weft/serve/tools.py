@@ -130,6 +130,7 @@ class NamedCallParser(ToolParser):
     """The whole output is the arguments of one call to the named function."""
 
     name: ClassVar[str] = "named"
+    streams_pieces: ClassVar[bool] = True  # the forced constraint's grammar holds the output to the call
 
     def __init__(self, function: str) -> None:
         super().__init__()
@@ -146,6 +147,7 @@ class RequiredCallsParser(ToolParser):
     """The output is a JSON array of ``{"name": ..., "parameters": {...}}`` calls."""
 
     name: ClassVar[str] = "required"
+    streams_pieces: ClassVar[bool] = True
 
     def scan(self, text: str, final: bool) -> Scan:
         position = len(text) - len(text.lstrip())
@@ -249,11 +251,13 @@ class MessageDelta(msgspec.Struct):
 
 class AssistantOutput:
     """One choice's text as an assistant message: reasoning first (when the model has a reasoning
-    parser), then the answer's content and tool calls (when the request parses calls)."""
+    parser), then the answer's content and tool calls (when the request parses calls). Without
+    ``parallel`` (``parallel_tool_calls=false``) only the first call is kept."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.parallel = parallel
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """``(reasoning, content, calls)`` of the whole output."""
@@ -261,7 +265,7 @@ class AssistantOutput:
         if self.tools is None:
             return reasoning, answer or None, []
         parsed = self.tools.parse(answer or "")
-        return reasoning, parsed.content, parsed.calls
+        return reasoning, parsed.content, parsed.calls if self.parallel else parsed.calls[:1]
 
     def push(self, text: str) -> MessageDelta:
         reasoning, answer = self.reasoning.push(text) if self.reasoning is not None else ("", text)
@@ -281,19 +285,9 @@ class AssistantOutput:
                 delta = last
             else:
                 delta.content += last.content
-                delta.calls = _merge(delta.calls + last.calls)
-        return MessageDelta(reasoning, delta.content, delta.calls)  # type: ignore[union-attr]
-
-
-def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Pieces of one call next to each other become one piece."""
-    merged: list[ToolCallDelta] = []
-    for delta in deltas:
-        if merged and merged[-1].index == delta.index and delta.id is None:
-            merged[-1].arguments += delta.arguments
-        else:
-            merged.append(delta)
-    return merged
+                delta.calls = delta.calls + last.calls
+        calls = delta.calls if self.parallel else [call for call in delta.calls if call.index == 0]  # type: ignore[union-attr]
+        return MessageDelta(reasoning, delta.content, calls)  # type: ignore[union-attr]
 
 
 def reasoning_parser(parser: type[ReasoningParser] | None, options: Any, prompt_text: str) -> ReasoningParser | None:

@@ -136,15 +136,19 @@ class ToolParserContract(_Contract):
             assert content == (parsed.content or "")
             assert [(name, json.loads(arguments)) for name, arguments in streamed] == expected
 
-    def test_unfinished_and_garbage_output_never_raises(self, plugin):
-        text = plugin().render_calls(self.calls)
+    def test_unfinished_and_garbage_output_never_raises_and_streams_as_parsed(self, plugin):
+        text = self.leading_text + plugin().render_calls(self.calls)
         for cut in range(0, len(text), max(1, len(text) // 25)):
             parsed = plugin().parse(text[:cut])
             assert all(isinstance(json.loads(call.arguments), dict) for call in parsed.calls)
-            stream_tool_calls(plugin(), text[:cut], cut)
+            assert stream_tool_calls(plugin(), text[:cut], cut) == parsed_tool_calls(parsed)
         for garbage in ("{{{", "<tool_call>]]", "\x00\ufffd", '{"name": 1}'):
-            plugin().parse(garbage)
-            stream_tool_calls(plugin(), garbage, 0)
+            assert stream_tool_calls(plugin(), garbage, 0) == parsed_tool_calls(plugin().parse(garbage))
+
+
+def parsed_tool_calls(parsed: Any) -> tuple[str, list[tuple[str, str]]]:
+    """A whole-output parse as :func:`stream_tool_calls` reports a stream: the content and each call's ``(name, arguments)``."""
+    return parsed.content or "", [(call.name, call.arguments) for call in parsed.calls]
 
 
 def stream_tool_calls(parser: Any, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:

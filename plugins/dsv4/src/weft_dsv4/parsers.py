@@ -10,8 +10,8 @@ Tool calls come after the answer's text, in DeepSeek's markup (DSML)::
     </｜DSML｜tool_calls>
 
 A ``string="true"`` parameter's value is the text itself; otherwise it is JSON. The
-arguments are rebuilt as a JSON object, streamed parameter by parameter (a string value
-character by character).
+arguments are rebuilt as a JSON object; a call is complete (and streams, whole) once its
+``invoke`` closes.
 
 Thinking: with thinking on, V4.1's template ends the prompt in an open ``<think>``; the model
 thinks, closes with ``</think>`` and answers. A tool call may also end the thinking
@@ -57,7 +57,7 @@ class DeepseekV4ToolParser(ToolParser):
             invoke = _INVOKE.match(text, position)
             if invoke is None:
                 break
-            call, position = self._invoke(text, invoke, final)
+            call, position = self._invoke(text, invoke)
             calls.append(call)
             if not call.complete:
                 break
@@ -65,7 +65,7 @@ class DeepseekV4ToolParser(ToolParser):
         after = text[closed + len(CALLS_END) :] if closed >= 0 else ""
         return Scan(text[:opened] + after, calls)
 
-    def _invoke(self, text: str, invoke: re.Match[str], final: bool) -> tuple[PartialCall, int]:
+    def _invoke(self, text: str, invoke: re.Match[str]) -> tuple[PartialCall, int]:
         """One call from its ``invoke`` tag; the position after what was read."""
         parts: list[str] = []
         position = invoke.end()
@@ -80,10 +80,6 @@ class DeepseekV4ToolParser(ToolParser):
             value_end = text.find(PARAMETER_END, parameter.end())
             key = json.dumps(parameter[1], ensure_ascii=False)
             if value_end < 0:
-                if parameter[2] == "true" and not final:  # a string streams as it is written
-                    partial = text[parameter.end() :]
-                    partial = partial[: len(partial) - marker_overlap(partial, PARAMETER_END)]
-                    parts.append(f"{key}: " + json.dumps(partial, ensure_ascii=False)[:-1])
                 break
             raw = text[parameter.end() : value_end]
             parts.append(f"{key}: {_value(raw, parameter[2] == 'true')}")

@@ -38,6 +38,13 @@ class XgrammarOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+_BOUNDED_STRING_CHARACTER = re.compile(r'^(\w+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
+"""The rule xgrammar 0.2.9 writes for one character of a string with ``maxLength`` or ``minLength``, a whole
+line of the grammar's text: its class leaves out only the quote, the backslash, CR and LF, so it admits raw
+control characters (U+0000-U+001F), which JSON forbids in a string (xgrammar's rule for other strings keeps them out)."""
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+"""One unescaped character of a JSON string (RFC 8259: not a quote, a backslash or a control character)."""
+
 _PARALLEL_ROWS = 16
 """From this many rows a step's bitmask is filled by xgrammar's threads."""
 
@@ -122,14 +129,22 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             whitespace["separators"] = (",", ":")
         if kind == "json":
-            return compiler.compile_json_schema(constraint.json, strict_mode=True, **whitespace)
+            return self._compile_json_schema(constraint.json, strict_mode=True, **whitespace)  # type: ignore[arg-type]
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
+            return self._compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
         if kind == "regex":
             return compiler.compile_regex(constraint.regex)
         if kind == "choice":
             return compiler.compile_grammar(choice_grammar(constraint.choice))  # type: ignore[arg-type]
         return compiler.compile_grammar(constraint.grammar)
+
+    def _compile_json_schema(self, schema: str, **settings: Any) -> Any:
+        """xgrammar's grammar for ``schema``, its length-bounded strings keeping raw control characters out."""
+        grammar = str(self._xgr.Grammar.from_json_schema(schema, **settings))
+        fixed = _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + _JSON_STRING_CHARACTER + rule[2], grammar)
+        if fixed == grammar:
+            return self.compiler.compile_json_schema(schema, **settings)
+        return self.compiler.compile_grammar(fixed)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens

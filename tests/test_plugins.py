@@ -135,40 +135,51 @@ def test_selected_broken_plugin_is_a_hard_error_with_its_cause(site):
     assert doctor.returncode == 1 and "not_installed_dependency_xyz" in doctor.stdout
 
 
-def test_unselected_incompatible_or_clashing_plugins_are_warnings(site):
+def test_an_unselected_incompatible_plugin_is_logged_at_debug_and_a_clash_is_a_warning(site):
     site.add_distribution(
         "weft-future", requires=("weft-core>=2,<3",),
         entry_points={"weft.platform": {"future": "future_impl:F"}}, modules={"future_impl": "raise SystemExit(9)"},
     )
     for distribution in ("weft-alpha", "weft-beta"):
         site.add_distribution(distribution, entry_points={"weft.platform": {"twin": "twin_impl:T"}}, modules={"twin_impl": ""})
-    result = site.python(
-        "from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
+    code = (
+        "import logging, sys\n{}from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
         "print(select_platform(PluginRegistry())[0].name)"
     )
+    result = site.python(code.format(""))
     assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
-    assert "skipping platform plugin 'future' (weft-future 0.1.0): " in result.stderr
+    assert "future" not in result.stderr  # nothing selected it: doctor reports it (a warning there)
     assert "skipping platform plugin 'twin'" in result.stderr and "weft-alpha 0.1.0 and weft-beta 0.1.0" in result.stderr
+    verbose = site.python(code.format("logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"))
+    assert "skipping platform plugin 'future' (weft-future 0.1.0): " in verbose.stderr, verbose.stderr
+    doctor = site.weft("plugins", "doctor")
+    assert "warn  platform/future: " in doctor.stdout, doctor.stdout
 
 
-def test_unselected_broken_plugin_is_a_warning(site):
+def test_an_unselected_broken_plugin_is_logged_at_debug_and_reported_by_doctor(site):
     site.add_distribution(
         "weft-broken",
         entry_points={"weft.platform": {"broken": "broken_impl:BrokenPlatform"}},
         modules={"broken_impl": "raise ImportError('libfoo.so: cannot open shared object file')\n"},
     )
-    result = site.python(
-        """
+    code = """
+        import logging, sys
+        {}
         from weft.plugins import PluginRegistry
         from weft.plugins.selection import select_platform
         platform, probe = select_platform(PluginRegistry(), "auto")
         print(platform.name)
         """
-    )
+    result = site.python(code.format(""))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "cpu"
-    assert "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in result.stderr
-    assert "libfoo.so" in result.stderr
+    assert "broken" not in result.stderr, result.stderr  # nothing selected it
+    verbose = site.python(code.format("logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)"))
+    assert "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in verbose.stderr and "libfoo.so" in verbose.stderr
+    doctor = site.weft("plugins", "doctor")
+    # A platform plugin that does not import is a platform this machine lacks: a warning, as for weft-cuda without CUDA.
+    assert doctor.returncode == 0 and "warn  platform/broken (weft-broken 0.1.0) does not import" in doctor.stdout, doctor.stdout
+    assert "fix: install the system library libfoo.so" in doctor.stdout
 
 
 def test_allowlist_none_disables_third_party_plugins(site):

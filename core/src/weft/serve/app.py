@@ -3,9 +3,10 @@
 Every handler validates its body into a msgspec Struct (:mod:`weft.serve.body`),
 checks the model name (a plain string comparison: a request never names a path),
 turns the request into engine requests (one per prompt and choice) and either
-collects their deltas or streams them as server-sent events. Tokenization,
-chat templating and detokenization of prompts run on worker threads, never on
-the event loop. Leaving a handler for any reason (a client that disconnects
+collects their deltas or streams them as server-sent events. Decoding bodies,
+tokenization, chat templating and detokenization of prompts run on the engine's
+tokenizer threads (:meth:`weft.engine.async_engine.AsyncEngine.off_loop`), never
+on the event loop. Leaving a handler for any reason (a client that disconnects
 included) aborts the engine requests that are still running, which frees their
 KV blocks. A stream that ends in an error sends an OpenAI-shaped error event,
 then ``[DONE]``. An unexpected exception is logged with the request's id and
@@ -106,11 +107,12 @@ class Server:
         """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`)."""
         check_media_type(request)
         data = await read_bytes(request, self.config.server.max_body_bytes, self.config.server.body_timeout)
-        return decode(data, body_type, endpoint)
+        return await self.engine.off_loop(decode, data, body_type, endpoint)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise HTTPError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
+            shown = repr(model) if len(model) <= 200 else f"{model[:200]!r}..."
+            raise HTTPError(404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
 
     def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
@@ -150,7 +152,8 @@ class Server:
         ]
         ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after)
+            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after,
+                                     getattr(request.state, "arrival", None))
         except BaseException as error:
             for engine_request_id in ids:
                 self.engine.abort(engine_request_id)
@@ -160,7 +163,7 @@ class Server:
             if isinstance(error, ShuttingDownError):
                 raise HTTPError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
             if isinstance(error, ValueError):
-                raise HTTPError(400, str(error)) from None
+                raise HTTPError(400, str(error), param=field_of(error)) from None
             raise
         return output, ids
 
@@ -247,12 +250,18 @@ class Server:
         """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
         call it on a worker thread: templating and encoding take time)."""
         plain = [msgspec.to_builtins(message) for message in messages]
+        reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise HTTPError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}, the server's own arguments "
+                            f"to the template; send messages, add_generation_prompt and tools as the request's fields",
+                            param="chat_template_kwargs")
         try:
             conversation, kwargs = tools.chat_input(self.tokenizer, plain, add_generation_prompt, settings,
                                                     self.tool_parser, template_kwargs or {})
             return self.engine.frontend.encode_chat(conversation, add_generation_prompt, **kwargs)
         except ValueError as error:
-            raise HTTPError(400, str(error), param="messages") from None
+            field = field_of(error)
+            raise HTTPError(400, str(error), param=field if field.startswith("messages") else "messages") from None
         except TemplateError as error:
             raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
 
@@ -280,6 +289,8 @@ class Server:
 
 _PROMPT_TAIL_TOKENS = 64
 """Tokens at a prompt's end a reasoning parser reads (a template opens or closes the thinking there)."""
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "control_tokens_in_content"}
+"""Arguments the server gives the chat template itself (``chat_template_kwargs`` may not)."""
 
 
 def _sse(data: Any) -> bytes:
@@ -344,6 +355,7 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
                 response = error_response(error)
             except Exception:
                 response = error_response(internal_error(request))
+                server.metrics.failed("internal")
             response.headers["X-Request-Id"] = request_id(request)
             return response
 
@@ -388,7 +400,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
-    prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs)
+    prompt = await server.engine.off_loop(server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
@@ -527,6 +539,7 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
             yield _sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
     except Exception:  # after the headers went out: the client gets an error event, the log the details
         logger.exception("internal error in stream %s", head["id"])
+        server.metrics.failed("internal")
         yield _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
     finally:
         for engine_request_id in ids:
@@ -541,7 +554,7 @@ async def completions(server: Server, request: Request) -> Response:
         constraint, field = structured.from_sampling_fields(body)
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
-    prompts = await asyncio.to_thread(_completion_prompts, server, body.prompt)
+    prompts = await server.engine.off_loop(_completion_prompts, server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
     # echo with logprobs scores the prompt too: its logprobs come from the same forward as the output's.
@@ -559,7 +572,7 @@ async def completions(server: Server, request: Request) -> Response:
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
-    choices = await asyncio.to_thread(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
+    choices = await server.engine.off_loop(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
         "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
@@ -700,10 +713,10 @@ async def tokenize(server: Server, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
-        tokens = await asyncio.to_thread(server.chat_prompt, body.messages, True)
+        tokens = await server.engine.off_loop(server.chat_prompt, body.messages, True)
     else:
         try:
-            tokens = await asyncio.to_thread(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
+            tokens = await server.engine.off_loop(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
         except ValueError as error:
             raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
@@ -715,7 +728,7 @@ async def detokenize(server: Server, request: Request) -> Response:
     bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
-    text = await asyncio.to_thread(server.tokenizer.decode, body.tokens, False)
+    text = await server.engine.off_loop(server.tokenizer.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
 
 

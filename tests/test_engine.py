@@ -202,9 +202,9 @@ def test_bad_input_is_refused_with_the_field_and_value(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"SamplingParams.top_p = 0: must be in \(0, 1\]"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match=r"the prompt has 600 tokens but the context length is 512"):
+    with pytest.raises(ValueError, match=r"prompt: 600 tokens, but the context length is 512"):
         llm.generate([[5] * 600], GREEDY)
-    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 49152\)"):
+    with pytest.raises(ValueError, match=r"prompt: token ids must be in \[0, 49152\)"):
         llm.generate([[5, 49152]], GREEDY)
     # Nothing is left behind: the engine still serves.
     assert not llm.engine.has_unfinished

@@ -114,3 +114,37 @@ def test_a_corrupted_weight_cache_is_rebuilt_with_one_warning(tmp_path, monkeypa
         assert len(caught) == 1 and built["count"] == before + 1
         assert reloaded.keys() == expected.keys() and all(torch.equal(reloaded[name], expected[name]) for name in expected)
         assert checksum.problem(cached) is None  # rebuilt, with fresh checksums
+
+
+def test_a_damaged_tokenizer_cache_is_rebuilt_with_one_warning(tmp_path, monkeypatch, tokenizer_files):
+    """Truncated, changed inside, or without its checksums: the next start rebuilds the tokenizer from the GGUF."""
+    from tokenizers import Tokenizer
+
+    from weft_gguf import checksum
+    from weft_gguf.tokenizer import GGUFTokenizer
+
+    monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
+    loader = GGUFLoader()  # one loader: the GGUF file is parsed once, whatever is rebuilt
+    loader.resolve("smollm2-135m-instruct")
+    (folder,) = (tmp_path / "gguf").glob("*.tokenizer")
+    assert checksum.folder_problem(folder) is None
+    reference = Tokenizer.from_file(str(tokenizer_files / "tokenizer.json"))
+    text = "<|im_start|>user\nnaïve café, 3.14159<|im_end|>\n"
+    template = (tokenizer_files / "chat_template.jinja").read_text()
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    damages = [
+        ("tokenizer.json: .*truncated", lambda: truncate(folder / "tokenizer.json")),
+        ("chat_template.jinja: changed", lambda: (folder / "chat_template.jinja").write_text(template.replace("system", "sYstem"))),
+        ("tokenizer_config.json: missing its checksum file", lambda: checksum.sidecar(folder / "tokenizer_config.json").unlink()),
+    ]
+    for reason, damage in damages:
+        damage()
+        with pytest.warns(UserWarning, match=f"tokenizer cache .* is damaged \\({reason}") as caught:
+            tokenizer = GGUFTokenizer.from_source(loader.resolve("smollm2-135m-instruct"))
+        assert len(caught) == 1
+        assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
+        assert (folder / "chat_template.jinja").read_text() == template
+        assert checksum.folder_problem(folder) is None

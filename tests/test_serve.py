@@ -411,3 +411,28 @@ def test_completion_streaming_echo_and_text_offsets(client):
         model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=1, stream=True) if chunk.choices and chunk.choices[0].logprobs
         for offset in chunk.choices[0].logprobs.text_offset]
     assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+
+
+def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkeypatch):
+    import weft.serve.app as app
+
+    def failures() -> float:
+        for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith('weft_request_failures_total{reason="internal"} '):
+                return float(line.split()[-1])
+        raise AssertionError("no internal failures counter")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a secret detail")
+
+    before = failures()
+    monkeypatch.setattr(app, "_completion_choices", broken)
+    monkeypatch.setattr(app, "_completion_logprobs", broken)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True, "logprobs": 1}, timeout=60) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert plain.status_code == 500 and "secret" not in plain.text
+    assert plain.headers["x-request-id"] in plain.json()["error"]["message"]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "500" and "secret" not in events[-2]
+    assert failures() == before + 2

@@ -171,6 +171,10 @@ class ServerConfig(_Section, frozen=True):
     body_timeout: Annotated[
         float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
     ] = 60.0
+    tokenizer_threads: Annotated[
+        int, Meta(ge=1, description="threads that decode request bodies, render chat templates and tokenize, off the "
+                                    "event loop; a request waits for one when all are busy")
+    ] = 4
     max_sequences_per_request: Annotated[
         int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
     ] = 256

@@ -111,8 +111,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         return self.temperature < SAMPLING_EPS
 
     def choices(self) -> list[SamplingParams]:
-        """One single-sample copy per choice: ``n=1``, and the seed advanced by the choice index."""
+        """One single-sample copy per choice: ``n=1``, and the seed advanced by the choice index (modulo 2**63,
+        so that any valid seed has valid successors)."""
         return [
-            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + index) % 2**63)
             for index in range(self.n)
         ]

@@ -15,7 +15,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from jinja2 import nodes
+from jinja2 import TemplateRuntimeError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,7 +62,12 @@ class ChatTemplate:
         self.template = self.environment.from_string(source)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        """The template's text for ``messages``; TemplateError when it fails on them (an expression of the template
+        that does not apply to what the messages hold raises TypeError, KeyError... in Python)."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except (TypeError, LookupError, AttributeError, ArithmeticError) as error:
+            raise TemplateRuntimeError(f"{type(error).__name__}: {error}") from error
 
     def render_with_generation_spans(self, messages: list[dict[str, Any]], **variables: Any) -> tuple[str, list[tuple[int, int]]]:
         """Render, and return the character spans of every ``{% generation %}`` block's output."""

@@ -1,7 +1,9 @@
 """The API process's engine: the engine core in its own process, fed and drained from asyncio.
 
 :class:`AsyncEngine` starts the core (:mod:`weft.engine.core_process`) and sends
-it tokenized requests and aborts over ZMQ from the event loop. A reader thread
+it tokenized requests and aborts over ZMQ from the event loop. Work on a request's text (templating,
+tokenizing, checking it against the model) runs on a bounded pool of tokenizer threads
+(:meth:`AsyncEngine.off_loop`), never on the event loop. A reader thread
 receives what the core streams back and turns token ids into text with the
 output processor (detokenization and stop strings stay off the event loop);
 each request's progress goes to the submitting coroutine's ``asyncio.Queue`` as
@@ -11,14 +13,15 @@ run in the core's process, so neither waits on the other's GIL.
 
 A request ends with an error delta (``error`` and an HTTP status) when the core
 refuses it (400) or fails it (500: non-finite logits, a step that failed twice),
-when it outlives ``request_timeout`` (408: it is aborted, its KV blocks freed),
-when a drain gives up on it (503), or when the core process dies (503: new
+when it outlives ``request_timeout`` counted from its arrival (408: it is aborted, its KV blocks
+freed), when a drain gives up on it (503), or when the core process dies (503: new
 requests are refused and ``on_core_death`` is called; ``weft serve`` exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -27,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -104,7 +108,7 @@ class AsyncEngine:
     """Starts the engine core process; call :meth:`start` on the event loop before submitting."""
 
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None, max_queued_requests: int = 1024,
-                 startup_timeout: float = 3600.0, request_timeout: float | None = None) -> None:
+                 startup_timeout: float = 3600.0, request_timeout: float | None = None, tokenizer_threads: int = 4) -> None:
         verify_plugin_lock(config)  # before the frontend resolves the model (the core process checks again)
         self.config = config
         self.registry = registry or PluginRegistry()
@@ -126,7 +130,13 @@ class AsyncEngine:
         """Guards ``outputs`` and ``_subscribers``, shared by the event loop and the reader thread."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
+        self._tokenizer_threads = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="weft-tokenizer")
         self._accepting = True
+        """False once a drain is over, or the engine stops or its core died: nothing is admitted."""
+        self._drain_began: float | None = None
+        """``time.monotonic()`` when a drain began: requests that arrive later are refused."""
+        self._preparing = 0
+        """Requests :meth:`submit` is checking on a tokenizer thread: they count as waiting."""
         self.dead = False
         self.death_reason = ""
         """Why the core stopped, when it said (its workers failed)."""
@@ -205,26 +215,50 @@ class AsyncEngine:
 
     # Called from the event loop.
 
+    async def off_loop(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` on a tokenizer thread (``server.tokenizer_threads`` of them, shared by every
+        request). A caller that is cancelled stops waiting, and its call is dropped if it has not started. They
+        are not the event loop's default executor, which a shutdown waits for."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, functools.partial(function, *args))
+
+    def refusal(self, arrival: float) -> str | None:
+        """Why a request that arrived at ``arrival`` (``time.monotonic()``) may not be submitted now, or None:
+        the core died, the engine stopped, or a drain began before the request arrived."""
+        if self.dead:
+            return "the engine core process died"
+        if not self._accepting or (self._drain_began is not None and arrival >= self._drain_began):
+            return "the server is shutting down"
+        return None
+
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
-                     kv_transfer_params: dict[str, Any] | None = None, grammar_starts_after: tuple[int, ...] = ()) -> None:
+                     kv_transfer_params: dict[str, Any] | None = None, grammar_starts_after: tuple[int, ...] = (),
+                     arrival: float | None = None) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
         (``kv_transfer_params``: for the KV connector, one request only; ``grammar_starts_after``: see
-        :meth:`weft.engine.frontend.Frontend.core_request`).
-
-        ``grammar_starts_after``: see :meth:`weft.engine.frontend.Frontend.core_request`.
+        :meth:`weft.engine.frontend.Frontend.core_request`). The requests are the sequences of one API request
+        (their params differ in their seed at most), checked on a tokenizer thread. ``arrival``: when the API
+        request arrived (``time.monotonic()``; default now): ``request_timeout`` counts from it, and a drain admits
+        a request that arrived before it began.
 
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
-        if not self._accepting:
-            raise ShuttingDownError("the server is shutting down" if not self.dead else "the engine core process died")
-        if self.stats.waiting + len(requests) > self.max_queued_requests:
-            raise QueueFullError(f"{self.stats.waiting} requests are already waiting")
-        core_requests = [
-            self.frontend.core_request(request_id, prompt, params, kv_transfer_params, grammar_starts_after)
-            for request_id, prompt, params, _ in requests
-        ]
+        arrival = time.monotonic() if arrival is None else arrival
+        if (refusal := self.refusal(arrival)) is not None:
+            raise ShuttingDownError(refusal)
+        if self.stats.waiting + self._preparing + len(requests) > self.max_queued_requests:
+            raise QueueFullError(f"{self.stats.waiting + self._preparing} requests are already waiting")
+        self._preparing += len(requests)
+        try:
+            core_requests = await self.off_loop(
+                self.frontend.core_requests, [(request_id, prompt, params) for request_id, prompt, params, _ in requests],
+                kv_transfer_params, grammar_starts_after,
+            )
+        finally:
+            self._preparing -= len(requests)
+        if (refusal := self.refusal(arrival)) is not None:  # the drain ended (or the core died) meanwhile
+            raise ShuttingDownError(refusal)
         now = time.monotonic()
-        deadline = None if self.request_timeout is None else now + self.request_timeout
+        deadline = None if self.request_timeout is None else arrival + self.request_timeout
         with self._lock:
             for (request_id, _, params, index), core_request in zip(requests, core_requests):
                 self.outputs.add(request_id, core_request.prompt_token_ids, params)
@@ -261,7 +295,8 @@ class AsyncEngine:
 
     @property
     def accepting(self) -> bool:
-        return self._accepting
+        """Whether a request arriving now is admitted (False while draining, after, and once the core died)."""
+        return self.refusal(time.monotonic()) is None
 
     @property
     def has_unfinished(self) -> bool:
@@ -295,13 +330,16 @@ class AsyncEngine:
         for queue, delta in deliveries:
             queue.put_nowait(delta)
 
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests, wait up to ``timeout`` seconds for running ones (less if :meth:`hurry`
-        is called), end the rest with a 503 error delta, stop the core."""
-        self._accepting = False
+    async def drain(self, timeout: float, busy: Callable[[], bool] = lambda: False) -> None:
+        """Refuse requests that arrive from now on, wait up to ``timeout`` seconds (less if :meth:`hurry` is
+        called) for the running ones and while ``busy()`` (the server's requests not yet submitted), end the
+        rest with a 503 error delta; then refuse every request."""
+        if self._drain_began is None:
+            self._drain_began = time.monotonic()
         self._drain_deadline = time.monotonic() + timeout
-        while self.outputs.requests and time.monotonic() < self._drain_deadline and not self.dead:
+        while (self.outputs.requests or busy()) and time.monotonic() < self._drain_deadline and not self.dead:
             await asyncio.sleep(0.05)
+        self._accepting = False
         remaining = list(self.outputs.requests)
         if remaining:
             logger.warning("shutdown: %d requests still running after %.0f s; ending them", len(remaining), timeout)
@@ -322,6 +360,7 @@ class AsyncEngine:
             timeout = 1.0 if self.config.use.kv_connector == "none" else 60.0
         self._stopping = True
         self._accepting = False
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
         for task in self._tasks:
             task.cancel()
         # The reader keeps draining the core's last messages until it exits (a core can't close its

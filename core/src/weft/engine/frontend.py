@@ -7,6 +7,7 @@ serves callers: the API server under ``weft serve``, the caller's for ``LLM``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -60,12 +61,20 @@ class Frontend:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a conversation (``server.special_tokens_in_content`` decides whether special-token
-        text inside messages is plain text or control tokens); ValueError for a message far too long."""
-        for message in messages:
-            if message.get("role") in ("system", "developer", "user") and isinstance(message.get("content"), str):
-                self._refuse_far_too_long(message["content"], False)
+        text inside messages is plain text or control tokens); ValueError for a conversation far too long."""
+        self._refuse_far_too_long_chat(messages, template_kwargs)
         control = self.special_tokens_in_content == "control"
         return self.tokenizer.encode_chat(messages, add_generation_prompt, control, **template_kwargs)
+
+    def _refuse_far_too_long_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> None:
+        """ValueError naming ``messages`` when the text of the conversation (every message's content, parts,
+        calls and other strings, and the template's arguments) cannot fit the context, found by encoding a prefix."""
+        texts = [text for value in (messages, template_kwargs) for text in _strings(value)]
+        if sum(len(text) for text in texts) > self.max_model_len * _CHARS_PER_TOKEN_BOUND:
+            try:
+                self._refuse_far_too_long("\n".join(texts), False)
+            except ValueError as error:
+                raise ValueError(f"messages: {error}") from None
 
     def _refuse_far_too_long(self, text: str, add_special_tokens: bool) -> None:
         if len(text) <= self.max_model_len * _CHARS_PER_TOKEN_BOUND:
@@ -81,45 +90,90 @@ class Frontend:
     def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
                      grammar_starts_after: tuple[int, ...] = ()) -> EngineCoreRequest:
-        """The core's request for a prompt; ValueError naming the problem when the prompt or params don't fit the model.
+        """The core's request for a prompt; ValueError ``"<field>: <problem>"`` when the prompt or params don't
+        fit the model.
 
         ``grammar_starts_after``: the tokens ending the reasoning, when a constraint applies to the answer after it."""
+        return self.core_requests([(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_starts_after)[0]
+
+    def core_requests(self, requests: list[tuple[str, list[int], SamplingParams]],
+                      kv_transfer_params: dict[str, Any] | None = None,
+                      grammar_starts_after: tuple[int, ...] = ()) -> list[EngineCoreRequest]:
+        """:meth:`core_request` for each ``(request_id, prompt_token_ids, params)``: the sequences of one API
+        request, whose params differ in their seed at most, so that checking them (a constraint compiled,
+        bad words tokenized) is done once, not once per choice. Call it off the event loop."""
+        unchecked: SamplingParams | None = None  # the last params checked, and the result
+        checked: SamplingParams | None = None
+        core_requests = []
+        for request_id, prompt_token_ids, params in requests:
+            self._check_prompt(prompt_token_ids)
+            if unchecked is None or _without_seed(params) != _without_seed(unchecked):
+                unchecked, checked = params, self._checked(params)
+            params = msgspec.structs.replace(params, bad_words_token_ids=checked.bad_words_token_ids)
+            room = self.max_model_len - len(prompt_token_ids)
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+            eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
+            core_requests.append(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens,
+                                                   kv_transfer_params, tuple(grammar_starts_after)))
+        return core_requests
+
+    @property
+    def _vocab(self) -> int:
+        """Token ids are in ``range(self._vocab)``: the model's vocabulary, else the tokenizer's."""
+        return self.vocab_size if self.vocab_size is not None else self.tokenizer.vocab_size
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise ValueError("prompt: empty; give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but the context length is {self.max_model_len}; "
+                f"prompt: {len(prompt_token_ids)} tokens, but the context length is {self.max_model_len}; "
                 f"shorten the prompt or raise engine.max_model_len"
             )
-        vocab = self.vocab_size
-        if vocab is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= self._vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {self._vocab}); got {low}..{high}")
+
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the model (token ids, the constraint), its bad words tokenized."""
         for field, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                               ("allowed_token_ids", params.allowed_token_ids or ())):
-            out_of_range = [token for token in tokens if vocab is not None and not 0 <= token < vocab]
+            out_of_range = [token for token in tokens if not 0 <= token < self._vocab]
             if out_of_range:
-                raise ValueError(f"{field}: token ids must be in [0, {vocab}); got {out_of_range[:5]}")
+                raise ValueError(f"{field}: token ids must be in [0, {self._vocab}); got {out_of_range[:5]}")
         if params.structured_outputs is not None:
             backend = self.structured_output_backend()
             if backend is None:
                 from weft.engine.structured_output import no_backend_message
 
-                raise ValueError(no_backend_message(self.config))
+                raise ValueError(f"structured_outputs: {no_backend_message(self.config)}")
             backend.validate(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
-        return EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens, kv_transfer_params,
-                                 tuple(grammar_starts_after))
+        return params
 
     def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as it would start the text and after a space (as vLLM bans them)."""
-        sequences: list[tuple[int, ...]] = []
+        sequences: dict[tuple[int, ...], None] = {}  # ordered and without duplicates
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 tokens = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if tokens and tokens not in sequences:
-                    sequences.append(tokens)
+                if tokens:
+                    sequences[tokens] = None
         return tuple(sequences)
+
+
+def _without_seed(params: SamplingParams) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=None)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (nested lists and dicts, keys excepted)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)

@@ -17,14 +17,15 @@ from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
-from weft.serve.lifecycle import GracefulServer, uvicorn_config
+from weft.serve.lifecycle import GracefulServer, InFlightRequests, uvicorn_config
 
 
 def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Starlette:
     """Start the engine core and return the app serving it (plugins' ``weft_http_routes`` included)."""
     registry = registry or PluginRegistry()
     server = config.server
-    engine = AsyncEngine(config, registry, server.max_queued_requests, request_timeout=server.request_timeout)
+    engine = AsyncEngine(config, registry, server.max_queued_requests, request_timeout=server.request_timeout,
+                         tokenizer_threads=server.tokenizer_threads)
     try:
         routes = [route for contributed in registry.hooks().hook.weft_http_routes() for route in (contributed or ())]
         return create_app(engine, config, routes)
@@ -34,12 +35,14 @@ def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Sta
 
 
 def build_server(app: Starlette, config: WeftConfig, log_level: str = "info", port: int | None = None) -> GracefulServer:
-    """The uvicorn server for ``app`` (``port``: instead of ``server.port``)."""
+    """The uvicorn server for ``app`` (``port``: instead of ``server.port``), its requests tracked from their
+    arrival (:class:`weft.serve.lifecycle.InFlightRequests`)."""
     settings = config.server
     engine: AsyncEngine = app.state.server.engine
+    in_flight = InFlightRequests(app, engine, app.state.server.metrics.failed)
     return GracefulServer(
-        uvicorn_config(app, settings.host, settings.port if port is None else port, settings.header_timeout, log_level),
-        engine, settings.shutdown_timeout,
+        uvicorn_config(in_flight, settings.host, settings.port if port is None else port, settings.header_timeout, log_level),
+        engine, settings.shutdown_timeout, in_flight,
     )
 
 

@@ -3,9 +3,10 @@
 Every handler validates its body into a msgspec Struct (:mod:`weft.serve.body`),
 checks the model name (a plain string comparison: a request never names a path),
 turns the request into engine requests (one per prompt and choice) and either
-collects their deltas or streams them as server-sent events. Tokenization,
-chat templating and detokenization of prompts run on worker threads, never on
-the event loop. Leaving a handler for any reason (a client that disconnects
+collects their deltas or streams them as server-sent events. Decoding bodies,
+tokenization, chat templating and detokenization of prompts run on the engine's
+tokenizer threads (:meth:`weft.engine.async_engine.AsyncEngine.off_loop`), never
+on the event loop. Leaving a handler for any reason (a client that disconnects
 included) aborts the engine requests that are still running, which frees their
 KV blocks. A stream that ends in an error sends an OpenAI-shaped error event,
 then ``[DONE]``. An unexpected exception is logged with the request's id and
@@ -100,6 +101,7 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
                 response = error_response(error)
             except Exception:
                 response = error_response(internal_error(request))
+                server.metrics.failed("internal")
             response.headers["X-Request-Id"] = request_id(request)
             return response
 
@@ -144,7 +146,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
-    prompt = await asyncio.to_thread(server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs)
+    prompt = await server.engine.off_loop(server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
@@ -271,6 +273,7 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
             yield sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
     except Exception:  # after the headers went out: the client gets an error event, the log the details
         logger.exception("internal error in stream %s", head["id"])
+        server.metrics.failed("internal")
         yield _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
     finally:
         for engine_request_id in ids:
@@ -285,7 +288,7 @@ async def completions(server: Server, request: Request) -> Response:
         constraint, field = structured.from_sampling_fields(body)
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
-    prompts = await asyncio.to_thread(_completion_prompts, server, body.prompt)
+    prompts = await server.engine.off_loop(_completion_prompts, server, body.prompt)
     for prompt in prompts:
         server.check_length(prompt, body.max_tokens)
     # echo with logprobs scores the prompt too: its logprobs come from the same forward as the output's.
@@ -303,7 +306,7 @@ async def completions(server: Server, request: Request) -> Response:
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
-    choices = await asyncio.to_thread(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
+    choices = await server.engine.off_loop(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
         "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
@@ -439,10 +442,10 @@ async def tokenize(server: Server, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
-        tokens = await asyncio.to_thread(server.chat_prompt, body.messages, True)
+        tokens = await server.engine.off_loop(server.chat_prompt, body.messages, True)
     else:
         try:
-            tokens = await asyncio.to_thread(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
+            tokens = await server.engine.off_loop(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
         except ValueError as error:
             raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
@@ -454,7 +457,7 @@ async def detokenize(server: Server, request: Request) -> Response:
     bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
-    text = await asyncio.to_thread(server.tokenizer.decode, body.tokens, False)
+    text = await server.engine.off_loop(server.tokenizer.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
 
 

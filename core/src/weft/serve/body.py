@@ -2,14 +2,17 @@
 
 Checks, in order: the media type (JSON, else 415), the size (``server.max_body_bytes``,
 else 413), the time the client takes to send it (``server.body_timeout``, else 408),
-then the JSON itself: malformed (400), nested too deeply (400), a field of the
-wrong type or range (400 naming the field), a field Weft does not implement or
-does not know (400 naming it, :mod:`weft.serve.unsupported`).
+then the JSON itself: more than :data:`MAX_CONTAINERS` objects and arrays (400),
+malformed (400), a field of the wrong type or range (400 naming the field), a
+field Weft does not implement or does not know at any level (400 naming it,
+:mod:`weft.serve.unsupported`), nested too deeply (400). Decoding runs on a
+worker thread (:meth:`weft.serve.app.Server.read`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from typing import Any
 
@@ -20,6 +23,9 @@ from weft.serve.unsupported import UNSUPPORTED, explain
 
 MAX_NESTING = 64
 """Deepest nesting of objects and arrays a body may have (tool schemas need a dozen levels)."""
+MAX_CONTAINERS = 65536
+"""Most objects and arrays a body may hold, counted before it is decoded: decoding a million tiny arrays
+takes seconds, all of them holding the interpreter's lock (a 2,000-message conversation holds some thousands)."""
 
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`")
 
@@ -74,27 +80,42 @@ async def read_bytes(request: Request, limit: int, timeout: float) -> bytes:
 
 
 def decode(data: bytes, body_type: type[Any], endpoint: str) -> Any:
-    """``data`` as ``body_type``; HTTPError 400 naming the field for anything malformed or unsupported."""
+    """``data`` as ``body_type``; HTTPError 400 naming the field for anything malformed or unsupported.
+    Call it on a worker thread: a large body takes a while to check."""
+    containers, depth = _containers_and_depth(data)
+    if containers > MAX_CONTAINERS:
+        raise HTTPError(400, f"the JSON body holds {containers} objects and arrays; at most {MAX_CONTAINERS} are "
+                             f"accepted (send long token lists as one array)")
     try:
-        body = msgspec.json.decode(data, type=body_type)
+        body = _parse(data, body_type)
     except msgspec.ValidationError as error:
-        if _UNKNOWN.match(str(error)) is None:
-            raise _field_error(error) from None
+        if _UNKNOWN.match(str(error)) is None or _path_of(error):
+            raise _field_error(error, body_type) from None
         body = _without_noop_fields(data, body_type, endpoint)
-    except msgspec.DecodeError as error:
-        raise HTTPError(400, f"malformed JSON body: {error}") from None
-    except RecursionError:
-        raise HTTPError(400, f"the JSON body is nested too deeply (more than {MAX_NESTING} levels)") from None
-    too_deep = _nested_too_deeply(msgspec.to_builtins(body))
+    # The body's own object is a level of ``depth``, not of _nested_too_deeply's.
+    too_deep = _nested_too_deeply(msgspec.to_builtins(body)) if depth > MAX_NESTING + 1 else None
     if too_deep is not None:
         shown = too_deep if len(too_deep) <= 80 else too_deep[:80] + "..."
         raise HTTPError(400, f"{shown}: nested more than {MAX_NESTING} levels deep", param=shown)
     return body
 
 
+def _parse(data: bytes, body_type: Any) -> Any:
+    """msgspec's decoding; malformed JSON and JSON nested deeper than msgspec goes are 400s (a
+    ValidationError passes: the caller names the field)."""
+    try:
+        return msgspec.json.decode(data, type=body_type)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as error:
+        raise HTTPError(400, f"malformed JSON body: {error}") from None
+    except RecursionError:
+        raise HTTPError(400, f"the JSON body is nested too deeply (more than {MAX_NESTING} levels)") from None
+
+
 def _without_noop_fields(data: bytes, body_type: type[Any], endpoint: str) -> Any:
     """A body with unknown fields: refuse the first that matters, decode again without the no-op ones."""
-    raw = msgspec.json.decode(data)
+    raw = _parse(data, Any)
     declared = {field.encode_name for field in msgspec.structs.fields(body_type)}
     for name in [key for key in raw if key not in declared]:
         reason = explain(endpoint, name, raw[name])
@@ -107,30 +128,86 @@ def _without_noop_fields(data: bytes, body_type: type[Any], endpoint: str) -> An
     try:
         return msgspec.convert(raw, body_type)
     except msgspec.ValidationError as error:
-        raise _field_error(error) from None
+        raise _field_error(error, body_type) from None
 
 
 def _noop_names(endpoint: str) -> set[str]:
     return set(UNSUPPORTED.get(endpoint, {}))
 
 
-def _field_error(error: msgspec.ValidationError) -> HTTPError:
-    """A 400 naming the field msgspec's error points at (its ``$.messages[0].content`` as ``messages[0].content``)."""
-    message, _, path = str(error).partition(" - at `$")
-    field = path.rstrip("`").lstrip(".") or None
-    return HTTPError(400, f"{field or 'body'}: {message.replace('`', '')}", param=field)
+def _field_error(error: msgspec.ValidationError, body_type: type[Any]) -> HTTPError:
+    """A 400 naming the field msgspec's error points at (its ``$.messages[0].content`` as ``messages[0].content``);
+    an unknown field inside an object is named with its path, and the object's fields are listed."""
+    message = str(error).partition(" - at `$")[0]
+    path = _path_of(error)
+    unknown = _UNKNOWN.match(message)
+    if unknown is not None:
+        field = f"{path}.{unknown['field']}" if path else unknown["field"]
+        accepted = _fields_at(msgspec.inspect.type_info(body_type), path)
+        listed = f"; it accepts {', '.join(accepted)}" if accepted else ""
+        return HTTPError(400, f"{field}: unknown field{listed} (see docs/serving.md)", param=field)
+    return HTTPError(400, f"{path or 'body'}: {message.replace('`', '')}", param=path or None)
+
+
+def _path_of(error: msgspec.ValidationError) -> str:
+    """The location msgspec's error names, as ``messages[0].content`` ("" for the body itself)."""
+    return str(error).partition(" - at `$")[2].rstrip("`").lstrip(".")
+
+
+def _fields_at(info: msgspec.inspect.Type, path: str) -> list[str]:
+    """The field names of the object at ``path`` of a body of type ``info`` (empty when not a Struct)."""
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        info = _member(info, msgspec.inspect.StructType if name else msgspec.inspect.ListType)
+        if isinstance(info, msgspec.inspect.StructType):
+            info = next((field.type for field in info.fields if field.encode_name == name), None)
+        elif isinstance(info, msgspec.inspect.ListType):
+            info = info.item_type
+        if info is None:
+            return []
+    struct = _member(info, msgspec.inspect.StructType)
+    return [field.encode_name for field in struct.fields] if struct is not None else []
+
+
+def _member(info: Any, kind: type) -> Any:
+    """``info`` itself, or the member of its union, of the kind wanted (None if it has none)."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return next((member for member in info.types if isinstance(member, kind)), None)
+    return info if isinstance(info, kind) else None
+
+
+def _containers_and_depth(data: bytes) -> tuple[int, int]:
+    """How many objects and arrays the JSON ``data`` holds, and how deep they nest (at most: brackets inside
+    strings count until strings are cut out), in C (walking the decoded body, which names the value too
+    deep, takes seconds for a large one)."""
+    brackets = data.count(b"[") + data.count(b"{")
+    if brackets <= MAX_NESTING + 1:
+        return brackets, brackets
+    structure = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    depth = max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, structure)), default=0)
+    return structure.count(b"[") + structure.count(b"{"), depth
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+_BRACKET_STEP = [{ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}.get(byte, 0) for byte in range(256)]
 
 
 def _nested_too_deeply(value: Any) -> str | None:
     """The path of the first value nested more than :data:`MAX_NESTING` levels deep, or None."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    stack: list[tuple[Any, int, Any]] = [(value, 0, None)]
     while stack:
-        node, path, depth = stack.pop()
+        node, depth, where = stack.pop()
         if depth > MAX_NESTING:
-            return path.lstrip(".")
-        if isinstance(node, dict):
-            stack.extend((child, f"{path}.{key}", depth + 1) for key, child in node.items() if isinstance(child, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((child, f"{path}[{index}]", depth + 1) for index, child in enumerate(node)
-                         if isinstance(child, (dict, list)))
+            return _path(where)
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        # ``where``: (parent's where, key), spelled out only for the value that is too deep.
+        stack.extend((child, depth + 1, (where, key)) for key, child in children if isinstance(child, (dict, list)))
     return None
+
+
+def _path(where: Any) -> str:
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(keys)).lstrip(".")

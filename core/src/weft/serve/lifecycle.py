@@ -1,13 +1,16 @@
 """uvicorn as Weft runs it: a graceful shutdown that keeps the listener up, and slow-client timeouts.
 
 :class:`GracefulServer`: on SIGINT or SIGTERM (or :meth:`GracefulServer.request_shutdown`)
-the engine stops admitting requests: new ones, on the still-open listener, get
-503 with ``Retry-After`` and ``/health`` answers 503. Requests in flight may
-finish for ``server.shutdown_timeout`` seconds; each one still running then ends
-(a stream with an OpenAI-shaped error event and ``[DONE]``, a plain request with
-a 503). Only then does uvicorn close the listener and the process exit, with
-status 0. A second signal ends the wait at once. uvicorn's own handling (close
-the listener first, cancel what is left, re-raise the signal) is not used.
+the server stops admitting requests: new ones, on the still-open listener, get
+503 with ``Retry-After`` and ``/health`` answers 503. Requests in flight, from
+their arrival on (:class:`InFlightRequests`: still sending their body or being
+tokenized, or in the engine), may finish for ``server.shutdown_timeout``
+seconds; each one still running then ends (a stream with an OpenAI-shaped error
+event and ``[DONE]``, any other with a 503), and the responses get
+:data:`FLUSH_SECONDS` to go out. Only then does uvicorn close the listener and
+the process exit, with status 0. A second signal ends the wait at once.
+uvicorn's own handling (close the listener first, cancel what is left, re-raise
+the signal) is not used.
 
 :class:`TimedH11Protocol`: a connection that has not sent a request's complete
 headers ``server.header_timeout`` seconds after it opened (or after its previous
@@ -21,6 +24,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -29,11 +33,15 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from weft.engine.async_engine import AsyncEngine
+from weft.serve.app import error_response
+from weft.serve.body import HTTPError
 
 logger = logging.getLogger("weft.serve")
 
 FLUSH_SECONDS = 1.0
 """After a drain, how long the handlers get to write their last events before the listener closes."""
+KEEP_ALIVE_SECONDS = 5
+"""How long an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``)."""
 
 
 class TimedH11Protocol(H11Protocol):
@@ -83,13 +91,95 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose shutdown drains the engine first (see the module docstring)."""
+class _Served:
+    """One HTTP request's progress, as :class:`InFlightRequests` sees it."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+    def __init__(self) -> None:
+        self.responding = False
+        """Its response has started (a stream's headers went out)."""
+        self.cut = False
+        """The end of a drain cancelled its handler."""
+
+
+class InFlightRequests:
+    """ASGI middleware: the API calls (POST requests) being served, from their arrival to their response's end
+    (GETs are quick answers, and a drain does not wait for them).
+
+    Each request's arrival is stamped on it (``request.state.arrival``, ``time.monotonic()``): its
+    ``server.request_timeout`` counts from there, and a drain admits the requests that arrived before it
+    began. A POST that arrives while the engine refuses requests (draining, or its core died) gets its
+    503 at once. :meth:`cut` ends the requests a drain left running.
+    """
+
+    def __init__(self, app: Any, engine: AsyncEngine, failed: Callable[[str], None] = lambda reason: None) -> None:
+        self.app = app
+        self.engine = engine
+        self.failed = failed
+        """Told ``"shutdown"`` for each request :meth:`cut` answers."""
+        self._running: dict[asyncio.Task, _Served] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        arrival = time.monotonic()
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival"] = arrival
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.engine.refusal(arrival)
+        if refusal is not None:
+            await error_response(HTTPError(503, refusal, headers={"Retry-After": "5"}))(scope, receive, send)
+            return
+        served = _Served()
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def watched(message: dict[str, Any]) -> None:
+            served.responding = served.responding or message["type"] == "http.response.start"
+            await send(message)
+
+        self._running[task] = served
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            if not served.cut:
+                raise
+            task.uncancel()
+            self.failed("shutdown")
+            if served.responding:  # a stream that outlived the flush: end its body where it is
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            request_id = scope["state"].get("request_id")
+            response = error_response(HTTPError(
+                503, f"the server is shutting down{f' (request {request_id})' if request_id else ''}; retry later",
+                headers={"Retry-After": "5", **({"X-Request-Id": request_id} if request_id else {})},
+            ))
+            await response(scope, receive, send)
+        finally:
+            del self._running[task]
+
+    def busy(self) -> bool:
+        """Whether any request is being served."""
+        return bool(self._running)
+
+    def cut(self, responding: bool) -> int:
+        """Cancel the handlers still running that have not started a response (``responding``: also those that
+        have); each is answered 503 (a started response is ended as it is). Returns how many."""
+        cut = [(task, served) for task, served in self._running.items() if not served.cut and (responding or not served.responding)]
+        for task, served in cut:
+            served.cut = True
+            task.cancel()
+        return len(cut)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown drains the engine and the HTTP requests first (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float,
+                 in_flight: InFlightRequests) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        self.in_flight = in_flight
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -119,20 +209,26 @@ class GracefulServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await self.engine.drain(self.shutdown_timeout)
+            await self.engine.drain(self.shutdown_timeout, busy=self.in_flight.busy)
+            unanswered = self.in_flight.cut(responding=False)
+            if unanswered:
+                logger.warning("shutdown: %d requests not yet in the engine after %g s; answered 503", unanswered,
+                               self.shutdown_timeout)
             deadline = time.monotonic() + FLUSH_SECONDS
-            while self._responses_in_flight() and time.monotonic() < deadline:
+            while self.in_flight.busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+            unfinished = self.in_flight.cut(responding=True)
+            if unfinished:
+                logger.warning("shutdown: %d responses still going out after %g s; cut", unfinished, FLUSH_SECONDS)
+            deadline = time.monotonic() + FLUSH_SECONDS
+            while self.in_flight.busy() and time.monotonic() < deadline:  # the cut handlers answer at once
+                await asyncio.sleep(0.01)
         finally:
             self.should_exit = True
-
-    def _responses_in_flight(self) -> bool:
-        return any(getattr(connection, "cycle", None) is not None and not connection.cycle.response_complete
-                   for connection in self.server_state.connections)
 
 
 def uvicorn_config(app: Any, host: str, port: int, header_timeout: float, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for a Weft app: the timed h11 protocol, a short final wait (the drain came first)."""
     protocol = type("WeftH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1)
+                          timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1, timeout_keep_alive=KEEP_ALIVE_SECONDS)

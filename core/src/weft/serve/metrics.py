@@ -29,6 +29,7 @@ FAILURE_REASONS = {
     "rejected": "the engine core refused it",
     "shutdown": "still running when a shutdown's drain ended",
     "engine_dead": "the engine core process died",
+    "internal": "an unexpected error in the HTTP server (a 500 or a stream's error event; the log has the traceback)",
 }
 """The ``reason`` label of ``weft_request_failures_total``."""
 

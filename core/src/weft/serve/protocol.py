@@ -15,12 +15,27 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+INT32_MAX = 2**31 - 1
+"""The largest count or token id a request may give (the device keeps them as int32); the model's
+vocabulary and context length bound them further, checked when the request is submitted."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 512
+"""Stop strings are searched for after every token, on the thread that serves every request's output."""
+MAX_BAD_WORDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_CHOICE_OPTIONS = 1024
+"""Caps on the lists a request may give (docs/serving.md lists them): past them, a 400 naming the field."""
+
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Choices = Annotated[int, Meta(ge=1, le=128)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -32,7 +47,7 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fiel
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], Meta(max_length=MAX_CHOICE_OPTIONS)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
@@ -105,29 +120,29 @@ class SamplingFields(IgnoredFields, kw_only=True):
     n: Choices | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     max_tokens: MaxTokens | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    min_tokens: Count | None = None
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: Annotated[list[str], Meta(max_length=MAX_BAD_WORDS)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     """For the server's KV connector (prefill/decode disaggregation: set by a P/D proxy)."""
 
 
-class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """One part of a message's content; the tokenizer decides which types it renders (text always)."""
 
     type: str
@@ -135,19 +150,40 @@ class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     image_url: str | dict[str, str | None] | None = None
     input_audio: dict[str, str] | None = None
     file: dict[str, str] | None = None
+    refusal: str | None = None
+    """An assistant's ``refusal`` part."""
 
 
-class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A message of the conversation. Fields the SDKs echo back with a reply (``refusal``,
-    ``annotations``, ``audio`` as null) are accepted; other unknown fields are ignored."""
+class MessageFunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any]
+    """JSON text, as OpenAI's API has it (an object is accepted: chat templates want one)."""
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A call an earlier assistant message made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A message of the conversation. The fields the OpenAI SDKs echo back with a reply are accepted
+    (``refusal``, ``annotations``; ``audio`` and ``function_call`` as null); any other is a 400 naming it."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    """Ignored: citations OpenAI attached to a reply."""
+    audio: None = None
+    function_call: None = None
+    """The deprecated form of ``tool_calls``: accepted as null only."""
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -159,7 +195,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | int | None = None
+    reasoning_effort: str | Count | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -171,12 +207,27 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
-class ResponseContentPart(msgspec.Struct, kw_only=True):
+class ResponseContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A part of an input item's content: its text, or a kind the tokenizer refuses by its ``type``."""
+
     type: str
     text: str | None = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+    """Ignored: what an ``output_text`` part of an earlier response carried."""
+    refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+    detail: str | None = None
 
 
-class ResponseInputItem(msgspec.Struct, kw_only=True):
+class ResponseInputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An input item: a message, a ``function_call`` or ``function_call_output``, or an earlier ``reasoning``
+    item (dropped). The fields an earlier response's output items carry (``id``, ``status``...) are accepted."""
+
     role: str | None = None
     type: str | None = None
     content: str | list[ResponseContentPart] | None = None
@@ -185,6 +236,10 @@ class ResponseInputItem(msgspec.Struct, kw_only=True):
     name: str | None = None
     arguments: str | None = None
     output: str | list[ResponseContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    summary: list[Any] | None = None
+    encrypted_content: str | None = None
 
 
 class ResponseFunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -224,7 +279,7 @@ class ResponsesRequest(IgnoredFields, kw_only=True):
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    seed: Seed | None = None
     stream: bool | None = None
     tools: list[ResponseFunctionTool] | None = None
     tool_choice: str | NamedToolChoice | None = None
@@ -242,7 +297,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class Usage(msgspec.Struct):

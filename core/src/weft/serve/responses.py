@@ -46,7 +46,7 @@ async def responses(server: Server, request: Request) -> Response:
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
     template_kwargs = {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
-    prompt = await asyncio.to_thread(server.chat_prompt, messages, True, settings, template_kwargs)
+    prompt = await server.engine.off_loop(server.chat_prompt, messages, True, settings, template_kwargs)
     server.check_length(prompt, body.max_output_tokens)
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(
@@ -87,7 +87,7 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         elif item.type == "function_call":
             if not item.call_id or not item.name:
                 raise HTTPError(400, f"{where}: a function_call item needs call_id and name", param=where)
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            call = p.MessageToolCall(id=item.call_id, function=p.MessageFunctionCall(name=item.name, arguments=item.arguments or "{}"))
             previous = messages[-1] if messages else None
             if previous is not None and previous.role == "assistant" and previous.tool_calls and not previous.content:
                 previous.tool_calls.append(call)
@@ -278,6 +278,7 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
         yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
     except Exception:
         logger.exception("internal error in stream %s", response.id)
+        server.metrics.failed("internal")
         yield event("error", message=f"internal error in request {response.id}; the server log has the details",
                     code="server_error", param=None)
     finally:

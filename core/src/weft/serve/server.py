@@ -84,11 +84,12 @@ class Server:
         """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`)."""
         check_media_type(request)
         data = await read_bytes(request, self.config.server.max_body_bytes, self.config.server.body_timeout)
-        return decode(data, body_type, endpoint)
+        return await self.engine.off_loop(decode, data, body_type, endpoint)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise HTTPError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
+            shown = repr(model) if len(model) <= 200 else f"{model[:200]!r}..."
+            raise HTTPError(404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
 
     def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
@@ -128,7 +129,8 @@ class Server:
         ]
         ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after)
+            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after,
+                                     getattr(request.state, "arrival", None))
         except BaseException as error:
             for engine_request_id in ids:
                 self.engine.abort(engine_request_id)
@@ -138,7 +140,7 @@ class Server:
             if isinstance(error, ShuttingDownError):
                 raise HTTPError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
             if isinstance(error, ValueError):
-                raise HTTPError(400, str(error)) from None
+                raise HTTPError(400, str(error), param=field_of(error)) from None
             raise
         return output, ids
 
@@ -225,12 +227,18 @@ class Server:
         """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
         call it on a worker thread: templating and encoding take time)."""
         plain = [msgspec.to_builtins(message) for message in messages]
+        reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise HTTPError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}, the server's own arguments "
+                            f"to the template; send messages, add_generation_prompt and tools as the request's fields",
+                            param="chat_template_kwargs")
         try:
             conversation, kwargs = tools.chat_input(self.tokenizer, plain, add_generation_prompt, settings,
                                                     self.tool_parser, template_kwargs or {})
             return self.engine.frontend.encode_chat(conversation, add_generation_prompt, **kwargs)
         except ValueError as error:
-            raise HTTPError(400, str(error), param="messages") from None
+            field = field_of(error)
+            raise HTTPError(400, str(error), param=field if field.startswith("messages") else "messages") from None
         except TemplateError as error:
             raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
 
@@ -259,6 +267,8 @@ class Server:
 
 _PROMPT_TAIL_TOKENS = 64
 """Tokens at a prompt's end a reasoning parser reads (a template opens or closes the thinking there)."""
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "control_tokens_in_content"}
+"""Arguments the server gives the chat template itself (``chat_template_kwargs`` may not)."""
 
 
 def sse(data: Any) -> bytes:

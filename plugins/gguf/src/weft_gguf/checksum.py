@@ -1,7 +1,7 @@
-"""Checksums of the dequantized weight cache: what was written is what is read, or it is rebuilt.
+"""Checksums of the caches (dequantized weights, tokenizer folders): what was written is what is read, or it is rebuilt.
 
 Beside each cache file lies ``<file>.sha256``: its size and the SHA-256 of each
-64 MiB chunk. Verifying hashes the chunks on a thread pool (hashlib releases
+64 MiB chunk; a cached folder has one beside each of its files. Verifying hashes the chunks on a thread pool (hashlib releases
 the GIL), so a large cache costs a fraction of a second per gigabyte on a many-core host.
 """
 
@@ -63,3 +63,21 @@ def remove(path: Path) -> None:
             file.unlink()
         except FileNotFoundError:
             pass
+
+
+def record_folder(folder: Path) -> None:
+    """Write the checksum file of each file in ``folder`` (a cache folder about to be renamed into place)."""
+    for file in [file for file in folder.iterdir() if file.is_file()]:
+        record(file, file)
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why the cache folder cannot be trusted (empty, or a file truncated, changed or without its checksum), or None."""
+    files = sorted(file for file in folder.iterdir() if file.is_file() and not file.name.endswith(".sha256"))
+    if not files:
+        return "empty"
+    for file in files:
+        wrong = problem(file)
+        if wrong is not None:
+            return f"{file.name}: {wrong}"
+    return None

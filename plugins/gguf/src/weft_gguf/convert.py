@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from weft_gguf import checksum
 
 CONTROL = 3
 
@@ -50,12 +56,45 @@ def write_tokenizer(reader: Any, folder: Path) -> bool:
         if index is not None and 0 <= index < len(tokens):
             key = {"unknown": "unk", "padding": "pad"}.get(name, name)
             config[f"{key}_token"] = tokens[index]
-    temporary = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    temporary.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(temporary / "tokenizer.json"))
-    (temporary / "tokenizer_config.json").write_text(json.dumps(config))
     template = _field(reader, "tokenizer.chat_template")
-    if template:
-        (temporary / "chat_template.jinja").write_text(template)
-    os.replace(temporary, folder)
+
+    def write(temporary: Path) -> None:
+        tokenizer.save(str(temporary / "tokenizer.json"))
+        (temporary / "tokenizer_config.json").write_text(json.dumps(config))
+        if template:
+            (temporary / "chat_template.jinja").write_text(template)
+
+    write_folder(folder, write)
     return True
+
+
+def cache_tokenizer(folder: Path, source: Path, reader: Callable[[], Any]) -> None:
+    """Make the cache ``folder`` hold the tokenizer of the GGUF file ``source`` (``reader()`` parses it), unless
+    it holds a tokenizer already whose checksums match. A damaged one (truncated, changed, without its checksums)
+    is rebuilt with one warning. A vocabulary other than byte-level BPE is left for transformers to convert
+    (:meth:`weft_gguf.tokenizer.GGUFTokenizer.from_source`)."""
+    if folder.is_dir():
+        wrong = checksum.folder_problem(folder)
+        if wrong is None:
+            return
+        warnings.warn(f"weft-gguf: the tokenizer cache {folder} is damaged ({wrong}); rebuilding it from {source}",
+                      stacklevel=3)
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        write_tokenizer(reader(), folder)
+    except OSError as error:
+        print(f"weft-gguf: could not cache the tokenizer in {folder}: {error}", file=sys.stderr)
+
+
+def write_folder(folder: Path, write: Callable[[Path], None]) -> None:
+    """``write(temporary)`` fills a temporary folder, which gets its checksums and is renamed to ``folder``, so
+    that readers never see half a cache (OSError when it cannot be written)."""
+    temporary = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    try:
+        write(temporary)
+        checksum.record_folder(temporary)
+        os.replace(temporary, folder)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)

@@ -8,7 +8,7 @@ Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
 keyed by the file's identity and the dtype, so a warm start skips the work; the
 cache's checksums (:mod:`weft_gguf.checksum`) are verified on every read, and a
-truncated or changed cache is rebuilt with one warning. The ranks of a
+truncated or changed cache is rebuilt with one warning; so is the cached tokenizer. The ranks of a
 tensor-parallel engine read only their slices of that file.
 """
 
@@ -26,7 +26,7 @@ import torch
 from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
 
 from weft_gguf import checksum
-from weft_gguf.convert import write_tokenizer
+from weft_gguf.convert import cache_tokenizer
 from weft_gguf.files import (
     ALIAS_GENERATION_CONFIGS,
     ALIASES,
@@ -173,13 +173,8 @@ class GGUFLoader(WeightLoader):
         name = source if source in ALIASES else path.name.removesuffix(".gguf")
         config = cached_metadata(path, "config", read_config, self._reader)
         generation_config = cached_metadata(path, "generation_config", read_sampling_metadata, self._reader)
-        tokenizer_folder = tokenizer_cache(path)
-        if not (tokenizer_folder / "tokenizer.json").is_file():
-            # While the file is parsed anyway: its byte-level BPE vocabulary, for the "gguf" tokenizer.
-            try:
-                write_tokenizer(self._reader(path), tokenizer_folder)
-            except OSError as error:
-                print(f"weft-gguf: could not cache the tokenizer in {tokenizer_folder}: {error}", file=sys.stderr)
+        # While the file is parsed anyway: its byte-level BPE vocabulary, for the "gguf" tokenizer.
+        cache_tokenizer(tokenizer_cache(path), path, lambda: self._reader(path))
         return ModelSource(
             path=str(path.resolve()), format="gguf", hf_config=config, tokenizer="gguf", name=name,
             generation_config=generation_config or ALIAS_GENERATION_CONFIGS.get(source, {}),

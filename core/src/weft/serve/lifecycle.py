@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 import h11
+import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -91,14 +92,13 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-class _Served:
-    """One HTTP request's progress, as :class:`InFlightRequests` sees it."""
+class _Served(msgspec.Struct):
+    """One API call's progress, as :class:`InFlightRequests` sees it."""
 
-    def __init__(self) -> None:
-        self.responding = False
-        """Its response has started (a stream's headers went out)."""
-        self.cut = False
-        """The end of a drain cancelled its handler."""
+    responding: bool = False
+    """Its response has started (a stream's headers went out)."""
+    cut: bool = False
+    """The end of a drain cancelled its handler."""
 
 
 class InFlightRequests:
@@ -158,7 +158,7 @@ class InFlightRequests:
             del self._running[task]
 
     def busy(self) -> bool:
-        """Whether any request is being served."""
+        """Whether any API call is being served."""
         return bool(self._running)
 
     def cut(self, responding: bool) -> int:

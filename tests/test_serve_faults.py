@@ -100,7 +100,9 @@ def model(tmp_path_factory, tokenizer_files) -> Path:
     return poisoned_model(tmp_path_factory.mktemp("poisoned") / "poisoned", tokenizer_files)
 
 
-REQUEST_TIMEOUT = 10
+REQUEST_TIMEOUT = 30
+"""The module server's server.request_timeout: long enough that a heavy request (a 1,024-option grammar) on a
+loaded 2-core CI machine finishes, short enough that the timeout test waits little."""
 
 
 @pytest.fixture(scope="module")

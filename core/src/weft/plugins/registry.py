@@ -169,7 +169,7 @@ class PluginRegistry:
                 manager.check_pending()
             except pluggy.PluginValidationError as error:
                 manager.unregister(plugin)
-                _report(f"hooks plugin {name!r} is invalid and is skipped: {error}", logging.WARNING)
+                warn_plugin_problem(f"hooks plugin {name!r} is invalid and is skipped: {error}")
         if tracing_enabled():
             manager.trace.root.setwriter(lambda message: trace("%s", message.rstrip()))
             manager.enable_tracing()

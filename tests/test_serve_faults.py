@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import POISONED_TEXT, poisoned_model
+from conftest import POISON_TOKEN, POISONED_TEXT, poisoned_model
 
 
 def _free_port() -> int:
@@ -487,7 +487,9 @@ def test_a_request_that_alone_exceeds_the_limits_gets_400(server):
 
 
 def test_the_request_timeout_stops_a_request_and_frees_its_blocks(server):
-    body = {"model": server.name, "prompt": "Once upon a time", "max_tokens": 8500, "ignore_eos": True}
+    # Thousands of sampled tokens: the poisoned token is banned, else one draw of it ends the request with a 500.
+    body = {"model": server.name, "prompt": "Once upon a time", "max_tokens": 8500, "ignore_eos": True,
+            "logit_bias": {str(POISON_TOKEN): -100}}
     timeouts_before = server.metric("weft_request_failures_total", reason="timeout")
     results: dict[str, object] = {}
 
@@ -659,7 +661,8 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
     """Streams running, a body still arriving, prompts still being tokenized: each ends with an answer in time."""
     shutdown_timeout = 2.0
     server = ServeProcess(model, "engine.max_num_seqs=64", "engine.num_kv_blocks=2048", f"server.shutdown_timeout={shutdown_timeout}")
-    short = {"model": server.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    short = {"model": server.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True,
+             "logit_bias": {str(POISON_TOKEN): -100}}  # the poisoned token, sampled, would end a stream with a 500
     long = {**short, "max_tokens": 8000}
     outcomes: list[list[str]] = []
     started = threading.Barrier(33)
@@ -687,7 +690,7 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
         # 150 prompts of 30,000 characters (under the long-text guard): seconds of tokenizing.
         tokenized: dict[str, httpx.Response] = {}
         tokenizing = threading.Thread(target=lambda: tokenized.setdefault("response", httpx.post(
-            f"{server.url}/v1/completions", json={"model": server.name, "prompt": ["lorem ipsum " * 2500] * 150, "max_tokens": 1},
+            f"{server.url}/v1/completions", json={"model": server.name, "prompt": ["lorem ipsum " * 1500] * 150, "max_tokens": 1},
             timeout=60)))
         tokenizing.start()
         time.sleep(0.5)

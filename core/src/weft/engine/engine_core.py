@@ -248,7 +248,8 @@ class EngineCore:
         return output
 
     def _apply(self, output: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
-        results = self.scheduler.update_from_output(output, handle.result())
+        sampled = handle.result()
+        results = self.scheduler.update_from_output(output, sampled, sampled.connector_output)
         if self.scheduler.newly_finished:
             self._report_finished()
         if output.is_empty and not results:

@@ -84,7 +84,7 @@ def test_a_short_request_waits_for_a_long_prefill_only_without_the_cap(threshold
     params = SamplingParams(max_tokens=4)
     scheduler.add(Request("long", list(range(100, 8100)), params, 4, frozenset()))
     first = scheduler.schedule()
-    scheduler.update_from_output(first, _no_tokens(first))
+    scheduler.update_from_output(first, _no_tokens(first), None)
     scheduler.add(Request("short", [5, 6, 7], params, 4, frozenset()))
     steps = 1
     while "short" not in scheduler.schedule().num_scheduled_tokens:

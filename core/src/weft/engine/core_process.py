@@ -2,7 +2,7 @@
 
 The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 ``multiprocessing``'s spawn method; the core connects, builds its
-:class:`~weft.engine.engine_core.EngineCore` and answers :class:`Ready` (or
+:class:`~weft.engine.engine_core.EngineCore` (:func:`~weft.engine.builder.build_engine_core`) and answers :class:`Ready` (or
 :class:`Failed`). Then it loops: take every waiting message (new requests,
 aborts, shutdown), run one step when it has work, and push the step's outputs
 with the core's gauges. A step that raises is retried once (its running requests
@@ -75,7 +75,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     """The core process's main function."""
     import zmq
 
-    from weft.engine.engine_core import EngineCore
+    from weft.engine.builder import build_engine_core
     from weft.plugins.registry import problems_reported_by_parent
 
     problems_reported_by_parent()  # the API process logged the installed plugins' problems
@@ -96,7 +96,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToCore)
     try:
-        core = EngineCore(config)
+        core = build_engine_core(config)
     except BaseException as error:
         outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}", traceback.format_exc())))
         outputs.close(linger=5000)

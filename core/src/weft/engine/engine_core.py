@@ -1,11 +1,10 @@
 """The engine core: the scheduler and the executor, stepping requests given as token ids.
 
-Building (:meth:`EngineCore.__init__`): hooks (``weft_configure``), the platform's
-engine defaults, the executor (``engine.distributed_executor_backend``) and its
-workers' model, KV-cache sizing, the KV-cache manager, the KV connector's
-scheduler role and the scheduler (``weft_engine_started``). Stepping
-(:meth:`EngineCore.step`): schedule → execute → :meth:`Scheduler.update_from_output
-<weft.engine.scheduler.Scheduler.update_from_output>`.
+The core only steps: :mod:`weft.engine.builder` builds its parts (hooks, executor
+and model, KV-cache sizing, manager, connector, scheduler) and hands them over.
+A step (:meth:`EngineCore.step`) is schedule → execute →
+:meth:`Scheduler.update_from_output <weft.engine.scheduler.Scheduler.update_from_output>`;
+the core also aborts requests, reports its gauges (:meth:`EngineCore.stats`) and closes.
 
 With asynchronous scheduling the core keeps one step in flight: it schedules
 and launches step N+1, then waits for step N's tokens while the device runs
@@ -25,22 +24,15 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig, executor_name
-from weft.contracts.executor import ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
+from weft.config import WeftConfig
+from weft.contracts.executor import Executor, ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
+from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.loader import ModelSource
 from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.engine.structured_output import StructuredOutputManager
-from weft.plugins import PluginRegistry
-from weft.plugins.lock import verify_plugin_lock
-from weft.resolve import (
-    load_kv_connector,
-    max_model_len,
-    options_for,
-    resolve_engine_config,
-    resolve_source,
-)
 from weft.sampling_params import SamplingParams
 
 logger = logging.getLogger("weft.engine")
@@ -82,80 +74,46 @@ class CoreStats(msgspec.Struct, array_like=True):
 
 
 class EngineCore:
-    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
-        verify_plugin_lock(config)  # refuse an installed plugin set that differs from the configured lock
-        started = time.monotonic()
-        self.registry = registry or PluginRegistry()
-        self.hooks = self.registry.hooks()
-        self.hooks.hook.weft_configure(config=config)
-        self.config = config = resolve_engine_config(config, self.registry)
-        engine = config.engine
-        name = executor_name(engine)
-        executor_class = self.registry.load("executor", name)
-        self.executor = executor_class(options_for(config, "executor", executor_class, name), config, self.registry)
-        info = self.executor.load_model()
-        self.groups = info.groups
-        _, self.source = resolve_source(self.registry, config)
-        self.max_model_len = max_model_len(config, self.source)
-        self.kv_connector = None
-        connector = load_kv_connector(self.registry, config, self.source)
-        if connector is not None:
-            connector_class, options, context = connector
-            self.kv_connector = SchedulerConnector(connector_class, options, self.groups, context)
-        shares = self.kv_connector.scheduler_side.kv_cache_shares() if self.kv_connector is not None else None
-        self.num_blocks = self._num_kv_blocks(info.available_kv_bytes, shares)
-        self.kv_cache_manager = KVCacheManager(self.groups, self.num_blocks, engine.enable_prefix_caching)
-        self.executor.initialize_kv_cache(self.num_blocks)
-        self.structured_outputs = StructuredOutputManager(
-            config, self.registry, self.source, self.source.hf_config.get("vocab_size"),
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, self.max_model_len,
-            engine.enable_chunked_prefill, self.kv_connector,
-            engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
-            self.structured_outputs,
-        )
+    """Steps a scheduler and an executor that :func:`~weft.engine.builder.build_engine_core` built."""
+
+    def __init__(
+        self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
+        num_blocks: list[int], async_scheduling: bool,
+    ) -> None:
+        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated."""
+        self.config = config
+        self.hooks = hooks
+        self.executor = executor
+        self.scheduler = scheduler
+        self.source = source
+        """The model source, for the API side (its tokenizer and limits)."""
+        self.num_blocks = num_blocks
+        self.async_scheduling = async_scheduling
         self.num_steps = 0
         self._failed_steps = 0
         """Steps in a row that raised (see :meth:`step_with_retry`)."""
-        self.async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
-        if self.async_scheduling and self.kv_connector is not None:
-            logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", self.kv_connector.name)
-            self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, StepHandle | None] | None = None
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
         waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
         self._bitmask: Future[GrammarOutput] | None = None
-        logger.info(
-            "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
-            time.monotonic() - started, self.num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
-            "on" if self.async_scheduling else "off",
-        )
-        self.hooks.hook.weft_engine_started(engine=self)
+        self._closed = False
 
-    def _num_kv_blocks(self, available_bytes: int, shares: tuple[float, ...] | None = None) -> list[int]:
-        """Blocks of each group: ``engine.num_kv_blocks``, else the available bytes split by ``shares`` (the KV
-        connector's, :meth:`~weft.contracts.kv_connector.KVConnector.kv_cache_shares`) or equally."""
-        engine = self.config.engine
-        if engine.num_kv_blocks is not None:
-            counts = [engine.num_kv_blocks] * len(self.groups)
-        else:
-            if shares is None:
-                shares = (1.0,) * len(self.groups)
-            if len(shares) != len(self.groups) or min(shares) <= 0:
-                raise ValueError(f"KV connector {self.kv_connector.name!r} gave KV-cache shares {shares} for "  # type: ignore[union-attr]
-                                 f"{len(self.groups)} groups; give one positive share per group")
-            bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in self.groups]
-            counts = [int(available_bytes * share / sum(shares)) // size for share, size in zip(shares, bytes_per_block)]
-        for group, count in zip(self.groups, counts):
-            needed = group.spec.blocks_for_tokens(self.max_model_len)
-            if count < needed:
-                raise ValueError(
-                    f"the KV cache holds {count} blocks of group {group.name!r} but one request of "
-                    f"max_model_len {self.max_model_len} needs {needed}; raise engine.cpu_kv_cache_bytes "
-                    f"(or engine.num_kv_blocks) or lower engine.max_model_len"
-                )
-        return counts
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache
+
+    @property
+    def kv_connector(self) -> SchedulerConnector | None:
+        return self.scheduler.connector
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        assert self.scheduler.structured_outputs is not None
+        return self.scheduler.structured_outputs
+
+    @property
+    def groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return self.scheduler.kv_cache.groups
 
     # Requests.
 
@@ -290,7 +248,8 @@ class EngineCore:
         return output
 
     def _apply(self, output: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
-        results = self.scheduler.update_from_output(output, handle.result())
+        sampled = handle.result()
+        results = self.scheduler.update_from_output(output, sampled, sampled.connector_output)
         if self.scheduler.newly_finished:
             self._report_finished()
         if output.is_empty and not results:
@@ -339,8 +298,9 @@ class EngineCore:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the step in flight and the KV connector's pending saves, then stop the workers. Idempotent."""
-        if self.executor is None:
+        if self._closed:
             return
+        self._closed = True
         deadline = time.monotonic() + timeout
         self.abort(self.scheduler.unfinished_ids)
         try:
@@ -355,7 +315,6 @@ class EngineCore:
                                self.kv_connector.name, timeout)
             self.kv_connector.close()
         self.executor.shutdown()
-        self.executor = None  # type: ignore[assignment]
         self.structured_outputs.close()
 
     def describe(self) -> dict[str, Any]:

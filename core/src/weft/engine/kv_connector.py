@@ -179,8 +179,11 @@ class SchedulerConnector:
             return True
         return False
 
-    def build_metadata(self, scheduled: list[tuple[Request, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager) -> bytes:
-        """The connector's metadata for a step scheduling ``(request, new tokens, block ids)``, as msgpack;
+    def build_metadata(
+        self, scheduled: list[tuple[Request, int, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager,
+    ) -> bytes:
+        """The connector's metadata for a step scheduling ``(request, tokens computed before the step, new
+        tokens, block ids)``, as msgpack;
         it names the requests preempted since the previous step. Lends ``kv_cache`` the blocks the
         connector chose (the contract's "Lent blocks")."""
         step = ConnectorStep(
@@ -189,11 +192,11 @@ class SchedulerConnector:
             reclaimed=kv_cache.reclaimed(),
             requests=tuple(
                 ConnectorStepRequest(
-                    request_id=request.request_id, num_computed_tokens=request.num_computed_tokens,
+                    request_id=request.request_id, num_computed_tokens=computed,
                     num_new_tokens=count, block_ids=block_ids,
                     num_external_tokens=self._loading.get(request.request_id, 0),
                 )
-                for request, count, block_ids in scheduled
+                for request, computed, count, block_ids in scheduled
             ),
             preempted=frozenset(self._preempted),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from weft.config import WeftConfig
-from weft.engine.engine_core import EngineCore
+from weft.engine.builder import build_engine_core
 from weft.engine.frontend import Frontend
 from weft.engine.output_processor import OutputProcessor, RequestOutputState
 from weft.plugins import PluginRegistry
@@ -20,7 +20,7 @@ from weft.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
         self.registry = registry or PluginRegistry()
-        self.core = EngineCore(config, self.registry)
+        self.core = build_engine_core(config, self.registry)
         self.config = self.core.config
         self.frontend = Frontend(self.config, self.registry, self.core.source)
         self.tokenizer = self.frontend.tokenizer

@@ -1,15 +1,21 @@
-"""One sequence in the engine core, and the states it moves through.
+"""One sequence in the engine core, and how it ends.
 
-::
+Where an unfinished request is, is the scheduler's bookkeeping: its queues::
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
+    waiting --admitted--> running --finished--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
      ^  |  ^                 |
-     |  |  +----preempt------+   (blocks freed; recomputed from scratch when rescheduled)
-     |  +--asynchronous KV load--> WAITING_FOR_REMOTE_KV   (holds its blocks, in no step)
+     |  |  +----preempted----+   (blocks freed; recomputed from scratch when rescheduled)
+     |  +--asynchronous KV load--> receiving   (holds its blocks, in no step)
      +----KV arrived (or failed: computed instead)--+
 
-Only the :class:`~weft.engine.scheduler.Scheduler` writes a request's progress
-and status. Text, stop strings and decoded logprobs are not the core's business:
+A request's progress (:attr:`Request.num_computed_tokens`, its output tokens,
+:attr:`Request.num_cached_tokens`) and how it ended (:attr:`Request.status`) are
+written by :meth:`Scheduler.update_from_output
+<weft.engine.scheduler.Scheduler.update_from_output>` from what the steps
+produced; the one other writer is :meth:`Scheduler.finish
+<weft.engine.scheduler.Scheduler.finish>`, for an end the API asks for (an abort,
+a stop string). ``tests/test_layering.py`` holds the code to that. Text, stop
+strings and decoded logprobs are not the core's business:
 :mod:`weft.engine.output_processor` keeps them beside the API.
 """
 
@@ -26,23 +32,13 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
-    RUNNING = "running"
+    """How a request ended; the value is its finish reason."""
+
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
     """The step could not serve it (non-finite logits, a failed draw); the others went on."""
-
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset({
-    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
-})
 
 
 class Request:
@@ -67,13 +63,15 @@ class Request:
         self.max_tokens = max_tokens
         """Tokens this request may generate: params.max_tokens capped by the context length."""
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-        self.status = RequestStatus.WAITING
+        self.status: RequestStatus | None = None
+        """How the request ended; None while it has not (the scheduler's queues say where it is)."""
         self.num_computed_tokens = 0
-        """Tokens whose KV is computed or being computed by a step in flight."""
-        self.num_output_placeholders = 0
-        """Tokens sampled by a step in flight whose ids have not reached the scheduler yet."""
+        """Tokens whose KV the steps applied so far computed or loaded, as of the last one that served
+        the request (the scheduler plans from its own count, which adds the steps in flight and starts
+        again after a preemption)."""
         self.num_cached_tokens = 0
-        """Prompt tokens served from the prefix cache or a KV connector when first scheduled."""
+        """Prompt tokens served from the prefix cache or a KV connector when first scheduled (known once
+        that step's output is applied)."""
         self.num_preemptions = 0
         self.state_transferred = False
         """Its whole state arrived by a transfer (``kv_transfer_params`` and an asynchronous load) since it was
@@ -99,23 +97,19 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_placeholders(self) -> int:
-        return len(self.all_token_ids) + self.num_output_placeholders
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status is not None
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        return self.status.value if self.status is not None else None
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"Request({self.request_id!r}, {self.status.name if self.status else 'unfinished'}, prompt={self.num_prompt_tokens}, "
             f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
         )

@@ -12,11 +12,17 @@ blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
 
-The scheduler is the one writer of request state. :meth:`Scheduler.schedule`
-decides the step and returns a self-contained
+:meth:`Scheduler.schedule` decides the step and returns a self-contained
 :class:`~weft.contracts.executor.SchedulerOutput` (workers never read the
-KV-cache manager); :meth:`Scheduler.update_from_output` applies what the step
-produced: sampled tokens, stop rules, freed blocks, the KV connector's report.
+KV-cache manager). What it decides lives in the scheduler's own bookkeeping:
+its queues (which requests wait, run or receive their KV), and per request the
+tokens planned (computed, or being computed by steps in flight: where its next
+step starts) and the output placeholders (tokens sampled by steps in flight).
+:meth:`Scheduler.update_from_output` is the one writer of request progress
+(computed tokens, output tokens, cached tokens) and of how a request ends from
+what the step produced: sampled tokens, stop rules, freed blocks, the KV
+connector's report. :meth:`Scheduler.finish` ends a request the API asks to end
+(an abort, a stop string): the one other writer of a request's status.
 
 With asynchronous scheduling the next step is scheduled before the previous
 one's tokens are known: a request that samples in a step in flight counts one
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -51,6 +57,7 @@ from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from weft.contracts.kv_connector import ConnectorOutput
     from weft.engine.kv_connector import SchedulerConnector
     from weft.engine.structured_output import StructuredOutputManager
 
@@ -70,6 +77,19 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     """With a request's first token: the time from its arrival in the core to its first scheduling."""
     prompt_logprobs: list[TokenLogprobs] | None = None
     """With the request's first token, when it asked for prompt logprobs: those of prompt tokens 1..."""
+
+
+class ScheduledRow(NamedTuple):
+    """What the scheduler planned for one request in a step in flight."""
+
+    num_preemptions: int
+    """The request's preemptions when scheduled: a step from before a preemption is stale."""
+    start: int
+    """Tokens computed before the step."""
+    samples: bool
+    """Whether the step samples the request's next token."""
+    first: bool
+    """Whether the step sent it to the workers as a :class:`~weft.contracts.executor.NewRequest`."""
 
 
 class Scheduler:
@@ -102,12 +122,17 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}
         """Requests holding blocks that a KV connector is filling asynchronously; in no step until it is done."""
         self.requests: dict[str, Request] = {}
+        self._planned: dict[str, int] = {}
+        """Tokens of each request holding blocks whose KV is computed or being computed by a step in
+        flight: where its next step starts."""
+        self._placeholders: dict[str, int] = {}
+        """Tokens of each running request sampled by steps in flight, whose ids have not arrived yet."""
         self._sent_blocks: dict[str, list[int]] = {}
         """Blocks per group each request's workers already hold."""
         self._finished_ids: list[str] = []
         """Requests ended or preempted since the last step: workers drop them."""
-        self._epochs: deque[dict[str, tuple[int, bool]]] = deque()
-        """Per step in flight, for each scheduled request: its preemption count then, and whether it samples."""
+        self._epochs: deque[dict[str, ScheduledRow]] = deque()
+        """Per step in flight, what it planned for each scheduled request."""
         self.passed_over = 0
         """Waiting requests passed over in the last step: the KV connector could not answer for them
         yet, or their structured-output constraint is still compiling."""
@@ -145,8 +170,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            needed = request.num_tokens_with_placeholders - request.num_computed_tokens
-            if len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
+            planned, placeholders = self._planned[request.request_id], self._placeholders.get(request.request_id, 0)
+            needed = request.num_tokens + placeholders - planned
+            if len(request.output_token_ids) + placeholders >= request.max_tokens:
                 needed = 0  # its last token is in flight: nothing more to compute
             count = min(needed, budget) if self.enable_chunked_prefill else needed
             if long_cap and count > long_cap:
@@ -155,7 +181,7 @@ class Scheduler:
             if count <= 0 or count > budget:
                 index += 1
                 continue
-            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count):
+            while not self.kv_cache.allocate_slots(request.request_id, planned + count):
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim in capped:
@@ -180,7 +206,8 @@ class Scheduler:
             tokens = request.all_token_ids
             first_time = request.num_preemptions == 0
             resumed = self.kv_cache.holds(request.request_id)  # back from an asynchronous load, with its blocks
-            prefix, local, external, load_async = None, request.num_computed_tokens, 0, False
+            prefix, external, load_async = None, 0, False
+            local = self._planned[request.request_id] if resumed else 0
             if not resumed:
                 # Prompt logprobs need every prompt token computed here: no cached or loaded prefix.
                 computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
@@ -208,17 +235,13 @@ class Scheduler:
             ):
                 break
             self.waiting.popleft()
-            if first_time and not resumed:
-                request.num_cached_tokens = local if load_async else computed
             if self.connector is not None and not resumed:
                 self.connector.allocated(request, external, self.kv_cache.block_ids(request.request_id), load_async)
             if load_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                request.num_computed_tokens = local
+                self._planned[request.request_id] = local
                 self.receiving[request.request_id] = request
                 continue
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = computed
+            self._planned[request.request_id] = computed
             if first_time:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -234,8 +257,9 @@ class Scheduler:
             if budget <= 0:
                 break
             _, count = scheduled[request.request_id]
-            extra = min(request.num_tokens - request.num_computed_tokens - count, budget)
-            if extra > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + count + extra):
+            planned = self._planned[request.request_id]
+            extra = min(request.num_tokens - planned - count, budget)
+            if extra > 0 and self.kv_cache.allocate_slots(request.request_id, planned + count + extra):
                 scheduled[request.request_id] = (request, count + extra)
                 budget -= extra
         return self._build_output(list(scheduled.values()))
@@ -255,22 +279,22 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         cached_requests: list[CachedRequest] = []
         counts: dict[str, int] = {}
-        epochs: dict[str, tuple[int, bool]] = {}
+        epochs: dict[str, ScheduledRow] = {}
         constrained: list[str] = []
         for request, _ in scheduled:
             request_id = request.request_id
             blocks = self.kv_cache.block_ids(request_id)
             sent = self._sent_blocks.get(request_id)
+            start = self._planned[request_id]
             if sent is None:
                 new_requests.append(NewRequest(
                     request_id, list(request.all_token_ids), request.num_prompt_tokens, request.params,
-                    tuple(request.eos_token_ids), blocks, request.num_computed_tokens, request.state_transferred,
+                    tuple(request.eos_token_ids), blocks, start, request.state_transferred,
                 ))
             else:
                 grown = any(len(group) > held for group, held in zip(blocks, sent))
                 cached_requests.append(CachedRequest(
-                    request_id, request.num_computed_tokens,
-                    tuple(group[held:] for group, held in zip(blocks, sent)) if grown else None,
+                    request_id, start, tuple(group[held:] for group, held in zip(blocks, sent)) if grown else None,
                 ))
             self._sent_blocks[request_id] = [len(group) for group in blocks]
         for request, count in scheduled:
@@ -278,14 +302,20 @@ class Scheduler:
         metadata = None
         if self.connector is not None:
             metadata = self.connector.build_metadata(
-                [(request, count, self.kv_cache.block_ids(request.request_id)) for request, count in scheduled],
+                [(request, self._planned[request.request_id], count, self.kv_cache.block_ids(request.request_id))
+                 for request, count in scheduled],
                 self.kv_cache,
             )
+        first_ids = {new.request_id for new in new_requests}
         for request, count in scheduled:
-            request.num_computed_tokens += count
-            samples = request.num_computed_tokens == request.num_tokens_with_placeholders
-            request.num_output_placeholders += samples  # this step samples the request's next token
-            epochs[request.request_id] = (request.num_preemptions, samples)
+            request_id = request.request_id
+            start = self._planned[request_id]
+            placeholders = self._placeholders.get(request_id, 0)
+            self._planned[request_id] = start + count
+            samples = start + count == request.num_tokens + placeholders
+            if samples:  # this step samples the request's next token
+                self._placeholders[request_id] = placeholders + 1
+            epochs[request_id] = ScheduledRow(request.num_preemptions, start, samples, request_id in first_ids)
             if samples and request.constraint is not None and self.structured_outputs.constrains(request):  # type: ignore[union-attr]
                 constrained.append(request.request_id)
         self._epochs.append(epochs)
@@ -300,9 +330,8 @@ class Scheduler:
         if self.connector is not None:
             self.connector.preempted(request)
         self._forget_on_workers(request.request_id)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_output_placeholders = 0
+        self._planned.pop(request.request_id)
+        self._placeholders.pop(request.request_id, None)
         request.num_preemptions += 1
         request.state_transferred = False
         self.num_preemptions += 1
@@ -314,39 +343,48 @@ class Scheduler:
 
     # Results.
 
-    def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Apply one step's results: tokens, stop rules, the KV connector's report. Returns each request's progress.
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: ModelRunnerOutput, connector_report: ConnectorOutput | None,
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: ``sampled`` (the workers' tokens), stop rules and the KV connector's
+        report of the step (``connector_report``: its loads, receipts and saves). Returns each request's
+        progress.
 
-        Steps must be applied in the order they were scheduled.
+        The one writer of request progress (computed, cached and output tokens) and of the ends
+        outputs decide (a stop, the length, an error). Steps must be applied in the order they were
+        scheduled.
         """
         epochs = self._epochs.popleft()
-        report = sampled.connector_output
-        failed = self.connector.failed_loads(report) if self.connector is not None and report is not None else {}
-        if self.connector is not None and report is not None:
-            for request_id, arrived in self.connector.received(report).items():
+        connector, report = self.connector, connector_report
+        failed = connector.failed_loads(report) if connector is not None and report is not None else {}
+        if connector is not None and report is not None:
+            for request_id, arrived in connector.received(report).items():
                 request = self.receiving.pop(request_id)
-                request.num_computed_tokens += arrived
+                self._planned[request_id] += arrived
+                request.num_computed_tokens = self._planned[request_id]
                 if arrived and request.kv_transfer_params:
                     request.state_transferred = True  # the ring and state, not the snapshots: none to publish
                     self.kv_cache.forgo_snapshots(request_id)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens += arrived
-                request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
         outputs: list[EngineCoreOutput] = []
         for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
             request = self.requests.get(request_id)
-            preemptions, samples = epochs.get(request_id, (-1, False))
-            if request is None or request.finished or request.num_preemptions != preemptions:
+            row = epochs.get(request_id)
+            if request is None or request.finished or row is None or request.num_preemptions != row.num_preemptions:
                 continue  # finished (a stop, an abort) or preempted while this step was in flight
-            request.num_output_placeholders -= samples
+            if row.samples:
+                self._placeholders[request_id] -= 1
+            if row.first and request.num_preemptions == 0:
+                request.num_cached_tokens = row.start
             if request_id in failed:
                 # Its KV is incomplete: recompute what was to be loaded and this step's tokens (workers
                 # discarded what they sampled for it).
-                request.num_computed_tokens -= failed[request_id] + output.num_scheduled_tokens[request_id]
+                self._planned[request_id] -= failed[request_id] + output.num_scheduled_tokens[request_id]
+                request.num_computed_tokens = row.start - failed[request_id]
                 if request.num_preemptions == 0:
                     request.num_cached_tokens -= failed[request_id]
                 continue
+            request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id]
             if request_id in sampled.failed:
                 outputs.append(EngineCoreOutput(
                     request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
@@ -362,7 +400,7 @@ class Scheduler:
             request.append_token(token)
             if request.constraint is not None:
                 self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
-            self._check_stop(request, token)
+            request.status, request.stop_reason = self._stop(request, token)
             logprobs = sampled.logprobs.get(request_id)
             first = len(request.output_token_ids) == 1
             prompt_logprobs = None
@@ -376,8 +414,8 @@ class Scheduler:
             ))
             if request.finished:
                 self._free(request)
-        if self.connector is not None and report is not None:
-            for request_id in self.connector.update(report):
+        if connector is not None and report is not None:
+            for request_id in connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
 
@@ -398,25 +436,28 @@ class Scheduler:
     def forget_steps_in_flight(self) -> None:
         """Steps scheduled but never applied (one raised): their results will not come."""
         self._epochs.clear()
-        for request in self.running:
-            request.num_output_placeholders = 0
+        self._placeholders.clear()
 
-    def _check_stop(self, request: Request, token_id: int) -> None:
+    def _stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """How ``request`` ends with ``token_id``, just appended, and the stop token id that ended it
+        (``(None, None)``: it goes on)."""
         params = request.params
         generated = len(request.output_token_ids)
         if generated >= params.min_tokens:
             if token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
+                return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return
+                return RequestStatus.FINISHED_STOPPED, token_id
         if generated >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
 
     def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        """End a request (an abort, a stop string the API found) and free its blocks; safe in any state."""
+        """End a request (an abort, a stop string the API found) and free its blocks; safe in any state.
+
+        The one writer of a request's status besides :meth:`update_from_output`: an end the API asks
+        for arrives between steps, with no step output to carry it (and :meth:`update_from_output` ends
+        a request whose step failed for it through here too)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -434,6 +475,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
+        self._placeholders.pop(request.request_id, None)
         self.newly_finished.append(request)
         self._forget_on_workers(request.request_id)
         if self.connector is None or not self.connector.request_finished(

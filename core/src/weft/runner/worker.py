@@ -6,6 +6,9 @@ an executor can build it in any process. Order: :meth:`Worker.load_model`
 and the backend will launch register while they are built), then
 :meth:`Worker.initialize_kv_cache` (cache tensors, the KV connector's worker
 role, kernel warm-up, graph capture), then :meth:`Worker.execute_model` per step.
+The two building calls are the executor contract's (the engine sizes the KV cache
+between them); what steps is the :class:`~weft.runner.model_runner.ModelRunner`
+they build from the finished parts, to which the stepping calls hand over.
 
 With several ranks (:mod:`weft.distributed`) each process builds one Worker with its
 :class:`~weft.distributed.state.ParallelGroups`: the model holds this rank's shards

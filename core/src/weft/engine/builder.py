@@ -1,0 +1,123 @@
+"""Building the engine core: from a configuration to an :class:`~weft.engine.engine_core.EngineCore` ready to step.
+
+:func:`build_engine_core` does everything once, in this order: the plugin-lock
+check, the hooks (``weft_configure``), the platform's engine defaults and the
+derived options (:func:`weft.resolve.resolve_engine_config`), the executor
+(``engine.distributed_executor_backend``) and its workers' model
+(:meth:`~weft.contracts.executor.Executor.load_model`: the workers choose their
+ops, load the weights and report their KV-cache groups and memory), the model
+source and its context length, the KV connector's scheduler role, the KV-cache
+size (:func:`num_kv_blocks`), the workers' caches
+(:meth:`~weft.contracts.executor.Executor.initialize_kv_cache`: allocation,
+kernel warm-up, graph capture), the KV-cache manager, structured outputs, the
+scheduler and the choice of asynchronous scheduling. It hands the built parts to
+the core, which only steps them, then calls ``weft_engine_started``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from weft.config import WeftConfig, executor_name
+from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.engine.engine_core import EngineCore
+from weft.engine.kv_cache_manager import KVCacheManager
+from weft.engine.kv_connector import SchedulerConnector
+from weft.engine.scheduler import Scheduler
+from weft.engine.structured_output import StructuredOutputManager
+from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
+from weft.resolve import (
+    load_kv_connector,
+    max_model_len,
+    options_for,
+    resolve_engine_config,
+    resolve_source,
+)
+
+logger = logging.getLogger("weft.engine")
+
+
+def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None) -> EngineCore:
+    """The engine core for ``config``, its model loaded and its KV cache allocated (see the module docstring)."""
+    verify_plugin_lock(config)  # refuse an installed plugin set that differs from the configured lock
+    started = time.monotonic()
+    registry = registry or PluginRegistry()
+    hooks = registry.hooks()
+    hooks.hook.weft_configure(config=config)
+    config = resolve_engine_config(config, registry)
+    engine = config.engine
+    name = executor_name(engine)
+    executor_class = registry.load("executor", name)
+    executor = executor_class(options_for(config, "executor", executor_class, name), config, registry)
+    try:
+        info = executor.load_model()
+        _, source = resolve_source(registry, config)
+        context_length = max_model_len(config, source)
+        connector = None
+        loaded = load_kv_connector(registry, config, source)
+        if loaded is not None:
+            connector_class, options, context = loaded
+            connector = SchedulerConnector(connector_class, options, info.groups, context)
+        shares = connector.scheduler_side.kv_cache_shares() if connector is not None else None
+        num_blocks = num_kv_blocks(config, info.groups, context_length, info.available_kv_bytes, shares,
+                                   connector.name if connector is not None else None)
+        executor.initialize_kv_cache(num_blocks)
+    except BaseException:
+        executor.shutdown()  # its workers may be processes: don't leave them behind
+        raise
+    kv_cache_manager = KVCacheManager(info.groups, num_blocks, engine.enable_prefix_caching)
+    structured_outputs = StructuredOutputManager(config, registry, source, source.hf_config.get("vocab_size"))
+    scheduler = Scheduler(
+        kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, context_length,
+        engine.enable_chunked_prefill, connector,
+        engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
+        structured_outputs,
+    )
+    async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
+    if async_scheduling and connector is not None:
+        logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)
+        async_scheduling = False
+    core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
+    logger.info(
+        "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
+        time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
+        "on" if async_scheduling else "off",
+    )
+    hooks.hook.weft_engine_started(engine=core)
+    return core
+
+
+def num_kv_blocks(
+    config: WeftConfig,
+    groups: Sequence[KVCacheGroupSpec],
+    max_model_len: int,
+    available_bytes: int,
+    shares: tuple[float, ...] | None = None,
+    connector_name: str | None = None,
+) -> list[int]:
+    """Blocks of each group: ``engine.num_kv_blocks``, else the available bytes split by ``shares`` (the KV
+    connector ``connector_name``'s, :meth:`~weft.contracts.kv_connector.KVConnector.kv_cache_shares`) or
+    equally. Refuses a cache that cannot hold one request of ``max_model_len`` tokens."""
+    engine = config.engine
+    if engine.num_kv_blocks is not None:
+        counts = [engine.num_kv_blocks] * len(groups)
+    else:
+        if shares is None:
+            shares = (1.0,) * len(groups)
+        if len(shares) != len(groups) or min(shares) <= 0:
+            raise ValueError(f"KV connector {connector_name!r} gave KV-cache shares {shares} for "
+                             f"{len(groups)} groups; give one positive share per group")
+        bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in groups]
+        counts = [int(available_bytes * share / sum(shares)) // size for share, size in zip(shares, bytes_per_block)]
+    for group, count in zip(groups, counts):
+        needed = group.spec.blocks_for_tokens(max_model_len)
+        if count < needed:
+            raise ValueError(
+                f"the KV cache holds {count} blocks of group {group.name!r} but one request of "
+                f"max_model_len {max_model_len} needs {needed}; raise engine.cpu_kv_cache_bytes "
+                f"(or engine.num_kv_blocks) or lower engine.max_model_len"
+            )
+    return counts

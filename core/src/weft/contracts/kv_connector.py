@@ -328,9 +328,11 @@ class KVConnector(PluginBase):
         """Workers' report after a step."""
 
     def kv_cache_shares(self) -> tuple[float, ...] | None:
-        """Scheduler role, once at start-up: the share of the KV-cache bytes each group gets, in the groups'
-        order (core API 1.6), when the engine sizes the cache from memory (not under ``engine.num_kv_blocks``).
-        None (the default): equal shares. A connector that keeps a group's blocks elsewhere needs fewer of them."""
+        """Scheduler role, once at start-up: a weight per group, in the groups' order (core API 1.6; weights
+        since 1.8), on the engine's split of the KV-cache bytes when it sizes the cache from memory (not under
+        ``engine.num_kv_blocks``). The engine splits by need: each group in proportion to what one request
+        of ``max_model_len`` holds of it. A weight of 1.0 keeps a group's need, 0.1 gives it a tenth of it:
+        a connector that keeps a group's blocks elsewhere needs fewer of them. None (the default): 1.0 each."""
         return None
 
     def lent_blocks(self) -> tuple[LentBlock, ...]:

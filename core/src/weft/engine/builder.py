@@ -98,9 +98,15 @@ def num_kv_blocks(
     shares: tuple[float, ...] | None = None,
     connector_name: str | None = None,
 ) -> list[int]:
-    """Blocks of each group: ``engine.num_kv_blocks``, else the available bytes split by ``shares`` (the KV
-    connector ``connector_name``'s, :meth:`~weft.contracts.kv_connector.KVConnector.kv_cache_shares`) or
-    equally. Refuses a cache that cannot hold one request of ``max_model_len`` tokens."""
+    """Blocks of each group: ``engine.num_kv_blocks``, else the available bytes split between the groups.
+
+    The split is by need: each group gets bytes in proportion to what one request of
+    ``max_model_len`` tokens holds of it, so every group runs out at the same number of
+    full-length requests (a hybrid model's ring or recurrent state takes a few blocks a
+    request, its compressed entries many). ``shares`` (the KV connector ``connector_name``'s,
+    :meth:`~weft.contracts.kv_connector.KVConnector.kv_cache_shares`) weigh that split per
+    group: 1.0 keeps a group's need, 0.1 gives it a tenth of it (its blocks live elsewhere).
+    Refuses a cache that cannot hold one request of ``max_model_len`` tokens."""
     engine = config.engine
     if engine.num_kv_blocks is not None:
         counts = [engine.num_kv_blocks] * len(groups)
@@ -111,7 +117,9 @@ def num_kv_blocks(
             raise ValueError(f"KV connector {connector_name!r} gave KV-cache shares {shares} for "
                              f"{len(groups)} groups; give one positive share per group")
         bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in groups]
-        counts = [int(available_bytes * share / sum(shares)) // size for share, size in zip(shares, bytes_per_block)]
+        needs = [share * group.spec.blocks_for_tokens(max_model_len) * size
+                 for share, group, size in zip(shares, groups, bytes_per_block)]
+        counts = [int(available_bytes * need / sum(needs)) // size for need, size in zip(needs, bytes_per_block)]
     for group, count in zip(groups, counts):
         needed = group.spec.blocks_for_tokens(max_model_len)
         if count < needed:

@@ -51,9 +51,9 @@ class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     ] = 4
     keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
     gpu_share: Annotated[
-        float, Meta(gt=0, lt=1, description="share of the KV-cache bytes for the group's GPU pages when the engine sizes "
-                                            "the cache from memory (the other groups split the rest); it must hold one "
-                                            "request of max_model_len, since a prefill reads every entry")
+        float, Meta(gt=0, lt=1, description="the group's GPU pages, as a share of what its requests would hold, when the "
+                                            "engine sizes the cache from memory (the other groups get what theirs hold); "
+                                            "it must hold one request of max_model_len, since a prefill reads every entry")
     ] = 0.1
 
 
@@ -158,9 +158,9 @@ class HiSparseConnector(KVConnector):
         return HiSparseStep(copies=plan.copies, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted)))
 
     def kv_cache_shares(self) -> tuple[float, ...]:
-        """The group's pages are mostly on the host: it gets ``gpu_share`` of the bytes, the others the rest."""
-        others = (1 - self.options.gpu_share) / (len(self.groups) - 1) if len(self.groups) > 1 else 0.0
-        return tuple(self.options.gpu_share if index == self.group else others for index in range(len(self.groups)))
+        """The group's pages are mostly on the host: it gets ``gpu_share`` of what its requests would hold,
+        the other groups what theirs hold (the engine's split by need, weighed)."""
+        return tuple(self.options.gpu_share if index == self.group else 1.0 for index in range(len(self.groups)))
 
     def lent_blocks(self) -> tuple[LentBlock, ...]:
         lent, self._lend = self._lend, ()

@@ -10,6 +10,9 @@ Parts (``--part``, repeatable):
   physical estimate for this GPU: prefill at the bf16 matmul rate, each decode step at the larger of
   its HBM time (weights plus the KV of every running request, at the measured copy bandwidth) and
   its matmul time.
+* ``sampled``: the ``qwen`` workload in one engine with default settings, greedy against random
+  sampling as OpenAI clients send it (temperature 0.8, top-p 0.95; then with top-k 50 and a
+  repetition penalty of 1.1 added), every request seeded: the cost of sampling against the argmax.
 * ``serve``: the ``qwen`` workload as 256 concurrent streaming completions through ``weft serve``
   (the engine core in its own process), against offline ``LLM.generate`` of the same requests
   from the same checkpoint folder, measured in the same run. Clients run in 8 processes so that
@@ -37,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 from gpu_common import (
     LLAMA3_8B,
@@ -55,8 +59,8 @@ PROFILE_KERNELS = 0
 """Kernels to list from a profile of the timed ``LLM.generate`` (``--profile``); 0 records none."""
 
 
-def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
+def weft_generate(llm: LLM, prompts: list[list[int]], output: int, sampling: dict | None = None) -> float:
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=output, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm
     torch.cuda.synchronize()
     profiler = None
@@ -64,7 +68,8 @@ def weft_generate(llm: LLM, prompts: list[list[int]], output: int) -> float:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.start()
     started, cpu_started = time.perf_counter(), time.thread_time()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, [msgspec.structs.replace(params, seed=index) for index in range(len(prompts))]
+                           if params.seed is not None else params)
     torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output
@@ -128,6 +133,33 @@ def part_qwen(args: argparse.Namespace) -> None:
     hf_rate, rate, settings = against_hf(args, "qwen3-0.6b", QWEN3_0_6B, requests, prompt, output, hf_batch=requests)
     print(f"qwen3-0.6b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
           f"= {rate / hf_rate:.1f}x HF", flush=True)
+
+
+SAMPLINGS = {
+    "greedy": {},
+    "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95, "seed": 0},
+    "+ top-k 50, repetition penalty 1.1": {"temperature": 0.8, "top_p": 0.95, "top_k": 50,
+                                           "repetition_penalty": 1.1, "seed": 0},
+}
+
+
+def part_sampled(args: argparse.Namespace) -> None:
+    requests, prompt, output = 256, 512, 256
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        state = dict(AutoModelForCausalLM.from_config(hf_config(QWEN3_0_6B), dtype=torch.bfloat16).state_dict())
+    model = MemoryLoader.add("qwen3-0.6b-sampled", QWEN3_0_6B, lambda: iter(state.items()), args.tokenizer)
+    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
+              engine={"dtype": "bfloat16", **args.engine})
+    prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"]).tolist()
+    rates = {}
+    for name, sampling in SAMPLINGS.items():
+        rates[name] = requests * output / weft_generate(llm, prompts, output, sampling)
+        print(f"qwen3-0.6b {requests} x ({prompt}, {output}), {name}: {rates[name]:,.0f} output tokens/s "
+              f"= {rates[name] / rates['greedy']:.2f}x greedy ({engine_settings(llm, args.engine)})", flush=True)
+    llm.close()
 
 
 def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float,
@@ -304,7 +336,7 @@ def _child_with(parent: int, marker: bytes) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "serve"], required=True)
+    parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "sampled", "serve"], required=True)
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for the offline qwen and llama8b runs (default: none, the platform's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -318,7 +350,7 @@ def main() -> None:
     args.engine = dict(parse_override(assignment) for assignment in args.engine)
     print(f"# gpu_engine: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for part in args.part:
-        {"qwen": part_qwen, "llama8b": part_llama8b, "serve": part_serve}[part](args)
+        {"qwen": part_qwen, "llama8b": part_llama8b, "sampled": part_sampled, "serve": part_serve}[part](args)
 
 
 if __name__ == "__main__":

@@ -193,8 +193,8 @@ class Sampler:
         processed = edited_logits(raw, requests)
         maxima, tokens = processed.max(dim=-1)
         status = torch.where(torch.isfinite(maxima), SAMPLED, FAILED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
-        rows = RowParams([request.params for request in requests], logits.shape[-1], logits.device)
-        if any(rows.random):
+        if not all(request.params.greedy for request in requests):
+            rows = RowParams([request.params for request in requests], logits.shape[-1], logits.device)
             tokens = torch.where(rows.greedy, tokens, self._draw(filter_logits(processed, rows), requests, rows))
         if top is None:
             return SampledBatch(tokens, status)

@@ -10,7 +10,7 @@ Order of processing, batched over the step's rows in float32:
 3. Edits, for the rows that ask: allowed tokens, bad words and logit bias
    (:mod:`weft.runner.logits_processors`), penalties (repetition over prompt and output,
    presence/frequency over output), the ``min_tokens`` ban on EOS and stop ids. A row
-   left with no finite logit fails with :data:`SAMPLING_FAILED`.
+   whose edited maximum is not finite (every token banned) fails with :data:`SAMPLING_FAILED`.
 4. Greedy rows take the argmax. The others: temperature (each row's maximum subtracted
    first, so that no temperature turns finite logits into inf or NaN), top-k, top-p,
    min-p, and a draw by the exponential race (the argmax of ``probs / E``, ``E`` drawn

@@ -50,8 +50,7 @@ def teacher_forced_logits(worker, prompt: list[int], forced: list[int]) -> list[
 
     teacher = TeacherSampler(forced)
     worker.runner.sampler = teacher
-    # logprobs send every step through the sampler (plain greedy rows would take their argmax on the device).
-    params = SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True)
     blocks = tuple(range(math.ceil((len(prompt) + len(forced) + 1) / 16)))
     new = NewRequest("r", list(prompt), len(prompt), params, (), (blocks,), 0)
     worker.execute_model(SchedulerOutput([new], [], {"r": len(prompt)})).result()

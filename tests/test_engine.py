@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_model
 
 from weft import LLM, SamplingParams
-from weft.runner.sampler import filter_logits
+from weft.runner.sampler import RowParams, filter_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -131,16 +131,16 @@ def test_greedy_with_repetition_penalty_matches_hf(tiny_model, llm):
 def test_presence_and_frequency_penalties_follow_openai(llm):
     from weft.contracts.executor import NewRequest
     from weft.runner.model_runner import RequestState
-    from weft.runner.sampler import _apply_penalties
+    from weft.runner.sampler import apply_penalties
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    request = RequestState(NewRequest("r", [1, 2, 5, 5, 7], 2, params, (), ((),), 0))
-    logits = torch.zeros(10)
-    _apply_penalties(logits, request)
+    request = RequestState(NewRequest("r", [1, 2, 5, 5, 7], 2, params, (), ((),), 0), torch.device("cpu"))
+    logits = torch.zeros(1, 10)
+    apply_penalties(logits, [request])
     expected = torch.zeros(10)
     expected[5] = -(0.25 * 2 + 0.5)
     expected[7] = -(0.25 * 1 + 0.5)
-    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(logits[0], expected)
 
 
 def test_logprobs_equal_hf_log_softmax(tiny_model, llm):
@@ -192,7 +192,7 @@ def test_filters_keep_the_same_tokens_as_hf_warpers(params):
     for _ in range(20):
         logits = torch.randn(1, 300, generator=generator) * 3
         expected = warpers(torch.zeros(1, 1, dtype=torch.long), logits.clone())[0]
-        ours = filter_logits(logits[0], params)
+        ours = filter_logits(logits, RowParams([params], logits.shape[-1], logits.device))[0]
         assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))
         torch.testing.assert_close(ours.softmax(-1), expected.softmax(-1))
 

@@ -84,6 +84,52 @@ def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops
         assert output.finish_reason == "stop" and output.stop_reason == stop
 
 
+def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model, monkeypatch):
+    """Random draws, logprobs and edits under asynchronous scheduling: the tokens and logprobs of the synchronous
+    run (every draw seeded), and only a step with a request whose sampling reads its output (a penalty) waits
+    for the step before it; the others return before their tokens reach the host."""
+    import torch
+    from weft.runner.model_runner import ModelRunner, _PendingStep
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30)]
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=1.2, top_k=20, min_p=0.01, seed=2, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0})]
+    waits, handles = [], []
+    resolve, execute = ModelRunner._resolve_pending, ModelRunner.execute
+
+    def watched_resolve(runner):
+        waits.append(runner._pending is not None and runner._pending.output is None)
+        resolve(runner)
+
+    def watched_execute(runner, step):
+        handles.append(execute(runner, step))
+        return handles[-1]
+
+    monkeypatch.setattr(ModelRunner, "_resolve_pending", watched_resolve)
+    monkeypatch.setattr(ModelRunner, "execute", watched_execute)
+
+    def tokens_and_logprobs(outputs):
+        return [(output.outputs[0].token_ids, [{token: round(entry.logprob, 4) for token, entry in step.items()}
+                                               for step in output.outputs[0].logprobs or []]) for output in outputs]
+
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling})
+        results[async_scheduling] = tokens_and_logprobs(llm.generate(prompts, params))
+    assert results[True] == results[False]
+    assert [len(tokens) for tokens, _ in results[True]] == [12, 12, 9, 12]
+    assert [len(logprobs) for _, logprobs in results[True]] == [12, 12, 0, 0]
+    sampled = [handle for handle in handles if any(token is not None for token in handle.result().sampled_token_ids)]
+    assert len(sampled) >= 2 * 12 and all(isinstance(handle, _PendingStep) for handle in sampled)
+    assert not any(waits)
+    penalized = SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts[:2], [params[0], penalized])
+    assert any(waits)
+
+
 def test_engine_settings_come_from_the_platform_unless_set(tiny_model):
     from weft.builtins.cpu import CpuPlatform
 

@@ -21,7 +21,7 @@ from conftest import make_tiny_model
 from test_hf_parity import NEW_TOKENS, hf_greedy, prompts_of_lengths
 
 from weft import LLM, SamplingParams
-from weft.runner.sampler import SampledToken
+from weft.runner.sampler import SAMPLED, SampledBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -50,10 +50,11 @@ class TeacherSampler:
     def __init__(self, forced: list[int]) -> None:
         self.forced, self.logits = forced, []
 
-    def __call__(self, logits, requests):
+    def sample(self, logits, requests):
         self.logits.append(logits[0].float().cpu())
         step = len(self.logits) - 1
-        return [SampledToken(self.forced[step] if step < len(self.forced) else 0)]
+        token = self.forced[step] if step < len(self.forced) else 0
+        return SampledBatch(torch.tensor([token], device=logits.device), torch.tensor([SAMPLED], device=logits.device))
 
 
 def hf_teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
@@ -94,8 +95,7 @@ def test_llama3_8b_shape_bf16_logits_agree_with_hf(tokenizer_files):
               engine={"dtype": "bfloat16", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 8})
     teacher = TeacherSampler(forced)
     llm.engine.runner.sampler = teacher
-    # logprobs send every step through the sampler (plain greedy rows take their argmax on the device).
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True, logprobs=0))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True))
     assert len(teacher.logits) == len(forced) + 1
 
     hf_error = relative_errors(hf_bf16, exact)

@@ -8,6 +8,7 @@ logprobs were taken and before penalties and temperature.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy
@@ -90,22 +91,66 @@ def needs_request_processors(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.allowed_token_ids is not None or bool(params.bad_words_token_ids)
 
 
-def apply_request_processors(logits: torch.Tensor, request: RequestState) -> None:
-    """One request's row, in place: only ``allowed_token_ids``, no bad word completed, ``logit_bias`` added."""
-    params = request.params
+def apply_request_processors(logits: torch.Tensor, requests: Sequence[RequestState]) -> None:
+    """Rows of ``logits`` (float, on any device) in place, row ``i`` for ``requests[i]``: only its
+    ``allowed_token_ids``, no bad word completed, its ``logit_bias`` added. What crosses to the device
+    is the token ids these name (ids beyond the vocabulary are dropped: no such token is sampled)."""
     vocab = logits.shape[-1]
-    if params.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool)
-        keep[[token for token in params.allowed_token_ids if token < vocab]] = True
-        logits.masked_fill_(~keep, float("-inf"))
-    if params.bad_words_token_ids:
-        output = request.output_token_ids
-        banned = [
-            word[-1] for word in params.bad_words_token_ids
-            if len(word) <= len(output) + 1 and (len(word) == 1 or output[len(output) - len(word) + 1 :] == list(word[:-1]))
-        ]
-        if banned:
-            logits[banned] = float("-inf")
-    if params.logit_bias:
-        tokens = [token for token in params.logit_bias if token < vocab]
-        logits[tokens] += torch.tensor([params.logit_bias[token] for token in tokens], dtype=logits.dtype)
+    restricted: list[int] = []
+    allowed = RowTokens()
+    banned = RowTokens()
+    bias = RowTokens()
+    bias_values: list[float] = []
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.allowed_token_ids is not None:
+            restricted.append(row)
+            allowed.add(row, [token for token in params.allowed_token_ids if token < vocab])
+        if params.bad_words_token_ids:
+            banned.add(row, completed_bad_words(params.bad_words_token_ids, request.output_token_ids))
+        if params.logit_bias:
+            tokens = [token for token in params.logit_bias if token < vocab]
+            bias.add(row, tokens)
+            bias_values.extend(params.logit_bias[token] for token in tokens)
+    device = logits.device
+    if restricted:
+        removed = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        removed[to_device(restricted, torch.long, device)] = True
+        removed[allowed.index(device)] = False
+        logits.masked_fill_(removed, float("-inf"))
+    if banned:
+        logits[banned.index(device)] = float("-inf")
+    if bias:
+        logits.index_put_(bias.index(device), to_device(bias_values, logits.dtype, device), accumulate=True)
+
+
+def completed_bad_words(words: Sequence[Sequence[int]], output: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end ``output`` (every one-token word)."""
+    return [
+        word[-1] for word in words
+        if len(word) <= len(output) + 1 and (len(word) == 1 or output[len(output) - len(word) + 1 :] == list(word[:-1]))
+    ]
+
+
+class RowTokens:
+    """(row, token id) pairs collected on the host, to index a step's logits with one copy to the device."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.tokens: list[int] = []
+
+    def add(self, row: int, tokens: Sequence[int]) -> None:
+        self.rows.extend([row] * len(tokens))
+        self.tokens.extend(tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        both = to_device([self.rows, self.tokens], torch.long, device)
+        return both[0], both[1]
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # non_blocking: a blocking host-to-device copy would wait for the step in flight.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -19,11 +19,14 @@ decodes replays the smallest captured size ``>= n``, its extra rows padded as
 one-token requests whose key and value go to a scratch block no request owns.
 Steps with a prefill chunk, or more decodes than the largest size, run eagerly.
 
-Asynchronous output: when every request of a step samples greedily with no
-logprobs or penalties, the sampled ids stay on the device and are copied to the
-host in the background; :meth:`ModelRunner.execute` returns before they arrive.
-The next step reads a request's still-unknown last token from the device, so
-scheduling and input preparation overlap the device's work.
+Asynchronous output: the sampler runs on the device without waiting for it
+(:mod:`weft.runner.sampler`), so a step's sampled ids, their health and any
+logprobs stay on the device and are copied to pinned host memory in the
+background, one event marking the end; :meth:`ModelRunner.execute` returns before
+they arrive. The next step reads a request's still-unknown last token from the
+device, so scheduling and input preparation overlap the device's work. Only a
+step with a request whose sampling reads its output so far (penalties,
+``min_tokens``, bad words) first waits for the step before it.
 
 Structured outputs: a step that lists ``structured_output_request_ids`` stops after
 the forward (:meth:`ModelRunner.execute` returns None) and samples in
@@ -65,14 +68,7 @@ from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask
-from weft.runner.sampler import (
-    NON_FINITE_LOGITS,
-    SAMPLING_FAILED,
-    SampledToken,
-    Sampler,
-    greedy_maxima,
-    plain_greedy,
-)
+from weft.runner.sampler import SampledBatch, Sampler, needs_output_tokens
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -88,14 +84,15 @@ class RequestState:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
                  "block_ids", "num_computed_tokens", "prefix_hit", "state_transferred")
 
-    def __init__(self, new: NewRequest) -> None:
+    def __init__(self, new: NewRequest, device: torch.device) -> None:
         self.request_id = new.request_id
         self.token_ids = list(new.token_ids)
         """Known token ids; with asynchronous output the last sampled one may still be on the device."""
         self.num_prompt_tokens = new.num_prompt_tokens
         self.params = new.params
         self.eos_token_ids = frozenset(new.eos_token_ids)
-        self.generator = torch.Generator().manual_seed(new.params.seed) if new.params.seed is not None else None
+        self.generator = None if new.params.seed is None else torch.Generator(device=device).manual_seed(new.params.seed)
+        """The request's own random draws, on the device that samples it (when it has a seed)."""
         self.block_ids = [list(group) for group in new.block_ids]
         self.num_computed_tokens = new.num_computed_tokens
         self.prefix_hit: int | None = None
@@ -134,26 +131,23 @@ PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
 
 
 class _PendingStep(StepHandle):
-    """A step whose greedy tokens are being copied to the host."""
+    """A step whose sampled tokens are being copied to the host."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], device_tokens: torch.Tensor,
-                 healthy: torch.Tensor, connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
-        """``device_tokens``: each sampling row's argmax; ``healthy``: whether its logits were finite."""
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], sampled: SampledBatch,
+                 connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
+        """``sampled``: one row per entry of ``sampling``, on the device."""
         self.runner = runner
         self.prompt_logprobs = prompt_logprobs
         self.states = states
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
         """Batch rows that sampled, in the order of ``device_tokens``."""
-        self.device_tokens = device_tokens
+        self.device_tokens = sampled.tokens
         self.connector_output = connector_output
-        # Tokens and health flags cross to the host in one copy. On any accelerator (CUDA, ROCm, XPU):
-        # a pinned copy, and an event on its device to wait for.
-        both = torch.stack([self.device_tokens, healthy.long()])
-        accelerated = both.device.type != "cpu"
-        self.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=accelerated)
-        self.host_tokens.copy_(both, non_blocking=True)
-        self.event = torch.Event(device=both.device) if accelerated else None
+        # On any accelerator (CUDA, ROCm, XPU): pinned copies, and one event after them on its device.
+        self.host = sampled.to_host()
+        accelerated = sampled.tokens.device.type != "cpu"
+        self.event = torch.Event(device=sampled.tokens.device) if accelerated else None
         if self.event is not None:
             self.event.record()
         self.output: ModelRunnerOutput | None = None
@@ -166,14 +160,17 @@ class _PendingStep(StepHandle):
             if self.event is not None:
                 self.event.synchronize()
             tokens: list[int | None] = [None] * len(self.request_ids)
+            logprobs: dict[str, TokenLogprobs] = {}
             failed: dict[str, str] = {}
-            host_tokens, healthy = self.host_tokens.tolist()
-            for row, token, ok in zip(self.sampling, host_tokens, healthy, strict=True):
-                if ok:
-                    tokens[row] = token
-                else:
-                    failed[self.request_ids[row]] = NON_FINITE_LOGITS
-            self.output = self.runner.finish_step(self.states, tokens, {}, self.connector_output, failed,
+            for row, sampled in zip(self.sampling, self.host.sampled_tokens(), strict=True):
+                request_id = self.request_ids[row]
+                if sampled.error is not None:
+                    failed[request_id] = sampled.error
+                    continue
+                tokens[row] = sampled.token_id
+                if sampled.logprob is not None:
+                    logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
+            self.output = self.runner.finish_step(self.states, tokens, logprobs, self.connector_output, failed,
                                                   self.prompt_logprobs)
         return self.output
 
@@ -229,7 +226,7 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in step.new_requests:
-            self.requests[new.request_id] = RequestState(new)
+            self.requests[new.request_id] = RequestState(new, self.device)
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
@@ -274,48 +271,25 @@ class ModelRunner:
         if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
-        if all(plain_greedy(state) for state in sampled_states):
-            self._pending = _PendingStep(self, states, sampling, *self._greedy(logits, len(sampling)), report, prompt_logprobs)
-            return self._pending
-        self._resolve_pending()  # penalties and min_tokens read every earlier output token
-        tokens: list[int | None] = [None] * len(states)
-        logprobs: dict[str, TokenLogprobs] = {}
-        failed: dict[str, str] = {}
-        for row, sampled in zip(sampling, self._sample(logits, sampled_states)):
-            request_id = states[row].request_id
-            if sampled.error is not None:
-                failed[request_id] = sampled.error
-                continue
-            tokens[row] = sampled.token_id
-            if sampled.logprob is not None:
-                logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-        return DoneStep(self.finish_step(states, tokens, logprobs, report, failed, prompt_logprobs))
+        if any(needs_output_tokens(state) for state in sampled_states):
+            self._resolve_pending()  # penalties, min_tokens and bad words read every earlier output token
+        self._pending = _PendingStep(self, states, sampling, self._sample(logits, sampled_states), report, prompt_logprobs)
+        return self._pending
 
-    def _greedy(self, logits: torch.Tensor | None, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sampling row's argmax and whether its logits are finite; under pipeline parallelism the
-        last stage's, broadcast to every stage (tensor ranks compute them alike)."""
+    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> SampledBatch:
+        """The sampler's rows, on the device; under pipeline parallelism the last stage's tokens and statuses
+        broadcast to every stage (tensor ranks sample alike; the logprobs stay on the last stage, whose output
+        the executor returns)."""
         if self.parallel.layout.pipeline_parallel_size == 1:
             assert logits is not None
-            return greedy_maxima(logits)
-        if logits is not None:
-            tokens, healthy = greedy_maxima(logits)
-            both = torch.stack([tokens, healthy.long()])
+            return self.sampler.sample(logits, states)
+        sampled = self.sampler.sample(logits, states) if logits is not None else None
+        if sampled is not None:
+            shared = torch.stack([sampled.tokens, sampled.status])
         else:
-            both = torch.empty((2, count), dtype=torch.long, device=self.device)
-        both = self.parallel.broadcast_from_output_rank(both)
-        return both[0], both[1].bool()
-
-    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> list[SampledToken]:
-        """The sampler's tokens; under pipeline parallelism the last stage's on every stage (the failures'
-        reasons and the logprobs stay on the last stage, whose output the executor returns)."""
-        if self.parallel.layout.pipeline_parallel_size == 1:
-            assert logits is not None
-            return self.sampler(logits, states)
-        sampled = self.sampler(logits, states) if logits is not None else []
-        values = [token.token_id if token.error is None else -1 for token in sampled] or [0] * len(states)
-        shared = self.parallel.broadcast_from_output_rank(torch.tensor(values, dtype=torch.long, device=self.device))
-        return sampled or [SampledToken(token) if token >= 0 else SampledToken(-1, error=SAMPLING_FAILED)
-                           for token in shared.tolist()]
+            shared = torch.empty((2, len(states)), dtype=torch.long, device=self.device)
+        shared = self.parallel.broadcast_from_output_rank(shared)
+        return SampledBatch(shared[0], shared[1], sampled.logprobs if sampled is not None else None)
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
                     report: ConnectorOutput | None, failed: dict[str, str],

@@ -1,27 +1,41 @@
-"""Turn the logits of one step into the next token of each request.
+"""Turn the logits of one step into the next token of each request, on the logits' device.
 
-Order of processing, per request: allowed tokens, bad words and logit bias
-(:mod:`weft.runner.logits_processors`), penalties (repetition over prompt and
-output, presence/frequency over output), the ``min_tokens`` ban on EOS and stop
-ids, then greedy argmax, or temperature, top-k, top-p, min-p and a draw from the
-request's own generator when it has a seed. Log-probabilities are those of
-the model's raw distribution (before penalties and temperature), as vLLM
-returns by default.
+Order of processing, batched over the step's rows in float32:
 
-Everything but the plain greedy argmax runs on the host in float32. A row whose
-logits are not finite, or whose sampling raises, gets an error instead of a
-token: the scheduler fails that request alone and the step's others go on.
+1. Health: a row whose raw logits hold a NaN or +inf, or only -inf, fails with
+   :data:`NON_FINITE_LOGITS`.
+2. Log-probabilities, for the rows that ask: of the model's raw distribution (after a
+   grammar's bitmask, before everything below), as vLLM returns by default: the chosen
+   token's, its rank and the top ``logprobs`` candidates.
+3. Edits, for the rows that ask: allowed tokens, bad words and logit bias
+   (:mod:`weft.runner.logits_processors`), penalties (repetition over prompt and output,
+   presence/frequency over output), the ``min_tokens`` ban on EOS and stop ids. A row
+   whose edited maximum is not finite (every token banned) fails with :data:`SAMPLING_FAILED`.
+4. Greedy rows take the argmax. The others: temperature (each row's maximum subtracted
+   first, so that no temperature turns finite logits into inf or NaN), top-k, top-p,
+   min-p, and a draw by the exponential race (the argmax of ``probs / E``, ``E`` drawn
+   from Exp(1) per token: a sample of ``probs``). A request with a seed draws ``E``
+   from its own generator on the logits' device, so its tokens do not depend on the
+   rest of the batch; the others from the sampler's, seeded from the engine's seed, so
+   that tensor-parallel ranks, which sample the same logits, draw the same tokens.
+
+Nothing here waits for the device: :meth:`Sampler.sample` returns a
+:class:`SampledBatch` of device tensors (tokens, a status per row, logprobs), small
+enough to cross to the host in the background. Only the step's parameters and the
+token ids its edits name cross the other way. A step whose batched sampling raises is
+sampled again one row at a time, so the row that raises fails alone.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
-from weft.runner.logits_processors import apply_request_processors, needs_request_processors
+from weft.runner.logits_processors import RowTokens, apply_request_processors, needs_request_processors, to_device
 
 if TYPE_CHECKING:
     from weft.runner.model_runner import RequestState as Request
@@ -30,6 +44,10 @@ if TYPE_CHECKING:
 
 NON_FINITE_LOGITS = "the model's logits for it are not finite (NaN or inf)"
 SAMPLING_FAILED = "sampling its next token failed"
+
+SAMPLED, NON_FINITE, FAILED = 0, 1, 2
+"""A row's status in a :class:`SampledBatch`."""
+_REASONS = {NON_FINITE: NON_FINITE_LOGITS, FAILED: SAMPLING_FAILED}
 
 logger = logging.getLogger("weft.runner")
 
@@ -43,66 +61,174 @@ class SampledToken(msgspec.Struct):
     """Why this row got no token (its logits are not finite, its draw failed): its request fails alone."""
 
 
-class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+class RawLogprobs:
+    """Per row of a step: the chosen token's raw logprob and rank, and the top candidates' tokens and logprobs."""
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """Sample one token per row of ``logits`` (on the model's device).
+    def __init__(self, chosen: torch.Tensor, ranks: torch.Tensor, top_tokens: torch.Tensor, top_values: torch.Tensor,
+                 wanted: list[int | None]) -> None:
+        self.chosen, self.ranks, self.top_tokens, self.top_values = chosen, ranks, top_tokens, top_values
+        self.wanted = wanted
+        """Per row, how many candidates its request asked for (None: no logprobs)."""
 
-        Rows of plain greedy requests (no logprobs, no penalties) take their
-        argmax where the logits are; only the other rows are copied to the host.
-        A row whose logits hold a NaN or +inf, or only -inf, gets an error instead of a token.
-        """
-        plain = [row for row, request in enumerate(requests) if plain_greedy(request)]
-        if len(plain) == len(requests):
-            return greedy_tokens(logits)
-        sampled: list[SampledToken | None] = [None] * len(requests)
-        if plain:
-            for row, token in zip(plain, greedy_tokens(logits[plain])):
-                sampled[row] = token
-        others = [row for row in range(len(requests)) if sampled[row] is None]
-        for row, token in zip(others, self._sample_on_host(logits[others].float().cpu(), [requests[row] for row in others])):
-            sampled[row] = token
-        return sampled  # type: ignore[return-value]
 
-    def _sample_on_host(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        healthy = torch.isfinite(logits.max(dim=-1).values).tolist()
-        raw_logprobs = None
-        if any(request.params.logprobs is not None for request in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        sampled = []
-        for row, request in enumerate(requests):
-            if not healthy[row]:
-                sampled.append(SampledToken(-1, error=NON_FINITE_LOGITS))
+class SampledBatch:
+    """One step's sampled rows: each row's token and status (:data:`SAMPLED`, :data:`NON_FINITE`,
+    :data:`FAILED`), and the raw logprobs when a row asked for them. On the logits' device until
+    :meth:`to_host`; a failed row's token is some valid id (the next step may read it before the
+    host knows it failed)."""
+
+    def __init__(self, tokens: torch.Tensor, status: torch.Tensor, logprobs: RawLogprobs | None = None) -> None:
+        self.tokens, self.status, self.logprobs = tokens, status, logprobs
+
+    def to_host(self, non_blocking: bool = True) -> SampledBatch:
+        """The same on the host. On an accelerator the copies go to pinned memory and, ``non_blocking``,
+        run in the background: record an event after them and wait for it before reading."""
+        if self.tokens.device.type == "cpu":
+            return self
+        tokens_and_status = _host_copy(torch.stack([self.tokens, self.status]), non_blocking)
+        logprobs = self.logprobs
+        if logprobs is not None:
+            logprobs = RawLogprobs(*(_host_copy(tensor, non_blocking) for tensor in (
+                logprobs.chosen, logprobs.ranks, logprobs.top_tokens, logprobs.top_values)), logprobs.wanted)
+        return SampledBatch(tokens_and_status[0], tokens_and_status[1], logprobs)
+
+    def sampled_tokens(self) -> list[SampledToken]:
+        """One per row (reads the tensors: on the host, after :meth:`to_host` finished)."""
+        statuses = self.status.tolist()
+        sampled = [SampledToken(token) if status == SAMPLED else SampledToken(-1, error=_REASONS[status])
+                   for token, status in zip(self.tokens.tolist(), statuses, strict=True)]
+        logprobs = self.logprobs
+        if logprobs is None:
+            return sampled
+        chosen, ranks = logprobs.chosen.tolist(), logprobs.ranks.tolist()
+        top_tokens, top_values = logprobs.top_tokens.tolist(), logprobs.top_values.tolist()
+        for row, wanted in enumerate(logprobs.wanted):
+            if wanted is None or statuses[row] != SAMPLED:
                 continue
-            try:
-                sampled.append(self._sample_row(logits[row], None if raw_logprobs is None else raw_logprobs[row], request))
-            except Exception:  # one request's failure must not end the step of the others
-                logger.exception("sampling request %s failed", request.request_id)
-                sampled.append(SampledToken(-1, error=SAMPLING_FAILED))
+            top = list(zip(top_tokens[row][:wanted], top_values[row][:wanted]))
+            sampled[row] = SampledToken(sampled[row].token_id, chosen[row], ranks[row], top)
         return sampled
 
-    def _sample_row(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None, request: Request) -> SampledToken:
-        if _needs_processing(request):
-            logits = logits.clone()
-            apply_request_processors(logits, request)
-            _apply_penalties(logits, request)
-        token = int(logits.argmax()) if request.params.greedy else self._draw(logits, request)
-        if raw_logprobs is None or request.params.logprobs is None:
-            return SampledToken(token)
-        chosen = float(raw_logprobs[token])
-        rank = int((raw_logprobs > chosen).sum()) + 1
-        top = []
-        if request.params.logprobs:
-            values, indices = raw_logprobs.topk(request.params.logprobs)
-            top = list(zip(indices.tolist(), values.tolist()))
-        return SampledToken(token, chosen, rank, top)
+    @staticmethod
+    def concatenate(parts: Sequence[SampledBatch]) -> SampledBatch:
+        """The rows of ``parts`` in order (all with logprobs of the same width, or none)."""
+        tokens = torch.cat([part.tokens for part in parts])
+        status = torch.cat([part.status for part in parts])
+        if parts[0].logprobs is None:
+            return SampledBatch(tokens, status)
+        pieces = [part.logprobs for part in parts]
+        logprobs = RawLogprobs(*(torch.cat([getattr(piece, name) for piece in pieces])
+                                 for name in ("chosen", "ranks", "top_tokens", "top_values")),
+                               [wanted for piece in pieces for wanted in piece.wanted])
+        return SampledBatch(tokens, status, logprobs)
 
-    def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        probs = torch.softmax(filter_logits(logits, request.params), dim=-1)
-        generator = request.generator or self.generator
-        return int(torch.multinomial(probs, 1, generator=generator))
+
+def _host_copy(tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=non_blocking)
+
+
+class RowParams:
+    """A step's temperature, top-k, top-p and min-p per row, as device tensors made with one copy.
+
+    Greedy rows, and filters a row leaves off, get values that change nothing (temperature 1,
+    top-k the vocabulary, top-p 2, min-p 0); the ``uses_*`` flags say which filters any row needs.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> None:
+        random = [not row.greedy for row in params]
+        top_k = [row.top_k if drawn and 0 < row.top_k < vocab else vocab for row, drawn in zip(params, random)]
+        top_p = [row.top_p if drawn and row.top_p < 1 else 2.0 for row, drawn in zip(params, random)]
+        min_p = [row.min_p if drawn else 0.0 for row, drawn in zip(params, random)]
+        temperature = [row.temperature if drawn else 1.0 for row, drawn in zip(params, random)]
+        self.random = random
+        """Per row, whether it draws (not greedy)."""
+        self.uses_top_k = any(k < vocab for k in top_k)
+        self.uses_top_p = any(p < 1 for p in top_p)
+        self.uses_min_p = any(p > 0 for p in min_p)
+        packed = to_device([temperature, top_k, top_p, min_p, [float(drawn) for drawn in random]], torch.float32, device)  # top_k < 2**24
+        self.temperature = packed[0]
+        self.top_k = packed[1].long()
+        self.top_p = packed[2]
+        self.log_min_p = packed[3].log()
+        """log(min_p): a token is kept when its logit is at most this far below the row's best (-inf: all kept)."""
+        self.greedy = packed[4] == 0
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
+        """:meth:`sample`, waited for: one token per row, on the host."""
+        return self.sample(logits, requests).to_host(non_blocking=False).sampled_tokens()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampledBatch:
+        """Sample one token per row of ``logits`` (on the model's device), without waiting for the device.
+
+        A step of plain greedy rows (no logprobs, no edits) takes the argmax of the logits as they are.
+        """
+        if all(plain_greedy(request) for request in requests):
+            tokens, healthy = greedy_maxima(logits)
+            return SampledBatch(tokens, _status(healthy))
+        top = max((request.params.logprobs for request in requests if request.params.logprobs is not None), default=None)
+        try:
+            return self._sample_rows(logits, requests, top)
+        except Exception:  # one request's failure must not end the step of the others
+            logger.exception("sampling a step of %d rows failed; sampling them one at a time", len(requests))
+        parts = []
+        for row, request in enumerate(requests):
+            try:
+                parts.append(self._sample_rows(logits[row : row + 1], [request], top))
+            except Exception:
+                logger.exception("sampling request %s failed", request.request_id)
+                parts.append(_failed_row(logits.device, top, request))
+        return SampledBatch.concatenate(parts)
+
+    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request], top: int | None) -> SampledBatch:
+        """Every step of the module docstring over ``logits``; logprobs of width ``top`` when it is not None."""
+        raw = logits.float()
+        raw_maxima = raw.max(dim=-1).values
+        processed = edited_logits(raw, requests)
+        maxima, tokens = processed.max(dim=-1)
+        status = torch.where(torch.isfinite(maxima), SAMPLED, FAILED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
+        if not all(request.params.greedy for request in requests):
+            rows = RowParams([request.params for request in requests], logits.shape[-1], logits.device)
+            tokens = torch.where(rows.greedy, tokens, self._draw(filter_logits(processed, rows), requests, rows))
+        if top is None:
+            return SampledBatch(tokens, status)
+        return SampledBatch(tokens, status, raw_logprobs(raw, tokens, top, requests))
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request], rows: RowParams) -> torch.Tensor:
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+        for row, request in enumerate(requests):
+            if request.generator is not None and rows.random[row]:
+                noise[row].exponential_(generator=request.generator)
+        # A draw of exactly 0 would make 0 / 0 = NaN of a removed token, and argmax takes NaN as the largest.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return generator
+
+
+def _status(healthy: torch.Tensor) -> torch.Tensor:
+    return torch.where(healthy, SAMPLED, NON_FINITE)
+
+
+def _failed_row(device: torch.device, top: int | None, request: Request) -> SampledBatch:
+    tokens = torch.zeros(1, dtype=torch.long, device=device)
+    status = torch.full((1,), FAILED, dtype=torch.long, device=device)
+    if top is None:
+        return SampledBatch(tokens, status)
+    logprobs = RawLogprobs(torch.zeros(1, device=device), tokens, torch.zeros(1, top, dtype=torch.long, device=device),
+                           torch.zeros(1, top, device=device), [request.params.logprobs])
+    return SampledBatch(tokens, status, logprobs)
 
 
 def greedy_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,59 +238,111 @@ def greedy_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.isfinite(values)
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[SampledToken]:
-    tokens, healthy = greedy_maxima(logits)
-    return [SampledToken(token) if ok else SampledToken(-1, error=NON_FINITE_LOGITS)
-            for token, ok in zip(tokens.tolist(), healthy.tolist(), strict=True)]
+def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, top: int, requests: Sequence[Request]) -> RawLogprobs:
+    """The chosen tokens' logprobs and ranks (1: the most likely) and the ``top`` best of each row, from ``raw``."""
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_tokens = logprobs.topk(top, dim=-1)
+    return RawLogprobs(chosen.squeeze(1), ranks, top_tokens, top_values, [request.params.logprobs for request in requests])
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on one row of logits; removed tokens become -inf."""
-    logits = logits / params.temperature
+def filter_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, per row of ``logits``; removed tokens become -inf.
+
+    Each row's maximum is subtracted before the division, so the best token's logit is 0 and the
+    others are finite or -inf at any temperature. Top-k keeps the tokens at least as likely as the
+    k-th; top-p (over what top-k kept) removes each token whose more likely ones already hold
+    ``top_p`` of the probability; min-p removes the tokens less likely than ``min_p`` times the best.
+    The best token is never removed.
+    """
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / rows.temperature.unsqueeze(1)
+    if rows.uses_top_k or rows.uses_top_p:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        removed = None
+        if rows.uses_top_k:
+            kth = ordered.gather(1, (rows.top_k - 1).unsqueeze(1))
+            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+            removed = scaled < kth
+        if rows.uses_top_p:
+            probs = ordered.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            beyond = before >= rows.top_p.unsqueeze(1)
+            beyond[:, 0] = False
+            beyond = torch.zeros_like(beyond).scatter_(1, order, beyond)
+            removed = beyond if removed is None else removed | beyond
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    if rows.uses_min_p:
+        # p < min_p * p_best  <=>  logit - best < log(min_p), and the best logit is 0 here.
+        scaled = scaled.masked_fill(scaled < rows.log_min_p.unsqueeze(1), float("-inf"))
+    return scaled
+
+
+def edited_logits(raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """``raw`` with the edits of the rows that ask for them (step 3 of the module docstring), in a new
+    tensor when any does; ``raw`` itself, untouched, when none does."""
+    rows = [row for row, request in enumerate(requests) if needs_edits(request)]
+    if not rows:
+        return raw
+    every_row = len(rows) == len(requests)
+    index = None if every_row else to_device(rows, torch.long, raw.device)
+    edited = raw.clone() if index is None else raw.index_select(0, index)
+    edited_requests = [requests[row] for row in rows]
+    apply_request_processors(edited, edited_requests)
+    apply_penalties(edited, edited_requests)
+    return edited if index is None else raw.index_copy(0, index, edited)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Rows of ``logits`` in place, row ``i`` for ``requests[i]``: the repetition penalty over its prompt
+    and output tokens, presence and frequency penalties over its output, and while it has fewer than
+    ``min_tokens`` outputs, its EOS and stop ids banned."""
+    device = logits.device
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        threshold = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        before = sorted_probs.cumsum(0) - sorted_probs
-        remove = before >= params.top_p
-        remove[0] = False
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+    seen, output, banned = RowTokens(), RowTokens(), RowTokens()
+    repetition, presence, frequency = [1.0] * len(requests), [0.0] * len(requests), [0.0] * len(requests)
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.repetition_penalty != 1.0:
+            repetition[row] = params.repetition_penalty
+            seen.add(row, request.prompt_token_ids)
+            seen.add(row, request.output_token_ids)
+        if params.presence_penalty or params.frequency_penalty:
+            presence[row], frequency[row] = params.presence_penalty, params.frequency_penalty
+            output.add(row, request.output_token_ids)
+        if len(request.output_token_ids) < params.min_tokens:
+            banned.add(row, [token for token in request.eos_token_ids | set(params.stop_token_ids) if token < vocab])
+    if seen:
+        mask = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        mask[seen.index(device)] = True
+        factor = to_device(repetition, logits.dtype, device).unsqueeze(1)
+        logits.copy_(torch.where(mask, torch.where(logits > 0, logits / factor, logits * factor), logits))
+    if output:
+        counts = torch.zeros_like(logits)
+        counts.index_put_(output.index(device), torch.ones((), dtype=logits.dtype, device=device), accumulate=True)
+        weights = to_device([frequency, presence], logits.dtype, device).unsqueeze(2)
+        logits -= weights[0] * counts + weights[1] * (counts > 0)
+    if banned:
+        logits[banned.index(device)] = float("-inf")
 
 
 def plain_greedy(request: Request) -> bool:
     """Whether the request's next token is its raw argmax (no logprobs, penalties or bans to apply)."""
-    return request.params.greedy and request.params.logprobs is None and not _needs_processing(request)
+    return request.params.greedy and request.params.logprobs is None and not needs_edits(request)
 
 
-def _needs_processing(request: Request) -> bool:
+def needs_edits(request: Request) -> bool:
+    return needs_output_tokens(request) or needs_request_processors(request.params)
+
+
+def needs_output_tokens(request: Request) -> bool:
+    """Whether sampling the request reads its output so far (penalties, ``min_tokens``, bad words): with
+    asynchronous output, the last step's tokens must reach the host first."""
     params = request.params
     return (
         params.repetition_penalty != 1.0
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or len(request.output_token_ids) < params.min_tokens
-        or needs_request_processors(params)
+        or bool(params.bad_words_token_ids)
     )
-
-
-def _apply_penalties(logits: torch.Tensor, request: Request) -> None:
-    params = request.params
-    output = torch.tensor(request.output_token_ids, dtype=torch.long)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(request.output_token_ids)), dtype=torch.long)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if output.numel() and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(output, minlength=logits.shape[-1])[: logits.shape[-1]].float()
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    if len(request.output_token_ids) < params.min_tokens:
-        banned = list(request.eos_token_ids | set(params.stop_token_ids))
-        if banned:
-            logits[banned] = float("-inf")

@@ -47,6 +47,7 @@ OTHER_STATE = {
     ("weft.engine.output_processor", "OutputProcessor._append", "stop_reason"): "the API side's request state",
     ("weft.engine.output_processor", "OutputProcessor._append", "output_token_ids"): "the API side's request state",
     ("weft.engine.output_processor", "OutputProcessor._check_stop_strings", "stop_reason"): "the API side's stop strings",
+    ("weft.runner.sampler", "SampledBatch.__init__", "status"): "each sampled row's outcome (a device tensor)",
     ("weft.serve.body", "HTTPError.__init__", "status"): "an HTTP status code",
     ("weft_disagg.pd", "ProxyError.__init__", "status"): "an HTTP status code",
 }

@@ -315,6 +315,8 @@ class EngineCore:
                                self.kv_connector.name, timeout)
             self.kv_connector.close()
         self.executor.shutdown()
+        # Dropped now, not when this object is collected: an in-process worker holds the model and the KV cache.
+        self.executor = None  # type: ignore[assignment]
         self.structured_outputs.close()
 
     def describe(self) -> dict[str, Any]:

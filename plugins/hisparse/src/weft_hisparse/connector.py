@@ -5,7 +5,9 @@ request join :class:`~weft_hisparse.pages.PagePlanner` once full; each step the 
 travel to the workers in :class:`HiSparseStep`, the pages acknowledged by every rank turn clean,
 and below the transition watermark clean pages are lent back to the engine's pool (the core
 contract's "Lent blocks"). A lent block the pool hands to another request (``ConnectorStep.reclaimed``)
-turns its page into host reads, sent to the workers as :class:`HostPage` s.
+turns its page into host reads, sent to the workers as :class:`HostPage` s. A prefill holds every page
+of its prompt, so a waiting request whose pages would not fit beside what the others keep pinned waits
+(the lookup answers None) instead of being admitted and later preempting a running request.
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged

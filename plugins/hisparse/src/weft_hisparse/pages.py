@@ -76,6 +76,7 @@ class PagePlanner:
         """Dirty pages without a host row yet, oldest first (entries of released requests are skipped)."""
         self._clean: dict[str, list[int]] = {}
         """Per request: its clean (pinned) pages, ascending: what may be unpinned, without scanning every page."""
+        self._num_unpinned: dict[str, int] = {}
 
     def add_pages(self, request_id: str, gpu_blocks: list[int]) -> None:
         """New full pages of a request, in token order (dirty)."""
@@ -107,6 +108,7 @@ class PagePlanner:
                 index = clean.pop(position)  # tail-first
                 page = self.pages[request_id][index]
                 page.state = PageState.UNPINNED
+                self._num_unpinned[request_id] = self._num_unpinned.get(request_id, 0) + 1
                 unpinned.append(page.gpu_block)
                 self._unpinned_blocks[page.gpu_block] = (request_id, index)
         return SpillPlan(copies=tuple(copies), unpinned=tuple(unpinned))
@@ -114,9 +116,9 @@ class PagePlanner:
     def pinned(self, request_id: str) -> int:
         """The request's full pages that stay on the GPU until more of them are clean: the dirty ones
         (copies in flight) and the last ``keep_tail``; its clean pages before those can be lent at once."""
-        pages = self.pages.get(request_id, ())
-        lendable = bisect.bisect_left(self._clean.get(request_id, []), len(pages) - self.keep_tail)
-        return sum(page.state is not PageState.UNPINNED for page in pages) - lendable
+        count = len(self.pages.get(request_id, ()))
+        lendable = bisect.bisect_left(self._clean.get(request_id, []), count - self.keep_tail)
+        return count - self._num_unpinned.get(request_id, 0) - lendable
 
     def owner(self, gpu_block: int) -> tuple[str, int]:
         """The request and page an unpinned block still belongs to."""
@@ -155,6 +157,7 @@ class PagePlanner:
         (never published); returns the GPU blocks it still pinned."""
         pinned = []
         self._clean.pop(request_id, None)
+        self._num_unpinned.pop(request_id, None)
         for page in self.pages.pop(request_id, ()):
             if page.host_row is not None:
                 self.free_host_rows.append(page.host_row)

@@ -47,6 +47,17 @@ def test_below_the_watermark_clean_pages_unpin_tail_first_keeping_the_last():
     assert planner.plan(free_gpu_blocks=0).unpinned == (21, 20)  # never the last two
 
 
+def test_admitted_prefills_demand_unpins_beyond_the_watermark_and_dirty_or_tail_pages_stay_pinned():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=1, keep_tail=2)
+    planner.add_pages("r", [20, 21, 22, 23, 24, 25])
+    assert planner.pinned("r") == 6  # dirty: nothing can be lent yet
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)
+    assert planner.pinned("r") == 2  # clean: all but the last two can be lent
+    assert planner.plan(free_gpu_blocks=10).unpinned == ()  # at the watermark and nothing asked for
+    assert planner.plan(free_gpu_blocks=10, demand=3).unpinned == (23, 22, 21)  # a prefill is to take three more
+    assert planner.pinned("r") == 2
+
+
 def test_a_reused_unpinned_page_is_read_from_the_host():
     planner = PagePlanner(num_blocks=10, hot_buffer_blocks=3, host_rows=8, workers=1, keep_tail=1)
     planner.add_pages("r", [1, 2, 3])
@@ -236,3 +247,56 @@ def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_it
         assert share == pytest.approx(weighed[name] / sum(weighed.values()), rel=0.02, abs=1e-4), name
     assert shares(sparse)["csa_kv"] < shares(plain)["csa_kv"] / 2  # the freed bytes go to the groups on the device
 
+
+
+def _concurrency_checkpoint(tmp_path_factory):
+    from weft_dsv4.config import CSA
+    from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
+
+    # The CSA entries (256 wide) dominate a request's KV, as at long context: the indexer keys are 16 wide, and
+    # the ring (a window of 8) and the compressor state are small.
+    config = tiny_config([CSA, CSA], hc_mult=2, index_topk=3, head_dim=256, index_head_dim=16, qk_rope_head_dim=8,
+                         sliding_window=8)
+    return write_checkpoint(tmp_path_factory.mktemp("hisparse_concurrency"), config, seed=5)
+
+
+def _most_holding_blocks(folder, hisparse: dict | None):
+    """Twelve 600-token requests at once in the same KV bytes: the most holding blocks at once (as
+    ``bench/gpu_dsv4.py --part hisparse`` counts them), preemptions, greedy tokens and the csa_kv pool."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    engine = {"block_size": 4, "max_model_len": 672, "max_num_batched_tokens": 128, "max_num_seqs": 12,
+              "cpu_kv_cache_bytes": 2_100_000, "enable_prefix_caching": False}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    core = llm.engine.core
+    scheduler, kv_cache = core.scheduler, core.kv_cache_manager
+    schedule, most = scheduler.schedule, [0]
+
+    def recording():
+        output = schedule()
+        most[0] = max(most[0], sum(1 for request in scheduler.running if kv_cache.holds(request.request_id)))
+        return output
+
+    scheduler.schedule = recording
+    prompts = torch.randint(2, 512, (12, 600), generator=torch.Generator().manual_seed(0)).tolist()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    csa = [group.name for group in core.groups].index("csa_kv")
+    pool = core.num_blocks[csa] / core.groups[csa].spec.blocks_for_tokens(672)
+    return [list(output.outputs[0].token_ids) for output in outputs], most[0], scheduler.num_preemptions, pool
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_and_none_is_preempted(tmp_path_factory):
+    folder = _concurrency_checkpoint(tmp_path_factory)
+    reference, plain_most, plain_preemptions, plain_pool = _most_holding_blocks(folder, None)
+    tokens, most, preemptions, pool = _most_holding_blocks(folder, {"host_pages": 12 * 170, "hot_buffer_blocks": 3,
+                                                                    "gpu_share": 0.1})
+    assert plain_pool >= 4 and pool < 1.25  # every group holds 4 requests without HiSparse; csa_kv ~1.2 with it
+    assert plain_most == 4 and plain_preemptions == 0
+    # One prefill at a time holds all its pages (it reads every entry); the decoding ones keep their dirty and last
+    # pages. A request whose prefill would not fit waits instead of being admitted and then preempted.
+    assert preemptions == 0
+    assert most >= 2.5 * plain_most, (most, plain_most)  # 10 of 12: the ring and compressor state hold 12
+    assert tokens == reference

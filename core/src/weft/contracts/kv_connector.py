@@ -149,7 +149,11 @@ Lent blocks (core API 1.6)
     twice; a request's blocks that are reclaimed are not its own any more when it ends. A
     connector's workers read those tokens for the model through :meth:`KVConnector.sparse_entry_reader`
     (``ForwardContext.sparse_entries``). ``ConnectorStep.free_blocks`` and ``num_blocks`` give
-    each group's pool so that the connector can decide when to lend.
+    each group's pool so that the connector can decide when to lend. Such a connector may hold a
+    waiting request back until what it will lend covers the request's prefill:
+    :meth:`KVConnector.get_num_new_matched_tokens` answering ``None`` (ask again next step) keeps the
+    request waiting instead of admitting it into blocks it would then take from a running one by
+    preemption. The engine asks even when nothing can be loaded (then any offer is ignored).
 
 Acknowledgements (core API 1.6)
     A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``

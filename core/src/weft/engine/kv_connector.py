@@ -121,11 +121,11 @@ class SchedulerConnector:
         what is safe to move (see the module docstring).
         """
         connector_request = self._connector_request(request)
-        if not (self.loads_possible or connector_request.params):
-            return 0, False
         count, load_async = self.scheduler_side.get_num_new_matched_tokens(connector_request, num_computed_tokens)
         if count is None:
-            return None
+            return None  # asked to wait: loads not known yet, or (a lending connector) its blocks not free yet
+        if not (self.loads_possible or connector_request.params):
+            return 0, False  # nothing can be loaded: an offer is ignored
         if count and load_async and not self.all_transferable:
             refused = [group.name for group in self.groups if not group.transferable]
             raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "

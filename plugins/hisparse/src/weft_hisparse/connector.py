@@ -5,7 +5,9 @@ request join :class:`~weft_hisparse.pages.PagePlanner` once full; each step the 
 travel to the workers in :class:`HiSparseStep`, the pages acknowledged by every rank turn clean,
 and below the transition watermark clean pages are lent back to the engine's pool (the core
 contract's "Lent blocks"). A lent block the pool hands to another request (``ConnectorStep.reclaimed``)
-turns its page into host reads, sent to the workers as :class:`HostPage` s.
+turns its page into host reads, sent to the workers as :class:`HostPage` s. A prefill holds every page
+of its prompt, so a waiting request whose pages would not fit beside what the others keep pinned waits
+(the lookup answers None) instead of being admitted and later preempting a running request.
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
@@ -75,6 +77,16 @@ class HiSparseStep(msgspec.Struct, frozen=True):
     """Requests preempted since the last step: forget their host pages and hot buffers."""
 
 
+class _Prefill(msgspec.Struct):
+    """An admitted request computing its prompt (scheduler role)."""
+
+    prompt_tokens: int
+    pages: int
+    """Blocks of the group it holds once its prompt is computed."""
+    held: int = 0
+    """Blocks of the group it holds so far."""
+
+
 def copy_name(copy: PlannedCopy) -> str:
     """How a worker acknowledges a copy (``ConnectorOutput.acknowledged``)."""
     return f"{copy.host_row}:{copy.page}:{copy.request_id}"
@@ -113,6 +125,11 @@ class HiSparseConnector(KVConnector):
         self.planner: PagePlanner | None = None
         self._planned: dict[str, PlannedCopy] = {}
         self._lend: tuple[LentBlock, ...] = ()
+        self._prefilling: dict[str, _Prefill] = {}
+        """Admitted requests still computing their prompt: each holds (and reads) all its pages."""
+        self._decoding: set[str] = set()
+        self._num_blocks: int | None = None
+        """The group's pool, from the first step on."""
         # Worker role.
         self.layers: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
@@ -128,6 +145,24 @@ class HiSparseConnector(KVConnector):
 
     # Scheduler role.
 
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Nothing to load; but a request whose prefill (which reads, so holds, every page of its prompt) would not
+        fit beside what the running ones keep on the GPU waits (None) rather than take blocks from a running one."""
+        committed = sum(prefill.pages for prefill in self._prefilling.values())
+        if self.planner is not None:
+            # A decoding request keeps its dirty and tail pages and the page it writes; its other clean pages can be lent.
+            committed += sum(self.planner.pinned(request_id) + 1 for request_id in self._decoding)
+        if committed and (self._num_blocks is None or committed + self._prefill_pages(request) > self._num_blocks):
+            return None, False
+        return 0, False
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
+        self._decoding.discard(request.request_id)  # admitted again after a preemption: it computes its prompt afresh
+        self._prefilling[request.request_id] = _Prefill(len(request.prompt_token_ids), self._prefill_pages(request))
+
+    def _prefill_pages(self, request: ConnectorRequest) -> int:
+        return self.groups[self.group].spec.blocks_for_tokens(len(request.prompt_token_ids) + 1)
+
     def build_connector_meta(self, step: ConnectorStep) -> HiSparseStep:
         if self.planner is None:
             self.planner = PagePlanner(
@@ -135,8 +170,11 @@ class HiSparseConnector(KVConnector):
                 self.context.tp_size * self.context.pp_size, self.options.keep_tail,
             )
         planner = self.planner
+        self._num_blocks = step.num_blocks[self.group]
         for request_id in step.preempted:
             planner.release(request_id)
+            self._prefilling.pop(request_id, None)
+            self._decoding.discard(request_id)
         host_pages = []
         for lent in step.reclaimed:
             if lent.group != self.group or lent.request_id not in planner.pages:
@@ -145,13 +183,21 @@ class HiSparseConnector(KVConnector):
             planner.reused(page.gpu_block)
             host_pages.append(HostPage(lent.request_id, lent.position, page.host_row))
         for request in step.requests:
+            prefill = self._prefilling.get(request.request_id)
+            if prefill is not None and (request.num_new_tokens != 1 or request.num_computed_tokens < prefill.prompt_tokens):
+                prefill.held = len(request.block_ids[self.group])
+                continue  # prefilling: it reads every entry
             if request.num_new_tokens != 1:
-                continue  # prefilling (or recomputing after a preemption): it reads every entry
+                continue  # recomputing its outputs after a preemption: it reads every entry
+            self._prefilling.pop(request.request_id, None)
+            self._decoding.add(request.request_id)
             known = len(planner.pages.get(request.request_id, ()))
             full = (request.num_computed_tokens + request.num_new_tokens) // self.page_tokens
             if full > known:
                 planner.add_pages(request.request_id, list(request.block_ids[self.group][known:full]))
-        plan = planner.plan(step.free_blocks[self.group])
+        # Unpin ahead of the admitted prefills' next chunks, so that they never wait on a lend nor preempt for one.
+        demand = sum(max(prefill.pages - prefill.held, 0) for prefill in self._prefilling.values())
+        plan = planner.plan(step.free_blocks[self.group], demand)
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy
         self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
@@ -180,6 +226,8 @@ class HiSparseConnector(KVConnector):
     def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is not None:
             self.planner.release(request.request_id)
+        self._prefilling.pop(request.request_id, None)
+        self._decoding.discard(request.request_id)
         return False, None
 
     # Worker role.

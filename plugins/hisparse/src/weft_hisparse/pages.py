@@ -76,6 +76,7 @@ class PagePlanner:
         """Dirty pages without a host row yet, oldest first (entries of released requests are skipped)."""
         self._clean: dict[str, list[int]] = {}
         """Per request: its clean (pinned) pages, ascending: what may be unpinned, without scanning every page."""
+        self._num_unpinned: dict[str, int] = {}
 
     def add_pages(self, request_id: str, gpu_blocks: list[int]) -> None:
         """New full pages of a request, in token order (dirty)."""
@@ -83,8 +84,9 @@ class PagePlanner:
         self._unplanned.extend((request_id, index) for index in range(len(pages), len(pages) + len(gpu_blocks)))
         pages.extend(Page(gpu_block=block) for block in gpu_blocks)
 
-    def plan(self, free_gpu_blocks: int) -> SpillPlan:
-        """Copies for dirty pages (while host rows last) and, below the watermark, unpins."""
+    def plan(self, free_gpu_blocks: int, demand: int = 0) -> SpillPlan:
+        """Copies for dirty pages (while host rows last) and, below the watermark plus ``demand`` (blocks
+        that admitted prefills are still to take), unpins."""
         copies = []
         while self._unplanned and self.free_host_rows:
             request_id, index = self._unplanned.popleft()
@@ -95,19 +97,28 @@ class PagePlanner:
             page.host_row = self.free_host_rows.pop(0)
             page.pending = self.workers
             copies.append(PlannedCopy(request_id, index, page.gpu_block, page.host_row))
-        unpinned = []
+        unpinned: list[int] = []
+        target = self.transition_watermark + demand
         for request_id, clean in self._clean.items():
-            if free_gpu_blocks + len(unpinned) >= self.transition_watermark:
+            if free_gpu_blocks + len(unpinned) >= target:
                 break
             position = bisect.bisect_left(clean, len(self.pages[request_id]) - self.keep_tail)  # the last few kept
-            while position and free_gpu_blocks + len(unpinned) < self.transition_watermark:
+            while position and free_gpu_blocks + len(unpinned) < target:
                 position -= 1
                 index = clean.pop(position)  # tail-first
                 page = self.pages[request_id][index]
                 page.state = PageState.UNPINNED
+                self._num_unpinned[request_id] = self._num_unpinned.get(request_id, 0) + 1
                 unpinned.append(page.gpu_block)
                 self._unpinned_blocks[page.gpu_block] = (request_id, index)
         return SpillPlan(copies=tuple(copies), unpinned=tuple(unpinned))
+
+    def pinned(self, request_id: str) -> int:
+        """The request's full pages that stay on the GPU until more of them are clean: the dirty ones
+        (copies in flight) and the last ``keep_tail``; its clean pages before those can be lent at once."""
+        count = len(self.pages.get(request_id, ()))
+        lendable = bisect.bisect_left(self._clean.get(request_id, []), count - self.keep_tail)
+        return count - self._num_unpinned.get(request_id, 0) - lendable
 
     def owner(self, gpu_block: int) -> tuple[str, int]:
         """The request and page an unpinned block still belongs to."""
@@ -146,6 +157,7 @@ class PagePlanner:
         (never published); returns the GPU blocks it still pinned."""
         pinned = []
         self._clean.pop(request_id, None)
+        self._num_unpinned.pop(request_id, None)
         for page in self.pages.pop(request_id, ()):
             if page.host_row is not None:
                 self.free_host_rows.append(page.host_row)

@@ -266,7 +266,7 @@ def _most_holding_blocks(folder, hisparse: dict | None):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
-    engine = {"block_size": 4, "max_model_len": 672, "max_num_batched_tokens": 128, "max_num_seqs": 12,
+    engine = {"block_size": 4, "max_model_len": 672, "max_num_batched_tokens": 512, "max_num_seqs": 12,
               "cpu_kv_cache_bytes": 2_100_000, "enable_prefix_caching": False}
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
     llm = LLM(model=str(folder), engine=engine, **extra)
@@ -296,7 +296,8 @@ def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_
     assert plain_pool >= 4 and pool < 1.25  # every group holds 4 requests without HiSparse; csa_kv ~1.2 with it
     assert plain_most == 4 and plain_preemptions == 0
     # One prefill at a time holds all its pages (it reads every entry); the decoding ones keep their dirty and last
-    # pages. A request whose prefill would not fit waits instead of being admitted and then preempted.
+    # pages. A request whose prefill would not fit waits instead of being admitted and then preempted, and one that
+    # fits has pages unpinned for it before its first chunk (128 blocks, more than the watermark of 20 leaves free).
     assert preemptions == 0
-    assert most >= 2.5 * plain_most, (most, plain_most)  # 10 of 12: the ring and compressor state hold 12
+    assert most >= 3 * plain_most, (most, plain_most)  # all 12: as many as the ring and compressor state hold
     assert tokens == reference

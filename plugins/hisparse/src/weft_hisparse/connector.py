@@ -128,6 +128,9 @@ class HiSparseConnector(KVConnector):
         self._prefilling: dict[str, _Prefill] = {}
         """Admitted requests still computing their prompt: each holds (and reads) all its pages."""
         self._decoding: set[str] = set()
+        self._fitting: dict[str, int] = {}
+        """Waiting requests the lookup found to fit since the last step, with their prompt's pages: unpinned for
+        ahead of their admission, whose first chunk may need more than the watermark leaves free."""
         self._num_blocks: int | None = None
         """The group's pool, from the first step on."""
         # Worker role.
@@ -152,8 +155,10 @@ class HiSparseConnector(KVConnector):
         if self.planner is not None:
             # A decoding request keeps its dirty and tail pages and the page it writes; its other clean pages can be lent.
             committed += sum(self.planner.pinned(request_id) + 1 for request_id in self._decoding)
-        if committed and (self._num_blocks is None or committed + self._prefill_pages(request) > self._num_blocks):
+        pages = self._prefill_pages(request)
+        if committed and (self._num_blocks is None or committed + pages > self._num_blocks):
             return None, False
+        self._fitting[request.request_id] = pages  # a memo for the next step's unpins, as a store's lookup caches its hits
         return 0, False
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
@@ -197,6 +202,8 @@ class HiSparseConnector(KVConnector):
                 planner.add_pages(request.request_id, list(request.block_ids[self.group][known:full]))
         # Unpin ahead of the admitted prefills' next chunks, so that they never wait on a lend nor preempt for one.
         demand = sum(max(prefill.pages - prefill.held, 0) for prefill in self._prefilling.values())
+        demand += sum(pages for request_id, pages in self._fitting.items() if request_id not in self._prefilling)
+        self._fitting.clear()
         plan = planner.plan(step.free_blocks[self.group], demand)
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy

@@ -46,8 +46,8 @@ Asynchronous loads (core API 1.3)
     the engine does other work (a decode instance receiving the KV its prefill
     instance pushes, a store hit loaded in the background). The engine allocates the request's blocks for its first
     ``num_computed_tokens + n`` tokens, calls ``update_state_after_alloc`` with all of
-    them, and parks the request outside the running batch (status
-    ``WAITING_FOR_REMOTE_KV``); the connector tells its workers what to receive
+    them, and parks the request outside the running batch (in the
+    scheduler's receiving queue); the connector tells its workers what to receive
     through ``build_connector_meta`` (the request is in no step until its KV is
     there). The worker names the request in ``finished_receiving`` once every block
     landed: it is then scheduled with ``num_computed_tokens + n`` tokens computed. In
@@ -153,7 +153,8 @@ Lent blocks (core API 1.6)
     waiting request back until what it will lend covers the request's prefill:
     :meth:`KVConnector.get_num_new_matched_tokens` answering ``None`` (ask again next step) keeps the
     request waiting instead of admitting it into blocks it would then take from a running one by
-    preemption. The engine asks even when nothing can be loaded (then any offer is ignored).
+    preemption. A connector that does so sets ``gates_admission = True`` (core API 1.8): the engine then
+    asks it even when nothing can be loaded (and ignores any offer); others are not asked then.
 
 Acknowledgements (core API 1.6)
     A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``
@@ -283,6 +284,9 @@ class KVConnector(PluginBase):
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = ()
     """What the workers report in ``ConnectorOutput.observations`` (core API 1.3)."""
     metadata_type: ClassVar[Any] = Any
+    gates_admission: ClassVar[bool] = False
+    """Whether :meth:`get_num_new_matched_tokens` may hold a request back (answer None) where nothing can be
+    loaded (see "Lent blocks"): the engine asks such a connector for every waiting request (core API 1.8)."""
     """The type :meth:`build_connector_meta` returns. The metadata reaches workers as msgpack
     bytes inside the step (they may live in other processes) and is decoded as this type;
     left as ``Any``, the return annotation of ``build_connector_meta`` is used when it resolves."""

@@ -52,11 +52,11 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     name = executor_name(engine)
     executor_class = registry.load("executor", name)
     executor = executor_class(options_for(config, "executor", executor_class, name), config, registry)
+    connector = None
     try:
         info = executor.load_model()
         _, source = resolve_source(registry, config)
         context_length = max_model_len(config, source)
-        connector = None
         loaded = load_kv_connector(registry, config, source)
         if loaded is not None:
             connector_class, options, context = loaded
@@ -65,17 +65,19 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         num_blocks = num_kv_blocks(config, info.groups, context_length, info.available_kv_bytes, shares,
                                    connector.name if connector is not None else None)
         executor.initialize_kv_cache(num_blocks)
+        kv_cache_manager = KVCacheManager(info.groups, num_blocks, engine.enable_prefix_caching)
+        structured_outputs = StructuredOutputManager(config, registry, source, source.hf_config.get("vocab_size"))
+        scheduler = Scheduler(
+            kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, context_length,
+            engine.enable_chunked_prefill, connector,
+            engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
+            structured_outputs,
+        )
     except BaseException:
+        if connector is not None:
+            connector.close()  # a store client, a side channel: its scheduler role's resources
         executor.shutdown()  # its workers may be processes: don't leave them behind
         raise
-    kv_cache_manager = KVCacheManager(info.groups, num_blocks, engine.enable_prefix_caching)
-    structured_outputs = StructuredOutputManager(config, registry, source, source.hf_config.get("vocab_size"))
-    scheduler = Scheduler(
-        kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, context_length,
-        engine.enable_chunked_prefill, connector,
-        engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
-        structured_outputs,
-    )
     async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
     if async_scheduling and connector is not None:
         logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)

@@ -121,11 +121,14 @@ class SchedulerConnector:
         what is safe to move (see the module docstring).
         """
         connector_request = self._connector_request(request)
+        loads = self.loads_possible or bool(connector_request.params)
+        if not loads and not type(self.scheduler_side).gates_admission:
+            return 0, False  # nothing can be loaded: not even asked (a store's lookup costs a round trip)
         count, load_async = self.scheduler_side.get_num_new_matched_tokens(connector_request, num_computed_tokens)
         if count is None:
             return None  # asked to wait: loads not known yet, or (a lending connector) its blocks not free yet
-        if not (self.loads_possible or connector_request.params):
-            return 0, False  # nothing can be loaded: an offer is ignored
+        if not loads:
+            return 0, False  # a connector that gates admission let it in: any offer is ignored
         if count and load_async and not self.all_transferable:
             refused = [group.name for group in self.groups if not group.transferable]
             raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "

@@ -102,6 +102,7 @@ class HiSparseConnector(KVConnector):
         ConnectorMetric("host_entries_read_total", "Selected entries copied in from the host pool"),
     )
     Options = HiSparseOptions
+    gates_admission: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -128,6 +129,8 @@ class HiSparseConnector(KVConnector):
         self._prefilling: dict[str, _Prefill] = {}
         """Admitted requests still computing their prompt: each holds (and reads) all its pages."""
         self._decoding: set[str] = set()
+        self._admitted: set[str] = set()
+        """Requests admitted since the last step: one preempted and admitted again in the same step keeps its record."""
         self._fitting: dict[str, int] = {}
         """Waiting requests the lookup found to fit since the last step, with their prompt's pages: unpinned for
         ahead of their admission, whose first chunk may need more than the watermark leaves free."""
@@ -164,6 +167,7 @@ class HiSparseConnector(KVConnector):
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
         self._decoding.discard(request.request_id)  # admitted again after a preemption: it computes its prompt afresh
         self._prefilling[request.request_id] = _Prefill(len(request.prompt_token_ids), self._prefill_pages(request))
+        self._admitted.add(request.request_id)
 
     def _prefill_pages(self, request: ConnectorRequest) -> int:
         return self.groups[self.group].spec.blocks_for_tokens(len(request.prompt_token_ids) + 1)
@@ -178,8 +182,10 @@ class HiSparseConnector(KVConnector):
         self._num_blocks = step.num_blocks[self.group]
         for request_id in step.preempted:
             planner.release(request_id)
-            self._prefilling.pop(request_id, None)
-            self._decoding.discard(request_id)
+            if request_id not in self._admitted:  # else: preempted, then admitted again while scheduling this step
+                self._prefilling.pop(request_id, None)
+                self._decoding.discard(request_id)
+        self._admitted.clear()
         host_pages = []
         for lent in step.reclaimed:
             if lent.group != self.group or lent.request_id not in planner.pages:

@@ -96,7 +96,6 @@ class EngineCore:
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
         waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
         self._bitmask: Future[GrammarOutput] | None = None
-        self._closed = False
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -298,9 +297,8 @@ class EngineCore:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the step in flight and the KV connector's pending saves, then stop the workers. Idempotent."""
-        if self._closed:
+        if self.executor is None:
             return
-        self._closed = True
         deadline = time.monotonic() + timeout
         self.abort(self.scheduler.unfinished_ids)
         try:

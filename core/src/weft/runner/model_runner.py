@@ -67,7 +67,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
-from weft.runner.logits_processors import TokenBitmask
+from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.sampler import SampledBatch, Sampler, needs_output_tokens
 
 if TYPE_CHECKING:
@@ -366,12 +366,8 @@ class ModelRunner:
             return
         positions, rows = unknown
         assert self._pending is not None
-        source = self._pending.device_tokens[self._to_device(rows, torch.long)]
-        input_ids.index_copy_(0, self._to_device(positions, torch.long), source)
-
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        # non_blocking: a blocking host-to-device copy would wait for the step in flight.
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        source = self._pending.device_tokens[to_device(rows, torch.long, self.device)]
+        input_ids.index_copy_(0, to_device(positions, torch.long, self.device), source)
 
     def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int],
                        prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
@@ -383,7 +379,7 @@ class ModelRunner:
                 prompt_logprobs[state.request_id] = self._score_prompt(state, hidden, query_start[row], positions_scored)
         if not sampling:
             return None
-        last_rows = self._to_device([query_start[row + 1] - 1 for row in sampling], torch.long)
+        last_rows = to_device([query_start[row + 1] - 1 for row in sampling], torch.long, self.device)
         return self.model.compute_logits(hidden[last_rows])
 
     def prepare_inputs(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
@@ -398,11 +394,11 @@ class ModelRunner:
             query_start.append(query_start[-1] + count)
             seq_lens.append(start + count)
         device = self.device
-        input_ids = self._to_device(self._gather_tokens(states, counts), torch.long)
+        input_ids = to_device(self._gather_tokens(states, counts), torch.long, self.device)
         self._fill_unknown(input_ids, states, counts)
-        position_tensor = self._to_device(positions, torch.long)
-        query_start_tensor = self._to_device(query_start, torch.int32)
-        seq_lens_tensor = self._to_device(seq_lens, torch.int32)
+        position_tensor = to_device(positions, torch.long, self.device)
+        query_start_tensor = to_device(query_start, torch.int32, self.device)
+        seq_lens_tensor = to_device(seq_lens, torch.int32, self.device)
         rows = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_start_tensor.diff().long())
         metadata, batches = [], []
         for index, group in enumerate(self.groups):

@@ -410,3 +410,45 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
         engine.step()
     assert engine.requests == {} and len(calls) == 1
     assert [request.text for request in slow] == ["ababab", "ababab"]
+
+
+def test_fill_on_the_core_thread_while_a_device_runs_the_forward(tmp_path, tokenizer_files):
+    """Where the forward runs on a device (the step handle is not done when the core looks), the core
+    fills the mask itself and samples right after; the tokens equal those of the CPU ordering (the
+    mask filled on the fill thread, sampled by the next call), greedy and seeded alike."""
+    from conftest import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "llama", "llama", tokenizer_files))
+    schema = {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}}
+    params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=200,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for seed, temperature in enumerate([0, 1.0, 1.0, 0.7, 0, 1.0])]
+    prompts = [f"JSON number {index}:" for index in range(len(params))]
+    texts, inline_fills = {}, []
+    for ordering in ("cpu", "device"):
+        llm = LLM(model=model, engine={"async_scheduling": True, "max_num_seqs": 8})
+        try:
+            core = llm.engine.core
+            if ordering == "device":
+                def not_done(launch):
+                    def launched(*args):
+                        handle = launch(*args)
+                        if handle is not None:
+                            handle.done = lambda: False  # as a device step just launched
+                        return handle
+                    return launched
+
+                core.executor.execute_model = not_done(core.executor.execute_model)
+                core.executor.sample_tokens = not_done(core.executor.sample_tokens)
+                fill = core.structured_outputs.grammar_output
+                core.structured_outputs.grammar_output = (
+                    lambda ids, requests, inline=False: inline_fills.append(inline) or fill(ids, requests, inline))
+            outputs = llm.generate(prompts, params)
+        finally:
+            llm.close()
+        texts[ordering] = [output.outputs[0].text for output in outputs]
+        for output in outputs:
+            assert output.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    assert sum(inline_fills) > 10 and texts["device"] == texts["cpu"]

@@ -153,10 +153,12 @@ class EngineCore:
 
         A step with structured outputs samples once the core has filled its bitmask on the
         structured-output thread, while the workers run its forward; the mask needs every earlier
-        token, so the step in flight is applied first. With asynchronous scheduling the fill also
-        runs across the return to the caller: the step in flight is then one whose sampling waits
-        for its mask (its handle is None), sampled by the next call once it has scheduled the step
-        after it."""
+        token, so the step in flight is applied first. With asynchronous scheduling on a device,
+        the core fills the mask itself while the device runs the forward it just launched, and
+        samples right after. Where the worker ran the forward as it was launched (a CPU worker),
+        the fill runs across the return to the caller on the fill thread: the step in flight is
+        then one whose sampling waits for its mask (its handle is None), sampled by the next call
+        once it has scheduled the step after it."""
         self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
@@ -182,8 +184,11 @@ class EngineCore:
                     self._bitmask = self._grammar_output(output)
                 launched = (output, self.executor.execute_model(output))
                 if not accept_first:
+                    # The device runs the forward: fill on this thread meanwhile and sample right after it.
                     results = self._apply_in_flight()
-                    self._bitmask = self._grammar_output(output)
+                    self._bitmask = self._grammar_output(output, inline=True)
+                    if launched[1] is None:
+                        launched = (output, self.executor.sample_tokens(self._take_bitmask()))
         else:
             self._sample_in_flight()
         results += self._apply_in_flight()
@@ -207,8 +212,9 @@ class EngineCore:
         assert handle is not None
         return self._apply(output, handle)
 
-    def _grammar_output(self, output: SchedulerOutput) -> Future[GrammarOutput]:
-        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests)
+    def _grammar_output(self, output: SchedulerOutput, inline: bool = False) -> Future[GrammarOutput]:
+        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests,
+                                                      inline)
 
     def take_refused(self) -> dict[str, str]:
         """Requests the scheduler ended because they cannot run, with the reason, since the last call."""

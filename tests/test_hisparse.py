@@ -214,7 +214,10 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     assert llm.engine.scheduler.num_preemptions > 0
     # Every request ended: no page left, every host row back in the pool, every lent block accounted for.
     planner = connector.scheduler_side.planner
-    assert planner.pages == {} and sorted(planner.free_host_rows) == list(range(64))
+    # The full prompt blocks of every request (8 tokens, one page each) were durable when it finished: published.
+    assert len(planner.host_prefix) == 9 // 8 + 30 // 8 + 47 // 8
+    cached = [row for rows in planner.host_prefix.values() for row in rows]
+    assert planner.pages == {} and sorted(planner.free_host_rows + cached) == list(range(64))
     assert llm.engine.kv_cache_manager.num_free_blocks() == (30,) * len(llm.engine.kv_cache_manager.groups)
     # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
     worker = llm.engine.worker.kv_connector.worker_side
@@ -337,11 +340,13 @@ def _step(scheduler) -> set[str]:
     return set(ids)
 
 
-def _request(name: str, prompt_tokens: int, max_tokens: int, **params):
+def _request(name: str, prompt: int | list[int], max_tokens: int, **params):
+    """A request of ``prompt`` (token ids, or how many of token 3)."""
     from weft.engine.request import Request
     from weft.sampling_params import SamplingParams
 
-    return Request(name, [3] * prompt_tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), max_tokens, frozenset())
+    token_ids = [3] * prompt if isinstance(prompt, int) else prompt
+    return Request(name, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), max_tokens, frozenset())
 
 
 def test_a_gated_request_keeps_its_place_while_smaller_ones_keep_arriving():
@@ -406,3 +411,62 @@ def test_short_prompts_are_let_in_only_as_many_as_can_keep_their_last_pages():
     while scheduler.has_unfinished:
         most = max(most, len(_step(scheduler)))
     assert most == 6 and scheduler.num_preemptions == 0  # 6 * 3 pages fit in 20; 8 * 3 do not
+
+
+# The host prefix cache: bookkeeping of finished requests' durable prefixes (nothing reads it back yet).
+
+def test_a_finished_request_publishes_only_the_full_blocks_of_its_contiguous_durable_prefix():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
+    planner.add_pages("r", [10, 11, 12, 13, 14])
+    plan = planner.plan(free_gpu_blocks=50)
+    rows = [copy.host_row for copy in plan.copies]
+    planner.acknowledge(0, plan.copies)
+    planner.acknowledge(1, plan.copies[:3] + plan.copies[4:])  # page 3's copy: one worker of two
+    assert planner.durable_prefix("r") == 3
+    # Two pages a prefix block: block 0 (pages 0, 1) is durable in full; block 1 (pages 2, 3) is not.
+    planner.release("r", [b"h0", b"h1"], pages_per_block=2)
+    assert planner.host_prefix == {b"h0": (rows[0], rows[1])}
+    assert sorted(planner.free_host_rows) == sorted(set(range(8)) - {rows[0], rows[1]})
+
+
+def test_a_preempted_request_publishes_nothing_and_its_late_acknowledgements_change_nothing():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=4, workers=1)
+    planner.add_pages("r", [5, 6])
+    plan = planner.plan(free_gpu_blocks=50)
+    planner.release("r")  # preempted: the engine passes no hashes
+    planner.acknowledge(0, plan.copies)
+    planner.add_pages("r", [7, 8])  # admitted again: its pages start dirty, their old copies count for nothing
+    planner.release("r", [b"h0", b"h1"])  # finished before any new copy was acknowledged
+    assert planner.host_prefix == {} and sorted(planner.free_host_rows) == [0, 1, 2, 3]
+
+
+def test_published_rows_are_evicted_least_recently_used_deepest_first_when_copies_need_rows():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=4, workers=1)
+    planner.add_pages("a", [1, 2, 3])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)
+    rows_a = [page.host_row for page in planner.pages["a"]]
+    planner.release("a", [b"a0", b"a1", b"a2"])
+    planner.add_pages("b", [4])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)  # the one free row
+    planner.release("b", [b"a0"])  # the same first block: the first holder keeps it, b's row goes back
+    assert list(planner.host_prefix) == [b"a2", b"a1", b"a0"]  # a0 used last
+    assert len(planner.free_host_rows) == 1
+    planner.add_pages("c", [5, 6, 7])
+    copies = planner.plan(free_gpu_blocks=50).copies
+    # One free row, then a2's and a1's (the deepest, least recently used); a0 stays.
+    assert [copy.host_row for copy in copies][1:] == [rows_a[2], rows_a[1]]
+    assert planner.host_prefix == {b"a0": (rows_a[0],)}
+
+
+def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engine_s_hashes():
+    from weft.engine.kv_cache_manager import block_hashes
+
+    scheduler = _gated_scheduler(num_blocks=20)
+    prompt = list(range(40, 67))  # 27 tokens: three full blocks of 8
+    scheduler.add(_request("a", prompt, max_tokens=6))
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    planner = scheduler.connector.scheduler_side.planner
+    assert list(planner.host_prefix) == block_hashes(prompt, 8)[::-1]  # deepest first in LRU order
+    cached = [row for rows in planner.host_prefix.values() for row in rows]
+    assert len(cached) == 3 and sorted(cached + planner.free_host_rows) == list(range(512))

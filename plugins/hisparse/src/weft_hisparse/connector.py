@@ -9,7 +9,9 @@ turns its page into host reads, sent to the workers as :class:`HostPage` s. A pr
 of its prompt (after a preemption: of its prompt and outputs), so a waiting request whose pages would not fit
 beside what the others keep pinned waits (the lookup answers None) instead of being admitted and later
 preempting a running request; it keeps its place in the queue (the requests behind it must leave its pages
-free), and one asking for prompt logprobs is gated like the others.
+free), and one asking for prompt logprobs is gated like the others. A finished request's contiguous durable
+prefix stays in the planner's host prefix cache, keyed by the engine's prompt block hashes (bookkeeping only:
+nothing reads it back yet, see :mod:`weft_hisparse.pages`).
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
@@ -38,6 +40,7 @@ from weft.contracts.kv_connector import (
     LentBlock,
     SparseEntryReader,
     block_axis,
+    connector_block_size,
 )
 from weft_hisparse.pages import HotBuffer, Page, PagePlanner, PlannedCopy
 
@@ -123,6 +126,8 @@ class HiSparseConnector(KVConnector):
         self.group = names.index(self.options.group)
         spec = self.groups[self.group].spec
         self.page_tokens = spec.block_size
+        self._pages_per_block = (connector_block_size(self.groups) or self.page_tokens) // self.page_tokens
+        """Pages of the group in one prefix block (``ConnectorRequest.block_hashes``)."""
         self.rank = context.pp_rank * context.tp_size + context.tp_rank
         # Scheduler role.
         self.planner: PagePlanner | None = None
@@ -269,8 +274,10 @@ class HiSparseConnector(KVConnector):
                 del self._planned[name]  # acknowledged by every rank, or its request is gone
 
     def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Its pages leave the planner; the host rows of its contiguous durable prefix stay in the host prefix cache,
+        by the engine's chained hash of each prompt block (bookkeeping only: see :mod:`weft_hisparse.pages`)."""
         if self.planner is not None:
-            self.planner.release(request.request_id)
+            self.planner.release(request.request_id, request.block_hashes, self._pages_per_block)
         self._prefilling.pop(request.request_id, None)
         self._decoding.discard(request.request_id)
         self._ends.pop(request.request_id, None)

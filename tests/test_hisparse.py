@@ -214,7 +214,10 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     assert llm.engine.scheduler.num_preemptions > 0
     # Every request ended: no page left, every host row back in the pool, every lent block accounted for.
     planner = connector.scheduler_side.planner
-    assert planner.pages == {} and sorted(planner.free_host_rows) == list(range(64))
+    # The full prompt blocks of every request (8 tokens, one page each) were durable when it finished: published.
+    assert len(planner.host_prefix) == 9 // 8 + 30 // 8 + 47 // 8
+    cached = [row for rows in planner.host_prefix.values() for row in rows]
+    assert planner.pages == {} and sorted(planner.free_host_rows + cached) == list(range(64))
     assert llm.engine.kv_cache_manager.num_free_blocks() == (30,) * len(llm.engine.kv_cache_manager.groups)
     # The worker's per-step state (the bound step) is cleared after every step, and ended requests left nothing.
     worker = llm.engine.worker.kv_connector.worker_side
@@ -301,3 +304,169 @@ def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_
     assert preemptions == 0
     assert most >= 3 * plain_most, (most, plain_most)  # all 12: as many as the ring and compressor state hold
     assert tokens == reference
+
+
+# The admission gate driven through the engine's scheduler, with a stand-in for the workers.
+
+def _gated_scheduler(num_blocks: int, max_num_seqs: int = 8):
+    """The engine's scheduler over one csa_kv group of ``num_blocks`` pages of 8 tokens, HiSparse as its connector."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft.engine.kv_cache_manager import KVCacheManager
+    from weft.engine.kv_connector import SchedulerConnector
+    from weft.engine.scheduler import Scheduler
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
+
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)),)
+    connector = SchedulerConnector(HiSparseConnector, HiSparseOptions(host_pages=512, hot_buffer_blocks=1, keep_tail=2),
+                                   groups, ConnectorContext("m"))
+    return Scheduler(KVCacheManager(groups, [num_blocks], False), max_num_seqs, 64, 512, True, connector)
+
+
+def _step(scheduler) -> set[str]:
+    """One step as the workers would run it: each request that samples gets token 7, every planned copy is
+    acknowledged. Returns the requests scheduled."""
+    import msgspec
+    from weft.contracts.executor import ModelRunnerOutput
+    from weft.contracts.kv_connector import ConnectorOutput
+    from weft_hisparse.connector import HiSparseStep, copy_name
+
+    step = scheduler.schedule()
+    copies = msgspec.msgpack.decode(step.kv_connector_metadata, type=HiSparseStep).copies
+    ids = list(step.num_scheduled_tokens)
+    tokens = [7 if scheduler._planned[name] == scheduler.requests[name].num_tokens else None for name in ids]
+    report = ConnectorOutput(acknowledged={0: tuple(copy_name(copy) for copy in copies)})
+    scheduler.update_from_output(step, ModelRunnerOutput(ids, tokens, connector_output=report), report)
+    return set(ids)
+
+
+def _request(name: str, prompt: int | list[int], max_tokens: int, **params):
+    """A request of ``prompt`` (token ids, or how many of token 3)."""
+    from weft.engine.request import Request
+    from weft.sampling_params import SamplingParams
+
+    token_ids = [3] * prompt if isinstance(prompt, int) else prompt
+    return Request(name, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), max_tokens, frozenset())
+
+
+def test_a_gated_request_keeps_its_place_while_smaller_ones_keep_arriving():
+    scheduler = _gated_scheduler(num_blocks=20)
+    for name in ("s0", "s1", "s2"):
+        scheduler.add(_request(name, 9, max_tokens=30))
+    for _ in range(4):
+        _step(scheduler)
+    # 16 pages for its prefill: beside three decoding requests (each keeps its last two pages and the one it
+    # writes) it does not fit.
+    scheduler.add(_request("big", 120, max_tokens=4))
+    admitted_at = None
+    for index in range(80):
+        scheduler.add(_request(f"late{index}", 9, max_tokens=30))  # a newcomer every step, two pages each
+        if "big" in _step(scheduler) and admitted_at is None:
+            admitted_at = index
+    assert admitted_at is not None, "the large request at the head of the queue was passed over for good"
+    # It went in once the requests ahead of it drained; none admitted behind it took the pages it waited for.
+    assert admitted_at <= 30
+    assert scheduler.num_preemptions == 0
+
+
+def test_a_request_preempted_and_admitted_again_is_gated_on_its_prompt_and_outputs():
+    scheduler = _gated_scheduler(num_blocks=20)
+    scheduler.add(_request("a", 9, max_tokens=60))
+    for _ in range(50):  # 9 prompt tokens and 50 outputs: 59 tokens, 8 pages with the next one
+        _step(scheduler)
+    scheduler.add(_request("b", 100, max_tokens=8))  # 13 pages: fits beside a's last pages
+    assert _step(scheduler) == {"a", "b"}  # b computes the first 63 tokens of its prompt
+    a = scheduler.requests["a"]
+    scheduler.running.remove(a)
+    scheduler._preempt(a)  # as the scheduler preempts for blocks: a goes back to the head of the queue
+    # a recomputes 59 tokens: its 8 pages do not fit beside b's prefill (13), though its prompt's 2 would.
+    assert _step(scheduler) == {"b"}
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    assert scheduler.num_preemptions == 1  # ours: none to make room for a recompute admitted too early
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 1])
+def test_a_request_asking_for_prompt_logprobs_is_gated_like_the_others(prompt_logprobs):
+    scheduler = _gated_scheduler(num_blocks=20)
+    scheduler.add(_request("a", 9, max_tokens=20))
+    for _ in range(3):
+        _step(scheduler)
+    scheduler.add(_request("b", 100, max_tokens=8))  # 13 pages, held while it computes its prompt
+    assert _step(scheduler) == {"a", "b"}
+    # 8 pages: not beside b's prefill and a's last pages. Prompt logprobs rule out a cached or loaded prefix,
+    # not the gate.
+    scheduler.add(_request("c", 60, max_tokens=8, prompt_logprobs=prompt_logprobs))
+    assert _step(scheduler) == {"a", "b"}
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    assert scheduler.num_preemptions == 0
+
+
+def test_short_prompts_are_let_in_only_as_many_as_can_keep_their_last_pages():
+    scheduler = _gated_scheduler(num_blocks=20)
+    for index in range(8):  # two pages each to prefill, but three each once decoding (two kept, one written)
+        scheduler.add(_request(f"s{index}", 9, max_tokens=40))
+    most = 0
+    while scheduler.has_unfinished:
+        most = max(most, len(_step(scheduler)))
+    assert most == 6 and scheduler.num_preemptions == 0  # 6 * 3 pages fit in 20; 8 * 3 do not
+
+
+# The host prefix cache: bookkeeping of finished requests' durable prefixes (nothing reads it back yet).
+
+def test_a_finished_request_publishes_only_the_full_blocks_of_its_contiguous_durable_prefix():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
+    planner.add_pages("r", [10, 11, 12, 13, 14])
+    plan = planner.plan(free_gpu_blocks=50)
+    rows = [copy.host_row for copy in plan.copies]
+    planner.acknowledge(0, plan.copies)
+    planner.acknowledge(1, plan.copies[:3] + plan.copies[4:])  # page 3's copy: one worker of two
+    assert planner.durable_prefix("r") == 3
+    # Two pages a prefix block: block 0 (pages 0, 1) is durable in full; block 1 (pages 2, 3) is not.
+    planner.release("r", [b"h0", b"h1"], pages_per_block=2)
+    assert planner.host_prefix == {b"h0": (rows[0], rows[1])}
+    assert sorted(planner.free_host_rows) == sorted(set(range(8)) - {rows[0], rows[1]})
+
+
+def test_a_preempted_request_publishes_nothing_and_its_late_acknowledgements_change_nothing():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=4, workers=1)
+    planner.add_pages("r", [5, 6])
+    plan = planner.plan(free_gpu_blocks=50)
+    planner.release("r")  # preempted: the engine passes no hashes
+    planner.acknowledge(0, plan.copies)
+    planner.add_pages("r", [7, 8])  # admitted again: its pages start dirty, their old copies count for nothing
+    planner.release("r", [b"h0", b"h1"])  # finished before any new copy was acknowledged
+    assert planner.host_prefix == {} and sorted(planner.free_host_rows) == [0, 1, 2, 3]
+
+
+def test_published_rows_are_evicted_least_recently_used_deepest_first_when_copies_need_rows():
+    planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=4, workers=1)
+    planner.add_pages("a", [1, 2, 3])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)
+    rows_a = [page.host_row for page in planner.pages["a"]]
+    planner.release("a", [b"a0", b"a1", b"a2"])
+    planner.add_pages("b", [4])
+    planner.acknowledge(0, planner.plan(free_gpu_blocks=50).copies)  # the one free row
+    planner.release("b", [b"a0"])  # the same first block: the first holder keeps it, b's row goes back
+    assert list(planner.host_prefix) == [b"a2", b"a1", b"a0"]  # a0 used last
+    assert len(planner.free_host_rows) == 1
+    planner.add_pages("c", [5, 6, 7])
+    copies = planner.plan(free_gpu_blocks=50).copies
+    # One free row, then a2's and a1's (the deepest, least recently used); a0 stays.
+    assert [copy.host_row for copy in copies][1:] == [rows_a[2], rows_a[1]]
+    assert planner.host_prefix == {b"a0": (rows_a[0],)}
+
+
+def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engine_s_hashes():
+    from weft.engine.kv_cache_manager import block_hashes
+
+    scheduler = _gated_scheduler(num_blocks=20)
+    prompt = list(range(40, 67))  # 27 tokens: three full blocks of 8
+    scheduler.add(_request("a", prompt, max_tokens=6))
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    planner = scheduler.connector.scheduler_side.planner
+    assert list(planner.host_prefix) == block_hashes(prompt, 8)[::-1]  # deepest first in LRU order
+    cached = [row for rows in planner.host_prefix.values() for row in rows]
+    assert len(cached) == 3 and sorted(cached + planner.free_host_rows) == list(range(512))

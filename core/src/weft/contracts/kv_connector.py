@@ -154,7 +154,8 @@ Lent blocks (core API 1.6)
     :meth:`KVConnector.get_num_new_matched_tokens` answering ``None`` (ask again next step) keeps the
     request waiting instead of admitting it into blocks it would then take from a running one by
     preemption. A connector that does so sets ``gates_admission = True`` (core API 1.8): the engine then
-    asks it even when nothing can be loaded (and ignores any offer); others are not asked then.
+    asks it even when nothing can be loaded (a group that is not prefix-cacheable, a request asking for
+    prompt logprobs, which computes every token) and ignores any offer; others are not asked then.
 
 Acknowledgements (core API 1.6)
     A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``

@@ -113,15 +113,17 @@ class SchedulerConnector:
 
     # The scheduler's calls.
 
-    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
+    def lookup(self, request: Request, num_computed_tokens: int, may_load: bool = True) -> tuple[int, bool] | None:
         """``(tokens, load_async)``: the tokens after ``num_computed_tokens`` that the connector can load for
-        ``request``, and whether they arrive asynchronously (None: ask again later).
+        ``request``, and whether they arrive asynchronously (None: ask again later). ``may_load`` False: the
+        request computes every token (it asked for prompt logprobs), so only a connector that gates admission
+        is asked, and its offer is ignored.
 
         Enforces the contract's rules: the last known token is always computed, and an offer moves only
         what is safe to move (see the module docstring).
         """
         connector_request = self._connector_request(request)
-        loads = self.loads_possible or bool(connector_request.params)
+        loads = may_load and (self.loads_possible or bool(connector_request.params))
         if not loads and not type(self.scheduler_side).gates_admission:
             return 0, False  # nothing can be loaded: not even asked (a store's lookup costs a round trip)
         count, load_async = self.scheduler_side.get_num_new_matched_tokens(connector_request, num_computed_tokens)

@@ -212,8 +212,8 @@ class Scheduler:
                 # Prompt logprobs need every prompt token computed here: no cached or loaded prefix.
                 computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
                 prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens)
-                offer = (self.connector.lookup(request, prefix.num_tokens)
-                         if self.connector is not None and not computes_all else (0, False))
+                offer = (self.connector.lookup(request, prefix.num_tokens, may_load=not computes_all)
+                         if self.connector is not None else (0, False))
                 if offer is None:
                     passed_over.append(self.waiting.popleft())
                     set_aside.append(passed_over[-1])

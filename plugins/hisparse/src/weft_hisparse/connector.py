@@ -6,8 +6,12 @@ travel to the workers in :class:`HiSparseStep`, the pages acknowledged by every 
 and below the transition watermark clean pages are lent back to the engine's pool (the core
 contract's "Lent blocks"). A lent block the pool hands to another request (``ConnectorStep.reclaimed``)
 turns its page into host reads, sent to the workers as :class:`HostPage` s. A prefill holds every page
-of its prompt, so a waiting request whose pages would not fit beside what the others keep pinned waits
-(the lookup answers None) instead of being admitted and later preempting a running request.
+of its prompt (after a preemption: of its prompt and outputs), so a waiting request whose pages would not fit
+beside what the others keep pinned waits (the lookup answers None) instead of being admitted and later
+preempting a running request; it keeps its place in the queue (the requests behind it must leave its pages
+free), and one asking for prompt logprobs is gated like the others. A finished request's contiguous durable
+prefix stays in the planner's host prefix cache, keyed by the engine's prompt block hashes (bookkeeping only:
+nothing reads it back yet, see :mod:`weft_hisparse.pages`).
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
@@ -36,6 +40,7 @@ from weft.contracts.kv_connector import (
     LentBlock,
     SparseEntryReader,
     block_axis,
+    connector_block_size,
 )
 from weft_hisparse.pages import HotBuffer, Page, PagePlanner, PlannedCopy
 
@@ -121,6 +126,8 @@ class HiSparseConnector(KVConnector):
         self.group = names.index(self.options.group)
         spec = self.groups[self.group].spec
         self.page_tokens = spec.block_size
+        self._pages_per_block = (connector_block_size(self.groups) or self.page_tokens) // self.page_tokens
+        """Pages of the group in one prefix block (``ConnectorRequest.block_hashes``)."""
         self.rank = context.pp_rank * context.tp_size + context.tp_rank
         # Scheduler role.
         self.planner: PagePlanner | None = None
@@ -132,8 +139,13 @@ class HiSparseConnector(KVConnector):
         self._admitted: set[str] = set()
         """Requests admitted since the last step: one preempted and admitted again in the same step keeps its record."""
         self._fitting: dict[str, int] = {}
-        """Waiting requests the lookup found to fit since the last step, with their prompt's pages: unpinned for
+        """Waiting requests the lookup found to fit since the last step, with their prefill's pages: unpinned for
         ahead of their admission, whose first chunk may need more than the watermark leaves free."""
+        self._held_back: dict[str, int] = {}
+        """Waiting requests the lookup held back since the last step, with their prefill's pages, in the order
+        asked (the queue's): what a request asked after them must leave free."""
+        self._ends: dict[str, int] = {}
+        """Per request: the most tokens its steps so far computed (what a recompute after a preemption redoes)."""
         self._num_blocks: int | None = None
         """The group's pool, from the first step on."""
         # Worker role.
@@ -152,16 +164,30 @@ class HiSparseConnector(KVConnector):
     # Scheduler role.
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Nothing to load; but a request whose prefill (which reads, so holds, every page of its prompt) would not
-        fit beside what the running ones keep on the GPU waits (None) rather than take blocks from a running one."""
-        committed = sum(prefill.pages for prefill in self._prefilling.values())
+        """Nothing to load; but a request whose prefill (which reads, so holds, every page of its prompt, and after
+        a preemption of its outputs so far) would not fit beside what the running ones keep on the GPU waits (None)
+        rather than take blocks from a running one.
+
+        A request held back keeps its place: the engine asks in queue order, and a request asked after one held
+        back in the same step is let in only if it fits beside the pages of every request held back ahead of it,
+        so that requests behind never take the pages the one ahead waits for (a large prefill at the head is not
+        passed over for good by a stream of small ones). With nothing committed the first asked is let in whatever
+        it needs, so the queue always moves.
+
+        A decoding request keeps its dirty pages, its last ``keep_tail`` (once it has them) and the page it writes;
+        its other clean pages can be lent. So each request counts at least ``keep_tail + 1`` pages: a short prompt
+        grows to that many, and counting fewer lets in more requests than can keep their tails."""
+        least = self.options.keep_tail + 1
+        committed = sum(max(prefill.pages, least) for prefill in self._prefilling.values())
         if self.planner is not None:
-            # A decoding request keeps its dirty and tail pages and the page it writes; its other clean pages can be lent.
-            committed += sum(self.planner.pinned(request_id) + 1 for request_id in self._decoding)
-        pages = self._prefill_pages(request)
+            committed += sum(max(self.planner.pinned(request_id) + 1, least) for request_id in self._decoding)
+        committed += sum(pages for request_id, pages in self._held_back.items() if request_id != request.request_id)
+        pages = max(self._prefill_pages(request), least)
+        # Memos for this step, as a store's lookup caches its hits: the order held back, and the next step's unpins.
         if committed and (self._num_blocks is None or committed + pages > self._num_blocks):
+            self._held_back[request.request_id] = pages
             return None, False
-        self._fitting[request.request_id] = pages  # a memo for the next step's unpins, as a store's lookup caches its hits
+        self._fitting[request.request_id] = pages
         return 0, False
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
@@ -170,7 +196,12 @@ class HiSparseConnector(KVConnector):
         self._admitted.add(request.request_id)
 
     def _prefill_pages(self, request: ConnectorRequest) -> int:
-        return self.groups[self.group].spec.blocks_for_tokens(len(request.prompt_token_ids) + 1)
+        """Pages the request holds once it computed its tokens and writes the next one. After a preemption it
+        recomputes its prompt and outputs: every output was sampled by a step ending at its position, so it
+        has at most one token more than its steps computed (exactly that many, unless the step that computed
+        the most was still in flight when it was preempted: then one token over)."""
+        tokens = max(len(request.prompt_token_ids), self._ends.get(request.request_id, 0) + 1)
+        return self.groups[self.group].spec.blocks_for_tokens(tokens + 1)
 
     def build_connector_meta(self, step: ConnectorStep) -> HiSparseStep:
         if self.planner is None:
@@ -193,7 +224,10 @@ class HiSparseConnector(KVConnector):
             page = planner.pages[lent.request_id][lent.position]
             planner.reused(page.gpu_block)
             host_pages.append(HostPage(lent.request_id, lent.position, page.host_row))
+        starting = 0  # decoding requests whose next token starts a page: each takes a block in the next step
         for request in step.requests:
+            end = request.num_computed_tokens + request.num_new_tokens
+            self._ends[request.request_id] = max(self._ends.get(request.request_id, 0), end)
             prefill = self._prefilling.get(request.request_id)
             if prefill is not None and (request.num_new_tokens != 1 or request.num_computed_tokens < prefill.prompt_tokens):
                 prefill.held = len(request.block_ids[self.group])
@@ -203,13 +237,16 @@ class HiSparseConnector(KVConnector):
             self._prefilling.pop(request.request_id, None)
             self._decoding.add(request.request_id)
             known = len(planner.pages.get(request.request_id, ()))
-            full = (request.num_computed_tokens + request.num_new_tokens) // self.page_tokens
+            full = end // self.page_tokens
             if full > known:
                 planner.add_pages(request.request_id, list(request.block_ids[self.group][known:full]))
-        # Unpin ahead of the admitted prefills' next chunks, so that they never wait on a lend nor preempt for one.
-        demand = sum(max(prefill.pages - prefill.held, 0) for prefill in self._prefilling.values())
+            starting += end % self.page_tokens == 0
+        # Unpin ahead of the admitted prefills' next chunks and of the decoding requests' next pages, so that they
+        # never wait on a lend nor preempt for one.
+        demand = starting + sum(max(prefill.pages - prefill.held, 0) for prefill in self._prefilling.values())
         demand += sum(pages for request_id, pages in self._fitting.items() if request_id not in self._prefilling)
         self._fitting.clear()
+        self._held_back.clear()
         plan = planner.plan(step.free_blocks[self.group], demand)
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy
@@ -237,10 +274,13 @@ class HiSparseConnector(KVConnector):
                 del self._planned[name]  # acknowledged by every rank, or its request is gone
 
     def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Its pages leave the planner; the host rows of its contiguous durable prefix stay in the host prefix cache,
+        by the engine's chained hash of each prompt block (bookkeeping only: see :mod:`weft_hisparse.pages`)."""
         if self.planner is not None:
-            self.planner.release(request.request_id)
+            self.planner.release(request.request_id, request.block_hashes, self._pages_per_block)
         self._prefilling.pop(request.request_id, None)
         self._decoding.discard(request.request_id)
+        self._ends.pop(request.request_id, None)
         return False, None
 
     # Worker role.

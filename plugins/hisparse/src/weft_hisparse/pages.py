@@ -10,9 +10,18 @@ last ``keep_tail`` pages of each request: the GPU block goes back to the pool (c
 the request keeps reading it until the pool hands the block out again (:meth:`PagePlanner.reused`);
 from then on that page is read from the host.
 
-Only the contiguous durable prefix of a request (leading pages whose host copy is complete) is
-published to the host prefix cache; a preempted request's planned copies are dropped, never
+Only the contiguous durable prefix of a request (leading pages whose host copy every worker
+acknowledged) is published to the host prefix cache (:attr:`PagePlanner.host_prefix`), when the
+request finishes: the host rows of each full prefix block of it stay, keyed by the block's chained
+hash (the engine's, ``ConnectorRequest.block_hashes``), least recently used first, and go back to the
+pool when it runs out of free rows. A preempted request's planned copies are dropped, never
 published. Each piece of state has one writer: this planner, on the scheduler.
+
+The host prefix cache is bookkeeping only: nothing reads it back yet. A hit would have to restore
+exactly what a prefill computes, and only this group is on the host (the sliding window, HCA entries
+and indexer keys are not), so it could serve only beside the engine's own GPU prefix hit of those
+groups (a block of this group evicted from the GPU prefix cache but still on the host); the engine's
+contract has no way to fill one group of a local hit from a connector.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 import msgspec
 
@@ -77,6 +87,9 @@ class PagePlanner:
         self._clean: dict[str, list[int]] = {}
         """Per request: its clean (pinned) pages, ascending: what may be unpinned, without scanning every page."""
         self._num_unpinned: dict[str, int] = {}
+        self.host_prefix: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        """The host prefix cache: per chained hash of a prefix block of a finished request, the host rows of its
+        pages, least recently used first (taken back for copies when no row is free)."""
 
     def add_pages(self, request_id: str, gpu_blocks: list[int]) -> None:
         """New full pages of a request, in token order (dirty)."""
@@ -88,11 +101,18 @@ class PagePlanner:
         """Copies for dirty pages (while host rows last) and, below the watermark plus ``demand`` (blocks
         that admitted prefills are still to take), unpins."""
         copies = []
-        while self._unplanned and self.free_host_rows:
-            request_id, index = self._unplanned.popleft()
+        while self._unplanned:
+            request_id, index = self._unplanned[0]
             pages = self.pages.get(request_id)
             if pages is None or index >= len(pages) or pages[index].state is not PageState.DIRTY or pages[index].pending:
+                self._unplanned.popleft()
                 continue  # released, or planned already
+            if not self.free_host_rows and self.host_prefix:
+                _, rows = self.host_prefix.popitem(last=False)  # evict the least recently used prefix block
+                self.free_host_rows.extend(rows)
+            if not self.free_host_rows:
+                break
+            self._unplanned.popleft()
             page = pages[index]
             page.host_row = self.free_host_rows.pop(0)
             page.pending = self.workers
@@ -152,14 +172,19 @@ class PagePlanner:
             count += 1
         return count
 
-    def release(self, request_id: str) -> list[int]:
+    def release(self, request_id: str, block_hashes: Sequence[bytes] = (), pages_per_block: int = 1) -> list[int]:
         """A finished or preempted request: its host rows go back to the pool, planned copies included
-        (never published); returns the GPU blocks it still pinned."""
+        (never published); returns the GPU blocks it still pinned.
+
+        A finished request passes the chained hashes of its prefix blocks (``pages_per_block`` pages each): the
+        host rows of the blocks its contiguous durable prefix covers in full are published to the host prefix
+        cache instead (a hash cached already keeps its rows: this request's go back to the pool)."""
+        kept = self._publish(request_id, block_hashes, pages_per_block)
         pinned = []
         self._clean.pop(request_id, None)
         self._num_unpinned.pop(request_id, None)
         for page in self.pages.pop(request_id, ()):
-            if page.host_row is not None:
+            if page.host_row is not None and page.host_row not in kept:
                 self.free_host_rows.append(page.host_row)
             if page.gpu_block is not None:
                 if page.state is PageState.UNPINNED:
@@ -167,6 +192,22 @@ class PagePlanner:
                 else:
                     pinned.append(page.gpu_block)
         return pinned
+
+    def _publish(self, request_id: str, block_hashes: Sequence[bytes], pages_per_block: int) -> set[int]:
+        """Publish the durable prefix's full blocks; returns the host rows the host prefix cache took."""
+        pages = self.pages.get(request_id, [])
+        kept: set[int] = set()
+        # Deepest first, so that a request's deepest blocks are evicted first (the engine frees a request's blocks
+        # tail-first likewise): a lookup by chained hash stops at the first block missing.
+        for index in reversed(range(min(len(block_hashes), self.durable_prefix(request_id) // pages_per_block))):
+            key = block_hashes[index]
+            if key in self.host_prefix:
+                self.host_prefix.move_to_end(key)
+                continue
+            rows = tuple(page.host_row for page in pages[index * pages_per_block : (index + 1) * pages_per_block])
+            self.host_prefix[key] = rows  # durable pages have host rows
+            kept.update(rows)
+        return kept
 
 
 class Location(msgspec.Struct, frozen=True, array_like=True):

@@ -131,12 +131,12 @@ def test_greedy_with_repetition_penalty_matches_hf(tiny_model, llm):
 def test_presence_and_frequency_penalties_follow_openai(llm):
     from weft.contracts.executor import NewRequest
     from weft.runner.model_runner import RequestState
-    from weft.runner.sampler import apply_penalties
+    from weft.runner.penalties import TokenCounts, apply_penalties
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     request = RequestState(NewRequest("r", [1, 2, 5, 5, 7], 2, params, (), ((),), 0), torch.device("cpu"))
     logits = torch.zeros(1, 10)
-    apply_penalties(logits, [request])
+    apply_penalties(logits, [request], TokenCounts(torch.device("cpu")))
     expected = torch.zeros(10)
     expected[5] = -(0.25 * 2 + 0.5)
     expected[7] = -(0.25 * 1 + 0.5)

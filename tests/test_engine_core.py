@@ -84,10 +84,98 @@ def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops
         assert output.finish_reason == "stop" and output.stop_reason == stop
 
 
+def reference_penalties(raw, prompt: list[int], history: list[int], params: SamplingParams):
+    """One row's penalties, independently of the runner: HF transformers' repetition penalty over prompt and
+    output so far, then OpenAI's presence and frequency penalties over the output, written out per token."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = raw.clone().unsqueeze(0)
+    if params.repetition_penalty != 1.0:
+        logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor([prompt + history]), logits)
+    logits = logits[0]
+    for token in set(history):
+        logits[token] -= params.frequency_penalty * history.count(token) + params.presence_penalty
+    return logits
+
+
+def test_penalties_match_a_reference_at_every_step_with_preemption_and_chunked_prefill(tiny_model, monkeypatch):
+    """Every penalized row the sampler edits, against :func:`reference_penalties` over the raw logits and the
+    request's tokens before that position (as the run finally reported them), with asynchronous scheduling off
+    and on: chunked prefills, and preempted requests that come back with outputs (their counts rebuilt from the
+    token ids they bring, then counted on the device step after step)."""
+    from collections import Counter
+
+    import torch
+    from weft.runner import sampler as sampler_module
+    from weft.runner.model_runner import ModelRunner
+
+    generator = torch.Generator().manual_seed(5)
+    lengths = (3, 9, 17, 30, 41, 5, 60, 12)
+    prompts = [torch.randint(3, 40, (length,), generator=generator).tolist() for length in lengths]  # repeated tokens
+    kinds = [SamplingParams(temperature=0, repetition_penalty=1.5),
+             SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.4),
+             SamplingParams(temperature=0, repetition_penalty=0.7, presence_penalty=-0.3, frequency_penalty=-0.6),
+             SamplingParams(temperature=0),
+             SamplingParams(temperature=0.9, seed=3, repetition_penalty=1.2, frequency_penalty=0.3)]
+    params = [msgspec.structs.replace(kinds[index % len(kinds)], max_tokens=20, ignore_eos=True) for index in range(8)]
+    edits, resumed, chunked = [], set(), []
+    edited_logits, execute = sampler_module.edited_logits, ModelRunner.execute
+
+    def watched_edits(raw, requests, counts=None):
+        edited = edited_logits(raw, requests, counts)
+        for row, request in enumerate(requests):
+            position = request.num_computed_tokens - request.num_prompt_tokens  # of the output token being sampled
+            edits.append((request.request_id, position, raw[row].clone(), edited[row].clone()))
+        return edited
+
+    def watched_execute(runner, step):
+        for new in step.new_requests:
+            if len(new.token_ids) > new.num_prompt_tokens:
+                resumed.add((new.request_id, len(new.token_ids) - new.num_prompt_tokens))
+            chunked.append(step.num_scheduled_tokens[new.request_id] < len(new.token_ids) - new.num_computed_tokens)
+        return execute(runner, step)
+
+    monkeypatch.setattr(sampler_module, "edited_logits", watched_edits)
+    monkeypatch.setattr(ModelRunner, "execute", watched_execute)
+    results = {}
+    for async_scheduling in (False, True):
+        for record in (edits, resumed, chunked):
+            record.clear()
+        llm = LLM(model=str(tiny_model), engine={
+            "block_size": 4, "num_kv_blocks": 48, "max_model_len": 128, "max_num_batched_tokens": 32,
+            "async_scheduling": async_scheduling,
+        })
+        outputs = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
+        assert any(chunked), "the long prompts should be prefilled in chunks"
+        # The engine's request id is the output's with the choice's index.
+        runs = {f"{output.request_id}-0": (prompt, request_params, output.outputs[0].token_ids)
+                for output, prompt, request_params in zip(outputs, prompts, params, strict=True)}
+        # Greedy rows only: a seeded request preempted restarts its generator, at other steps in either run.
+        results[async_scheduling] = [tokens for _, request_params, tokens in runs.values() if request_params.greedy]
+        checked = Counter()
+        for request_id, position, raw, edited in edits:
+            prompt, request_params, tokens = runs[request_id]
+            penalties = (request_params.repetition_penalty, request_params.presence_penalty, request_params.frequency_penalty)
+            if penalties == (1.0, 0.0, 0.0):
+                assert torch.equal(edited, raw)
+                continue
+            torch.testing.assert_close(edited, reference_penalties(raw, prompt, tokens[:position], request_params))
+            checked["rows"] += 1
+            checked["changed"] += not torch.equal(edited, raw)
+            checked["repeated"] += len(set(tokens[:position])) < position
+            checked["resumed"] += (request_id, position) in resumed
+        assert checked["rows"] >= 6 * 20 and checked["changed"] >= checked["rows"] // 2, checked
+        assert checked["repeated"] and checked["resumed"], checked  # a first step after a resume with outputs
+    assert results[True] == results[False]
+
+
 def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model, monkeypatch):
     """Random draws, logprobs and edits under asynchronous scheduling: the tokens and logprobs of the synchronous
-    run (every draw seeded), and only a step with a request whose sampling reads its output (a penalty) waits
-    for the step before it; the others return before their tokens reach the host."""
+    run (every draw seeded), and only a step with a request whose sampling reads its output on the host
+    (``min_tokens``) waits for the step before it; the others, penalties included, return before their tokens
+    reach the host."""
     import torch
     from weft.runner.model_runner import ModelRunner, _PendingStep
 
@@ -125,8 +213,12 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     sampled = [handle for handle in handles if any(token is not None for token in handle.result().sampled_token_ids)]
     assert len(sampled) >= 2 * 12 and all(isinstance(handle, _PendingStep) for handle in sampled)
     assert not any(waits)
-    penalized = SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4, max_tokens=6, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
+                               seed=4, max_tokens=6, ignore_eos=True)
     llm.generate(prompts[:2], [params[0], penalized])
+    assert not any(waits)  # penalties read the counts the runner keeps on the device
+    banning = SamplingParams(temperature=0.8, seed=4, max_tokens=6, min_tokens=4, stop_token_ids=[7])
+    llm.generate(prompts[:2], [params[0], banning])
     assert any(waits)
 
 

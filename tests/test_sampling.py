@@ -3,12 +3,14 @@ draws, seeded reproducibility whatever the batch, health per row, and no reads b
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import msgspec
 import pytest
 import torch
 from weft import SamplingParams
+from weft.runner.penalties import TokenCounts, needs_penalties
 from weft.runner.sampler import (
     NON_FINITE_LOGITS,
     SAMPLING_FAILED,
@@ -277,3 +279,63 @@ def test_sampling_reads_nothing_back_from_the_device(monkeypatch):
     monkeypatch.undo()
     sampled = batch.to_host().sampled_tokens()
     assert all(token.error is None for token in sampled) and len(sampled[2].top_logprobs) == 3
+
+
+@contextlib.contextmanager
+def no_synchronizing_calls(device: str):
+    """On CUDA, any call that waits for the device raises (``torch.cuda.set_sync_debug_mode("error")``)."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_penalties_read_counts_kept_on_the_device_across_steps(device):
+    """Over several steps, penalized rows read token counts built once from their token ids and then counted
+    on the device from each step's sampled tokens: the edits equal the per-row reference over the outputs so
+    far, through a table that grows, a row freed and built again (a preemption) and rows without penalties.
+    On CUDA every step (edits, sampling, counting, the copy to the host) runs where a synchronizing call
+    raises: a penalized step never waits for the device."""
+    rows = edit_rows()
+    drawn = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
+    rows.append(Row(drawn, output=(6, 6), prompt=(6, 7, 7)))
+    counts, sampler = TokenCounts(torch.device(device)), Sampler(seed=1)
+    generator = torch.Generator().manual_seed(8)
+    for step in range(5):
+        if step == 2:  # a penalized request joins with outputs: the table grows, the rows held keep their counts
+            joining = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.2)
+            rows.append(Row(joining, output=(9, 9, 2), prompt=(2, 3)))
+        if step == 3:  # a preempted request comes back: its row is built again from its token ids
+            counts.free(rows[1].request_id)
+        logits = (torch.randn(len(rows), 32, generator=generator) * 3).to(device)
+        with no_synchronizing_calls(device):
+            edited = edited_logits(logits, rows, counts)
+            batch = sampler.sample(logits, rows, counts)
+            counts.record(rows, batch.tokens)
+            host = batch.to_host()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for index, row in enumerate(rows):
+            torch.testing.assert_close(edited[index].cpu().double(), reference_edits(logits[index].cpu(), row),
+                                       rtol=1e-6, atol=1e-5)
+        sampled = host.sampled_tokens()
+        assert all(token.error is None for token in sampled)
+        for row, token in zip(rows, sampled, strict=True):
+            row.output_token_ids.append(token.token_id)
+    penalized = [row for row in rows if needs_penalties(row.params)]
+    assert len(counts.rows) == len(penalized) == 5
+    for row in penalized:
+        expected = torch.bincount(torch.tensor(row.output_token_ids), minlength=32)
+        assert torch.equal(counts.output[counts.rows[row.request_id]].cpu(), expected.int())
+    for row in penalized:
+        counts.free(row.request_id)
+    assert counts.output.numel() == 0  # no penalized request left: the table is released

@@ -1,9 +1,15 @@
-"""Edits to a step's logits before sampling: structured-output bitmasks, allowed tokens, bad words, logit bias.
+"""Edits to a step's logits before sampling: structured-output bitmasks, allowed tokens, bad words, logit
+bias, the ``min_tokens`` ban.
 
 :class:`TokenBitmask` runs on the device over the step's constrained rows (before the
 sampler, so logprobs are those of the constrained distribution, as in vLLM).
-:func:`apply_request_processors` edits one request's row in the sampler, after the raw
+:func:`apply_request_processors` edits the requests' rows in the sampler, after the raw
 logprobs were taken and before penalties and temperature.
+
+None of them waits for the device: the token ids an edit names are collected on the host
+(:class:`RowTokens`) and cross in one non-blocking copy, and values are written with
+``index_put_`` of a device scalar (assigning a Python number through an index tensor copies it to
+the device in a blocking copy first).
 """
 
 from __future__ import annotations
@@ -93,8 +99,9 @@ def needs_request_processors(params: SamplingParams) -> bool:
 
 def apply_request_processors(logits: torch.Tensor, requests: Sequence[RequestState]) -> None:
     """Rows of ``logits`` (float, on any device) in place, row ``i`` for ``requests[i]``: only its
-    ``allowed_token_ids``, no bad word completed, its ``logit_bias`` added. What crosses to the device
-    is the token ids these name (ids beyond the vocabulary are dropped: no such token is sampled)."""
+    ``allowed_token_ids``, no bad word completed, while it has fewer than ``min_tokens`` outputs none of
+    its EOS and stop ids, its ``logit_bias`` added. What crosses to the device is the token ids these
+    name (ids beyond the vocabulary are dropped: no such token is sampled)."""
     vocab = logits.shape[-1]
     restricted: list[int] = []
     allowed = RowTokens()
@@ -108,6 +115,8 @@ def apply_request_processors(logits: torch.Tensor, requests: Sequence[RequestSta
             allowed.add(row, [token for token in params.allowed_token_ids if token < vocab])
         if params.bad_words_token_ids:
             banned.add(row, completed_bad_words(params.bad_words_token_ids, request.output_token_ids))
+        if len(request.output_token_ids) < params.min_tokens:
+            banned.add(row, [token for token in request.eos_token_ids | set(params.stop_token_ids) if token < vocab])
         if params.logit_bias:
             tokens = [token for token in params.logit_bias if token < vocab]
             bias.add(row, tokens)
@@ -115,13 +124,16 @@ def apply_request_processors(logits: torch.Tensor, requests: Sequence[RequestSta
     device = logits.device
     if restricted:
         removed = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        removed[to_device(restricted, torch.long, device)] = True
-        removed[allowed.index(device)] = False
+        removed.index_fill_(0, to_device(restricted, torch.long, device), True)
+        if allowed:
+            allowed.fill(removed, False)
         logits.masked_fill_(removed, float("-inf"))
     if banned:
-        logits[banned.index(device)] = float("-inf")
+        banned.fill(logits, float("-inf"))
     if bias:
-        logits.index_put_(bias.index(device), to_device(bias_values, logits.dtype, device), accumulate=True)
+        # A row's biased tokens are distinct (the keys of a dict): a plain put adds each bias once.
+        index = bias.index(device)
+        logits.index_put_(index, logits[index] + to_device(bias_values, logits.dtype, device))
 
 
 def completed_bad_words(words: Sequence[Sequence[int]], output: list[int]) -> list[int]:
@@ -149,6 +161,10 @@ class RowTokens:
     def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         both = to_device([self.rows, self.tokens], torch.long, device)
         return both[0], both[1]
+
+    def fill(self, tensor: torch.Tensor, value: float | bool) -> None:
+        """Set ``tensor[row, token]`` to ``value`` at every pair, without waiting for the device."""
+        tensor.index_put_(self.index(tensor.device), torch.full((), value, dtype=tensor.dtype, device=tensor.device))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

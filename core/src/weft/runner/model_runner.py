@@ -25,8 +25,11 @@ logprobs stay on the device and are copied to pinned host memory in the
 background, one event marking the end; :meth:`ModelRunner.execute` returns before
 they arrive. The next step reads a request's still-unknown last token from the
 device, so scheduling and input preparation overlap the device's work. Only a
-step with a request whose sampling reads its output so far (penalties,
-``min_tokens``, bad words) first waits for the step before it.
+step with a request whose sampling reads its output so far on the host
+(``min_tokens``, bad words) first waits for the step before it. Penalties read
+token counts the runner keeps on the device (:class:`~weft.runner.penalties.TokenCounts`):
+each step counts the tokens it sampled there, and a request's row is freed when it
+finishes or is preempted.
 
 Structured outputs: a step that lists ``structured_output_request_ids`` stops after
 the forward (:meth:`ModelRunner.execute` returns None) and samples in
@@ -68,6 +71,7 @@ from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask, to_device
+from weft.runner.penalties import TokenCounts
 from weft.runner.sampler import SampledBatch, Sampler, needs_output_tokens
 
 if TYPE_CHECKING:
@@ -217,6 +221,8 @@ class ModelRunner:
         result before they launch the step after next."""
         self._awaiting: _AwaitingMask | None = None
         self.token_bitmask = TokenBitmask(device)
+        self.token_counts = TokenCounts(device)
+        """Penalized requests' token counts, on the device (filled where the sampler runs)."""
 
     # The step.
 
@@ -225,7 +231,9 @@ class ModelRunner:
         """Run one step; the handle's result has the sampled token of each scheduled request (None: mid-prefill)."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.token_counts.free(request_id)
         for new in step.new_requests:
+            self.token_counts.free(new.request_id)  # a new state's counts are built again from its token ids
             self.requests[new.request_id] = RequestState(new, self.device)
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
@@ -272,8 +280,10 @@ class ModelRunner:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
         if any(needs_output_tokens(state) for state in sampled_states):
-            self._resolve_pending()  # penalties, min_tokens and bad words read every earlier output token
-        self._pending = _PendingStep(self, states, sampling, self._sample(logits, sampled_states), report, prompt_logprobs)
+            self._resolve_pending()  # min_tokens and bad words read every earlier output token
+        sampled = self._sample(logits, sampled_states)
+        self.token_counts.record(sampled_states, sampled.tokens, _failed_loads(report))
+        self._pending = _PendingStep(self, states, sampling, sampled, report, prompt_logprobs)
         return self._pending
 
     def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> SampledBatch:
@@ -282,8 +292,8 @@ class ModelRunner:
         the executor returns)."""
         if self.parallel.layout.pipeline_parallel_size == 1:
             assert logits is not None
-            return self.sampler.sample(logits, states)
-        sampled = self.sampler.sample(logits, states) if logits is not None else None
+            return self.sampler.sample(logits, states, self.token_counts)
+        sampled = self.sampler.sample(logits, states, self.token_counts) if logits is not None else None
         if sampled is not None:
             shared = torch.stack([sampled.tokens, sampled.status])
         else:
@@ -296,7 +306,7 @@ class ModelRunner:
                     prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
         """Append each sampled token to its request's state; returns the step's output (``failed``: requests
         that got no token, with the reason)."""
-        failed_loads = report.failed_loads if report is not None else frozenset()
+        failed_loads = _failed_loads(report)
         for row, (state, token) in enumerate(zip(states, tokens)):
             if token is None:
                 continue
@@ -529,6 +539,11 @@ class ModelRunner:
             self._fill_padding(count, size)
         output = self.graphs[size]()
         return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
+
+
+def _failed_loads(report: ConnectorOutput | None) -> frozenset[str]:
+    """Requests whose step computed over a failed KV load: the runner discards what it sampled for them."""
+    return report.failed_loads if report is not None else frozenset()
 
 
 _PROMPT_LOGPROB_CHUNK = 256

@@ -7,10 +7,11 @@ Order of processing, batched over the step's rows in float32:
 2. Log-probabilities, for the rows that ask: of the model's raw distribution (after a
    grammar's bitmask, before everything below), as vLLM returns by default: the chosen
    token's, its rank and the top ``logprobs`` candidates.
-3. Edits, for the rows that ask: allowed tokens, bad words and logit bias
-   (:mod:`weft.runner.logits_processors`), penalties (repetition over prompt and output,
-   presence/frequency over output), the ``min_tokens`` ban on EOS and stop ids. A row
-   whose edited maximum is not finite (every token banned) fails with :data:`SAMPLING_FAILED`.
+3. Edits, for the rows that ask: allowed tokens, bad words, the ``min_tokens`` ban on EOS
+   and stop ids and logit bias (:mod:`weft.runner.logits_processors`), then penalties
+   (repetition over prompt and output, presence/frequency over output) from the token counts
+   the runner keeps on the device (:mod:`weft.runner.penalties`). A row whose edited maximum
+   is not finite (every token banned) fails with :data:`SAMPLING_FAILED`.
 4. Greedy rows take the argmax. The others: temperature (each row's maximum subtracted
    first, so that no temperature turns finite logits into inf or NaN), top-k, top-p,
    min-p, and a draw by the exponential race (the argmax of ``probs / E``, ``E`` drawn
@@ -22,8 +23,8 @@ Order of processing, batched over the step's rows in float32:
 Nothing here waits for the device: :meth:`Sampler.sample` returns a
 :class:`SampledBatch` of device tensors (tokens, a status per row, logprobs), small
 enough to cross to the host in the background. Only the step's parameters and the
-token ids its edits name cross the other way. A step whose batched sampling raises is
-sampled again one row at a time, so the row that raises fails alone.
+token ids its edits name cross the other way (without waiting for the device either). A step
+whose batched sampling raises is sampled again one row at a time, so the row that raises fails alone.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from weft.runner.logits_processors import RowTokens, apply_request_processors, needs_request_processors, to_device
+from weft.runner.logits_processors import apply_request_processors, needs_request_processors, to_device
+from weft.runner.penalties import TokenCounts, apply_penalties, needs_penalties
 
 if TYPE_CHECKING:
     from weft.runner.model_runner import RequestState as Request
@@ -164,33 +166,37 @@ class Sampler:
         """:meth:`sample`, waited for: one token per row, on the host."""
         return self.sample(logits, requests).to_host(non_blocking=False).sampled_tokens()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampledBatch:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
+               counts: TokenCounts | None = None) -> SampledBatch:
         """Sample one token per row of ``logits`` (on the model's device), without waiting for the device.
 
         A step of plain greedy rows (no logprobs, no edits) takes the argmax of the logits as they are.
+        Penalties read ``counts`` (rows it lacks are built there); without it, counts made for this step
+        from the requests' token ids on the host.
         """
         if all(plain_greedy(request) for request in requests):
             tokens, healthy = greedy_maxima(logits)
             return SampledBatch(tokens, _status(healthy))
         top = max((request.params.logprobs for request in requests if request.params.logprobs is not None), default=None)
         try:
-            return self._sample_rows(logits, requests, top)
+            return self._sample_rows(logits, requests, top, counts)
         except Exception:  # one request's failure must not end the step of the others
             logger.exception("sampling a step of %d rows failed; sampling them one at a time", len(requests))
         parts = []
         for row, request in enumerate(requests):
             try:
-                parts.append(self._sample_rows(logits[row : row + 1], [request], top))
+                parts.append(self._sample_rows(logits[row : row + 1], [request], top, counts))
             except Exception:
                 logger.exception("sampling request %s failed", request.request_id)
                 parts.append(_failed_row(logits.device, top, request))
         return SampledBatch.concatenate(parts)
 
-    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request], top: int | None) -> SampledBatch:
+    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request], top: int | None,
+                     counts: TokenCounts | None) -> SampledBatch:
         """Every step of the module docstring over ``logits``; logprobs of width ``top`` when it is not None."""
         raw = logits.float()
         raw_maxima = raw.max(dim=-1).values
-        processed = edited_logits(raw, requests)
+        processed = edited_logits(raw, requests, counts)
         maxima, tokens = processed.max(dim=-1)
         status = torch.where(torch.isfinite(maxima), SAMPLED, FAILED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
         if not all(request.params.greedy for request in requests):
@@ -278,9 +284,10 @@ def filter_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return scaled
 
 
-def edited_logits(raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def edited_logits(raw: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None) -> torch.Tensor:
     """``raw`` with the edits of the rows that ask for them (step 3 of the module docstring), in a new
-    tensor when any does; ``raw`` itself, untouched, when none does."""
+    tensor when any does; ``raw`` itself, untouched, when none does. Penalties read ``counts`` (see
+    :meth:`Sampler.sample`)."""
     rows = [row for row, request in enumerate(requests) if needs_edits(request)]
     if not rows:
         return raw
@@ -289,41 +296,8 @@ def edited_logits(raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
     edited = raw.clone() if index is None else raw.index_select(0, index)
     edited_requests = [requests[row] for row in rows]
     apply_request_processors(edited, edited_requests)
-    apply_penalties(edited, edited_requests)
+    apply_penalties(edited, edited_requests, TokenCounts(raw.device) if counts is None else counts)
     return edited if index is None else raw.index_copy(0, index, edited)
-
-
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    """Rows of ``logits`` in place, row ``i`` for ``requests[i]``: the repetition penalty over its prompt
-    and output tokens, presence and frequency penalties over its output, and while it has fewer than
-    ``min_tokens`` outputs, its EOS and stop ids banned."""
-    device = logits.device
-    vocab = logits.shape[-1]
-    seen, output, banned = RowTokens(), RowTokens(), RowTokens()
-    repetition, presence, frequency = [1.0] * len(requests), [0.0] * len(requests), [0.0] * len(requests)
-    for row, request in enumerate(requests):
-        params = request.params
-        if params.repetition_penalty != 1.0:
-            repetition[row] = params.repetition_penalty
-            seen.add(row, request.prompt_token_ids)
-            seen.add(row, request.output_token_ids)
-        if params.presence_penalty or params.frequency_penalty:
-            presence[row], frequency[row] = params.presence_penalty, params.frequency_penalty
-            output.add(row, request.output_token_ids)
-        if len(request.output_token_ids) < params.min_tokens:
-            banned.add(row, [token for token in request.eos_token_ids | set(params.stop_token_ids) if token < vocab])
-    if seen:
-        mask = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        mask[seen.index(device)] = True
-        factor = to_device(repetition, logits.dtype, device).unsqueeze(1)
-        logits.copy_(torch.where(mask, torch.where(logits > 0, logits / factor, logits * factor), logits))
-    if output:
-        counts = torch.zeros_like(logits)
-        counts.index_put_(output.index(device), torch.ones((), dtype=logits.dtype, device=device), accumulate=True)
-        weights = to_device([frequency, presence], logits.dtype, device).unsqueeze(2)
-        logits -= weights[0] * counts + weights[1] * (counts > 0)
-    if banned:
-        logits[banned.index(device)] = float("-inf")
 
 
 def plain_greedy(request: Request) -> bool:
@@ -332,17 +306,12 @@ def plain_greedy(request: Request) -> bool:
 
 
 def needs_edits(request: Request) -> bool:
-    return needs_output_tokens(request) or needs_request_processors(request.params)
+    return needs_output_tokens(request) or needs_request_processors(request.params) or needs_penalties(request.params)
 
 
 def needs_output_tokens(request: Request) -> bool:
-    """Whether sampling the request reads its output so far (penalties, ``min_tokens``, bad words): with
-    asynchronous output, the last step's tokens must reach the host first."""
+    """Whether sampling the request reads its output so far on the host (``min_tokens``, bad words): with
+    asynchronous output, the last step's tokens must reach the host first. Penalties do not: they read
+    the counts the runner keeps on the device."""
     params = request.params
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or len(request.output_token_ids) < params.min_tokens
-        or bool(params.bad_words_token_ids)
-    )
+    return len(request.output_token_ids) < params.min_tokens or bool(params.bad_words_token_ids)

@@ -413,9 +413,10 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
 
 
 def test_fill_on_the_core_thread_while_a_device_runs_the_forward(tmp_path, tokenizer_files):
-    """Where the forward runs on a device (the step handle is not done when the core looks), the core
-    fills the mask itself and samples right after; the tokens equal those of the CPU ordering (the
-    mask filled on the fill thread, sampled by the next call), greedy and seeded alike."""
+    """The core's step ordering for a forward on a device (``forward_on_device``: launch the forward,
+    take the last step's tokens, fill the mask on the core's thread, sample at once) gives the tokens of
+    the CPU ordering (the fill thread overlapping the forward, sampled by the next call), greedy and
+    seeded alike."""
     from conftest import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "llama", "llama", tokenizer_files))
@@ -425,25 +426,16 @@ def test_fill_on_the_core_thread_while_a_device_runs_the_forward(tmp_path, token
                              structured_outputs=StructuredOutputsParams(json=schema))
               for seed, temperature in enumerate([0, 1.0, 1.0, 0.7, 0, 1.0])]
     prompts = [f"JSON number {index}:" for index in range(len(params))]
-    texts, inline_fills = {}, []
+    texts, fills = {}, {"cpu": [], "device": []}
     for ordering in ("cpu", "device"):
         llm = LLM(model=model, engine={"async_scheduling": True, "max_num_seqs": 8})
         try:
             core = llm.engine.core
-            if ordering == "device":
-                def not_done(launch):
-                    def launched(*args):
-                        handle = launch(*args)
-                        if handle is not None:
-                            handle.done = lambda: False  # as a device step just launched
-                        return handle
-                    return launched
-
-                core.executor.execute_model = not_done(core.executor.execute_model)
-                core.executor.sample_tokens = not_done(core.executor.sample_tokens)
-                fill = core.structured_outputs.grammar_output
-                core.structured_outputs.grammar_output = (
-                    lambda ids, requests, inline=False: inline_fills.append(inline) or fill(ids, requests, inline))
+            assert core.forward_on_device is False  # the CPU platform
+            core.forward_on_device = ordering == "device"
+            fill = core.structured_outputs.grammar_output
+            core.structured_outputs.grammar_output = (
+                lambda ids, requests, inline=False, seen=fills[ordering]: seen.append(inline) or fill(ids, requests, inline))
             outputs = llm.generate(prompts, params)
         finally:
             llm.close()
@@ -451,4 +443,5 @@ def test_fill_on_the_core_thread_while_a_device_runs_the_forward(tmp_path, token
         for output in outputs:
             assert output.outputs[0].finish_reason == "stop"
             jsonschema.validate(json.loads(output.outputs[0].text), schema)
-    assert sum(inline_fills) > 10 and texts["device"] == texts["cpu"]
+    assert len(fills["device"]) > 10 and all(fills["device"]) and not any(fills["cpu"][1:])
+    assert texts["device"] == texts["cpu"]

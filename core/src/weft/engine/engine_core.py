@@ -78,9 +78,11 @@ class EngineCore:
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
-        num_blocks: list[int], async_scheduling: bool,
+        num_blocks: list[int], async_scheduling: bool, forward_on_device: bool = False,
     ) -> None:
-        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated."""
+        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated.
+        ``forward_on_device``: the workers run the model on an accelerator, so launching a step returns
+        before its forward ran (which orders a structured-output step's fill after the launch)."""
         self.config = config
         self.hooks = hooks
         self.executor = executor
@@ -89,6 +91,7 @@ class EngineCore:
         """The model source, for the API side (its tokenizer and limits)."""
         self.num_blocks = num_blocks
         self.async_scheduling = async_scheduling
+        self.forward_on_device = forward_on_device
         self.num_steps = 0
         self._failed_steps = 0
         """Steps in a row that raised (see :meth:`step_with_retry`)."""
@@ -176,9 +179,11 @@ class EngineCore:
             if not output.structured_output_request_ids:
                 launched = (output, self.executor.execute_model(output))
             else:
-                # Tokens already on the host (a CPU worker samples as it returns) are accepted before
-                # the forward, which the fill then overlaps; otherwise the forward is launched first.
-                accept_first = self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
+                # On a CPU, tokens already on the host (a worker samples as it returns) are accepted
+                # before the forward, which the fill thread then overlaps; on a device, or while the
+                # tokens are on their way, the forward is launched first (its inputs are on the device).
+                accept_first = not self.forward_on_device and (
+                    self._in_flight is None or self._in_flight[1].done())  # type: ignore[union-attr]
                 if accept_first:
                     results = self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)

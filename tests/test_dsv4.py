@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,12 +183,12 @@ def _llm(folder, **engine):
 PROMPT_LENGTHS = (5, 23, 41)
 
 
-def _engine_tokens(folder, **engine) -> list[list[int]]:
+def _engine_tokens(folder, max_tokens=64, **engine) -> list[list[int]]:
     from weft.sampling_params import SamplingParams
 
     llm = _llm(folder, **engine)
     prompts = [random_ids(length, seed=10 + length) for length in PROMPT_LENGTHS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     llm.preemptions = llm.engine.scheduler.num_preemptions
     return [list(output.outputs[0].token_ids) for output in outputs], llm
 
@@ -378,6 +379,110 @@ def test_the_model_on_the_fused_mhc_kernel_matches_transformers(checkpoint):
     for layer in driver.model.model.layers:
         layer.attn_hc.kernel = layer.ffn_hc.kernel = kernel
     torch.testing.assert_close(driver.step([("a", ids)])[0], hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def _attention_case(dtype, head_dim, generator):
+    """A decode batch of 4 rows (in no order, of a 6-row step) over 40 heads: masked window keys at a sequence's
+    start, masked picks anywhere, a row with no entry, a row with nothing but the sink; NaN in every slot
+    nothing valid points at, as another request's garbage would be."""
+    heads, window, picks, slots = 40, 8, 11, 64
+    query = torch.randn(6, heads, head_dim, generator=generator).to(dtype)
+    ring = torch.randn(slots, head_dim, generator=generator).to(dtype)
+    entries = torch.randn(slots, head_dim, generator=generator).to(dtype)
+    sinks = torch.randn(heads, generator=generator) * 2
+    rows = torch.tensor([4, 0, 2, 5])
+    window_slots = torch.randint(1, slots, (4, window), generator=generator)
+    window_slots[0, :3] = -1
+    window_slots[3] = -1
+    entry_slots = torch.randint(1, slots, (4, picks), generator=generator)
+    entry_slots[0, 2::3] = -1
+    entry_slots[1] = -1
+    entry_slots[3] = -1
+    ring[0] = entries[0] = float("nan")
+    return query, rows, sinks, ring, window_slots, entries, entry_slots
+
+
+def _einsum_decode(query, rows, sinks, ring, window_slots, entries=None, entry_slots=None):
+    """The model's torch path on the same slots: gathered keys into :meth:`DeepseekV4Attention._attend` (fp32)."""
+    from weft_dsv4.attention import DeepseekV4Attention, gathered, slot_bias
+
+    keys, bias = gathered(ring.float(), window_slots), slot_bias(window_slots)
+    if entries is not None:
+        keys = torch.cat([keys, gathered(entries.float(), entry_slots)], dim=1)
+        bias = torch.cat([bias, slot_bias(entry_slots)], dim=1)
+    layer = SimpleNamespace(head_dim=query.shape[-1], sinks=sinks)
+    return DeepseekV4Attention._attend(layer, query[rows].float().unsqueeze(1), keys, bias.unsqueeze(1))[:, 0]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 48])
+@pytest.mark.parametrize("layer", ["compressed", "sliding", "no entries yet"])
+def test_the_decode_attention_kernel_matches_the_einsum_path(dtype, head_dim, layer):
+    check_decode_attention_kernel(dtype, head_dim, layer, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 512])
+@pytest.mark.parametrize("layer", ["compressed", "sliding", "no entries yet"])
+def test_the_compiled_decode_attention_kernel_matches_the_einsum_path(dtype, head_dim, layer):
+    check_decode_attention_kernel(dtype, head_dim, layer, "cuda")
+
+
+def check_decode_attention_kernel(dtype, head_dim, layer, device):
+    """Three blocks of 16 heads (the last partial), every masking case; fp32 to fp32 rounding, bf16 to its
+    output's rounding (the kernel computes in fp32 what the reference computes in fp32 on the same inputs)."""
+    pytest.importorskip("triton")
+    from weft.kernels.warmup import RuntimeMonitor, compile_many
+    from weft_dsv4.attention_kernel import DecodeAttentionKernel
+
+    generator = torch.Generator().manual_seed(head_dim)
+    case = [tensor.to(device) for tensor in _attention_case(dtype, head_dim, generator)]
+    query, rows, sinks, ring, window_slots, entries, entry_slots = case
+    if layer == "sliding":
+        entries = entry_slots = None
+    elif layer == "no entries yet":  # a compressed layer before its first entry: the slots have no column
+        entry_slots = entry_slots[:, :0]
+    kernel = DecodeAttentionKernel()
+    kernel.add(dtype, head_dim)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    kernel.monitor = RuntimeMonitor("error")
+    output = torch.full_like(query, 7.0)
+    kernel(query=query, rows=rows, sinks=sinks, ring=ring, window_slots=window_slots, output=output,
+           scale=head_dim**-0.5, entries=entries, entry_slots=entry_slots)
+    expected = _einsum_decode(query, rows, sinks, ring, window_slots, entries, entry_slots)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(output[rows].float(), expected, **tolerance)
+    assert torch.equal(output[3].float(), torch.full_like(output[3].float(), 7.0))  # a row not decoding is not written
+    assert torch.equal(output[5], torch.zeros_like(output[5]))  # nothing but the sink: no weight on any key
+
+
+def _engine_tokens_on_the_kernel(folder, monkeypatch, **engine):
+    """The engine's greedy tokens with the decode attention kernel chosen as on a GPU (interpreted here)."""
+    from weft_dsv4 import attention, model
+
+    monkeypatch.setattr(model, "decode_attention_kernel",
+                        lambda device, dtype, head_dim: attention.decode_attention_kernel(torch.device("cuda"), dtype, head_dim))
+    tokens, llm = _engine_tokens(folder, runtime_jit="error", max_tokens=20, **engine)
+    kernel = llm.engine.worker.kernels.kernels["weft_dsv4.decode_attention"]
+    assert all(layer.self_attn.decode_kernel is kernel for layer in llm.engine.worker.model.model.layers)
+    assert kernel.compiled and kernel.monitor.mode == "error" and kernel.monitor.misses == []
+    return tokens
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_engine_on_the_decode_attention_kernel_gives_the_torch_path_s_tokens(checkpoint, monkeypatch, eager_replay_platform):
+    """fp32 greedy tokens: the kernel (registered, warmed up, runtime_jit = "error") eagerly and in the decode
+    graph path (full-width slots, padded rows, nothing read on the host) against the torch path eagerly."""
+    pytest.importorskip("triton")
+    folder, _ = checkpoint
+    reference, _ = _engine_tokens(folder, max_tokens=20, enforce_eager=True)
+    assert _engine_tokens_on_the_kernel(folder, monkeypatch, enforce_eager=True) == reference
+    assert not eager_replay_platform
+    assert _engine_tokens_on_the_kernel(folder, monkeypatch, graph_batch_sizes=[1, 2, 4]) == reference
+    assert eager_replay_platform
 
 
 def test_routed_experts_sum_each_token_s_picks(checkpoint):

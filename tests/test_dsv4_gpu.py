@@ -1,6 +1,7 @@
 """weft-dsv4 on an NVIDIA GPU, against transformers' DeepseekV4ForCausalLM on a larger random config:
 fp32 greedy generation through the engine (Triton decode_topk in the indexer) equals generate();
-bf16 logits are as close to the fp32 reference as transformers' own bf16 run."""
+bf16 logits are as close to the fp32 reference as transformers' own bf16 run; decode attention in its
+Triton kernel gives the torch path's tokens and compiles nothing after warm-up."""
 
 from __future__ import annotations
 
@@ -175,3 +176,59 @@ def test_decode_graphs_on_and_off_give_the_same_tokens(folder):
         if "identical up to" in line:
             first, gap = int(line.split("token ")[1].split(",")[0]), float(line.rsplit(" ", 1)[1])
             assert first >= 8 and gap < 0.1, report
+
+
+
+def decode_attention_variants() -> int:
+    from weft_dsv4.attention_kernel import _decode_attention_kernel
+
+    return sum(len(caches[0]) for caches in _decode_attention_kernel.device_caches.values())
+
+
+def engine(folder, **settings):
+    from weft.entrypoints.llm import LLM
+
+    return LLM(model=str(folder), engine={"block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024, **settings})
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_the_decode_attention_kernel_gives_the_torch_path_s_tokens(folder, monkeypatch, enforce_eager):
+    """fp32 greedy tokens with decode attention in the Triton kernel (the GPU's default; in CUDA graphs unless
+    eager) and in the torch path (the kernel chosen away), prompts of several lengths finishing at different steps."""
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4 import model
+    from weft_dsv4.attention_kernel import DecodeAttentionKernel
+
+    prompts = [prompt(n) for n in (17, 150, 301, 64, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=64 - 9 * i, ignore_eos=True) for i in range(len(prompts))]
+    settings = {"dtype": "float32", "enforce_eager": enforce_eager, "max_num_seqs": 8}
+    tokens = {}
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(model, "decode_attention_kernel", lambda device, dtype, head_dim: None)
+        llm = engine(folder, **settings)
+        chosen = {type(layer.self_attn.decode_kernel) for layer in llm.engine.worker.model.model.layers}
+        assert chosen == ({DecodeAttentionKernel} if path == "kernel" else {type(None)})
+        assert bool(llm.engine.runner.graphs) is not enforce_eager
+        tokens[path] = [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params)]
+        del llm
+    assert tokens["kernel"] == tokens["torch"]
+
+
+def test_the_decode_attention_kernel_compiles_nothing_after_warm_up(folder):
+    """bf16 engine under runtime_jit = "error", decode in CUDA graphs and eagerly beside prefill chunks (a budget
+    of 64 tokens chunks the long prompts), prefix caching on: warm-up compiled the kernel's one variant, serving
+    compiles none (neither a warm-up miss nor a Triton specialisation the warm-up did not build)."""
+    from weft.sampling_params import SamplingParams
+
+    prompts = [prompt(n) for n in (17, 150, 301, 64, 5, 230)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40 - 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm = engine(folder, dtype="bfloat16", runtime_jit="error", max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True)
+    kernel = llm.engine.worker.kernels.kernels["weft_dsv4.decode_attention"]
+    assert len(kernel.compiled) == 1 and llm.engine.runner.graphs
+    before = decode_attention_variants()
+    assert before >= 1
+    outputs = llm.generate(prompts, params)
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [40 - 5 * i for i in range(len(prompts))]
+    assert kernel.monitor.mode == "error" and kernel.monitor.misses == []
+    assert decode_attention_variants() == before

@@ -4,6 +4,7 @@ softmax and a grouped low-rank output projection."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ class DeepseekV4Attention(nn.Module):
         self.cache_names = {group: f"model.layers.{index}.self_attn.{group}" for group in layer_groups(self.kind)}
         self.topk_op: Any = None
         """The ``decode_topk`` op implementation, set by the family at build time."""
+        self.decode_kernel: Any = None
+        """The Triton decode attention (:class:`weft_dsv4.attention_kernel.DecodeAttentionKernel`) where the family
+        chose it; None: :meth:`_attend` over gathered keys."""
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ropes: dict[str, InterleavedRope], step: StepLayout) -> torch.Tensor:
         s = self.settings
@@ -60,7 +64,7 @@ class DeepseekV4Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.kv_proj(hidden)), cos, sin)
         output = torch.empty_like(query)
         if step.decode is not None:
-            output[step.decode.rows] = self._decode(query, kv, hidden, q_residual, ropes["compress"], step)
+            self._decode(query, kv, hidden, q_residual, ropes["compress"], step, output)
         if step.prefills:
             compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
             batch = step.prefill_batch(self.window)
@@ -132,9 +136,11 @@ class DeepseekV4Attention(nn.Module):
 
     def _decode(
         self, query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_residual: torch.Tensor,
-        rope: InterleavedRope, step: StepLayout,
-    ) -> torch.Tensor:
-        """Every one-token request of the step at once: window keys, new entries, indexer picks, attention."""
+        rope: InterleavedRope, step: StepLayout, output: torch.Tensor,
+    ) -> None:
+        """Every one-token request of the step at once: window keys, new entries, indexer picks, attention,
+        written to ``output``'s decoding rows. Keys and entries are named by their slots in the flat caches
+        (-1: masked), which the kernel reads in place and the torch path gathers."""
         batch = step.decode
         rows, positions = batch.rows, batch.positions
         ring = step.caches[self.cache_names["window"]]
@@ -147,32 +153,33 @@ class DeepseekV4Attention(nn.Module):
 
         flat[ring_slots(positions[:, None])[:, 0]] = kv[rows]
         window = positions[:, None] - self.window + 1 + torch.arange(self.window, device=kv.device)
-        keys = flat[ring_slots(window.clamp(min=0))]
+        window_slots = ring_slots(window.clamp(min=0))
         chosen = batch.completing(step.checkpoint_unit) if step.checkpoint_unit else None  # rows at a snapshot boundary
         if chosen is not None:
             # The window keys of positions p - window + 1 .. p are this boundary's snapshot.
             blocks = self._snapshot_blocks(step, chosen, "window_checkpoint")
-            step.caches[self.cache_names["window_checkpoint"]][blocks] = keys[chosen].flatten(1)
-        bias = torch.zeros(window.shape, dtype=torch.float32, device=kv.device).masked_fill_(window < 0, float("-inf"))
+            step.caches[self.cache_names["window_checkpoint"]][blocks] = flat[window_slots[chosen]].flatten(1)
+        window_slots = torch.where(window >= 0, window_slots, -1)
+        entries = entry_slots = None
         if self.compressor is not None:
             m = self.compressor.ratio
             entry_group = "csa_kv" if self.kind == CSA else "hca_kv"
             state = step.caches[self.cache_names["compressor_state"]]
             main = self.compressor.state_elements()
-            entries, visible = self.compressor.decode_step(
-                hidden[rows], batch, state[:, :main], step.caches[self.cache_names[entry_group]], batch.tables[entry_group], rope,
+            entry_cache = step.caches[self.cache_names[entry_group]]
+            entries = entry_cache.view(-1, entry_cache.shape[-1])
+            slots, visible = self.compressor.decode_step(
+                hidden[rows], batch, state[:, :main], entry_cache, batch.tables[entry_group], rope,
             )
             if self.indexer is None:
-                # Entries past a request's count are other blocks' (or padding's): zeroed, not only masked,
-                # so that a non-finite value there cannot reach this request's softmax.
-                picked = torch.where(visible[..., None], entries, 0.0)
-                picked_bias = torch.zeros(visible.shape, dtype=torch.float32, device=kv.device)
-                picked_bias.masked_fill_(~visible, float("-inf"))
+                entry_slots = torch.where(visible, slots, -1)
             else:
                 index_state = state[:, main : main + self.indexer.compressor.state_elements()]
-                index_keys, _ = self.indexer.compressor.decode_step(
-                    hidden[rows], batch, index_state, step.caches[self.cache_names["indexer_keys"]], batch.tables["indexer_keys"], rope,
+                index_cache = step.caches[self.cache_names["indexer_keys"]]
+                index_slots, _ = self.indexer.compressor.decode_step(
+                    hidden[rows], batch, index_state, index_cache, batch.tables["indexer_keys"], rope,
                 )
+                index_keys = index_cache.view(-1, index_cache.shape[-1])[index_slots]
                 cos, sin = rope.table(positions, hidden.dtype)
                 index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
                 index_query = apply_rope(index_query, cos, sin)
@@ -181,20 +188,27 @@ class DeepseekV4Attention(nn.Module):
                 # Row t sees entries w < (t + 1) // m: the op's "blocks of m positions up to pos" shifted by m - 1.
                 seq_lens = (positions + 1 - (m - 1)).to(torch.int32)
                 picks = self.topk_op(scores.unsqueeze(0), seq_lens, 1, m, self.indexer.topk)[0].long()
-                if entries.shape[1]:
-                    picked = entries.gather(1, picks.clamp(min=0).unsqueeze(-1).expand(-1, -1, entries.shape[-1]))
-                else:
-                    picked = entries.new_zeros((*picks.shape, entries.shape[-1]))
-                picked_bias = torch.zeros(picks.shape, dtype=torch.float32, device=kv.device).masked_fill_(picks < 0, float("-inf"))
+                picked_slots = slots.gather(1, picks.clamp(min=0)) if slots.shape[1] else picks
+                entry_slots = torch.where(picks >= 0, picked_slots, -1)
                 if step.sparse_entries is not None:  # a KV connector holds entries of lent blocks (weft-hisparse)
                     request_ids = [step.request_ids[index] for index in batch.indices]
-                    picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, picked)
+                    picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, gathered(entries, entry_slots))
+                    entries = picked.reshape(-1, picked.shape[-1])
+                    entry_slots = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
             if chosen is not None:
                 blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
                 step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]
-            keys = torch.cat([keys, picked], dim=1)
-            bias = torch.cat([bias, picked_bias], dim=1)
-        return self._attend(query[rows].unsqueeze(1), keys, bias.unsqueeze(1))[:, 0]
+        if self.decode_kernel is not None:
+            self.decode_kernel(
+                query=query, rows=rows, sinks=self.sinks, ring=flat, window_slots=window_slots, output=output,
+                scale=self.head_dim**-0.5, entries=entries, entry_slots=entry_slots,
+            )
+            return
+        keys, bias = gathered(flat, window_slots), slot_bias(window_slots)
+        if entries is not None:
+            keys = torch.cat([keys, gathered(entries, entry_slots)], dim=1)
+            bias = torch.cat([bias, slot_bias(entry_slots)], dim=1)
+        output[rows] = self._attend(query[rows].unsqueeze(1), keys, bias.unsqueeze(1))[:, 0]
 
     def _snapshot_blocks(self, step: StepLayout, chosen: torch.Tensor, group: str) -> torch.Tensor:
         """The snapshot blocks of decoding rows ``chosen``, each at the boundary its token completes; in a decode
@@ -251,5 +265,28 @@ class DeepseekV4Attention(nn.Module):
             chosen = entries[torch.arange(requests, device=hidden.device)[:, None, None], picks.clamp(min=0)]
         else:
             chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
-        bias = torch.zeros(picks.shape, dtype=torch.float32, device=hidden.device)
-        return chosen, bias.masked_fill_(picks < 0, float("-inf"))
+        return chosen, slot_bias(picks)
+
+
+def gathered(source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The vectors of ``source`` ``[slots, d]`` at ``slots`` (any shape), zero where a slot is -1: a masked
+    key gets no weight, and zero keeps a non-finite value in another request's slot out of the sum."""
+    return torch.where((slots >= 0)[..., None], source[slots.clamp(min=0)], 0.0)
+
+
+def slot_bias(slots: torch.Tensor) -> torch.Tensor:
+    """The softmax bias of keys at ``slots``: 0, or -inf where a slot is -1."""
+    return torch.zeros(slots.shape, dtype=torch.float32, device=slots.device).masked_fill_(slots < 0, float("-inf"))
+
+
+def decode_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
+    """The Triton kernel of decode attention, registered for warm-up, on a device Triton compiles for;
+    None (:meth:`DeepseekV4Attention._attend`) elsewhere, the CPU included."""
+    if device.type not in ("cuda", "xpu") or importlib.util.find_spec("triton") is None:
+        return None
+    from weft.kernels.warmup import register
+    from weft_dsv4.attention_kernel import DecodeAttentionKernel
+
+    kernel = DecodeAttentionKernel()
+    kernel.add(dtype, head_dim)
+    return register(kernel)

@@ -103,8 +103,8 @@ class Compressor(nn.Module):
         rope: InterleavedRope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token for each decoding request: record it in the state ring, pool and store the
-        entries of the windows it completes, and return every request's entries ``[rows, n, dim]``
-        (padded to the longest) with their validity ``[rows, n]``.
+        entries of the windows it completes, and return the slots of every request's entries in the
+        flat ``cache`` (``[slots, dim]``) ``[rows, n]`` (padded to the longest) with their validity ``[rows, n]``.
 
         ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``.
         """
@@ -129,8 +129,7 @@ class Compressor(nn.Module):
         else:
             longest = max((position + 1) // m for position in batch.position_list)
         index = torch.arange(longest, device=kv.device).expand(positions.shape[0], -1)
-        entries = flat[table.gather(1, index // per_block) * per_block + index % per_block]
-        return entries, index < counts[:, None]
+        return table.gather(1, index // per_block) * per_block + index % per_block, index < counts[:, None]
 
     def windows_to_entries(self, sources: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype, rope: InterleavedRope) -> torch.Tensor:
         """Entries ``windows`` ``[count]`` from the fp32 (kv | gate) of their source positions ``[count, slots, 2 * width]``

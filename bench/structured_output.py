@@ -100,13 +100,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, help="plugins.xgrammar.fill_threads (default: the plugin's)")
-    parser.add_argument("--fill-inline", action="store_true",
-                        help="on a device, fill on the engine core's thread while the forward runs (EngineCore.fill_inline)")
     args = parser.parse_args()
-    if args.fill_inline:
-        from weft.engine.engine_core import EngineCore
-
-        EngineCore.fill_inline = True
     with tempfile.TemporaryDirectory() as scratch:
         run(args, build(args, Path(scratch)))
 
@@ -131,7 +125,7 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
     print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
           f"{settings}")
     print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}; "
-          f"xgrammar fill threads: {args.fill_threads or 'default'}; fill {'inline' if args.fill_inline else 'on its thread'}")
+          f"xgrammar fill threads: {args.fill_threads or 'default'}")
     for name in ("plain", "json schema"):
         print(f"  {name + ':':12} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     print(f"  ratio json schema / plain: {best['json schema'] / best['plain']:.3f} (wanted >= 0.8)")

@@ -112,43 +112,6 @@ def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
     assert not matcher.accept_token(tokens[2])  # "!" is not allowed after one pair
 
 
-def test_a_steps_rows_accepted_in_one_call_equal_one_at_a_time(backend, tokenizer):
-    """``accept_tokens`` (xgrammar's batch accept) gives each matcher what ``accept_token`` gives it alone:
-    the same answers (a refused token refused, its matcher unchanged) and the same next masks; the
-    engine's accept takes a matcher's several waiting tokens in order, one per call, and asks whether
-    a matcher ended only after an end token."""
-    from weft.engine.structured_output import ConstraintState, StructuredOutputManager
-
-    compiled = backend.compile(StructuredOutputsParams(regex=r"(ab|cd){2}!"))
-    ab, cd, bang = (tokenizer.encode(piece, add_special_tokens=False)[0] for piece in ("ab", "cd", "!"))
-    eos = min(tokenizer.eos_token_ids)
-    steps = [[ab, cd, bang, ab], [cd, ab, ab, ab], [ab, bang, ab, cd], [eos, eos, eos, bang]]
-    one_at_a_time = [backend.matcher(compiled) for _ in range(4)]
-    batched = [backend.matcher(compiled) for _ in range(4)]
-    for tokens in steps:
-        expected = [matcher.accept_token(token) for matcher, token in zip(one_at_a_time, tokens)]
-        assert backend.accept_tokens(batched, tokens) == expected
-        for alone, together in zip(one_at_a_time, batched):
-            assert alone.is_terminated() == together.is_terminated()
-            if alone.is_terminated():
-                continue
-            masks = [torch.zeros(1, bitmask_words(tokenizer.vocab_size), dtype=torch.int32) for _ in range(2)]
-            alone.fill_bitmask(masks[0], 0)
-            together.fill_bitmask(masks[1], 0)
-            assert torch.equal(masks[0], masks[1])
-    assert [matcher.is_terminated() for matcher in batched] == [False, True, False, False]  # "cd" "ab" "!" end
-
-    states = [ConstraintState(StructuredOutputsParams(regex=r"(ab|cd){2}!"), None, ()) for _ in range(2)]
-    for state in states:
-        state.matcher = backend.matcher(compiled)
-    # The first matcher has five tokens waiting (a fill was skipped), the second one, then a refused one.
-    waiting = [("a", states[0], ab), ("b", states[1], cd), ("a", states[0], cd), ("a", states[0], bang),
-               ("b", states[1], bang), ("a", states[0], eos), ("a", states[0], ab)]
-    StructuredOutputManager._accept(backend, waiting)
-    assert states[0].terminated and not states[0].failed
-    assert states[1].failed and not states[1].terminated
-
-
 BOUNDED_STRINGS = {
     "type": "object",
     "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},

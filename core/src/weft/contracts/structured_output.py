@@ -22,8 +22,8 @@ Where each call happens:
   to the workers with the step (:class:`~weft.contracts.executor.GrammarOutput`),
   which apply them to the logits on the device. The core fills them while the
   workers run the step's forward, or while it schedules the next step.
-* Engine core, per sampled token: :meth:`GrammarMatcher.accept_token` (for a step's rows
-  together, :meth:`StructuredOutputBackend.accept_tokens`), just before the request's next fill; :meth:`GrammarMatcher.rollback` undoes tokens (speculative tokens a
+* Engine core, per sampled token: :meth:`GrammarMatcher.accept_token`, just before the
+  request's next fill; :meth:`GrammarMatcher.rollback` undoes tokens (speculative tokens a
   verifier rejected). Accepting and filling run on one thread of their own, never
   concurrently with each other for a matcher.
 
@@ -137,8 +137,7 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """Whether the output is complete and an end token was accepted: nothing more may follow. Only
-        accepting one of the vocabulary's ``eos_token_ids`` can end it, so the engine asks only then."""
+        """Whether the output is complete and an end token was accepted: nothing more may follow."""
 
 
 class StructuredOutputBackend(PluginBase):
@@ -170,11 +169,6 @@ class StructuredOutputBackend(PluginBase):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled`` (fast)."""
-
-    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
-        """Advance ``matchers[i]`` over ``tokens[i]``, each as :meth:`GrammarMatcher.accept_token` (no matcher
-        twice); a backend may do it in one native call (added in core API 1.8)."""
-        return [matcher.accept_token(token) for matcher, token in zip(matchers, tokens, strict=True)]
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         """Fill row ``i`` of ``bitmask`` for ``matchers[i]``; a backend may spread the rows over threads."""

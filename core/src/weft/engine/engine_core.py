@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, wait
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -75,11 +75,6 @@ class CoreStats(msgspec.Struct, array_like=True):
 
 class EngineCore:
     """Steps a scheduler and an executor that :func:`~weft.engine.builder.build_engine_core` built."""
-
-    fill_inline: ClassVar[bool] = False
-    """Where the forward runs on a device: fill a structured-output step's mask on the core's thread
-    while the device runs the forward, and sample at once (True), or on the fill thread across the
-    return to the caller, sampled by the next call (False)."""
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
@@ -161,11 +156,12 @@ class EngineCore:
 
         A step with structured outputs samples once the core has filled its bitmask on the
         structured-output thread, while the workers run its forward; the mask needs every earlier
-        token, so the step in flight is applied first. With asynchronous scheduling the fill runs
-        across the return to the caller: the step in flight is then one whose sampling waits for
-        its mask (its handle is None), sampled by the next call once it has scheduled the step
-        after it. On a device the forward is launched before the fill starts (or, with
-        :attr:`fill_inline`, the core fills while the device runs it and samples at once)."""
+        token, so the step in flight is applied first. With asynchronous scheduling on a device,
+        the core fills the mask itself while the device runs the forward it just launched, and
+        samples right after. Where the worker ran the forward as it was launched (a CPU worker),
+        the fill runs across the return to the caller on the fill thread: the step in flight is
+        then one whose sampling waits for its mask (its handle is None), sampled by the next call
+        once it has scheduled the step after it."""
         self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
@@ -193,9 +189,10 @@ class EngineCore:
                     self._bitmask = self._grammar_output(output)
                 launched = (output, self.executor.execute_model(output))
                 if not accept_first:
+                    # The device runs the forward: fill on this thread meanwhile and sample right after it.
                     results = self._apply_in_flight()
-                    self._bitmask = self._grammar_output(output, inline=self.fill_inline)
-                    if self.fill_inline and launched[1] is None:
+                    self._bitmask = self._grammar_output(output, inline=True)
+                    if launched[1] is None:
                         launched = (output, self.executor.sample_tokens(self._take_bitmask()))
         else:
             self._sample_in_flight()

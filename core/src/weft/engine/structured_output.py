@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,10 +48,6 @@ logger = logging.getLogger("weft.engine")
 
 COMPILED_CACHE_SIZE = 512
 """Distinct constraints whose compiled form the engine keeps."""
-
-FILL_SWITCH_INTERVAL = 1e-4
-"""Seconds a thread waiting for the GIL waits before the holder must let go (``sys.setswitchinterval``), while
-the engine fills bitmasks on its thread: the fill's handoffs then cost about this much instead of 5 ms."""
 
 
 class ConstraintState:
@@ -167,45 +162,23 @@ class StructuredOutputManager:
 
     def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
                          candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
-        backend = self._backend.result()  # type: ignore[union-attr]
-        self._accept(backend, accepted)
+        for request_id, state, token_id in accepted:
+            if state.failed or state.terminated:
+                continue
+            if state.matcher.accept_token(token_id):  # type: ignore[union-attr]
+                state.terminated = state.matcher.is_terminated()  # type: ignore[union-attr]
+            else:
+                # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
+                logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
+                               request_id, token_id, state.constraint.kind)
+                state.failed = True
         # Still reasoning, or done: it samples freely.
         masked = [(request_id, state) for request_id, state in candidates if state.masks]
         if not masked:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
-        backend.fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[arg-type]
+        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,arg-type]
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
-
-    @staticmethod
-    def _accept(backend: StructuredOutputBackend, accepted: list[tuple[str, ConstraintState, int]]) -> None:
-        """The recorded tokens into their matchers in order, a step's rows in one backend call (a matcher
-        with several tokens waiting takes one per round). A matcher can end only on an end token
-        (:meth:`~weft.contracts.structured_output.GrammarMatcher.is_terminated`), so only then is it asked."""
-        ends = backend.vocabulary.eos_token_ids
-        while accepted:
-            batch: list[tuple[str, ConstraintState, int]] = []
-            later: list[tuple[str, ConstraintState, int]] = []
-            taken: set[int] = set()
-            for entry in accepted:
-                state = entry[1]
-                if id(state) in taken:
-                    later.append(entry)
-                elif not (state.failed or state.terminated):
-                    taken.add(id(state))
-                    batch.append(entry)
-            results = backend.accept_tokens([state.matcher for _, state, _ in batch],  # type: ignore[misc]
-                                            [token_id for _, _, token_id in batch]) if batch else []
-            for (request_id, state, token_id), ok in zip(batch, results, strict=True):
-                if ok:
-                    if token_id in ends:
-                        state.terminated = state.matcher.is_terminated()  # type: ignore[union-attr]
-                    continue
-                # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
-                logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
-                               request_id, token_id, state.constraint.kind)
-                state.failed = True
-            accepted = later
 
     def _rows(self, count: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < count:
@@ -237,10 +210,6 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
                                         thread_name_prefix="weft-grammar")
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
-        # The fill thread enters and leaves the backend's native calls with the GIL, which a busy engine core
-        # hands over only at the switch interval: at CPython's 5 ms, the fill would finish steps late.
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL))
         self._backend = self._pool.submit(self._build_backend)
 
     def _build_backend(self) -> StructuredOutputBackend:
@@ -261,7 +230,6 @@ class StructuredOutputManager:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._filler.shutdown(wait=True)  # type: ignore[union-attr]
-            sys.setswitchinterval(self._switch_interval)
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None

@@ -149,15 +149,6 @@ class XgrammarBackend(StructuredOutputBackend):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens
 
-    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
-        # One native call for the step's rows: on the fill thread, each call into xgrammar gives up the GIL and
-        # must get it back from the busy engine core, so 32 calls cost 32 handoffs where this costs one.
-        if len(matchers) < 2 or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):
-            return super().accept_tokens(matchers, tokens)
-        accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(
-            [matcher.matcher for matcher in matchers], list(tokens))  # type: ignore[attr-defined]
-        return [bool(ok) for ok in accepted]
-
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         if len(matchers) < _PARALLEL_ROWS or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):
             super().fill_bitmasks(matchers, bitmask)

@@ -396,6 +396,39 @@ def test_a_daemon_holds_only_its_ranks_parts_and_the_rank_loads_what_it_would_re
         rows.narrow(0, 0, 2)
 
 
+def test_the_key_holds_the_stage_s_layers_and_expert_parallelism(tmp_path, tokenizer_files, served):
+    """Two layouts that read other tensors never share a key: the stage's layers (an explicit
+    ``engine.pipeline_partition`` equal to the even split is the same key; another partition is not) and
+    ``engine.enable_expert_parallel``; the daemon names the field that differs."""
+    from weft.config import load_config
+    from weft.resolve import load_config_for
+    from weft_weight_cache.protocol import mismatched_fields
+
+    model = make_tiny_model(tmp_path / "three", "llama", tokenizer_files, num_hidden_layers=3)
+    source = SafetensorsLoader().resolve(str(model))
+
+    def key(rank: int = 1, **engine) -> CacheKey:
+        config = load_config(None, {"model": str(model), **{f"engine.{name}": value for name, value in engine.items()}})
+        size = engine.get("pipeline_parallel_size", 1)
+        return cache_key(source, load_config_for(config, "cpu", pipeline_parallel_size=size,
+                                                 pipeline_parallel_rank=rank % size), "float32")
+
+    even = key(pipeline_parallel_size=2)
+    assert even.stage_layers == (2, 1) and key(0, pipeline_parallel_size=2).stage_layers == (0, 2)
+    assert key(pipeline_parallel_size=2, pipeline_partition=[2, 1]) == even
+    other = key(pipeline_parallel_size=2, pipeline_partition=[1, 2])
+    assert other.stage_layers == (1, 2) and mismatched_fields(other, even) == ["stage_layers"]
+    assert key().stage_layers is None and not key().expert_parallel
+    assert mismatched_fields(key(enable_expert_parallel=True), key()) == ["expert_parallel"]
+
+    client = WeightCacheClient(served.path)
+    reply, fds = client.get_state(msgspec.structs.replace(KEY, stage_layers=(1, 2)), IDENTITY)
+    assert isinstance(reply, Mismatch) and reply.fields == ["stage_layers"] and fds == []
+    reply, _ = client.get_state(msgspec.structs.replace(KEY, expert_parallel=True), IDENTITY)
+    assert isinstance(reply, Mismatch) and reply.fields == ["expert_parallel"]
+    client.close()
+
+
 # A real daemon process and engine processes.
 
 def weft(*args: str) -> list[str]:

@@ -52,9 +52,11 @@ def load_config_for(config: WeftConfig, device: str = "cpu", **ranks: int) -> Lo
     """The :class:`LoadConfig` of a worker on ``device`` (``ranks``: its tensor/pipeline/data-parallel ranks
     and sizes and its ``local_rank``, as :class:`LoadConfig` names them; a single worker gives none)."""
     engine = config.engine
+    partition = tuple(engine.pipeline_partition) if engine.pipeline_partition is not None else None
     return LoadConfig(
         loader=config.use.loader, revision=engine.revision, download_dir=engine.download_dir, device=device,
-        tensor_parallel_size=ranks.pop("tensor_parallel_size", engine.tensor_parallel_size), **ranks,
+        tensor_parallel_size=ranks.pop("tensor_parallel_size", engine.tensor_parallel_size),
+        pipeline_partition=partition, enable_expert_parallel=engine.enable_expert_parallel, **ranks,
     )
 
 

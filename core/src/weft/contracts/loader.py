@@ -117,6 +117,11 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_rank: int = 0
     local_rank: int = 0
     """The worker's device index on its node."""
+    pipeline_partition: tuple[int, ...] | None = None
+    """Layers of each pipeline stage (``engine.pipeline_partition``; None: an even split). Added in core API 1.8."""
+    enable_expert_parallel: bool = False
+    """Whether routed experts are spread over the tensor ranks (``engine.enable_expert_parallel``), which
+    decides which experts' tensors a rank reads. Added in core API 1.8."""
 
     @property
     def global_rank(self) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from weft import __version__
 from weft.contracts.loader import LoadConfig, ModelSource
+from weft.contracts.parallel import ParallelLayout
 from weft.hub import COMMIT, weight_files
 
 from weft_weight_cache.protocol import CacheKey
@@ -36,6 +37,17 @@ def revision(folder: Path) -> str:
     return f"local:{folder.resolve()}:{digest.hexdigest()[:16]}"
 
 
+def stage_layers(source: ModelSource, load_config: LoadConfig) -> tuple[int, int] | None:
+    """``(first layer, count)`` of the load's pipeline stage; None with one stage (or no layer count known)."""
+    layers = source.hf_config.get("num_hidden_layers")
+    if load_config.pipeline_parallel_size == 1 or not isinstance(layers, int):
+        return None
+    layout = ParallelLayout(pipeline_parallel_size=load_config.pipeline_parallel_size,
+                            pipeline_partition=load_config.pipeline_partition)
+    held = layout.stage_layers(layers, load_config.pipeline_parallel_rank)
+    return held.start, len(held)
+
+
 def cache_key(source: ModelSource, load_config: LoadConfig, dtype: str) -> CacheKey:
     folder = Path(source.path)
     quantization = (source.hf_config.get("quantization_config") or {}).get("quant_method", "none")
@@ -45,7 +57,8 @@ def cache_key(source: ModelSource, load_config: LoadConfig, dtype: str) -> Cache
         tensor_parallel_size=load_config.tensor_parallel_size, tensor_parallel_rank=load_config.tensor_parallel_rank,
         pipeline_parallel_size=load_config.pipeline_parallel_size,
         pipeline_parallel_rank=load_config.pipeline_parallel_rank, dtype=dtype, quantization=str(quantization),
-        revision=revision(folder), weft_version=__version__,
+        revision=revision(folder), weft_version=__version__, stage_layers=stage_layers(source, load_config),
+        expert_parallel=load_config.enable_expert_parallel,
     )
 
 

@@ -47,6 +47,11 @@ class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     revision: str
     """A Hub snapshot's commit; for a local folder its path and its shards' sizes and modification times."""
     weft_version: str
+    stage_layers: tuple[int, int] | None = None
+    """Under pipeline parallelism, the first layer and the layer count of the rank's stage (from
+    ``engine.pipeline_partition`` or the even split); None with one stage."""
+    expert_parallel: bool = False
+    """``engine.enable_expert_parallel``: whole routed experts per tensor rank instead of slices of each."""
 
 
 class GetState(msgspec.Struct, frozen=True, tag="get_state"):

@@ -564,6 +564,31 @@ def test_a_tp2_engine_of_two_launchers_on_loopback_maps_its_ranks_from_two_daemo
         assert log.count("weight cache: lease") == 2, log
 
 
+def test_a_tp2_engine_of_one_launcher_maps_each_rank_from_its_cpu_slot_s_daemon(checkpoint, tmp_path, short_dir):
+    """One `weft weights serve --tensor-parallel-size 2 --devices 0,1` serves the CPU slots 0 and 1; a TP=2 engine
+    of one launcher, its two workers on those slots, maps each rank's weights from its slot's daemon: with the
+    shards' data zeroed it gives the greedy tokens TP=1 read from disk before, and each daemon leased once."""
+    from test_distributed import greedy_tokens
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint, model)
+    expected, _ = greedy_tokens(model)
+    daemon = subprocess.Popen(
+        weft("weights", "serve", "--model", str(model), "--socket-dir", str(short_dir), "--tensor-parallel-size", "2",
+             "--devices", "0,1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = sorted(daemon.stdout.readline() for _ in range(2))
+        for slot, line in enumerate(lines):
+            assert f"for rank {slot} of 2 (tp {slot}/2, pp 0/1)" in line and f"cpu{slot}.sock" in line, lines
+        zero_weights_keeping_headers_and_times(model)
+        sections = {"use": {"loader": "weight-cache"}, "plugins": {"weight-cache": {"socket_dir": str(short_dir)}}}
+        got, _ = greedy_tokens(model, sections, tensor_parallel_size=2)
+        assert got == expected
+    finally:
+        log = stop(daemon)
+    assert log.count("weight cache: lease") == 2, log  # one lease per slot: rank 0 from cpu0, rank 1 from cpu1
+
+
 def test_the_daemons_port_must_not_be_the_engines(checkpoint, short_dir):
     result = subprocess.run(
         weft("weights", "serve", "--model", str(checkpoint), "--socket-dir", str(short_dir), "--nnodes", "2",

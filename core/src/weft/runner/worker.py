@@ -60,16 +60,19 @@ def resolve_dtype(config: WeftConfig, platform: Any) -> str:
 class Worker:
     def __init__(
         self, config: WeftConfig, registry: PluginRegistry | None = None, parallel: ParallelGroups = SINGLE,
-        platform: Any = None,
+        platform: Any = None, local_rank: int | None = None,
     ) -> None:
         """``config`` has its platform-sized engine options resolved (:func:`weft.resolve.resolve_engine_config`);
-        ``parallel`` is this rank's groups (the default: one device), ``platform`` the one they were made on."""
+        ``parallel`` is this rank's groups (the default: one device), ``platform`` the one they were made on,
+        ``local_rank`` the worker's slot on its node (default: its device's index), which tells workers
+        sharing the CPU apart (a loader's per-slot state, the weight cache's socket)."""
         self.config = config
         self.registry = registry or PluginRegistry()
         self.parallel = parallel
         self.platform = platform or build_platform(self.registry, config)
         self.device = parallel.device if parallel is not SINGLE else self.platform.device()
         self.dtype = resolve_dtype(config, self.platform)
+        self.local_rank = local_rank if local_rank is not None else self.device.index or 0
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
 
@@ -79,7 +82,7 @@ class Worker:
         load_config = load_config_for(
             config, str(self.device), tensor_parallel_rank=layout.tensor_rank,
             pipeline_parallel_size=layout.pipeline_parallel_size, pipeline_parallel_rank=layout.pipeline_rank,
-            local_rank=self.device.index or 0,
+            local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
         self.family = load_family(self.registry, config, self.source)

@@ -133,7 +133,7 @@ def build_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, st
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // layout.world_size))
     parallel = init_parallel(layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout)
-    return Worker(config, registry, parallel, platform), parallel
+    return Worker(config, registry, parallel, platform, local_rank), parallel
 
 
 def serve_steps(worker: Any, channel: WorkerChannel, layout: ParallelLayout, parent_pid: int) -> None:

@@ -152,8 +152,8 @@ def test_penalties_match_a_reference_at_every_step_with_preemption_and_chunked_p
         # The engine's request id is the output's with the choice's index.
         runs = {f"{output.request_id}-0": (prompt, request_params, output.outputs[0].token_ids)
                 for output, prompt, request_params in zip(outputs, prompts, params, strict=True)}
-        # Greedy rows only: a seeded request preempted restarts its generator, at other steps in either run.
-        results[async_scheduling] = [tokens for _, request_params, tokens in runs.values() if request_params.greedy]
+        # Seeded rows too: a draw's seed is the request's and the position's, however often it was preempted.
+        results[async_scheduling] = [tokens for _, _, tokens in runs.values()]
         checked = Counter()
         for request_id, position, raw, edited in edits:
             prompt, request_params, tokens = runs[request_id]
@@ -362,3 +362,33 @@ def test_an_interrupted_generate_leaves_the_engine_ready_for_the_next(tiny_model
     llm.engine.core.executor.execute_model = execute
     assert not llm.engine.has_unfinished and llm.engine.kv_cache_manager.usage() == 0.0
     assert [output.outputs[0].token_ids for output in llm.generate(prompts, params)] == expected
+
+
+def test_a_seeded_request_draws_the_same_tokens_preempted_batched_or_alone(tiny_model):
+    """A seeded request's draw of each position is seeded from its seed and the position: the same tokens
+    alone with room to spare, batched with others in a cache so tight that it is preempted and resumed,
+    with asynchronous scheduling on and off; two requests with different seeds draw differently."""
+    import torch
+
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 40, (length,), generator=generator).tolist() for length in (7, 19, 33, 12, 50, 4)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True)
+              for seed in (1, 2, 3, 1, 5, 6)]
+    alone = LLM(model=str(tiny_model), engine={"max_model_len": 128})
+    try:
+        expected = [alone.generate([prompt], request_params)[0].outputs[0].token_ids
+                    for prompt, request_params in zip(prompts, params, strict=True)]
+    finally:
+        alone.close()
+    assert expected[0] != expected[3] or prompts[0] != prompts[3]
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(tiny_model), engine={
+            "block_size": 4, "num_kv_blocks": 40, "max_model_len": 128, "max_num_batched_tokens": 32,
+            "async_scheduling": async_scheduling,
+        })
+        try:
+            outputs = llm.generate(prompts, params)
+            assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
+        finally:
+            llm.close()
+        assert [output.outputs[0].token_ids for output in outputs] == expected, async_scheduling

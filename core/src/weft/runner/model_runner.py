@@ -72,7 +72,7 @@ from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
-from weft.runner.sampler import SampledBatch, Sampler, needs_output_tokens
+from weft.runner.sampler import SampledBatch, Sampler, draw_seed, needs_output_tokens
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -95,8 +95,9 @@ class RequestState:
         self.num_prompt_tokens = new.num_prompt_tokens
         self.params = new.params
         self.eos_token_ids = frozenset(new.eos_token_ids)
-        self.generator = None if new.params.seed is None else torch.Generator(device=device).manual_seed(new.params.seed)
-        """The request's own random draws, on the device that samples it (when it has a seed)."""
+        self.generator = None if new.params.seed is None else torch.Generator(device=device)
+        """The request's own random draws, on the device that samples it (when it has a seed): seeded for each
+        draw from the seed and the position drawn (:func:`~weft.runner.sampler.draw_seed`)."""
         self.block_ids = [list(group) for group in new.block_ids]
         self.num_computed_tokens = new.num_computed_tokens
         self.prefix_hit: int | None = None
@@ -281,6 +282,9 @@ class ModelRunner:
         sampled_states = [states[row] for row in sampling]
         if any(needs_output_tokens(state) for state in sampled_states):
             self._resolve_pending()  # min_tokens and bad words read every earlier output token
+        for state in sampled_states:
+            if state.generator is not None:  # the draw of the token at this position, however the request got here
+                state.generator.manual_seed(draw_seed(state.params.seed, state.num_computed_tokens))
         sampled = self._sample(logits, sampled_states)
         self.token_counts.record(sampled_states, sampled.tokens, _failed_loads(report))
         self._pending = _PendingStep(self, states, sampling, sampled, report, prompt_logprobs)

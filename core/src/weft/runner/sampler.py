@@ -16,9 +16,11 @@ Order of processing, batched over the step's rows in float32:
    first, so that no temperature turns finite logits into inf or NaN), top-k, top-p,
    min-p, and a draw by the exponential race (the argmax of ``probs / E``, ``E`` drawn
    from Exp(1) per token: a sample of ``probs``). A request with a seed draws ``E``
-   from its own generator on the logits' device, so its tokens do not depend on the
-   rest of the batch; the others from the sampler's, seeded from the engine's seed, so
-   that tensor-parallel ranks, which sample the same logits, draw the same tokens.
+   from its own generator on the logits' device, seeded for each draw from the request's
+   seed and the position of the token drawn (:func:`draw_seed`), so its tokens depend
+   neither on the rest of the batch nor on when it was scheduled, preempted and resumed;
+   the others from the sampler's, seeded from the engine's seed, so that tensor-parallel
+   ranks, which sample the same logits, draw the same tokens.
 
 Nothing here waits for the device: :meth:`Sampler.sample` returns a
 :class:`SampledBatch` of device tensors (tokens, a status per row, logprobs), small
@@ -221,6 +223,16 @@ class Sampler:
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return generator
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw of the token at ``position`` (of prompt and output): splitmix64
+    of the pair, so neighbouring positions and seeds give unrelated streams."""
+    mask = (1 << 64) - 1
+    value = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
+    return (value ^ (value >> 31)) >> 1  # torch takes seeds below 2**63
 
 
 def _status(healthy: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,11 @@ logger = logging.getLogger("weft.proxy")
 
 Policy = Literal["round_robin", "least_loaded"]
 _FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept")
+UPSTREAM_KEEPALIVE_EXPIRY = 2.0
+"""Seconds the proxy keeps an idle connection to an instance for reuse: below the instances' own keep-alive
+(`weft serve` and uvicorn close idle connections after 5 s). At httpx's default, also 5 s, a request sent on a
+connection the instance was closing at that moment failed with a ReadError before its first byte."""
+
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "retry-after")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -153,7 +158,8 @@ class PDProxy:
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY),
         )
         await self.check_health()
         self._health_task = asyncio.create_task(self._watch_health())

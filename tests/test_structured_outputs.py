@@ -411,37 +411,3 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
     assert engine.requests == {} and len(calls) == 1
     assert [request.text for request in slow] == ["ababab", "ababab"]
 
-
-def test_fill_on_the_core_thread_while_a_device_runs_the_forward(tmp_path, tokenizer_files):
-    """The core's step ordering for a forward on a device (``forward_on_device``: launch the forward,
-    take the last step's tokens, fill the mask on the core's thread, sample at once) gives the tokens of
-    the CPU ordering (the fill thread overlapping the forward, sampled by the next call), greedy and
-    seeded alike."""
-    from conftest import make_tiny_model
-
-    model = str(make_tiny_model(tmp_path / "llama", "llama", tokenizer_files))
-    schema = {"type": "object", "required": ["a", "b"], "properties": {
-        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}}
-    params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=200,
-                             structured_outputs=StructuredOutputsParams(json=schema))
-              for seed, temperature in enumerate([0, 1.0, 1.0, 0.7, 0, 1.0])]
-    prompts = [f"JSON number {index}:" for index in range(len(params))]
-    texts, fills = {}, {"cpu": [], "device": []}
-    for ordering in ("cpu", "device"):
-        llm = LLM(model=model, engine={"async_scheduling": True, "max_num_seqs": 8})
-        try:
-            core = llm.engine.core
-            assert core.forward_on_device is False  # the CPU platform
-            core.forward_on_device = ordering == "device"
-            fill = core.structured_outputs.grammar_output
-            core.structured_outputs.grammar_output = (
-                lambda ids, requests, inline=False, seen=fills[ordering]: seen.append(inline) or fill(ids, requests, inline))
-            outputs = llm.generate(prompts, params)
-        finally:
-            llm.close()
-        texts[ordering] = [output.outputs[0].text for output in outputs]
-        for output in outputs:
-            assert output.outputs[0].finish_reason == "stop"
-            jsonschema.validate(json.loads(output.outputs[0].text), schema)
-    assert len(fills["device"]) > 10 and all(fills["device"]) and not any(fills["cpu"][1:])
-    assert texts["device"] == texts["cpu"]

@@ -30,7 +30,6 @@ from weft.engine.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
-    build_platform,
     load_kv_connector,
     max_model_len,
     options_for,
@@ -48,8 +47,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     registry = registry or PluginRegistry()
     hooks = registry.hooks()
     hooks.hook.weft_configure(config=config)
-    platform = build_platform(registry, config)
-    config = resolve_engine_config(config, registry, platform)
+    config = resolve_engine_config(config, registry)
     engine = config.engine
     name = executor_name(engine)
     executor_class = registry.load("executor", name)
@@ -84,8 +82,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     if async_scheduling and connector is not None:
         logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)
         async_scheduling = False
-    core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling,
-                      forward_on_device=platform.device_type != "cpu")
+    core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
     logger.info(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
         time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,

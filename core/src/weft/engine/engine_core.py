@@ -78,11 +78,9 @@ class EngineCore:
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
-        num_blocks: list[int], async_scheduling: bool, forward_on_device: bool = False,
+        num_blocks: list[int], async_scheduling: bool,
     ) -> None:
-        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated.
-        ``forward_on_device``: the workers run the model on an accelerator, so launching a step returns
-        before its forward ran (which orders a structured-output step's fill after the launch)."""
+        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated."""
         self.config = config
         self.hooks = hooks
         self.executor = executor
@@ -91,7 +89,6 @@ class EngineCore:
         """The model source, for the API side (its tokenizer and limits)."""
         self.num_blocks = num_blocks
         self.async_scheduling = async_scheduling
-        self.forward_on_device = forward_on_device
         self.num_steps = 0
         self._failed_steps = 0
         """Steps in a row that raised (see :meth:`step_with_retry`)."""
@@ -156,12 +153,10 @@ class EngineCore:
 
         A step with structured outputs samples once the core has filled its bitmask on the
         structured-output thread, while the workers run its forward; the mask needs every earlier
-        token, so the step in flight is applied first. With asynchronous scheduling on a device,
-        the core fills the mask itself while the device runs the forward it just launched, and
-        samples right after. Where the worker ran the forward as it was launched (a CPU worker),
-        the fill runs across the return to the caller on the fill thread: the step in flight is
-        then one whose sampling waits for its mask (its handle is None), sampled by the next call
-        once it has scheduled the step after it."""
+        token, so the step in flight is applied first. With asynchronous scheduling the fill also
+        runs across the return to the caller: the step in flight is then one whose sampling waits
+        for its mask (its handle is None), sampled by the next call once it has scheduled the step
+        after it."""
         self.num_steps += 1
         if not self.async_scheduling:
             output = self._schedule()
@@ -179,21 +174,16 @@ class EngineCore:
             if not output.structured_output_request_ids:
                 launched = (output, self.executor.execute_model(output))
             else:
-                # On a CPU, tokens already on the host (a worker samples as it returns) are accepted
-                # before the forward, which the fill thread then overlaps; on a device, or while the
-                # tokens are on their way, the forward is launched first (its inputs are on the device).
-                accept_first = not self.forward_on_device and (
-                    self._in_flight is None or self._in_flight[1].done())  # type: ignore[union-attr]
+                # Tokens already on the host (a CPU worker samples as it returns) are accepted before
+                # the forward, which the fill then overlaps; otherwise the forward is launched first.
+                accept_first = self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
                 if accept_first:
                     results = self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
                 launched = (output, self.executor.execute_model(output))
                 if not accept_first:
-                    # The device runs the forward: fill on this thread meanwhile and sample right after it.
                     results = self._apply_in_flight()
-                    self._bitmask = self._grammar_output(output, inline=True)
-                    if launched[1] is None:
-                        launched = (output, self.executor.sample_tokens(self._take_bitmask()))
+                    self._bitmask = self._grammar_output(output)
         else:
             self._sample_in_flight()
         results += self._apply_in_flight()
@@ -217,9 +207,8 @@ class EngineCore:
         assert handle is not None
         return self._apply(output, handle)
 
-    def _grammar_output(self, output: SchedulerOutput, inline: bool = False) -> Future[GrammarOutput]:
-        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests,
-                                                      inline)
+    def _grammar_output(self, output: SchedulerOutput) -> Future[GrammarOutput]:
+        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests)
 
     def take_refused(self) -> dict[str, str]:
         """Requests the scheduler ended because they cannot run, with the reason, since the last call."""

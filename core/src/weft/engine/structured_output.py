@@ -15,8 +15,7 @@ constrained request that samples; :meth:`StructuredOutputManager.accept` records
 the step produced, which its request's matcher takes just before the next fill.
 
 Accepting and filling run on their own thread (xgrammar releases the GIL in both), so the
-engine core schedules the next step meanwhile, or, where the core only launched the forward
-on a device, on the core's thread while the device runs it. Only that thread uses a matcher once made, and the
+engine core schedules the next step meanwhile. Only that thread uses a matcher once made, and the
 core calls :meth:`~StructuredOutputManager.accept` and
 :meth:`~StructuredOutputManager.grammar_output` only once it has taken the previous fill's
 result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags meanwhile: they
@@ -132,18 +131,10 @@ class StructuredOutputManager:
 
     # Steps.
 
-    def grammar_output(self, request_ids: list[str], requests: dict[str, Request],
-                       inline: bool = False) -> Future[GrammarOutput]:
-        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled
-        once every matcher took the tokens :meth:`accept` recorded; call neither method again before
-        taking the result.
-
-        On the fill thread, or with ``inline`` on the calling thread before returning: the caller's choice
-        of what the fill overlaps. The thread suits a caller that runs the forward itself meanwhile (a CPU
-        worker: its kernels let go of the GIL); a caller that only launched the forward on a device and
-        would run Python meanwhile fills inline, since a second Python thread gets the GIL from a busy one
-        only at its switch interval (5 ms), so a threaded fill would in effect wait for the caller's next
-        blocking call."""
+    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> Future[GrammarOutput]:
+        """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled on
+        the fill thread once every matcher took the tokens :meth:`accept` recorded; call neither method
+        again before taking the result."""
         candidates = [(request_id, request.constraint) for request_id in request_ids
                       if (request := requests.get(request_id)) is not None and request.constraint is not None]
         if not candidates:  # finished meanwhile: the recorded tokens wait for the next fill
@@ -151,14 +142,7 @@ class StructuredOutputManager:
             empty.set_result(GrammarOutput([], b""))
             return empty
         accepted, self._accepted = self._accepted, []
-        if not inline:
-            return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
-        filled: Future[GrammarOutput] = Future()
-        try:
-            filled.set_result(self._accept_and_fill(accepted, candidates))
-        except BaseException as error:
-            filled.set_exception(error)
-        return filled
+        return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
 
     def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
                          candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:

@@ -23,7 +23,11 @@ echo "supplied from the carried libraries: $(ls "$libs/supplied" | tr '\n' ' ')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
 echo "=== test"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_mooncake_gpu.py 2>&1 \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_mooncake_gpu.py 2>&1 \
     | tee "$out/gpu_mooncake_tests.log"
-echo "=== bench"
-timeout 270 python3 bench/kv_store_ttft.py --gpu --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_mooncake_ttft.log"
+echo "=== bench: a 16-token tail; asynchronous, synchronous, and synchronous layer by layer (8 layers per object)"
+timeout 210 python3 bench/kv_store_ttft.py --gpu --tokenizer .whl/tokenizer --variants async,sync,sync:8 2>&1 \
+    | grep -v '^[IWE][0-9]\{4\} ' | tee "$out/gpu_mooncake_ttft.log"
+echo "=== bench: a 2,048-token tail, synchronous whole and layer by layer (the tail's compute overlaps the load)"
+timeout 150 python3 bench/kv_store_ttft.py --gpu --tokenizer .whl/tokenizer --tail 2048 --rounds 3 \
+    --variants sync,sync:8 2>&1 | grep -v '^[IWE][0-9]\{4\} ' | tee "$out/gpu_mooncake_ttft_long_tail.log"

@@ -1,13 +1,17 @@
 """Time to first token with and without MooncakeStore hits for a shared prefix, in one run, and the load bandwidth.
 
 A real ``mooncake_master`` and a ``mooncake_client`` storage node on loopback (weft_mooncake.local).
-A first engine computes the prefix once and saves it. Then, alternating, each round measures:
+A connector engine computes the prefix once and saves it. Then, alternating, each round measures:
 
   * baseline: an engine without a connector computes prefix + a fresh 16-token tail;
   * store hit: an engine with the connector loads the prefix from the store and computes the tail;
   * store miss: the connector engine gets a prompt whose prefix is not stored: it computes it, and
     saves it in the background (the saves are waited for before the next measurement).
 
+``--variants`` measures several connector engines in one run (each against the same baseline engine,
+with a prefix of its own, which it computes and saves first): ``async`` (the default: the request waits
+outside the batch until its load is over), ``sync`` (loaded before its step's forward) and ``sync:N``
+(objects of N layers each: the load lands layer by layer while the forward runs).
 Both measuring engines run with ``enable_prefix_caching = false``, so that every request of
 the connector engine goes to the store instead of the engine's own prefix cache. TTFT is the
 wall time of ``generate(max_tokens=1)``. Medians of the rounds, with the ratios to the baseline.
@@ -21,7 +25,7 @@ against a pinned host-to-device copy of the same size measured in the same run o
   through the connector's pinned staging buffer::
 
     python bench/kv_store_ttft.py [--prefix 2048] [--rounds 3]
-    python bench/kv_store_ttft.py --gpu --tokenizer DIR [--prefix 4096] [--rounds 5]
+    python bench/kv_store_ttft.py --gpu --tokenizer DIR [--prefix 4096] [--rounds 5] [--variants async,sync,sync:8]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -77,9 +82,13 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=16, help="tokens after the prefix, fresh in every request")
     parser.add_argument("--rounds", type=int, help="default: 3; 5 with --gpu")
     parser.add_argument("--staging-mib", type=int, help="the connector's staging_buffer_size in MiB (default: its own)")
+    parser.add_argument("--variants", type=parse_variants, default=parse_variants("async"),
+                        help="connector engines to measure, comma-separated: async, sync, sync:N (synchronous loads of "
+                             "objects of N layers each, landing layer by layer); default: async")
     args = parser.parse_args()
     prefix = args.prefix or (4096 if args.gpu else 2048)
     rounds = args.rounds or (5 if args.gpu else 3)
+    variants = args.variants
 
     from weft import LLM
     from weft_mooncake.local import LocalMooncake
@@ -100,7 +109,7 @@ def main() -> None:
                   "max_model_len": prefix + args.tail + 64}
         use: dict[str, str] = {"platform": "cuda"}
         machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-        segment = (rounds + 3) * (prefix // 16) * (2 << 20)  # every prefix stored (2 MiB a block), and room to spare
+        segment = (rounds + 2 * len(variants) + 3) * (prefix // 16) * (2 << 20)  # every prefix stored (2 MiB a block)
     else:
         model, vocab = None, 40000
         engine = {"enable_prefix_caching": False, "dtype": "float32"}
@@ -116,49 +125,85 @@ def main() -> None:
 
     plain = {"model": model, "engine": engine, "use": use} if model else {"engine": engine, "use": use}
     with LocalMooncake(segment_size=segment) as store:
-        options = store.options(**({"staging_buffer_size": args.staging_mib << 20} if args.staging_mib else {}))
-        connector = {**plain, "use": {**use, "kv_connector": "mooncake"}, "plugins": {"mooncake": options}}
-        shared = tokens(prefix)
-        with LLM(**connector) as writer:
-            ttft(writer, tokens(32))  # warm-up
-            seconds = ttft(writer, shared + tokens(args.tail))
-        print(f"first engine computed and saved the {prefix}-token prefix: {seconds:.2f} s", flush=True)
+        staging = {"staging_buffer_size": args.staging_mib << 20} if args.staging_mib else {}
+
+        def connector(variant: Variant) -> dict:
+            options = store.options(**staging, load_async=variant.load_async, layers_per_object=variant.layers)
+            return {**plain, "use": {**use, "kv_connector": "mooncake"}, "plugins": {"mooncake": options}}
 
         baseline_engine = LLM(**plain)
-        with LLM(**connector) as reader:
-            ttft(baseline_engine, tokens(32))  # warm-up of both engines
-            ttft(reader, tokens(32))
-            settle(reader)
-            runs: dict[str, list[float]] = {"baseline": [], "hit": [], "miss": []}
-            loads = []
-            for _ in range(rounds):
-                runs["baseline"].append(ttft(baseline_engine, shared + tokens(args.tail)))
-                totals = reader.engine.kv_connector.metric_totals
-                before = {name: total.total for name, total in totals.items()}
-                runs["hit"].append(ttft(reader, shared + tokens(args.tail)))
-                loads.append(tuple(totals[name].total - before.get(name, 0.0)
-                                   for name in ("loaded_bytes_total", "load_seconds")))
-                runs["miss"].append(ttft(reader, tokens(prefix + args.tail)))
+        ttft(baseline_engine, tokens(32))  # warm-up
+        runs: dict[str, list[float]] = {"baseline": []}
+        loads: dict[str, list[tuple[float, float]]] = {}
+        for index, variant in enumerate(variants):
+            shared = tokens(prefix)  # a prefix of its own: each variant's key layout
+            with LLM(**connector(variant)) as reader:
+                ttft(reader, tokens(32))  # warm-up
+                seconds = ttft(reader, shared + tokens(args.tail))  # computes and saves the prefix
                 settle(reader)
-            stats = reader.engine.kv_connector.stats
+                print(f"[{variant.name}] computed and saved the {prefix}-token prefix: {seconds:.2f} s", flush=True)
+                runs[variant.name], loads[variant.name] = [], []
+                if index == 0:
+                    runs["miss"] = []
+                for _ in range(rounds):
+                    runs["baseline"].append(ttft(baseline_engine, shared + tokens(args.tail)))
+                    totals = reader.engine.kv_connector.metric_totals
+                    before = {name: total.total for name, total in totals.items()}
+                    runs[variant.name].append(ttft(reader, shared + tokens(args.tail)))
+                    loads[variant.name].append(tuple(totals[name].total - before.get(name, 0.0)
+                                                     for name in ("loaded_bytes_total", "load_seconds")))
+                    if index == 0:
+                        runs["miss"].append(ttft(reader, tokens(prefix + args.tail)))
+                        settle(reader)
+                stats = reader.engine.kv_connector.stats
+            assert stats.hit_tokens == rounds * prefix and stats.failed_load_tokens == 0, (variant, stats)
         baseline_engine.close()
-        assert stats.hit_tokens == rounds * prefix and stats.failed_load_tokens == 0, stats
 
     baseline = median(runs["baseline"])
-    print(f"prompt {prefix} + {args.tail} tokens, medians of {rounds} rounds "
+    print(f"prompt {prefix} + {args.tail} tokens, medians of {rounds} rounds per variant "
           f"(all: {', '.join(f'{name} ' + '/'.join(f'{v:.3f}' for v in values) for name, values in runs.items())})")
     print(f"TTFT without connector      {baseline:8.3f} s   (baseline: computes {prefix + args.tail} tokens)")
-    print(f"TTFT with store hit         {median(runs['hit']):8.3f} s   speed-up {baseline / median(runs['hit']):5.2f}x "
-          f"(baseline / hit: above 1 is faster)")
-    print(f"TTFT with store miss        {median(runs['miss']):8.3f} s   ratio {median(runs['miss']) / baseline:5.2f}x the baseline")
-    loaded, seconds = sorted(loads, key=lambda load: load[1])[len(loads) // 2]
-    rate = loaded / seconds
-    line = f"load of a hit: {loaded / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {rate / 1e9:.2f} GB/s (median of {rounds})"
-    if args.gpu:
-        ceiling = pinned_copy_bandwidth(int(loaded))
-        line += f"; a pinned host-to-device copy of the same size {ceiling / 1e9:.2f} GB/s: ratio {rate / ceiling:.2f}"
-    print(line)
+    ceiling = None
+    for variant in variants:
+        hit = median(runs[variant.name])
+        print(f"TTFT with store hit, {variant.name:<10} {hit:8.3f} s   speed-up {baseline / hit:5.2f}x "
+              f"(baseline / hit: above 1 is faster; {variant.describe()})")
+        loaded, seconds = sorted(loads[variant.name], key=lambda load: load[1])[len(loads[variant.name]) // 2]
+        rate = loaded / seconds
+        line = (f"  load of a hit: {loaded / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {rate / 1e9:.2f} GB/s "
+                f"(median of {rounds})")
+        if args.gpu:
+            ceiling = ceiling or pinned_copy_bandwidth(int(loaded))
+            line += f"; a pinned host-to-device copy of the same size {ceiling / 1e9:.2f} GB/s: ratio {rate / ceiling:.2f}"
+        print(line)
+    print(f"TTFT with store miss        {median(runs['miss']):8.3f} s   ratio {median(runs['miss']) / baseline:5.2f}x "
+          f"the baseline ({variants[0].name})")
 
+
+class Variant(NamedTuple):
+    """A connector engine's loads: asynchronous or synchronous, and layers per stored object (0: all)."""
+
+    load_async: bool
+    layers: int
+
+    @property
+    def name(self) -> str:
+        return ("async" if self.load_async else "sync") + (f":{self.layers}" if self.layers else "")
+
+    def describe(self) -> str:
+        mode = "loaded in the background, then scheduled" if self.load_async else "loaded before and during its step"
+        return mode + (f", objects of {self.layers} layers" if self.layers else ", objects of every layer")
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """``async``, ``sync`` or ``sync:N`` (N layers per object), comma-separated."""
+    variants = []
+    for item in text.split(","):
+        mode, _, layers = item.strip().partition(":")
+        if mode not in ("async", "sync") or (layers and not layers.isdigit()):
+            raise argparse.ArgumentTypeError(f"--variants item {item!r}: write async, sync or sync:N (N layers per object)")
+        variants.append(Variant(mode == "async", int(layers or 0)))
+    return variants
 
 if __name__ == "__main__":
     main()

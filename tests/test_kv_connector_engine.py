@@ -148,3 +148,66 @@ def test_an_asynchronous_load_parks_the_request_outside_the_batch_until_its_kv_a
     assert (3, 0) in parked_sizes  # all three waited outside the running batch
     # The two that arrived computed only their last prompt token; the failed one computed its prompt.
     assert [output.num_cached_tokens for output in outputs] == [len(prompts[0]) - 1, 0, len(prompts[2]) - 1]
+
+
+RECORDER = '''
+    from weft.contracts.kv_connector import KVConnector
+
+    EVENTS = []
+
+
+    class RecorderConnector(KVConnector):
+        """Loads nothing; records when the engine waits for each layer's load."""
+
+        name = "recorder"
+
+        def start_load_kv(self):
+            EVENTS.append(("start", None))
+
+        def wait_for_layer_load(self, layer_name):
+            EVENTS.append(("wait", layer_name))
+
+        def save_kv_layer(self, layer_name, kv_cache):
+            EVENTS.append(("save", layer_name))
+'''
+
+
+def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention(tiny, site, monkeypatch):
+    """Core API 1.9: a layer's wait comes after the previous layer's attention ran, so a connector that lands
+    layers one after another lets the first layers compute while later ones arrive; and every layer is
+    waited for once per step, before any save."""
+    from weft.layers.attention import Attention
+
+    site.add_distribution(
+        "weft-recorder", entry_points={"weft.kv_connector": {"recorder": "recorder:RecorderConnector"}},
+        modules={"recorder": RECORDER},
+    )
+    monkeypatch.syspath_prepend(str(site.root))
+    import recorder
+
+    forward = Attention.forward
+
+    def recorded(self, query, key, value, context):
+        output = forward(self, query, key, value, context)
+        recorder.EVENTS.append(("attention", self.layer_name))  # this layer's attention ran
+        return output
+
+    monkeypatch.setattr(Attention, "forward", recorded)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 5
+    expected = LLM(model=str(tiny), engine={"num_kv_blocks": 64}).generate([prompt], params)[0].outputs[0].token_ids
+    recorder.EVENTS.clear()
+    with LLM(model=str(tiny), engine={"num_kv_blocks": 64}, use={"kv_connector": "recorder"}) as llm:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
+        layers = list(llm.engine.runner.kv_caches)
+    steps, step = [], None
+    for event in recorder.EVENTS:
+        if event[0] == "start":
+            step = []
+            steps.append(step)
+        elif step is not None:
+            step.append(event)
+    per_layer = [event for layer in layers for event in (("wait", layer), ("attention", layer))]
+    assert len(steps) == 3 and len(layers) == 2
+    for step in steps:
+        assert step == per_layer + [("save", layer) for layer in layers]

@@ -92,10 +92,13 @@ def stored(store: LocalMooncake, keys: list[str]) -> list[int]:
         client.close()
 
 
-def keys_for(llm: LLM, group: str, prompt: list[int]) -> list[str]:
-    """The documented key layout, rebuilt from the engine's model identity and the prompt's block hashes."""
+def keys_for(llm: LLM, group: str, prompt: list[int], run: tuple[int, int] | None = None) -> list[str]:
+    """The documented key layout, rebuilt from the engine's model identity and the prompt's block hashes;
+    ``run``: (layers_per_object, run) of objects holding a run of layers."""
     context = llm.engine.kv_connector.scheduler_side.context
     prefix = f"weft/{context.model}/float32/tp0of1/pp0of1/{group}/16/"
+    if run is not None:
+        prefix += f"layers{run[0]}/{run[1]}/"
     return [prefix + block_hash.hex() for block_hash in block_hashes(prompt, 16)]
 
 
@@ -127,6 +130,31 @@ def test_a_second_engine_loads_the_shared_prefix_from_the_store(store, llama, lo
     assert computed[0] == len(second_prompt) - 64
     # The blocks of the second prompt's tail were saved too (5 full blocks of 80 tokens).
     assert stored(store, keys_for(second, "attention", second_prompt)) == [1] * 5
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_objects_of_one_layer_each_land_layer_by_layer(store, llama, load_async):
+    """layers_per_object = 1: an object per block and layer (keys name the run); a synchronous load lands the
+    first layer of every block, then the second, and the output is the same as without the store."""
+    shared = [(11 * i + 5 + 60 * load_async) % 4000 + 10 for i in range(70)]  # 4 full blocks and 6 tokens
+    first_prompt, second_prompt = shared + [11, 12, 13], shared + [21, 22, 23, 24]
+    expected = reference(llama, [first_prompt, second_prompt])
+    with connected(llama, store, layers_per_object=1, load_async=load_async) as first:
+        assert generate(first, [first_prompt]) == expected[:1]
+    for run in (0, 1):  # the tiny model has 2 layers
+        assert stored(store, keys_for(first, "attention", first_prompt, (1, run))) == [1, 1, 1, 1]
+    assert stored(store, keys_for(first, "attention", first_prompt)) == [0, 0, 0, 0]
+
+    with connected(llama, store, layers_per_object=1, load_async=load_async) as second:
+        worker = second.engine.runner.connector.worker_side
+        moved, move = [], worker._move
+        worker._move = lambda request_id, objects: (moved.extend(stored.part for stored in objects),
+                                                    move(request_id, objects))[1]
+        assert generate(second, [second_prompt]) == expected[1:]
+        metrics = second.engine.kv_connector.metric_totals
+        assert metrics["loaded_bytes_total"].total == 4 * block_bytes(second)
+        assert second.engine.kv_connector.stats.hit_tokens == 64
+    assert moved == [0] * 4 + [1] * 4  # every block's first layer, then every block's second
 
 
 def test_a_consumer_loads_but_never_saves_and_a_producer_saves_but_never_loads(store, llama):
@@ -287,17 +315,21 @@ def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_ag
             assert second.engine.kv_connector.stats.hit_tokens == (len(prompts[5]) - 1) // 16 * 16
 
 
+@pytest.mark.parametrize("layers_per_object", [0, 1], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
-def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_async):
+def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_async, layers_per_object):
     """The store claims the blocks (the keys exist) but holds an object of the wrong size in the middle: the
-    blocks before it are written, then the load fails."""
+    blocks before it are written, then the load fails (layer by layer: the second layer of the second block,
+    after the first layer of every block landed and the forward may have started)."""
     from mooncake.store import MooncakeDistributedStore
 
-    prompt = [(13 * i + 7 + 40 * load_async) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 after
+    salt = 40 * load_async + 20 * layers_per_object
+    prompt = [(13 * i + 7 + salt) % 4500 + 50 for i in range(60)]  # three full blocks to load, 12 after
     expected = reference(llama, [prompt])
-    with connected(llama, store) as first:
+    with connected(llama, store, layers_per_object=layers_per_object) as first:
         generate(first, [prompt])
-    middle = keys_for(first, "attention", prompt)[1]
+    run = (1, 1) if layers_per_object else None
+    middle = keys_for(first, "attention", prompt, run)[1]
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", store.metadata_server, 0, 1 << 20, "tcp", "", store.master_server_address) == 0
     try:
@@ -306,7 +338,8 @@ def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_asyn
     finally:
         client.close()
 
-    with connected(llama, store, load_async=load_async) as second, caplog.at_level(logging.WARNING, logger="weft.engine"):
+    with (connected(llama, store, load_async=load_async, layers_per_object=layers_per_object) as second,
+          caplog.at_level(logging.WARNING, logger="weft.engine")):
         computed = count_prefill_tokens(second)
         assert generate(second, [prompt]) == expected
         stats = second.engine.kv_connector.stats

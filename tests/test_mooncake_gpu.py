@@ -2,8 +2,8 @@
 master and storage node (started here on loopback ports), CUDA graphs on.
 
 The first process computes prompts that share a prefix and saves their full blocks; the second
-process loads the prefix into its GPU cache (asynchronously, through the pinned staging buffer) and
-computes only the tails. The reference is a third process without the connector that runs the same
+process loads the prefix into its GPU cache (asynchronously, or synchronously layer by layer, through
+the pinned staging buffer) and computes only the tails. The reference is a third process without the connector that runs the same
 requests in the same order, so its engine's own prefix cache gives the later prompts the prefix
 the same way: its greedy tokens are what the second process must produce.
 """
@@ -71,15 +71,21 @@ def engine_process(model: Path, prompts: list[list[int]], connector: dict | None
     return json.loads(line[len("REPORT "):])
 
 
-def test_a_second_engine_process_loads_the_prefix_into_its_gpu_cache_with_graphs_on(store, tmp_path, tokenizer_files):
+@pytest.mark.parametrize(("load_async", "layers_per_object"), [(True, 0), (False, 1)], ids=["async", "sync-layerwise"])
+def test_a_second_engine_process_loads_the_prefix_into_its_gpu_cache_with_graphs_on(
+    store, tmp_path, tokenizer_files, load_async, layers_per_object
+):
+    """Asynchronously (the request waits outside the batch), and synchronously with one layer per object (the
+    forward waits for each layer's objects just before that layer, while later layers are still arriving)."""
     model = make_tiny_model(tmp_path / "llama", "llama", tokenizer_files)
     reference = engine_process(model, FIRST + LATER, None)
+    options = store.options(load_async=load_async, layers_per_object=layers_per_object)
 
-    first = engine_process(model, FIRST, store.options())
+    first = engine_process(model, FIRST, options)
     assert first["tokens"] == reference["tokens"][:1]
     assert first["staged"] == "DeviceBlocks" and first["hit_tokens"] == 0
 
-    second = engine_process(model, LATER, store.options())
+    second = engine_process(model, LATER, options)
     assert second["cache_devices"] == ["cuda:0"] and second["graphs"], "the KV cache is on the GPU, graphs captured"
     # The first later prompt loads the 20 shared blocks from the store; the others find them in the engine's own
     # prefix cache, as in the reference.

@@ -23,9 +23,16 @@ request's tracking afresh) → ``build_connector_meta`` once per step → the wo
 run → ``update_connector_output`` → ``request_finished`` when a request ends.
 
 Worker-side call order per step (:mod:`weft.engine.kv_connector` drives both
-roles): ``bind_connector_metadata`` → ``start_load_kv`` → ``wait_for_layer_load``
-for every layer → the forward pass → ``save_kv_layer`` for every layer →
-``wait_for_save`` → ``get_finished`` → ``clear_connector_metadata``. A step that
+roles): ``bind_connector_metadata`` → ``start_load_kv`` → the forward pass, during
+which ``wait_for_layer_load`` is called once for every layer before that layer reads
+its cache → ``save_kv_layer`` for every layer → ``wait_for_save`` → ``get_finished`` →
+``clear_connector_metadata``. Layer by layer since core API 1.9: a layer the model runs
+through core's ``Attention`` is waited for inside the forward, just before its
+attention (so a connector whose layers land one after another lets the first layers
+compute while later ones arrive); the others (model-managed groups), and every layer
+of a step that replays a captured CUDA graph, before the forward starts. Each wait
+runs on the thread that runs the forward; on a device, returning once the layer's
+copies are ordered before the current stream's later work suffices. A step that
 schedules no request still binds its metadata, calls ``start_load_kv`` and
 ``get_finished`` (no forward, no saves). Synchronous loads (``load_async=False``)
 must be complete when ``wait_for_layer_load`` returns. A request whose load failed
@@ -375,7 +382,8 @@ class KVConnector(PluginBase):
         """Begin loading external KV for this step before the forward pass."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s KV has arrived."""
+        """Block until ``layer_name``'s KV has arrived (called in the forward, just before the layer: see the
+        module docstring)."""
 
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """``layer_name`` finished its forward; start saving what the metadata asks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,6 +39,10 @@ class ForwardContext(msgspec.Struct):
     position 0 whose every block is the group's scratch block, the last block of each cache tensor, which no
     request is given. Only set for families whose :meth:`~weft.contracts.model.ModelFamily.captures_managed_groups`
     is true; ``prefix_hits``, ``request_ids`` and ``sparse_entries`` are empty then."""
+    wait_for_layer: Callable[[str], None] | None = None
+    """Blocks until the KV connector's load of a layer's cache for this step is complete (core API 1.9);
+    None without a connector and in captured graphs. :class:`Attention` calls it before its layer's
+    attention; a model that reads or writes a cache tensor any other way is waited for before the forward."""
 
 
 class Attention(nn.Module):
@@ -50,6 +55,8 @@ class Attention(nn.Module):
         self.spec = spec
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        if context.wait_for_layer is not None:
+            context.wait_for_layer(self.layer_name)
         return context.backend.forward(
             self.spec, query, key, value, context.kv_caches[self.layer_name], context.metadata[self.group]
         )

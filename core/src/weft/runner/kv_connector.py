@@ -4,8 +4,14 @@
 and brackets each forward pass: the step's metadata (built by the scheduler
 role, carried in the :class:`~weft.contracts.executor.SchedulerOutput` as
 msgpack bytes) is bound and loads run before the forward; saves and the
-worker's report follow it. Synchronous loads are waited for, every layer, before
-the forward starts; asynchronous ones complete in later steps' reports.
+worker's report follow it. Synchronous loads are waited for layer by layer (core API
+1.9): a layer the model runs through :class:`weft.layers.attention.Attention` is waited
+for inside the forward, just before that layer's attention reads its cache (the
+layer's ``ForwardContext.wait_for_layer``), so a connector that lands its layers one
+after another lets the first layers compute while later ones arrive; every other
+layer (a model-managed group's), and every layer of a step that replays a captured
+graph, is waited for before the forward starts. Asynchronous loads complete in later
+steps' reports.
 
 With several ranks each has its own worker role (its own slice of every block);
 their reports are gathered every step and combined alike on every rank: a load
@@ -39,13 +45,18 @@ class WorkerConnector:
         context: ConnectorContext,
         kv_caches: dict[str, torch.Tensor],
         gather: Callable[[ConnectorOutput], list[ConnectorOutput]] | None = None,
+        attention_layers: frozenset[str] = frozenset(),
     ) -> None:
-        """``gather``: every rank's report of a step (several ranks), else None."""
+        """``gather``: every rank's report of a step (several ranks), else None. ``attention_layers``:
+        the layers whose :class:`~weft.layers.attention.Attention` waits for its own load in the forward."""
         self.worker_side = connector_class(options, "worker", tuple(groups), context)
         self.gather = gather
         self._reported: dict[str, Counter[str]] = {"finished_sending": Counter(), "finished_receiving": Counter()}
         self.worker_side.register_kv_caches(kv_caches)
         self.kv_caches = kv_caches
+        self._in_forward = attention_layers & set(kv_caches)
+        self._waited: set[str] = set()
+        """Layers whose load this step has waited for."""
         self._decoder = msgspec.msgpack.Decoder(metadata_type(connector_class))
         self._closed = False
 
@@ -53,11 +64,26 @@ class WorkerConnector:
         """Bind the step's metadata and load external KV, before the forward pass."""
         self.worker_side.bind_connector_metadata(self._decoder.decode(metadata) if metadata is not None else None)
         self.worker_side.start_load_kv()
+        self._waited = set()
         for layer_name in self.kv_caches:
+            if layer_name not in self._in_forward:
+                self.wait_for_layer(layer_name)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """``layer_name``'s load of this step is complete (once per layer and step: pipeline micro-batches
+        run each layer several times)."""
+        if layer_name not in self._waited:
+            self._waited.add(layer_name)
             self.worker_side.wait_for_layer_load(layer_name)
+
+    def wait_for_all_layers(self) -> None:
+        """Every layer's load of this step is complete: before a graph replay, whose layers call nothing."""
+        for layer_name in self.kv_caches:
+            self.wait_for_layer(layer_name)
 
     def finish_step(self, finished_request_ids: Sequence[str]) -> ConnectorOutput:
         """Save after the forward pass; returns the worker's report."""
+        self.wait_for_all_layers()  # a layer the forward did not reach still hears its wait, before any save
         for layer_name, kv_cache in self.kv_caches.items():
             self.worker_side.save_kv_layer(layer_name, kv_cache)
         self.worker_side.wait_for_save()

@@ -346,6 +346,8 @@ class ModelRunner:
             if size is not None:
                 for state in states:
                     state.take_prefix_hit()  # none resumes from a hit here: replays start from the ring as it is
+                if self.connector is not None:
+                    self.connector.wait_for_all_layers()  # a captured graph's layers wait for nothing
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
         return self._execute_eager(states, counts, sampling, prompt_logprobs)
@@ -435,7 +437,8 @@ class ModelRunner:
         prefix_hits = [state.take_prefix_hit() for state in states]
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
                                  prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
-                                 sparse_entries=self.sparse_entries)
+                                 sparse_entries=self.sparse_entries,
+                                 wait_for_layer=self.connector.wait_for_layer if self.connector is not None else None)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,

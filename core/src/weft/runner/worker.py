@@ -135,7 +135,9 @@ class Worker:
         if connector is not None:
             connector_class, options, context = connector
             gather = self.parallel.all_gather_objects if self.parallel.world_size > 1 else None
-            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches, gather)
+            attention_layers = frozenset(module.layer_name for module in self.model.modules() if isinstance(module, Attention))
+            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches, gather,
+                                                attention_layers)
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
             self.kv_connector, self.parallel,

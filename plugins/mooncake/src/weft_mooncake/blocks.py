@@ -1,7 +1,8 @@
 """Where a stored object's bytes are on the worker: in the KV cache itself, or in a staging buffer.
 
-A stored object is one prefix block of one KV-cache group across all the group's
-layers: for each layer in the group's order, for each of the object's cache blocks,
+A stored object is one prefix block of one KV-cache group across a run of the group's
+layers (all of them, or ``layers_per_object`` at a time: :func:`layer_parts`): for each
+layer of the run in the group's order, for each of the object's cache blocks,
 the block's keys then its values (the attention backends' layout ``[2, num_blocks, ...]``),
 or the block's bytes (a model-managed group, block first: DeepSeek V4's compressed entries
 and snapshots). Both kinds of cache give the store that same byte layout, so the store's
@@ -20,7 +21,7 @@ bytes do not depend on where the cache lives.
   forward that wrote its blocks (an event recorded after it). Each direction owns
   half of both buffers, and one thread per direction uses it, one batch at a time.
 
-A batch is what one store call moves: the objects of one group, at most
+A batch is what one store call moves: the objects of one group and layer run, at most
 :data:`MAX_SLICES_PER_CALL` buffer slices and, through a staging buffer, at most half of it.
 """
 
@@ -45,15 +46,25 @@ class StoredObject(Protocol):
 
     group: int
     blocks: tuple[int, ...]
+    part: int
+    """Which run of the group's layers the object holds (:func:`layer_parts`); 0 when one object holds them all."""
 
 
 class Batch(NamedTuple):
-    """One store call's objects (all of ``group``), with the buffer slices each object's bytes take."""
+    """One store call's objects (all of ``group`` and ``part``), with the buffer slices each object's bytes take."""
 
     group: int
+    part: int
     objects: list[StoredObject]
     addresses: list[list[int]]
     sizes: list[list[int]]
+
+
+def layer_parts(layer_count: int, layers_per_object: int) -> list[range]:
+    """The runs of a group's layers (by index in its order) one object each holds: all of them when
+    ``layers_per_object`` is 0, else ``layers_per_object`` at a time (the last run may be shorter)."""
+    step = layers_per_object or layer_count
+    return [range(start, min(start + step, layer_count)) for start in range(0, layer_count, step)]
 
 
 class GroupLayers(NamedTuple):
@@ -86,7 +97,9 @@ def group_layers(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) ->
 class HostBlocks:
     """A host-memory cache: objects move straight between the registered cache tensors and the store."""
 
-    def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None]) -> None:
+    def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None],
+                 layers_per_object: int = 0) -> None:
+        self._parts = {group: layer_parts(len(tensors), layers_per_object) for group, (tensors, _, _) in layers.items()}
         self._layouts: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         """Per stored group, per layer: (base address of each part, bytes of a block's part)."""
         self.registered: list[int] = []
@@ -100,21 +113,23 @@ class HostBlocks:
                     register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
                     self.registered.append(tensor.data_ptr())
 
-    def object_bytes(self, group: int, blocks_per_object: int) -> int:
-        return sum(len(bases) * block_bytes for bases, block_bytes in self._layouts[group]) * blocks_per_object
+    def object_bytes(self, group: int, blocks_per_object: int, part: int = 0) -> int:
+        layouts = [self._layouts[group][layer] for layer in self._parts[group][part]]
+        return sum(len(bases) * block_bytes for bases, block_bytes in layouts) * blocks_per_object
 
     def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
-        for group, of_group in _by_group(objects):
-            batch = Batch(group, [], [], [])
+        for (group, part), of_group in _by_group(objects):
+            batch = Batch(group, part, [], [], [])
+            layouts = [self._layouts[group][layer] for layer in self._parts[group][part]]
             for stored in of_group:
                 addresses, sizes = [], []
-                for bases, block_bytes in self._layouts[group]:
+                for bases, block_bytes in layouts:
                     for block in stored.blocks:
                         addresses += (base + block * block_bytes for base in bases)
                         sizes += (block_bytes,) * len(bases)
                 if batch.objects and sum(map(len, batch.sizes)) + len(sizes) > MAX_SLICES_PER_CALL:
                     yield batch
-                    batch = Batch(group, [], [], [])
+                    batch = Batch(group, part, [], [], [])
                 batch.objects.append(stored)
                 batch.addresses.append(addresses)
                 batch.sizes.append(sizes)
@@ -136,10 +151,12 @@ class DeviceBlocks:
     """A CUDA device cache, moved through a pinned host staging buffer with copies on side streams."""
 
     def __init__(
-        self, layers: dict[int, GroupLayers], staging_bytes: int, register: Callable[[int, int], None]
+        self, layers: dict[int, GroupLayers], staging_bytes: int, register: Callable[[int, int], None],
+        layers_per_object: int = 0,
     ) -> None:
         import torch
 
+        self._parts = {group: layer_parts(len(tensors), layers_per_object) for group, (tensors, _, _) in layers.items()}
         first = next(iter(layers.values())).tensors[0]
         self.device = first.device
         self._layers = {
@@ -160,19 +177,19 @@ class DeviceBlocks:
         register(self.staging.data_ptr(), staging_bytes)
         self.registered = [self.staging.data_ptr()]
 
-    def object_bytes(self, group: int, blocks_per_object: int) -> int:
-        tensors, block_bytes, parts = self._layers[group]
-        return len(tensors) * blocks_per_object * parts * block_bytes
+    def object_bytes(self, group: int, blocks_per_object: int, part: int = 0) -> int:
+        _, block_bytes, parts = self._layers[group]
+        return len(self._parts[group][part]) * blocks_per_object * parts * block_bytes
 
     def batches(self, objects: Sequence[StoredObject], direction: Direction) -> Iterator[Batch]:
         base = self.staging.data_ptr() + self._region[direction]
-        for group, of_group in _by_group(objects):
-            batch, used = Batch(group, [], [], []), 0
+        for (group, part), of_group in _by_group(objects):
+            batch, used = Batch(group, part, [], [], []), 0
             for stored in of_group:
-                size = self.object_bytes(group, len(stored.blocks))
+                size = self.object_bytes(group, len(stored.blocks), part)
                 if batch.objects and (used + size > self.half or len(batch.objects) >= MAX_SLICES_PER_CALL):
                     yield batch
-                    batch, used = Batch(group, [], [], []), 0
+                    batch, used = Batch(group, part, [], [], []), 0
                 batch.objects.append(stored)
                 batch.addresses.append([base + used])
                 batch.sizes.append([size])
@@ -196,7 +213,7 @@ class DeviceBlocks:
         with torch.inference_mode(), torch.cuda.stream(stream):  # the engine's cache may be an inference tensor
             stream.wait_event(forward_done)
             staged, blocks = self._staged(batch, "save")
-            gather_blocks(self._layers[batch.group][0], blocks, staged)
+            gather_blocks(self._part_layers(batch), blocks, staged)
             start = self._region["save"]
             self.staging[start : start + staged.numel()].copy_(staged.view(-1), non_blocking=True)
         stream.synchronize()
@@ -210,18 +227,23 @@ class DeviceBlocks:
             staged, blocks = self._staged(batch, "load")
             start = self._region["load"]
             staged.view(-1).copy_(self.staging[start : start + staged.numel()], non_blocking=True)
-            scatter_blocks(staged, blocks, self._layers[batch.group][0])
+            scatter_blocks(staged, blocks, self._part_layers(batch))
         stream.synchronize()
+
+    def _part_layers(self, batch: Batch) -> list[torch.Tensor]:
+        tensors = self._layers[batch.group][0]
+        return [tensors[layer] for layer in self._parts[batch.group][batch.part]]
 
     def _staged(self, batch: Batch, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's scratch view (see :func:`gather_blocks`) and its block ids, on the device."""
         import torch
 
-        tensors, block_bytes, parts = self._layers[batch.group]
+        _, block_bytes, parts = self._layers[batch.group]
+        layer_count = len(self._parts[batch.group][batch.part])
         count = len(batch.objects[0].blocks)
         start = self._region[direction]
-        size = len(batch.objects) * self.object_bytes(batch.group, count)
-        staged = self.scratch[start : start + size].view(len(batch.objects), len(tensors), count, parts, block_bytes)
+        size = len(batch.objects) * self.object_bytes(batch.group, count, batch.part)
+        staged = self.scratch[start : start + size].view(len(batch.objects), layer_count, count, parts, block_bytes)
         ids = [block for stored in batch.objects for block in stored.blocks]
         return staged, torch.tensor(ids, dtype=torch.long, device=self.device)
 
@@ -249,8 +271,9 @@ def scatter_blocks(staged: torch.Tensor, blocks: torch.Tensor, layers: Sequence[
         cache.index_copy_(1, blocks, staged[:, index].permute(2, 0, 1, 3).reshape(parts, objects * count, -1))
 
 
-def _by_group(objects: Sequence[StoredObject]) -> Iterator[tuple[int, list[StoredObject]]]:
-    groups: dict[int, list[StoredObject]] = {}
+def _by_group(objects: Sequence[StoredObject]) -> Iterator[tuple[tuple[int, int], list[StoredObject]]]:
+    """The objects by group and layer run, in the order each first appears."""
+    groups: dict[tuple[int, int], list[StoredObject]] = {}
     for stored in objects:
-        groups.setdefault(stored.group, []).append(stored)
+        groups.setdefault((stored.group, stored.part), []).append(stored)
     yield from groups.items()

@@ -9,6 +9,9 @@ prefix hash, so only an engine that would compute the same bytes finds it::
 
     weft/<model>@<config digest>/<dtype>/tp<rank>of<size>/pp<rank>of<size>/<group>/<block size>/<hash>
 
+and, with ``layers_per_object = n``, ``.../<block size>/layers<n>/<run>/<hash>`` (``run``
+counts the group's runs of ``n`` layers from 0).
+
 Scheduler role: a request's lookup asks the store which leading blocks exist
 (prompts shorter than a block match nothing; the last token is always left to
 compute) and offers those beyond the engine's local prefix-cache hit. With
@@ -32,10 +35,14 @@ before the next forward writes to any block. A request that ends while its load 
 in flight keeps its blocks until the load is over (it is then named in
 ``finished_receiving``).
 
-Loads are not layer-wise: the engine's runtime waits for every layer before the
-forward starts (:mod:`weft.runner.kv_connector`), so ``wait_for_layer_load`` could
-not let the first layers compute early; an asynchronous load overlaps other
-requests' steps instead.
+Layer by layer: with ``layers_per_object = n`` an object holds ``n`` of its group's
+layers (keys name the run), and a synchronous load moves the first run of every
+block, then the next: ``wait_for_layer_load`` returns as soon as its layer's run has
+landed, and the engine waits for each layer just before that layer's attention
+(core API 1.9), so the first layers compute while later ones arrive. With the
+default 0 an object holds every layer of its group (the fewest objects, so the
+fewest store calls). An asynchronous load overlaps other requests' steps instead:
+its request waits for all of it.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from weft.contracts.kv_connector import (
     connector_block_size,
 )
 
-from weft_mooncake.blocks import Batch, DeviceBlocks, HostBlocks, group_layers
+from weft_mooncake.blocks import Batch, DeviceBlocks, HostBlocks, group_layers, layer_parts
 from weft_mooncake.store import StoreClient
 
 if TYPE_CHECKING:
@@ -103,6 +110,11 @@ class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         int, Meta(ge=1 << 20, description="bytes of pinned host memory (and as much device memory) that device KV "
                                           "caches move through, half for loads and half for saves")
     ] = 256 << 20
+    layers_per_object: Annotated[
+        int, Meta(ge=0, description="layers of a group one stored object holds: 0 = all of them (fewest objects); n: "
+                                    "a synchronous load lands n layers at a time, so the first layers compute while "
+                                    "later ones arrive")
+    ] = 0
 
     def __post_init__(self) -> None:
         if self.protocol == "rdma" and not self.device_name:
@@ -118,6 +130,8 @@ class BlockTransfer(msgspec.Struct, frozen=True, array_like=True):
     block_hash: bytes
     group: int
     blocks: tuple[int, ...]
+    part: int = 0
+    """The run of the group's layers it holds (``layers_per_object``; :func:`weft_mooncake.blocks.layer_parts`)."""
 
 
 class RequestTransfer(msgspec.Struct, frozen=True, array_like=True):
@@ -198,8 +212,14 @@ class MooncakeStoreConnector(KVConnector):
         )
         self._key_prefixes = {
             index: prefix.format(dtype=self.groups[index].spec.dtype, group=self.groups[index].name)
+            + (f"layers{options.layers_per_object}/" if options.layers_per_object else "")
             for index in self.stored_groups
         }
+        self._parts = {
+            index: layer_parts(len(self.groups[index].layer_names), options.layers_per_object)
+            for index in self.stored_groups
+        }
+        """Per stored group, the runs of its layers one object each holds."""
         worker = role == "worker"
         self.client = StoreClient(
             local_hostname=options.local_hostname,
@@ -223,6 +243,12 @@ class MooncakeStoreConnector(KVConnector):
         self._metadata: MooncakeStepMetadata | None = None
         self._failed_loads: set[str] = set()
         """Synchronous loads of this step that failed."""
+        self._step_load: Future[set[str]] | None = None
+        """This step's synchronous loads, landing run by run on the loader thread."""
+        self._landed: dict[tuple[int, int], threading.Event] | None = None
+        """Per stored group and run of its layers: set once this step's synchronous loads of it landed."""
+        self._layer_parts: dict[str, tuple[int, int]] = {}
+        """Each stored layer's group and run."""
         self._pending: dict[str, list[Future[None]]] = {}
         """Saves in flight per request."""
         self._awaiting: set[str] = set()
@@ -244,18 +270,23 @@ class MooncakeStoreConnector(KVConnector):
 
     # Keys.
 
-    def key(self, group: int, block_hash: bytes) -> str:
-        return self._key_prefixes[group] + block_hash.hex()
+    def key(self, group: int, block_hash: bytes, part: int = 0) -> str:
+        run = f"{part}/" if self.options.layers_per_object else ""
+        return f"{self._key_prefixes[group]}{run}{block_hash.hex()}"
 
     def _objects(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], first: int, end: int
                  ) -> tuple[BlockTransfer, ...]:
+        """The objects of prefix blocks ``first:end``: every block's first run of layers, then the next run."""
         objects = []
-        for position in range(first, end):
-            block_hash = request.block_hashes[position]
-            for group in self.stored_groups:
-                per_object = self.block_size // self.groups[group].spec.block_size
-                blocks = block_ids[group][position * per_object : (position + 1) * per_object]
-                objects.append(BlockTransfer(block_hash, group, tuple(blocks)))
+        for part in range(max(len(self._parts[group]) for group in self.stored_groups)):
+            for position in range(first, end):
+                block_hash = request.block_hashes[position]
+                for group in self.stored_groups:
+                    if part >= len(self._parts[group]):
+                        continue
+                    per_object = self.block_size // self.groups[group].spec.block_size
+                    blocks = block_ids[group][position * per_object : (position + 1) * per_object]
+                    objects.append(BlockTransfer(block_hash, group, tuple(blocks), part))
         return tuple(objects)
 
     # Scheduler role.
@@ -277,11 +308,12 @@ class MooncakeStoreConnector(KVConnector):
         """Leading blocks whose objects of every stored group exist in the store."""
         if not hashes:
             return 0
-        keys = [self.key(group, block_hash) for block_hash in hashes for group in self.stored_groups]
+        keys = [self.key(group, block_hash, part) for block_hash in hashes for group in self.stored_groups
+                for part in range(len(self._parts[group]))]
         found = self.client.call("lookup", self.client.store.batch_is_exist, keys)
         if found is None:
             return 0
-        width = len(self.stored_groups)
+        width = len(keys) // len(hashes)
         count = 0
         while count < len(hashes) and all(value == 1 for value in found[count * width : (count + 1) * width]):
             count += 1
@@ -366,10 +398,17 @@ class MooncakeStoreConnector(KVConnector):
                 f"weft-mooncake moves KV blocks between the store and host memory or one CUDA device; "
                 f"this worker's stored KV caches are on {sorted(map(str, devices))}"
             )
+        per_object = self.options.layers_per_object
         if next(iter(devices)).type == "cpu":
-            self.blocks = HostBlocks(layers, self._register)
+            self.blocks = HostBlocks(layers, self._register, per_object)
         else:
-            self.blocks = DeviceBlocks(layers, self.options.staging_buffer_size, self._register)
+            self.blocks = DeviceBlocks(layers, self.options.staging_buffer_size, self._register, per_object)
+        self._layer_parts = {
+            layer: (index, part)
+            for index in self.stored_groups
+            for part, run in enumerate(self._parts[index])
+            for layer in (self.groups[index].layer_names[position] for position in run)
+        }
 
     def _register(self, address: int, size: int) -> None:
         status = self.client.store.register_buffer(address, size)
@@ -399,37 +438,87 @@ class MooncakeStoreConnector(KVConnector):
                 self._released.add(request_id)
         for transfer in metadata.receives:
             self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer)
-        for transfer in metadata.loads:  # synchronous: done before the forward (on the loader, which owns the staging)
-            if not self._loader.submit(self._load, transfer).result():
-                self._failed_loads.add(transfer.request_id)
+        if metadata.loads:  # synchronous: landed run by run while the forward runs (on the loader, which owns the staging)
+            self._landed = {(group, part): threading.Event() for group in self.stored_groups
+                            for part in range(len(self._parts[group]))}
+            self._step_load = self._loader.submit(self._load_in_runs, metadata.loads, self._landed)
 
     def _load(self, transfer: RequestTransfer) -> bool:
         """Load a request's objects into its blocks; whether every object arrived."""
         started = time.perf_counter()
-        loaded = 0
-        try:
-            for batch in self.blocks.batches(transfer.objects, "load"):
-                keys = self._keys(batch)
-                store = self.client.store
-                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes)
-                if results is None or any(got != sum(want) for got, want in zip(results, batch.sizes, strict=True)):
-                    return False
-                self.blocks.unstage_loaded(batch)
-                loaded += sum(map(sum, batch.sizes))
-        except Exception:  # a load that fails is recomputed: never let it fail the engine
-            logger.exception("weft-mooncake: loading request %s failed", transfer.request_id)
+        loaded = self._move(transfer.request_id, transfer.objects)
+        if loaded is None:
             return False
         self._observe("loaded_bytes_total", loaded)
         self._observe("load_seconds", time.perf_counter() - started)
         return True
 
+    def _load_in_runs(self, transfers: Sequence[RequestTransfer], landed: dict[tuple[int, int], threading.Event]
+                      ) -> set[str]:
+        """A step's synchronous loads: every request's first run of layers, then the next, each run's event set
+        once it landed for all of them (set at the end whatever happened); returns the requests that failed."""
+        started = time.perf_counter()
+        failed: set[str] = set()
+        loaded = dict.fromkeys((transfer.request_id for transfer in transfers), 0)
+        try:
+            for part in range(max(len(runs) for runs in self._parts.values())):
+                for transfer in transfers:
+                    objects = [stored for stored in transfer.objects if stored.part == part]
+                    if transfer.request_id in failed or not objects:
+                        continue
+                    moved = self._move(transfer.request_id, objects)
+                    if moved is None:
+                        failed.add(transfer.request_id)
+                    else:
+                        loaded[transfer.request_id] += moved
+                for (group, of_part), event in landed.items():
+                    if of_part == part:
+                        event.set()
+        finally:
+            for event in landed.values():
+                event.set()
+        seconds = time.perf_counter() - started
+        for request_id, moved in loaded.items():
+            if request_id not in failed:
+                self._observe("loaded_bytes_total", moved)
+                self._observe("load_seconds", seconds)
+        return failed
+
+    def _move(self, request_id: str, objects: Sequence[BlockTransfer]) -> int | None:
+        """Load ``objects`` into their blocks; the bytes moved, None unless every object arrived."""
+        loaded = 0
+        try:
+            for batch in self.blocks.batches(objects, "load"):
+                keys = self._keys(batch)
+                store = self.client.store
+                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes)
+                if results is None or any(got != sum(want) for got, want in zip(results, batch.sizes, strict=True)):
+                    return None
+                self.blocks.unstage_loaded(batch)
+                loaded += sum(map(sum, batch.sizes))
+        except Exception:  # a load that fails is recomputed: never let it fail the engine
+            logger.exception("weft-mooncake: loading request %s failed", request_id)
+            return None
+        return loaded
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Synchronous loads complete in :meth:`start_load_kv`; asynchronous ones in the background."""
+        """Returns once this step's synchronous loads of ``layer_name``'s run of layers landed (asynchronous
+        loads complete in the background)."""
+        landed, where = self._landed, self._layer_parts.get(layer_name)
+        if landed is not None and where is not None:
+            landed[where].wait()
+
+    def _settle_step_load(self) -> None:
+        """The step's synchronous loads are over: their failures join this step's report."""
+        if self._step_load is not None:
+            self._failed_loads |= self._step_load.result()
+            self._step_load = self._landed = None
 
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """An object spans all layers of its group, so saving starts in :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
+        self._settle_step_load()  # a request whose load failed saves nothing of this step
         metadata = self._metadata
         if metadata is None or not metadata.saves or self._saver is None:
             return
@@ -461,7 +550,7 @@ class MooncakeStoreConnector(KVConnector):
                 logger.debug("weft-mooncake: %d of %d objects were not saved (%s)", refused, len(batch.objects), results)
 
     def _keys(self, batch: Batch) -> list[str]:
-        return [self.key(batch.group, stored.block_hash) for stored in batch.objects]
+        return [self.key(batch.group, stored.block_hash, batch.part) for stored in batch.objects]
 
     def _dropped(self, count: int) -> None:
         self.dropped_saves += count
@@ -472,6 +561,7 @@ class MooncakeStoreConnector(KVConnector):
             self._observations.setdefault(name, []).append(float(value))
 
     def get_finished(self, finished_request_ids: set[str]) -> ConnectorOutput:
+        self._settle_step_load()
         self._awaiting |= finished_request_ids
         sent = set()
         for request_id in self._awaiting:

@@ -191,7 +191,8 @@ class DiskConnector(KVConnector):
         return shape
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in :meth:`start_load_kv`."""
+        """Loads complete in :meth:`start_load_kv` (the engine calls this inside the forward, just before the
+        layer's attention: a connector that lands layers one by one can let the first layers compute early)."""
 
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """A file spans all layers of its group, so saving happens in :meth:`wait_for_save`."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -34,6 +34,9 @@ from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.engine.structured_output import StructuredOutputManager
 from weft.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from weft.engine.step_profile import StepProfile
 
 logger = logging.getLogger("weft.engine")
 
@@ -96,6 +99,8 @@ class EngineCore:
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
         waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
         self._bitmask: Future[GrammarOutput] | None = None
+        self.step_profile: StepProfile | None = None
+        """When set, records the timings of every step (:mod:`weft.engine.step_profile`); None: nothing is recorded."""
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -158,11 +163,17 @@ class EngineCore:
         for its mask (its handle is None), sampled by the next call once it has scheduled the step
         after it."""
         self.num_steps += 1
+        if self.step_profile is None:
+            return self._step()
+        with self.step_profile.step():
+            return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         if not self.async_scheduling:
             output = self._schedule()
             if output.structured_output_request_ids:
                 self._bitmask = self._grammar_output(output)  # filled while the forward runs
-            handle = self.executor.execute_model(output)
+            handle = self._execute(output)
             if handle is None:
                 handle = self.executor.sample_tokens(self._take_bitmask())
             return self._apply(output, handle)
@@ -172,7 +183,7 @@ class EngineCore:
             output = self._schedule()
             self._sample_in_flight()  # its tokens are the next forward's inputs
             if not output.structured_output_request_ids:
-                launched = (output, self.executor.execute_model(output))
+                launched = (output, self._execute(output))
             else:
                 # Tokens already on the host (a CPU worker samples as it returns) are accepted before
                 # the forward, which the fill then overlaps; otherwise the forward is launched first.
@@ -180,7 +191,7 @@ class EngineCore:
                 if accept_first:
                     results = self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
-                launched = (output, self.executor.execute_model(output))
+                launched = (output, self._execute(output))
                 if not accept_first:
                     results = self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
@@ -189,6 +200,11 @@ class EngineCore:
         results += self._apply_in_flight()
         self._in_flight = launched
         return results
+
+    def _execute(self, output: SchedulerOutput) -> StepHandle | None:
+        if self.step_profile is None:
+            return self.executor.execute_model(output)
+        return self.step_profile.execute(self.executor, output)
 
     def _sample_in_flight(self) -> None:
         """Sample the step in flight if it waits for its bitmask."""
@@ -236,6 +252,8 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
+        if self.step_profile is not None:
+            self.step_profile.scheduled(output, self.scheduler)
         if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
             connector = self.kv_connector
             # Passed over: a connector that cannot answer yet, or a constraint still compiling.
@@ -247,7 +265,7 @@ class EngineCore:
         return output
 
     def _apply(self, output: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
-        sampled = handle.result()
+        sampled = handle.result() if self.step_profile is None else self.step_profile.result(handle)
         results = self.scheduler.update_from_output(output, sampled, sampled.connector_output)
         if self.scheduler.newly_finished:
             self._report_finished()

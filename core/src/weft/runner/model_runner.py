@@ -214,6 +214,9 @@ class ModelRunner:
         self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
         self.requests: dict[str, RequestState] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.last_graph_size: int | None = None
+        """The captured batch size the last forward replayed; None when it ran eagerly (read by
+        :class:`weft.engine.step_profile.StepProfile`)."""
         self.static: StaticInputs | None = None
         self.scratch_blocks: list[int] = []
         self.max_model_len = 0
@@ -348,8 +351,10 @@ class ModelRunner:
                     state.take_prefix_hit()  # none resumes from a hit here: replays start from the ring as it is
                 if self.connector is not None:
                     self.connector.wait_for_all_layers()  # a captured graph's layers wait for nothing
+                self.last_graph_size = size
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
+        self.last_graph_size = None
         return self._execute_eager(states, counts, sampling, prompt_logprobs)
 
     def _unknown_tokens(self, states: list[RequestState], counts: list[int]) -> tuple[list[int], list[int]] | None:

@@ -153,7 +153,17 @@ class MemoryLoader(WeightLoader):
             yield name, tensor.to(getattr(torch, dtype))
 
 
-SHAPES: dict[str, dict[str, Any]] = {"llama3-8b": LLAMA3_8B, "qwen3-0.6b": QWEN3_0_6B}
+SMOLLM2_135M: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": LLAMA3_8B, "qwen3-0.6b": QWEN3_0_6B, "smollm2-135m": SMOLLM2_135M,
+    # Llama-3-8B's layers over SmolLM2's vocabulary (bench/structured_output.py: its grammar needs SmolLM2's tokenizer).
+    "llama3-8b-smollm2-vocab": {**LLAMA3_8B, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2},
+}
 
 
 class RandomLoader(WeightLoader):

@@ -10,27 +10,25 @@ alternating which goes first; the best of each is compared. Wanted: ratio >= 0.8
     python bench/structured_output.py                                   # CPU, the default model
     python bench/structured_output.py --tiny                            # CPU, host-bound: a 2-layer random Llama
     python bench/structured_output.py --gpu --tokenizer .whl/tokenizer  # GPU, SmolLM2-135M's shape, random weights
+
+``--executor mp`` runs the model in a worker process of its own (``engine.distributed_executor_backend``,
+one worker), both modes alike: the engine core keeps scheduling and the grammar fill, which then share
+no GIL with the forward's input preparation and launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from weft import LLM, SamplingParams
 from weft.contracts.structured_output import StructuredOutputsParams
 
 LONG_ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 4000}
 """Far more tokens than any run decodes: the grammar is never complete, every row is masked."""
-
-SMOLLM2_135M: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-)
 
 
 def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -64,28 +62,29 @@ def tiny_model(folder: Path) -> str:
 
 def build(args: argparse.Namespace, scratch: Path) -> LLM:
     plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
+    engine = {"max_num_seqs": args.batch, "distributed_executor_backend": args.executor}
     if args.tiny:
         import torch
 
-        torch.set_num_threads(1)  # a forward this small gains nothing from threads that contend with the fill's
+        # A forward this small gains nothing from threads that contend with the fill's (an mp worker sets
+        # its own: the node's cores).
+        torch.set_num_threads(1)
         # The GPU run's engine settings (asynchronous scheduling is off by default on a CPU).
-        return LLM(model=tiny_model(scratch), engine={"max_num_seqs": args.batch, "async_scheduling": True},
-                   plugins=plugins)
+        return LLM(model=tiny_model(scratch), engine={**engine, "async_scheduling": True}, plugins=plugins)
     if not args.gpu:
-        return LLM(model=args.model, engine={"max_num_seqs": args.batch}, plugins=plugins)
+        return LLM(model=args.model, engine=engine, plugins=plugins)
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
+    from gpu_common import install_random_loader
 
-    import torch
-
-    # Llama-3-8B's layers over SmolLM2's vocabulary (the tokenizer the grammar is compiled against).
-    shape = SMOLLM2_135M if args.shape == "smollm2-135m" else {**LLAMA3_8B, "vocab_size": 49152, "bos_token_id": 1,
-                                                                "eos_token_id": 2}
-    model = MemoryLoader.add(f"{args.shape}-random", shape, random_weights(shape, torch.bfloat16), Path(args.tokenizer))
-    return LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-               engine={"dtype": "bfloat16", "max_num_seqs": args.batch}, plugins=plugins)
+    # Seeded random weights made in the process that loads them (an mp worker makes the same ones), with the
+    # tokenizer the grammar is compiled against.
+    install_random_loader(scratch / "site")
+    if args.tokenizer:
+        os.environ["WEFT_TEST_TOKENIZER"] = str(Path(args.tokenizer).resolve())
+    model = "random:smollm2-135m" if args.shape == "smollm2-135m" else "random:llama3-8b-smollm2-vocab"
+    return LLM(model=model, use={"platform": "cuda"}, engine={**engine, "dtype": "bfloat16"}, plugins=plugins)
 
 
 def main() -> None:
@@ -93,14 +92,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the CPU run's model")
     parser.add_argument("--tiny", action="store_true", help="the CPU run on a random 2-layer Llama (host-bound)")
     parser.add_argument("--gpu", action="store_true", help="on the GPU, SmolLM2-135M's shape with random weights")
-    parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run)")
+    parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run; default: $WEFT_TEST_TOKENIZER)")
     parser.add_argument("--shape", choices=["smollm2-135m", "llama3-8b"], default="smollm2-135m",
                         help="the GPU run's layers (llama3-8b: Llama-3-8B's over SmolLM2's vocabulary)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, help="plugins.xgrammar.fill_threads (default: the plugin's)")
+    parser.add_argument("--executor", choices=["uniproc", "mp"], default="uniproc",
+                        help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)")
     args = parser.parse_args()
+    if args.gpu and not (args.tokenizer or os.environ.get("WEFT_TEST_TOKENIZER")):
+        parser.error("--gpu needs SmolLM2's tokenizer files: --tokenizer DIR, or $WEFT_TEST_TOKENIZER")
     with tempfile.TemporaryDirectory() as scratch:
         run(args, build(args, Path(scratch)))
 
@@ -124,8 +127,8 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
     settings = llm.engine.core.describe()
     print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
           f"{settings}")
-    print(f"batch {args.batch}, {args.tokens} decoded tokens per request, greedy, best of {args.repeats}; "
-          f"xgrammar fill threads: {args.fill_threads or 'default'}")
+    print(f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
+          f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}")
     for name in ("plain", "json schema"):
         print(f"  {name + ':':12} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     print(f"  ratio json schema / plain: {best['json schema'] / best['plain']:.3f} (wanted >= 0.8)")

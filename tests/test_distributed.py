@@ -108,6 +108,30 @@ def test_structured_outputs_over_two_tensor_ranks_equal_transformers(checkpoint)
         assert tokens == reference[: len(tokens)] and (len(tokens) == 24 or len(reference) - len(tokens) <= 1)
 
 
+def test_one_mp_worker_gives_the_greedy_tokens_of_the_in_process_worker(checkpoint):
+    """``distributed_executor_backend = "mp"`` on one device: the model in a worker process of its own, the core
+    scheduling and filling grammar masks in its process (so the fill shares no GIL with the forward's launch).
+    With asynchronous scheduling, a batch of free and JSON-schema requests gives uniproc's greedy tokens, and the
+    constrained ones are transformers' under xgrammar's own logits processor."""
+    from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
+
+    model = checkpoint("llama")
+    constrained_prompts = [[1, 5, 9, 200 + index, 31] for index in range(3)]
+    expected_constrained = hf_constrained_greedy(model, constrained_prompts, TOOL_CALL, 24)
+    schema = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    prompts = PROMPTS + constrained_prompts
+    params = [GREEDY] * len(PROMPTS) + [schema] * len(constrained_prompts)
+    tokens = {}
+    for executor in ("uniproc", "mp"):
+        with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 22, "async_scheduling": True,
+                                           "distributed_executor_backend": executor}) as llm:
+            assert llm.engine.core.executor.name == executor and llm.engine.core.async_scheduling
+            tokens[executor] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    assert tokens["mp"] == tokens["uniproc"]
+    for got, reference in zip(tokens["mp"][len(PROMPTS) :], expected_constrained):
+        assert got == reference[: len(got)] and (len(got) == 24 or len(reference) - len(got) <= 1)  # HF keeps the EOS
+
+
 def test_micro_batches_split_the_requests_by_tokens():
     from weft.runner.pipeline import micro_batches
 

@@ -24,6 +24,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from collections import defaultdict
@@ -207,6 +208,32 @@ def print_steps(profile: StepProfile, shown: int) -> None:
               f"{ms(record.device):>7} {ms(record.idle_before):>7}")
 
 
+class GarbageCollections:
+    """The garbage collector's pauses during the profiled run (``gc.callbacks``), by generation."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._started)
+
+    def report(self) -> None:
+        parts = [f"generation {generation}: {len(pauses)} in {sum(pauses):.3f} s (longest {max(pauses, default=0) * 1e3:.1f} ms)"
+                 for generation, pauses in self.pauses.items()]
+        print(f"garbage collections in the profiled run (objects frozen at start-up: {gc.get_freeze_count():,}): "
+              + "; ".join(parts))
+
+
+def watch_garbage_collections() -> GarbageCollections:
+    collections = GarbageCollections()
+    gc.callbacks.append(collections.callback)
+    return collections
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer files (the GPU run)")
@@ -218,6 +245,8 @@ def main() -> None:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option (default: none, the platform's)")
     parser.add_argument("--steps", type=int, default=12, help="first and last steps listed")
+    parser.add_argument("--unfreeze", action="store_true",
+                        help="undo the engine's start-up gc.freeze() (the garbage collector then walks every object)")
     args = parser.parse_args()
     if not args.tiny and args.tokenizer is None:
         parser.error("the GPU run needs --tokenizer DIR (or --tiny for the CPU run)")
@@ -231,6 +260,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         llm = build(args, Path(scratch))
         print(f"engine built in {time.perf_counter() - started:.1f} s: {llm.engine.core.describe()}", flush=True)
+        if args.unfreeze:
+            gc.unfreeze()
         vocab = llm.engine.core.source.hf_config["vocab_size"]
         # Other prompts for each run: the measured one must find none of the warm-up's in the prefix cache.
         warm_up, measured = (random_prompts(requests, prompt, vocab, seed) for seed in (2, 1))
@@ -243,11 +274,14 @@ def main() -> None:
         profile = StepProfile(llm.engine.runner)
         cache = llm.engine.kv_cache_manager.stats
         hits = cache.hit_tokens
+        collections = watch_garbage_collections()
         seconds = timed_generate(llm, measured, params, profile)
+        gc.callbacks.remove(collections.callback)
         print(f"profiled run {seconds:.3f} s, {tokens / seconds:,.0f} output tok/s = {seconds / baseline:.3f}x the "
               f"warm-up run's wall (the profile's overhead, and run-to-run noise); prefix-cache hits "
               f"{cache.hit_tokens - hits} tokens", flush=True)
         print_wall(profile)
+        collections.report()
         print_host(profile)
         print_phases(profile)
         print_gaps(profile)

@@ -16,6 +16,7 @@ the core, which only steps them, then calls ``weft_engine_started``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -83,6 +84,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)
         async_scheduling = False
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
+    freeze_startup_objects()
     logger.info(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
         time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
@@ -90,6 +92,15 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     )
     hooks.hook.weft_engine_started(engine=core)
     return core
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up (imported modules, the model's Python objects) out of the
+    garbage collector's view: a full collection otherwise walks all of them, which stalled a running
+    engine for about 0.2 s at a time (two such gaps in an 8B run of 12.5 s on the H200).
+    :meth:`EngineCore.close` gives them back (``gc.unfreeze``), so a closed engine's cycles are collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def num_kv_blocks(

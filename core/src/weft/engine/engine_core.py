@@ -17,6 +17,7 @@ the caller's process (``LLM``) or in its own (:mod:`weft.engine.core_process`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from concurrent.futures import Future, wait
@@ -334,6 +335,7 @@ class EngineCore:
         # Dropped now, not when this object is collected: an in-process worker holds the model and the KV cache.
         self.executor = None  # type: ignore[assignment]
         self.structured_outputs.close()
+        gc.unfreeze()  # what start-up froze (weft.engine.builder.freeze_startup_objects) is collectable again
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine

@@ -18,8 +18,15 @@ only decode, and whether both sides gave the same tokens.
 
     python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
 
-Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``$OUT/gpu_dsv4_hisparse.json``; ``--out`` or
-the environment's $OUT).
+``--part prefill``: prefill throughput with attention in the Triton prefill kernel against the einsum path,
+in one engine (the layers' kernel chosen away for the baseline): ``--batch`` prompts of ``--prompt-len`` tokens
+(4 of 4,096 by default) in steps of ``--chunk`` tokens, one new token each, prefix caching off; prompt tokens per
+second over the median of ``--repeats`` runs, and whether both paths pick the same first tokens.
+
+    python bench/gpu_dsv4.py --part prefill [--batch 4] [--prompt-len 4096] [--chunk 8192]
+
+Figures are printed and written to ``$OUT/gpu_dsv4.json`` (``$OUT/gpu_dsv4_hisparse.json``,
+``$OUT/gpu_dsv4_prefill.json``; ``--out`` or the environment's $OUT).
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of this script)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_dsv4.json (default: $OUT)")
     parser.add_argument("--enforce-eager", action="store_true", help="decode: Weft without CUDA graphs")
-    parser.add_argument("--part", default="decode", choices=("decode", "hisparse"))
+    parser.add_argument("--part", default="decode", choices=("decode", "hisparse", "prefill"))
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill: tokens a step (max_num_batched_tokens)")
     parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
     parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
@@ -73,6 +81,10 @@ def arguments() -> argparse.Namespace:
         args.prompt_len = 32768
     if args.part == "hisparse" and "--new-tokens" not in sys.argv:
         args.new_tokens = 64
+    if args.part == "prefill":
+        args.prompt_len = args.prompt_len if "--prompt-len" in sys.argv else 4096
+        args.batch = args.batch if "--batch" in sys.argv else 4
+        args.new_tokens = 1
     return args
 
 
@@ -187,6 +199,54 @@ def hisparse_part(args: argparse.Namespace) -> None:
     ))
 
 
+def prefill_part(args: argparse.Namespace) -> None:
+    """Prefill with attention in the Triton kernel, then in the einsum path, in the same engine."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4.tiny_checkpoint import write_checkpoint
+
+    folder = write_checkpoint(Path(tempfile.mkdtemp()) / "dsv4", config_of(args), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, args.vocab_size, (args.batch, args.prompt_len), generator=generator).tolist()
+    max_model_len = args.prompt_len + 16
+    llm = LLM(model=str(folder), engine={
+        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len, "max_num_seqs": args.batch,
+        "max_num_batched_tokens": max(args.chunk, 16), "enable_prefix_caching": False,  # every run prefills in full
+        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
+    })
+    layers = [layer.self_attn for layer in llm.engine.worker.model.model.layers]
+    kernel = layers[0].prefill_kernel
+    if kernel is None:
+        raise SystemExit(f"no Triton prefill attention on {args.device}: the engine chose the einsum path")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    results = {}
+    for path in ("kernel", "einsum"):
+        for layer in layers:
+            layer.prefill_kernel = kernel if path == "kernel" else None
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up: the allocator primed at these shapes
+        runs, outputs = [], None
+        for _ in range(args.repeats):
+            seconds, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.device)
+            runs.append(args.batch * args.prompt_len / seconds)
+        results[path] = {"prefill_tok_s": statistics.median(runs), "runs": runs,
+                         "first_tokens": [output.outputs[0].token_ids[0] for output in outputs]}
+    kernel_side, einsum_side = results["kernel"], results["einsum"]
+    report = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+        "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len, "chunk": args.chunk,
+        "config": {k: v for k, v in config_of(args).items() if k != "compress_rates"} | {"hca_rate": args.hca_rate},
+        "kernel_prefill_tok_s": kernel_side["prefill_tok_s"], "einsum_prefill_tok_s": einsum_side["prefill_tok_s"],
+        "ratio_kernel_over_einsum": kernel_side["prefill_tok_s"] / einsum_side["prefill_tok_s"],
+        "kernel_runs": kernel_side["runs"], "einsum_runs": einsum_side["runs"],
+        "same_first_tokens": sum(a == b for a, b in zip(kernel_side["first_tokens"], einsum_side["first_tokens"])),
+    }
+    publish(report, args.out, "gpu_dsv4_prefill.json", (
+        f"prefill throughput, {args.batch} x {args.prompt_len} tokens in steps of {args.chunk}, {args.dtype}: "
+        f"Triton kernel {report['kernel_prefill_tok_s']:.0f} tok/s, einsum path {report['einsum_prefill_tok_s']:.0f} tok/s, "
+        f"ratio {report['ratio_kernel_over_einsum']:.2f}x; same first token: {report['same_first_tokens']} of {args.batch}"
+    ))
+
+
 def publish(report: dict, out: str | None, name: str, summary: str) -> None:
     """Print the report and its one-line summary; write it as ``out/name`` when given a folder."""
     print(json.dumps(report, indent=2))
@@ -203,6 +263,9 @@ def main() -> None:
         return
     if args.part == "hisparse":
         hisparse_part(args)
+        return
+    if args.part == "prefill":
+        prefill_part(args)
         return
     import transformers
 

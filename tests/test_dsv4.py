@@ -459,16 +459,20 @@ def check_decode_attention_kernel(dtype, head_dim, layer, device):
     assert torch.equal(output[5], torch.zeros_like(output[5]))  # nothing but the sink: no weight on any key
 
 
-def _engine_tokens_on_the_kernel(folder, monkeypatch, **engine):
-    """The engine's greedy tokens with the decode attention kernel chosen as on a GPU (interpreted here)."""
+def _engine_tokens_on_the_kernels(folder, monkeypatch, kinds=("decode",), **engine):
+    """The engine's greedy tokens with the attention kernels of ``kinds`` (``decode``, ``prefill``) chosen as on a
+    GPU (interpreted here), each registered, warmed up and serving under runtime_jit = "error"."""
     from weft_dsv4 import attention, model
 
-    monkeypatch.setattr(model, "decode_attention_kernel",
-                        lambda device, dtype, head_dim: attention.decode_attention_kernel(torch.device("cuda"), dtype, head_dim))
+    for kind in kinds:
+        choose = getattr(attention, f"{kind}_attention_kernel")
+        monkeypatch.setattr(model, f"{kind}_attention_kernel",
+                            lambda device, dtype, head_dim, choose=choose: choose(torch.device("cuda"), dtype, head_dim))
     tokens, llm = _engine_tokens(folder, runtime_jit="error", max_tokens=20, **engine)
-    kernel = llm.engine.worker.kernels.kernels["weft_dsv4.decode_attention"]
-    assert all(layer.self_attn.decode_kernel is kernel for layer in llm.engine.worker.model.model.layers)
-    assert kernel.compiled and kernel.monitor.mode == "error" and kernel.monitor.misses == []
+    for kind in kinds:
+        kernel = llm.engine.worker.kernels.kernels[f"weft_dsv4.{kind}_attention"]
+        assert all(getattr(layer.self_attn, f"{kind}_kernel") is kernel for layer in llm.engine.worker.model.model.layers)
+        assert kernel.compiled and kernel.monitor.mode == "error" and kernel.monitor.misses == []
     return tokens
 
 
@@ -479,10 +483,149 @@ def test_the_engine_on_the_decode_attention_kernel_gives_the_torch_path_s_tokens
     pytest.importorskip("triton")
     folder, _ = checkpoint
     reference, _ = _engine_tokens(folder, max_tokens=20, enforce_eager=True)
-    assert _engine_tokens_on_the_kernel(folder, monkeypatch, enforce_eager=True) == reference
+    assert _engine_tokens_on_the_kernels(folder, monkeypatch, enforce_eager=True) == reference
     assert not eager_replay_platform
-    assert _engine_tokens_on_the_kernel(folder, monkeypatch, graph_batch_sizes=[1, 2, 4]) == reference
+    assert _engine_tokens_on_the_kernels(folder, monkeypatch, graph_batch_sizes=[1, 2, 4]) == reference
     assert eager_replay_platform
+
+
+PREFILL_SPANS = ((0, 37), (50, 66), (3, 5), (9, 41))
+"""``(start, end)`` of each prefilling request of the kernel's test step: a whole prompt of no multiple of a
+tile, a chunk past the window (its first keys from the ring), a two-token chunk, a chunk inside the first window."""
+
+
+def _prefill_case(dtype, head_dim, layer, device, spans=PREFILL_SPANS):
+    """A step of prefilling requests ``spans`` with a decoding row after every other one (the kernel leaves those
+    alone) over 40 heads, window 40 (several tiles of keys), compression ratio 4. NaN in every key and entry no
+    query may read (past each request's keys and entries in the padded batch), as garbage there would be; CSA
+    picks of -1 anywhere and for every query before its first entry is complete."""
+    from weft_dsv4.step import PrefillBatch, RequestRows
+
+    heads, window, ratio = 40, 40, 4
+    generator = torch.Generator().manual_seed(head_dim + len(spans))
+    prefills, tokens = [], 0
+    for number, (start, end) in enumerate(spans):
+        prefills.append(RequestRows(number, tokens, tokens + end - start, end))
+        tokens += end - start + (number + 1) % 2
+    table = torch.zeros(len(spans), 4, dtype=torch.int32, device=device)
+    step = SimpleNamespace(prefills=prefills, ring_blocks=4, boundaries=lambda start, end: [],
+                           batches={"window": SimpleNamespace(block_table=table, block_size=16)})
+    batch = PrefillBatch(step, window)
+    requests, rows = batch.query_rows.shape
+    query = torch.randn(tokens, heads, head_dim, generator=generator).to(device, dtype)
+    sinks = (torch.randn(heads, generator=generator) * 2).to(device)
+    keys = torch.randn(requests, batch.key_positions.shape[1], head_dim, generator=generator).to(device, dtype)
+    keys[batch.key_positions >= batch.ends[:, None]] = float("nan")
+    counts = batch.ends // ratio
+    entries = torch.randn(requests, int(counts.max()), head_dim, generator=generator).to(device, dtype)
+    entries[torch.arange(entries.shape[1], device=device) >= counts[:, None]] = float("nan")
+    picks = None
+    if layer == "sliding":
+        entries = None
+    elif layer == "no entries yet":  # an HCA layer before any request's first entry: no column
+        entries = entries[:, :0]
+    elif layer == "csa":
+        complete = ((batch.query_positions + 1) // ratio).clamp(min=0)
+        picks = (torch.rand(requests, rows, 11, generator=generator).to(device) * complete[..., None]).long()
+        picks[torch.rand(picks.shape, generator=generator).to(device) < 0.3] = -1
+        picks[complete == 0] = -1
+    return batch, query, sinks, keys, window, ratio, entries, picks
+
+
+def _einsum_prefill(batch, query, sinks, keys, window, ratio, entries=None, picks=None):
+    """The model's torch path on the same batch (fp32): :meth:`DeepseekV4Attention._padded_entries` and
+    :meth:`DeepseekV4Attention._attend` under the batch's ``window_bias``, for the real queries in step order.
+    What no query reads is zeroed, as the model's vectors there are finite."""
+    from weft_dsv4.attention import DeepseekV4Attention
+
+    layer = SimpleNamespace(head_dim=query.shape[-1], sinks=sinks, compressor=SimpleNamespace(ratio=ratio))
+    entry_bias = None
+    if entries is not None:
+        entries, entry_bias = DeepseekV4Attention._padded_entries(layer, batch, entries.float().nan_to_num(0.0), picks)
+    attended = DeepseekV4Attention._attend(
+        layer, query[batch.query_rows].float(), keys.float().nan_to_num(0.0), batch.window_bias, entries, entry_bias,
+    )
+    return attended[batch.query_valid]
+
+
+def _prefill_kernel(dtype, head_dim):
+    """The prefill kernel for ``dtype`` and ``head_dim``, warmed up (one variant) and refusing any further compile."""
+    from weft.kernels.warmup import RuntimeMonitor, compile_many
+    from weft_dsv4.attention_kernel import PrefillAttentionKernel
+
+    kernel = PrefillAttentionKernel()
+    kernel.add(dtype, head_dim)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    kernel.monitor = RuntimeMonitor("error")
+    return kernel
+
+
+def _run_prefill_kernel(kernel, case):
+    batch, query, sinks, keys, window, ratio, entries, picks = case
+    output = torch.full_like(query, 7.0)
+    kernel(query=query, output=output, sinks=sinks, queries=batch.query_indices, query_rows=batch.query_rows,
+           firsts=batch.firsts, ends=batch.ends, keys=keys, window=window, scale=query.shape[-1] ** -0.5,
+           entries=entries, ratio=ratio, picks=picks)
+    return output
+
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU")
+COMPILED = [pytest.mark.gpu, NEEDS_GPU]
+
+
+@pytest.mark.parametrize("device, head_dim", [
+    pytest.param("cpu", 32, marks=INTERPRETED), pytest.param("cpu", 48, marks=INTERPRETED),
+    pytest.param("cuda", 64, marks=COMPILED), pytest.param("cuda", 512, marks=COMPILED),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layer", ["hca", "csa", "sliding", "no entries yet"])
+def test_the_prefill_attention_kernel_matches_the_einsum_path(device, head_dim, dtype, layer):
+    """Interpreted on the CPU (TRITON_INTERPRET=1) and compiled on a GPU: three blocks of 16 heads (the last
+    partial), every masking case; fp32 to fp32 rounding, bf16 and fp16 to their output's rounding (the kernel
+    computes in fp32 what the reference computes in fp32 on the same inputs)."""
+    pytest.importorskip("triton")
+    case = _prefill_case(dtype, head_dim, layer, device)
+    output = _run_prefill_kernel(_prefill_kernel(dtype, head_dim), case)
+    batch = case[0]
+    expected = _einsum_prefill(*case)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    prefilling = batch.query_rows[batch.query_valid]
+    torch.testing.assert_close(output[prefilling].float(), expected, **tolerance)
+    decoding = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
+    decoding[prefilling] = False
+    assert decoding.sum() == 2 and torch.equal(output[decoding].float(), torch.full_like(output[decoding].float(), 7.0))
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_one_compiled_prefill_attention_variant_serves_every_layer_and_batch():
+    """The warm-up's one bf16 variant (head size 512) serves every layer kind and every batch (one request or
+    several, long and short prompts, chunks deep into a sequence) with no further Triton specialisation."""
+    pytest.importorskip("triton")
+    from weft_dsv4.attention_kernel import _prefill_attention_kernel
+
+    kernel = _prefill_kernel(torch.bfloat16, 512)
+    variants = []
+    for spans in (PREFILL_SPANS, ((0, 2),), ((0, 700),), ((4000, 4517), (0, 33), (960, 1024))):
+        for layer in ("hca", "csa", "sliding", "no entries yet"):
+            case = _prefill_case(torch.bfloat16, 512, layer, "cuda", spans)
+            output = _run_prefill_kernel(kernel, case)
+            batch = case[0]
+            torch.testing.assert_close(output[batch.query_rows[batch.query_valid]].float(), _einsum_prefill(*case), atol=1e-2, rtol=1e-2)
+            variants.append(sum(len(caches[0]) for caches in _prefill_attention_kernel.device_caches.values()))
+    assert kernel.monitor.misses == [] and len(set(variants)) == 1, variants
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_engine_on_the_prefill_attention_kernel_gives_the_torch_path_s_tokens(checkpoint, monkeypatch):
+    """fp32 greedy tokens with prefill attention in the kernel (registered, warmed up, runtime_jit = "error") against
+    the torch path: prompts chunked at 24 tokens a step, several requests in a step, later chunks reading their
+    first keys from the ring, every layer kind."""
+    pytest.importorskip("triton")
+    folder, _ = checkpoint
+    reference, _ = _engine_tokens(folder, max_tokens=20, enforce_eager=True)
+    assert _engine_tokens_on_the_kernels(folder, monkeypatch, ("prefill",), enforce_eager=True) == reference
 
 
 def test_routed_experts_sum_each_token_s_picks(checkpoint):

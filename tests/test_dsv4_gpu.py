@@ -1,7 +1,7 @@
 """weft-dsv4 on an NVIDIA GPU, against transformers' DeepseekV4ForCausalLM on a larger random config:
 fp32 greedy generation through the engine (Triton decode_topk in the indexer) equals generate();
-bf16 logits are as close to the fp32 reference as transformers' own bf16 run; decode attention in its
-Triton kernel gives the torch path's tokens and compiles nothing after warm-up."""
+bf16 logits are as close to the fp32 reference as transformers' own bf16 run; decode and prefill attention
+in their Triton kernels give the torch path's tokens and compile nothing after warm-up."""
 
 from __future__ import annotations
 
@@ -182,10 +182,12 @@ def test_decode_graphs_on_and_off_give_the_same_tokens(folder):
 
 
 
-def decode_attention_variants() -> int:
-    from weft_dsv4.attention_kernel import _decode_attention_kernel
+def attention_variants() -> dict[str, int]:
+    """The compiled variants of each attention kernel's Triton function, by kernel."""
+    from weft_dsv4.attention_kernel import _decode_attention_kernel, _prefill_attention_kernel
 
-    return sum(len(caches[0]) for caches in _decode_attention_kernel.device_caches.values())
+    return {name: sum(len(caches[0]) for caches in function.device_caches.values())
+            for name, function in (("decode", _decode_attention_kernel), ("prefill", _prefill_attention_kernel))}
 
 
 def engine(folder, **settings):
@@ -194,43 +196,46 @@ def engine(folder, **settings):
     return LLM(model=str(folder), engine={"block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024, **settings})
 
 
-def test_the_decode_attention_kernel_gives_the_torch_path_s_tokens(folder, monkeypatch):
-    """fp32 greedy tokens with decode attention in the Triton kernel (the GPU's default) and in the torch path
-    (the kernel chosen away), prompts of several lengths finishing at different steps. fp32 decodes eagerly
-    (no grouped GEMM for the experts in fp32, so no graphs); the kernel inside graphs is covered in bf16 by
-    test_decode_graphs_on_and_off_give_the_same_tokens."""
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_the_attention_kernel_gives_the_torch_path_s_tokens(folder, monkeypatch, kind):
+    """fp32 greedy tokens with decode (or prefill) attention in the Triton kernel (the GPU's default) and in the torch
+    path (the kernel chosen away, the other kernel kept), prompts of several lengths finishing at different steps;
+    a budget of 64 tokens chunks the long prompts, so prefill steps batch several requests and read the ring. fp32
+    decodes eagerly (no grouped GEMM for the experts in fp32, so no graphs); the decode kernel inside graphs is
+    covered in bf16 by test_decode_graphs_on_and_off_give_the_same_tokens."""
     from weft.sampling_params import SamplingParams
-    from weft_dsv4 import model
-    from weft_dsv4.attention_kernel import DecodeAttentionKernel
+    from weft_dsv4 import attention_kernel, model
 
+    expected = getattr(attention_kernel, f"{kind.title()}AttentionKernel")
     prompts = [prompt(n) for n in (17, 150, 301, 64, 5)]
     params = [SamplingParams(temperature=0, max_tokens=64 - 9 * i, ignore_eos=True) for i in range(len(prompts))]
     tokens = {}
     for path in ("kernel", "torch"):
         if path == "torch":
-            monkeypatch.setattr(model, "decode_attention_kernel", lambda device, dtype, head_dim: None)
-        llm = engine(folder, dtype="float32", max_num_seqs=8)
-        chosen = {type(layer.self_attn.decode_kernel) for layer in llm.engine.worker.model.model.layers}
-        assert chosen == ({DecodeAttentionKernel} if path == "kernel" else {type(None)})
+            monkeypatch.setattr(model, f"{kind}_attention_kernel", lambda device, dtype, head_dim: None)
+        llm = engine(folder, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+        chosen = {type(getattr(layer.self_attn, f"{kind}_kernel")) for layer in llm.engine.worker.model.model.layers}
+        assert chosen == ({expected} if path == "kernel" else {type(None)})
         tokens[path] = [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params)]
         del llm
     assert tokens["kernel"] == tokens["torch"]
 
 
-def test_the_decode_attention_kernel_compiles_nothing_after_warm_up(folder):
+def test_the_decode_and_prefill_attention_kernels_compile_nothing_after_warm_up(folder):
     """bf16 engine under runtime_jit = "error", decode in CUDA graphs and eagerly beside prefill chunks (a budget
-    of 64 tokens chunks the long prompts), prefix caching on: warm-up compiled the kernel's one variant, serving
-    compiles none (neither a warm-up miss nor a Triton specialisation the warm-up did not build)."""
+    of 64 tokens chunks the long prompts, so prefill steps of one to several requests and many lengths), prefix
+    caching on: warm-up compiled each kernel's one variant, serving compiles none (neither a warm-up miss nor a
+    Triton specialisation the warm-up did not build)."""
     from weft.sampling_params import SamplingParams
 
     prompts = [prompt(n) for n in (17, 150, 301, 64, 5, 230)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40 - 5 * i, ignore_eos=True) for i in range(len(prompts))]
     llm = engine(folder, dtype="bfloat16", runtime_jit="error", max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True)
-    kernel = llm.engine.worker.kernels.kernels["weft_dsv4.decode_attention"]
-    assert len(kernel.compiled) == 1 and llm.engine.runner.graphs
-    before = decode_attention_variants()
-    assert before >= 1
+    kernels = [llm.engine.worker.kernels.kernels[f"weft_dsv4.{kind}_attention"] for kind in ("decode", "prefill")]
+    assert all(len(kernel.compiled) == 1 for kernel in kernels) and llm.engine.runner.graphs
+    before = attention_variants()
+    assert min(before.values()) >= 1
     outputs = llm.generate(prompts, params)
     assert [len(output.outputs[0].token_ids) for output in outputs] == [40 - 5 * i for i in range(len(prompts))]
-    assert kernel.monitor.mode == "error" and kernel.monitor.misses == []
-    assert decode_attention_variants() == before
+    assert all(kernel.monitor.mode == "error" and kernel.monitor.misses == [] for kernel in kernels)
+    assert attention_variants() == before

@@ -53,6 +53,9 @@ class DeepseekV4Attention(nn.Module):
         self.decode_kernel: Any = None
         """The Triton decode attention (:class:`weft_dsv4.attention_kernel.DecodeAttentionKernel`) where the family
         chose it; None: :meth:`_attend` over gathered keys."""
+        self.prefill_kernel: Any = None
+        """The Triton prefill attention (:class:`weft_dsv4.attention_kernel.PrefillAttentionKernel`) where the family
+        chose it; None: :meth:`_attend` over the padded batch."""
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ropes: dict[str, InterleavedRope], step: StepLayout) -> torch.Tensor:
         s = self.settings
@@ -66,12 +69,21 @@ class DeepseekV4Attention(nn.Module):
         if step.decode is not None:
             self._decode(query, kv, hidden, q_residual, ropes["compress"], step, output)
         if step.prefills:
-            compressed = self._compress(hidden, q_residual, positions, ropes["compress"], step)
+            entries, picks = self._compress(hidden, q_residual, positions, ropes["compress"], step)
             batch = step.prefill_batch(self.window)
             keys = self._prefill_window_keys(step, batch, kv)
-            entries, entry_bias = compressed if compressed is not None else (None, None)
-            attended = self._attend(query[batch.query_rows], keys, batch.window_bias, entries, entry_bias)
-            output[batch.query_rows[batch.query_valid]] = attended[batch.query_valid]
+            if self.prefill_kernel is not None:
+                self.prefill_kernel(
+                    query=query, output=output, sinks=self.sinks, queries=batch.query_indices, query_rows=batch.query_rows,
+                    firsts=batch.firsts, ends=batch.ends, keys=keys, window=self.window, scale=self.head_dim**-0.5,
+                    entries=entries, ratio=self.compressor.ratio if self.compressor is not None else 1, picks=picks,
+                )
+            else:
+                entry_bias = None
+                if entries is not None:
+                    entries, entry_bias = self._padded_entries(batch, entries, picks)
+                attended = self._attend(query[batch.query_rows], keys, batch.window_bias, entries, entry_bias)
+                output[batch.query_rows[batch.query_valid]] = attended[batch.query_valid]
         output = apply_rope(output, cos, -sin)
         grouped = output.reshape(tokens, s.local_groups, -1)
         weight = self.o_a_proj.weight.view(s.local_groups, s.o_lora_rank, -1)
@@ -220,12 +232,12 @@ class DeepseekV4Attention(nn.Module):
 
     def _compress(
         self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The prefilling requests' compressed entries, padded as :meth:`_attend` reads them, and their bias:
-        HCA every entry of each request ``[requests, entries, d]``, CSA the indexer's picks of each query
-        ``[requests, rows, k, d]``."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The prefilling requests' compressed entries ``[requests, entries, d]`` (padded past each request's count)
+        and, on a CSA layer, the indexer's picks of each query ``[requests, rows, k]`` (-1: none); ``(None, None)``
+        on a sliding layer."""
         if self.compressor is None:
-            return None
+            return None, None
         m = self.compressor.ratio
         kv, gate = self.compressor.project(hidden, positions)
         state = step.caches[self.cache_names["compressor_state"]]
@@ -246,9 +258,7 @@ class DeepseekV4Attention(nn.Module):
             snapshots[:, :main] if snapshots is not None else None,
         )
         if self.indexer is None:
-            hidden_entries = torch.arange(entries.shape[1], device=hidden.device)[None, None, :] >= ((batch.query_positions + 1) // m)[:, :, None]
-            bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=hidden.device)
-            return entries, bias.masked_fill_(hidden_entries, float("-inf"))
+            return entries, None
         elements = self.indexer.compressor.state_elements()
         index_keys = self.indexer.compressor.prefill(
             index_kv, index_gate, batch, state[:, main : main + elements], index_keys_cache,
@@ -261,8 +271,21 @@ class DeepseekV4Attention(nn.Module):
         requests, rows = batch.query_rows.shape
         seq_lens = (batch.query_positions[:, -1] + 1 - (m - 1)).to(torch.int32)
         picks = self.topk_op(scores.view(1, requests * rows, -1), seq_lens, rows, m, self.indexer.topk)[0].view(requests, rows, -1).long()
+        return entries, picks
+
+    def _padded_entries(
+        self, batch: PrefillBatch, entries: torch.Tensor, picks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed entries as :meth:`_attend` reads them, with their bias: HCA every entry of each request
+        ``[requests, entries, d]``, hidden from a query before it is complete; CSA each query's picks
+        ``[requests, rows, k, d]``."""
+        if picks is None:
+            complete = (batch.query_positions + 1) // self.compressor.ratio
+            hidden_entries = torch.arange(entries.shape[1], device=entries.device)[None, None, :] >= complete[:, :, None]
+            bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=entries.device)
+            return entries, bias.masked_fill_(hidden_entries, float("-inf"))
         if entries.shape[1]:
-            chosen = entries[torch.arange(requests, device=hidden.device)[:, None, None], picks.clamp(min=0)]
+            chosen = entries[torch.arange(picks.shape[0], device=entries.device)[:, None, None], picks.clamp(min=0)]
         else:
             chosen = entries.new_zeros((*picks.shape, entries.shape[-1]))
         return chosen, slot_bias(picks)
@@ -282,11 +305,22 @@ def slot_bias(slots: torch.Tensor) -> torch.Tensor:
 def decode_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
     """The Triton kernel of decode attention, registered for warm-up, on a device Triton compiles for;
     None (:meth:`DeepseekV4Attention._attend`) elsewhere, the CPU included."""
+    return _registered_kernel("DecodeAttentionKernel", device, dtype, head_dim)
+
+
+def prefill_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
+    """The Triton kernel of prefill attention, registered for warm-up, on a device Triton compiles for;
+    None (:meth:`DeepseekV4Attention._attend`) elsewhere, the CPU included."""
+    return _registered_kernel("PrefillAttentionKernel", device, dtype, head_dim)
+
+
+def _registered_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
+    """Kernel class ``name`` of :mod:`weft_dsv4.attention_kernel` for ``dtype`` and ``head_dim``, registered."""
     if device.type not in ("cuda", "xpu") or importlib.util.find_spec("triton") is None:
         return None
     from weft.kernels.warmup import register
-    from weft_dsv4.attention_kernel import DecodeAttentionKernel
+    from weft_dsv4 import attention_kernel
 
-    kernel = DecodeAttentionKernel()
+    kernel = getattr(attention_kernel, name)()
     kernel.add(dtype, head_dim)
     return register(kernel)

@@ -65,7 +65,7 @@ from weft.layers.attention import ForwardContext
 from weft.layers.linear import default_dtype
 from weft.layers.ops import current_op
 from weft.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, copy_checked
-from weft_dsv4.attention import DeepseekV4Attention, decode_attention_kernel
+from weft_dsv4.attention import DeepseekV4Attention, decode_attention_kernel, prefill_attention_kernel
 from weft_dsv4.config import CSA, HCA, DeepseekV4Settings, layer_groups
 from weft_dsv4.mhc import HyperConnection, HyperHead, fused_kernel
 from weft_dsv4.moe import Experts, MoE
@@ -254,10 +254,12 @@ class DeepseekV4Family(ModelFamily):
             module.model.decode_width_tokens = config.max_model_len
         topk = current_op("decode_topk") or DecodeTopKTorch(None)
         mhc_kernel = fused_kernel(device, s.hc_mult)
-        attention_kernel = decode_attention_kernel(device, getattr(torch, config.dtype), s.head_dim)
+        decode_kernel = decode_attention_kernel(device, getattr(torch, config.dtype), s.head_dim)
+        prefill_kernel = prefill_attention_kernel(device, getattr(torch, config.dtype), s.head_dim)
         for layer in module.model.layers:
             layer.self_attn.topk_op = topk
-            layer.self_attn.decode_kernel = attention_kernel
+            layer.self_attn.decode_kernel = decode_kernel
+            layer.self_attn.prefill_kernel = prefill_kernel
             layer.attn_hc.kernel = layer.ffn_hc.kernel = mhc_kernel
         module.model.ropes.to(device)
         return module.eval()

@@ -3,6 +3,7 @@ the one-token (decoding) requests gathered into one batch, and the cache tensors
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -86,6 +87,8 @@ class PrefillBatch:
         firsts = (starts - window + 1).clamp(min=0)
         self.index, self.starts, self.ends, self.row_starts = index, starts, ends, row_starts
         """Each prefilling request's row of the step's batch, first and end positions, and first row."""
+        self.firsts = firsts
+        """Each request's first window key's position (its key ``j`` is position ``firsts + j``)."""
         state = step.batches.get("compressor_state")
         self.state_blocks = state.block_table[index, 0].long() if state is not None else None
         longest_query = max(request.end - request.start for request in prefills)
@@ -96,8 +99,12 @@ class PrefillBatch:
         self.query_rows = torch.where(self.query_valid, row_starts[:, None] + offsets - padding[:, None], 0)
         """Each padded query's row of the step (0 for padding: ``query_valid`` says which are real). Padding comes
         first, so each request's last query is the batch's last column (as ``decode_topk`` reads rows)."""
+        self.query_indices = torch.arange(self.query_valid.numel(), device=device)[self.query_valid.flatten()]
+        """The real queries' indices ``request * rows + column`` into the padded batch, in the step's row order."""
         self.query_positions = ends[:, None] - longest_query + offsets
         key_positions = firsts[:, None] + torch.arange(longest_keys, device=device)
+        self.key_positions = key_positions
+        """``[requests, keys]``: each request's window keys' positions (past ``ends - 1``: padding)."""
         key_valid = key_positions < ends[:, None]
         self.from_ring = key_positions < starts[:, None]
         """Keys of positions before the step, read from the ring; the others are the step's own rows."""
@@ -106,10 +113,7 @@ class PrefillBatch:
         self.ring_slots = tables.gather(1, (ring_positions // size) % ring_blocks) * size + ring_positions % size
         self.new_rows = (row_starts[:, None] + key_positions - starts[:, None]).clamp(min=0)
         self.new_rows = torch.where(key_valid & ~self.from_ring, self.new_rows, 0)
-        distance = self.query_positions[:, :, None] - key_positions[:, None, :]
-        hidden = (distance < 0) | (distance >= window) | ~key_valid[:, None, :] | ~self.query_valid[:, :, None]
-        self.window_bias = torch.zeros(distance.shape, dtype=torch.float32, device=device).masked_fill_(hidden, float("-inf"))
-        """``[requests, rows, keys]``: each query sees the keys of the last ``window`` positions up to its own."""
+        self.window = window
         # The ring keeps the last ring_blocks * size keys of each request's step.
         kept_count = (ends - starts).clamp(max=ring_blocks * size)
         kept_positions = ends[:, None] - kept_count.max() + torch.arange(int(kept_count.max()), device=device)
@@ -140,6 +144,15 @@ class PrefillBatch:
             self.snapshot_offset = offsets[valid]
             self.snapshot_request = numbers[:, None].expand(-1, window)[valid]
             self.snapshot_key = (positions - firsts[numbers][:, None])[valid]
+
+    @functools.cached_property
+    def window_bias(self) -> torch.Tensor:
+        """``[requests, rows, keys]``: each query sees the keys of the last ``window`` positions up to its own.
+        Built on first use: only the einsum path reads it (the Triton kernel computes it from the positions)."""
+        distance = self.query_positions[:, :, None] - self.key_positions[:, None, :]
+        key_valid = self.key_positions < self.ends[:, None]
+        hidden = (distance < 0) | (distance >= self.window) | ~key_valid[:, None, :] | ~self.query_valid[:, :, None]
+        return torch.zeros(distance.shape, dtype=torch.float32, device=distance.device).masked_fill_(hidden, float("-inf"))
 
 
 class DecodeBatch:

@@ -17,7 +17,6 @@ the caller's process (``LLM``) or in its own (:mod:`weft.engine.core_process`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from concurrent.futures import Future, wait
@@ -34,6 +33,7 @@ from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.engine.structured_output import StructuredOutputManager
+from weft.heap import thaw
 from weft.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -335,7 +335,7 @@ class EngineCore:
         # Dropped now, not when this object is collected: an in-process worker holds the model and the KV cache.
         self.executor = None  # type: ignore[assignment]
         self.structured_outputs.close()
-        gc.unfreeze()  # what start-up froze (weft.engine.builder.freeze_startup_objects) is collectable again
+        thaw()  # what start-up froze (weft.heap) is collectable again
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine

@@ -16,7 +16,6 @@ is launched first, so its input preparation overlaps the device's work.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from weft.distributed.messages import (
     WorkerFailed,
 )
 from weft.distributed.rendezvous import StoreAddress, connect_store, distributed_store
+from weft.heap import freeze_startup_objects
 
 logger = logging.getLogger("weft.distributed")
 
@@ -170,8 +170,7 @@ def serve_steps(worker: Any, channel: WorkerChannel, layout: ParallelLayout, par
             channel.send(Loaded(layout.rank, worker.load_model()))
         elif isinstance(message, InitializeKVCache):
             worker.initialize_kv_cache(message.num_blocks)
-            gc.collect()
-            gc.freeze()  # start-up's objects out of the collector's view (weft.engine.builder.freeze_startup_objects)
+            freeze_startup_objects()
             channel.send(Initialized(layout.rank))
         elif isinstance(message, Shutdown):
             return

@@ -14,7 +14,8 @@ compressor ignores attention masks), EOS ignored. Decode throughput = batch x (n
 throughput of each. Each side runs in its own process with the same KV-cache bytes (``--kv-gib``),
 ``--requests`` prompts of ``--prompt-len`` tokens (32k by default) and greedy decoding; printed: the most
 requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
-only decode, and whether both sides gave the same tokens.
+only decode, and whether both sides gave the same tokens; then HiSparse once more, held to as many requests
+at once as plain ran (``max_num_seqs``), so that both decode the same batches: its tokens must be plain's.
 
     python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
 
@@ -76,6 +77,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
     parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
+    parser.add_argument("--side-max-seqs", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part == "hisparse" and "--prompt-len" not in sys.argv:
         args.prompt_len = 32768
@@ -125,7 +127,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     max_model_len = args.prompt_len + args.new_tokens + 16
     kv_bytes = int(args.kv_gib * (1 << 30))
     engine = {
-        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len, "max_num_seqs": args.requests,
+        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
+        "max_num_seqs": args.side_max_seqs or args.requests,
         "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
     }
     if args.device == "cuda":
@@ -144,12 +147,16 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     scheduler = core.scheduler
     schedule = scheduler.schedule
     steps: list[tuple[float, int, bool]] = []
+    batches: list[list[tuple[str, int]]] = []
+    """Each step's requests and their scheduled tokens: alike on both sides means alike GEMM shapes."""
     most = [0]
 
     def recording():
         output = schedule()
         steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
                       all(count == 1 for count in output.num_scheduled_tokens.values())))
+        if output.num_scheduled_tokens:
+            batches.append(sorted(output.num_scheduled_tokens.items()))
         most[0] = max(most[0], sum(1 for request in scheduler.running if core.kv_cache_manager.holds(request.request_id)))
         return output
 
@@ -170,6 +177,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         "preemptions": scheduler.num_preemptions, "wall_s": wall,
         "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+        "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(), "steps": len(batches),
         "connector": {name: total.total for name, total in totals.items()},
     }
 
@@ -177,25 +185,37 @@ def hisparse_side(args: argparse.Namespace) -> dict:
 def hisparse_part(args: argparse.Namespace) -> None:
     """Both sides, each in a fresh process (the same free memory), then the ratio."""
     sides = {}
-    for side in ("plain", "hisparse"):
-        command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+    def run_side(side: str, *extra: str) -> dict:
+        command = [sys.executable, __file__, *sys.argv[1:], "--side", side, *extra]
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"the {side} side failed:\n{run.stderr[-4000:]}")
-        sides[side] = json.loads(run.stdout.strip().splitlines()[-1])
-        print(json.dumps(sides[side]), flush=True)  # each side as soon as it is done
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        print(json.dumps(result), flush=True)  # each side as soon as it is done
+        return result
+
+    for side in ("plain", "hisparse"):
+        sides[side] = run_side(side)
     plain, sparse = sides["plain"], sides["hisparse"]
+    # The output check: HiSparse decoding as many requests at a time as plain did, so both sides' batches
+    # (and so their GEMMs' shapes and summation orders) are alike; its tokens must then be plain's.
+    alike = run_side("hisparse", "--side-max-seqs", str(max(plain["max_running"], 1)))
     report = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,
         "gpu_share": args.gpu_share, "plain": plain, "hisparse": sparse,
         "concurrency_ratio": sparse["max_running"] / max(plain["max_running"], 1),
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
+        "same_tokens_at_plain_concurrency": plain["tokens_sha256"] == alike["tokens_sha256"],
+        "same_batches_at_plain_concurrency": plain["batches_sha256"] == alike["batches_sha256"],
+        "hisparse_at_plain_concurrency": alike,
     }
     publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
         f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
         f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
-        f"same greedy tokens: {report['same_tokens']}"
+        f"same greedy tokens: {report['same_tokens']}; with HiSparse held to plain's {plain['max_running']} at once: "
+        f"{report['same_tokens_at_plain_concurrency']} (its steps' batches alike: "
+        f"{report['same_batches_at_plain_concurrency']})"
     ))
 
 

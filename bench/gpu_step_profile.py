@@ -245,8 +245,9 @@ def main() -> None:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option (default: none, the platform's)")
     parser.add_argument("--steps", type=int, default=12, help="first and last steps listed")
-    parser.add_argument("--unfreeze", action="store_true",
-                        help="undo the engine's start-up gc.freeze() (the garbage collector then walks every object)")
+    parser.add_argument("--freeze", action="store_true",
+                        help="freeze start-up's objects out of the garbage collector's view after the build, as the "
+                             "engine-core process of weft serve and mp workers do (weft.heap)")
     args = parser.parse_args()
     if not args.tiny and args.tokenizer is None:
         parser.error("the GPU run needs --tokenizer DIR (or --tiny for the CPU run)")
@@ -260,8 +261,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         llm = build(args, Path(scratch))
         print(f"engine built in {time.perf_counter() - started:.1f} s: {llm.engine.core.describe()}", flush=True)
-        if args.unfreeze:
-            gc.unfreeze()
+        if args.freeze:
+            from weft.heap import freeze_startup_objects
+
+            freeze_startup_objects()
         vocab = llm.engine.core.source.hf_config["vocab_size"]
         # Other prompts for each run: the measured one must find none of the warm-up's in the prefix cache.
         warm_up, measured = (random_prompts(requests, prompt, vocab, seed) for seed in (2, 1))

@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import make_tiny_model
 from weft.engine.kv_cache_manager import block_hashes
@@ -619,3 +620,14 @@ def test_deepseek_v4_resumes_a_prefix_loaded_from_the_store_from_its_loaded_snap
         hit = second.engine.kv_connector.stats.hit_tokens
     assert {"window_checkpoint", "state_checkpoint"} <= {group.name for group in second.engine.core.groups}
     assert hit == (len(shared) // unit) * unit > 0 and computed[0] == len(second_prompt) - hit
+
+
+def test_layers_per_object_is_refused_under_pipeline_parallelism(store):
+    """Each stage holds only its own layers, so its runs of layers and the engine's would differ."""
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft_mooncake.connector import MooncakeOptions, MooncakeStoreConnector
+
+    options = msgspec.convert(store.options(layers_per_object=2), MooncakeOptions)
+    context = ConnectorContext(model="m", tp_rank=0, tp_size=1, pp_rank=0, pp_size=2)
+    with pytest.raises(ValueError, match=r"layers_per_object = 2 .*\(pipeline_parallel_size = 2\)"):
+        MooncakeStoreConnector(options, "scheduler", (), context)

@@ -1,12 +1,14 @@
-"""The garbage collector around a running engine: start-up's objects frozen out of its view.
+"""The garbage collector in a process that runs one engine: start-up's objects frozen out of its view.
 
 A full collection walks every tracked object of the process. After an engine's start-up that is
-every imported module's objects and the model's Python objects (about 0.4 million on the CPU,
-more with Triton and CUDA), and a collection of them stalled a running engine for about 0.2 s at a
-time (two such gaps in an 8B run of 12.5 s on the H200). :func:`freeze_startup_objects` moves
-what is alive after start-up to the collector's permanent generation (``gc.freeze``), which it
-never walks; :func:`thaw` gives it back when an engine closes, so a closed engine's reference
-cycles are collected, and the interpreter's exit does the same for an engine never closed.
+every imported module's objects and the model's Python objects (about 0.4 million with Triton
+and CUDA), and one such collection stalled a running 8B engine for 0.3 s on the H200.
+:func:`freeze_startup_objects` moves what is alive after start-up into the collector's permanent
+generation (``gc.freeze``), which it never walks. It is called where a process exists for one
+engine until it exits, as vLLM's engine core does: the engine-core process of ``weft serve`` and
+each ``mp`` worker process. Not for an in-process ``LLM``: there the caller's objects would be
+frozen too, and an engine dropped without ``close`` would keep its KV cache in cycles the
+collector no longer sees until the process ends.
 """
 
 from __future__ import annotations
@@ -18,15 +20,10 @@ _thaw_at_exit = False
 
 
 def freeze_startup_objects() -> None:
-    """Collect once, then freeze what is alive: called when an engine (or a worker process) is built."""
+    """Collect once, then freeze what is alive (and make it collectable again at exit)."""
     global _thaw_at_exit
     gc.collect()
     gc.freeze()
     if not _thaw_at_exit:
-        atexit.register(thaw)  # what is still frozen at exit is finalized like everything else
+        atexit.register(gc.unfreeze)  # what is still frozen at exit is finalized like everything else
         _thaw_at_exit = True
-
-
-def thaw() -> None:
-    """Make the frozen objects collectable again (every engine's: freezing is process-wide)."""
-    gc.unfreeze()

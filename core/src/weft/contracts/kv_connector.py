@@ -31,11 +31,12 @@ through core's ``Attention`` is waited for inside the forward, just before its
 attention (so a connector whose layers land one after another lets the first layers
 compute while later ones arrive); the others (model-managed groups), and every layer
 of a step that replays a captured CUDA graph, before the forward starts. Each wait
-runs on the thread that runs the forward; on a device, returning once the layer's
-copies are ordered before the current stream's later work suffices. A step that
+runs on the thread that runs the forward. When it returns, the layer's loaded KV must
+be readable by whatever the forward launches next: in memory for a host cache; for a
+device cache, copies complete or ordered before the current stream's later work. A step that
 schedules no request still binds its metadata, calls ``start_load_kv`` and
-``get_finished`` (no forward, no saves). Synchronous loads (``load_async=False``)
-must be complete when ``wait_for_layer_load`` returns. A request whose load failed
+``get_finished`` (no forward, no saves). A synchronous load (``load_async=False``)
+of a layer is over, in that sense, when its ``wait_for_layer_load`` returns. A request whose load failed
 (``ConnectorOutput.failed_loads``) keeps its blocks, its output of that step is
 discarded, and the tokens that were to be loaded are recomputed; the worker must
 not save that request's blocks of that step (their KV saw an incomplete context).

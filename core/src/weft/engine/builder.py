@@ -27,7 +27,6 @@ from weft.engine.kv_cache_manager import KVCacheManager
 from weft.engine.kv_connector import SchedulerConnector
 from weft.engine.scheduler import Scheduler
 from weft.engine.structured_output import StructuredOutputManager
-from weft.heap import freeze_startup_objects
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
@@ -84,7 +83,6 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)
         async_scheduling = False
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
-    freeze_startup_objects()
     logger.info(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
         time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,

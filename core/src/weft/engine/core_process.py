@@ -76,6 +76,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     import zmq
 
     from weft.engine.builder import build_engine_core
+    from weft.heap import freeze_startup_objects
     from weft.plugins.registry import problems_reported_by_parent
 
     problems_reported_by_parent()  # the API process logged the installed plugins' problems
@@ -97,6 +98,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     decoder = msgspec.msgpack.Decoder(ToCore)
     try:
         core = build_engine_core(config)
+        freeze_startup_objects()  # this process serves one engine until it exits: out of the collector's view
     except BaseException as error:
         outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}", traceback.format_exc())))
         outputs.close(linger=5000)

@@ -33,7 +33,6 @@ from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
 from weft.engine.request import Request
 from weft.engine.scheduler import EngineCoreOutput, Scheduler
 from weft.engine.structured_output import StructuredOutputManager
-from weft.heap import thaw
 from weft.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -335,7 +334,6 @@ class EngineCore:
         # Dropped now, not when this object is collected: an in-process worker holds the model and the KV cache.
         self.executor = None  # type: ignore[assignment]
         self.structured_outputs.close()
-        thaw()  # what start-up froze (weft.heap) is collectable again
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine

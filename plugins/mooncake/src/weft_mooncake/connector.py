@@ -199,6 +199,12 @@ class MooncakeStoreConnector(KVConnector):
         self.stored_groups = tuple(i for i, group in enumerate(self.groups) if group.prefix_cacheable)
         self.saves = options.role in ("both", "producer")
         self.loads = options.role in ("both", "consumer")
+        if options.layers_per_object and context.pp_size > 1:
+            raise ValueError(
+                f"weft-mooncake: layers_per_object = {options.layers_per_object} cuts a group's layers into runs, "
+                f"and under pipeline parallelism (pipeline_parallel_size = {context.pp_size}) each stage holds only "
+                f"its own layers, so the engine's runs and a stage's would differ: set layers_per_object = 0"
+            )
         self.load_async = options.load_async and context.tp_size == 1 and context.pp_size == 1
         if options.load_async and not self.load_async and role == "scheduler":
             logger.info(
@@ -422,6 +428,7 @@ class MooncakeStoreConnector(KVConnector):
         self._metadata = None
 
     def start_load_kv(self) -> None:
+        self._settle_step_load()  # a step whose forward failed left its load running: nothing else may write now
         metadata = self._metadata
         if metadata is None:
             return
@@ -457,16 +464,19 @@ class MooncakeStoreConnector(KVConnector):
                       ) -> set[str]:
         """A step's synchronous loads: every request's first run of layers, then the next, each run's event set
         once it landed for all of them (set at the end whatever happened); returns the requests that failed."""
-        started = time.perf_counter()
         failed: set[str] = set()
         loaded = dict.fromkeys((transfer.request_id for transfer in transfers), 0)
+        seconds = dict.fromkeys(loaded, 0.0)
+        """Per request: the time its own objects took to land (the runs of several requests interleave)."""
         try:
             for part in range(max(len(runs) for runs in self._parts.values())):
                 for transfer in transfers:
                     objects = [stored for stored in transfer.objects if stored.part == part]
                     if transfer.request_id in failed or not objects:
                         continue
+                    started = time.perf_counter()
                     moved = self._move(transfer.request_id, objects)
+                    seconds[transfer.request_id] += time.perf_counter() - started
                     if moved is None:
                         failed.add(transfer.request_id)
                     else:
@@ -477,11 +487,10 @@ class MooncakeStoreConnector(KVConnector):
         finally:
             for event in landed.values():
                 event.set()
-        seconds = time.perf_counter() - started
         for request_id, moved in loaded.items():
             if request_id not in failed:
                 self._observe("loaded_bytes_total", moved)
-                self._observe("load_seconds", seconds)
+                self._observe("load_seconds", seconds[request_id])
         return failed
 
     def _move(self, request_id: str, objects: Sequence[BlockTransfer]) -> int | None:
@@ -533,7 +542,13 @@ class MooncakeStoreConnector(KVConnector):
             self._pending.setdefault(transfer.request_id, []).append(future)
 
     def _save(self, transfer: RequestTransfer, forward_done: Any) -> None:
-        for batch in self.blocks.batches(transfer.objects, "save"):
+        try:
+            batches = list(self.blocks.batches(transfer.objects, "save"))
+        except Exception:  # a save is best effort: never let it fail the engine
+            logger.exception("weft-mooncake: planning the save of %d objects failed", len(transfer.objects))
+            self._dropped(len(transfer.objects))
+            return
+        for batch in batches:
             try:
                 self.blocks.stage_for_save(batch, forward_done)
                 store = self.client.store
@@ -592,6 +607,11 @@ class MooncakeStoreConnector(KVConnector):
     # Both roles.
 
     def close(self) -> None:
+        if self._loader is not None:
+            try:
+                self._settle_step_load()  # its writes are over before the cache goes
+            except Exception:  # noqa: BLE001 - closing: report, and go on releasing
+                logger.exception("weft-mooncake: the last step's load failed")
         for executor in (self._loader, self._saver):
             if executor is not None:
                 executor.shutdown(wait=True)

@@ -60,6 +60,11 @@ class Batch(NamedTuple):
     sizes: list[list[int]]
 
 
+def whole_groups(layers: dict[int, GroupLayers]) -> dict[int, list[range]]:
+    """One run of every layer per group: objects that hold all their group's layers."""
+    return {group: layer_parts(len(tensors), 0) for group, (tensors, _, _) in layers.items()}
+
+
 def layer_parts(layer_count: int, layers_per_object: int) -> list[range]:
     """The runs of a group's layers (by index in its order) one object each holds: all of them when
     ``layers_per_object`` is 0, else ``layers_per_object`` at a time (the last run may be shorter)."""
@@ -98,8 +103,9 @@ class HostBlocks:
     """A host-memory cache: objects move straight between the registered cache tensors and the store."""
 
     def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None],
-                 layers_per_object: int = 0) -> None:
-        self._parts = {group: layer_parts(len(tensors), layers_per_object) for group, (tensors, _, _) in layers.items()}
+                 parts: dict[int, list[range]] | None = None) -> None:
+        """``parts``: per group, the runs of its layers one object each holds (default: one run of all)."""
+        self._parts = parts or whole_groups(layers)
         self._layouts: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         """Per stored group, per layer: (base address of each part, bytes of a block's part)."""
         self.registered: list[int] = []
@@ -152,11 +158,12 @@ class DeviceBlocks:
 
     def __init__(
         self, layers: dict[int, GroupLayers], staging_bytes: int, register: Callable[[int, int], None],
-        layers_per_object: int = 0,
+        parts: dict[int, list[range]] | None = None,
     ) -> None:
+        """``parts``: as :class:`HostBlocks`'."""
         import torch
 
-        self._parts = {group: layer_parts(len(tensors), layers_per_object) for group, (tensors, _, _) in layers.items()}
+        self._parts = parts or whole_groups(layers)
         first = next(iter(layers.values())).tensors[0]
         self.device = first.device
         self._layers = {

@@ -404,11 +404,10 @@ class MooncakeStoreConnector(KVConnector):
                 f"weft-mooncake moves KV blocks between the store and host memory or one CUDA device; "
                 f"this worker's stored KV caches are on {sorted(map(str, devices))}"
             )
-        per_object = self.options.layers_per_object
         if next(iter(devices)).type == "cpu":
-            self.blocks = HostBlocks(layers, self._register, per_object)
+            self.blocks = HostBlocks(layers, self._register, self._parts)
         else:
-            self.blocks = DeviceBlocks(layers, self.options.staging_buffer_size, self._register, per_object)
+            self.blocks = DeviceBlocks(layers, self.options.staging_buffer_size, self._register, self._parts)
         self._layer_parts = {
             layer: (index, part)
             for index in self.stored_groups

@@ -76,6 +76,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
     parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
+    parser.add_argument("--indexer-key-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                        help="hisparse: how both sides store the indexer's keys ([plugins.DeepseekV4ForCausalLM])")
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
     parser.add_argument("--side-max-seqs", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -135,13 +137,14 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         engine["gpu_memory_utilization"] = min(0.9, kv_bytes / torch.cuda.mem_get_info()[0])
     else:
         engine["cpu_kv_cache_bytes"] = kv_bytes
-    extra = {}
+    extra = {"plugins": {"DeepseekV4ForCausalLM": {"indexer_key_dtype": args.indexer_key_dtype}}}
     if args.side == "hisparse":
         pages = -(-max_model_len // 16)  # csa_kv pages (16 tokens, 4 entries) of one request
-        extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": {
+        extra["use"] = {"kv_connector": "hisparse"}
+        extra["plugins"]["hisparse"] = {
             "host_pages": args.requests * pages + 16, "hot_buffer_blocks": -(-args.index_topk // 4),
             "gpu_share": args.gpu_share,
-        }}}
+        }
     llm = LLM(model=str(folder), engine=engine, **extra)
     core = llm.engine.core
     scheduler = core.scheduler
@@ -162,7 +165,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
 
     scheduler.schedule = recording
     started = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
     decode_tokens = decode_seconds = 0.0
     for (at, tokens, decode_only), (next_at, _, _) in zip(steps, steps[1:]):
@@ -170,6 +174,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
             decode_tokens += tokens
             decode_seconds += next_at - at
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    top2 = [[sorted(([token, entry.logprob] for token, entry in step.items()), key=lambda pair: -pair[1])[:2]
+             for step in output.outputs[0].logprobs or ()] for output in outputs]
     totals = core.kv_connector.metric_totals if core.kv_connector is not None else {}
     return {
         "side": args.side, "max_running": most[0], "requests": args.requests, "prompt_len": args.prompt_len,
@@ -179,6 +185,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
         "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(), "steps": len(batches),
         "connector": {name: total.total for name, total in totals.items()},
+        "tokens": tokens, "top2": top2,
     }
 
 
@@ -200,6 +207,7 @@ def hisparse_part(args: argparse.Namespace) -> None:
     # The output check: HiSparse decoding as many requests at a time as plain did, so both sides' batches
     # (and so their GEMMs' shapes and summation orders) are alike; its tokens must then be plain's.
     alike = run_side("hisparse", "--side-max-seqs", str(max(plain["max_running"], 1)))
+    comparison = compare_tokens(plain, sparse)
     report = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,
         "gpu_share": args.gpu_share, "plain": plain, "hisparse": sparse,
@@ -207,16 +215,54 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
         "same_tokens_at_plain_concurrency": plain["tokens_sha256"] == alike["tokens_sha256"],
         "same_batches_at_plain_concurrency": plain["batches_sha256"] == alike["batches_sha256"],
-        "hisparse_at_plain_concurrency": alike,
+        "hisparse_at_plain_concurrency": {key: value for key, value in alike.items() if key not in ("tokens", "top2")},
+        "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
     }
+    for side in (plain, sparse):
+        del side["tokens"], side["top2"]
     publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
         f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
         f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
         f"same greedy tokens: {report['same_tokens']}; with HiSparse held to plain's {plain['max_running']} at once: "
         f"{report['same_tokens_at_plain_concurrency']} (its steps' batches alike: "
-        f"{report['same_batches_at_plain_concurrency']})"
+        f"{report['same_batches_at_plain_concurrency']}); {comparison['summary']}"
     ))
+
+
+def compare_tokens(plain: dict, sparse: dict) -> dict:
+    """Where each request's greedy tokens first differ between the sides, and whether that is a near-tie.
+
+    Up to its first difference a request saw the same tokens on both sides, so there the two sides'
+    log-probabilities of the same tokens differ only by rounding (batch shapes, summation orders): the
+    largest such difference over every request is this run's *noise*. A divergence is a near-tie when
+    each side's pick is the other's runner-up and both sides' top-1/top-2 gaps are within
+    ``TIE_SAFETY`` times the noise (``weft verify``'s rule); anything else is a real difference.
+    """
+    from weft.verify import TIE_SAFETY
+
+    noise, firsts = 0.0, []
+    for ours, theirs, ours_top, theirs_top in zip(plain["tokens"], sparse["tokens"], plain["top2"], sparse["top2"]):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        for step in range(first if first is not None else len(ours)):
+            mine, other = dict(map(tuple, ours_top[step])), dict(map(tuple, theirs_top[step]))
+            noise = max([noise] + [abs(mine[token] - other[token]) for token in mine.keys() & other.keys()])
+        if first is not None:
+            firsts.append((first, ours_top[first], theirs_top[first]))
+    bound = TIE_SAFETY * noise
+    divergences = []
+    for first, ours_top, theirs_top in firsts:
+        plain_gap = ours_top[0][1] - ours_top[1][1] if len(ours_top) > 1 else float("inf")
+        sparse_gap = theirs_top[0][1] - theirs_top[1][1] if len(theirs_top) > 1 else float("inf")
+        swapped = len(ours_top) > 1 and len(theirs_top) > 1 and ours_top[1][0] == theirs_top[0][0] and theirs_top[1][0] == ours_top[0][0]
+        divergences.append({"step": first, "plain_gap": plain_gap, "hisparse_gap": sparse_gap,
+                            "tie": swapped and max(plain_gap, sparse_gap) <= bound})
+    ties = sum(d["tie"] for d in divergences)
+    requests = len(plain["tokens"])
+    summary = (f"{requests - len(divergences)} of {requests} requests gave the same tokens, {ties} diverged at a near-tie "
+               f"(gaps within {TIE_SAFETY} x the run's rounding noise {noise:.3g}), {len(divergences) - ties} beyond one")
+    return {"noise": noise, "tie_bound": bound, "divergences": divergences, "summary": summary,
+            "unchanged": ties == len(divergences)}
 
 
 def prefill_part(args: argparse.Namespace) -> None:

@@ -172,21 +172,21 @@ def test_chunked_prefill_equals_one_full_forward(checkpoint):
     torch.testing.assert_close(torch.cat(rows), full, atol=ATOL, rtol=RTOL)
 
 
-def _llm(folder, **engine):
+def _llm(folder, plugins=None, **engine):
     from weft.entrypoints.llm import LLM
 
     settings = {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 256, "max_num_batched_tokens": 24}
     settings.update(engine)
-    return LLM(model=str(folder), engine=settings)
+    return LLM(model=str(folder), engine=settings, plugins=plugins or {})
 
 
 PROMPT_LENGTHS = (5, 23, 41)
 
 
-def _engine_tokens(folder, max_tokens=64, **engine) -> list[list[int]]:
+def _engine_tokens(folder, max_tokens=64, plugins=None, **engine) -> list[list[int]]:
     from weft.sampling_params import SamplingParams
 
-    llm = _llm(folder, **engine)
+    llm = _llm(folder, plugins, **engine)
     prompts = [random_ids(length, seed=10 + length) for length in PROMPT_LENGTHS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     llm.preemptions = llm.engine.scheduler.num_preemptions
@@ -201,6 +201,62 @@ def test_greedy_generation_through_the_engine_equals_transformers_generate(check
         with stable_topk(), torch.no_grad():
             generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
         assert ours == generated[0, length:].tolist(), f"prompt of {length} tokens"
+
+
+FP8_KEYS = {"DeepseekV4ForCausalLM": {"indexer_key_dtype": "fp8_e4m3"}}
+
+
+def test_fp8_entries_round_each_key_to_float8_with_its_own_scale():
+    from weft_dsv4.compressor import FP8_MAX, Fp8EntryFormat
+
+    keys = torch.randn(6, 5, 32, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 5)[None, :, None]
+    keys[0, 0] = 0.0
+    key_format = Fp8EntryFormat()
+    rows = key_format.encode(keys.to(torch.bfloat16), torch.uint8)
+    assert rows.dtype == torch.uint8 and rows.shape == (6, 5, 36) == (6, 5, key_format.row_width(32))
+    back = key_format.decode(rows)
+    assert back.dtype == torch.float32 and torch.equal(back[0, 0], torch.zeros(32))
+    source = keys.to(torch.bfloat16).float()
+    scale = source.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    # e4m3: 3 mantissa bits (half an ulp: 1/16 of the value), subnormals in steps of 2**-9 of the scale.
+    assert ((back - source).abs() <= source.abs() / 16 + scale * 2.0**-10 + 1e-30).all()
+    assert torch.equal(back.abs().amax(dim=-1), source.abs().amax(dim=-1))  # each key's largest is exact
+    # The same rows from a slice of a cache (strided rows) read back alike.
+    cache = torch.zeros(4, 3, 36, dtype=torch.uint8)
+    cache.view(-1, 36)[torch.tensor([1, 5, 7])] = rows[0, :3]
+    assert torch.equal(key_format.decode(cache.view(-1, 36)[torch.tensor([1, 5, 7])]), back[0, :3])
+
+
+def test_fp8_indexer_keys_equal_transformers_scoring_keys_rounded_alike(checkpoint, monkeypatch):
+    """``indexer_key_dtype = "fp8_e4m3"``: the indexer_keys group is a uint8 cache of float8 keys and their
+    scales (under half the bytes), and greedy decoding equals transformers' whose indexer scores the same
+    keys rounded the same way (its scorer patched); the other groups are untouched."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+    from weft_dsv4.compressor import Fp8EntryFormat
+
+    folder, hf = checkpoint
+    tokens, llm = _engine_tokens(folder, plugins=FP8_KEYS)
+    groups = {group.name: group.spec for group in llm.engine.kv_cache_manager.groups}
+    plain = {group.name: group.spec for group in Driver(folder).groups}
+    assert groups["indexer_keys"].dtype == "uint8"
+    assert groups["indexer_keys"].entry_dim == plain["indexer_keys"].entry_dim + 4
+    assert groups["indexer_keys"].page_size_bytes() * 2 < plain["indexer_keys"].page_size_bytes()
+    assert all(groups[name] == spec for name, spec in plain.items() if name != "indexer_keys")
+    key_format, score = Fp8EntryFormat(), modeling_deepseek_v4.DeepseekV4IndexerScorer.forward
+
+    def rounded_keys(self, q, compressed_kv, hidden_states):
+        return score(self, q, key_format.decode(key_format.encode(compressed_kv, torch.uint8)).to(compressed_kv.dtype), hidden_states)
+
+    monkeypatch.setattr(modeling_deepseek_v4.DeepseekV4IndexerScorer, "forward", rounded_keys)
+    for length, ours in zip(PROMPT_LENGTHS, tokens):
+        prompt = random_ids(length, seed=10 + length)
+        with stable_topk(), torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        assert ours == generated[0, length:].tolist(), f"prompt of {length} tokens"
+    # Prefix-cache hits and preemption read the float8 keys back as computed.
+    cached, _ = _shared_prefix_tokens(folder, FP8_KEYS, enable_prefix_caching=True)
+    uncached, _ = _shared_prefix_tokens(folder, FP8_KEYS, enable_prefix_caching=False)
+    assert cached == uncached
 
 
 def test_prefills_of_several_requests_are_attended_as_one_batch_and_match_transformers(checkpoint, monkeypatch):
@@ -243,10 +299,10 @@ SHARED = random_ids(48, seed=20)  # a multiple of both schedules' snapshot unit 
 SHARED_PROMPTS = [SHARED + [7], SHARED + random_ids(5, seed=21), SHARED[:33] + random_ids(30, seed=22), SHARED + random_ids(40, seed=23)]
 
 
-def _shared_prefix_tokens(folder, **engine):
+def _shared_prefix_tokens(folder, plugins=None, **engine):
     from weft.sampling_params import SamplingParams
 
-    llm = _llm(folder, **engine)
+    llm = _llm(folder, plugins, **engine)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     first = llm.generate([SHARED + random_ids(3, seed=24)], params)  # computes (and publishes) the shared prefix
     rest = llm.generate(SHARED_PROMPTS, params)

@@ -58,6 +58,33 @@ def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
         assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
 
 
+def test_fp32_engine_with_fp8_indexer_keys_equals_transformers_scoring_keys_rounded_alike(folder, monkeypatch):
+    """``indexer_key_dtype = "fp8_e4m3"`` on the GPU: greedy tokens equal transformers' whose indexer scorer
+    reads the same keys rounded to float8 with a scale per key (tests/test_dsv4.py does the same on the CPU)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+    from weft_dsv4.compressor import Fp8EntryFormat
+
+    llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024},
+              plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": "fp8_e4m3"}})
+    groups = {group.name: group.spec for group in llm.engine.kv_cache_manager.groups}
+    assert groups["indexer_keys"].dtype == "uint8"
+    outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    del llm
+    key_format, score = Fp8EntryFormat(), modeling_deepseek_v4.DeepseekV4IndexerScorer.forward
+
+    def rounded_keys(self, q, compressed_kv, hidden_states):
+        return score(self, q, key_format.decode(key_format.encode(compressed_kv, torch.uint8)).to(compressed_kv.dtype), hidden_states)
+
+    monkeypatch.setattr(modeling_deepseek_v4.DeepseekV4IndexerScorer, "forward", rounded_keys)
+    hf = hf_model(folder, torch.float32)
+    for length, output in zip(PROMPT_LENGTHS, outputs):
+        with stable_topk(), torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
+
+
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(folder):
     from weft_triton.ops import DecodeTopKTriton
 
@@ -136,7 +163,8 @@ def test_prefix_cache_hits_and_warmed_kernels_on_gpu_change_no_token(folder):
     assert results[True] == results[False]
 
 
-def test_decode_graphs_on_and_off_give_the_same_tokens(folder):
+@pytest.mark.parametrize("indexer_key_dtype", ["auto", "fp8_e4m3"])
+def test_decode_graphs_on_and_off_give_the_same_tokens(folder, indexer_key_dtype):
     """bf16 engine: decode captured in CUDA graphs (the model-managed groups read from the runner's static
     buffers) against the same engine eager; prompts of several lengths finish at different steps, so replays
     run padded to the captured sizes; prefix caching on, so snapshots are written from inside the graphs.
@@ -157,7 +185,7 @@ def test_decode_graphs_on_and_off_give_the_same_tokens(folder):
         llm = LLM(model=str(folder), engine={
             "dtype": "bfloat16", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024,
             "enable_prefix_caching": True, "enforce_eager": eager, "max_num_seqs": 8,
-        })
+        }, plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": indexer_key_dtype}})
         assert bool(llm.engine.runner.graphs) is not eager
         # Decode attention in the Triton kernel on both sides, so the graphs replay it too.
         assert all(type(layer.self_attn.decode_kernel).__name__ == "DecodeAttentionKernel"

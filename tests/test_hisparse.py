@@ -185,13 +185,14 @@ def tiny_dsv4(tmp_path_factory):
     return _dsv4_checkpoint(tmp_path_factory)
 
 
-def _generate(folder, hisparse: dict | None, num_kv_blocks: int):
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto"):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
     engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
               "enable_prefix_caching": False}
-    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
+    extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     llm = LLM(model=str(folder), engine=engine, **extra)
     prompts = [torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (9, 30, 47)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
@@ -199,14 +200,16 @@ def _generate(folder, hisparse: dict | None, num_kv_blocks: int):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4):
-    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)
+@pytest.mark.parametrize("indexer_key_dtype", ["auto", "fp8_e4m3"])
+def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4, indexer_key_dtype):
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, indexer_key_dtype=indexer_key_dtype)
     # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
     # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
     # (their own entries then come from the host), and one request is still preempted and
     # recomputed. Two blocks of hot rows (4 entries) for top-3 picks: entries are evicted and copied
     # in again in later steps.
-    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30)
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
+                            indexer_key_dtype=indexer_key_dtype)
     assert tokens == reference
     connector = llm.engine.scheduler.connector
     assert connector.metric_totals["pages_copied_total"].total > 0

@@ -191,7 +191,7 @@ class DeepseekV4Attention(nn.Module):
                 index_slots, _ = self.indexer.compressor.decode_step(
                     hidden[rows], batch, index_state, index_cache, batch.tables["indexer_keys"], rope,
                 )
-                index_keys = index_cache.view(-1, index_cache.shape[-1])[index_slots]
+                index_keys = self.indexer.compressor.format.decode(index_cache.view(-1, index_cache.shape[-1])[index_slots])
                 cos, sin = rope.table(positions, hidden.dtype)
                 index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
                 index_query = apply_rope(index_query, cos, sin)

@@ -15,6 +15,53 @@ from weft_dsv4.rope import InterleavedRope, apply_rope
 if TYPE_CHECKING:
     from weft_dsv4.step import DecodeBatch, PrefillBatch
 
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn."""
+
+
+class EntryFormat:
+    """How a compressor's entries sit in their cache: as they are, rounded to the cache's dtype."""
+
+    def row_width(self, dim: int) -> int:
+        """Cache elements one entry of ``dim`` takes."""
+        return dim
+
+    def cache_dtype(self, dtype: str) -> str:
+        return dtype
+
+    def encode(self, entries: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows ``[..., row_width]`` of ``entries`` ``[..., dim]``."""
+        return entries.to(cache_dtype)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """The entries cache rows ``rows`` ``[..., row_width]`` hold (their dtype: the cache's or float32)."""
+        return rows
+
+
+class Fp8EntryFormat(EntryFormat):
+    """float8_e4m3fn with one float32 scale per entry (its largest magnitude / 448), as DeepSeek stores the
+    indexer's keys: ``dim`` bytes then the scale's 4 in a uint8 cache; read back as float32. Halves a bf16
+    cache's bytes (plus 4 per entry); an entry of zeros stays zeros."""
+
+    def row_width(self, dim: int) -> int:
+        return dim + 4
+
+    def cache_dtype(self, dtype: str) -> str:
+        return "uint8"
+
+    def encode(self, entries: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        values = entries.float()
+        largest = values.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(largest > 0, largest / FP8_MAX, torch.ones_like(largest))
+        quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return torch.cat([quantized.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        dim = rows.shape[-1] - 4
+        scale = rows[..., dim:].contiguous().view(torch.float32)
+        return rows[..., :dim].contiguous().view(torch.float8_e4m3fn).float() * scale
+
+
 class Compressor(nn.Module):
     """Pools ``ratio`` tokens into one entry: per-channel softmax of ``gate + position_bias`` over the
     window's tokens weighting ``kv``, then RMSNorm and RoPE at the window's first position.
@@ -31,6 +78,8 @@ class Compressor(nn.Module):
         self.gate_proj = Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
+        self.format = EntryFormat()
+        """How the entries sit in the cache (the indexer's keys may be float8: ``indexer_key_dtype``)."""
 
     @property
     def span(self) -> int:
@@ -50,7 +99,8 @@ class Compressor(nn.Module):
     ) -> torch.Tensor:
         """Add every prefilling request's tokens (their projections ``kv``, ``gate`` by step row) to its windows,
         store the entries they complete in ``cache`` (the requests' blocks ``tables`` ``[requests, blocks]``) and
-        return every request's entries ``[requests, longest, dim]`` (padded past each request's count).
+        return every request's entries ``[requests, longest, dim]`` (padded past each request's count) as the
+        cache holds them (``format``: rounded to its dtype, or float8 read back).
 
         ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``: each request's
         fp32 ring (kv | gate per position, slot ``position % span``), updated in place. ``snapshots`` (the same
@@ -85,7 +135,7 @@ class Compressor(nn.Module):
             entries = self.windows_to_entries(source(requests[:, None].expand_as(positions), positions), windows, kv.dtype, rope)
             per_block = cache.shape[1]
             slots_of = tables[requests].gather(1, (windows // per_block)[:, None])[:, 0] * per_block + windows % per_block
-            cache.view(-1, cache.shape[-1])[slots_of] = entries.to(cache.dtype)
+            cache.view(-1, cache.shape[-1])[slots_of] = self.format.encode(entries, cache.dtype)
         # The ring keeps each request's last span positions.
         kept = batch.ends[:, None] - span + torch.arange(span, device=device)
         kept_mask = kept >= torch.maximum(batch.starts, batch.ends - span)[:, None]
@@ -96,7 +146,7 @@ class Compressor(nn.Module):
         per_block = cache.shape[1]
         index = torch.arange(int(lasts.max()), device=device).expand(lasts.numel(), -1)
         flat = cache.view(-1, cache.shape[-1])
-        return flat[tables.gather(1, index // per_block) * per_block + index % per_block]
+        return self.format.decode(flat[tables.gather(1, index // per_block) * per_block + index % per_block])
 
     def decode_step(
         self, hidden: torch.Tensor, batch: DecodeBatch, state: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
@@ -122,7 +172,7 @@ class Compressor(nn.Module):
             source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
             entries = self.windows_to_entries(ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % span], window, kv.dtype, rope)
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
-            flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = entries.to(cache.dtype)
+            flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = self.format.encode(entries, cache.dtype)
         counts = (positions + 1) // m
         if batch.full_width:
             longest = table.shape[1] * per_block  # every entry the table can address (as a decode graph reads)

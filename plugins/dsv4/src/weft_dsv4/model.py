@@ -45,8 +45,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 from torch import nn
 
@@ -66,6 +67,7 @@ from weft.layers.linear import default_dtype
 from weft.layers.ops import current_op
 from weft.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, copy_checked
 from weft_dsv4.attention import DeepseekV4Attention, decode_attention_kernel, prefill_attention_kernel
+from weft_dsv4.compressor import EntryFormat, Fp8EntryFormat
 from weft_dsv4.config import CSA, HCA, DeepseekV4Settings, layer_groups
 from weft_dsv4.mhc import HyperConnection, HyperHead, fused_kernel
 from weft_dsv4.moe import Experts, MoE
@@ -143,10 +145,26 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
+class DeepseekV4Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``[plugins.DeepseekV4ForCausalLM]`` in weft.toml."""
+
+    indexer_key_dtype: Annotated[Literal["auto", "fp8_e4m3"], msgspec.Meta(description=(
+        "how the lightning indexer's compressed keys are stored: 'auto' in the model's dtype (transformers' "
+        "numbers), 'fp8_e4m3' as DeepSeek's own inference does, float8 with a float32 scale per key: under half "
+        "a bf16 cache's bytes for that group, which every CSA layer scores in full each step (it stays on the "
+        "GPU under weft-hisparse), at a small change to the indexer's scores and so, near ties, to its picks"
+    ))] = "auto"
+
+
 class DeepseekV4Family(ModelFamily):
     """DeepSeek V4 / V4.1 (``DeepseekV4ForCausalLM``): CSA/HCA compressed sparse attention, mHC, hash MoE."""
 
     reads_weight_slices = True
+    Options = DeepseekV4Options
+
+    @property
+    def indexer_key_format(self) -> EntryFormat:
+        return Fp8EntryFormat() if self.options.indexer_key_dtype == "fp8_e4m3" else EntryFormat()
 
     def captures_managed_groups(self, config: ModelConfig, device: torch.device) -> bool:
         """Decode graphs: the layers read a graph's static buffers on the device only (``StepLayout`` with
@@ -197,8 +215,10 @@ class DeepseekV4Family(ModelFamily):
             )))
         if CSA in kinds:
             ratio = s.ratio(CSA)
+            key_format = self.indexer_key_format
             groups.append(KVCacheGroupSpec("indexer_keys", names("indexer_keys"), CompressedSpec(
-                block_size=compressed_block(ratio), dtype=config.dtype, compress_ratio=ratio, entry_dim=s.index_head_dim,
+                block_size=compressed_block(ratio), dtype=key_format.cache_dtype(config.dtype), compress_ratio=ratio,
+                entry_dim=key_format.row_width(s.index_head_dim),
             )))
         if CSA in kinds or HCA in kinds:
             elements = max(s.state_elements(kind) for kind in kinds)
@@ -256,7 +276,10 @@ class DeepseekV4Family(ModelFamily):
         mhc_kernel = fused_kernel(device, s.hc_mult)
         decode_kernel = decode_attention_kernel(device, getattr(torch, config.dtype), s.head_dim)
         prefill_kernel = prefill_attention_kernel(device, getattr(torch, config.dtype), s.head_dim)
+        key_format = self.indexer_key_format
         for layer in module.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.compressor.format = key_format
             layer.self_attn.topk_op = topk
             layer.self_attn.decode_kernel = decode_kernel
             layer.self_attn.prefill_kernel = prefill_kernel

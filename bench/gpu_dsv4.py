@@ -14,8 +14,9 @@ compressor ignores attention masks), EOS ignored. Decode throughput = batch x (n
 throughput of each. Each side runs in its own process with the same KV-cache bytes (``--kv-gib``),
 ``--requests`` prompts of ``--prompt-len`` tokens (32k by default) and greedy decoding; printed: the most
 requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
-only decode, and whether both sides gave the same tokens; then HiSparse once more, held to as many requests
-at once as plain ran (``max_num_seqs``), so that both decode the same batches: its tokens must be plain's.
+only decode, and where the two sides' greedy tokens differ (near-ties or not); then plain once more with
+the memory to hold HiSparse's requests, each request arriving just before the step HiSparse first scheduled
+it, so that both run the same batches step by step: its tokens must then be HiSparse's exactly.
 
     python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
 
@@ -80,6 +81,7 @@ def arguments() -> argparse.Namespace:
                         help="hisparse: how both sides store the indexer's keys ([plugins.DeepseekV4ForCausalLM])")
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
     parser.add_argument("--side-max-seqs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--side-admit", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part == "hisparse" and "--prompt-len" not in sys.argv:
         args.prompt_len = 32768
@@ -154,28 +156,45 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     """Each step's requests and their scheduled tokens: alike on both sides means alike GEMM shapes."""
     most = [0]
 
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
+    admit = {int(index): at for index, at in json.loads(Path(args.side_admit).read_text()).items()} if args.side_admit else None
+    """Replay: request ``index`` reaches the engine just before the step that scheduled it first on the side recorded."""
+    states: dict[int, object] = {}
+    first_step: dict[int, int] = {}
+
+    def add(index: int) -> None:
+        states[index] = llm.engine.add_request(f"r{index}", prompts[index], params, stream_text=False)
+
     def recording():
+        for index in sorted(index for index, at in (admit or {}).items() if at <= len(batches) and index not in states):
+            add(index)
         output = schedule()
         steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
                       all(count == 1 for count in output.num_scheduled_tokens.values())))
         if output.num_scheduled_tokens:
+            for request_id in output.num_scheduled_tokens:
+                first_step.setdefault(int(request_id[1:]), len(batches))
             batches.append(sorted(output.num_scheduled_tokens.items()))
         most[0] = max(most[0], sum(1 for request in scheduler.running if core.kv_cache_manager.holds(request.request_id)))
         return output
 
     scheduler.schedule = recording
     started = time.perf_counter()
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if admit is None:
+        for index in range(len(prompts)):
+            add(index)
+    while len(states) < len(prompts) or llm.engine.has_unfinished:
+        llm.engine.step()
     wall = time.perf_counter() - started
     decode_tokens = decode_seconds = 0.0
     for (at, tokens, decode_only), (next_at, _, _) in zip(steps, steps[1:]):
         if decode_only and tokens:
             decode_tokens += tokens
             decode_seconds += next_at - at
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    ordered = [states[index] for index in range(len(prompts))]
+    tokens = [list(state.output_token_ids) for state in ordered]
     top2 = [[sorted(([token, entry.logprob] for token, entry in step.items()), key=lambda pair: -pair[1])[:2]
-             for step in output.outputs[0].logprobs or ()] for output in outputs]
+             for step in state.logprobs or ()] for state in ordered]
     totals = core.kv_connector.metric_totals if core.kv_connector is not None else {}
     return {
         "side": args.side, "max_running": most[0], "requests": args.requests, "prompt_len": args.prompt_len,
@@ -185,7 +204,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
         "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(), "steps": len(batches),
         "connector": {name: total.total for name, total in totals.items()},
-        "tokens": tokens, "top2": top2,
+        "tokens": tokens, "top2": top2, "first_step": first_step,
     }
 
 
@@ -204,29 +223,37 @@ def hisparse_part(args: argparse.Namespace) -> None:
     for side in ("plain", "hisparse"):
         sides[side] = run_side(side)
     plain, sparse = sides["plain"], sides["hisparse"]
-    # The output check: HiSparse decoding as many requests at a time as plain did, so both sides' batches
-    # (and so their GEMMs' shapes and summation orders) are alike; its tokens must then be plain's.
-    alike = run_side("hisparse", "--side-max-seqs", str(max(plain["max_running"], 1)))
+    # The output check. The two sides above run different batches (HiSparse decodes more requests at once
+    # and its admission gate lets prefills in later), so GEMM shapes, summation orders and, through the
+    # indexer's top-k, the picked entries differ by rounding. So plain runs once more with the memory to
+    # hold HiSparse's requests, each request reaching it just before the step that first scheduled it under
+    # HiSparse: the same batches, step by step, so its tokens must be HiSparse's exactly.
+    scale = -(-max(sparse["max_running"], 1) // max(plain["max_running"], 1)) + 1
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as admissions:
+        json.dump(sparse["first_step"], admissions)
+    replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name)
+    os.unlink(admissions.name)
+    replayed = compare_tokens(replay, sparse)
     comparison = compare_tokens(plain, sparse)
     report = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,
         "gpu_share": args.gpu_share, "plain": plain, "hisparse": sparse,
         "concurrency_ratio": sparse["max_running"] / max(plain["max_running"], 1),
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
-        "same_tokens_at_plain_concurrency": plain["tokens_sha256"] == alike["tokens_sha256"],
-        "same_batches_at_plain_concurrency": plain["batches_sha256"] == alike["batches_sha256"],
-        "hisparse_at_plain_concurrency": {key: value for key, value in alike.items() if key not in ("tokens", "top2")},
-        "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
+        "plain_on_hisparse_batches": replay,
+        "same_batches_replayed": replay["batches_sha256"] == sparse["batches_sha256"],
+        "same_tokens_replayed": replay["tokens_sha256"] == sparse["tokens_sha256"],
+        "divergences_replayed": replayed, "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
     }
-    for side in (plain, sparse):
-        del side["tokens"], side["top2"]
+    for side in (plain, sparse, replay):
+        del side["tokens"], side["top2"], side["first_step"]
     publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
         f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
         f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
-        f"same greedy tokens: {report['same_tokens']}; with HiSparse held to plain's {plain['max_running']} at once: "
-        f"{report['same_tokens_at_plain_concurrency']} (its steps' batches alike: "
-        f"{report['same_batches_at_plain_concurrency']}); {comparison['summary']}"
+        f"same greedy tokens: {report['same_tokens']} ({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB "
+        f"on HiSparse's admissions: batches alike {report['same_batches_replayed']}, same tokens "
+        f"{report['same_tokens_replayed']} ({replayed['summary']})"
     ))
 
 

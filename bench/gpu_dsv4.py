@@ -80,7 +80,6 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--indexer-key-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                         help="hisparse: how both sides store the indexer's keys ([plugins.DeepseekV4ForCausalLM])")
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
-    parser.add_argument("--side-max-seqs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--side-admit", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part == "hisparse" and "--prompt-len" not in sys.argv:
@@ -132,7 +131,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     kv_bytes = int(args.kv_gib * (1 << 30))
     engine = {
         "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
-        "max_num_seqs": args.side_max_seqs or args.requests,
+        "max_num_seqs": args.requests,
         "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
     }
     if args.device == "cuda":

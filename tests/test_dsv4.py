@@ -227,12 +227,11 @@ def test_fp8_entries_round_each_key_to_float8_with_its_own_scale():
     assert torch.equal(key_format.decode(cache.view(-1, 36)[torch.tensor([1, 5, 7])]), back[0, :3])
 
 
-def test_fp8_indexer_keys_equal_transformers_scoring_keys_rounded_alike(checkpoint, monkeypatch):
+def test_fp8_indexer_keys_equal_transformers_scoring_keys_rounded_alike(checkpoint):
     """``indexer_key_dtype = "fp8_e4m3"``: the indexer_keys group is a uint8 cache of float8 keys and their
     scales (under half the bytes), and greedy decoding equals transformers' whose indexer scores the same
     keys rounded the same way (its scorer patched); the other groups are untouched."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4
-    from weft_dsv4.compressor import Fp8EntryFormat
+    from weft_dsv4.reference import fp8_indexer_keys
 
     folder, hf = checkpoint
     tokens, llm = _engine_tokens(folder, plugins=FP8_KEYS)
@@ -242,15 +241,9 @@ def test_fp8_indexer_keys_equal_transformers_scoring_keys_rounded_alike(checkpoi
     assert groups["indexer_keys"].entry_dim == plain["indexer_keys"].entry_dim + 4
     assert groups["indexer_keys"].page_size_bytes() * 2 < plain["indexer_keys"].page_size_bytes()
     assert all(groups[name] == spec for name, spec in plain.items() if name != "indexer_keys")
-    key_format, score = Fp8EntryFormat(), modeling_deepseek_v4.DeepseekV4IndexerScorer.forward
-
-    def rounded_keys(self, q, compressed_kv, hidden_states):
-        return score(self, q, key_format.decode(key_format.encode(compressed_kv, torch.uint8)).to(compressed_kv.dtype), hidden_states)
-
-    monkeypatch.setattr(modeling_deepseek_v4.DeepseekV4IndexerScorer, "forward", rounded_keys)
     for length, ours in zip(PROMPT_LENGTHS, tokens):
         prompt = random_ids(length, seed=10 + length)
-        with stable_topk(), torch.no_grad():
+        with stable_topk(), fp8_indexer_keys(), torch.no_grad():
             generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
         assert ours == generated[0, length:].tolist(), f"prompt of {length} tokens"
     # Prefix-cache hits and preemption read the float8 keys back as computed.

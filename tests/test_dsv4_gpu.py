@@ -58,13 +58,12 @@ def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
         assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
 
 
-def test_fp32_engine_with_fp8_indexer_keys_equals_transformers_scoring_keys_rounded_alike(folder, monkeypatch):
+def test_fp32_engine_with_fp8_indexer_keys_equals_transformers_scoring_keys_rounded_alike(folder):
     """``indexer_key_dtype = "fp8_e4m3"`` on the GPU: greedy tokens equal transformers' whose indexer scorer
     reads the same keys rounded to float8 with a scale per key (tests/test_dsv4.py does the same on the CPU)."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
-    from weft_dsv4.compressor import Fp8EntryFormat
+    from weft_dsv4.reference import fp8_indexer_keys
 
     llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024},
               plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": "fp8_e4m3"}})
@@ -72,15 +71,9 @@ def test_fp32_engine_with_fp8_indexer_keys_equals_transformers_scoring_keys_roun
     assert groups["indexer_keys"].dtype == "uint8"
     outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     del llm
-    key_format, score = Fp8EntryFormat(), modeling_deepseek_v4.DeepseekV4IndexerScorer.forward
-
-    def rounded_keys(self, q, compressed_kv, hidden_states):
-        return score(self, q, key_format.decode(key_format.encode(compressed_kv, torch.uint8)).to(compressed_kv.dtype), hidden_states)
-
-    monkeypatch.setattr(modeling_deepseek_v4.DeepseekV4IndexerScorer, "forward", rounded_keys)
     hf = hf_model(folder, torch.float32)
     for length, output in zip(PROMPT_LENGTHS, outputs):
-        with stable_topk(), torch.no_grad():
+        with stable_topk(), fp8_indexer_keys(), torch.no_grad():
             expected = hf.generate(torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
         assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
 

@@ -21,6 +21,28 @@ from weft.layers.ops import using_ops
 
 
 @contextlib.contextmanager
+def fp8_indexer_keys() -> Iterator[None]:
+    """transformers' indexer scoring its keys rounded as ``indexer_key_dtype = "fp8_e4m3"`` stores them
+    (``Fp8EntryFormat``: float8 with a scale per key), the reference for that option."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+
+    from weft_dsv4.compressor import Fp8EntryFormat
+
+    scorer, key_format = modeling_deepseek_v4.DeepseekV4IndexerScorer, Fp8EntryFormat()
+    score = scorer.forward
+
+    def rounded_keys(self, q, compressed_kv, hidden_states):  # type: ignore[no-untyped-def]
+        keys = key_format.decode(key_format.encode(compressed_kv, torch.uint8)).to(compressed_kv.dtype)
+        return score(self, q, keys, hidden_states)
+
+    scorer.forward = rounded_keys
+    try:
+        yield
+    finally:
+        scorer.forward = score
+
+
+@contextlib.contextmanager
 def stable_topk() -> Iterator[None]:
     """Make ``Tensor.topk`` break ties toward the lower index (a stable descending sort).
 

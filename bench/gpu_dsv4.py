@@ -16,7 +16,8 @@ throughput of each. Each side runs in its own process with the same KV-cache byt
 requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
 only decode, and where the two sides' greedy tokens differ (near-ties or not); then plain once more with
 the memory to hold HiSparse's requests, each request arriving just before the step HiSparse first scheduled
-it, so that both run the same batches step by step: its tokens must then be HiSparse's exactly.
+it and each step's token budget what HiSparse scheduled in it, decoding eagerly as HiSparse does, so that both
+run the same batches step by step: its tokens and log-probabilities must then be HiSparse's exactly.
 
     python bench/gpu_dsv4.py --part hisparse [--requests 64] [--prompt-len 32768] [--new-tokens 64] [--kv-gib 1]
 
@@ -132,7 +133,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     engine = {
         "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
         "max_num_seqs": args.requests,
-        "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
+        "max_num_batched_tokens": 8192, "enable_prefix_caching": False, "enforce_eager": args.enforce_eager,
     }
     if args.device == "cuda":
         engine["gpu_memory_utilization"] = min(0.9, kv_bytes / torch.cuda.mem_get_info()[0])
@@ -156,8 +157,12 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     most = [0]
 
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
-    admit = {int(index): at for index, at in json.loads(Path(args.side_admit).read_text()).items()} if args.side_admit else None
+    recorded = json.loads(Path(args.side_admit).read_text()) if args.side_admit else None
+    admit = {int(index): at for index, at in recorded["first_step"].items()} if recorded else None
     """Replay: request ``index`` reaches the engine just before the step that scheduled it first on the side recorded."""
+    budgets = recorded["budgets"] if recorded else None
+    """Replay: each step's token budget, the tokens the side recorded scheduled in it (where its lent blocks, not
+    the budget, cut a chunk short, the replay's scheduler cuts it by the budget instead, in the same place)."""
     states: dict[int, object] = {}
     first_step: dict[int, int] = {}
 
@@ -167,6 +172,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     def recording():
         for index in sorted(index for index, at in (admit or {}).items() if at <= len(batches) and index not in states):
             add(index)
+        if budgets is not None and len(batches) < len(budgets):
+            scheduler.max_num_batched_tokens = budgets[len(batches)]
         output = schedule()
         steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
                       all(count == 1 for count in output.num_scheduled_tokens.values())))
@@ -203,7 +210,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
         "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(), "steps": len(batches),
         "connector": {name: total.total for name, total in totals.items()},
-        "tokens": tokens, "top2": top2, "first_step": first_step,
+        "tokens": tokens, "top2": top2, "first_step": first_step, "batches": batches,
     }
 
 
@@ -216,7 +223,8 @@ def hisparse_part(args: argparse.Namespace) -> None:
         if run.returncode != 0:
             raise SystemExit(f"the {side} side failed:\n{run.stderr[-4000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        print(json.dumps(result), flush=True)  # each side as soon as it is done
+        print(json.dumps({key: value for key, value in result.items() if key not in ("tokens", "top2", "batches")}),
+              flush=True)  # each side as soon as it is done
         return result
 
     for side in ("plain", "hisparse"):
@@ -227,11 +235,18 @@ def hisparse_part(args: argparse.Namespace) -> None:
     # indexer's top-k, the picked entries differ by rounding. So plain runs once more with the memory to
     # hold HiSparse's requests, each request reaching it just before the step that first scheduled it under
     # HiSparse: the same batches, step by step, so its tokens must be HiSparse's exactly.
+    # Where HiSparse's lent blocks cut a prefill's chunk short, the replay's scheduler is held to the same
+    # tokens by its step's budget. HiSparse decodes eagerly (its reads are host-side), so the replay does too:
+    # a captured graph pads the batch to a captured size, and other GEMM shapes round differently (graphs
+    # on and off at the same shapes are compared by tests/test_dsv4_gpu.py).
     scale = -(-max(sparse["max_running"], 1) // max(plain["max_running"], 1)) + 1
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as admissions:
-        json.dump(sparse["first_step"], admissions)
-    replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name)
+        json.dump({"first_step": sparse["first_step"], "budgets": [sum(count for _, count in batch) for batch in sparse["batches"]]},
+                  admissions)
+    eager = () if args.enforce_eager else ("--enforce-eager",)
+    replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name, *eager)
     os.unlink(admissions.name)
+    unlike = next((step for step, (ours, theirs) in enumerate(zip(replay["batches"], sparse["batches"])) if ours != theirs), None)
     replayed = compare_tokens(replay, sparse)
     comparison = compare_tokens(plain, sparse)
     report = {
@@ -241,11 +256,13 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
         "plain_on_hisparse_batches": replay,
         "same_batches_replayed": replay["batches_sha256"] == sparse["batches_sha256"],
+        "first_unlike_batch": None if unlike is None else {
+            "step": unlike, "plain": replay["batches"][unlike], "hisparse": sparse["batches"][unlike]},
         "same_tokens_replayed": replay["tokens_sha256"] == sparse["tokens_sha256"],
         "divergences_replayed": replayed, "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
     }
     for side in (plain, sparse, replay):
-        del side["tokens"], side["top2"], side["first_step"]
+        del side["tokens"], side["top2"], side["first_step"], side["batches"]
     publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
         f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "

@@ -800,3 +800,20 @@ def test_the_decode_graph_path_changes_no_token(checkpoint, eager_replay_platfor
         if caching:
             assert llm.engine.kv_cache_manager.stats.hit_tokens - hits >= 80  # past the 51 prompt tokens
         eager_replay_platform.clear()
+
+
+def test_decode_pads_to_max_model_len_within_the_row_token_bound():
+    """Decode graphs (full-width decode) past 16,384 tokens of max_model_len where few rows decode at once:
+    the activation bound is max_model_len times the largest decode batch."""
+    from weft.contracts.model import ModelConfig
+    from weft_dsv4.model import FULL_WIDTH_DECODE_ROW_TOKENS, full_width_decode
+
+    def config(max_model_len: int, max_num_seqs: int) -> ModelConfig:
+        return ModelConfig(architecture="DeepseekV4ForCausalLM", hf_config={}, dtype="bfloat16", block_size=16,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+
+    assert full_width_decode(config(16384, 4096)) and full_width_decode(config(16384, 0))
+    assert full_width_decode(config(32848, 16)) and full_width_decode(config(1 << 20, 8))
+    assert not full_width_decode(config(32848, 512)) and not full_width_decode(config(32848, 0))
+    assert full_width_decode(config(FULL_WIDTH_DECODE_ROW_TOKENS // 256, 256))
+    assert not full_width_decode(config(FULL_WIDTH_DECODE_ROW_TOKENS // 256 + 1, 256))

@@ -151,6 +151,7 @@ def model_config(config: WeftConfig, source: ModelSource, dtype: str, layout: Pa
         architecture=architecture_of(config, source), hf_config=source.hf_config, dtype=dtype,
         block_size=config.engine.block_size, max_model_len=max_model_len(config, source),
         parallel=layout or parallel_layout(config), enable_prefix_caching=config.engine.enable_prefix_caching,
+        max_num_seqs=config.engine.max_num_seqs or 0,
     )
 
 

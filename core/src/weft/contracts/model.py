@@ -67,6 +67,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     enable_prefix_caching: bool = False
     """Whether the engine reuses cached prefixes: a family with checkpointed groups declares its
     checkpoint groups only then (added in core API 1.5)."""
+    max_num_seqs: int = 0
+    """The most requests one step holds (``engine.max_num_seqs``), so the most rows of a decode graph;
+    0 where not known (added in core API 1.10)."""
 
 
 class ModelFamily(PluginBase):

@@ -77,11 +77,21 @@ from weft_dsv4.step import StepLayout
 from weft_dsv4.weights import parameter_name
 
 FULL_WIDTH_DECODE_MAX_LEN = 16384
-"""Up to this ``max_model_len``, decode graphs are captured (on a device where they can be), and there decode
-reads each request's compressed entries padded to every entry ``max_model_len`` allows, eagerly too (the same
-shapes, so graphs on and off give the same tokens). A graph's decode does work and holds activations in
-proportion to ``max_model_len`` (CSA's entries and indexer keys of every row of the largest batch), which the
-KV-cache budget does not reserve; beyond this length decode runs eagerly over each batch's longest request."""
+FULL_WIDTH_DECODE_ROW_TOKENS = FULL_WIDTH_DECODE_MAX_LEN * 512
+"""Where ``max_model_len`` is at most ``FULL_WIDTH_DECODE_MAX_LEN``, or ``max_model_len`` times ``max_num_seqs``
+(the largest decode batch) at most ``FULL_WIDTH_DECODE_ROW_TOKENS`` (what 512 rows of 16,384 tokens hold),
+decode graphs are captured (on a device where they can be), and there decode reads each request's compressed
+entries padded to every entry ``max_model_len`` allows, eagerly too (the same shapes, so graphs on and off give
+the same tokens). A graph's decode does work and holds activations in proportion to ``max_model_len`` times its
+rows (CSA's entries and indexer keys of every row of the largest batch), which the KV-cache budget does not
+reserve; beyond both bounds decode runs eagerly over each batch's longest request."""
+
+
+def full_width_decode(config: ModelConfig) -> bool:
+    """Whether decode pads every row to ``max_model_len`` (and so may be captured): see ``FULL_WIDTH_DECODE_MAX_LEN``."""
+    if config.max_model_len <= FULL_WIDTH_DECODE_MAX_LEN:
+        return True
+    return 0 < config.max_num_seqs and config.max_model_len * config.max_num_seqs <= FULL_WIDTH_DECODE_ROW_TOKENS
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -172,7 +182,7 @@ class DeepseekV4Family(ModelFamily):
         come from the host): CUDA without torch's grouped GEMM for this dtype (before sm90, or float32)."""
         if config.parallel.world_size > 1:
             return False  # TP/PP collectives of the family are not captured yet
-        if config.max_model_len > FULL_WIDTH_DECODE_MAX_LEN:
+        if not full_width_decode(config):
             return False  # a graph's decode reads every entry max_model_len allows: eager reads each request's own
         from weft_dsv4.moe import _grouped_mm_runs
 

@@ -5,7 +5,9 @@ Both sides load the same checkpoint (random weights, written by ``weft_dsv4.tiny
 generate greedily for the same batch of equal-length prompts (no padding: transformers' V4
 compressor ignores attention masks), EOS ignored. Decode throughput = batch x (new tokens - 1)
 / (time for N tokens - time for 1 token), so prefill is excluded on both sides; medians of
-``--repeats`` runs. Also printed: how many leading greedy tokens the two bf16 runs share.
+``--repeats`` runs. Also printed: how many leading greedy tokens the two bf16 runs share. The long-context
+case is ``--prompt-len 32768 --batch 1 --heads 4``: transformers' eager attention holds every head's full
+[prompt, prompt] scores in prefill, which at 16 heads does not fit in an H200's memory.
 
     python bench/gpu_dsv4.py [--batch 16] [--prompt-len 512] [--new-tokens 128] [--out DIR]
 

@@ -174,8 +174,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     def recording():
         for index in sorted(index for index, at in (admit or {}).items() if at <= len(batches) and index not in states):
             add(index)
-        if budgets is not None and len(batches) < len(budgets):
-            scheduler.max_num_batched_tokens = budgets[len(batches)]
+        if budgets is not None:  # past the recorded steps (a replay that diverged): the engine's own budget again
+            scheduler.max_num_batched_tokens = budgets[len(batches)] if len(batches) < len(budgets) else engine["max_num_batched_tokens"]
         output = schedule()
         steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
                       all(count == 1 for count in output.num_scheduled_tokens.values())))
@@ -249,6 +249,8 @@ def hisparse_part(args: argparse.Namespace) -> None:
     replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name, *eager)
     os.unlink(admissions.name)
     unlike = next((step for step, (ours, theirs) in enumerate(zip(replay["batches"], sparse["batches"])) if ours != theirs), None)
+    if unlike is None and len(replay["batches"]) != len(sparse["batches"]):
+        unlike = min(len(replay["batches"]), len(sparse["batches"]))  # one side ran steps the other did not
     replayed = compare_tokens(replay, sparse)
     comparison = compare_tokens(plain, sparse)
     report = {
@@ -259,7 +261,7 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "plain_on_hisparse_batches": replay,
         "same_batches_replayed": replay["batches_sha256"] == sparse["batches_sha256"],
         "first_unlike_batch": None if unlike is None else {
-            "step": unlike, "plain": replay["batches"][unlike], "hisparse": sparse["batches"][unlike]},
+            "step": unlike, "plain": replay["batches"][unlike:unlike + 1], "hisparse": sparse["batches"][unlike:unlike + 1]},
         "same_tokens_replayed": replay["tokens_sha256"] == sparse["tokens_sha256"],
         "divergences_replayed": replayed, "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
     }

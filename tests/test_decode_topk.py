@@ -315,3 +315,54 @@ def test_graph_replay_gives_the_same_result_and_leaves_counters_at_zero(capacity
 
 class TestDecodeTopKTorchContract(OpContract):
     plugin_name = "decode_topk.torch"
+
+
+@interpreted
+def test_a_grown_workspace_keeps_the_one_a_graph_may_have_captured():
+    """A launch needing more workspace (here: more chunks for the same rows, as the policy picks for fewer
+    rows past 16 x 512 blocks) grows it to at least twice its size and keeps the old buffers alive."""
+    import weakref
+
+    from weft_triton.ops import DecodeTopKTriton
+
+    scores, seq_lens = random_case(5, 1, 4, 1, 40, 1)
+    op = DecodeTopKTriton(None)
+    expected = DecodeTopKTorch(None)(scores, seq_lens, 1, 1, 8)
+    assert torch.equal(op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=2, block=16, warps=1, stages=1)), expected)
+    first, counters = weakref.ref(op.launcher.workspace), weakref.ref(op.counters)
+    size = op.launcher.workspace.numel()
+    assert torch.equal(op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)), expected)
+    assert op.launcher.workspace.numel() >= 2 * size and first() is not None and first() is not op.launcher.workspace
+    assert counters() is op.counters  # as many rows: the counters did not grow
+    bigger, lengths = random_case(6, 1, 9, 1, 40, 1)
+    assert torch.equal(op(bigger, lengths, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)),
+                       DecodeTopKTorch(None)(bigger, lengths, 1, 1, 8))
+    assert counters() is not None and counters() is not op.counters and op.counters.eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA or ROCm GPU")
+def test_a_graph_replays_correctly_after_a_later_launch_grew_the_workspace():
+    """Captured over a 2-chunk workspace; then an eager 4-chunk launch grows it and the freed-looking memory
+    is claimed by a new tensor: the replay still gives the reference and leaves that tensor untouched."""
+    from weft_triton.ops import DecodeTopKTriton
+
+    scores, seq_lens = random_case(31, 2, 8, 1, 300, 1)
+    scores, seq_lens = scores.cuda(), seq_lens.cuda()
+    op = DecodeTopKTriton(None)
+    two, four = (DecodeTopKLaunch(chunks=n, block=64, warps=2, stages=1) for n in (2, 4))
+    op(scores, seq_lens, 1, 1, 16, launch=two)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(scores, seq_lens, 1, 1, 16, launch=two)
+    op(scores, seq_lens, 1, 1, 16, launch=four)
+    filler = torch.full((16 * 2 * 16,), 7, dtype=torch.int64, device="cuda")  # the 2-chunk workspace's size
+    for seed in (32, 33):
+        fresh, lengths = random_case(seed, 2, 8, 1, 300, 1)
+        scores.copy_(fresh)
+        seq_lens.copy_(lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.cpu(), DecodeTopKTorch(None)(fresh, lengths, 1, 1, 16))
+        assert filler.eq(7).all()
+        assert op.counters.eq(0).all()

@@ -185,7 +185,7 @@ def tiny_dsv4(tmp_path_factory):
     return _dsv4_checkpoint(tmp_path_factory)
 
 
-def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto"):
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
@@ -194,14 +194,16 @@ def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dty
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     llm = LLM(model=str(folder), engine=engine, **extra)
+    if full_width:  # decode as on a GPU that captures graphs: every row padded to the entries max_model_len allows
+        llm.engine.worker.model.model.decode_width_tokens = engine["max_model_len"]
     prompts = [torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (9, 30, 47)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
     return [list(output.outputs[0].token_ids) for output in outputs], llm
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("indexer_key_dtype", ["auto", "fp8_e4m3"])
-def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4, indexer_key_dtype):
+@pytest.mark.parametrize(("indexer_key_dtype", "full_width"), [("auto", False), ("fp8_e4m3", False), ("auto", True)])
+def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4, indexer_key_dtype, full_width):
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, indexer_key_dtype=indexer_key_dtype)
     # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
     # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
@@ -209,7 +211,7 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     # recomputed. Two blocks of hot rows (4 entries) for top-3 picks: entries are evicted and copied
     # in again in later steps.
     tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
-                            indexer_key_dtype=indexer_key_dtype)
+                            indexer_key_dtype=indexer_key_dtype, full_width=full_width)
     assert tokens == reference
     connector = llm.engine.scheduler.connector
     assert connector.metric_totals["pages_copied_total"].total > 0

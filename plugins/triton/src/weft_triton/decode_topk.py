@@ -102,18 +102,30 @@ class DecodeTopKLauncher:
     """Launches the kernel; keeps its workspace and completion counters between launches.
 
     Grow the buffers outside graph capture (the first launch of a shape does): a captured launch
-    must find them allocated. The counters are zero between launches.
+    must find them allocated. A grown buffer replaces the old one for later launches, but the old one
+    is kept: a graph captured before holds its address and replays into it (graphs are captured
+    largest batch first, yet the workspace a launch needs, rows times chunks, need not fall with the
+    rows once the policy picks fewer chunks for more rows). A buffer grows to at least twice its size, so
+those kept hold at most as much as the one in use. The counters are zero between launches.
     """
 
     def __init__(self) -> None:
         self.workspace: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self._superseded: list[torch.Tensor] = []
+        """Buffers grown out of, alive for the graphs captured over them."""
 
     def _buffers(self, rows: int, chunks: int, topk_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         need = rows * chunks * topk_pad
         if self.workspace is None or self.workspace.numel() < need or self.workspace.device != device:
+            if self.workspace is not None and self.workspace.device == device:
+                self._superseded.append(self.workspace)
+                need = max(need, 2 * self.workspace.numel())
             self.workspace = torch.empty(need, dtype=torch.int64, device=device)
         if self.counters is None or self.counters.numel() < rows or self.counters.device != device:
+            if self.counters is not None and self.counters.device == device:
+                self._superseded.append(self.counters)
+                rows = max(rows, 2 * self.counters.numel())
             self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
         return self.workspace, self.counters
 

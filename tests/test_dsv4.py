@@ -817,3 +817,26 @@ def test_decode_pads_to_max_model_len_within_the_row_token_bound():
     assert not full_width_decode(config(32848, 512)) and not full_width_decode(config(32848, 0))
     assert full_width_decode(config(FULL_WIDTH_DECODE_ROW_TOKENS // 256, 256))
     assert not full_width_decode(config(FULL_WIDTH_DECODE_ROW_TOKENS // 256 + 1, 256))
+
+
+def test_a_long_max_model_len_with_few_sequences_decodes_in_graphs(tmp_path, eager_replay_platform):
+    """max_model_len 20,000 (past FULL_WIDTH_DECODE_MAX_LEN): engine.max_num_seqs reaches the family through
+    ModelConfig, so 4 sequences decode in (the CPU's stand-in for) graphs with the eager engine's tokens, and
+    512 decode eagerly."""
+    from weft.sampling_params import SamplingParams
+
+    folder = write_checkpoint(tmp_path / "long", tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3,
+                                                              max_position_embeddings=20000), seed=3)
+    prompts = [random_ids(n, seed=n) for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = {"max_model_len": 20000, "num_kv_blocks": 2 * 2500 + 8, "max_num_batched_tokens": 64}
+    reference = _llm(folder, enforce_eager=True, max_num_seqs=4, **engine)
+    expected = [list(output.outputs[0].token_ids) for output in reference.generate(prompts, params)]
+    assert not reference.engine.runner.graphs
+    del reference
+    graphed = _llm(folder, max_num_seqs=4, graph_batch_sizes=[1, 2, 4], **engine)
+    assert sorted(graphed.engine.runner.graphs) == [1, 2, 4]
+    assert [list(output.outputs[0].token_ids) for output in graphed.generate(prompts, params)] == expected
+    assert len(eager_replay_platform) >= 10
+    del graphed
+    assert not _llm(folder, max_num_seqs=512, graph_batch_sizes=[1, 2, 4], **engine).engine.runner.graphs

@@ -436,3 +436,30 @@ def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkey
     assert plain.headers["x-request-id"] in plain.json()["error"]["message"]
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "500" and "secret" not in events[-2]
     assert failures() == before + 2
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_summed_logprobs(client):
+    """best_of = 4, n = 2 against the same request with n = 4 (a seeded request's choices sample alike): each
+    prompt's two choices are its two best of those four, best first; usage counts all four."""
+    import openai
+
+    prompts = ["Once upon a time", "The best fruit is"]
+    fields = {"model": MODEL, "prompt": prompts, "temperature": 1.0, "seed": 11, "max_tokens": 6}
+    candidates = client.completions.create(n=4, logprobs=0, **fields)
+    best = client.completions.create(n=2, best_of=4, logprobs=0, **fields)
+    picked = []
+    for number in range(len(prompts)):
+        mine = candidates.choices[4 * number : 4 * number + 4]
+        ranked = sorted(mine, key=lambda choice: (-sum(choice.logprobs.token_logprobs), choice.index))
+        assert [choice.text for choice in best.choices[2 * number : 2 * number + 2]] == [choice.text for choice in ranked[:2]]
+        picked.append([choice.index - 4 * number for choice in ranked[:2]])
+    assert picked != [[0, 1], [0, 1]], picked  # the ranking chose, not the order of sampling
+    assert [choice.index for choice in best.choices] == [0, 1, 2, 3]
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens
+    plain = client.completions.create(n=1, best_of=3, echo=True, **fields)
+    assert len(plain.choices) == 2 and plain.choices[0].logprobs is None and plain.choices[0].text.startswith(prompts[0])
+    with pytest.raises(openai.BadRequestError, match=r"best_of \(2\) must be at least n \(3\)"):
+        client.completions.create(n=3, best_of=2, **fields)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.completions.create(best_of=2, stream=True, **fields)
+    assert len(list(client.completions.create(n=2, best_of=2, stream=True, **fields))) > 2

@@ -448,7 +448,6 @@ def test_what_openai_clients_echo_back_is_accepted(server):
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "guided_json", {"type": "object"}),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
-    ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/responses", "max_tool_calls", 2),
     ("/v1/responses", "previous_response_id", "resp_1"),
@@ -462,7 +461,7 @@ def test_unimplemented_fields_get_400_naming_them(server, path, field, value):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and error["message"].startswith(f"{field}: Weft does not implement")
-    noop = {"functions": [], "best_of": 1}
+    noop = {"functions": []}
     if field in noop:  # null, or the value that changes nothing, is accepted
         assert httpx.post(f"{server.url}{path}", json={**base, field: noop[field]}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}{path}", json={**base, field: None}, timeout=60).status_code == 200

@@ -295,8 +295,13 @@ async def completions(server: Server, request: Request) -> Response:
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
+    n, best_of = _best_of(body)
+    # Ranking the candidates needs each sampled token's log-probability: asked for even when the client did not.
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
+    params = server.sampling_params(body, body.max_tokens, logprobs, unset_max_tokens=16, constraint=constraint,
                                     prompt_logprobs=prompt_logprobs)
+    if best_of != n:
+        params = msgspec.structs.replace(params, n=best_of)
     output, ids = await start_constrained(server, request, prompts, params, field, body.kv_transfer_params)
     response_id, created = f"cmpl-{request_id(request)}", int(time.time())
     if body.stream:
@@ -306,11 +311,42 @@ async def completions(server: Server, request: Request) -> Response:
             media_type="text/event-stream",
         )
     deltas = await server.collect(request, output, ids)
-    choices = await server.engine.off_loop(_completion_choices, server, body, prompts, deltas)  # decoding the echoed prompts
+    best = _best_candidates(deltas, n, best_of) if best_of != n else deltas
+    choices = await server.engine.off_loop(_completion_choices, server, body, prompts, best)  # decoding the echoed prompts
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
+        # Usage counts every candidate: each was computed.
         "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
     })
+
+
+def _best_of(body: p.CompletionRequest) -> tuple[int, int]:
+    """``(n, best_of)`` of a completions request, or a 400 naming the field."""
+    n = body.n or 1
+    best_of = body.best_of if body.best_of is not None else n
+    if best_of < n:
+        raise HTTPError(400, f"best_of ({best_of}) must be at least n ({n}): it is the number of candidates the n "
+                        f"choices are picked from; raise best_of or lower n", param="best_of")
+    if best_of > n and body.stream:
+        raise HTTPError(400, f"best_of ({best_of}) above n ({n}) cannot be streamed: the best candidates are known only "
+                        f"when every one has finished; set stream to false or best_of to n", param="best_of")
+    return n, best_of
+
+
+def _best_candidates(deltas: list[list[Delta]], n: int, best_of: int) -> list[list[Delta]]:
+    """Of each prompt's ``best_of`` candidates (consecutive), the ``n`` whose sampled tokens have the highest summed
+    log-probability, best first (ties: the earlier candidate)."""
+
+    def score(choice: list[Delta]) -> float:
+        return sum(entry[token].logprob for delta in choice
+                   for token, entry in zip(delta.token_ids, delta.logprobs or ()))
+
+    chosen = []
+    for start in range(0, len(deltas), best_of):
+        candidates = deltas[start : start + best_of]
+        ranked = sorted(range(len(candidates)), key=lambda index: -score(candidates[index]))
+        chosen.extend(candidates[index] for index in ranked[:n])
+    return chosen
 
 
 def _completion_choices(server: Server, body: p.CompletionRequest, prompts: list[list[int]],

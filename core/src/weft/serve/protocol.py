@@ -205,6 +205,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    best_of: Choices | None = None
+    """Candidates sampled per prompt, of which the ``n`` with the highest sum of their tokens' log-probabilities
+    are returned (at least ``n``; more than ``n`` cannot stream)."""
 
 
 class ResponseContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -113,8 +113,9 @@ class Server:
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
         if sequences > limit:
             raise HTTPError(
-                400, f"n ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request may "
-                f"have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)", param="n",
+                400, f"n ({params.n}; best_of where larger) times the prompts ({len(prompts)}) is {sequences} sequences; "
+                f"one request may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
+                param="n",
             )
         if kv_transfer_params is not None and sequences != 1:
             raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "

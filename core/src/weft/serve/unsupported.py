@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Any]]] = {
         **_GUIDED,
     },
     "completions": {
-        "best_of": ("best-of sampling", 1),
         "suffix": ("insertion (a suffix after the completion)", NOOP),
         **_GUIDED,
     },

@@ -438,11 +438,10 @@ def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkey
     assert failures() == before + 2
 
 
-def test_best_of_returns_the_n_candidates_with_the_highest_summed_logprobs(client):
+def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(client, server):
     """best_of = 4, n = 2 against the same request with n = 4 (a seeded request's choices sample alike): each
-    prompt's two choices are its two best of those four, best first; usage counts all four."""
-    import openai
-
+    prompt's two choices are its two best of those four by mean token log-probability, best first; usage
+    counts all four. Greedy candidates are alike, so a greedy best_of samples only n."""
     prompts = ["Once upon a time", "The best fruit is"]
     fields = {"model": MODEL, "prompt": prompts, "temperature": 1.0, "seed": 11, "max_tokens": 6}
     candidates = client.completions.create(n=4, logprobs=0, **fields)
@@ -450,7 +449,8 @@ def test_best_of_returns_the_n_candidates_with_the_highest_summed_logprobs(clien
     picked = []
     for number in range(len(prompts)):
         mine = candidates.choices[4 * number : 4 * number + 4]
-        ranked = sorted(mine, key=lambda choice: (-sum(choice.logprobs.token_logprobs), choice.index))
+        ranked = sorted(mine, key=lambda choice: (-sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs),
+                                                  choice.index))
         assert [choice.text for choice in best.choices[2 * number : 2 * number + 2]] == [choice.text for choice in ranked[:2]]
         picked.append([choice.index - 4 * number for choice in ranked[:2]])
     assert picked != [[0, 1], [0, 1]], picked  # the ranking chose, not the order of sampling
@@ -463,3 +463,9 @@ def test_best_of_returns_the_n_candidates_with_the_highest_summed_logprobs(clien
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         client.completions.create(best_of=2, stream=True, **fields)
     assert len(list(client.completions.create(n=2, best_of=2, stream=True, **fields))) > 2
+    greedy = client.completions.create(**{**fields, "temperature": 0, "best_of": 5})
+    alone = client.completions.create(**{**fields, "temperature": 0})
+    assert [choice.text for choice in greedy.choices] == [choice.text for choice in alone.choices]
+    assert greedy.usage.completion_tokens == alone.usage.completion_tokens
+    too_many = httpx.post(f"{server.url}/v1/completions", json={**fields, "prompt": ["a"] * 100, "best_of": 100}, timeout=60)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "best_of", too_many.text

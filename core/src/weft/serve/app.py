@@ -296,13 +296,16 @@ async def completions(server: Server, request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     n, best_of = _best_of(body)
-    # Ranking the candidates needs each sampled token's log-probability: asked for even when the client did not.
-    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
-    params = server.sampling_params(body, body.max_tokens, logprobs, unset_max_tokens=16, constraint=constraint,
+    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
                                     prompt_logprobs=prompt_logprobs)
+    if params.greedy:
+        best_of = n  # greedy candidates are all alike: the first n are the best n
     if best_of != n:
-        params = msgspec.structs.replace(params, n=best_of)
-    output, ids = await start_constrained(server, request, prompts, params, field, body.kv_transfer_params)
+        # Ranking the candidates needs each sampled token's log-probability: asked for even when the client did not.
+        logprobs = body.logprobs if body.logprobs is not None else 0
+        params = msgspec.structs.replace(params, n=best_of, logprobs=logprobs)
+    output, ids = await start_constrained(server, request, prompts, params, field, body.kv_transfer_params,
+                                          choices_field="best_of" if best_of != n else "n")
     response_id, created = f"cmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -334,12 +337,13 @@ def _best_of(body: p.CompletionRequest) -> tuple[int, int]:
 
 
 def _best_candidates(deltas: list[list[Delta]], n: int, best_of: int) -> list[list[Delta]]:
-    """Of each prompt's ``best_of`` candidates (consecutive), the ``n`` whose sampled tokens have the highest summed
-    log-probability, best first (ties: the earlier candidate)."""
+    """Of each prompt's ``best_of`` candidates (consecutive), the ``n`` whose sampled tokens have the highest
+    log-probability per token (OpenAI's "best"; a sum would favour the shortest), best first (ties: the earlier
+    candidate). Exactly ``n`` per prompt, so a choice's prompt is still its index over ``n``."""
 
     def score(choice: list[Delta]) -> float:
-        return sum(entry[token].logprob for delta in choice
-                   for token, entry in zip(delta.token_ids, delta.logprobs or ()))
+        values = [entry[token].logprob for delta in choice for token, entry in zip(delta.token_ids, delta.logprobs or ())]
+        return sum(values) / max(len(values), 1)
 
     chosen = []
     for start in range(0, len(deltas), best_of):

@@ -105,21 +105,22 @@ class Server:
 
     async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
                     kv_transfer_params: dict[str, Any] | None = None,
-                    grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
+                    grammar_starts_after: tuple[int, ...] = (), choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
         Engine request ids are the HTTP request's id and the choice's index. ``grammar_starts_after``:
-        see :meth:`weft.engine.frontend.Frontend.core_request`."""
+        see :meth:`weft.engine.frontend.Frontend.core_request`. ``choices_field``: the request field that
+        set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors."""
         sequences = len(prompts) * params.n
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
         if sequences > limit:
             raise HTTPError(
-                400, f"n ({params.n}; best_of where larger) times the prompts ({len(prompts)}) is {sequences} sequences; "
-                f"one request may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
-                param="n",
+                400, f"{choices_field} ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request "
+                f"may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
+                param=choices_field,
             )
         if kv_transfer_params is not None and sequences != 1:
             raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "
-                            "send n = 1 and a single prompt", param="kv_transfer_params")
+                            f"send {choices_field} = 1 and a single prompt", param="kv_transfer_params")
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
         base = request_id(request)
@@ -285,10 +286,10 @@ def request_id(request: Request) -> str:
 
 async def start_constrained(server: Server, request: Request, prompts: list[list[int]], params: SamplingParams,
                             field: str, kv_transfer_params: dict[str, Any] | None = None,
-                            grammar_starts_after: tuple[int, ...] = ()) -> tuple[asyncio.Queue, list[str]]:
+                            grammar_starts_after: tuple[int, ...] = (), choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
     """``Server.start``, a constraint the backend refuses named by the field the client used."""
     try:
-        return await server.start(request, prompts, params, kv_transfer_params, grammar_starts_after)
+        return await server.start(request, prompts, params, kv_transfer_params, grammar_starts_after, choices_field)
     except HTTPError as error:
         if error.status == 400 and params.structured_outputs is not None and "structured_outputs" in error.message:
             error.message, error.param = structured.name_field(error.message, field), field

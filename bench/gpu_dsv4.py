@@ -234,13 +234,10 @@ def hisparse_part(args: argparse.Namespace) -> None:
     plain, sparse = sides["plain"], sides["hisparse"]
     # The output check. The two sides above run different batches (HiSparse decodes more requests at once
     # and its admission gate lets prefills in later), so GEMM shapes, summation orders and, through the
-    # indexer's top-k, the picked entries differ by rounding. So plain runs once more with the memory to
-    # hold HiSparse's requests, each request reaching it just before the step that first scheduled it under
-    # HiSparse: the same batches, step by step, so its tokens must be HiSparse's exactly.
-    # Where HiSparse's lent blocks cut a prefill's chunk short, the replay's scheduler is held to the same
-    # tokens by its step's budget. HiSparse decodes eagerly (its reads are host-side), so the replay does too:
-    # a captured graph pads the batch to a captured size, and other GEMM shapes round differently (graphs
-    # on and off at the same shapes are compared by tests/test_dsv4_gpu.py).
+    # indexer's top-k, the picked entries differ by rounding. So plain runs once more on HiSparse's batches,
+    # step by step: with the memory to hold its requests, each arriving just before the step that first
+    # scheduled it, each step's budget what HiSparse scheduled (its lent blocks may cut a chunk short), and
+    # eagerly as HiSparse decodes (a graph pads the batch; graphs on and off are tests/test_dsv4_gpu.py's).
     scale = -(-max(sparse["max_running"], 1) // max(plain["max_running"], 1)) + 1
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as admissions:
         json.dump({"first_step": sparse["first_step"], "budgets": [sum(count for _, count in batch) for batch in sparse["batches"]]},

@@ -206,8 +206,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     best_of: Choices | None = None
-    """Candidates sampled per prompt, of which the ``n`` with the highest sum of their tokens' log-probabilities
-    are returned (at least ``n``; more than ``n`` cannot stream)."""
+    """Candidates sampled per prompt, of which the ``n`` with the highest log-probability per token are
+    returned (at least ``n``; more than ``n`` cannot stream)."""
 
 
 class ResponseContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -106,7 +106,7 @@ class DecodeTopKLauncher:
     is kept: a graph captured before holds its address and replays into it (graphs are captured
     largest batch first, yet the workspace a launch needs, rows times chunks, need not fall with the
     rows once the policy picks fewer chunks for more rows). A buffer grows to at least twice its size, so
-those kept hold at most as much as the one in use. The counters are zero between launches.
+    those kept hold at most as much as the one in use. The counters are zero between launches.
     """
 
     def __init__(self) -> None:
@@ -116,18 +116,19 @@ those kept hold at most as much as the one in use. The counters are zero between
         """Buffers grown out of, alive for the graphs captured over them."""
 
     def _buffers(self, rows: int, chunks: int, topk_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        need = rows * chunks * topk_pad
-        if self.workspace is None or self.workspace.numel() < need or self.workspace.device != device:
-            if self.workspace is not None and self.workspace.device == device:
-                self._superseded.append(self.workspace)
-                need = max(need, 2 * self.workspace.numel())
-            self.workspace = torch.empty(need, dtype=torch.int64, device=device)
-        if self.counters is None or self.counters.numel() < rows or self.counters.device != device:
-            if self.counters is not None and self.counters.device == device:
-                self._superseded.append(self.counters)
-                rows = max(rows, 2 * self.counters.numel())
-            self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.workspace = self._grown(self.workspace, rows * chunks * topk_pad, torch.int64, device)
+        self.counters = self._grown(self.counters, rows, torch.int32, device)
         return self.workspace, self.counters
+
+    def _grown(self, buffer: torch.Tensor | None, need: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``buffer`` if it holds ``need`` elements on ``device``, else a zeroed one at least twice as large
+        (the old one kept alive, see the class)."""
+        if buffer is not None and buffer.device == device and buffer.numel() >= need:
+            return buffer
+        if buffer is not None and buffer.device == device:
+            self._superseded.append(buffer)
+            need = max(need, 2 * buffer.numel())
+        return torch.zeros(need, dtype=dtype, device=device)
 
     def __call__(
         self, scores: torch.Tensor, seq_lens: torch.Tensor, decode_query_len: int, block_size: int, topk: int,

@@ -312,6 +312,9 @@ def part_serve(args: argparse.Namespace) -> None:
     print(f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
           f"served at {served_rate / offline_rate:.0%} of offline", flush=True)
     llm.close()
+    del llm
+    gc.collect()  # the engine's cycles hold its KV cache until collected: a later part would run out of memory
+    torch.cuda.empty_cache()
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -50,7 +50,7 @@ class TeacherSampler:
     def __init__(self, forced: list[int]) -> None:
         self.forced, self.logits = forced, []
 
-    def sample(self, logits, requests):
+    def sample(self, logits, requests, counts=None):
         self.logits.append(logits[0].float().cpu())
         step = len(self.logits) - 1
         token = self.forced[step] if step < len(self.forced) else 0

@@ -149,8 +149,8 @@ def test_objects_of_one_layer_each_land_layer_by_layer(store, llama, load_async)
     with connected(llama, store, layers_per_object=1, load_async=load_async) as second:
         worker = second.engine.runner.connector.worker_side
         moved, move = [], worker._move
-        worker._move = lambda request_id, objects: (moved.extend(stored.part for stored in objects),
-                                                    move(request_id, objects))[1]
+        worker._move = lambda request_id, objects, queued: (moved.extend(stored.part for stored in objects),
+                                                            move(request_id, objects, queued))[1]
         assert generate(second, [second_prompt]) == expected[1:]
         metrics = second.engine.kv_connector.metric_totals
         assert metrics["loaded_bytes_total"].total == 4 * block_bytes(second)
@@ -352,6 +352,25 @@ def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_asyn
     else:  # the step that relied on the load, then all of it again
         assert computed[0] == (len(prompt) - 48) + len(prompt)
         assert any("could not load 48 tokens" in message for message in messages), messages
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_loader_that_raises_is_a_failed_load_not_a_stall(store, llama, load_async):
+    """An exception escaping the loader thread itself (a bug, not a store error) fails the load: the request is
+    recomputed with unchanged output, nothing waits for it forever."""
+    prompt = [(17 * i + 3 + 50 * load_async) % 4200 + 60 for i in range(52)]  # three full blocks to load
+    expected = reference(llama, [prompt])
+    with connected(llama, store) as first:
+        generate(first, [prompt])
+    with connected(llama, store, load_async=load_async) as second:
+        worker = second.engine.runner.connector.worker_side
+
+        def broken(request_id, objects, queued):
+            raise RuntimeError("a bug in the loader")
+
+        worker._move = broken
+        assert generate(second, [prompt]) == expected
+        assert second.engine.kv_connector.stats.failed_load_tokens == 48
 
 
 def test_a_request_loading_from_the_store_waits_outside_the_batch_while_another_steps(store, llama):

@@ -13,7 +13,7 @@ from weft import SamplingParams
 from weft.runner.penalties import TokenCounts, needs_penalties
 from weft.runner.sampler import (
     NON_FINITE_LOGITS,
-    SAMPLING_FAILED,
+    NO_TOKEN_ALLOWED,
     RowParams,
     Sampler,
     edited_logits,
@@ -260,7 +260,7 @@ def test_a_row_whose_edits_leave_no_token_fails_alone():
     rows = [Row(SamplingParams(temperature=1.0)), Row(SamplingParams(allowed_token_ids=(40, 41))),
             Row(SamplingParams(temperature=0, logprobs=1))]
     sampled = Sampler()(logits, rows)
-    assert sampled[1].error == SAMPLING_FAILED
+    assert sampled[1].error == NO_TOKEN_ALLOWED
     assert sampled[0].error is None and sampled[2].error is None and sampled[2].token_id == int(logits[2].argmax())
 
 

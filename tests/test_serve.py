@@ -237,6 +237,10 @@ def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_p
     assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401)
     assert post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code == 200
     assert_error(post(small, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth), 413, "2000")
+    # One request that alone needs more sequences than the queue holds can never be admitted: 400, not 503.
+    too_many = post(small, "/v1/completions", {"model": name, "prompt": "hi", "n": 2, "max_tokens": 2}, headers=auth)
+    assert_error(too_many, 400, "server.max_queued_requests")
+    assert too_many.json()["error"]["param"] == "n"
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as http:

@@ -151,6 +151,13 @@ def test_bad_constraints_get_400_naming_the_problem(default_server):
         ({"logit_bias": {"abc": 5}}, "logit_bias", "token ids"),
         ({"logit_bias": {"5": 300}}, "logit_bias", "100"),
         ({"logit_bias": {"999999": 5}}, "logit_bias", "[0, 49152)"),
+        # Keywords xgrammar would compile as if absent: refused rather than answered with JSON that breaks them.
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"v": {"type": "array", "uniqueItems": True}}}}}},
+         "response_format.json_schema.schema", "'uniqueItems' (at #/properties/v/uniqueItems)", "does not enforce"),
+        ({"structured_outputs": {"json": {"anyOf": [{"type": "integer", "not": {"const": 3}}]}}},
+         "structured_outputs.json", "#/anyOf/0/not"),
+        ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
     ]
     for payload, *fragments in cases:
         response = post(payload)
@@ -311,6 +318,43 @@ def test_allowed_token_ids_and_bad_words(client, default_server):
     reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8,
                                       extra_body={"bad_words": [word]})
     assert word not in reply.choices[0].text.split()
+
+
+def test_logprobs_under_a_constraint_are_finite_and_completions_list_the_chosen_token(client):
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=5, extra_body=choice)
+    assert chat.choices[0].message.content in ("yes", "no")
+    entries = chat.choices[0].logprobs.content
+    # The mask leaves only the grammar's tokens: the others' -inf arrives as vLLM's floor, -9999.0.
+    assert entries and all(-9999.0 <= top.logprob <= 0 for entry in entries for top in entry.top_logprobs)
+    assert any(top.logprob == -9999.0 for entry in entries for top in entry.top_logprobs)
+    for stream in (False, True):
+        reply = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=4, logprobs=3,
+                                          temperature=1.0, seed=5, extra_body=choice, stream=stream)
+        chunks = list(reply) if stream else [reply]
+        tokens = [token for chunk in chunks if chunk.choices[0].logprobs for token in chunk.choices[0].logprobs.tokens]
+        tops = [top for chunk in chunks if chunk.choices[0].logprobs for top in chunk.choices[0].logprobs.top_logprobs]
+        assert tokens and len(tops) == len(tokens)
+        for token, top in zip(tokens, tops, strict=True):
+            assert token in top and len(top) <= 4 and all(-9999.0 <= value <= 0 for value in top.values())
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, logprobs=1, temperature=1.5, seed=3)
+    logprobs = plain.choices[0].logprobs
+    assert all(token in top and len(top) <= 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
+
+
+def test_a_constraint_that_the_request_allows_no_token_of_is_a_400_and_the_server_goes_on(client, default_server):
+    tokenizer = default_server.app.state.server.tokenizer
+    allowed = tokenizer.encode(" banana split", add_special_tokens=False)  # no prefix of "yes" or "no"
+    conflict = {"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": allowed}
+    with pytest.raises(openai.BadRequestError, match="no token is left to sample") as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=4,
+                                       extra_body=conflict)
+    assert "allowed_token_ids" in refused.value.response.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="no token is left to sample"):  # streamed: the error event
+        list(client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body=conflict, stream=True))
+    after = client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert after.choices[0].text in ("yes", "no")
 
 
 @pytest.fixture(scope="module")

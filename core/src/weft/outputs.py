@@ -5,6 +5,13 @@ from __future__ import annotations
 import msgspec
 
 
+NO_TOKEN_ALLOWED = (
+    "no token is left to sample: its allowed_token_ids, bad_words, logit_bias, min_tokens and structured-output "
+    "constraint together exclude every token; loosen one of them"
+)
+"""Why a request whose own sampling edits ban every token fails (the server answers 400)."""
+
+
 class Logprob(msgspec.Struct, frozen=True):
     """Log-probability of one token, its rank (1 is the most likely) and its text."""
 

@@ -49,7 +49,7 @@ from weft.engine.core_process import (
 from weft.engine.engine_core import CoreStats
 from weft.engine.frontend import Frontend
 from weft.engine.output_processor import OutputProcessor, RequestOutputState
-from weft.outputs import Logprob
+from weft.outputs import NO_TOKEN_ALLOWED, Logprob
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.sampling_params import SamplingParams
@@ -456,9 +456,12 @@ class AsyncEngine:
             return None
         if state.finish_reason == "error":
             self._subscribers.pop(state.request_id, None)
+            client_error = state.error == NO_TOKEN_ALLOWED  # the request's own parameters
             if self.observer is not None:
                 self.observer.finished(state)
-                self.observer.failed("engine_error")
+                self.observer.failed("bad_request" if client_error else "engine_error")
+            if client_error:
+                return subscriber.queue, self._error_delta(subscriber, f"request {state.request_id}: {state.error}", 400)
             message = f"internal error in request {state.request_id}: {state.error}; the other requests go on"
             return subscriber.queue, self._error_delta(subscriber, message, 500)
         generated = len(state.output_token_ids)

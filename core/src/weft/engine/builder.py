@@ -80,7 +80,10 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         raise
     async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
     if async_scheduling and connector is not None:
-        logger.info("asynchronous scheduling is off: KV connector %r loads synchronously", connector.name)
+        # The connector's report of a step (loads that finished or failed, saves done, blocks to recompute)
+        # must reach the scheduler before it plans the next step; asynchronous scheduling plans it first.
+        logger.info("asynchronous scheduling is off with KV connector %r: each step's connector report is applied "
+                    "before the next step is scheduled", connector.name)
         async_scheduling = False
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
     logger.info(

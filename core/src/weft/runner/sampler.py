@@ -11,7 +11,7 @@ Order of processing, batched over the step's rows in float32:
    and stop ids and logit bias (:mod:`weft.runner.logits_processors`), then penalties
    (repetition over prompt and output, presence/frequency over output) from the token counts
    the runner keeps on the device (:mod:`weft.runner.penalties`). A row whose edited maximum
-   is not finite (every token banned) fails with :data:`SAMPLING_FAILED`.
+   is not finite (every token banned) fails with :data:`NO_TOKEN_ALLOWED`, the request's own doing.
 4. Greedy rows take the argmax. The others: temperature (each row's maximum subtracted
    first, so that no temperature turns finite logits into inf or NaN), top-k, top-p,
    min-p, and a draw by the exponential race (the argmax of ``probs / E``, ``E`` drawn
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from weft.outputs import NO_TOKEN_ALLOWED
 from weft.runner.logits_processors import apply_request_processors, needs_request_processors, to_device
 from weft.runner.penalties import TokenCounts, apply_penalties, needs_penalties
 
@@ -49,9 +50,9 @@ if TYPE_CHECKING:
 NON_FINITE_LOGITS = "the model's logits for it are not finite (NaN or inf)"
 SAMPLING_FAILED = "sampling its next token failed"
 
-SAMPLED, NON_FINITE, FAILED = 0, 1, 2
+SAMPLED, NON_FINITE, FAILED, BANNED = 0, 1, 2, 3
 """A row's status in a :class:`SampledBatch`."""
-_REASONS = {NON_FINITE: NON_FINITE_LOGITS, FAILED: SAMPLING_FAILED}
+_REASONS = {NON_FINITE: NON_FINITE_LOGITS, FAILED: SAMPLING_FAILED, BANNED: NO_TOKEN_ALLOWED}
 
 logger = logging.getLogger("weft.runner")
 
@@ -77,7 +78,7 @@ class RawLogprobs:
 
 class SampledBatch:
     """One step's sampled rows: each row's token and status (:data:`SAMPLED`, :data:`NON_FINITE`,
-    :data:`FAILED`), and the raw logprobs when a row asked for them. On the logits' device until
+    :data:`FAILED`, :data:`BANNED`), and the raw logprobs when a row asked for them. On the logits' device until
     :meth:`to_host`; a failed row's token is some valid id (the next step may read it before the
     host knows it failed)."""
 
@@ -200,7 +201,7 @@ class Sampler:
         raw_maxima = raw.max(dim=-1).values
         processed = edited_logits(raw, requests, counts)
         maxima, tokens = processed.max(dim=-1)
-        status = torch.where(torch.isfinite(maxima), SAMPLED, FAILED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
+        status = torch.where(torch.isfinite(maxima), SAMPLED, BANNED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
         if not all(request.params.greedy for request in requests):
             rows = RowParams([request.params for request in requests], logits.shape[-1], logits.device)
             tokens = torch.where(rows.greedy, tokens, self._draw(filter_logits(processed, rows), requests, rows))

@@ -57,16 +57,36 @@ def _sse_error(message: str, status: int) -> bytes:
     return sse(p.ErrorResponse(p.ErrorBody(message=message, type=error_type(status), code=str(status))))
 
 
+LOWEST_LOGPROB = -9999.0
+"""What a log-probability below it (a token a mask or bias removed: -inf) is sent as: JSON has no
+infinity, and vLLM's API sends the same floor."""
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN fails the comparison too
+
+
 def _chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int) -> dict[str, Any]:
     content = []
     for token, entry in zip(tokens, entries):
         chosen = entry[token]
         ranked = sorted((lp for lp in entry.values()), key=lambda lp: lp.rank)[:top] if top else []
         content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": list(chosen.decoded_token.encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())} for lp in ranked],
+            "token": chosen.decoded_token, "logprob": _finite(chosen.logprob), "bytes": list(chosen.decoded_token.encode()),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": _finite(lp.logprob), "bytes": list(lp.decoded_token.encode())}
+                             for lp in ranked],
         })
     return {"content": content}
+
+
+def _top_with_chosen(entry: dict[int, Logprob], token: int, top: int) -> dict[str, float]:
+    """A completion's ``top_logprobs`` entry: the ``top`` most likely tokens and the chosen one (OpenAI's
+    legacy API: up to ``logprobs + 1`` entries)."""
+    ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+    chosen = entry[token]
+    if all(lp is not chosen for lp in ranked):
+        ranked.append(chosen)
+    return {lp.decoded_token: _finite(lp.logprob) for lp in ranked}
 
 
 def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int, offset: int) -> dict[str, Any]:
@@ -74,9 +94,8 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
     for token, entry in zip(tokens, entries):
         chosen = entry[token]
         result["tokens"].append(chosen.decoded_token)
-        result["token_logprobs"].append(chosen.logprob)
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
-        result["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in ranked})
+        result["token_logprobs"].append(_finite(chosen.logprob))
+        result["top_logprobs"].append(_top_with_chosen(entry, token, top))
         result["text_offset"].append(offset)
         offset += len(chosen.decoded_token)
     return result
@@ -142,6 +161,9 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
 async def chat_completions(server: Server, request: Request) -> Response:
     body: p.ChatCompletionRequest = await server.read(request, p.ChatCompletionRequest, "chat.completions")
     server.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise HTTPError(400, f"top_logprobs ({body.top_logprobs}) needs logprobs: set logprobs to true, or leave "
+                        "top_logprobs out", param="top_logprobs")
     settings, constraint, field = _chat_tools_and_constraint(body)
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
@@ -392,9 +414,8 @@ def _prompt_completion_logprobs(server: Server, entries: list[dict[int, Logprob]
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
             continue
-        result["token_logprobs"].append(entry[token].logprob)
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
-        result["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in ranked})
+        result["token_logprobs"].append(_finite(entry[token].logprob))
+        result["top_logprobs"].append(_top_with_chosen(entry, token, top))
     return result
 
 
@@ -406,7 +427,8 @@ def _prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> li
     """vLLM's ``prompt_logprobs``: per prompt token, None or ``{token id: {logprob, rank, decoded_token}}``."""
     if entries is None:
         return None
-    return [None if entry is None else {str(token): msgspec.to_builtins(lp) for token, lp in entry.items()} for entry in entries]
+    return [None if entry is None else {str(token): {**msgspec.to_builtins(lp), "logprob": _finite(lp.logprob)}
+                                        for token, lp in entry.items()} for entry in entries]
 
 
 def _is_token_list(value: Any) -> bool:

@@ -41,8 +41,11 @@ logger = logging.getLogger("weft.serve")
 
 FLUSH_SECONDS = 1.0
 """After a drain, how long the handlers get to write their last events before the listener closes."""
-KEEP_ALIVE_SECONDS = 5
-"""How long an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``)."""
+KEEP_ALIVE_SECONDS = 15
+"""How long an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``). Longer than the idle
+expiry of the usual client pools (httpx, under the ``openai`` client: 5 s), so that the server does not close a
+connection at the moment a client reuses it (that client would see a connection error); shorter than
+``server.header_timeout``'s default, so an idle connection ends quietly rather than with a 408."""
 
 
 class TimedH11Protocol(H11Protocol):

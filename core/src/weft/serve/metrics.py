@@ -27,6 +27,7 @@ FAILURE_REASONS = {
     "timeout": "outlived server.request_timeout",
     "engine_error": "the engine could not serve it (non-finite logits, a step that failed twice)",
     "rejected": "the engine core refused it",
+    "bad_request": "its own sampling parameters and constraint left no token to sample (a 400)",
     "shutdown": "still running when a shutdown's drain ended",
     "engine_dead": "the engine core process died",
     "internal": "an unexpected error in the HTTP server (a 500 or a stream's error event; the log has the traceback)",

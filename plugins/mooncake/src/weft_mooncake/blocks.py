@@ -149,7 +149,7 @@ class HostBlocks:
     def stage_for_save(self, batch: Batch, forward_done: None) -> None:
         """Nothing to stage: the store reads the cache."""
 
-    def unstage_loaded(self, batch: Batch) -> None:
+    def unstage_loaded(self, batch: Batch, queued: None) -> None:
         """Nothing to unstage: the store wrote into the cache."""
 
 
@@ -225,12 +225,14 @@ class DeviceBlocks:
             self.staging[start : start + staged.numel()].copy_(staged.view(-1), non_blocking=True)
         stream.synchronize()
 
-    def unstage_loaded(self, batch: Batch) -> None:
-        """Scatter the batch's objects from the staging buffer into their blocks; returns once they are there."""
+    def unstage_loaded(self, batch: Batch, queued: torch.cuda.Event) -> None:
+        """Scatter the batch's objects from the staging buffer into their blocks, after the engine's ``queued``
+        work (:meth:`forward_done` when the load started); returns once they are there."""
         import torch
 
         stream = self.streams["load"]
         with torch.inference_mode(), torch.cuda.stream(stream):
+            stream.wait_event(queued)
             staged, blocks = self._staged(batch, "load")
             start = self._region["load"]
             staged.view(-1).copy_(self.staging[start : start + staged.numel()], non_blocking=True)

@@ -250,6 +250,7 @@ class MooncakeStoreConnector(KVConnector):
         self._failed_loads: set[str] = set()
         """Synchronous loads of this step that failed."""
         self._step_load: Future[set[str]] | None = None
+        self._step_load_requests: set[str] = set()
         """This step's synchronous loads, landing run by run on the loader thread."""
         self._landed: dict[tuple[int, int], threading.Event] | None = None
         """Per stored group and run of its layers: set once this step's synchronous loads of it landed."""
@@ -442,25 +443,31 @@ class MooncakeStoreConnector(KVConnector):
             elif request_id in self._failed_receiving:  # it failed before it ended: no write reaches its blocks
                 self._failed_receiving.discard(request_id)
                 self._released.add(request_id)
+        if not (metadata.receives or metadata.loads):
+            return
+        # Device caches: the loads' writes wait for the work the engine queued before this step (an
+        # earlier step's forward still on the device may read a block that a load now overwrites).
+        queued = self.blocks.forward_done()
         for transfer in metadata.receives:
-            self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer)
+            self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer, queued)
         if metadata.loads:  # synchronous: landed run by run while the forward runs (on the loader, which owns the staging)
             self._landed = {(group, part): threading.Event() for group in self.stored_groups
                             for part in range(len(self._parts[group]))}
-            self._step_load = self._loader.submit(self._load_in_runs, metadata.loads, self._landed)
+            self._step_load = self._loader.submit(self._load_in_runs, metadata.loads, self._landed, queued)
+            self._step_load_requests = {transfer.request_id for transfer in metadata.loads}
 
-    def _load(self, transfer: RequestTransfer) -> bool:
-        """Load a request's objects into its blocks; whether every object arrived."""
+    def _load(self, transfer: RequestTransfer, queued: Any) -> bool:
+        """Load a request's objects into its blocks (after the engine's ``queued`` work); whether every object arrived."""
         started = time.perf_counter()
-        loaded = self._move(transfer.request_id, transfer.objects)
+        loaded = self._move(transfer.request_id, transfer.objects, queued)
         if loaded is None:
             return False
         self._observe("loaded_bytes_total", loaded)
         self._observe("load_seconds", time.perf_counter() - started)
         return True
 
-    def _load_in_runs(self, transfers: Sequence[RequestTransfer], landed: dict[tuple[int, int], threading.Event]
-                      ) -> set[str]:
+    def _load_in_runs(self, transfers: Sequence[RequestTransfer], landed: dict[tuple[int, int], threading.Event],
+                      queued: Any) -> set[str]:
         """A step's synchronous loads: every request's first run of layers, then the next, each run's event set
         once it landed for all of them (set at the end whatever happened); returns the requests that failed."""
         failed: set[str] = set()
@@ -474,7 +481,7 @@ class MooncakeStoreConnector(KVConnector):
                     if transfer.request_id in failed or not objects:
                         continue
                     started = time.perf_counter()
-                    moved = self._move(transfer.request_id, objects)
+                    moved = self._move(transfer.request_id, objects, queued)
                     seconds[transfer.request_id] += time.perf_counter() - started
                     if moved is None:
                         failed.add(transfer.request_id)
@@ -492,8 +499,9 @@ class MooncakeStoreConnector(KVConnector):
                 self._observe("load_seconds", seconds[request_id])
         return failed
 
-    def _move(self, request_id: str, objects: Sequence[BlockTransfer]) -> int | None:
-        """Load ``objects`` into their blocks; the bytes moved, None unless every object arrived."""
+    def _move(self, request_id: str, objects: Sequence[BlockTransfer], queued: Any) -> int | None:
+        """Load ``objects`` into their blocks once the engine's ``queued`` work is done with them; the bytes
+        moved, None unless every object arrived."""
         loaded = 0
         try:
             for batch in self.blocks.batches(objects, "load"):
@@ -502,7 +510,7 @@ class MooncakeStoreConnector(KVConnector):
                 results = self.client.call("load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes)
                 if results is None or any(got != sum(want) for got, want in zip(results, batch.sizes, strict=True)):
                     return None
-                self.blocks.unstage_loaded(batch)
+                self.blocks.unstage_loaded(batch, queued)
                 loaded += sum(map(sum, batch.sizes))
         except Exception:  # a load that fails is recomputed: never let it fail the engine
             logger.exception("weft-mooncake: loading request %s failed", request_id)
@@ -517,10 +525,15 @@ class MooncakeStoreConnector(KVConnector):
             landed[where].wait()
 
     def _settle_step_load(self) -> None:
-        """The step's synchronous loads are over: their failures join this step's report."""
+        """The step's synchronous loads are over: their failures join this step's report (all of them, if the
+        loader itself raised: they are recomputed rather than left waiting)."""
         if self._step_load is not None:
-            self._failed_loads |= self._step_load.result()
-            self._step_load = self._landed = None
+            step_load, self._step_load, self._landed = self._step_load, None, None
+            try:
+                self._failed_loads |= step_load.result()
+            except Exception:  # noqa: BLE001 - a bug in the loader: recompute, never fail or stall the engine
+                logger.exception("weft-mooncake: a step's synchronous loads failed; their requests are recomputed")
+                self._failed_loads |= self._step_load_requests
 
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """An object spans all layers of its group, so saving starts in :meth:`wait_for_save`."""
@@ -589,7 +602,7 @@ class MooncakeStoreConnector(KVConnector):
         arrived, failed = self._released, self._failed_loads
         self._released, self._failed_loads = set(), set()
         for request_id in [request_id for request_id, future in self._receiving.items() if future.done()]:
-            complete = self._receiving.pop(request_id).result()
+            complete = self._load_result(request_id, self._receiving.pop(request_id))
             if complete or request_id in self._ended_receiving:
                 arrived.add(request_id)
             else:
@@ -602,6 +615,15 @@ class MooncakeStoreConnector(KVConnector):
             finished_sending=frozenset(sent), finished_receiving=frozenset(arrived), failed_loads=frozenset(failed),
             observations=observations,
         )
+
+    @staticmethod
+    def _load_result(request_id: str, future: Future[bool]) -> bool:
+        """Whether an asynchronous load completed; one whose loader raised counts as failed (recomputed)."""
+        error = future.exception()
+        if error is not None:
+            logger.error("weft-mooncake: loading request %s failed; it is recomputed", request_id, exc_info=error)
+            return False
+        return future.result()
 
     # Both roles.
 

@@ -49,6 +49,48 @@ _PARALLEL_ROWS = 16
 """From this many rows a step's bitmask is filled by xgrammar's threads."""
 
 
+UNENFORCED_KEYWORDS = (
+    "uniqueItems", "contains", "minContains", "maxContains", "not", "propertyNames", "dependentRequired",
+    "dependentSchemas", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems",
+)
+"""JSON-schema keywords xgrammar's grammar leaves out (it compiles them as if absent, or as anything): a schema
+using one is refused, rather than answered with JSON that breaks it."""
+
+SUPPORTED_KEYWORDS = (
+    "type", "properties", "required", "additionalProperties", "patternProperties", "minProperties", "maxProperties",
+    "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs",
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf",
+)
+"""What the 400 for an unenforced keyword lists as usable instead."""
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
+    """The JSON pointer of the first keyword of :data:`UNENFORCED_KEYWORDS` in ``schema`` (``uniqueItems: false``
+    constrains nothing and passes), or None."""
+    if isinstance(schema, list):  # items as a list (draft 4-7 tuples)
+        return next((found for index, item in enumerate(schema) if (found := unenforced_keyword(item, f"{path}/{index}"))), None)
+    if not isinstance(schema, dict):
+        return None
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema and not (keyword == "uniqueItems" and schema[keyword] is False):
+            return f"{path}/{keyword}"
+    for keyword in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(keyword), dict):
+            for name, child in schema[keyword].items():
+                if (found := unenforced_keyword(child, f"{path}/{keyword}/{name}")) is not None:
+                    return found
+    for keyword in (*_SUBSCHEMA_LISTS, *_SUBSCHEMAS):
+        if keyword in schema and (found := unenforced_keyword(schema[keyword], f"{path}/{keyword}")) is not None:
+            return found
+    return None
+
+
 def _reason(error: Exception) -> str:
     """xgrammar's message without its timestamp and C++ source location."""
     return _SOURCE_PREFIX.sub("", str(error).strip()).strip()
@@ -107,9 +149,15 @@ class XgrammarBackend(StructuredOutputBackend):
         import xgrammar as xgr
 
         kind = constraint.kind
+        schema = constraint.schema()  # its own ValueError when it is not a JSON object
+        if (keyword := unenforced_keyword(schema)) is not None:
+            raise ValueError(
+                f"structured_outputs.json: the schema uses {keyword.rsplit('/', 1)[1]!r} (at {keyword}), which xgrammar "
+                f"does not enforce; remove it (enforced: {', '.join(SUPPORTED_KEYWORDS)})"
+            )
         try:
             if kind == "json":
-                xgr.Grammar.from_json_schema(json.dumps(constraint.schema()), any_whitespace=constraint.any_whitespace)
+                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=constraint.any_whitespace)
             elif kind == "regex":
                 if "\x00" in constraint.regex:  # type: ignore[operator]
                     raise ValueError("contains a NUL character")

@@ -783,20 +783,66 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
         assert 200 in statuses[path] and 400 in statuses[path], (path, statuses[path])  # both sides were reached
 
 
+def _request_structs() -> dict[str, type]:
+    """Each endpoint's request Struct, by the endpoint's name in ``weft.serve.unsupported``."""
+    from weft.serve import protocol
+
+    return {"chat.completions": protocol.ChatCompletionRequest, "completions": protocol.CompletionRequest,
+            "responses": protocol.ResponsesRequest}
+
+
 def test_no_unsupported_row_names_a_declared_field():
     """When a feature lands its field is declared on the request Struct: its row must go (issue 15's tools...)."""
     import msgspec
-    from weft.serve import protocol
     from weft.serve.unsupported import IGNORED, UNSUPPORTED
 
-    structs = {"chat.completions": protocol.ChatCompletionRequest, "completions": protocol.CompletionRequest,
-               "responses": protocol.ResponsesRequest}
+    structs = _request_structs()
     for endpoint, rows in UNSUPPORTED.items():
         declared = {field.encode_name for field in msgspec.structs.fields(structs[endpoint])}
         stale = set(rows) & declared
         assert not stale, f"{endpoint}: {stale} are declared on the Struct; delete their rows"
     for field in IGNORED:
         assert any(field in {f.encode_name for f in msgspec.structs.fields(struct)} for struct in structs.values()), field
+
+
+def test_every_declared_request_field_has_a_row_in_the_docs():
+    """docs/openai-api.md names every field a request Struct accepts, nested ones included: a top-level field in a
+    row of its endpoint's table, a nested one in its top-level field's rows (or chat's, for a row that says "as on
+    chat"). A field added to protocol.py without a row fails here."""
+    import msgspec
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "openai-api.md").read_text()
+    tables = {
+        path.replace("/", "."): [line.split("|")[1:3] for line in body.splitlines() if line.startswith("| ")]
+        for path, body in re.findall(r"^## .*?`POST /v1/(\S+)`\)\n(.*?)(?=^## |\Z)", doc, re.DOTALL | re.MULTILINE)
+    }
+
+    def paths(info, prefix=()):
+        """Dotted field paths of a Struct's type info, through lists, dicts and unions."""
+        if isinstance(info, msgspec.inspect.UnionType):
+            for member in info.types:
+                yield from paths(member, prefix)
+        elif isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.DictType)):
+            yield from paths(info.item_type if isinstance(info, msgspec.inspect.ListType) else info.value_type, prefix)
+        elif isinstance(info, msgspec.inspect.StructType):
+            for field in info.fields:
+                yield (*prefix, field.encode_name)
+                yield from paths(field.type, (*prefix, field.encode_name))
+
+    missing = []
+    for endpoint, struct in _request_structs().items():
+        for path in dict.fromkeys(paths(msgspec.inspect.type_info(struct))):
+            top = re.compile(rf"`{path[0]}[`.\[]")
+            own = [" ".join(row) for row in tables[endpoint] if top.search(row[0])]
+            if len(path) == 1:
+                found = bool(own)
+            else:
+                chat = [" ".join(row) for row in tables["chat.completions"] if top.search(row[0])]
+                leaf = re.compile(rf"[`.\"]{path[-1]}[`\"]")
+                found = any(leaf.search(row) for row in own + chat)
+            if not found:
+                missing.append(f"{endpoint}: {'.'.join(path)}")
+    assert not missing, "docs/openai-api.md has no row for these request fields:\n" + "\n".join(missing)
 
 
 def test_the_switch_restores_control_tokens(tokenizer_files):

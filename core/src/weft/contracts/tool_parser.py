@@ -50,7 +50,7 @@ class ToolCall(msgspec.Struct):
 
 class ToolCallDelta(msgspec.Struct, omit_defaults=True):
     """A piece of a streamed call: the first piece of a call has its id and name, later ones more arguments
-    (:class:`ToolParser` sends each call as one piece; the type allows what OpenAI's stream does)."""
+    (a parser with :attr:`ToolParser.streams_pieces` sends several per call, any other one piece holding it whole)."""
 
     index: int
     id: str | None = None

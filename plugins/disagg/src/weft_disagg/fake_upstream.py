@@ -8,7 +8,8 @@ A request body may steer the answer of a decode leg (or a direct request), for t
 ``"fake_status": 503`` answers that status with an OpenAI error body, ``"fake_fail_times": n``
 only the first ``n`` times, counted over every fake upstream of the process by ``"fake_key"``;
 ``"fake_prefill_status": 503`` answers a prefill leg so; ``"fake_delay": seconds`` holds a decode
-leg's answer back. ``POST /kv_transfer/abandon`` bodies are recorded in ``app.state.abandoned``.
+leg's answer back, ``"fake_prefill_delay": seconds`` a prefill leg's. ``POST /kv_transfer/abandon``
+bodies are recorded in ``app.state.abandoned``.
 
 Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
 """
@@ -45,8 +46,9 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
                 error = {"error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}}
                 return JSONResponse(error, status_code=status)
 
-        if not prefill_leg and body.get("fake_delay"):
-            await asyncio.sleep(float(body["fake_delay"]))
+        delay = body.get("fake_prefill_delay") if prefill_leg else body.get("fake_delay")
+        if delay:
+            await asyncio.sleep(float(delay))
 
         async def stream() -> AsyncIterator[bytes]:
             for chunk in chunks:

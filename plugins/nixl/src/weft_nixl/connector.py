@@ -26,9 +26,11 @@ that went away (side-channel heartbeats) or ``transfer_timeout`` without the KV 
 the decode instance compute the prompt itself (``failed_loads``). A decode request
 that ends while its KV is on the way keeps its blocks until no write can reach them.
 
-Only the engine's runtime hands layers to the connector after the whole forward, so a
-request's KV goes as one write of all layers (UCX pipelines the descriptors), posted
-in the step that completed the prefill.
+Core hands layers to the connector after the whole forward (``save_kv_layer`` per layer,
+then ``wait_for_save``), so a request's KV goes as one write of all layers (UCX pipelines
+the descriptors), posted from ``wait_for_save`` in the step that completed the prefill, not
+layer by layer during the forward: docs/disaggregation.md ("One write per request, not layer
+by layer") says why and what it costs.
 """
 
 from __future__ import annotations

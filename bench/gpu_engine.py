@@ -313,8 +313,8 @@ def part_serve(args: argparse.Namespace) -> None:
           f"served at {served_rate / offline_rate:.0%} of offline", flush=True)
     llm.close()
     del llm
-    gc.collect()  # the engine's cycles hold its KV cache until collected: a later part would run out of memory
-    torch.cuda.empty_cache()
+    gc.collect()  # on CUDA the engine's KV cache stayed allocated after close() (a later part ran out of memory;
+    torch.cuda.empty_cache()  # what holds it is not found yet): collect before the next part allocates
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -287,8 +287,24 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
             caller.start()
         time.sleep(1.0)
         core = _core_pid(server.pid)
+        probes: list[tuple[str, int, str]] = []  # after the kill: /health and new requests, until the server is gone
+
+        def probe() -> None:
+            with httpx.Client(timeout=10) as http:
+                while server.poll() is None:
+                    try:
+                        health = http.get(f"{url}/health")
+                        probes.append(("health", health.status_code, health.text))
+                        late = http.post(f"{url}/v1/completions", json={**body, "max_tokens": 2})
+                        probes.append(("request", late.status_code, late.text))
+                    except httpx.HTTPError:
+                        pass  # the listener closed: the server is exiting
+                    time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
         killed = time.monotonic()
         os.kill(core, signal.SIGKILL)
+        prober.start()
         try:
             code = server.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -296,6 +312,7 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
         exited = time.monotonic() - killed
         for caller in callers:
             caller.join(timeout=30)
+        prober.join(timeout=30)
     finally:
         if server.poll() is None:
             server.kill()
@@ -310,6 +327,15 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
         else:
             assert response.status_code == 503 and "engine core process died" in response.json()["error"]["message"]
     assert "engine core process died" in "".join(log)
+    # Once the server noticed (within its 0.2 s watch), /health answers 503 for a second until it exits, never 200
+    # again; a request that arrives after the kill is a 503 naming the cause (admitted before it noticed, it fails
+    # so too).
+    health = [status for kind, status, _ in probes if kind == "health"]
+    assert 503 in health, probes
+    assert 200 not in health[health.index(503):], health
+    for kind, status, text in probes:
+        if kind == "request":
+            assert status == 503 and "engine core process died" in text, (status, text)
 
 
 def test_core_outputs_round_trip_msgpack():

@@ -8,6 +8,7 @@ stops and the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -17,7 +18,7 @@ from weft.config import WeftConfig
 from weft.engine.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
-from weft.serve.lifecycle import GracefulServer, InFlightRequests, uvicorn_config
+from weft.serve.lifecycle import FLUSH_SECONDS, GracefulServer, InFlightRequests, uvicorn_config
 
 
 def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Starlette:
@@ -60,7 +61,10 @@ def serve(config: WeftConfig) -> int:
     server = build_server(app, config)
 
     def core_died() -> None:
-        server.should_exit = True
+        # On the event loop (the engine's watch task). The listener stays up for FLUSH_SECONDS: the failed
+        # requests' 503s and error events go out, and /health and new requests answer 503 (a load balancer
+        # sees why), then the server exits.
+        asyncio.get_running_loop().call_later(FLUSH_SECONDS, setattr, server, "should_exit", True)
 
     engine.on_core_death = core_died
     try:

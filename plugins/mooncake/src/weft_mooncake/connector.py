@@ -250,8 +250,9 @@ class MooncakeStoreConnector(KVConnector):
         self._failed_loads: set[str] = set()
         """Synchronous loads of this step that failed."""
         self._step_load: Future[set[str]] | None = None
-        self._step_load_requests: set[str] = set()
         """This step's synchronous loads, landing run by run on the loader thread."""
+        self._step_load_requests: set[str] = set()
+        """The requests of :attr:`_step_load` (all failed if the loader itself raises)."""
         self._landed: dict[tuple[int, int], threading.Event] | None = None
         """Per stored group and run of its layers: set once this step's synchronous loads of it landed."""
         self._layer_parts: dict[str, tuple[int, int]] = {}

@@ -64,10 +64,10 @@ SUPPORTED_KEYWORDS = (
 )
 """What the 400 for an unenforced keyword lists as usable instead."""
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
-               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items", "additionalProperties", "additionalItems")
+"""Where enforced keywords hold subschemas to search (a schema holding an unenforced keyword is refused before its
+subschemas are searched)."""
 
 
 def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
@@ -85,7 +85,7 @@ def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
             for name, child in schema[keyword].items():
                 if (found := unenforced_keyword(child, f"{path}/{keyword}/{name}")) is not None:
                     return found
-    for keyword in (*_SUBSCHEMA_LISTS, *_SUBSCHEMAS):
+    for keyword in _SUBSCHEMAS:
         if keyword in schema and (found := unenforced_keyword(schema[keyword], f"{path}/{keyword}")) is not None:
             return found
     return None

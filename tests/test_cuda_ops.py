@@ -41,15 +41,16 @@ class TestLinearTritonOnGPU(OpContract):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
-@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_and_mul"])
+@pytest.mark.parametrize("op", ["rms_norm", "rotary", "qk_norm_rotary", "silu_and_mul"])
 def test_fused_kernels_match_their_references_interpreted(op):
     """The kernels themselves (float32 on the CPU), on every example input of the op's reference."""
     from weft.builtins import ops as references
     from weft_triton import fused
 
     reference = {"rms_norm": references.RmsNormTorch, "rotary": references.RotaryTorch,
-                 "silu_and_mul": references.SiluAndMulTorch}[op](None)
-    kernel = {"rms_norm": fused.RmsNormKernel, "rotary": fused.RotaryKernel, "silu_and_mul": fused.SiluAndMulKernel}[op]()
+                 "qk_norm_rotary": references.QkNormRotaryTorch, "silu_and_mul": references.SiluAndMulTorch}[op](None)
+    kernel = {"rms_norm": fused.RmsNormKernel, "rotary": fused.RotaryKernel, "qk_norm_rotary": fused.QkNormRotaryKernel,
+              "silu_and_mul": fused.SiluAndMulKernel}[op]()
     checked = 0
     for args, kwargs in type(reference).example_inputs("cpu"):
         if args[0].dtype != torch.float32:
@@ -61,6 +62,10 @@ def test_fused_kernels_match_their_references_interpreted(op):
         elif op == "rotary":
             query, key, cos, sin = args
             got = kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], query.shape[2]), query=query, key=key, cos=cos, sin=sin)
+        elif op == "qk_norm_rotary":
+            query, key, query_weight, key_weight, eps, cos, sin = args
+            got = kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], query.shape[2]), query=query, key=key,
+                         query_weight=query_weight, key_weight=key_weight, eps=eps, cos=cos, sin=sin)
         else:
             (x,) = args
             got = kernel(dtype=x.dtype, shape=(x.shape[-1] // 2,), x=x)
@@ -81,6 +86,13 @@ class TestRmsNormTritonOnGPU(OpContract):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 class TestRotaryTritonOnGPU(OpContract):
     plugin_name = "rotary.triton"
+    device = "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestQkNormRotaryTritonOnGPU(OpContract):
+    plugin_name = "qk_norm_rotary.triton"
     device = "cuda"
 
 

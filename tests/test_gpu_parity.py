@@ -2,7 +2,7 @@
 
 * Tiny random Llama and Qwen3 checkpoints in float32: greedy tokens equal HF ``generate()``
   (CUDA graphs and the Triton backend on, the defaults).
-* A Llama-3-8B shape with random bf16 weights: the logits of the prompt's forward and of
+* Llama-3-8B's and Qwen3-0.6B's shapes with random bf16 weights: the logits of the prompt's forward and of
   64 teacher-forced decode steps. Tolerance: bf16 rounding makes any bf16 run differ from
   exact arithmetic; the test measures how far HF's own bf16 run is from an fp32 run of the
   same weights, and requires Weft's bf16 run to be no further than 1.5 times that
@@ -73,13 +73,15 @@ def relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -
     return torch.stack([(a - b).norm() / b.norm() for a, b in zip(logits, reference)])
 
 
-def test_llama3_8b_shape_bf16_logits_agree_with_hf(tokenizer_files):
-    from gpu_common import LLAMA3_8B, MemoryLoader, hf_config, registry_with_memory_loader
+@pytest.mark.parametrize("shape", ["llama3-8b", "qwen3-0.6b"])
+def test_bf16_logits_of_real_shapes_agree_with_hf(shape, tokenizer_files):
+    """Llama-3-8B's shape, and Qwen3-0.6B's, whose q/k norms and rotation run as one fused op in bf16."""
+    from gpu_common import SHAPES, MemoryLoader, hf_config, registry_with_memory_loader
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_config(LLAMA3_8B), dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_config(hf_config(SHAPES[shape]), dtype=torch.bfloat16).eval()
     generator = torch.Generator().manual_seed(3)
     prompt = torch.randint(10, 120000, (300,), generator=generator).tolist()
     forced = torch.randint(10, 120000, (64,), generator=generator).tolist()
@@ -90,9 +92,12 @@ def test_llama3_8b_shape_bf16_logits_agree_with_hf(tokenizer_files):
     torch.cuda.empty_cache()
 
     state = hf.state_dict()
-    model = MemoryLoader.add("llama3-8b-parity", LLAMA3_8B, lambda: iter(state.items()), tokenizer_files)
+    model = MemoryLoader.add(f"{shape}-parity", SHAPES[shape], lambda: iter(state.items()), tokenizer_files)
     llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
               engine={"dtype": "bfloat16", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 8})
+    if shape == "qwen3-0.6b":
+        assert type(llm.engine.worker.ops["qk_norm_rotary"]).__name__ == "QkNormRotaryTriton"
+        assert llm.engine.runner.model.model.layers[0].self_attn.qk_norm_rotary is not None
     teacher = TeacherSampler(forced)
     llm.engine.runner.sampler = teacher
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True))

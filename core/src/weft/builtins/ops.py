@@ -103,6 +103,49 @@ class RotaryTorch(OpImplementation):
                 yield (query, key, cos, sin), {}
 
 
+def qk_norm_rotary(query: Any, key: Any, query_weight: Any, key_weight: Any, eps: float, cos: Any, sin: Any) -> Any:
+    """Per-head RMSNorm of queries and keys (weights ``[dim]``), then the rotary embedding (:class:`QkNormRotaryTorch`)."""
+    from weft.layers.norm import rms_norm
+    from weft.layers.rotary import apply_rotary
+
+    return apply_rotary(rms_norm(query, query_weight, eps), rms_norm(key, key_weight, eps), cos, sin)
+
+
+class QkNormRotaryTorch(OpImplementation):
+    """``qk_norm_rotary(query, key, query_weight, key_weight, eps, cos, sin)``: Qwen3's attention input.
+
+    Every ``[dim]`` head of ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` is
+    normalised as ``rms_norm(head, weight, eps)`` (``query_weight`` / ``key_weight``, ``[dim]``), then
+    both are rotated as ``rotary(query, key, cos, sin)``; returns new ``(query, key)``. Queries and
+    keys may be strided views of one fused projection. Layers declare ``num_heads``,
+    ``num_kv_heads``, ``head_dim`` and ``dtype``.
+    """
+
+    op: ClassVar[str] = "qk_norm_rotary"
+    reference: ClassVar[bool] = True
+    priority: ClassVar[int] = -100
+
+    def __call__(self, query: Any, key: Any, query_weight: Any, key_weight: Any, eps: float, cos: Any, sin: Any) -> Any:
+        return qk_norm_rotary(query, key, query_weight, key_weight, eps, cos, sin)
+
+    @classmethod
+    def example_inputs(cls, device: str) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+        import torch
+
+        generator = torch.Generator().manual_seed(0)
+        for tokens, heads, kv_heads, dim in ((1, 4, 2, 64), (7, 8, 8, 128), (19, 16, 4, 32), (5, 14, 2, 128)):
+            for dtype in (torch.float32, torch.bfloat16):
+                fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(device, dtype) * 4
+                query = fused[:, : heads * dim].view(tokens, heads, dim)
+                key = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+                query_weight = (1 + 0.3 * torch.randn(dim, generator=generator)).to(device, dtype)
+                key_weight = (1 + 0.3 * torch.randn(dim, generator=generator)).to(device, dtype)
+                angles = torch.rand(tokens, 1, dim // 2, generator=generator) * 6.28
+                cos = torch.cat([angles.cos()] * 2, -1).to(device, dtype)
+                sin = torch.cat([angles.sin()] * 2, -1).to(device, dtype)
+                yield (query, key, query_weight, key_weight, 1e-6, cos, sin), {}
+
+
 class SiluAndMulTorch(OpImplementation):
     """``silu_and_mul(x)``: ``silu(x[..., :d]) * x[..., d:]`` for ``x`` of width ``2d`` (a fused gate/up output).
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from weft.contracts.ops import OpImplementation
 
-LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "silu_and_mul", "decode_topk")
+LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "qk_norm_rotary", "silu_and_mul", "decode_topk")
 """Core ops that layers call, core's and model families' alike; their references are in
 :mod:`weft.builtins` (``ops``, ``decode_topk``)."""
 

@@ -110,10 +110,17 @@ class LlamaAttention(nn.Module):
             scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index],
         )
         self.attn = Attention(layer_name(index), 0, spec)
+        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
         self.rotary = current_op("rotary")
         if self.rotary is not None:
-            self.rotary.declare(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
-                                dtype=self.o_proj.weight.dtype)
+            self.rotary.declare(**heads)
+        # Qwen3's q/k norms and the rotation in one op where a platform fuses them; the reference is
+        # the two ops apart, so without a fused implementation the chosen norm and rotary ops run.
+        self.qk_norm_rotary = current_op("qk_norm_rotary") if s.qk_norm else None
+        if self.qk_norm_rotary is not None and getattr(self.qk_norm_rotary, "reference", False):
+            self.qk_norm_rotary = None
+        if self.qk_norm_rotary is not None:
+            self.qk_norm_rotary.declare(**heads)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -121,9 +128,14 @@ class LlamaAttention(nn.Module):
         query = query.view(tokens, self.num_heads, self.head_dim)
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = (self.rotary or apply_rotary)(query, key, *rotary)
+        if self.qk_norm_rotary is not None:
+            query, key = self.qk_norm_rotary(
+                query, key, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rotary,
+            )
+        else:
+            if self.q_norm is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = (self.rotary or apply_rotary)(query, key, *rotary)
         output = self.attn(query, key, value, context)
         return self.o_proj(output.reshape(tokens, self.q_size))
 

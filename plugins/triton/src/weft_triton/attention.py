@@ -1,6 +1,6 @@
 """The ``triton`` attention backend: paged attention for mixed prefill/decode steps in one Triton launch.
 
-New keys and values are stored with ``index_copy_``, then one launch of
+New keys and values are stored by one launch of a store kernel, then one launch of
 :mod:`weft_triton.paged_attention` attends every query of the step (two for
 decode steps of few requests, whose keys are split over several programs).
 The backend chooses the tiles per step and registers the kernel with core's
@@ -67,12 +67,13 @@ class TritonAttention(AttentionBackend):
                 + "; set use.attention = 'torch' (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
             )
         try:
-            from weft_triton.paged_attention import PagedAttentionKernel
+            from weft_triton.paged_attention import PagedAttentionKernel, StoreKVKernel
         except ModuleNotFoundError as error:
             if (error.name or "").partition(".")[0] != "triton":
                 raise
             raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
         self.kernel = PagedAttentionKernel()
+        self.store = StoreKVKernel()
 
     def check_layer(self, layer: AttentionLayer) -> None:
         super().check_layer(layer)
@@ -87,7 +88,9 @@ class TritonAttention(AttentionBackend):
         super().prepare(layers, dtype)
         self.kernel.layers = list(dict.fromkeys(layers))
         self.kernel.dtypes = [getattr(torch, dtype)]
+        self.store.layers, self.store.dtypes = self.kernel.layers, self.kernel.dtypes
         register(self.kernel)
+        register(self.store)
 
     def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
         if spec.block_size not in self.kernel.block_sizes:
@@ -109,7 +112,11 @@ class TritonAttention(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         batch = metadata.batch
-        self.store_kv(kv_cache, key, value, batch.slot_mapping)
+        if key.stride(-1) == value.stride(-1) == 1 and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous():
+            self.store(dtype=key.dtype, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, key=key, value=value,
+                       kv_cache=kv_cache, slot_mapping=batch.slot_mapping)
+        else:
+            self.store_kv(kv_cache, key, value, batch.slot_mapping)
         query = query.contiguous()
         output = torch.empty_like(query)
         self.kernel(

@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the layers around the matrix products: RMSNorm with the residual
-add, rotary embedding of queries and keys, and SiLU-and-mul.
+add, rotary embedding of queries and keys (alone, or after a per-head RMSNorm of each, as Qwen3
+has), and SiLU-and-mul.
 
 At batch 1 a decode step is a chain of small kernels; in plain torch the norm
 alone is seven (cast, square, mean, rsqrt, multiply, cast, weight), each a
@@ -43,17 +44,29 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexp
 
 
 @triton.jit
-def _rotate_heads(source, target, token, stride_source, c, s, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
-    """Rotate the ``HEADS`` heads of one token (``rotate_half`` layout) into a contiguous target."""
+def _rotate_heads(
+    source, weight, target, token, stride_source, c, s, eps,
+    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, NORM: tl.constexpr,
+):
+    """Rotate the ``HEADS`` heads of one token (``rotate_half`` layout) into a contiguous target. With ``NORM``
+    each head is RMS-normalised over its ``2 * HALF`` dims and multiplied by ``weight`` first, rounded as the
+    unfused ops round: the normalised head to the model's dtype, its product with the weight again."""
     heads = tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, HALF)
     mask = (heads < HEADS)[:, None]
+    dtype = target.dtype.element_ty
     first = source + token * stride_source + heads[:, None] * 2 * HALF + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = (1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps))[:, None]
+        w1 = tl.load(weight + dims).to(tl.float32)[None, :]
+        w2 = tl.load(weight + HALF + dims).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     out = target + token * HEADS * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
-    tl.store(out, (x1 * c - x2 * s).to(target.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, (x2 * c + x1 * s).to(target.dtype.element_ty), mask=mask)
+    tl.store(out, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(out + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -65,8 +78,21 @@ def _rotary_kernel(
     dims = tl.arange(0, HALF)
     c = tl.load(cos + token * 2 * HALF + dims).to(tl.float32)[None, :]
     s = tl.load(sin + token * 2 * HALF + dims).to(tl.float32)[None, :]
-    _rotate_heads(query, query_out, token, stride_qt, c, s, HEADS, HALF, BLOCK_HEADS)
-    _rotate_heads(key, key_out, token, stride_kt, c, s, KV_HEADS, HALF, BLOCK_HEADS)
+    _rotate_heads(query, query, query_out, token, stride_qt, c, s, 0.0, HEADS, HALF, BLOCK_HEADS, False)
+    _rotate_heads(key, key, key_out, token, stride_kt, c, s, 0.0, KV_HEADS, HALF, BLOCK_HEADS, False)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    query, key, query_weight, key_weight, cos, sin, query_out, key_out, stride_qt, stride_kt, eps,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    c = tl.load(cos + token * 2 * HALF + dims).to(tl.float32)[None, :]
+    s = tl.load(sin + token * 2 * HALF + dims).to(tl.float32)[None, :]
+    _rotate_heads(query, query_weight, query_out, token, stride_qt, c, s, eps, HEADS, HALF, BLOCK_HEADS, True)
+    _rotate_heads(key, key_weight, key_out, token, stride_kt, c, s, eps, KV_HEADS, HALF, BLOCK_HEADS, True)
 
 
 @triton.jit
@@ -152,6 +178,32 @@ class RotaryKernel(_FusedKernel):
             _rotary_kernel[(tokens,)](
                 query, key, cos, sin, query_out, key_out, query.stride(0), key.stride(0), HEADS=heads, KV_HEADS=kv_heads,
                 HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
+            )
+        return query_out, key_out
+
+
+class QkNormRotaryKernel(_FusedKernel):
+    name: ClassVar[str] = "weft_triton.qk_norm_rotary"
+
+    def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
+        heads, kv_heads, dim = key.shape
+        return _qk_norm_rotary_kernel.warmup(
+            dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype, 16, 16, 1e-6, HEADS=heads, KV_HEADS=kv_heads,
+            HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)), grid=(1,),
+        )
+
+    def launch(
+        self, compiled: Any, *, query: torch.Tensor, key: torch.Tensor, query_weight: torch.Tensor, key_weight: torch.Tensor,
+        eps: float, cos: torch.Tensor, sin: torch.Tensor, **_: Any,
+    ) -> Any:
+        tokens, heads, dim = query.shape
+        kv_heads = key.shape[1]
+        query_out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
+        key_out = torch.empty(tokens, kv_heads, dim, dtype=key.dtype, device=key.device)
+        if tokens:
+            _qk_norm_rotary_kernel[(tokens,)](
+                query, key, query_weight, key_weight, cos, sin, query_out, key_out, query.stride(0), key.stride(0), eps,
+                HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
             )
         return query_out, key_out
 

@@ -139,6 +139,35 @@ class RotaryTriton(_FusedOp):
         return self.kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key, cos=cos, sin=sin)
 
 
+class QkNormRotaryTriton(_FusedOp):
+    """``qk_norm_rotary``: each query and key head RMS-normalised then rotated, one program per token, read in
+    place from the fused projection (no copies to make the heads contiguous first)."""
+
+    op: ClassVar[str] = "qk_norm_rotary"
+    kernel_class: ClassVar[str] = "QkNormRotaryKernel"
+
+    def declare(self, **shape: Any) -> None:
+        if self.fused(shape["dtype"]) and shape["head_dim"] % 16 == 0:
+            self.kernel.add(shape["dtype"], (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]))
+
+    def __call__(self, query: Any, key: Any, query_weight: Any, key_weight: Any, eps: float, cos: Any, sin: Any) -> Any:
+        from weft.builtins.ops import qk_norm_rotary
+
+        dim = query.shape[-1]
+        usable = (
+            self.fused(query.dtype) and dim % 16 == 0
+            and key.dtype == query.dtype == cos.dtype == sin.dtype == query_weight.dtype == key_weight.dtype
+            and query.stride(-1) == key.stride(-1) == 1 and query.stride(1) == key.stride(1) == dim
+        )
+        if not usable:
+            return qk_norm_rotary(query, key, query_weight, key_weight, eps, cos, sin)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        return self.kernel(
+            dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key,
+            query_weight=query_weight.contiguous(), key_weight=key_weight.contiguous(), eps=eps, cos=cos, sin=sin,
+        )
+
+
 class SiluAndMulTriton(_FusedOp):
     op: ClassVar[str] = "silu_and_mul"
     kernel_class: ClassVar[str] = "SiluAndMulKernel"

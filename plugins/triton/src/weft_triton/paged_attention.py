@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from weft.contracts.attention import AttentionBatch, AttentionLayer
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel
+from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, Zipped
 from weft_triton.attention import DECODE_BLOCK_M, MAX_SPLITS, PREFILL_BLOCK_M
 from weft_triton.runtime import interpreting
 
@@ -201,6 +201,79 @@ def _decode_merge_kernel(
     total = tl.sum(sums * scale, 0)
     result = tl.sum(accumulators * scale[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(output + request * stride_ot + head * stride_oh + dims, result.to(output.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(
+    key, value, key_cache, value_cache, slot_mapping, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+):
+    """One token's keys and values into its cache slot (a negative slot is a padding row: skipped)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_HEADS)
+        dims = tl.arange(0, HEAD_DIM)
+        mask = (heads < KV_HEADS)[:, None]
+        target = slot * stride_slot + heads[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(key + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(value + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(key_cache + target, k, mask=mask)
+        tl.store(value_cache + target, v, mask=mask)
+
+
+class StoreKVKey(CompileKey, frozen=True):
+    dtype: str
+    num_kv_heads: int
+    head_dim: int
+
+
+class StoreKVKernel(Kernel):
+    """A step's new keys and values into the paged cache in one launch (two ``index_copy_`` and an index cast
+    in torch); one instance per backend, warmed up for every layer shape."""
+
+    name: ClassVar[str] = "weft_triton.store_kv"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[AttentionLayer] = []
+        self.dtypes: list[torch.dtype] = []
+
+    def dispatch(self, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> StoreKVKey:
+        return StoreKVKey(dtype=str(dtype).removeprefix("torch."), num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    def input_space(self) -> InputSpace | None:
+        if not (self.layers and self.dtypes):
+            return None
+        shapes = list(dict.fromkeys((layer.num_kv_heads, layer.head_dim) for layer in self.layers))
+        return Choice("dtype", self.dtypes) * Zipped(num_kv_heads=[h for h, _ in shapes], head_dim=[d for _, d in shapes])
+
+    def compile(self, key: StoreKVKey) -> Any:
+        if interpreting():
+            return key
+        dtype = getattr(torch, key.dtype)
+        row = key.num_kv_heads * key.head_dim
+        return _store_kv_kernel.warmup(
+            dtype, dtype, dtype, dtype, torch.int32, row, key.head_dim, row, key.head_dim, row,
+            grid=(1,), **self._constants(key),
+        )
+
+    @staticmethod
+    def _constants(key: StoreKVKey) -> dict[str, Any]:
+        return dict(KV_HEADS=key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_HEADS=triton.next_power_of_2(key.num_kv_heads))
+
+    def launch(
+        self, compiled: Any, *, dtype: torch.dtype, num_kv_heads: int, head_dim: int, key: torch.Tensor,
+        value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> None:
+        tokens = key.shape[0]
+        if not tokens:
+            return
+        cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        _store_kv_kernel[(tokens,)](
+            key, value, cache[0], cache[1], slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cache.stride(1), **self._constants(self.dispatch(dtype, num_kv_heads, head_dim)),
+        )
 
 
 class PagedAttentionKey(CompileKey, frozen=True):

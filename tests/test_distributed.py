@@ -645,3 +645,68 @@ def test_expert_parallelism_exchanges_each_shard_s_tokens_with_the_ranks_of_thei
             assert seen["collectives"] == [("all_gather", (shard, width)), ("reduce_scatter", (2 * shard, settings.hidden_size)),
                                            ("all_gather", (shard, settings.hidden_size))], label
     assert [reports[1][3]["gemm_rows"], reports[1][0]["router_rows"]] == [[0, 0], [0]]
+
+
+SLOW_LLAMA = '''
+    import time
+
+    from weft.models.llama import LlamaFamily
+
+    RECORD = {record!r}
+    SLEEP_SECONDS = {sleep!r}
+
+
+    class SlowLlamaFamily(LlamaFamily):
+        """The Llama family, each forward held {sleep} s longer and its (stage, tokens, start, end) appended to RECORD."""
+
+        def build(self, config, device):
+            module = super().build(config, device)
+            stage, forward = config.parallel.pipeline_rank, module.forward
+
+            def timed(input_ids, *args, **kwargs):
+                start = time.monotonic()
+                time.sleep(SLEEP_SECONDS)
+                output = forward(input_ids, *args, **kwargs)
+                end = time.monotonic()
+                with open(RECORD, "a") as record:
+                    record.write(f"{{stage}} {{input_ids.shape[0]}} {{start!r}} {{end!r}}\\n")
+                return output
+
+            module.forward = timed
+            return module
+'''
+
+
+def test_pipeline_stages_work_on_different_micro_batches_at_once(checkpoint, site, tmp_path, monkeypatch):
+    """PP=2 on a model whose forward is held 0.5 s (a throwaway family in a site both worker processes see): the
+    4-prompt prefill is cut into two micro-batches, and stage 1 runs the first (monotonic clock, one host) while
+    stage 0 runs the second. The tokens stay those of one device."""
+    import json
+    import shutil
+
+    record = tmp_path / "forwards.txt"
+    site.add_distribution("weft-slow-llama", entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
+                          modules={"weft_slow_llama": SLOW_LLAMA.format(record=str(record), sleep=0.5)})
+    monkeypatch.syspath_prepend(str(site.root))
+    monkeypatch.setenv("PYTHONPATH", site.env()["PYTHONPATH"])  # the spawned workers find the family too
+    model = tmp_path / "slow-llama"
+    shutil.copytree(checkpoint("llama"), model)
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "architectures": ["SlowLlamaForCausalLM"]}))
+    expected, _ = greedy_tokens(checkpoint("llama"))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, "pipeline_parallel_size": 2}) as llm:
+        got = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
+    assert got == [tokens[:3] for tokens in expected]
+    forwards: dict[int, list[tuple[int, float, float]]] = {0: [], 1: []}
+    for line in record.read_text().splitlines():
+        stage, tokens, start, end = line.split()
+        forwards[int(stage)].append((int(tokens), float(start), float(end)))
+    prompt_tokens = sum(map(len, PROMPTS))
+    # The prefill step (every prompt at once) ran as two micro-batches on both stages, in the same order.
+    first_step = [[tokens for tokens, *_ in forwards[stage][:2]] for stage in (0, 1)]
+    assert first_step[0] == first_step[1] and sum(first_step[0]) == prompt_tokens and min(first_step[0]) > 0, forwards
+    (_, stage1_start, stage1_end), (_, stage0_start, stage0_end) = forwards[1][0], forwards[0][1]
+    overlap = min(stage1_end, stage0_end) - max(stage1_start, stage0_start)
+    assert overlap > 0, (f"stage 1 ran micro-batch 0 over [{stage1_start:.3f}, {stage1_end:.3f}], stage 0 ran "
+                         f"micro-batch 1 over [{stage0_start:.3f}, {stage0_end:.3f}]: no overlap")

@@ -5,7 +5,9 @@ the shapes it has to handle (a vocabulary two ranks do not divide, one key/value
 for two ranks, a sliding window), pipeline stages with an explicit partition, both
 together on four processes, two launchers on one host, ``weft serve`` with two tensor
 ranks through the official client. A killed worker ends the engine with an error that
-names its rank; impossible layouts are refused before any worker starts.
+names its rank; impossible layouts are refused before any worker starts. Pipeline stages
+are timed working on different micro-batches at once; expert parallelism's token exchange is
+checked on uneven token counts, rank by rank.
 """
 
 from __future__ import annotations

@@ -687,7 +687,8 @@ def test_pipeline_stages_work_on_different_micro_batches_at_once(checkpoint, sit
     import shutil
 
     record = tmp_path / "forwards.txt"
-    site.add_distribution("weft-slow-llama", entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
+    site.add_distribution("weft-slow-llama",
+                          entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
                           modules={"weft_slow_llama": SLOW_LLAMA.format(record=str(record), sleep=0.5)})
     monkeypatch.syspath_prepend(str(site.root))
     monkeypatch.setenv("PYTHONPATH", site.env()["PYTHONPATH"])  # the spawned workers find the family too

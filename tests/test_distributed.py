@@ -589,7 +589,8 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
             seen[key].clear()
         with torch.no_grad():
             output = layer(hidden, input_ids)
-        reports.append({**{key: list(value) for key, value in seen.items()}, "output": output})
+        # Plain lists: a tensor would travel as shared memory this process must outlive the reading of.
+        reports.append({**{key: list(value) for key, value in seen.items()}, "output": output.tolist()})
     results.put((rank, reports))
     dist.destroy_process_group()
 
@@ -640,7 +641,7 @@ def test_expert_parallelism_exchanges_each_shard_s_tokens_with_the_ranks_of_thei
         for rank in range(2):
             seen = reports[rank][case]
             label = f"rank {rank}, layer {index}, {tokens} tokens"
-            torch.testing.assert_close(seen["output"], expected, atol=1e-5, rtol=1e-5, msg=label)
+            torch.testing.assert_close(torch.tensor(seen["output"]).view_as(expected), expected, atol=1e-5, rtol=1e-5, msg=label)
             assert seen["router_rows"] == [max(0, min(shard, tokens - rank * shard))], label
             pairs = int(((picked // experts_per_rank) == rank).sum())
             assert seen["gemm_rows"] == [pairs, pairs], label  # gate/up, then down

@@ -5,7 +5,9 @@ the shapes it has to handle (a vocabulary two ranks do not divide, one key/value
 for two ranks, a sliding window), pipeline stages with an explicit partition, both
 together on four processes, two launchers on one host, ``weft serve`` with two tensor
 ranks through the official client. A killed worker ends the engine with an error that
-names its rank; impossible layouts are refused before any worker starts.
+names its rank; impossible layouts are refused before any worker starts. Pipeline stages
+are timed working on different micro-batches at once; expert parallelism's token exchange is
+checked on uneven token counts, rank by rank.
 """
 
 from __future__ import annotations
@@ -499,3 +501,216 @@ def test_a_gguf_model_is_read_in_slices():
     whole = dict(loader.iter_weights(source, "float32"))
     name, part = next((name, part) for name, part in loader.iter_weight_slices(source, "float32") if name.endswith("q_proj.weight"))
     assert part.narrow(0, 64, 64).equal(whole[name][64:128]) and part.narrow(1, 5, 7).equal(whole[name][:, 5:12])
+
+
+def _random_moe(settings, index: int, seed: int, hash_to: list[int] | None = None):
+    """DeepSeek V4's MoE layer ``index`` on one device with random weights (``hash_to``: every token's experts)."""
+    from weft_dsv4.moe import MoE
+
+    generator = torch.Generator().manual_seed(seed)
+    layer = MoE(settings, index)
+    for parameter in layer.parameters():
+        parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    if layer.gate.hashed:
+        table = torch.randint(0, settings.num_experts, (settings.vocab_size, settings.experts_per_token), generator=generator)
+        # Distinct picks per token, as a real table has them.
+        table[:, 1] = (table[:, 0] + 1 + table[:, 1] % (settings.num_experts - 1)) % settings.num_experts
+        layer.gate.tid2eid.copy_(torch.tensor([hash_to] * settings.vocab_size) if hash_to else table)
+    else:
+        layer.gate.e_score_correction_bias.copy_(torch.randn(settings.num_experts, generator=generator) * 0.1)
+    return layer
+
+
+EXCHANGE_CASES = [(1, 1, None), (0, 5, None), (1, 8, None), (0, 7, [0, 1]), (1, 3, None)]
+"""``(layer, tokens, hash_to)``: layer 0 hash-routed, layer 1 scored. One token leaves rank 1 no row of its own;
+five and seven split 3 + 2 and 4 + 3 (padded); every pick on rank 0's experts leaves rank 1's GEMMs no row."""
+
+
+def _exchange_config() -> dict:
+    from weft_dsv4.config import CSA, HCA
+    from weft_dsv4.tiny_checkpoint import tiny_config
+
+    return tiny_config([HCA, CSA], num_hash_layers=1)
+
+
+def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
+    """One rank of an EP=2 MoE, its weights sliced from :func:`_random_moe`'s: what its router, its expert GEMMs
+    and its collectives saw, and its output, for every case of ``EXCHANGE_CASES``."""
+    import torch.distributed as dist
+    from weft.contracts.parallel import Communicator, ParallelLayout
+    from weft.distributed.state import ParallelGroups, using_parallel
+    from weft_dsv4 import moe
+    from weft_dsv4.config import DeepseekV4Settings
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    seen: dict[str, list] = {"collectives": [], "router_rows": [], "gemm_rows": []}
+
+    class Recording(Communicator):
+        def all_reduce(self, tensor):
+            seen["collectives"].append(("all_reduce", tuple(tensor.shape)))
+            return super().all_reduce(tensor)
+
+        def all_gather(self, tensor, dim=-1):
+            seen["collectives"].append(("all_gather", tuple(tensor.shape)))
+            return super().all_gather(tensor, dim)
+
+        def reduce_scatter(self, tensor):
+            seen["collectives"].append(("reduce_scatter", tuple(tensor.shape)))
+            return super().reduce_scatter(tensor)
+
+    grouped_matmul = moe.grouped_matmul
+
+    def counting(rows, weights, ends):
+        seen["gemm_rows"].append(int(ends[-1]))  # the rows the GEMMs compute: those of this rank's experts
+        return grouped_matmul(rows, weights, ends)
+
+    moe.grouped_matmul = counting
+    config = _exchange_config()
+    layout = ParallelLayout(tensor_parallel_size=world, enable_expert_parallel=True, rank=rank)
+    settings = DeepseekV4Settings(config, layout)
+    reports = []
+    for index, tokens, hash_to in EXCHANGE_CASES:
+        whole = _random_moe(DeepseekV4Settings(config), index, seed=index, hash_to=hash_to)
+        with using_parallel(ParallelGroups(layout, Recording(dist.group.WORLD, torch.device("cpu")), torch.device("cpu"))):
+            layer = moe.MoE(settings, index)
+        layer.gate.load_state_dict(whole.gate.state_dict())
+        for name in ("gate_up_proj", "down_proj"):
+            layer.experts.load_stacked(name, getattr(whole.experts, name).data, name)
+        columns = slice(rank * settings.shared_intermediate, (rank + 1) * settings.shared_intermediate)
+        for name in ("gate_proj", "up_proj"):
+            getattr(layer.shared_experts, name).weight.data.copy_(getattr(whole.shared_experts, name).weight.data[columns])
+        layer.shared_experts.down_proj.weight.data.copy_(whole.shared_experts.down_proj.weight.data[:, columns])
+        layer.gate.register_forward_pre_hook(lambda module, inputs: seen["router_rows"].append(inputs[0].shape[0]))
+        generator = torch.Generator().manual_seed(100 + tokens)
+        hidden = torch.randn(tokens, settings.hidden_size, generator=generator)
+        input_ids = torch.randint(0, settings.vocab_size, (tokens,), generator=generator)
+        for key in seen:
+            seen[key].clear()
+        with torch.no_grad():
+            output = layer(hidden, input_ids)
+        # Plain lists: a tensor would travel as shared memory this process must outlive the reading of.
+        reports.append({**{key: list(value) for key, value in seen.items()}, "output": output.tolist()})
+    results.put((rank, reports))
+    dist.destroy_process_group()
+
+
+def test_expert_parallelism_exchanges_each_shard_s_tokens_with_the_ranks_of_their_experts():
+    """EP=2 over uneven token counts against the MoE on one device: each rank routes only its own shard of the
+    tokens (none when one token leaves it none), its expert GEMMs compute exactly the (token, expert) pairs of
+    every shard that land on its experts (none when all land on the other rank's), and the layer's collectives are
+    the exchange's (routing all-gathered, outputs reduce-scattered and all-gathered), not an all-reduce."""
+    pytest.importorskip("weft_dsv4")
+    import math
+
+    import torch.multiprocessing as torch_mp
+    from weft_dsv4.config import DeepseekV4Settings
+
+    config = _exchange_config()
+    settings = DeepseekV4Settings(config)
+    context = torch_mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_expert_parallel_rank, args=(rank, 2, port, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    reports = {}
+    deadline = time.monotonic() + 240
+    while len(reports) < 2:
+        assert time.monotonic() < deadline, "the ranks did not report within 240 s"
+        try:
+            rank, report = results.get(timeout=5)
+            reports[rank] = report
+        except Exception:  # noqa: BLE001 - queue.Empty: check the ranks are alive, then wait on
+            dead = [process.exitcode for process in ranks if process.exitcode not in (None, 0)]
+            assert not dead, f"a rank exited with {dead}"
+    for process in ranks:
+        process.join(timeout=60)
+    experts_per_rank = settings.num_experts // 2
+    k = settings.experts_per_token
+    for case, (index, tokens, hash_to) in enumerate(EXCHANGE_CASES):
+        whole = _random_moe(settings, index, seed=index, hash_to=hash_to)
+        generator = torch.Generator().manual_seed(100 + tokens)
+        hidden = torch.randn(tokens, settings.hidden_size, generator=generator)
+        input_ids = torch.randint(0, settings.vocab_size, (tokens,), generator=generator)
+        with torch.no_grad():
+            expected = whole(hidden, input_ids)
+            picked, _ = whole.gate(hidden, input_ids)
+        shard = math.ceil(tokens / 2)
+        width = 4 * math.ceil(2 * k / 4)
+        for rank in range(2):
+            seen = reports[rank][case]
+            label = f"rank {rank}, layer {index}, {tokens} tokens"
+            torch.testing.assert_close(torch.tensor(seen["output"]).view_as(expected), expected, atol=1e-5, rtol=1e-5, msg=label)
+            assert seen["router_rows"] == [max(0, min(shard, tokens - rank * shard))], label
+            pairs = int(((picked // experts_per_rank) == rank).sum())
+            assert seen["gemm_rows"] == [pairs, pairs], label  # gate/up, then down
+            assert seen["collectives"] == [("all_gather", (shard, width)), ("reduce_scatter", (2 * shard, settings.hidden_size)),
+                                           ("all_gather", (shard, settings.hidden_size))], label
+    assert [reports[1][3]["gemm_rows"], reports[1][0]["router_rows"]] == [[0, 0], [0]]
+
+
+SLOW_LLAMA = '''
+    import time
+
+    from weft.models.llama import LlamaFamily
+
+    RECORD = {record!r}
+    SLEEP_SECONDS = {sleep!r}
+
+
+    class SlowLlamaFamily(LlamaFamily):
+        """The Llama family, each forward held {sleep} s longer and its (stage, tokens, start, end) appended to RECORD."""
+
+        def build(self, config, device):
+            module = super().build(config, device)
+            stage, forward = config.parallel.pipeline_rank, module.forward
+
+            def timed(input_ids, *args, **kwargs):
+                start = time.monotonic()
+                time.sleep(SLEEP_SECONDS)
+                output = forward(input_ids, *args, **kwargs)
+                end = time.monotonic()
+                with open(RECORD, "a") as record:
+                    record.write(f"{{stage}} {{input_ids.shape[0]}} {{start!r}} {{end!r}}\\n")
+                return output
+
+            module.forward = timed
+            return module
+'''
+
+
+def test_pipeline_stages_work_on_different_micro_batches_at_once(checkpoint, site, tmp_path, monkeypatch):
+    """PP=2 on a model whose forward is held 0.5 s (a throwaway family in a site both worker processes see): the
+    4-prompt prefill is cut into two micro-batches, and stage 1 runs the first (monotonic clock, one host) while
+    stage 0 runs the second. The tokens stay those of one device."""
+    import json
+    import shutil
+
+    record = tmp_path / "forwards.txt"
+    site.add_distribution("weft-slow-llama",
+                          entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
+                          modules={"weft_slow_llama": SLOW_LLAMA.format(record=str(record), sleep=0.5)})
+    monkeypatch.syspath_prepend(str(site.root))
+    monkeypatch.setenv("PYTHONPATH", site.env()["PYTHONPATH"])  # the spawned workers find the family too
+    model = tmp_path / "slow-llama"
+    shutil.copytree(checkpoint("llama"), model)
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "architectures": ["SlowLlamaForCausalLM"]}))
+    expected, _ = greedy_tokens(checkpoint("llama"))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20, "pipeline_parallel_size": 2}) as llm:
+        got = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
+    assert got == [tokens[:3] for tokens in expected]
+    forwards: dict[int, list[tuple[int, float, float]]] = {0: [], 1: []}
+    for line in record.read_text().splitlines():
+        stage, tokens, start, end = line.split()
+        forwards[int(stage)].append((int(tokens), float(start), float(end)))
+    prompt_tokens = sum(map(len, PROMPTS))
+    # The prefill step (every prompt at once) ran as two micro-batches on both stages, in the same order.
+    first_step = [[tokens for tokens, *_ in forwards[stage][:2]] for stage in (0, 1)]
+    assert first_step[0] == first_step[1] and sum(first_step[0]) == prompt_tokens and min(first_step[0]) > 0, forwards
+    (_, stage1_start, stage1_end), (_, stage0_start, stage0_end) = forwards[1][0], forwards[0][1]
+    overlap = min(stage1_end, stage0_end) - max(stage1_start, stage0_start)
+    assert overlap > 0, (f"stage 1 ran micro-batch 0 over [{stage1_start:.3f}, {stage1_end:.3f}], stage 0 ran "
+                         f"micro-batch 1 over [{stage0_start:.3f}, {stage0_end:.3f}]: no overlap")

@@ -12,8 +12,10 @@ no multicast (NVLink SHARP stays off): a single kernel, captured like any other.
 Messages up to :data:`SYMMETRIC_BYTES` in bfloat16 or float32 take that path, eagerly and
 inside graphs; larger ones (long prefills) take NCCL, which graphs never capture: decode
 graphs whose all-reduces would not fit are refused at capture with the sizes and the fix.
-All-gathers of small tensors (the LM head's logits at decode) are an all-reduce of the
-rank's shard in place in a zero tensor; larger ones are NCCL's.
+All-gathers of small tensors (the LM head's logits at decode, expert parallelism's routing and
+outputs) are an all-reduce of the rank's shard in place in a zero tensor, and small reduce-scatters
+an all-reduce of which the rank keeps its rows: each moves what one all-reduce moves, but stays one
+capturable kernel; larger ones are NCCL's.
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ class CudaCommunicator(Communicator):
             return super().all_gather(tensor, dim)
         gathered.narrow(dim, self.rank * width, width).copy_(tensor)
         return self.all_reduce(gathered)
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        if tensor.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: {tensor.shape[0]} rows do not split evenly over {self.size} ranks")
+        rows = tensor.shape[0] // self.size
+        if self._fits(tensor):
+            return self.all_reduce(tensor).narrow(0, self.rank * rows, rows)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a reduce-scatter too large for the symmetric buffer cannot be captured in a graph")
+        return super().reduce_scatter(tensor)
 
     def close(self) -> None:
         self.buffer = None

@@ -146,7 +146,7 @@ def check_heads(name: str, num_heads: int, tensor_parallel_size: int, replicable
 
 
 class Communicator:
-    """All-reduce and all-gather over ``group`` (a torch.distributed process group; None: one rank)."""
+    """All-reduce, all-gather and reduce-scatter over ``group`` (a torch.distributed process group; None: one rank)."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
@@ -177,6 +177,20 @@ class Communicator:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the sum over ranks: ``tensor``'s first dimension (which ``size`` divides) cut into
+        ``size`` equal runs of rows, rank 0's first; this rank gets its run, summed over every rank."""
+        if self.size == 1:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        if tensor.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: {tensor.shape[0]} rows do not split evenly over {self.size} ranks")
+        output = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.group)
+        return output
 
     def can_capture(self, dtype: torch.dtype) -> bool:
         """Whether collectives on ``dtype`` may be captured in the platform's graphs. Not plain

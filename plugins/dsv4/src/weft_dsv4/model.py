@@ -34,10 +34,11 @@ Several ranks (``tensor_parallel_size``): each rank holds its attention heads (w
 output groups and sinks), its share of the shared expert's columns and of the vocabulary;
 the shared key/value head, the compressors, the indexer, mHC and the router are computed
 alike on every rank (their KV-cache groups are the same on every rank). Routed experts are
-either split the same way (each expert's columns) or, with ``enable_expert_parallel``,
-spread whole over the ranks; either way every rank holds every token (the activations are
-replicated), adds what its experts and its shared-expert columns give, and one all-reduce
-per layer sums the ranks' shares.
+either split the same way (each expert's columns: every rank routes every token, adds what
+its columns give, and one all-reduce per layer sums the ranks' shares) or, with
+``enable_expert_parallel``, spread whole over the ranks, the tokens exchanged between them
+(``moe.ExpertParallelExchange``: each rank routes its shard of the tokens, the routing is
+all-gathered, the outputs reduce-scattered to their shard's rank and all-gathered back).
 """
 
 from __future__ import annotations

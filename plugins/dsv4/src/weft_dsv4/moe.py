@@ -1,13 +1,21 @@
 """DeepSeek V4's MoE: the router (hash-routed ``tid2eid`` layers or scored top-k), the routed experts
-(this rank's, stacked) and the shared expert, summed over ranks by one all-reduce."""
+(this rank's, stacked) and the shared expert.
+
+Tensor parallelism alone splits every routed expert's columns over the ranks: each rank routes every
+token, runs its columns of the experts picked, and one all-reduce sums the ranks' shares. Expert
+parallelism spreads whole experts over the ranks and exchanges the tokens between them
+(:class:`ExpertParallelExchange`)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from weft.contracts.loader import WeightSlice, as_slice
+from weft.contracts.parallel import Communicator
 from weft.distributed.state import current_parallel
 from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
 from weft_dsv4.config import DeepseekV4Settings
@@ -149,6 +157,59 @@ class Experts(nn.Module):
         copy_checked(self.gate_up_proj.data, torch.cat([gate, up], dim=1), name)
 
 
+class ExpertParallelExchange:
+    """The token exchange of expert parallelism over the stage's tensor ranks, which hold the same
+    activations (the attention before the MoE is tensor-parallel).
+
+    The step's ``N`` token rows are cut into ``size`` runs of ``S = ceil(N / size)`` (the last ones
+    short or empty, padded): rank ``r`` owns rows ``r*S ..``. A rank routes only its own rows;
+    :meth:`dispatch` all-gathers every rank's routing, so each rank knows which of every shard's
+    (token, expert) pairs land on its experts and runs those rows only (their hidden states it holds
+    already: gathering them too would move the activations every rank has). :meth:`combine`
+    reduce-scatters each rank's partial output (its experts' pairs plus its columns of the shared
+    expert) to the rank owning the token, then all-gathers the summed rows back to every rank for
+    the tensor-parallel layers that follow. Every size is fixed by ``N``: no count goes to the host,
+    so a decode graph captures the exchange like any other collective."""
+
+    UNROUTED = -1
+    """The expert of a padding row: no rank holds it, so no GEMM sees the row."""
+
+    def __init__(self, communicator: Communicator) -> None:
+        self.communicator = communicator
+
+    def shard_rows(self, num_tokens: int) -> int:
+        """``S``: the rows each rank owns (the last ranks' partly or wholly padding)."""
+        return math.ceil(num_tokens / self.communicator.size)
+
+    def own_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``tensor`` (``N`` rows, the same on every rank); fewer than ``S`` (or none) at the end."""
+        rows = self.shard_rows(tensor.shape[0])
+        start = min(self.communicator.rank * rows, tensor.shape[0])
+        return tensor[start : min(start + rows, tensor.shape[0])]
+
+    def dispatch(self, experts: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's ``(experts, weights)`` (``[N, k]``), from each rank's routing of its own rows."""
+        rows, k = self.shard_rows(num_tokens), experts.shape[1]
+        # Experts and weights travel in one float32 tensor (expert ids are exact below 2**24), its rows padded
+        # to 16 bytes so the one-shot all-reduce behind weft-cuda's all-gather takes it in a graph.
+        width = 4 * math.ceil(2 * k / 4)
+        packed = torch.zeros((rows, width), dtype=torch.float32, device=experts.device)
+        packed[:, :k] = self.UNROUTED
+        packed[: experts.shape[0], :k] = experts.float()
+        packed[: experts.shape[0], k : 2 * k] = weights.float()
+        gathered = self.communicator.all_gather(packed, dim=0)[:num_tokens]
+        return gathered[:, :k].long(), gathered[:, k : 2 * k].to(weights.dtype)
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of every token's ``partial`` output (``[N, H]``), on every rank."""
+        num_tokens = partial.shape[0]
+        padding = self.shard_rows(num_tokens) * self.communicator.size - num_tokens
+        if padding:
+            partial = torch.cat([partial, partial.new_zeros((padding, partial.shape[1]))])
+        owned = self.communicator.reduce_scatter(partial)
+        return self.communicator.all_gather(owned, dim=0)[:num_tokens]
+
+
 class MoE(nn.Module):
     def __init__(self, s: DeepseekV4Settings, index: int) -> None:
         super().__init__()
@@ -156,7 +217,12 @@ class MoE(nn.Module):
         self.experts = Experts(s)
         self.shared_experts = SharedExpert(s)
         self.tensor = current_parallel().tensor
+        self.exchange = ExpertParallelExchange(self.tensor) if s.layout.enable_expert_parallel and self.tensor.size > 1 else None
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.gate(hidden, input_ids)
-        return self.tensor.all_reduce(self.experts(hidden, experts, weights) + self.shared_experts(hidden))
+        if self.exchange is None:
+            experts, weights = self.gate(hidden, input_ids)
+            return self.tensor.all_reduce(self.experts(hidden, experts, weights) + self.shared_experts(hidden))
+        own = self.exchange.own_rows
+        experts, weights = self.exchange.dispatch(*self.gate(own(hidden), own(input_ids)), hidden.shape[0])
+        return self.exchange.combine(self.experts(hidden, experts, weights) + self.shared_experts(hidden))

@@ -25,7 +25,7 @@ def test_a_page_is_clean_only_after_every_worker_acknowledged_its_copy():
     planner.add_pages("r", [10, 11, 12])
     plan = planner.plan(free_gpu_blocks=50)
     assert [(copy.page, copy.gpu_block) for copy in plan.copies] == [(0, 10), (1, 11), (2, 12)]
-    assert plan.has_sync_kv_loads and plan.unpinned == ()
+    assert plan.unpinned == ()
     assert planner.plan(free_gpu_blocks=50).copies == ()  # planned once
     planner.acknowledge(0, plan.copies)
     assert states(planner, "r") == ["dirty"] * 3 and planner.durable_prefix("r") == 0

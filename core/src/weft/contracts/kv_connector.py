@@ -31,7 +31,10 @@ through core's ``Attention`` is waited for inside the forward, just before its
 attention (so a connector whose layers land one after another lets the first layers
 compute while later ones arrive); the others (model-managed groups), and every layer
 of a step that replays a captured CUDA graph, before the forward starts. Each wait
-runs on the thread that runs the forward. When it returns, the layer's loaded KV must
+runs on the thread that runs the forward. Since core API 1.11 the waits come only in a step
+that loads KV synchronously (``SchedulerOutput.has_sync_kv_loads``: a request of the step
+was offered tokens with ``load_async`` False); in any other step no layer is waited for,
+since nothing its forward reads is arriving. When it returns, the layer's loaded KV must
 be readable by whatever the forward launches next: in memory for a host cache; for a
 device cache, copies complete or ordered before the current stream's later work. A step that
 schedules no request still binds its metadata, calls ``start_load_kv`` and
@@ -164,6 +167,18 @@ Lent blocks (core API 1.6)
     preemption. A connector that does so sets ``gates_admission = True`` (core API 1.8): the engine then
     asks it even when nothing can be loaded (a group that is not prefix-cacheable, a request asking for
     prompt logprobs, which computes every token) and ignores any offer; others are not asked then.
+
+Filling groups of a local hit (core API 1.11)
+    A connector that keeps a copy of only some groups' blocks (weft-hisparse: the compressed entries
+    of its sparse group, in a host pool) names them in :meth:`KVConnector.fills_groups`. The engine's
+    own prefix cache then finds the hit of every group as before (``num_computed_tokens``), and also
+    the tokens after it that every other prefix-cacheable group still holds (the filled groups' blocks
+    were evicted, the others' not). The connector's offer counts tokens after ``num_computed_tokens``
+    as usual; the engine caps it at those tokens, in whole blocks of every group, and a fill is
+    synchronous (an asynchronous offer raises). For the tokens it takes, the other groups share their
+    cached blocks and the filled groups get fresh ones: the worker loads only the filled groups'
+    blocks of the load range. So a fill is exact wherever the engine's own hit is: a model whose ring
+    or recurrent groups are checkpointed restores them from the snapshot groups it shares.
 
 Acknowledgements (core API 1.6)
     A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``
@@ -324,6 +339,12 @@ class KVConnector(PluginBase):
         token is always computed (the engine raises).
         """
         return 0, False
+
+    def fills_groups(self) -> tuple[int, ...]:
+        """Scheduler role: the groups (positions in ``groups``) whose blocks of the engine's local prefix hits
+        this connector loads while the other groups' cached blocks are shared (see "Filling groups of a local
+        hit"; core API 1.11). Empty (the default): an offer loads every group."""
+        return ()
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
         """The engine admitted ``request`` to load ``num_external_tokens`` tokens (the lookup's answer, or 0).

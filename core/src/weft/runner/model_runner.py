@@ -250,7 +250,7 @@ class ModelRunner:
                       if self.connector is not None else None)
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
-            self.connector.start_step(step.kv_connector_metadata)
+            self.connector.start_step(step.kv_connector_metadata, step.has_sync_kv_loads)
         request_ids = list(step.num_scheduled_tokens)
         states = [self.requests[request_id] for request_id in request_ids]
         counts = list(step.num_scheduled_tokens.values())
@@ -443,7 +443,7 @@ class ModelRunner:
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
                                  prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
                                  sparse_entries=self.sparse_entries,
-                                 wait_for_layer=self.connector.wait_for_layer if self.connector is not None else None)
+                                 wait_for_layer=self.connector.layer_wait if self.connector is not None else None)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,

@@ -418,7 +418,7 @@ def test_short_prompts_are_let_in_only_as_many_as_can_keep_their_last_pages():
     assert most == 6 and scheduler.num_preemptions == 0  # 6 * 3 pages fit in 20; 8 * 3 do not
 
 
-# The host prefix cache: bookkeeping of finished requests' durable prefixes (nothing reads it back yet).
+# The host prefix cache: finished requests' durable prefixes, read back by later requests' prefix hits.
 
 def test_a_finished_request_publishes_only_the_full_blocks_of_its_contiguous_durable_prefix():
     planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
@@ -475,3 +475,119 @@ def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engin
     assert list(planner.host_prefix) == block_hashes(prompt, 8)[::-1]  # deepest first in LRU order
     cached = [row for rows in planner.host_prefix.values() for row in rows]
     assert len(cached) == 3 and sorted(cached + planner.free_host_rows) == list(range(512))
+
+
+def _run_host_prefix_case(folder, hisparse: bool):
+    """A 47-token prompt, then six others that take the small csa_kv pool's blocks (and so its GPU prefix cache of
+    the first prompt), then a prompt sharing the first one's 40 leading tokens (five blocks). Returns the greedy
+    tokens of every request, the last request's cached tokens and the tokens scheduled while it ran, and the LLM."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    def prompt(seed, length):
+        return torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    first = prompt(47, 47)
+    last = first[:40] + prompt(99, 10)
+    batches = [[first], [prompt(seed, 38) for seed in (1, 2, 3)], [prompt(seed, 38) for seed in (4, 5, 6)], [last]]
+    # Sized from memory: with HiSparse csa_kv gets a tenth of its need (27 pages), the other groups theirs (273).
+    engine = {"block_size": 8, "max_model_len": 160, "max_num_batched_tokens": 64, "cpu_kv_cache_bytes": 16_000_000,
+              "enable_prefix_caching": hisparse}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": {"host_pages": 64, "gpu_share": 0.1}}} if hisparse else {}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    scheduler = llm.engine.core.scheduler
+    schedule, scheduled = scheduler.schedule, []
+
+    def recording():
+        output = schedule()
+        scheduled.append(sum(output.num_scheduled_tokens.values()))
+        return output
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for batch in batches:
+        if batch[0] is last:
+            scheduler.schedule = recording
+            if hisparse:  # the scenario: csa_kv's GPU prefix blocks of the shared prefix are gone, the other groups' not
+                kv_cache = llm.engine.core.kv_cache_manager
+                csa = [group.name for group in kv_cache.groups].index("csa_kv")
+                assert kv_cache.find_computed_prefix(last).num_tokens == 0
+                assert kv_cache.find_computed_prefix(last, (csa,)).fillable_tokens == 40
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        tokens += [list(output.outputs[0].token_ids) for output in outputs]
+    return tokens, outputs[0].num_cached_tokens, sum(scheduled), llm
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_prompt_prefix_in_the_host_prefix_cache_is_loaded_instead_of_computed_with_the_same_greedy_tokens(tiny_dsv4):
+    reference, reference_cached, reference_scheduled, _ = _run_host_prefix_case(tiny_dsv4, hisparse=False)
+    tokens, cached, scheduled, llm = _run_host_prefix_case(tiny_dsv4, hisparse=True)
+    assert tokens == reference
+    # The shared prefix's csa_kv pages came from the host (five pages of 8 tokens), the other groups from the GPU
+    # prefix cache, the ring and compressor state from its snapshots: 40 tokens fewer computed.
+    assert (reference_cached, cached) == (0, 40)
+    assert scheduled == reference_scheduled - 40
+    connector = llm.engine.scheduler.connector
+    assert connector.stats.hit_tokens == 40
+    assert connector.metric_totals["host_prefix_pages_loaded_total"].total == 5
+    assert llm.engine.core.kv_cache_manager.stats.hit_tokens == 0  # no block of it was found in every group
+
+
+def _two_group_scheduler():
+    """The engine's scheduler with prefix caching over csa_kv and a second prefix-cacheable group (hca_kv), pages
+    of 8 tokens, HiSparse as its connector."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft.engine.kv_cache_manager import KVCacheManager
+    from weft.engine.kv_connector import SchedulerConnector
+    from weft.engine.scheduler import Scheduler
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
+    groups = (KVCacheGroupSpec("csa_kv", ("csa",), spec), KVCacheGroupSpec("hca_kv", ("hca",), spec))
+    connector = SchedulerConnector(HiSparseConnector, HiSparseOptions(host_pages=64, hot_buffer_blocks=1, keep_tail=2),
+                                   groups, ConnectorContext("m"))
+    return Scheduler(KVCacheManager(groups, [40, 40], True), 8, 64, 512, True, connector)
+
+
+def _evict_cached_blocks(scheduler, group: int) -> None:
+    """The pool of ``group`` hands out every free block (as other requests' new blocks would): its prefix cache is gone."""
+    pool = scheduler.kv_cache.pools[group]
+    taken = [pool.take() for _ in range(pool.num_free)]
+    for block in taken:
+        pool.release(block)
+
+
+@pytest.mark.parametrize("hca_cached", [True, False])
+def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_prefix_cache(hca_cached):
+    """Only csa_kv is on the host: its pages are loaded only for tokens whose blocks of every other group the engine's
+    prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
+    import msgspec
+    from weft.engine.kv_cache_manager import block_hashes
+    from weft_hisparse.connector import HiSparseStep
+
+    scheduler = _two_group_scheduler()
+    prompt = list(range(40, 67))  # 27 tokens: three full blocks
+    scheduler.add(_request("a", prompt, max_tokens=6))
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    planner = scheduler.connector.scheduler_side.planner
+    assert len(planner.host_prefix) == 3
+    _evict_cached_blocks(scheduler, 0)
+    if not hca_cached:
+        _evict_cached_blocks(scheduler, 1)
+    scheduler.add(_request("b", prompt[:24] + [5, 6, 7], max_tokens=2))
+    step = scheduler.schedule()
+    loads = msgspec.msgpack.decode(step.kv_connector_metadata, type=HiSparseStep).loads
+    new = step.new_requests[0]
+    if hca_cached:
+        # Three blocks: csa_kv's from the host into fresh blocks, hca_kv's shared from the GPU prefix cache.
+        assert new.num_computed_tokens == 24 and step.num_scheduled_tokens["b"] == 3 and step.has_sync_kv_loads
+        assert [load.gpu_block for load in loads] == list(new.block_ids[0][:3])
+        hashes = block_hashes(prompt[:24], 8)
+        assert [load.host_row for load in loads] == [planner.host_prefix[key][0] for key in hashes]
+        assert list(new.block_ids[1][:3]) == [scheduler.kv_cache.pools[1].lookup(key) for key in hashes]
+        assert scheduler.kv_cache.stats.hit_tokens == 0 and scheduler.connector.stats.hit_tokens == 24
+    else:
+        assert new.num_computed_tokens == 0 and step.num_scheduled_tokens["b"] == 27 and not step.has_sync_kv_loads
+        assert loads == () and scheduler.connector.stats.hit_tokens == 0

@@ -493,7 +493,8 @@ def _run_host_prefix_case(folder, hisparse: bool):
     # Sized from memory: with HiSparse csa_kv gets a tenth of its need (27 pages), the other groups theirs (273).
     engine = {"block_size": 8, "max_model_len": 160, "max_num_batched_tokens": 64, "cpu_kv_cache_bytes": 16_000_000,
               "enable_prefix_caching": hisparse}
-    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": {"host_pages": 64, "gpu_share": 0.1}}} if hisparse else {}
+    hisparse_options = {"host_pages": 64, "gpu_share": 0.1}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse_options}} if hisparse else {}
     llm = LLM(model=str(folder), engine=engine, **extra)
     scheduler = llm.engine.core.scheduler
     schedule, scheduled = scheduler.schedule, []
@@ -508,7 +509,7 @@ def _run_host_prefix_case(folder, hisparse: bool):
     for batch in batches:
         if batch[0] is last:
             scheduler.schedule = recording
-            if hisparse:  # the scenario: csa_kv's GPU prefix blocks of the shared prefix are gone, the other groups' not
+            if hisparse:  # the scenario: csa_kv's GPU prefix blocks of the shared prefix are gone, the others' not
                 kv_cache = llm.engine.core.kv_cache_manager
                 csa = [group.name for group in kv_cache.groups].index("csa_kv")
                 assert kv_cache.find_computed_prefix(last).num_tokens == 0
@@ -551,7 +552,8 @@ def _two_group_scheduler():
 
 
 def _evict_cached_blocks(scheduler, group: int) -> None:
-    """The pool of ``group`` hands out every free block (as other requests' new blocks would): its prefix cache is gone."""
+    """The pool of ``group`` hands out every free block (as other requests' new blocks would): its prefix
+    cache is gone."""
     pool = scheduler.kv_cache.pools[group]
     taken = [pool.take() for _ in range(pool.num_free)]
     for block in taken:

@@ -176,7 +176,8 @@ RECORDER = '''
             self.prompts[request.request_id] = request.prompt_token_ids[: self.size]
 
         def build_connector_meta(self, step):
-            loads = [(self.prompts[item.request_id], item.block_ids[0][0]) for item in step.requests if item.num_external_tokens]
+            loads = [(self.prompts[item.request_id], item.block_ids[0][0]) for item in step.requests
+                     if item.num_external_tokens]
             saves = [(self.prompts[item.request_id], item.block_ids[0][0]) for item in step.requests
                      if item.num_computed_tokens == 0 and item.num_new_tokens > self.size]
             return {"loads": loads, "saves": saves}

@@ -203,7 +203,8 @@ class KVCacheManager:
             () if index in filled_groups else found[num_tokens // group.spec.block_size : end // group.spec.block_size]
             for index, (found, group) in enumerate(zip(per_group, self.groups))
         )
-        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens, fillable_tokens=fillable, fillable_blocks=fillable_blocks)
+        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens, fillable_tokens=fillable,
+                              fillable_blocks=fillable_blocks)
 
     def _held_by_all(self, per_group: list[tuple[int, ...]], skipped: Sequence[int]) -> int:
         """Tokens (a multiple of the hash unit) whose blocks every prefix-cacheable group not ``skipped`` found."""

@@ -150,8 +150,9 @@ class SchedulerConnector:
             return 0, False  # a connector that gates admission let it in: any offer is ignored
         if self.filled_groups and count:
             if load_async:
-                raise RuntimeError(f"KV connector {self.name!r} fills groups {list(self.filled_groups)} of prefix hits, "
-                                   f"but offered an asynchronous load of request {request.request_id!r}: a fill is synchronous")
+                raise RuntimeError(f"KV connector {self.name!r} fills groups {list(self.filled_groups)} of prefix "
+                                   f"hits, but offered an asynchronous load of request {request.request_id!r}: "
+                                   f"a fill is synchronous")
             tokens, unit = fillable
             count = min(count, tokens) // unit * unit  # only what every other group holds, in whole blocks of each
         if count and load_async and not self.all_transferable:

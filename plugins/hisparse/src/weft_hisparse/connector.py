@@ -285,7 +285,8 @@ class HiSparseConnector(KVConnector):
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy
         self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
-        return HiSparseStep(copies=plan.copies, loads=loads, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted)))
+        return HiSparseStep(copies=plan.copies, loads=loads, host_pages=tuple(host_pages),
+                            dropped=tuple(sorted(step.preempted)))
 
     def _plan_loads(self, step: ConnectorStep) -> tuple[PageLoad, ...]:
         """The host prefix hits of the requests admitted for this step: host rows into their fresh GPU blocks.

@@ -142,6 +142,52 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
 
+def test_a_decode_graph_s_page_table_is_refilled_for_each_replay_and_nothing_of_the_last_step_leaks():
+    """The reader a decode graph replays (core API 1.11, ``CapturedSparseEntryReader``): its per-step state is a static
+    page table that ``prepare_rows`` refills on the host before each replay and ``read_rows`` reads with device
+    operations only. Two steps with different rows, host pages and picks: each reads exactly its own."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import CapturedSparseEntryReader, ConnectorContext
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, HiSparseStep, HostPage
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
+    worker = HiSparseConnector(HiSparseOptions(host_pages=6, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
+    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
+    assert isinstance(worker.sparse_entry_reader(), CapturedSparseEntryReader)
+    host = torch.arange(6 * 2 * 3, dtype=torch.float32).view(6, 2, 3)  # host row r, slot j holds 6r + 3j, +1, +2
+    worker.host["layer"].copy_(host)
+    worker.capture_rows(rows=4, max_model_len=40)  # 5 pages a row
+    gathered = torch.full((4, 3, 3), -1.0)  # what the model gathered from the GPU blocks
+
+    def expected(picks, pages_on_host):
+        rows = gathered.clone()
+        for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
+            for column, entry in enumerate(request_picks):
+                if entry >= 0 and entry // 2 in on_host:
+                    rows[row, column] = host[on_host[entry // 2], entry % 2]
+        return rows
+
+    # Step 1: a's pages 0 and 1 at host rows 4 and 2, b's page 3 at host row 5; two rows of padding.
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 3, 5))))
+    worker.prepare_rows(["a", "b"], 4)
+    picks = [[0, 3, -1], [7, 6, 1], [0, 1, 2], [0, -1, -1]]
+    first = worker.read_rows("layer", torch.tensor(picks), gathered.clone())
+    assert torch.equal(first, expected(picks, [{0: 4, 1: 2}, {3: 5}, {}, {}]))
+    assert first[2].eq(-1).all() and first[3].eq(-1).all()  # padding rows read nothing from the host
+    worker.clear_connector_metadata()
+    # Step 2: b is in row 0 now, c (no host page) in row 1, a finished, one padding row; b's page 2 went to the
+    # host too. Each row picks pages its row held on the host in step 1 (a's page 0 in row 0, b's page 3 in row 1):
+    # nothing of step 1 may leak.
+    worker.get_finished({"a"})
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("b", 2, 1),)))
+    worker.prepare_rows(["b", "c"], 3)
+    picks = [[0, 4, 6], [6, 7, 1], [0, 1, 3]]
+    second = worker.read_rows("layer", torch.tensor(picks), gathered[:3].clone())
+    assert torch.equal(second, expected(picks, [{2: 1, 3: 5}, {}, {}])[:3])
+    assert worker._row_pages.tolist()[:3] == [[-1, -1, 1, 5, -1], [-1] * 5, [-1] * 5]
+
+
 def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, ConnectorStep, ConnectorStepRequest, LentBlock

@@ -199,7 +199,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import lcm
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -445,6 +445,33 @@ class SparseEntryReader(Protocol):
         """``selected`` ``[rows, k]`` entry indices in each request's token order (``-1``: none), ``entries``
         ``[rows, k, dim]`` as gathered from the cache, one row per request of ``request_ids``. Returns
         the entries, with those of reclaimed blocks replaced."""
+        ...
+
+
+@runtime_checkable
+class CapturedSparseEntryReader(SparseEntryReader, Protocol):
+    """A reader whose reads a captured decode graph can replay (core API 1.11); the runner captures the decode
+    of a model that reads sparse entries only through such a reader.
+
+    Its per-step state lives in static buffers: refilled by :meth:`prepare_rows` on the host before every
+    replay, read by :meth:`read_rows` with device operations only (no host synchronisation, no decision taken
+    on the host from the step's data), so the graph's captured reads see each step's state and no other.
+    """
+
+    def capture_rows(self, rows: int, max_model_len: int) -> None:
+        """Before the first capture: allocate the static buffers for up to ``rows`` rows of requests of up to
+        ``max_model_len`` tokens (every row reads nothing from outside until :meth:`prepare_rows`)."""
+        ...
+
+    def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
+        """Before a replay of the graph of ``rows`` rows: row ``i`` holds ``request_ids[i]``, the rows after
+        them are padding. Refill the static buffers for them; whatever a previous step left in any row is
+        overwritten (the padding rows read nothing from outside)."""
+        ...
+
+    def read_rows(self, layer_name: str, selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """:meth:`SparseEntryReader.read` inside the graph: row ``i`` of ``selected`` and ``entries`` is row ``i``
+        of the last :meth:`prepare_rows`."""
         ...
 
 

@@ -176,6 +176,11 @@ class HiSparseConnector(KVConnector):
         self._hot_pools: dict[str, torch.Tensor] = {}
         self._acknowledged: list[str] = []
         self._observations: dict[str, list[float]] = {}
+        self._row_pages: torch.Tensor | None = None
+        """Decode graphs: per static row, the host row of each page of its request (-1: read on the GPU), refilled
+        before every replay (:meth:`prepare_rows`)."""
+        self._host_on_device: dict[str, torch.Tensor] = {}
+        """Decode graphs: each layer's host pool as the device addresses it (the pinned pool itself, mapped)."""
 
     # Scheduler role.
 
@@ -445,6 +450,41 @@ class HiSparseConnector(KVConnector):
             entries[index[0], index[1]] = hot[torch.tensor(read_from, device=hot.device)]
         return entries
 
+    # Decode graphs (the core contract's CapturedSparseEntryReader).
+
+    def capture_rows(self, rows: int, max_model_len: int) -> None:
+        """The static page table of up to ``rows`` rows of ``max_model_len`` tokens (every page on the GPU until
+        :meth:`prepare_rows`), and each layer's host pool addressed from the device."""
+        pages = self.groups[self.group].spec.blocks_for_tokens(max_model_len)
+        device = next(iter(self.layers.values())).device
+        self._row_pages = torch.full((rows, pages), -1, dtype=torch.long, device=device)
+        self._host_on_device = {name: on_device(host, device) for name, host in self.host.items()}
+
+    def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
+        """Refill the page table for this replay: row ``i`` gets ``request_ids[i]``'s host pages, every other entry
+        (the rest of its row, the padding rows, what the last step left) -1. One copy to the device."""
+        assert self._row_pages is not None, "capture_rows first"
+        table = torch.full((rows, self._row_pages.shape[1]), -1, dtype=torch.long)
+        for row, request_id in enumerate(request_ids):
+            for page, host_row in self._host_pages.get(request_id, {}).items():
+                table[row, page] = host_row
+        self._row_pages[:rows].copy_(table, non_blocking=True)
+
+    def read_rows(self, layer_name: str, selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """The selected entries of host pages, read from the host pool where the page table says (device operations
+        only: in a graph, each replay reads the table :meth:`prepare_rows` filled). No hot buffer: each step reads
+        its host entries from the pool itself, over the bus on a GPU."""
+        if layer_name not in self.layers:
+            return entries
+        assert self._row_pages is not None, "capture_rows first"
+        per_page = self.layers[layer_name].shape[1]
+        chosen = selected.clamp(min=0)
+        host_rows = self._row_pages[: selected.shape[0]].gather(1, chosen // per_page)
+        from_host = (selected >= 0) & (host_rows >= 0)
+        slots = torch.where(from_host, host_rows * per_page + chosen % per_page, 0)
+        pool = self._host_on_device[layer_name].view(-1, entries.shape[-1])
+        return torch.where(from_host[..., None], pool[slots], entries)
+
     def _hot_buffer(self, request_id: str, layer_name: str, per_page: int) -> tuple[HotBuffer, int]:
         """The request's resolver for the layer and the first row of its slice of the layer's hot pool."""
         key = (request_id, layer_name)
@@ -479,3 +519,19 @@ class HiSparseConnector(KVConnector):
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.setdefault(name, []).append(value)
+
+
+def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (pinned on a GPU) as ``device``'s kernels address it: itself on the CPU; on CUDA the same memory
+    through its device address (with unified addressing a pinned allocation's host pointer is its device pointer),
+    so a kernel, and a graph replaying it, reads host rows over the bus with no copy launched from the host."""
+    if device.type == "cpu":
+        return host
+    if not host.is_pinned():
+        raise ValueError(f"weft-hisparse: the host pool must be pinned to be read from {device}")
+
+    class Mapped:  # what torch.as_tensor reads a foreign device pointer from
+        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                    "data": (host.data_ptr(), False), "version": 3}
+
+    return torch.as_tensor(Mapped(), device=device).view(host.dtype).view(host.shape)

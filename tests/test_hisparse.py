@@ -231,12 +231,17 @@ def tiny_dsv4(tmp_path_factory):
     return _dsv4_checkpoint(tmp_path_factory)
 
 
-def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False):
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False,
+              graph_batch_sizes: list[int] | None = None):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
     engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
               "enable_prefix_caching": False}
+    if graph_batch_sizes is not None:
+        engine["graph_batch_sizes"] = graph_batch_sizes
+    else:
+        engine["enforce_eager"] = True
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     llm = LLM(model=str(folder), engine=engine, **extra)
@@ -274,6 +279,32 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     worker = llm.engine.worker.kv_connector.worker_side
     assert worker._step is None and worker._host_pages == {} and worker._hot == {}
     assert all(slot is None for slots in worker._slots.values() for slot in slots)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_same_greedy_tokens(
+        tiny_dsv4, eager_replay_platform, monkeypatch):
+    """The runner's graph path (static buffers, padding rows, the model reading nothing on the host; on the CPU a
+    'replay' runs the captured function again) with HiSparse spilling as in the test above: the reads of reclaimed
+    pages go through the page table refilled before every replay, and the greedy tokens stay plain DeepSeek V4's."""
+    from weft_hisparse.connector import HiSparseConnector
+
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)  # eagerly
+    assert not eager_replay_platform
+    replayed_host_pages = []
+    prepare_rows = HiSparseConnector.prepare_rows
+
+    def recording(self, request_ids, rows):
+        prepare_rows(self, request_ids, rows)
+        replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
+
+    monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
+                            graph_batch_sizes=[1, 2, 4])
+    assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
+    assert len(replayed_host_pages) == len(eager_replay_platform)  # the table was refilled before every replay
+    assert max(replayed_host_pages) > 0  # and replays read pages from the host
+    assert tokens == reference
 
 
 def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_its_share_of_it(tiny_dsv4):

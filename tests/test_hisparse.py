@@ -25,7 +25,7 @@ def test_a_page_is_clean_only_after_every_worker_acknowledged_its_copy():
     planner.add_pages("r", [10, 11, 12])
     plan = planner.plan(free_gpu_blocks=50)
     assert [(copy.page, copy.gpu_block) for copy in plan.copies] == [(0, 10), (1, 11), (2, 12)]
-    assert plan.has_sync_kv_loads and plan.unpinned == ()
+    assert plan.unpinned == ()
     assert planner.plan(free_gpu_blocks=50).copies == ()  # planned once
     planner.acknowledge(0, plan.copies)
     assert states(planner, "r") == ["dirty"] * 3 and planner.durable_prefix("r") == 0
@@ -142,6 +142,52 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
 
+def test_a_decode_graph_s_page_table_is_refilled_for_each_replay_and_nothing_of_the_last_step_leaks():
+    """The reader a decode graph replays (core API 1.11, ``CapturedSparseEntryReader``): its per-step state is a static
+    page table that ``prepare_rows`` refills on the host before each replay and ``read_rows`` reads with device
+    operations only. Two steps with different rows, host pages and picks: each reads exactly its own."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import CapturedSparseEntryReader, ConnectorContext
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, HiSparseStep, HostPage
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
+    worker = HiSparseConnector(HiSparseOptions(host_pages=6, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
+    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
+    assert isinstance(worker.sparse_entry_reader(), CapturedSparseEntryReader)
+    host = torch.arange(6 * 2 * 3, dtype=torch.float32).view(6, 2, 3)  # host row r, slot j holds 6r + 3j, +1, +2
+    worker.host["layer"].copy_(host)
+    worker.capture_rows(rows=4, max_model_len=40)  # 5 pages a row
+    gathered = torch.full((4, 3, 3), -1.0)  # what the model gathered from the GPU blocks
+
+    def expected(picks, pages_on_host):
+        rows = gathered.clone()
+        for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
+            for column, entry in enumerate(request_picks):
+                if entry >= 0 and entry // 2 in on_host:
+                    rows[row, column] = host[on_host[entry // 2], entry % 2]
+        return rows
+
+    # Step 1: a's pages 0 and 1 at host rows 4 and 2, b's page 3 at host row 5; two rows of padding.
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 3, 5))))
+    worker.prepare_rows(["a", "b"], 4)
+    picks = [[0, 3, -1], [7, 6, 1], [0, 1, 2], [0, -1, -1]]
+    first = worker.read_rows("layer", torch.tensor(picks), gathered.clone())
+    assert torch.equal(first, expected(picks, [{0: 4, 1: 2}, {3: 5}, {}, {}]))
+    assert first[2].eq(-1).all() and first[3].eq(-1).all()  # padding rows read nothing from the host
+    worker.clear_connector_metadata()
+    # Step 2: b is in row 0 now, c (no host page) in row 1, a finished, one padding row; b's page 2 went to the
+    # host too. Each row picks pages its row held on the host in step 1 (a's page 0 in row 0, b's page 3 in row 1):
+    # nothing of step 1 may leak.
+    worker.get_finished({"a"})
+    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("b", 2, 1),)))
+    worker.prepare_rows(["b", "c"], 3)
+    picks = [[0, 4, 6], [6, 7, 1], [0, 1, 3]]
+    second = worker.read_rows("layer", torch.tensor(picks), gathered[:3].clone())
+    assert torch.equal(second, expected(picks, [{2: 1, 3: 5}, {}, {}])[:3])
+    assert worker._row_pages.tolist()[:3] == [[-1, -1, 1, 5, -1], [-1] * 5, [-1] * 5]
+
+
 def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, ConnectorStep, ConnectorStepRequest, LentBlock
@@ -185,12 +231,17 @@ def tiny_dsv4(tmp_path_factory):
     return _dsv4_checkpoint(tmp_path_factory)
 
 
-def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False):
+def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False,
+              graph_batch_sizes: list[int] | None = None):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
     engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
               "enable_prefix_caching": False}
+    if graph_batch_sizes is not None:
+        engine["graph_batch_sizes"] = graph_batch_sizes
+    else:
+        engine["enforce_eager"] = True
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     llm = LLM(model=str(folder), engine=engine, **extra)
@@ -228,6 +279,32 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     worker = llm.engine.worker.kv_connector.worker_side
     assert worker._step is None and worker._host_pages == {} and worker._hot == {}
     assert all(slot is None for slots in worker._slots.values() for slot in slots)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_same_greedy_tokens(
+        tiny_dsv4, eager_replay_platform, monkeypatch):
+    """The runner's graph path (static buffers, padding rows, the model reading nothing on the host; on the CPU a
+    'replay' runs the captured function again) with HiSparse spilling as in the test above: the reads of reclaimed
+    pages go through the page table refilled before every replay, and the greedy tokens stay plain DeepSeek V4's."""
+    from weft_hisparse.connector import HiSparseConnector
+
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)  # eagerly
+    assert not eager_replay_platform
+    replayed_host_pages = []
+    prepare_rows = HiSparseConnector.prepare_rows
+
+    def recording(self, request_ids, rows):
+        prepare_rows(self, request_ids, rows)
+        replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
+
+    monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
+                            graph_batch_sizes=[1, 2, 4])
+    assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
+    assert len(replayed_host_pages) == len(eager_replay_platform)  # the table was refilled before every replay
+    assert max(replayed_host_pages) > 0  # and replays read pages from the host
+    assert tokens == reference
 
 
 def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_its_share_of_it(tiny_dsv4):
@@ -418,7 +495,7 @@ def test_short_prompts_are_let_in_only_as_many_as_can_keep_their_last_pages():
     assert most == 6 and scheduler.num_preemptions == 0  # 6 * 3 pages fit in 20; 8 * 3 do not
 
 
-# The host prefix cache: bookkeeping of finished requests' durable prefixes (nothing reads it back yet).
+# The host prefix cache: finished requests' durable prefixes, read back by later requests' prefix hits.
 
 def test_a_finished_request_publishes_only_the_full_blocks_of_its_contiguous_durable_prefix():
     planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
@@ -475,3 +552,121 @@ def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engin
     assert list(planner.host_prefix) == block_hashes(prompt, 8)[::-1]  # deepest first in LRU order
     cached = [row for rows in planner.host_prefix.values() for row in rows]
     assert len(cached) == 3 and sorted(cached + planner.free_host_rows) == list(range(512))
+
+
+def _run_host_prefix_case(folder, hisparse: bool):
+    """A 47-token prompt, then six others that take the small csa_kv pool's blocks (and so its GPU prefix cache of
+    the first prompt), then a prompt sharing the first one's 40 leading tokens (five blocks). Returns the greedy
+    tokens of every request, the last request's cached tokens and the tokens scheduled while it ran, and the LLM."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    def prompt(seed, length):
+        return torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    first = prompt(47, 47)
+    last = first[:40] + prompt(99, 10)
+    batches = [[first], [prompt(seed, 38) for seed in (1, 2, 3)], [prompt(seed, 38) for seed in (4, 5, 6)], [last]]
+    # Sized from memory: with HiSparse csa_kv gets a tenth of its need (27 pages), the other groups theirs (273).
+    engine = {"block_size": 8, "max_model_len": 160, "max_num_batched_tokens": 64, "cpu_kv_cache_bytes": 16_000_000,
+              "enable_prefix_caching": hisparse}
+    hisparse_options = {"host_pages": 64, "gpu_share": 0.1}
+    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse_options}} if hisparse else {}
+    llm = LLM(model=str(folder), engine=engine, **extra)
+    scheduler = llm.engine.core.scheduler
+    schedule, scheduled = scheduler.schedule, []
+
+    def recording():
+        output = schedule()
+        scheduled.append(sum(output.num_scheduled_tokens.values()))
+        return output
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for batch in batches:
+        if batch[0] is last:
+            scheduler.schedule = recording
+            if hisparse:  # the scenario: csa_kv's GPU prefix blocks of the shared prefix are gone, the others' not
+                kv_cache = llm.engine.core.kv_cache_manager
+                csa = [group.name for group in kv_cache.groups].index("csa_kv")
+                assert kv_cache.find_computed_prefix(last).num_tokens == 0
+                assert kv_cache.find_computed_prefix(last, (csa,)).fillable_tokens == 40
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        tokens += [list(output.outputs[0].token_ids) for output in outputs]
+    return tokens, outputs[0].num_cached_tokens, sum(scheduled), llm
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_prompt_prefix_in_the_host_prefix_cache_is_loaded_instead_of_computed_with_the_same_greedy_tokens(tiny_dsv4):
+    reference, reference_cached, reference_scheduled, _ = _run_host_prefix_case(tiny_dsv4, hisparse=False)
+    tokens, cached, scheduled, llm = _run_host_prefix_case(tiny_dsv4, hisparse=True)
+    assert tokens == reference
+    # The shared prefix's csa_kv pages came from the host (five pages of 8 tokens), the other groups from the GPU
+    # prefix cache, the ring and compressor state from its snapshots: 40 tokens fewer computed.
+    assert (reference_cached, cached) == (0, 40)
+    assert scheduled == reference_scheduled - 40
+    connector = llm.engine.scheduler.connector
+    assert connector.stats.hit_tokens == 40
+    assert connector.metric_totals["host_prefix_pages_loaded_total"].total == 5
+    assert llm.engine.core.kv_cache_manager.stats.hit_tokens == 0  # no block of it was found in every group
+
+
+def _two_group_scheduler():
+    """The engine's scheduler with prefix caching over csa_kv and a second prefix-cacheable group (hca_kv), pages
+    of 8 tokens, HiSparse as its connector."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import ConnectorContext
+    from weft.engine.kv_cache_manager import KVCacheManager
+    from weft.engine.kv_connector import SchedulerConnector
+    from weft.engine.scheduler import Scheduler
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
+    groups = (KVCacheGroupSpec("csa_kv", ("csa",), spec), KVCacheGroupSpec("hca_kv", ("hca",), spec))
+    connector = SchedulerConnector(HiSparseConnector, HiSparseOptions(host_pages=64, hot_buffer_blocks=1, keep_tail=2),
+                                   groups, ConnectorContext("m"))
+    return Scheduler(KVCacheManager(groups, [40, 40], True), 8, 64, 512, True, connector)
+
+
+def _evict_cached_blocks(scheduler, group: int) -> None:
+    """The pool of ``group`` hands out every free block (as other requests' new blocks would): its prefix
+    cache is gone."""
+    pool = scheduler.kv_cache.pools[group]
+    taken = [pool.take() for _ in range(pool.num_free)]
+    for block in taken:
+        pool.release(block)
+
+
+@pytest.mark.parametrize("hca_cached", [True, False])
+def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_prefix_cache(hca_cached):
+    """Only csa_kv is on the host: its pages are loaded only for tokens whose blocks of every other group the engine's
+    prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
+    import msgspec
+    from weft.engine.kv_cache_manager import block_hashes
+    from weft_hisparse.connector import HiSparseStep
+
+    scheduler = _two_group_scheduler()
+    prompt = list(range(40, 67))  # 27 tokens: three full blocks
+    scheduler.add(_request("a", prompt, max_tokens=6))
+    while scheduler.has_unfinished:
+        _step(scheduler)
+    planner = scheduler.connector.scheduler_side.planner
+    assert len(planner.host_prefix) == 3
+    _evict_cached_blocks(scheduler, 0)
+    if not hca_cached:
+        _evict_cached_blocks(scheduler, 1)
+    scheduler.add(_request("b", prompt[:24] + [5, 6, 7], max_tokens=2))
+    step = scheduler.schedule()
+    loads = msgspec.msgpack.decode(step.kv_connector_metadata, type=HiSparseStep).loads
+    new = step.new_requests[0]
+    if hca_cached:
+        # Three blocks: csa_kv's from the host into fresh blocks, hca_kv's shared from the GPU prefix cache.
+        assert new.num_computed_tokens == 24 and step.num_scheduled_tokens["b"] == 3 and step.has_sync_kv_loads
+        assert [load.gpu_block for load in loads] == list(new.block_ids[0][:3])
+        hashes = block_hashes(prompt[:24], 8)
+        assert [load.host_row for load in loads] == [planner.host_prefix[key][0] for key in hashes]
+        assert list(new.block_ids[1][:3]) == [scheduler.kv_cache.pools[1].lookup(key) for key in hashes]
+        assert scheduler.kv_cache.stats.hit_tokens == 0 and scheduler.connector.stats.hit_tokens == 24
+    else:
+        assert new.num_computed_tokens == 0 and step.num_scheduled_tokens["b"] == 27 and not step.has_sync_kv_loads
+        assert loads == () and scheduler.connector.stats.hit_tokens == 0

@@ -153,3 +153,29 @@ def test_a_lent_block_is_free_until_reclaimed_and_never_released_twice():
     manager.free("b")
     assert manager.num_free_blocks() == (4,)
     assert manager.allocate_slots("c", 16) and manager.reclaimed() == ()  # a lent block of an ended request is plain free
+
+
+def test_a_group_a_connector_fills_is_left_out_of_the_fillable_hit_and_given_fresh_blocks():
+    """Core API 1.11 (``KVConnector.fills_groups``): group 0's cached blocks are gone, group 1's not. The hit of
+    every group is empty, but group 1 holds two blocks more: a connector filling group 0 may load those tokens,
+    and the request then shares group 1's cached blocks and takes fresh ones of group 0."""
+    manager = KVCacheManager([full_group("filled"), full_group("kept")], [8, 16])
+    prompt = list(range(10))
+    admit(manager, "a", prompt)
+    manager.cache_blocks("a", prompt, len(prompt))
+    kept = manager.block_ids("a")[1][:2]
+    manager.free("a")
+    pool = manager.pools[0]
+    for block in [pool.take() for _ in range(pool.num_free)]:  # group 0 hands every block out: its cache is gone
+        pool.release(block)
+    assert manager.find_computed_prefix(prompt + [99]).fillable_tokens == 0  # no connector fills anything
+    prefix = manager.find_computed_prefix(prompt + [99], filled_groups=(0,))
+    assert (prefix.num_tokens, prefix.fillable_tokens) == (0, 8)
+    with pytest.raises(ValueError, match="at most 8 are fillable, in multiples of 4"):
+        manager.filled(prefix, 6)
+    filled = manager.filled(prefix, 4)  # the connector loads one block
+    assert filled.blocks == ((), kept[:1]) and filled.num_tokens == 0
+    assert manager.allocate_slots("b", 11, filled, prompt_length=11)
+    blocks = manager.block_ids("b")
+    assert blocks[1][0] == kept[0] and kept[1] not in blocks[1]  # the second block is computed, so not shared
+    assert len(blocks[0]) == 3 and manager.stats.hit_tokens == 0  # fresh blocks; only hits of every group count

@@ -154,28 +154,63 @@ RECORDER = '''
     from weft.contracts.kv_connector import KVConnector
 
     EVENTS = []
+    FIRST_BLOCKS = {}  # a prompt's first block -> {layer: its KV}, kept by the worker role
 
 
     class RecorderConnector(KVConnector):
-        """Loads nothing; records when the engine waits for each layer's load."""
+        """Keeps the KV of each prompt's first block once computed and offers it, synchronously, to a later
+        request starting with the same block; records when the engine waits for each layer's load."""
 
         name = "recorder"
 
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.size = self.groups[0].spec.block_size
+            self.prompts, self.caches, self.metadata = {}, None, None
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            known = num_computed_tokens == 0 and request.prompt_token_ids[: self.size] in FIRST_BLOCKS
+            return (self.size, False) if known else (0, False)
+
+        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+            self.prompts[request.request_id] = request.prompt_token_ids[: self.size]
+
+        def build_connector_meta(self, step):
+            loads = [(self.prompts[item.request_id], item.block_ids[0][0]) for item in step.requests
+                     if item.num_external_tokens]
+            saves = [(self.prompts[item.request_id], item.block_ids[0][0]) for item in step.requests
+                     if item.num_computed_tokens == 0 and item.num_new_tokens > self.size]
+            return {"loads": loads, "saves": saves}
+
+        def register_kv_caches(self, kv_caches):
+            self.caches = kv_caches
+
+        def bind_connector_metadata(self, metadata):
+            self.metadata = metadata
+
         def start_load_kv(self):
             EVENTS.append(("start", None))
+            for block, index in (self.metadata or {}).get("loads", []):
+                for layer, cache in self.caches.items():
+                    cache[:, index] = FIRST_BLOCKS[tuple(block)][layer]
 
         def wait_for_layer_load(self, layer_name):
             EVENTS.append(("wait", layer_name))
 
         def save_kv_layer(self, layer_name, kv_cache):
             EVENTS.append(("save", layer_name))
+
+        def wait_for_save(self):
+            for block, index in (self.metadata or {}).get("saves", []):
+                FIRST_BLOCKS[tuple(block)] = {layer: cache[:, index].clone() for layer, cache in self.caches.items()}
 '''
 
 
-def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention(tiny, site, monkeypatch):
+def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention_only_in_a_step_that_loads(tiny, site, monkeypatch):
     """Core API 1.9: a layer's wait comes after the previous layer's attention ran, so a connector that lands
     layers one after another lets the first layers compute while later ones arrive; and every layer is
-    waited for once per step, before any save."""
+    waited for once per step, before any save. Core API 1.11: only in a step that loads synchronously
+    (``SchedulerOutput.has_sync_kv_loads``); in the others nothing the forward reads is arriving."""
     from weft.layers.attention import Attention
 
     site.add_distribution(
@@ -194,11 +229,15 @@ def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention(tiny,
 
     monkeypatch.setattr(Attention, "forward", recorded)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    prompt = [5, 6, 7, 8] * 5
-    expected = LLM(model=str(tiny), engine={"num_kv_blocks": 64}).generate([prompt], params)[0].outputs[0].token_ids
+    prompt = [5, 6, 7, 8] * 5  # one full block of 16 and four tokens
+    engine = {"num_kv_blocks": 64, "block_size": 16, "enable_prefix_caching": False}
+    expected = LLM(model=str(tiny), engine=engine).generate([prompt], params)[0].outputs[0].token_ids
     recorder.EVENTS.clear()
-    with LLM(model=str(tiny), engine={"num_kv_blocks": 64}, use={"kv_connector": "recorder"}) as llm:
-        assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
+    with LLM(model=str(tiny), engine=engine, use={"kv_connector": "recorder"}) as llm:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected  # computes and keeps block 0
+        assert set(recorder.FIRST_BLOCKS) == {tuple(prompt[:16])}
+        loaded = llm.generate([prompt], params)[0]  # loads block 0 in its first step
+        assert loaded.outputs[0].token_ids == expected and loaded.num_cached_tokens == 16
         layers = list(llm.engine.runner.kv_caches)
     steps, step = [], None
     for event in recorder.EVENTS:
@@ -207,7 +246,8 @@ def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention(tiny,
             steps.append(step)
         elif step is not None:
             step.append(event)
-    per_layer = [event for layer in layers for event in (("wait", layer), ("attention", layer))]
-    assert len(steps) == 3 and len(layers) == 2
-    for step in steps:
-        assert step == per_layer + [("save", layer) for layer in layers]
+    waited = [event for layer in layers for event in (("wait", layer), ("attention", layer))]
+    not_waited = [("attention", layer) for layer in layers]
+    saves = [("save", layer) for layer in layers]
+    assert len(steps) == 6 and len(layers) == 2
+    assert steps == [not_waited + saves] * 3 + [waited + saves] + [not_waited + saves] * 2

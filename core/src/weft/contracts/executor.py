@@ -91,6 +91,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     structured_output_request_ids: list[str] = []
     """Requests that sample this step under a structured-output constraint (or may: their reasoning
     has not ended yet): workers sample only once :meth:`Executor.sample_tokens` brings the bitmask."""
+    has_sync_kv_loads: bool = False
+    """Whether a request of this step loads external KV synchronously in it (the KV connector's lookup
+    offered tokens with ``load_async`` False): only then do workers wait for each layer's load before the
+    forward reads it (core API 1.11)."""
 
     @property
     def is_empty(self) -> bool:

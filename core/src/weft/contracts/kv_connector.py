@@ -31,7 +31,10 @@ through core's ``Attention`` is waited for inside the forward, just before its
 attention (so a connector whose layers land one after another lets the first layers
 compute while later ones arrive); the others (model-managed groups), and every layer
 of a step that replays a captured CUDA graph, before the forward starts. Each wait
-runs on the thread that runs the forward. When it returns, the layer's loaded KV must
+runs on the thread that runs the forward. Since core API 1.11 the waits come only in a step
+that loads KV synchronously (``SchedulerOutput.has_sync_kv_loads``: a request of the step
+was offered tokens with ``load_async`` False); in any other step no layer is waited for,
+since nothing its forward reads is arriving. When it returns, the layer's loaded KV must
 be readable by whatever the forward launches next: in memory for a host cache; for a
 device cache, copies complete or ordered before the current stream's later work. A step that
 schedules no request still binds its metadata, calls ``start_load_kv`` and
@@ -165,6 +168,18 @@ Lent blocks (core API 1.6)
     asks it even when nothing can be loaded (a group that is not prefix-cacheable, a request asking for
     prompt logprobs, which computes every token) and ignores any offer; others are not asked then.
 
+Filling groups of a local hit (core API 1.11)
+    A connector that keeps a copy of only some groups' blocks (weft-hisparse: the compressed entries
+    of its sparse group, in a host pool) names them in :meth:`KVConnector.fills_groups`. The engine's
+    own prefix cache then finds the hit of every group as before (``num_computed_tokens``), and also
+    the tokens after it that every other prefix-cacheable group still holds (the filled groups' blocks
+    were evicted, the others' not). The connector's offer counts tokens after ``num_computed_tokens``
+    as usual; the engine caps it at those tokens, in whole blocks of every group, and a fill is
+    synchronous (an asynchronous offer raises). For the tokens it takes, the other groups share their
+    cached blocks and the filled groups get fresh ones: the worker loads only the filled groups'
+    blocks of the load range. So a fill is exact wherever the engine's own hit is: a model whose ring
+    or recurrent groups are checkpointed restores them from the snapshot groups it shares.
+
 Acknowledgements (core API 1.6)
     A worker names the scheduler's planned work it completed in ``ConnectorOutput.acknowledged``
     under its rank (``pp_rank * tp_size + tp_rank``); the engine hands the scheduler role every
@@ -184,7 +199,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import lcm
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -325,6 +340,12 @@ class KVConnector(PluginBase):
         """
         return 0, False
 
+    def fills_groups(self) -> tuple[int, ...]:
+        """Scheduler role: the groups (positions in ``groups``) whose blocks of the engine's local prefix hits
+        this connector loads while the other groups' cached blocks are shared (see "Filling groups of a local
+        hit"; core API 1.11). Empty (the default): an offer loads every group."""
+        return ()
+
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
         """The engine admitted ``request`` to load ``num_external_tokens`` tokens (the lookup's answer, or 0).
 
@@ -424,6 +445,33 @@ class SparseEntryReader(Protocol):
         """``selected`` ``[rows, k]`` entry indices in each request's token order (``-1``: none), ``entries``
         ``[rows, k, dim]`` as gathered from the cache, one row per request of ``request_ids``. Returns
         the entries, with those of reclaimed blocks replaced."""
+        ...
+
+
+@runtime_checkable
+class CapturedSparseEntryReader(SparseEntryReader, Protocol):
+    """A reader whose reads a captured decode graph can replay (core API 1.11); the runner captures the decode
+    of a model that reads sparse entries only through such a reader.
+
+    Its per-step state lives in static buffers: refilled by :meth:`prepare_rows` on the host before every
+    replay, read by :meth:`read_rows` with device operations only (no host synchronisation, no decision taken
+    on the host from the step's data), so the graph's captured reads see each step's state and no other.
+    """
+
+    def capture_rows(self, rows: int, max_model_len: int) -> None:
+        """Before the first capture: allocate the static buffers for up to ``rows`` rows of requests of up to
+        ``max_model_len`` tokens (every row reads nothing from outside until :meth:`prepare_rows`)."""
+        ...
+
+    def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
+        """Before a replay of the graph of ``rows`` rows: row ``i`` holds ``request_ids[i]``, the rows after
+        them are padding. Refill the static buffers for them; whatever a previous step left in any row is
+        overwritten (the padding rows read nothing from outside)."""
+        ...
+
+    def read_rows(self, layer_name: str, selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """:meth:`SparseEntryReader.read` inside the graph: row ``i`` of ``selected`` and ``entries`` is row ``i``
+        of the last :meth:`prepare_rows`."""
         ...
 
 

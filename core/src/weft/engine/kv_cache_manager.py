@@ -12,6 +12,11 @@ an arbitrary prefix, so reusing the other groups' blocks alone would be wrong,
 unless its model restores it from a checkpoint group (``KVCacheGroupSpec.checkpointed``).
 A checkpointed group takes fresh blocks on a hit; only prefix-cacheable groups are looked up.
 
+A KV connector may fill some groups of a hit from its own copy (``KVConnector.fills_groups``,
+weft-hisparse's host pool of the compressed entries): the prefix then found also reports the tokens
+after it that every other prefix-cacheable group holds (:attr:`ComputedPrefix.fillable_tokens`), and
+:meth:`KVCacheManager.filled` shares those groups' blocks for the tokens the connector loads.
+
 A KV connector may lend a running request's block back to its pool (:meth:`KVCacheManager.lend`,
 the contract's "Lent blocks"): the pool counts it free, the request keeps it in its block list
 until the pool hands it out again, and :meth:`KVCacheManager.reclaimed` reports that hand-out.
@@ -122,6 +127,11 @@ class ComputedPrefix(msgspec.Struct, frozen=True):
 
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
+    fillable_tokens: int = 0
+    """Tokens after ``num_tokens`` (a multiple of the hash unit) that every prefix-cacheable group holds but
+    the ones a KV connector fills: what it may load into those groups (:meth:`KVCacheManager.filled`)."""
+    fillable_blocks: tuple[tuple[int, ...], ...] = ()
+    """Per group, its blocks of those tokens (empty for the filled groups and the groups that are not looked up)."""
 
 
 class KVCacheManager:
@@ -163,10 +173,12 @@ class KVCacheManager:
     def num_free_blocks(self) -> tuple[int, ...]:
         return tuple(pool.num_free for pool in self.pools)
 
-    def find_computed_prefix(self, token_ids: Sequence[int]) -> ComputedPrefix:
+    def find_computed_prefix(self, token_ids: Sequence[int], filled_groups: Sequence[int] = ()) -> ComputedPrefix:
         """The longest cached prefix of ``token_ids`` held in every group; no side effects.
 
-        At least the last token is left to compute, because its logits are needed.
+        At least the last token is left to compute, because its logits are needed. ``filled_groups``: the
+        groups a KV connector can fill (``KVConnector.fills_groups``); the prefix then also says how many tokens
+        after it every other prefix-cacheable group holds (``fillable_tokens``).
         """
         empty = ComputedPrefix(blocks=tuple(() for _ in self.groups), num_tokens=0)
         if not self.prefix_caching or len(token_ids) <= 1:
@@ -181,11 +193,44 @@ class KVCacheManager:
                     break
                 found.append(block)
             per_group.append(tuple(found))
-        num_tokens = min(len(found) * group.spec.block_size
-                         for found, group in zip(per_group, self.groups) if group.prefix_cacheable)
-        num_tokens = (num_tokens // self._hash_unit) * self._hash_unit
+        num_tokens = self._held_by_all(per_group, ())
         blocks = tuple(found[: num_tokens // group.spec.block_size] for found, group in zip(per_group, self.groups))
-        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens)
+        fillable = self._held_by_all(per_group, filled_groups) - num_tokens if filled_groups else 0
+        if fillable <= 0:
+            return ComputedPrefix(blocks=blocks, num_tokens=num_tokens)
+        end = num_tokens + fillable
+        fillable_blocks = tuple(
+            () if index in filled_groups else found[num_tokens // group.spec.block_size : end // group.spec.block_size]
+            for index, (found, group) in enumerate(zip(per_group, self.groups))
+        )
+        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens, fillable_tokens=fillable,
+                              fillable_blocks=fillable_blocks)
+
+    def _held_by_all(self, per_group: list[tuple[int, ...]], skipped: Sequence[int]) -> int:
+        """Tokens (a multiple of the hash unit) whose blocks every prefix-cacheable group not ``skipped`` found."""
+        held = [len(found) * group.spec.block_size for index, (found, group) in enumerate(zip(per_group, self.groups))
+                if group.prefix_cacheable and index not in skipped]
+        return (min(held, default=0) // self._hash_unit) * self._hash_unit
+
+    def filled(self, prefix: ComputedPrefix, num_tokens: int) -> ComputedPrefix:
+        """``prefix`` extended by the first ``num_tokens`` of its fillable tokens, which a KV connector loads into
+        the groups it fills: the other groups share their cached blocks of them. ``num_tokens`` is a multiple of
+        the hash unit (:meth:`fillable_unit`), at most ``prefix.fillable_tokens``."""
+        if num_tokens == 0:
+            return prefix
+        if num_tokens % self._hash_unit or not 0 < num_tokens <= prefix.fillable_tokens:
+            raise ValueError(f"{num_tokens} tokens cannot extend a prefix hit of {prefix.num_tokens} tokens: at most "
+                             f"{prefix.fillable_tokens} are fillable, in multiples of {self._hash_unit}")
+        blocks = tuple(
+            shared + more[: num_tokens // group.spec.block_size]
+            for shared, more, group in zip(prefix.blocks, prefix.fillable_blocks, self.groups)
+        )
+        return ComputedPrefix(blocks=blocks, num_tokens=prefix.num_tokens)
+
+    @property
+    def fillable_unit(self) -> int:
+        """Tokens a filled prefix grows by at a time: a block of every group."""
+        return self._hash_unit
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, prefix: ComputedPrefix | None = None, prompt_length: int = 0

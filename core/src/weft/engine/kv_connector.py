@@ -19,6 +19,14 @@ cache. The one exception is a request that carries connector ``params`` and is
 offered an asynchronous load: its whole state (every group, each transferable, but
 the snapshots) arrives from an instance that computed the same request.
 
+A connector that fills only some groups (``KVConnector.fills_groups``) loads those groups'
+blocks of tokens the engine's prefix cache holds in every other group: its offer is capped
+at the tokens the other groups hold after the local hit (``ComputedPrefix.fillable_tokens``,
+whole blocks of every group), and the engine shares their cached blocks for them.
+
+A step in which a request loads external tokens synchronously says so to the workers
+(``SchedulerOutput.has_sync_kv_loads``): only then do they wait for the layers' loads.
+
 The workers' metric observations (``ConnectorOutput.observations``) are summed
 here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
 """
@@ -96,6 +104,12 @@ class SchedulerConnector:
         # A transfer moves the request's state itself; snapshots of its prefix stay behind (never published).
         self.all_transferable = all(group.transferable or isinstance(group.spec, CheckpointSpec) for group in self.groups)
         self.scheduler_side = connector_class(options, "scheduler", self.groups, context)
+        self.filled_groups = tuple(self.scheduler_side.fills_groups())
+        """The groups whose blocks of a local prefix hit the connector loads (empty: its loads fill every group)."""
+        if self.filled_groups and not self.loads_possible:
+            logger.info("KV connector %r fills groups %s of the engine's prefix hits; the engine's prefix cache is off "
+                        "for this model, so there are none to fill", self.name,
+                        [self.groups[index].name for index in self.filled_groups])
         self.stats = ConnectorStats()
         self.metric_specs = {metric.name: metric for metric in connector_class.metrics}
         self.metric_totals: dict[str, ConnectorMetricTotal] = {}
@@ -113,11 +127,14 @@ class SchedulerConnector:
 
     # The scheduler's calls.
 
-    def lookup(self, request: Request, num_computed_tokens: int, may_load: bool = True) -> tuple[int, bool] | None:
+    def lookup(self, request: Request, num_computed_tokens: int, may_load: bool = True,
+               fillable: tuple[int, int] = (0, 1)) -> tuple[int, bool] | None:
         """``(tokens, load_async)``: the tokens after ``num_computed_tokens`` that the connector can load for
         ``request``, and whether they arrive asynchronously (None: ask again later). ``may_load`` False: the
         request computes every token (it asked for prompt logprobs), so only a connector that gates admission
-        is asked, and its offer is ignored.
+        is asked, and its offer is ignored. ``fillable``: for a connector that fills groups, the tokens after
+        ``num_computed_tokens`` every other group holds and the unit they come in (its offer is capped to
+        whole units of them).
 
         Enforces the contract's rules: the last known token is always computed, and an offer moves only
         what is safe to move (see the module docstring).
@@ -131,6 +148,13 @@ class SchedulerConnector:
             return None  # asked to wait: loads not known yet, or (a lending connector) its blocks not free yet
         if not loads:
             return 0, False  # a connector that gates admission let it in: any offer is ignored
+        if self.filled_groups and count:
+            if load_async:
+                raise RuntimeError(f"KV connector {self.name!r} fills groups {list(self.filled_groups)} of prefix "
+                                   f"hits, but offered an asynchronous load of request {request.request_id!r}: "
+                                   f"a fill is synchronous")
+            tokens, unit = fillable
+            count = min(count, tokens) // unit * unit  # only what every other group holds, in whole blocks of each
         if count and load_async and not self.all_transferable:
             refused = [group.name for group in self.groups if not group.transferable]
             raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "
@@ -183,6 +207,10 @@ class SchedulerConnector:
             self.stats.delayed_frees += 1
             return True
         return False
+
+    def has_sync_loads(self, request_ids: Sequence[str]) -> bool:
+        """Whether a request of this step (``request_ids``) loads external tokens synchronously in it."""
+        return any(request_id in self._loading for request_id in request_ids)
 
     def build_metadata(
         self, scheduled: list[tuple[Request, int, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager,

@@ -211,14 +211,18 @@ class Scheduler:
             if not resumed:
                 # Prompt logprobs need every prompt token computed here: no cached or loaded prefix.
                 computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
-                prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens)
-                offer = (self.connector.lookup(request, prefix.num_tokens, may_load=not computes_all)
+                filled = self.connector.filled_groups if self.connector is not None else ()
+                prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens, filled)
+                offer = (self.connector.lookup(request, prefix.num_tokens, may_load=not computes_all,
+                                               fillable=(prefix.fillable_tokens, self.kv_cache.fillable_unit))
                          if self.connector is not None else (0, False))
                 if offer is None:
                     passed_over.append(self.waiting.popleft())
                     set_aside.append(passed_over[-1])
                     continue
                 local, (external, load_async) = prefix.num_tokens, offer
+                if filled:  # the connector loads its groups' blocks of these tokens; the others share cached ones
+                    prefix = self.kv_cache.filled(prefix, external)
             computed = local + external
             needed = 0 if load_async else len(tokens) - computed
             count = min(needed, budget) if self.enable_chunked_prefill else needed
@@ -323,6 +327,7 @@ class Scheduler:
         return SchedulerOutput(
             new_requests=new_requests, cached_requests=cached_requests, num_scheduled_tokens=counts,
             finished_request_ids=finished, kv_connector_metadata=metadata, structured_output_request_ids=constrained,
+            has_sync_kv_loads=self.connector is not None and self.connector.has_sync_loads(list(counts)),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -10,8 +10,10 @@ for inside the forward, just before that layer's attention reads its cache (the
 layer's ``ForwardContext.wait_for_layer``), so a connector that lands its layers one
 after another lets the first layers compute while later ones arrive; every other
 layer (a model-managed group's), and every layer of a step that replays a captured
-graph, is waited for before the forward starts. Asynchronous loads complete in later
-steps' reports.
+graph, is waited for before the forward starts. Only a step whose output says it loads
+KV synchronously (``SchedulerOutput.has_sync_kv_loads``, core API 1.11) waits at all: in
+any other nothing the forward reads is arriving, so no layer waits. Asynchronous loads
+complete in later steps' reports.
 
 With several ranks each has its own worker role (its own slice of every block);
 their reports are gathered every step and combined alike on every rank: a load
@@ -57,22 +59,32 @@ class WorkerConnector:
         self._in_forward = attention_layers & set(kv_caches)
         self._waited: set[str] = set()
         """Layers whose load this step has waited for."""
+        self.sync_loads = False
+        """Whether the step running loads KV synchronously (its layers are waited for)."""
         self._decoder = msgspec.msgpack.Decoder(metadata_type(connector_class))
         self._closed = False
 
-    def start_step(self, metadata: bytes | None) -> None:
-        """Bind the step's metadata and load external KV, before the forward pass."""
+    def start_step(self, metadata: bytes | None, sync_loads: bool) -> None:
+        """Bind the step's metadata and load external KV, before the forward pass. ``sync_loads``: whether the
+        step loads KV synchronously (``SchedulerOutput.has_sync_kv_loads``); without, no layer is waited for."""
         self.worker_side.bind_connector_metadata(self._decoder.decode(metadata) if metadata is not None else None)
         self.worker_side.start_load_kv()
         self._waited = set()
+        self.sync_loads = sync_loads
         for layer_name in self.kv_caches:
             if layer_name not in self._in_forward:
                 self.wait_for_layer(layer_name)
 
+    @property
+    def layer_wait(self) -> Callable[[str], None] | None:
+        """What the forward's layers call before reading their cache (``ForwardContext.wait_for_layer``): None
+        in a step that loads nothing synchronously."""
+        return self.wait_for_layer if self.sync_loads else None
+
     def wait_for_layer(self, layer_name: str) -> None:
         """``layer_name``'s load of this step is complete (once per layer and step: pipeline micro-batches
-        run each layer several times)."""
-        if layer_name not in self._waited:
+        run each layer several times); nothing to wait for in a step without synchronous loads."""
+        if self.sync_loads and layer_name not in self._waited:
             self._waited.add(layer_name)
             self.worker_side.wait_for_layer_load(layer_name)
 

@@ -18,6 +18,9 @@ A graph is captured per batch size over static input buffers; a step of ``n``
 decodes replays the smallest captured size ``>= n``, its extra rows padded as
 one-token requests whose key and value go to a scratch block no request owns.
 Steps with a prefill chunk, or more decodes than the largest size, run eagerly.
+A KV connector's sparse entry reader takes part in a graph only when it keeps its
+per-step state in static buffers (:class:`~weft.contracts.kv_connector.CapturedSparseEntryReader`):
+they are refilled before every replay, for the step's rows, and reset for the padding.
 
 Asynchronous output: the sampler runs on the device without waiting for it
 (:mod:`weft.runner.sampler`), so a step's sampled ids, their health and any
@@ -68,6 +71,7 @@ from weft.contracts.executor import (
     TokenLogprobs,
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask, to_device
@@ -212,6 +216,8 @@ class ModelRunner:
         self.sampler = sampler
         self.connector = connector
         self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
+        self.captured_reader = self.sparse_entries if isinstance(self.sparse_entries, CapturedSparseEntryReader) else None
+        """The reader a decode graph reads sparse entries through (its static buffers refilled before each replay)."""
         self.requests: dict[str, RequestState] = {}
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.last_graph_size: int | None = None
@@ -250,7 +256,7 @@ class ModelRunner:
                       if self.connector is not None else None)
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
-            self.connector.start_step(step.kv_connector_metadata)
+            self.connector.start_step(step.kv_connector_metadata, step.has_sync_kv_loads)
         request_ids = list(step.num_scheduled_tokens)
         states = [self.requests[request_id] for request_id in request_ids]
         counts = list(step.num_scheduled_tokens.values())
@@ -443,7 +449,7 @@ class ModelRunner:
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
                                  prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
                                  sparse_entries=self.sparse_entries,
-                                 wait_for_layer=self.connector.wait_for_layer if self.connector is not None else None)
+                                 wait_for_layer=self.connector.layer_wait if self.connector is not None else None)
         return input_ids, position_tensor, context, query_start
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,
@@ -481,6 +487,8 @@ class ModelRunner:
         self._zeros = array("i", [0]) * max(widths)
         self._rows = torch.arange(max(sizes))
         self._fill_padding(0, max(sizes))
+        if self.captured_reader is not None:
+            self.captured_reader.capture_rows(max(sizes), max_model_len)
         for size in sorted(set(sizes), reverse=True):
             self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
         return time.monotonic() - started
@@ -507,7 +515,7 @@ class ModelRunner:
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 static_decode=True)
+                                 static_decode=True, sparse_entries=self.captured_reader)
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
         return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 
@@ -549,6 +557,8 @@ class ModelRunner:
             )
         if count < size:
             self._fill_padding(count, size)
+        if self.captured_reader is not None:
+            self.captured_reader.prepare_rows([state.request_id for state in states], size)
         output = self.graphs[size]()
         return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
 

@@ -25,6 +25,7 @@ import torch
 
 from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
+from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
@@ -172,7 +173,8 @@ class Worker:
             # itself (rings, compressed entries) must read them without the host to be captured.
             logger.info("decode runs eagerly: KV-cache groups %s are managed by the model, which cannot be captured", managed)
             return
-        if managed and self.runner.sparse_entries is not None:
+        if managed and self.runner.sparse_entries is not None and not isinstance(self.runner.sparse_entries,
+                                                                                   CapturedSparseEntryReader):
             logger.info("decode runs eagerly: the KV connector reads sparse entries of groups %s on the host", managed)
             return
         sizes = sorted(set(engine.graph_batch_sizes or self.platform.graph_batch_sizes(engine.max_num_seqs)))

@@ -203,8 +203,12 @@ class DeepseekV4Attention(nn.Module):
                 picked_slots = slots.gather(1, picks.clamp(min=0)) if slots.shape[1] else picks
                 entry_slots = torch.where(picks >= 0, picked_slots, -1)
                 if step.sparse_entries is not None:  # a KV connector holds entries of lent blocks (weft-hisparse)
-                    request_ids = [step.request_ids[index] for index in batch.indices]
-                    picked = step.sparse_entries.read(self.cache_names[entry_group], request_ids, picks, gathered(entries, entry_slots))
+                    layer_name, picked = self.cache_names[entry_group], gathered(entries, entry_slots)
+                    if batch.position_list is None:  # a decode graph: the reader's static rows are the graph's rows
+                        picked = step.sparse_entries.read_rows(layer_name, picks, picked)
+                    else:
+                        request_ids = [step.request_ids[index] for index in batch.indices]
+                        picked = step.sparse_entries.read(layer_name, request_ids, picks, picked)
                     entries = picked.reshape(-1, picked.shape[-1])
                     entry_slots = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
             if chosen is not None:

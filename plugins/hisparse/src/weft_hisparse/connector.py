@@ -10,8 +10,10 @@ of its prompt (after a preemption: of its prompt and outputs), so a waiting requ
 beside what the others keep pinned waits (the lookup answers None) instead of being admitted and later
 preempting a running request; it keeps its place in the queue (the requests behind it must leave its pages
 free), and one asking for prompt logprobs is gated like the others. A finished request's contiguous durable
-prefix stays in the planner's host prefix cache, keyed by the engine's prompt block hashes (bookkeeping only:
-nothing reads it back yet, see :mod:`weft_hisparse.pages`).
+prefix stays in the planner's host prefix cache, keyed by the engine's prompt block hashes. A later request
+whose prompt blocks are in it loads them (:meth:`get_num_new_matched_tokens`): the connector fills its group of
+the engine's own prefix hit (:meth:`fills_groups`, the core contract's "Filling groups of a local hit"), its
+workers copying the host rows into the request's GPU blocks before the forward (:meth:`start_load_kv`).
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
@@ -72,11 +74,20 @@ class HostPage(msgspec.Struct, frozen=True, array_like=True):
     host_row: int
 
 
+class PageLoad(msgspec.Struct, frozen=True, array_like=True):
+    """Copy host row ``host_row`` into GPU block ``gpu_block`` (a page of a host prefix hit)."""
+
+    gpu_block: int
+    host_row: int
+
+
 class HiSparseStep(msgspec.Struct, frozen=True):
     """What the workers do in one step."""
 
     copies: tuple[PlannedCopy, ...] = ()
     """Pages to copy to the host after the forward, then acknowledge."""
+    loads: tuple[PageLoad, ...] = ()
+    """Pages of host prefix hits to copy into the GPU blocks before the forward (the step's synchronous loads)."""
     host_pages: tuple[HostPage, ...] = ()
     dropped: tuple[str, ...] = ()
     """Requests preempted since the last step: forget their host pages and hot buffers."""
@@ -105,6 +116,7 @@ class HiSparseConnector(KVConnector):
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
         ConnectorMetric("pages_copied_total", "Pages of the sparse group copied to the host pool"),
         ConnectorMetric("host_entries_read_total", "Selected entries copied in from the host pool"),
+        ConnectorMetric("host_prefix_pages_loaded_total", "Pages of prompt prefixes loaded from the host prefix cache"),
     )
     Options = HiSparseOptions
     gates_admission: ClassVar[bool] = True
@@ -126,8 +138,10 @@ class HiSparseConnector(KVConnector):
         self.group = names.index(self.options.group)
         spec = self.groups[self.group].spec
         self.page_tokens = spec.block_size
-        self._pages_per_block = (connector_block_size(self.groups) or self.page_tokens) // self.page_tokens
-        """Pages of the group in one prefix block (``ConnectorRequest.block_hashes``)."""
+        self.prefix_block_tokens = connector_block_size(self.groups) or self.page_tokens
+        """Tokens of one prefix block (``ConnectorRequest.block_hashes``)."""
+        self._pages_per_block = self.prefix_block_tokens // self.page_tokens
+        """Pages of the group in one prefix block."""
         self.rank = context.pp_rank * context.tp_size + context.tp_rank
         # Scheduler role.
         self.planner: PagePlanner | None = None
@@ -148,6 +162,8 @@ class HiSparseConnector(KVConnector):
         """Per request: the most tokens its steps so far computed (what a recompute after a preemption redoes)."""
         self._num_blocks: int | None = None
         """The group's pool, from the first step on."""
+        self._filling: dict[str, tuple[bytes, ...]] = {}
+        """Requests admitted since the last step with a host prefix hit: their prompt block hashes."""
         # Worker role.
         self.layers: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
@@ -160,11 +176,17 @@ class HiSparseConnector(KVConnector):
         self._hot_pools: dict[str, torch.Tensor] = {}
         self._acknowledged: list[str] = []
         self._observations: dict[str, list[float]] = {}
+        self._row_pages: torch.Tensor | None = None
+        """Decode graphs: per static row, the host row of each page of its request (-1: read on the GPU), refilled
+        before every replay (:meth:`prepare_rows`)."""
+        self._host_on_device: dict[str, torch.Tensor] = {}
+        """Decode graphs: each layer's host pool as the device addresses it (the pinned pool itself, mapped)."""
 
     # Scheduler role.
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Nothing to load; but a request whose prefill (which reads, so holds, every page of its prompt, and after
+        """The prompt's pages after the engine's local hit that the host prefix cache holds (:meth:`_host_hit`); but
+        a request whose prefill (which reads, so holds, every page of its prompt, and after
         a preemption of its outputs so far) would not fit beside what the running ones keep on the GPU waits (None)
         rather than take blocks from a running one.
 
@@ -188,12 +210,28 @@ class HiSparseConnector(KVConnector):
             self._held_back[request.request_id] = pages
             return None, False
         self._fitting[request.request_id] = pages
-        return 0, False
+        return self._host_hit(request, num_computed_tokens), False
+
+    def _host_hit(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """Tokens after the engine's local hit whose pages the host prefix cache holds, in whole prefix blocks and
+        short of the last prompt token (the engine caps it further at what its other groups hold)."""
+        if self.planner is None:
+            return 0
+        size = self.prefix_block_tokens
+        first, usable = num_computed_tokens // size, (len(request.prompt_token_ids) - 1) // size
+        return min(self.planner.cached_prefix(request.block_hashes, first), max(usable - first, 0)) * size
+
+    def fills_groups(self) -> tuple[int, ...]:
+        """Only the sparse group is on the host: a host prefix hit fills it beside the engine's hit of the others
+        (whose ring and compressor state the model restores from the snapshots that hit shares), so it is exact."""
+        return (self.group,)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
         self._decoding.discard(request.request_id)  # admitted again after a preemption: it computes its prompt afresh
         self._prefilling[request.request_id] = _Prefill(len(request.prompt_token_ids), self._prefill_pages(request))
         self._admitted.add(request.request_id)
+        if num_external_tokens:
+            self._filling[request.request_id] = request.block_hashes
 
     def _prefill_pages(self, request: ConnectorRequest) -> int:
         """Pages the request holds once it computed its tokens and writes the next one. After a preemption it
@@ -217,6 +255,7 @@ class HiSparseConnector(KVConnector):
                 self._prefilling.pop(request_id, None)
                 self._decoding.discard(request_id)
         self._admitted.clear()
+        loads = self._plan_loads(step)  # before plan(): rows loaded now are the most recently used
         host_pages = []
         for lent in step.reclaimed:
             if lent.group != self.group or lent.request_id not in planner.pages:
@@ -251,7 +290,32 @@ class HiSparseConnector(KVConnector):
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy
         self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
-        return HiSparseStep(copies=plan.copies, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted)))
+        return HiSparseStep(copies=plan.copies, loads=loads, host_pages=tuple(host_pages),
+                            dropped=tuple(sorted(step.preempted)))
+
+    def _plan_loads(self, step: ConnectorStep) -> tuple[PageLoad, ...]:
+        """The host prefix hits of the requests admitted for this step: host rows into their fresh GPU blocks.
+
+        The workers read the rows before this step's forward; a row that :meth:`PagePlanner.plan` takes back for a
+        copy in this step is written only after it."""
+        loads = []
+        for request in step.requests:
+            hashes = self._filling.pop(request.request_id, None)
+            if hashes is None or not request.num_external_tokens:
+                continue
+            size = self.prefix_block_tokens
+            first = (request.num_computed_tokens - request.num_external_tokens) // size
+            blocks = range(first, first + request.num_external_tokens // size)
+            missing = [index for index in blocks if hashes[index] not in self.planner.host_prefix]
+            if missing:  # the lookup and this step see the same cache: nothing evicts in between
+                raise RuntimeError(f"weft-hisparse: prefix blocks {missing} of request {request.request_id!r} left the "
+                                   f"host prefix cache between its lookup and its step")
+            rows = self.planner.take_prefix([hashes[index] for index in blocks])
+            gpu_blocks = request.block_ids[self.group][first * self._pages_per_block :]
+            pages = [row for block_rows in rows for row in block_rows]
+            loads.extend(PageLoad(gpu_block, host_row) for gpu_block, host_row in zip(gpu_blocks, pages))
+        self._filling.clear()  # admitted, then preempted before any step: its blocks are gone
+        return tuple(loads)
 
     def kv_cache_shares(self) -> tuple[float, ...]:
         """The group's pages are mostly on the host: it gets ``gpu_share`` of what its requests would hold,
@@ -304,6 +368,17 @@ class HiSparseConnector(KVConnector):
             self._forget(request_id)
         for page in metadata.host_pages:
             self._host_pages.setdefault(page.request_id, {})[page.page] = page.host_row
+
+    def start_load_kv(self) -> None:
+        """Copy this step's host prefix hits into their GPU blocks, before the forward reads them (synchronous:
+        the step's ``has_sync_kv_loads``)."""
+        if self._step is None or not self._step.loads:
+            return
+        rows = torch.tensor([load.host_row for load in self._step.loads])
+        for layer_name, cache in self.layers.items():
+            blocks = torch.tensor([load.gpu_block for load in self._step.loads], device=cache.device)
+            cache[blocks] = self.host[layer_name][rows].to(cache.device)  # one gather, one copy, one scatter
+        self._observe("host_prefix_pages_loaded_total", len(self._step.loads))
 
     def wait_for_save(self) -> None:
         """The forward wrote this step's entries: copy the planned pages to the host."""
@@ -375,6 +450,41 @@ class HiSparseConnector(KVConnector):
             entries[index[0], index[1]] = hot[torch.tensor(read_from, device=hot.device)]
         return entries
 
+    # Decode graphs (the core contract's CapturedSparseEntryReader).
+
+    def capture_rows(self, rows: int, max_model_len: int) -> None:
+        """The static page table of up to ``rows`` rows of ``max_model_len`` tokens (every page on the GPU until
+        :meth:`prepare_rows`), and each layer's host pool addressed from the device."""
+        pages = self.groups[self.group].spec.blocks_for_tokens(max_model_len)
+        device = next(iter(self.layers.values())).device
+        self._row_pages = torch.full((rows, pages), -1, dtype=torch.long, device=device)
+        self._host_on_device = {name: on_device(host, device) for name, host in self.host.items()}
+
+    def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
+        """Refill the page table for this replay: row ``i`` gets ``request_ids[i]``'s host pages, every other entry
+        (the rest of its row, the padding rows, what the last step left) -1. One copy to the device."""
+        assert self._row_pages is not None, "capture_rows first"
+        table = torch.full((rows, self._row_pages.shape[1]), -1, dtype=torch.long)
+        for row, request_id in enumerate(request_ids):
+            for page, host_row in self._host_pages.get(request_id, {}).items():
+                table[row, page] = host_row
+        self._row_pages[:rows].copy_(table, non_blocking=True)
+
+    def read_rows(self, layer_name: str, selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """The selected entries of host pages, read from the host pool where the page table says (device operations
+        only: in a graph, each replay reads the table :meth:`prepare_rows` filled). No hot buffer: each step reads
+        its host entries from the pool itself, over the bus on a GPU."""
+        if layer_name not in self.layers:
+            return entries
+        assert self._row_pages is not None, "capture_rows first"
+        per_page = self.layers[layer_name].shape[1]
+        chosen = selected.clamp(min=0)
+        host_rows = self._row_pages[: selected.shape[0]].gather(1, chosen // per_page)
+        from_host = (selected >= 0) & (host_rows >= 0)
+        slots = torch.where(from_host, host_rows * per_page + chosen % per_page, 0)
+        pool = self._host_on_device[layer_name].view(-1, entries.shape[-1])
+        return torch.where(from_host[..., None], pool[slots], entries)
+
     def _hot_buffer(self, request_id: str, layer_name: str, per_page: int) -> tuple[HotBuffer, int]:
         """The request's resolver for the layer and the first row of its slice of the layer's hot pool."""
         key = (request_id, layer_name)
@@ -409,3 +519,19 @@ class HiSparseConnector(KVConnector):
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.setdefault(name, []).append(value)
+
+
+def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (pinned on a GPU) as ``device``'s kernels address it: itself on the CPU; on CUDA the same memory
+    through its device address (with unified addressing a pinned allocation's host pointer is its device pointer),
+    so a kernel, and a graph replaying it, reads host rows over the bus with no copy launched from the host."""
+    if device.type == "cpu":
+        return host
+    if not host.is_pinned():
+        raise ValueError(f"weft-hisparse: the host pool must be pinned to be read from {device}")
+
+    class Mapped:  # what torch.as_tensor reads a foreign device pointer from
+        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                    "data": (host.data_ptr(), False), "version": 3}
+
+    return torch.as_tensor(Mapped(), device=device).view(host.dtype).view(host.shape)

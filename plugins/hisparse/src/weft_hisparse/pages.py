@@ -17,11 +17,10 @@ hash (the engine's, ``ConnectorRequest.block_hashes``), least recently used firs
 pool when it runs out of free rows. A preempted request's planned copies are dropped, never
 published. Each piece of state has one writer: this planner, on the scheduler.
 
-The host prefix cache is bookkeeping only: nothing reads it back yet. A hit would have to restore
-exactly what a prefill computes, and only this group is on the host (the sliding window, HCA entries
-and indexer keys are not), so it could serve only beside the engine's own GPU prefix hit of those
-groups (a block of this group evicted from the GPU prefix cache but still on the host); the engine's
-contract has no way to fill one group of a local hit from a connector.
+A later request whose prompt starts with published blocks has them copied back from the host
+(:meth:`PagePlanner.cached_prefix`, :meth:`PagePlanner.take_prefix`): only this group is on the host,
+so the connector fills this group of the engine's own prefix hit of the others (the core contract's
+"Filling groups of a local hit"), which is what makes such a hit exact.
 """
 
 from __future__ import annotations
@@ -64,10 +63,6 @@ class SpillPlan(msgspec.Struct, frozen=True):
 
     copies: tuple[PlannedCopy, ...] = ()
     unpinned: tuple[int, ...] = ()
-
-    @property
-    def has_sync_kv_loads(self) -> bool:
-        return bool(self.copies)
 
 
 class PagePlanner:
@@ -162,6 +157,22 @@ class PagePlanner:
         if owner is not None:
             request_id, index = owner
             self.pages[request_id][index].gpu_block = None
+
+    def cached_prefix(self, block_hashes: Sequence[bytes], first: int) -> int:
+        """How many prefix blocks from block ``first`` on are in the host prefix cache, without a gap; no side
+        effects (a lookup)."""
+        count = 0
+        while first + count < len(block_hashes) and block_hashes[first + count] in self.host_prefix:
+            count += 1
+        return count
+
+    def take_prefix(self, block_hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
+        """The host rows of these cached prefix blocks (in order), which a request loads now: they become the most
+        recently used, the deepest of them still taken back first."""
+        rows = [self.host_prefix[key] for key in block_hashes]
+        for key in reversed(block_hashes):
+            self.host_prefix.move_to_end(key)
+        return rows
 
     def durable_prefix(self, request_id: str) -> int:
         """Leading pages whose host copy is complete: what may be published to the host prefix cache."""

@@ -38,7 +38,9 @@ class ForwardContext(msgspec.Struct):
     position), and padded rows are one-token requests at
     position 0 whose every block is the group's scratch block, the last block of each cache tensor, which no
     request is given. Only set for families whose :meth:`~weft.contracts.model.ModelFamily.captures_managed_groups`
-    is true; ``prefix_hits``, ``request_ids`` and ``sparse_entries`` are empty then."""
+    is true; ``prefix_hits`` and ``request_ids`` are empty then, and ``sparse_entries`` is the connector's reader
+    only when it is a :class:`~weft.contracts.kv_connector.CapturedSparseEntryReader` (whose per-step state the
+    runner refills before every replay; core API 1.11), else None."""
     wait_for_layer: Callable[[str], None] | None = None
     """Blocks until the KV connector's load of a layer's cache for this step is complete (core API 1.9);
     None without a connector and in captured graphs. :class:`Attention` calls it before its layer's

@@ -232,7 +232,7 @@ def tiny_dsv4(tmp_path_factory):
 
 
 def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False,
-              graph_batch_sizes: list[int] | None = None):
+              graph_batch_sizes: list[int] | None = None, platform: str | None = None):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
@@ -244,6 +244,9 @@ def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dty
         engine["enforce_eager"] = True
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
+    if platform is not None:
+        extra.setdefault("use", {})["platform"] = platform
+        engine["dtype"] = "float32"
     llm = LLM(model=str(folder), engine=engine, **extra)
     if full_width:  # decode as on a GPU that captures graphs: every row padded to the entries max_model_len allows
         llm.engine.worker.model.model.decode_width_tokens = engine["max_model_len"]
@@ -304,6 +307,29 @@ def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
     assert len(replayed_host_pages) == len(eager_replay_platform)  # the table was refilled before every replay
     assert max(replayed_host_pages) > 0  # and replays read pages from the host
+    assert tokens == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_captured_decode_graphs_read_host_pages_with_plain_deepseek_v4_s_greedy_tokens(tiny_dsv4, monkeypatch):
+    """The test above with real CUDA graphs (fp32): the page table lives in a static device buffer refilled before
+    each replay, and replays read the pinned host pool through its device address."""
+    from weft_hisparse.connector import HiSparseConnector
+
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, platform="cuda")  # eagerly
+    replayed_host_pages = []
+    prepare_rows = HiSparseConnector.prepare_rows
+
+    def recording(self, request_ids, rows):
+        prepare_rows(self, request_ids, rows)
+        replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
+
+    monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
+    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
+                            graph_batch_sizes=[1, 2, 4], platform="cuda")
+    assert sorted(llm.engine.runner.graphs) == [1, 2, 4]
+    assert max(replayed_host_pages, default=0) > 0  # replays read pages from the host
     assert tokens == reference
 
 

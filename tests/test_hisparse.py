@@ -246,7 +246,7 @@ def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dty
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     if platform is not None:
         extra.setdefault("use", {})["platform"] = platform
-        engine["dtype"] = "float32"
+        engine["dtype"] = "bfloat16"  # DeepSeek V4 decodes eagerly in float32 (no grouped GEMM): graphs need bf16
     llm = LLM(model=str(folder), engine=engine, **extra)
     if full_width:  # decode as on a GPU that captures graphs: every row padded to the entries max_model_len allows
         llm.engine.worker.model.model.decode_width_tokens = engine["max_model_len"]
@@ -313,7 +313,7 @@ def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_captured_decode_graphs_read_host_pages_with_plain_deepseek_v4_s_greedy_tokens(tiny_dsv4, monkeypatch):
-    """The test above with real CUDA graphs (fp32): the page table lives in a static device buffer refilled before
+    """The test above with real CUDA graphs (bf16: in float32 DeepSeek V4 decodes eagerly): the page table lives in a static device buffer refilled before
     each replay, and replays read the pinned host pool through its device address."""
     from weft_hisparse.connector import HiSparseConnector
 

@@ -13,6 +13,14 @@ less than the core it feeds.
 ``--profile FILE``: sample the API process with py-spy during the load (the thread holding the GIL,
 flame-graph text).
 
+On a CPU the engine core is slower than the API process, so each chunk carries about one token and the
+per-chunk path (asyncio, starlette, h11, the socket) dominates. On a GPU the API process falls behind and
+a chunk carries about a dozen tokens: the per-token receive path dominates. ``--receive-path`` measures
+that path alone, in this process: the engine core's step outputs for 256 requests (msgpack, as the core
+sends them) decoded and turned into text, stop checks and deltas by the API side's reader code, 12
+steps per batch, with torch and transformers imported (a heap like a GPU server's); ``--freeze`` first
+does what ``weft serve`` does after start-up (``gc.freeze()``).
+
 Usage::
 
     python bench/serve_api_cpu.py [--clients 128] [--max-tokens 128] [--client-processes 2] [--profile api.txt]
@@ -69,7 +77,8 @@ def _client_process(port: int, clients: int, per_client: int, first: int, max_to
         done = []
         for turn in range(per_client):
             body = json.dumps({
-                "model": "tiny", "prompt": f"Client {index} turn {turn}: the number {index * 7 + turn}",
+                # Token ids (a model with a cut vocabulary could not take every id the tokenizer makes).
+                "model": "tiny", "prompt": [17 + (index * 31 + turn * 7 + k) % 900 for k in range(12)],
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True},
             }).encode()
@@ -121,6 +130,53 @@ def run_load(port: int, clients: int, processes: int, per_client: int, max_token
     return collected, start_at
 
 
+def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_batch: int = 12) -> None:
+    import asyncio
+    import gc
+    import random
+    import threading
+
+    import msgspec
+    import torch  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    from weft.builtins.hf_tokenizer import HFTokenizer
+    from weft.engine.async_engine import AsyncEngine, _Subscriber
+    from weft.engine.core_process import FromCore, StepOutputs
+    from weft.engine.engine_core import CoreStats
+    from weft.engine.output_processor import OutputProcessor
+    from weft.engine.scheduler import EngineCoreOutput
+    from weft.sampling_params import SamplingParams
+
+    scratch = Path(tempfile.mkdtemp(prefix="weft-receive-"))
+    try:
+        tokenizer = HFTokenizer.from_folder(Path(tiny_model(scratch)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    random.seed(0)
+    tokens = [[random.randrange(200, 20000) for _ in range(steps)] for _ in range(requests)]
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromCore)
+    messages = [encoder.encode(StepOutputs([
+        EngineCoreOutput(f"r{r}", [tokens[r][step]], finish_reason="length" if step == steps - 1 else None)
+        for r in range(requests)], CoreStats())) for step in range(steps)]
+    # The reader's side of an engine without a core process: its tables and lock, no observer.
+    engine = AsyncEngine.__new__(AsyncEngine)
+    engine.outputs, engine._subscribers, engine._lock, engine.observer = OutputProcessor(tokenizer), {}, threading.Lock(), None
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    for r in range(requests):
+        engine.outputs.add(f"r{r}", [1, 2, 3], params)
+        engine._subscribers[f"r{r}"] = _Subscriber(asyncio.Queue(), 0)
+    if freeze:
+        gc.freeze()
+    started, deliveries = time.process_time(), 0
+    for first in range(0, steps, steps_per_batch):
+        delivered, _ = engine._handle([decoder.decode(message) for message in messages[first : first + steps_per_batch]])
+        deliveries += len(delivered)
+    seconds = time.process_time() - started
+    print(f"# serve_api_cpu --receive-path{' --freeze' if freeze else ''}: {requests} requests x {steps} tokens, "
+          f"{steps_per_batch} steps per batch, {time.strftime('%Y-%m-%d')}")
+    print(f"receive path {seconds / (requests * steps) * 1e6:6.2f} us/token ({deliveries} deltas)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=128)
@@ -128,11 +184,19 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8791)
+    parser.add_argument("--vocab-size", type=int, default=49152,
+                        help="the model's vocabulary (SmolLM2's first ids): smaller makes the core's step cheaper, so "
+                             "that the API process falls behind it as on a GPU")
     parser.add_argument("--profile", help="write a py-spy flame-graph text of the API process here")
+    parser.add_argument("--receive-path", action="store_true", help="measure the per-token receive path alone (above)")
+    parser.add_argument("--freeze", action="store_true", help="with --receive-path: gc.freeze() first, as weft serve does")
     args = parser.parse_args()
+    if args.receive_path:
+        receive_path(args.freeze)
+        return
     scratch = Path(tempfile.mkdtemp(prefix="weft-serve-cpu-"))
     try:
-        model = tiny_model(scratch)
+        model = tiny_model(scratch, vocab_size=args.vocab_size)
         environment = {**os.environ, "OMP_NUM_THREADS": "1"}
         server = subprocess.Popen(
             [sys.executable, "-m", "weft.cli", "serve", "--model", model, "--served-model-name", "tiny",

@@ -67,9 +67,9 @@ def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return seconds, sum(len(state.output_token_ids) for state in states) - first
 
 
-def tiny_model(folder: Path) -> str:
+def tiny_model(folder: Path, **sizes: object) -> str:
     """tests/conftest.py's random 2-layer Llama (hidden size 64) with SmolLM2's tokenizer: a forward so small
-    that the step is host-bound on a CPU, as the 135M shape's is on a GPU."""
+    that the step is host-bound on a CPU, as the 135M shape's is on a GPU. ``sizes``: config values to override."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -78,7 +78,7 @@ def tiny_model(folder: Path) -> str:
 
     gguf = smollm2_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder / "tokenizer"))
-    return str(make_tiny_model(folder / "llama", "llama", folder / "tokenizer"))
+    return str(make_tiny_model(folder / "llama", "llama", folder / "tokenizer", **sizes))
 
 
 def build(args: argparse.Namespace, scratch: Path) -> LLM:

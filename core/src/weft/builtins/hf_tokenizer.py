@@ -98,7 +98,7 @@ class HFTokenizer(Tokenizer):
         chat_template = template or getattr(tokenizer, "chat_template", None)
         return cls(
             encode=lambda text, add_special: tokenizer.encode(text, add_special_tokens=add_special),
-            decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+            decode=_decoder_of(tokenizer),
             vocab_size=len(tokenizer),
             eos_token_ids=frozenset(eos),
             special_tokens={"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""},
@@ -196,6 +196,24 @@ def _bytes_to_unicode() -> dict[int, str]:
             mapping[byte] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+def _decoder_of(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """``tokenizer.decode``, or the ``tokenizers`` object underneath it where that gives the same text: the
+    streaming detokenizer decodes twice per generated token, and transformers' wrapper costs several times
+    the decode itself."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own decode
+        TokenizersBackend = None  # noqa: N806
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and kind.decode is PreTrainedTokenizerBase.decode and kind._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def _auto_tokenizer(folder: Path) -> Any:

@@ -110,7 +110,7 @@ class GrammarOutput(msgspec.Struct, array_like=True):
     """int32 rows, one per request in ``request_ids``, native byte order, row-major."""
 
 
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The sampled token's log-probability and rank, and the top-n candidates, from the raw distribution."""
 
     logprob: float

@@ -57,7 +57,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     traceback: str = ""
 
 
-class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[EngineCoreOutput]
     stats: CoreStats
     refused: dict[str, str] = {}

@@ -57,7 +57,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     constraint covers what follows them (empty: the whole output)."""
 
 
-class CoreStats(msgspec.Struct, array_like=True):
+class CoreStats(msgspec.Struct, array_like=True, gc=False):
     """The core's gauges, sent to the API side with its outputs."""
 
     waiting: int = 0

@@ -62,8 +62,9 @@ if TYPE_CHECKING:
     from weft.engine.structured_output import StructuredOutputManager
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True):
-    """What one request produced in one step, as the engine core reports it."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """What one request produced in one step, as the engine core reports it (untracked by the cyclic garbage
+    collector, as it never holds itself: thousands are decoded each second, each a collection's work otherwise)."""
 
     request_id: str
     new_token_ids: list[int]

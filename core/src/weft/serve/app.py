@@ -274,33 +274,55 @@ async def _sse_stream(server: Server, output: asyncio.Queue, ids: list[str], pro
                       render: Callable[[Delta], dict[str, Any] | None]) -> AsyncIterator[bytes]:
     """Chunks of a chat or text completion stream: ``opening`` choices, one per delta ``render`` keeps,
     the usage chunk, ``[DONE]``; or up to an error event, then ``[DONE]``. Leaving early (a disconnect)
-    aborts the requests."""
-    usage_field = {"usage": None} if include_usage else {}
+    aborts the requests.
+
+    Each chunk is ``head``'s JSON, then its choice's, then ``"usage":null`` where usage was asked for: the
+    two ends are encoded once per stream. The events of the deltas already queued when this stream wakes go
+    out in one write (several choices, or a stream that fell behind)."""
+    start, end = _chunk_ends(head, include_usage)
+    encode = msgspec.json.encode
     last: list[list[Delta]] = [[] for _ in ids]
+    events: list[bytes] = []
     try:
         for choice in opening:
-            yield sse({**head, "choices": [choice], **usage_field})
+            yield start + encode(choice) + end
         pending = len(ids)
-        while pending:
+        failed = False
+        while pending and not failed:
             delta: Delta = await output.get()
-            if delta.error:
-                yield _sse_error(delta.error, delta.error_status)
-                break
-            last[delta.index] = [delta]
-            pending -= delta.finish_reason is not None
-            choice = render(delta)
-            if choice is not None:
-                yield sse({**head, "choices": [choice], **usage_field})
+            while True:
+                if delta.error:
+                    events.append(_sse_error(delta.error, delta.error_status))
+                    failed = True
+                    break
+                last[delta.index] = [delta]
+                pending -= delta.finish_reason is not None
+                choice = render(delta)
+                if choice is not None:
+                    events.append(start + encode(choice) + end)
+                if not pending or output.empty():
+                    break
+                delta = output.get_nowait()
+            if events:
+                batch, events = b"".join(events), []
+                yield batch
         if include_usage and not pending:
             yield sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
     except Exception:  # after the headers went out: the client gets an error event, the log the details
         logger.exception("internal error in stream %s", head["id"])
         server.metrics.failed("internal")
-        yield _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
+        yield b"".join(events) + _sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
     finally:
         for engine_request_id in ids:
             server.engine.abort(engine_request_id)
     yield b"data: [DONE]\n\n"
+
+
+def _chunk_ends(head: dict[str, Any], include_usage: bool) -> tuple[bytes, bytes]:
+    """The bytes before and after the choice in ``sse({**head, "choices": [choice], "usage": None})``
+    (without ``usage`` unless ``include_usage``)."""
+    start = b"data: " + msgspec.json.encode(head)[:-1] + b',"choices":['
+    return start, b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
 
 
 async def completions(server: Server, request: Request) -> Response:

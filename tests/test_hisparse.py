@@ -284,17 +284,11 @@ def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_r
     assert all(slot is None for slots in worker._slots.values() for slot in slots)
 
 
-@pytest.mark.usefixtures("one_torch_thread")
-def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_same_greedy_tokens(
-        tiny_dsv4, eager_replay_platform, monkeypatch):
-    """The runner's graph path (static buffers, padding rows, the model reading nothing on the host; on the CPU a
-    'replay' runs the captured function again) with HiSparse spilling as in the test above: the reads of reclaimed
-    pages go through the page table refilled before every replay, and the greedy tokens stay plain DeepSeek V4's."""
+def _record_replayed_host_pages(monkeypatch) -> list[int]:
+    """Per replay, the host pages its refilled page table points at (appended by every ``prepare_rows``)."""
     from weft_hisparse.connector import HiSparseConnector
 
-    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)  # eagerly
-    assert not eager_replay_platform
-    replayed_host_pages = []
+    replayed_host_pages: list[int] = []
     prepare_rows = HiSparseConnector.prepare_rows
 
     def recording(self, request_ids, rows):
@@ -302,6 +296,18 @@ def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_
         replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
 
     monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
+    return replayed_host_pages
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_same_greedy_tokens(
+        tiny_dsv4, eager_replay_platform, monkeypatch):
+    """The runner's graph path (static buffers, padding rows, the model reading nothing on the host; on the CPU a
+    'replay' runs the captured function again) with HiSparse spilling as in the test above: the reads of reclaimed
+    pages go through the page table refilled before every replay, and the greedy tokens stay plain DeepSeek V4's."""
+    reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)  # eagerly
+    assert not eager_replay_platform
+    replayed_host_pages = _record_replayed_host_pages(monkeypatch)
     tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
                             graph_batch_sizes=[1, 2, 4])
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
@@ -313,19 +319,10 @@ def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_captured_decode_graphs_read_host_pages_with_plain_deepseek_v4_s_greedy_tokens(tiny_dsv4, monkeypatch):
-    """The test above with real CUDA graphs (bf16: in float32 DeepSeek V4 decodes eagerly): the page table lives in a static device buffer refilled before
-    each replay, and replays read the pinned host pool through its device address."""
-    from weft_hisparse.connector import HiSparseConnector
-
+    """The test above with real CUDA graphs (bf16: in float32 DeepSeek V4 decodes eagerly): the page table lives in a
+    static device buffer refilled before each replay, and replays read the pinned host pool through its device address."""
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, platform="cuda")  # eagerly
-    replayed_host_pages = []
-    prepare_rows = HiSparseConnector.prepare_rows
-
-    def recording(self, request_ids, rows):
-        prepare_rows(self, request_ids, rows)
-        replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
-
-    monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
+    replayed_host_pages = _record_replayed_host_pages(monkeypatch)
     tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
                             graph_batch_sizes=[1, 2, 4], platform="cuda")
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4]

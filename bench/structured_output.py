@@ -52,6 +52,62 @@ strings, a nested object and array). ``short-strings``: the worst case found for
 length-bounded string, where the mask of almost the whole vocabulary depends on the string's length so far."""
 
 
+class Timeline:
+    """Host time per phase of the timed steps (``--timeline``): each wrapped call's duration, summed per phase."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.recording = False
+        self.steps = 0
+
+    def wrap(self, owner: object, attribute: str, phase: str) -> None:
+        inner = getattr(owner, attribute)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            if not self.recording:
+                return inner(*args, **kwargs)
+            began = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - began
+
+        setattr(owner, attribute, timed)
+
+    def install(self, llm: LLM) -> None:
+        engine = llm.engine
+        core = engine.core
+        self.wrap(core.scheduler, "schedule", "main: schedule")
+        self.wrap(core.scheduler, "update_from_output", "main: update_from_output")
+        self.wrap(core, "_apply", "main: _apply (wait tokens + update)")
+        self.wrap(core, "_execute", "main: execute_model (launch)")
+        self.wrap(core.executor, "sample_tokens", "main: sample_tokens (mask + sample)")
+        self.wrap(core, "_take_bitmask", "main: wait for the mask")
+        self.wrap(engine.outputs, "process", "main: output processing")
+        self.wrap(engine, "step", "main: whole step")
+        worker = getattr(core.executor, "worker", None)
+        runner = getattr(worker, "runner", None)
+        if runner is not None:
+            self.wrap(runner.token_bitmask, "apply", "main: TokenBitmask.apply")
+            self.wrap(runner, "_forward", "main: runner._forward")
+            self.wrap(runner, "_sample_step", "main: runner._sample_step")
+            self.wrap(runner.sampler, "sample", "main: Sampler.sample")
+            self.wrap(runner.token_counts, "record", "main: TokenCounts.record")
+        if core.scheduler.structured_outputs is not None:
+            manager = core.scheduler.structured_outputs
+            self.wrap(manager, "_accept_and_fill", "fill thread: accept + fill")
+            self.wrap(manager, "_fill", "fill thread: fill")
+
+    def report(self, name: str, steps: int) -> None:
+        print(f"  timeline of {name} ({steps} steps), ms per step:")
+        for phase, total in sorted(self.totals.items()):
+            print(f"    {phase:42} {1000 * total / max(steps, 1):8.3f}")
+        self.totals = {}
+
+
+TIMELINE: Timeline | None = None
+
+
 def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
     """Seconds from every request's first token to the last request's end, and the tokens decoded meanwhile."""
     engine = llm.engine
@@ -61,9 +117,16 @@ def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
         engine.step()
     started = time.perf_counter()
     first = sum(len(state.output_token_ids) for state in states)
+    steps = 0
+    if TIMELINE is not None:
+        TIMELINE.recording = True
     while engine.has_unfinished:
         engine.step()
+        steps += 1
     seconds = time.perf_counter() - started
+    if TIMELINE is not None:
+        TIMELINE.recording = False
+        TIMELINE.steps = steps
     return seconds, sum(len(state.output_token_ids) for state in states) - first
 
 
@@ -124,6 +187,8 @@ def main() -> None:
                         help="the schema(s) to constrain with (repeatable; default: every one, each against the plain run)")
     parser.add_argument("--executor", choices=["uniproc", "mp"], default="uniproc",
                         help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="then one more run of each mode, printing the host time of each phase per step")
     args = parser.parse_args()
     if args.gpu and not (args.tokenizer or os.environ.get("WEFT_TEST_TOKENIZER")):
         parser.error("--gpu needs SmolLM2's tokenizer files: --tokenizer DIR, or $WEFT_TEST_TOKENIZER")
@@ -158,6 +223,14 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
         print(f"  {name + ':':14} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     for name, _ in modes[1:]:
         print(f"  ratio {name} schema / plain: {best[name] / best['plain']:.3f} (wanted >= 0.8)")
+    if args.timeline:
+        global TIMELINE
+        TIMELINE = Timeline()
+        TIMELINE.install(llm)
+        for name, params in modes:
+            seconds, tokens = decode_seconds(llm, prompts, params)
+            TIMELINE.report(f"{name}, {tokens / seconds:.1f} tok/s", TIMELINE.steps)
+        TIMELINE = None
     llm.close()
 
 

@@ -112,6 +112,30 @@ def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
     assert not matcher.accept_token(tokens[2])  # "!" is not allowed after one pair
 
 
+def test_accepting_a_batch_equals_accepting_one_at_a_time(backend, tokenizer):
+    """xgrammar's batch accept (one call a step) against the contract's default, one matcher at a time: the same
+    accepted flags (a refused token changes nothing), the same terminations (only after an end token)."""
+    from weft.contracts.structured_output import StructuredOutputBackend
+
+    compiled = backend.compile(StructuredOutputsParams(regex=r"(ab|cd){2}!"))
+    ab, cd, bang = (tokenizer.encode(piece, add_special_tokens=False)[0] for piece in ("ab", "cd", "!"))
+    eos = min(tokenizer.eos_token_ids)
+    histories = [[ab, cd, bang], [ab, cd], [ab], [cd, ab, bang], []]
+    tokens = [eos, bang, bang, ab, cd]  # ends / ends the pattern / refused / refused after "!" / starts
+    batched, single = [backend.matcher(compiled) for _ in histories], [backend.matcher(compiled) for _ in histories]
+    for matchers in (batched, single):
+        for matcher, history in zip(matchers, histories):
+            assert all(matcher.accept_token(token) for token in history)
+    got = backend.accept_tokens(batched, tokens)
+    want = StructuredOutputBackend.accept_tokens(backend, single, tokens)
+    assert got == want == [(True, True), (True, False), (False, False), (False, False), (True, False)]
+    for one, other in zip(batched[1:], single[1:]):  # the same states after: the same next masks
+        masks = [torch.zeros(1, bitmask_words(tokenizer.vocab_size), dtype=torch.int32) for _ in range(2)]
+        one.fill_bitmask(masks[0], 0)
+        other.fill_bitmask(masks[1], 0)
+        assert torch.equal(*masks)
+
+
 BOUNDED_STRINGS = {
     "type": "object",
     "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},

@@ -170,6 +170,15 @@ class StructuredOutputBackend(PluginBase):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled`` (fast)."""
 
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[tuple[bool, bool]]:
+        """For each ``matchers[i]``: :meth:`GrammarMatcher.accept_token` of ``tokens[i]``, then (when accepted)
+        :meth:`GrammarMatcher.is_terminated`; a backend may do them all in one call."""
+        results = []
+        for matcher, token in zip(matchers, tokens, strict=True):
+            accepted = matcher.accept_token(token)
+            results.append((accepted, accepted and matcher.is_terminated()))
+        return results
+
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         """Fill row ``i`` of ``bitmask`` for ``matchers[i]``; a backend may spread the rows over threads."""
         for row, matcher in enumerate(matchers):

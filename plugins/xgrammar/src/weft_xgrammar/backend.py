@@ -135,6 +135,7 @@ class XgrammarBackend(StructuredOutputBackend):
             vocabulary.token_bytes, xgr.VocabType.RAW, vocab_size=vocabulary.size,
             stop_token_ids=list(vocabulary.eos_token_ids),
         )
+        self._stop_token_ids = frozenset(info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
             info, max_threads=self.options.compile_threads, cache_enabled=True,
             cache_limit_bytes=self.options.cache_limit_bytes or -1,
@@ -196,6 +197,18 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens
+
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[tuple[bool, bool]]:
+        """One call of xgrammar's batch accept (one release of the GIL rather than one per token); a matcher
+        terminates only on accepting a stop token (matchers are made with ``terminate_without_stop_token``
+        off), so only those are asked."""
+        if not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):
+            return super().accept_tokens(matchers, tokens)
+        accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(
+            [matcher.matcher for matcher in matchers], list(tokens))  # type: ignore[attr-defined]
+        stops = self._stop_token_ids
+        return [(ok, ok and token in stops and matcher.is_terminated())
+                for matcher, token, ok in zip(matchers, tokens, accepted, strict=True)]
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         if len(matchers) < _PARALLEL_ROWS or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -142,7 +144,7 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
 
-def _graph_worker(hot_buffer_blocks: int, rows: int):
+def _graph_worker(hot_buffer_blocks: int, rows: int, graph_hot_requests: int = 16):
     """A worker role over one csa_kv layer (pages of 2 entries of 3 floats) whose 6 host rows hold distinct values
     (host row r, slot j: 6r + 3j, +1, +2), decode graphs of up to ``rows`` rows captured (5 pages a row). Returns it
     and a copy of its host pool: the reference every read is checked against."""
@@ -152,7 +154,7 @@ def _graph_worker(hot_buffer_blocks: int, rows: int):
 
     spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)
     groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
-    options = HiSparseOptions(host_pages=6, hot_buffer_blocks=hot_buffer_blocks)
+    options = HiSparseOptions(host_pages=6, hot_buffer_blocks=hot_buffer_blocks, graph_hot_requests=graph_hot_requests)
     worker = HiSparseConnector(options, "worker", groups, ConnectorContext("m"))
     worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
     assert isinstance(worker.sparse_entry_reader(), CapturedSparseEntryReader)
@@ -162,25 +164,27 @@ def _graph_worker(hot_buffer_blocks: int, rows: int):
     return worker, host
 
 
-def _graph_step(worker, request_ids, rows, picks, host_pages=()):
+def _graph_step(worker, request_ids, rows, picks, host_pages=(), gathered=None):
     """One replay as the runner drives it: the step's new host pages bound, the table refilled, ``picks`` read over
-    entries the model gathered from the GPU blocks (all -1 here), the report. Returns the entries read and the
-    step's picks read from the hot buffer and from the host pool."""
+    entries the model gathered from the GPU blocks (``gathered``, all -1 by default), the report. Returns the entries
+    read and the step's picks read from the hot buffer and from the host pool."""
     from weft_hisparse.connector import HiSparseStep
 
     worker.bind_connector_metadata(HiSparseStep(host_pages=tuple(host_pages)))
     worker.prepare_rows(request_ids, rows)
-    read = worker.read_rows("layer", torch.tensor(picks), torch.full((rows, len(picks[0]), 3), -1.0))
+    if gathered is None:
+        gathered = torch.full((rows, len(picks[0]), 3), -1.0)
+    read = worker.read_rows("layer", torch.tensor(picks), gathered.clone())
     observations = worker.get_finished(set()).observations
     worker.clear_connector_metadata()
     counted = (sum(observations.get(name, [])) for name in ("hot_entries_read_total", "host_entries_read_total"))
     return read, tuple(counted)
 
 
-def _expected(host, picks, pages_on_host):
-    """What each row must read: for a pick of a page its request holds on the host, the host pool's bytes; -1 (what
-    the model gathered) for any other."""
-    rows = torch.full((len(picks), len(picks[0]), host.shape[-1]), -1.0)
+def _expected(host, picks, pages_on_host, gathered=None):
+    """What each row must read: for a pick of a page its request holds on the host, the host pool's bytes; what the
+    model gathered (``gathered``, all -1 by default) for any other."""
+    rows = torch.full((len(picks), len(picks[0]), host.shape[-1]), -1.0) if gathered is None else gathered.clone()
     for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
         for column, entry in enumerate(request_picks):
             if entry >= 0 and entry // 2 in on_host:
@@ -311,11 +315,82 @@ def test_a_host_row_written_again_drops_its_copies_from_a_decode_graph_s_hot_buf
     assert torch.equal(read, _expected(host, picks, [{0: 1}])) and counted == (0, 2)
 
 
+def test_with_more_requests_than_slices_a_replay_reads_exactly_and_the_requests_without_one_cache_nothing():
+    """One slice (``graph_hot_requests = 1``) for three requests with host pages in every replay: the first holds it
+    and reads its repeated picks from the hot buffer; the other two read every pick from the host pool, exactly and
+    without taking a slice from a request in the replay; once the holder ends, the next takes its slice."""
+    from weft_hisparse.connector import HostPage
+
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=4, graph_hot_requests=1)
+    on_host = [{0: 1}, {0: 2}, {1: 3}]
+    host_pages = (HostPage("a", 0, 1), HostPage("b", 0, 2), HostPage("c", 1, 3))
+    picks = [[0, 1], [1, 0], [2, 3], [0, -1]]  # row 3: padding
+    for index, reads in enumerate([(0, 6), (2, 4), (2, 4)]):
+        read, counted = _graph_step(worker, ["a", "b", "c"], 4, picks, host_pages if index == 0 else ())
+        assert torch.equal(read, _expected(host, picks, on_host + [{}])) and counted == reads, index
+    assert list(worker._graph._slices) == ["a"] and worker._graph.keys[0, 1].eq(-1).all()  # the empty slice
+    worker.get_finished({"a"})
+    for reads in [(0, 4), (2, 2)]:  # b takes the slice: its first replay copies in, the next reads the copies
+        read, counted = _graph_step(worker, ["b", "c"], 3, picks[1:])
+        assert torch.equal(read, _expected(host, picks[1:], on_host[1:] + [{}])) and counted == reads
+
+
+def test_the_hot_buffer_s_memory_is_bounded_by_graph_hot_requests_not_by_the_graph_s_rows(caplog):
+    """Graphs of 8 rows with ``graph_hot_requests = 2``: two slices of 2 entries (and the row the torch path writes
+    misses not kept to), whatever the rows; the bytes on the device (hot entries, their keys and stamps, the page
+    table) logged at capture and reported once, as ``graph_buffer_bytes_total``. Fewer rows than the option: one
+    slice per row."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="weft.hisparse"):
+        worker, _ = _graph_worker(hot_buffer_blocks=1, rows=8, graph_hot_requests=2)
+    graph = worker._graph
+    assert graph.keys.shape == (1, 3, 2) and [hot.shape for hot in graph.hot] == [(5, 3)]
+    expected = 5 * 3 * 4 + 2 * (3 * 2 * 8) + 8 * 5 * 8  # float32 entries; int64 keys, stamps and page table
+    assert graph.device_bytes == expected
+    assert f"{expected / (1 << 20):.1f} MiB" in caplog.text and "2 requests x 2 entries x 1 layers" in caplog.text
+    assert worker.get_finished(set()).observations["graph_buffer_bytes_total"] == [expected]
+    assert "graph_buffer_bytes_total" not in worker.get_finished(set()).observations
+    assert _graph_worker(hot_buffer_blocks=1, rows=2)[0]._graph.keys.shape == (1, 3, 2)  # 16 asked, 2 rows
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_read_kernel_interpreted_reads_and_keeps_what_the_torch_path_does():
+    """The final select as a Triton kernel (on CUDA: the host loads predicated on misses), interpreted on the CPU,
+    against the torch path over the same replays: hits, misses kept and not kept, picks of GPU pages (what the model
+    gathered, distinct values here), picks of -1, a row whose request has no slice and a padding row. Both read the
+    host pool's bytes or the gathered entries, and leave the same hot buffer behind."""
+    from weft_hisparse.connector import HostPage
+    from weft_hisparse.graph_reader import read_kernel
+
+    workers = [_graph_worker(hot_buffer_blocks=1, rows=3, graph_hot_requests=1) for _ in range(2)]
+    workers[1][0]._graph.kernel = read_kernel(torch.float32, 3)
+    host = workers[0][1]
+    on_host = [{0: 4, 1: 2}, {2: 5}, {}]
+    host_pages = (HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 2, 5))
+    steps = [  # a holds the one slice (2 entries), b has none; row 2 is padding
+        [[0, 1, 2, 7], [4, 5, 0, -1], [0, 1, -1, 3]],  # a: 3 misses, 2 kept; b: 2 misses, none kept
+        [[1, 0, 3, -1], [5, 9, 4, 1], [2, 2, 2, 2]],  # a: 2 hits, 1 miss (no free entry: not kept)
+        [[3, 2, 0, 6], [-1, -1, 4, 3], [-1, -1, -1, -1]],  # a: 1 hit, 2 misses, one kept in the entry not read
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for index, picks in enumerate(steps):
+        gathered = torch.randn(3, 4, 3, generator=generator)
+        reads = [_graph_step(worker, ["a", "b"], 3, picks, host_pages if index == 0 else (), gathered)
+                 for worker, _ in workers]
+        assert torch.equal(reads[0][0], _expected(host, picks, on_host, gathered)), index
+        assert torch.equal(reads[1][0], reads[0][0]) and reads[1][1] == reads[0][1], index
+    torch_path, kernel = (worker._graph for worker, _ in workers)
+    assert torch.equal(kernel.keys, torch_path.keys) and torch.equal(kernel.hot[0][:2], torch_path.hot[0][:2])
+    assert torch_path.counts.tolist() == [3, 11]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_decode_graph_reads_the_host_pool_s_bytes_through_random_requests_picks_and_host_writes(seed):
     """Random replays: requests come and go, pages go to random host rows (shared ones too), host rows are written
-    again (mostly rows no request holds, as the planner does, sometimes held ones), rows pick at random. Every read
-    is the host pool's bytes, and every pick of a host page is counted once, from the hot buffer or the host."""
+    again (mostly rows no request holds, as the planner does, sometimes held ones), rows pick at random, the hot
+    buffer has from none to one slice per row. Every read is the host pool's bytes, and every pick of a host page is
+    counted once, from the hot buffer or the host."""
     import random
 
     from weft_hisparse.connector import HiSparseStep, HostPage
@@ -323,7 +398,7 @@ def test_a_decode_graph_reads_the_host_pool_s_bytes_through_random_requests_pick
 
     rng = random.Random(seed)
     rows = rng.choice([1, 2, 3])
-    worker, host = _graph_worker(hot_buffer_blocks=rng.choice([1, 2]), rows=rows)
+    worker, host = _graph_worker(hot_buffer_blocks=rng.choice([1, 2]), rows=rows, graph_hot_requests=rng.randint(0, rows))
     live: dict[str, dict[int, int]] = {}  # request -> its host pages
     for step in range(30):
         while len(live) < rng.randint(1, rows + 2):

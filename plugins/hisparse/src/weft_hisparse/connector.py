@@ -27,6 +27,7 @@ Only decoding requests (one token a step) take part: prefill reads every entry, 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -52,6 +53,8 @@ from weft_hisparse.pages import HotBuffer, Page, PagePlanner, PlannedCopy
 if TYPE_CHECKING:
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
+logger = logging.getLogger("weft.hisparse")
+
 
 class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[plugins.hisparse]``: the host pool and the GPU hot buffer."""
@@ -60,8 +63,13 @@ class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     host_pages: Annotated[int, Meta(ge=1, description="pages (blocks of the group, every layer) in the host pool")] = 4096
     hot_buffer_blocks: Annotated[
         int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of "
-                                    "entries (decode graphs: per row of the largest graph, allocated with the graphs)")
+                                    "entries (decode graphs: per slice of graph_hot_requests, allocated with the graphs)")
     ] = 4
+    graph_hot_requests: Annotated[
+        int, Meta(ge=0, description="decode graphs: requests holding a slice of hot_buffer_blocks in the hot buffer at "
+                                    "once (at most the largest graph's rows; the others read every miss from the host "
+                                    "pool); it bounds the hot buffer's memory, which is outside the KV-cache budget")
+    ] = 16
     keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
     gpu_share: Annotated[
         float, Meta(gt=0, lt=1, description="the group's GPU pages, as a share of what its requests would hold, when the "
@@ -122,6 +130,8 @@ class HiSparseConnector(KVConnector):
         ConnectorMetric("host_entries_read_total", "Selected entries of host pages read from the host pool"),
         ConnectorMetric("hot_entries_read_total", "Selected entries of host pages read from the GPU hot buffer"),
         ConnectorMetric("host_prefix_pages_loaded_total", "Pages of prompt prefixes loaded from the host prefix cache"),
+        ConnectorMetric("graph_buffer_bytes_total", "Bytes of the decode graphs' hot buffer and page table on the GPU, "
+                                                    "outside the KV-cache budget (counted once, at capture)"),
     )
     Options = HiSparseOptions
     gates_admission: ClassVar[bool] = True
@@ -468,12 +478,18 @@ class HiSparseConnector(KVConnector):
     # Decode graphs (the core contract's CapturedSparseEntryReader; :mod:`weft_hisparse.graph_reader`).
 
     def capture_rows(self, rows: int, max_model_len: int) -> None:
-        """The static page table and hot buffer of up to ``rows`` rows of ``max_model_len`` tokens:
-        ``hot_buffer_blocks`` blocks of entries per row and layer, one slice more for the padding rows (every page
-        on the GPU and every hot entry empty until :meth:`prepare_rows`)."""
+        """The static page table of up to ``rows`` rows of ``max_model_len`` tokens and the hot buffer: a slice of
+        ``hot_buffer_blocks`` blocks of entries per layer for each of ``graph_hot_requests`` requests (at most
+        ``rows``), every page on the GPU and every hot entry empty until :meth:`prepare_rows`; its kernel compiled."""
         pages = self.groups[self.group].spec.blocks_for_tokens(max_model_len)
         per_page = next(iter(self.layers.values())).shape[1]
-        self._graph = GraphReader(self.layers, self.host, self.options.hot_buffer_blocks * per_page, rows, pages)
+        slices = min(self.options.graph_hot_requests, rows)
+        self._graph = GraphReader(self.layers, self.host, self.options.hot_buffer_blocks * per_page, rows, pages, slices)
+        logger.info("decode graphs' hot buffer (%d requests x %d entries x %d layers) and page table "
+                    "(%d rows): %.1f MiB on the device, outside the KV-cache budget; final select in %s",
+                    slices, self.options.hot_buffer_blocks * per_page, len(self.layers), rows,
+                    self._graph.device_bytes / (1 << 20), "Triton" if self._graph.kernel is not None else "torch ops")
+        self._observe("graph_buffer_bytes_total", self._graph.device_bytes)
 
     def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
         """Refill the page table for this replay: row ``i`` gets ``request_ids[i]``'s host pages and its slice of the

@@ -15,7 +15,8 @@ case is ``--prompt-len 32768 --batch 1 --heads 4``: transformers' eager attentio
 (the CSA entries in a host pool, the GPU pages a write-back cache) against without, and the decode
 throughput of each. Each side runs in its own process with the same KV-cache bytes (``--kv-gib``),
 ``--requests`` prompts of ``--prompt-len`` tokens (32k by default) and greedy decoding; printed: the most
-requests holding blocks at once, the blocks of each group, decode tokens per second over the steps that
+requests holding blocks at once (and the GPU bytes HiSparse's decode graphs hold outside that memory, their hot
+buffer and page table), the blocks of each group, decode tokens per second over the steps that
 only decode, and where the two sides' greedy tokens differ (near-ties or not); then plain once more with
 the memory to hold HiSparse's requests, each request arriving just before the step HiSparse first scheduled
 it and each step's token budget what HiSparse scheduled in it, decoding eagerly as HiSparse does, so that both
@@ -262,11 +263,14 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "same_tokens_replayed": replay["tokens_sha256"] == sparse["tokens_sha256"],
         "divergences_replayed": replayed, "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
     }
+    # HiSparse's decode graphs hold a hot buffer and page table on the GPU outside the KV-cache budget.
+    report["graph_buffer_bytes"] = graph_bytes = sparse["connector"].get("graph_buffer_bytes_total", 0)
     for side in (plain, sparse, replay):
         del side["tokens"], side["top2"], side["first_step"], side["batches"]
     publish(report, args.out, "gpu_dsv4_hisparse.json", (
         f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
-        f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x); "
+        f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x; "
+        f"its decode graphs' hot buffer and page table {graph_bytes / (1 << 20):.1f} MiB beside it); "
         f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
         f"same greedy tokens: {report['same_tokens']} ({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB "
         f"on HiSparse's admissions: batches alike {report['same_batches_replayed']}, same tokens "

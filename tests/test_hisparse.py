@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -142,50 +144,290 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
 
+def _graph_worker(hot_buffer_blocks: int, rows: int, graph_hot_requests: int = 16):
+    """A worker role over one csa_kv layer (pages of 2 entries of 3 floats) whose 6 host rows hold distinct values
+    (host row r, slot j: 6r + 3j, +1, +2), decode graphs of up to ``rows`` rows captured (5 pages a row). Returns it
+    and a copy of its host pool: the reference every read is checked against."""
+    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
+    from weft.contracts.kv_connector import CapturedSparseEntryReader, ConnectorContext
+    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
+
+    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)
+    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
+    options = HiSparseOptions(host_pages=6, hot_buffer_blocks=hot_buffer_blocks, graph_hot_requests=graph_hot_requests)
+    worker = HiSparseConnector(options, "worker", groups, ConnectorContext("m"))
+    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
+    assert isinstance(worker.sparse_entry_reader(), CapturedSparseEntryReader)
+    host = torch.arange(6 * 2 * 3, dtype=torch.float32).view(6, 2, 3)
+    worker.host["layer"].copy_(host)
+    worker.capture_rows(rows=rows, max_model_len=40)
+    return worker, host
+
+
+def _graph_step(worker, request_ids, rows, picks, host_pages=(), gathered=None):
+    """One replay as the runner drives it: the step's new host pages bound, the table refilled, ``picks`` read over
+    entries the model gathered from the GPU blocks (``gathered``, all -1 by default), the report. Returns the entries
+    read and the step's picks read from the hot buffer and from the host pool."""
+    from weft_hisparse.connector import HiSparseStep
+
+    worker.bind_connector_metadata(HiSparseStep(host_pages=tuple(host_pages)))
+    worker.prepare_rows(request_ids, rows)
+    if gathered is None:
+        gathered = torch.full((rows, len(picks[0]), 3), -1.0)
+    read = worker.read_rows("layer", torch.tensor(picks), gathered.clone())
+    observations = worker.get_finished(set()).observations
+    worker.clear_connector_metadata()
+    counted = (sum(observations.get(name, [])) for name in ("hot_entries_read_total", "host_entries_read_total"))
+    return read, tuple(counted)
+
+
+def _expected(host, picks, pages_on_host, gathered=None):
+    """What each row must read: for a pick of a page its request holds on the host, the host pool's bytes; what the
+    model gathered (``gathered``, all -1 by default) for any other."""
+    rows = torch.full((len(picks), len(picks[0]), host.shape[-1]), -1.0) if gathered is None else gathered.clone()
+    for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
+        for column, entry in enumerate(request_picks):
+            if entry >= 0 and entry // 2 in on_host:
+                rows[row, column] = host[on_host[entry // 2], entry % 2]
+    return rows
+
+
 def test_a_decode_graph_s_page_table_is_refilled_for_each_replay_and_nothing_of_the_last_step_leaks():
     """The reader a decode graph replays (core API 1.11, ``CapturedSparseEntryReader``): its per-step state is a static
     page table that ``prepare_rows`` refills on the host before each replay and ``read_rows`` reads with device
     operations only. Two steps with different rows, host pages and picks: each reads exactly its own."""
-    from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
-    from weft.contracts.kv_connector import CapturedSparseEntryReader, ConnectorContext
-    from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, HiSparseStep, HostPage
+    from weft_hisparse.connector import HostPage
 
-    spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
-    groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
-    worker = HiSparseConnector(HiSparseOptions(host_pages=6, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
-    worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
-    assert isinstance(worker.sparse_entry_reader(), CapturedSparseEntryReader)
-    host = torch.arange(6 * 2 * 3, dtype=torch.float32).view(6, 2, 3)  # host row r, slot j holds 6r + 3j, +1, +2
-    worker.host["layer"].copy_(host)
-    worker.capture_rows(rows=4, max_model_len=40)  # 5 pages a row
-    gathered = torch.full((4, 3, 3), -1.0)  # what the model gathered from the GPU blocks
-
-    def expected(picks, pages_on_host):
-        rows = gathered.clone()
-        for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
-            for column, entry in enumerate(request_picks):
-                if entry >= 0 and entry // 2 in on_host:
-                    rows[row, column] = host[on_host[entry // 2], entry % 2]
-        return rows
-
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=4)
     # Step 1: a's pages 0 and 1 at host rows 4 and 2, b's page 3 at host row 5; two rows of padding.
-    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 3, 5))))
-    worker.prepare_rows(["a", "b"], 4)
     picks = [[0, 3, -1], [7, 6, 1], [0, 1, 2], [0, -1, -1]]
-    first = worker.read_rows("layer", torch.tensor(picks), gathered.clone())
-    assert torch.equal(first, expected(picks, [{0: 4, 1: 2}, {3: 5}, {}, {}]))
+    host_pages = (HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 3, 5))
+    first, _ = _graph_step(worker, ["a", "b"], 4, picks, host_pages)
+    assert torch.equal(first, _expected(host, picks, [{0: 4, 1: 2}, {3: 5}, {}, {}]))
     assert first[2].eq(-1).all() and first[3].eq(-1).all()  # padding rows read nothing from the host
-    worker.clear_connector_metadata()
     # Step 2: b is in row 0 now, c (no host page) in row 1, a finished, one padding row; b's page 2 went to the
     # host too. Each row picks pages its row held on the host in step 1 (a's page 0 in row 0, b's page 3 in row 1):
     # nothing of step 1 may leak.
     worker.get_finished({"a"})
-    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("b", 2, 1),)))
-    worker.prepare_rows(["b", "c"], 3)
     picks = [[0, 4, 6], [6, 7, 1], [0, 1, 3]]
-    second = worker.read_rows("layer", torch.tensor(picks), gathered[:3].clone())
-    assert torch.equal(second, expected(picks, [{2: 1, 3: 5}, {}, {}])[:3])
-    assert worker._row_pages.tolist()[:3] == [[-1, -1, 1, 5, -1], [-1] * 5, [-1] * 5]
+    second, _ = _graph_step(worker, ["b", "c"], 3, picks, (HostPage("b", 2, 1),))
+    assert torch.equal(second, _expected(host, picks, [{2: 1, 3: 5}, {}, {}]))
+    assert worker._graph.row_pages.tolist()[:3] == [[-1, -1, 1, 5, -1], [-1] * 5, [-1] * 5]
+
+
+def test_a_decode_graph_reads_host_entries_it_read_before_from_the_hot_buffer():
+    """Over several replays every pick of a host page reads the host pool's bytes; a pick read in an earlier step
+    comes from the request's hot buffer (two blocks: 4 entries), the others from the host pool, and the report
+    counts each kind."""
+    from weft_hisparse.connector import HostPage
+
+    worker, host = _graph_worker(hot_buffer_blocks=2, rows=2)
+    on_host = {0: 4, 1: 2, 2: 5}  # a's pages 0, 1, 2 (entries 0 to 5)
+    steps = [([0, 3, 5], (0, 3)), ([3, 5, 1], (2, 1)), ([5, -1, 0], (2, 0))]
+    host_pages = [HostPage("a", page, row) for page, row in on_host.items()]
+    for index, (a_picks, reads) in enumerate(steps):
+        picks = [a_picks, [0, 1, -1]]  # row 1: padding
+        read, counted = _graph_step(worker, ["a"], 2, picks, host_pages if index == 0 else ())
+        assert torch.equal(read, _expected(host, picks, [on_host, {}]))
+        assert counted == reads, index
+    # Which buffer serves them: the host bytes of entries 0 (hot) and 2 (never read) change behind the reader's back
+    # (no step wrote them): the hot entry still reads its copy, the other the host pool as it is now.
+    worker.host["layer"][4, 0] = worker.host["layer"][2, 0] = 99.0
+    read, counted = _graph_step(worker, ["a"], 2, [[0, 2, -1], [-1, -1, -1]])
+    assert read[0, 0].tolist() == host[4, 0].tolist() and read[0, 1].tolist() == [99.0] * 3
+    assert counted == (1, 1)
+
+
+def test_a_decode_graph_s_hot_buffer_evicts_the_least_recently_read_entry_and_stays_exact():
+    """One block of hot entries (2) for a request picking more distinct host entries over time: each miss takes the
+    entry read least recently (not the oldest copied in), a step's picks never evict each other (misses beyond the
+    entries it did not read are read from the host, not kept), and every read is the host pool's."""
+    from weft_hisparse.connector import HostPage
+
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=1)
+    on_host = {0: 3, 1: 1}  # entries 0 to 3
+    steps = [
+        ([0, 1, -1], (0, 2)),  # both copied in
+        ([0, -1, -1], (1, 0)),  # 0 read again: 1 is now the least recently read
+        ([2, -1, -1], (0, 1)),  # evicts 1, the least recently read (first in, first out would evict 0)
+        ([0, -1, -1], (1, 0)),  # so 0 is still there
+        ([1, 3, 2], (1, 2)),  # 2 read; one entry free (0's): 1 kept, 3 read from the host only
+        ([3, 1, 0], (1, 2)),  # 1 read; 2's entry free: 3 kept, 0 not
+        ([0, 3, -1], (1, 1)),
+    ]
+    host_pages = [HostPage("a", page, row) for page, row in on_host.items()]
+    for index, (picks, reads) in enumerate(steps):
+        read, counted = _graph_step(worker, ["a"], 1, [picks], host_pages if index == 0 else ())
+        assert torch.equal(read, _expected(host, [picks], [on_host])), index
+        assert counted == reads, index
+
+
+def test_a_decode_graph_s_hot_buffer_serves_no_stale_bytes_to_the_next_holder_of_a_slice_or_a_host_row():
+    """A finished request's slice goes to the next request, its host row to another request's page (written by that
+    page's copy): the new holder reads the new bytes. With more requests than slices, one not in the replay gives its
+    slice up and reads exactly (from the host) when it comes back."""
+    from weft_hisparse.connector import HiSparseStep, HostPage
+    from weft_hisparse.pages import PlannedCopy
+
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=2)
+    picks = [[2, 3], [0, 1]]
+    read, counted = _graph_step(worker, ["a", "b"], 2, picks, (HostPage("a", 1, 3), HostPage("b", 0, 2)))
+    assert torch.equal(read, _expected(host, picks, [{1: 3}, {0: 2}])) and counted == (0, 4)
+    worker.get_finished({"a"})
+    # a's host row 3 takes c's page 0 (its GPU block 5 written by the forward), which is later read from the host.
+    worker.layers["layer"][5] = torch.tensor([[-5.0, -4.0, -3.0], [-2.0, -1.0, 0.5]])
+    worker.bind_connector_metadata(HiSparseStep(copies=(PlannedCopy("c", 0, 5, 3),)))
+    worker.wait_for_save()
+    host[3] = worker.layers["layer"][5]
+    worker.clear_connector_metadata()
+    picks = [[0, 1], [1, 0]]  # c in a's row with a's slice, its page at a's host row; d reads the GPU
+    read, counted = _graph_step(worker, ["c", "d"], 2, picks, (HostPage("c", 0, 3),))
+    assert torch.equal(read, _expected(host, picks, [{0: 3}, {}])) and counted == (0, 2)
+    # Two slices, three requests with host pages: e takes c's slice (c is not in this replay and was replayed less
+    # recently than b), b still reads its copies; then c takes b's slice and reads exactly, from the host.
+    picks = [[4, 5], [1, 0]]
+    read, counted = _graph_step(worker, ["e", "b"], 2, picks, (HostPage("e", 2, 0),))
+    assert torch.equal(read, _expected(host, picks, [{2: 0}, {0: 2}])) and counted == (2, 2)
+    picks = [[0, 1], [5, 4]]
+    read, counted = _graph_step(worker, ["c", "e"], 2, picks)
+    assert torch.equal(read, _expected(host, picks, [{0: 3}, {2: 0}])) and counted == (2, 2)
+
+
+def test_a_host_row_written_again_drops_its_copies_from_a_decode_graph_s_hot_buffer():
+    """The hot buffer holds copies of host-pool entries: a copy to a host row (here under a request still reading it,
+    which the planner never plans: the reader does not rely on that) drops the copies of that row's entries, and the
+    next read is the new bytes, from the host."""
+    from weft_hisparse.connector import HiSparseStep, HostPage
+    from weft_hisparse.pages import PlannedCopy
+
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=1)
+    picks = [[0, 1]]
+    read, counted = _graph_step(worker, ["a"], 1, picks, (HostPage("a", 0, 1),))
+    assert torch.equal(read, _expected(host, picks, [{0: 1}])) and counted == (0, 2)
+    read, counted = _graph_step(worker, ["a"], 1, picks)
+    assert torch.equal(read, _expected(host, picks, [{0: 1}])) and counted == (2, 0)
+    worker.layers["layer"][4] = -host[1]
+    worker.bind_connector_metadata(HiSparseStep(copies=(PlannedCopy("z", 0, 4, 1),)))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    host[1] = -host[1]
+    read, counted = _graph_step(worker, ["a"], 1, picks)
+    assert torch.equal(read, _expected(host, picks, [{0: 1}])) and counted == (0, 2)
+
+
+def test_with_more_requests_than_slices_a_replay_reads_exactly_and_the_requests_without_one_cache_nothing():
+    """One slice (``graph_hot_requests = 1``) for three requests with host pages in every replay: the first holds it
+    and reads its repeated picks from the hot buffer; the other two read every pick from the host pool, exactly and
+    without taking a slice from a request in the replay; once the holder ends, the next takes its slice."""
+    from weft_hisparse.connector import HostPage
+
+    worker, host = _graph_worker(hot_buffer_blocks=1, rows=4, graph_hot_requests=1)
+    on_host = [{0: 1}, {0: 2}, {1: 3}]
+    host_pages = (HostPage("a", 0, 1), HostPage("b", 0, 2), HostPage("c", 1, 3))
+    picks = [[0, 1], [1, 0], [2, 3], [0, -1]]  # row 3: padding
+    for index, reads in enumerate([(0, 6), (2, 4), (2, 4)]):
+        read, counted = _graph_step(worker, ["a", "b", "c"], 4, picks, host_pages if index == 0 else ())
+        assert torch.equal(read, _expected(host, picks, on_host + [{}])) and counted == reads, index
+    assert list(worker._graph._slices) == ["a"] and worker._graph.keys[0, 1].eq(-1).all()  # the empty slice
+    worker.get_finished({"a"})
+    for reads in [(0, 4), (2, 2)]:  # b takes the slice: its first replay copies in, the next reads the copies
+        read, counted = _graph_step(worker, ["b", "c"], 3, picks[1:])
+        assert torch.equal(read, _expected(host, picks[1:], on_host[1:] + [{}])) and counted == reads
+
+
+def test_the_hot_buffer_s_memory_is_bounded_by_graph_hot_requests_not_by_the_graph_s_rows(caplog):
+    """Graphs of 8 rows with ``graph_hot_requests = 2``: two slices of 2 entries (and the row the torch path writes
+    misses not kept to), whatever the rows; the bytes on the device (hot entries, their keys and stamps, the page
+    table) logged at capture and reported once, as ``graph_buffer_bytes_total``. Fewer rows than the option: one
+    slice per row."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="weft.hisparse"):
+        worker, _ = _graph_worker(hot_buffer_blocks=1, rows=8, graph_hot_requests=2)
+    graph = worker._graph
+    assert graph.keys.shape == (1, 3, 2) and [hot.shape for hot in graph.hot] == [(5, 3)]
+    expected = 5 * 3 * 4 + 2 * (3 * 2 * 8) + 8 * 5 * 8  # float32 entries; int64 keys, stamps and page table
+    assert graph.device_bytes == expected
+    assert f"{expected / (1 << 20):.1f} MiB" in caplog.text and "2 requests x 2 entries x 1 layers" in caplog.text
+    assert worker.get_finished(set()).observations["graph_buffer_bytes_total"] == [expected]
+    assert "graph_buffer_bytes_total" not in worker.get_finished(set()).observations
+    assert _graph_worker(hot_buffer_blocks=1, rows=2)[0]._graph.keys.shape == (1, 3, 2)  # 16 asked, 2 rows
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_the_read_kernel_interpreted_reads_and_keeps_what_the_torch_path_does():
+    """The final select as a Triton kernel (on CUDA: the host loads predicated on misses), interpreted on the CPU,
+    against the torch path over the same replays: hits, misses kept and not kept, picks of GPU pages (what the model
+    gathered, distinct values here), picks of -1, a row whose request has no slice and a padding row. Both read the
+    host pool's bytes or the gathered entries, and leave the same hot buffer behind."""
+    from weft_hisparse.connector import HostPage
+    from weft_hisparse.graph_reader import read_kernel
+
+    workers = [_graph_worker(hot_buffer_blocks=1, rows=3, graph_hot_requests=1) for _ in range(2)]
+    workers[1][0]._graph.kernel = read_kernel(torch.float32, 3)
+    host = workers[0][1]
+    on_host = [{0: 4, 1: 2}, {2: 5}, {}]
+    host_pages = (HostPage("a", 0, 4), HostPage("a", 1, 2), HostPage("b", 2, 5))
+    steps = [  # a holds the one slice (2 entries), b has none; row 2 is padding
+        [[0, 1, 2, 7], [4, 5, 0, -1], [0, 1, -1, 3]],  # a: 3 misses, 2 kept; b: 2 misses, none kept
+        [[1, 0, 3, -1], [5, 9, 4, 1], [2, 2, 2, 2]],  # a: 2 hits, 1 miss (no free entry: not kept)
+        [[3, 2, 0, 6], [-1, -1, 4, 3], [-1, -1, -1, -1]],  # a: 1 hit, 2 misses, one kept in the entry not read
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for index, picks in enumerate(steps):
+        gathered = torch.randn(3, 4, 3, generator=generator)
+        reads = [_graph_step(worker, ["a", "b"], 3, picks, host_pages if index == 0 else (), gathered)
+                 for worker, _ in workers]
+        assert torch.equal(reads[0][0], _expected(host, picks, on_host, gathered)), index
+        assert torch.equal(reads[1][0], reads[0][0]) and reads[1][1] == reads[0][1], index
+    torch_path, kernel = (worker._graph for worker, _ in workers)
+    assert torch.equal(kernel.keys, torch_path.keys) and torch.equal(kernel.hot[0][:2], torch_path.hot[0][:2])
+    assert torch_path.counts.tolist() == [3, 11]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_decode_graph_reads_the_host_pool_s_bytes_through_random_requests_picks_and_host_writes(seed):
+    """Random replays: requests come and go, pages go to random host rows (shared ones too), host rows are written
+    again (mostly rows no request holds, as the planner does, sometimes held ones), rows pick at random, the hot
+    buffer has from none to one slice per row. Every read is the host pool's bytes, and every pick of a host page is
+    counted once, from the hot buffer or the host."""
+    import random
+
+    from weft_hisparse.connector import HiSparseStep, HostPage
+    from weft_hisparse.pages import PlannedCopy
+
+    rng = random.Random(seed)
+    rows = rng.choice([1, 2, 3])
+    worker, host = _graph_worker(hot_buffer_blocks=rng.choice([1, 2]), rows=rows, graph_hot_requests=rng.randint(0, rows))
+    live: dict[str, dict[int, int]] = {}  # request -> its host pages
+    for step in range(30):
+        while len(live) < rng.randint(1, rows + 2):
+            live[f"r{seed}.{step}.{len(live)}"] = {}
+        if rng.random() < 0.2:
+            ended = rng.choice(list(live))
+            del live[ended]
+            worker.get_finished({ended})
+        row = rng.randrange(6)
+        if rng.random() < 0.3 and (all(row not in pages.values() for pages in live.values()) or rng.random() < 0.2):
+            block = rng.randrange(6)
+            worker.layers["layer"][block] = torch.randn(2, 3, generator=torch.Generator().manual_seed(step))
+            worker.bind_connector_metadata(HiSparseStep(copies=(PlannedCopy("x", 0, block, row),)))
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+            host[row] = worker.layers["layer"][block]
+        replayed = rng.sample(list(live), min(rows, len(live)))
+        new_pages = []
+        for request_id in replayed:
+            page = rng.randrange(5)
+            if rng.random() < 0.5 and page not in live[request_id]:
+                live[request_id][page] = rng.randrange(6)
+                new_pages.append(HostPage(request_id, page, live[request_id][page]))
+        picks = [[entry if rng.random() < 0.8 else -1 for entry in rng.sample(range(10), 3)] for _ in range(rows)]
+        on_host = [live[request_id] for request_id in replayed] + [{}] * (rows - len(replayed))
+        read, counted = _graph_step(worker, replayed, rows, picks, new_pages)
+        assert torch.equal(read, _expected(host, picks, on_host)), step
+        host_picks = sum(entry // 2 in pages for row_picks, pages in zip(picks, on_host) for entry in row_picks)
+        assert sum(counted) == host_picks, step  # (a pick of -1 is in no page)
 
 
 def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
@@ -293,7 +535,7 @@ def _record_replayed_host_pages(monkeypatch) -> list[int]:
 
     def recording(self, request_ids, rows):
         prepare_rows(self, request_ids, rows)
-        replayed_host_pages.append(int((self._row_pages[:rows] >= 0).sum()))
+        replayed_host_pages.append(int((self._graph.row_pages[:rows] >= 0).sum()))
 
     monkeypatch.setattr(HiSparseConnector, "prepare_rows", recording)
     return replayed_host_pages
@@ -313,20 +555,32 @@ def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
     assert len(replayed_host_pages) == len(eager_replay_platform)  # the table was refilled before every replay
     assert max(replayed_host_pages) > 0  # and replays read pages from the host
+    _assert_replays_read_the_hot_buffer(llm)
     assert tokens == reference
+
+
+def _assert_replays_read_the_hot_buffer(llm) -> None:
+    """Replays read picks of host pages both from the host pool and from the hot buffer (picks an earlier step read),
+    and every request's slice went back when it ended."""
+    worker = llm.engine.worker.kv_connector.worker_side
+    from_hot, from_host = worker._graph.counts.tolist()
+    assert from_hot > 0 and from_host > 0, (from_hot, from_host)
+    assert worker._graph._slices == {}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_captured_decode_graphs_read_host_pages_with_plain_deepseek_v4_s_greedy_tokens(tiny_dsv4, monkeypatch):
     """The test above with real CUDA graphs (bf16: in float32 DeepSeek V4 decodes eagerly): the page table lives in a
-    static device buffer refilled before each replay, and replays read the pinned host pool through its device address."""
+    static device buffer refilled before each replay, replays read the pinned host pool through its device address
+    and keep what they read in the hot buffer on the device, from which later replays read it."""
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, platform="cuda")  # eagerly
     replayed_host_pages = _record_replayed_host_pages(monkeypatch)
     tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
                             graph_batch_sizes=[1, 2, 4], platform="cuda")
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4]
     assert max(replayed_host_pages, default=0) > 0  # replays read pages from the host
+    _assert_replays_read_the_hot_buffer(llm)
     assert tokens == reference
 
 

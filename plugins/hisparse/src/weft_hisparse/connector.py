@@ -17,14 +17,17 @@ workers copying the host rows into the request's GPU blocks before the forward (
 
 Worker role: the host pool (pinned on CUDA, plain host memory on the CPU platform) of every layer
 of the group, the planned copies made after the forward (:meth:`wait_for_save`) and acknowledged
-under this rank, and the model's sparse reads (:meth:`read`): of each row's selected entries, those
-of host pages come from the request's hot buffer, copied in from the host only when missing (LRU).
+under this rank, and the model's sparse reads: of each row's selected entries, those of host pages
+come from the request's hot buffer, copied in from the host only when missing (LRU). Eagerly
+(:meth:`read`) the resolver runs on the host; in a captured decode graph (:meth:`read_rows`) on the
+device, over static buffers refilled before every replay (:mod:`weft_hisparse.graph_reader`).
 
 Only decoding requests (one token a step) take part: prefill reads every entry, decode only the top-k.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -44,10 +47,13 @@ from weft.contracts.kv_connector import (
     block_axis,
     connector_block_size,
 )
+from weft_hisparse.graph_reader import GraphReader
 from weft_hisparse.pages import HotBuffer, Page, PagePlanner, PlannedCopy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_cache import KVCacheGroupSpec
+
+logger = logging.getLogger("weft.hisparse")
 
 
 class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -56,8 +62,14 @@ class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     group: Annotated[str, Meta(min_length=1, description="the KV-cache group read sparsely (DeepSeek V4: csa_kv)")] = "csa_kv"
     host_pages: Annotated[int, Meta(ge=1, description="pages (blocks of the group, every layer) in the host pool")] = 4096
     hot_buffer_blocks: Annotated[
-        int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of entries")
+        int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of "
+                                    "entries (decode graphs: per slice of graph_hot_requests, allocated with the graphs)")
     ] = 4
+    graph_hot_requests: Annotated[
+        int, Meta(ge=0, description="decode graphs: requests holding a slice of hot_buffer_blocks in the hot buffer at "
+                                    "once (at most the largest graph's rows; the others read every miss from the host "
+                                    "pool); it bounds the hot buffer's memory, which is outside the KV-cache budget")
+    ] = 16
     keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
     gpu_share: Annotated[
         float, Meta(gt=0, lt=1, description="the group's GPU pages, as a share of what its requests would hold, when the "
@@ -115,8 +127,11 @@ class HiSparseConnector(KVConnector):
     metadata_type: ClassVar[Any] = HiSparseStep
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
         ConnectorMetric("pages_copied_total", "Pages of the sparse group copied to the host pool"),
-        ConnectorMetric("host_entries_read_total", "Selected entries copied in from the host pool"),
+        ConnectorMetric("host_entries_read_total", "Selected entries of host pages read from the host pool"),
+        ConnectorMetric("hot_entries_read_total", "Selected entries of host pages read from the GPU hot buffer"),
         ConnectorMetric("host_prefix_pages_loaded_total", "Pages of prompt prefixes loaded from the host prefix cache"),
+        ConnectorMetric("graph_buffer_bytes_total", "Bytes of the decode graphs' hot buffer and page table on the GPU, "
+                                                    "outside the KV-cache budget (counted once, at capture)"),
     )
     Options = HiSparseOptions
     gates_admission: ClassVar[bool] = True
@@ -176,11 +191,8 @@ class HiSparseConnector(KVConnector):
         self._hot_pools: dict[str, torch.Tensor] = {}
         self._acknowledged: list[str] = []
         self._observations: dict[str, list[float]] = {}
-        self._row_pages: torch.Tensor | None = None
-        """Decode graphs: per static row, the host row of each page of its request (-1: read on the GPU), refilled
-        before every replay (:meth:`prepare_rows`)."""
-        self._host_on_device: dict[str, torch.Tensor] = {}
-        """Decode graphs: each layer's host pool as the device addresses it (the pinned pool itself, mapped)."""
+        self._graph: GraphReader | None = None
+        """What captured decode graphs read through (from :meth:`capture_rows` on)."""
 
     # Scheduler role.
 
@@ -384,16 +396,24 @@ class HiSparseConnector(KVConnector):
         """The forward wrote this step's entries: copy the planned pages to the host."""
         if self._step is None or not self._step.copies:
             return
-        rows = torch.tensor([copy.host_row for copy in self._step.copies])
+        host_rows = [copy.host_row for copy in self._step.copies]
+        rows = torch.tensor(host_rows)
         for layer_name, cache in self.layers.items():
             blocks = torch.tensor([copy.gpu_block for copy in self._step.copies], device=cache.device)
             self.host[layer_name][rows] = cache[blocks].to("cpu")  # one gather, one copy, one scatter; synchronous
+        if self._graph is not None:
+            self._graph.invalidate(host_rows)  # the rows' copies in the graphs' hot buffer are stale now
         self._acknowledged.extend(copy_name(copy) for copy in self._step.copies)
         self._observe("pages_copied_total", len(self._step.copies))
 
     def get_finished(self, finished_request_ids: set[str]) -> ConnectorOutput:
         for request_id in finished_request_ids:
             self._forget(request_id)
+        if self._graph is not None:
+            hits, misses = self._graph.reads()
+            for name, count in (("hot_entries_read_total", hits), ("host_entries_read_total", misses)):
+                if count:
+                    self._observe(name, count)
         acknowledged = {self.rank: tuple(self._acknowledged)} if self._acknowledged else {}
         observations, self._observations = self._observations, {}
         self._acknowledged = []
@@ -414,6 +434,7 @@ class HiSparseConnector(KVConnector):
         per_page = self.layers[layer_name].shape[1]
         selected_rows = selected.tolist()
         copy_from, copy_to, read_row, read_column, read_from = [], [], [], [], []
+        hot_hits = 0
         for row, request_id in enumerate(request_ids):
             host_pages = self._host_pages.get(request_id)
             if not host_pages:
@@ -437,6 +458,8 @@ class HiSparseConnector(KVConnector):
                 if location.kind == "host":
                     copy_from.append(location.index)
                     copy_to.append(hot_row)
+                else:
+                    hot_hits += 1
                 read_row.append(row)
                 read_column.append(column)
                 read_from.append(hot_row)
@@ -445,45 +468,43 @@ class HiSparseConnector(KVConnector):
             host = self.host[layer_name].view(-1, entries.shape[-1])
             hot[torch.tensor(copy_to, device=hot.device)] = host[torch.tensor(copy_from)].to(hot.device, non_blocking=True)
             self._observe("host_entries_read_total", len(copy_from))
+        if hot_hits:
+            self._observe("hot_entries_read_total", hot_hits)
         if read_row:
             index = torch.tensor([read_row, read_column], device=entries.device)
             entries[index[0], index[1]] = hot[torch.tensor(read_from, device=hot.device)]
         return entries
 
-    # Decode graphs (the core contract's CapturedSparseEntryReader).
+    # Decode graphs (the core contract's CapturedSparseEntryReader; :mod:`weft_hisparse.graph_reader`).
 
     def capture_rows(self, rows: int, max_model_len: int) -> None:
-        """The static page table of up to ``rows`` rows of ``max_model_len`` tokens (every page on the GPU until
-        :meth:`prepare_rows`), and each layer's host pool addressed from the device."""
+        """The static page table of up to ``rows`` rows of ``max_model_len`` tokens and the hot buffer: a slice of
+        ``hot_buffer_blocks`` blocks of entries per layer for each of ``graph_hot_requests`` requests (at most
+        ``rows``), every page on the GPU and every hot entry empty until :meth:`prepare_rows`; its kernel compiled."""
         pages = self.groups[self.group].spec.blocks_for_tokens(max_model_len)
-        device = next(iter(self.layers.values())).device
-        self._row_pages = torch.full((rows, pages), -1, dtype=torch.long, device=device)
-        self._host_on_device = {name: on_device(host, device) for name, host in self.host.items()}
+        per_page = next(iter(self.layers.values())).shape[1]
+        slices = min(self.options.graph_hot_requests, rows)
+        self._graph = GraphReader(self.layers, self.host, self.options.hot_buffer_blocks * per_page, rows, pages, slices)
+        logger.info("decode graphs' hot buffer (%d requests x %d entries x %d layers) and page table "
+                    "(%d rows): %.1f MiB on the device, outside the KV-cache budget; final select in %s",
+                    slices, self.options.hot_buffer_blocks * per_page, len(self.layers), rows,
+                    self._graph.device_bytes / (1 << 20), "Triton" if self._graph.kernel is not None else "torch ops")
+        self._observe("graph_buffer_bytes_total", self._graph.device_bytes)
 
     def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:
-        """Refill the page table for this replay: row ``i`` gets ``request_ids[i]``'s host pages, every other entry
-        (the rest of its row, the padding rows, what the last step left) -1. One copy to the device."""
-        assert self._row_pages is not None, "capture_rows first"
-        table = torch.full((rows, self._row_pages.shape[1]), -1, dtype=torch.long)
-        for row, request_id in enumerate(request_ids):
-            for page, host_row in self._host_pages.get(request_id, {}).items():
-                table[row, page] = host_row
-        self._row_pages[:rows].copy_(table, non_blocking=True)
+        """Refill the page table for this replay: row ``i`` gets ``request_ids[i]``'s host pages and its slice of the
+        hot buffer, every other entry (the rest of its row, the padding rows, what the last step left) -1."""
+        assert self._graph is not None, "capture_rows first"
+        self._graph.prepare(request_ids, self._host_pages, rows)
 
     def read_rows(self, layer_name: str, selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """The selected entries of host pages, read from the host pool where the page table says (device operations
-        only: in a graph, each replay reads the table :meth:`prepare_rows` filled). No hot buffer: each step reads
-        its host entries from the pool itself, over the bus on a GPU."""
+        """The selected entries of host pages, from the row's hot buffer or the host pool where the page table says,
+        misses kept in the hot buffer (device operations only: in a graph, each replay reads the table
+        :meth:`prepare_rows` filled)."""
         if layer_name not in self.layers:
             return entries
-        assert self._row_pages is not None, "capture_rows first"
-        per_page = self.layers[layer_name].shape[1]
-        chosen = selected.clamp(min=0)
-        host_rows = self._row_pages[: selected.shape[0]].gather(1, chosen // per_page)
-        from_host = (selected >= 0) & (host_rows >= 0)
-        slots = torch.where(from_host, host_rows * per_page + chosen % per_page, 0)
-        pool = self._host_on_device[layer_name].view(-1, entries.shape[-1])
-        return torch.where(from_host[..., None], pool[slots], entries)
+        assert self._graph is not None, "capture_rows first"
+        return self._graph.read(layer_name, selected, entries)
 
     def _hot_buffer(self, request_id: str, layer_name: str, per_page: int) -> tuple[HotBuffer, int]:
         """The request's resolver for the layer and the first row of its slice of the layer's hot pool."""
@@ -512,6 +533,8 @@ class HiSparseConnector(KVConnector):
 
     def _forget(self, request_id: str) -> None:
         self._host_pages.pop(request_id, None)
+        if self._graph is not None:
+            self._graph.forget(request_id)
         for key in [key for key in self._hot if key[0] == request_id]:
             del self._hot[key]
             slots = self._slots[key[1]]
@@ -519,19 +542,3 @@ class HiSparseConnector(KVConnector):
 
     def _observe(self, name: str, value: float) -> None:
         self._observations.setdefault(name, []).append(value)
-
-
-def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (pinned on a GPU) as ``device``'s kernels address it: itself on the CPU; on CUDA the same memory
-    through its device address (with unified addressing a pinned allocation's host pointer is its device pointer),
-    so a kernel, and a graph replaying it, reads host rows over the bus with no copy launched from the host."""
-    if device.type == "cpu":
-        return host
-    if not host.is_pinned():
-        raise ValueError(f"weft-hisparse: the host pool must be pinned to be read from {device}")
-
-    class Mapped:  # what torch.as_tensor reads a foreign device pointer from
-        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
-                                    "data": (host.data_ptr(), False), "version": 3}
-
-    return torch.as_tensor(Mapped(), device=device).view(host.dtype).view(host.shape)

@@ -97,6 +97,7 @@ class Timeline:
             manager = core.scheduler.structured_outputs
             self.wrap(manager, "_accept_and_fill", "fill thread: accept + fill")
             self.wrap(manager, "_fill", "fill thread: fill")
+            self.wrap(manager, "_accept_and_fill_remote", "fill thread: the fill process's step (accept + fill)")
 
     def report(self, name: str, steps: int) -> None:
         print(f"  timeline of {name} ({steps} steps), ms per step:")
@@ -146,7 +147,8 @@ def tiny_model(folder: Path, **sizes: object) -> str:
 
 def build(args: argparse.Namespace, scratch: Path) -> LLM:
     plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
-    engine = {"max_num_seqs": args.batch, "distributed_executor_backend": args.executor}
+    engine = {"max_num_seqs": args.batch, "distributed_executor_backend": args.executor,
+              "structured_output_fill": args.fill}
     if args.tiny:
         import torch
 
@@ -187,6 +189,8 @@ def main() -> None:
                         help="the schema(s) to constrain with (repeatable; default: every one, each against the plain run)")
     parser.add_argument("--executor", choices=["uniproc", "mp"], default="uniproc",
                         help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)")
+    parser.add_argument("--fill", choices=["auto", "thread", "process"], default="auto",
+                        help="engine.structured_output_fill: the matchers in a thread of the core or a process of their own")
     parser.add_argument("--timeline", action="store_true",
                         help="then one more run of each mode, printing the host time of each phase per step")
     args = parser.parse_args()
@@ -217,8 +221,11 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
     settings = llm.engine.core.describe()
     print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
           f"{settings}")
+    manager = llm.engine.core.scheduler.structured_outputs
     print(f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
-          f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}")
+          f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}; matchers in "
+          f"{'a process of their own' if manager is not None and manager.fills_in_process else 'a thread of the core'} "
+          f"(engine.structured_output_fill = {args.fill!r})")
     for name, _ in modes:
         print(f"  {name + ':':14} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     for name, _ in modes[1:]:

@@ -281,12 +281,14 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
             assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
 
 
-def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread):
+@pytest.mark.parametrize("fill", ["thread", "process"])
+def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread, fill):
     """Asynchronous scheduling, each step's bitmask filled on its own thread while the core schedules the
     next: 20 constrained requests (xgrammar's threaded fill) of staggered lengths, with unconstrained ones
     among them (the masked rows are not the batch's first ones), each equal to transformers (under
     xgrammar's own logits processor for the constrained ones). A mask filled before the previous token
-    was accepted, or a token accepted twice or out of order, breaks the equality."""
+    was accepted, or a token accepted twice or out of order, breaks the equality. ``process``: the matchers in
+    the fill process (``engine.structured_output_fill``); once every request ended, it holds none of them."""
     from transformers import AutoModelForCausalLM
 
     from weft import LLM, SamplingParams
@@ -305,9 +307,16 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
     schema = StructuredOutputsParams(json=TOOL_CALL)
     params = [SamplingParams(temperature=0, max_tokens=length, structured_outputs=None if index in free else schema)
               for index, length in enumerate(lengths)]
-    with LLM(model=str(tiny_llama), engine={"max_num_seqs": len(prompts), "async_scheduling": True}) as llm:
+    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": fill}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
         assert llm.engine.core.async_scheduling
         outputs = llm.generate(prompts, params)
+        manager = llm.engine.core.structured_outputs
+        assert manager.fills_in_process is (fill == "process")
+        if fill == "process":
+            process = manager._process.result()
+            process.step([], [], [])  # carries the drops
+            assert process.held() == (0, 1)  # no matcher left; the one schema stays compiled
     for index, output in enumerate(outputs):
         tokens, reference = output.outputs[0].token_ids, expected[index]
         assert tokens == reference[: len(tokens)], index  # HF keeps the final EOS; the length caps the rest

@@ -118,6 +118,12 @@ class EngineConfig(_Section, frozen=True):
     async_scheduling: Annotated[
         bool, Meta(description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it")
     ] | None = None
+    structured_output_fill: Annotated[
+        Literal["auto", "thread", "process"],
+        Meta(description="where grammar matchers accept tokens and fill bitmasks: a thread of the engine core, or a "
+                         "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
+                         "beside the core's work); auto: a process on machines of 8 CPUs or more where the backend can"),
+    ] = "auto"
     distributed_executor_backend: Annotated[
         str,
         Meta(description="executor plugin that runs the model on workers: uniproc (one worker in the engine core's "

@@ -170,6 +170,21 @@ class StructuredOutputBackend(PluginBase):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled`` (fast)."""
 
+    def serialize_compiled(self, compiled: Any) -> bytes:
+        """``compiled`` (from :meth:`compile`) as bytes :meth:`deserialize_compiled` of a backend built alike in
+        another process reads back; backends that implement both can fill in a process of their own
+        (``engine.structured_output_fill``)."""
+        raise NotImplementedError
+
+    def deserialize_compiled(self, data: bytes) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def fills_in_a_process(cls) -> bool:
+        """Whether the backend implements :meth:`serialize_compiled` and :meth:`deserialize_compiled`."""
+        return (cls.serialize_compiled is not StructuredOutputBackend.serialize_compiled
+                and cls.deserialize_compiled is not StructuredOutputBackend.deserialize_compiled)
+
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[tuple[bool, bool]]:
         """For each ``matchers[i]``: :meth:`GrammarMatcher.accept_token` of ``tokens[i]``, then (when accepted)
         :meth:`GrammarMatcher.is_terminated`; a backend may do them all in one call."""

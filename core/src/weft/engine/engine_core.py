@@ -186,8 +186,11 @@ class EngineCore:
                 launched = (output, self._execute(output))
             else:
                 # Tokens already on the host (a CPU worker samples as it returns) are accepted before
-                # the forward, which the fill then overlaps; otherwise the forward is launched first.
-                accept_first = self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
+                # the forward, which the fill then overlaps; otherwise the forward is launched first. With
+                # the matchers in the fill process, which takes no GIL from the forward's launch, they are
+                # waited for (the step in flight is only its sampling by now) so the fill overlaps it too.
+                accept_first = (self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
+                                or self.structured_outputs.fills_in_process)
                 if accept_first:
                     results = self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)

@@ -484,6 +484,8 @@ class Scheduler:
         self._planned.pop(request.request_id, None)
         self._placeholders.pop(request.request_id, None)
         self.newly_finished.append(request)
+        if request.constraint is not None:
+            self.structured_outputs.release(request)  # type: ignore[union-attr]
         self._forget_on_workers(request.request_id)
         if self.connector is None or not self.connector.request_finished(
             request, self.kv_cache.block_ids(request.request_id) if self.kv_cache.holds(request.request_id) else None

@@ -29,8 +29,10 @@ needs (the fill leaves it out), never a wrong token.
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,7 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
+from weft.engine.grammar_process import FillProcess
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -92,6 +95,16 @@ class StructuredOutputManager:
         """Tokens generated since the last fill, for their matchers, in order."""
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
+        self._process: Future[FillProcess] | None = None
+        """The fill process (``engine.structured_output_fill``); None: the fill thread fills."""
+        self._made: list[tuple[int, int, bytes]] = []
+        """Matchers made since the last fill, for the fill process: ``(handle, key, compiled)``."""
+        self._keys = itertools.count()
+
+    @property
+    def fills_in_process(self) -> bool:
+        """Whether the matchers live in the fill process (known once the first constraint arrived)."""
+        return self._process is not None
 
     # Requests.
 
@@ -112,7 +125,17 @@ class StructuredOutputManager:
             compiled = state.compiled.result()
         except Exception as error:
             raise ValueError(str(error)) from None
-        state.matcher = self._backend.result().matcher(compiled)  # type: ignore[union-attr]
+        if self._process is None:
+            state.matcher = self._backend.result().matcher(compiled)  # type: ignore[union-attr]
+            return True
+        if not self._process.done():
+            return False
+        try:
+            process = self._process.result()
+        except Exception as error:
+            raise ValueError(f"structured outputs: {error}") from None
+        state.matcher = RemoteMatcher(process)
+        self._made.append((state.matcher.handle, *compiled))
         return True
 
     def accept(self, request: Request, token_id: int) -> None:
@@ -125,6 +148,13 @@ class StructuredOutputManager:
             state.active = tuple(tail) == state.starts_after
             return
         self._accepted.append((request.request_id, state, token_id))
+
+    @staticmethod
+    def release(request: Request) -> None:
+        """The request ended: a matcher in the fill process is dropped with the next step."""
+        state = request.constraint
+        if state is not None and isinstance(state.matcher, RemoteMatcher):
+            state.matcher.release()
 
     @staticmethod
     def constrains(request: Request) -> bool:
@@ -145,7 +175,29 @@ class StructuredOutputManager:
             empty.set_result(GrammarOutput([], b""))
             return empty
         accepted, self._accepted = self._accepted, []
+        if self._process is not None:
+            made, self._made = self._made, []
+            return self._filler.submit(self._accept_and_fill_remote, accepted, candidates, made)  # type: ignore[union-attr]
         return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
+
+    def _accept_and_fill_remote(self, accepted: list[tuple[str, ConstraintState, int]],
+                                candidates: list[tuple[str, ConstraintState]], made: list[tuple[int, int, bytes]]) -> GrammarOutput:
+        """:meth:`_accept_and_fill` by the fill process: one message, one reply."""
+        process = self._process.result()  # type: ignore[union-attr]
+        live = [(request_id, state, token_id) for request_id, state, token_id in accepted
+                if not (state.failed or state.terminated)]
+        masked = [(request_id, state) for request_id, state in candidates if state.masks]
+        reply = process.step(made, [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
+                             [state.matcher.handle for _, state in masked])  # type: ignore[union-attr]
+        by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
+        by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
+        for handle in reply.ended:
+            by_handle[handle][1].terminated = True
+        for handle, token_id in reply.refused:
+            request_id, state = by_handle[handle]
+            _refused(request_id, state, token_id)
+        filled = [by_handle[handle][0] for handle in reply.filled]
+        return GrammarOutput(filled, process.rows(len(filled)) if filled else b"")
 
     def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
                          candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
@@ -176,10 +228,7 @@ class StructuredOutputManager:
             if ok:
                 state.terminated = terminated
                 continue
-            # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
-            logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
-                           request_id, token_id, state.constraint.kind)
-            state.failed = True
+            _refused(request_id, state, token_id)
 
     def _fill(self, candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
         # Still reasoning, or done: it samples freely.
@@ -208,8 +257,15 @@ class StructuredOutputManager:
             future = self._pool.submit(self._compile_now, constraint)  # type: ignore[union-attr]
             self._compiled[constraint] = future
             while len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+                _, evicted = self._compiled.popitem(last=False)
+                if self._process is not None:
+                    evicted.add_done_callback(self._forget_compiled)
             return future
+
+    def _forget_compiled(self, future: Future) -> None:
+        if future.exception() is None and self._process is not None and self._process.done() \
+                and self._process.exception() is None:
+            self._process.result().forget(future.result()[0])
 
     def _start(self) -> None:
         from weft.plugins.selection import select_structured_output
@@ -221,6 +277,14 @@ class StructuredOutputManager:
                                         thread_name_prefix="weft-grammar")
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
         self._backend = self._pool.submit(self._build_backend)
+        if fills_in_a_process(self.config, self._backend_class):
+            self._process = self._pool.submit(self._start_process)
+
+    def _start_process(self) -> FillProcess:
+        backend = self._backend.result()  # type: ignore[union-attr]
+        process = FillProcess(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size))
+        logger.info("structured outputs: bitmasks filled in a process of their own (pid %d)", process.pid)
+        return process
 
     def _build_backend(self) -> StructuredOutputBackend:
         from weft.resolve import load_tokenizer, options_for
@@ -234,15 +298,55 @@ class StructuredOutputManager:
         return backend
 
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
-        return self._backend.result().compile(constraint)  # type: ignore[union-attr]
+        """The compiled constraint; for the fill process, its key and its bytes."""
+        backend = self._backend.result()  # type: ignore[union-attr]
+        compiled = backend.compile(constraint)
+        if self._process is None:
+            return compiled
+        return next(self._keys), backend.serialize_compiled(compiled)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._filler.shutdown(wait=True)  # type: ignore[union-attr]
+            if self._process is not None:
+                process, self._process = self._process, None
+                if process.done() and process.exception() is None:
+                    process.result().close()
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None
+
+
+class RemoteMatcher:
+    """A matcher living in the fill process, by its handle; its request gone, the process drops it."""
+
+    __slots__ = ("handle", "release", "__weakref__")
+
+    def __init__(self, process: FillProcess) -> None:
+        self.handle = process.new_handle()
+        self.release = weakref.finalize(self, process.drop, self.handle)
+        """Drop it now (once; its tokens still queued are then skipped)."""
+
+
+def _refused(request_id: str, state: ConstraintState, token_id: int) -> None:
+    # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
+    logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
+                   request_id, token_id, state.constraint.kind)
+    state.failed = True
+
+
+def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputBackend]) -> bool:
+    """``engine.structured_output_fill``: "process" (refused for a backend that cannot), "thread", or "auto" (a
+    process where the backend can and the machine has 8 CPUs or more: on fewer the process's CPU is one the
+    core's own work needs)."""
+    setting = config.engine.structured_output_fill
+    if setting == "process" and not backend_class.fills_in_a_process():
+        raise ValueError(f"engine.structured_output_fill = 'process', but the {backend_class.name!r} structured-output "
+                         "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'")
+    if setting == "auto":
+        return backend_class.fills_in_a_process() and (os.cpu_count() or 1) >= 8
+    return setting == "process"
 
 
 def no_backend_message(config: WeftConfig) -> str:

@@ -135,6 +135,7 @@ class XgrammarBackend(StructuredOutputBackend):
             vocabulary.token_bytes, xgr.VocabType.RAW, vocab_size=vocabulary.size,
             stop_token_ids=list(vocabulary.eos_token_ids),
         )
+        self._info = info
         self._stop_token_ids = frozenset(info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
             info, max_threads=self.options.compile_threads, cache_enabled=True,
@@ -197,6 +198,12 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens
+
+    def serialize_compiled(self, compiled: Any) -> bytes:
+        return compiled.serialize_json().encode()
+
+    def deserialize_compiled(self, data: bytes) -> Any:
+        return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
 
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[tuple[bool, bool]]:
         """One call of xgrammar's batch accept (one release of the GIL rather than one per token); a matcher

@@ -99,6 +99,12 @@ def body(**fields) -> dict:
     return {"model": "m", "prompt": "hello", "max_tokens": 20, "stream": True, **fields}
 
 
+def legs_of(upstream: Upstream, key: str) -> list[dict]:
+    """The legs ``upstream`` saw of requests sent with ``fake_key = key``: a prefill leg runs beside its decode
+    leg, so one of an earlier test's requests may still reach the shared instances after that test ended."""
+    return [leg for leg in list(upstream.seen) if leg.get("fake_key") == key]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_multibyte_string_split_across_chunks_arrives_byte_exact(proxy, stream):
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body(stream=stream), timeout=30) as response:
@@ -113,11 +119,11 @@ def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, u
         upstream.seen.clear()
     # The decode leg answers late: a prefill leg still running when the response ends is cancelled.
     sent = body(max_completion_tokens=20, stream_options={"include_usage": True}, temperature=0,
-                kv_transfer_params={"inject_failure": True}, fake_delay=1)
+                kv_transfer_params={"inject_failure": True}, fake_delay=1, fake_key="carry")
     response = httpx.post(f"{proxy.url}/v1/chat/completions", json=sent, timeout=30)
     assert response.status_code == 200
-    (prefill,) = upstreams["prefill"].seen
-    (decode,) = upstreams["decode"].seen + upstreams["decode2"].seen
+    (prefill,) = legs_of(upstreams["prefill"], "carry")
+    (decode,) = legs_of(upstreams["decode"], "carry") + legs_of(upstreams["decode2"], "carry")
     transfer_id = prefill["kv_transfer_params"]["transfer_id"]
     expected = {**sent, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                 "kv_transfer_params": {"inject_failure": True, "do_remote_decode": True, "transfer_id": transfer_id}}
@@ -131,9 +137,10 @@ def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, u
 def test_a_failed_prefill_leg_does_not_fail_the_request_and_ends_its_transfer(proxy, upstreams):
     upstreams["prefill"].seen.clear()
     upstreams["prefill"].app.state.abandoned.clear()
-    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503, fake_delay=2), timeout=30)
+    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503, fake_delay=2,
+                                                                    fake_key="failed-prefill"), timeout=30)
     assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
-    (prefill,) = upstreams["prefill"].seen
+    (prefill,) = legs_of(upstreams["prefill"], "failed-prefill")
     deadline = time.monotonic() + 10
     while not upstreams["prefill"].app.state.abandoned:
         assert time.monotonic() < deadline, "the proxy did not end the failed leg's transfer"
@@ -154,27 +161,31 @@ def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight
     other pair, where round robin would alternate (test_decode_instances_take_turns)."""
     prefills = [upstreams["prefill"], Upstream([b'{"choices": []}'])]
     decodes = [upstreams["decode"], upstreams["decode2"]]
+    everyone = (*prefills, *decodes)
     proxy = Proxy([upstream.url for upstream in prefills], [upstream.url for upstream in decodes],
                   "--policy", "least_loaded")
+
+    def legs(upstream: Upstream, key: str) -> int:
+        return len(legs_of(upstream, key))
+
     held: list[httpx.Response] = []
     holder = threading.Thread(target=lambda: held.append(httpx.post(
-        f"{proxy.url}/v1/completions", json=body(fake_delay=3, fake_prefill_delay=3), timeout=30)))
+        f"{proxy.url}/v1/completions", json=body(fake_delay=8, fake_prefill_delay=8, fake_key="held"), timeout=60)))
     try:
-        for upstream in (*prefills, *decodes):
-            upstream.seen.clear()
         holder.start()
         deadline = time.monotonic() + 10
-        while not (any(upstream.seen for upstream in prefills) and any(upstream.seen for upstream in decodes)):
+        while not (any(legs(upstream, "held") for upstream in prefills) and any(legs(upstream, "held") for upstream in decodes)):
             assert time.monotonic() < deadline, "the held request did not reach both legs"
             time.sleep(0.02)
-        busy = {upstream.url for upstream in (*prefills, *decodes) if upstream.seen}
-        for upstream in (*prefills, *decodes):
-            upstream.seen.clear()
+        busy = {upstream.url for upstream in everyone if legs(upstream, "held")}
         for _ in range(4):
-            assert httpx.post(f"{proxy.url}/v1/completions", json=body(), timeout=30).status_code == 200
-        assert {upstream.url: len(upstream.seen) for upstream in (*prefills, *decodes)} == {
-            upstream.url: 0 if upstream.url in busy else 4 for upstream in (*prefills, *decodes)}
-        holder.join(timeout=30)
+            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_key="after"), timeout=30).status_code == 200
+        deadline = time.monotonic() + 10  # a prefill leg runs beside its decode leg and may reach its instance after
+        while sum(legs(upstream, "after") for upstream in everyone) < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert {upstream.url: legs(upstream, "after") for upstream in everyone} == {
+            upstream.url: 0 if upstream.url in busy else 4 for upstream in everyone}
+        holder.join(timeout=60)
         assert [response.status_code for response in held] == [200]
     finally:
         proxy.stop()

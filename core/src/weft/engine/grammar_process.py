@@ -19,8 +19,9 @@ import itertools
 import logging
 import multiprocessing
 import traceback
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from weft.contracts.structured_output import StructuredOutputBackend, Vocabulary
 
 logger = logging.getLogger("weft.engine")
+
+T = TypeVar("T")
 
 START_SECONDS = 120.0
 """How long the child may take to start and build its backend."""
@@ -212,19 +215,26 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
     backend.close()
 
 
+def distinct_batches(items: Sequence[T], key: Callable[[T], Hashable]) -> Iterator[list[T]]:
+    """``items`` in order, cut into runs where no ``key`` repeats (a matcher's tokens in one backend call each)."""
+    batch: list[T] = []
+    keys: set[Hashable] = set()
+    for item in items:
+        if key(item) in keys:
+            yield batch
+            batch, keys = [], set()
+        batch.append(item)
+        keys.add(key(item))
+    if batch:
+        yield batch
+
+
 def _accept(backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
     """Each token by its matcher, in order, in batches where a matcher appears once; a matcher that ended or
     refused a token leaves ``matchers`` (it takes no more tokens and fills no rows)."""
     ended: list[int] = []
     refused: list[tuple[int, int]] = []
-    start = 0
-    while start < len(accepted):
-        batch: list[tuple[int, int]] = []
-        seen: set[int] = set()
-        while start < len(accepted) and accepted[start][0] not in seen:
-            seen.add(accepted[start][0])
-            batch.append(accepted[start])
-            start += 1
+    for batch in distinct_batches(accepted, lambda item: item[0]):
         live = [(handle, token) for handle, token in batch if handle in matchers]
         if not live:
             continue

@@ -28,8 +28,8 @@ needs (the fill leaves it out), never a wrong token.
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -41,7 +41,7 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import FillProcess
+from weft.engine.grammar_process import FillProcess, distinct_batches
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -206,15 +206,8 @@ class StructuredOutputManager:
 
     def _accept(self, accepted: list[tuple[str, ConstraintState, int]]) -> None:
         """Tokens in the order they were generated: in batches where each matcher appears once."""
-        batch: list[tuple[str, ConstraintState, int]] = []
-        in_batch: set[int] = set()
-        for item in accepted:
-            if id(item[1]) in in_batch:
-                self._accept_batch(batch)
-                batch, in_batch = [], set()
-            batch.append(item)
-            in_batch.add(id(item[1]))
-        self._accept_batch(batch)
+        for batch in distinct_batches(accepted, lambda item: id(item[1])):
+            self._accept_batch(batch)
 
     def _accept_batch(self, batch: list[tuple[str, ConstraintState, int]]) -> None:
         """Each matcher (once in ``batch``) takes its token in one backend call; a constraint already over takes

@@ -238,13 +238,14 @@ def hisparse_part(args: argparse.Namespace) -> None:
     # indexer's top-k, the picked entries differ by rounding. So plain runs once more on HiSparse's batches,
     # step by step: with the memory to hold its requests, each arriving just before the step that first
     # scheduled it, each step's budget what HiSparse scheduled (its lent blocks may cut a chunk short), and
-    # eagerly as HiSparse decodes (a graph pads the batch; graphs on and off are tests/test_dsv4_gpu.py's).
+    # in the same graph mode as HiSparse decodes (both capture decode graphs unless --enforce-eager: a graph
+    # pads the batch to a captured size, so eager GEMMs would round differently; graphs on and off at the
+    # same shapes are tests/test_dsv4_gpu.py's).
     scale = -(-max(sparse["max_running"], 1) // max(plain["max_running"], 1)) + 1
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as admissions:
         json.dump({"first_step": sparse["first_step"], "budgets": [sum(count for _, count in batch) for batch in sparse["batches"]]},
                   admissions)
-    eager = () if args.enforce_eager else ("--enforce-eager",)
-    replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name, *eager)
+    replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name)
     os.unlink(admissions.name)
     unlike = next((step for step, (ours, theirs) in enumerate(zip(replay["batches"], sparse["batches"])) if ours != theirs), None)
     if unlike is None and len(replay["batches"]) != len(sparse["batches"]):

@@ -101,3 +101,28 @@ class TestQkNormRotaryTritonOnGPU(OpContract):
 class TestSiluAndMulTritonOnGPU(OpContract):
     plugin_name = "silu_and_mul.triton"
     device = "cuda"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_bitmask_argmax_kernel_matches_its_reference_interpreted():
+    """Ties, a row allowing only its last token, one allowing nothing, NaN and +inf masked and not, vocabularies
+    that are no multiple of the block or of 32, rows without a mask: tokens and health equal to the reference."""
+    from weft.builtins.bitmask_argmax import BitmaskArgmaxTorch
+    from weft_triton.bitmask_argmax import BitmaskArgmaxKernel
+
+    reference = BitmaskArgmaxTorch(None)
+    kernel = BitmaskArgmaxKernel()
+    kernel.add(torch.float32)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    checked = 0
+    for (logits, mask_rows, bitmask), _ in BitmaskArgmaxTorch.example_inputs("cpu"):
+        if logits.dtype != torch.float32:
+            continue  # the interpreter computes in numpy, which has no bfloat16
+        untouched = logits.clone()
+        tokens, healthy = kernel(dtype=logits.dtype, logits=logits, mask_rows=mask_rows, bitmask=bitmask)
+        torch.testing.assert_close(logits, untouched, rtol=0, atol=0, equal_nan=True)  # the kernel writes no logit
+        expected_tokens, expected_healthy = reference(untouched.clone(), mask_rows, bitmask)
+        assert torch.equal(healthy, expected_healthy)
+        assert torch.equal(tokens, expected_tokens)
+        checked += 1
+    assert checked == 5 and not bool(expected_healthy.all()) and kernel.monitor.misses == []

@@ -15,6 +15,7 @@ from weft.config import load_config
 from weft.contracts.structured_output import StructuredOutputsParams, Vocabulary, bitmask_words
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, resolve_source
+from weft.builtins.bitmask_argmax import BitmaskArgmaxTorch
 from weft.runner.logits_processors import TokenBitmask
 from weft.testing import StructuredOutputContract
 
@@ -89,6 +90,15 @@ def test_the_bitmask_applied_on_the_device_equals_xgrammars_own(backend, tokeniz
     expected[rows] = masked
     token_bitmask.apply(logits, rows, bitmask.numpy().tobytes())
     assert torch.equal(logits, expected)
+    # The greedy path: the mask and the argmax in one op (the reference here), the free rows unmasked.
+    logits = torch.randn(2 * len(matchers), vocab)
+    expected = logits.clone()
+    masked = expected[rows]
+    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    expected[rows] = masked
+    tokens, healthy = token_bitmask.argmax(logits, rows, bitmask.numpy().tobytes(), BitmaskArgmaxTorch(None))
+    assert torch.equal(tokens, expected.argmax(dim=-1)) and bool(healthy.all())
+    assert all(bool(bitmask[index, token // 32] >> (token % 32) & 1) for index, token in enumerate(tokens[rows].tolist()))
 
 
 def test_rollback_returns_to_an_earlier_state(backend, tokenizer):

@@ -23,6 +23,10 @@ LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "qk_norm_rotary", 
 """Core ops that layers call, core's and model families' alike; their references are in
 :mod:`weft.builtins` (``ops``, ``decode_topk``)."""
 
+RUNNER_OPS: tuple[str, ...] = ("bitmask_argmax",)
+"""Core ops the model runner calls around the model (reference: :mod:`weft.builtins.bitmask_argmax`); chosen
+with the layers' ops, and forced the same way in ``[use.ops]``."""
+
 _active: contextvars.ContextVar[dict[str, OpImplementation]] = contextvars.ContextVar("weft_layer_ops", default={})
 
 

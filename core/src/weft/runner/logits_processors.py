@@ -14,7 +14,7 @@ the device in a blocking copy first).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy
@@ -55,7 +55,7 @@ class TokenBitmask:
         vocab = logits.shape[-1]
         if words * 32 < vocab:
             raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {vocab}")
-        staged = self._stage(rows, bitmask)
+        staged = self._stage(numpy.asarray(rows, dtype=numpy.int32), bitmask)
         # Little-endian words: byte t // 8 of a row holds token t at bit t % 8.
         packed_bytes = staged[count:].view(torch.uint8).int()
         penalty = self._table(logits.dtype).index_select(0, packed_bytes).view(count, -1)[:, :vocab]
@@ -64,6 +64,22 @@ class TokenBitmask:
             logits[first : first + count] += penalty
         else:
             logits.index_add_(0, staged[:count], penalty)
+
+    def argmax(self, logits: torch.Tensor, rows: list[int], bitmask: bytes,
+               op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's greedy token under the masks of :meth:`apply` (bitmask row ``i`` for logits row ``rows[i]``,
+        the other rows unmasked), and whether its maximum is finite: the ``bitmask_argmax`` op ``op`` over
+        the rows' mask indices and the words, which cross in one copy as in :meth:`apply`. The masked rows
+        of ``logits`` may be left masked."""
+        count, total = len(rows), logits.shape[0]
+        words = len(bitmask) // 4 // count
+        if words * 32 < logits.shape[-1]:
+            raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {logits.shape[-1]}")
+        mask_rows = numpy.full(total, -1, dtype=numpy.int32)
+        mask_rows[rows] = numpy.arange(count, dtype=numpy.int32)
+        staged = self._stage(mask_rows, bitmask)
+        return op(logits, staged[:total], staged[total:].view(count, words))
 
     def _table(self, dtype: torch.dtype) -> torch.Tensor:
         """Row ``b``: 0 for each set bit of the byte ``b``, -inf for each clear one (least significant first)."""
@@ -74,8 +90,8 @@ class TokenBitmask:
             self._tables[dtype] = table
         return table
 
-    def _stage(self, rows: list[int], bitmask: bytes) -> torch.Tensor:
-        """``rows`` then the bitmask words, one int32 tensor on the device."""
+    def _stage(self, rows: numpy.ndarray, bitmask: bytes) -> torch.Tensor:
+        """``rows`` (int32) then the bitmask words, one int32 tensor on the device."""
         size = len(rows) + len(bitmask) // 4
         if self._copying:
             self._copied.synchronize()  # type: ignore[union-attr]  # the last copy has left the buffer (long since, as a rule)

@@ -72,11 +72,12 @@ from weft.contracts.executor import (
 )
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.kv_connector import CapturedSparseEntryReader
+from weft.contracts.ops import OpImplementation
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
-from weft.runner.sampler import SampledBatch, Sampler, draw_seed, needs_output_tokens
+from weft.runner.sampler import SampledBatch, Sampler, draw_seed, greedy_batch, needs_output_tokens, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -204,6 +205,7 @@ class ModelRunner:
         sampler: Sampler,
         connector: WorkerConnector | None = None,
         parallel: ParallelGroups = SINGLE,
+        bitmask_argmax: OpImplementation | None = None,
     ) -> None:
         self.model = model
         self.parallel = parallel
@@ -231,6 +233,9 @@ class ModelRunner:
         result before they launch the step after next."""
         self._awaiting: _AwaitingMask | None = None
         self.token_bitmask = TokenBitmask(device)
+        self.bitmask_argmax = bitmask_argmax
+        """The ``bitmask_argmax`` op the worker chose: a structured-output step of greedy rows masks and samples
+        in one call (None: the bitmask is applied to the logits, then the sampler samples)."""
         self.token_counts = TokenCounts(device)
         """Penalized requests' token counts, on the device (filled where the sampler runs)."""
 
@@ -278,14 +283,24 @@ class ModelRunner:
         """Sample the step :meth:`execute` left waiting, its constrained rows masked by ``grammar``."""
         awaiting, self._awaiting = self._awaiting, None
         assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
+        sampled = None
         if grammar.request_ids and awaiting.logits is not None:
             row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
-            self.token_bitmask.apply(awaiting.logits, [row_of[request_id] for request_id in grammar.request_ids],
-                                     grammar.bitmask)
-        return self._sample_step(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs)
+            rows = [row_of[request_id] for request_id in grammar.request_ids]
+            if self.bitmask_argmax is not None and self.parallel.layout.pipeline_parallel_size == 1 and all(
+                    plain_greedy(awaiting.states[row]) for row in awaiting.sampling):
+                # Every row greedy: the mask and the argmax in one op (one kernel where the platform has it).
+                tokens, healthy = self.token_bitmask.argmax(awaiting.logits, rows, grammar.bitmask, self.bitmask_argmax)
+                sampled = greedy_batch(tokens, healthy)
+            else:
+                self.token_bitmask.apply(awaiting.logits, rows, grammar.bitmask)
+        return self._sample_step(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report,
+                                 awaiting.prompt_logprobs, sampled)
 
     def _sample_step(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
-                     report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> StepHandle:
+                     report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs,
+                     sampled: SampledBatch | None = None) -> StepHandle:
+        """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`) and start their way to the host."""
         if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
@@ -294,7 +309,8 @@ class ModelRunner:
         for state in sampled_states:
             if state.generator is not None:  # the draw of the token at this position, however the request got here
                 state.generator.manual_seed(draw_seed(state.params.seed, state.num_computed_tokens))
-        sampled = self._sample(logits, sampled_states)
+        if sampled is None:
+            sampled = self._sample(logits, sampled_states)
         self.token_counts.record(sampled_states, sampled.tokens, _failed_loads(report))
         self._pending = _PendingStep(self, states, sampling, sampled, report, prompt_logprobs)
         return self._pending

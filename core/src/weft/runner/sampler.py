@@ -236,6 +236,11 @@ def draw_seed(seed: int, position: int) -> int:
     return (value ^ (value >> 31)) >> 1  # torch takes seeds below 2**63
 
 
+def greedy_batch(tokens: torch.Tensor, healthy: torch.Tensor) -> SampledBatch:
+    """A batch of greedy tokens sampled elsewhere (``healthy``: whether each row's maximum was finite)."""
+    return SampledBatch(tokens, _status(healthy))
+
+
 def _status(healthy: torch.Tensor) -> torch.Tensor:
     return torch.where(healthy, SAMPLED, NON_FINITE)
 

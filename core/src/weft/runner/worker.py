@@ -29,7 +29,7 @@ from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
-from weft.layers.ops import LAYER_OPS, using_ops
+from weft.layers.ops import LAYER_OPS, RUNNER_OPS, using_ops
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
 from weft.resolve import (
@@ -103,6 +103,10 @@ class Worker:
             else:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
+            if self.registry.names("structured_output"):
+                # Its logits come in the model's dtype or float32: both variants compile at warm-up.
+                for dtype in (getattr(torch, self.dtype), torch.float32):
+                    self.ops["bitmask_argmax"].declare(dtype=dtype)
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
         self.groups = self.family.kv_cache_groups(self.model_config)
@@ -116,11 +120,11 @@ class Worker:
     def _choose_ops(self) -> dict[str, Any]:
         forced = self.config.use.ops
         installed = {name.partition(".")[0] for name in self.registry.names("ops")}
-        unknown = sorted(set(forced) - set(LAYER_OPS) - installed)
+        unknown = sorted(set(forced) - set(LAYER_OPS) - set(RUNNER_OPS) - installed)
         if unknown:
-            known = ", ".join(sorted(set(LAYER_OPS) | installed))
+            known = ", ".join(sorted(set(LAYER_OPS) | set(RUNNER_OPS) | installed))
             raise ValueError(f"use.ops names {unknown}, which no installed plugin implements; known ops: {known}")
-        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS}
+        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS + RUNNER_OPS}
         logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
         return ops
 
@@ -141,7 +145,7 @@ class Worker:
                                                 attention_layers)
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
-            self.kv_connector, self.parallel,
+            self.kv_connector, self.parallel, self.ops["bitmask_argmax"],
         )
         compiled = self.kernels.warm_up()
         if compiled:

@@ -229,3 +229,34 @@ class DecodeTopKTriton(OpImplementation):
 
         check_inputs(scores, seq_lens, decode_query_len, block_size, topk)
         return self.launcher(scores, seq_lens, decode_query_len, block_size, topk, launch or self.launch_for(scores, topk))
+
+
+class BitmaskArgmaxTriton(OpImplementation):
+    """``bitmask_argmax`` in one Triton launch (:mod:`weft_triton.bitmask_argmax`); the runner declares the
+    dtypes its logits come in, so the kernel is compiled at warm-up."""
+
+    op: ClassVar[str] = "bitmask_argmax"
+    priority: ClassVar[int] = 10
+    tolerance: ClassVar[tuple[float, float]] = (0.0, 0.0)
+
+    def __init__(self, platform: Any) -> None:
+        super().__init__(platform)
+        from weft.kernels.warmup import register
+        from weft_triton.bitmask_argmax import BitmaskArgmaxKernel
+
+        self.kernel = register(BitmaskArgmaxKernel())
+
+    @classmethod
+    def is_available(cls, platform: Any) -> bool:
+        return runs_on(platform)
+
+    def declare(self, **shape: Any) -> None:
+        self.kernel.add(shape["dtype"])
+
+    def __call__(self, logits: Any, mask_rows: Any, bitmask: Any) -> Any:
+        from weft.builtins.bitmask_argmax import check_inputs
+
+        check_inputs(logits, mask_rows, bitmask)
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        return self.kernel(dtype=logits.dtype, logits=logits, mask_rows=mask_rows.contiguous(), bitmask=bitmask.contiguous())

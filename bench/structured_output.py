@@ -97,7 +97,7 @@ class Timeline:
             manager = core.scheduler.structured_outputs
             self.wrap(manager, "_accept_and_fill", "fill thread: accept + fill")
             self.wrap(manager, "_fill", "fill thread: fill")
-            self.wrap(manager, "_accept_and_fill_remote", "fill thread: the fill process's step (accept + fill)")
+            self.wrap(manager, "_finish_remote", "main: read the fill process's answer")
 
     def report(self, name: str, steps: int) -> None:
         print(f"  timeline of {name} ({steps} steps), ms per step:")

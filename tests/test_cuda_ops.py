@@ -126,3 +126,12 @@ def test_bitmask_argmax_kernel_matches_its_reference_interpreted():
         assert torch.equal(tokens, expected_tokens)
         checked += 1
     assert checked == 5 and not bool(expected_healthy.all()) and kernel.monitor.misses == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestBitmaskArgmaxTritonOnGPU(OpContract):
+    """The kernel on the GPU against the reference on every example input, bf16 included."""
+
+    plugin_name = "bitmask_argmax.triton"
+    device = "cuda"

@@ -333,6 +333,38 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
         assert len(tokens) == lengths[index] or len(reference) - len(tokens) <= 1, index
 
 
+@pytest.mark.parametrize("fill", ["thread", "process"])
+def test_a_launch_failing_while_the_fill_works_loses_no_token(tiny_llama, one_torch_thread, fill):
+    """The forward's launch raises once while the fill works on that step's mask, after the core applied the
+    step before it (its tokens accepted first, as a CPU worker's are): the core takes the fill's answer before
+    it retries (the fill process's next answer is then the next step's), the applied step's tokens still
+    reach the caller (they were lost, one token a request, before), and every constrained request equals
+    transformers under xgrammar's own logits processor."""
+    from weft import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 400 + index, 31, 3 * index] for index in range(6)]
+    expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 30)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": fill}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
+        core = llm.engine.core
+        real, calls, failed = core.executor.execute_model, [0], []
+
+        def flaky(output):
+            calls[0] += core._bitmask is not None  # this step's mask is asked of the fill process
+            if calls[0] == 5 and not failed:
+                failed.append(core._bitmask)
+                raise RuntimeError("injected launch failure")
+            return real(output)
+
+        core.executor.execute_model = flaky
+        outputs = llm.generate(prompts, params)
+        assert failed and failed[0] is not None and failed[0].done()  # its answer was read before the retry
+    for output, reference in zip(outputs, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
+
+
 @pytest.mark.parametrize(("constraint", "fragment"), [
     (StructuredOutputsParams(json={"type": "frobnicate"}), "structured_outputs.json: xgrammar cannot compile it: Unsupported type"),
     (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error"),

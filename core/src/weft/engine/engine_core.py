@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -99,6 +99,8 @@ class EngineCore:
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
         waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
         self._bitmask: Future[GrammarOutput] | None = None
+        self._unreported: list[EngineCoreOutput] = []
+        """Outputs of a step applied by a call that then raised (the next launch failed): the next call returns them."""
         self.step_profile: StepProfile | None = None
         """When set, records the timings of every step (:mod:`weft.engine.step_profile`); None: nothing is recorded."""
 
@@ -177,7 +179,7 @@ class EngineCore:
             if handle is None:
                 handle = self.executor.sample_tokens(self._take_bitmask())
             return self._apply(output, handle)
-        results: list[EngineCoreOutput] = []
+        results, self._unreported = self._unreported, []
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
@@ -192,11 +194,15 @@ class EngineCore:
                 accept_first = (self._in_flight is None or self._in_flight[1].done()  # type: ignore[union-attr]
                                 or self.structured_outputs.fills_in_process)
                 if accept_first:
-                    results = self._apply_in_flight()
+                    results += self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
-                launched = (output, self._execute(output))
+                try:
+                    launched = (output, self._execute(output))
+                except Exception:
+                    self._unreported = results  # applied already: their tokens must still reach the caller
+                    raise
                 if not accept_first:
-                    results = self._apply_in_flight()
+                    results += self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
         else:
             self._sample_in_flight()
@@ -294,12 +300,13 @@ class EngineCore:
     def reset_after_failure(self) -> None:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
         self._forget_in_flight()
+        self._unreported = []  # the requests they belong to fail with the step
         self.abort(self.scheduler.unfinished_ids)
 
     def _forget_in_flight(self) -> None:
         self._in_flight = None
         if self._bitmask is not None:
-            wait([self._bitmask])  # the fill thread lets go of the matchers before any accepts a token
+            self._bitmask.exception()  # the fill lets go of the matchers (its answer read) before any accepts a token
             self._bitmask = None
         self.scheduler.forget_steps_in_flight()
 

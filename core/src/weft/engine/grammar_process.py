@@ -5,7 +5,9 @@ while it fills, whichever thread it runs on. In a spawned child the matchers acc
 bitmask rows beside the core. The core keeps compiling constraints (in its own thread pool, where
 invalid ones fail as before) and sends each compiled constraint to the child once, serialized
 (:meth:`~weft.contracts.structured_output.StructuredOutputBackend.serialize_compiled`). Each step is
-one message, sent by the core's fill thread: the matchers made and dropped since the last one, the
+one message, sent by the core's thread as soon as the step's tokens were accepted, its answer read when the
+core needs the mask (no thread hands it on: a thread waiting for the GIL while the core launches the
+forward would hold the message back): the matchers made and dropped since the last one, the
 tokens to accept in order, the matchers whose rows to fill. The rows come back in shared memory, which
 the core grows (a new segment) when a step needs more rows; the reply says which matchers filled a row
 and which ones ended or refused a token.
@@ -53,7 +55,7 @@ class StepReply:
 
 
 class FillProcess:
-    """The child process and the core's end of it; used from one thread at a time (the core's fill thread),
+    """The child process and the core's end of it; used from one thread at a time (the engine core's),
     except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
 
     def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
@@ -98,9 +100,15 @@ class FillProcess:
             self._forgotten.append(key)
 
     def step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> StepReply:
-        """``matchers``: ``(handle, key, compiled)`` made since the last step (``compiled`` is sent only for keys
-        the child lacks); ``accepted``: ``(handle, token)`` in generation order; ``fill``: handles whose row to
-        fill if their matcher is still live after accepting. Blocks until the child answers."""
+        """:meth:`send_step`, then the child's answer (blocks until it comes)."""
+        self.send_step(matchers, accepted, fill)
+        return self.receive_step()
+
+    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> None:
+        """Send one step's message; the child starts on it at once. ``matchers``: ``(handle, key, compiled)`` made
+        since the last step (``compiled`` is sent only for keys the child lacks); ``accepted``: ``(handle, token)``
+        in generation order; ``fill``: handles whose row to fill if their matcher is still live after
+        accepting. Take the answer (:meth:`receive_step`) before sending anything else."""
         if len(fill) > self._rows:
             self._grow(len(fill))
         made = []
@@ -110,6 +118,9 @@ class FillProcess:
         dropped, self._dropped = self._dropped, []
         forgotten, self._forgotten = self._forgotten, []
         self._conn.send(("step", made, dropped, forgotten, accepted, fill))
+
+    def receive_step(self) -> StepReply:
+        """The answer to the step :meth:`send_step` sent (its rows in :meth:`rows` until the next step)."""
         return self._receive()
 
     def held(self) -> tuple[int, int]:

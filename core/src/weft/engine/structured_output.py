@@ -24,6 +24,10 @@ core calls :meth:`~StructuredOutputManager.accept` and
 result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags meanwhile: they
 only ever turn true, so a stale one costs a step that waits for a mask its request no longer
 needs (the fill leaves it out), never a wrong token.
+
+With the matchers in the fill process (``engine.structured_output_fill``, :mod:`weft.engine.grammar_process`)
+no thread of the core takes part: the core's own thread sends each step's message as it asks for the fill,
+and reads the answer when it takes the result (:class:`RemoteReply`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,18 +182,32 @@ class StructuredOutputManager:
         accepted, self._accepted = self._accepted, []
         if self._process is not None:
             made, self._made = self._made, []
-            return self._filler.submit(self._accept_and_fill_remote, accepted, candidates, made)  # type: ignore[union-attr]
+            return self._send_remote(accepted, candidates, made)
         return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
 
-    def _accept_and_fill_remote(self, accepted: list[tuple[str, ConstraintState, int]],
-                                candidates: list[tuple[str, ConstraintState]], made: list[tuple[int, int, bytes]]) -> GrammarOutput:
-        """:meth:`_accept_and_fill` by the fill process: one message, one reply."""
-        process = self._process.result()  # type: ignore[union-attr]
-        live = [(request_id, state, token_id) for request_id, state, token_id in accepted
-                if not (state.failed or state.terminated)]
-        masked = [(request_id, state) for request_id, state in candidates if state.masks]
-        reply = process.step(made, [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
-                             [state.matcher.handle for _, state in masked])  # type: ignore[union-attr]
+    def _send_remote(self, accepted: list[tuple[str, ConstraintState, int]], candidates: list[tuple[str, ConstraintState]],
+                     made: list[tuple[int, int, bytes]]) -> Future[GrammarOutput]:
+        """:meth:`_accept_and_fill` by the fill process: the message sent now, the reply read when the result is
+        taken (:class:`RemoteReply`)."""
+        reply = RemoteReply()
+        try:
+            process = self._process.result()  # type: ignore[union-attr]
+            live = [(request_id, state, token_id) for request_id, state, token_id in accepted
+                    if not (state.failed or state.terminated)]
+            masked = [(request_id, state) for request_id, state in candidates if state.masks]
+            process.send_step(made, [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
+                              [state.matcher.handle for _, state in masked])  # type: ignore[union-attr]
+        except BaseException as error:
+            reply.set_exception(error)
+            return reply
+        reply.receive = lambda: self._finish_remote(process, live, masked)
+        return reply
+
+    @staticmethod
+    def _finish_remote(process: FillProcess, live: list[tuple[str, ConstraintState, int]],
+                       masked: list[tuple[str, ConstraintState]]) -> GrammarOutput:
+        """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints."""
+        reply = process.receive_step()
         by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
         by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
         for handle in reply.ended:
@@ -309,6 +328,32 @@ class StructuredOutputManager:
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None
+
+
+class RemoteReply(Future):
+    """The fill process's answer to one step's message, read on the thread that asks for the result (the engine
+    core's) when it asks, so no other thread needs the GIL on the way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.receive: Callable[[], GrammarOutput] | None = None
+
+    def result(self, timeout: float | None = None) -> GrammarOutput:
+        self._collect()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._collect()
+        return super().exception(timeout)
+
+    def _collect(self) -> None:
+        receive, self.receive = self.receive, None
+        if receive is None:
+            return
+        try:
+            self.set_result(receive())
+        except BaseException as error:
+            self.set_exception(error)
 
 
 class RemoteMatcher:

@@ -365,6 +365,98 @@ def test_a_launch_failing_while_the_fill_works_loses_no_token(tiny_llama, one_to
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
 
 
+@pytest.mark.parametrize("fill", ["thread", "process"])
+def test_a_final_output_applied_before_a_failed_launch_is_still_reported(tiny_llama, one_torch_thread, fill):
+    """The step applied before the failing launch finished the only request: the core still has work (that
+    output) and reports it, as the engine core process's loop steps only while it has work."""
+    from weft import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    engine = {"max_num_seqs": 2, "async_scheduling": True, "structured_output_fill": fill}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
+        core = llm.engine.core
+        real, fired = core.executor.execute_model, []
+
+        def flaky(output):
+            if not fired and core._bitmask is not None and not core.scheduler.has_unfinished:
+                fired.append(list(output.num_scheduled_tokens))
+                raise RuntimeError("injected launch failure")
+            return real(output)
+
+        core.executor.execute_model = flaky
+        llm.engine.add_request("r", [1, 5, 9, 31], params)
+        produced = []
+        while core.has_work:
+            produced += core.step_with_retry()
+        assert fired and [output.request_id for output in produced if output.finish_reason] == ["r"]
+
+
+def test_a_second_failure_still_reports_a_request_that_finished_before_it(tiny_llama, one_torch_thread):
+    """Two launches fail in a row (the engine core process then fails the unfinished requests) after a step
+    that finished request a was applied: a's end still comes out of the next step, b is failed."""
+    from weft import LLM, SamplingParams
+
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    free = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine = {"max_num_seqs": 2, "async_scheduling": True, "structured_output_fill": "thread"}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
+        core = llm.engine.core
+        real, fired = core.executor.execute_model, []
+
+        def flaky(output):
+            done = [request_id for request_id in output.num_scheduled_tokens if request_id not in core.scheduler.unfinished_ids]
+            if (done and core._bitmask is not None and not fired) or len(fired) == 1:
+                fired.append(done)
+                raise RuntimeError("injected launch failure")
+            return real(output)
+
+        core.executor.execute_model = flaky
+        llm.engine.add_request("a", [1, 5, 9, 31], constrained)
+        llm.engine.add_request("b", [1, 6, 7, 31], free)
+        produced, failed = [], {}
+        while core.has_work:  # the engine core process's loop
+            try:
+                produced += core.step_with_retry()
+            except Exception:
+                held = core.scheduler.unfinished_ids
+                core.reset_after_failure()
+                failed.update(dict.fromkeys(held, "failed"))
+        assert len(fired) == 2 and fired[0] == ["a"]
+        assert [output.request_id for output in produced if output.finish_reason] == ["a"] and list(failed) == ["b"]
+
+
+def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_in_order(tiny_llama, one_torch_thread):
+    """Ctrl-C while the core waits for the fill process's answer: the answer is read before the next message,
+    so the next generate's answers are its own steps' and its output equals transformers'."""
+    from weft import LLM, SamplingParams
+    from weft.engine.grammar_process import FillProcess
+
+    prompts = [[1, 5, 9, 400 + index, 31, 3 * index] for index in range(4)]
+    expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 30)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": "process"}
+    real, calls = FillProcess.receive_step, [0]
+
+    def interrupted(self):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    FillProcess.receive_step = interrupted
+    try:
+        with LLM(model=str(tiny_llama), engine=engine) as llm:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompts, params)
+            outputs = llm.generate(prompts, params)
+            assert llm.engine.core.structured_outputs._process.result().held()[1] == 1  # a (matchers, compiled) answer
+    finally:
+        FillProcess.receive_step = real
+    for output, reference in zip(outputs, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
+
+
 @pytest.mark.parametrize(("constraint", "fragment"), [
     (StructuredOutputsParams(json={"type": "frobnicate"}), "structured_outputs.json: xgrammar cannot compile it: Unsupported type"),
     (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error"),

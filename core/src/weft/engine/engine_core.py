@@ -137,6 +137,9 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.scheduler.finish(request_id)
+        if self._unreported:  # an id may come back with a new request: none of the old one's output reaches it
+            aborted = set(request_ids)
+            self._unreported = [result for result in self._unreported if result.request_id not in aborted]
         self._report_finished()
 
     def _report_finished(self) -> None:
@@ -150,7 +153,7 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         connector = self.kv_connector
-        return (self.scheduler.has_unfinished or self._in_flight is not None
+        return (self.scheduler.has_unfinished or self._in_flight is not None or bool(self._unreported)
                 or (connector is not None and connector.has_delayed_frees))
 
     # Stepping.
@@ -180,6 +183,16 @@ class EngineCore:
                 handle = self.executor.sample_tokens(self._take_bitmask())
             return self._apply(output, handle)
         results, self._unreported = self._unreported, []
+        try:
+            self._step_async(results)
+        except Exception:
+            self._unreported = results  # applied already: their tokens must still reach the caller
+            raise
+        return results
+
+    def _step_async(self, results: list[EngineCoreOutput]) -> None:
+        """One step with asynchronous scheduling, appending what it applies to ``results`` as it goes (a call
+        that raises midway has applied them all the same)."""
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
@@ -196,11 +209,7 @@ class EngineCore:
                 if accept_first:
                     results += self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
-                try:
-                    launched = (output, self._execute(output))
-                except Exception:
-                    self._unreported = results  # applied already: their tokens must still reach the caller
-                    raise
+                launched = (output, self._execute(output))
                 if not accept_first:
                     results += self._apply_in_flight()
                     self._bitmask = self._grammar_output(output)
@@ -208,7 +217,6 @@ class EngineCore:
             self._sample_in_flight()
         results += self._apply_in_flight()
         self._in_flight = launched
-        return results
 
     def _execute(self, output: SchedulerOutput) -> StepHandle | None:
         if self.step_profile is None:
@@ -298,9 +306,9 @@ class EngineCore:
         self.scheduler.preempt_all()
 
     def reset_after_failure(self) -> None:
-        """A step raised: drop the step in flight and abort every request, so the core can serve new ones."""
+        """A step raised: drop the step in flight and abort every request, so the core can serve new ones (the
+        outputs of requests that finished in a step applied before the failure come with the next step)."""
         self._forget_in_flight()
-        self._unreported = []  # the requests they belong to fail with the step
         self.abort(self.scheduler.unfinished_ids)
 
     def _forget_in_flight(self) -> None:

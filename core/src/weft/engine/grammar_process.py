@@ -77,6 +77,9 @@ class FillProcess:
         """Keys of the compiled constraints the child holds."""
         self._dropped: list[int] = []
         self._forgotten: list[int] = []
+        self._unread = 0
+        """Step answers sent by the child and not read yet (a read interrupted, a step abandoned): read before
+        the next message, so each answer is read with its own step."""
         if not self._conn.poll(START_SECONDS):
             self.close()
             raise RuntimeError(f"the structured-output fill process did not start within {START_SECONDS:.0f} s")
@@ -108,7 +111,8 @@ class FillProcess:
         """Send one step's message; the child starts on it at once. ``matchers``: ``(handle, key, compiled)`` made
         since the last step (``compiled`` is sent only for keys the child lacks); ``accepted``: ``(handle, token)``
         in generation order; ``fill``: handles whose row to fill if their matcher is still live after
-        accepting. Take the answer (:meth:`receive_step`) before sending anything else."""
+        accepting. The answer: :meth:`receive_step` (one left unread is read and dropped before the next message)."""
+        self._drain()
         if len(fill) > self._rows:
             self._grow(len(fill))
         made = []
@@ -118,13 +122,21 @@ class FillProcess:
         dropped, self._dropped = self._dropped, []
         forgotten, self._forgotten = self._forgotten, []
         self._conn.send(("step", made, dropped, forgotten, accepted, fill))
+        self._unread += 1
 
     def receive_step(self) -> StepReply:
         """The answer to the step :meth:`send_step` sent (its rows in :meth:`rows` until the next step)."""
-        return self._receive()
+        kind, value = self._read()
+        self._unread -= 1  # read, an error the child answered included
+        return self._answer(kind, value)
+
+    def _drain(self) -> None:
+        while self._unread:
+            self.receive_step()
 
     def held(self) -> tuple[int, int]:
         """Matchers and compiled constraints the child holds (the drops sent so far applied)."""
+        self._drain()
         self._conn.send(("held",))
         return self._receive()
 
@@ -135,6 +147,7 @@ class FillProcess:
 
     def _grow(self, rows: int) -> None:
         rows = max(rows, 2 * self._rows, 64)
+        self._drain()
         memory = shared_memory.SharedMemory(create=True, size=rows * self.words * 4)
         self._conn.send(("memory", memory.name, rows))
         self._receive()
@@ -144,10 +157,16 @@ class FillProcess:
         self._memory, self._rows = memory, rows
 
     def _receive(self) -> Any:
+        return self._answer(*self._read())
+
+    def _read(self) -> tuple[str, Any]:
         try:
-            kind, value = self._conn.recv()
+            return self._conn.recv()
         except (EOFError, OSError) as error:
             raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
+
+    @staticmethod
+    def _answer(kind: str, value: Any) -> Any:
         if kind == "error":
             raise RuntimeError(f"the structured-output fill process failed:\n{value}")
         return value

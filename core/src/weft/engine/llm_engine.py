@@ -91,8 +91,10 @@ class LLMEngine:
             produced = self.core.step_with_retry()
         except BaseException:
             self.core.reset_after_failure()
-            for request_id in list(self.outputs.requests):
+            aborted = list(self.outputs.requests)
+            for request_id in aborted:
                 self.outputs.abort(request_id)
+            self.core.abort(aborted)  # with any output of theirs the core has not reported yet
             raise
         advanced, stopped = self.outputs.process(produced)
         if stopped:

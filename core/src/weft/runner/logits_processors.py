@@ -57,7 +57,7 @@ class TokenBitmask:
             raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {vocab}")
         staged = self._stage(numpy.asarray(rows, dtype=numpy.int32), bitmask)
         # Little-endian words: byte t // 8 of a row holds token t at bit t % 8.
-        packed_bytes = staged[count:].view(torch.uint8).int()
+        packed_bytes = staged[_words_at(count) :].view(torch.uint8).int()
         penalty = self._table(logits.dtype).index_select(0, packed_bytes).view(count, -1)[:, :vocab]
         first = rows[0]
         if rows == list(range(first, first + count)):  # the usual step: every sampling row is constrained
@@ -79,7 +79,7 @@ class TokenBitmask:
         mask_rows = numpy.full(total, -1, dtype=numpy.int32)
         mask_rows[rows] = numpy.arange(count, dtype=numpy.int32)
         staged = self._stage(mask_rows, bitmask)
-        return op(logits, staged[:total], staged[total:].view(count, words))
+        return op(logits, staged[:total], staged[_words_at(total) :].view(count, words))
 
     def _table(self, dtype: torch.dtype) -> torch.Tensor:
         """Row ``b``: 0 for each set bit of the byte ``b``, -inf for each clear one (least significant first)."""
@@ -91,8 +91,9 @@ class TokenBitmask:
         return table
 
     def _stage(self, rows: numpy.ndarray, bitmask: bytes) -> torch.Tensor:
-        """``rows`` (int32) then the bitmask words, one int32 tensor on the device."""
-        size = len(rows) + len(bitmask) // 4
+        """``rows`` (int32) then the bitmask words from the first 16-byte boundary after them (a kernel compiled
+        for aligned pointers reads them in place), one int32 tensor on the device."""
+        size = _words_at(len(rows)) + len(bitmask) // 4
         if self._copying:
             self._copied.synchronize()  # type: ignore[union-attr]  # the last copy has left the buffer (long since, as a rule)
         if self._staging.numel() < size:
@@ -100,13 +101,18 @@ class TokenBitmask:
         host = self._staging[:size]
         words = host.numpy()
         words[: len(rows)] = rows
-        words[len(rows) :] = numpy.frombuffer(bitmask, dtype=numpy.int32)
+        words[_words_at(len(rows)) :] = numpy.frombuffer(bitmask, dtype=numpy.int32)
         if not self.accelerated:
             return host
         staged = host.to(self.device, non_blocking=True)
         self._copied.record()  # type: ignore[union-attr]
         self._copying = True
         return staged
+
+
+def _words_at(rows: int) -> int:
+    """Where a staging buffer's bitmask words start after ``rows`` int32 row indices: a multiple of 4 (16 bytes)."""
+    return -(-rows // 4) * 4
 
 
 def needs_request_processors(params: SamplingParams) -> bool:

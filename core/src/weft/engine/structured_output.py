@@ -332,7 +332,9 @@ class StructuredOutputManager:
 
 class RemoteReply(Future):
     """The fill process's answer to one step's message, read on the thread that asks for the result (the engine
-    core's) when it asks, so no other thread needs the GIL on the way."""
+    core's) when it asks, so no other thread needs the GIL on the way. Until then it is not ``done()`` and runs
+    no callbacks: take :meth:`result` or :meth:`exception` (blocking, ``timeout`` ignored), never
+    ``concurrent.futures.wait`` on it."""
 
     def __init__(self) -> None:
         super().__init__()

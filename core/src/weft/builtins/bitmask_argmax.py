@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from weft.contracts.ops import OpImplementation
+from weft.runner.logits_processors import bitmask_penalty
 
 
 def check_inputs(logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -40,17 +41,13 @@ def check_inputs(logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.T
 
 
 class BitmaskArgmaxTorch(OpImplementation):
-    """The reference: each byte of a row's words picks its 8 tokens' penalties (0 or -inf) from a table, the
-    penalties are added to the logits in place, then torch's ``max`` (which propagates NaN)."""
+    """The reference: the runner's unfused mask (:func:`weft.runner.logits_processors.bitmask_penalty`) added to
+    the logits in place, then torch's ``max`` (which propagates NaN)."""
 
     op: ClassVar[str] = "bitmask_argmax"
     reference: ClassVar[bool] = True
     priority: ClassVar[int] = -100
     tolerance: ClassVar[tuple[float, float]] = (0.0, 0.0)
-
-    def __init__(self, platform: Any) -> None:
-        super().__init__(platform)
-        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, mask_rows: torch.Tensor,
                  bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,20 +57,9 @@ class BitmaskArgmaxTorch(OpImplementation):
             masked = mask_rows >= 0
             words = bitmask.index_select(0, mask_rows.clamp(min=0).long())
             words = torch.where(masked.unsqueeze(1), words, torch.full_like(words, -1))  # a row without a mask allows all
-            # Little-endian words: byte t // 8 of a row holds token t at bit t % 8.
-            penalty = self._table(logits.dtype, logits.device).index_select(0, words.view(torch.uint8).flatten().int())
-            logits += penalty.view(rows, -1)[:, :vocab]
+            logits += bitmask_penalty(words, logits.dtype, vocab)
         values, tokens = logits.max(dim=-1)
         return tokens, torch.isfinite(values)
-
-    def _table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Row ``b``: 0 for each set bit of the byte ``b``, -inf for each clear one (least significant first)."""
-        table = self._tables.get((dtype, device))
-        if table is None:
-            bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-            table = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf")).to(device)
-            self._tables[(dtype, device)] = table
-        return table
 
     @classmethod
     def example_inputs(cls, device: str) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:

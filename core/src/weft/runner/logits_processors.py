@@ -14,6 +14,7 @@ the device in a blocking copy first).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,7 @@ class TokenBitmask:
     The rows' indices and the bitmask words cross to the device in one copy, from a staging buffer
     reused across steps (pinned on an accelerator, so the copy is asynchronous: a copy from pageable
     memory would wait for the forward in flight); an event on the device says when the buffer may
-    be written again. The mask is added to the logits: each bitmask byte picks its 8 tokens' row of
-    a 256-row table of 0 and -inf (three kernels, and on a CPU a fraction of a shift-and-compare's time).
+    be written again. The mask is added to the logits (:func:`bitmask_penalty`).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -42,7 +42,6 @@ class TokenBitmask:
         self._copied = torch.Event(device=device) if self.accelerated else None
         self._copying = False
         """Whether a copy from the staging buffer was launched (``_copied`` marks its end)."""
-        self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def apply(self, logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
         """Make -inf, in place, every logit of row ``rows[i]`` whose bit is 0 in bitmask row ``i`` (int32
@@ -51,14 +50,9 @@ class TokenBitmask:
         count = len(rows)
         if not count:
             return
-        words = len(bitmask) // 4 // count
-        vocab = logits.shape[-1]
-        if words * 32 < vocab:
-            raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {vocab}")
+        words = _row_words(bitmask, count, logits.shape[-1])
         staged = self._stage(numpy.asarray(rows, dtype=numpy.int32), bitmask)
-        # Little-endian words: byte t // 8 of a row holds token t at bit t % 8.
-        packed_bytes = staged[_words_at(count) :].view(torch.uint8).int()
-        penalty = self._table(logits.dtype).index_select(0, packed_bytes).view(count, -1)[:, :vocab]
+        penalty = bitmask_penalty(staged[_words_at(count) :].view(count, words), logits.dtype, logits.shape[-1])
         first = rows[0]
         if rows == list(range(first, first + count)):  # the usual step: every sampling row is constrained
             logits[first : first + count] += penalty
@@ -73,22 +67,11 @@ class TokenBitmask:
         the rows' mask indices and the words, which cross in one copy as in :meth:`apply`. The masked rows
         of ``logits`` may be left masked."""
         count, total = len(rows), logits.shape[0]
-        words = len(bitmask) // 4 // count
-        if words * 32 < logits.shape[-1]:
-            raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {logits.shape[-1]}")
+        words = _row_words(bitmask, count, logits.shape[-1])
         mask_rows = numpy.full(total, -1, dtype=numpy.int32)
         mask_rows[rows] = numpy.arange(count, dtype=numpy.int32)
         staged = self._stage(mask_rows, bitmask)
         return op(logits, staged[:total], staged[_words_at(total) :].view(count, words))
-
-    def _table(self, dtype: torch.dtype) -> torch.Tensor:
-        """Row ``b``: 0 for each set bit of the byte ``b``, -inf for each clear one (least significant first)."""
-        table = self._tables.get(dtype)
-        if table is None:
-            bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-            table = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf")).to(self.device)
-            self._tables[dtype] = table
-        return table
 
     def _stage(self, rows: numpy.ndarray, bitmask: bytes) -> torch.Tensor:
         """``rows`` (int32) then the bitmask words from the first 16-byte boundary after them (a kernel compiled
@@ -108,6 +91,30 @@ class TokenBitmask:
         self._copied.record()  # type: ignore[union-attr]
         self._copying = True
         return staged
+
+
+def bitmask_penalty(words: torch.Tensor, dtype: torch.dtype, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` of 0 where a token's bit is set in its row of int32 ``words`` and -inf where it is clear,
+    on the words' device: each byte picks its 8 tokens' row of a 256-row table (three kernels, and on a CPU a
+    fraction of a shift-and-compare's time). Added to logits, it masks them as xgrammar's own kernel does."""
+    # Little-endian words: byte t // 8 of a row holds token t at bit t % 8.
+    packed_bytes = words.contiguous().view(torch.uint8).flatten().int()
+    return _penalty_table(dtype, words.device).index_select(0, packed_bytes).view(words.shape[0], -1)[:, :vocab]
+
+
+@functools.cache
+def _penalty_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row ``b``: 0 for each set bit of the byte ``b``, -inf for each clear one (least significant first)."""
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf")).to(device)
+
+
+def _row_words(bitmask: bytes, count: int, vocab: int) -> int:
+    """int32 words of each of the ``count`` rows of ``bitmask``; ValueError when they cover fewer than ``vocab`` tokens."""
+    words = len(bitmask) // 4 // count
+    if words * 32 < vocab:
+        raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {vocab}")
+    return words
 
 
 def _words_at(rows: int) -> int:

@@ -120,11 +120,12 @@ class Worker:
     def _choose_ops(self) -> dict[str, Any]:
         forced = self.config.use.ops
         installed = {name.partition(".")[0] for name in self.registry.names("ops")}
-        unknown = sorted(set(forced) - set(LAYER_OPS) - set(RUNNER_OPS) - installed)
+        core_ops = LAYER_OPS + RUNNER_OPS
+        unknown = sorted(set(forced) - set(core_ops) - installed)
         if unknown:
-            known = ", ".join(sorted(set(LAYER_OPS) | set(RUNNER_OPS) | installed))
+            known = ", ".join(sorted(set(core_ops) | installed))
             raise ValueError(f"use.ops names {unknown}, which no installed plugin implements; known ops: {known}")
-        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in LAYER_OPS + RUNNER_OPS}
+        ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in core_ops}
         logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
         return ops
 

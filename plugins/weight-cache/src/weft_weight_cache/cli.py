@@ -197,12 +197,16 @@ def serve_device(config: Any, options: Any, layout: Layout, master: str, folder:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-    print(
+    line = (
         f"weft weights: serving {config.model} (this rank's parts of {sum(bool(entry.parts) for entry in resident.entries)} "
         f"tensors, {resident.nbytes / 2**20:.1f} MiB, "
         f"{key.dtype}) for rank {rank} of {layout.world} (tp {ranks['tensor_parallel_rank']}/{layout.tp}, "
-        f"pp {ranks['pipeline_parallel_rank']}/{layout.pp}) on {identity} at {server.socket_path}", flush=True,
+        f"pp {ranks['pipeline_parallel_rank']}/{layout.pp}) on {identity} at {server.socket_path}\n"
     )
+    # One write: the slots' processes share stdout, and print() may send the text and its newline apart, so
+    # another slot's line could land between them (a pipe keeps a write of under 4 KiB whole).
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
 
     def stop(*_: Any) -> None:
         raise SystemExit(0)

@@ -93,8 +93,13 @@ class Timeline:
             self.wrap(runner, "_sample_step", "main: runner._sample_step")
             self.wrap(runner.sampler, "sample", "main: Sampler.sample")
             self.wrap(runner.token_counts, "record", "main: TokenCounts.record")
+        if runner is not None:
+            self.wrap(runner, "sample_tokens", "main: runner.sample_tokens (mask + argmax launch)")
+            self.wrap(runner.token_bitmask, "argmax", "main: TokenBitmask.argmax")
         if core.scheduler.structured_outputs is not None:
             manager = core.scheduler.structured_outputs
+            self.wrap(manager, "grammar_output", "main: send the fill's message")
+            self.wrap(manager, "accept", "main: StructuredOutputManager.accept")
             self.wrap(manager, "_accept_and_fill", "fill thread: accept + fill")
             self.wrap(manager, "_fill", "fill thread: fill")
             self.wrap(manager, "_finish_remote", "main: read the fill process's answer")
@@ -131,6 +136,13 @@ def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return seconds, sum(len(state.output_token_ids) for state in states) - first
 
 
+def fill_where(manager: object) -> str:
+    if manager is None or not manager.fills_in_process:  # type: ignore[attr-defined]
+        return "a thread of the core"
+    count = len(manager._process.result().children)  # type: ignore[attr-defined]
+    return f"{count} process{'' if count == 1 else 'es'} of their own"
+
+
 def tiny_model(folder: Path, **sizes: object) -> str:
     """tests/conftest.py's random 2-layer Llama (hidden size 64) with SmolLM2's tokenizer: a forward so small
     that the step is host-bound on a CPU, as the 135M shape's is on a GPU. ``sizes``: config values to override."""
@@ -149,6 +161,8 @@ def build(args: argparse.Namespace, scratch: Path) -> LLM:
     plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
     engine = {"max_num_seqs": args.batch, "distributed_executor_backend": args.executor,
               "structured_output_fill": args.fill}
+    if args.fill_processes:
+        engine["structured_output_fill_processes"] = args.fill_processes
     if args.tiny:
         import torch
 
@@ -191,6 +205,8 @@ def main() -> None:
                         help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)")
     parser.add_argument("--fill", choices=["auto", "thread", "process"], default="auto",
                         help="engine.structured_output_fill: the matchers in a thread of the core or a process of their own")
+    parser.add_argument("--fill-processes", type=int,
+                        help="engine.structured_output_fill_processes (default: the engine's, one per 4 CPUs, at most 4)")
     parser.add_argument("--timeline", action="store_true",
                         help="then one more run of each mode, printing the host time of each phase per step")
     args = parser.parse_args()
@@ -224,7 +240,7 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
     manager = llm.engine.core.scheduler.structured_outputs
     print(f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
           f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}; matchers in "
-          f"{'a process of their own' if manager is not None and manager.fills_in_process else 'a thread of the core'} "
+          f"{fill_where(manager)} "
           f"(engine.structured_output_fill = {args.fill!r})")
     for name, _ in modes:
         print(f"  {name + ':':14} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")

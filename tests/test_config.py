@@ -267,3 +267,11 @@ def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site,
     fixed = site.weft("config", "show", "--json", cwd=tmp_path)  # names are checked from metadata: nothing imported
     assert fixed.returncode == 0, fixed.stderr
     assert last_json(fixed.stdout)["use"]["kv_connector"] == "diskstore"
+
+
+def test_fill_processes_without_a_fill_process_are_refused():
+    with pytest.raises(ConfigError, match=r"engine.structured_output_fill_processes = 2 but engine.structured_output_fill = "
+                                          r"'thread' fills on a thread of the engine core.*set structured_output_fill to 'process'"):
+        load_config(None, {"engine": {"structured_output_fill": "thread", "structured_output_fill_processes": 2}})
+    config = load_config(None, {"engine": {"structured_output_fill_processes": 2}})
+    assert config.engine.structured_output_fill == "auto" and config.engine.structured_output_fill_processes == 2

@@ -37,10 +37,14 @@ def test_constrained_greedy_on_gpu_equals_transformers(tmp_path, tokenizer_files
     prompts = [[1, 5, 9, 100 + index, 31, 7 * index] for index in range(32)]
     expected = hf_constrained_greedy(folder, prompts, TOOL_CALL, 40)
     llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "float32", "max_num_seqs": 32})
-    assert llm.engine.runner.graphs and llm.engine.core.async_scheduling
+    runner = llm.engine.runner
+    assert runner.graphs and llm.engine.core.async_scheduling and runner.mask_graphs is not None
+    real, replays = runner.mask_graphs.sample, []
+    runner.mask_graphs.sample = lambda *args: replays.append(args[:2]) or real(*args)
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
     outputs = llm.generate(prompts, params)
     llm.close()
+    assert len(replays) >= 30  # the decode steps masked and sampled in the mask graph (CUDA graphs)
     for output, reference in zip(outputs, expected):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS

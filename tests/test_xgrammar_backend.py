@@ -291,14 +291,67 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
             assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
 
 
-@pytest.mark.parametrize("fill", ["thread", "process"])
+def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_llama, one_torch_thread, eager_replay_platform,
+                                                                        monkeypatch):
+    """Decode graphs (replayed eagerly here, through the runner's static buffers and padding) and the mask graph
+    after each: constrained greedy requests equal transformers under xgrammar's own processor, with a free request
+    in the batch (an unmasked row of the graph) and steps whose batch is padded to the captured size; a batch with
+    a request that wants logprobs takes the unfused path instead, with the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from weft import LLM, SamplingParams
+    from weft.builtins.torch_attention import TorchAttention
+
+    # Torch's attention reads the static buffers as any batch: replayed eagerly, it stands in for a capturable one.
+    monkeypatch.setattr(TorchAttention, "supports_graph_capture", True)
+    prompts = [[1, 5, 9, 500 + index, 31, 4 * index] for index in range(5)]
+    constrained = [0, 1, 3, 4]
+    expected = dict(zip(constrained, hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 24)))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        free = model.generate(torch.tensor([prompts[2]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
+                              do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 6:].tolist()
+    schema = StructuredOutputsParams(json=TOOL_CALL)
+    engine = {"max_num_seqs": 8, "graph_batch_sizes": [1, 2, 4, 8], "async_scheduling": True, "max_model_len": 64}
+    with LLM(model=str(tiny_llama), use={"ops": {"bitmask_argmax": "torch"}}, engine=engine) as llm:
+        runner = llm.engine.runner
+        assert runner.mask_graphs is not None and sorted(runner.mask_graphs.graphs) == [1, 2, 4, 8]
+        real, sampled = runner.mask_graphs.sample, []
+
+        def counted(size, count, rows, bitmask):
+            sampled.append((size, count))
+            return real(size, count, rows, bitmask)
+
+        runner.mask_graphs.sample = counted
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if index == 2 else
+                  SamplingParams(temperature=0, max_tokens=14 + 2 * index, structured_outputs=schema)
+                  for index in range(len(prompts))]
+        outputs = llm.generate(prompts, params)
+        assert any(size > count for size, count in sampled) and len({size for size, _ in sampled}) > 1  # padded rows
+        assert outputs[2].outputs[0].token_ids == free
+        for index in constrained:
+            tokens, reference = outputs[index].outputs[0].token_ids, expected[index]
+            assert tokens == reference[: len(tokens)], index
+            assert len(tokens) == params[index].max_tokens or len(reference) - len(tokens) <= 1, index  # HF keeps EOS
+        calls = len(sampled)
+        with_logprobs = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema, logprobs=index % 2 or None)
+                         for index in range(2)]
+        unfused = llm.generate([prompts[0], prompts[1]], with_logprobs)
+        assert len(sampled) == calls
+        for index in range(2):
+            tokens = unfused[index].outputs[0].token_ids
+            assert tokens == expected[index][: len(tokens)]
+
+
+@pytest.mark.parametrize("fill", ["thread", "process", "process-2"])
 def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread, fill):
     """Asynchronous scheduling, each step's bitmask filled on its own thread while the core schedules the
     next: 20 constrained requests (xgrammar's threaded fill) of staggered lengths, with unconstrained ones
     among them (the masked rows are not the batch's first ones), each equal to transformers (under
     xgrammar's own logits processor for the constrained ones). A mask filled before the previous token
     was accepted, or a token accepted twice or out of order, breaks the equality. ``process``: the matchers in
-    the fill process (``engine.structured_output_fill``); once every request ended, it holds none of them."""
+    the fill process (``engine.structured_output_fill``); once every request ended, it holds none of them.
+    ``process-2``: two fill processes, each holding its share of the matchers and filling its rows."""
     from transformers import AutoModelForCausalLM
 
     from weft import LLM, SamplingParams
@@ -317,16 +370,20 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
     schema = StructuredOutputsParams(json=TOOL_CALL)
     params = [SamplingParams(temperature=0, max_tokens=length, structured_outputs=None if index in free else schema)
               for index, length in enumerate(lengths)]
-    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": fill}
+    processes = 2 if fill == "process-2" else None
+    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": fill.partition("-")[0],
+              "structured_output_fill_processes": processes}
     with LLM(model=str(tiny_llama), engine=engine) as llm:
         assert llm.engine.core.async_scheduling
         outputs = llm.generate(prompts, params)
         manager = llm.engine.core.structured_outputs
-        assert manager.fills_in_process is (fill == "process")
-        if fill == "process":
-            process = manager._process.result()
-            process.step([], [], [])  # carries the drops
-            assert process.held() == (0, 1)  # no matcher left; the one schema stays compiled
+        assert manager.fills_in_process is (fill != "thread")
+        if fill != "thread":
+            group = manager._process.result()
+            assert len(group.children) == (processes or 1)
+            group.step([], [], [])  # carries the drops
+            # No matcher left; the one schema stays compiled, in each child (each held some of the 20 matchers).
+            assert group.held() == (0, processes or 1)
     for index, output in enumerate(outputs):
         tokens, reference = output.outputs[0].token_ids, expected[index]
         assert tokens == reference[: len(tokens)], index  # HF keeps the final EOS; the length caps the rest
@@ -455,6 +512,79 @@ def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_i
     for output, reference in zip(outputs, expected):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
+
+
+def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, tokenizer):
+    """Three children polling for their messages (``spin``): each new matcher goes to the child holding the fewest,
+    a step's rows come back in child order equal to the backend's own fill, a dropped matcher's token and row are
+    left out, and a child that fails answers with its error after the others were read (the next step still
+    works)."""
+    from weft.engine.grammar_process import FillGroup
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    words = bitmask_words(tokenizer.vocab_size)
+    text = tokenizer.encode('{"a": 12, "b": "x"}', add_special_tokens=False)
+    group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, words, processes=3, spin=0.001)
+    try:
+        handles = [group.new_handle() for _ in range(7)]
+        assert [group._owner[handle] for handle in handles] == [0, 1, 2, 0, 1, 2, 0]
+        payload = backend.serialize_compiled(compiled)
+        reply = group.step([(handle, 0, payload) for handle in handles], [], handles)
+        assert sorted(reply.filled) == handles and not reply.ended and not reply.refused
+        assert reply.filled == [0, 3, 6, 1, 4, 2, 5]  # child after child
+        local = [backend.matcher(compiled) for _ in handles]
+        group.drop(handles[4])  # its token below is left out
+        for step in range(3):
+            accepted = [(handle, text[step]) for handle in handles]
+            live = [handle for handle in handles if handle != handles[4]]
+            reply = group.step([], accepted, handles)
+            assert reply.filled == [handle for handle in [0, 3, 6, 1, 4, 2, 5] if handle in live]
+            for matcher in local:
+                assert matcher.accept_token(text[step])
+            expected = torch.zeros(len(reply.filled), words, dtype=torch.int32)
+            backend.fill_bitmasks([local[handle] for handle in reply.filled], expected)
+            rows = torch.frombuffer(bytearray(group.rows(len(reply.filled))), dtype=torch.int32).view(-1, words)
+            assert torch.equal(rows, expected)
+            assert group.rows(2) == group.rows(len(reply.filled))[: 2 * words * 4]
+        assert group.held() == (6, 3)
+        gone = group.new_handle()  # made, and its request ended, before its first step
+        group.drop(gone)
+        group.step([(gone, 0, payload)], [], [gone])
+        assert group.held() == (6, 3)
+        new = group.new_handle()
+        assert group._owner[new] == 1  # child 1 lost handle 4: it holds the fewest
+        with pytest.raises(RuntimeError, match="fill process failed"):
+            group.step([(new, 99, b"not a compiled grammar")], [(handles[0], text[3])], handles[:1] + [new])
+        reply = group.step([], [(handles[0], text[4])], [handles[0]])  # child 0 took text[3] in the failed step
+        assert reply.filled == [handles[0]] and not reply.refused
+        assert local[0].accept_token(text[3])
+        expected = torch.zeros(1, words, dtype=torch.int32)
+        backend.fill_bitmasks([local[0]], expected)
+        assert not torch.equal(torch.frombuffer(bytearray(group.rows(1)), dtype=torch.int32), expected[0])
+        assert local[0].accept_token(text[4])
+        backend.fill_bitmasks([local[0]], expected)
+        assert torch.equal(torch.frombuffer(bytearray(group.rows(1)), dtype=torch.int32), expected[0])
+    finally:
+        group.close()
+    assert all(not child._process.is_alive() for child in group.children)
+
+
+def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
+    """One child (its messages passed on whole): a request that ended before its matcher's first step sends the
+    matcher and its drop in the same message; the child makes it, then drops it."""
+    from weft.engine.grammar_process import FillGroup
+
+    compiled = backend.compile(StructuredOutputsParams(regex="[ab]+"))
+    group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size))
+    try:
+        kept, gone = group.new_handle(), group.new_handle()
+        group.drop(gone)
+        payload = backend.serialize_compiled(compiled)
+        reply = group.step([(kept, 0, payload), (gone, 0, payload)], [], [kept, gone])
+        assert reply.filled == [kept] and group.held() == (1, 1)
+    finally:
+        group.close()
 
 
 @pytest.mark.parametrize(("constraint", "fragment"), [

@@ -124,6 +124,10 @@ class EngineConfig(_Section, frozen=True):
                          "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
                          "beside the core's work); auto: a process on machines of 8 CPUs or more where the backend can"),
     ] = "auto"
+    structured_output_fill_processes: Annotated[
+        int, Meta(ge=1, le=64, description="fill processes sharing the matchers (each accepts and fills its own rows of a "
+                                           "step, beside the others); default: one per 4 CPUs, at most 4")
+    ] | None = None
     distributed_executor_backend: Annotated[
         str,
         Meta(description="executor plugin that runs the model on workers: uniproc (one worker in the engine core's "
@@ -273,6 +277,7 @@ def load_config(
         raise ConfigError(_explain(error, raw, WeftConfig, source, override_paths)) from None
     _check_parallel(config, source, override_paths)
     _check_generation_config(config, source, override_paths)
+    _check_structured_output_fill(config, source, override_paths)
     if config.plugins:
         from weft.plugins import PluginRegistry
 
@@ -362,6 +367,18 @@ def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -
         raise ConfigError(
             f"{where('distributed.node_rank', 'distributed.nnodes')}: engine.distributed.node_rank = {node_rank} but "
             f"engine.distributed.nnodes = {nodes}; node ranks run from 0 to {nodes - 1}"
+        )
+
+
+def _check_structured_output_fill(config: WeftConfig, source: str, override_paths: set[str]) -> None:
+    engine = config.engine
+    if engine.structured_output_fill == "thread" and engine.structured_output_fill_processes is not None:
+        keys = ("structured_output_fill", "structured_output_fill_processes")
+        where = OVERRIDE_SOURCE if any(_set_by_override(["engine", key], override_paths) for key in keys) else source
+        raise ConfigError(
+            f"{where}: engine.structured_output_fill_processes = {engine.structured_output_fill_processes} but "
+            f"engine.structured_output_fill = 'thread' fills on a thread of the engine core, in no process; set "
+            f"structured_output_fill to 'process' (or 'auto'), or remove structured_output_fill_processes"
         )
 
 

@@ -13,6 +13,16 @@ the core grows (a new segment) when a step needs more rows; the reply says which
 and which ones ended or refused a token.
 
 Matchers are named by handles the core numbers (a request id can come back after its request ended).
+
+A step's work splits across several such children (:class:`FillGroup`, ``engine.structured_output_fill_processes``):
+each holds the matchers it was given (a new one goes to the child holding the fewest) and accepts and fills only
+theirs, so a step's round trip takes its share of the batch rather than the whole. On the GPU machine's CPU one
+child took 1.29 ms for 32 rows of the records schema, four took 0.62-0.76 ms, while xgrammar's own threads
+gained nothing past one (``bench/structured_output.py``, docs/benchmarks.md).
+
+Both ends wait for a message by polling it for a while before they sleep in the read (``spin``): on that machine
+a sleeping process took a large share of the round trip to wake up, and a step's message comes every few
+milliseconds while requests decode.
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
+import select
+import time
 import traceback
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from multiprocessing import shared_memory
@@ -38,6 +51,41 @@ T = TypeVar("T")
 
 START_SECONDS = 120.0
 """How long the child may take to start and build its backend."""
+
+SPIN_SECONDS = 0.005
+"""How long each end polls for the other's next message before it sleeps in the read (machines of
+:data:`SPIN_MIN_CPUS` CPUs or more: on fewer, a polling process takes the CPU the other end needs)."""
+
+SPIN_MIN_CPUS = 8
+
+
+def default_spin() -> float:
+    return SPIN_SECONDS if (os.cpu_count() or 1) >= SPIN_MIN_CPUS else 0.0
+
+
+def default_processes() -> int:
+    """Children of a :class:`FillGroup` when ``engine.structured_output_fill_processes`` is not set: one per
+    4 CPUs, at most 4 (on 2 CPUs, one)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+class Mailbox:
+    """One end of the pipe, read after polling it for up to ``spin`` seconds (then a sleeping read)."""
+
+    __slots__ = ("conn", "spin", "_poller")
+
+    def __init__(self, conn: Connection, spin: float) -> None:
+        self.conn = conn
+        self.spin = spin
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def recv(self) -> Any:
+        if self.spin > 0 and not self._poller.poll(0):
+            deadline = time.perf_counter() + self.spin
+            while not self._poller.poll(0) and time.perf_counter() < deadline:
+                pass
+        return self.conn.recv()
 
 
 class StepReply:
@@ -59,16 +107,17 @@ class FillProcess:
     except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
 
     def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
-                 words: int) -> None:
+                 words: int, spin: float | None = None, name: str = "weft-grammar-fill", wait: bool = True) -> None:
         self.words = words
         """int32 words of one bitmask row."""
+        spin = default_spin() if spin is None else spin
         context = multiprocessing.get_context("spawn")  # the core may hold a CUDA context: no fork
         self._conn, child = context.Pipe()
+        self._mailbox = Mailbox(self._conn, spin)
         self._rows = 0
         self._memory: shared_memory.SharedMemory | None = None
         self._process = context.Process(
-            target=serve, args=(child, backend_class, options, vocabulary, words), daemon=True,
-            name="weft-grammar-fill",
+            target=serve, args=(child, backend_class, options, vocabulary, words, spin), daemon=True, name=name,
         )
         self._process.start()
         child.close()
@@ -80,10 +129,20 @@ class FillProcess:
         self._unread = 0
         """Step answers sent by the child and not read yet (a read interrupted, a step abandoned): read before
         the next message, so each answer is read with its own step."""
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until the child built its backend (RuntimeError, the child stopped, when it failed or took
+        over :data:`START_SECONDS`)."""
         if not self._conn.poll(START_SECONDS):
             self.close()
             raise RuntimeError(f"the structured-output fill process did not start within {START_SECONDS:.0f} s")
-        self._receive()
+        try:
+            self._receive()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int | None:
@@ -161,7 +220,7 @@ class FillProcess:
 
     def _read(self) -> tuple[str, Any]:
         try:
-            return self._conn.recv()
+            return self._mailbox.recv()
         except (EOFError, OSError) as error:
             raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
 
@@ -189,9 +248,137 @@ class FillProcess:
             self._memory = None
 
 
+class FillGroup:
+    """Several :class:`FillProcess` children sharing the matchers, seen by the core as one (the same methods): each
+    matcher lives in one child (a new one in the child holding the fewest), a step's message goes to every child
+    with its own matchers' part, and the filled rows come back in child order. Used from one thread at a time
+    (the engine core's), except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
+
+    def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
+                 words: int, processes: int = 1, spin: float | None = None) -> None:
+        if processes < 1:
+            raise ValueError(f"a fill group needs at least one process, not {processes}")
+        self.words = words
+        self.children: list[FillProcess] = []
+        try:
+            for index in range(processes):  # all start, then each is waited for
+                self.children.append(FillProcess(backend_class, options, vocabulary, words, spin,
+                                                 name=f"weft-grammar-fill-{index}", wait=False))
+            for child in self.children:
+                child.wait_started()
+        except BaseException:
+            self.close()
+            raise
+        self._handles = itertools.count()
+        self._owner: dict[int, int] = {}
+        """Each live matcher's child."""
+        self._load = [0] * processes
+        """Live matchers per child."""
+        self._filled: list[int] = []
+        """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
+
+    @property
+    def pid(self) -> int | None:
+        return self.children[0].pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [child.pid for child in self.children]
+
+    def new_handle(self) -> int:
+        handle = next(self._handles)
+        child = min(range(len(self._load)), key=self._load.__getitem__)
+        self._owner[handle] = child
+        self._load[child] += 1
+        return handle
+
+    def drop(self, handle: int) -> None:
+        child = self._owner.pop(handle, None)
+        if child is not None:
+            self._load[child] -= 1
+            self.children[child].drop(handle)
+
+    def forget(self, key: int) -> None:
+        for child in self.children:
+            child.forget(key)
+
+    def step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> StepReply:
+        self.send_step(matchers, accepted, fill)
+        return self.receive_step()
+
+    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> None:
+        """:meth:`FillProcess.send_step` to every child, each with its own matchers' part (a dropped matcher's
+        tokens and rows are left out: its child no longer holds it)."""
+        if len(self.children) == 1:
+            self.children[0].send_step(matchers, accepted, fill)  # a dropped matcher's part is skipped there
+            return
+        parts: list[tuple[list, list, list]] = [([], [], []) for _ in self.children]
+        owner = self._owner
+        for made in matchers:
+            if (child := owner.get(made[0])) is not None:
+                parts[child][0].append(made)
+        for item in accepted:
+            if (child := owner.get(item[0])) is not None:
+                parts[child][1].append(item)
+        for handle in fill:
+            if (child := owner.get(handle)) is not None:
+                parts[child][2].append(handle)
+        for child, part in zip(self.children, parts, strict=True):
+            child.send_step(*part)
+
+    def receive_step(self) -> StepReply:
+        """Every child's answer to the last :meth:`send_step`, in child order (one child failing raises once the
+        others were read, so none is left for the next step but the one that failed)."""
+        filled: list[int] = []
+        ended: list[int] = []
+        refused: list[tuple[int, int]] = []
+        counts: list[int] = []
+        error: BaseException | None = None
+        for child in self.children:
+            try:
+                reply = child.receive_step()
+            except BaseException as failure:  # KeyboardInterrupt included: the rest are read with the next step
+                if not isinstance(failure, Exception):
+                    raise
+                error = error or failure
+                counts.append(0)
+                continue
+            filled += reply.filled
+            ended += reply.ended
+            refused += reply.refused
+            counts.append(len(reply.filled))
+        if error is not None:
+            raise error
+        self._filled = counts
+        return StepReply(filled, ended, refused)
+
+    def rows(self, count: int) -> bytes:
+        """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order)."""
+        parts = []
+        for child, filled in zip(self.children, self._filled, strict=True):
+            if count <= 0:
+                break
+            take = min(count, filled)
+            if take:
+                parts.append(child.rows(take))
+            count -= take
+        return b"".join(parts)
+
+    def held(self) -> tuple[int, int]:
+        """Matchers and compiled constraints the children hold, summed (a constraint counts once per child
+        holding it)."""
+        answers = [child.held() for child in self.children]
+        return sum(matchers for matchers, _ in answers), sum(compiled for _, compiled in answers)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
 def serve(conn: Connection, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
-          words: int) -> None:
+          words: int, spin: float = 0.0) -> None:
     """The child: build the backend, then answer the core's messages until it says close."""
+    mailbox = Mailbox(conn, spin)
     try:
         backend = backend_class(options, vocabulary)
     except BaseException:
@@ -204,7 +391,7 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
     bitmask = None
     while True:
         try:
-            message = conn.recv()
+            message = mailbox.recv()
         except EOFError:
             break
         if message[0] == "close":
@@ -224,14 +411,15 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
                 conn.send(("ok", None))
                 continue
             _, made, dropped, forgotten, accepted, fill = message
-            for handle in dropped:
-                matchers.pop(handle, None)
-            for key in forgotten:
-                compiled.pop(key, None)
+            # Made before the drops: a request that ended before its matcher's first step drops it in the same message.
             for handle, key, payload in made:
                 if payload is not None:
                     compiled[key] = backend.deserialize_compiled(payload)
                 matchers[handle] = backend.matcher(compiled[key])
+            for handle in dropped:
+                matchers.pop(handle, None)
+            for key in forgotten:
+                compiled.pop(key, None)
             ended, refused = _accept(backend, matchers, accepted)
             live = [handle for handle in fill if handle in matchers]
             if live:

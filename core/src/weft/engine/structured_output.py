@@ -25,9 +25,10 @@ result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags m
 only ever turn true, so a stale one costs a step that waits for a mask its request no longer
 needs (the fill leaves it out), never a wrong token.
 
-With the matchers in the fill process (``engine.structured_output_fill``, :mod:`weft.engine.grammar_process`)
-no thread of the core takes part: the core's own thread sends each step's message as it asks for the fill,
-and reads the answer when it takes the result (:class:`RemoteReply`).
+With the matchers in fill processes (``engine.structured_output_fill``, :mod:`weft.engine.grammar_process`;
+``engine.structured_output_fill_processes`` of them, each holding its share of the matchers) no thread of the
+core takes part: the core's own thread sends each step's message as it asks for the fill, and reads the
+answers when it takes the result (:class:`RemoteReply`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import FillProcess, distinct_batches
+from weft.engine.grammar_process import FillGroup, default_processes, distinct_batches
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -100,8 +101,9 @@ class StructuredOutputManager:
         """Tokens generated since the last fill, for their matchers, in order."""
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
-        self._process: Future[FillProcess] | None = None
-        """The fill process (``engine.structured_output_fill``); None: the fill thread fills."""
+        self._process: Future[FillGroup] | None = None
+        """The fill processes (``engine.structured_output_fill``, ``engine.structured_output_fill_processes``);
+        None: the fill thread fills."""
         self._made: list[tuple[int, int, bytes]] = []
         """Matchers made since the last fill, for the fill process: ``(handle, key, compiled)``."""
         self._keys = itertools.count()
@@ -204,7 +206,7 @@ class StructuredOutputManager:
         return reply
 
     @staticmethod
-    def _finish_remote(process: FillProcess, live: list[tuple[str, ConstraintState, int]],
+    def _finish_remote(process: FillGroup, live: list[tuple[str, ConstraintState, int]],
                        masked: list[tuple[str, ConstraintState]]) -> GrammarOutput:
         """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints."""
         reply = process.receive_step()
@@ -292,11 +294,13 @@ class StructuredOutputManager:
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
 
-    def _start_process(self) -> FillProcess:
+    def _start_process(self) -> FillGroup:
         backend = self._backend.result()  # type: ignore[union-attr]
-        process = FillProcess(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size))
-        logger.info("structured outputs: bitmasks filled in a process of their own (pid %d)", process.pid)
-        return process
+        count = self.config.engine.structured_output_fill_processes or default_processes()
+        group = FillGroup(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count)
+        logger.info("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
+                    "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
+        return group
 
     def _build_backend(self) -> StructuredOutputBackend:
         from weft.resolve import load_tokenizer, options_for
@@ -363,7 +367,7 @@ class RemoteMatcher:
 
     __slots__ = ("handle", "release", "__weakref__")
 
-    def __init__(self, process: FillProcess) -> None:
+    def __init__(self, process: FillGroup) -> None:
         self.handle = process.new_handle()
         self.release = weakref.finalize(self, process.drop, self.handle)
         """Drop it now (once; its tokens still queued are then skipped)."""
@@ -378,14 +382,15 @@ def _refused(request_id: str, state: ConstraintState, token_id: int) -> None:
 
 def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputBackend]) -> bool:
     """``engine.structured_output_fill``: "process" (refused for a backend that cannot), "thread", or "auto" (a
-    process where the backend can and the machine has 8 CPUs or more: on fewer the process's CPU is one the
-    core's own work needs)."""
+    process where the backend can and the machine has 8 CPUs or more, or ``engine.structured_output_fill_processes``
+    is set: on fewer the process's CPU is one the core's own work needs)."""
     setting = config.engine.structured_output_fill
     if setting == "process" and not backend_class.fills_in_a_process():
         raise ValueError(f"engine.structured_output_fill = 'process', but the {backend_class.name!r} structured-output "
                          "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'")
     if setting == "auto":
-        return backend_class.fills_in_a_process() and (os.cpu_count() or 1) >= 8
+        return backend_class.fills_in_a_process() and (
+            (os.cpu_count() or 1) >= 8 or config.engine.structured_output_fill_processes is not None)
     return setting == "process"
 
 

@@ -68,9 +68,7 @@ class TokenBitmask:
         of ``logits`` may be left masked."""
         count, total = len(rows), logits.shape[0]
         words = _row_words(bitmask, count, logits.shape[-1])
-        mask_rows = numpy.full(total, -1, dtype=numpy.int32)
-        mask_rows[rows] = numpy.arange(count, dtype=numpy.int32)
-        staged = self._stage(mask_rows, bitmask)
+        staged = self._stage(mask_rows_of(total, rows), bitmask)
         return op(logits, staged[:total], staged[_words_at(total) :].view(count, words))
 
     def _stage(self, rows: numpy.ndarray, bitmask: bytes) -> torch.Tensor:
@@ -91,6 +89,13 @@ class TokenBitmask:
         self._copied.record()  # type: ignore[union-attr]
         self._copying = True
         return staged
+
+
+def mask_rows_of(total: int, rows: list[int]) -> numpy.ndarray:
+    """``bitmask_argmax``'s mask indices for ``total`` logits rows: ``i`` at ``rows[i]``, -1 (unmasked) elsewhere."""
+    mask_rows = numpy.full(total, -1, dtype=numpy.int32)
+    mask_rows[rows] = numpy.arange(len(rows), dtype=numpy.int32)
+    return mask_rows
 
 
 def bitmask_penalty(words: torch.Tensor, dtype: torch.dtype, vocab: int) -> torch.Tensor:

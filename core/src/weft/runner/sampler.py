@@ -179,7 +179,7 @@ class Sampler:
         """
         if all(plain_greedy(request) for request in requests):
             tokens, healthy = greedy_maxima(logits)
-            return SampledBatch(tokens, _status(healthy))
+            return SampledBatch(tokens, greedy_status(healthy))
         top = max((request.params.logprobs for request in requests if request.params.logprobs is not None), default=None)
         try:
             return self._sample_rows(logits, requests, top, counts)
@@ -238,11 +238,13 @@ def draw_seed(seed: int, position: int) -> int:
 
 def greedy_batch(tokens: torch.Tensor, healthy: torch.Tensor) -> SampledBatch:
     """A batch of greedy tokens sampled elsewhere (``healthy``: whether each row's maximum was finite)."""
-    return SampledBatch(tokens, _status(healthy))
+    return SampledBatch(tokens, greedy_status(healthy))
 
 
-def _status(healthy: torch.Tensor) -> torch.Tensor:
+def greedy_status(healthy: torch.Tensor) -> torch.Tensor:
+    """Each greedy row's status: sampled, or non-finite logits where its maximum was not finite."""
     return torch.where(healthy, SAMPLED, NON_FINITE)
+
 
 
 def _failed_row(device: torch.device, top: int | None, request: Request) -> SampledBatch:

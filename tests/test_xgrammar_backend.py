@@ -341,6 +341,9 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
         for index in range(2):
             tokens = unfused[index].outputs[0].token_ids
             assert tokens == expected[index][: len(tokens)]
+    # Structured outputs turned off: no op for them and no mask graph.
+    with LLM(model=str(tiny_llama), use={"structured_output": "none"}, engine=engine) as llm:
+        assert llm.engine.runner.graphs and llm.engine.runner.mask_graphs is None and llm.engine.runner.bitmask_argmax is None
 
 
 @pytest.mark.parametrize("fill", ["thread", "process", "process-2"])
@@ -519,7 +522,7 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
     a step's rows come back in child order equal to the backend's own fill, a dropped matcher's token and row are
     left out, and a child that fails answers with its error after the others were read (the next step still
     works)."""
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.grammar_process import FillFailed, FillGroup
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
     compiled = backend.compile(StructuredOutputsParams(json=schema))
@@ -554,8 +557,9 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
         assert group.held() == (6, 3)
         new = group.new_handle()
         assert group._owner[new] == 1  # child 1 lost handle 4: it holds the fewest
-        with pytest.raises(RuntimeError, match="fill process failed"):
+        with pytest.raises(FillFailed, match="fill process failed") as failed:
             group.step([(new, 99, b"not a compiled grammar")], [(handles[0], text[3])], handles[:1] + [new])
+        assert failed.value.reply.ended == [] and failed.value.reply.refused == []  # child 0's report, nothing ended
         reply = group.step([], [(handles[0], text[4])], [handles[0]])  # child 0 took text[3] in the failed step
         assert reply.filled == [handles[0]] and not reply.refused
         assert local[0].accept_token(text[3])
@@ -583,6 +587,12 @@ def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
         payload = backend.serialize_compiled(compiled)
         reply = group.step([(kept, 0, payload), (gone, 0, payload)], [], [kept, gone])
         assert reply.filled == [kept] and group.held() == (1, 1)
+        # The core forgets the constraint and a new matcher sends it again, in one message; a third goes without it.
+        group.forget(0)
+        again, third = group.new_handle(), group.new_handle()
+        group.step([(again, 0, payload)], [], [])
+        reply = group.step([(third, 0, payload)], [], [kept, again, third])
+        assert reply.filled == [kept, again, third] and group.held() == (3, 1)
     finally:
         group.close()
 

@@ -248,6 +248,15 @@ class FillProcess:
             self._memory = None
 
 
+class FillFailed(RuntimeError):
+    """A fill child answered a step with an error; ``reply`` holds what the other children did (their ended and
+    refused matchers are gone from them all the same)."""
+
+    def __init__(self, message: str, reply: StepReply) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
 class FillGroup:
     """Several :class:`FillProcess` children sharing the matchers, seen by the core as one (the same methods): each
     matcher lives in one child (a new one in the child holding the fewest), a step's message goes to every child
@@ -323,17 +332,21 @@ class FillGroup:
         for handle in fill:
             if (child := owner.get(handle)) is not None:
                 parts[child][2].append(handle)
+        for child in self.children:  # every earlier answer read before any child gets this message
+            child._drain()
         for child, part in zip(self.children, parts, strict=True):
             child.send_step(*part)
 
     def receive_step(self) -> StepReply:
-        """Every child's answer to the last :meth:`send_step`, in child order (one child failing raises once the
-        others were read, so none is left for the next step but the one that failed)."""
+        """Every child's answer to the last :meth:`send_step`, in child order. A child that failed raises
+        :class:`FillFailed` once the others were read (none is left for the next step), with their ended and
+        refused matchers."""
         filled: list[int] = []
         ended: list[int] = []
         refused: list[tuple[int, int]] = []
         counts: list[int] = []
         error: BaseException | None = None
+        self._filled = [0] * len(self.children)
         for child in self.children:
             try:
                 reply = child.receive_step()
@@ -348,7 +361,7 @@ class FillGroup:
             refused += reply.refused
             counts.append(len(reply.filled))
         if error is not None:
-            raise error
+            raise FillFailed(str(error), StepReply([], ended, refused)) from error
         self._filled = counts
         return StepReply(filled, ended, refused)
 
@@ -411,15 +424,20 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
                 conn.send(("ok", None))
                 continue
             _, made, dropped, forgotten, accepted, fill = message
-            # Made before the drops: a request that ended before its matcher's first step drops it in the same message.
+            # Forgotten first: a key forgotten and sent again in one message holds the new bytes. Dropped before
+            # the matchers are made, and a dropped one is not made (a request that ended before its matcher's first
+            # step drops it in the same message); its compiled constraint is kept all the same (the core counts
+            # it sent).
+            for key in forgotten:
+                compiled.pop(key, None)
+            for handle in dropped:
+                matchers.pop(handle, None)
+            gone = set(dropped)
             for handle, key, payload in made:
                 if payload is not None:
                     compiled[key] = backend.deserialize_compiled(payload)
-                matchers[handle] = backend.matcher(compiled[key])
-            for handle in dropped:
-                matchers.pop(handle, None)
-            for key in forgotten:
-                compiled.pop(key, None)
+                if handle not in gone:
+                    matchers[handle] = backend.matcher(compiled[key])
             ended, refused = _accept(backend, matchers, accepted)
             live = [handle for handle in fill if handle in matchers]
             if live:

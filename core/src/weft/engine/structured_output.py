@@ -47,7 +47,7 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import FillGroup, default_processes, distinct_batches
+from weft.engine.grammar_process import FillFailed, FillGroup, StepReply, default_processes, distinct_batches
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -208,15 +208,24 @@ class StructuredOutputManager:
     @staticmethod
     def _finish_remote(process: FillGroup, live: list[tuple[str, ConstraintState, int]],
                        masked: list[tuple[str, ConstraintState]]) -> GrammarOutput:
-        """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints."""
-        reply = process.receive_step()
+        """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints (what the children
+        that did not fail report is applied before a failure raises)."""
         by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
         by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
-        for handle in reply.ended:
-            by_handle[handle][1].terminated = True
-        for handle, token_id in reply.refused:
-            request_id, state = by_handle[handle]
-            _refused(request_id, state, token_id)
+
+        def apply(reply: StepReply) -> None:
+            for handle in reply.ended:
+                by_handle[handle][1].terminated = True
+            for handle, token_id in reply.refused:
+                request_id, state = by_handle[handle]
+                _refused(request_id, state, token_id)
+
+        try:
+            reply = process.receive_step()
+        except FillFailed as failure:
+            apply(failure.reply)
+            raise
+        apply(reply)
         filled = [by_handle[handle][0] for handle in reply.filled]
         return GrammarOutput(filled, process.rows(len(filled)) if filled else b"")
 

@@ -217,6 +217,9 @@ class MaskGraphs:
         """Where the bitmask words start in the buffers (16-byte aligned, as the kernel is compiled)."""
         size = self.offset + largest * self.words
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=runner.device)
+        self.output = torch.zeros(2, largest, dtype=torch.long, device=runner.device)
+        """Tokens then statuses, written by every mask graph: outside the graphs' memory pool, which a decode
+        graph's replay may reuse for its own work."""
         accelerated = runner.device.type != "cpu"
         self.host = torch.empty(size, dtype=torch.int32, pin_memory=accelerated)
         self._copied = torch.Event(device=runner.device) if accelerated else None
@@ -230,12 +233,21 @@ class MaskGraphs:
         logits = self.runner.graph_logits[size]
         words = self.device_buffer[self.offset :].view(-1, self.words)[:size]
         tokens, healthy = self.runner.bitmask_argmax(logits, self.device_buffer[:size], words)  # type: ignore[misc]
-        return torch.stack([tokens, greedy_status(healthy)])
+        output = self.output[:, :size]
+        output[0].copy_(tokens)
+        output[1].copy_(greedy_status(healthy))
+        return output
+
+    def fits(self, rows: list[int], bitmask: bytes) -> bool:
+        """Whether ``bitmask`` has this graph's row width (one sized for a wider vocabulary takes the unfused path)."""
+        return len(bitmask) == len(rows) * self.words * 4
 
     def sample(self, size: int, count: int, rows: list[int], bitmask: bytes) -> SampledBatch:
-        """The first ``count`` rows' tokens (bitmask row ``i`` masks logits row ``rows[i]``)."""
+        """The first ``count`` rows' tokens (bitmask row ``i`` masks logits row ``rows[i]``, :meth:`fits`), views of
+        :attr:`output`, valid until the next mask graph's replay: the next step reads them (its inputs; their copy
+        to the host is queued at once) before it samples."""
         masked = len(rows)
-        if len(bitmask) != masked * self.words * 4:
+        if not self.fits(rows, bitmask):
             raise ValueError(f"the grammar bitmask holds {len(bitmask) // 4} int32 words for {masked} rows; "
                              f"the logits need {self.words} a row")
         if self._copying:
@@ -353,7 +365,8 @@ class ModelRunner:
                 # Every row greedy: the mask and the argmax in one op (one kernel where the platform has it),
                 # replayed with the status in one graph after a decode graph (every row of it samples).
                 size = awaiting.graph_size
-                if self.mask_graphs is not None and size is not None and len(awaiting.sampling) == len(awaiting.states):
+                if (self.mask_graphs is not None and size is not None and len(awaiting.sampling) == len(awaiting.states)
+                        and self.mask_graphs.fits(rows, grammar.bitmask)):
                     sampled = self.mask_graphs.sample(size, len(awaiting.states), rows, grammar.bitmask)
                 else:
                     tokens, healthy = self.token_bitmask.argmax(awaiting.logits, rows, grammar.bitmask, self.bitmask_argmax)
@@ -573,7 +586,10 @@ class ModelRunner:
             self.captured_reader.capture_rows(max(sizes), max_model_len)
         for size in sorted(set(sizes), reverse=True):
             self.graphs[size] = platform.capture_graph(lambda size=size: self._captured_forward(size))
-        if self.bitmask_argmax is not None and self.logits_in_graph and self.parallel.layout.pipeline_parallel_size == 1:
+        # The reference op (torch's ops) would hold [rows, vocab] tensors in the graph pool, sized after the KV cache:
+        # only a fused op is captured on an accelerator (a CPU's "graphs" are replays, for tests).
+        fused = self.bitmask_argmax is not None and (not self.bitmask_argmax.reference or self.device.type == "cpu")
+        if fused and self.logits_in_graph and self.parallel.layout.pipeline_parallel_size == 1:
             largest = max(sizes)
             if largest not in self.graph_logits:  # a platform that captured without calling the forward yet
                 self._captured_forward(largest)

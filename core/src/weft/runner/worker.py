@@ -103,7 +103,7 @@ class Worker:
             else:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
-            if self.registry.names("structured_output"):
+            if self.structured_outputs:
                 # Its logits come in the model's dtype or float32: both variants compile at warm-up.
                 for dtype in (getattr(torch, self.dtype), torch.float32):
                     self.ops["bitmask_argmax"].declare(dtype=dtype)
@@ -116,6 +116,11 @@ class Worker:
             index = self.device.index if self.device.index is not None else 0
             available = int(self.platform.memory_info(index).free * engine.gpu_memory_utilization)
         return WorkerInfo(groups=list(self.groups), available_kv_bytes=available)
+
+    @property
+    def structured_outputs(self) -> bool:
+        """Whether requests may carry a constraint: a structured-output backend is installed and not turned off."""
+        return bool(self.registry.names("structured_output")) and self.config.use.structured_output != "none"
 
     def _choose_ops(self) -> dict[str, Any]:
         forced = self.config.use.ops
@@ -146,7 +151,7 @@ class Worker:
                                                 attention_layers)
         self.runner = ModelRunner(
             self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
-            self.kv_connector, self.parallel, self.ops["bitmask_argmax"],
+            self.kv_connector, self.parallel, self.ops["bitmask_argmax"] if self.structured_outputs else None,
         )
         compiled = self.kernels.warm_up()
         if compiled:

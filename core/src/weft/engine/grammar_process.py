@@ -57,6 +57,7 @@ SPIN_SECONDS = 0.005
 :data:`SPIN_MIN_CPUS` CPUs or more: on fewer, a polling process takes the CPU the other end needs)."""
 
 SPIN_MIN_CPUS = 8
+"""Also where ``engine.structured_output_fill = "auto"`` takes fill processes."""
 
 
 def default_spin() -> float:
@@ -171,7 +172,7 @@ class FillProcess:
         since the last step (``compiled`` is sent only for keys the child lacks); ``accepted``: ``(handle, token)``
         in generation order; ``fill``: handles whose row to fill if their matcher is still live after
         accepting. The answer: :meth:`receive_step` (one left unread is read and dropped before the next message)."""
-        self._drain()
+        self.drain()
         if len(fill) > self._rows:
             self._grow(len(fill))
         made = []
@@ -189,13 +190,14 @@ class FillProcess:
         self._unread -= 1  # read, an error the child answered included
         return self._answer(kind, value)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Read (and drop) every answer left unread."""
         while self._unread:
             self.receive_step()
 
     def held(self) -> tuple[int, int]:
         """Matchers and compiled constraints the child holds (the drops sent so far applied)."""
-        self._drain()
+        self.drain()
         self._conn.send(("held",))
         return self._receive()
 
@@ -206,7 +208,7 @@ class FillProcess:
 
     def _grow(self, rows: int) -> None:
         rows = max(rows, 2 * self._rows, 64)
-        self._drain()
+        self.drain()
         memory = shared_memory.SharedMemory(create=True, size=rows * self.words * 4)
         self._conn.send(("memory", memory.name, rows))
         self._receive()
@@ -267,7 +269,6 @@ class FillGroup:
                  words: int, processes: int = 1, spin: float | None = None) -> None:
         if processes < 1:
             raise ValueError(f"a fill group needs at least one process, not {processes}")
-        self.words = words
         self.children: list[FillProcess] = []
         try:
             for index in range(processes):  # all start, then each is waited for
@@ -285,10 +286,6 @@ class FillGroup:
         """Live matchers per child."""
         self._filled: list[int] = []
         """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
-
-    @property
-    def pid(self) -> int | None:
-        return self.children[0].pid
 
     @property
     def pids(self) -> list[int | None]:
@@ -333,7 +330,7 @@ class FillGroup:
             if (child := owner.get(handle)) is not None:
                 parts[child][2].append(handle)
         for child in self.children:  # every earlier answer read before any child gets this message
-            child._drain()
+            child.drain()
         for child, part in zip(self.children, parts, strict=True):
             child.send_step(*part)
 
@@ -349,10 +346,8 @@ class FillGroup:
         self._filled = [0] * len(self.children)
         for child in self.children:
             try:
-                reply = child.receive_step()
-            except BaseException as failure:  # KeyboardInterrupt included: the rest are read with the next step
-                if not isinstance(failure, Exception):
-                    raise
+                reply = child.receive_step()  # a KeyboardInterrupt leaves the rest to be read with the next step
+            except Exception as failure:
                 error = error or failure
                 counts.append(0)
                 continue

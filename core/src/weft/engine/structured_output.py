@@ -47,7 +47,9 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import FillFailed, FillGroup, StepReply, default_processes, distinct_batches
+from weft.engine.grammar_process import (
+    SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
+)
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -399,7 +401,7 @@ def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputB
                          "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'")
     if setting == "auto":
         return backend_class.fills_in_a_process() and (
-            (os.cpu_count() or 1) >= 8 or config.engine.structured_output_fill_processes is not None)
+            (os.cpu_count() or 1) >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
     return setting == "process"
 
 

@@ -96,8 +96,15 @@ class Timeline:
         if runner is not None:
             self.wrap(runner, "sample_tokens", "main: runner.sample_tokens (mask + argmax launch)")
             self.wrap(runner.token_bitmask, "argmax", "main: TokenBitmask.argmax")
+            if runner.mask_graphs is not None:
+                self.wrap(runner.mask_graphs, "sample", "main: MaskGraphs.sample (stage, copy, replay)")
         if core.scheduler.structured_outputs is not None:
             manager = core.scheduler.structured_outputs
+            if manager.fills_in_process:
+                group = manager._process.result()
+                self.wrap(group, "send_step", "main: FillGroup.send_step")
+                self.wrap(group, "receive_step", "main: FillGroup.receive_step (waits for the children)")
+                self.wrap(group, "rows", "main: FillGroup.rows")
             self.wrap(manager, "grammar_output", "main: send the fill's message")
             self.wrap(manager, "accept", "main: StructuredOutputManager.accept")
             self.wrap(manager, "_accept_and_fill", "fill thread: accept + fill")

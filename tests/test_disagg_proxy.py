@@ -178,9 +178,13 @@ def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight
             assert time.monotonic() < deadline, "the held request did not reach both legs"
             time.sleep(0.02)
         busy = {upstream.url for upstream in everyone if legs(upstream, "held")}
+        # Each decode answer is held back a second: a prefill leg runs beside its decode leg, and one still
+        # on its way when the decode answer ends is cancelled (test_the_prefill_leg_never_outlives_the_response), so
+        # on a loaded machine an instant answer could cancel the leg this test counts.
         for _ in range(4):
-            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_key="after"), timeout=30).status_code == 200
-        deadline = time.monotonic() + 10  # a prefill leg runs beside its decode leg and may reach its instance after
+            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_delay=1, fake_key="after"),
+                              timeout=30).status_code == 200
+        deadline = time.monotonic() + 10  # a prefill leg may still reach its instance after its decode leg
         while sum(legs(upstream, "after") for upstream in everyone) < 8 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert {upstream.url: legs(upstream, "after") for upstream in everyone} == {

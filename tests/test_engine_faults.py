@@ -114,6 +114,19 @@ def _no_tokens(step):
     return ModelRunnerOutput(ids, [None] * len(ids))
 
 
+def faulty(real, calls: dict, fails, message: str):
+    """``real`` (an executor's ``execute_model``) raising ``message`` on the calls ``fails(call)`` picks, counted
+    from 1 in ``calls["count"]``."""
+
+    def execute_model(step):
+        calls["count"] += 1
+        if fails(calls["count"]):
+            raise RuntimeError(message)
+        return real(step)
+
+    return execute_model
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory, tokenizer_files, one_torch_thread):
     from conftest import make_tiny_model
@@ -132,13 +145,7 @@ def test_a_failed_step_is_retried_once_then_fails_everything(tiny_llm, monkeypat
     real = executor.execute_model
     calls = {"count": 0}
 
-    def fails_once(step):
-        calls["count"] += 1
-        if calls["count"] == 5:
-            raise RuntimeError("a transient device error")
-        return real(step)
-
-    monkeypatch.setattr(executor, "execute_model", fails_once)
+    monkeypatch.setattr(executor, "execute_model", faulty(real, calls, lambda call: call == 5, "a transient device error"))
     retried = [output.outputs[0].token_ids for output in tiny_llm.generate(prompts, params)]
     assert retried == expected  # the running requests were recomputed: same greedy tokens
 
@@ -151,6 +158,44 @@ def test_a_failed_step_is_retried_once_then_fails_everything(tiny_llm, monkeypat
     monkeypatch.setattr(executor, "execute_model", real)
     assert [output.outputs[0].token_ids for output in tiny_llm.generate(prompts, params)] == expected
     assert tiny_llm.engine.kv_cache_manager.usage() == 0.0
+
+
+def test_a_fault_on_every_other_call_is_not_retried_forever(tmp_path, tokenizer_files, one_torch_thread, monkeypatch):
+    """Asynchronous scheduling: after a failed step the next call only launches the recomputed prefill (it
+    produces nothing), so a fault failing every other call fails again before any progress, which raises; it
+    used to count as a first failure each time and retry forever."""
+    from conftest import make_tiny_model
+
+    llm = LLM(model=str(make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)),
+              engine={"num_kv_blocks": 256, "async_scheduling": True})
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        expected = [output.outputs[0].token_ids for output in llm.generate(["Once upon a time"], params)]
+        executor = llm.engine.core.executor
+        real = executor.execute_model
+        calls = {"count": 0}
+
+        monkeypatch.setattr(executor, "execute_model",
+                            faulty(real, calls, lambda call: call > 2 and call % 2 == 1, "a fault on every other call"))
+        with pytest.raises(RuntimeError, match="every other call"):
+            llm.generate(["Once upon a time"], params)
+        assert calls["count"] <= 6
+        monkeypatch.setattr(executor, "execute_model", real)
+        assert [output.outputs[0].token_ids for output in llm.generate(["Once upon a time"], params)] == expected
+
+        # A failure whose requests were then aborted (the core idle) does not count against the next request.
+        calls["count"] = 0
+
+        monkeypatch.setattr(executor, "execute_model", faulty(real, calls, lambda call: call == 2, "a transient fault"))
+        llm.engine.add_request("dropped", llm.tokenizer.encode("The sea is"), params, stream_text=False)
+        while calls["count"] < 2:
+            llm.engine.step()  # the second call fails: its request is preempted, to be recomputed
+        llm.engine.abort("dropped")  # then its client goes: nothing is left to step
+        assert not llm.engine.core.has_work and llm.engine.core._failed_steps == 1
+        calls["count"] = 0
+        assert [output.outputs[0].token_ids for output in llm.generate(["Once upon a time"], params)] == expected
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("device", [

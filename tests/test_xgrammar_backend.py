@@ -4,6 +4,7 @@ the bitmask applied on the device, rollback, validation messages."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -393,6 +394,70 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
         assert len(tokens) == lengths[index] or len(reference) - len(tokens) <= 1, index
 
 
+@pytest.mark.parametrize("fault", ["killed", "failed step"])
+def test_fill_processes_that_fail_mid_generation_are_started_again_and_their_requests_lose_nothing(
+        tiny_llama, one_torch_thread, caplog, fault):
+    """A fill child killed (SIGKILL), or one whose answer to a step fails (``failed step``: the matchers may have
+    taken part of its tokens), while constrained requests decode beside a free one: the step that finds it fails
+    once, the core replaces the fill processes and makes each matcher again, caught up on its request's output,
+    and every request ends as it would have without the fault (greedy, the same engine's earlier run)."""
+    import signal
+
+    from weft import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 300 + index, 31, 2 * index] for index in range(6)]
+    schema = StructuredOutputsParams(json=TOOL_CALL)
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=None if index == 2 else schema)
+              for index in range(len(prompts))]
+    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": "process",
+              "structured_output_fill_processes": 2}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
+        expected = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+        manager = llm.engine.core.structured_outputs
+        first = manager._process.result()
+        states = [llm.engine.add_request(f"{fault}-{index}", prompt, sampling, stream_text=False)
+                  for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True))]
+        while min(len(state.output_token_ids) for state in states) < 8:
+            llm.engine.step()
+        if fault == "killed":
+            os.kill(first.pids[0], signal.SIGKILL)
+        else:
+            child = first.children[1]
+            real = child.receive_step
+
+            def fails_once():
+                child.receive_step = real
+                real()
+                raise RuntimeError("an injected fill failure")
+
+            child.receive_step = fails_once
+        with caplog.at_level("ERROR", logger="weft.engine"):
+            while llm.engine.has_unfinished:
+                llm.engine.step()
+        assert [state.output_token_ids for state in states] == expected
+        assert ("a fill process exited" if fault == "killed" else "a fill step failed") in caplog.text
+        group = manager._process.result()
+        assert group is not first and group.alive and not set(group.pids) & set(first.pids)
+        assert not any(child._process.is_alive() for child in first.children)
+        group.step([], [], [])  # carries the drops
+        assert group.held() == (0, 2)  # every remade matcher dropped as its request ended
+
+
+class UnbuildableBackend(XgrammarBackend):
+    """Fails where a fill child builds its backend (a module-level class: the spawned child imports it)."""
+
+    def __init__(self, options, vocabulary) -> None:
+        raise RuntimeError("no grammar engine in this child")
+
+
+def test_a_fill_group_that_cannot_start_says_why(backend):
+    from weft.engine.grammar_process import FillGroup
+
+    with pytest.raises(RuntimeError, match="(?s)fill process failed.*no grammar engine in this child"):
+        FillGroup(UnbuildableBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size),
+                  processes=2)
+
+
 @pytest.mark.parametrize("fill", ["thread", "process"])
 def test_a_launch_failing_while_the_fill_works_loses_no_token(tiny_llama, one_torch_thread, fill):
     """The forward's launch raises once while the fill works on that step's mask, after the core applied the
@@ -572,6 +637,42 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
     finally:
         group.close()
     assert all(not child._process.is_alive() for child in group.children)
+
+
+def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, tokenizer):
+    """Two children fill into one shared segment, each from its own first row: a matcher refusing its token fills
+    no row, which leaves a gap there, and :meth:`FillGroup.rows` still answers the filled rows in child order."""
+    from weft.engine.grammar_process import FillGroup
+
+    compiled = backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                             "required": ["a"]}))
+    words = bitmask_words(tokenizer.vocab_size)
+    text = tokenizer.encode('{"a": 12}', add_special_tokens=False)
+    probe = backend.matcher(compiled)
+    assert probe.accept_token(text[0])
+    refused = next(token for token in range(tokenizer.vocab_size) if token != text[1] and not probe.accept_token(token))
+    group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, words, processes=2, spin=0.001)
+    try:
+        handles = [group.new_handle() for _ in range(4)]  # child 0: 0 and 2; child 1: 1 and 3
+        payload = backend.serialize_compiled(compiled)
+        assert group.step([(handle, 0, payload) for handle in handles], [], handles).filled == [0, 2, 1, 3]
+        local = {handle: backend.matcher(compiled) for handle in handles}
+        for tokens in ([text[0]] * 4, [refused, text[1], text[1], text[1]], [None, text[2], text[2], text[2]]):
+            accepted = [(handle, token) for handle, token in zip(handles, tokens, strict=True) if token is not None]
+            reply = group.step([], accepted, [handle for handle, token in zip(handles, tokens, strict=True)
+                                              if token is not None])
+            assert reply.refused == ([(0, refused)] if refused in tokens else [])
+            for handle, token in accepted:
+                if token != refused:
+                    assert local[handle].accept_token(token)
+            assert reply.filled == ([0, 2, 1, 3] if tokens[0] == text[0] else [2, 1, 3])
+            expected = torch.zeros(len(reply.filled), words, dtype=torch.int32)
+            backend.fill_bitmasks([local[handle] for handle in reply.filled], expected)
+            rows = torch.frombuffer(bytearray(group.rows(len(reply.filled))), dtype=torch.int32).view(-1, words)
+            assert torch.equal(rows, expected)
+            assert group.rows(1) == group.rows(len(reply.filled))[: words * 4]
+    finally:
+        group.close()
 
 
 def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):

@@ -6,6 +6,7 @@ import os
 from typing import ClassVar
 
 from weft.contracts.platform import MemoryInfo, Platform, PlatformProbe
+from weft.host import usable_cpus
 
 
 class CpuPlatform(Platform):
@@ -19,7 +20,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def probe(cls) -> PlatformProbe:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cpus()
         return PlatformProbe(
             available=True,
             reason=f"host CPU, {cores} usable cores",

@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import os
 import select
 import time
 import traceback
@@ -39,6 +38,8 @@ from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
+
+from weft.host import usable_cpus
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -61,13 +62,13 @@ SPIN_MIN_CPUS = 8
 
 
 def default_spin() -> float:
-    return SPIN_SECONDS if (os.cpu_count() or 1) >= SPIN_MIN_CPUS else 0.0
+    return SPIN_SECONDS if usable_cpus() >= SPIN_MIN_CPUS else 0.0
 
 
 def default_processes() -> int:
     """Children of a :class:`FillGroup` when ``engine.structured_output_fill_processes`` is not set: one per
     4 CPUs, at most 4 (on 2 CPUs, one)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, usable_cpus() // 4))
 
 
 class Mailbox:
@@ -116,7 +117,9 @@ class FillProcess:
         self._conn, child = context.Pipe()
         self._mailbox = Mailbox(self._conn, spin)
         self._rows = 0
-        self._memory: shared_memory.SharedMemory | None = None
+        """Rows of the shared segment its group gave it (:meth:`share`)."""
+        self._gone = False
+        """Its pipe broke (the child exited, perhaps not reaped yet)."""
         self._process = context.Process(
             target=serve, args=(child, backend_class, options, vocabulary, words, spin), daemon=True, name=name,
         )
@@ -149,6 +152,14 @@ class FillProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self._process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
+
     def new_handle(self) -> int:
         return next(self._handles)
 
@@ -162,33 +173,30 @@ class FillProcess:
             self._sent.discard(key)
             self._forgotten.append(key)
 
-    def step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> StepReply:
-        """:meth:`send_step`, then the child's answer (blocks until it comes)."""
-        self.send_step(matchers, accepted, fill)
-        return self.receive_step()
-
-    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> None:
+    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int],
+                  offset: int = 0) -> None:
         """Send one step's message; the child starts on it at once. ``matchers``: ``(handle, key, compiled)`` made
         since the last step (``compiled`` is sent only for keys the child lacks); ``accepted``: ``(handle, token)``
         in generation order; ``fill``: handles whose row to fill if their matcher is still live after
-        accepting. The answer: :meth:`receive_step` (one left unread is read and dropped before the next message)."""
+        accepting, from row ``offset`` of the shared memory on (a group's children share one segment). The answer:
+        :meth:`receive_step` (one left unread is read and dropped before the next message)."""
         self.drain()
-        if len(fill) > self._rows:
-            self._grow(len(fill))
+        if offset + len(fill) > self._rows:
+            raise ValueError(f"rows {offset}..{offset + len(fill)} do not fit the {self._rows} rows shared with this child")
         made = []
         for handle, key, compiled in matchers:
             made.append((handle, key, None if key in self._sent else compiled))
             self._sent.add(key)
         dropped, self._dropped = self._dropped, []
         forgotten, self._forgotten = self._forgotten, []
-        self._conn.send(("step", made, dropped, forgotten, accepted, fill))
+        self._send(("step", made, dropped, forgotten, accepted, fill, offset))
         self._unread += 1
 
     def receive_step(self) -> StepReply:
         """The answer to the step :meth:`send_step` sent (its rows in :meth:`rows` until the next step)."""
         kind, value = self._read()
         self._unread -= 1  # read, an error the child answered included
-        return self._answer(kind, value)
+        return StepReply(*self._answer(kind, value))
 
     def drain(self) -> None:
         """Read (and drop) every answer left unread."""
@@ -198,24 +206,15 @@ class FillProcess:
     def held(self) -> tuple[int, int]:
         """Matchers and compiled constraints the child holds (the drops sent so far applied)."""
         self.drain()
-        self._conn.send(("held",))
+        self._send(("held",))
         return self._receive()
 
-    def rows(self, count: int) -> bytes:
-        """The first ``count`` rows the last step filled."""
-        assert self._memory is not None
-        return bytes(self._memory.buf[: count * self.words * 4])
-
-    def _grow(self, rows: int) -> None:
-        rows = max(rows, 2 * self._rows, 64)
+    def share(self, memory: shared_memory.SharedMemory, rows: int) -> None:
+        """Fill rows into ``memory`` (``rows`` rows) from the next step on; the caller keeps it and unlinks it."""
         self.drain()
-        memory = shared_memory.SharedMemory(create=True, size=rows * self.words * 4)
-        self._conn.send(("memory", memory.name, rows))
+        self._send(("memory", memory.name, rows))
         self._receive()
-        if self._memory is not None:
-            self._memory.close()
-            self._memory.unlink()
-        self._memory, self._rows = memory, rows
+        self._rows = rows
 
     def _receive(self) -> Any:
         return self._answer(*self._read())
@@ -224,6 +223,14 @@ class FillProcess:
         try:
             return self._mailbox.recv()
         except (EOFError, OSError) as error:
+            self._gone = True
+            raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as error:  # a broken pipe: the child is gone
+            self._gone = True
             raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
 
     @staticmethod
@@ -244,10 +251,6 @@ class FillProcess:
                 self._process.kill()
                 self._process.join()
         self._conn.close()
-        if self._memory is not None:
-            self._memory.close()
-            self._memory.unlink()
-            self._memory = None
 
 
 class FillFailed(RuntimeError):
@@ -270,6 +273,19 @@ class FillGroup:
         if processes < 1:
             raise ValueError(f"a fill group needs at least one process, not {processes}")
         self.children: list[FillProcess] = []
+        self._handles = itertools.count()
+        self._owner: dict[int, int] = {}
+        """Each live matcher's child."""
+        self._load = [0] * processes
+        """Live matchers per child."""
+        self._memory: shared_memory.SharedMemory | None = None
+        """The children's rows, one segment it owns and unlinks: child ``i`` fills from ``self._offsets[i]``."""
+        self._rows = 0
+        self._offsets: list[int] = [0] * processes
+        self._asked: list[int] = [0] * processes
+        """Rows the last step asked of each child."""
+        self._filled: list[int] = []
+        """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
         try:
             for index in range(processes):  # all start, then each is waited for
                 self.children.append(FillProcess(backend_class, options, vocabulary, words, spin,
@@ -279,17 +295,19 @@ class FillGroup:
         except BaseException:
             self.close()
             raise
-        self._handles = itertools.count()
-        self._owner: dict[int, int] = {}
-        """Each live matcher's child."""
-        self._load = [0] * processes
-        """Live matchers per child."""
-        self._filled: list[int] = []
-        """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
 
     @property
     def pids(self) -> list[int | None]:
         return [child.pid for child in self.children]
+
+    @property
+    def alive(self) -> bool:
+        """Whether every child runs (one that exited took its matchers with it)."""
+        return all(child.alive for child in self.children)
+
+    @property
+    def exit_codes(self) -> list[int | None]:
+        return [child.exitcode for child in self.children]
 
     def new_handle(self) -> int:
         handle = next(self._handles)
@@ -316,23 +334,46 @@ class FillGroup:
         """:meth:`FillProcess.send_step` to every child, each with its own matchers' part (a dropped matcher's
         tokens and rows are left out: its child no longer holds it)."""
         if len(self.children) == 1:
-            self.children[0].send_step(matchers, accepted, fill)  # a dropped matcher's part is skipped there
-            return
-        parts: list[tuple[list, list, list]] = [([], [], []) for _ in self.children]
-        owner = self._owner
-        for made in matchers:
-            if (child := owner.get(made[0])) is not None:
-                parts[child][0].append(made)
-        for item in accepted:
-            if (child := owner.get(item[0])) is not None:
-                parts[child][1].append(item)
-        for handle in fill:
-            if (child := owner.get(handle)) is not None:
-                parts[child][2].append(handle)
+            parts = [(matchers, accepted, fill)]  # a dropped matcher's part is skipped in the child
+        else:
+            parts = [([], [], []) for _ in self.children]
+            owner = self._owner
+            for made in matchers:
+                if (child := owner.get(made[0])) is not None:
+                    parts[child][0].append(made)
+            for item in accepted:
+                if (child := owner.get(item[0])) is not None:
+                    parts[child][1].append(item)
+            for handle in fill:
+                if (child := owner.get(handle)) is not None:
+                    parts[child][2].append(handle)
         for child in self.children:  # every earlier answer read before any child gets this message
             child.drain()
-        for child, part in zip(self.children, parts, strict=True):
-            child.send_step(*part)
+        total = sum(len(part[2]) for part in parts)
+        if total > self._rows:
+            self._grow(total)
+        offset = 0
+        for index, (child, part) in enumerate(zip(self.children, parts, strict=True)):
+            self._offsets[index], self._asked[index] = offset, len(part[2])
+            child.send_step(*part, offset=offset)
+            offset += len(part[2])
+
+    def _grow(self, rows: int) -> None:
+        """A segment of at least ``rows`` rows shared by every child (the old one freed once all moved)."""
+        rows = max(rows, 2 * self._rows, 64)
+        memory = shared_memory.SharedMemory(create=True, size=rows * self.children[0].words * 4)
+        try:
+            for child in self.children:
+                child.share(memory, rows)
+        except BaseException:
+            memory.close()
+            memory.unlink()
+            self._rows = 0  # some children may have moved to the segment just freed: the next step shares anew
+            raise
+        if self._memory is not None:
+            self._memory.close()
+            self._memory.unlink()
+        self._memory, self._rows = memory, rows
 
     def receive_step(self) -> StepReply:
         """Every child's answer to the last :meth:`send_step`, in child order. A child that failed raises
@@ -361,14 +402,19 @@ class FillGroup:
         return StepReply(filled, ended, refused)
 
     def rows(self, count: int) -> bytes:
-        """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order)."""
+        """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order): one copy
+        where every child filled the rows it was asked for, as they lie together in the shared segment."""
+        assert self._memory is not None
+        row = self.children[0].words * 4
+        if self._filled == self._asked:
+            return bytes(self._memory.buf[: count * row])
         parts = []
-        for child, filled in zip(self.children, self._filled, strict=True):
+        for offset, filled in zip(self._offsets, self._filled, strict=True):
             if count <= 0:
                 break
             take = min(count, filled)
             if take:
-                parts.append(child.rows(take))
+                parts.append(self._memory.buf[offset * row : (offset + take) * row])
             count -= take
         return b"".join(parts)
 
@@ -381,6 +427,10 @@ class FillGroup:
     def close(self) -> None:
         for child in self.children:
             child.close()
+        if self._memory is not None:
+            self._memory.close()
+            self._memory.unlink()
+            self._memory = None
 
 
 def serve(conn: Connection, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
@@ -418,7 +468,7 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
                 bitmask = torch.from_numpy(numpy.ndarray((message[2], words), dtype=numpy.int32, buffer=memory.buf))
                 conn.send(("ok", None))
                 continue
-            _, made, dropped, forgotten, accepted, fill = message
+            _, made, dropped, forgotten, accepted, fill, offset = message
             # Forgotten first: a key forgotten and sent again in one message holds the new bytes. Dropped before
             # the matchers are made, and a dropped one is not made (a request that ended before its matcher's first
             # step drops it in the same message); its compiled constraint is kept all the same (the core counts
@@ -436,8 +486,8 @@ def serve(conn: Connection, backend_class: type[StructuredOutputBackend], option
             ended, refused = _accept(backend, matchers, accepted)
             live = [handle for handle in fill if handle in matchers]
             if live:
-                backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[: len(live)])  # type: ignore[index]
-            conn.send(("step", StepReply(live, ended, refused)))
+                backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[offset : offset + len(live)])  # type: ignore[index]
+            conn.send(("step", (live, ended, refused)))  # a tuple: a class with slots unpickles slower
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     bitmask = None

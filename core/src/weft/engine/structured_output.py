@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +49,7 @@ from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask
 from weft.engine.grammar_process import (
     SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
 )
+from weft.host import usable_cpus
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
@@ -66,7 +66,7 @@ COMPILED_CACHE_SIZE = 512
 class ConstraintState:
     """One request's constraint: its compilation, then its matcher."""
 
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "failed", "terminated")
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "start", "failed", "terminated")
 
     def __init__(self, constraint: StructuredOutputsParams, compiled: Future, starts_after: tuple[int, ...]) -> None:
         self.constraint = constraint
@@ -75,6 +75,9 @@ class ConstraintState:
         self.starts_after = starts_after
         self.active = not starts_after
         """Whether output tokens are constrained now (after the reasoning, when there is one)."""
+        self.start = 0 if self.active else None
+        """The first output token its matcher takes (None: not active yet): a matcher made again after its fill
+        process died catches up on the request's output from there."""
         self.failed = False
         """A sampled token the matcher refused (it then constrains nothing more)."""
         self.terminated = False
@@ -108,6 +111,8 @@ class StructuredOutputManager:
         None: the fill thread fills."""
         self._made: list[tuple[int, int, bytes]] = []
         """Matchers made since the last fill, for the fill process: ``(handle, key, compiled)``."""
+        self._fill_failed = False
+        """A step's message or answer failed: the matchers may have taken part of its tokens (:meth:`recover`)."""
         self._keys = itertools.count()
 
     @property
@@ -145,6 +150,8 @@ class StructuredOutputManager:
             raise ValueError(f"structured outputs: {error}") from None
         state.matcher = RemoteMatcher(process)
         self._made.append((state.matcher.handle, *compiled))
+        if state.active and state.start is not None:  # made again (its fill process died): it catches up
+            self._accepted.extend((request.request_id, state, token) for token in request.output_token_ids[state.start :])
         return True
 
     def accept(self, request: Request, token_id: int) -> None:
@@ -155,8 +162,35 @@ class StructuredOutputManager:
         if not state.active:
             tail = request.output_token_ids[-len(state.starts_after) :]
             state.active = tuple(tail) == state.starts_after
+            if state.active:
+                state.start = len(request.output_token_ids)
             return
         self._accepted.append((request.request_id, state, token_id))
+
+    def recover(self, requests: Iterable[Request]) -> None:
+        """After a failed step (its requests preempted): fill processes of which one exited, or whose step failed
+        (a matcher may have taken part of its tokens), are replaced (started again in the background), and the
+        matchers of ``requests`` are made again in the new ones once they run, each catching up on what its
+        request generated under its constraint (:meth:`ready`, which holds the request back until then)."""
+        process = self._process
+        if process is None or not process.done() or process.exception() is not None:
+            return
+        group = process.result()
+        failed, self._fill_failed = self._fill_failed, False
+        if group.alive and not failed:
+            return
+        logger.error("structured outputs: %s (exit codes %s); starting %d fill processes again; the constrained "
+                     "requests continue once their matchers are made again",
+                     "a fill process exited" if not group.alive else "a fill step failed", group.exit_codes,
+                     len(group.children))
+        group.close()
+        self._made, self._accepted = [], []  # for matchers of the group that is gone
+        self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
+        for request in requests:
+            state = request.constraint
+            if state is not None and isinstance(state.matcher, RemoteMatcher):
+                state.matcher.release.detach()
+                state.matcher = None
 
     @staticmethod
     def release(request: Request) -> None:
@@ -202,13 +236,13 @@ class StructuredOutputManager:
             process.send_step(made, [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
                               [state.matcher.handle for _, state in masked])  # type: ignore[union-attr]
         except BaseException as error:
+            self._fill_failed = True
             reply.set_exception(error)
             return reply
         reply.receive = lambda: self._finish_remote(process, live, masked)
         return reply
 
-    @staticmethod
-    def _finish_remote(process: FillGroup, live: list[tuple[str, ConstraintState, int]],
+    def _finish_remote(self, process: FillGroup, live: list[tuple[str, ConstraintState, int]],
                        masked: list[tuple[str, ConstraintState]]) -> GrammarOutput:
         """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints (what the children
         that did not fail report is applied before a failure raises)."""
@@ -225,7 +259,11 @@ class StructuredOutputManager:
         try:
             reply = process.receive_step()
         except FillFailed as failure:
+            self._fill_failed = True
             apply(failure.reply)
+            raise
+        except BaseException:
+            self._fill_failed = True
             raise
         apply(reply)
         filled = [by_handle[handle][0] for handle in reply.filled]
@@ -298,7 +336,7 @@ class StructuredOutputManager:
         self._backend_class = select_structured_output(self.registry, self.config.use.structured_output)
         if self._backend_class is None:
             raise ValueError(no_backend_message(self.config))
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cpus() // 2)),
                                         thread_name_prefix="weft-grammar")
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
         self._backend = self._pool.submit(self._build_backend)
@@ -338,8 +376,11 @@ class StructuredOutputManager:
             self._filler.shutdown(wait=True)  # type: ignore[union-attr]
             if self._process is not None:
                 process, self._process = self._process, None
-                if process.done() and process.exception() is None:
-                    process.result().close()
+                if process.done():
+                    if process.exception() is None:
+                        process.result().close()
+                else:  # still starting (a restart): closed once it has
+                    process.add_done_callback(lambda started: started.exception() or started.result().close())
             if self._backend is not None and self._backend.done() and self._backend.exception() is None:
                 self._backend.result().close()
             self._pool = None
@@ -401,7 +442,7 @@ def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputB
                          "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'")
     if setting == "auto":
         return backend_class.fills_in_a_process() and (
-            (os.cpu_count() or 1) >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
+            usable_cpus() >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
     return setting == "process"
 
 

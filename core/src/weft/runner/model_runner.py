@@ -217,9 +217,9 @@ class MaskGraphs:
         """Where the bitmask words start in the buffers (16-byte aligned, as the kernel is compiled)."""
         size = self.offset + largest * self.words
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=runner.device)
-        self.output = torch.zeros(2, largest, dtype=torch.long, device=runner.device)
-        """Tokens then statuses, written by every mask graph: outside the graphs' memory pool, which a decode
-        graph's replay may reuse for its own work."""
+        self.outputs = {size: torch.zeros(2, size, dtype=torch.long, device=runner.device) for size in set(sizes)}
+        """Per graph, its rows' tokens then statuses (what the copy to the host takes, as it is): outside the graphs'
+        memory pool, which a decode graph's replay may reuse for its own work."""
         accelerated = runner.device.type != "cpu"
         self.host = torch.empty(size, dtype=torch.int32, pin_memory=accelerated)
         self._copied = torch.Event(device=runner.device) if accelerated else None
@@ -233,7 +233,7 @@ class MaskGraphs:
         logits = self.runner.graph_logits[size]
         words = self.device_buffer[self.offset :].view(-1, self.words)[:size]
         tokens, healthy = self.runner.bitmask_argmax(logits, self.device_buffer[:size], words)  # type: ignore[misc]
-        output = self.output[:, :size]
+        output = self.outputs[size]
         output[0].copy_(tokens)
         output[1].copy_(greedy_status(healthy))
         return output
@@ -244,7 +244,7 @@ class MaskGraphs:
 
     def sample(self, size: int, count: int, rows: list[int], bitmask: bytes) -> SampledBatch:
         """The first ``count`` rows' tokens (bitmask row ``i`` masks logits row ``rows[i]``, :meth:`fits`), views of
-        :attr:`output`, valid until the next mask graph's replay: the next step reads them (its inputs; their copy
+        :attr:`outputs`, valid until that graph's next replay: the next step reads them (its inputs; their copy
         to the host is queued at once) before it samples."""
         masked = len(rows)
         if not self.fits(rows, bitmask):
@@ -260,8 +260,8 @@ class MaskGraphs:
         if self._copied is not None:
             self._copied.record()
             self._copying = True
-        packed = self.graphs[size]()
-        return SampledBatch(packed[0, :count], packed[1, :count])
+        packed = self.graphs[size]()  # [2, size]: copied whole (contiguous), the padding rows dropped on the host
+        return SampledBatch(packed[0, :count], packed[1, :count], packed=packed)
 
 
 class ModelRunner:

@@ -82,15 +82,21 @@ class SampledBatch:
     :meth:`to_host`; a failed row's token is some valid id (the next step may read it before the
     host knows it failed)."""
 
-    def __init__(self, tokens: torch.Tensor, status: torch.Tensor, logprobs: RawLogprobs | None = None) -> None:
+    def __init__(self, tokens: torch.Tensor, status: torch.Tensor, logprobs: RawLogprobs | None = None,
+                 packed: torch.Tensor | None = None) -> None:
         self.tokens, self.status, self.logprobs = tokens, status, logprobs
+        self.packed = packed
+        """``[2, n]``, ``n`` at least the rows: the tokens then the statuses in one contiguous tensor, the first
+        columns being these rows' (what :meth:`to_host` copies), when the sampler wrote them so; None: stacked for
+        the copy."""
 
     def to_host(self, non_blocking: bool = True) -> SampledBatch:
         """The same on the host. On an accelerator the copies go to pinned memory and, ``non_blocking``,
         run in the background: record an event after them and wait for it before reading."""
         if self.tokens.device.type == "cpu":
             return self
-        tokens_and_status = _host_copy(torch.stack([self.tokens, self.status]), non_blocking)
+        packed = torch.stack([self.tokens, self.status]) if self.packed is None else self.packed
+        tokens_and_status = _host_copy(packed, non_blocking)[:, : self.tokens.shape[0]]
         logprobs = self.logprobs
         if logprobs is not None:
             logprobs = RawLogprobs(*(_host_copy(tensor, non_blocking) for tensor in (
@@ -334,4 +340,5 @@ def needs_output_tokens(request: Request) -> bool:
     asynchronous output, the last step's tokens must reach the host first. Penalties do not: they read
     the counts the runner keeps on the device."""
     params = request.params
-    return len(request.output_token_ids) < params.min_tokens or bool(params.bad_words_token_ids)
+    # min_tokens first: a runner state's output is a slice of its token ids, made only when it is read.
+    return bool(params.bad_words_token_ids) or (params.min_tokens > 0 and len(request.output_token_ids) < params.min_tokens)

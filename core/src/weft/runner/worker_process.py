@@ -131,7 +131,9 @@ def build_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, st
     if device.type == "cpu":  # the ranks share the host's cores
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        from weft.host import usable_cpus
+
+        cores = usable_cpus()
         torch.set_num_threads(max(1, cores // layout.world_size))
     parallel = init_parallel(layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout)
     return Worker(config, registry, parallel, platform, local_rank), parallel

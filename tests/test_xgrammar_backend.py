@@ -443,6 +443,39 @@ def test_fill_processes_that_fail_mid_generation_are_started_again_and_their_req
         assert group.held() == (0, 2)  # every remade matcher dropped as its request ended
 
 
+def test_fill_processes_that_failed_to_start_are_started_again_later(tiny_llama, one_torch_thread, monkeypatch):
+    """The fill processes fail to start (a process limit reached for a moment): constrained requests are refused
+    naming why until :data:`FILL_START_RETRY_S` passed, then a start is tried again and they run (before, the
+    failure was kept for the engine's life)."""
+    from weft import LLM, SamplingParams
+    from weft.engine import structured_output
+
+    prompt = [1, 5, 9, 77, 31]
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    engine = {"max_num_seqs": 2, "structured_output_fill": "process", "structured_output_fill_processes": 1}
+    with LLM(model=str(tiny_llama), engine=engine) as llm:
+        manager = llm.engine.core.structured_outputs
+        starts = []
+
+        def fails_then_starts():
+            starts.append(len(starts))
+            if len(starts) == 1:
+                raise RuntimeError("no process left for the moment")
+            return structured_output.StructuredOutputManager._start_process(manager)
+
+        manager._start_process = fails_then_starts
+        for _ in range(2):  # refused, and refused again within the interval (no new start)
+            with pytest.raises(ValueError, match="no process left for the moment"):
+                llm.generate([prompt], params)
+        assert starts == [0]
+        monkeypatch.setattr(structured_output, "FILL_START_RETRY_S", 0.0)
+        with pytest.raises(ValueError, match="no process left for the moment"):  # this one starts them again
+            llm.generate([prompt], params)
+        output = llm.generate([prompt], params)[0].outputs[0]
+        assert starts == [0, 1] and manager._process.result().alive
+    assert output.token_ids == hf_constrained_greedy(tiny_llama, [prompt], TOOL_CALL, 20)[0]
+
+
 class UnbuildableBackend(XgrammarBackend):
     """Fails where a fill child builds its backend (a module-level class: the spawned child imports it)."""
 

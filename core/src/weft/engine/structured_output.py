@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,11 @@ logger = logging.getLogger("weft.engine")
 
 COMPILED_CACHE_SIZE = 512
 """Distinct constraints whose compiled form the engine keeps."""
+
+FILL_START_RETRY_S = 10.0
+"""After fill processes failed to start, constrained requests are refused for this long, then a start is tried again
+(a failure that lasts, such as a backend the children cannot build, costs one try per interval; one that passes,
+such as a process limit or memory reached for a moment, heals)."""
 
 
 class ConstraintState:
@@ -114,6 +120,8 @@ class StructuredOutputManager:
         self._fill_failed = False
         """A step's message or answer failed: the matchers may have taken part of its tokens (:meth:`recover`)."""
         self._keys = itertools.count()
+        self._start_failed_at: float | None = None
+        """When :meth:`ready` first saw the fill processes' start fail (None: it did not, or a new start runs)."""
 
     @property
     def fills_in_process(self) -> bool:
@@ -147,12 +155,24 @@ class StructuredOutputManager:
         try:
             process = self._process.result()
         except Exception as error:
+            self._start_again_later()
             raise ValueError(f"structured outputs: {error}") from None
         state.matcher = RemoteMatcher(process)
         self._made.append((state.matcher.handle, *compiled))
         if state.active and state.start is not None:  # made again (its fill process died): it catches up
             self._accepted.extend((request.request_id, state, token) for token in request.output_token_ids[state.start :])
         return True
+
+    def _start_again_later(self) -> None:
+        """The fill processes failed to start: start them again once :data:`FILL_START_RETRY_S` passed."""
+        now = time.monotonic()
+        if self._start_failed_at is None:
+            self._start_failed_at = now
+        elif now - self._start_failed_at >= FILL_START_RETRY_S:
+            logger.warning("structured outputs: starting the fill processes again (they failed to start %.0f s ago)",
+                           now - self._start_failed_at)
+            self._start_failed_at = None
+            self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
 
     def accept(self, request: Request, token_id: int) -> None:
         """Record a token the request just generated (its matcher takes it on the fill thread, before the next fill)."""

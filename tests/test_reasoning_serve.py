@@ -33,19 +33,22 @@ MALFORMED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa
 ASK = [{"role": "user", "content": "Where is the Eiffel tower?"}]
 
 
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory, tokenizer_files):
-    """The chain model: every layer's output projections zero (the residual stream is the token's embedding),
-    each chain token's embedding a unit vector of its own, and the head scoring its successor on that vector."""
+def _chain_model(folder, tokenizer_files, template: str, chain_text: list[str], **sizes):
+    """A tiny Qwen3 that writes ``chain_text`` (pieces, each encoded on its own) then ends, from the prompt's last
+    token (the ``\n`` ending ``template``'s generation prompt): every layer's output projections zero (the residual
+    stream is the token's embedding), each chain token's embedding a unit vector of its own, and the head scoring
+    its successor on that vector."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    folder = make_tiny_model(tmp_path_factory.mktemp("thinking"), "qwen3", tokenizer_files, max_position_embeddings=2048)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    folder = make_tiny_model(folder, "qwen3", tokenizer_files, max_position_embeddings=2048, **sizes)
+    (folder / "chat_template.jinja").write_text(template)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    chain = [tokenizer.encode("<think>\n", add_special_tokens=False)[-1],
-             *tokenizer.encode(THINKING_OUTPUT, add_special_tokens=False), tokenizer.eos_token_id]
+    prompt = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    chain = [tokenizer.encode(prompt, add_special_tokens=False)[-1],
+             *(token for piece in chain_text for token in tokenizer.encode(piece, add_special_tokens=False)),
+             tokenizer.eos_token_id]
     assert len(set(chain)) == len(chain), "each token of the chain must lead to one successor"
     weights = load_file(str(folder / "model.safetensors"))
     for name, tensor in weights.items():
@@ -62,19 +65,22 @@ def thinking_model(tmp_path_factory, tokenizer_files):
 
 
 @pytest.fixture(scope="module")
-def client(thinking_model, one_torch_thread):
-    from conftest import RunningServer
+def thinking_model(tmp_path_factory, tokenizer_files):
+    """The template opens the thinking; the model writes :data:`THINKING_OUTPUT`."""
+    return _chain_model(tmp_path_factory.mktemp("thinking"), tokenizer_files, TEMPLATE, [THINKING_OUTPUT])
 
-    server = RunningServer({"model": str(thinking_model)})
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    client.served_model = server.app.state.server.model_name
+
+@pytest.fixture(scope="module")
+def client(thinking_model, one_torch_thread):
+    server, client = _server(thinking_model)
     yield client
     server.stop()
 
 
 def _chat(client, stream=False, **extra):
     extra.setdefault("max_tokens", 300)  # a constrained answer may take a token per character
-    return client.chat.completions.create(model=client.served_model, messages=ASK, temperature=1.0, stream=stream, **extra)
+    extra.setdefault("temperature", 1.0)
+    return client.chat.completions.create(model=client.served_model, messages=ASK, stream=stream, **extra)
 
 
 def _streamed(chunks):
@@ -139,3 +145,48 @@ def test_a_malformed_call_is_content_whole_and_streamed(client, max_tokens, fini
     assert MALFORMED_CALL.startswith(text) and (text == MALFORMED_CALL) is (finish_reason == "stop")
     streamed = _streamed(_chat(client, stream=True, **answer))
     assert streamed == (REASONING, text, [], [finish_reason])
+
+
+# The template does not open the thinking (as Qwen3's, where the model writes ``<think>`` itself when it thinks).
+ANSWER_TEMPLATE = TEMPLATE.replace("assistant\n<think>\n", "assistant\n")
+
+
+def _server(folder, **overrides):
+    from conftest import RunningServer
+
+    server = RunningServer({"model": str(folder), **overrides})
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client.served_model = server.app.state.server.model_name
+    return server, client
+
+
+@pytest.mark.parametrize(("opens", "fill"), [(True, "thread"), (True, "process"), (False, "thread")],
+                         ids=["opens its thinking", "opens its thinking, fill process", "answers at once"])
+def test_a_constraint_covers_the_answer_when_the_output_may_open_its_thinking(
+        tmp_path_factory, tokenizer_files, one_torch_thread, opens, fill):
+    """The prompt does not open the thinking: the constraint covers the output from its first token, which may
+    also open the thinking. A model writing ``<think>`` first thinks freely and its answer is constrained; one
+    answering at once is constrained from there (before, the constraint waited for a ``</think>`` such a model never
+    writes, so its answer was free text)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files))
+    tokenizer.add_tokens(["<think>", "</think>"])  # one token each, not special (as Qwen3's)
+    tokenizer.save_pretrained(str(words := tmp_path_factory.mktemp("think-tokens")))
+    chain = ["<think>", THINKING_OUTPUT] if opens else [THINKING_OUTPUT]
+    folder = _chain_model(tmp_path_factory.mktemp("answers"), words, ANSWER_TEMPLATE, chain, vocab_size=len(tokenizer))
+    server, client = _server(folder, engine={"structured_output_fill": fill})
+    try:
+        free = _chat(client, temperature=0).choices[0].message
+        assert (free.reasoning_content, free.content) == ((REASONING, ANSWER) if opens else (None, THINKING_OUTPUT))
+        choices = ["Rome", "The user"]
+        for stream in (False, True):
+            chunks = _chat(client, stream=stream, temperature=0, extra_body={"structured_outputs": {"choice": choices}})
+            reasoning, content = _streamed(chunks)[:2] if stream else (
+                chunks.choices[0].message.reasoning_content or "", chunks.choices[0].message.content)
+            if opens:  # thinks as it would without the constraint; the answer is one of the choices
+                assert reasoning == REASONING and content in choices
+            else:  # its own first tokens are one of the choices: greedy keeps them
+                assert (reasoning, content) == ("", "The user")
+    finally:
+        server.stop()

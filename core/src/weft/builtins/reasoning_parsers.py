@@ -16,13 +16,9 @@ class ThinkReasoningParser(ReasoningParser):
     name: ClassVar[str] = "think"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
-    def opened_by_prompt(self) -> bool:
-        prompt = self.prompt.rstrip()
-        return prompt.rfind(self.start) > prompt.rfind(self.end)
-
     def scan(self, text: str, final: bool) -> ReasoningScan:
         body = text
-        if not self.opened_by_prompt():
+        if not self.reasoning_opened():
             stripped = text.lstrip()
             if stripped.startswith(self.start):
                 body = stripped[len(self.start) :]

@@ -15,9 +15,13 @@ because thinking is off). As with tool parsers, a parser implements only
 derives :meth:`ReasoningParser.parse` (whole output) and :meth:`ReasoningParser.push` /
 :meth:`ReasoningParser.finish` (streaming) from it.
 
-A structured-output constraint applies to the answer only: when
-:meth:`ReasoningParser.reasoning_expected` is true, the engine starts constraining the
-output after the text :attr:`ReasoningParser.end` has been generated.
+A structured-output constraint applies to the answer only. When
+:meth:`ReasoningParser.reasoning_expected` is true and :meth:`ReasoningParser.reasoning_opened`
+too (the prompt opened the thinking), the engine starts constraining the output after the text
+:attr:`ReasoningParser.end` has been generated. When the prompt did not open it, the output is
+constrained from its first token, whose mask also allows :attr:`ReasoningParser.start` where that
+is one token: an output opening with it reasons freely and is constrained after the end marker
+(core API 1.12; before, such an output was never constrained unless it wrote the end marker).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class ReasoningParser(PluginBase):
     def reasoning_expected(self) -> bool:
         """Whether the output may begin with reasoning (default: unless the prompt closed it, thinking off)."""
         return not self.prompt.rstrip().endswith(self.end)
+
+    def reasoning_opened(self) -> bool:
+        """Whether the prompt opened the reasoning (its last marker is :attr:`start`), so the output begins inside
+        it; when not, only an output opening with :attr:`start` reasons (core API 1.12)."""
+        return self.prompt.rfind(self.start) > self.prompt.rfind(self.end)
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole output; None for an empty part."""

@@ -46,7 +46,7 @@ from weft.engine.core_process import (
     StepOutputs,
     run_engine_core,
 )
-from weft.engine.engine_core import CoreStats
+from weft.engine.engine_core import CoreStats, GrammarStart
 from weft.engine.frontend import Frontend
 from weft.engine.output_processor import OutputProcessor, RequestOutputState
 from weft.outputs import NO_TOKEN_ALLOWED, Logprob
@@ -231,10 +231,10 @@ class AsyncEngine:
         return None
 
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
-                     kv_transfer_params: dict[str, Any] | None = None, grammar_starts_after: tuple[int, ...] = (),
+                     kv_transfer_params: dict[str, Any] | None = None, grammar_start: GrammarStart | None = None,
                      arrival: float | None = None) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
-        (``kv_transfer_params``: for the KV connector, one request only; ``grammar_starts_after``: see
+        (``kv_transfer_params``: for the KV connector, one request only; ``grammar_start``: see
         :meth:`weft.engine.frontend.Frontend.core_request`). The requests are the sequences of one API request
         (their params differ in their seed at most), checked on a tokenizer thread. ``arrival``: when the API
         request arrived (``time.monotonic()``; default now): ``request_timeout`` counts from it, and a drain admits
@@ -251,7 +251,7 @@ class AsyncEngine:
         try:
             core_requests = await self.off_loop(
                 self.frontend.core_requests, [(request_id, prompt, params) for request_id, prompt, params, _ in requests],
-                kv_transfer_params, grammar_starts_after,
+                kv_transfer_params, grammar_start,
             )
         finally:
             self._preparing -= len(requests)

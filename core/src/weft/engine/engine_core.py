@@ -45,6 +45,18 @@ RETRY_QUIET_CALLS = 8
 recomputed prefill, a KV load, fill processes starting again); fewer, and a second failure raises."""
 
 
+class GrammarStart(msgspec.Struct, array_like=True, frozen=True):
+    """Where a structured-output constraint starts when the model may reason first (the constraint covers the
+    answer only)."""
+
+    after: tuple[int, ...]
+    """The tokens ending the reasoning: the constraint covers what follows them."""
+    opener: int | None = None
+    """None: the prompt opened the reasoning, the output begins inside it. Else the token opening the reasoning: the
+    constraint covers the output from its first token, whose mask also allows this one; an output opening with it
+    reasons, and is constrained after :attr:`after`."""
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     """A request as the engine core takes it: token ids and how to sample."""
 
@@ -56,9 +68,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     """``params.max_tokens`` capped by the context length (the API side computes it)."""
     kv_transfer_params: dict[str, Any] | None = None
     """For the KV connector (:attr:`weft.contracts.kv_connector.ConnectorRequest.params`)."""
-    grammar_starts_after: tuple[int, ...] = ()
-    """With a structured-output constraint and reasoning first: the tokens that end the reasoning; the
-    constraint covers what follows them (empty: the whole output)."""
+    grammar_start: GrammarStart | None = None
+    """With a structured-output constraint, for a model that may reason first (None: the constraint covers the
+    whole output)."""
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):
@@ -139,7 +151,7 @@ class EngineCore:
             frozenset(request.eos_token_ids), kv_transfer_params=request.kv_transfer_params,
         )
         if request.params.structured_outputs is not None:
-            self.structured_outputs.add(core_request, request.grammar_starts_after)
+            self.structured_outputs.add(core_request, request.grammar_start)
         self.scheduler.add(core_request)
 
     def abort(self, request_ids: list[str]) -> None:

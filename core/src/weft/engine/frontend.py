@@ -14,7 +14,7 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
-from weft.engine.engine_core import EngineCoreRequest
+from weft.engine.engine_core import EngineCoreRequest, GrammarStart
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
 from weft.sampling_params import SamplingParams
@@ -89,16 +89,16 @@ class Frontend:
 
     def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
-                     grammar_starts_after: tuple[int, ...] = ()) -> EngineCoreRequest:
+                     grammar_start: GrammarStart | None = None) -> EngineCoreRequest:
         """The core's request for a prompt; ValueError ``"<field>: <problem>"`` when the prompt or params don't
         fit the model.
 
-        ``grammar_starts_after``: the tokens ending the reasoning, when a constraint applies to the answer after it."""
-        return self.core_requests([(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_starts_after)[0]
+        ``grammar_start``: where a constraint starts when the model may reason first (:class:`GrammarStart`)."""
+        return self.core_requests([(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_start)[0]
 
     def core_requests(self, requests: list[tuple[str, list[int], SamplingParams]],
                       kv_transfer_params: dict[str, Any] | None = None,
-                      grammar_starts_after: tuple[int, ...] = ()) -> list[EngineCoreRequest]:
+                      grammar_start: GrammarStart | None = None) -> list[EngineCoreRequest]:
         """:meth:`core_request` for each ``(request_id, prompt_token_ids, params)``: the sequences of one API
         request, whose params differ in their seed at most, so that checking them (a constraint compiled,
         bad words tokenized) is done once, not once per choice. Call it off the event loop."""
@@ -114,7 +114,7 @@ class Frontend:
             max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
             core_requests.append(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens,
-                                                   kv_transfer_params, tuple(grammar_starts_after)))
+                                                   kv_transfer_params, grammar_start))
         return core_requests
 
     @property

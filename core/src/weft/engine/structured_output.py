@@ -7,8 +7,10 @@ compiled constraints are cached by constraint, so a schema sent by many requests
 once. The scheduler leaves a request waiting, at no cost to the running ones, until
 :meth:`StructuredOutputManager.ready` says its matcher exists.
 
-A request whose reasoning comes first (``grammar_starts_after``: the tokens that end it)
-samples freely until those tokens were generated; its constraint covers the answer only.
+A request whose reasoning comes first (:class:`~weft.engine.engine_core.GrammarStart`: the tokens that
+end it) samples freely until those tokens were generated; its constraint covers the answer only. One
+whose prompt did not open the reasoning is constrained from its first token, whose mask also allows
+the token opening the reasoning: when it is sampled, the request reasons freely up to the end tokens.
 
 Per step, :meth:`StructuredOutputManager.grammar_output` fills one bitmask row per
 constrained request that samples; :meth:`StructuredOutputManager.accept` records each token
@@ -43,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy
 import torch
 
 from weft.contracts.executor import GrammarOutput
@@ -55,6 +58,7 @@ from weft.host import usable_cpus
 if TYPE_CHECKING:
     from weft.config import WeftConfig
     from weft.contracts.structured_output import StructuredOutputBackend, StructuredOutputsParams
+    from weft.engine.engine_core import GrammarStart
     from weft.engine.request import Request
     from weft.plugins import PluginRegistry
 
@@ -72,14 +76,17 @@ such as a process limit or memory reached for a moment, heals)."""
 class ConstraintState:
     """One request's constraint: its compilation, then its matcher."""
 
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "active", "start", "failed", "terminated")
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "opener", "active", "start", "failed", "terminated")
 
-    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, starts_after: tuple[int, ...]) -> None:
+    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, start: GrammarStart | None) -> None:
         self.constraint = constraint
         self.compiled = compiled
         self.matcher: GrammarMatcher | None = None
-        self.starts_after = starts_after
-        self.active = not starts_after
+        self.starts_after = start.after if start is not None else ()
+        self.opener = start.opener if start is not None else None
+        """The token that may open the reasoning, allowed beside the grammar's tokens for the first output token
+        (None once that token is sampled, or when the reasoning is open from the start)."""
+        self.active = start is None or self.opener is not None
         """Whether output tokens are constrained now (after the reasoning, when there is one)."""
         self.start = 0 if self.active else None
         """The first output token its matcher takes (None: not active yet): a matcher made again after its fill
@@ -130,11 +137,12 @@ class StructuredOutputManager:
 
     # Requests.
 
-    def add(self, request: Request, starts_after: tuple[int, ...] = ()) -> None:
-        """Start compiling the request's constraint (ValueError when no backend is installed)."""
+    def add(self, request: Request, start: GrammarStart | None = None) -> None:
+        """Start compiling the request's constraint (ValueError when no backend is installed); ``start``: where it
+        starts when the model may reason first (None: the whole output)."""
         constraint = request.params.structured_outputs
         assert constraint is not None
-        request.constraint = ConstraintState(constraint, self._compile(constraint), tuple(starts_after))
+        request.constraint = ConstraintState(constraint, self._compile(constraint), start)
 
     def ready(self, request: Request) -> bool:
         """Whether the request's matcher exists; raises ValueError when its constraint failed to compile."""
@@ -179,6 +187,11 @@ class StructuredOutputManager:
         state = request.constraint
         if state is None or state.failed or state.terminated or state.matcher is None:
             return
+        if state.opener is not None:  # the first output token: an answer, or the opening of the reasoning
+            opener, state.opener = state.opener, None
+            if token_id == opener:
+                state.active, state.start = False, None
+                return
         if not state.active:
             tail = request.output_token_ids[-len(state.starts_after) :]
             state.active = tuple(tail) == state.starts_after
@@ -259,11 +272,12 @@ class StructuredOutputManager:
             self._fill_failed = True
             reply.set_exception(error)
             return reply
-        reply.receive = lambda: self._finish_remote(process, live, masked)
+        openers = {state.matcher.handle: state.opener for _, state in masked if state.opener is not None}  # type: ignore[union-attr]
+        reply.receive = lambda: self._finish_remote(process, live, masked, openers)
         return reply
 
     def _finish_remote(self, process: FillGroup, live: list[tuple[str, ConstraintState, int]],
-                       masked: list[tuple[str, ConstraintState]]) -> GrammarOutput:
+                       masked: list[tuple[str, ConstraintState]], openers: dict[int, int]) -> GrammarOutput:
         """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints (what the children
         that did not fail report is applied before a failure raises)."""
         by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
@@ -287,7 +301,13 @@ class StructuredOutputManager:
             raise
         apply(reply)
         filled = [by_handle[handle][0] for handle in reply.filled]
-        return GrammarOutput(filled, process.rows(len(filled)) if filled else b"")
+        rows = process.rows(len(filled)) if filled else b""
+        if openers and (allowed := [openers.get(handle) for handle in reply.filled]) and any(
+                opener is not None for opener in allowed):
+            words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(len(filled), -1)
+            _allow(words, allowed)
+            rows = words.tobytes()
+        return GrammarOutput(filled, rows)
 
     def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
                          candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
@@ -320,6 +340,8 @@ class StructuredOutputManager:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
         self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,arg-type]
+        if any(state.opener is not None for _, state in masked):
+            _allow(bitmask.numpy().view(numpy.uint32), [state.opener for _, state in masked])
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
 
     def _rows(self, count: int) -> torch.Tensor:
@@ -443,6 +465,14 @@ class RemoteMatcher:
         self.handle = process.new_handle()
         self.release = weakref.finalize(self, process.drop, self.handle)
         """Drop it now (once; its tokens still queued are then skipped)."""
+
+
+def _allow(words: numpy.ndarray, tokens: list[int | None]) -> None:
+    """Set, in each bitmask row of ``words`` (uint32), the bit allowing its token (None: none); a first output token
+    may open the reasoning beside what the grammar allows (:attr:`ConstraintState.opener`)."""
+    for row, token in enumerate(tokens):
+        if token is not None:
+            words[row, token // 32] |= numpy.uint32(1 << (token % 32))
 
 
 def _refused(request_id: str, state: ConstraintState, token_id: int) -> None:

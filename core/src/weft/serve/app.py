@@ -176,7 +176,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None, constraint=constraint, **extra)
     tail = server.prompt_tail(prompt)
     output, ids = await start_constrained(server, request, [prompt], params, field, body.kv_transfer_params,
-                                          server.grammar_starts_after(tail, constraint))
+                                          server.grammar_start(tail, constraint))
     replies = [server.reply(tail, settings) for _ in ids]
     response_id, created = f"chatcmpl-{request_id(request)}", int(time.time())
     if body.stream:

@@ -56,7 +56,7 @@ async def responses(server: Server, request: Request) -> Response:
     )
     tail = server.prompt_tail(prompt)
     output, ids = await start_constrained(server, request, [prompt], params, field, None,
-                                          server.grammar_starts_after(tail, constraint))
+                                          server.grammar_start(tail, constraint))
     response = ResponseObject(server, body, prompt, request_id(request))
     reply = server.reply(tail, settings)
     if body.stream:

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
+from weft.engine.engine_core import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
 from weft.resolve import options_for
@@ -105,9 +106,9 @@ class Server:
 
     async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
                     kv_transfer_params: dict[str, Any] | None = None,
-                    grammar_starts_after: tuple[int, ...] = (), choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
+                    grammar_start: GrammarStart | None = None, choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
-        Engine request ids are the HTTP request's id and the choice's index. ``grammar_starts_after``:
+        Engine request ids are the HTTP request's id and the choice's index. ``grammar_start``:
         see :meth:`weft.engine.frontend.Frontend.core_request`. ``choices_field``: the request field that
         set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors."""
         sequences = len(prompts) * params.n
@@ -131,7 +132,7 @@ class Server:
         ]
         ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output, kv_transfer_params, grammar_starts_after,
+            await self.engine.submit(batch, output, kv_transfer_params, grammar_start,
                                      getattr(request.state, "arrival", None))
         except BaseException as error:
             for engine_request_id in ids:
@@ -254,11 +255,19 @@ class Server:
         return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options),
                                      settings is None or settings.parallel)
 
-    def grammar_starts_after(self, prompt_tail: str, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
-        """The tokens ending the reasoning, when the model reasons first and a constraint covers the answer."""
-        if constraint is None or tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail) is None:
-            return ()
-        return tuple(self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False))
+    def grammar_start(self, prompt_tail: str, constraint: StructuredOutputsParams | None) -> GrammarStart | None:
+        """Where a constraint starts when the model may reason first (it covers the answer only); None: from the
+        output's first token. A prompt that did not open the reasoning leaves the output free to open it with the
+        parser's start marker, where that is one token (a model that reasons has it as one; spelled in several,
+        the constraint covers the whole output, which is then all answer)."""
+        parser = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail)
+        if constraint is None or parser is None:
+            return None
+        end = tuple(self.tokenizer.encode(parser.end, add_special_tokens=False))
+        if parser.reasoning_opened():
+            return GrammarStart(end)
+        start = self.tokenizer.encode(parser.start, add_special_tokens=False)
+        return GrammarStart(end, start[0]) if len(start) == 1 else None
 
     def keeps_special_tokens(self, settings: tools.ToolSettings | None) -> bool:
         """Whether the output text must keep special tokens: the markers the parsers read are some."""
@@ -286,10 +295,10 @@ def request_id(request: Request) -> str:
 
 async def start_constrained(server: Server, request: Request, prompts: list[list[int]], params: SamplingParams,
                             field: str, kv_transfer_params: dict[str, Any] | None = None,
-                            grammar_starts_after: tuple[int, ...] = (), choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
+                            grammar_start: GrammarStart | None = None, choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
     """``Server.start``, a constraint the backend refuses named by the field the client used."""
     try:
-        return await server.start(request, prompts, params, kv_transfer_params, grammar_starts_after, choices_field)
+        return await server.start(request, prompts, params, kv_transfer_params, grammar_start, choices_field)
     except HTTPError as error:
         if error.status == 400 and params.structured_outputs is not None and "structured_outputs" in error.message:
             error.message, error.param = structured.name_field(error.message, field), field

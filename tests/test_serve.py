@@ -100,6 +100,12 @@ def test_n_seed_stop_and_logprobs(client):
         assert "".join(item.token for item in content) == choice.message.content
         assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
     assert sum(len(choice.logprobs.content) for choice in reply.choices) == reply.usage.completion_tokens
+    # A prompt counts once in the usage, its cached tokens too (they were summed over the choices, above the prompt).
+    for again in (False, True):
+        usage = client.completions.create(model=MODEL, prompt=["The quick brown fox jumps over the lazy dog. " * 6,
+                                                                "Count with me: one, two, three. " * 6],
+                                          n=3, max_tokens=2).usage
+        assert again <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
     whole = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20)
     stop = whole.choices[0].text[4:7]
     cut = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20, stop=[stop])

@@ -220,9 +220,14 @@ class Server:
             raise HTTPError(400, str(error).replace("SamplingParams.", ""), param=field) from None
 
     def usage(self, prompts: list[list[int]], deltas: list[list[Delta]]) -> p.Usage:
+        """Counts of one API request: ``deltas`` holds each prompt's choices in turn. A prompt counts once, its
+        cached tokens too: those of the choice that found the fewest in the cache (its later choices find what the
+        first computed), so ``cached_tokens`` never exceeds ``prompt_tokens``."""
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         completion_tokens = sum(choice[-1].num_output_tokens for choice in deltas if choice)
-        cached = sum(choice[-1].num_cached_tokens for choice in deltas if choice)
+        per_prompt = len(deltas) // max(1, len(prompts))
+        cached = sum(min((choice[-1].num_cached_tokens for choice in deltas[index * per_prompt : (index + 1) * per_prompt]
+                          if choice), default=0) for index in range(len(prompts)))
         return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
 
     def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,

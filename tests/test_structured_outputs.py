@@ -414,6 +414,16 @@ def test_echo_with_logprobs_returns_hf_prompt_logprobs(client, default_server, h
     streamed = [value for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for value in chunk.choices[0].logprobs.token_logprobs]
     assert streamed[1 : len(tokens)] == pytest.approx(expected, abs=2e-3)
+    # max_tokens 0 scores the prompt only (what evaluation harnesses send); without echo it is refused.
+    for stream in (False, True):
+        scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, stream=stream)
+        chunks = [chunk.choices[0] for chunk in scored if chunk.choices] if stream else scored.choices
+        assert "".join(choice.text for choice in chunks) == prompt and chunks[-1].finish_reason == "length"
+        values = [value for choice in chunks if choice.logprobs for value in choice.logprobs.token_logprobs]
+        assert values[0] is None and values[1:] == pytest.approx(expected, abs=2e-3)
+    assert client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0).usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens: 0 generates nothing"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 
 
 # Offline: the same features through LLM.

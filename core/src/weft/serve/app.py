@@ -333,14 +333,19 @@ async def completions(server: Server, request: Request) -> Response:
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
     prompts = await server.engine.off_loop(_completion_prompts, server, body.prompt)
+    scores_only = body.max_tokens == 0
+    if scores_only and not body.echo:
+        raise HTTPError(400, "max_tokens: 0 generates nothing, which only echo (scoring the prompt) allows; set "
+                        "max_tokens to 1 or more, or echo to true", param="max_tokens")
+    max_tokens = 1 if scores_only else body.max_tokens  # the forward that scores the prompt samples a token, dropped
     for prompt in prompts:
-        server.check_length(prompt, body.max_tokens)
+        server.check_length(prompt, max_tokens)
     # echo with logprobs scores the prompt too: its logprobs come from the same forward as the output's.
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     n, best_of = _best_of(body)
-    params = server.sampling_params(body, body.max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
+    params = server.sampling_params(body, max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
                                     prompt_logprobs=prompt_logprobs)
     if params.greedy:
         best_of = n  # greedy candidates are all alike: the first n are the best n
@@ -350,6 +355,8 @@ async def completions(server: Server, request: Request) -> Response:
         params = msgspec.structs.replace(params, n=best_of, logprobs=logprobs)
     output, ids = await start_constrained(server, request, prompts, params, field, body.kv_transfer_params,
                                           choices_field="best_of" if best_of != n else "n")
+    if scores_only:
+        output = _PromptOnly(output)
     response_id, created = f"cmpl-{request_id(request)}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -365,6 +372,31 @@ async def completions(server: Server, request: Request) -> Response:
         # Usage counts every candidate: each was computed.
         "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
     })
+
+
+class _PromptOnly:
+    """The output queue of a completion scoring its prompt only (``echo`` with ``max_tokens`` 0): the engine samples
+    one token (the prompt's logprobs come from that forward), which each delta here goes without."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        self.queue = queue
+
+    async def get(self) -> Delta:
+        return _without_output(await self.queue.get())
+
+    def get_nowait(self) -> Delta:
+        return _without_output(self.queue.get_nowait())
+
+    def empty(self) -> bool:
+        return self.queue.empty()
+
+
+def _without_output(delta: Delta) -> Delta:
+    if delta.error:
+        return delta
+    return msgspec.structs.replace(delta, token_ids=[], text="", logprobs=None if delta.logprobs is None else [],
+                                   num_output_tokens=0, stop_reason=None,
+                                   finish_reason=None if delta.finish_reason is None else "length")
 
 
 def _best_of(body: p.CompletionRequest) -> tuple[int, int]:

@@ -202,6 +202,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     """A string, a list of strings, a list of token ids, or a list of token-id lists (checked by the handler)."""
+    max_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    """0 only with ``echo``: the prompt is scored (its logprobs), nothing generated (the handler checks)."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

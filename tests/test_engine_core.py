@@ -84,6 +84,47 @@ def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops
         assert output.finish_reason == "stop" and output.stop_reason == stop
 
 
+@pytest.mark.parametrize("contended", ["one long prompt", "16 requests"])
+def test_under_kv_pressure_async_scheduling_preempts_and_recomputes_no_more_than_sync(tiny_model, contended):
+    """A request admitted into the last free blocks needs one more for the token it samples: it preempted itself
+    for it at once, lost its token in flight (asynchronous scheduling), came straight back and did it again,
+    recomputing its chunk step after step (137 preemptions against 13 synchronous ones, 4x the tokens). Now the
+    step that preempts admits nothing, a request that samples takes its next token's slot when admitted beside
+    others, and a preempted request's chunk in flight stays in the prefix cache."""
+    import torch
+
+    if contended == "one long prompt":
+        prompts = [list(range(1000, 1048)), list(range(2000, 2320))]
+        params = [SamplingParams(temperature=0, max_tokens=250, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+        engine = {"num_kv_blocks": 24, "block_size": 16, "max_model_len": 384, "max_num_batched_tokens": 64}
+    else:
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 49152, (int(length),), generator=generator).tolist()
+                   for length in torch.randint(5, 150, (16,), generator=generator)]
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        engine = {"max_num_seqs": 6, "num_kv_blocks": 40, "block_size": 16, "max_model_len": 512,
+                  "max_num_batched_tokens": 256}
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(tiny_model), engine={**engine, "async_scheduling": async_scheduling})
+        executor, computed = llm.engine.core.executor, [0]
+        execute = executor.execute_model
+
+        def counted(output, execute=execute, computed=computed):
+            computed[0] += sum(output.num_scheduled_tokens.values())
+            return execute(output)
+
+        executor.execute_model = counted
+        tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+        runs[async_scheduling] = tokens, llm.engine.scheduler.num_preemptions, computed[0]
+        assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
+    (sync_tokens, sync_preemptions, sync_computed), (async_tokens, async_preemptions, async_computed) = runs[False], runs[True]
+    assert async_tokens == sync_tokens
+    assert async_preemptions <= sync_preemptions + 2, runs
+    assert async_computed <= sync_computed * 1.1, runs
+
+
 def reference_penalties(raw, prompt: list[int], history: list[int], params: SamplingParams):
     """One row's penalties, independently of the runner: HF transformers' repetition penalty over prompt and
     output so far, then OpenAI's presence and frequency penalties over the output, written out per token."""

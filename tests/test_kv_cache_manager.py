@@ -40,6 +40,23 @@ def test_prefix_hit_reuses_blocks_and_counts():
     assert manager.stats.hit_tokens == 8 and manager.stats.query_tokens == 21
 
 
+def test_blocks_published_for_a_failed_step_are_unpublished():
+    """The scheduler publishes a preempted request's blocks that a step in flight fills; if that step fails they
+    were never written, and ``uncache`` makes them unfindable (and first in line to be handed out again)."""
+    manager = KVCacheManager([full_group()], [4])
+    prompt = list(range(10))
+    admit(manager, "a", prompt)
+    published = manager.cache_blocks("a", prompt, len(prompt))
+    assert [block for _, block, _ in published] == list(manager.block_ids("a")[0][:2])
+    assert manager.cache_blocks("a", prompt, len(prompt)) == []  # published once
+    manager.free("a")
+    assert first_blocks_of(manager, prompt) == tuple(block for _, block, _ in published)
+    manager.uncache(published)
+    assert manager.find_computed_prefix(prompt + [0]).num_tokens == 0
+    admit(manager, "b", [50, 51, 52, 53])
+    assert manager.block_ids("b")[0][0] in {block for _, block, _ in published}
+
+
 def first_blocks_of(manager, prompt):
     return manager.find_computed_prefix(prompt + [0]).blocks[0]
 

@@ -101,11 +101,22 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash)
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Record that ``block`` holds the prefix ending in ``block_hash`` (first holder wins)."""
+    def cache(self, block: int, block_hash: bytes) -> bool:
+        """Record that ``block`` holds the prefix ending in ``block_hash`` (first holder wins); whether it did."""
         if self._hash_of[block] is None and block_hash not in self._by_hash:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
+            return True
+        return False
+
+    def uncache(self, block: int, block_hash: bytes) -> None:
+        """Forget that ``block`` holds ``block_hash`` (if it still does): its contents are not what was recorded."""
+        if self._hash_of[block] != block_hash:
+            return
+        del self._by_hash[block_hash]
+        self._hash_of[block] = None
+        if self._ref_counts[block] == 0:
+            self._free.move_to_end(block, last=False)
 
 
 class PrefixCacheStats(msgspec.Struct):
@@ -302,10 +313,12 @@ class KVCacheManager:
         snapshot (:class:`CheckpointSpec`) blocks, so no later hit can end in its prefix."""
         self._without_snapshots.add(request_id)
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Publish the request's blocks that are now full and computed, so later requests can reuse them."""
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[tuple[int, int, bytes]]:
+        """Publish the request's blocks that are now full and computed, so later requests can reuse them; returns
+        ``(group, block, hash)`` of each block published now (for :meth:`uncache`)."""
+        published: list[tuple[int, int, bytes]] = []
         if not self.prefix_caching:
-            return
+            return published
         for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
             if not group.prefix_cacheable:
                 continue
@@ -319,8 +332,16 @@ class KVCacheManager:
             hashes = block_hashes(token_ids[: full * size], size, known)
             blocks = self._blocks[request_id][index]
             for position in range(done, full):
-                pool.cache(blocks[position], hashes[position])
+                if pool.cache(blocks[position], hashes[position]):
+                    published.append((index, blocks[position], hashes[position]))
             self._hashes[request_id][index] = hashes
+        return published
+
+    def uncache(self, published: Sequence[tuple[int, int, bytes]]) -> None:
+        """Unpublish blocks :meth:`cache_blocks` published whose contents were never written (the step that was to
+        compute them failed); any still holding them keeps them, its own copy."""
+        for group, block, block_hash in published:
+            self.pools[group].uncache(block, block_hash)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; cached ones stay reusable until evicted. Idempotent."""

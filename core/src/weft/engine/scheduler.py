@@ -134,6 +134,9 @@ class Scheduler:
         """Requests ended or preempted since the last step: workers drop them."""
         self._epochs: deque[dict[str, ScheduledRow]] = deque()
         """Per step in flight, what it planned for each scheduled request."""
+        self._published_in_flight: list[tuple[int, list[tuple[int, int, bytes]]]] = []
+        """Blocks published for preempted requests before the steps in flight that write them were applied:
+        ``(steps in flight at the time, blocks)``; unpublished if one of those steps fails."""
         self.passed_over = 0
         """Waiting requests passed over in the last step: the KV connector could not answer for them
         yet, or their structured-output constraint is still compiling."""
@@ -169,6 +172,7 @@ class Scheduler:
         """Long prefills held to ``long_cap`` tokens until the others had their share."""
 
         index = 0
+        preempted = False
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             planned, placeholders = self._planned[request.request_id], self._placeholders.get(request.request_id, 0)
@@ -184,7 +188,9 @@ class Scheduler:
                 continue
             while not self.kv_cache.allocate_slots(request.request_id, planned + count):
                 victim = self.running.pop()
+                self._publish_in_flight(victim)
                 self._preempt(victim)
+                preempted = True
                 if victim in capped:
                     capped.remove(victim)
                 if victim is request:
@@ -197,7 +203,10 @@ class Scheduler:
         passed_over: list[Request] = []
         set_aside: list[Request] = []
         long_prefills = len(capped)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A step that preempted admits nothing: the blocks it freed are the running requests' next ones, and the
+        # victim, first in line, would come straight back (its blocks of the step in flight not counted yet) only to
+        # be preempted again, recomputing its prefill step after step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.constraint is not None and not self._constraint_ready(request):
                 if not request.finished:
@@ -235,8 +244,13 @@ class Scheduler:
                 count = long_cap
             if count > budget:
                 break
+            # A request that samples in this step needs a slot for that token in the next: taken now where others
+            # run, or it could be admitted only to preempt itself for that slot (and, with asynchronous scheduling,
+            # to lose the token in flight), over and over while they hold the rest. Not with a KV connector, whose
+            # saves and transfers take a request's blocks as its computed tokens' own.
+            lookahead = 1 if self.connector is None and self.running and computed + count == len(tokens) else 0
             if not self.kv_cache.allocate_slots(
-                request.request_id, computed + count, prefix, prompt_length=len(tokens) if first_time else 0,
+                request.request_id, computed + count + lookahead, prefix, prompt_length=len(tokens) if first_time else 0,
             ):
                 break
             self.waiting.popleft()
@@ -331,6 +345,26 @@ class Scheduler:
             has_sync_kv_loads=self.connector is not None and self.connector.has_sync_loads(list(counts)),
         )
 
+    def _publish_in_flight(self, request: Request) -> None:
+        """Before preempting a request with steps in flight: publish the blocks those steps fill (of tokens whose ids
+        are known) in the prefix cache, so that it finds them when it comes back rather than computing them again;
+        with asynchronous scheduling a preempted request otherwise lost its chunk in flight every time, and a
+        request under KV pressure could recompute the same chunk step after step. Sound because steps run in
+        order: the step in flight writes the blocks before any later step reads them (a block handed out again is
+        unpublished by the pool first). Not where a KV connector loads in one of those steps (a load can fail after
+        the fact); a failed step unpublishes them (:meth:`forget_steps_in_flight`)."""
+        if not self._epochs:
+            return
+        known = min(self._planned.get(request.request_id, 0), request.num_tokens)
+        if known <= request.num_computed_tokens:
+            return
+        if self.connector is not None and any(
+                (row := epoch.get(request.request_id)) is not None and row.first for epoch in self._epochs):
+            return
+        published = self.kv_cache.cache_blocks(request.request_id, request.all_token_ids, known)
+        if published:
+            self._published_in_flight.append((len(self._epochs), published))
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         if self.connector is not None:
@@ -361,6 +395,7 @@ class Scheduler:
         scheduled.
         """
         epochs = self._epochs.popleft()
+        self._published_in_flight = [(steps - 1, blocks) for steps, blocks in self._published_in_flight if steps > 1]
         connector, report = self.connector, connector_report
         failed = connector.failed_loads(report) if connector is not None and report is not None else {}
         if connector is not None and report is not None:
@@ -440,7 +475,11 @@ class Scheduler:
             self._preempt(self.running.pop())
 
     def forget_steps_in_flight(self) -> None:
-        """Steps scheduled but never applied (one raised): their results will not come."""
+        """Steps scheduled but never applied (one raised): their results will not come, nor the contents of the blocks
+        published for them."""
+        for _, blocks in self._published_in_flight:
+            self.kv_cache.uncache(blocks)
+        self._published_in_flight = []
         self._epochs.clear()
         self._placeholders.clear()
 

@@ -284,9 +284,31 @@ def test_engine_settings_come_from_the_platform_unless_set(tiny_model):
     assert engine_shown["async_scheduling"] is defaults.async_scheduling
 
 
-def test_an_unknown_executor_is_refused(tiny_model):
-    with pytest.raises(Exception, match="executor"):
+def test_async_scheduling_resolves_off_with_a_kv_connector_and_says_so(tmp_path, caplog):
+    """The engine applies each step's connector report before scheduling the next: asked for with a connector,
+    asynchronous scheduling resolves off, where ``weft config show`` prints it too, and a warning says why."""
+    from weft.config import load_config
+    from weft.plugins import PluginRegistry
+    from weft.resolve import resolve_engine_config
+
+    registry = PluginRegistry()
+    config = load_config(None, {"model": str(tmp_path), "use": {"kv_connector": "disk"},
+                                "engine": {"async_scheduling": True}, "plugins": {"disk": {"path": str(tmp_path)}}})
+    with caplog.at_level("WARNING", logger="weft.engine"):
+        assert resolve_engine_config(config, registry).engine.async_scheduling is False
+    assert "async_scheduling = true is not used with a KV connector (use.kv_connector = 'disk')" in caplog.text
+    alone = msgspec.structs.replace(config, use=msgspec.structs.replace(config.use, kv_connector="none"))
+    assert resolve_engine_config(alone, registry).engine.async_scheduling is True
+
+
+def test_an_unknown_executor_is_refused(tiny_model, tmp_path):
+    with pytest.raises(Exception, match="engine.distributed_executor_backend = 'nosuch': .*executor"):
         LLM(model=str(tiny_model), engine={"distributed_executor_backend": "nosuch", "num_kv_blocks": 64})
+    # weft config show says so too, naming the option, before anything loads.
+    (tmp_path / "weft.toml").write_text('[engine]\ndistributed_executor_backend = "nosuch"\n')
+    shown = subprocess.run([sys.executable, "-m", "weft.cli", "config", "show", "--config", str(tmp_path / "weft.toml")],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 1 and "engine.distributed_executor_backend = 'nosuch'" in shown.stderr, shown.stderr
 
 
 def _core_pid(server_pid: int) -> int:

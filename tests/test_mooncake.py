@@ -514,7 +514,7 @@ class TestMooncakeConnectorContract(KVConnectorContract):
         ({"plugins.mooncake.master_server_address": "nohost"}, "plugins.mooncake.master_server_address: expected str matching"),
         ({"plugins.mooncake.role": "reader"}, "plugins.mooncake.role: expected one of 'both', 'producer', 'consumer', got 'reader'"),
         ({"plugins.mooncake.global_segment_size": -1}, "plugins.mooncake.global_segment_size: expected int >= 0"),
-        ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key Valid keys here: master_server_address"),
+        ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key. Valid keys here: master_server_address"),
         ({"plugins.mooncake.protocol": "rdma"}, "protocol = 'rdma' needs device_name"),
         ({"plugins.mooncake.load_async": "yes"}, "plugins.mooncake.load_async: expected bool, got str"),
         ({"plugins.mooncake.staging_buffer_size": 4096}, "plugins.mooncake.staging_buffer_size: expected int >= 1048576"),

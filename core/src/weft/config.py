@@ -538,7 +538,7 @@ def _explain(
         close = difflib.get_close_matches(field, valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         parts.append(field)
-        explanation = f"unknown key{hint} Valid keys here: {', '.join(valid)}" if valid else "unknown key"
+        explanation = f"unknown key{hint or '.'} Valid keys here: {', '.join(valid)}" if valid else "unknown key"
     elif message.startswith("Invalid enum value") and _literal_choices(root, parts):
         found, value = _lookup(raw, parts)
         choices = ", ".join(repr(choice) for choice in _literal_choices(root, parts))

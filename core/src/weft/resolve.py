@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 import msgspec
@@ -36,9 +37,18 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform
     platform, and those derived from other options (:data:`weft.config.DERIVED`: the executor, the graph
     sizes, the long-prefill threshold) computed: the engine runs, and ``weft config show`` prints, these."""
     platform = platform or build_platform(registry, config)
+    asked_async = config.engine.async_scheduling
     config = with_platform_defaults(config, msgspec.structs.asdict(platform.engine_defaults()))
     engine = config.engine
     derived: dict[str, Any] = {}
+    if engine.async_scheduling and config.use.kv_connector != "none":
+        # The connector's report of a step (loads that finished or failed, saves done, blocks to recompute) must
+        # reach the scheduler before it plans the next step; asynchronous scheduling plans it first.
+        if asked_async:
+            logging.getLogger("weft.engine").warning(
+                "engine.async_scheduling = true is not used with a KV connector (use.kv_connector = %r): each step's "
+                "connector report is applied before the next step is scheduled", config.use.kv_connector)
+        derived["async_scheduling"] = False
     if engine.distributed_executor_backend is None:
         derived["distributed_executor_backend"] = executor_name(engine)
     if engine.graph_batch_sizes is None:

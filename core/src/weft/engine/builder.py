@@ -29,6 +29,7 @@ from weft.engine.scheduler import Scheduler
 from weft.engine.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
+from weft.plugins.selection import load_executor
 from weft.resolve import (
     load_kv_connector,
     max_model_len,
@@ -50,7 +51,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     config = resolve_engine_config(config, registry)
     engine = config.engine
     name = executor_name(engine)
-    executor_class = registry.load("executor", name)
+    executor_class = load_executor(registry, engine)
     executor = executor_class(options_for(config, "executor", executor_class, name), config, registry)
     connector = None
     try:
@@ -79,11 +80,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         executor.shutdown()  # its workers may be processes: don't leave them behind
         raise
     async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
-    if async_scheduling and connector is not None:
-        # The connector's report of a step (loads that finished or failed, saves done, blocks to recompute)
-        # must reach the scheduler before it plans the next step; asynchronous scheduling plans it first.
-        logger.info("asynchronous scheduling is off with KV connector %r: each step's connector report is applied "
-                    "before the next step is scheduled", connector.name)
+    if async_scheduling and connector is not None:  # resolve_engine_config turned it off already
         async_scheduling = False
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
     logger.info(

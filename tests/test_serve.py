@@ -397,6 +397,18 @@ def test_more_bad_requests_get_400_and_leave_others_alone(server, client):
     assert_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user"}]}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {**base, "seed": 2**64}), 400, "seed")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400, "prompt")
+    chat = "/v1/chat/completions"
+    error = assert_error(post(server, chat, {**base, "messages": [{"role": "robot", "content": "x"}]}), 400,
+                         "messages[0].role", "'robot'")
+    assert error["param"] == "messages[0].role"
+    assert_error(post(server, chat, {**base, "messages": [{"role": "tool", "content": "12 C"}]}), 400,
+                 "messages[0].tool_call_id")
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    assert_error(post(server, chat, {**base, "tools": [{"type": "function"}]}), 400, "tools[0].function: missing")
+    assert_error(post(server, chat, {**base, "tools": [{"type": "function", "function": {**weather, "name": "has space!"}}]}),
+                 400, "tools[0].name", "'has space!'")
+    assert_error(post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function"}]}), 400,
+                 "tools[0].name: missing")
     error = assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404, "/v1/nowhere")
     assert error["type"] == "not_found_error"
     innocent.join()

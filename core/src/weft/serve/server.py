@@ -234,6 +234,14 @@ class Server:
                     settings: tools.ToolSettings | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
         call it on a worker thread: templating and encoding take time)."""
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise HTTPError(400, f"messages[{index}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
+                                f"{message.role!r}", param=f"messages[{index}].role")
+            if message.role == "tool" and not message.tool_call_id:
+                raise HTTPError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it "
+                                "answers (tool_calls[].id of the assistant message before it)",
+                                param=f"messages[{index}].tool_call_id")
         plain = [msgspec.to_builtins(message) for message in messages]
         reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -281,6 +289,8 @@ class Server:
             and self.tool_parser.needs_special_tokens))
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles a chat message may have (OpenAI's; ``function``: the deprecated tool result, passed to the template)."""
 _PROMPT_TAIL_TOKENS = 64
 """Tokens at a prompt's end a reasoning parser reads (a template opens or closes the thinking there)."""
 _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "control_tokens_in_content"}

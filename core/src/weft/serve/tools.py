@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -44,11 +45,18 @@ class ToolSettings(msgspec.Struct):
         return bool(self.tools) and self.choice != "none"
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""A function's name, as OpenAI's API takes it."""
+
+
 def chat_tools(body: p.ChatCompletionRequest) -> ToolSettings | None:
     functions = []
     for index, tool in enumerate(body.tools or []):
-        if tool.type != "function" or tool.function is None:
+        if tool.type != "function":
             raise ValueError(f"tools[{index}]: only function tools are supported; got type {tool.type!r}")
+        if tool.function is None:
+            raise ValueError(f'tools[{index}].function: missing; a function tool is {{"type": "function", "function": '
+                             f'{{"name": ..., "parameters": {{...}}}}}}')
         functions.append(msgspec.to_builtins(tool.function))
     return _settings(functions, body.tool_choice, body.parallel_tool_calls, "tool_choice")
 
@@ -56,8 +64,11 @@ def chat_tools(body: p.ChatCompletionRequest) -> ToolSettings | None:
 def responses_tools(body: p.ResponsesRequest) -> ToolSettings | None:
     functions = []
     for index, tool in enumerate(body.tools or []):
-        if tool.type != "function" or not tool.name:
+        if tool.type != "function":
             raise ValueError(f"tools[{index}]: only function tools are supported here; got type {tool.type!r}")
+        if not tool.name:
+            raise ValueError(f'tools[{index}].name: missing; a function tool is {{"type": "function", "name": ..., '
+                             f'"parameters": {{...}}}}')
         functions.append(msgspec.to_builtins(msgspec.structs.replace(tool, type="function")))
     for function in functions:
         function.pop("type", None)
@@ -67,6 +78,10 @@ def responses_tools(body: p.ResponsesRequest) -> ToolSettings | None:
 def _settings(functions: list[dict[str, Any]], choice: str | p.NamedToolChoice | None, parallel: bool | None,
               field: str) -> ToolSettings | None:
     names = [function["name"] for function in functions]
+    for index, name in enumerate(names):
+        if not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"tools[{index}].name: {name!r} is not a function name; use 1 to 64 letters, digits, "
+                             "underscores or dashes (as OpenAI requires)")
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ValueError(f"tools: function names must be unique; {duplicated} appear more than once")

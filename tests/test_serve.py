@@ -409,6 +409,8 @@ def test_more_bad_requests_get_400_and_leave_others_alone(server, client):
                  400, "tools[0].name", "'has space!'")
     assert_error(post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function"}]}), 400,
                  "tools[0].name: missing")
+    error = assert_error(post(server, chat, {**base, "logit_bias": {"5": 101}}), 400, "logit_bias['5']: 101", "[-100, 100]")
+    assert error["param"] == "logit_bias['5']"
     error = assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404, "/v1/nowhere")
     assert error["type"] == "not_found_error"
     innocent.join()

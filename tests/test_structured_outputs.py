@@ -287,6 +287,9 @@ def test_responses_api_tools_text_format_and_function_call_items(client):
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    named = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], max_output_tokens=8,
+                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0)
+    assert named.tool_choice.model_dump() == {"type": "function", "name": "get_weather"}  # as sent, no extra field
     follow_up = client.responses.create(
         model=MODEL, max_output_tokens=20, temperature=0, tools=[tool],
         input=[{"role": "user", "content": "Weather in Oslo?"},

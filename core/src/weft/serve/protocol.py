@@ -135,7 +135,8 @@ class SamplingFields(IgnoredFields, kw_only=True):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    """Token id -> bias in [-100, 100] (checked by the server, naming the token and the value)."""
     allowed_token_ids: list[TokenId] | None = None
     bad_words: Annotated[list[str], Meta(max_length=MAX_BAD_WORDS)] | None = None
     kv_transfer_params: dict[str, Any] | None = None

@@ -142,7 +142,7 @@ class ResponseObject:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "model": self.server.model_name, "instructions": body.instructions, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "tool_choice": msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto",
+            "tool_choice": _tool_choice(body.tool_choice),
             "tools": msgspec.to_builtins(body.tools or []),
             "text": msgspec.to_builtins(body.text) if body.text is not None else {"format": {"type": "text"}},
             "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
@@ -284,3 +284,12 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
     finally:
         for request_id in ids:
             server.engine.abort(request_id)
+
+
+def _tool_choice(choice: str | p.NamedToolChoice | None) -> Any:
+    """The request's tool choice as the Responses API shows it: a named one is ``{"type": "function", "name": ...}``."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return choice
+    return {"type": choice.type, "name": choice.function.name if choice.function is not None else choice.name}

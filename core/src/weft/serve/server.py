@@ -184,9 +184,14 @@ class Server:
         if body.logit_bias:
             try:
                 logit_bias = {int(token): value for token, value in body.logit_bias.items()}
+                outside = [(token, value) for token, value in body.logit_bias.items() if not -100 <= value <= 100]
             except ValueError:
                 raise HTTPError(400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}",
                                 param="logit_bias") from None
+            if outside:
+                token, value = outside[0]
+                raise HTTPError(400, f"logit_bias[{token!r}]: {value} is outside [-100, 100]; -100 bans the token, 100 "
+                                "all but forces it", param=f"logit_bias[{token!r}]")
 
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         requested = {

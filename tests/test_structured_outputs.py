@@ -290,6 +290,12 @@ def test_responses_api_tools_text_format_and_function_call_items(client):
     named = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], max_output_tokens=8,
                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0)
     assert named.tool_choice.model_dump() == {"type": "function", "name": "get_weather"}  # as sent, no extra field
+    # Cut short inside the forced call: the item the output stopped in is incomplete, streamed or not.
+    cut = dict(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required", max_output_tokens=3)
+    whole = client.responses.create(**cut)
+    assert whole.status == "incomplete" and whole.output[-1].status == "incomplete"
+    done = [event.item for event in client.responses.create(**cut, stream=True) if event.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete"
     follow_up = client.responses.create(
         model=MODEL, max_output_tokens=20, temperature=0, tools=[tool],
         input=[{"role": "user", "content": "Weather in Oslo?"},

@@ -63,12 +63,18 @@ async def responses(server: Server, request: Request) -> Response:
         return StreamingResponse(_stream(server, output, ids, response, reply), media_type="text/event-stream")
     (choice,) = await server.collect(request, output, ids)
     reasoning, content, calls = reply.parse("".join(delta.text for delta in choice))
+    cut = choice[-1].finish_reason == "length"
     items = []
     if reasoning:
         items.append(response.reasoning_item(response.item_id("rs"), reasoning, "completed"))
-    if content is not None or not calls:
-        items.append(response.message_item(response.item_id("msg"), content or "", "completed"))
-    items += [response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed") for call in calls]
+    message = (response.message_item(response.item_id("msg"), content or "", "completed")
+               if content is not None or not calls else None)
+    call_items = [response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed")
+                  for call in calls]
+    # In the order written: a forced choice cut short wrote its complete calls, then the unfinished one (content).
+    items += [*call_items, message] if message is not None and cut and calls else [*([message] if message else []), *call_items]
+    if cut and items:
+        items[-1]["status"] = "incomplete"  # the output stopped inside it
     return JSONResponse(response.finished(items, choice))
 
 
@@ -121,12 +127,12 @@ class ResponseObject:
         return f"{prefix}_{self.id.removeprefix('resp_')}{suffix}"
 
     def message_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
         return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
     def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
         return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
     @staticmethod
@@ -194,10 +200,12 @@ class _StreamedItems:
                 events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=call.arguments))
         return events
 
-    def finish(self) -> list[bytes]:
-        events = self._close()
+    def finish(self, cut: bool = False) -> list[bytes]:
+        """Close the items; ``cut``: the output was cut short (``max_output_tokens``), the last item left unfinished."""
+        status = "incomplete" if cut else "completed"
+        events = self._close(status)
         if not self.items:  # an empty answer is still one (empty) message
-            events += self._ensure("message") + self._close()
+            events += self._ensure("message") + self._close(status)
         return events
 
     def _where(self) -> dict[str, Any]:
@@ -218,22 +226,22 @@ class _StreamedItems:
         self.open, self.text = item, ""
         return [self.event("response.output_item.added", output_index=len(self.items), item=item)]
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
         item = self.open
         if item is None:
             return []
         where, text, events = self._where(), self.text, []
         if item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
-            done = self.response.reasoning_item(item["id"], text, "completed")
+            done = self.response.reasoning_item(item["id"], text, status)
         elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             events.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-            done = self.response.message_item(item["id"], text, "completed")
+            done = self.response.message_item(item["id"], text, status)
         else:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text))
-            done = self.response.call_item(item["id"], item["call_id"], item["name"], text, "completed")
+            done = self.response.call_item(item["id"], item["call_id"], item["name"], text, status)
         events.append(self.event("response.output_item.done", output_index=len(self.items), item=done))
         self.items.append(done)
         self.open = None
@@ -272,7 +280,7 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
                 yield chunk
             if delta.finish_reason is not None:
                 break
-        for chunk in items.finish():
+        for chunk in items.finish(cut=deltas[-1].finish_reason == "length"):
             yield chunk
         final = response.finished(items.items, deltas)
         yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

@@ -588,7 +588,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_config_show(args: argparse.Namespace) -> int:
     from weft.config import to_builtins
     from weft.plugins import PluginRegistry
-    from weft.plugins.selection import executor_problem, use_problems
+    from weft.plugins.selection import use_problems
+    from weft.resolve import executor_problem
 
     registry = PluginRegistry()
     config, path = config_from_args(args, registry)

@@ -22,6 +22,25 @@ from weft.plugins import PluginError, PluginRegistry
 from weft.plugins.selection import select_platform
 
 
+def executor_problem(engine: Any, registry: PluginRegistry) -> str | None:
+    """A line when ``engine.distributed_executor_backend`` names no installed executor (from metadata)."""
+    name = executor_name(engine)
+    try:
+        registry.find("executor", name)
+    except PluginError as error:
+        return f"engine.distributed_executor_backend = {name!r}: {error}"
+    return None
+
+
+def load_executor(registry: PluginRegistry, engine: Any) -> type:
+    """The executor class ``engine.distributed_executor_backend`` names; PluginError naming that option."""
+    name = executor_name(engine)
+    try:
+        return registry.load("executor", name)
+    except PluginError as error:
+        raise PluginError(f"engine.distributed_executor_backend = {name!r}: {error}") from None
+
+
 def options_for(config: WeftConfig, slot: str, plugin: Any, name: str) -> msgspec.Struct:
     return plugin_options(config, plugin.Options, slot, name)
 

@@ -29,8 +29,8 @@ from weft.engine.scheduler import Scheduler
 from weft.engine.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
-from weft.plugins.selection import load_executor
 from weft.resolve import (
+    load_executor,
     load_kv_connector,
     max_model_len,
     options_for,

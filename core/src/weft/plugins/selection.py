@@ -129,29 +129,6 @@ def use_problems(use: UseConfig, registry: PluginRegistry) -> list[str]:
     return problems
 
 
-def executor_problem(engine: Any, registry: PluginRegistry) -> str | None:
-    """A line when ``engine.distributed_executor_backend`` names no installed executor (from metadata)."""
-    from weft.config import executor_name
-
-    name = executor_name(engine)
-    try:
-        registry.find("executor", name)
-    except PluginError as error:
-        return f"engine.distributed_executor_backend = {name!r}: {error}"
-    return None
-
-
-def load_executor(registry: PluginRegistry, engine: Any) -> type:
-    """The executor class ``engine.distributed_executor_backend`` names; PluginError naming that option."""
-    from weft.config import executor_name
-
-    name = executor_name(engine)
-    try:
-        return registry.load("executor", name)
-    except PluginError as error:
-        raise PluginError(f"engine.distributed_executor_backend = {name!r}: {error}") from None
-
-
 def use_label(key: str, use: UseConfig) -> str:
     """``use.kv_connector = 'diskstore'``: how doctor and ``config show`` name a ``[use]`` key."""
     value = use.ops[key.partition(".")[2]] if key.startswith("ops.") else getattr(use, key)

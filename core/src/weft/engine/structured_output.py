@@ -302,10 +302,9 @@ class StructuredOutputManager:
         apply(reply)
         filled = [by_handle[handle][0] for handle in reply.filled]
         rows = process.rows(len(filled)) if filled else b""
-        if openers and (allowed := [openers.get(handle) for handle in reply.filled]) and any(
-                opener is not None for opener in allowed):
+        if openers and filled:
             words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(len(filled), -1)
-            _allow(words, allowed)
+            _allow(words, [openers.get(handle) for handle in reply.filled])
             rows = words.tobytes()
         return GrammarOutput(filled, rows)
 

@@ -90,6 +90,7 @@ class Timeline:
         if runner is not None:
             self.wrap(runner.token_bitmask, "apply", "main: TokenBitmask.apply")
             self.wrap(runner, "_forward", "main: runner._forward")
+            self.wrap(runner, "_stage_ahead", "main: runner._stage_ahead (while the mask fills)")
             self.wrap(runner, "_sample_step", "main: runner._sample_step")
             self.wrap(runner.sampler, "sample", "main: Sampler.sample")
             self.wrap(runner.token_counts, "record", "main: TokenCounts.record")
@@ -214,6 +215,9 @@ def main() -> None:
                         help="engine.structured_output_fill: the matchers in a thread of the core or a process of their own")
     parser.add_argument("--fill-processes", type=int,
                         help="engine.structured_output_fill_processes (default: the engine's, one per 4 CPUs, at most 4)")
+    parser.add_argument("--without-launch-ahead", action="store_true",
+                        help="also run each schema with the executor's launch_ahead off (each step's forward launched "
+                             "after the step before sampled, its inputs staged then), in the same engine")
     parser.add_argument("--timeline", action="store_true",
                         help="then one more run of each mode, printing the host time of each phase per step")
     args = parser.parse_args()
@@ -232,12 +236,19 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
                               structured_outputs=StructuredOutputsParams(json=SCHEMAS[name])))
         for name in args.schema or sorted(SCHEMAS)
     ]
+    executor = llm.engine.core.executor
+    launch_ahead = {name: executor.launch_ahead for name, _ in modes}
+    if args.without_launch_ahead and executor.launch_ahead:
+        for name, params in modes[1:]:
+            modes.append((f"{name}, not ahead", params))
+            launch_ahead[f"{name}, not ahead"] = False
     for _, params in modes:
         decode_seconds(llm, prompts[:2], params)  # compile the schemas, warm every path up
     best = {name: 0.0 for name, _ in modes}
     runs: dict[str, list[float]] = {name: [] for name, _ in modes}
     for repeat in range(args.repeats):
         for name, params in modes if repeat % 2 == 0 else modes[::-1]:  # alternate which mode runs first
+            executor.launch_ahead = launch_ahead[name]
             seconds, tokens = decode_seconds(llm, prompts, params)
             runs[name].append(tokens / seconds)
             best[name] = max(best[name], tokens / seconds)
@@ -248,7 +259,7 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
     print(f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
           f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}; matchers in "
           f"{fill_where(manager)} "
-          f"(engine.structured_output_fill = {args.fill!r})")
+          f"(engine.structured_output_fill = {args.fill!r}); executor.launch_ahead: {launch_ahead['plain']}")
     for name, _ in modes:
         print(f"  {name + ':':14} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     for name, _ in modes[1:]:
@@ -258,6 +269,7 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
         TIMELINE = Timeline()
         TIMELINE.install(llm)
         for name, params in modes:
+            executor.launch_ahead = launch_ahead[name]
             seconds, tokens = decode_seconds(llm, prompts, params)
             TIMELINE.report(f"{name}, {tokens / seconds:.1f} tok/s", TIMELINE.steps)
         TIMELINE = None

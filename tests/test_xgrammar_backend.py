@@ -292,12 +292,15 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
             assert json.loads(output.outputs[0].text).keys() == TOOL_CALL["properties"].keys()
 
 
+@pytest.mark.parametrize("launch_ahead", [False, True])
 def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_llama, one_torch_thread, eager_replay_platform,
-                                                                        monkeypatch):
+                                                                        monkeypatch, launch_ahead):
     """Decode graphs (replayed eagerly here, through the runner's static buffers and padding) and the mask graph
     after each: constrained greedy requests equal transformers under xgrammar's own processor, with a free request
     in the batch (an unmasked row of the graph) and steps whose batch is padded to the captured size; a batch with
-    a request that wants logprobs takes the unfused path instead, with the same tokens."""
+    a request that wants logprobs takes the unfused path instead, with the same tokens. ``launch_ahead`` (what an
+    accelerator's executor does): each decode step's graph inputs are staged while the step before waits for its
+    mask, and its forward launched right after that step samples."""
     from transformers import AutoModelForCausalLM
 
     from weft import LLM, SamplingParams
@@ -324,11 +327,21 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
             return real(size, count, rows, bitmask)
 
         runner.mask_graphs.sample = counted
+        llm.engine.core.executor.launch_ahead = launch_ahead
+        stage_ahead, staged = runner._stage_ahead, []
+
+        def counted_staging(step):
+            staged.append(stage_ahead(step))
+            return staged[-1]
+
+        runner._stage_ahead = counted_staging
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if index == 2 else
                   SamplingParams(temperature=0, max_tokens=14 + 2 * index, structured_outputs=schema)
                   for index in range(len(prompts))]
         outputs = llm.generate(prompts, params)
         assert any(size > count for size, count in sampled) and len({size for size, _ in sampled}) > 1  # padded rows
+        # Staged ahead: most decode steps (not a step right after a request's prefill or a finish).
+        assert sum(stage is not None for stage in staged) >= (10 if launch_ahead else 0) and (launch_ahead or not staged)
         assert outputs[2].outputs[0].token_ids == free
         for index in constrained:
             tokens, reference = outputs[index].outputs[0].token_ids, expected[index]
@@ -347,7 +360,7 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
         assert llm.engine.runner.graphs and llm.engine.runner.mask_graphs is None and llm.engine.runner.bitmask_argmax is None
 
 
-@pytest.mark.parametrize("fill", ["thread", "process", "process-2"])
+@pytest.mark.parametrize("fill", ["thread", "process", "process-2", "process-launch-ahead"])
 def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llama, one_torch_thread, fill):
     """Asynchronous scheduling, each step's bitmask filled on its own thread while the core schedules the
     next: 20 constrained requests (xgrammar's threaded fill) of staggered lengths, with unconstrained ones
@@ -355,7 +368,9 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
     xgrammar's own logits processor for the constrained ones). A mask filled before the previous token
     was accepted, or a token accepted twice or out of order, breaks the equality. ``process``: the matchers in
     the fill process (``engine.structured_output_fill``); once every request ended, it holds none of them.
-    ``process-2``: two fill processes, each holding its share of the matchers and filling its rows."""
+    ``process-2``: two fill processes, each holding its share of the matchers and filling its rows.
+    ``process-launch-ahead``: each step's forward deferred behind the sampling of the step before, as an
+    accelerator's executor does (here its eager forward, which stages nothing ahead)."""
     from transformers import AutoModelForCausalLM
 
     from weft import LLM, SamplingParams
@@ -379,7 +394,16 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
               "structured_output_fill_processes": processes}
     with LLM(model=str(tiny_llama), engine=engine) as llm:
         assert llm.engine.core.async_scheduling
+        executor = llm.engine.core.executor
+        executor.launch_ahead, execute, flagged = fill.endswith("launch-ahead"), executor.execute_model, []
+
+        def counted(step):
+            flagged.append(step.launch_after_sampling)
+            return execute(step)
+
+        executor.execute_model = counted
         outputs = llm.generate(prompts, params)
+        assert sum(flagged) >= (20 if executor.launch_ahead else 0) and (executor.launch_ahead or not any(flagged))
         manager = llm.engine.core.structured_outputs
         assert manager.fills_in_process is (fill != "thread")
         if fill != "thread":

@@ -31,6 +31,7 @@ class UniprocExecutor(Executor):
         from weft.runner.worker import Worker
 
         self.worker = Worker(config, registry)
+        self.launch_ahead = self.worker.device.type != "cpu"  # a CPU worker's tokens are on the host as it samples
         self._closed = False
 
     def load_model(self) -> WorkerInfo:

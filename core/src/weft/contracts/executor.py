@@ -95,6 +95,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     """Whether a request of this step loads external KV synchronously in it (the KV connector's lookup
     offered tokens with ``load_async`` False): only then do workers wait for each layer's load before the
     forward reads it (core API 1.11)."""
+    launch_after_sampling: bool = False
+    """Set by the engine core where the executor launches ahead (:attr:`Executor.launch_ahead`): the step before
+    this one still waits for its bitmask, and this one's forward reads that step's tokens. Workers stage this
+    step's inputs now and launch its forward once :meth:`Executor.sample_tokens` has sampled the step before
+    (core API 1.13)."""
 
     @property
     def is_empty(self) -> bool:
@@ -203,6 +208,12 @@ class Executor(PluginBase):
     supports_async_output: ClassVar[bool] = False
     """Whether :meth:`execute_model` returns before the step's tokens reach the host
     (the condition for asynchronous scheduling to overlap anything)."""
+    launch_ahead: bool = False
+    """Whether the engine core may call :meth:`execute_model` for a structured-output step whose predecessor still
+    waits for its bitmask (``SchedulerOutput.launch_after_sampling``), so that the workers stage the step's inputs
+    while the core waits for the mask (core API 1.13). Worth it where sampled tokens reach the host after
+    :meth:`sample_tokens` returns (an accelerator); a worker that samples on the host would run the forward before
+    the fill could start."""
 
     def __init__(self, options: msgspec.Struct | None, config: Any, registry: Any = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -223,7 +234,8 @@ class Executor(PluginBase):
         sampling waits for :meth:`sample_tokens`."""
 
     def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
-        """Sample the step :meth:`execute_model` launched last, its constrained rows masked by ``grammar``."""
+        """Sample the oldest step waiting for its bitmask, its constrained rows masked by ``grammar`` (then launch the
+        step after it, when that one came with ``launch_after_sampling``)."""
         raise NotImplementedError(f"executor {self.name!r} does not support structured outputs")
 
     def shutdown(self) -> None:

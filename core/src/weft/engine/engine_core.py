@@ -216,6 +216,17 @@ class EngineCore:
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
+            if (output.structured_output_request_ids and self.executor.launch_ahead and self._in_flight is not None
+                    and self._in_flight[1] is None):
+                # The step in flight waits for its mask, and this step's forward reads its tokens: the workers stage
+                # this step's inputs while the core waits for that mask, and launch it as soon as they sampled.
+                output.launch_after_sampling = True
+                launched = (output, self._execute(output))
+                self._sample_in_flight()
+                results += self._apply_in_flight()
+                self._bitmask = self._grammar_output(output)
+                self._in_flight = launched
+                return
             self._sample_in_flight()  # its tokens are the next forward's inputs
             if not output.structured_output_request_ids:
                 launched = (output, self._execute(output))

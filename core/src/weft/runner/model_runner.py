@@ -204,6 +204,15 @@ class _AwaitingMask:
         """The decode graph the forward replayed (its logits are that graph's output); None: it ran eagerly."""
 
 
+class _Staged:
+    """A deferred step's decode-graph inputs, staged in the static buffers (:meth:`ModelRunner._stage_ahead`)."""
+
+    __slots__ = ("request_ids", "positions", "size")
+
+    def __init__(self, request_ids: list[str], positions: list[int], size: int) -> None:
+        self.request_ids, self.positions, self.size = request_ids, positions, size
+
+
 class MaskGraphs:
     """Per decode-graph size, a graph of the ``bitmask_argmax`` op over that decode graph's logits, and the
     buffers it reads: the rows' mask indices (-1: unmasked) then the bitmask words, staged in pinned memory and
@@ -305,6 +314,10 @@ class ModelRunner:
         """The last step whose tokens may still be on their way to the host. Callers take a step's
         result before they launch the step after next."""
         self._awaiting: _AwaitingMask | None = None
+        self._deferred: SchedulerOutput | None = None
+        """A step that came with ``launch_after_sampling``: launched by the next :meth:`sample_tokens`."""
+        self._staged: _Staged | None = None
+        """That step's decode-graph inputs, staged in the static buffers when it came (:meth:`_stage_ahead`)."""
         self.token_bitmask = TokenBitmask(device)
         self.bitmask_argmax = bitmask_argmax
         """The ``bitmask_argmax`` op the worker chose: a structured-output step of greedy rows masks and samples
@@ -315,8 +328,22 @@ class ModelRunner:
     # The step.
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepHandle:
-        """Run one step; the handle's result has the sampled token of each scheduled request (None: mid-prefill)."""
+    def execute(self, step: SchedulerOutput) -> StepHandle | None:
+        """Run one step; the handle's result has the sampled token of each scheduled request (None: mid-prefill).
+        None: the step has structured outputs, sampled by :meth:`sample_tokens`; with ``launch_after_sampling``, its
+        inputs are staged now and its forward runs once :meth:`sample_tokens` sampled the step before."""
+        stale, self._deferred, self._staged = self._deferred, None, None
+        if stale is not None:  # never launched (the step before failed to sample): its requests' changes still hold
+            self._update_requests(stale)
+        if step.launch_after_sampling:
+            if self._awaiting is None:
+                raise RuntimeError("a step came with launch_after_sampling, but no step waits for its bitmask")
+            self._deferred, self._staged = step, self._stage_ahead(step)
+            return None
+        return self._execute(step)
+
+    def _update_requests(self, step: SchedulerOutput) -> None:
+        """Take in the step's new requests, drop its finished ones and move the cached ones along."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
             self.token_counts.free(request_id)
@@ -329,6 +356,9 @@ class ModelRunner:
             if cached.new_block_ids is not None:
                 for blocks, added in zip(state.block_ids, cached.new_block_ids):
                     blocks.extend(added)
+
+    def _execute(self, step: SchedulerOutput) -> StepHandle | None:
+        self._update_requests(step)
         if step.is_empty:
             report = (self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
                       if self.connector is not None else None)
@@ -353,7 +383,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
-        """Sample the step :meth:`execute` left waiting, its constrained rows masked by ``grammar``."""
+        """Sample the step :meth:`execute` left waiting, its constrained rows masked by ``grammar``; then launch the
+        step deferred behind it (``launch_after_sampling``), whose forward reads the tokens just sampled."""
+        deferred, self._deferred = self._deferred, None
+        try:
+            handle = self._sample_awaiting(grammar)
+        except BaseException:
+            self._deferred = deferred  # never launched: the next execute takes in its requests' changes
+            raise
+        if deferred is not None:
+            self._execute(deferred)  # a structured-output step: it waits for its own bitmask
+        return handle
+
+    def _sample_awaiting(self, grammar: GrammarOutput) -> StepHandle:
         awaiting, self._awaiting = self._awaiting, None
         assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
         sampled = None
@@ -641,21 +683,64 @@ class ModelRunner:
             static.block_tables[index][start:stop] = self.scratch_blocks[index]
             static.slot_mappings[index][start:stop] = self.scratch_blocks[index] * group.spec.block_size
 
+    def _stage_ahead(self, step: SchedulerOutput) -> _Staged | None:
+        """Stage the decode-graph inputs of a step deferred behind one that waits for its bitmask: positions,
+        sequence lengths, block tables, slot mappings and padding, as its requests will be once it is taken in. The
+        copies queue behind the forward already launched, which read the buffers before them. None where the step
+        would not replay a graph as staged here (a prefill, a new or finished request, a connector, ...)."""
+        counts = step.num_scheduled_tokens
+        if (not self.graphs or step.new_requests or step.finished_request_ids or self.connector is not None
+                or self.parallel.layout.pipeline_parallel_size > 1 or any(count != 1 for count in counts.values())):
+            return None
+        size = self._graph_size(len(counts))
+        if size is None:
+            return None
+        cached = {entry.request_id: entry for entry in step.cached_requests}
+        positions: list[int] = []
+        tables: list[list[list[int]]] = [[] for _ in self.groups]
+        for request_id in counts:
+            state = self.requests[request_id]
+            if state.prefix_hit is None or state.params.prompt_logprobs is not None:
+                return None  # resumes from a hit, or scores its prompt: it runs eagerly
+            entry = cached.get(request_id)
+            positions.append(state.num_computed_tokens if entry is None else entry.num_computed_tokens)
+            for index, blocks in enumerate(state.block_ids):
+                added = entry.new_block_ids[index] if entry is not None and entry.new_block_ids is not None else ()
+                tables[index].append(blocks + list(added) if added else blocks)
+        self._stage_replay(positions, tables, size)
+        return _Staged(list(counts), positions, size)
+
     def _replay(self, states: list[RequestState], size: int) -> torch.Tensor:
         static = self.static
         assert static is not None
         count = len(states)
         counts = [1] * count
         positions = [state.num_computed_tokens for state in states]
+        staged, self._staged = self._staged, None
+        if (staged is None or staged.size != size or staged.positions != positions
+                or staged.request_ids != [state.request_id for state in states]):
+            self._stage_replay(positions, [[state.block_ids[index] for state in states] for index in range(len(self.groups))], size)
+        static.input_ids[:count].copy_(torch.tensor(self._gather_tokens(states, counts)), non_blocking=True)
+        self._fill_unknown(static.input_ids, states, counts)
+        if self.captured_reader is not None:
+            self.captured_reader.prepare_rows([state.request_id for state in states], size)
+        output = self.graphs[size]()
+        return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
+
+    def _stage_replay(self, positions: list[int], tables_by_group: list[list[list[int]]], size: int) -> None:
+        """Copy a decode step's positions, sequence lengths, block tables and slot mappings (row ``i`` at position
+        ``positions[i]``, its blocks ``tables_by_group[g][i]`` in group ``g``) into the static buffers, and pad the
+        rest of the ``size`` rows."""
+        static = self.static
+        assert static is not None
+        count = len(positions)
         # Staged on the host (a few microseconds of CPU ops), then one copy each: device-side
         # derivations would add kernel launches to every decode step.
         host_positions = torch.tensor(positions)
-        static.input_ids[:count].copy_(torch.tensor(self._gather_tokens(states, counts)), non_blocking=True)
-        self._fill_unknown(static.input_ids, states, counts)
         static.positions[:count].copy_(host_positions, non_blocking=True)
         static.seq_lens[:count].copy_(host_positions + 1, non_blocking=True)
         for index, group in enumerate(self.groups):
-            tables = [state.block_ids[index] for state in states]
+            tables = tables_by_group[index]
             width = max(len(table) for table in tables)
             rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
             for table in tables:
@@ -668,10 +753,6 @@ class ModelRunner:
             )
         if count < size:
             self._fill_padding(count, size)
-        if self.captured_reader is not None:
-            self.captured_reader.prepare_rows([state.request_id for state in states], size)
-        output = self.graphs[size]()
-        return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
 
 
 def _failed_loads(report: ConnectorOutput | None) -> frozenset[str]:

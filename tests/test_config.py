@@ -275,3 +275,54 @@ def test_fill_processes_without_a_fill_process_are_refused():
         load_config(None, {"engine": {"structured_output_fill": "thread", "structured_output_fill_processes": 2}})
     config = load_config(None, {"engine": {"structured_output_fill_processes": 2}})
     assert config.engine.structured_output_fill == "auto" and config.engine.structured_output_fill_processes == 2
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"engine": {"enforce_eager": True, "graph_batch_sizes": [1, 2]}},
+     r"engine.graph_batch_sizes = \[1, 2\] but engine.enforce_eager = true captures no graphs; remove graph_batch_sizes"),
+    ({"engine": {"num_kv_blocks": 64, "cpu_kv_cache_bytes": 1 << 20}},
+     r"engine.cpu_kv_cache_bytes = 1048576 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size; keep one"),
+    ({"engine": {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5}},
+     r"engine.gpu_memory_utilization = 0.5 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size"),
+    ({"engine": {"enable_chunked_prefill": False, "long_prefill_token_threshold": 128}},
+     r"engine.long_prefill_token_threshold = 128 paces long prefills .* but engine.enable_chunked_prefill = false"),
+    ({"engine": {"enable_chunked_prefill": False, "max_long_partial_prefills": 2}},
+     r"engine.max_long_partial_prefills = 2 paces long prefills"),
+    ({"use": {"structured_output": "none"}, "engine": {"structured_output_fill": "process"}},
+     r"engine.structured_output_fill = 'process' but use.structured_output = 'none' turns structured outputs off"),
+    ({"use": {"structured_output": "none"}, "engine": {"structured_output_fill_processes": 2}},
+     r"engine.structured_output_fill_processes = 2 but use.structured_output = 'none'"),
+    ({"engine": {"distributed": {"worker_timeout": 30}}},
+     r"engine.distributed.worker_timeout = 30 but the uniproc executor runs its one worker in the engine core's process"),
+    ({"engine": {"revision": "v2"}},
+     r"engine.revision = 'v2' applies to a Hugging Face repo id \(org/name\), but model = 'smollm2-135m-instruct' is not one"),
+    ({"model": ".", "engine": {"download_dir": "/tmp/hub"}},
+     r"engine.download_dir = '/tmp/hub' applies to a Hugging Face repo id .* model = '.' is not one"),
+])
+def test_an_option_another_makes_do_nothing_is_refused(overrides, expected):
+    """Each option here would be silently dropped beside the other one the message names."""
+    with pytest.raises(ConfigError, match=rf"^override: {expected}"):
+        load_config(None, overrides)
+
+
+def test_options_that_take_effect_beside_each_other_are_accepted():
+    load_config(None, {"engine": {"graph_batch_sizes": [1, 2], "num_kv_blocks": 64}})
+    load_config(None, {"engine": {"enable_chunked_prefill": True, "long_prefill_token_threshold": 128}})
+    load_config(None, {"engine": {"distributed_executor_backend": "mp", "distributed": {"worker_timeout": 30}}})
+    load_config(None, {"engine": {"tensor_parallel_size": 2, "distributed": {"worker_timeout": 30}}})
+    load_config(None, {"model": "org/name", "engine": {"revision": "v2", "download_dir": "/tmp/hub"}})
+
+
+def test_a_selected_plugin_missing_its_required_options_is_named_with_its_table():
+    """``[use] kv_connector = "disk"`` without a ``[plugins.disk]`` table: the engine's error and ``weft config show``
+    name the table and the missing key, not only msgspec's field."""
+    from weft.plugins import PluginRegistry
+    from weft.resolve import option_problems
+
+    registry = PluginRegistry()
+    config = load_config(None, {"use": {"kv_connector": "disk"}}, registry=registry)
+    [problem] = option_problems(config, registry)
+    assert problem == ("use.kv_connector = 'disk': config: plugins.disk: object missing required field path "
+                       "(there is no [plugins.disk] table: add one that sets it)")
+    assert option_problems(load_config(None, {"use": {"kv_connector": "disk"}, "plugins": {"disk": {"path": "/tmp/x"}}},
+                                       registry=registry), registry) == []

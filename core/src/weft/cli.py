@@ -589,13 +589,15 @@ def run_config_show(args: argparse.Namespace) -> int:
     from weft.config import to_builtins
     from weft.plugins import PluginRegistry
     from weft.plugins.selection import use_problems
-    from weft.resolve import executor_problem
+    from weft.resolve import executor_problem, option_problems
 
     registry = PluginRegistry()
     config, path = config_from_args(args, registry)
     problems = use_problems(config.use, registry)
     if (problem := executor_problem(config.engine, registry)) is not None:
         problems.append(problem)
+    if not problems:
+        problems = option_problems(config, registry)
     for problem in problems:
         print(f"weft: error: {problem}", file=sys.stderr)
     if problems:

@@ -278,6 +278,7 @@ def load_config(
     _check_parallel(config, source, override_paths)
     _check_generation_config(config, source, override_paths)
     _check_structured_output_fill(config, source, override_paths)
+    _check_options_that_would_do_nothing(config, raw, source, override_paths)
     if config.plugins:
         from weft.plugins import PluginRegistry
 
@@ -382,6 +383,53 @@ def _check_structured_output_fill(config: WeftConfig, source: str, override_path
         )
 
 
+def _check_options_that_would_do_nothing(config: WeftConfig, raw: dict[str, Any], source: str,
+                                         override_paths: set[str]) -> None:
+    """An option given where another makes it do nothing is an error naming both, not a setting silently dropped."""
+    engine = config.engine
+
+    def given(key: str) -> bool:
+        return _lookup(raw, ["engine", *key.split(".")])[0]
+
+    def fail(keys: tuple[str, ...], message: str) -> None:
+        where = OVERRIDE_SOURCE if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys) else source
+        raise ConfigError(f"{where}: {message}")
+
+    if engine.enforce_eager and engine.graph_batch_sizes is not None:
+        fail(("graph_batch_sizes", "enforce_eager"),
+             f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no graphs; "
+             f"remove graph_batch_sizes, or set enforce_eager to false")
+    if engine.num_kv_blocks is not None:
+        for key in ("cpu_kv_cache_bytes", "gpu_memory_utilization"):
+            if given(key):
+                fail((key, "num_kv_blocks"),
+                     f"engine.{key} = {getattr(engine, key)!r} sizes the KV cache, but engine.num_kv_blocks = "
+                     f"{engine.num_kv_blocks} sets its size; keep one of them")
+    if not engine.enable_chunked_prefill:
+        for key in ("long_prefill_token_threshold", "max_long_partial_prefills"):
+            if given(key):
+                fail((key, "enable_chunked_prefill"),
+                     f"engine.{key} = {getattr(engine, key)!r} paces long prefills over steps, which only chunked "
+                     f"prefill splits, but engine.enable_chunked_prefill = false; remove it, or turn chunked prefill on")
+    if config.use.structured_output == "none":
+        for key in ("structured_output_fill", "structured_output_fill_processes"):
+            if given(key):
+                fail((key,), f"engine.{key} = {getattr(engine, key)!r} but use.structured_output = 'none' turns "
+                             f"structured outputs off, so nothing is filled; remove it, or choose a backend")
+    if given("distributed.worker_timeout") and executor_name(engine) == "uniproc":
+        fail(("distributed.worker_timeout", "distributed_executor_backend"),
+             f"engine.distributed.worker_timeout = {engine.distributed.worker_timeout:g} but the uniproc executor runs "
+             f"its one worker in the engine core's process: no worker is started or waited for; remove it (the mp "
+             f"and ray executors wait on it)")
+    if engine.revision is not None or engine.download_dir is not None:
+        from weft.hub import is_repo_id
+
+        if not is_repo_id(config.model):
+            key = "revision" if engine.revision is not None else "download_dir"
+            fail((key,), f"engine.{key} = {getattr(engine, key)!r} applies to a Hugging Face repo id (org/name), but "
+                         f"model = {config.model!r} is not one (an alias, a local folder or file); remove it")
+
+
 def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:
     """``engine.generation_config`` is a keyword or a folder holding generation_config.json (checked before any model loads)."""
     value = config.engine.generation_config
@@ -412,8 +460,19 @@ def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], slot:
     The table is ``[plugins.<name>]``, or ``[plugins."<slot>.<name>"]`` when
     plugins of several slots share the name.
     """
-    table = config.plugins.get(f"{slot}.{name}", config.plugins.get(name, {}))
-    return msgspec.convert(table, options_type)
+    key = f"{slot}.{name}" if f"{slot}.{name}" in config.plugins else name
+    table = config.plugins.get(key, {})
+    try:
+        return msgspec.convert(table, options_type)
+    except msgspec.ValidationError as error:
+        message = _explain(error, table, options_type, "config", set(), prefix=f"plugins.{key}")
+        if key not in config.plugins:
+            message += f" (there is no [plugins.{_table_key(key)}] table: add one that sets it)"
+        raise ConfigError(message) from None
+
+
+def _table_key(key: str) -> str:
+    return key if "." not in key else f'"{key}"'
 
 
 def plugin_entries_for_table(entries: list[Any], key: str) -> list[Any]:
@@ -550,7 +609,7 @@ def _explain(
         found, value = _lookup(raw, parts)
         if found and ", got " in explanation:
             explanation += f" {value!r}"
-        elif found:
+        elif found and not message.startswith("Object missing required field"):
             explanation += f", got {type(value).__name__} {value!r}"
     key = ".".join(p for p in ([prefix] if prefix else []) + parts).replace(".[...]", "[...]").replace("....", "[...]")
     where = OVERRIDE_SOURCE if _set_by_override(parts, override_paths) else source

@@ -14,12 +14,12 @@ from typing import Any
 
 import msgspec
 
-from weft.config import WeftConfig, executor_name, plugin_options, with_platform_defaults
+from weft.config import ConfigError, WeftConfig, executor_name, plugin_options, with_platform_defaults
 from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.contracts.parallel import ParallelLayout
 from weft.plugins import PluginError, PluginRegistry
-from weft.plugins.selection import select_platform
+from weft.plugins.selection import plugins_named_in_use, select_platform, use_label
 
 
 def executor_problem(engine: Any, registry: PluginRegistry) -> str | None:
@@ -39,6 +39,28 @@ def load_executor(registry: PluginRegistry, engine: Any) -> type:
         return registry.load("executor", name)
     except PluginError as error:
         raise PluginError(f"engine.distributed_executor_backend = {name!r}: {error}") from None
+
+
+def option_problems(config: WeftConfig, registry: PluginRegistry) -> list[str]:
+    """One line per plugin ``[use]`` names whose options do not validate: its ``[plugins.<name>]`` table, or its
+    defaults where there is none (an option without a default). Imports those plugins."""
+    from weft.contracts.plugin import NoOptions
+
+    problems = []
+    for key, slot, name in plugins_named_in_use(config.use):
+        if slot == "ops":
+            continue
+        try:
+            plugin = registry.load(slot, name)
+        except PluginError:
+            continue  # use_problems names it
+        if getattr(plugin, "Options", NoOptions) is NoOptions:
+            continue
+        try:
+            options_for(config, slot, plugin, name)
+        except ConfigError as error:
+            problems.append(f"{use_label(key, config.use)}: {error}")
+    return problems
 
 
 def options_for(config: WeftConfig, slot: str, plugin: Any, name: str) -> msgspec.Struct:

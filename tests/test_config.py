@@ -326,3 +326,17 @@ def test_a_selected_plugin_missing_its_required_options_is_named_with_its_table(
                        "(there is no [plugins.disk] table: add one that sets it)")
     assert option_problems(load_config(None, {"use": {"kv_connector": "disk"}, "plugins": {"disk": {"path": "/tmp/x"}}},
                                        registry=registry), registry) == []
+
+
+def test_list_and_table_options_have_flags_too(site, tmp_path):
+    """Every option of [use] and [engine] has a flag: lists take values apart or comma-separated, tables KEY=VALUE."""
+    shown = site.weft("config", "show", "--json", "--graph-batch-sizes", "1,2", "4", "--pipeline-partition", "3",
+                      "--ops", "rms_norm=torch", "--ops", "silu_and_mul=torch", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    data = last_json(shown.stdout)
+    assert data["engine"]["graph_batch_sizes"] == [1, 2, 4] and data["engine"]["pipeline_partition"] == [3]
+    assert data["use"]["ops"] == {"rms_norm": "torch", "silu_and_mul": "torch"}
+    wrong = site.weft("config", "show", "--ops", "rms_norm", cwd=tmp_path)
+    assert wrong.returncode == 1 and "--ops 'rms_norm': expected KEY=VALUE" in wrong.stderr
+    not_ints = site.weft("config", "show", "--graph-batch-sizes", "1,many", cwd=tmp_path)
+    assert not_ints.returncode == 1 and "engine.graph_batch_sizes.1: expected int, got str 'many'" in not_ints.stderr, not_ints.stderr

@@ -158,6 +158,28 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text, type=_Text)
             else:
                 group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
+        for path, field in _collection_fields(section, struct):
+            base, description = _unwrap(field.type)
+            flag = "--" + field.name.replace("_", "-")
+            text = f"{path}: {description}" if description else path
+            if base is list:  # --graph-batch-sizes 1 2 4 8, or 1,2,4,8
+                group.add_argument(flag, dest=f"cfglist:{path}", metavar="N", nargs="+", default=None,
+                                   help=f"{text} (values apart or comma-separated)")
+            else:  # --ops rms_norm=torch --ops silu_and_mul=torch
+                group.add_argument(flag, dest=f"cfgdict:{path}", metavar="KEY=VALUE", action="append", default=None,
+                                   help=f"{text} (repeatable)")
+
+
+def _collection_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
+    """``(key path, field)`` of every list or table option of ``struct`` that takes scalars (``[plugins]`` is --set's)."""
+    found = []
+    for field in msgspec.structs.fields(struct):
+        base, _ = _unwrap(field.type)
+        if _is_struct(base):
+            found.extend(_collection_fields(f"{section}.{field.name}", base))
+        elif isinstance(base, type) and issubclass(base, (dict, list)):
+            found.append((f"{section}.{field.name}", field))
+    return found
 
 
 def _scalar_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
@@ -188,6 +210,19 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
         if name.startswith("cfg:") and value is not None:
             key = name[len("cfg:") :]
             overrides[key] = value if isinstance(value, bool) else str(value) if isinstance(value, _Text) else parse_override(f"{key}={value}")[1]
+        elif name.startswith("cfglist:") and value is not None:
+            items = [item.strip() for text in value for item in str(text).split(",") if item.strip()]
+            overrides[name[len("cfglist:") :]] = [parse_override(f"item={item}")[1] for item in items]
+        elif name.startswith("cfgdict:") and value is not None:
+            key = name[len("cfgdict:") :]
+            table = {}
+            for assignment in value:
+                entry, sep, text = assignment.partition("=")
+                if not sep or not entry.strip():
+                    raise ConfigError(f"--{key.rpartition('.')[2].replace('_', '-')} {assignment!r}: expected KEY=VALUE, "
+                                      f"e.g. rms_norm=torch")
+                table[entry.strip()] = text.strip()
+            overrides[key] = table
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         overrides[key] = value

@@ -241,6 +241,31 @@ def test_streamed_forced_tool_calls_send_id_and_name_first_then_arguments_in_pie
         assert finish == ["tool_calls" if tool_choice == "required" else "stop"]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_short_comes_back_as_the_stream_sent_it(client, tool_choice):
+    """``max_tokens`` ends a forced call mid-arguments: as OpenAI does, the answer is that call with its arguments as
+    far as they were written (not content) and ``finish_reason`` ``length``, streamed or not."""
+    request = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice, temperature=0,
+                   parallel_tool_calls=False)
+    length = client.chat.completions.create(**request, max_tokens=200).usage.completion_tokens
+    for cut in range(length - 1, 0, -1):  # the last cut that ends inside the arguments (the array's end comes after)
+        whole = client.chat.completions.create(**request, max_tokens=cut).choices[0]
+        assert whole.finish_reason == "length" and whole.message.content is None
+        [call] = whole.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        try:
+            json.loads(call.function.arguments)
+        except ValueError:
+            break  # unfinished
+    else:
+        raise AssertionError("no cut ended inside the arguments")
+    request["max_tokens"] = cut
+    chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**request, stream=True) if chunk.choices]
+    streamed = "".join(piece.function.arguments or "" for chunk in chunks for piece in (chunk.delta.tool_calls or []))
+    assert streamed == call.function.arguments and chunks[-1].finish_reason == "length"
+    assert not "".join(chunk.delta.content or "" for chunk in chunks)
+
+
 def test_two_turn_tool_conversation(client, default_server):
     first = client.chat.completions.create(
         model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},

@@ -164,8 +164,17 @@ def test_forced_choice_parsers_read_the_constrained_json():
     assert [(call.name, json.loads(call.arguments)) for call in RequiredCallsParser().parse(required).calls] == expected
     for seed in range(4):
         assert [(name, json.loads(arguments)) for name, arguments in stream_tool_calls(RequiredCallsParser(), required, seed)[1]] == expected
-    cut = RequiredCallsParser().parse('[{"name": "get_weather", "parameters": {"ci')
-    assert cut.calls == [] and cut.content is not None
+    # Cut short (max_tokens): the unfinished call comes back as a call with its arguments as written, as OpenAI
+    # returns it, and as the stream sent it.
+    for parser, text in ((RequiredCallsParser, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                                                '{"name": "get_time", "parameters": {"ti'),
+                         (lambda: NamedCallParser("get_time"), '{"ti')):
+        cut = parser().parse(text)
+        assert cut.content is None and [(call.name, call.arguments) for call in cut.calls][-1] == ("get_time", '{"ti')
+        for seed in range(3):
+            assert stream_tool_calls(parser(), text, seed) == ("", [(call.name, call.arguments) for call in cut.calls])
+    nameless = RequiredCallsParser().parse('[{"name": "get_wea')
+    assert nameless.calls == []
 
 
 def test_reasoning_parsers_split_thinking_from_the_answer():

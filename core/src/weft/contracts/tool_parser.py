@@ -137,8 +137,14 @@ class ToolParser(PluginBase):
 
     def parse(self, text: str) -> ParsedOutput:
         """The content and the complete, valid calls of a whole output; a call that is unfinished or
-        whose arguments are not a JSON object stays in the content."""
+        whose arguments are not a JSON object stays in the content. With :attr:`streams_pieces` (a grammar held
+        the output to calls), what a stream sends, whole: every named call, one cut short (``max_tokens``) with
+        its arguments as far as they were written, as OpenAI returns it."""
         scan = self._safe_scan(text, final=True)
+        if self.streams_pieces:
+            named = next((index for index, call in enumerate(scan.calls) if not call.name), len(scan.calls))
+            return ParsedOutput(scan.content or None,
+                                [ToolCall(_call_id(), call.name, call.arguments) for call in scan.calls[:named]])
         valid = [call for call in scan.calls if is_valid_call(call)]
         if len(valid) < len(scan.calls) and not valid:
             return ParsedOutput(text or None, [])

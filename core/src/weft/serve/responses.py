@@ -71,7 +71,7 @@ async def responses(server: Server, request: Request) -> Response:
                if content is not None or not calls else None)
     call_items = [response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed")
                   for call in calls]
-    # In the order written: a forced choice cut short wrote its complete calls, then the unfinished one (content).
+    # In the order written: calls, then content (a forced choice's output cut short before a call was named).
     items += [*call_items, message] if message is not None and cut and calls else [*([message] if message else []), *call_items]
     if cut and items:
         items[-1]["status"] = "incomplete"  # the output stopped inside it

@@ -168,7 +168,8 @@ class RequiredCallsParser(ToolParser):
         position = len(text) - len(text.lstrip())
         if position >= len(text) or text[position] != "[":
             return Scan(text if final else "", [])
-        calls, _ = json_calls(text, position + 1, final, " \t\r\n,")
+        # Read as unfinished even when final: a call cut short keeps its arguments as written (what the stream sent).
+        calls, _ = json_calls(text, position + 1, False, " \t\r\n,")
         return Scan("", calls)
 
 

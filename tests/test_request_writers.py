@@ -38,8 +38,10 @@ WRITERS = {
 
 OTHER_STATE = {
     ("weft.runner.model_runner", "RequestState.__init__", "num_computed_tokens"): "the worker's own copy of a request",
-    ("weft.runner.model_runner", "ModelRunner.execute", "num_computed_tokens"): (
-        "the worker's copy, updated from the step's CachedRequest and scheduled tokens"),
+    ("weft.runner.model_runner", "ModelRunner._update_requests", "num_computed_tokens"): (
+        "the worker's copy, updated from the step's CachedRequest"),
+    ("weft.runner.model_runner", "ModelRunner._execute", "num_computed_tokens"): (
+        "the worker's copy, moved past the step's scheduled tokens"),
     ("weft.engine.output_processor", "RequestOutputState.__init__", "output_token_ids"): "the API side's request state",
     ("weft.engine.output_processor", "RequestOutputState.__init__", "stop_reason"): "the API side's request state",
     ("weft.engine.output_processor", "RequestOutputState.__init__", "num_cached_tokens"): "the API side's request state",

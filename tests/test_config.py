@@ -305,6 +305,18 @@ def test_an_option_another_makes_do_nothing_is_refused(overrides, expected):
         load_config(None, overrides)
 
 
+def test_a_file_that_spells_out_the_defaults_is_accepted(site, tmp_path):
+    """What ``config show`` prints (every key, derived ones too) loads back, with these options set alike."""
+    for flags in ([], ["--num-kv-blocks", "64"], ["--enforce-eager"], ["--no-enable-chunked-prefill"],
+                  ["--structured-output", "none"]):
+        shown = site.weft("config", "show", *flags, cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        write(tmp_path, shown.stdout)
+        again = site.weft("config", "show", cwd=tmp_path)
+        assert again.returncode == 0, (flags, again.stderr)
+        (tmp_path / "weft.toml").unlink()
+
+
 def test_options_that_take_effect_beside_each_other_are_accepted():
     load_config(None, {"engine": {"graph_batch_sizes": [1, 2], "num_kv_blocks": 64}})
     load_config(None, {"engine": {"enable_chunked_prefill": True, "long_prefill_token_threshold": 128}})
@@ -329,13 +341,15 @@ def test_a_selected_plugin_missing_its_required_options_is_named_with_its_table(
 
 
 def test_list_and_table_options_have_flags_too(site, tmp_path):
-    """Every option of [use] and [engine] has a flag: lists take values apart or comma-separated, tables KEY=VALUE."""
-    shown = site.weft("config", "show", "--json", "--graph-batch-sizes", "1,2", "4", "--pipeline-partition", "3",
-                      "--ops", "rms_norm=torch", "--ops", "silu_and_mul=torch", cwd=tmp_path)
+    """Every option of [use] and [engine] has a flag: lists take comma-separated values, a table one KEY=VALUE a flag,
+    added to the file's table."""
+    write(tmp_path, '[use.ops]\nrms_norm = "torch"\n')
+    shown = site.weft("config", "show", "--json", "--graph-batch-sizes", "1,2, 4", "--pipeline-partition", "3",
+                      "--ops", "silu_and_mul=torch", "--ops", "bitmask_argmax=torch", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     data = last_json(shown.stdout)
     assert data["engine"]["graph_batch_sizes"] == [1, 2, 4] and data["engine"]["pipeline_partition"] == [3]
-    assert data["use"]["ops"] == {"rms_norm": "torch", "silu_and_mul": "torch"}
+    assert data["use"]["ops"] == {"rms_norm": "torch", "silu_and_mul": "torch", "bitmask_argmax": "torch"}
     wrong = site.weft("config", "show", "--ops", "rms_norm", cwd=tmp_path)
     assert wrong.returncode == 1 and "--ops 'rms_norm': expected KEY=VALUE" in wrong.stderr
     not_ints = site.weft("config", "show", "--graph-batch-sizes", "1,many", cwd=tmp_path)

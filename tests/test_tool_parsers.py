@@ -173,8 +173,14 @@ def test_forced_choice_parsers_read_the_constrained_json():
         assert cut.content is None and [(call.name, call.arguments) for call in cut.calls][-1] == ("get_time", '{"ti')
         for seed in range(3):
             assert stream_tool_calls(parser(), text, seed) == ("", [(call.name, call.arguments) for call in cut.calls])
-    nameless = RequiredCallsParser().parse('[{"name": "get_wea')
-    assert nameless.calls == []
+    # Cut before a call is named: no call is made up, and what was written comes back as content, streamed or not.
+    for parser, text, content in ((RequiredCallsParser, '[{"name": "get_wea', '[{"name": "get_wea'),
+                                  (RequiredCallsParser, '[{"name": "get_weather", "par', '[{"name": "get_weather", "par'),
+                                  (RequiredCallsParser, '[{"name": "now", "parameters": {}}, {"na', '{"na'),
+                                  (lambda: NamedCallParser("now"), "", None), (lambda: NamedCallParser("now"), " \n", None)):
+        cut = parser().parse(text)
+        assert cut.content == content and [call.name for call in cut.calls] == (["now"] if "now" in text else [])
+        assert stream_tool_calls(parser(), text, 1) == parsed_tool_calls(cut)
 
 
 def test_reasoning_parsers_split_thinking_from_the_answer():

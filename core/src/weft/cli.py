@@ -162,9 +162,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             base, description = _unwrap(field.type)
             flag = "--" + field.name.replace("_", "-")
             text = f"{path}: {description}" if description else path
-            if base is list:  # --graph-batch-sizes 1 2 4 8, or 1,2,4,8
-                group.add_argument(flag, dest=f"cfglist:{path}", metavar="N", nargs="+", default=None,
-                                   help=f"{text} (values apart or comma-separated)")
+            if base is list:  # --graph-batch-sizes 1,2,4,8 (one value: a prompt after it stays a prompt)
+                group.add_argument(flag, dest=f"cfglist:{path}", metavar="N,N,...", default=None,
+                                   help=f"{text} (comma-separated)")
             else:  # --ops rms_norm=torch --ops silu_and_mul=torch
                 group.add_argument(flag, dest=f"cfgdict:{path}", metavar="KEY=VALUE", action="append", default=None,
                                    help=f"{text} (repeatable)")
@@ -211,18 +211,16 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
             key = name[len("cfg:") :]
             overrides[key] = value if isinstance(value, bool) else str(value) if isinstance(value, _Text) else parse_override(f"{key}={value}")[1]
         elif name.startswith("cfglist:") and value is not None:
-            items = [item.strip() for text in value for item in str(text).split(",") if item.strip()]
+            items = [item.strip() for item in str(value).split(",") if item.strip()]
             overrides[name[len("cfglist:") :]] = [parse_override(f"item={item}")[1] for item in items]
         elif name.startswith("cfgdict:") and value is not None:
             key = name[len("cfgdict:") :]
-            table = {}
-            for assignment in value:
+            for assignment in value:  # one key each, added to the file's table
                 entry, sep, text = assignment.partition("=")
                 if not sep or not entry.strip():
                     raise ConfigError(f"--{key.rpartition('.')[2].replace('_', '-')} {assignment!r}: expected KEY=VALUE, "
                                       f"e.g. rms_norm=torch")
-                table[entry.strip()] = text.strip()
-            overrides[key] = table
+                overrides[f"{key}.{entry.strip()}"] = text.strip()
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         overrides[key] = value

@@ -388,14 +388,22 @@ def _check_options_that_would_do_nothing(config: WeftConfig, raw: dict[str, Any]
     """An option given where another makes it do nothing is an error naming both, not a setting silently dropped."""
     engine = config.engine
 
+    defaults = EngineConfig()
+
     def given(key: str) -> bool:
-        return _lookup(raw, ["engine", *key.split(".")])[0]
+        """Set to a value other than its default (a file that spells out the defaults, as ``config show`` prints
+        them, is not refused)."""
+        found, value = _lookup(raw, ["engine", *key.split(".")])
+        default: Any = defaults
+        for part in key.split("."):
+            default = getattr(default, part)
+        return found and value != default
 
     def fail(keys: tuple[str, ...], message: str) -> None:
         where = OVERRIDE_SOURCE if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys) else source
         raise ConfigError(f"{where}: {message}")
 
-    if engine.enforce_eager and engine.graph_batch_sizes is not None:
+    if engine.enforce_eager and engine.graph_batch_sizes:
         fail(("graph_batch_sizes", "enforce_eager"),
              f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no graphs; "
              f"remove graph_batch_sizes, or set enforce_eager to false")
@@ -407,7 +415,7 @@ def _check_options_that_would_do_nothing(config: WeftConfig, raw: dict[str, Any]
                      f"{engine.num_kv_blocks} sets its size; keep one of them")
     if not engine.enable_chunked_prefill:
         for key in ("long_prefill_token_threshold", "max_long_partial_prefills"):
-            if given(key):
+            if given(key) and getattr(engine, key) != 0:  # 0: no cap, what config show prints here
                 fail((key, "enable_chunked_prefill"),
                      f"engine.{key} = {getattr(engine, key)!r} paces long prefills over steps, which only chunked "
                      f"prefill splits, but engine.enable_chunked_prefill = false; remove it, or turn chunked prefill on")

@@ -93,9 +93,11 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform
     if engine.distributed_executor_backend is None:
         derived["distributed_executor_backend"] = executor_name(engine)
     if engine.graph_batch_sizes is None:
-        derived["graph_batch_sizes"] = platform.graph_batch_sizes(engine.max_num_seqs)
+        derived["graph_batch_sizes"] = [] if engine.enforce_eager else platform.graph_batch_sizes(engine.max_num_seqs)
     if engine.long_prefill_token_threshold is None:
-        derived["long_prefill_token_threshold"] = max(1, engine.max_num_batched_tokens // 4)
+        # Without chunked prefill no prefill is split, so none is capped (0), whatever the budget.
+        derived["long_prefill_token_threshold"] = (max(1, engine.max_num_batched_tokens // 4)
+                                                   if engine.enable_chunked_prefill else 0)
     return msgspec.structs.replace(config, engine=msgspec.structs.replace(engine, **derived)) if derived else config
 
 

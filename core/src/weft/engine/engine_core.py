@@ -217,7 +217,7 @@ class EngineCore:
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
             if (output.structured_output_request_ids and self.executor.launch_ahead and self._in_flight is not None
-                    and self._in_flight[1] is None):
+                    and self._in_flight[1] is None and self.step_profile is None):  # a profile times each launch
                 # The step in flight waits for its mask, and this step's forward reads its tokens: the workers stage
                 # this step's inputs while the core waits for that mask, and launch it as soon as they sampled.
                 output.launch_after_sampling = True

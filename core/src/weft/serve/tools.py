@@ -153,7 +153,9 @@ class NamedCallParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         start = len(text) - len(text.lstrip())
-        end = json_value_end(text, start, final) if start < len(text) else None
+        if start == len(text):
+            return Scan("", [])  # nothing of the call written yet (a reasoning model cut while thinking, say)
+        end = json_value_end(text, start, final)
         arguments = text[start:end].rstrip() if end is not None else text[start:]
         return Scan("", [PartialCall(self.function, arguments, end is not None, text)])
 
@@ -169,7 +171,10 @@ class RequiredCallsParser(ToolParser):
         if position >= len(text) or text[position] != "[":
             return Scan(text if final else "", [])
         # Read as unfinished even when final: a call cut short keeps its arguments as written (what the stream sent).
-        calls, _ = json_calls(text, position + 1, False, " \t\r\n,")
+        calls, stopped = json_calls(text, position + 1, False, " \t\r\n,")
+        rest = text[stopped:]
+        if final and rest.strip() not in ("", "]"):  # cut short before the next call's name and arguments key
+            return Scan(text if not calls else rest, calls)
         return Scan("", calls)
 
 

@@ -4,13 +4,19 @@ A backend whose fill holds the GIL (xgrammar 0.2.9's batch fill does) takes the 
 while it fills, whichever thread it runs on. In a spawned child the matchers accept tokens and fill
 bitmask rows beside the core. The core keeps compiling constraints (in its own thread pool, where
 invalid ones fail as before) and sends each compiled constraint to the child once, serialized
-(:meth:`~weft.contracts.structured_output.StructuredOutputBackend.serialize_compiled`). Each step is
-one message, sent by the core's thread as soon as the step's tokens were accepted, its answer read when the
+(:meth:`~weft.contracts.structured_output.StructuredOutputBackend.serialize_compiled`).
+
+A step is sent by the core's thread as soon as the step's tokens were accepted, and its answer read when the
 core needs the mask (no thread hands it on: a thread waiting for the GIL while the core launches the
-forward would hold the message back): the matchers made and dropped since the last one, the
-tokens to accept in order, the matchers whose rows to fill. The rows come back in shared memory, which
-the core grows (a new segment) when a step needs more rows; the reply says which matchers filled a row
-and which ones ended or refused a token.
+forward would hold the message back). The step's data lies in one shared segment (:class:`StepSegment`): the
+tokens to accept in order, the matchers whose rows to fill, and the rows themselves, which the core grows (a new
+segment) when a step needs more room. Each child has a small shared box of its own (where its part of the step
+is, what it filled, whether it failed) and two semaphores: the core posts ``go`` once the step is written, the
+child posts ``done`` once it has answered in the box and the segment. A step's hot path therefore pickles
+nothing and writes no pipe; the pipe carries what is rare and variable (the matchers made and dropped and the
+compiled constraints forgotten since the last step, sent after ``go`` when there are any, the child reading
+them first), the other requests (``held``, a new segment, ``close``) and a child's errors. The semaphores' post
+and wait order the shared writes on every architecture.
 
 Matchers are named by handles the core numbers (a request id can come back after its request ended).
 
@@ -18,11 +24,13 @@ A step's work splits across several such children (:class:`FillGroup`, ``engine.
 each holds the matchers it was given (a new one goes to the child holding the fewest) and accepts and fills only
 theirs, so a step's round trip takes its share of the batch rather than the whole. On the GPU machine's CPU one
 child took 1.29 ms for 32 rows of the records schema, four took 0.62-0.76 ms, while xgrammar's own threads
-gained nothing past one (``bench/structured_output.py``, docs/benchmarks.md).
+gained nothing past one (``bench/structured_output.py``, docs/benchmarks.md). Every child reads the whole step
+(it skips the tokens of matchers it does not hold); the rows to fill are ordered child after child, each child
+filling its own range.
 
-Both ends wait for a message by polling it for a while before they sleep in the read (``spin``): on that machine
-a sleeping process took a large share of the round trip to wake up, and a step's message comes every few
-milliseconds while requests decode.
+Both ends wait for the other by polling its semaphore for a while before they sleep on it (``spin``): on that
+machine a sleeping process took a large share of the round trip to wake up, and a step comes every few
+milliseconds while requests decode. A sleeping child wakes every second to see whether the core still runs.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import select
+import os
 import time
 import traceback
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -60,6 +68,22 @@ SPIN_SECONDS = 0.005
 SPIN_MIN_CPUS = 8
 """Also where ``engine.structured_output_fill = "auto"`` takes fill processes."""
 
+ALIVE_CHECK_SECONDS = 0.05
+"""While the core waits for a child's answer, how often it checks that the child still runs."""
+
+PARENT_CHECK_SECONDS = 1.0
+"""While a child waits for the next message, how often it checks that the core still runs."""
+
+# A child's box: int64 words.
+_KIND, _START, _COUNT, _ACCEPTED, _FAILED, _FILLED = range(6)
+_BOX_WORDS = 8
+# What ``go`` announces (_KIND).
+_PIPE, _STEP, _STEP_AFTER_PIPE = 1, 2, 3
+"""A message on the pipe, answered on the pipe; a step in the segment, answered in the box; a step whose matchers
+made and dropped since the last one come on the pipe first."""
+# A token's report in the segment.
+_ENDED, _REFUSED = 1, 2
+
 
 def default_spin() -> float:
     return SPIN_SECONDS if usable_cpus() >= SPIN_MIN_CPUS else 0.0
@@ -71,37 +95,50 @@ def default_processes() -> int:
     return max(1, min(4, usable_cpus() // 4))
 
 
-class Mailbox:
-    """One end of the pipe, read after polling it for up to ``spin`` seconds (then a sleeping read)."""
-
-    __slots__ = ("conn", "spin", "_poller")
-
-    def __init__(self, conn: Connection, spin: float) -> None:
-        self.conn = conn
-        self.spin = spin
-        self._poller = select.poll()
-        self._poller.register(conn.fileno(), select.POLLIN)
-
-    def recv(self) -> Any:
-        if self.spin > 0 and not self._poller.poll(0):
-            deadline = time.perf_counter() + self.spin
-            while not self._poller.poll(0) and time.perf_counter() < deadline:
-                pass
-        return self.conn.recv()
+def wait_for(semaphore: Any, spin: float, every: float, check: Callable[[], None]) -> None:
+    """Acquire ``semaphore``, polling it for ``spin`` seconds before sleeping on it; while asleep, ``check`` runs
+    every ``every`` seconds (it raises to stop the wait)."""
+    if semaphore.acquire(False):
+        return
+    if spin > 0:
+        deadline = time.perf_counter() + spin
+        while time.perf_counter() < deadline:
+            if semaphore.acquire(False):
+                return
+    while not semaphore.acquire(True, every):
+        check()
 
 
-class StepReply:
-    """What the child did with one step's message."""
+class StepSegment:
+    """One step's shared data: the tokens to accept (``accepted``, ``[tokens, 2]``: handle, token) and their reports
+    (``reports``: 0, ended, refused), the handles whose rows to fill (``fill``) and those a child filled
+    (``filled``), then the rows (``rows``, ``[rows, words]`` int32). Views of ``memory``; the core owns it."""
 
-    __slots__ = ("filled", "ended", "refused")
+    def __init__(self, memory: shared_memory.SharedMemory, rows: int, tokens: int, words: int) -> None:
+        self.memory = memory
+        self.capacity = (rows, tokens)
+        buffer = memory.buf
+        offset = 0
 
-    def __init__(self, filled: list[int], ended: list[int], refused: list[tuple[int, int]]) -> None:
-        self.filled = filled
-        """Handles whose bitmask row was filled, row ``i`` for ``filled[i]``."""
-        self.ended = ended
-        """Handles whose matcher terminated on a token of this step."""
-        self.refused = refused
-        """``(handle, token)`` of tokens a matcher refused (it takes no more tokens, as a failed constraint)."""
+        def take(shape: tuple[int, ...], dtype: type) -> numpy.ndarray:
+            nonlocal offset
+            array = numpy.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+            offset += array.nbytes
+            return array
+
+        self.rows = take((rows, words), numpy.int32)  # first: the rows start where the segment does
+        self.accepted = take((tokens, 2), numpy.int64)
+        self.reports = take((tokens,), numpy.int64)
+        self.fill = take((rows,), numpy.int64)
+        self.filled = take((rows,), numpy.int64)
+
+    @staticmethod
+    def size(rows: int, tokens: int, words: int) -> int:
+        return rows * words * 4 + tokens * 3 * 8 + rows * 2 * 8
+
+    def release(self) -> None:
+        """Drop the views, so the memory can close."""
+        self.rows = self.accepted = self.reports = self.fill = self.filled = None  # type: ignore[assignment]
 
 
 class FillProcess:
@@ -112,18 +149,28 @@ class FillProcess:
                  words: int, spin: float | None = None, name: str = "weft-grammar-fill", wait: bool = True) -> None:
         self.words = words
         """int32 words of one bitmask row."""
-        spin = default_spin() if spin is None else spin
+        self.spin = default_spin() if spin is None else spin
         context = multiprocessing.get_context("spawn")  # the core may hold a CUDA context: no fork
         self._conn, child = context.Pipe()
-        self._mailbox = Mailbox(self._conn, spin)
+        self._go = context.Semaphore(0)
+        self._done = context.Semaphore(0)
+        self._box_memory = shared_memory.SharedMemory(create=True, size=_BOX_WORDS * 8)
+        self._box = numpy.ndarray((_BOX_WORDS,), dtype=numpy.int64, buffer=self._box_memory.buf)
+        self._box[:] = 0
         self._rows = 0
         """Rows of the shared segment its group gave it (:meth:`share`)."""
         self._gone = False
-        """Its pipe broke (the child exited, perhaps not reaped yet)."""
+        """Its pipe broke or it exited (perhaps not reaped yet)."""
         self._process = context.Process(
-            target=serve, args=(child, backend_class, options, vocabulary, words, spin), daemon=True, name=name,
+            target=serve, args=(child, self._go, self._done, self._box_memory.name, backend_class, options, vocabulary,
+                                words, self.spin),
+            daemon=True, name=name,
         )
-        self._process.start()
+        try:
+            self._process.start()
+        except BaseException:
+            self._free_box()
+            raise
         child.close()
         self._handles = itertools.count()
         self._sent: set[int] = set()
@@ -131,7 +178,7 @@ class FillProcess:
         self._dropped: list[int] = []
         self._forgotten: list[int] = []
         self._unread = 0
-        """Step answers sent by the child and not read yet (a read interrupted, a step abandoned): read before
+        """Step answers posted by the child and not read yet (a read interrupted, a step abandoned): read before
         the next message, so each answer is read with its own step."""
         if wait:
             self.wait_started()
@@ -173,30 +220,37 @@ class FillProcess:
             self._sent.discard(key)
             self._forgotten.append(key)
 
-    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int],
-                  offset: int = 0) -> None:
-        """Send one step's message; the child starts on it at once. ``matchers``: ``(handle, key, compiled)`` made
-        since the last step (``compiled`` is sent only for keys the child lacks); ``accepted``: ``(handle, token)``
-        in generation order; ``fill``: handles whose row to fill if their matcher is still live after
-        accepting, from row ``offset`` of the shared memory on (a group's children share one segment). The answer:
+    def send_step(self, matchers: list[tuple[int, int, bytes]], tokens: int, start: int, count: int) -> None:
+        """Start the child on the step its group wrote in the shared segment: accept its first ``tokens`` tokens (those
+        of the matchers it holds, in order), then fill the rows of the live ones among the handles at
+        ``start:start + count`` of the segment's fill list, from row ``start`` on. ``matchers``: ``(handle, key,
+        compiled)`` made since the last step (``compiled`` is sent only for keys the child lacks). The answer:
         :meth:`receive_step` (one left unread is read and dropped before the next message)."""
         self.drain()
-        if offset + len(fill) > self._rows:
-            raise ValueError(f"rows {offset}..{offset + len(fill)} do not fit the {self._rows} rows shared with this child")
+        if start + count > self._rows:
+            raise ValueError(f"rows {start}..{start + count} do not fit the {self._rows} rows shared with this child")
         made = []
         for handle, key, compiled in matchers:
             made.append((handle, key, None if key in self._sent else compiled))
             self._sent.add(key)
         dropped, self._dropped = self._dropped, []
         forgotten, self._forgotten = self._forgotten, []
-        self._send(("step", made, dropped, forgotten, accepted, fill, offset))
-        self._unread += 1
+        piped = bool(made or dropped or forgotten)
+        box = self._box
+        box[_KIND], box[_START], box[_COUNT], box[_ACCEPTED] = _STEP_AFTER_PIPE if piped else _STEP, start, count, tokens
+        self._unread += 1  # its answer comes whatever happens to the pipe below
+        self._go.release()
+        if piped:  # after ``go``: the child reads it as it comes (a large one does not wait in a full pipe)
+            self._send(("matchers", made, dropped, forgotten))
 
-    def receive_step(self) -> StepReply:
-        """The answer to the step :meth:`send_step` sent (its rows in :meth:`rows` until the next step)."""
-        kind, value = self._read()
+    def receive_step(self) -> int:
+        """The answer to the step :meth:`send_step` sent: how many rows the child filled (the handles in its group's
+        segment)."""
+        self._wait_answer()
         self._unread -= 1  # read, an error the child answered included
-        return StepReply(*self._answer(kind, value))
+        if self._box[_FAILED]:
+            self._receive()  # raises the child's error
+        return int(self._box[_FILLED])
 
     def drain(self) -> None:
         """Read (and drop) every answer left unread."""
@@ -206,32 +260,48 @@ class FillProcess:
     def held(self) -> tuple[int, int]:
         """Matchers and compiled constraints the child holds (the drops sent so far applied)."""
         self.drain()
-        self._send(("held",))
+        self._request(("held",))
         return self._receive()
 
-    def share(self, memory: shared_memory.SharedMemory, rows: int) -> None:
-        """Fill rows into ``memory`` (``rows`` rows) from the next step on; the caller keeps it and unlinks it."""
+    def share(self, segment: StepSegment) -> None:
+        """Take steps from ``segment`` from the next step on; the caller keeps its memory and unlinks it."""
         self.drain()
-        self._send(("memory", memory.name, rows))
+        self._request(("memory", segment.memory.name, *segment.capacity))
         self._receive()
-        self._rows = rows
+        self._rows = segment.capacity[0]
+
+    def _request(self, message: tuple) -> None:
+        self._box[_KIND] = _PIPE
+        self._go.release()
+        self._send(message)
+
+    def _wait_answer(self) -> None:
+        if self._gone:
+            raise self._exited()
+        wait_for(self._done, self.spin, ALIVE_CHECK_SECONDS, self._check_alive)
+
+    def _check_alive(self) -> None:
+        if not self._process.is_alive():
+            self._gone = True
+            raise self._exited()
+
+    def _exited(self) -> RuntimeError:
+        return RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})")
 
     def _receive(self) -> Any:
-        return self._answer(*self._read())
-
-    def _read(self) -> tuple[str, Any]:
         try:
-            return self._mailbox.recv()
+            kind, value = self._conn.recv()
         except (EOFError, OSError) as error:
             self._gone = True
-            raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
+            raise self._exited() from error
+        return self._answer(kind, value)
 
     def _send(self, message: tuple) -> None:
         try:
             self._conn.send(message)
         except OSError as error:  # a broken pipe: the child is gone
             self._gone = True
-            raise RuntimeError(f"the structured-output fill process exited (code {self._process.exitcode})") from error
+            raise self._exited() from error
 
     @staticmethod
     def _answer(kind: str, value: Any) -> Any:
@@ -240,52 +310,78 @@ class FillProcess:
         return value
 
     def close(self) -> None:
-        """Stop the child and free the shared memory. Idempotent."""
+        """Stop the child and free its box. Idempotent."""
         if self._process.is_alive():
             try:
-                self._conn.send(("close",))
-            except OSError:
+                self._request(("close",))
+            except (OSError, RuntimeError, ValueError):
                 pass
             self._process.join(5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join()
         self._conn.close()
+        self._free_box()
+
+    def _free_box(self) -> None:
+        if self._box_memory is not None:
+            self._box = None  # type: ignore[assignment]
+            self._box_memory.close()
+            self._box_memory.unlink()
+            self._box_memory = None  # type: ignore[assignment]
 
 
 class FillFailed(RuntimeError):
-    """A fill child answered a step with an error; ``reply`` holds what the other children did (their ended and
-    refused matchers are gone from them all the same)."""
+    """A fill child failed a step (its error as the message); ``reply`` has what the others reported."""
 
     def __init__(self, message: str, reply: StepReply) -> None:
         super().__init__(message)
         self.reply = reply
 
 
+class StepReply:
+    """What the children did with one step."""
+
+    __slots__ = ("filled", "ended", "refused")
+
+    def __init__(self, filled: list[int], ended: list[int], refused: list[tuple[int, int]]) -> None:
+        self.filled = filled
+        """Handles whose bitmask row was filled, row ``i`` for ``filled[i]``."""
+        self.ended = ended
+        """Handles whose matcher terminated on a token of this step."""
+        self.refused = refused
+        """``(handle, token)`` of tokens a matcher refused (it takes no more tokens, as a failed constraint)."""
+
+
 class FillGroup:
     """Several :class:`FillProcess` children sharing the matchers, seen by the core as one (the same methods): each
-    matcher lives in one child (a new one in the child holding the fewest), a step's message goes to every child
-    with its own matchers' part, and the filled rows come back in child order. Used from one thread at a time
-    (the engine core's), except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
+    matcher lives in one child (a new one in the child holding the fewest), a step's data goes once into the shared
+    segment with the rows to fill ordered child after child, and the filled rows come back in child order. Used
+    from one thread at a time (the engine core's), except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
 
     def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
                  words: int, processes: int = 1, spin: float | None = None) -> None:
         if processes < 1:
             raise ValueError(f"a fill group needs at least one process, not {processes}")
         self.children: list[FillProcess] = []
+        self.words = words
         self._handles = itertools.count()
         self._owner: dict[int, int] = {}
         """Each live matcher's child."""
         self._load = [0] * processes
         """Live matchers per child."""
-        self._memory: shared_memory.SharedMemory | None = None
-        """The children's rows, one segment it owns and unlinks: child ``i`` fills from ``self._offsets[i]``."""
-        self._rows = 0
+        self._segment: StepSegment | None = None
+        """The children's shared step data, one segment it owns and unlinks: child ``i`` fills from
+        ``self._offsets[i]``."""
         self._offsets: list[int] = [0] * processes
         self._asked: list[int] = [0] * processes
         """Rows the last step asked of each child."""
         self._filled: list[int] = []
         """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
+        self._order: list[int] = []
+        """The last step's handles to fill, child after child."""
+        self._tokens = 0
+        """Tokens the last step sent."""
         try:
             for index in range(processes):  # all start, then each is waited for
                 self.children.append(FillProcess(backend_class, options, vocabulary, words, spin,
@@ -331,90 +427,127 @@ class FillGroup:
         return self.receive_step()
 
     def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> None:
-        """:meth:`FillProcess.send_step` to every child, each with its own matchers' part (a dropped matcher's
-        tokens and rows are left out: its child no longer holds it)."""
-        if len(self.children) == 1:
-            parts = [(matchers, accepted, fill)]  # a dropped matcher's part is skipped in the child
+        """One step to every child: ``matchers`` made since the last step, each to its child; ``accepted``: ``(handle,
+        token)`` in generation order, for the matchers to take; ``fill``: handles whose row to fill if their matcher is
+        still live after accepting. A dropped matcher's tokens and rows are left out (its child no longer holds it)."""
+        owner = self._owner
+        count = len(self.children)
+        made: list[list[tuple[int, int, bytes]]] = [[] for _ in range(count)]
+        for item in matchers:
+            if (child := owner.get(item[0])) is not None:
+                made[child].append(item)
+        if count == 1:
+            order = [handle for handle in fill if handle in owner]
+            asked = [len(order)]
         else:
-            parts = [([], [], []) for _ in self.children]
-            owner = self._owner
-            for made in matchers:
-                if (child := owner.get(made[0])) is not None:
-                    parts[child][0].append(made)
-            for item in accepted:
-                if (child := owner.get(item[0])) is not None:
-                    parts[child][1].append(item)
+            parts: list[list[int]] = [[] for _ in range(count)]
             for handle in fill:
                 if (child := owner.get(handle)) is not None:
-                    parts[child][2].append(handle)
-        for child in self.children:  # every earlier answer read before any child gets this message
+                    parts[child].append(handle)
+            order = [handle for part in parts for handle in part]
+            asked = [len(part) for part in parts]
+        for child in self.children:  # every earlier answer read before any child gets this step
             child.drain()
-        total = sum(len(part[2]) for part in parts)
-        if total > self._rows:
-            self._grow(total)
+        segment = self._segment
+        if segment is None or len(order) > segment.capacity[0] or len(accepted) > segment.capacity[1]:
+            segment = self._grow(len(order), len(accepted))
+        tokens = len(accepted)
+        if tokens:
+            segment.accepted[:tokens] = accepted
+            segment.reports[:tokens] = 0
+        if order:
+            segment.fill[: len(order)] = order
+        self._order, self._tokens, self._asked = order, tokens, asked
         offset = 0
-        for index, (child, part) in enumerate(zip(self.children, parts, strict=True)):
-            self._offsets[index], self._asked[index] = offset, len(part[2])
-            child.send_step(*part, offset=offset)
-            offset += len(part[2])
+        for index, (child, rows) in enumerate(zip(self.children, asked, strict=True)):
+            self._offsets[index] = offset
+            child.send_step(made[index], tokens, offset, rows)
+            offset += rows
 
-    def _grow(self, rows: int) -> None:
-        """A segment of at least ``rows`` rows shared by every child (the old one freed once all moved)."""
-        rows = max(rows, 2 * self._rows, 64)
-        memory = shared_memory.SharedMemory(create=True, size=rows * self.children[0].words * 4)
+    def _grow(self, rows: int, tokens: int) -> StepSegment:
+        """A segment of at least ``rows`` rows and ``tokens`` tokens shared by every child (the old one freed once
+        all moved)."""
+        old = self._segment.capacity if self._segment is not None else (0, 0)
+        rows, tokens = max(rows, 2 * old[0], 64), max(tokens, 2 * old[1], 256)
+        memory = shared_memory.SharedMemory(create=True, size=StepSegment.size(rows, tokens, self.words))
+        segment = StepSegment(memory, rows, tokens, self.words)
         try:
             for child in self.children:
-                child.share(memory, rows)
+                child.share(segment)
         except BaseException:
+            segment.release()
             memory.close()
             memory.unlink()
-            self._rows = 0  # some children may have moved to the segment just freed: the next step shares anew
+            self._free_segment()  # some children may have moved to the segment just freed: the next step shares anew
             raise
-        if self._memory is not None:
-            self._memory.close()
-            self._memory.unlink()
-        self._memory, self._rows = memory, rows
+        self._free_segment()
+        self._segment = segment
+        return segment
+
+    def _free_segment(self) -> None:
+        if self._segment is not None:
+            segment, self._segment = self._segment, None
+            segment.release()
+            segment.memory.close()
+            segment.memory.unlink()
 
     def receive_step(self) -> StepReply:
         """Every child's answer to the last :meth:`send_step`, in child order. A child that failed raises
-        :class:`FillFailed` once the others were read (none is left for the next step), with their ended and
-        refused matchers."""
-        filled: list[int] = []
-        ended: list[int] = []
-        refused: list[tuple[int, int]] = []
+        :class:`FillFailed` once the others were read (none is left for the next step), with the ended and
+        refused matchers reported."""
         counts: list[int] = []
         error: BaseException | None = None
         self._filled = [0] * len(self.children)
         for child in self.children:
             try:
-                reply = child.receive_step()  # a KeyboardInterrupt leaves the rest to be read with the next step
+                counts.append(child.receive_step())  # a KeyboardInterrupt leaves the rest to be read with the next step
             except Exception as failure:
                 error = error or failure
                 counts.append(0)
-                continue
-            filled += reply.filled
-            ended += reply.ended
-            refused += reply.refused
-            counts.append(len(reply.filled))
+        ended, refused = self._reports()
         if error is not None:
             raise FillFailed(str(error), StepReply([], ended, refused)) from error
         self._filled = counts
-        return StepReply(filled, ended, refused)
+        if counts == self._asked:
+            return StepReply(self._order, ended, refused)
+        assert self._segment is not None
+        filled = self._segment.filled
+        return StepReply([handle for offset, count in zip(self._offsets, counts, strict=True)
+                          for handle in filled[offset : offset + count].tolist()], ended, refused)
+
+    def _reports(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """The last step's ended matchers and refused tokens, in the order of its tokens."""
+        if not self._tokens:
+            return [], []
+        assert self._segment is not None
+        reports = self._segment.reports[: self._tokens]
+        marked = numpy.flatnonzero(reports)
+        if not len(marked):
+            return [], []
+        ended: list[int] = []
+        refused: list[tuple[int, int]] = []
+        for index in marked.tolist():
+            handle, token = self._segment.accepted[index].tolist()
+            if reports[index] == _ENDED:
+                ended.append(handle)
+            else:
+                refused.append((handle, token))
+        return ended, refused
 
     def rows(self, count: int) -> bytes:
         """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order): one copy
         where every child filled the rows it was asked for, as they lie together in the shared segment."""
-        assert self._memory is not None
-        row = self.children[0].words * 4
+        assert self._segment is not None
+        rows = self._segment.rows
         if self._filled == self._asked:
-            return bytes(self._memory.buf[: count * row])
+            return rows[:count].tobytes()
         parts = []
         for offset, filled in zip(self._offsets, self._filled, strict=True):
             if count <= 0:
                 break
             take = min(count, filled)
             if take:
-                parts.append(self._memory.buf[offset * row : (offset + take) * row])
+                parts.append(rows[offset : offset + take].tobytes())
             count -= take
         return b"".join(parts)
 
@@ -427,73 +560,101 @@ class FillGroup:
     def close(self) -> None:
         for child in self.children:
             child.close()
-        if self._memory is not None:
-            self._memory.close()
-            self._memory.unlink()
-            self._memory = None
+        self._free_segment()
 
 
-def serve(conn: Connection, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
-          words: int, spin: float = 0.0) -> None:
-    """The child: build the backend, then answer the core's messages until it says close."""
-    mailbox = Mailbox(conn, spin)
+def serve(conn: Connection, go: Any, done: Any, box_name: str, backend_class: type[StructuredOutputBackend],
+          options: Any, vocabulary: Vocabulary, words: int, spin: float = 0.0) -> None:
+    """The child: build the backend, then answer the core's messages until it says close (or is gone)."""
+    parent = os.getppid()
+    box_memory = shared_memory.SharedMemory(name=box_name)
+    box = numpy.ndarray((_BOX_WORDS,), dtype=numpy.int64, buffer=box_memory.buf)
     try:
         backend = backend_class(options, vocabulary)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", None))
+
+    def check_parent() -> None:
+        if os.getppid() != parent:
+            raise EOFError("the engine core is gone")
+
     compiled: dict[int, Any] = {}
     matchers: dict[int, Any] = {}
     memory: shared_memory.SharedMemory | None = None
+    segment: StepSegment | None = None
     bitmask = None
-    while True:
-        try:
-            message = mailbox.recv()
-        except EOFError:
-            break
-        if message[0] == "close":
-            break
-        try:
-            if message[0] == "held":
-                conn.send(("held", (len(matchers), len(compiled))))
-                continue
-            if message[0] == "memory":
-                import torch
+    try:
+        while True:
+            wait_for(go, spin, PARENT_CHECK_SECONDS, check_parent)
+            kind = box[_KIND]
+            if kind == _PIPE:
+                message = conn.recv()
+                if message[0] == "close":
+                    break
+                try:
+                    if message[0] == "held":
+                        conn.send(("held", (len(matchers), len(compiled))))
+                    elif message[0] == "memory":
+                        import torch
 
-                if memory is not None:
-                    bitmask = None
-                    memory.close()
-                memory = shared_memory.SharedMemory(name=message[1])
-                bitmask = torch.from_numpy(numpy.ndarray((message[2], words), dtype=numpy.int32, buffer=memory.buf))
-                conn.send(("ok", None))
+                        if memory is not None:
+                            bitmask = None
+                            segment.release()  # type: ignore[union-attr]
+                            memory.close()
+                        memory = shared_memory.SharedMemory(name=message[1])
+                        segment = StepSegment(memory, message[2], message[3], words)
+                        bitmask = torch.from_numpy(segment.rows)
+                        conn.send(("ok", None))
+                except BaseException:
+                    conn.send(("error", traceback.format_exc()))
                 continue
-            _, made, dropped, forgotten, accepted, fill, offset = message
-            # Forgotten first: a key forgotten and sent again in one message holds the new bytes. Dropped before
-            # the matchers are made, and a dropped one is not made (a request that ended before its matcher's first
-            # step drops it in the same message); its compiled constraint is kept all the same (the core counts
-            # it sent).
-            for key in forgotten:
-                compiled.pop(key, None)
-            for handle in dropped:
-                matchers.pop(handle, None)
-            gone = set(dropped)
-            for handle, key, payload in made:
-                if payload is not None:
-                    compiled[key] = backend.deserialize_compiled(payload)
-                if handle not in gone:
-                    matchers[handle] = backend.matcher(compiled[key])
-            ended, refused = _accept(backend, matchers, accepted)
-            live = [handle for handle in fill if handle in matchers]
-            if live:
-                backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[offset : offset + len(live)])  # type: ignore[index]
-            conn.send(("step", (live, ended, refused)))  # a tuple: a class with slots unpickles slower
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-    bitmask = None
-    if memory is not None:
-        memory.close()
-    backend.close()
+            piped = conn.recv() if kind == _STEP_AFTER_PIPE else None
+            try:
+                if piped is not None:
+                    _take_matchers(backend, compiled, matchers, *piped[1:])
+                assert segment is not None, "a step before the shared segment"
+                start, count, tokens = int(box[_START]), int(box[_COUNT]), int(box[_ACCEPTED])
+                if tokens:
+                    _accept_reporting(backend, matchers, segment.accepted[:tokens].tolist(), segment.reports)
+                live = [handle for handle in segment.fill[start : start + count].tolist() if handle in matchers]
+                if live:
+                    backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[start : start + len(live)])  # type: ignore[index]
+                    segment.filled[start : start + len(live)] = live
+                box[_FAILED], box[_FILLED] = 0, len(live)
+            except BaseException:
+                box[_FAILED], box[_FILLED] = 1, 0
+                conn.send(("error", traceback.format_exc()))
+            done.release()
+    except (EOFError, OSError):
+        pass  # the core is gone
+    finally:
+        bitmask = None
+        if segment is not None:
+            segment.release()
+        if memory is not None:
+            memory.close()
+        box = None  # type: ignore[assignment]
+        box_memory.close()
+        backend.close()
+
+
+def _take_matchers(backend: StructuredOutputBackend, compiled: dict[int, Any], matchers: dict[int, Any],
+                   made: list[tuple[int, int, bytes | None]], dropped: list[int], forgotten: list[int]) -> None:
+    # Forgotten first: a key forgotten and sent again in one message holds the new bytes. Dropped before the matchers
+    # are made, and a dropped one is not made (a request that ended before its matcher's first step drops it in the
+    # same message); its compiled constraint is kept all the same (the core counts it sent).
+    for key in forgotten:
+        compiled.pop(key, None)
+    for handle in dropped:
+        matchers.pop(handle, None)
+    gone = set(dropped)
+    for handle, key, payload in made:
+        if payload is not None:
+            compiled[key] = backend.deserialize_compiled(payload)
+        if handle not in gone:
+            matchers[handle] = backend.matcher(compiled[key])
 
 
 def distinct_batches(items: Sequence[T], key: Callable[[T], Hashable]) -> Iterator[list[T]]:
@@ -510,21 +671,21 @@ def distinct_batches(items: Sequence[T], key: Callable[[T], Hashable]) -> Iterat
         yield batch
 
 
-def _accept(backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Each token by its matcher, in order, in batches where a matcher appears once; a matcher that ended or
-    refused a token leaves ``matchers`` (it takes no more tokens and fills no rows)."""
-    ended: list[int] = []
-    refused: list[tuple[int, int]] = []
-    for batch in distinct_batches(accepted, lambda item: item[0]):
-        live = [(handle, token) for handle, token in batch if handle in matchers]
+def _accept_reporting(backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[list[int]],
+                      reports: numpy.ndarray) -> None:
+    """Each token of the matchers in ``matchers`` (``accepted``: ``[handle, token]`` in order), in batches where a
+    matcher appears once; one that ended or refused a token leaves ``matchers`` (it takes no more tokens and fills
+    no rows) and has that token's entry of ``reports`` set (:data:`_ENDED`, :data:`_REFUSED`)."""
+    mine = [(index, handle, token) for index, (handle, token) in enumerate(accepted) if handle in matchers]
+    for batch in distinct_batches(mine, lambda item: item[1]):
+        live = [item for item in batch if item[1] in matchers]
         if not live:
             continue
-        results = backend.accept_tokens([matchers[handle] for handle, _ in live], [token for _, token in live])
-        for (handle, token), (ok, terminated) in zip(live, results, strict=True):
+        results = backend.accept_tokens([matchers[handle] for _, handle, _ in live], [token for _, _, token in live])
+        for (index, handle, _), (ok, terminated) in zip(live, results, strict=True):
             if not ok:
-                refused.append((handle, token))
+                reports[index] = _REFUSED
                 del matchers[handle]
             elif terminated:
-                ended.append(handle)
+                reports[index] = _ENDED
                 del matchers[handle]
-    return ended, refused

@@ -19,6 +19,7 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 """
 
 from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
+from weft.testing.speculator_suite import SpeculatorContract
 from weft.testing.suites import (
     AttentionContract,
     HooksContract,
@@ -32,5 +33,6 @@ from weft.testing.suites import (
 
 __all__ = [
     "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
-    "ReasoningParserContract", "StructuredOutputContract", "TokenizerContract", "ToolParserContract",
+    "ReasoningParserContract", "SpeculatorContract", "StructuredOutputContract", "TokenizerContract",
+    "ToolParserContract",
 ]

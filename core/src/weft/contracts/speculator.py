@@ -1,0 +1,205 @@
+"""The speculator slot: proposing tokens that the target model verifies in one step.
+
+A speculator guesses, for each running request, up to ``k`` tokens
+(``[engine.speculative] num_speculative_tokens``) that the target model is likely to generate next.
+The next step feeds the request's last token and the proposals to the target in one forward, and
+core's rejection sampler (:mod:`weft.runner.rejection_sampler`) keeps the longest run of
+proposals the target agrees with, plus one token of the target's own: the output has exactly
+the distribution plain decoding has, whatever the speculator proposed. A speculator only makes
+decoding faster, never different. Verification, KV rollback of rejected tokens and grammar
+rollback belong to core, never to a speculator.
+
+``[engine.speculative] method`` names the speculator: ``ngram`` (core: prompt lookup),
+``draft`` (a smaller model), or a plugin's (DeepSeek V4's MTP layers in weft-dsv4).
+
+Where each call happens (in every worker, beside the model runner; under tensor parallelism every
+rank runs it on the same inputs and must propose the same tokens):
+
+* Once: ``Speculator(options, config)`` with a :class:`SpeculatorConfig`. A speculator that owns a
+  model declares its KV cache here through :meth:`Speculator.kv_cache_groups` (below).
+* Per request, when the runner first sees it (new, or resumed after a preemption):
+  :meth:`Speculator.add_request` with its prompt and the output it already has.
+* Per step, after the step's tokens are known: :meth:`Speculator.on_verified` with each request's
+  :class:`Verified` tokens: what it proposed for the request last step, how many of those the
+  target accepted, and the tokens the request's output grew by (the accepted proposals then the
+  target's own token; one token for a request that had no proposals, such as one that just
+  finished its prefill). A speculator keeping state per request appends those tokens; rejected
+  proposals never reach the output and must leave no trace in its state.
+* Then :meth:`Speculator.propose` for the requests that decode next step, with a
+  :class:`ProposalStep`. It returns :class:`Proposals`: per request up to ``max_tokens[i]``
+  tokens (never more than ``k``), each below ``config.vocab_size``; fewer, or none, when it has
+  no good guess (an n-gram that matches nothing). A request without proposals decodes one token as
+  usual. Proposals go to the scheduler with the step's output; it may cut them further (the
+  step's token budget, ``max_tokens``, the context length), so the runner verifies a prefix of
+  what was proposed, and :meth:`Speculator.on_verified` reports that prefix.
+* :meth:`Speculator.remove_request` when a request finishes, is aborted or preempted (a preempted
+  request comes back through :meth:`Speculator.add_request`).
+
+Proposals are a function of the request's tokens (and, for a model, the target's states) alone:
+the same context gives the same proposals, whatever the batch around it. A speculator that
+samples its proposals from a distribution returns those distributions
+(:attr:`Proposals.probs`): rejection sampling needs ``q`` to stay exact. A deterministic one
+returns none, and its proposals count as drawn from one-hot distributions.
+
+A speculator that owns a model (``draft``, MTP) declares the KV-cache groups of its layers in
+:meth:`Speculator.kv_cache_groups`, layer names prefixed so they never collide with the
+target's (``draft.model.layers.0.self_attn``). The engine sizes the cache for the target's groups
+and these together: each request holds blocks in every group for its tokens and its ``k``
+proposal slots, allocated, rolled back and freed with the target's, so a speculator never
+manages blocks. The runner gives it the allocated tensors through :meth:`Speculator.bind_kv_caches`
+and, in each :class:`ProposalStep`, the step's device inputs (:class:`DraftInputs`). Such a
+speculator's k draft steps run on the device; only its proposed token ids cross to the host.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+from weft.contracts.plugin import PluginBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec
+    from weft.contracts.model import ModelConfig
+
+
+class SpeculatorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine tells a speculator when it builds it."""
+
+    num_speculative_tokens: int
+    """``k``: the most tokens proposed for one request in one step."""
+    vocab_size: int
+    """Width of the target's logits: every proposed token is below it."""
+    max_model_len: int
+    """The most tokens (prompt and output) a request may hold."""
+    block_size: int = 16
+    """Tokens per KV-cache block, for the groups a model-owning speculator declares."""
+    dtype: str = "float32"
+    """The runtime dtype of the target's weights and activations."""
+    model: str | None = None
+    """The draft model's source (``[engine.speculative] model``), for speculators that load one."""
+    target: ModelConfig | None = None
+    """The target model's config: its checkpoint config, and its parallel layout, which a draft
+    copies whole, changing only what it must (DeepSeek V4's ``draft_parallel_config``)."""
+
+
+class SpeculationRequest(msgspec.Struct, frozen=True):
+    """A request as :meth:`Speculator.add_request` first sees it."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int] = ()
+    """Tokens it already generated (a request resumed after a preemption)."""
+
+
+class Verified(msgspec.Struct, frozen=True):
+    """What one request's step came to (:meth:`Speculator.on_verified`)."""
+
+    request_id: str
+    num_proposed: int
+    """Proposals the target verified for it this step (0: it decoded plainly)."""
+    num_accepted: int
+    """How many of those the target accepted: the first ``num_accepted`` of ``token_ids``."""
+    token_ids: Sequence[int]
+    """The tokens its output grew by: ``num_accepted`` proposals, then the target's own token."""
+
+
+class DraftInputs(msgspec.Struct):
+    """A step's device inputs for a model-owning speculator: what the target computed, row by request row.
+
+    The target ran ``token_ids`` at ``positions`` (each request's last token, then its proposals);
+    only the first ``num_kept[i]`` tokens of row ``i`` stand (the rest were rejected: their KV
+    slots will be overwritten). Tensors are on the runner's device.
+    """
+
+    token_ids: Any
+    """``[num_tokens]`` int64."""
+    positions: Any
+    """``[num_tokens]`` int64."""
+    query_start: Sequence[int]
+    """Where each row's tokens start in ``token_ids`` (one entry more than rows)."""
+    num_kept: Sequence[int]
+    """Per row: its tokens that stand."""
+    next_token_ids: Any
+    """``[rows]`` int64: each row's newest token (the target's own one), fed first in the draft's next step."""
+    block_tables: Sequence[Any]
+    """Per group of :meth:`Speculator.kv_cache_groups`: ``[rows, max_blocks]`` int32 block ids."""
+    hidden_states: Any = None
+    """``[num_tokens, hidden]`` of the target's last layer when :attr:`Speculator.needs_hidden_states`."""
+
+
+class ProposalStep(msgspec.Struct):
+    """The requests to propose for, one row each, in the order :class:`Proposals` answers them."""
+
+    request_ids: Sequence[str]
+    max_tokens: Sequence[int]
+    """Per row, the most proposals worth making: ``k``, or fewer near the request's ``max_tokens`` or the
+    context length. 0: propose nothing for it."""
+    draft_inputs: DraftInputs | None = None
+    """For a speculator with :meth:`Speculator.kv_cache_groups`; None for others."""
+
+
+class Proposals(msgspec.Struct):
+    """One row per row of the :class:`ProposalStep`."""
+
+    token_ids: list[list[int]]
+    """Per row, ``0..max_tokens[i]`` proposed tokens."""
+    probs: Any = None
+    """None for deterministic proposals; else a ``[sum of proposals, vocab_size]`` float tensor (rows
+    request-major) holding the distribution each proposed token was drawn from."""
+
+
+class Speculator(PluginBase):
+    """Proposes tokens for running requests; see the module docstring for the call order.
+
+    Built as ``Speculator(options, config)``. A subclass implements :meth:`add_request`,
+    :meth:`propose`, :meth:`on_verified` and :meth:`remove_request`; one that owns a model also
+    :meth:`kv_cache_groups` and :meth:`bind_kv_caches`.
+    """
+
+    name: ClassVar[str]
+    needs_hidden_states: ClassVar[bool] = False
+    """Whether :class:`DraftInputs` carries the target's last hidden states (MTP, EAGLE)."""
+
+    def __init__(self, options: msgspec.Struct | None, config: SpeculatorConfig) -> None:
+        self.options = options if options is not None else self.Options()
+        self.config = config
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV-cache groups of the speculator's own layers (module docstring); none by default."""
+        return ()
+
+    def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...] | None:
+        """One layer's cache shape for a group the speculator manages itself (as
+        :meth:`weft.contracts.model.ModelFamily.kv_cache_shape`); None where the attention backend owns it."""
+        if spec.paged_attention:
+            return None
+        raise NotImplementedError(f"speculator {self.name!r} declares a {type(spec).__name__} group "
+                                  "but does not define kv_cache_shape for it")
+
+    def bind_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The cache tensors of the layers of :meth:`kv_cache_groups`, by layer name, once allocated."""
+        if kv_caches:
+            raise NotImplementedError(f"speculator {self.name!r} got KV caches but does not define bind_kv_caches")
+
+    @abstractmethod
+    def add_request(self, request: SpeculationRequest) -> None:
+        """Start following a request (new, or resumed after a preemption: it may already have an output)."""
+
+    @abstractmethod
+    def propose(self, step: ProposalStep) -> Proposals:
+        """Up to ``step.max_tokens[i]`` tokens for each row; the same tokens for the same context, every time."""
+
+    @abstractmethod
+    def on_verified(self, results: Sequence[Verified]) -> None:
+        """The step's outcome for the requests that got tokens (see :class:`Verified`); an id it does not follow
+        (a request removed while its step ran) is skipped."""
+
+    @abstractmethod
+    def remove_request(self, request_id: str) -> None:
+        """Forget a request (finished, aborted or preempted); an unknown id is not an error."""

@@ -120,22 +120,26 @@ def needs_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], counts: TokenCounts) -> None:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], counts: TokenCounts,
+                    added: torch.Tensor | None = None) -> None:
     """Rows of ``logits`` in place, row ``i`` for ``requests[i]``: its penalties (the module docstring), from
-    its row of ``counts`` (built there if it has none yet)."""
+    its row of ``counts`` (built there if it has none yet). ``added``: ``[rows, vocab]`` int32 counts row ``i``
+    adds to its request's output counts (a speculative step's position counts the proposals before it)."""
     rows = [row for row, request in enumerate(requests) if needs_penalties(request.params)]
     if not rows:
         return
     penalized = [requests[row] for row in rows]
     held = counts.hold_rows(penalized, logits.shape[-1])
+    every_row = len(rows) == len(requests)
+    index = None if every_row else to_device(rows, torch.long, logits.device)
     output = counts.output.index_select(0, held)
+    if added is not None:
+        output = output + (added if index is None else added.index_select(0, index))
     seen = counts.prompt.index_select(0, held) | (output > 0)
     weights = to_device([[request.params.repetition_penalty for request in penalized],
                          [request.params.presence_penalty for request in penalized],
                          [request.params.frequency_penalty for request in penalized]], logits.dtype, logits.device)
     repetition, presence, frequency = weights.unsqueeze(2)
-    every_row = len(rows) == len(requests)
-    index = None if every_row else to_device(rows, torch.long, logits.device)
     chosen = logits if index is None else logits.index_select(0, index)
     chosen = torch.where(seen, torch.where(chosen > 0, chosen / repetition, chosen * repetition), chosen)
     chosen -= frequency * output.to(logits.dtype) + presence * (output > 0)

@@ -75,6 +75,13 @@ class RawLogprobs:
         self.wanted = wanted
         """Per row, how many candidates its request asked for (None: no logprobs)."""
 
+    @staticmethod
+    def concatenate(pieces: Sequence[RawLogprobs]) -> RawLogprobs:
+        """The rows of ``pieces`` in order (all of the same width)."""
+        return RawLogprobs(*(torch.cat([getattr(piece, name) for piece in pieces])
+                             for name in ("chosen", "ranks", "top_tokens", "top_values")),
+                           [wanted for piece in pieces for wanted in piece.wanted])
+
 
 class SampledBatch:
     """One step's sampled rows: each row's token and status (:data:`SAMPLED`, :data:`NON_FINITE`,
@@ -127,11 +134,7 @@ class SampledBatch:
         status = torch.cat([part.status for part in parts])
         if parts[0].logprobs is None:
             return SampledBatch(tokens, status)
-        pieces = [part.logprobs for part in parts]
-        logprobs = RawLogprobs(*(torch.cat([getattr(piece, name) for piece in pieces])
-                                 for name in ("chosen", "ranks", "top_tokens", "top_values")),
-                               [wanted for piece in pieces for wanted in piece.wanted])
-        return SampledBatch(tokens, status, logprobs)
+        return SampledBatch(tokens, status, RawLogprobs.concatenate([part.logprobs for part in parts]))
 
 
 def _host_copy(tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -217,19 +220,27 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request], rows: RowParams) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
-        for row, request in enumerate(requests):
-            if request.generator is not None and rows.random[row]:
-                noise[row].exponential_(generator=request.generator)
-        # A draw of exactly 0 would make 0 / 0 = NaN of a removed token, and argmax takes NaN as the largest.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        seeded = [(row, request.generator) for row, request in enumerate(requests)
+                  if request.generator is not None and rows.random[row]]
+        return probs.div_(exponential_noise(probs, self.generator(probs.device), seeded)).argmax(dim=-1)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The draws of requests without a seed on ``device``, seeded from the engine's seed."""
         generator = self._generators.get(device)
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return generator
+
+
+def exponential_noise(like: torch.Tensor, generator: torch.Generator,
+                      seeded: Sequence[tuple[int, torch.Generator]] = ()) -> torch.Tensor:
+    """Exp(1) draws shaped like ``like`` (rows of the exponential race), from ``generator`` but for each row of
+    ``seeded``, drawn from that row's own generator as it stands."""
+    noise = torch.empty_like(like).exponential_(generator=generator)
+    for row, row_generator in seeded:
+        noise[row].exponential_(generator=row_generator)
+    # A draw of exactly 0 would make 0 / 0 = NaN of a removed token, and argmax takes NaN as the largest.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def draw_seed(seed: int, position: int) -> int:
@@ -310,10 +321,11 @@ def filter_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return scaled
 
 
-def edited_logits(raw: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None) -> torch.Tensor:
+def edited_logits(raw: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None,
+                  added: torch.Tensor | None = None) -> torch.Tensor:
     """``raw`` with the edits of the rows that ask for them (step 3 of the module docstring), in a new
     tensor when any does; ``raw`` itself, untouched, when none does. Penalties read ``counts`` (see
-    :meth:`Sampler.sample`)."""
+    :meth:`Sampler.sample`) and ``added`` (see :func:`~weft.runner.penalties.apply_penalties`)."""
     rows = [row for row, request in enumerate(requests) if needs_edits(request)]
     if not rows:
         return raw
@@ -322,7 +334,9 @@ def edited_logits(raw: torch.Tensor, requests: Sequence[Request], counts: TokenC
     edited = raw.clone() if index is None else raw.index_select(0, index)
     edited_requests = [requests[row] for row in rows]
     apply_request_processors(edited, edited_requests)
-    apply_penalties(edited, edited_requests, TokenCounts(raw.device) if counts is None else counts)
+    if added is not None and index is not None:
+        added = added.index_select(0, index)
+    apply_penalties(edited, edited_requests, TokenCounts(raw.device) if counts is None else counts, added)
     return edited if index is None else raw.index_copy(0, index, edited)
 
 

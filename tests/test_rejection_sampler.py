@@ -12,7 +12,7 @@ import torch
 from weft import SamplingParams
 from weft.runner.penalties import TokenCounts
 from weft.runner.rejection_sampler import RejectionSampler
-from weft.runner.sampler import NON_FINITE_LOGITS, Sampler, draw_seed
+from weft.runner.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, draw_seed
 
 VOCAB = 12
 
@@ -94,16 +94,17 @@ def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> 
 
 @pytest.mark.parametrize("drawn_proposals", [True, False], ids=["draft-probs", "one-hot"])
 def test_the_first_and_second_tokens_are_distributed_as_the_targets(drawn_proposals):
-    """Seeded throughout (a fixed outcome): 12000 requests verify k = 2 proposals drawn from a draft q that
+    """Seeded throughout (a fixed outcome): 8000 requests verify k = 2 proposals drawn from a draft q that
     favours what the target finds unlikely; a request that kept one token verifies a second step."""
-    vocab, count, top_p = 6, 12000, 0.8
+    vocab, count, top_p = 6, 8000, 0.8
     generator = torch.Generator().manual_seed(0)
     target = [torch.randn(vocab, generator=generator) * 1.5,  # position 0
               torch.randn(vocab, vocab, generator=generator) * 1.5,  # position 1, after token t0
               torch.randn(vocab, vocab, vocab, generator=generator)]  # position 2, after t0 t1
     uniform = torch.full((vocab,), 1 / vocab)
     draft = [0.5 * (-target[0]).softmax(-1) + 0.5 * uniform, 0.5 * (-target[1]).softmax(-1) + 0.5 * uniform]
-    requests = [Row(SamplingParams(temperature=1.0, top_p=top_p)) for _ in range(count)]
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    requests = [Row(params) for _ in range(count)]
     rejection = RejectionSampler(Sampler(seed=1))
 
     def verify(logits, proposals, probs):
@@ -243,3 +244,24 @@ def test_only_the_positions_a_request_keeps_can_fail_it():
 def test_the_row_count_must_match_the_proposals():
     with pytest.raises(ValueError, match="4 rows of logits for 3 positions"):
         RejectionSampler(Sampler()).verify(torch.randn(4, VOCAB), [Row(SamplingParams())], [[1, 2]], [0])
+
+
+class Broken(Row):
+    @property
+    def output_token_ids(self):
+        raise RuntimeError("this request's tokens cannot be read")
+
+    @output_token_ids.setter
+    def output_token_ids(self, value):
+        pass
+
+
+def test_a_request_whose_verification_raises_fails_alone():
+    params = SamplingParams(temperature=0, min_tokens=2)
+    logits = torch.stack([peaked(4), peaked(5), peaked(6), peaked(7), peaked(8)])
+    batch = RejectionSampler(Sampler()).verify(logits, [Row(params), Broken(params), Row(params)], [[4], [], [7]],
+                                               [3, 3, 3])
+    verified = batch.to_host().verified_tokens()
+    assert [token.token_id for token in verified[0]] == [4, 5]
+    assert verified[1][0].error == SAMPLING_FAILED
+    assert [token.token_id for token in verified[2]] == [7, 8]

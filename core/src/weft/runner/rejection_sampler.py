@@ -68,13 +68,14 @@ logger = logging.getLogger("weft.runner")
 
 
 class ProposedPosition:
-    """A request as the sampler sees it at one position of a speculative step: its output so far is its
-    own followed by the proposals before this position (built only when read)."""
+    """A request as the sampler sees it at position ``offset`` of a speculative step (the bonus position's is the
+    number of ``proposals``): its output so far is its own followed by the proposals before this position
+    (built only when read)."""
 
-    __slots__ = ("request", "proposed")
+    __slots__ = ("request", "proposals", "offset")
 
-    def __init__(self, request: Request, proposed: Sequence[int]) -> None:
-        self.request, self.proposed = request, proposed
+    def __init__(self, request: Request, proposals: Sequence[int], offset: int) -> None:
+        self.request, self.proposals, self.offset = request, proposals, offset
 
     @property
     def request_id(self) -> str:
@@ -94,7 +95,7 @@ class ProposedPosition:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return [*self.request.output_token_ids, *self.proposed]
+        return [*self.request.output_token_ids, *self.proposals[: self.offset]]
 
 
 class VerifiedBatch:
@@ -224,7 +225,7 @@ class RejectionSampler:
         packed = to_device([*owner, *offset, *draft, *padded], torch.long, device)
         owner_index, offset_index, draft_index = packed[:count], packed[count : 2 * count], packed[2 * count : 3 * count]
         proposed_here = offset_index < to_device([len(proposals[row]) for row in owner], torch.long, device)
-        positions = [ProposedPosition(requests[row], proposals[row][:j]) for row, j in zip(owner, offset)]
+        positions = [ProposedPosition(requests[row], proposals[row], j) for row, j in zip(owner, offset)]
         raw = logits.float()
         if all(plain_greedy(request) for request in requests):
             tokens, healthy = greedy_maxima(raw)

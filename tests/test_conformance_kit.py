@@ -208,3 +208,58 @@ def test_kv_connector_kit_fails_a_misnamed_connector_that_saves_blocks_before_th
     assert "EagerDisk.name is 'eager' but its entry point is 'eager-disk'" in result.stdout
     assert "second_engine" not in summary  # a prompt computed in one step is saved right
     assert "2 failed, 1 passed" in result.stdout
+
+
+SLOPPY_SPECULATORS = """
+    from weft.builtins.ngram_speculator import NgramSpeculator
+    from weft.contracts.speculator import Proposals
+
+    class Hoarding(NgramSpeculator):
+        '''The defect: it keeps its proposals as if they were all accepted.'''
+        name = "hoarding"
+
+        def propose(self, step):
+            proposals = super().propose(step)
+            self.last = dict(zip(step.request_ids, proposals.token_ids))
+            return proposals
+
+        def on_verified(self, results):
+            for result in results:
+                buffer = self._requests.get(result.request_id)
+                if buffer is not None:
+                    buffer.extend([*self.last.get(result.request_id, [])[: result.num_proposed], result.token_ids[-1]])
+
+    class Greedy(NgramSpeculator):
+        '''The defect: it proposes one token more than asked.'''
+        name = "greedy"
+
+        def propose(self, step):
+            return Proposals([[*tokens, 0] for tokens in super().propose(step).token_ids])
+"""
+
+
+def test_speculator_kit_fails_one_that_keeps_rejected_proposals_or_proposes_too_many(site, tmp_path):
+    site.add_distribution(
+        "weft-sloppy-speculators",
+        entry_points={"weft.speculator": {"hoarding": "sloppy:Hoarding", "greedy": "sloppy:Greedy"}},
+        modules={"sloppy": SLOPPY_SPECULATORS},
+    )
+    result = run_kit(
+        site,
+        tmp_path,
+        """
+        from weft.builtins.ngram_speculator import NgramOptions
+        from weft.testing import SpeculatorContract
+
+        class TestHoarding(SpeculatorContract):
+            plugin_name = "hoarding"
+            options = NgramOptions(prompt_lookup_min=1, prompt_lookup_max=2)
+
+        class TestGreedy(SpeculatorContract):
+            plugin_name = "greedy"
+        """,
+    )
+    summary = result.stdout.split("short test summary")[-1]
+    assert "TestHoarding::test_told_what_was_accepted_it_proposes_as_for_the_accepted_context" in summary, result.stdout
+    assert "TestGreedy::test_proposals_stay_within_what_was_asked_and_the_vocabulary" in summary
+    assert "TestHoarding::test_proposals_stay_within" not in summary

@@ -9,6 +9,7 @@ import itertools
 import msgspec
 import pytest
 import torch
+from test_sampling import no_synchronizing_calls
 from weft import SamplingParams
 from weft.runner.penalties import TokenCounts
 from weft.runner.rejection_sampler import RejectionSampler
@@ -20,13 +21,14 @@ VOCAB = 12
 class Row:
     """The sampler's view of one request (what the runner's RequestState offers it)."""
 
-    def __init__(self, params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3)) -> None:
+    def __init__(self, params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3),
+                 device: str = "cpu") -> None:
         self.request_id = f"r{id(self)}"
         self.params = params
         self.prompt_token_ids = list(prompt)
         self.output_token_ids = list(output)
         self.eos_token_ids = frozenset({0})
-        self.generator = None if params.seed is None else torch.Generator()
+        self.generator = None if params.seed is None else torch.Generator(device=device)
 
 
 def peaked(best: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -147,7 +149,7 @@ EDITED = [
 
 def decode_one_by_one(params: SamplingParams, output: tuple[int, ...], logits: torch.Tensor, first: int) -> list:
     """The plain sampler, one position at a time (the runner's seeding of each draw), each token appended."""
-    row, sampler, tokens = Row(params, output), Sampler(seed=99), []
+    row, sampler, tokens = Row(params, output, device=logits.device.type), Sampler(seed=99), []
     for position in range(logits.shape[0]):
         if row.generator is not None:
             row.generator.manual_seed(draw_seed(params.seed, first + position))
@@ -157,8 +159,13 @@ def decode_one_by_one(params: SamplingParams, output: tuple[int, ...], logits: t
     return tokens
 
 
-@pytest.mark.parametrize("device_counts", [False, True], ids=["host-counts", "device-counts"])
-def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device_counts):
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+@pytest.mark.parametrize(("device", "device_counts"), [
+    ("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=ON_GPU)], ids=["host-counts", "device-counts", "cuda"])
+def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device, device_counts):
+    """On CUDA the verification runs where a synchronizing call raises: it never waits for the device."""
     generator = torch.Generator().manual_seed(4)
     k = 4
     for case in range(12):
@@ -168,24 +175,29 @@ def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device_co
                                          generator=generator).tolist())
             # Close logits, so that the edits decide tokens; the same token often best, so that penalties bite.
             logits = torch.randn(k + 1, VOCAB, generator=generator) * 0.6 + 2 * peaked(int(case % VOCAB))
+            logits = logits.to(device)
             reference = decode_one_by_one(params, output, logits, 10 + len(output))
             cut = int(torch.randint(k + 1, (), generator=generator))  # proposals agree up to here, then one is wrong
             agreed = [token.token_id for token in reference[:cut]]
             wrong = [] if cut == k else [(reference[cut].token_id + 1) % VOCAB]
-            requests.append(Row(params, output))
+            requests.append(Row(params, output, device=device))
             proposals.append(agreed + wrong)
             rows.append(logits[: len(agreed + wrong) + 1])
             expected.append(reference[: cut + 1])
-        counts = TokenCounts(torch.device("cpu")) if device_counts else None
-        batch = RejectionSampler(Sampler(seed=99)).verify(torch.cat(rows), requests, proposals,
-                                                          [10 + len(row.output_token_ids) for row in requests],
-                                                          counts=counts)
-        for got, want in zip(batch.to_host().verified_tokens(), expected):
+        counts = TokenCounts(torch.device(device)) if device_counts else None
+        with no_synchronizing_calls(device):
+            batch = RejectionSampler(Sampler(seed=99)).verify(torch.cat(rows), requests, proposals,
+                                                              [10 + len(row.output_token_ids) for row in requests],
+                                                              counts=counts).to_host()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for got, want in zip(batch.verified_tokens(), expected):
             assert [token.token_id for token in got] == [token.token_id for token in want]
             for ours, theirs in zip(got, want):
                 if theirs.logprob is not None:
                     assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
-                    assert ours.rank == theirs.rank and [t for t, _ in ours.top_logprobs] == [t for t, _ in theirs.top_logprobs]
+                    assert ours.rank == theirs.rank
+                    assert [t for t, _ in ours.top_logprobs] == [t for t, _ in theirs.top_logprobs]
 
 
 def test_seeded_requests_are_reproducible_whatever_the_batch():
@@ -265,3 +277,22 @@ def test_a_request_whose_verification_raises_fails_alone():
     assert [token.token_id for token in verified[0]] == [4, 5]
     assert verified[1][0].error == SAMPLING_FAILED
     assert [token.token_id for token in verified[2]] == [7, 8]
+
+
+def test_verification_reads_nothing_back_from_the_device(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the rejection sampler read a tensor back to the host")
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02, top_k=10, seed=8, logprobs=3),
+              SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=3, bad_words_token_ids=((1, 2),)),
+              SamplingParams(temperature=1.0, frequency_penalty=0.4)]
+    proposals = [[1, 2, 3], [], [4, 4]]
+    logits, probs = torch.randn(8, VOCAB), torch.rand(5, VOCAB).softmax(-1)
+    requests = [Row(row) for row in params]
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    batch = RejectionSampler(Sampler()).verify(logits, requests, proposals, [3, 3, 3], probs, TokenCounts(logits.device))
+    monkeypatch.undo()
+    verified = batch.to_host().verified_tokens()
+    assert all(token.error is None for tokens in verified for token in tokens)
+    assert len(verified[0][0].top_logprobs) == 3

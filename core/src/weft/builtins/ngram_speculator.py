@@ -19,7 +19,14 @@ from typing import Annotated
 import msgspec
 import numpy
 
-from weft.contracts.speculator import Proposals, ProposalStep, SpeculationRequest, Speculator, SpeculatorConfig, Verified
+from weft.contracts.speculator import (
+    Proposals,
+    ProposalStep,
+    SpeculationRequest,
+    Speculator,
+    SpeculatorConfig,
+    Verified,
+)
 
 DEFAULT_NGRAM = 5
 """``prompt_lookup_min`` and ``prompt_lookup_max`` when neither is set (vLLM's choice)."""

@@ -42,11 +42,11 @@ import torch
 from weft.runner.logits_processors import to_device
 from weft.runner.penalties import TokenCounts, needs_penalties
 from weft.runner.sampler import (
-    _REASONS,
     BANNED,
     FAILED,
     NON_FINITE,
     SAMPLED,
+    STATUS_REASONS,
     RawLogprobs,
     RowParams,
     SampledToken,
@@ -141,7 +141,7 @@ class VerifiedBatch:
         verified = []
         for request, (start, count, status) in enumerate(zip(self.starts, counts, statuses)):
             if status != SAMPLED:
-                verified.append([SampledToken(-1, error=_REASONS[status])])
+                verified.append([SampledToken(-1, error=STATUS_REASONS[status])])
                 continue
             positions = range(start, start + count)
             wanted = logprobs.wanted[start] if logprobs is not None else None
@@ -190,7 +190,8 @@ class RejectionSampler:
         if logits.shape[0] != starts[-1]:
             raise ValueError(f"verify: {logits.shape[0]} rows of logits for {starts[-1]} positions "
                              "(each request's proposals and its bonus position)")
-        top = max((request.params.logprobs for request in requests if request.params.logprobs is not None), default=None)
+        top = max((request.params.logprobs for request in requests if request.params.logprobs is not None),
+                  default=None)
         try:
             return self._verify(logits, requests, proposals, first_positions, draft_probs, counts, top)
         except Exception:  # one request's failure must not end the step of the others
@@ -221,10 +222,14 @@ class RejectionSampler:
         width = max(len(proposed) for proposed in proposals)
         padded = [token for proposed in proposals for token in [*proposed, *[0] * (width - len(proposed))]]
         count = len(owner)
-        # One copy: each position's request, offset and proposal (0 at the bonus position), then the padded proposals.
-        packed = to_device([*owner, *offset, *draft, *padded], torch.long, device)
-        owner_index, offset_index, draft_index = packed[:count], packed[count : 2 * count], packed[2 * count : 3 * count]
-        proposed_here = offset_index < to_device([len(proposals[row]) for row in owner], torch.long, device)
+        # One copy: each position's request, offset, proposal (0 at the bonus position) and its request's number of
+        # proposals; the positions that hold a proposal; the proposals padded to the longest.
+        proposed_counts = [len(proposals[row]) for row in owner]
+        proposed_rows = [index for index, (j, n) in enumerate(zip(offset, proposed_counts)) if j < n]
+        packed = to_device([*owner, *offset, *draft, *proposed_counts, *proposed_rows, *padded], torch.long, device)
+        owner_index, offset_index, draft_index, proposed_count = packed[: 4 * count].view(4, count)
+        proposed_here = offset_index < proposed_count
+        proposed_index = packed[4 * count : 4 * count + len(proposed_rows)]
         positions = [ProposedPosition(requests[row], proposals[row], j) for row, j in zip(owner, offset)]
         raw = logits.float()
         if all(plain_greedy(request) for request in requests):
@@ -238,7 +243,7 @@ class RejectionSampler:
             if penalized:
                 counts.hold_rows(penalized, vocab)  # built from the requests' own outputs, before any proposal
                 before = (torch.arange(width, device=device).unsqueeze(0) < offset_index.unsqueeze(1)).int()
-                proposed_by_request = packed[3 * count :].view(len(proposals), width)
+                proposed_by_request = packed[4 * count + len(proposed_rows) :].view(len(proposals), width)
                 added = torch.zeros(count, vocab, dtype=torch.int32, device=device).scatter_add_(
                     1, proposed_by_request.index_select(0, owner_index), before)
             processed = edited_logits(raw, positions, counts, added)
@@ -249,7 +254,7 @@ class RejectionSampler:
             if not all(request.params.greedy for request in requests):
                 rows = RowParams([position.params for position in positions], vocab, device)
                 drawn, drawn_accepted = self._draw(filter_logits(processed, rows), rows, positions, offset,
-                                                   first_positions, owner, draft_index, proposed_here, draft_probs)
+                                                   first_positions, owner, draft_index, proposed_index, draft_probs)
                 tokens = torch.where(rows.greedy, tokens, drawn)
                 accepted = torch.where(rows.greedy, accepted, drawn_accepted)
         # The first position not accepted (the bonus position at the latest) is each request's last kept one.
@@ -268,7 +273,7 @@ class RejectionSampler:
 
     def _draw(self, filtered: torch.Tensor, rows: RowParams, positions: Sequence[ProposedPosition],
               offset: Sequence[int], first_positions: Sequence[int], owner: Sequence[int], draft_index: torch.Tensor,
-              proposed_here: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              proposed_index: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's draw at each position and whether it accepts the position's proposal (module docstring)."""
         probs = filtered.softmax(dim=-1)
         count, vocab = probs.shape
@@ -280,8 +285,7 @@ class RejectionSampler:
             drawn = (probs / race).argmax(dim=-1)
             return drawn, drawn == draft_index
         # Bonus positions keep a q of 0: their residual is p itself.
-        proposed_rows = proposed_here.nonzero().squeeze(1)
-        q = probs.new_zeros(count, vocab).index_copy_(0, proposed_rows, draft_probs.to(probs.dtype))
+        q = probs.new_zeros(count, vocab).index_copy_(0, proposed_index, draft_probs.to(probs.dtype))
         chosen = draft_index.unsqueeze(1)
         p_chosen, q_chosen = probs.gather(1, chosen).squeeze(1), q.gather(1, chosen).squeeze(1)
         uniform = torch.exp(-noise[:, vocab])
@@ -310,7 +314,8 @@ def _failed_request(logits: torch.Tensor, request: Request, top: int | None) -> 
     tokens = torch.zeros(count, dtype=torch.long, device=device)
     logprobs = None
     if top is not None:
-        logprobs = RawLogprobs(torch.zeros(count, device=device), tokens, torch.zeros(count, top, dtype=torch.long,
-                               device=device), torch.zeros(count, top, device=device), [request.params.logprobs] * count)
+        top_values = torch.zeros(count, top, device=device)
+        logprobs = RawLogprobs(torch.zeros(count, device=device), tokens, top_values.long(), top_values,
+                               [request.params.logprobs] * count)
     return VerifiedBatch(tokens, torch.ones(1, dtype=torch.long, device=device),
                          torch.full((1,), FAILED, dtype=torch.long, device=device), [0, count], logprobs)

@@ -52,7 +52,8 @@ SAMPLING_FAILED = "sampling its next token failed"
 
 SAMPLED, NON_FINITE, FAILED, BANNED = 0, 1, 2, 3
 """A row's status in a :class:`SampledBatch`."""
-_REASONS = {NON_FINITE: NON_FINITE_LOGITS, FAILED: SAMPLING_FAILED, BANNED: NO_TOKEN_ALLOWED}
+STATUS_REASONS = {NON_FINITE: NON_FINITE_LOGITS, FAILED: SAMPLING_FAILED, BANNED: NO_TOKEN_ALLOWED}
+"""Why a row of each failing status got no token."""
 
 logger = logging.getLogger("weft.runner")
 
@@ -113,7 +114,7 @@ class SampledBatch:
     def sampled_tokens(self) -> list[SampledToken]:
         """One per row (reads the tensors: on the host, after :meth:`to_host` finished)."""
         statuses = self.status.tolist()
-        sampled = [SampledToken(token) if status == SAMPLED else SampledToken(-1, error=_REASONS[status])
+        sampled = [SampledToken(token) if status == SAMPLED else SampledToken(-1, error=STATUS_REASONS[status])
                    for token, status in zip(self.tokens.tolist(), statuses, strict=True)]
         logprobs = self.logprobs
         if logprobs is None:

@@ -1,4 +1,5 @@
-"""The speculator contract's suite (:mod:`weft.contracts.speculator`): any speculator, driven as the runner drives it."""
+"""The speculator contract's suite (:mod:`weft.contracts.speculator`): any speculator, driven as the runner
+drives it."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class SpeculatorContract(_Contract):
         speculator = build()
         ids = [f"r{seed}" for seed in range(6)]
         for seed, request_id in enumerate(ids):
-            speculator.add_request(SpeculationRequest(request_id, repetitive_context(seed, self.vocab_size, 40 + 30 * seed)))
+            context = repetitive_context(seed, self.vocab_size, 40 + 30 * seed)
+            speculator.add_request(SpeculationRequest(request_id, context))
         k = self.num_speculative_tokens
         for max_tokens in ([k] * 6, [0, 1, k, 2, 0, k], [k + 3] * 6):
             self._propose(speculator, ids, max_tokens)
@@ -118,7 +120,8 @@ class SpeculatorContract(_Contract):
 
         speculator, rng, k = build(), random.Random(7), self.num_speculative_tokens
         contexts = {f"r{seed}": repetitive_context(seed, self.vocab_size, 60) for seed in range(4)}
-        truths = {request_id: repetitive_context(seed + 100, self.vocab_size, 400) for seed, request_id in enumerate(contexts)}
+        truths = {request_id: repetitive_context(seed + 100, self.vocab_size, 400)
+                  for seed, request_id in enumerate(contexts)}
         for request_id, context in contexts.items():
             speculator.add_request(SpeculationRequest(request_id, context))
         ids = list(contexts)

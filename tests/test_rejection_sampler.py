@@ -253,6 +253,10 @@ def test_only_the_positions_a_request_keeps_can_fail_it():
         assert verified[1][0].error == NON_FINITE_LOGITS
 
 
+def test_a_step_without_requests_verifies_nothing():
+    assert RejectionSampler(Sampler()).verify(torch.zeros(0, VOCAB), [], [], []).to_host().verified_tokens() == []
+
+
 def test_the_row_count_must_match_the_proposals():
     with pytest.raises(ValueError, match="4 rows of logits for 3 positions"):
         RejectionSampler(Sampler()).verify(torch.randn(4, VOCAB), [Row(SamplingParams())], [[1, 2]], [0])

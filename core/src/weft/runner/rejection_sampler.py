@@ -219,7 +219,7 @@ class RejectionSampler:
             offset.extend(range(len(proposed) + 1))
             draft.extend([*proposed, 0])
             starts.append(len(owner))
-        width = max(len(proposed) for proposed in proposals)
+        width = max((len(proposed) for proposed in proposals), default=0)
         padded = [token for proposed in proposals for token in [*proposed, *[0] * (width - len(proposed))]]
         count = len(owner)
         # One copy: each position's request, offset, proposal (0 at the bonus position) and its request's number of

@@ -59,13 +59,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from weft.contracts.model import ModelConfig
 from weft.contracts.plugin import PluginBase
 
 if TYPE_CHECKING:
     import torch
 
     from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec
-    from weft.contracts.model import ModelConfig
 
 
 class SpeculatorConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -117,9 +117,10 @@ def test_a_multibyte_string_split_across_chunks_arrives_byte_exact(proxy, stream
 def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, upstreams):
     for upstream in upstreams.values():
         upstream.seen.clear()
-    # The decode leg answers late: a prefill leg still running when the response ends is cancelled.
+    # The decode leg answers once its prefill leg was answered: a prefill leg still running when the response ends
+    # is cancelled.
     sent = body(max_completion_tokens=20, stream_options={"include_usage": True}, temperature=0,
-                kv_transfer_params={"inject_failure": True}, fake_delay=1, fake_key="carry")
+                kv_transfer_params={"inject_failure": True}, fake_await_prefill=True, fake_key="carry")
     response = httpx.post(f"{proxy.url}/v1/chat/completions", json=sent, timeout=30)
     assert response.status_code == 200
     (prefill,) = legs_of(upstreams["prefill"], "carry")
@@ -137,7 +138,8 @@ def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, u
 def test_a_failed_prefill_leg_does_not_fail_the_request_and_ends_its_transfer(proxy, upstreams):
     upstreams["prefill"].seen.clear()
     upstreams["prefill"].app.state.abandoned.clear()
-    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503, fake_delay=2,
+    # The decode leg waits for its transfer, which the proxy abandons once the prefill leg failed.
+    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503, fake_await_prefill=True,
                                                                     fake_key="failed-prefill"), timeout=30)
     assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
     (prefill,) = legs_of(upstreams["prefill"], "failed-prefill")
@@ -178,15 +180,14 @@ def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight
             assert time.monotonic() < deadline, "the held request did not reach both legs"
             time.sleep(0.02)
         busy = {upstream.url for upstream in everyone if legs(upstream, "held")}
-        # Each decode answer is held back a second: a prefill leg runs beside its decode leg, and one still
-        # on its way when the decode answer ends is cancelled (test_the_prefill_leg_never_outlives_the_response), so
-        # on a loaded machine an instant answer could cancel the leg this test counts.
+        # Each decode answer waits for its prefill leg's, as a real decode instance waits for the KV: a prefill leg
+        # still on its way when the decode answer ends is cancelled (test_the_prefill_leg_never_outlives_the_response),
+        # and a fixed delay (this test's cause of failure on a loaded machine) only made its arrival likely. Both legs
+        # of each request have ended (the prefill leg answered, the decode leg's count released) before its response
+        # ends, so each next request sees the counts of the held request alone.
         for _ in range(4):
-            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_delay=1, fake_key="after"),
+            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_await_prefill=True, fake_key="after"),
                               timeout=30).status_code == 200
-        deadline = time.monotonic() + 10  # a prefill leg may still reach its instance after its decode leg
-        while sum(legs(upstream, "after") for upstream in everyone) < 8 and time.monotonic() < deadline:
-            time.sleep(0.02)
         assert {upstream.url: legs(upstream, "after") for upstream in everyone} == {
             upstream.url: 0 if upstream.url in busy else 4 for upstream in everyone}
         holder.join(timeout=60)

@@ -386,6 +386,12 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}}).encode(),
      "application/json", 400, "structured_outputs.choice"),
     ("/v1/completions", json.dumps({"model": "M", "prompt": [[1]] * 70000}).encode(), "application/json", 400, "objects and arrays"),
+    # A schema sent as a string gets the body's limits (depth 500 was a RecursionError and a 500).
+    *[("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "structured_outputs": {"json": '{"items":' * levels + "{}" + "}" * levels}}).encode(),
+       "application/json", 400, "structured_outputs.json: nested more than 64 levels") for levels in (300, 5000)],
+    # An empty conversation (OpenAI answers 400).
+    ("/v1/responses", b'{"model": "M", "input": []}', "application/json", 400, "input"),
+    ("/v1/chat/completions", b'{"model": "M", "messages": []}', "application/json", 400, "messages"),
 ]
 
 
@@ -401,6 +407,15 @@ def test_no_malformed_input_gets_a_5xx(server):
     assert not problems, "\n".join(problems)
     assert httpx.get(f"{server.url}/v1/chat/completions").status_code == 405
     assert "Traceback" not in server.log
+
+
+def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_in_its_own_words(server):
+    """Not xgrammar's message with its timestamp and C++ source path, and with the field in param."""
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": "hi", "max_tokens": 1, "structured_outputs": {"json": {"type": "string", "minLength": -5}}})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "structured_outputs", error
+    assert error["message"] == "structured_outputs.json: minLength = -5 (at #/minLength) must be a non-negative integer", error
 
 
 def test_a_400_names_its_field_in_param(server):

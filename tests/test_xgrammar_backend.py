@@ -787,3 +787,24 @@ class TestXgrammarContract(StructuredOutputContract):
         registry, config = PluginRegistry(), load_config(None, {})
         _, source = resolve_source(registry, config)
         return load_tokenizer(registry, config, source)
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    ({"type": "string", "minLength": -5}, "minLength = -5 (at #/minLength)"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "maxItems": 1.5}}}, "maxItems = 1.5 (at #/properties/tags/maxItems)"),
+    ({"type": "array", "items": {"type": "string", "maxLength": True}}, "maxLength = True (at #/items/maxLength)"),
+])
+def test_a_count_keyword_that_is_not_a_non_negative_integer_is_refused_naming_it(backend, schema, problem):
+    with pytest.raises(ValueError) as refused:
+        XgrammarBackend.validate(StructuredOutputsParams(json=schema))
+    assert str(refused.value) == f"structured_outputs.json: {problem} must be a non-negative integer"
+    # compile() (the engine's side) words xgrammar's errors the same way, without its timestamp and source path.
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: xgrammar cannot compile it: [^/\[]*$"):
+        backend.compile(StructuredOutputsParams(json={"type": "string", "minLength": -5}))
+
+
+def test_a_schema_string_too_deep_to_read_is_a_value_error():
+    """The Python API's path (the server refuses it earlier, by the body's nesting limit)."""
+    deep = StructuredOutputsParams(json='{"items":' * 5000 + "{}" + "}" * 5000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        deep.schema()

@@ -208,3 +208,9 @@ class GpuPlatform(Platform):
             return outputs
 
         return replay
+
+    def release_memory(self) -> None:
+        """Drop the graphs' shared pool (the pool lives while a graph captured into it does) and hand the
+        allocator's cached blocks back to the driver."""
+        self._graph_pool = None
+        self.device_module.empty_cache()  # nothing to do where the device was never used

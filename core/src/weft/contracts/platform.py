@@ -155,6 +155,12 @@ class Platform(PluginBase):
         """
         raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
 
+    def release_memory(self) -> None:
+        """Return what the platform keeps of a closed worker's device memory: its graphs' memory pool, the
+        allocator's cached blocks. Called once the worker dropped its model, KV cache and graphs (a closed ``LLM``,
+        an engine that failed to start), so the memory is free at once, not when the garbage collector runs.
+        Default: nothing (the CPU allocator caches nothing). Added in core API 1.14."""
+
 
 def torch_has_library(library: str) -> bool:
     """Whether the installed torch ships ``library`` (``"libtorch_cuda.so"``), without importing torch.

@@ -99,6 +99,8 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
             schema = json.loads(self.json)  # type: ignore[arg-type]
         except ValueError as error:
             raise ValueError(f"structured_outputs.json: not valid JSON: {error}") from None
+        except RecursionError:
+            raise ValueError("structured_outputs.json: nested too deeply to read; send a flatter schema") from None
         if not isinstance(schema, dict):
             raise ValueError(f"structured_outputs.json: a JSON schema is an object; got {type(schema).__name__}")
         return schema

@@ -168,6 +168,17 @@ def _fields_at(info: msgspec.inspect.Type, path: str) -> list[str]:
     return [field.encode_name for field in struct.fields] if struct is not None else []
 
 
+def check_json_text(text: str, field: str) -> None:
+    """A JSON document sent as a string (``structured_outputs.json`` as text) gets the body's own limits: at most
+    :data:`MAX_CONTAINERS` objects and arrays, nested at most :data:`MAX_NESTING` levels deep. ValueError naming
+    ``field`` otherwise (unchecked, a deep one reached the interpreter's recursion limit in the grammar compiler)."""
+    containers, depth = _containers_and_depth(text.encode())
+    if containers > MAX_CONTAINERS:
+        raise ValueError(f"{field}: holds more than {MAX_CONTAINERS} objects and arrays; send a smaller schema")
+    if depth > MAX_NESTING:
+        raise ValueError(f"{field}: nested more than {MAX_NESTING} levels deep; send a flatter schema")
+
+
 def _member(info: Any, kind: type) -> Any:
     """``info`` itself, or the member of its union, of the kind wanted (None if it has none)."""
     if isinstance(info, msgspec.inspect.UnionType):

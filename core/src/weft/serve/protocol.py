@@ -280,7 +280,7 @@ class ResponseReasoning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 class ResponsesRequest(IgnoredFields, kw_only=True):
     model: str
-    input: str | list[ResponseInputItem]
+    input: str | Annotated[list[ResponseInputItem], Meta(min_length=1)]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.serve import protocol as p
+from weft.serve.body import check_json_text
 
 
 Constraint = tuple[StructuredOutputsParams | None, str]
@@ -80,6 +81,8 @@ def _from_vllm(fields: p.StructuredOutputsRequest | None) -> StructuredOutputsPa
     given: dict[str, Any] = {
         name: getattr(fields, name) for name in ("json", "regex", "choice", "grammar") if getattr(fields, name) is not None
     }
+    if isinstance(fields.json, str):
+        check_json_text(fields.json, "structured_outputs.json")
     if fields.json_object:
         given["json_object"] = True
     if not given:

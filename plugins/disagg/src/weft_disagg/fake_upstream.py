@@ -9,7 +9,12 @@ A request body may steer the answer of a decode leg (or a direct request), for t
 only the first ``n`` times, counted over every fake upstream of the process by ``"fake_key"``;
 ``"fake_prefill_status": 503`` answers a prefill leg so; ``"fake_delay": seconds`` holds a decode
 leg's answer back, ``"fake_prefill_delay": seconds`` a prefill leg's. ``POST /kv_transfer/abandon``
-bodies are recorded in ``app.state.abandoned``.
+bodies are recorded in ``app.state.abandoned``. ``"fake_await_prefill": true`` makes a decode leg behave as a
+real decode instance does: it answers only once its transfer's KV "arrived", i.e. the prefill leg with its
+``transfer_id`` was answered 200 by a fake upstream of the process, or the transfer was abandoned (then a real
+instance computes the prompt itself), waiting at most :data:`AWAIT_PREFILL_SECONDS`. Tests that count legs use it
+instead of a delay: a delay only makes it likely that the prefill leg arrives before the decode answer ends (the
+proxy cancels a prefill leg still on its way then), and on a loaded machine it sometimes did not.
 
 Run it alone with ``python -m weft_disagg.fake_upstream --port 9000 --chunk-bytes 64 --chunks 1000``.
 """
@@ -18,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -29,6 +37,31 @@ from starlette.routing import Route
 _failures: dict[str, int] = {}
 """Answers failed so far per ``fake_key``, over every fake upstream of the process."""
 
+AWAIT_PREFILL_SECONDS = 30.0
+"""How long a decode leg with ``fake_await_prefill`` waits for its transfer at most (then it answers anyway)."""
+
+KEPT_TRANSFERS = 10_000
+"""Transfers remembered at most (the oldest are forgotten: a benchmark sends many)."""
+
+_transfers: OrderedDict[str, threading.Event] = OrderedDict()
+"""Transfer id -> set once its KV "arrived" (prefill answered 200, or abandoned), over every fake upstream of the
+process; the upstreams run on their own threads and event loops."""
+_transfers_lock = threading.Lock()
+
+
+def _transfer(transfer_id: str) -> threading.Event:
+    with _transfers_lock:
+        event = _transfers.setdefault(transfer_id, threading.Event())
+        if len(_transfers) > KEPT_TRANSFERS:
+            _transfers.popitem(last=False)
+        return event
+
+
+async def _await_transfer(transfer_id: str) -> None:
+    arrived, deadline = _transfer(transfer_id), time.monotonic() + AWAIT_PREFILL_SECONDS
+    while not arrived.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
 
 def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette:
     seen: list[dict] = []
@@ -37,7 +70,8 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
     async def completion(request: Request) -> Response:
         body = msgspec.json.decode(await request.body())
         seen.append(body)
-        prefill_leg = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
+        transfer = body.get("kv_transfer_params") or {}
+        prefill_leg = transfer.get("do_remote_decode")
         status = body.get("fake_prefill_status") if prefill_leg else body.get("fake_status")
         if status is not None:
             key = str(body.get("fake_key", ""))
@@ -49,6 +83,10 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
         delay = body.get("fake_prefill_delay") if prefill_leg else body.get("fake_delay")
         if delay:
             await asyncio.sleep(float(delay))
+        if prefill_leg and "transfer_id" in transfer:
+            _transfer(transfer["transfer_id"]).set()
+        elif body.get("fake_await_prefill") and transfer.get("do_remote_prefill") and "transfer_id" in transfer:
+            await _await_transfer(transfer["transfer_id"])
 
         async def stream() -> AsyncIterator[bytes]:
             for chunk in chunks:
@@ -61,6 +99,8 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
 
     async def abandon(request: Request) -> Response:
         abandoned.append(msgspec.json.decode(await request.body()))
+        if isinstance(abandoned[-1].get("transfer_id"), str):
+            _transfer(abandoned[-1]["transfer_id"]).set()
         return JSONResponse({"abandoned": abandoned[-1].get("transfer_id")})
 
     async def kv_transfer(request: Request) -> Response:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
@@ -71,23 +71,53 @@ _SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items", "additionalPro
 subschemas are searched)."""
 
 
-def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
+def unenforced_keyword(schema: Any) -> str | None:
     """The JSON pointer of the first keyword of :data:`UNENFORCED_KEYWORDS` in ``schema`` (``uniqueItems: false``
     constrains nothing and passes), or None."""
+
+    def here(node: dict, path: str) -> str | None:
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node and not (keyword == "uniqueItems" and node[keyword] is False):
+                return f"{path}/{keyword}"
+        return None
+
+    return _first(schema, here)
+
+
+COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+"""Keywords whose value JSON Schema requires to be a non-negative integer."""
+
+
+def bad_count(schema: Any) -> str | None:
+    """What is wrong with the first keyword of :data:`COUNT_KEYWORDS` in ``schema`` that is not a non-negative
+    integer (xgrammar reports it as a parse error of the grammar it writes), or None."""
+
+    def here(node: dict, path: str) -> str | None:
+        for keyword in COUNT_KEYWORDS:
+            value = node.get(keyword)
+            if keyword in node and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                return f"{keyword} = {value!r} (at {path}/{keyword}) must be a non-negative integer"
+        return None
+
+    return _first(schema, here)
+
+
+def _first(schema: Any, here: Callable[[dict, str], str | None], path: str = "#") -> str | None:
+    """The first answer of ``here`` (a schema object, its JSON pointer) over ``schema`` and the subschemas of enforced
+    keywords, depth first, or None (a schema for which ``here`` answers is not searched further)."""
     if isinstance(schema, list):  # items as a list (draft 4-7 tuples)
-        return next((found for index, item in enumerate(schema) if (found := unenforced_keyword(item, f"{path}/{index}"))), None)
+        return next((found for index, item in enumerate(schema) if (found := _first(item, here, f"{path}/{index}"))), None)
     if not isinstance(schema, dict):
         return None
-    for keyword in UNENFORCED_KEYWORDS:
-        if keyword in schema and not (keyword == "uniqueItems" and schema[keyword] is False):
-            return f"{path}/{keyword}"
+    if (found := here(schema, path)) is not None:
+        return found
     for keyword in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(keyword), dict):
             for name, child in schema[keyword].items():
-                if (found := unenforced_keyword(child, f"{path}/{keyword}/{name}")) is not None:
+                if (found := _first(child, here, f"{path}/{keyword}/{name}")) is not None:
                     return found
     for keyword in _SUBSCHEMAS:
-        if keyword in schema and (found := unenforced_keyword(schema[keyword], f"{path}/{keyword}")) is not None:
+        if keyword in schema and (found := _first(schema[keyword], here, f"{path}/{keyword}")) is not None:
             return found
     return None
 
@@ -95,6 +125,11 @@ def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
 def _reason(error: Exception) -> str:
     """xgrammar's message without its timestamp and C++ source location."""
     return _SOURCE_PREFIX.sub("", str(error).strip()).strip()
+
+
+def _bounded_strings_fixed(grammar: str) -> str:
+    """``grammar`` (xgrammar's for a JSON schema) with its length-bounded strings keeping raw control characters out."""
+    return _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + _JSON_STRING_CHARACTER + rule[2], grammar)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -158,9 +193,13 @@ class XgrammarBackend(StructuredOutputBackend):
                 f"structured_outputs.json: the schema uses {keyword.rsplit('/', 1)[1]!r} (at {keyword}), which xgrammar "
                 f"does not enforce; remove it (enforced: {', '.join(SUPPORTED_KEYWORDS)})"
             )
+        if (problem := bad_count(schema)) is not None:
+            raise ValueError(f"structured_outputs.json: {problem}")
         try:
             if kind == "json":
-                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=constraint.any_whitespace)
+                grammar = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=constraint.any_whitespace))
+                if (fixed := _bounded_strings_fixed(grammar)) != grammar:  # what compile() compiles: its errors too
+                    xgr.Grammar.from_ebnf(fixed)
             elif kind == "regex":
                 if "\x00" in constraint.regex:  # type: ignore[operator]
                     raise ValueError("contains a NUL character")
@@ -173,6 +212,12 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {_reason(error)}") from None
 
     def compile(self, constraint: StructuredOutputsParams) -> Any:
+        try:
+            return self._compile(constraint)
+        except RuntimeError as error:  # xgrammar's own message, without its timestamp and C++ source location
+            raise ValueError(f"structured_outputs.{constraint.kind}: xgrammar cannot compile it: {_reason(error)}") from None
+
+    def _compile(self, constraint: StructuredOutputsParams) -> Any:
         compiler, kind = self.compiler, constraint.kind
         whitespace = {"any_whitespace": constraint.any_whitespace}
         if constraint.any_whitespace:
@@ -192,7 +237,7 @@ class XgrammarBackend(StructuredOutputBackend):
     def _compile_json_schema(self, schema: str, **settings: Any) -> Any:
         """xgrammar's grammar for ``schema``, its length-bounded strings keeping raw control characters out."""
         grammar = str(self._xgr.Grammar.from_json_schema(schema, **settings))
-        fixed = _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + _JSON_STRING_CHARACTER + rule[2], grammar)
+        fixed = _bounded_strings_fixed(grammar)
         if fixed == grammar:
             return self.compiler.compile_json_schema(schema, **settings)
         return self.compiler.compile_grammar(fixed)

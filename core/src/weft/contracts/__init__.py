@@ -18,6 +18,7 @@ structured_output  ``weft.structured_output``  :class:`weft.contracts.structured
 tool_parser        ``weft.tool_parser``        :class:`weft.contracts.tool_parser.ToolParser`
 reasoning_parser   ``weft.reasoning_parser``   :class:`weft.contracts.reasoning_parser.ReasoningParser`
 speculator         ``weft.speculator``         :class:`weft.contracts.speculator.Speculator`
+mm_processor       ``weft.mm_processor``       :class:`weft.contracts.mm_processor.MMProcessor`
 hooks              ``weft.hooks``              a module or object with ``@hookimpl`` functions
                                                (:mod:`weft.contracts.hooks`)
 =================  ==========================  ==================================================
@@ -52,6 +53,7 @@ SLOT_GROUPS: dict[str, str] = {
     "tool_parser": "weft.tool_parser",
     "reasoning_parser": "weft.reasoning_parser",
     "speculator": "weft.speculator",
+    "mm_processor": "weft.mm_processor",
     "hooks": "weft.hooks",
 }
 """Each slot and the entry-point group its plugins register under."""

@@ -31,13 +31,26 @@ same checkpoint. Two optional methods tell it how: :meth:`ModelFamily.hf_archite
 names the transformers class (default: the checkpoint's architecture itself) and
 :meth:`ModelFamily.hf_reference_context` wraps every call into the reference (default:
 nothing changes).
+
+Images (:mod:`weft.contracts.mm_processor`): a family that reads them overrides :meth:`ModelFamily.encode`
+(the default refuses). The runner calls it with the encoder inputs of the items whose embeddings a step
+needs and are not in the encoder cache, and merges the result at the placeholder positions::
+
+    rows = family.encode(module, [item.encoder_inputs as tensors on the device, ...])  # [num_embeddings_i, hidden]
+    embeds = module.embed_input_ids(input_ids)                          # [num_tokens, hidden]
+    embeds[placeholder_rows] = the rows of each item's output this step covers, in order
+    hidden = module(input_ids, positions, context, inputs_embeds=embeds)
+
+so such a module has an ``embed_input_ids(input_ids)`` method and takes ``inputs_embeds`` (added in core
+API 1.14). Per-position extras of the processed prompt (``token_types``) reach it as keyword arguments of
+the same name, cut to the step's positions.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -153,6 +166,18 @@ class ModelFamily(PluginBase):
         toward the lower index as Weft's ``decode_topk`` does).
         """
         return contextlib.nullcontext()
+
+    def encode(self, module: torch.nn.Module, items: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Embeddings of images: per item, ``[num_embeddings, hidden]`` rows for the positions of its placeholder
+        ranges, in order (module docstring; added in core API 1.14).
+
+        ``items`` are :attr:`~weft.contracts.mm_processor.ProcessedItem.encoder_inputs`, as tensors on the
+        module's device. Default: refuses, for a family without a vision encoder.
+        """
+        raise NotImplementedError(
+            f"model family {type(self).__name__} has no vision encoder: it reads text only. Send text parts, "
+            f"or serve a vision-language checkpoint whose family implements ModelFamily.encode"
+        )
 
     @abstractmethod
     def build(self, config: ModelConfig, device: torch.device) -> torch.nn.Module:

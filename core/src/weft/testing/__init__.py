@@ -18,6 +18,7 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 ``weft_registry`` fixture.
 """
 
+from weft.testing.mm_processor_suite import MMProcessorContract
 from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
 from weft.testing.speculator_suite import SpeculatorContract
 from weft.testing.suites import (
@@ -32,7 +33,8 @@ from weft.testing.suites import (
 )
 
 __all__ = [
-    "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
+    "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "MMProcessorContract",
+    "ModelContract", "OpContract", "PlatformContract",
     "ReasoningParserContract", "SpeculatorContract", "StructuredOutputContract", "TokenizerContract",
     "ToolParserContract",
 ]

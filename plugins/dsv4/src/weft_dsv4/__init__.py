@@ -13,6 +13,7 @@
 ``step``             a step's requests as the layers read them
 ``chat``             V4.1 chat-message normalisation and the ``dsv4`` tokenizer
 ``parsers``          the ``dsv4`` tool and reasoning parsers
+``mm``               V4.1's image token stream: the ``dsv4`` multimodal processor
 ``parallel``         the draft model's parallel config, derived from the target's
 ``reference``        transformers as a correctness reference, and a direct driver of the module
 ``tiny_checkpoint``  writes a tiny random DeepSeek V4 checkpoint folder

@@ -110,8 +110,27 @@ def test_the_tokenizer_renders_tools_and_reasoning_settings(tokenizer):
     off = tokenizer.apply_chat_template(messages, reasoning_effort="none", tools=[{"name": "search"}])
     assert off.endswith("<assistant></think>") and "[tools:search]<system>" in off
     assert tokenizer.apply_chat_template(messages, reasoning_effort=7).endswith("<think>7")
-    with pytest.raises(ValueError, match="image token"):  # the tiny vocabulary has no id 129264
-        tokenizer.normalize_messages([{"role": "user", "content": [{"type": "input_image"}]}])
+
+
+def test_image_parts_are_refused_unless_the_checkpoint_declares_a_vision_encoder(tokenizer, tmp_path):
+    from weft.contracts.loader import ModelSource
+
+    image = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
+    train_tokenizer(tmp_path, 512)
+
+    def served(hf_config: dict) -> DeepseekV4Tokenizer:
+        return DeepseekV4Tokenizer.from_source(ModelSource(str(tmp_path), "safetensors", hf_config, "dsv4", "tiny"))
+
+    text_only = served({"architectures": ["DeepseekV4ForCausalLM"]})
+    for call in (text_only.normalize_messages, text_only.apply_chat_template):
+        with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: this DeepSeek V4.1 checkpoint declares no "
+                                             r"vision encoder \(its config.json has no 'vision_config'\)"):
+            call(image)
+    assert text_only.normalize_messages([{"role": "user", "content": [{"type": "text", "text": "ok"}]}])
+    with pytest.raises(ValueError, match="image token"):  # a vision checkpoint: the tiny vocabulary has no id 129264
+        served({"vision_config": {}}).normalize_messages(image)
+    with pytest.raises(ValueError, match="no vision encoder"):  # built from a folder alone, nothing declares one
+        tokenizer.normalize_messages(image)
 
 
 def test_a_served_chat_hands_tools_to_the_template_and_parses_thinking_and_dsml(tokenizer):

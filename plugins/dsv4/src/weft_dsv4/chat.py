@@ -7,7 +7,9 @@ Before rendering, V4.1 normalises messages (shared/reference/dsv4.md):
 - ``reasoning`` is copied to ``reasoning_content``;
 - list content is flattened: text parts (``text`` from the Chat API, ``input_text`` /
   ``output_text`` from the Responses API) are joined with ``"\\n\\n"``; image parts
-  (``image_url``, ``input_image``) become the image placeholder; any other part is an error;
+  (``image_url``, ``input_image``) become the image placeholder where the checkpoint declares a
+  vision encoder (:func:`weft_dsv4.mm.declares_vision_encoder`), and are an error saying so where it
+  does not; any other part is an error;
 - tools attach to the first system message (one is created at the start if there is none).
 
 Thinking is on unless ``reasoning_effort="none"``; efforts are low, high (the default),
@@ -24,6 +26,7 @@ import msgspec
 
 from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
 from weft.contracts.loader import ModelSource
+from weft_dsv4.mm import VISION_CONFIG_KEY, declares_vision_encoder
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -33,9 +36,11 @@ DEFAULT_EFFORT = "high"
 
 
 def normalize_messages(
-    messages: Sequence[dict[str, Any]], image_placeholder: str | None, tools: Sequence[dict[str, Any]] | None = None
+    messages: Sequence[dict[str, Any]], image_placeholder: str | None, tools: Sequence[dict[str, Any]] | None = None,
+    vision_encoder: bool = True,
 ) -> list[dict[str, Any]]:
-    """V4.1's normalised copy of ``messages`` (see the module docstring)."""
+    """V4.1's normalised copy of ``messages`` (see the module docstring); ``vision_encoder``: whether the checkpoint
+    declares one (without one, image parts are an error)."""
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -48,7 +53,7 @@ def normalize_messages(
             copied["reasoning_content"] = copied["reasoning"]
         content = copied.get("content")
         if isinstance(content, list):
-            copied["content"] = _flatten(content, index, image_placeholder)
+            copied["content"] = _flatten(content, index, image_placeholder, vision_encoder)
         normalized.append(copied)
     if tools:
         system = next((message for message in normalized if message["role"] == "system"), None)
@@ -59,13 +64,18 @@ def normalize_messages(
     return normalized
 
 
-def _flatten(parts: list[Any], index: int, image_placeholder: str | None) -> str:
+def _flatten(parts: list[Any], index: int, image_placeholder: str | None, vision_encoder: bool) -> str:
     texts = []
     for part_index, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind in TEXT_PARTS:
             texts.append(part.get("text") or "")
         elif kind in IMAGE_PARTS:
+            if not vision_encoder:
+                raise ValueError(
+                    f"messages[{index}].content[{part_index}]: this DeepSeek V4.1 checkpoint declares no vision encoder "
+                    f"(its config.json has no '{VISION_CONFIG_KEY}'), so it reads no images; send text parts only"
+                )
             if image_placeholder is None:
                 raise ValueError(
                     f"messages[{index}].content[{part_index}] is an image but this tokenizer has no image token; "
@@ -103,11 +113,14 @@ class DeepseekV4Tokenizer(HFTokenizer):
     """The checkpoint's Hugging Face tokenizer with V4.1's message normalisation and reasoning settings.
 
     Select it with ``use.tokenizer = "dsv4"``. The conversation is rendered by the checkpoint's
-    chat template, which receives ``thinking`` and ``reasoning_effort``.
+    chat template, which receives ``thinking`` and ``reasoning_effort``. Image parts are refused unless the
+    checkpoint's config declares a vision encoder (:attr:`vision_encoder`, read by :meth:`from_source`).
     """
 
     Options: ClassVar[type[msgspec.Struct]] = DeepseekV4TokenizerOptions
     options: DeepseekV4TokenizerOptions = DeepseekV4TokenizerOptions()
+    vision_encoder: bool = False
+    """Whether the checkpoint declares a vision encoder; False for a tokenizer built from a folder alone."""
 
     @classmethod
     def from_source(cls, source: ModelSource, options: msgspec.Struct | None = None) -> DeepseekV4Tokenizer:
@@ -115,6 +128,7 @@ class DeepseekV4Tokenizer(HFTokenizer):
 
         tokenizer = cls.from_folder(Path(source.path), eos_ids_of(source))
         tokenizer.options = options if options is not None else cls.Options()
+        tokenizer.vision_encoder = declares_vision_encoder(source.hf_config)
         return tokenizer
 
     @property
@@ -123,10 +137,10 @@ class DeepseekV4Tokenizer(HFTokenizer):
         return self.decode([token_id], False) if 0 <= token_id < self.vocab_size else None
 
     def normalize_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        return normalize_messages(messages, self.image_placeholder)
+        return normalize_messages(messages, self.image_placeholder, vision_encoder=self.vision_encoder)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         tools = template_kwargs.pop("tools", None)
         settings = reasoning_settings(template_kwargs.pop("reasoning_effort", None))
-        rendered = normalize_messages(messages, self.image_placeholder, tools)
+        rendered = normalize_messages(messages, self.image_placeholder, tools, self.vision_encoder)
         return super().apply_chat_template(rendered, add_generation_prompt, **settings, **template_kwargs)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import msgspec
+
 from weft.contracts.mm_processor import (
     ImageItem,
     MMProcessor,

@@ -263,3 +263,75 @@ def test_speculator_kit_fails_one_that_keeps_rejected_proposals_or_proposes_too_
     assert "TestHoarding::test_told_what_was_accepted_it_proposes_as_for_the_accepted_context" in summary, result.stdout
     assert "TestGreedy::test_proposals_stay_within_what_was_asked_and_the_vocabulary" in summary
     assert "TestHoarding::test_proposals_stay_within" not in summary
+
+
+SLOPPY_MM_PROCESSORS = """
+    from weft.contracts.mm_processor import MMProcessor, PlaceholderRange, ProcessedItem, ProcessedPrompt, item_hash
+
+    class Padded(MMProcessor):
+        '''The defect (an early DeepSeek V4.1 port's): each image span is padded to start at a multiple of 8, so
+        the expansion depends on where the image sits.'''
+        name = "padded"
+        placeholder_token_id = 99
+
+        def hash(self, item):
+            return item_hash(item)
+
+        def process(self, prompt_token_ids, items):
+            if sum(token == 99 for token in prompt_token_ids) != len(items):
+                raise ValueError("the placeholder count differs from the images")
+            ids, processed, pending = [], [], iter(items)
+            for token in prompt_token_ids:
+                if token != 99:
+                    ids.append(token)
+                    continue
+                item, start = next(pending), len(ids)
+                ids += [98] * (-len(ids) % 8) + [99] * (item.width // 8)
+                processed.append(ProcessedItem(self.hash(item), (PlaceholderRange(start, len(ids) - start),), {}))
+            return ProcessedPrompt(ids, processed)
+
+    class SizeHash(Padded):
+        '''The defect: no padding, but the hash covers the size only, so two images share encoder outputs.'''
+        name = "size-hash"
+
+        def hash(self, item):
+            return f"{item.width}x{item.height}"
+
+        def process(self, prompt_token_ids, items):
+            ids, processed, pending = [], [], iter(items)
+            if sum(token == 99 for token in prompt_token_ids) != len(items):
+                raise ValueError("the placeholder count differs from the images")
+            for token in prompt_token_ids:
+                if token != 99:
+                    ids.append(token)
+                    continue
+                item, start = next(pending), len(ids)
+                ids += [99] * (item.width // 8)
+                processed.append(ProcessedItem(self.hash(item), (PlaceholderRange(start, len(ids) - start),), {}))
+            return ProcessedPrompt(ids, processed)
+"""
+
+
+def test_mm_processor_kit_fails_position_dependent_padding_and_a_hash_blind_to_pixels(site, tmp_path):
+    site.add_distribution(
+        "weft-sloppy-mm",
+        entry_points={"weft.mm_processor": {"padded": "sloppy_mm:Padded", "size-hash": "sloppy_mm:SizeHash"}},
+        modules={"sloppy_mm": SLOPPY_MM_PROCESSORS},
+    )
+    result = run_kit(
+        site,
+        tmp_path,
+        """
+        from weft.testing import MMProcessorContract
+
+        class TestPadded(MMProcessorContract):
+            plugin_name = "padded"
+
+        class TestSizeHash(MMProcessorContract):
+            plugin_name = "size-hash"
+        """,
+    )
+    summary = result.stdout.split("short test summary")[-1]
+    assert "TestPadded::test_expansion_of_an_item_does_not_depend_on_its_offset" in summary, result.stdout
+    assert "TestSizeHash::test_equal_images_hash_equal_and_different_ones_differ" in summary
+    assert "2 failed" in result.stdout, result.stdout

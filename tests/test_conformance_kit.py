@@ -273,6 +273,7 @@ SLOPPY_MM_PROCESSORS = """
         the expansion depends on where the image sits.'''
         name = "padded"
         placeholder_token_id = 99
+        align = 8
 
         def hash(self, item):
             return item_hash(item)
@@ -286,29 +287,17 @@ SLOPPY_MM_PROCESSORS = """
                     ids.append(token)
                     continue
                 item, start = next(pending), len(ids)
-                ids += [98] * (-len(ids) % 8) + [99] * (item.width // 8)
+                ids += [98] * (-len(ids) % self.align) + [99] * (item.width // 8)
                 processed.append(ProcessedItem(self.hash(item), (PlaceholderRange(start, len(ids) - start),), {}))
             return ProcessedPrompt(ids, processed)
 
     class SizeHash(Padded):
-        '''The defect: no padding, but the hash covers the size only, so two images share encoder outputs.'''
+        '''The defect: no padding, but the hash covers the size only, so two images would share encoder outputs.'''
         name = "size-hash"
+        align = 1
 
         def hash(self, item):
             return f"{item.width}x{item.height}"
-
-        def process(self, prompt_token_ids, items):
-            ids, processed, pending = [], [], iter(items)
-            if sum(token == 99 for token in prompt_token_ids) != len(items):
-                raise ValueError("the placeholder count differs from the images")
-            for token in prompt_token_ids:
-                if token != 99:
-                    ids.append(token)
-                    continue
-                item, start = next(pending), len(ids)
-                ids += [99] * (item.width // 8)
-                processed.append(ProcessedItem(self.hash(item), (PlaceholderRange(start, len(ids) - start),), {}))
-            return ProcessedPrompt(ids, processed)
 """
 
 

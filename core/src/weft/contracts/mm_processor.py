@@ -202,13 +202,12 @@ class PromptUpdate(msgspec.Struct, frozen=True):
     encoder_inputs: dict[str, TensorData]
     extras: dict[str, tuple[int, ...]] = {}
     """Per replacement position, the value of each 1-D integer extra (``token_types``)."""
-    embedded: tuple[tuple[int, int], ...] = ()
-    """``(start, length)`` runs of the replacement the encoder fills; empty: all of it."""
 
 
 def apply_prompt_updates(prompt_token_ids: Sequence[int], placeholder_token_id: int, updates: Sequence[PromptUpdate],
                          text_extras: dict[str, int] | None = None, extras_dtype: str = "int64") -> ProcessedPrompt:
-    """Replace each placeholder of the prompt by its item's update, in order, and place the ranges and extras.
+    """Replace each placeholder of the prompt by its item's update, in order, and place the ranges and extras: each
+    item's range is its whole replacement.
 
     ``text_extras`` gives each extra's value at positions that are not an item's (text); every extra of an update
     must be named there. Raises ValueError when the placeholders and the updates differ in number.
@@ -233,10 +232,8 @@ def apply_prompt_updates(prompt_token_ids: Sequence[int], placeholder_token_id: 
         if unknown:
             raise ValueError(f"prompt update of item {update.hash[:12]} carries extras {sorted(unknown)} that "
                              f"text_extras does not name")
-        start = len(token_ids)
-        runs = update.embedded or ((0, len(update.token_ids)),)
-        ranges = tuple(PlaceholderRange(start + first, length) for first, length in runs)
-        items.append(ProcessedItem(update.hash, ranges, update.encoder_inputs))
+        items.append(ProcessedItem(update.hash, (PlaceholderRange(len(token_ids), len(update.token_ids)),),
+                                   update.encoder_inputs))
         token_ids.extend(update.token_ids)
         for name, value in text_extras.items():
             extras[name].extend(update.extras.get(name, (value,) * len(update.token_ids)))

@@ -111,3 +111,23 @@ class TestDeepseekV4MMProcessor(MMProcessorContract):
     plugin_name = "dsv4"
     hf_config = VISION
     image_sizes = ((32, 32), (96, 40), (17, 93))
+
+
+def test_a_data_url_image_from_a_chat_message_reaches_the_stream():
+    import asyncio
+    import base64
+    import io
+
+    from PIL import Image
+
+    from weft.serve.media import ImageLoader, image_parts
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (70, 30), (200, 10, 10)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    items = asyncio.run(ImageLoader().load_all(image_parts(messages)))
+    processed = processor().process([3, IMAGE, 4], items)
+    assert processed.items[0].ranges[0].length == 1 * (2 + 1) + 2  # 70x30 pixels: h = 1, w = 2
+    assert processed.items[0].encoder_inputs["pixels"].to_numpy()[0, 0].tolist() == [200, 10, 10]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -54,16 +54,19 @@ def declares_vision_encoder(hf_config: dict[str, Any]) -> bool:
 
 
 class DeepseekV4MMOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    image_token_id: int = IMAGE_TOKEN_ID
-    """The placeholder each image part becomes (``plugins.dsv4.image_token_id`` of the tokenizer: keep them equal)."""
-    patch_size: int = 16
-    """Pixels per side of one vision-encoder patch."""
-    merge_size: int = 2
-    """Patches merged per side into one IMAGE token: a token covers ``patch_size * merge_size`` pixels each way."""
-    max_image_tokens: int = 4096
-    """The most IMAGE tokens (``h * w``) of one image; a larger image is scaled down, keeping its aspect ratio."""
-    cache_size: int = 256
-    """Prompt updates kept per item hash (an LRU)."""
+    """``[plugins."mm_processor.dsv4"]`` (the tokenizer, also named dsv4, has ``[plugins."tokenizer.dsv4"]``)."""
+
+    image_token_id: Annotated[int, msgspec.Meta(
+        description="The placeholder each image part becomes; equal to the dsv4 tokenizer's image_token_id"
+    )] = IMAGE_TOKEN_ID
+    patch_size: Annotated[int, msgspec.Meta(
+        description="Pixels per side of one vision-encoder patch (the checkpoint's; not in transformers' config)")] = 16
+    merge_size: Annotated[int, msgspec.Meta(
+        description="Patches merged per side into one IMAGE token (the checkpoint's)")] = 2
+    max_image_tokens: Annotated[int, msgspec.Meta(
+        description="The most IMAGE tokens (h * w) of one image; a larger one is scaled down, keeping its "
+                    "aspect ratio")] = 4096
+    cache_size: Annotated[int, msgspec.Meta(description="Prompt updates kept, by item hash (an LRU)")] = 256
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "merge_size", "max_image_tokens", "cache_size"):

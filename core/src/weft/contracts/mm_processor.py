@@ -186,9 +186,6 @@ class ProcessedPrompt(msgspec.Struct, frozen=True):
     """Per-position values the model reads besides the ids, last axis ``len(token_ids)`` (``token_types``)."""
     positions: TensorData | None = None
     """int64 ``[len(token_ids)]`` or ``[axes, len(token_ids)]`` where positions are not ``0..n-1``; None: they are."""
-    position_delta: int = 0
-    """Generated tokens take position ``index + position_delta`` (a family whose image spans take fewer positions
-    than tokens); 0 for consecutive positions."""
 
 
 class PromptUpdate(msgspec.Struct, frozen=True):

@@ -3,7 +3,8 @@
 A vision-language model reads an image as a run of prompt positions whose embeddings come from its
 vision encoder instead of its token embedding table. A multimodal processor prepares that on the API
 side; the model family's :meth:`weft.contracts.model.ModelFamily.encode` computes the embeddings in
-the workers; core merges them and caches them. ``use.mm_processor = "auto"`` takes the processor whose
+the workers; core merges them and caches them. Selection, once the server is wired (docs/multimodal.md
+says what is not yet): ``use.mm_processor = "auto"`` takes the processor whose
 :attr:`MMProcessor.architectures` lists the checkpoint's architecture (none: image parts are refused
 with a 400 that says the model reads no images).
 

@@ -671,9 +671,9 @@ def _gated_scheduler(num_blocks: int, max_num_seqs: int = 8):
     """The engine's scheduler over one csa_kv group of ``num_blocks`` pages of 8 tokens, HiSparse as its connector."""
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.kv_cache_manager import KVCacheManager
-    from weft.engine.kv_connector import SchedulerConnector
-    from weft.engine.scheduler import Scheduler
+    from weft.engine.core.kv_cache_manager import KVCacheManager
+    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
     groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)),)
@@ -701,7 +701,7 @@ def _step(scheduler) -> set[str]:
 
 def _request(name: str, prompt: int | list[int], max_tokens: int, **params):
     """A request of ``prompt`` (token ids, or how many of token 3)."""
-    from weft.engine.request import Request
+    from weft.engine.core.request import Request
     from weft.sampling_params import SamplingParams
 
     token_ids = [3] * prompt if isinstance(prompt, int) else prompt
@@ -818,7 +818,7 @@ def test_published_rows_are_evicted_least_recently_used_deepest_first_when_copie
 
 
 def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engine_s_hashes():
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.kv_cache_manager import block_hashes
 
     scheduler = _gated_scheduler(num_blocks=20)
     prompt = list(range(40, 67))  # 27 tokens: three full blocks of 8
@@ -893,9 +893,9 @@ def _two_group_scheduler():
     of 8 tokens, HiSparse as its connector."""
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.kv_cache_manager import KVCacheManager
-    from weft.engine.kv_connector import SchedulerConnector
-    from weft.engine.scheduler import Scheduler
+    from weft.engine.core.kv_cache_manager import KVCacheManager
+    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
     spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
@@ -919,7 +919,7 @@ def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_pre
     """Only csa_kv is on the host: its pages are loaded only for tokens whose blocks of every other group the engine's
     prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
     import msgspec
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.kv_cache_manager import block_hashes
     from weft_hisparse.connector import HiSparseStep
 
     scheduler = _two_group_scheduler()

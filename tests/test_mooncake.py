@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import make_tiny_model
-from weft.engine.kv_cache_manager import block_hashes
+from weft.engine.core.kv_cache_manager import block_hashes
 from weft.entrypoints.llm import LLM
 from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract

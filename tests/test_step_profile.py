@@ -7,7 +7,7 @@ import pytest
 from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 from weft.contracts.executor import CachedRequest, DoneStep, ModelRunnerOutput, NewRequest, SchedulerOutput
-from weft.engine.step_profile import StepProfile
+from weft.engine.core.step_profile import StepProfile
 
 
 @pytest.fixture(scope="module")

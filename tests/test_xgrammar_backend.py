@@ -472,7 +472,7 @@ def test_fill_processes_that_failed_to_start_are_started_again_later(tiny_llama,
     naming why until :data:`FILL_START_RETRY_S` passed, then a start is tried again and they run (before, the
     failure was kept for the engine's life)."""
     from weft import LLM, SamplingParams
-    from weft.engine import structured_output
+    from weft.engine.core import structured_output
 
     prompt = [1, 5, 9, 77, 31]
     params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
@@ -508,7 +508,7 @@ class UnbuildableBackend(XgrammarBackend):
 
 
 def test_a_fill_group_that_cannot_start_says_why(backend):
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_process import FillGroup
 
     with pytest.raises(RuntimeError, match="(?s)fill process failed.*no grammar engine in this child"):
         FillGroup(UnbuildableBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size),
@@ -611,7 +611,7 @@ def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_i
     """Ctrl-C while the core waits for the fill process's answer: the answer is read before the next message,
     so the next generate's answers are its own steps' and its output equals transformers'."""
     from weft import LLM, SamplingParams
-    from weft.engine.grammar_process import FillProcess
+    from weft.engine.core.grammar_process import FillProcess
 
     prompts = [[1, 5, 9, 400 + index, 31, 3 * index] for index in range(4)]
     expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 30)
@@ -644,7 +644,7 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
     a step's rows come back in child order equal to the backend's own fill, a dropped matcher's token and row are
     left out, and a child that fails answers with its error after the others were read (the next step still
     works)."""
-    from weft.engine.grammar_process import FillFailed, FillGroup
+    from weft.engine.core.grammar_process import FillFailed, FillGroup
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
     compiled = backend.compile(StructuredOutputsParams(json=schema))
@@ -699,7 +699,7 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
 def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, tokenizer):
     """Two children fill into one shared segment, each from its own first row: a matcher refusing its token fills
     no row, which leaves a gap there, and :meth:`FillGroup.rows` still answers the filled rows in child order."""
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_process import FillGroup
 
     compiled = backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
                                                              "required": ["a"]}))
@@ -735,7 +735,7 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
 def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
     """One child (its messages passed on whole): a request that ended before its matcher's first step sends the
     matcher and its drop in the same message; the child makes it, then drops it."""
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_process import FillGroup
 
     compiled = backend.compile(StructuredOutputsParams(regex="[ab]+"))
     group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size))

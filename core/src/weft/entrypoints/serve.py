@@ -16,7 +16,7 @@ import sys
 from starlette.applications import Starlette
 
 from weft.config import WeftConfig
-from weft.engine.async_engine import AsyncEngine
+from weft.engine.api.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
 from weft.serve.lifecycle import FLUSH_SECONDS, GracefulServer, InFlightRequests, uvicorn_config

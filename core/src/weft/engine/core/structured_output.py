@@ -7,7 +7,7 @@ compiled constraints are cached by constraint, so a schema sent by many requests
 once. The scheduler leaves a request waiting, at no cost to the running ones, until
 :meth:`StructuredOutputManager.ready` says its matcher exists.
 
-A request whose reasoning comes first (:class:`~weft.engine.engine_core.GrammarStart`: the tokens that
+A request whose reasoning comes first (:class:`~weft.engine.core.engine_core.GrammarStart`: the tokens that
 end it) samples freely until those tokens were generated; its constraint covers the answer only. One
 whose prompt did not open the reasoning is constrained from its first token, whose mask also allows
 the token opening the reasoning: when it is sampled, the request reasons freely up to the end tokens.
@@ -27,7 +27,7 @@ result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags m
 only ever turn true, so a stale one costs a step that waits for a mask its request no longer
 needs (the fill leaves it out), never a wrong token.
 
-With the matchers in fill processes (``engine.structured_output_fill``, :mod:`weft.engine.grammar_process`;
+With the matchers in fill processes (``engine.structured_output_fill``, :mod:`weft.engine.core.grammar_process`;
 ``engine.structured_output_fill_processes`` of them, each holding its share of the matchers) no thread of the
 core takes part: the core's own thread sends each step's message as it asks for the fill, and reads the
 answers when it takes the result (:class:`RemoteReply`).
@@ -50,7 +50,7 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import (
+from weft.engine.core.grammar_process import (
     SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
 )
 from weft.host import usable_cpus
@@ -58,8 +58,8 @@ from weft.host import usable_cpus
 if TYPE_CHECKING:
     from weft.config import WeftConfig
     from weft.contracts.structured_output import StructuredOutputBackend, StructuredOutputsParams
-    from weft.engine.engine_core import GrammarStart
-    from weft.engine.request import Request
+    from weft.engine.core.engine_core import GrammarStart
+    from weft.engine.core.request import Request
     from weft.plugins import PluginRegistry
 
 logger = logging.getLogger("weft.engine")

@@ -1,9 +1,9 @@
 """The engine core: the scheduler and the executor, stepping requests given as token ids.
 
-The core only steps: :mod:`weft.engine.builder` builds its parts (hooks, executor
+The core only steps: :mod:`weft.engine.core.builder` builds its parts (hooks, executor
 and model, KV-cache sizing, manager, connector, scheduler) and hands them over.
 A step (:meth:`EngineCore.step`) is schedule → execute →
-:meth:`Scheduler.update_from_output <weft.engine.scheduler.Scheduler.update_from_output>`;
+:meth:`Scheduler.update_from_output <weft.engine.core.scheduler.Scheduler.update_from_output>`;
 the core also aborts requests, reports its gauges (:meth:`EngineCore.stats`) and closes.
 
 With asynchronous scheduling the core keeps one step in flight: it schedules
@@ -11,8 +11,8 @@ and launches step N+1, then waits for step N's tokens while the device runs
 N+1. Greedy output is the same either way.
 
 The core knows no text: requests arrive tokenized (:class:`EngineCoreRequest`) and
-leave as :class:`~weft.engine.scheduler.EngineCoreOutput` token ids. It runs in
-the caller's process (``LLM``) or in its own (:mod:`weft.engine.core_process`).
+leave as :class:`~weft.engine.core.scheduler.EngineCoreOutput` token ids. It runs in
+the caller's process (``LLM``) or in its own (:mod:`weft.engine.core.core_process`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from weft.config import WeftConfig
 from weft.contracts.executor import Executor, ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import ModelSource
-from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
-from weft.engine.request import Request
-from weft.engine.scheduler import EngineCoreOutput, Scheduler
-from weft.engine.structured_output import StructuredOutputManager
+from weft.engine.core.kv_cache_manager import KVCacheManager
+from weft.engine.core.kv_connector import ConnectorMetricTotal, SchedulerConnector
+from weft.engine.core.request import Request
+from weft.engine.core.scheduler import EngineCoreOutput, Scheduler
+from weft.engine.core.structured_output import StructuredOutputManager
 from weft.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from weft.engine.step_profile import StepProfile
+    from weft.engine.core.step_profile import StepProfile
 
 logger = logging.getLogger("weft.engine")
 
@@ -93,7 +93,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCore:
-    """Steps a scheduler and an executor that :func:`~weft.engine.builder.build_engine_core` built."""
+    """Steps a scheduler and an executor that :func:`~weft.engine.core.builder.build_engine_core` built."""
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
@@ -120,7 +120,7 @@ class EngineCore:
         self._unreported: list[EngineCoreOutput] = []
         """Outputs of a step applied by a call that then raised (the next launch failed): the next call returns them."""
         self.step_profile: StepProfile | None = None
-        """When set, records the timings of every step (:mod:`weft.engine.step_profile`); None: nothing is recorded."""
+        """When set, records the timings of every step (:mod:`weft.engine.core.step_profile`); None: nothing is recorded."""
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:

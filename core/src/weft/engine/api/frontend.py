@@ -14,7 +14,7 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
-from weft.engine.engine_core import EngineCoreRequest, GrammarStart
+from weft.engine.core.engine_core import EngineCoreRequest, GrammarStart
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
 from weft.sampling_params import SamplingParams
@@ -144,7 +144,7 @@ class Frontend:
         if params.structured_outputs is not None:
             backend = self.structured_output_backend()
             if backend is None:
-                from weft.engine.structured_output import no_backend_message
+                from weft.engine.core.structured_output import no_backend_message
 
                 raise ValueError(f"structured_outputs: {no_backend_message(self.config)}")
             backend.validate(params.structured_outputs)

@@ -49,10 +49,10 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
-from weft.engine.kv_cache_manager import KVCacheManager, block_hashes
+from weft.engine.core.kv_cache_manager import KVCacheManager, block_hashes
 
 if TYPE_CHECKING:
-    from weft.engine.request import Request
+    from weft.engine.core.request import Request
 
 logger = logging.getLogger("weft.engine")
 

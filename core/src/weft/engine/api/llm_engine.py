@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from weft.config import WeftConfig
-from weft.engine.builder import build_engine_core
-from weft.engine.frontend import Frontend
-from weft.engine.output_processor import OutputProcessor, RequestOutputState
+from weft.engine.core.builder import build_engine_core
+from weft.engine.api.frontend import Frontend
+from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
 from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
 

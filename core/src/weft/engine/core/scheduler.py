@@ -29,7 +29,7 @@ one's tokens are known: a request that samples in a step in flight counts one
 output placeholder, is scheduled for its next decode already, and its real
 token replaces the placeholder when the step's output arrives.
 
-With a KV connector (:mod:`weft.engine.kv_connector`), an admitted request also
+With a KV connector (:mod:`weft.engine.core.kv_connector`), an admitted request also
 takes the tokens after its local prefix-cache hit that the connector can load;
 a request the connector cannot answer for yet is passed over for this step. A
 request whose KV arrives asynchronously (a decode instance receiving its prefill, a store hit loading)
@@ -53,13 +53,13 @@ from weft.contracts.executor import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.request import Request, RequestStatus
+from weft.engine.core.kv_cache_manager import KVCacheManager
+from weft.engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.engine.kv_connector import SchedulerConnector
-    from weft.engine.structured_output import StructuredOutputManager
+    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.structured_output import StructuredOutputManager
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):

@@ -2,7 +2,7 @@
 
 The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 ``multiprocessing``'s spawn method; the core connects, builds its
-:class:`~weft.engine.engine_core.EngineCore` (:func:`~weft.engine.builder.build_engine_core`) and answers :class:`Ready` (or
+:class:`~weft.engine.core.engine_core.EngineCore` (:func:`~weft.engine.core.builder.build_engine_core`) and answers :class:`Ready` (or
 :class:`Failed`). Then it loops: take every waiting message (new requests,
 aborts, shutdown), run one step when it has work, and push the step's outputs
 with the core's gauges. A step that raises is retried once (its running requests
@@ -24,8 +24,8 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.executor import ExecutorFailed
-from weft.engine.engine_core import CoreStats, EngineCoreRequest
-from weft.engine.scheduler import EngineCoreOutput
+from weft.engine.core.engine_core import CoreStats, EngineCoreRequest
+from weft.engine.core.scheduler import EngineCoreOutput
 
 logger = logging.getLogger("weft.engine")
 
@@ -75,7 +75,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     """The core process's main function."""
     import zmq
 
-    from weft.engine.builder import build_engine_core
+    from weft.engine.core.builder import build_engine_core
     from weft.heap import freeze_startup_objects
     from weft.plugins.registry import problems_reported_by_parent
 

@@ -1,6 +1,6 @@
 """The API process's engine: the engine core in its own process, fed and drained from asyncio.
 
-:class:`AsyncEngine` starts the core (:mod:`weft.engine.core_process`) and sends
+:class:`AsyncEngine` starts the core (:mod:`weft.engine.core.core_process`) and sends
 it tokenized requests and aborts over ZMQ from the event loop. Work on a request's text (templating,
 tokenizing, checking it against the model) runs on a bounded pool of tokenizer threads
 (:meth:`AsyncEngine.off_loop`), never on the event loop. A reader thread
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from weft.config import WeftConfig
-from weft.engine.core_process import (
+from weft.engine.core.core_process import (
     Abort,
     AddRequests,
     Failed,
@@ -46,9 +46,9 @@ from weft.engine.core_process import (
     StepOutputs,
     run_engine_core,
 )
-from weft.engine.engine_core import CoreStats, GrammarStart
-from weft.engine.frontend import Frontend
-from weft.engine.output_processor import OutputProcessor, RequestOutputState
+from weft.engine.core.engine_core import CoreStats, GrammarStart
+from weft.engine.api.frontend import Frontend
+from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
 from weft.outputs import NO_TOKEN_ALLOWED, Logprob
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
@@ -235,7 +235,7 @@ class AsyncEngine:
                      arrival: float | None = None) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
         (``kv_transfer_params``: for the KV connector, one request only; ``grammar_start``: see
-        :meth:`weft.engine.frontend.Frontend.core_request`). The requests are the sequences of one API request
+        :meth:`weft.engine.api.frontend.Frontend.core_request`). The requests are the sequences of one API request
         (their params differ in their seed at most), checked on a tokenizer thread. ``arrival``: when the API
         request arrived (``time.monotonic()``; default now): ``request_timeout`` counts from it, and a drain admits
         a request that arrived before it began.

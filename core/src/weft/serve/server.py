@@ -23,7 +23,7 @@ from starlette.requests import Request
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
-from weft.engine.core.engine_core import GrammarStart
+from weft.engine.messages import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
 from weft.resolve import options_for

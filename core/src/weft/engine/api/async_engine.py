@@ -36,17 +36,8 @@ from typing import Any
 import msgspec
 
 from weft.config import WeftConfig
-from weft.engine.core.core_process import (
-    Abort,
-    AddRequests,
-    Failed,
-    FromCore,
-    Ready,
-    Shutdown,
-    StepOutputs,
-    run_engine_core,
-)
-from weft.engine.core.engine_core import CoreStats, GrammarStart
+from weft.engine.core.core_process import run_engine_core
+from weft.engine.messages import Abort, AddRequests, CoreStats, Failed, FromCore, GrammarStart, Ready, Shutdown, StepOutputs
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
 from weft.outputs import NO_TOKEN_ALLOWED, Logprob

@@ -17,7 +17,7 @@ from weft.outputs import CompletionOutput, Logprob
 if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
     from weft.contracts.tokenizer import Tokenizer
-    from weft.engine.core.scheduler import EngineCoreOutput
+    from weft.engine.messages import EngineCoreOutput
     from weft.sampling_params import SamplingParams
 
 

@@ -24,49 +24,10 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.executor import ExecutorFailed
-from weft.engine.core.engine_core import CoreStats, EngineCoreRequest
-from weft.engine.core.scheduler import EngineCoreOutput
+from weft.engine.messages import Abort, Failed, Ready, Shutdown, StepOutputs, ToCore
 
 logger = logging.getLogger("weft.engine")
 
-
-class AddRequests(msgspec.Struct, tag=True, array_like=True):
-    requests: list[EngineCoreRequest]
-
-
-class Abort(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-ToCore = AddRequests | Abort | Shutdown
-
-
-class Ready(msgspec.Struct, tag=True, array_like=True):
-    engine: dict[str, object]
-    """The effective engine settings (platform-sized defaults resolved), for logs and ``weft config show``."""
-
-
-class Failed(msgspec.Struct, tag=True, array_like=True):
-    """The core could not start, or (its last message) it stops because its workers are gone."""
-
-    message: str
-    traceback: str = ""
-
-
-class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
-    outputs: list[EngineCoreOutput]
-    stats: CoreStats
-    refused: dict[str, str] = {}
-    """Requests the core would not take (a bad request), with the reason."""
-    failed: dict[str, str] = {}
-    """Requests a failed step ended (an internal error), with the reason. Both are gone from the core."""
-
-
-FromCore = Ready | Failed | StepOutputs
 
 STEP_FAILED = "the engine step failed twice (the server log has the details)"
 

@@ -11,7 +11,7 @@ and launches step N+1, then waits for step N's tokens while the device runs
 N+1. Greedy output is the same either way.
 
 The core knows no text: requests arrive tokenized (:class:`EngineCoreRequest`) and
-leave as :class:`~weft.engine.core.scheduler.EngineCoreOutput` token ids. It runs in
+leave as :class:`~weft.engine.messages.EngineCoreOutput` token ids. It runs in
 the caller's process (``LLM``) or in its own (:mod:`weft.engine.core.core_process`).
 """
 
@@ -22,17 +22,16 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from weft.config import WeftConfig
 from weft.contracts.executor import Executor, ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import ModelSource
 from weft.engine.core.kv_cache_manager import KVCacheManager
-from weft.engine.core.kv_connector import ConnectorMetricTotal, SchedulerConnector
+from weft.engine.core.kv_connector import SchedulerConnector
 from weft.engine.core.request import Request
-from weft.engine.core.scheduler import EngineCoreOutput, Scheduler
+from weft.engine.core.scheduler import Scheduler
 from weft.engine.core.structured_output import StructuredOutputManager
+from weft.engine.messages import CoreStats, EngineCoreOutput, EngineCoreRequest
 from weft.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,53 +42,6 @@ logger = logging.getLogger("weft.engine")
 RETRY_QUIET_CALLS = 8
 """Calls that succeed, even without output, after which a failure counts as a first one again (a long
 recomputed prefill, a KV load, fill processes starting again); fewer, and a second failure raises."""
-
-
-class GrammarStart(msgspec.Struct, array_like=True, frozen=True):
-    """Where a structured-output constraint starts when the model may reason first (the constraint covers the
-    answer only)."""
-
-    after: tuple[int, ...]
-    """The tokens ending the reasoning: the constraint covers what follows them."""
-    opener: int | None = None
-    """None: the prompt opened the reasoning, the output begins inside it. Else the token opening the reasoning: the
-    constraint covers the output from its first token, whose mask also allows this one; an output opening with it
-    reasons, and is constrained after :attr:`after`."""
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
-    """A request as the engine core takes it: token ids and how to sample."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    max_tokens: int
-    """``params.max_tokens`` capped by the context length (the API side computes it)."""
-    kv_transfer_params: dict[str, Any] | None = None
-    """For the KV connector (:attr:`weft.contracts.kv_connector.ConnectorRequest.params`)."""
-    grammar_start: GrammarStart | None = None
-    """With a structured-output constraint, for a model that may reason first (None: the constraint covers the
-    whole output)."""
-
-
-class CoreStats(msgspec.Struct, array_like=True, gc=False):
-    """The core's gauges, sent to the API side with its outputs."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    connector_hit_tokens: int | None = None
-    connector_failed_load_tokens: int | None = None
-    waiting_for_remote_kv: int = 0
-    connector_metrics: dict[str, ConnectorMetricTotal] = {}
-    """The KV connector's metrics summed since start, by name."""
-    num_preemptions: int = 0
-    """Preemptions since the core started (a counter)."""
-    num_steps: int = 0
-    """Steps run since the core started."""
 
 
 class EngineCore:

@@ -55,29 +55,12 @@ from weft.contracts.executor import (
 )
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.request import Request, RequestStatus
+from weft.engine.messages import EngineCoreOutput
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
     from weft.engine.core.kv_connector import SchedulerConnector
     from weft.engine.core.structured_output import StructuredOutputManager
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
-    """What one request produced in one step, as the engine core reports it (untracked by the cyclic garbage
-    collector, as it never holds itself: thousands are decoded each second, each a collection's work otherwise)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    """Why the request failed (finish reason ``error``): this step could not serve it."""
-    queued_seconds: float | None = None
-    """With a request's first token: the time from its arrival in the core to its first scheduling."""
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    """With the request's first token, when it asked for prompt logprobs: those of prompt tokens 1..."""
 
 
 class ScheduledRow(NamedTuple):

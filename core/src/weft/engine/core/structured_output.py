@@ -7,7 +7,7 @@ compiled constraints are cached by constraint, so a schema sent by many requests
 once. The scheduler leaves a request waiting, at no cost to the running ones, until
 :meth:`StructuredOutputManager.ready` says its matcher exists.
 
-A request whose reasoning comes first (:class:`~weft.engine.core.engine_core.GrammarStart`: the tokens that
+A request whose reasoning comes first (:class:`~weft.engine.messages.GrammarStart`: the tokens that
 end it) samples freely until those tokens were generated; its constraint covers the answer only. One
 whose prompt did not open the reasoning is constrained from its first token, whose mask also allows
 the token opening the reasoning: when it is sampled, the request reasons freely up to the end tokens.
@@ -53,12 +53,13 @@ from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask
 from weft.engine.core.grammar_process import (
     SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
 )
+from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
+from weft.plugins.selection import no_backend_message
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
     from weft.contracts.structured_output import StructuredOutputBackend, StructuredOutputsParams
-    from weft.engine.core.engine_core import GrammarStart
     from weft.engine.core.request import Request
     from weft.plugins import PluginRegistry
 
@@ -493,9 +494,3 @@ def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputB
         return backend_class.fills_in_a_process() and (
             usable_cpus() >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
     return setting == "process"
-
-
-def no_backend_message(config: WeftConfig) -> str:
-    if config.use.structured_output == "none":
-        return "structured outputs are off (use.structured_output = 'none'); remove the constraint or turn them on"
-    return "structured outputs need a backend and none is installed; pip install weft-xgrammar"

@@ -77,6 +77,6 @@ def serve(config: WeftConfig) -> int:
         engine.stop()
     if engine.dead:
         reason = f": {engine.death_reason}" if engine.death_reason else ""
-        print(f"weft: error: the engine core process died (exit code {engine.process.exitcode}){reason}", file=sys.stderr)
+        print(f"weft: error: the engine core process died (exit code {engine.client.exitcode}){reason}", file=sys.stderr)
         return 1
     return 0

@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
-from weft.engine.api.async_engine import AsyncEngine, Delta
+from weft.engine.api.async_engine import AsyncEngine
+from weft.engine.api.streams import Delta
 from weft.outputs import Logprob
 from weft.serve import protocol as p
 from weft.serve import structured, tools

@@ -22,7 +22,8 @@ from starlette.requests import Request
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
-from weft.engine.api.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
+from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
+from weft.engine.api.streams import Delta
 from weft.engine.messages import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser

@@ -1,14 +1,15 @@
-"""The engine core in its own process, and the messages it exchanges with the API process over ZMQ.
+"""The engine core in its own process: the far end of :class:`~weft.engine.client.ProcessClient`.
 
 The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
 ``multiprocessing``'s spawn method; the core connects, builds its
-:class:`~weft.engine.core.engine_core.EngineCore` (:func:`~weft.engine.core.builder.build_engine_core`) and answers :class:`Ready` (or
-:class:`Failed`). Then it loops: take every waiting message (new requests,
-aborts, shutdown), run one step when it has work, and push the step's outputs
-with the core's gauges. A step that raises is retried once (its running requests
-preempted and recomputed); a second failure in a row fails every request the
-core holds. Messages are msgpack-encoded msgspec Structs. The core
-exits when told to, or when the API process is gone.
+:class:`~weft.engine.core.engine_core.EngineCore` (:func:`~weft.engine.core.builder.build_engine_core`) and
+answers :class:`~weft.engine.messages.Ready` (or :class:`~weft.engine.messages.Failed`). Then it loops: take
+every waiting message (new requests, aborts, shutdown), run one step when it has work
+(:meth:`~weft.engine.core.engine_core.EngineCore.step_outputs`, whose failure rules the in-process client
+shares), and push the step's outputs with the core's gauges; a step that failed twice fails the requests
+the core held. Messages are msgpack-encoded :mod:`weft.engine.messages` Structs. The core exits when told
+to, or when the API process is gone. This module imports no torch (the API process names its entry point);
+the core's modules are imported in the core's process.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from weft.config import WeftConfig
-from weft.contracts.executor import ExecutorFailed
 from weft.engine.messages import Abort, Failed, Ready, Shutdown, StepOutputs, ToCore
+
+if TYPE_CHECKING:
+    from weft.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger("weft.engine")
 
@@ -32,11 +36,34 @@ logger = logging.getLogger("weft.engine")
 STEP_FAILED = "the engine step failed twice (the server log has the details)"
 
 
+def _receive(core: EngineCore, poller: Any, inputs: Any, decoder: msgspec.msgpack.Decoder,
+             refused: dict[str, str]) -> tuple[bool, bool]:
+    """Apply every waiting message (waiting up to a second when the core has no work); the requests the core
+    refuses go to ``refused``. Returns whether to stop and whether anything arrived."""
+    timeout = 0 if core.has_work else 1000
+    received = False
+    while poller.poll(timeout):
+        message = decoder.decode(inputs.recv())
+        timeout, received = 0, True
+        if isinstance(message, Shutdown):
+            return True, received
+        if isinstance(message, Abort):
+            core.abort(message.request_ids)
+            continue
+        for request in message.requests:
+            try:
+                core.add_request(request)
+            except ValueError as error:
+                refused[request.request_id] = str(error)
+    return False, received
+
+
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """The core process's main function."""
     import zmq
 
     from weft.engine.core.builder import build_engine_core
+    from weft.engine.core.engine_core import StepFailed
     from weft.heap import freeze_startup_objects
     from weft.plugins.registry import problems_reported_by_parent
 
@@ -67,26 +94,11 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     outputs.send(encoder.encode(Ready(core.describe())))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    fatal: ExecutorFailed | None = None
+    fatal: BaseException | None = None
     try:
         while True:
             refused: dict[str, str] = {}
-            timeout = 0 if core.has_work else 1000
-            stop = received = False
-            while poller.poll(timeout):
-                message = decoder.decode(inputs.recv())
-                timeout, received = 0, True
-                if isinstance(message, Shutdown):
-                    stop = True
-                    break
-                if isinstance(message, Abort):
-                    core.abort(message.request_ids)
-                    continue
-                for request in message.requests:
-                    try:
-                        core.add_request(request)
-                    except ValueError as error:
-                        refused[request.request_id] = str(error)
+            stop, received = _receive(core, poller, inputs, decoder, refused)
             if stop:
                 break
             if not core.has_work:
@@ -96,24 +108,19 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
                 if received:  # the API side's gauges follow aborts too
                     outputs.send(encoder.encode(StepOutputs([], core.stats(), refused)))
                 continue
-            failed: dict[str, str] = {}
             try:
-                produced = core.step_with_retry()
-            except ExecutorFailed as error:
-                held = core.scheduler.unfinished_ids
-                core.reset_after_failure()
-                failed = {request_id: f"the engine's workers failed: {error}" for request_id in held}
-                outputs.send(encoder.encode(StepOutputs([], core.stats(), refused, failed)))
-                fatal = error
+                message = core.step_outputs(refused)
+            except StepFailed as failure:
+                error = failure.__cause__
+                if failure.fatal:
+                    reason, fatal = f"the engine's workers failed: {error}", error
+                else:
+                    logger.error("engine step failed again; failing the requests it held", exc_info=error)
+                    reason = STEP_FAILED
+                message = StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason))
+            outputs.send(encoder.encode(message))
+            if fatal is not None:
                 break
-            except Exception:
-                logger.exception("engine step failed again; failing the requests it held")
-                held = core.scheduler.unfinished_ids
-                core.reset_after_failure()
-                failed = dict.fromkeys(held, STEP_FAILED)
-                produced = []
-            refused.update(core.take_refused())  # constraints that failed to compile
-            outputs.send(encoder.encode(StepOutputs(produced, core.stats(), refused, failed)))
     finally:
         core.close()
         if fatal is not None:

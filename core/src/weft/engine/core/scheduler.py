@@ -40,14 +40,17 @@ it then goes back to the head of the queue, keeping its blocks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
 from weft.contracts.executor import (
     CachedRequest,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequest,
     SchedulerOutput,
@@ -55,12 +58,15 @@ from weft.contracts.executor import (
 )
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.request import Request, RequestStatus
-from weft.engine.messages import EngineCoreOutput
+from weft.engine.messages import CoreStats, EngineCoreOutput
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
     from weft.engine.core.kv_connector import SchedulerConnector
     from weft.engine.core.structured_output import StructuredOutputManager
+    from weft.engine.messages import GrammarStart
+
+logger = logging.getLogger("weft.engine")
 
 
 class ScheduledRow(NamedTuple):
@@ -123,17 +129,22 @@ class Scheduler:
         self.passed_over = 0
         """Waiting requests passed over in the last step: the KV connector could not answer for them
         yet, or their structured-output constraint is still compiling."""
-        self.refused: dict[str, str] = {}
+        self._refused: dict[str, str] = {}
         """Requests ended because they cannot run (a constraint that failed to compile), with the reason,
-        since the owner last took this dict."""
+        since :meth:`take_refused`."""
         self.num_preemptions = 0
         """Preemptions since start."""
-        self.newly_finished: list[Request] = []
-        """Requests that ended since the owner last took this list (for the request-finished hook)."""
+        self._newly_finished: list[Request] = []
+        """Requests that ended since :meth:`take_finished` (for the request-finished hook)."""
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, grammar_start: GrammarStart | None = None) -> None:
+        """Queue ``request``; one with a structured-output constraint starts compiling it (``grammar_start``:
+        where the constraint starts when the model may reason first)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.structured_outputs is not None:
+            assert self.structured_outputs is not None
+            self.structured_outputs.add(request, grammar_start)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -142,8 +153,57 @@ class Scheduler:
         return bool(self.waiting or self.running or self.receiving)
 
     @property
+    def saves_pending(self) -> bool:
+        """Whether finished requests still wait for their KV connector saves (their blocks held)."""
+        return self.connector is not None and self.connector.has_delayed_frees
+
+    @property
     def unfinished_ids(self) -> list[str]:
         return [request.request_id for request in [*self.running, *self.waiting, *self.receiving.values()]]
+
+    def take_finished(self) -> list[Request]:
+        """Requests that ended since the last call."""
+        finished, self._newly_finished = self._newly_finished, []
+        return finished
+
+    def take_refused(self) -> dict[str, str]:
+        """Requests ended because they cannot run (a constraint that failed to compile), with the reason, since the
+        last call."""
+        refused, self._refused = self._refused, {}
+        return refused
+
+    def cannot_run(self) -> str | None:
+        """Why nothing can ever run, when a step scheduled nothing with no step in flight: the first waiting request
+        needs more KV-cache blocks than the cache has, while nothing runs to free any. None when something may still
+        change (requests passed over for a KV connector that cannot answer yet or a constraint still compiling, KV
+        arriving, saves that will free blocks)."""
+        if not self.waiting or self.running or self.passed_over or self.receiving or self.saves_pending:
+            return None
+        return f"request {self.waiting[0].request_id!r} cannot be scheduled: not enough KV-cache blocks"
+
+    def grammar_output(self, request_ids: list[str]) -> Future[GrammarOutput]:
+        """The bitmask of a step's constrained requests (``request_ids``), filled on the structured-output thread."""
+        assert self.structured_outputs is not None
+        return self.structured_outputs.grammar_output(request_ids, self.requests)
+
+    def stats(self, num_steps: int) -> CoreStats:
+        """The gauges of the queues, the KV cache and the KV connector (``num_steps``: the core's step count)."""
+        manager, connector = self.kv_cache, self.connector
+        return CoreStats(
+            waiting=len(self.waiting) + len(self.receiving), running=len(self.running),
+            waiting_for_remote_kv=len(self.receiving),
+            kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
+            prefix_cache_hit_tokens=manager.stats.hit_tokens,
+            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
+            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            connector_metrics=connector.metric_totals if connector is not None else {},
+            num_preemptions=self.num_preemptions, num_steps=num_steps,
+        )
+
+    @property
+    def queue_lengths(self) -> tuple[int, int]:
+        """Running and waiting requests."""
+        return len(self.running), len(self.waiting)
 
     # Scheduling.
 
@@ -273,7 +333,7 @@ class Scheduler:
             return self.structured_outputs.ready(request)
         except ValueError as error:
             self.waiting.remove(request)
-            self.refused[request.request_id] = str(error)
+            self._refused[request.request_id] = str(error)
             self.finish(request.request_id)
             return False
 
@@ -457,6 +517,23 @@ class Scheduler:
         while self.running:
             self._preempt(self.running.pop())
 
+    def restart_structured_outputs(self) -> None:
+        """After a failed step: fill processes of which one died are started again (the matchers of the requests
+        still held made again as they resume)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.recover(self.requests.values())
+
+    def close(self, saves_timeout: float) -> None:
+        """Close the KV connector's scheduler role and the structured-output manager (whose lifetime the scheduler
+        owns); ``saves_timeout``: how long the core waited for pending saves, for the warning when some remain."""
+        if self.connector is not None:
+            if self.connector.has_delayed_frees:
+                logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",
+                               self.connector.name, saves_timeout)
+            self.connector.close()
+        if self.structured_outputs is not None:
+            self.structured_outputs.close()
+
     def forget_steps_in_flight(self) -> None:
         """Steps scheduled but never applied (one raised): their results will not come, nor the contents of the blocks
         published for them."""
@@ -505,7 +582,7 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
         self._placeholders.pop(request.request_id, None)
-        self.newly_finished.append(request)
+        self._newly_finished.append(request)
         if request.constraint is not None:
             self.structured_outputs.release(request)  # type: ignore[union-attr]
         self._forget_on_workers(request.request_id)

@@ -32,7 +32,6 @@ import msgspec
 
 if TYPE_CHECKING:
     from weft.contracts.executor import Executor, ModelRunnerOutput, SchedulerOutput, StepHandle
-    from weft.engine.core.scheduler import Scheduler
     from weft.runner.model_runner import ModelRunner
 
 
@@ -151,10 +150,10 @@ class StepProfile:
             record.end = time.perf_counter() - self._started
             self._current = None
 
-    def scheduled(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+    def scheduled(self, output: SchedulerOutput, running: int, waiting: int) -> None:
         record = self._current
         if record is not None:
-            record.output, record.running, record.waiting = output, len(scheduler.running), len(scheduler.waiting)
+            record.output, record.running, record.waiting = output, running, waiting
 
     def execute(self, executor: Executor, output: SchedulerOutput) -> StepHandle | None:
         record = self._current

@@ -50,9 +50,8 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.core.grammar_process import (
-    SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
-)
+from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
+from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
 from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
 from weft.plugins.selection import no_backend_message

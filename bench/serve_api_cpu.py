@@ -141,9 +141,9 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
     from weft.builtins.hf_tokenizer import HFTokenizer
     from weft.engine.api.async_engine import AsyncEngine
-    from weft.engine.messages import CoreStats, EngineCoreOutput, FromCore, StepOutputs
     from weft.engine.api.output_processor import OutputProcessor
     from weft.engine.api.streams import OutputStream
+    from weft.engine.messages import CoreStats, EngineCoreOutput, FromCore, StepOutputs
     from weft.sampling_params import SamplingParams
 
     scratch = Path(tempfile.mkdtemp(prefix="weft-receive-"))

@@ -28,7 +28,6 @@ from weft.contracts.loader import ModelSource
 from weft.engine.core.request import Request
 from weft.engine.core.scheduler import Scheduler
 from weft.engine.messages import CoreStats, EngineCoreOutput, EngineCoreRequest, StepOutputs
-from weft.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from weft.engine.core.step_profile import StepProfile

@@ -41,8 +41,8 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -95,6 +95,16 @@ class ConstraintState:
         """A sampled token the matcher refused (it then constrains nothing more)."""
         self.terminated = False
         """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
+        return not self.failed and not self.terminated
+
+    def release(self) -> None:
+        """The request ended: a matcher in the fill process is dropped with the next step."""
+        if isinstance(self.matcher, RemoteMatcher):
+            self.matcher.release()
 
     @property
     def masks(self) -> bool:
@@ -224,19 +234,6 @@ class StructuredOutputManager:
             if state is not None and isinstance(state.matcher, RemoteMatcher):
                 state.matcher.release.detach()
                 state.matcher = None
-
-    @staticmethod
-    def release(request: Request) -> None:
-        """The request ended: a matcher in the fill process is dropped with the next step."""
-        state = request.constraint
-        if state is not None and isinstance(state.matcher, RemoteMatcher):
-            state.matcher.release()
-
-    @staticmethod
-    def constrains(request: Request) -> bool:
-        """Whether the request's next sample may need a mask (it has a live constraint)."""
-        state = request.constraint
-        return state is not None and not state.failed and not state.terminated
 
     # Steps.
 
@@ -380,7 +377,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cpus() // 2)),
                                         thread_name_prefix="weft-grammar")
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
-        self._backend = self._pool.submit(self._build_backend)
+        self._backend = self._pool.submit(_build_backend, self.config, self.registry, self.source, self.vocab_size,
+                                          self._backend_class)
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
 
@@ -391,17 +389,6 @@ class StructuredOutputManager:
         logger.info("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
                     "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
         return group
-
-    def _build_backend(self) -> StructuredOutputBackend:
-        from weft.resolve import load_tokenizer, options_for
-
-        tokenizer = load_tokenizer(self.registry, self.config, self.source)
-        tokens = tokenizer.vocabulary_bytes()
-        vocabulary = Vocabulary(tokens[: self.vocab_size], self.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
-        backend_class = self._backend_class
-        backend = backend_class(options_for(self.config, "structured_output", backend_class, backend_class.name), vocabulary)
-        logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
-        return backend
 
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
         """The compiled constraint; for the fill process, its key and its bytes."""
@@ -464,6 +451,18 @@ class RemoteMatcher:
         self.handle = process.new_handle()
         self.release = weakref.finalize(self, process.drop, self.handle)
         """Drop it now (once; its tokens still queued are then skipped)."""
+
+
+def _build_backend(config: WeftConfig, registry: PluginRegistry, source: Any, vocab_size: int,
+                   backend_class: type[StructuredOutputBackend]) -> StructuredOutputBackend:
+    from weft.resolve import load_tokenizer, options_for
+
+    tokenizer = load_tokenizer(registry, config, source)
+    tokens = tokenizer.vocabulary_bytes()
+    vocabulary = Vocabulary(tokens[:vocab_size], vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    backend = backend_class(options_for(config, "structured_output", backend_class, backend_class.name), vocabulary)
+    logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
+    return backend
 
 
 def _allow(words: numpy.ndarray, tokens: list[int | None]) -> None:

@@ -10,7 +10,7 @@ With asynchronous scheduling the core keeps one step in flight: it schedules
 and launches step N+1, then waits for step N's tokens while the device runs
 N+1. Greedy output is the same either way.
 
-The core knows no text: requests arrive tokenized (:class:`EngineCoreRequest`) and
+The core knows no text: requests arrive tokenized (:class:`~weft.engine.messages.EngineCoreRequest`) and
 leave as :class:`~weft.engine.messages.EngineCoreOutput` token ids. It runs in
 the caller's process (``LLM``) or in its own (:mod:`weft.engine.core.core_process`).
 """

@@ -29,8 +29,8 @@ APPEND_TOKEN = "append_token()"
 
 EVERYTHING = FIELDS | TOKEN_LISTS | {APPEND_TOKEN}
 WRITERS = {
-    ("weft.engine.core.scheduler", "Scheduler.update_from_output"): FIELDS | {APPEND_TOKEN},
-    ("weft.engine.core.scheduler", "Scheduler.finish"): frozenset({"status"}),
+    ("weft.engine.core.scheduler_state", "SchedulerState.update_from_output"): FIELDS | {APPEND_TOKEN},
+    ("weft.engine.core.scheduler_state", "SchedulerState.finish"): frozenset({"status"}),
     ("weft.engine.core.request", "Request.__init__"): EVERYTHING,
     ("weft.engine.core.request", "Request.append_token"): TOKEN_LISTS,
 }
@@ -135,7 +135,7 @@ def test_every_allowed_write_still_exists():
 
 def test_the_scan_finds_every_kind_of_write():
     text = '''
-class Scheduler:
+class SchedulerState:
     def schedule(self, request):
         request.num_computed_tokens += 4
         request.status, other = None, 1
@@ -150,13 +150,13 @@ def plan(request):
     request.append_token(7)
     del request.stop_reason
 '''
-    found = stray_writes(writes_in("weft.engine.core.scheduler", text))
+    found = stray_writes(writes_in("weft.engine.core.scheduler_state", text))
     assert found == [
-        "  weft.engine.core.scheduler:4 (Scheduler.schedule) writes num_computed_tokens",
-        "  weft.engine.core.scheduler:5 (Scheduler.schedule) writes status",
-        "  weft.engine.core.scheduler:6 (Scheduler.schedule) writes output_token_ids",
-        "  weft.engine.core.scheduler:7 (Scheduler.schedule) writes all_token_ids",
-        "  weft.engine.core.scheduler:13 (plan) writes num_cached_tokens",
-        "  weft.engine.core.scheduler:14 (plan) writes append_token()",
-        "  weft.engine.core.scheduler:15 (plan) writes stop_reason",
+        "  weft.engine.core.scheduler_state:4 (SchedulerState.schedule) writes num_computed_tokens",
+        "  weft.engine.core.scheduler_state:5 (SchedulerState.schedule) writes status",
+        "  weft.engine.core.scheduler_state:6 (SchedulerState.schedule) writes output_token_ids",
+        "  weft.engine.core.scheduler_state:7 (SchedulerState.schedule) writes all_token_ids",
+        "  weft.engine.core.scheduler_state:13 (plan) writes num_cached_tokens",
+        "  weft.engine.core.scheduler_state:14 (plan) writes append_token()",
+        "  weft.engine.core.scheduler_state:15 (plan) writes stop_reason",
     ]

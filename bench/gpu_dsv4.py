@@ -184,7 +184,7 @@ def hisparse_side(args: argparse.Namespace) -> dict:
             for request_id in output.num_scheduled_tokens:
                 first_step.setdefault(int(request_id[1:]), len(batches))
             batches.append(sorted(output.num_scheduled_tokens.items()))
-        most[0] = max(most[0], sum(1 for request in scheduler.running if core.kv_cache_manager.holds(request.request_id)))
+        most[0] = max(most[0], sum(1 for request in scheduler.running if core.scheduler.kv_cache.holds(request.request_id)))
         return output
 
     scheduler.schedule = recording
@@ -204,10 +204,10 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     tokens = [list(state.output_token_ids) for state in ordered]
     top2 = [[sorted(([token, entry.logprob] for token, entry in step.items()), key=lambda pair: -pair[1])[:2]
              for step in state.logprobs or ()] for state in ordered]
-    totals = core.kv_connector.metric_totals if core.kv_connector is not None else {}
+    totals = core.scheduler.connector.metric_totals if core.scheduler.connector is not None else {}
     return {
         "side": args.side, "max_running": most[0], "requests": args.requests, "prompt_len": args.prompt_len,
-        "num_blocks": dict(zip((group.name for group in core.groups), core.num_blocks)),
+        "num_blocks": dict(zip((group.name for group in core.scheduler.kv_cache.groups), core.num_blocks)),
         "preemptions": scheduler.num_preemptions, "wall_s": wall,
         "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),

@@ -1,4 +1,4 @@
-"""Where the wall time of an offline run goes, step by step (:mod:`weft.engine.step_profile`).
+"""Where the wall time of an offline run goes, step by step (:mod:`weft.engine.core.step_profile`).
 
 The workload runs twice in one engine with default settings: once unprofiled (the warm-up, and the
 baseline the profiled run's wall is compared with: the profile's own overhead), then once with a
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from weft import LLM, SamplingParams
 from weft.config import parse_override
-from weft.engine.step_profile import StepProfile, StepRecord
+from weft.engine.core.step_profile import StepProfile, StepRecord
 
 PHASES = ("prefill", "mixed", "decode/graph", "decode/eager", "idle")
 WORKLOADS = {"llama3-8b": (512, 512, 256), "qwen3-0.6b": (256, 512, 256), "tiny": (32, 64, 32)}

@@ -140,11 +140,10 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
     import torch  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
     from weft.builtins.hf_tokenizer import HFTokenizer
-    from weft.engine.async_engine import AsyncEngine, _Subscriber
-    from weft.engine.core_process import FromCore, StepOutputs
-    from weft.engine.engine_core import CoreStats
-    from weft.engine.output_processor import OutputProcessor
-    from weft.engine.scheduler import EngineCoreOutput
+    from weft.engine.api.async_engine import AsyncEngine
+    from weft.engine.api.output_processor import OutputProcessor
+    from weft.engine.api.streams import OutputStream
+    from weft.engine.messages import CoreStats, EngineCoreOutput, FromCore, StepOutputs
     from weft.sampling_params import SamplingParams
 
     scratch = Path(tempfile.mkdtemp(prefix="weft-receive-"))
@@ -160,11 +159,11 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
         for r in range(requests)], CoreStats())) for step in range(steps)]
     # The reader's side of an engine without a core process: its tables and lock, no observer.
     engine = AsyncEngine.__new__(AsyncEngine)
-    engine.outputs, engine._subscribers, engine._lock, engine.observer = OutputProcessor(tokenizer), {}, threading.Lock(), None
+    engine.outputs, engine._streams, engine._lock, engine.observer = OutputProcessor(tokenizer), {}, threading.Lock(), None
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for r in range(requests):
         engine.outputs.add(f"r{r}", [1, 2, 3], params)
-        engine._subscribers[f"r{r}"] = _Subscriber(asyncio.Queue(), 0)
+        engine._streams[f"r{r}"] = OutputStream(asyncio.Queue(), 0)
     if freeze:
         gc.freeze()
     started, deliveries = time.process_time(), 0

@@ -91,7 +91,7 @@ def test_blocks_of_a_backend_layout_and_a_block_first_layout_come_back_as_saved(
     """Without an engine: a model-managed compressed group (DeepSeek V4's layout) beside plain attention."""
     import torch
     from weft.contracts.kv_connector import ConnectorContext, ConnectorRequest, ConnectorStep, ConnectorStepRequest
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.kv_cache_manager import block_hashes
     from weft_example_disk.connector import DiskConnector, DiskOptions
 
     groups, options = _groups(), DiskOptions(path=str(tmp_path))

@@ -293,7 +293,7 @@ def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokeni
 
 def test_two_tensor_parallel_engines_share_prefixes_through_mooncake(checkpoint, tmp_path):
     """Each rank stores its own heads' blocks under its rank's keys; a second TP=2 engine loads them."""
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.kv_cache_manager import block_hashes
     from weft_mooncake.local import LocalMooncake
     from weft_mooncake.system import missing_library_problem
 

@@ -357,7 +357,7 @@ def test_kv_cache_groups_and_their_flags(checkpoint):
 
 
 def test_the_manager_grows_and_frees_every_group(checkpoint):
-    from weft.engine.kv_cache_manager import KVCacheManager
+    from weft.engine.core.kv_cache_manager import KVCacheManager
 
     folder, _ = checkpoint
     groups = Driver(folder).groups

@@ -402,9 +402,7 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
 
 
 def test_core_outputs_round_trip_msgpack():
-    from weft.engine.core_process import FromCore, StepOutputs
-    from weft.engine.engine_core import CoreStats
-    from weft.engine.scheduler import EngineCoreOutput
+    from weft.engine.messages import CoreStats, EngineCoreOutput, FromCore, StepOutputs
 
     message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"},
                           {"y": "internal error: RuntimeError: boom"})

@@ -9,9 +9,9 @@ import pytest
 import torch
 from weft import LLM, SamplingParams
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
-from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.request import Request
-from weft.engine.scheduler import Scheduler
+from weft.engine.core.kv_cache_manager import KVCacheManager
+from weft.engine.core.request import Request
+from weft.engine.core.scheduler import Scheduler
 from weft.runner.sampler import NON_FINITE_LOGITS, Sampler
 
 

@@ -597,7 +597,7 @@ def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_it
     assert len(set(need.values())) > 2  # the groups' needs differ: an equal split would waste most of the bytes
 
     def shares(core):
-        return {group.name: count * block_bytes[group.name] / (4 << 20) for count, group in zip(core.num_blocks, core.groups)}
+        return {group.name: count * block_bytes[group.name] / (4 << 20) for count, group in zip(core.num_blocks, core.scheduler.kv_cache.groups)}
 
     # Without the connector every group holds the same number of full-length requests.
     full_length = {group.name: count // group.spec.blocks_for_tokens(160) for count, group in zip(plain.num_blocks, groups)}
@@ -633,7 +633,7 @@ def _most_holding_blocks(folder, hisparse: dict | None):
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
     llm = LLM(model=str(folder), engine=engine, **extra)
     core = llm.engine.core
-    scheduler, kv_cache = core.scheduler, core.kv_cache_manager
+    scheduler, kv_cache = core.scheduler, core.scheduler.kv_cache
     schedule, most = scheduler.schedule, [0]
 
     def recording():
@@ -644,8 +644,8 @@ def _most_holding_blocks(folder, hisparse: dict | None):
     scheduler.schedule = recording
     prompts = torch.randint(2, 512, (12, 600), generator=torch.Generator().manual_seed(0)).tolist()
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-    csa = [group.name for group in core.groups].index("csa_kv")
-    pool = core.num_blocks[csa] / core.groups[csa].spec.blocks_for_tokens(672)
+    csa = [group.name for group in core.scheduler.kv_cache.groups].index("csa_kv")
+    pool = core.num_blocks[csa] / core.scheduler.kv_cache.groups[csa].spec.blocks_for_tokens(672)
     return [list(output.outputs[0].token_ids) for output in outputs], most[0], scheduler.num_preemptions, pool
 
 
@@ -671,9 +671,9 @@ def _gated_scheduler(num_blocks: int, max_num_seqs: int = 8):
     """The engine's scheduler over one csa_kv group of ``num_blocks`` pages of 8 tokens, HiSparse as its connector."""
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.kv_cache_manager import KVCacheManager
-    from weft.engine.kv_connector import SchedulerConnector
-    from weft.engine.scheduler import Scheduler
+    from weft.engine.core.scheduler.kv_cache import KVCacheManager
+    from weft.engine.core.scheduler.connector import SchedulerConnector
+    from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
     groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)),)
@@ -701,7 +701,7 @@ def _step(scheduler) -> set[str]:
 
 def _request(name: str, prompt: int | list[int], max_tokens: int, **params):
     """A request of ``prompt`` (token ids, or how many of token 3)."""
-    from weft.engine.request import Request
+    from weft.engine.core.request import Request
     from weft.sampling_params import SamplingParams
 
     token_ids = [3] * prompt if isinstance(prompt, int) else prompt
@@ -818,7 +818,7 @@ def test_published_rows_are_evicted_least_recently_used_deepest_first_when_copie
 
 
 def test_the_connector_publishes_a_finished_request_s_prompt_blocks_by_the_engine_s_hashes():
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.scheduler.kv_cache import block_hashes
 
     scheduler = _gated_scheduler(num_blocks=20)
     prompt = list(range(40, 67))  # 27 tokens: three full blocks of 8
@@ -864,7 +864,7 @@ def _run_host_prefix_case(folder, hisparse: bool):
         if batch[0] is last:
             scheduler.schedule = recording
             if hisparse:  # the scenario: csa_kv's GPU prefix blocks of the shared prefix are gone, the others' not
-                kv_cache = llm.engine.core.kv_cache_manager
+                kv_cache = llm.engine.core.scheduler.kv_cache
                 csa = [group.name for group in kv_cache.groups].index("csa_kv")
                 assert kv_cache.find_computed_prefix(last).num_tokens == 0
                 assert kv_cache.find_computed_prefix(last, (csa,)).fillable_tokens == 40
@@ -885,7 +885,7 @@ def test_a_prompt_prefix_in_the_host_prefix_cache_is_loaded_instead_of_computed_
     connector = llm.engine.scheduler.connector
     assert connector.stats.hit_tokens == 40
     assert connector.metric_totals["host_prefix_pages_loaded_total"].total == 5
-    assert llm.engine.core.kv_cache_manager.stats.hit_tokens == 0  # no block of it was found in every group
+    assert llm.engine.core.scheduler.kv_cache.stats.hit_tokens == 0  # no block of it was found in every group
 
 
 def _two_group_scheduler():
@@ -893,9 +893,9 @@ def _two_group_scheduler():
     of 8 tokens, HiSparse as its connector."""
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.kv_cache_manager import KVCacheManager
-    from weft.engine.kv_connector import SchedulerConnector
-    from weft.engine.scheduler import Scheduler
+    from weft.engine.core.scheduler.kv_cache import KVCacheManager
+    from weft.engine.core.scheduler.connector import SchedulerConnector
+    from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
     spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
@@ -919,7 +919,7 @@ def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_pre
     """Only csa_kv is on the host: its pages are loaded only for tokens whose blocks of every other group the engine's
     prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
     import msgspec
-    from weft.engine.kv_cache_manager import block_hashes
+    from weft.engine.core.scheduler.kv_cache import block_hashes
     from weft_hisparse.connector import HiSparseStep
 
     scheduler = _two_group_scheduler()

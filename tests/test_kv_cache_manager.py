@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec, RecurrentStateSpec, SlidingWindowSpec
-from weft.engine.kv_cache_manager import KVCacheManager, block_hashes, hash_block
+from weft.engine.core.kv_cache_manager import KVCacheManager, block_hashes, hash_block
 
 
 def full_group(name="attn", block_size=4):

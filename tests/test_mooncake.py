@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import make_tiny_model
-from weft.engine.kv_cache_manager import block_hashes
+from weft.engine.core.scheduler.kv_cache import block_hashes
 from weft.entrypoints.llm import LLM
 from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract
@@ -105,7 +105,7 @@ def keys_for(llm: LLM, group: str, prompt: list[int], run: tuple[int, int] | Non
 
 def block_bytes(llm: LLM) -> int:
     """Bytes of one stored 16-token block: keys and values of every layer (the model's own KV-cache spec)."""
-    (group,) = llm.engine.core.groups
+    (group,) = llm.engine.core.scheduler.kv_cache.groups
     return group.spec.page_size_bytes() * len(group.layer_names)
 
 
@@ -256,7 +256,7 @@ def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(sto
     expected = reference(ring_model, [prompt, prompt])
 
     with connected(ring_model, store) as first:
-        groups = first.engine.core.groups
+        groups = first.engine.core.scheduler.kv_cache.groups
         assert [group.prefix_cacheable for group in groups] == [True, False]
         assert first.engine.worker.kv_connector.worker_side.block_size == 16
         assert generate(first, [prompt]) == expected[:1]
@@ -637,7 +637,7 @@ def test_deepseek_v4_resumes_a_prefix_loaded_from_the_store_from_its_loaded_snap
         computed = count_prefill_tokens(second)
         assert generate(second, [second_prompt]) == expected[1:]
         hit = second.engine.kv_connector.stats.hit_tokens
-    assert {"window_checkpoint", "state_checkpoint"} <= {group.name for group in second.engine.core.groups}
+    assert {"window_checkpoint", "state_checkpoint"} <= {group.name for group in second.engine.core.scheduler.kv_cache.groups}
     assert hit == (len(shared) // unit) * unit > 0 and computed[0] == len(second_prompt) - hit
 
 

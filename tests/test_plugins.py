@@ -469,7 +469,7 @@ def test_an_engine_start_logs_a_broken_plugin_nothing_selected_once_at_debug(sit
         logging.getLogger("weft.plugins").setLevel(logging.DEBUG)
         from weft import LLM
         from weft.config import load_config
-        from weft.engine.async_engine import AsyncEngine
+        from weft.engine.api.async_engine import AsyncEngine
         llm = LLM(model={str(model)!r}, engine={{"num_kv_blocks": 32}})
         print(llm.engine.worker.platform.name)
         engine = AsyncEngine(load_config(None, {{"model": {str(model)!r}, "engine": {{"num_kv_blocks": 32}}}}))

@@ -1,6 +1,6 @@
 """A request's progress and status have one writer: ``Scheduler.update_from_output``. Read with ast.
 
-The engine core's :class:`~weft.engine.request.Request` carries what the steps produced: the tokens
+The engine core's :class:`~weft.engine.core.request.Request` carries what the steps produced: the tokens
 computed (``num_computed_tokens``) and served from a cache (``num_cached_tokens``), the output tokens
 (``append_token``, which keeps ``output_token_ids`` and ``all_token_ids`` in step) and how it ended
 (``status``, ``stop_reason``). What the scheduler decides before a step's output arrives (tokens in
@@ -29,10 +29,10 @@ APPEND_TOKEN = "append_token()"
 
 EVERYTHING = FIELDS | TOKEN_LISTS | {APPEND_TOKEN}
 WRITERS = {
-    ("weft.engine.scheduler", "Scheduler.update_from_output"): FIELDS | {APPEND_TOKEN},
-    ("weft.engine.scheduler", "Scheduler.finish"): frozenset({"status"}),
-    ("weft.engine.request", "Request.__init__"): EVERYTHING,
-    ("weft.engine.request", "Request.append_token"): TOKEN_LISTS,
+    ("weft.engine.core.scheduler_state", "SchedulerState.update_from_output"): FIELDS | {APPEND_TOKEN},
+    ("weft.engine.core.scheduler_state", "SchedulerState.finish"): frozenset({"status"}),
+    ("weft.engine.core.request", "Request.__init__"): EVERYTHING,
+    ("weft.engine.core.request", "Request.append_token"): TOKEN_LISTS,
 }
 """(module, function) -> what it may write of the engine's requests."""
 
@@ -42,13 +42,13 @@ OTHER_STATE = {
         "the worker's copy, updated from the step's CachedRequest"),
     ("weft.runner.model_runner", "ModelRunner._execute", "num_computed_tokens"): (
         "the worker's copy, moved past the step's scheduled tokens"),
-    ("weft.engine.output_processor", "RequestOutputState.__init__", "output_token_ids"): "the API side's request state",
-    ("weft.engine.output_processor", "RequestOutputState.__init__", "stop_reason"): "the API side's request state",
-    ("weft.engine.output_processor", "RequestOutputState.__init__", "num_cached_tokens"): "the API side's request state",
-    ("weft.engine.output_processor", "OutputProcessor.process", "num_cached_tokens"): "the API side's copy of the core's count",
-    ("weft.engine.output_processor", "OutputProcessor._append", "stop_reason"): "the API side's request state",
-    ("weft.engine.output_processor", "OutputProcessor._append", "output_token_ids"): "the API side's request state",
-    ("weft.engine.output_processor", "OutputProcessor._check_stop_strings", "stop_reason"): "the API side's stop strings",
+    ("weft.engine.api.output_processor", "RequestOutputState.__init__", "output_token_ids"): "the API side's request state",
+    ("weft.engine.api.output_processor", "RequestOutputState.__init__", "stop_reason"): "the API side's request state",
+    ("weft.engine.api.output_processor", "RequestOutputState.__init__", "num_cached_tokens"): "the API side's request state",
+    ("weft.engine.api.output_processor", "OutputProcessor.process", "num_cached_tokens"): "the API side's copy of the core's count",
+    ("weft.engine.api.output_processor", "OutputProcessor._append", "stop_reason"): "the API side's request state",
+    ("weft.engine.api.output_processor", "OutputProcessor._append", "output_token_ids"): "the API side's request state",
+    ("weft.engine.api.output_processor", "OutputProcessor._check_stop_strings", "stop_reason"): "the API side's stop strings",
     ("weft.runner.sampler", "SampledBatch.__init__", "status"): "each sampled row's outcome (a device tensor)",
     ("weft.serve.body", "HTTPError.__init__", "status"): "an HTTP status code",
     ("weft_disagg.pd", "ProxyError.__init__", "status"): "an HTTP status code",
@@ -135,7 +135,7 @@ def test_every_allowed_write_still_exists():
 
 def test_the_scan_finds_every_kind_of_write():
     text = '''
-class Scheduler:
+class SchedulerState:
     def schedule(self, request):
         request.num_computed_tokens += 4
         request.status, other = None, 1
@@ -150,13 +150,13 @@ def plan(request):
     request.append_token(7)
     del request.stop_reason
 '''
-    found = stray_writes(writes_in("weft.engine.scheduler", text))
+    found = stray_writes(writes_in("weft.engine.core.scheduler_state", text))
     assert found == [
-        "  weft.engine.scheduler:4 (Scheduler.schedule) writes num_computed_tokens",
-        "  weft.engine.scheduler:5 (Scheduler.schedule) writes status",
-        "  weft.engine.scheduler:6 (Scheduler.schedule) writes output_token_ids",
-        "  weft.engine.scheduler:7 (Scheduler.schedule) writes all_token_ids",
-        "  weft.engine.scheduler:13 (plan) writes num_cached_tokens",
-        "  weft.engine.scheduler:14 (plan) writes append_token()",
-        "  weft.engine.scheduler:15 (plan) writes stop_reason",
+        "  weft.engine.core.scheduler_state:4 (SchedulerState.schedule) writes num_computed_tokens",
+        "  weft.engine.core.scheduler_state:5 (SchedulerState.schedule) writes status",
+        "  weft.engine.core.scheduler_state:6 (SchedulerState.schedule) writes output_token_ids",
+        "  weft.engine.core.scheduler_state:7 (SchedulerState.schedule) writes all_token_ids",
+        "  weft.engine.core.scheduler_state:13 (plan) writes num_cached_tokens",
+        "  weft.engine.core.scheduler_state:14 (plan) writes append_token()",
+        "  weft.engine.core.scheduler_state:15 (plan) writes stop_reason",
     ]

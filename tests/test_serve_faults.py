@@ -879,7 +879,7 @@ def test_the_config_switch_reaches_the_frontend(tmp_path, tokenizer_files):
     from conftest import make_tiny_model
 
     from weft.config import load_config
-    from weft.engine.frontend import Frontend
+    from weft.engine.api.frontend import Frontend
     from weft.plugins import PluginRegistry
 
     folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)

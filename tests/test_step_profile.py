@@ -7,7 +7,7 @@ import pytest
 from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 from weft.contracts.executor import CachedRequest, DoneStep, ModelRunnerOutput, NewRequest, SchedulerOutput
-from weft.engine.step_profile import StepProfile
+from weft.engine.core.step_profile import StepProfile
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +80,6 @@ def test_the_device_timeline_comes_from_the_events_around_each_launch(monkeypatc
             request_ids = list(output.num_scheduled_tokens)
             return DoneStep(ModelRunnerOutput(request_ids, [None] * len(request_ids)))
 
-    class Scheduler:
-        running, waiting = [1, 2], []
-
     new = [NewRequest(name, [5] * 4, 4, SamplingParams(), (), ((0,),), 0) for name in "ab"]
     steps = [
         SchedulerOutput(new, [], {"a": 4, "b": 4}),
@@ -92,7 +89,7 @@ def test_the_device_timeline_comes_from_the_events_around_each_launch(monkeypatc
     profile.start()
     for index, output in enumerate(steps):
         with profile.step():
-            profile.scheduled(output, Scheduler())
+            profile.scheduled(output, 2, 0)
             runner.last_graph_size = None if index == 0 else 2
             profile.result(profile.execute(Executor(), output))
     profile.stop()

@@ -404,7 +404,7 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
         executor.execute_model = counted
         outputs = llm.generate(prompts, params)
         assert sum(flagged) >= (20 if executor.launch_ahead else 0) and (executor.launch_ahead or not any(flagged))
-        manager = llm.engine.core.structured_outputs
+        manager = llm.engine.core.scheduler.structured_outputs
         assert manager.fills_in_process is (fill != "thread")
         if fill != "thread":
             group = manager._process.result()
@@ -437,7 +437,7 @@ def test_fill_processes_that_fail_mid_generation_are_started_again_and_their_req
               "structured_output_fill_processes": 2}
     with LLM(model=str(tiny_llama), engine=engine) as llm:
         expected = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
-        manager = llm.engine.core.structured_outputs
+        manager = llm.engine.core.scheduler.structured_outputs
         first = manager._process.result()
         states = [llm.engine.add_request(f"{fault}-{index}", prompt, sampling, stream_text=False)
                   for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True))]
@@ -472,13 +472,13 @@ def test_fill_processes_that_failed_to_start_are_started_again_later(tiny_llama,
     naming why until :data:`FILL_START_RETRY_S` passed, then a start is tried again and they run (before, the
     failure was kept for the engine's life)."""
     from weft import LLM, SamplingParams
-    from weft.engine import structured_output
+    from weft.engine.core import structured_output
 
     prompt = [1, 5, 9, 77, 31]
     params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
     engine = {"max_num_seqs": 2, "structured_output_fill": "process", "structured_output_fill_processes": 1}
     with LLM(model=str(tiny_llama), engine=engine) as llm:
-        manager = llm.engine.core.structured_outputs
+        manager = llm.engine.core.scheduler.structured_outputs
         starts = []
 
         def fails_then_starts():
@@ -508,7 +508,7 @@ class UnbuildableBackend(XgrammarBackend):
 
 
 def test_a_fill_group_that_cannot_start_says_why(backend):
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_group import FillGroup
 
     with pytest.raises(RuntimeError, match="(?s)fill process failed.*no grammar engine in this child"):
         FillGroup(UnbuildableBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size),
@@ -611,7 +611,7 @@ def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_i
     """Ctrl-C while the core waits for the fill process's answer: the answer is read before the next message,
     so the next generate's answers are its own steps' and its output equals transformers'."""
     from weft import LLM, SamplingParams
-    from weft.engine.grammar_process import FillProcess
+    from weft.engine.core.grammar_process import FillProcess
 
     prompts = [[1, 5, 9, 400 + index, 31, 3 * index] for index in range(4)]
     expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 30)
@@ -631,7 +631,7 @@ def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_i
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(prompts, params)
             outputs = llm.generate(prompts, params)
-            assert llm.engine.core.structured_outputs._process.result().held()[1] == 1  # a (matchers, compiled) answer
+            assert llm.engine.core.scheduler.structured_outputs._process.result().held()[1] == 1  # a (matchers, compiled) answer
     finally:
         FillProcess.receive_step = real
     for output, reference in zip(outputs, expected):
@@ -644,7 +644,7 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
     a step's rows come back in child order equal to the backend's own fill, a dropped matcher's token and row are
     left out, and a child that fails answers with its error after the others were read (the next step still
     works)."""
-    from weft.engine.grammar_process import FillFailed, FillGroup
+    from weft.engine.core.grammar_group import FillFailed, FillGroup
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
     compiled = backend.compile(StructuredOutputsParams(json=schema))
@@ -699,7 +699,7 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
 def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, tokenizer):
     """Two children fill into one shared segment, each from its own first row: a matcher refusing its token fills
     no row, which leaves a gap there, and :meth:`FillGroup.rows` still answers the filled rows in child order."""
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_group import FillGroup
 
     compiled = backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
                                                              "required": ["a"]}))
@@ -735,7 +735,7 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
 def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
     """One child (its messages passed on whole): a request that ended before its matcher's first step sends the
     matcher and its drop in the same message; the child makes it, then drops it."""
-    from weft.engine.grammar_process import FillGroup
+    from weft.engine.core.grammar_group import FillGroup
 
     compiled = backend.compile(StructuredOutputsParams(regex="[ab]+"))
     group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size))

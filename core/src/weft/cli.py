@@ -594,7 +594,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from weft.engine.async_engine import CoreStartError
+    from weft.engine.client import CoreStartError
     from weft.entrypoints.serve import serve
 
     config, _ = config_from_args(args)

@@ -22,7 +22,7 @@ once the engine allocated its blocks (again after every preemption: start the
 request's tracking afresh) → ``build_connector_meta`` once per step → the workers
 run → ``update_connector_output`` → ``request_finished`` when a request ends.
 
-Worker-side call order per step (:mod:`weft.engine.kv_connector` drives both
+Worker-side call order per step (:mod:`weft.engine.core.kv_connector` drives both
 roles): ``bind_connector_metadata`` → ``start_load_kv`` → the forward pass, during
 which ``wait_for_layer_load`` is called once for every layer before that layer reads
 its cache → ``save_kv_layer`` for every layer → ``wait_for_save`` → ``get_finished`` →
@@ -190,7 +190,7 @@ The last token
     sample the next one, so ``num_computed_tokens + n`` stays below the request's
     length (for a connector that stores full prompt blocks: at most
     ``(len(prompt_token_ids) - 1) // size`` blocks). The engine enforces it:
-    :meth:`SchedulerConnector.lookup <weft.engine.kv_connector.SchedulerConnector.lookup>`
+    :meth:`SchedulerConnector.lookup <weft.engine.core.kv_connector.SchedulerConnector.lookup>`
     raises RuntimeError naming the connector and the request for an offer that
     reaches the last token, or a negative one.
 """
@@ -217,7 +217,7 @@ class ConnectorRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
-    """Chained hashes (:func:`weft.engine.kv_cache_manager.hash_block`) of the request's full prompt
+    """Chained hashes (:func:`weft.engine.core.kv_cache_manager.hash_block`) of the request's full prompt
     blocks of :func:`connector_block_size` tokens; prefix-cacheable groups share them."""
     params: dict[str, Any] = {}
     """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API 1.3)."""

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from weft.config import EngineConfig, WeftConfig, load_config
-from weft.engine.llm_engine import LLMEngine
-from weft.engine.output_processor import RequestOutputState
+from weft.engine.api.llm_engine import LLMEngine
+from weft.engine.api.output_processor import RequestOutputState
 from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import RequestOutput
 from weft.plugins import PluginRegistry

@@ -16,7 +16,7 @@ import sys
 from starlette.applications import Starlette
 
 from weft.config import WeftConfig
-from weft.engine.async_engine import AsyncEngine
+from weft.engine.api.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
 from weft.serve.app import create_app
 from weft.serve.lifecycle import FLUSH_SECONDS, GracefulServer, InFlightRequests, uvicorn_config
@@ -77,6 +77,6 @@ def serve(config: WeftConfig) -> int:
         engine.stop()
     if engine.dead:
         reason = f": {engine.death_reason}" if engine.death_reason else ""
-        print(f"weft: error: the engine core process died (exit code {engine.process.exitcode}){reason}", file=sys.stderr)
+        print(f"weft: error: the engine core process died (exit code {engine.client.exitcode}){reason}", file=sys.stderr)
         return 1
     return 0

@@ -8,7 +8,7 @@ from weft.plugins.errors import PluginError
 from weft.plugins.registry import PluginRegistry, warn_plugin_problem
 
 if TYPE_CHECKING:
-    from weft.config import UseConfig
+    from weft.config import UseConfig, WeftConfig
     from weft.contracts.ops import OpImplementation
     from weft.contracts.platform import Platform, PlatformProbe
 
@@ -133,3 +133,10 @@ def use_label(key: str, use: UseConfig) -> str:
     """``use.kv_connector = 'diskstore'``: how doctor and ``config show`` name a ``[use]`` key."""
     value = use.ops[key.partition(".")[2]] if key.startswith("ops.") else getattr(use, key)
     return f"use.{key} = {value!r}"
+
+
+def no_backend_message(config: WeftConfig) -> str:
+    """Why a request's structured-output constraint has no backend to compile it, and the fix."""
+    if config.use.structured_output == "none":
+        return "structured outputs are off (use.structured_output = 'none'); remove the constraint or turn them on"
+    return "structured outputs need a backend and none is installed; pip install weft-xgrammar"

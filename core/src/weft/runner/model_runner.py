@@ -306,7 +306,7 @@ class ModelRunner:
         self.mask_graphs: MaskGraphs | None = None
         self.last_graph_size: int | None = None
         """The captured batch size the last forward replayed; None when it ran eagerly (read by
-        :class:`weft.engine.step_profile.StepProfile`)."""
+        :class:`weft.engine.core.step_profile.StepProfile`)."""
         self.static: StaticInputs | None = None
         self.scratch_blocks: list[int] = []
         self.max_model_len = 0

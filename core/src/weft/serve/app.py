@@ -5,7 +5,7 @@ checks the model name (a plain string comparison: a request never names a path),
 turns the request into engine requests (one per prompt and choice) and either
 collects their deltas or streams them as server-sent events. Decoding bodies,
 tokenization, chat templating and detokenization of prompts run on the engine's
-tokenizer threads (:meth:`weft.engine.async_engine.AsyncEngine.off_loop`), never
+tokenizer threads (:meth:`weft.engine.api.async_engine.AsyncEngine.off_loop`), never
 on the event loop. Leaving a handler for any reason (a client that disconnects
 included) aborts the engine requests that are still running, which frees their
 KV blocks. A stream that ends in an error sends an OpenAI-shaped error event,
@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
-from weft.engine.async_engine import AsyncEngine, Delta
+from weft.engine.api.async_engine import AsyncEngine
+from weft.engine.api.streams import Delta
 from weft.outputs import Logprob
 from weft.serve import protocol as p
 from weft.serve import structured, tools

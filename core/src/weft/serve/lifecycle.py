@@ -33,7 +33,7 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from weft.engine.async_engine import AsyncEngine
+from weft.engine.api.async_engine import AsyncEngine
 from weft.serve.app import error_response
 from weft.serve.body import HTTPError
 

@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorMetric
-    from weft.engine.async_engine import AsyncEngine
-    from weft.engine.output_processor import RequestOutputState as Request
+    from weft.engine.api.async_engine import AsyncEngine
+    from weft.engine.api.output_processor import RequestOutputState as Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)

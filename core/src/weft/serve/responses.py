@@ -27,7 +27,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from weft.engine.async_engine import Delta
+from weft.engine.api.streams import Delta
 from weft.serve import protocol as p
 from weft.serve import structured, tools
 from weft.serve.body import HTTPError, error_type

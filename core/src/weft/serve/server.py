@@ -22,8 +22,9 @@ from starlette.requests import Request
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
-from weft.engine.async_engine import AsyncEngine, Delta, QueueFullError, ShuttingDownError
-from weft.engine.engine_core import GrammarStart
+from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
+from weft.engine.api.streams import Delta
+from weft.engine.messages import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
 from weft.resolve import options_for
@@ -109,7 +110,7 @@ class Server:
                     grammar_start: GrammarStart | None = None, choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
         Engine request ids are the HTTP request's id and the choice's index. ``grammar_start``:
-        see :meth:`weft.engine.frontend.Frontend.core_request`. ``choices_field``: the request field that
+        see :meth:`weft.engine.api.frontend.Frontend.core_request`. ``choices_field``: the request field that
         set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors."""
         sequences = len(prompts) * params.n
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)

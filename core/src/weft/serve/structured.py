@@ -5,7 +5,7 @@ Each function returns a :class:`~weft.contracts.structured_output.StructuredOutp
 (or None) and the request field it came from, and raises ValueError naming the field for
 a value Weft refuses (the server answers 400). Whether the backend can compile the
 constraint is checked later, by the backend's own ``validate``
-(:meth:`weft.engine.frontend.Frontend.core_request`); :func:`name_field` rewrites its
+(:meth:`weft.engine.api.frontend.Frontend.core_request`); :func:`name_field` rewrites its
 message to name the field the client used.
 """
 

@@ -547,7 +547,7 @@ class KVConnectorContract(_Contract):
     @staticmethod
     def _request(request_id: str, prompt: list[int], groups):
         from weft.contracts.kv_connector import ConnectorRequest, connector_block_size
-        from weft.engine.kv_cache_manager import block_hashes
+        from weft.engine.core.kv_cache_manager import block_hashes
 
         size = connector_block_size(groups)
         return ConnectorRequest(request_id=request_id, prompt_token_ids=tuple(prompt), block_hashes=tuple(block_hashes(prompt, size)))

@@ -15,7 +15,7 @@ import torch
 
 from weft.contracts.attention import AttentionBatch
 from weft.contracts.model import ModelConfig
-from weft.engine.kv_cache_manager import KVCacheManager
+from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.layers.attention import ForwardContext
 from weft.layers.ops import using_ops
 

@@ -1,8 +1,8 @@
 """Per-step timings of the engine core: where a run's wall time goes (``bench/gpu_step_profile.py`` prints them).
 
 Off unless a :class:`StepProfile` is set as :attr:`EngineCore.step_profile
-<weft.engine.engine_core.EngineCore.step_profile>`; the core then calls it around each
-:meth:`~weft.engine.engine_core.EngineCore.step` call, after each schedule, around each launch
+<weft.engine.core.engine_core.EngineCore.step_profile>`; the core then calls it around each
+:meth:`~weft.engine.core.engine_core.EngineCore.step` call, after each schedule, around each launch
 (``Executor.execute_model``) and around each wait for a step's tokens (``StepHandle.result``).
 While it is set, the step only adds host timestamps and references to what it already built; the
 summary is derived once recording stops. It adds no device synchronization: on an accelerator it
@@ -32,12 +32,11 @@ import msgspec
 
 if TYPE_CHECKING:
     from weft.contracts.executor import Executor, ModelRunnerOutput, SchedulerOutput, StepHandle
-    from weft.engine.scheduler import Scheduler
     from weft.runner.model_runner import ModelRunner
 
 
 class StepRecord(msgspec.Struct):
-    """One :meth:`~weft.engine.engine_core.EngineCore.step` call; times in seconds, host ones from the
+    """One :meth:`~weft.engine.core.engine_core.EngineCore.step` call; times in seconds, host ones from the
     profile's start (:func:`time.perf_counter`)."""
 
     start: float
@@ -151,10 +150,10 @@ class StepProfile:
             record.end = time.perf_counter() - self._started
             self._current = None
 
-    def scheduled(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+    def scheduled(self, output: SchedulerOutput, running: int, waiting: int) -> None:
         record = self._current
         if record is not None:
-            record.output, record.running, record.waiting = output, len(scheduler.running), len(scheduler.waiting)
+            record.output, record.running, record.waiting = output, running, waiting
 
     def execute(self, executor: Executor, output: SchedulerOutput) -> StepHandle | None:
         record = self._current

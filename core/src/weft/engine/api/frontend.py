@@ -14,8 +14,9 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
-from weft.engine.engine_core import EngineCoreRequest, GrammarStart
+from weft.engine.messages import EngineCoreRequest, GrammarStart
 from weft.plugins import PluginRegistry
+from weft.plugins.selection import no_backend_message, select_structured_output
 from weft.resolve import load_tokenizer, max_model_len, resolve_source
 from weft.sampling_params import SamplingParams
 
@@ -42,8 +43,6 @@ class Frontend:
     def structured_output_backend(self) -> Any:
         """The structured-output backend class requests are validated with (imported on first use); None when
         there is none (or ``use.structured_output = "none"``)."""
-        from weft.plugins.selection import select_structured_output
-
         with self._structured_output_lock:
             if self._structured_output is None:
                 self._structured_output = (select_structured_output(self.registry, self.config.use.structured_output),)
@@ -144,8 +143,6 @@ class Frontend:
         if params.structured_outputs is not None:
             backend = self.structured_output_backend()
             if backend is None:
-                from weft.engine.structured_output import no_backend_message
-
                 raise ValueError(f"structured_outputs: {no_backend_message(self.config)}")
             backend.validate(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:

@@ -7,7 +7,7 @@ compiled constraints are cached by constraint, so a schema sent by many requests
 once. The scheduler leaves a request waiting, at no cost to the running ones, until
 :meth:`StructuredOutputManager.ready` says its matcher exists.
 
-A request whose reasoning comes first (:class:`~weft.engine.engine_core.GrammarStart`: the tokens that
+A request whose reasoning comes first (:class:`~weft.engine.messages.GrammarStart`: the tokens that
 end it) samples freely until those tokens were generated; its constraint covers the answer only. One
 whose prompt did not open the reasoning is constrained from its first token, whose mask also allows
 the token opening the reasoning: when it is sampled, the request reasons freely up to the end tokens.
@@ -27,7 +27,7 @@ result. The scheduler reads a constraint's ``terminated`` and ``failed`` flags m
 only ever turn true, so a stale one costs a step that waits for a mask its request no longer
 needs (the fill leaves it out), never a wrong token.
 
-With the matchers in fill processes (``engine.structured_output_fill``, :mod:`weft.engine.grammar_process`;
+With the matchers in fill processes (``engine.structured_output_fill``, :mod:`weft.engine.core.grammar_process`;
 ``engine.structured_output_fill_processes`` of them, each holding its share of the matchers) no thread of the
 core takes part: the core's own thread sends each step's message as it asks for the fill, and reads the
 answers when it takes the result (:class:`RemoteReply`).
@@ -41,8 +41,8 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -50,16 +50,16 @@ import torch
 
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
-from weft.engine.grammar_process import (
-    SPIN_MIN_CPUS, FillFailed, FillGroup, StepReply, default_processes, distinct_batches,
-)
+from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
+from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
+from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
+from weft.plugins.selection import no_backend_message
 
 if TYPE_CHECKING:
     from weft.config import WeftConfig
     from weft.contracts.structured_output import StructuredOutputBackend, StructuredOutputsParams
-    from weft.engine.engine_core import GrammarStart
-    from weft.engine.request import Request
+    from weft.engine.core.request import Request
     from weft.plugins import PluginRegistry
 
 logger = logging.getLogger("weft.engine")
@@ -95,6 +95,16 @@ class ConstraintState:
         """A sampled token the matcher refused (it then constrains nothing more)."""
         self.terminated = False
         """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
+        return not self.failed and not self.terminated
+
+    def release(self) -> None:
+        """The request ended: a matcher in the fill process is dropped with the next step."""
+        if isinstance(self.matcher, RemoteMatcher):
+            self.matcher.release()
 
     @property
     def masks(self) -> bool:
@@ -224,19 +234,6 @@ class StructuredOutputManager:
             if state is not None and isinstance(state.matcher, RemoteMatcher):
                 state.matcher.release.detach()
                 state.matcher = None
-
-    @staticmethod
-    def release(request: Request) -> None:
-        """The request ended: a matcher in the fill process is dropped with the next step."""
-        state = request.constraint
-        if state is not None and isinstance(state.matcher, RemoteMatcher):
-            state.matcher.release()
-
-    @staticmethod
-    def constrains(request: Request) -> bool:
-        """Whether the request's next sample may need a mask (it has a live constraint)."""
-        state = request.constraint
-        return state is not None and not state.failed and not state.terminated
 
     # Steps.
 
@@ -380,7 +377,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cpus() // 2)),
                                         thread_name_prefix="weft-grammar")
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
-        self._backend = self._pool.submit(self._build_backend)
+        self._backend = self._pool.submit(_build_backend, self.config, self.registry, self.source, self.vocab_size,
+                                          self._backend_class)
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
 
@@ -391,17 +389,6 @@ class StructuredOutputManager:
         logger.info("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
                     "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
         return group
-
-    def _build_backend(self) -> StructuredOutputBackend:
-        from weft.resolve import load_tokenizer, options_for
-
-        tokenizer = load_tokenizer(self.registry, self.config, self.source)
-        tokens = tokenizer.vocabulary_bytes()
-        vocabulary = Vocabulary(tokens[: self.vocab_size], self.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
-        backend_class = self._backend_class
-        backend = backend_class(options_for(self.config, "structured_output", backend_class, backend_class.name), vocabulary)
-        logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
-        return backend
 
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
         """The compiled constraint; for the fill process, its key and its bytes."""
@@ -466,6 +453,18 @@ class RemoteMatcher:
         """Drop it now (once; its tokens still queued are then skipped)."""
 
 
+def _build_backend(config: WeftConfig, registry: PluginRegistry, source: Any, vocab_size: int,
+                   backend_class: type[StructuredOutputBackend]) -> StructuredOutputBackend:
+    from weft.resolve import load_tokenizer, options_for
+
+    tokenizer = load_tokenizer(registry, config, source)
+    tokens = tokenizer.vocabulary_bytes()
+    vocabulary = Vocabulary(tokens[:vocab_size], vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    backend = backend_class(options_for(config, "structured_output", backend_class, backend_class.name), vocabulary)
+    logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
+    return backend
+
+
 def _allow(words: numpy.ndarray, tokens: list[int | None]) -> None:
     """Set, in each bitmask row of ``words`` (uint32), the bit allowing its token (None: none); a first output token
     may open the reasoning beside what the grammar allows (:attr:`ConstraintState.opener`)."""
@@ -493,9 +492,3 @@ def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputB
         return backend_class.fills_in_a_process() and (
             usable_cpus() >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
     return setting == "process"
-
-
-def no_backend_message(config: WeftConfig) -> str:
-    if config.use.structured_output == "none":
-        return "structured outputs are off (use.structured_output = 'none'); remove the constraint or turn them on"
-    return "structured outputs need a backend and none is installed; pip install weft-xgrammar"

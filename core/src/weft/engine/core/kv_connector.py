@@ -49,10 +49,11 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
-from weft.engine.kv_cache_manager import KVCacheManager, block_hashes
+from weft.engine.core.kv_cache_manager import KVCacheManager, block_hashes
+from weft.engine.messages import ConnectorMetricTotal
 
 if TYPE_CHECKING:
-    from weft.engine.request import Request
+    from weft.engine.core.request import Request
 
 logger = logging.getLogger("weft.engine")
 
@@ -70,15 +71,6 @@ class ConnectorStats(msgspec.Struct):
     """Of those, tokens whose load failed and that were recomputed."""
     delayed_frees: int = 0
     """Finished requests whose blocks waited for their saves."""
-
-
-class ConnectorMetricTotal(msgspec.Struct, array_like=True):
-    """A connector metric summed since start: a counter's total, or a histogram's sum, count and buckets."""
-
-    total: float = 0.0
-    count: int = 0
-    buckets: list[int] = []
-    """Samples at or below each of the metric's bounds (cumulative, as Prometheus counts them)."""
 
 
 class SchedulerConnector:

@@ -4,20 +4,24 @@ Runs beside the API (in the API server's process under ``weft serve``, in the
 caller's process for ``LLM``), never in the engine core. Per request it keeps an
 incremental detokenizer and the text so far. The core ends a request on EOS,
 a stop token id or its length; stop *strings* are found here, and a request that
-hit one is reported back so the caller aborts it in the core.
+hit one is reported back so the caller aborts it in the core. Text that may be the
+start of a stop string is held back from streaming until it is decided
+(:attr:`RequestOutputState.settled_length`). :meth:`OutputProcessor.apply` takes one
+:class:`~weft.engine.messages.StepOutputs` whole: the requests the core refused or
+failed end here too.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from weft.outputs import CompletionOutput, Logprob
 
 if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
     from weft.contracts.tokenizer import Tokenizer
-    from weft.engine.scheduler import EngineCoreOutput
+    from weft.engine.messages import EngineCoreOutput, StepOutputs
     from weft.sampling_params import SamplingParams
 
 
@@ -48,6 +52,14 @@ class RequestOutputState:
         self.num_cached_tokens = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self._holdback = max((len(stop) for stop in params.stop), default=1) - 1
+        """Characters at the end of the text that may be the start of a stop string."""
+
+    @property
+    def settled_length(self) -> int:
+        """Characters of :attr:`text` that are final: all of it once finished, else all but the end that may be
+        the start of a stop string (held back from streaming until it is decided)."""
+        return len(self.text) if self.finished else len(self.text) - self._holdback
 
     @property
     def finished(self) -> bool:
@@ -62,6 +74,21 @@ class RequestOutputState:
             index=index, text=self.text, token_ids=list(self.output_token_ids), finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=self.logprobs,
         )
+
+
+class StepResult(NamedTuple):
+    """What one :class:`~weft.engine.messages.StepOutputs` did to the requests (:meth:`OutputProcessor.apply`)."""
+
+    advanced: list[RequestOutputState]
+    """Requests that produced a token or finished."""
+    stopped: list[str]
+    """Requests that hit a stop string, finished here: the caller aborts them in the core."""
+    refused: dict[str, str]
+    """Requests the core would not take (a bad request), with the reason; gone from the core and from here."""
+    failed: dict[str, str]
+    """Requests a failed step ended (an internal error), with the reason; gone from the core and from here."""
+    ended: dict[str, RequestOutputState]
+    """The states of the refused and failed requests that were still here (finished with ``error``)."""
 
 
 class OutputProcessor:
@@ -81,6 +108,16 @@ class OutputProcessor:
         if state is not None and not state.finished:
             state.finish_reason = reason
         return state
+
+    def apply(self, message: StepOutputs) -> StepResult:
+        """Apply one message of the core: its refused and failed requests end with ``error``, then its outputs."""
+        ended: dict[str, RequestOutputState] = {}
+        for request_id in (*message.refused, *message.failed):
+            state = self.abort(request_id, "error")
+            if state is not None:
+                ended[request_id] = state
+        advanced, stopped = self.process(message.outputs)
+        return StepResult(advanced, stopped, message.refused, message.failed, ended)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutputState], list[str]]:
         """Apply the core's outputs; returns the requests that advanced, and those that hit a stop

@@ -1,4 +1,4 @@
-"""Building the engine core: from a configuration to an :class:`~weft.engine.engine_core.EngineCore` ready to step.
+"""Building the engine core: from a configuration to an :class:`~weft.engine.core.engine_core.EngineCore` ready to step.
 
 :func:`build_engine_core` does everything once, in this order: the plugin-lock
 check, the hooks (``weft_configure``), the platform's engine defaults and the
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 
 from weft.config import WeftConfig, executor_name
 from weft.contracts.kv_cache import KVCacheGroupSpec
-from weft.engine.engine_core import EngineCore
-from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.kv_connector import SchedulerConnector
-from weft.engine.scheduler import Scheduler
-from weft.engine.structured_output import StructuredOutputManager
+from weft.engine.core.engine_core import EngineCore
+from weft.engine.core.kv_cache_manager import KVCacheManager
+from weft.engine.core.kv_connector import SchedulerConnector
+from weft.engine.core.scheduler import Scheduler
+from weft.engine.core.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (

@@ -1,18 +1,18 @@
 """The engine core: the scheduler and the executor, stepping requests given as token ids.
 
-The core only steps: :mod:`weft.engine.builder` builds its parts (hooks, executor
+The core only steps: :mod:`weft.engine.core.builder` builds its parts (hooks, executor
 and model, KV-cache sizing, manager, connector, scheduler) and hands them over.
 A step (:meth:`EngineCore.step`) is schedule → execute →
-:meth:`Scheduler.update_from_output <weft.engine.scheduler.Scheduler.update_from_output>`;
+:meth:`Scheduler.update_from_output <weft.engine.core.scheduler.Scheduler.update_from_output>`;
 the core also aborts requests, reports its gauges (:meth:`EngineCore.stats`) and closes.
 
 With asynchronous scheduling the core keeps one step in flight: it schedules
 and launches step N+1, then waits for step N's tokens while the device runs
 N+1. Greedy output is the same either way.
 
-The core knows no text: requests arrive tokenized (:class:`EngineCoreRequest`) and
-leave as :class:`~weft.engine.scheduler.EngineCoreOutput` token ids. It runs in
-the caller's process (``LLM``) or in its own (:mod:`weft.engine.core_process`).
+The core knows no text: requests arrive tokenized (:class:`~weft.engine.messages.EngineCoreRequest`) and
+leave as :class:`~weft.engine.messages.EngineCoreOutput` token ids. It runs in
+the caller's process (``LLM``) or in its own (:mod:`weft.engine.core.core_process`).
 """
 
 from __future__ import annotations
@@ -22,21 +22,15 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from weft.config import WeftConfig
 from weft.contracts.executor import Executor, ExecutorFailed, GrammarOutput, SchedulerOutput, StepHandle
-from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import ModelSource
-from weft.engine.kv_cache_manager import KVCacheManager
-from weft.engine.kv_connector import ConnectorMetricTotal, SchedulerConnector
-from weft.engine.request import Request
-from weft.engine.scheduler import EngineCoreOutput, Scheduler
-from weft.engine.structured_output import StructuredOutputManager
-from weft.sampling_params import SamplingParams
+from weft.engine.core.request import Request
+from weft.engine.core.scheduler import Scheduler
+from weft.engine.messages import CoreStats, EngineCoreOutput, EngineCoreRequest, StepOutputs
 
 if TYPE_CHECKING:
-    from weft.engine.step_profile import StepProfile
+    from weft.engine.core.step_profile import StepProfile
 
 logger = logging.getLogger("weft.engine")
 
@@ -45,55 +39,18 @@ RETRY_QUIET_CALLS = 8
 recomputed prefill, a KV load, fill processes starting again); fewer, and a second failure raises."""
 
 
-class GrammarStart(msgspec.Struct, array_like=True, frozen=True):
-    """Where a structured-output constraint starts when the model may reason first (the constraint covers the
-    answer only)."""
+class StepFailed(Exception):
+    """A step failed again after its retry, or the workers failed (``fatal``): the core aborted every request it
+    held (``request_ids``) and serves new ones unless ``fatal``. The error is the ``__cause__``."""
 
-    after: tuple[int, ...]
-    """The tokens ending the reasoning: the constraint covers what follows them."""
-    opener: int | None = None
-    """None: the prompt opened the reasoning, the output begins inside it. Else the token opening the reasoning: the
-    constraint covers the output from its first token, whose mask also allows this one; an output opening with it
-    reasons, and is constrained after :attr:`after`."""
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
-    """A request as the engine core takes it: token ids and how to sample."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    max_tokens: int
-    """``params.max_tokens`` capped by the context length (the API side computes it)."""
-    kv_transfer_params: dict[str, Any] | None = None
-    """For the KV connector (:attr:`weft.contracts.kv_connector.ConnectorRequest.params`)."""
-    grammar_start: GrammarStart | None = None
-    """With a structured-output constraint, for a model that may reason first (None: the constraint covers the
-    whole output)."""
-
-
-class CoreStats(msgspec.Struct, array_like=True, gc=False):
-    """The core's gauges, sent to the API side with its outputs."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    connector_hit_tokens: int | None = None
-    connector_failed_load_tokens: int | None = None
-    waiting_for_remote_kv: int = 0
-    connector_metrics: dict[str, ConnectorMetricTotal] = {}
-    """The KV connector's metrics summed since start, by name."""
-    num_preemptions: int = 0
-    """Preemptions since the core started (a counter)."""
-    num_steps: int = 0
-    """Steps run since the core started."""
+    def __init__(self, request_ids: list[str], fatal: bool) -> None:
+        super().__init__(f"the engine step failed; {len(request_ids)} requests were aborted")
+        self.request_ids = request_ids
+        self.fatal = fatal
 
 
 class EngineCore:
-    """Steps a scheduler and an executor that :func:`~weft.engine.builder.build_engine_core` built."""
+    """Steps a scheduler and an executor that :func:`~weft.engine.core.builder.build_engine_core` built."""
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
@@ -120,24 +77,7 @@ class EngineCore:
         self._unreported: list[EngineCoreOutput] = []
         """Outputs of a step applied by a call that then raised (the next launch failed): the next call returns them."""
         self.step_profile: StepProfile | None = None
-        """When set, records the timings of every step (:mod:`weft.engine.step_profile`); None: nothing is recorded."""
-
-    @property
-    def kv_cache_manager(self) -> KVCacheManager:
-        return self.scheduler.kv_cache
-
-    @property
-    def kv_connector(self) -> SchedulerConnector | None:
-        return self.scheduler.connector
-
-    @property
-    def structured_outputs(self) -> StructuredOutputManager:
-        assert self.scheduler.structured_outputs is not None
-        return self.scheduler.structured_outputs
-
-    @property
-    def groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        return self.scheduler.kv_cache.groups
+        """When set, records the timings of every step (:mod:`weft.engine.core.step_profile`); None: nothing is recorded."""
 
     # Requests.
 
@@ -150,9 +90,7 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             frozenset(request.eos_token_ids), kv_transfer_params=request.kv_transfer_params,
         )
-        if request.params.structured_outputs is not None:
-            self.structured_outputs.add(core_request, request.grammar_start)
-        self.scheduler.add(core_request)
+        self.scheduler.add(core_request, request.grammar_start)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -163,8 +101,7 @@ class EngineCore:
         self._report_finished()
 
     def _report_finished(self) -> None:
-        finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
-        for request in finished:
+        for request in self.scheduler.take_finished():
             self.hooks.hook.weft_request_finished(
                 request_id=request.request_id, finish_reason=request.finish_reason,
                 num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
@@ -172,9 +109,13 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        connector = self.kv_connector
         return (self.scheduler.has_unfinished or self._in_flight is not None or bool(self._unreported)
-                or (connector is not None and connector.has_delayed_frees))
+                or self.scheduler.saves_pending)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether requests wait, run or receive their KV (steps in flight and pending saves aside)."""
+        return self.scheduler.has_unfinished
 
     # Stepping.
 
@@ -273,12 +214,28 @@ class EngineCore:
         return self._apply(output, handle)
 
     def _grammar_output(self, output: SchedulerOutput) -> Future[GrammarOutput]:
-        return self.structured_outputs.grammar_output(output.structured_output_request_ids, self.scheduler.requests)
+        return self.scheduler.grammar_output(output.structured_output_request_ids)
 
     def take_refused(self) -> dict[str, str]:
         """Requests the scheduler ended because they cannot run, with the reason, since the last call."""
-        refused, self.scheduler.refused = self.scheduler.refused, {}
-        return refused
+        return self.scheduler.take_refused()
+
+    def step_outputs(self, refused: dict[str, str]) -> StepOutputs:
+        """One step as the API side receives it, under the failure rules every client shares: :meth:`step_with_retry`
+        (a failed step is retried once); ``refused`` (requests :meth:`add_request` refused since the last step) joins
+        those the scheduler refused. A step that fails again, or is interrupted, aborts every request the core holds
+        (:meth:`reset_after_failure`), so the core serves the next ones: :class:`StepFailed` names them (``fatal``
+        when the workers are gone), raised from the error; an interrupt propagates as itself."""
+        try:
+            produced = self.step_with_retry()
+        except BaseException as error:
+            held = self.reset_after_failure()
+            refused.update(self.take_refused())
+            if not isinstance(error, Exception):
+                raise
+            raise StepFailed(held, isinstance(error, ExecutorFailed)) from error
+        refused.update(self.take_refused())  # constraints that failed to compile
+        return StepOutputs(produced, self.stats(), refused)
 
     def step_with_retry(self) -> list[EngineCoreOutput]:
         """:meth:`step`; one that raises is retried once: the first failure is logged and its running
@@ -309,22 +266,15 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
         if self.step_profile is not None:
-            self.step_profile.scheduled(output, self.scheduler)
-        if output.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
-            connector = self.kv_connector
-            # Passed over: a connector that cannot answer yet, or a constraint still compiling.
-            if not self.scheduler.passed_over and (
-                connector is None or not (connector.has_delayed_frees or self.scheduler.receiving)
-            ):
-                request = self.scheduler.waiting[0]
-                raise RuntimeError(f"request {request.request_id!r} cannot be scheduled: not enough KV-cache blocks")
+            self.step_profile.scheduled(output, *self.scheduler.queue_lengths)
+        if output.is_empty and self._in_flight is None and (reason := self.scheduler.cannot_run()) is not None:
+            raise RuntimeError(reason)
         return output
 
     def _apply(self, output: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
         sampled = handle.result() if self.step_profile is None else self.step_profile.result(handle)
         results = self.scheduler.update_from_output(output, sampled, sampled.connector_output)
-        if self.scheduler.newly_finished:
-            self._report_finished()
+        self._report_finished()
         if output.is_empty and not results:
             time.sleep(0.002)  # waiting on the connector (saves, lookups): don't spin
         return results
@@ -333,29 +283,26 @@ class EngineCore:
         """Step (nothing scheduled but the workers' reports) until no finished request waits for its
         KV connector saves, or ``timeout`` seconds; True when none waits."""
         deadline = time.monotonic() + timeout
-        connector = self.kv_connector
-        while connector is not None and connector.has_delayed_frees and time.monotonic() < deadline:
+        while self.scheduler.saves_pending and time.monotonic() < deadline:
             self.step()
-        return connector is None or not connector.has_delayed_frees
+        return not self.scheduler.saves_pending
 
     def recover_from_failure(self) -> None:
         """A step raised: drop the step in flight and preempt every running request, so the next step
         recomputes them from their tokens (what they generated so far is kept)."""
         self._forget_in_flight()
         self.scheduler.preempt_all()
-        self._recover_structured_outputs()
+        self.scheduler.restart_structured_outputs()
 
-    def reset_after_failure(self) -> None:
+    def reset_after_failure(self) -> list[str]:
         """A step raised: drop the step in flight and abort every request, so the core can serve new ones (the
-        outputs of requests that finished in a step applied before the failure come with the next step)."""
+        outputs of requests that finished in a step applied before the failure come with the next step). Returns
+        the requests it aborted."""
         self._forget_in_flight()
-        self.abort(self.scheduler.unfinished_ids)
-        self._recover_structured_outputs()
-
-    def _recover_structured_outputs(self) -> None:
-        """Fill processes of which one died are started again (their requests' matchers made again as they resume)."""
-        if self.scheduler.structured_outputs is not None:
-            self.scheduler.structured_outputs.recover(self.scheduler.requests.values())
+        held = self.scheduler.unfinished_ids
+        self.abort(held)
+        self.scheduler.restart_structured_outputs()
+        return held
 
     def _forget_in_flight(self) -> None:
         self._in_flight = None
@@ -365,17 +312,7 @@ class EngineCore:
         self.scheduler.forget_steps_in_flight()
 
     def stats(self) -> CoreStats:
-        manager, connector = self.kv_cache_manager, self.kv_connector
-        return CoreStats(
-            waiting=len(self.scheduler.waiting) + len(self.scheduler.receiving), running=len(self.scheduler.running),
-            waiting_for_remote_kv=len(self.scheduler.receiving),
-            kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
-            prefix_cache_hit_tokens=manager.stats.hit_tokens,
-            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
-            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
-            connector_metrics=connector.metric_totals if connector is not None else {},
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-        )
+        return self.scheduler.stats(self.num_steps)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the step in flight and the KV connector's pending saves, then stop the workers. Idempotent."""
@@ -389,15 +326,10 @@ class EngineCore:
             self.wait_for_saves(max(0.0, deadline - time.monotonic()))
         except ExecutorFailed:
             self._forget_in_flight()  # the workers are gone: nothing to finish
-        if self.kv_connector is not None:
-            if self.kv_connector.has_delayed_frees:
-                logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",
-                               self.kv_connector.name, timeout)
-            self.kv_connector.close()
+        self.scheduler.close(timeout)
         self.executor.shutdown()
         # Dropped now, not when this object is collected: an in-process worker holds the model and the KV cache.
         self.executor = None  # type: ignore[assignment]
-        self.structured_outputs.close()
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine

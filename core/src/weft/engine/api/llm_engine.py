@@ -1,4 +1,4 @@
-"""The engine in the caller's process: the engine core plus the output processor, stepped by the caller.
+"""The engine in the caller's process: the in-process core client plus the output processor, stepped by the caller.
 
 ``LLM`` drives it: :meth:`LLMEngine.add_request`, then :meth:`LLMEngine.step`
 until nothing is unfinished; each step returns the requests that advanced, with
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from weft.config import WeftConfig
-from weft.engine.builder import build_engine_core
-from weft.engine.frontend import Frontend
-from weft.engine.output_processor import OutputProcessor, RequestOutputState
+from weft.engine.api.frontend import Frontend
+from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
+from weft.engine.client import InProcessClient
 from weft.plugins import PluginRegistry
 from weft.sampling_params import SamplingParams
 
@@ -20,15 +20,19 @@ from weft.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None) -> None:
         self.registry = registry or PluginRegistry()
-        self.core = build_engine_core(config, self.registry)
-        self.config = self.core.config
-        self.frontend = Frontend(self.config, self.registry, self.core.source)
+        self.client = InProcessClient(config, self.registry)
+        self.config = self.client.config
+        self.frontend = Frontend(self.config, self.registry, self.client.source)
         self.tokenizer = self.frontend.tokenizer
         self.model_name = self.frontend.model_name
         self.max_model_len = self.frontend.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
 
-    # What tests and tools inspect.
+    # What tests and tools inspect (the core in this process).
+
+    @property
+    def core(self) -> Any:
+        return self.client.core
 
     @property
     def requests(self) -> dict[str, RequestOutputState]:
@@ -40,12 +44,12 @@ class LLMEngine:
 
     @property
     def kv_cache_manager(self) -> Any:
-        return self.core.kv_cache_manager
+        return self.core.scheduler.kv_cache
 
     @property
     def kv_connector(self) -> Any:
         """The KV connector's scheduler role (its stats), or None."""
-        return self.core.kv_connector
+        return self.core.scheduler.connector
 
     @property
     def worker(self) -> Any:
@@ -67,7 +71,7 @@ class LLMEngine:
         core_request = self.frontend.core_request(request_id, prompt_token_ids, params)
         state = self.outputs.add(request_id, core_request.prompt_token_ids, params, stream_text)
         try:
-            self.core.add_request(core_request)
+            self.client.add_requests([core_request])
         except BaseException:
             self.outputs.abort(request_id)
             raise
@@ -75,38 +79,38 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.outputs.abort(request_id)
-        self.core.abort([request_id])
+        self.client.abort([request_id])
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.outputs.requests) or self.core.scheduler.has_unfinished
+        return bool(self.outputs.requests) or self.client.has_unfinished
 
     def step(self) -> list[RequestOutputState]:
         """One engine step; returns the requests that produced a token or finished.
 
         A step that raises is retried once; if it raises again (or is interrupted), every request is
         aborted, so the engine serves the next ones, and the error propagates. A request the step could
-        not serve alone (non-finite logits) finishes with ``finish_reason="error"``."""
+        not serve alone (non-finite logits) finishes with ``finish_reason="error"``; one the core refused
+        (a constraint that failed to compile) raises ValueError naming it."""
         try:
-            produced = self.core.step_with_retry()
+            messages = self.client.get_outputs()
         except BaseException:
-            self.core.reset_after_failure()
             aborted = list(self.outputs.requests)
             for request_id in aborted:
                 self.outputs.abort(request_id)
-            self.core.abort(aborted)  # with any output of theirs the core has not reported yet
+            self.client.abort(aborted)  # with any output of theirs the core has not reported yet
             raise
-        advanced, stopped = self.outputs.process(produced)
-        if stopped:
-            self.core.abort(stopped)
-        refused = self.core.take_refused()
-        if refused:
-            for request_id in refused:
-                self.outputs.abort(request_id)
-            request_id, reason = next(iter(refused.items()))
-            raise ValueError(f"request {request_id!r}: {reason}")
+        advanced: list[RequestOutputState] = []
+        for message in messages:
+            step = self.outputs.apply(message)
+            if step.stopped:
+                self.client.abort(step.stopped)
+            advanced += step.advanced
+            if step.refused:
+                request_id, reason = next(iter(step.refused.items()))
+                raise ValueError(f"request {request_id!r}: {reason}")
         return advanced
 
     def close(self) -> None:
         """Let the KV connector finish its pending saves and stop the workers. Idempotent."""
-        self.core.close()
+        self.client.close()

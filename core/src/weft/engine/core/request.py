@@ -11,12 +11,12 @@ Where an unfinished request is, is the scheduler's bookkeeping: its queues::
 A request's progress (:attr:`Request.num_computed_tokens`, its output tokens,
 :attr:`Request.num_cached_tokens`) and how it ended (:attr:`Request.status`) are
 written by :meth:`Scheduler.update_from_output
-<weft.engine.scheduler.Scheduler.update_from_output>` from what the steps
+<weft.engine.core.scheduler.Scheduler.update_from_output>` from what the steps
 produced; the one other writer is :meth:`Scheduler.finish
-<weft.engine.scheduler.Scheduler.finish>`, for an end the API asks for (an abort,
+<weft.engine.core.scheduler.Scheduler.finish>`, for an end the API asks for (an abort,
 a stop string). ``tests/test_layering.py`` holds the code to that. Text, stop
 strings and decoded logprobs are not the core's business:
-:mod:`weft.engine.output_processor` keeps them beside the API.
+:mod:`weft.engine.api.output_processor` keeps them beside the API.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
-    from weft.engine.structured_output import ConstraintState
+    from weft.engine.core.structured_output import ConstraintState
     from weft.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ class Request:
         """When the scheduler first gave it tokens (the end of its time in the queue)."""
         self.stop_reason: int | None = None
         self.constraint: ConstraintState | None = None
-        """The structured-output constraint's compilation and matcher (:mod:`weft.engine.structured_output`)."""
+        """The structured-output constraint's compilation and matcher (:mod:`weft.engine.core.structured_output`)."""
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
         """Logprobs of prompt tokens 1.. as the steps computed them (when the request asked)."""
         self.prompt_logprobs_sent = False

@@ -1,0 +1,137 @@
+"""The engine core in its own process: the far end of :class:`~weft.engine.client.ProcessClient`.
+
+The API process binds two ZMQ sockets and starts :func:`run_engine_core` with
+``multiprocessing``'s spawn method; the core connects, builds its
+:class:`~weft.engine.core.engine_core.EngineCore` (:func:`~weft.engine.core.builder.build_engine_core`) and
+answers :class:`~weft.engine.messages.Ready` (or :class:`~weft.engine.messages.Failed`). Then it loops: take
+every waiting message (new requests, aborts, shutdown), run one step when it has work
+(:meth:`~weft.engine.core.engine_core.EngineCore.step_outputs`, whose failure rules the in-process client
+shares), and push the step's outputs with the core's gauges; a step that failed twice fails the requests
+the core held. Messages are msgpack-encoded :mod:`weft.engine.messages` Structs. The core exits when told
+to, or when the API process is gone. This module imports no torch (the API process names its entry point);
+the core's modules are imported in the core's process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from weft.config import WeftConfig
+from weft.engine.messages import Abort, Failed, Ready, Shutdown, StepOutputs, ToCore
+
+if TYPE_CHECKING:
+    from weft.engine.core.engine_core import EngineCore
+
+logger = logging.getLogger("weft.engine")
+
+
+STEP_FAILED = "the engine step failed twice (the server log has the details)"
+
+
+def _receive(core: EngineCore, poller: Any, inputs: Any, decoder: msgspec.msgpack.Decoder,
+             refused: dict[str, str]) -> tuple[bool, bool]:
+    """Apply every waiting message (waiting up to a second when the core has no work); the requests the core
+    refuses go to ``refused``. Returns whether to stop and whether anything arrived."""
+    timeout = 0 if core.has_work else 1000
+    received = False
+    while poller.poll(timeout):
+        message = decoder.decode(inputs.recv())
+        timeout, received = 0, True
+        if isinstance(message, Shutdown):
+            return True, received
+        if isinstance(message, Abort):
+            core.abort(message.request_ids)
+            continue
+        for request in message.requests:
+            try:
+                core.add_request(request)
+            except ValueError as error:
+                refused[request.request_id] = str(error)
+    return False, received
+
+
+def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """The core process's main function."""
+    import zmq
+
+    from weft.engine.core.builder import build_engine_core
+    from weft.engine.core.engine_core import StepFailed
+    from weft.heap import freeze_startup_objects
+    from weft.plugins.registry import problems_reported_by_parent
+
+    problems_reported_by_parent()  # the API process logged the installed plugins' problems
+
+    # Ctrl-C reaches the whole process group (and a service manager may SIGTERM every process of it);
+    # the API process decides when the core stops (Shutdown, after draining), so the core must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Started as a daemon (it dies with the API process), yet its executor may start worker processes,
+    # which multiprocessing refuses to daemons; the core stops them itself, and they watch it.
+    multiprocessing.current_process().daemon = False
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    try:
+        core = build_engine_core(config)
+        freeze_startup_objects()  # this process serves one engine until it exits: out of the collector's view
+    except BaseException as error:
+        outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}", traceback.format_exc())))
+        outputs.close(linger=5000)
+        raise SystemExit(1) from None
+    outputs.send(encoder.encode(Ready(core.describe())))
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    fatal: BaseException | None = None
+    try:
+        while True:
+            refused: dict[str, str] = {}
+            stop, received = _receive(core, poller, inputs, decoder, refused)
+            if stop:
+                break
+            if not core.has_work:
+                if os.getppid() != parent_pid:
+                    logger.error("the API process is gone; the engine core exits")
+                    break
+                if received:  # the API side's gauges follow aborts too
+                    outputs.send(encoder.encode(StepOutputs([], core.stats(), refused)))
+                continue
+            try:
+                message = core.step_outputs(refused)
+            except StepFailed as failure:
+                error = failure.__cause__
+                if failure.fatal:
+                    reason, fatal = f"the engine's workers failed: {error}", error
+                else:
+                    logger.error("engine step failed again; failing the requests it held", exc_info=error)
+                    reason = STEP_FAILED
+                message = StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason))
+            outputs.send(encoder.encode(message))
+            if fatal is not None:
+                break
+    finally:
+        core.close()
+        if fatal is not None:
+            logger.error("the engine core stops: %s", fatal)
+            outputs.send(encoder.encode(Failed(str(fatal))))
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        context.term()
+    # Everything is closed: skip the interpreter's teardown (torch's takes over a second), so a
+    # shutdown's exit is not held up by it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if fatal is not None else 0)

@@ -1,0 +1,282 @@
+"""The scheduler's requests and queues, and the one writer of their progress.
+
+:class:`SchedulerState` holds what :class:`~weft.engine.core.scheduler.Scheduler` decides over: the
+requests, their queues (waiting, running, receiving their KV), per request the tokens planned and the
+output placeholders of steps in flight, and what the workers hold (:mod:`weft.engine.core.steps_in_flight`).
+It applies a step's results (:meth:`SchedulerState.update_from_output`: sampled tokens, stop rules, freed
+blocks, the KV connector's report) and ends the requests the API asks to end (:meth:`SchedulerState.finish`),
+and answers the engine core's questions (finished and refused requests, whether nothing can run, gauges).
+It owns the structured-output manager's lifetime: constraints start compiling when a request is added,
+their fill restarts after a failure, and it is closed with the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from weft.contracts.executor import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from weft.engine.core.kv_cache_manager import KVCacheManager
+from weft.engine.core.request import Request, RequestStatus
+from weft.engine.core.steps_in_flight import StepsInFlight
+from weft.engine.messages import CoreStats, EngineCoreOutput
+
+if TYPE_CHECKING:
+    from weft.contracts.kv_connector import ConnectorOutput
+    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.structured_output import StructuredOutputManager
+    from weft.engine.messages import GrammarStart
+
+logger = logging.getLogger("weft.engine")
+
+
+class SchedulerState:
+    def __init__(self, kv_cache: KVCacheManager, max_model_len: int, connector: SchedulerConnector | None = None,
+                 structured_outputs: StructuredOutputManager | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.connector = connector
+        self.structured_outputs = structured_outputs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}
+        """Requests holding blocks that a KV connector is filling asynchronously; in no step until it is done."""
+        self.requests: dict[str, Request] = {}
+        self._planned: dict[str, int] = {}
+        """Tokens of each request holding blocks whose KV is computed or being computed by a step in
+        flight: where its next step starts."""
+        self._placeholders: dict[str, int] = {}
+        """Tokens of each running request sampled by steps in flight, whose ids have not arrived yet."""
+        self._steps = StepsInFlight()
+        """What the workers hold, and what each step in flight planned."""
+        self.passed_over = 0
+        """Waiting requests passed over in the last step: the KV connector could not answer for them
+        yet, or their structured-output constraint is still compiling."""
+        self._refused: dict[str, str] = {}
+        """Requests ended because they cannot run (a constraint that failed to compile), with the reason,
+        since :meth:`take_refused`."""
+        self.num_preemptions = 0
+        """Preemptions since start."""
+        self._newly_finished: list[Request] = []
+        """Requests that ended since :meth:`take_finished` (for the request-finished hook)."""
+
+    def add(self, request: Request, grammar_start: GrammarStart | None = None) -> None:
+        """Queue ``request``; one with a structured-output constraint starts compiling it (``grammar_start``:
+        where the constraint starts when the model may reason first)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.structured_outputs is not None:
+            assert self.structured_outputs is not None
+            self.structured_outputs.add(request, grammar_start)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.receiving)
+
+    @property
+    def saves_pending(self) -> bool:
+        """Whether finished requests still wait for their KV connector saves (their blocks held)."""
+        return self.connector is not None and self.connector.has_delayed_frees
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [request.request_id for request in [*self.running, *self.waiting, *self.receiving.values()]]
+
+    def take_finished(self) -> list[Request]:
+        """Requests that ended since the last call."""
+        finished, self._newly_finished = self._newly_finished, []
+        return finished
+
+    def take_refused(self) -> dict[str, str]:
+        """Requests ended because they cannot run (a constraint that failed to compile), with the reason, since the
+        last call."""
+        refused, self._refused = self._refused, {}
+        return refused
+
+    def cannot_run(self) -> str | None:
+        """Why nothing can ever run, when a step scheduled nothing with no step in flight: the first waiting request
+        needs more KV-cache blocks than the cache has, while nothing runs to free any. None when something may still
+        change (requests passed over for a KV connector that cannot answer yet or a constraint still compiling, KV
+        arriving, saves that will free blocks)."""
+        if not self.waiting or self.running or self.passed_over or self.receiving or self.saves_pending:
+            return None
+        return f"request {self.waiting[0].request_id!r} cannot be scheduled: not enough KV-cache blocks"
+
+    def grammar_output(self, request_ids: list[str]) -> Future[GrammarOutput]:
+        """The bitmask of a step's constrained requests (``request_ids``), filled on the structured-output thread."""
+        assert self.structured_outputs is not None
+        return self.structured_outputs.grammar_output(request_ids, self.requests)
+
+    def stats(self, num_steps: int) -> CoreStats:
+        """The gauges of the queues, the KV cache and the KV connector (``num_steps``: the core's step count)."""
+        manager, connector = self.kv_cache, self.connector
+        return CoreStats(
+            waiting=len(self.waiting) + len(self.receiving), running=len(self.running),
+            waiting_for_remote_kv=len(self.receiving),
+            kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
+            prefix_cache_hit_tokens=manager.stats.hit_tokens,
+            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
+            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            connector_metrics=connector.metric_totals if connector is not None else {},
+            num_preemptions=self.num_preemptions, num_steps=num_steps,
+        )
+
+    @property
+    def queue_lengths(self) -> tuple[int, int]:
+        """Running and waiting requests."""
+        return len(self.running), len(self.waiting)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: ModelRunnerOutput, connector_report: ConnectorOutput | None,
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: ``sampled`` (the workers' tokens), stop rules and the KV connector's
+        report of the step (``connector_report``: its loads, receipts and saves). Returns each request's
+        progress.
+
+        The one writer of request progress (computed, cached and output tokens) and of the ends
+        outputs decide (a stop, the length, an error). Steps must be applied in the order they were
+        scheduled.
+        """
+        rows = self._steps.applied()
+        connector, report = self.connector, connector_report
+        failed = connector.failed_loads(report) if connector is not None and report is not None else {}
+        if connector is not None and report is not None:
+            for request_id, arrived in connector.received(report).items():
+                request = self.receiving.pop(request_id)
+                self._planned[request_id] += arrived
+                request.num_computed_tokens = self._planned[request_id]
+                if arrived and request.kv_transfer_params:
+                    request.state_transferred = True  # the ring and state, not the snapshots: none to publish
+                    self.kv_cache.forgo_snapshots(request_id)
+                self.waiting.appendleft(request)
+        outputs: list[EngineCoreOutput] = []
+        for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
+            request = self.requests.get(request_id)
+            row = rows.get(request_id)
+            if request is None or request.finished or row is None or request.num_preemptions != row.num_preemptions:
+                continue  # finished (a stop, an abort) or preempted while this step was in flight
+            if row.samples:
+                self._placeholders[request_id] -= 1
+            if row.first and request.num_preemptions == 0:
+                request.num_cached_tokens = row.start
+            if request_id in failed:
+                # Its KV is incomplete: recompute what was to be loaded and this step's tokens (workers
+                # discarded what they sampled for it).
+                self._planned[request_id] -= failed[request_id] + output.num_scheduled_tokens[request_id]
+                request.num_computed_tokens = row.start - failed[request_id]
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens -= failed[request_id]
+                continue
+            request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id]
+            if request_id in sampled.failed:
+                outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
+                ))
+                self.finish(request_id, RequestStatus.FINISHED_ERROR)
+                continue
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)
+            if request_id in sampled.prompt_logprobs:
+                self._add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
+            if token is None:
+                continue
+            request.append_token(token)
+            if request.constraint is not None:
+                self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
+            request.status, request.stop_reason = self._stop(request, token)
+            logprobs = sampled.logprobs.get(request_id)
+            first = len(request.output_token_ids) == 1
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            outputs.append(EngineCoreOutput(
+                request_id, [token], [logprobs] if logprobs is not None else None,
+                request.finish_reason, request.stop_reason, request.num_cached_tokens,
+                queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
+                prompt_logprobs=prompt_logprobs,
+            ))
+            if request.finished:
+                self._free(request)
+        if connector is not None and report is not None:
+            for request_id in connector.update(report):
+                self.kv_cache.free(request_id)
+        return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, position: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the logprobs of prompt tokens not seen yet (a recomputation after a preemption repeats some)."""
+        have = request.prompt_logprobs
+        if have is None or request.prompt_logprobs_sent:
+            return
+        skip = len(have) + 1 - position  # the first entry scores prompt token ``position``; token 0 has none
+        if skip >= 0:
+            have.extend(entries[skip:])
+
+    def restart_structured_outputs(self) -> None:
+        """After a failed step: fill processes of which one died are started again (the matchers of the requests
+        still held made again as they resume)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.recover(self.requests.values())
+
+    def close(self, saves_timeout: float) -> None:
+        """Close the KV connector's scheduler role and the structured-output manager (whose lifetime the scheduler
+        owns); ``saves_timeout``: how long the core waited for pending saves, for the warning when some remain."""
+        if self.connector is not None:
+            if self.connector.has_delayed_frees:
+                logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",
+                               self.connector.name, saves_timeout)
+            self.connector.close()
+        if self.structured_outputs is not None:
+            self.structured_outputs.close()
+
+    def _stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """How ``request`` ends with ``token_id``, just appended, and the stop token id that ended it
+        (``(None, None)``: it goes on)."""
+        params = request.params
+        generated = len(request.output_token_ids)
+        if generated >= params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if generated >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """End a request (an abort, a stop string the API found) and free its blocks; safe in any state.
+
+        The one writer of a request's status besides :meth:`update_from_output`: an end the API asks
+        for arrives between steps, with no step output to carry it (and :meth:`update_from_output` ends
+        a request whose step failed for it through here too)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.receiving.pop(request_id, None)
+        if not request.finished:
+            request.status = status
+        self._free(request)
+        return request
+
+    def _free(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
+        self._placeholders.pop(request.request_id, None)
+        self._newly_finished.append(request)
+        if request.constraint is not None:
+            request.constraint.release()
+        self._steps.drop_on_workers(request.request_id)
+        if self.connector is None or not self.connector.request_finished(
+            request, self.kv_cache.block_ids(request.request_id) if self.kv_cache.holds(request.request_id) else None
+        ):
+            self.kv_cache.free(request.request_id)

@@ -163,9 +163,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, settings: LlamaSettings, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(settings, index)
-        self.mlp = LlamaMLP(settings)
+        self.mlp = self.build_mlp(settings, index)
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
+
+    def build_mlp(self, settings: LlamaSettings, index: int) -> nn.Module:
+        """The feed-forward block of layer ``index`` (a mixture-of-experts family builds its experts here)."""
+        return LlamaMLP(settings)
 
     def forward(
         self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -182,6 +186,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
         layout = settings.layout
@@ -190,7 +196,7 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(settings.vocab_size, settings.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(settings, index) if index in self.stage_layers else nn.Module()
+            self.layer_class(settings, index) if index in self.stage_layers else nn.Module()
             for index in range(settings.num_layers)
         )
         if self.is_last_stage:
@@ -215,12 +221,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
         self.settings = settings
         self.dtype = torch.get_default_dtype()
         """The activations' dtype (the default dtype the family builds under)."""
-        self.model = LlamaModel(settings, max_positions)
+        self.model = self.model_class(settings, max_positions)
         if settings.layout.is_last_stage:
             self.lm_head = ParallelLMHead(settings.hidden_size, settings.vocab_size)
             if settings.tie_word_embeddings and settings.layout.is_first_stage:
@@ -259,27 +267,32 @@ class LlamaFamily(ModelFamily):
     """Llama-architecture decoders: Llama, Mistral, Qwen2, Qwen3, SmolLM2."""
 
     reads_weight_slices = True
+    settings_class: type[LlamaSettings] = LlamaSettings
+    module_class: type[LlamaForCausalLM] = LlamaForCausalLM
+
+    def settings(self, config: ModelConfig) -> LlamaSettings:
+        return self.settings_class(config.hf_config, config.architecture, config.parallel)
 
     def check_parallel(self, config: ModelConfig) -> None:
-        LlamaSettings(config.hf_config, config.architecture, config.parallel).check()
+        self.settings(config).check()
         if config.parallel.enable_expert_parallel:
             raise ValueError(
                 f"engine.enable_expert_parallel: {config.architecture} has no experts to spread; set it to false"
             )
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
+        settings = self.settings(config)
         spec = FullAttentionSpec(
             block_size=config.block_size, dtype=config.dtype, num_kv_heads=settings.local_kv_heads, head_dim=settings.head_dim
         )
         return (KVCacheGroupSpec("attention", tuple(layer_name(i) for i in settings.stage_layers), spec),)
 
     def build(self, config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
-        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
+        settings = self.settings(config)
         # Weft's Linear and Embedding skip random initialisation (load_weights fills every
         # parameter), so building directly on the device in the runtime dtype costs nothing.
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
-            module = LlamaForCausalLM(settings, config.max_model_len)
+            module = self.module_class(settings, config.max_model_len)
         module.model.rotary.to(device)
         return module.eval()
 
@@ -295,6 +308,8 @@ class LlamaFamily(ModelFamily):
             layer = _layer_index(name)
             if layer is not None and layer not in settings.stage_layers:
                 continue  # another pipeline stage's
+            if self.load_other_tensor(module, name, tensor, filled):
+                continue
             targets = self._targets(name, settings, parameters, shared_head)
             if targets is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(module).__name__}")
@@ -321,6 +336,11 @@ class LlamaFamily(ModelFamily):
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")
+
+    def load_other_tensor(self, module: nn.Module, name: str, tensor: Any, filled: set[str]) -> bool:
+        """Load a checkpoint tensor the stacked Llama layout does not describe (a family's experts), adding what
+        it fills to ``filled``; False: not such a tensor."""
+        return False
 
     @staticmethod
     def _targets(

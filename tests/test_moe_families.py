@@ -27,6 +27,13 @@ MOE_CONFIGS = {
         architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
         sliding_window=24,
     ),
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=12, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+    ),
 }
 
 
@@ -44,9 +51,11 @@ def make_moe_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so greedy paths and routing are not flat
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0, 0.2)
+            elif name.endswith(("bias", "sinks")):  # gpt-oss's biases start at zero: make them matter
+                parameter.normal_(0, 1.0 if name.endswith("sinks") else 0.2)
     model.save_pretrained(str(folder))
     for file in tokenizer_folder.iterdir():
         shutil.copy(file, folder / file.name)

@@ -375,13 +375,15 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"checkpoint tensor {name!r}: unknown expert part {part!r}")
 
-    def load_stacked(self, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
+    def load_stacked(self, part: str, weight: WeightSlice | torch.Tensor, name: str, held_only: bool = False) -> None:
         """Every expert's tensor stacked on a first axis of ``num_experts``: ``gate_up`` (``[E, 2I, H]``, gate
-        rows first), ``down`` (``[E, H, I]``), ``gate_up_bias`` (``[E, 2I]``) or ``down_bias`` (``[E, H]``)."""
+        rows first), ``down`` (``[E, H, I]``), ``gate_up_bias`` (``[E, 2I]``) or ``down_bias`` (``[E, H]``);
+        ``held_only``: the tensor stacks only the experts this rank holds."""
         weight = as_slice(weight)
-        if weight.shape[0] != self.num_experts:
-            raise ValueError(f"checkpoint tensor {name!r} stacks {weight.shape[0]} experts, expected {self.num_experts}")
-        stacked = weight.narrow(0, self.experts.first, self.experts.count)
+        experts = self.experts.count if held_only else self.num_experts
+        if weight.shape[0] != experts:
+            raise ValueError(f"checkpoint tensor {name!r} stacks {weight.shape[0]} experts, expected {experts}")
+        stacked = weight.load() if held_only else weight.narrow(0, self.experts.first, self.experts.count)
         start, columns = self.experts.column_start, self.experts.columns
         if part == "down":
             copy_checked(self.w2.data, stacked.narrow(2, start, columns), name)

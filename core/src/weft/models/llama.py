@@ -59,6 +59,10 @@ class LlamaSettings:
         self.rope = rope_parameters(config)
         qwen2 = architecture == "Qwen2ForCausalLM"
         self.attention_bias = config.get("attention_bias", qwen2)
+        self.output_bias = False
+        """Whether ``o_proj`` has a bias (gpt-oss's does; Llama's and Qwen's never do here)."""
+        self.attention_sinks = False
+        """Whether each attention head has a learned sink logit (gpt-oss)."""
         self.mlp_bias = config.get("mlp_bias", False)
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.sliding_windows = self._sliding_windows(config, architecture)
@@ -102,12 +106,14 @@ class LlamaAttention(nn.Module):
         query = Shard(s.layout.tensor_rank * self.q_size, self.q_size)
         key_value = Shard(s.first_kv_head * s.head_dim, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(s.hidden_size, [query, key_value, key_value], bias=s.attention_bias)
-        self.o_proj = RowParallelLinear(query, s.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(query, s.hidden_size, bias=s.output_bias)
+        self.first_head = s.layout.tensor_rank * self.num_heads
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if s.attention_sinks else None
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
-            scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index],
+            scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index], sinks=s.attention_sinks,
         )
         self.attn = Attention(layer_name(index), 0, spec)
         heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
@@ -136,8 +142,12 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = (self.rotary or apply_rotary)(query, key, *rotary)
-        output = self.attn(query, key, value, context)
+        output = self.attn(query, key, value, context, self.sinks)
         return self.o_proj(output.reshape(tokens, self.q_size))
+
+    def load_checkpoint_tensor(self, parameter: str, weight: Any, name: str, index: int = 0) -> None:
+        """The sink logits (the only parameter of the attention module itself): this rank's heads."""
+        copy_checked(self.sinks.data, as_slice(weight).narrow(0, self.first_head, self.num_heads), name)
 
 
 class LlamaMLP(nn.Module):
@@ -187,6 +197,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
@@ -201,7 +212,7 @@ class LlamaModel(nn.Module):
         )
         if self.is_last_stage:
             self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
-        self.rotary = RotaryEmbedding(settings.head_dim, max_positions, settings.rope)
+        self.rotary = self.rotary_class(settings.head_dim, max_positions, settings.rope)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,

@@ -88,3 +88,39 @@ def test_weft_verify_passes_with_logits_equal_to_transformers(kind, tmp_path, to
     assert code == 0, out
     assert "2/2 prompts matched" in out, out
     assert float(re.search(r"max teacher-forced error (\S+)", out).group(1)) < 1e-4, out
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path, tokenizer_files):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales, as published, equals transformers on the
+    same experts dequantized by transformers' own converter (``convert_moe_packed_tensors``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = make_moe_model(tmp_path / "dense", "gpt_oss", tokenizer_files)
+    tensors = load_file(str(folder / "model.safetensors"))
+    generator = torch.Generator().manual_seed(3)
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inner, outer = tensors[name].shape  # transformers' layout: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, outer, inner // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(122, 128, (experts, outer, inner // 32), generator=generator, dtype=torch.uint8)
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert dequantized[name].shape == tensors[name].shape
+    save_file(dequantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(folder, mxfp4)
+    save_file(quantized, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+
+    prompts = prompts_of_lengths([5, 30])
+    reference = hf_greedy(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval(), prompts, 16)
+    llm = LLM(model=str(mxfp4), engine={"block_size": 8, "num_kv_blocks": 64})
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [output.outputs[0].token_ids for output in outputs] == reference

@@ -179,10 +179,14 @@ def moe(
     correction_bias: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None, topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     first_expert: int = 0, shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
+    experts_function: Any = None,
 ) -> torch.Tensor:
-    """The ``moe`` op's definition (:class:`weft.builtins.moe.MoETorch` documents the arguments)."""
+    """The ``moe`` op's definition (:class:`weft.builtins.moe.MoETorch` documents the arguments). An implementation
+    that only computes the experts faster passes its own ``experts_function`` (:func:`fused_experts`'s arguments)."""
     experts, weights = topk if topk is not None else select_experts(router_logits, routing, correction_bias)
-    output = fused_experts(hidden, w13, w2, experts, weights, activation, w13_bias, w2_bias, first_expert)
+    output = (experts_function or fused_experts)(
+        hidden, w13, w2, experts, weights, activation, w13_bias, w2_bias, first_expert
+    )
     if shared_w13 is not None:
         gate, up = F.linear(hidden, shared_w13).chunk(2, dim=-1)
         output = output + F.linear(activation(gate, up), shared_w2)

@@ -373,8 +373,8 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path, tokenizer_files
     assert experts_read == set(range(8, 16))
     stored = load_file(str(folder / "model.safetensors"))
     experts = module.model.layers[2].mlp.experts
-    assert experts.w2[3].equal(stored["model.layers.2.mlp.experts.11.down_proj.weight"])
-    assert experts.w13[3, 32:].equal(stored["model.layers.2.mlp.experts.11.up_proj.weight"])
+    assert experts.down_proj[3].equal(stored["model.layers.2.mlp.experts.11.down_proj.weight"])
+    assert experts.gate_up_proj[3, 32:].equal(stored["model.layers.2.mlp.experts.11.up_proj.weight"])
 
 
 class _Recording:
@@ -587,13 +587,15 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
             seen["collectives"].append(("reduce_scatter", tuple(tensor.shape)))
             return super().reduce_scatter(tensor)
 
-    grouped_matmul = moe.grouped_matmul
+    from weft.layers import moe as core_moe
+
+    grouped_matmul = core_moe.grouped_matmul
 
     def counting(rows, weights, ends):
         seen["gemm_rows"].append(int(ends[-1]))  # the rows the GEMMs compute: those of this rank's experts
         return grouped_matmul(rows, weights, ends)
 
-    moe.grouped_matmul = counting
+    core_moe.grouped_matmul = counting
     config = _exchange_config()
     layout = ParallelLayout(tensor_parallel_size=world, enable_expert_parallel=True, rank=rank)
     settings = DeepseekV4Settings(config, layout)
@@ -603,8 +605,8 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
         with using_parallel(ParallelGroups(layout, Recording(dist.group.WORLD, torch.device("cpu")), torch.device("cpu"))):
             layer = moe.MoE(settings, index)
         layer.gate.load_state_dict(whole.gate.state_dict())
-        for name in ("gate_up_proj", "down_proj"):
-            layer.experts.load_stacked(name, getattr(whole.experts, name).data, name)
+        for name, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            layer.experts.load_stacked(part, getattr(whole.experts, name).data, name)
         columns = slice(rank * settings.shared_intermediate, (rank + 1) * settings.shared_intermediate)
         for name in ("gate_proj", "up_proj"):
             getattr(layer.shared_experts, name).weight.data.copy_(getattr(whole.shared_experts, name).weight.data[columns])

@@ -284,8 +284,10 @@ def check_expert_layout(num_experts: int, intermediate_size: int, layout: Any) -
 class FusedMoE(nn.Module):
     """A sparse MoE block's experts: ``forward(hidden, router_logits)`` returns every token's full output.
 
-    Parameters (this rank's part): ``w13`` ``[E, 2I, H]`` (gate rows then up rows), ``w2`` ``[E, H, I]``,
-    with ``bias=True`` also ``w13_bias`` ``[E, 2I]`` and ``w2_bias`` ``[E, H]``. Families fill them with
+    Parameters (this rank's part; the names and layout of transformers 5's stacked experts): ``gate_up_proj``
+    ``[E, 2I, H]`` (gate rows then up rows, the op's ``w13``), ``down_proj`` ``[E, H, I]`` (``w2``), with
+    ``bias=True`` also ``gate_up_proj_bias`` ``[E, 2I]`` and ``down_proj_bias`` ``[E, H]``; :attr:`held` says which
+    experts and columns they are. Families fill them with
     :meth:`load_expert` (one checkpoint tensor of one expert) or :meth:`load_stacked` (every expert's).
     """
 
@@ -298,12 +300,12 @@ class FusedMoE(nn.Module):
         self.tensor = parallel.tensor
         self.routing, self.activation = routing, activation
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.experts = ExpertLayout.of_rank(num_experts, intermediate_size, parallel.layout)
-        count, columns = self.experts.count, self.experts.columns
-        self.w13 = nn.Parameter(torch.empty(count, 2 * columns, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(count, hidden_size, columns), requires_grad=False)
-        self.w13_bias = nn.Parameter(torch.empty(count, 2 * columns), requires_grad=False) if bias else None
-        self.w2_bias = nn.Parameter(torch.empty(count, hidden_size), requires_grad=False) if bias else None
+        self.held = ExpertLayout.of_rank(num_experts, intermediate_size, parallel.layout)
+        count, columns = self.held.count, self.held.columns
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * columns, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(count, hidden_size, columns), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(count, 2 * columns), requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(count, hidden_size), requires_grad=False) if bias else None
         self.exchange = (
             ExpertParallelExchange(self.tensor)
             if parallel.layout.enable_expert_parallel and self.tensor.size > 1 else None
@@ -312,31 +314,30 @@ class FusedMoE(nn.Module):
         if self.op is not None:
             self.op.declare(
                 num_experts=count, top_k=routing.top_k, hidden_size=hidden_size, intermediate_size=columns,
-                dtype=self.w13.dtype, activation=activation, bias=bias,
+                dtype=self.gate_up_proj.dtype, activation=activation, bias=bias,
             )
 
     def holds(self, expert: int) -> bool:
-        return self.experts.first <= expert < self.experts.first + self.experts.count
+        return self.held.first <= expert < self.held.first + self.held.count
+
+    def own_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of ``tensor`` (one per token) this rank routes: all of them, or under expert parallelism its
+        share (:meth:`ExpertParallelExchange.own_rows`)."""
+        return tensor if self.exchange is None else self.exchange.own_rows(tensor)
 
     def forward(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
-        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
+        correction_bias: torch.Tensor | None = None, topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The block's output on every token; ``topk`` (``[N, k]`` experts and weights) replaces the routing."""
-        return self.tensor_sum(hidden, router_logits, correction_bias, topk)
+        """Every token's output, summed over the tensor ranks.
 
-    def tensor_sum(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor | None, correction_bias: torch.Tensor | None = None,
-        topk: tuple[torch.Tensor, torch.Tensor] | None = None, shared: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The output summed over the tensor ranks; ``shared`` is this rank's partial output of a shared
-        expert, added before the collective so that one collective completes both."""
+        ``router_logits`` (or ``topk``, the ``[rows, k]`` experts and weights of a router of the family's own) are
+        those of :meth:`own_rows`; ``shared`` is this rank's partial output of a shared expert, added before the
+        collective so that one collective completes both."""
         if self.exchange is not None:
-            own = self.exchange.own_rows
             if topk is None:
-                topk = select_experts(own(router_logits), self.routing, correction_bias)
-            else:
-                topk = (own(topk[0]), own(topk[1]))
+                topk = select_experts(router_logits, self.routing, correction_bias)
             topk = self.exchange.dispatch(*topk, hidden.shape[0])
         partial = self.compute(hidden, router_logits, correction_bias, topk)
         if shared is not None:
@@ -351,31 +352,33 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """This rank's partial output (its experts, its columns)."""
         kwargs = dict(
-            activation=self.activation, correction_bias=correction_bias, w13_bias=self.w13_bias,
-            w2_bias=self.w2_bias if self.experts.column_start == 0 else None, topk=topk,
-            first_expert=self.experts.first,
+            activation=self.activation, correction_bias=correction_bias, w13_bias=self.gate_up_proj_bias,
+            # Under tensor parallelism the ranks' partial sums add up: one rank adds the bias.
+            w2_bias=self.down_proj_bias if self.held.column_start == 0 else None, topk=topk,
+            first_expert=self.held.first,
         )
         if self.op is None:
-            return moe(hidden, router_logits, self.w13, self.w2, self.routing, **kwargs)
-        return self.op(hidden, router_logits, self.w13, self.w2, self.routing, **kwargs)
+            return moe(hidden, router_logits, self.gate_up_proj, self.down_proj, self.routing, **kwargs)
+        return self.op(hidden, router_logits, self.gate_up_proj, self.down_proj, self.routing, **kwargs)
 
     def load_expert(self, expert: int, part: str, weight: WeightSlice | torch.Tensor, name: str) -> None:
         """One expert's ``gate`` / ``up`` (``[I, H]``), ``down`` (``[H, I]``), ``gate_bias`` / ``up_bias`` (``[I]``)
         or ``down_bias`` (``[H]``) checkpoint tensor: this rank's columns of it (nothing for another rank's expert)."""
         if not self.holds(expert):
             return
-        weight, local, layout = as_slice(weight), expert - self.experts.first, self.experts
+        weight, local, layout = as_slice(weight), expert - self.held.first, self.held
         start, columns = layout.column_start, layout.columns
         if part == "down":
-            copy_checked(self.w2.data[local], weight.narrow(1, start, columns), name)
+            copy_checked(self.down_proj.data[local], weight.narrow(1, start, columns), name)
         elif part == "down_bias":
-            copy_checked(self.w2_bias.data[local], weight.load(), name)
+            copy_checked(self.down_proj_bias.data[local], weight.load(), name)
         elif part in ("gate", "up"):
             offset = 0 if part == "gate" else columns
-            copy_checked(self.w13.data[local].narrow(0, offset, columns), weight.narrow(0, start, columns), name)
+            copy_checked(self.gate_up_proj.data[local].narrow(0, offset, columns), weight.narrow(0, start, columns), name)
         elif part in ("gate_bias", "up_bias"):
             offset = 0 if part == "gate_bias" else columns
-            copy_checked(self.w13_bias.data[local].narrow(0, offset, columns), weight.narrow(0, start, columns), name)
+            bias = self.gate_up_proj_bias.data[local].narrow(0, offset, columns)
+            copy_checked(bias, weight.narrow(0, start, columns), name)
         else:
             raise ValueError(f"checkpoint tensor {name!r}: unknown expert part {part!r}")
 
@@ -384,19 +387,19 @@ class FusedMoE(nn.Module):
         rows first), ``down`` (``[E, H, I]``), ``gate_up_bias`` (``[E, 2I]``) or ``down_bias`` (``[E, H]``);
         ``held_only``: the tensor stacks only the experts this rank holds."""
         weight = as_slice(weight)
-        experts = self.experts.count if held_only else self.num_experts
+        experts = self.held.count if held_only else self.num_experts
         if weight.shape[0] != experts:
             raise ValueError(f"checkpoint tensor {name!r} stacks {weight.shape[0]} experts, expected {experts}")
-        stacked = weight.load() if held_only else weight.narrow(0, self.experts.first, self.experts.count)
-        start, columns = self.experts.column_start, self.experts.columns
+        stacked = weight.load() if held_only else weight.narrow(0, self.held.first, self.held.count)
+        start, columns = self.held.column_start, self.held.columns
         if part == "down":
-            copy_checked(self.w2.data, stacked.narrow(2, start, columns), name)
+            copy_checked(self.down_proj.data, stacked.narrow(2, start, columns), name)
         elif part == "down_bias":
-            copy_checked(self.w2_bias.data, stacked, name)
+            copy_checked(self.down_proj_bias.data, stacked, name)
         elif part in ("gate_up", "gate_up_bias"):
             gate = stacked.narrow(1, start, columns)
             up = stacked.narrow(1, self.intermediate_size + start, columns)
-            target = self.w13 if part == "gate_up" else self.w13_bias
+            target = self.gate_up_proj if part == "gate_up" else self.gate_up_proj_bias
             copy_checked(target.data, torch.cat([gate, up], dim=1), name)
         else:
             raise ValueError(f"checkpoint tensor {name!r}: unknown stacked part {part!r}")

@@ -103,8 +103,8 @@ class GptOssFamily(SparseMoeFamily):
                 return True
             block: FusedMoE = module.get_submodule(quantized["block"])
             blocks, scales = (tensor, self._pending.pop(pair)) if quantized["kind"] == "blocks" else (self._pending.pop(pair), tensor)
-            held = slice(block.experts.first, block.experts.first + block.experts.count)
-            weight = dequantize_mxfp4(_load(blocks)[held], _load(scales)[held], block.w13.dtype)
+            held = slice(block.held.first, block.held.first + block.held.count)
+            weight = dequantize_mxfp4(_load(blocks)[held], _load(scales)[held], block.gate_up_proj.dtype)
             # Dequantized, the blocks are the transposed parameter: gate_up [E, 2I, H], down [E, H, I].
             if quantized["part"] == "gate_up_proj":
                 block.load_stacked("gate_up", _gate_then_up(weight, dim=1), name, held_only=True)

@@ -58,7 +58,7 @@ class SparseMoeBlock(nn.Module):
                                 bias=expert_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+        return self.experts(hidden, self.gate(self.experts.own_rows(hidden)))
 
 
 class SparseMoeDecoderLayer(LlamaDecoderLayer):

@@ -48,7 +48,10 @@ def naive_moe(hidden, router_logits, w13, w2, routing, *, activation=MoEActivati
             gate, up = gate_up.chunk(2)
             if activation.limit is not None:
                 gate, up = gate.clamp(max=activation.limit), up.clamp(-activation.limit, activation.limit)
-            act = F.silu(gate) * up if activation.kind == "silu" else (up + 1) * gate * torch.sigmoid(gate * activation.alpha)
+            if activation.kind == "silu":
+                act = F.silu(gate) * up
+            else:
+                act = (up + 1) * gate * torch.sigmoid(gate * activation.alpha)
             down = w2[local].double() @ act + (w2_bias[local].double() if w2_bias is not None else 0)
             output[t] += weight * down
         if shared_w13 is not None:

@@ -55,7 +55,9 @@ class MoERouting(msgspec.Struct, frozen=True, kw_only=True):
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoERouting.scoring: {self.scoring!r} is not one of {', '.join(SCORINGS)}")
         if self.num_groups > 1 and not 1 <= self.topk_groups <= self.num_groups:
-            raise ValueError(f"MoERouting.topk_groups: {self.topk_groups} must be within 1..num_groups ({self.num_groups})")
+            raise ValueError(
+                f"MoERouting.topk_groups: {self.topk_groups} must be within 1..num_groups ({self.num_groups})"
+            )
 
 
 class MoEActivation(msgspec.Struct, frozen=True, kw_only=True):
@@ -374,7 +376,8 @@ class FusedMoE(nn.Module):
             copy_checked(self.down_proj_bias.data[local], weight.load(), name)
         elif part in ("gate", "up"):
             offset = 0 if part == "gate" else columns
-            copy_checked(self.gate_up_proj.data[local].narrow(0, offset, columns), weight.narrow(0, start, columns), name)
+            rows = self.gate_up_proj.data[local].narrow(0, offset, columns)
+            copy_checked(rows, weight.narrow(0, start, columns), name)
         elif part in ("gate_bias", "up_bias"):
             offset = 0 if part == "gate_bias" else columns
             bias = self.gate_up_proj_bias.data[local].narrow(0, offset, columns)

@@ -92,7 +92,9 @@ class GptOssFamily(SparseMoeFamily):
         self._pending: dict[str, Any] = {}
         super().load_weights(module, weights)
         if self._pending:
-            raise ValueError(f"the checkpoint has MXFP4 blocks or scales without their pair: {sorted(self._pending)[:3]}")
+            raise ValueError(
+                f"the checkpoint has MXFP4 blocks or scales without their pair: {sorted(self._pending)[:3]}"
+            )
 
     def load_other_tensor(self, module: nn.Module, name: str, tensor: Any, filled: set[str]) -> bool:
         quantized = self._quantized.match(name)
@@ -102,7 +104,8 @@ class GptOssFamily(SparseMoeFamily):
                 self._pending[name] = tensor
                 return True
             block: FusedMoE = module.get_submodule(quantized["block"])
-            blocks, scales = (tensor, self._pending.pop(pair)) if quantized["kind"] == "blocks" else (self._pending.pop(pair), tensor)
+            other = self._pending.pop(pair)
+            blocks, scales = (tensor, other) if quantized["kind"] == "blocks" else (other, tensor)
             held = slice(block.held.first, block.held.first + block.held.count)
             weight = dequantize_mxfp4(_load(blocks)[held], _load(scales)[held], block.gate_up_proj.dtype)
             # Dequantized, the blocks are the transposed parameter: gate_up [E, 2I, H], down [E, H, I].

@@ -90,7 +90,8 @@ def sort_pairs(
     local = flat - first_expert
     held = (local >= 0) & (local < num_experts)
     local = torch.where(held, local, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, local, torch.ones_like(local))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
     counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)

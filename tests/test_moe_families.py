@@ -124,3 +124,18 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path, tokenizer_files
     llm = LLM(model=str(mxfp4), engine={"block_size": 8, "num_kv_blocks": 64})
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [output.outputs[0].token_ids for output in outputs] == reference
+
+
+def test_a_backend_without_sinks_refuses_a_layer_with_them():
+    from weft.builtins.torch_attention import TorchAttention
+    from weft.contracts.attention import AttentionLayer
+
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, sliding_window=8, sinks=True)
+    TorchAttention(None, None).check_layer(layer)
+
+    class NoSinks(TorchAttention):
+        name = "no-sinks"
+        supports_sinks = False
+
+    with pytest.raises(ValueError, match=r"'no-sinks' does not support attention sinks .*the 'torch' backend does"):
+        NoSinks(None, None).check_layer(layer)

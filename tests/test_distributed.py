@@ -349,6 +349,34 @@ def test_deepseek_v4_with_expert_parallelism_gives_the_greedy_tokens_of_one_devi
         assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
 
 
+@pytest.mark.parametrize("layout", [{"enable_expert_parallel": True}, {"enable_expert_parallel": False}],
+                         ids=["ep2", "tp2-expert-columns"])
+def test_qwen3_moe_over_two_ranks_gives_the_greedy_tokens_of_one_device(tmp_path, tokenizer_files, layout):
+    """EP=2: each rank holds 8 of the 16 experts, routes its half of the rows and gets the others' routing;
+    without expert parallelism each rank holds half of every expert's columns."""
+    from test_moe_families import make_moe_model
+
+    folder = make_moe_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer_files)
+    expected, _ = greedy_tokens(folder)
+    got, _ = greedy_tokens(folder, tensor_parallel_size=2, **layout)
+    assert got == expected
+
+
+def test_expert_parallel_ranks_read_only_their_experts(tmp_path, tokenizer_files):
+    from safetensors.torch import load_file
+    from test_moe_families import make_moe_model
+    from weft.models.qwen3_moe import Qwen3MoeFamily
+
+    folder = make_moe_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer_files)  # 16 experts; layer 1 dense
+    module, reads = _load_rank(folder, Qwen3MoeFamily(), rank=1, enable_expert_parallel=True)
+    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in reads if ".experts." in name}
+    assert experts_read == set(range(8, 16))
+    stored = load_file(str(folder / "model.safetensors"))
+    experts = module.model.layers[2].mlp.experts
+    assert experts.down_proj[3].equal(stored["model.layers.2.mlp.experts.11.down_proj.weight"])
+    assert experts.gate_up_proj[3, 32:].equal(stored["model.layers.2.mlp.experts.11.up_proj.weight"])
+
+
 class _Recording:
     """Wraps a loader's WeightSlice and records what is read of it."""
 
@@ -559,13 +587,15 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
             seen["collectives"].append(("reduce_scatter", tuple(tensor.shape)))
             return super().reduce_scatter(tensor)
 
-    grouped_matmul = moe.grouped_matmul
+    from weft.layers import moe as core_moe
+
+    grouped_matmul = core_moe.grouped_matmul
 
     def counting(rows, weights, ends):
         seen["gemm_rows"].append(int(ends[-1]))  # the rows the GEMMs compute: those of this rank's experts
         return grouped_matmul(rows, weights, ends)
 
-    moe.grouped_matmul = counting
+    core_moe.grouped_matmul = counting
     config = _exchange_config()
     layout = ParallelLayout(tensor_parallel_size=world, enable_expert_parallel=True, rank=rank)
     settings = DeepseekV4Settings(config, layout)
@@ -575,8 +605,8 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
         with using_parallel(ParallelGroups(layout, Recording(dist.group.WORLD, torch.device("cpu")), torch.device("cpu"))):
             layer = moe.MoE(settings, index)
         layer.gate.load_state_dict(whole.gate.state_dict())
-        for name in ("gate_up_proj", "down_proj"):
-            layer.experts.load_stacked(name, getattr(whole.experts, name).data, name)
+        for name, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            layer.experts.load_stacked(part, getattr(whole.experts, name).data, name)
         columns = slice(rank * settings.shared_intermediate, (rank + 1) * settings.shared_intermediate)
         for name in ("gate_proj", "up_proj"):
             getattr(layer.shared_experts, name).weight.data.copy_(getattr(whole.shared_experts, name).weight.data[columns])

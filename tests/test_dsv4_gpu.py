@@ -116,7 +116,7 @@ def test_the_compiled_mhc_kernel_matches_the_torch_reference():
 
 
 def test_routed_experts_grouped_gemm_in_bf16_matches_a_loop_over_experts():
-    from weft_dsv4.moe import grouped_matmul
+    from weft.layers.moe import grouped_matmul
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(300, 256, generator=generator).cuda().bfloat16()

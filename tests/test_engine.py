@@ -226,4 +226,5 @@ def test_use_ops_names_are_checked_and_forced_implementations_used(tiny_model):
     assert {name: type(op).__name__ for name, op in llm.engine.worker.ops.items()} == {
         "linear": "LinearTorch", "rms_norm": "RmsNormTorch", "rotary": "RotaryTorch", "qk_norm_rotary": "QkNormRotaryTorch",
         "silu_and_mul": "SiluAndMulTorch", "decode_topk": "DecodeTopKTorch", "bitmask_argmax": "BitmaskArgmaxTorch",
+        "moe": "MoETorch",
     }

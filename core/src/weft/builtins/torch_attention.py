@@ -5,7 +5,8 @@ cache-slot indices once. Each layer then writes the new keys and values, and
 attends in two shapes: all single-token decodes together, padded to the
 longest context, and each prefill chunk on its own. Both go through
 ``scaled_dot_product_attention`` with an explicit mask (causal with the
-chunk's offset into the context, and the sliding window when the layer has one).
+chunk's offset into the context, and the sliding window when the layer has one); a layer
+with attention sinks (gpt-oss) takes the same masks through explicit scores with one more softmax term.
 Non-finite keys and values are stored as zeros, so one request's NaNs never reach another's attention.
 """
 
@@ -37,6 +38,7 @@ class TorchAttention(AttentionBackend):
     """Paged attention in pure torch: any platform, any head size, sliding windows."""
 
     name: ClassVar[str] = "torch"
+    supports_sinks: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -93,6 +95,7 @@ class TorchAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         heads, dim = layer.num_kv_heads, layer.head_dim
@@ -112,9 +115,15 @@ class TorchAttention(AttentionBackend):
             # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
             group = layer.num_heads // heads
             queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=metadata.decode_bias[layer.sliding_window], scale=layer.scale
-            )
+            if sinks is not None:
+                attended = _attend_with_sinks(
+                    queries.reshape(count, layer.num_heads, 1, dim), keys, values,
+                    metadata.decode_bias[layer.sliding_window], layer.scale, sinks,
+                )
+            else:
+                attended = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=metadata.decode_bias[layer.sliding_window], scale=layer.scale
+                )
             output.index_copy_(0, metadata.decode_rows, attended.reshape(count, layer.num_heads, dim))
 
         for start, rows, blocks, offsets in metadata.prefills:
@@ -125,8 +134,28 @@ class TorchAttention(AttentionBackend):
             visible = offsets <= 0
             if layer.sliding_window is not None:
                 visible = visible & (offsets > -layer.sliding_window)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
-            )
+            if sinks is not None:
+                attended = _attend_with_sinks(queries, keys, values, visible, layer.scale, sinks)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
+                )
             output[start : start + rows] = attended.squeeze(0).transpose(0, 1)
         return output
+
+
+def _attend_with_sinks(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of ``queries`` ``[B, heads, rows, dim]`` over ``keys``/``values`` ``[B, kv_heads, L, dim]`` under
+    ``mask`` (boolean: visible, or additive) with each head's sink logit as one more softmax term that has no
+    value, as Hugging Face's gpt-oss computes it (softmax in float32)."""
+    group = queries.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = (queries @ keys.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probabilities = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probabilities.to(values.dtype) @ values

@@ -38,6 +38,9 @@ class AttentionLayer(msgspec.Struct, frozen=True):
     sliding_window: int | None = None
     """Keys visible to a query at position t: ``t - sliding_window + 1 .. t`` (None: all)."""
     logits_soft_cap: float | None = None
+    sinks: bool = False
+    """Each query head has a learned sink logit (gpt-oss): one more term in the softmax's denominator, with no
+    value. The layer passes the ``[num_heads]`` logits as :meth:`AttentionBackend.forward`'s ``sinks``."""
 
 
 class AttentionBatch(msgspec.Struct, frozen=True):
@@ -66,6 +69,9 @@ class AttentionBackend(PluginBase):
     supported_head_dims: ClassVar[tuple[int, ...] | None] = None
     """Head dims this backend computes; None means any."""
     supports_sliding_window: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = False
+    """Whether :meth:`forward` takes ``sinks`` (:attr:`AttentionLayer.sinks`); :meth:`check_layer` refuses a layer
+    with sinks otherwise."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether decode steps through this backend can be captured as graphs and replayed.
 
@@ -99,6 +105,11 @@ class AttentionBackend(PluginBase):
         if layer.sliding_window is not None and not self.supports_sliding_window:
             raise ValueError(
                 f"attention backend {self.name!r} does not support sliding windows; choose another use.attention"
+            )
+        if layer.sinks and not self.supports_sinks:
+            raise ValueError(
+                f"attention backend {self.name!r} does not support attention sinks (AttentionLayer.sinks); "
+                f"choose another use.attention (the 'torch' backend does)"
             )
 
     def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
@@ -135,4 +146,7 @@ class AttentionBackend(PluginBase):
         causal attention of each query row over its request's cached keys
         (respecting ``layer.sliding_window``) and returns
         ``[num_tokens, num_heads, head_dim]``.
+
+        A layer with :attr:`AttentionLayer.sinks` is called with one more keyword argument,
+        ``sinks`` (``[num_heads]``, the sink logit of each query head); others never are.
         """

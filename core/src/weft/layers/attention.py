@@ -56,9 +56,14 @@ class Attention(nn.Module):
         self.group = group
         self.spec = spec
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``sinks``: the ``[num_heads]`` sink logits of a layer whose spec has ``sinks``."""
         if context.wait_for_layer is not None:
             context.wait_for_layer(self.layer_name)
-        return context.backend.forward(
-            self.spec, query, key, value, context.kv_caches[self.layer_name], context.metadata[self.group]
-        )
+        cache, metadata = context.kv_caches[self.layer_name], context.metadata[self.group]
+        if self.spec.sinks:
+            return context.backend.forward(self.spec, query, key, value, cache, metadata, sinks=sinks)
+        return context.backend.forward(self.spec, query, key, value, cache, metadata)

@@ -59,6 +59,10 @@ class LlamaSettings:
         self.rope = rope_parameters(config)
         qwen2 = architecture == "Qwen2ForCausalLM"
         self.attention_bias = config.get("attention_bias", qwen2)
+        self.output_bias = False
+        """Whether ``o_proj`` has a bias (gpt-oss's does; Llama's and Qwen's never do here)."""
+        self.attention_sinks = False
+        """Whether each attention head has a learned sink logit (gpt-oss)."""
         self.mlp_bias = config.get("mlp_bias", False)
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.sliding_windows = self._sliding_windows(config, architecture)
@@ -102,12 +106,14 @@ class LlamaAttention(nn.Module):
         query = Shard(s.layout.tensor_rank * self.q_size, self.q_size)
         key_value = Shard(s.first_kv_head * s.head_dim, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(s.hidden_size, [query, key_value, key_value], bias=s.attention_bias)
-        self.o_proj = RowParallelLinear(query, s.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(query, s.hidden_size, bias=s.output_bias)
+        self.first_head = s.layout.tensor_rank * self.num_heads
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if s.attention_sinks else None
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
-            scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index],
+            scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index], sinks=s.attention_sinks,
         )
         self.attn = Attention(layer_name(index), 0, spec)
         heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
@@ -136,8 +142,12 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = (self.rotary or apply_rotary)(query, key, *rotary)
-        output = self.attn(query, key, value, context)
+        output = self.attn(query, key, value, context, self.sinks)
         return self.o_proj(output.reshape(tokens, self.q_size))
+
+    def load_checkpoint_tensor(self, parameter: str, weight: Any, name: str, index: int = 0) -> None:
+        """The sink logits (the only parameter of the attention module itself): this rank's heads."""
+        copy_checked(self.sinks.data, as_slice(weight).narrow(0, self.first_head, self.num_heads), name)
 
 
 class LlamaMLP(nn.Module):
@@ -163,9 +173,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, settings: LlamaSettings, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(settings, index)
-        self.mlp = LlamaMLP(settings)
+        self.mlp = self.build_mlp(settings, index)
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
+
+    def build_mlp(self, settings: LlamaSettings, index: int) -> nn.Module:
+        """The feed-forward block of layer ``index`` (a mixture-of-experts family builds its experts here)."""
+        return LlamaMLP(settings)
 
     def forward(
         self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -182,6 +196,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
+
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
         layout = settings.layout
@@ -190,12 +207,12 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(settings.vocab_size, settings.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(settings, index) if index in self.stage_layers else nn.Module()
+            self.layer_class(settings, index) if index in self.stage_layers else nn.Module()
             for index in range(settings.num_layers)
         )
         if self.is_last_stage:
             self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
-        self.rotary = RotaryEmbedding(settings.head_dim, max_positions, settings.rope)
+        self.rotary = self.rotary_class(settings.head_dim, max_positions, settings.rope)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
@@ -215,12 +232,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, settings: LlamaSettings, max_positions: int) -> None:
         super().__init__()
         self.settings = settings
         self.dtype = torch.get_default_dtype()
         """The activations' dtype (the default dtype the family builds under)."""
-        self.model = LlamaModel(settings, max_positions)
+        self.model = self.model_class(settings, max_positions)
         if settings.layout.is_last_stage:
             self.lm_head = ParallelLMHead(settings.hidden_size, settings.vocab_size)
             if settings.tie_word_embeddings and settings.layout.is_first_stage:
@@ -259,27 +278,32 @@ class LlamaFamily(ModelFamily):
     """Llama-architecture decoders: Llama, Mistral, Qwen2, Qwen3, SmolLM2."""
 
     reads_weight_slices = True
+    settings_class: type[LlamaSettings] = LlamaSettings
+    module_class: type[LlamaForCausalLM] = LlamaForCausalLM
+
+    def settings(self, config: ModelConfig) -> LlamaSettings:
+        return self.settings_class(config.hf_config, config.architecture, config.parallel)
 
     def check_parallel(self, config: ModelConfig) -> None:
-        LlamaSettings(config.hf_config, config.architecture, config.parallel).check()
+        self.settings(config).check()
         if config.parallel.enable_expert_parallel:
             raise ValueError(
                 f"engine.enable_expert_parallel: {config.architecture} has no experts to spread; set it to false"
             )
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
+        settings = self.settings(config)
         spec = FullAttentionSpec(
             block_size=config.block_size, dtype=config.dtype, num_kv_heads=settings.local_kv_heads, head_dim=settings.head_dim
         )
         return (KVCacheGroupSpec("attention", tuple(layer_name(i) for i in settings.stage_layers), spec),)
 
     def build(self, config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
-        settings = LlamaSettings(config.hf_config, config.architecture, config.parallel)
+        settings = self.settings(config)
         # Weft's Linear and Embedding skip random initialisation (load_weights fills every
         # parameter), so building directly on the device in the runtime dtype costs nothing.
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
-            module = LlamaForCausalLM(settings, config.max_model_len)
+            module = self.module_class(settings, config.max_model_len)
         module.model.rotary.to(device)
         return module.eval()
 
@@ -295,6 +319,8 @@ class LlamaFamily(ModelFamily):
             layer = _layer_index(name)
             if layer is not None and layer not in settings.stage_layers:
                 continue  # another pipeline stage's
+            if self.load_other_tensor(module, name, tensor, filled):
+                continue
             targets = self._targets(name, settings, parameters, shared_head)
             if targets is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(module).__name__}")
@@ -321,6 +347,11 @@ class LlamaFamily(ModelFamily):
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")
+
+    def load_other_tensor(self, module: nn.Module, name: str, tensor: Any, filled: set[str]) -> bool:
+        """Load a checkpoint tensor the stacked Llama layout does not describe (a family's experts), adding what
+        it fills to ``filled``; False: not such a tensor."""
+        return False
 
     @staticmethod
     def _targets(

@@ -37,7 +37,7 @@ alike on every rank (their KV-cache groups are the same on every rank). Routed e
 either split the same way (each expert's columns: every rank routes every token, adds what
 its columns give, and one all-reduce per layer sums the ranks' shares) or, with
 ``enable_expert_parallel``, spread whole over the ranks, the tokens exchanged between them
-(``moe.ExpertParallelExchange``: each rank routes its shard of the tokens, the routing is
+(core's ``weft.layers.moe.ExpertParallelExchange``: each rank routes its shard of the tokens, the routing is
 all-gathered, the outputs reduce-scattered to their shard's rank and all-gathered back).
 """
 
@@ -185,7 +185,7 @@ class DeepseekV4Family(ModelFamily):
             return False  # TP/PP collectives of the family are not captured yet
         if not full_width_decode(config):
             return False  # a graph's decode reads every entry max_model_len allows: eager reads each request's own
-        from weft_dsv4.moe import _grouped_mm_runs
+        from weft.layers.moe import _grouped_mm_runs
 
         s = DeepseekV4Settings(config.hf_config, config.parallel)
         hidden, columns = s.hidden_size, s.expert_intermediate
@@ -319,10 +319,10 @@ class DeepseekV4Family(ModelFamily):
             owner = module.get_submodule(owner_name)
             if isinstance(owner, Experts):
                 if expert is None:
-                    owner.load_stacked(parameter, tensor, checkpoint_name)
+                    owner.load_stacked("down" if parameter == "down_proj" else "gate_up", tensor, checkpoint_name)
                     filled.add(name)
                 elif owner.holds(expert):  # another rank's expert is never read
-                    owner.load_expert(parameter, expert, part, tensor, checkpoint_name)
+                    owner.load_expert(expert, part, tensor, checkpoint_name)
                     filled.add(f"{name}#{expert}.{part}")
                 continue
             loader = getattr(owner, "load_checkpoint_tensor", None)
@@ -336,7 +336,8 @@ class DeepseekV4Family(ModelFamily):
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in filled:
                 experts = module.get_submodule(name.rpartition(".")[0])
                 parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
-                expected |= {f"{name}#{e}.{p}" for e in range(experts.first, experts.first + experts.count) for p in parts}
+                held = range(experts.held.first, experts.held.first + experts.held.count)
+                expected |= {f"{name}#{e}.{p}" for e in held for p in parts}
             else:
                 expected.add(name)
         missing = sorted(expected - filled)

@@ -260,3 +260,38 @@ class BitmaskArgmaxTriton(OpImplementation):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         return self.kernel(dtype=logits.dtype, logits=logits, mask_rows=mask_rows.contiguous(), bitmask=bitmask.contiguous())
+
+
+class MoETriton(OpImplementation):
+    """``moe`` with the experts as two grouped GEMMs over the pairs sorted by expert
+    (:mod:`weft_triton.fused_moe`); the routing and the shared expert as in the reference."""
+
+    op: ClassVar[str] = "moe"
+    priority: ClassVar[int] = 10
+    tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
+
+    def __init__(self, platform: Any) -> None:
+        super().__init__(platform)
+        from weft.kernels.warmup import register
+        from weft_triton.fused_moe import FusedMoEKernel
+
+        self.kernel = register(FusedMoEKernel())
+
+    @classmethod
+    def is_available(cls, platform: Any) -> bool:
+        return runs_on(platform)
+
+    def declare(self, **shape: Any) -> None:
+        self.kernel.add(shape["dtype"], shape["num_experts"], shape["top_k"], shape["hidden_size"],
+                        shape["intermediate_size"], shape["bias"])
+
+    def __call__(self, hidden: Any, router_logits: Any, w13: Any, w2: Any, routing: Any, **kwargs: Any) -> Any:
+        from weft.layers.moe import moe
+
+        return moe(hidden, router_logits, w13, w2, routing, experts_function=self.experts, **kwargs)
+
+    def experts(self, hidden: Any, w13: Any, w2: Any, experts: Any, weights: Any, activation: Any, w13_bias: Any,
+                w2_bias: Any, first_expert: int) -> Any:
+        from weft_triton.fused_moe import fused_moe
+
+        return fused_moe(self.kernel, hidden, w13, w2, experts, weights, activation, w13_bias, w2_bias, first_expert)

@@ -5,7 +5,9 @@ cache-slot indices once. Each layer then writes the new keys and values, and
 attends in two shapes: all single-token decodes together, padded to the
 longest context, and each prefill chunk on its own. Both go through
 ``scaled_dot_product_attention`` with an explicit mask (causal with the
-chunk's offset into the context, and the sliding window when the layer has one).
+chunk's offset into the context, and the sliding window when the layer has one); a layer
+with a logits soft cap (Gemma 2) takes the same masks through explicit scores, since
+``scaled_dot_product_attention`` cannot cap them.
 Non-finite keys and values are stored as zeros, so one request's NaNs never reach another's attention.
 """
 
@@ -34,9 +36,10 @@ class TorchAttentionMetadata(msgspec.Struct):
 
 
 class TorchAttention(AttentionBackend):
-    """Paged attention in pure torch: any platform, any head size, sliding windows."""
+    """Paged attention in pure torch: any platform, any head size, sliding windows, soft-capped logits."""
 
     name: ClassVar[str] = "torch"
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -112,9 +115,7 @@ class TorchAttention(AttentionBackend):
             # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
             group = layer.num_heads // heads
             queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=metadata.decode_bias[layer.sliding_window], scale=layer.scale
-            )
+            attended = _attend(layer, queries, keys, values, metadata.decode_bias[layer.sliding_window])
             output.index_copy_(0, metadata.decode_rows, attended.reshape(count, layer.num_heads, dim))
 
         for start, rows, blocks, offsets in metadata.prefills:
@@ -125,8 +126,26 @@ class TorchAttention(AttentionBackend):
             visible = offsets <= 0
             if layer.sliding_window is not None:
                 visible = visible & (offsets > -layer.sliding_window)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
-            )
+            if gqa and layer.logits_soft_cap is not None:
+                group = layer.num_heads // heads
+                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            attended = _attend(layer, queries, keys, values, visible, gqa)
             output[start : start + rows] = attended.squeeze(0).transpose(0, 1)
         return output
+
+
+def _attend(
+    layer: AttentionLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Softmax attention under ``mask`` (boolean: visible, or additive); with the layer's soft cap when it has one,
+    as Hugging Face's eager attention computes it (capped scores, the mask added, softmax in float32)."""
+    cap = layer.logits_soft_cap
+    if cap is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    scores = torch.tanh(queries @ keys.transpose(-1, -2) * layer.scale / cap) * cap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values

@@ -38,6 +38,7 @@ class AttentionLayer(msgspec.Struct, frozen=True):
     sliding_window: int | None = None
     """Keys visible to a query at position t: ``t - sliding_window + 1 .. t`` (None: all)."""
     logits_soft_cap: float | None = None
+    """Scores become ``cap * tanh(score / cap)`` (after the scale, before the mask) when set (Gemma 2)."""
 
 
 class AttentionBatch(msgspec.Struct, frozen=True):
@@ -66,6 +67,9 @@ class AttentionBackend(PluginBase):
     supported_head_dims: ClassVar[tuple[int, ...] | None] = None
     """Head dims this backend computes; None means any."""
     supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = False
+    """Whether :meth:`forward` applies :attr:`AttentionLayer.logits_soft_cap`; :meth:`check_layer` refuses a
+    layer that sets it otherwise (a backend that ignored it would compute another model)."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether decode steps through this backend can be captured as graphs and replayed.
 
@@ -99,6 +103,11 @@ class AttentionBackend(PluginBase):
         if layer.sliding_window is not None and not self.supports_sliding_window:
             raise ValueError(
                 f"attention backend {self.name!r} does not support sliding windows; choose another use.attention"
+            )
+        if layer.logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"attention backend {self.name!r} does not support logits_soft_cap ({layer.logits_soft_cap}); "
+                f"choose another use.attention (the 'torch' backend does)"
             )
 
     def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:

@@ -1,0 +1,80 @@
+"""The families beyond Llama (Gemma 2/3, Phi-3/4, DeepSeek V3) equal transformers on tiny random checkpoints.
+
+Each checkpoint is made here with transformers (every parameter random, norms included, so a norm applied
+as ``weight`` rather than ``1 + weight`` shows), its sliding windows shorter than the longer prompts. Greedy
+output through the engine (small blocks and step budget: chunked prefill, many blocks per request) must equal
+HF ``generate``; ``weft verify`` must pass in bfloat16 (logits within the dtype's band).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_parity import hf_greedy, prompts_of_lengths
+
+from weft import LLM, SamplingParams
+from weft.verify import verify
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = [3, 21, 70]
+"""Shorter and longer than the sliding windows (16), and a prompt chunked over several steps."""
+
+SIZES = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+FAMILIES = {
+    "gemma2": dict(
+        model_type="gemma2", head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", head_dim=32, sliding_window=16, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0}},
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def make_checkpoint(folder: Path, family: str, tokenizer_folder: Path, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {**SIZES, **FAMILIES[family], **overrides}
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    model.save_pretrained(str(folder))
+    for file in tokenizer_folder.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory, tokenizer_files, one_torch_thread):
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, tokenizer_files)
+
+
+def test_greedy_output_matches_hf(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    prompts = prompts_of_lengths(PROMPT_LENGTHS)
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    reference = hf_greedy(hf, prompts, NEW_TOKENS)
+    llm = LLM(model=str(checkpoint), engine={"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 128})
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, expected, output in zip(prompts, reference, outputs):
+        assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+
+
+def test_weft_verify_passes_in_bfloat16(checkpoint):
+    prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n" * 2]
+    report = verify(str(checkpoint), prompts, dtype="bfloat16", max_tokens=6)
+    assert report.passed, report.table()

@@ -38,7 +38,17 @@ FAMILIES = {
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0}},
         tie_word_embeddings=False,
     ),
+    # Phi-4-mini's shape: LongRoPE (the long factors from 25 tokens on), a rotation of 3/4 of each head.
+    "phi3": dict(
+        model_type="phi3", head_dim=16, sliding_window=16, partial_rotary_factor=0.75,
+        original_max_position_embeddings=24,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.7 * i for i in range(6)]},
+    ),
 }
+
+PROMPT_LENGTHS_OF = {"phi3": [3, 9, 40, 70]}
+"""Phi-3: requests within the original context to the end and requests beyond it from their first step."""
 
 
 def make_checkpoint(folder: Path, family: str, tokenizer_folder: Path, **overrides) -> Path:
@@ -59,13 +69,14 @@ def make_checkpoint(folder: Path, family: str, tokenizer_folder: Path, **overrid
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory, tokenizer_files, one_torch_thread):
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, tokenizer_files)
+    return request.param, make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, tokenizer_files)
 
 
 def test_greedy_output_matches_hf(checkpoint):
     from transformers import AutoModelForCausalLM
 
-    prompts = prompts_of_lengths(PROMPT_LENGTHS)
+    family, checkpoint = checkpoint
+    prompts = prompts_of_lengths(PROMPT_LENGTHS_OF.get(family, PROMPT_LENGTHS))
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     reference = hf_greedy(hf, prompts, NEW_TOKENS)
     llm = LLM(model=str(checkpoint), engine={"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 128})
@@ -76,5 +87,5 @@ def test_greedy_output_matches_hf(checkpoint):
 
 def test_weft_verify_passes_in_bfloat16(checkpoint):
     prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n" * 2]
-    report = verify(str(checkpoint), prompts, dtype="bfloat16", max_tokens=6)
+    report = verify(str(checkpoint[1]), prompts, dtype="bfloat16", max_tokens=6)
     assert report.passed, report.table()

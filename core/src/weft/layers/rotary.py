@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the ``rotate_half`` layout), with the llama3 frequency scaling."""
+"""Rotary position embeddings (the ``rotate_half`` layout), with the llama3 frequency scaling, and LongRoPE's
+short and long tables (Phi-3); a rotation may cover only the first part of each head (``partial_rotary_factor``)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,14 @@ def inverse_frequencies(head_dim: int, parameters: dict[str, Any]) -> torch.Tens
         return torch.where(is_medium, smoothed, scaled)
     if kind == "linear":
         return inv_freq / parameters["factor"]
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "longrope":
+        return inv_freq / torch.tensor(parameters["short_factor"], dtype=torch.float32)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope")
+
+
+def rotary_dim(head_dim: int, parameters: dict[str, Any]) -> int:
+    """The leading dims of each head that rotate (``partial_rotary_factor`` of them; the rest pass through)."""
+    return int(head_dim * parameters.get("partial_rotary_factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,7 +54,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, parameters)
+        inv_freq = inverse_frequencies(rotary_dim(head_dim, parameters), parameters)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -57,8 +65,34 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3): the short factors' table at rows ``0 .. max_positions - 1``, the long factors' after it
+    (look a position up at ``position + max_positions`` to take the long one); both scaled by the attention factor.
+
+    As in Hugging Face, the long factors serve a sequence longer than ``original_max_position_embeddings``
+    and the attention factor defaults to ``sqrt(1 + log(factor) / log(original))``, ``factor`` to
+    ``max_position_embeddings / original`` (``parameters`` carries it as ``max_position_embeddings``).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
+        super().__init__(head_dim, max_positions, parameters)
+        self.original_max_positions = parameters["original_max_position_embeddings"]
+        factor = parameters.get("factor") or parameters["max_position_embeddings"] / self.original_max_positions
+        scaling = parameters.get("attention_factor")
+        if scaling is None:
+            scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(self.original_max_positions))
+        long = RotaryEmbedding(head_dim, max_positions, {**parameters, "short_factor": parameters["long_factor"]})
+        self.cos = torch.cat((self.cos, long.cos)) * scaling
+        self.sin = torch.cat((self.sin, long.sin)) * scaling
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`."""
+    """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`;
+    a table narrower than the heads rotates their leading dims only."""
+    width = cos.shape[-1]
+    if width < query.shape[-1]:
+        query_rotated, key_rotated = apply_rotary(query[..., :width], key[..., :width], cos, sin)
+        return torch.cat((query_rotated, query[..., width:]), -1), torch.cat((key_rotated, key[..., width:]), -1)
     return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 

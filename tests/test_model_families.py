@@ -109,3 +109,25 @@ def test_weft_verify_passes_with_logits_in_the_dtypes_band(checkpoint, dtype):
     report = verify(str(checkpoint), prompts, dtype=dtype, max_tokens=6)
     assert report.passed, report.table()
     assert report.teacher_forced_error <= noise_ceiling(report.reference_noise, dtype), report.table()
+
+
+@pytest.mark.parametrize("checkpoint", ["gemma2", "phi3", "deepseek_v3"], indirect=True)
+def test_two_tensor_ranks_give_the_greedy_tokens_of_one_device(checkpoint):
+    """The dense families shard as the Llama family does (gloo, two worker processes; Gemma 3 shares Gemma 2's
+    module); DeepSeek V3 runs on one device and says so before any worker starts."""
+    family, checkpoint = checkpoint
+    engine = {"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 64}
+    if family == "deepseek_v3":
+        with pytest.raises(ValueError, match="runs on one device only"):
+            LLM(model=str(checkpoint), engine={**engine, "tensor_parallel_size": 2})
+        return
+    prompts = prompts_of_lengths([5, 40])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for ranks in (1, 2):
+        llm = LLM(model=str(checkpoint), engine={**engine, "tensor_parallel_size": ranks})
+        try:
+            outputs[ranks] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+        finally:
+            llm.engine.close()
+    assert outputs[2] == outputs[1]

@@ -91,6 +91,25 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn"
 
 
+class LatentStep:
+    """What every attention layer of one step needs of the batch, read from the host once per step: each
+    request's query rows, its cache blocks and which of its positions each query sees (causal)."""
+
+    def __init__(self, context: ForwardContext, device: torch.device) -> None:
+        batch = context.batches[0]
+        query_start, seq_lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+        self.slots = batch.slot_mapping.long()
+        self.requests: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        for row, seq_len in enumerate(seq_lens):
+            first, last = query_start[row], query_start[row + 1]
+            if first == last:
+                continue
+            blocks = batch.block_table[row, : -(-seq_len // batch.block_size)].long()
+            query_positions = torch.arange(seq_len - (last - first), seq_len, device=device)
+            visible = torch.arange(seq_len, device=device) <= query_positions.unsqueeze(1)
+            self.requests.append((first, last, seq_len, blocks, visible))
+
+
 def apply_interleaved_rotary(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +147,9 @@ class DeepseekV3Attention(nn.Module):
         self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
         self.rotate = apply_interleaved_rotary if s.rope_interleave else apply_rotary
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext, step: LatentStep,
+    ) -> torch.Tensor:
         s, tokens = self.settings, hidden.shape[0]
         query = self.q_proj(hidden) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         query_nope, query_rope = query.view(tokens, self.num_heads, self.qk_head_dim).split(
@@ -139,30 +160,20 @@ class DeepseekV3Attention(nn.Module):
         query_rope, key_rope = self.rotate(query_rope, key_rope.unsqueeze(1), *rotary)
 
         cache = context.kv_caches[self.layer_name]  # [blocks, block_size, entry_dim]
-        batch = context.batches[0]
-        entries = cache.view(-1, s.entry_dim)
-        entries.index_copy_(0, batch.slot_mapping.long(), torch.cat((latent, key_rope.squeeze(1)), dim=-1))
+        cache.view(-1, s.entry_dim).index_copy_(0, step.slots, torch.cat((latent, key_rope.squeeze(1)), dim=-1))
 
         # kv_b_proj's rows, per head: the key's position-free part, then the value.
         up = self.kv_b_proj.weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         key_up, value_up = up.split([s.qk_nope_head_dim, s.v_head_dim], dim=1)
         query_latent = torch.einsum("thn,hnc->thc", query_nope, key_up)
         output = query.new_empty(tokens, self.num_heads, s.v_head_dim)
-        block_size = cache.shape[1]
-        query_start, seq_lens = batch.query_start.tolist(), batch.seq_lens.tolist()
-        for row, seq_len in enumerate(seq_lens):
-            first, last = query_start[row], query_start[row + 1]
-            if first == last:
-                continue
-            blocks = batch.block_table[row, : -(-seq_len // block_size)].long()
+        for first, last, seq_len, blocks, visible in step.requests:
             stored = cache.index_select(0, blocks).view(-1, s.entry_dim)[:seq_len]
             cached_latent, cached_rope = stored.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
             scores = (
                 torch.einsum("thc,lc->htl", query_latent[first:last], cached_latent)
                 + torch.einsum("thr,lr->htl", query_rope[first:last], cached_rope)
             ) * s.scale
-            query_positions = torch.arange(seq_len - (last - first), seq_len, device=hidden.device)
-            visible = torch.arange(seq_len, device=hidden.device) <= query_positions.unsqueeze(1)
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
             attended_latent = torch.einsum("htl,lc->thc", weights, cached_latent)
             output[first:last] = torch.einsum("thc,hvc->thv", attended_latent, value_up)
@@ -247,8 +258,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), context)
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext, step: LatentStep,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), context, step)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -263,8 +276,9 @@ class DeepseekV3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, hidden.dtype)
+        step = LatentStep(context, hidden.device)
         for layer in self.layers:
-            hidden = layer(rotary, hidden, context)
+            hidden = layer(rotary, hidden, context, step)
         return self.norm(hidden)
 
 

@@ -112,9 +112,10 @@ def test_weft_verify_passes_with_logits_in_the_dtypes_band(checkpoint, dtype):
 
 
 @pytest.mark.parametrize("checkpoint", ["gemma2", "phi3", "deepseek_v3"], indirect=True)
-def test_two_tensor_ranks_give_the_greedy_tokens_of_one_device(checkpoint):
-    """The dense families shard as the Llama family does (gloo, two worker processes; Gemma 3 shares Gemma 2's
-    module); DeepSeek V3 runs on one device and says so before any worker starts."""
+def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint):
+    """The dense families shard as the Llama family does (gloo worker processes): Gemma over two tensor ranks
+    (Gemma 3 shares Gemma 2's module), Phi-3 over two tensor ranks in each of two pipeline stages; DeepSeek V3
+    runs on one device and says so before any worker starts."""
     family, checkpoint = checkpoint
     engine = {"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 64}
     if family == "deepseek_v3":
@@ -123,11 +124,12 @@ def test_two_tensor_ranks_give_the_greedy_tokens_of_one_device(checkpoint):
         return
     prompts = prompts_of_lengths([5, 40])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = {}
-    for ranks in (1, 2):
-        llm = LLM(model=str(checkpoint), engine={**engine, "tensor_parallel_size": ranks})
+    layout = {"tensor_parallel_size": 2, **({"pipeline_parallel_size": 2} if family == "phi3" else {})}
+    outputs = []
+    for parallel in ({}, layout):
+        llm = LLM(model=str(checkpoint), engine={**engine, **parallel})
         try:
-            outputs[ranks] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+            outputs.append([output.outputs[0].token_ids for output in llm.generate(prompts, params)])
         finally:
             llm.engine.close()
-    assert outputs[2] == outputs[1]
+    assert outputs[1] == outputs[0]

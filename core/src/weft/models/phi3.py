@@ -9,6 +9,8 @@ A Llama-architecture decoder (:mod:`weft.models.llama`) with three differences:
   the cache when a sequence crosses the limit, keys cached before the crossing keep their short rotation
   (vLLM does the same);
 - a rotation of the leading ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75).
+
+Tensor and pipeline parallelism as the Llama family.
 """
 
 from __future__ import annotations
@@ -89,14 +91,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 class Phi3Family(LlamaFamily):
     """``Phi3ForCausalLM``: the Llama family's layers with fused checkpoint tensors and LongRoPE."""
-
-    def check_parallel(self, config: ModelConfig) -> None:
-        super().check_parallel(config)
-        if config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"engine.pipeline_parallel_size = {config.parallel.pipeline_parallel_size}: {config.architecture} "
-                f"runs in one pipeline stage; set it to 1 (tensor parallelism is supported)"
-            )
 
     def build(self, config: ModelConfig, device: torch.device) -> Phi3ForCausalLM:
         settings = Phi3Settings(config.hf_config, config.architecture, config.parallel)

@@ -133,3 +133,32 @@ def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint):
         finally:
             llm.engine.close()
     assert outputs[1] == outputs[0]
+
+
+def test_older_gemma3_and_phi3_configs_read_as_transformers_reads_them():
+    """Hub configs from before transformers 5 (Gemma 3's ``rope_local_base_freq`` and ``sliding_window_pattern``,
+    Phi-3.5's ``rope_scaling`` with ``type`` and a top-level ``original_max_position_embeddings``) mean what
+    transformers makes of them."""
+    from transformers import AutoConfig
+
+    from weft.models.gemma import GemmaSettings
+    from weft.models.phi3 import Phi3Settings
+
+    gemma3 = dict(
+        SIZES, model_type="gemma3_text", num_hidden_layers=7, head_dim=32, sliding_window=16, rope_theta=50000.0,
+        rope_local_base_freq=500.0, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
+    hf = AutoConfig.for_model(**gemma3)
+    settings = GemmaSettings({key: value for key, value in gemma3.items() if key != "model_type"}, "Gemma3ForCausalLM")
+    assert settings.layer_types == hf.layer_types
+    assert settings.sliding_windows == [16 if kind == "sliding_attention" else None for kind in hf.layer_types]
+    for kind in ("sliding_attention", "full_attention"):
+        assert {key: settings.ropes[kind].get(key) for key in ("rope_type", "rope_theta", "factor")} == \
+            {key: hf.rope_parameters[kind].get(key) for key in ("rope_type", "rope_theta", "factor")}
+
+    factors = dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    phi3 = dict(SIZES, original_max_position_embeddings=128, rope_scaling={"type": "longrope", **factors})
+    hf = AutoConfig.for_model("phi3", **phi3)
+    rope = Phi3Settings(phi3, "Phi3ForCausalLM").rope
+    assert rope["rope_type"] == hf.rope_parameters["rope_type"] == "longrope"
+    assert rope["original_max_position_embeddings"] == hf.rope_parameters["original_max_position_embeddings"] == 128

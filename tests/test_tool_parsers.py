@@ -14,7 +14,7 @@ import pytest
 from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
 
 from weft.builtins.reasoning_parsers import ThinkReasoningParser
-from weft.builtins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from weft.builtins.tool_parsers import DeepseekV3ToolParser, HermesToolParser, Llama3JsonToolParser
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
@@ -250,6 +250,7 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "tool_parser", "auto", "Qwen2ForCausalLM") is HermesToolParser
     assert select_parser(registry, "tool_parser", "auto", "LlamaForCausalLM") is Llama3JsonToolParser
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ToolParser
+    assert select_parser(registry, "tool_parser", "auto", "DeepseekV3ForCausalLM") is DeepseekV3ToolParser
     assert select_parser(registry, "reasoning_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ReasoningParser
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
@@ -270,6 +271,21 @@ class TestLlama3JsonContract(ToolParserContract):
 
 class TestDeepseekV4ToolContract(ToolParserContract):
     plugin_name = "dsv4"
+
+
+def test_deepseek_v3_reads_the_v3_and_the_v3_1_bodies_and_keeps_a_broken_call_as_text():
+    begin, end, call, call_end, sep = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", \
+        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    v3 = f'{call}function{sep}get_weather\n```json\n{{"city": "Paris"}}\n```{call_end}'
+    v3_1 = f'{call}now{sep}{{}}{call_end}'
+    broken = f"{call}function{sep}oops\n```json\nnot json\n```{call_end}"
+    parsed = DeepseekV3ToolParser().parse(f"Checking.{begin}{v3}{v3_1}{broken}{end} Done.")
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert parsed.content == f"Checking.{broken} Done."
+
+
+class TestDeepseekV3ToolContract(ToolParserContract):
+    plugin_name = "deepseek_v3"
 
 
 class TestThinkContract(ReasoningParserContract):

@@ -87,10 +87,13 @@ def test_split_key_decode_matches_torch_backend(requests, window):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU")
-@pytest.mark.parametrize("heads", [(6, 2), (9, 3), (10, 2)])
-def test_groups_that_are_not_powers_of_two_match_torch_backend(heads):
+@pytest.mark.parametrize(("heads", "soft_cap", "window"), [
+    ((6, 2), None, None), ((9, 3), None, None), ((10, 2), None, None), ((6, 2), 2.0, None), ((9, 3), 2.0, 11),
+])
+def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, window):
     """Groups of 3 and 5 (SmolLM2's 9 query heads over 3 KV heads): a step mixing prefill chunks and decode
-    rows, then a decode-only step on the split-key path, both equal to the torch backend."""
+    rows, then a decode-only step on the split-key path, both equal to the torch backend; with Gemma 2's
+    soft-capped scores (a cap small enough to bind) and a sliding window too."""
     import torch
 
     from weft.builtins.cpu import CpuPlatform
@@ -102,7 +105,10 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads):
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     num_heads, kv_heads = heads
     generator = torch.Generator().manual_seed(num_heads)
-    layer = AttentionLayer(num_heads=num_heads, num_kv_heads=kv_heads, head_dim=32, scale=32**-0.5)
+    layer = AttentionLayer(
+        num_heads=num_heads, num_kv_heads=kv_heads, head_dim=32, scale=32**-0.5, logits_soft_cap=soft_cap,
+        sliding_window=window,
+    )
     block = 8
     platform = CpuPlatform() if device == "cpu" else CudaPlatform()
     for query_lens, lengths in (([7, 1, 19], [30, 41, 19]), ([1, 1], [90, 13])):

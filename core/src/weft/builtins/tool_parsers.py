@@ -1,6 +1,7 @@
-"""Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON) and ``llama3_json`` (Llama 3's bare JSON).
+"""Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON), ``llama3_json`` (Llama 3's bare JSON) and
+``deepseek_v3`` (DeepSeek V3/V3.1/R1's marker-delimited calls).
 
-Both read the whole output so far (:meth:`~weft.contracts.tool_parser.ToolParser.scan`)
+Each reads the whole output so far (:meth:`~weft.contracts.tool_parser.ToolParser.scan`)
 with two helpers other parsers may use too: :func:`json_value_end` finds where a JSON
 value ends in text that may still be growing, and :func:`marker_overlap` says how much
 of a text's tail could be the start of a marker (held back while streaming).
@@ -199,3 +200,81 @@ class Llama3JsonToolParser(ToolParser):
 
     def render_calls(self, calls: Any) -> str:
         return "; ".join(json.dumps({"name": call["name"], "parameters": call["arguments"]}, ensure_ascii=False) for call in calls)
+
+
+class DeepseekV3ToolParser(ToolParser):
+    """DeepSeek V3 / V3.1 / R1 calls, between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each
+    ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``. Two bodies share the architecture: V3 and R1 write
+    ``function<｜tool▁sep｜>NAME`` then the arguments in a json code fence; V3.1 writes ``NAME<｜tool▁sep｜>ARGUMENTS``.
+    Text before the calls (and after them) is content."""
+
+    name: ClassVar[str] = "deepseek_v3"
+    architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
+    needs_special_tokens: ClassVar[bool] = True
+    calls_begin: ClassVar[str] = "<｜tool▁calls▁begin｜>"
+    calls_end: ClassVar[str] = "<｜tool▁calls▁end｜>"
+    call_begin: ClassVar[str] = "<｜tool▁call▁begin｜>"
+    call_end: ClassVar[str] = "<｜tool▁call▁end｜>"
+    separator: ClassVar[str] = "<｜tool▁sep｜>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        opened = text.find(self.calls_begin)
+        if opened < 0:
+            return Scan(text if final else text[: len(text) - marker_overlap(text, self.calls_begin)], [])
+        content, calls = text[:opened], []
+        position = opened + len(self.calls_begin)
+        while True:
+            begin = text.find(self.call_begin, position)
+            section_end = text.find(self.calls_end, position)
+            if begin < 0 or 0 <= section_end < begin:
+                break
+            body_start = begin + len(self.call_begin)
+            end = text.find(self.call_end, body_start)
+            raw = text[begin : end + len(self.call_end) if end >= 0 else len(text)]
+            call = self._call(text[body_start : end if end >= 0 else len(text)], raw, end >= 0)
+            if call is not None and call.complete and not is_valid_call(call):
+                content += raw  # a finished call that is not one: it stays, as text
+            elif call is not None:
+                calls.append(call)
+            if end < 0:
+                return Scan(content, calls)
+            position = end + len(self.call_end)
+        section_end = text.find(self.calls_end, position)
+        if section_end >= 0:
+            tail = text[section_end + len(self.calls_end) :]
+            content += tail if final else tail[: len(tail) - marker_overlap(tail, self.calls_begin)]
+        return Scan(content, calls)
+
+    def _call(self, body: str, raw: str, finished: bool) -> PartialCall | None:
+        """One call's body: ``function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```` or ``NAME<｜tool▁sep｜>ARGS``;
+        None until its name is known."""
+        fenced = "function" + self.separator
+        if body.startswith(fenced):
+            name, newline, rest = body[len(fenced) :].partition("\n")
+            if not newline:
+                return PartialCall(name.strip(), "", False, raw) if finished else None
+            arguments = rest.strip().removeprefix("```json").removesuffix("```").strip()
+        elif not finished and fenced.startswith(body):
+            return None  # the V3 prefix may be arriving
+        else:
+            name, separator, arguments = body.partition(self.separator)
+            if not separator:
+                return PartialCall(name.strip(), "", False, raw) if finished else None
+            arguments = arguments.strip()
+        return PartialCall(name.strip(), arguments if finished else "", finished, raw)
+
+    def tools_prompt(self, tools: Any) -> str:
+        listed = "\n".join(json.dumps({"type": "function", "function": tool}, ensure_ascii=False) for tool in tools)
+        return (
+            f"## Tools\nYou have access to the following functions:\n{listed}\n"
+            "To call functions, answer with:\n"
+            f"{self.calls_begin}{self.call_begin}function{self.separator}<function-name>\n```json\n<arguments>\n```"
+            f"{self.call_end}{self.calls_end}"
+        )
+
+    def render_calls(self, calls: Any) -> str:
+        return self.calls_begin + "".join(
+            f"{self.call_begin}function{self.separator}{call['name']}\n```json\n"
+            f"{json.dumps(call['arguments'], ensure_ascii=False)}\n```{self.call_end}"
+            for call in calls
+        ) + self.calls_end

@@ -6,7 +6,8 @@ attends in two shapes: all single-token decodes together, padded to the
 longest context, and each prefill chunk on its own. Both go through
 ``scaled_dot_product_attention`` with an explicit mask (causal with the
 chunk's offset into the context, and the sliding window when the layer has one); a layer
-with attention sinks (gpt-oss) takes the same masks through explicit scores with one more softmax term.
+with attention sinks (gpt-oss) or a logits soft cap (Gemma 2) takes the same masks through explicit scores,
+since ``scaled_dot_product_attention`` has neither.
 Non-finite keys and values are stored as zeros, so one request's NaNs never reach another's attention.
 """
 
@@ -35,10 +36,11 @@ class TorchAttentionMetadata(msgspec.Struct):
 
 
 class TorchAttention(AttentionBackend):
-    """Paged attention in pure torch: any platform, any head size, sliding windows."""
+    """Paged attention in pure torch: any platform, any head size, sliding windows, soft-capped logits."""
 
     name: ClassVar[str] = "torch"
     supports_sinks: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -117,13 +119,11 @@ class TorchAttention(AttentionBackend):
             queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
             if sinks is not None:
                 attended = _attend_with_sinks(
-                    queries.reshape(count, layer.num_heads, 1, dim), keys, values,
-                    metadata.decode_bias[layer.sliding_window], layer.scale, sinks,
+                    layer, queries.reshape(count, layer.num_heads, 1, dim), keys, values,
+                    metadata.decode_bias[layer.sliding_window], sinks,
                 )
             else:
-                attended = F.scaled_dot_product_attention(
-                    queries, keys, values, attn_mask=metadata.decode_bias[layer.sliding_window], scale=layer.scale
-                )
+                attended = _attend(layer, queries, keys, values, metadata.decode_bias[layer.sliding_window])
             output.index_copy_(0, metadata.decode_rows, attended.reshape(count, layer.num_heads, dim))
 
         for start, rows, blocks, offsets in metadata.prefills:
@@ -135,17 +135,41 @@ class TorchAttention(AttentionBackend):
             if layer.sliding_window is not None:
                 visible = visible & (offsets > -layer.sliding_window)
             if sinks is not None:
-                attended = _attend_with_sinks(queries, keys, values, visible, layer.scale, sinks)
+                attended = _attend_with_sinks(layer, queries, keys, values, visible, sinks)
             else:
-                attended = F.scaled_dot_product_attention(
-                    queries, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
-                )
+                if gqa and layer.logits_soft_cap is not None:
+                    group = layer.num_heads // heads
+                    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+                attended = _attend(layer, queries, keys, values, visible, gqa)
             output[start : start + rows] = attended.squeeze(0).transpose(0, 1)
         return output
 
 
+def _capped(layer: AttentionLayer, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (scaled) under the layer's soft cap, if it has one: ``cap * tanh(score / cap)``."""
+    cap = layer.logits_soft_cap
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (boolean: visible, or additive) applied to ``scores``."""
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+
+
+def _attend(
+    layer: AttentionLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Softmax attention under ``mask`` (boolean: visible, or additive); with the layer's soft cap when it has one,
+    as Hugging Face's eager attention computes it (capped scores, the mask added, softmax in float32)."""
+    if layer.logits_soft_cap is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    scores = _masked(_capped(layer, queries @ keys.transpose(-1, -2) * layer.scale), mask)
+    return scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values
+
+
 def _attend_with_sinks(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    layer: AttentionLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     sinks: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of ``queries`` ``[B, heads, rows, dim]`` over ``keys``/``values`` ``[B, kv_heads, L, dim]`` under
@@ -154,8 +178,7 @@ def _attend_with_sinks(
     group = queries.shape[1] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = (queries @ keys.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    scores = _masked(_capped(layer, (queries @ keys.transpose(-1, -2)).float() * layer.scale), mask)
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probabilities = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return probabilities.to(values.dtype) @ values

@@ -38,6 +38,7 @@ class AttentionLayer(msgspec.Struct, frozen=True):
     sliding_window: int | None = None
     """Keys visible to a query at position t: ``t - sliding_window + 1 .. t`` (None: all)."""
     logits_soft_cap: float | None = None
+    """Scores become ``cap * tanh(score / cap)`` (after the scale, before the mask) when set (Gemma 2)."""
     sinks: bool = False
     """Each query head has a learned sink logit (gpt-oss): one more term in the softmax's denominator, with no
     value. The layer passes the ``[num_heads]`` logits as :meth:`AttentionBackend.forward`'s ``sinks``."""
@@ -72,6 +73,9 @@ class AttentionBackend(PluginBase):
     supports_sinks: ClassVar[bool] = False
     """Whether :meth:`forward` takes ``sinks`` (:attr:`AttentionLayer.sinks`); :meth:`check_layer` refuses a layer
     with sinks otherwise."""
+    supports_logits_soft_cap: ClassVar[bool] = False
+    """Whether :meth:`forward` applies :attr:`AttentionLayer.logits_soft_cap`; :meth:`check_layer` refuses a
+    layer that sets it otherwise (a backend that ignored it would compute another model)."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether decode steps through this backend can be captured as graphs and replayed.
 
@@ -109,6 +113,11 @@ class AttentionBackend(PluginBase):
         if layer.sinks and not self.supports_sinks:
             raise ValueError(
                 f"attention backend {self.name!r} does not support attention sinks (AttentionLayer.sinks); "
+                f"choose another use.attention (the 'torch' backend does)"
+            )
+        if layer.logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"attention backend {self.name!r} does not support logits_soft_cap ({layer.logits_soft_cap}); "
                 f"choose another use.attention (the 'torch' backend does)"
             )
 

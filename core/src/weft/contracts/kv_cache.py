@@ -1,8 +1,8 @@
 """KV-cache specs: what one KV-cache group stores, and what may be done with it.
 
 A model declares one :class:`KVCacheGroupSpec` per group of layers that share a
-cache layout (a Llama model has one group; DeepSeek V4 has five: a sliding
-window ring, CSA compressed KV, HCA compressed KV, indexer keys and the
+cache layout (a Llama model has one group; DeepSeek V3 one of latent entries; DeepSeek V4
+has five: a sliding window ring, CSA compressed KV, HCA compressed KV, indexer keys and the
 compressor's recurrent state). The KV-cache manager allocates blocks per group,
 and two flags tell the rest of the system what is safe:
 
@@ -179,6 +179,25 @@ class CompressedSpec(KVCacheSpec, frozen=True, tag="compressed"):
         return block_table[rows, positions // size].long() * per_block + (positions % size) // self.compress_ratio
 
 
+class LatentAttentionSpec(KVCacheSpec, frozen=True, tag="latent_attention"):
+    """Multi-head latent attention (DeepSeek V2/V3): one entry per token shared by every head, the compressed
+    key/value latent (``kv_lora_rank``) followed by the rotated key part (``qk_rope_head_dim``).
+
+    Where plain attention stores ``2 * heads * head_dim`` elements a token, this stores ``entry_dim``
+    (576 for DeepSeek V3 against 2 * 128 * 192 expanded). Entries are pure functions of their prefix,
+    so blocks are prefix-cacheable; the model that declares the group attends over it.
+    """
+
+    entry_dim: int
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.entry_dim * dtype_size(self.dtype)
+
+
 class RecurrentStateSpec(KVCacheSpec, frozen=True, tag="recurrent_state"):
     """A fixed-size state per request, overwritten each step (a compressor's partial window).
 
@@ -242,7 +261,7 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True):
 
     name: str
     layer_names: tuple[str, ...]
-    spec: FullAttentionSpec | SlidingWindowSpec | CompressedSpec | RecurrentStateSpec | CheckpointSpec
+    spec: FullAttentionSpec | SlidingWindowSpec | CompressedSpec | LatentAttentionSpec | RecurrentStateSpec | CheckpointSpec
     checkpointed: bool = False
     """For a group that is not prefix-cacheable: its model restores it, after a prefix hit, from a
     :class:`CheckpointSpec` group it also declares, so prefix caching may stay on (added in core API 1.5)."""

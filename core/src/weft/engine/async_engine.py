@@ -186,7 +186,7 @@ class AsyncEngine:
             raise CoreStartError(f"the engine core could not start: {message.message}")
         assert isinstance(message, Ready)
         self.engine_settings = message.engine
-        logger.info("engine core process %d ready: %s", self.process.pid, message.engine)
+        logger.debug("engine core process %d ready: %s", self.process.pid, message.engine)
 
     async def start(self) -> None:
         """Start the reader thread and the watcher of the core process and deadlines (on the serving loop)."""

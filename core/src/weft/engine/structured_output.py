@@ -388,7 +388,7 @@ class StructuredOutputManager:
         backend = self._backend.result()  # type: ignore[union-attr]
         count = self.config.engine.structured_output_fill_processes or default_processes()
         group = FillGroup(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count)
-        logger.info("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
+        logger.debug("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
                     "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
         return group
 
@@ -400,7 +400,7 @@ class StructuredOutputManager:
         vocabulary = Vocabulary(tokens[: self.vocab_size], self.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
         backend_class = self._backend_class
         backend = backend_class(options_for(self.config, "structured_output", backend_class, backend_class.name), vocabulary)
-        logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
+        logger.debug("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
         return backend
 
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:

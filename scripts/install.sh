@@ -78,8 +78,7 @@ if [ -x "$venv/bin/python" ]; then
     step "virtual environment ${venv#"$root"/}: reused"
 else
     step "virtual environment ${venv#"$root"/}: creating"
-    "$python" -m venv "$venv"
-    "${pip[@]}" install --upgrade pip
+    "$python" -m venv "$venv"  # its bundled pip does (upgrading it would cost seconds on every fresh install)
 fi
 
 if [ "$gpu" = 1 ]; then

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from weft.contracts.hooks import CliCommand, hookimpl
+from weft.progress import human_bytes
 
 from weft_gguf import checksum
 from weft_gguf.files import CACHE_FORMAT, KEY_HASH_CHARS, SOURCES_INDEX, cache_dir, read_sources_index
@@ -57,14 +58,6 @@ def size_of(path: Path) -> int:
     return path.stat().st_size
 
 
-def human(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000  # type: ignore[assignment]
-    raise AssertionError("unreachable")
-
-
 def entries() -> list[tuple[str, str, int]]:
     """``(source, what, bytes)`` of every entry of the cache folder, a checksum file counted with its entry;
     the entries whose names this version does not write are one row, an earlier version's."""
@@ -100,11 +93,11 @@ def run_list(args: argparse.Namespace) -> int:
     if not rows:
         print(f"the cache is empty ({cache_folder()})")
         return 0
-    print(f"{cache_folder()}: {human(sum(size for _, _, size in rows))}")
+    print(f"{cache_folder()}: {human_bytes(sum(size for _, _, size in rows))}")
     widths = [max(len(header), *(len(row[column]) for row in rows)) for column, header in enumerate(("SOURCE", "WHAT"))]
     print(f"{'SOURCE':<{widths[0]}}  {'WHAT':<{widths[1]}}  SIZE")
     for source, what, size in rows:
-        print(f"{source:<{widths[0]}}  {what:<{widths[1]}}  {human(size)}")
+        print(f"{source:<{widths[0]}}  {what:<{widths[1]}}  {human_bytes(size)}")
     print("weft cache clear frees it all.")
     return 0
 
@@ -116,5 +109,5 @@ def run_clear(args: argparse.Namespace) -> int:
         return 0
     freed = size_of(folder)
     shutil.rmtree(folder)
-    print(f"freed {human(freed)} ({folder})")
+    print(f"freed {human_bytes(freed)} ({folder})")
     return 0

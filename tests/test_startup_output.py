@@ -13,6 +13,7 @@ import sys
 import pytest
 from conftest import free_port, smollm2_gguf, start_weft_serve
 
+from weft import progress
 from weft_gguf import files
 from weft_gguf.loader import GGUFLoader
 
@@ -148,3 +149,17 @@ def test_cache_without_a_command_says_how_to_use_it(arguments):
                             timeout=120)
     assert result.returncode == 2 and ("usage: weft cache list | clear" in result.stderr
                                        or "invalid choice" in result.stderr)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bar_draws_in_place_on_a_terminal_and_is_one_line_elsewhere(capsys, monkeypatch, terminal):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert list(progress.bar(iter("abcd"), 4, "converting model.gguf", "tensors")) == list("abcd")
+    written = capsys.readouterr().err
+    if terminal:
+        full = "#" * progress.BAR_WIDTH
+        half = "#" * (progress.BAR_WIDTH // 2) + "." * (progress.BAR_WIDTH - progress.BAR_WIDTH // 2)
+        assert written.startswith("\rweft: converting model.gguf [") and written.endswith(f"[{full}] 4/4 tensors\n")
+        assert f"\rweft: converting model.gguf [{half}] 2/4 tensors" in written and written.count("\r") == 4
+    else:
+        assert written == "weft: converting model.gguf: 4 tensors\n"

@@ -17,9 +17,22 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to what ``sys.stderr`` is at the time of each line (a redirected stream, a test's capture)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+
 logger = logging.getLogger("weft.progress")
 if not logger.handlers:
-    _handler = logging.StreamHandler()  # stderr, looked up at each write (pytest swaps it)
+    _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("weft: %(message)s"))
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install every distribution into $WEFT_VENV (default .venv) and run the test suite.
+# Install every distribution (scripts/install.sh --all) into $WEFT_VENV (default .venv) and run the test suite.
 # Extra arguments go to pytest; the summary names every skipped test with its reason (-rfEs).
 # pytest's "no tests collected" (exit 5) counts as success.
 set -euo pipefail
@@ -24,7 +24,7 @@ fi
 requirements=$root/requirements/test/$platform.txt
 [ -f "$requirements" ] || { echo "scripts/test.sh: no $requirements (WEFT_TEST_PLATFORM=$platform?)" >&2; exit 2; }
 echo "scripts/test.sh: platform $platform, test requirements ${requirements#"$root"/}"
-WEFT_VENV=$venv bash "$root/scripts/install.sh" "$root/tests/example_plugin" "$root/tests/broken_llama_plugin" \
+WEFT_VENV=$venv bash "$root/scripts/install.sh" --all "$root/tests/example_plugin" "$root/tests/broken_llama_plugin" \
     "$root/tests/disk_connector" -r "$requirements"
 # Without a GPU, weft-triton's kernels run under Triton's CPU interpreter.
 if [ "$platform" = cpu ]; then

@@ -138,7 +138,7 @@ def test_none_switch_serves_weft_defaults(tiny_model, tiny_server, tiny_llm, sta
 
 def test_a_folder_replaces_the_model_generation_config(tiny_model, hf_model, tmp_path, caplog):
     other = write_generation_config(tmp_path / "other", {"temperature": 0.0, "max_new_tokens": 6, "do_sample": False})
-    with caplog.at_level(logging.INFO, logger="weft.generation_config"):
+    with caplog.at_level(logging.DEBUG, logger="weft.generation_config"):
         llm = LLM(model=str(tiny_model), generation_config=str(other))
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=6)
     (output,) = llm.generate(PROMPT)

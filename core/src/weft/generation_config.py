@@ -92,8 +92,8 @@ def load_model_sampling_defaults(source: ModelSource, setting: str) -> dict[str,
                 f"(Weft's defaults) or to a folder holding a corrected generation_config.json"
             ) from None
         defaults[field] = value
-    if defaults:
-        logger.info(
+    if defaults:  # the startup summary shows them too (weft.progress)
+        logger.debug(
             "default sampling parameters from %s: %s (a request's own values take precedence; "
             "engine.generation_config = 'none' uses Weft's defaults)",
             origin, ", ".join(f"{key}={value}" for key, value in defaults.items()),

@@ -166,7 +166,7 @@ class ProcessClient(CoreClient):
         )
         self.process.start()
         self.engine_settings = self._handshake(startup_timeout)
-        logger.info("engine core process %d ready: %s", self.process.pid, self.engine_settings)
+        logger.debug("engine core process %d ready: %s", self.process.pid, self.engine_settings)
 
     def _handshake(self, timeout: float) -> dict[str, object]:
         deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from weft.engine.api.output_processor import RequestOutputState
 from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import RequestOutput
 from weft.plugins import PluginRegistry
+from weft.progress import report, report_summary
 from weft.sampling_params import SamplingParams
 
 _SECTIONS = ("use", "engine", "server", "plugins")
@@ -70,10 +72,13 @@ class LLM:
         self._start(load_config(config, merged))
 
     def _start(self, config: WeftConfig) -> None:
+        started = time.monotonic()
+        report("starting the engine for %s", config.model)
         self.config = config
         self.engine = LLMEngine(config, self._registry)
         self.tokenizer = self.engine.tokenizer
         self.model_sampling_defaults = load_model_sampling_defaults(self.engine.frontend.source, config.engine.generation_config)
+        report_summary({**self.engine.core.describe(), "sampling_defaults": self.model_sampling_defaults}, started)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -12,12 +12,14 @@ import asyncio
 import gc
 import logging
 import sys
+import time
 
 from starlette.applications import Starlette
 
 from weft.config import WeftConfig
 from weft.engine.api.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
+from weft.progress import report, report_summary
 from weft.serve.app import create_app
 from weft.serve.lifecycle import FLUSH_SECONDS, GracefulServer, InFlightRequests, uvicorn_config
 
@@ -51,14 +53,14 @@ def build_server(app: Starlette, config: WeftConfig, log_level: str = "info", po
 def serve(config: WeftConfig) -> int:
     """Serve until interrupted; returns the exit status (1 when the engine core died)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    report("starting the engine for %s", config.model)
     app = build_app(config)
     state = app.state.server
-    print(
-        f"weft: serving {state.model_name!r} on http://{config.server.host}:{config.server.port}/v1"
-        f"{' (API key required)' if state.api_key else ''}",
-        file=sys.stderr,
-    )
     engine: AsyncEngine = state.engine
+    url = (f"http://{config.server.host}:{config.server.port}/v1 (OpenAI-compatible"
+           f"{'; API key required' if state.api_key else ''})")
+    report_summary({**engine.engine_settings, "sampling_defaults": state.model_sampling_defaults}, started, url)
     server = build_server(app, config)
 
     def core_died() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, RUNNER_OPS, using_ops
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
+from weft.progress import human_bytes, report
 from weft.resolve import (
     build_platform,
     load_config_for,
@@ -47,6 +49,15 @@ from weft.runner.model_runner import ModelRunner, describe_sizes
 from weft.runner.sampler import Sampler
 
 logger = logging.getLogger("weft.runner")
+
+
+def _source_bytes(path: Path) -> int:
+    """The size of a model file, or of the files of a model folder."""
+    try:
+        return path.stat().st_size if path.is_file() else sum(file.stat().st_size for file in path.iterdir()
+                                                                 if file.is_file())
+    except OSError:
+        return 0
 
 
 def resolve_dtype(config: WeftConfig, platform: Any) -> str:
@@ -99,6 +110,9 @@ class Worker:
             with using_ops(self.ops), using_parallel(self.parallel):
                 self.model = self.family.build(self.model_config, self.device)
             load_dtype = self.family.load_dtype(self.dtype)
+            if layout.rank == 0:
+                report("loading the weights of %s (%s, %s)", self.source.name, Path(self.source.path).name,
+                       human_bytes(_source_bytes(Path(self.source.path))))
             if self.family.reads_weight_slices:
                 weights = self.loader.iter_weight_slices(self.source, load_dtype)
             else:
@@ -132,10 +146,13 @@ class Worker:
             known = ", ".join(sorted(set(core_ops) | installed))
             raise ValueError(f"use.ops names {unknown}, which no installed plugin implements; known ops: {known}")
         ops = {name: choose_op(self.registry, name, self.platform, forced.get(name)) for name in core_ops}
-        logger.info("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
+        logger.debug("ops: %s", ", ".join(f"{name} = {type(op).__name__}" for name, op in ops.items()))
         return ops
 
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
+        if self.parallel.layout.rank == 0:
+            report("allocating the KV cache: %s blocks of %d tokens", " + ".join(f"{count:,}" for count in num_blocks),
+                   self.config.engine.block_size)
         kv_caches = {}
         for group, count in zip(self.groups, num_blocks):
             # One block beyond the manager's: the scratch block padded graph rows write to.
@@ -154,9 +171,11 @@ class Worker:
             self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
             self.kv_connector, self.parallel, self.ops["bitmask_argmax"] if self.structured_outputs else None,
         )
+        if self.parallel.layout.rank == 0:
+            report("warming up kernels")
         compiled = self.kernels.warm_up()
         if compiled:
-            logger.info("kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items()))
+            logger.debug("kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items()))
         self._capture_graphs(num_blocks)
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:

@@ -63,7 +63,7 @@ class Server:
         parser = select_parser(self.engine.registry, slot, name, architecture)
         if parser is None:
             return None, None
-        logger.info("%s: %s", slot, parser.name)
+        logger.debug("%s: %s", slot, parser.name)
         return parser, options_for(self.config, slot, parser, parser.name)
 
     def _import_structured_output_backend(self) -> None:

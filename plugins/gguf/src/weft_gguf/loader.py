@@ -6,7 +6,8 @@ declares for an alias); tensors are dequantized with
 the ``gguf`` package and renamed to Hugging Face names. llama.cpp stores
 Llama's q/k projections permuted for its rotary layout; they are permuted back.
 Dequantized weights are cached as safetensors under the user's cache folder,
-keyed by the file's identity and the dtype, so a warm start skips the work; the
+keyed by the file's content hash and the dtype (:func:`weft_gguf.files.file_key`), so a warm start, or
+another installation of the same file, skips the work (``weft cache list | clear``); the
 cache's checksums (:mod:`weft_gguf.checksum`) are verified on every read, and a
 truncated or changed cache is rebuilt with one warning; so is the cached tokenizer. The ranks of a
 tensor-parallel engine read only their slices of that file.
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
+from weft.progress import bar, human_bytes, report
 
 from weft_gguf import checksum
 from weft_gguf.convert import cache_tokenizer
@@ -202,7 +204,9 @@ class GGUFLoader(WeightLoader):
             checksum.remove(cached)
         tensors = self._dequantize(source, getattr(torch, dtype))
         self._readers.pop(str(Path(source.path).resolve()), None)
-        _save_atomically(tensors, cached)
+        if _save_atomically(tensors, cached):
+            report("cached for next time: %s (%s; weft cache list shows it, weft cache clear frees it)", cached,
+                   human_bytes(cached.stat().st_size))
         for name, tensor in tensors.items():
             yield name, LoadedSlice(tensor)
 
@@ -213,9 +217,8 @@ class GGUFLoader(WeightLoader):
         config = source.hf_config
         permute = config["model_type"] == "llama"
         tensors: dict[str, torch.Tensor] = {}
-        show = sys.stderr.isatty()
-        total = len(reader.tensors)
-        for index, tensor in enumerate(reader.tensors, start=1):
+        label = f"dequantizing {Path(source.path).name} to {str(dtype).removeprefix('torch.')} (first start only)"
+        for tensor in bar(reader.tensors, len(reader.tensors), label, "tensors"):
             name = hf_name(tensor.name)
             values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
             if permute and name.endswith("q_proj.weight"):
@@ -223,16 +226,13 @@ class GGUFLoader(WeightLoader):
             elif permute and name.endswith("k_proj.weight"):
                 values = unpermute_rotary(values, config["num_key_value_heads"])
             tensors[name] = values.to(dtype).contiguous()
-            if show:
-                sys.stderr.write(f"\rweft-gguf: dequantizing {Path(source.path).name}: {index}/{total} tensors")
-        if show:
-            sys.stderr.write("\n")
         return tensors
 
 
-def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> None:
+def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> bool:
     """Write the cache file and its checksums under temporary names and rename them, so readers never see
-    half a file; a file without its checksums (a crash between the renames) is rebuilt."""
+    half a file; a file without its checksums (a crash between the renames) is rebuilt. False when it could
+    not be written (said on stderr)."""
     from safetensors.torch import save_file
 
     try:
@@ -244,3 +244,5 @@ def _save_atomically(tensors: dict[str, torch.Tensor], destination: Path) -> Non
         os.replace(sums, checksum.sidecar(destination))
     except OSError as error:
         print(f"weft-gguf: could not write the weight cache {destination}: {error}", file=sys.stderr)
+        return False
+    return True

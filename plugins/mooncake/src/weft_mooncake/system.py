@@ -1,7 +1,7 @@
 """The system libraries Mooncake needs at run time, and why it cannot run here when one is missing.
 
 Mooncake's wheel links its Python client and its binaries against Debian's RDMA and NUMA
-libraries (``debian-packages.txt`` lists them; ``scripts/install.sh`` installs the missing ones
+libraries (``debian-packages.txt`` lists them; ``scripts/install.sh --all`` installs the missing ones
 as root). Without them the client fails to import and ``mooncake_master`` exits at once with the
 dynamic loader's "error while loading shared libraries".
 """
@@ -37,7 +37,7 @@ def install_hint(packages: list[str]) -> str:
     if not packages:
         return "install the system package that provides it (debian-packages.txt does not list it: add it there)"
     names = " ".join(packages)
-    return f"install the Debian packages {names} (as root: apt-get install {names}; bash scripts/install.sh does it)"
+    return f"install the Debian packages {names} (as root: apt-get install {names}; bash scripts/install.sh --all does it)"
 
 
 def explain_import_error(error: ImportError) -> str:

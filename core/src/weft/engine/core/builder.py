@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from weft.config import WeftConfig, executor_name
 from weft.contracts.kv_cache import KVCacheGroupSpec
+from weft.contracts.loader import ModelSource
 from weft.engine.core.engine_core import EngineCore
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.kv_connector import SchedulerConnector
@@ -30,6 +33,7 @@ from weft.engine.core.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
+    build_platform,
     load_executor,
     load_kv_connector,
     max_model_len,
@@ -37,6 +41,7 @@ from weft.resolve import (
     resolve_engine_config,
     resolve_source,
 )
+from weft.runner.worker import resolve_dtype
 
 logger = logging.getLogger("weft.engine")
 
@@ -48,7 +53,8 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     registry = registry or PluginRegistry()
     hooks = registry.hooks()
     hooks.hook.weft_configure(config=config)
-    config = resolve_engine_config(config, registry)
+    platform = build_platform(registry, config)
+    config = resolve_engine_config(config, registry, platform)
     engine = config.engine
     name = executor_name(engine)
     executor_class = load_executor(registry, engine)
@@ -82,14 +88,34 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
     if async_scheduling and connector is not None:  # resolve_engine_config turned it off already
         async_scheduling = False
-    core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling)
-    logger.info(
+    startup = startup_facts(config, platform, source, info.groups, num_blocks, context_length)
+    core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling, startup)
+    logger.debug(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
         time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
         "on" if async_scheduling else "off",
     )
     hooks.hook.weft_engine_started(engine=core)
     return core
+
+
+def startup_facts(
+    config: WeftConfig, platform: Any, source: ModelSource, groups: Sequence[KVCacheGroupSpec], num_blocks: list[int],
+    max_model_len: int,
+) -> dict[str, Any]:
+    """What the startup summary says about the engine (:func:`weft.progress.summary_lines`).
+
+    ``kv_capacity_tokens``: the tokens the cache holds, set by the groups whose blocks run out as a sequence
+    grows (a sliding window's ring keeps a fixed number of blocks per request and sets no limit)."""
+    limits = [count * group.spec.block_size for group, count in zip(groups, num_blocks)
+              if group.spec.blocks_for_tokens(count * group.spec.block_size + 1) > count]
+    return {
+        "model": source.name, "architecture": ", ".join(source.hf_config.get("architectures") or ["?"]),
+        "weights_format": source.format, "weights_file": Path(source.path).name,
+        "platform": platform.name, "dtype": resolve_dtype(config, platform),
+        "block_size": config.engine.block_size, "max_model_len": max_model_len,
+        "kv_capacity_tokens": min(limits) if limits else None,
+    }
 
 
 def num_kv_blocks(

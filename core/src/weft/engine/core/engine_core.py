@@ -54,9 +54,10 @@ class EngineCore:
 
     def __init__(
         self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
-        num_blocks: list[int], async_scheduling: bool,
+        num_blocks: list[int], async_scheduling: bool, startup: dict[str, Any] | None = None,
     ) -> None:
-        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated."""
+        """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated;
+        ``startup``: what the startup summary says (:func:`weft.engine.core.builder.startup_facts`)."""
         self.config = config
         self.hooks = hooks
         self.executor = executor
@@ -65,6 +66,7 @@ class EngineCore:
         """The model source, for the API side (its tokenizer and limits)."""
         self.num_blocks = num_blocks
         self.async_scheduling = async_scheduling
+        self.startup = startup or {}
         self.num_steps = 0
         self._failed_steps = 0
         """Steps that raised with no output since (see :meth:`step_with_retry`)."""
@@ -334,4 +336,4 @@ class EngineCore:
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine
         return {"max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
-                "async_scheduling": self.async_scheduling, "num_kv_blocks": self.num_blocks}
+                "async_scheduling": self.async_scheduling, "num_kv_blocks": self.num_blocks, **self.startup}

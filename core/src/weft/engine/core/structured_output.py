@@ -386,7 +386,7 @@ class StructuredOutputManager:
         backend = self._backend.result()  # type: ignore[union-attr]
         count = self.config.engine.structured_output_fill_processes or default_processes()
         group = FillGroup(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count)
-        logger.info("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
+        logger.debug("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
                     "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
         return group
 
@@ -461,7 +461,7 @@ def _build_backend(config: WeftConfig, registry: PluginRegistry, source: Any, vo
     tokens = tokenizer.vocabulary_bytes()
     vocabulary = Vocabulary(tokens[:vocab_size], vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
     backend = backend_class(options_for(config, "structured_output", backend_class, backend_class.name), vocabulary)
-    logger.info("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
+    logger.debug("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
     return backend
 
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
+from weft.api import HFTokenizer, eos_ids_of
 from weft.contracts.loader import ModelSource
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -16,8 +16,7 @@ from torch import nn
 
 from weft.contracts.loader import WeightSlice, as_slice
 from weft.contracts.parallel import Communicator
-from weft.distributed.state import current_parallel
-from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
+from weft.api import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked, current_parallel
 from weft_dsv4.config import DeepseekV4Settings
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

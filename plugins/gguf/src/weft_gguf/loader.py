@@ -187,7 +187,7 @@ class GGUFLoader(WeightLoader):
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         """Slices of the dequantized cache file (written first if absent: the file is dequantized once)."""
         from safetensors import safe_open
-        from weft.builtins.safetensors_loader import SafetensorsSlice
+        from weft.api import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
         if cached.is_file():

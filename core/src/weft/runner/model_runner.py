@@ -1,7 +1,7 @@
 """Runs one step's :class:`~weft.contracts.executor.SchedulerOutput`: batch, forward, sample.
 
 The runner keeps its own state of every request it was handed
-(:class:`RequestState`: token ids, block ids per KV-cache group, sampling
+(:class:`~weft.runner.request_state.RequestState`: token ids, block ids per KV-cache group, sampling
 parameters), created from the step's ``NewRequest`` and updated from its
 ``CachedRequest`` entries; it never reads the engine's scheduler or KV-cache
 manager. It appends the tokens it samples to that state itself.
@@ -83,6 +83,7 @@ from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.logits_processors import TokenBitmask, _words_at, mask_rows_of, to_device
 from weft.runner.penalties import TokenCounts
+from weft.runner.request_state import RequestState
 from weft.runner.sampler import (
     SampledBatch, Sampler, draw_seed, greedy_batch, greedy_status, needs_output_tokens, plain_greedy,
 )
@@ -93,44 +94,6 @@ if TYPE_CHECKING:
     from weft.runner.kv_connector import WorkerConnector
 
 logger = logging.getLogger("weft.runner")
-
-
-class RequestState:
-    """The runner's copy of one request."""
-
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
-                 "block_ids", "num_computed_tokens", "prefix_hit", "state_transferred")
-
-    def __init__(self, new: NewRequest, device: torch.device) -> None:
-        self.request_id = new.request_id
-        self.token_ids = list(new.token_ids)
-        """Known token ids; with asynchronous output the last sampled one may still be on the device."""
-        self.num_prompt_tokens = new.num_prompt_tokens
-        self.params = new.params
-        self.eos_token_ids = frozenset(new.eos_token_ids)
-        self.generator = None if new.params.seed is None else torch.Generator(device=device)
-        """The request's own random draws, on the device that samples it (when it has a seed): seeded for each
-        draw from the seed and the position drawn (:func:`~weft.runner.sampler.draw_seed`)."""
-        self.block_ids = [list(group) for group in new.block_ids]
-        self.num_computed_tokens = new.num_computed_tokens
-        self.prefix_hit: int | None = None
-        """Tokens found cached (locally or loaded) when its first step ran; None before that step."""
-        self.state_transferred = new.state_transferred
-
-    def take_prefix_hit(self) -> int:
-        """On the request's first step (since it was (re)scheduled): the tokens it found cached; 0 later."""
-        if self.prefix_hit is not None:
-            return 0
-        self.prefix_hit = self.num_computed_tokens
-        return 0 if self.state_transferred else self.prefix_hit
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 class StaticInputs:
@@ -483,7 +446,7 @@ class ModelRunner:
         if self.parallel.layout.pipeline_parallel_size > 1:
             from weft.runner.pipeline import forward_in_micro_batches
 
-            return forward_in_micro_batches(self, states, counts, sampling)
+            return forward_in_micro_batches(self.model, self.parallel, self.prepare_inputs, states, counts, sampling)
         count = len(states)
         scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
         resumes = any(state.prefix_hit is None and state.num_computed_tokens for state in states)

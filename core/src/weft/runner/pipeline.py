@@ -12,12 +12,20 @@ the logits of the sampling rows, in batch order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from weft.runner.model_runner import ModelRunner, RequestState
+    from weft.distributed.state import ParallelGroups
+    from weft.layers.attention import ForwardContext
+    from weft.runner.request_state import RequestState
+
+PrepareInputs = Callable[
+    [list["RequestState"], list[int]], tuple[torch.Tensor, torch.Tensor, "ForwardContext", list[int]]
+]
+"""The runner's input preparation: token ids, positions, the forward context and where each request starts."""
 
 
 def micro_batches(counts: list[int], parts: int) -> list[range]:
@@ -38,19 +46,18 @@ def micro_batches(counts: list[int], parts: int) -> list[range]:
 
 
 def forward_in_micro_batches(
-    runner: ModelRunner, states: list[RequestState], counts: list[int], sampling: list[int]
+    model: torch.nn.Module, parallel: ParallelGroups, prepare_inputs: PrepareInputs, states: list[RequestState],
+    counts: list[int], sampling: list[int],
 ) -> torch.Tensor | None:
     """This stage's part of the step; on the last stage the logits of the rows in ``sampling``."""
-    parallel = runner.parallel
     layout = parallel.layout
-    model = runner.model
     sends = []
     logits = []
     sampled = set(sampling)
     for batch in micro_batches(counts, layout.pipeline_parallel_size):
         batch_states = [states[row] for row in batch]
         batch_counts = [counts[row] for row in batch]
-        input_ids, positions, context, query_start = runner.prepare_inputs(batch_states, batch_counts)
+        input_ids, positions, context, query_start = prepare_inputs(batch_states, batch_counts)
         intermediate = None
         if not layout.is_first_stage:
             intermediate = parallel.receive_from_previous_stage(model.intermediate_spec(input_ids.shape[0]))

@@ -7,7 +7,8 @@ first stage embeds the tokens), runs its layers, and sends the result on without
 waiting, so while stage ``s`` runs micro-batch ``m`` stage ``s - 1`` already runs
 ``m + 1``. Every stage knows the step's token counts, so what arrives needs no
 shape message: the model's ``intermediate_spec`` says it. The last stage returns
-the logits of the sampling rows, in batch order.
+the logits of the sampling rows, in batch order; it samples, and every stage takes
+its tokens (:func:`share_sampled`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from weft.runner.sampler import SampledBatch
 
 if TYPE_CHECKING:
     from weft.distributed.state import ParallelGroups
@@ -73,3 +76,15 @@ def forward_in_micro_batches(
     if not layout.is_last_stage or not logits:
         return None
     return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+
+def share_sampled(parallel: ParallelGroups, sampled: SampledBatch | None, count: int,
+                  device: torch.device) -> SampledBatch:
+    """The last stage's sampled tokens and statuses (``sampled``; None on the other stages), broadcast to every
+    stage: tensor ranks sample alike; the logprobs stay on the last stage, whose output the executor returns."""
+    if sampled is not None:
+        shared = torch.stack([sampled.tokens, sampled.status])
+    else:
+        shared = torch.empty((2, count), dtype=torch.long, device=device)
+    shared = parallel.broadcast_from_output_rank(shared)
+    return SampledBatch(shared[0], shared[1], sampled.logprobs if sampled is not None else None)

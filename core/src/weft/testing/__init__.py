@@ -18,11 +18,11 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 ``weft_registry`` fixture.
 """
 
+from weft.testing.connector_suite import KVConnectorContract
 from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
 from weft.testing.suites import (
     AttentionContract,
     HooksContract,
-    KVConnectorContract,
     LoaderContract,
     ModelContract,
     OpContract,

@@ -214,6 +214,7 @@ class ModelRunner:
 
     @property
     def mask_graphs(self) -> MaskGraphs | None:
+        """The decode graphs' mask graphs (None: not captured, or no fused ``bitmask_argmax`` op)."""
         return self.decode_graphs.mask_graphs
 
     @torch.inference_mode()

@@ -90,7 +90,7 @@ class Timeline:
         if runner is not None:
             self.wrap(runner.token_bitmask, "apply", "main: TokenBitmask.apply")
             self.wrap(runner, "_forward", "main: runner._forward")
-            self.wrap(runner, "_stage_ahead", "main: runner._stage_ahead (while the mask fills)")
+            self.wrap(runner.decode_graphs, "stage_ahead", "main: DecodeGraphs.stage_ahead (while the mask fills)")
             self.wrap(runner, "_sample_step", "main: runner._sample_step")
             self.wrap(runner.sampler, "sample", "main: Sampler.sample")
             self.wrap(runner.token_counts, "record", "main: TokenCounts.record")

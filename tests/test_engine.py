@@ -130,7 +130,7 @@ def test_greedy_with_repetition_penalty_matches_hf(tiny_model, llm):
 
 def test_presence_and_frequency_penalties_follow_openai(llm):
     from weft.contracts.executor import NewRequest
-    from weft.runner.model_runner import RequestState
+    from weft.runner.request_state import RequestState
     from weft.runner.penalties import TokenCounts, apply_penalties
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)

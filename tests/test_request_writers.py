@@ -37,7 +37,7 @@ WRITERS = {
 """(module, function) -> what it may write of the engine's requests."""
 
 OTHER_STATE = {
-    ("weft.runner.model_runner", "RequestState.__init__", "num_computed_tokens"): "the worker's own copy of a request",
+    ("weft.runner.request_state", "RequestState.__init__", "num_computed_tokens"): "the worker's own copy of a request",
     ("weft.runner.model_runner", "ModelRunner._update_requests", "num_computed_tokens"): (
         "the worker's copy, updated from the step's CachedRequest"),
     ("weft.runner.model_runner", "ModelRunner._execute", "num_computed_tokens"): (

@@ -328,13 +328,14 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
 
         runner.mask_graphs.sample = counted
         llm.engine.core.executor.launch_ahead = launch_ahead
-        stage_ahead, staged = runner._stage_ahead, []
+        graphs = runner.decode_graphs
+        stage_ahead, staged = graphs.stage_ahead, []
 
-        def counted_staging(step):
-            staged.append(stage_ahead(step))
-            return staged[-1]
+        def counted_staging(step, requests):
+            stage_ahead(step, requests)
+            staged.append(graphs.staged)
 
-        runner._stage_ahead = counted_staging
+        graphs.stage_ahead = counted_staging
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if index == 2 else
                   SamplingParams(temperature=0, max_tokens=14 + 2 * index, structured_outputs=schema)
                   for index in range(len(prompts))]

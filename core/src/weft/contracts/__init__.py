@@ -32,7 +32,8 @@ through its requirement on ``weft-core`` (``weft-core>=1.0,<2``). Core compares
 that range with :data:`CORE_API` from the distribution's metadata, before it
 imports anything of the plugin, and refuses a plugin whose range excludes it.
 ``CORE_API`` is weft-core's ``major.minor``: a minor release only adds to the
-contracts, a major release may break them.
+contracts, a major release may break them. The same version covers :mod:`weft.api`,
+the rest of what a plugin may import of core (the implementations it may build on).
 """
 
 from weft._version import __version__

@@ -22,7 +22,7 @@ import numpy
 import torch
 
 if TYPE_CHECKING:
-    from weft.runner.model_runner import RequestState
+    from weft.runner.request_state import RequestState
     from weft.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """Runs one step's :class:`~weft.contracts.executor.SchedulerOutput`: batch, forward, sample.
 
 The runner keeps its own state of every request it was handed
-(:class:`RequestState`: token ids, block ids per KV-cache group, sampling
+(:class:`~weft.runner.request_state.RequestState`: token ids, block ids per KV-cache group, sampling
 parameters), created from the step's ``NewRequest`` and updated from its
 ``CachedRequest`` entries; it never reads the engine's scheduler or KV-cache
 manager. It appends the tokens it samples to that state itself.
@@ -13,14 +13,10 @@ metadata once for each group the backend owns; every layer reuses it. Groups a
 model manages itself (compressed entries, recurrent state, rings) get no backend
 metadata: the model reads their :class:`AttentionBatch` from the context.
 
-Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`).
-A graph is captured per batch size over static input buffers; a step of ``n``
-decodes replays the smallest captured size ``>= n``, its extra rows padded as
-one-token requests whose key and value go to a scratch block no request owns.
-Steps with a prefill chunk, or more decodes than the largest size, run eagerly.
-A KV connector's sparse entry reader takes part in a graph only when it keeps its
-per-step state in static buffers (:class:`~weft.contracts.kv_connector.CapturedSparseEntryReader`):
-they are refilled before every replay, for the step's rows, and reset for the padding.
+Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`, :mod:`weft.runner.graphs`):
+a step of decodes only that fits a captured batch size replays the graph over the static inputs;
+steps with a prefill chunk, a resumed prefix hit or prompt logprobs, or more decodes than the
+largest size, run eagerly.
 
 Asynchronous output: the sampler runs on the device without waiting for it
 (:mod:`weft.runner.sampler`), so a step's sampled ids, their health and any
@@ -37,12 +33,8 @@ finishes or is preempted.
 Structured outputs: a step that lists ``structured_output_request_ids`` stops after
 the forward (:meth:`ModelRunner.execute` returns None) and samples in
 :meth:`ModelRunner.sample_tokens`, once the engine core sent the bitmask; the mask
-is applied to the logits on the device.
-Where decode graphs are captured and a ``bitmask_argmax`` op was chosen, a second graph per batch
-size masks the decode graph's logits and takes each row's greedy token (the op, the rows' status,
-one ``[2, size]`` tensor): a constrained decode step whose rows are all plain greedy stages the
-bitmask, copies it to the device and replays that graph, one host call for what was half a dozen
-launches (on an H200, 35 us of host time against 212 us for SmolLM2's vocabulary at batch 32).
+is applied to the logits on the device. A constrained decode step whose rows are all plain greedy
+replays the decode graph's mask graph instead (:class:`~weft.runner.graphs.MaskGraphs`).
 
 Prompt logprobs: a request that asks for them runs its prefill eagerly, and the
 step scores each prompt token it computed from the logits of the position before.
@@ -51,19 +43,15 @@ Several ranks (:mod:`weft.distributed`): every rank runs the same steps and keep
 the same request state. Tensor ranks compute the whole vocabulary's logits and
 sample alike; with pipeline stages the forward runs in micro-batches
 (:mod:`weft.runner.pipeline`), the last stage samples and broadcasts the tokens to
-every rank. Under tensor parallelism a captured graph ends at the hidden states: the
-LM head's all-gather runs after the replay.
+every rank.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy
 import torch
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch
@@ -71,7 +59,6 @@ from weft.contracts.executor import (
     DoneStep,
     GrammarOutput,
     ModelRunnerOutput,
-    NewRequest,
     SchedulerOutput,
     StepHandle,
     TokenLogprobs,
@@ -81,11 +68,12 @@ from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
-from weft.runner.logits_processors import TokenBitmask, _words_at, mask_rows_of, to_device
+from weft.runner.graphs import DecodeGraphs, MaskGraphs
+from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
-from weft.runner.sampler import (
-    SampledBatch, Sampler, draw_seed, greedy_batch, greedy_status, needs_output_tokens, plain_greedy,
-)
+from weft.runner.pipeline import forward_in_micro_batches, share_sampled
+from weft.runner.request_state import RequestState
+from weft.runner.sampler import SampledBatch, Sampler, draw_seed, greedy_batch, needs_output_tokens, plain_greedy
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -93,56 +81,6 @@ if TYPE_CHECKING:
     from weft.runner.kv_connector import WorkerConnector
 
 logger = logging.getLogger("weft.runner")
-
-
-class RequestState:
-    """The runner's copy of one request."""
-
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
-                 "block_ids", "num_computed_tokens", "prefix_hit", "state_transferred")
-
-    def __init__(self, new: NewRequest, device: torch.device) -> None:
-        self.request_id = new.request_id
-        self.token_ids = list(new.token_ids)
-        """Known token ids; with asynchronous output the last sampled one may still be on the device."""
-        self.num_prompt_tokens = new.num_prompt_tokens
-        self.params = new.params
-        self.eos_token_ids = frozenset(new.eos_token_ids)
-        self.generator = None if new.params.seed is None else torch.Generator(device=device)
-        """The request's own random draws, on the device that samples it (when it has a seed): seeded for each
-        draw from the seed and the position drawn (:func:`~weft.runner.sampler.draw_seed`)."""
-        self.block_ids = [list(group) for group in new.block_ids]
-        self.num_computed_tokens = new.num_computed_tokens
-        self.prefix_hit: int | None = None
-        """Tokens found cached (locally or loaded) when its first step ran; None before that step."""
-        self.state_transferred = new.state_transferred
-
-    def take_prefix_hit(self) -> int:
-        """On the request's first step (since it was (re)scheduled): the tokens it found cached; 0 later."""
-        if self.prefix_hit is not None:
-            return 0
-        self.prefix_hit = self.num_computed_tokens
-        return 0 if self.state_transferred else self.prefix_hit
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-
-class StaticInputs:
-    """Device buffers a captured graph reads; each step's decode inputs are copied into them."""
-
-    def __init__(self, size: int, widths: Sequence[int], device: torch.device) -> None:
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.block_tables = [torch.zeros(size, width, dtype=torch.int32, device=device) for width in widths]
-        self.slot_mappings = [torch.zeros(size, dtype=torch.int32, device=device) for _ in widths]
 
 
 PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
@@ -172,6 +110,24 @@ class _PendingStep(StepHandle):
 
     def done(self) -> bool:
         return self.output is not None or self.event is None or self.event.query()
+
+    def fill_unknown(self, input_ids: torch.Tensor, states: list[RequestState], counts: list[int]) -> None:
+        """Copy into ``input_ids`` (``counts`` tokens of each of ``states``, end to end) the tokens this step sampled
+        that the host has not seen yet, from the device."""
+        if self.output is not None:
+            return
+        previous = {self.request_ids[row]: index for index, row in enumerate(self.sampling)}
+        positions, rows = [], []
+        offset = 0
+        for state, count in zip(states, counts):
+            if state.num_computed_tokens + count > len(state.token_ids):
+                positions.append(offset + count - 1)
+                rows.append(previous[state.request_id])
+            offset += count
+        if positions:
+            device = input_ids.device
+            source = self.device_tokens[to_device(rows, torch.long, device)]
+            input_ids.index_copy_(0, to_device(positions, torch.long, device), source)
 
     def result(self) -> ModelRunnerOutput:
         if self.output is None:
@@ -204,76 +160,10 @@ class _AwaitingMask:
         """The decode graph the forward replayed (its logits are that graph's output); None: it ran eagerly."""
 
 
-class _Staged:
-    """A deferred step's decode-graph inputs, staged in the static buffers (:meth:`ModelRunner._stage_ahead`)."""
-
-    __slots__ = ("request_ids", "positions", "size")
-
-    def __init__(self, request_ids: list[str], positions: list[int], size: int) -> None:
-        self.request_ids, self.positions, self.size = request_ids, positions, size
-
-
-class MaskGraphs:
-    """Per decode-graph size, a graph of the ``bitmask_argmax`` op over that decode graph's logits, and the
-    buffers it reads: the rows' mask indices (-1: unmasked) then the bitmask words, staged in pinned memory and
-    copied to the device in one copy before each replay."""
-
-    def __init__(self, runner: ModelRunner, platform: Platform, sizes: Sequence[int], vocab: int) -> None:
-        self.runner = runner
-        self.words = -(-vocab // 32)
-        largest = max(sizes)
-        self.offset = _words_at(largest)
-        """Where the bitmask words start in the buffers (16-byte aligned, as the kernel is compiled)."""
-        size = self.offset + largest * self.words
-        self.device_buffer = torch.zeros(size, dtype=torch.int32, device=runner.device)
-        self.outputs = {size: torch.zeros(2, size, dtype=torch.long, device=runner.device) for size in set(sizes)}
-        """Per graph, its rows' tokens then statuses (what the copy to the host takes, as it is): outside the graphs'
-        memory pool, which a decode graph's replay may reuse for its own work."""
-        accelerated = runner.device.type != "cpu"
-        self.host = torch.empty(size, dtype=torch.int32, pin_memory=accelerated)
-        self._copied = torch.Event(device=runner.device) if accelerated else None
-        self._copying = False
-        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-        for batch in sorted(set(sizes), reverse=True):  # the largest first, as the decode graphs
-            self.graphs[batch] = platform.capture_graph(lambda batch=batch: self._masked_greedy(batch))
-
-    def _masked_greedy(self, size: int) -> torch.Tensor:
-        """What a graph captures: row ``i``'s greedy token under its mask, and its status, as ``[2, size]``."""
-        logits = self.runner.graph_logits[size]
-        words = self.device_buffer[self.offset :].view(-1, self.words)[:size]
-        tokens, healthy = self.runner.bitmask_argmax(logits, self.device_buffer[:size], words)  # type: ignore[misc]
-        output = self.outputs[size]
-        output[0].copy_(tokens)
-        output[1].copy_(greedy_status(healthy))
-        return output
-
-    def fits(self, rows: list[int], bitmask: bytes) -> bool:
-        """Whether ``bitmask`` has this graph's row width (one sized for a wider vocabulary takes the unfused path)."""
-        return len(bitmask) == len(rows) * self.words * 4
-
-    def sample(self, size: int, count: int, rows: list[int], bitmask: bytes) -> SampledBatch:
-        """The first ``count`` rows' tokens (bitmask row ``i`` masks logits row ``rows[i]``, :meth:`fits`), views of
-        :attr:`outputs`, valid until that graph's next replay: the next step reads them (its inputs; their copy
-        to the host is queued at once) before it samples."""
-        masked = len(rows)
-        if not self.fits(rows, bitmask):
-            raise ValueError(f"the grammar bitmask holds {len(bitmask) // 4} int32 words for {masked} rows; "
-                             f"the logits need {self.words} a row")
-        if self._copying:
-            self._copied.synchronize()  # type: ignore[union-attr]  # the last copy has left the buffer
-        end = self.offset + masked * self.words
-        host = self.host.numpy()
-        host[:size] = mask_rows_of(size, rows)
-        host[self.offset : end] = numpy.frombuffer(bitmask, dtype=numpy.int32)
-        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-            self._copying = True
-        packed = self.graphs[size]()  # [2, size]: copied whole (contiguous), the padding rows dropped on the host
-        return SampledBatch(packed[0, :count], packed[1, :count], packed=packed)
-
-
 class ModelRunner:
+    """Steps a worker's model: takes in each step's requests, batches, runs the forward (eagerly, through
+    :class:`~weft.runner.graphs.DecodeGraphs` or in pipeline micro-batches) and samples."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -288,8 +178,6 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.parallel = parallel
-        self.logits_in_graph = parallel.layout.tensor_parallel_size == 1
-        """Whether a captured decode graph includes the LM head (not when its all-gather cannot be captured)."""
         self.backend = backend
         self.groups = tuple(groups)
         self.kv_caches = kv_caches
@@ -297,33 +185,43 @@ class ModelRunner:
         self.sampler = sampler
         self.connector = connector
         self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
-        self.captured_reader = self.sparse_entries if isinstance(self.sparse_entries, CapturedSparseEntryReader) else None
-        """The reader a decode graph reads sparse entries through (its static buffers refilled before each replay)."""
+        captured_reader = self.sparse_entries if isinstance(self.sparse_entries, CapturedSparseEntryReader) else None
+        self.decode_graphs = DecodeGraphs(model, backend, groups, kv_caches, device, parallel, captured_reader,
+                                          bitmask_argmax)
+        """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
         self.requests: dict[str, RequestState] = {}
-        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-        self.graph_logits: dict[int, torch.Tensor] = {}
-        """Each decode graph's logits, as its capture returned them (what its replays write)."""
-        self.mask_graphs: MaskGraphs | None = None
         self.last_graph_size: int | None = None
         """The captured batch size the last forward replayed; None when it ran eagerly (read by
         :class:`weft.engine.core.step_profile.StepProfile`)."""
-        self.static: StaticInputs | None = None
-        self.scratch_blocks: list[int] = []
-        self.max_model_len = 0
         self._pending: _PendingStep | None = None
         """The last step whose tokens may still be on their way to the host. Callers take a step's
         result before they launch the step after next."""
         self._awaiting: _AwaitingMask | None = None
         self._deferred: SchedulerOutput | None = None
-        """A step that came with ``launch_after_sampling``: launched by the next :meth:`sample_tokens`."""
-        self._staged: _Staged | None = None
-        """That step's decode-graph inputs, staged in the static buffers when it came (:meth:`_stage_ahead`)."""
+        """A step that came with ``launch_after_sampling``: launched by the next :meth:`sample_tokens`; its
+        decode-graph inputs are staged when it comes (:meth:`DecodeGraphs.stage_ahead`)."""
         self.token_bitmask = TokenBitmask(device)
         self.bitmask_argmax = bitmask_argmax
         """The ``bitmask_argmax`` op the worker chose: a structured-output step of greedy rows masks and samples
         in one call (None: the bitmask is applied to the logits, then the sampler samples)."""
         self.token_counts = TokenCounts(device)
         """Penalized requests' token counts, on the device (filled where the sampler runs)."""
+
+    @property
+    def graphs(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """The captured decode graphs by batch size (empty: decode steps run eagerly)."""
+        return self.decode_graphs.graphs
+
+    @property
+    def mask_graphs(self) -> MaskGraphs | None:
+        """The decode graphs' mask graphs (None: not captured, or no fused ``bitmask_argmax`` op)."""
+        return self.decode_graphs.mask_graphs
+
+    @torch.inference_mode()
+    def capture_graphs(self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int],
+                       max_model_len: int) -> float:
+        """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`); returns the seconds."""
+        return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len)
 
     # The step.
 
@@ -332,13 +230,15 @@ class ModelRunner:
         """Run one step; the handle's result has the sampled token of each scheduled request (None: mid-prefill).
         None: the step has structured outputs, sampled by :meth:`sample_tokens`; with ``launch_after_sampling``, its
         inputs are staged now and its forward runs once :meth:`sample_tokens` sampled the step before."""
-        stale, self._deferred, self._staged = self._deferred, None, None
+        stale, self._deferred, self.decode_graphs.staged = self._deferred, None, None
         if stale is not None:  # never launched (the step before failed to sample): its requests' changes still hold
             self._update_requests(stale)
         if step.launch_after_sampling:
             if self._awaiting is None:
                 raise RuntimeError("a step came with launch_after_sampling, but no step waits for its bitmask")
-            self._deferred, self._staged = step, self._stage_ahead(step)
+            self._deferred = step
+            if self.connector is None:  # a connector's per-step work comes first: that step runs as it comes
+                self.decode_graphs.stage_ahead(step, self.requests)
             return None
         return self._execute(step)
 
@@ -437,19 +337,12 @@ class ModelRunner:
         return self._pending
 
     def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> SampledBatch:
-        """The sampler's rows, on the device; under pipeline parallelism the last stage's tokens and statuses
-        broadcast to every stage (tensor ranks sample alike; the logprobs stay on the last stage, whose output
-        the executor returns)."""
-        if self.parallel.layout.pipeline_parallel_size == 1:
-            assert logits is not None
-            return self.sampler.sample(logits, states, self.token_counts)
+        """The sampler's rows, on the device (under pipeline parallelism, the last stage's: :func:`share_sampled`)."""
         sampled = self.sampler.sample(logits, states, self.token_counts) if logits is not None else None
-        if sampled is not None:
-            shared = torch.stack([sampled.tokens, sampled.status])
-        else:
-            shared = torch.empty((2, len(states)), dtype=torch.long, device=self.device)
-        shared = self.parallel.broadcast_from_output_rank(shared)
-        return SampledBatch(shared[0], shared[1], sampled.logprobs if sampled is not None else None)
+        if self.parallel.layout.pipeline_parallel_size == 1:
+            assert sampled is not None
+            return sampled
+        return share_sampled(self.parallel, sampled, len(states), self.device)
 
     def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
                     report: ConnectorOutput | None, failed: dict[str, str],
@@ -481,14 +374,12 @@ class ModelRunner:
         """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last);
         fills ``prompt_logprobs`` (not under pipeline parallelism, which refuses prompt logprobs)."""
         if self.parallel.layout.pipeline_parallel_size > 1:
-            from weft.runner.pipeline import forward_in_micro_batches
-
-            return forward_in_micro_batches(self, states, counts, sampling)
+            return forward_in_micro_batches(self.model, self.parallel, self.prepare_inputs, states, counts, sampling)
         count = len(states)
         scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
         resumes = any(state.prefix_hit is None and state.num_computed_tokens for state in states)
         if self.graphs and sum(counts) == count and not scores_prompt and not resumes:
-            size = self._graph_size(count)
+            size = self.decode_graphs.size_for(count)
             if size is not None:
                 for state in states:
                     state.take_prefix_hit()  # none resumes from a hit here: replays start from the ring as it is
@@ -500,47 +391,24 @@ class ModelRunner:
         self.last_graph_size = None
         return self._execute_eager(states, counts, sampling, prompt_logprobs)
 
-    def _unknown_tokens(self, states: list[RequestState], counts: list[int]) -> tuple[list[int], list[int]] | None:
-        """Batch positions whose token the previous step sampled but the host has not seen, and their rows there."""
-        pending = self._pending
-        if pending is None or pending.output is not None:
-            return None
-        previous = {pending.request_ids[row]: index for index, row in enumerate(pending.sampling)}
-        positions, rows = [], []
-        offset = 0
-        for state, count in zip(states, counts):
-            if state.num_computed_tokens + count > len(state.token_ids):
-                positions.append(offset + count - 1)
-                rows.append(previous[state.request_id])
-            offset += count
-        return (positions, rows) if positions else None
-
-    def _gather_tokens(self, states: list[RequestState], counts: list[int]) -> list[int]:
-        token_ids: list[int] = []
-        for state, count in zip(states, counts):
-            start = state.num_computed_tokens
-            known = state.token_ids[start : start + count]
-            token_ids.extend(known)
-            token_ids.extend([0] * (count - len(known)))  # filled from the device (see _unknown_tokens)
-        return token_ids
+    def _replay(self, states: list[RequestState], size: int) -> torch.Tensor:
+        self.decode_graphs.stage(states, size)
+        static = self.decode_graphs.static
+        assert static is not None
+        counts = [1] * len(states)
+        static.input_ids[: len(states)].copy_(torch.tensor(_known_tokens(states, counts)), non_blocking=True)
+        self._fill_unknown(static.input_ids, states, counts)
+        return self.decode_graphs.replay(states, size)
 
     def _fill_unknown(self, input_ids: torch.Tensor, states: list[RequestState], counts: list[int]) -> None:
-        unknown = self._unknown_tokens(states, counts)
-        if unknown is None:
-            return
-        positions, rows = unknown
-        assert self._pending is not None
-        source = self._pending.device_tokens[to_device(rows, torch.long, self.device)]
-        input_ids.index_copy_(0, to_device(positions, torch.long, self.device), source)
+        if self._pending is not None:
+            self._pending.fill_unknown(input_ids, states, counts)
 
     def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int],
                        prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
         input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
         hidden = self.model(input_ids, positions, context)
-        for row, (state, count) in enumerate(zip(states, counts)):
-            positions_scored = _scored_prompt_positions(state, count)
-            if positions_scored:
-                prompt_logprobs[state.request_id] = self._score_prompt(state, hidden, query_start[row], positions_scored)
+        _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
         if not sampling:
             return None
         last_rows = to_device([query_start[row + 1] - 1 for row in sampling], torch.long, self.device)
@@ -558,7 +426,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + count)
             seq_lens.append(start + count)
         device = self.device
-        input_ids = to_device(self._gather_tokens(states, counts), torch.long, self.device)
+        input_ids = to_device(_known_tokens(states, counts), torch.long, self.device)
         self._fill_unknown(input_ids, states, counts)
         position_tensor = to_device(positions, torch.long, self.device)
         query_start_tensor = to_device(query_start, torch.int32, self.device)
@@ -589,171 +457,6 @@ class ModelRunner:
                                  wait_for_layer=self.connector.layer_wait if self.connector is not None else None)
         return input_ids, position_tensor, context, query_start
 
-    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, batch_start: int,
-                      positions: range) -> tuple[int, list[TokenLogprobs]]:
-        """Logprobs of prompt tokens ``positions.start + 1 ..`` from the logits at ``positions``."""
-        top = state.params.prompt_logprobs or 0
-        entries: list[TokenLogprobs] = []
-        first = batch_start + positions.start - state.num_computed_tokens  # this step's rows start at the computed count
-        for chunk in range(0, len(positions), _PROMPT_LOGPROB_CHUNK):
-            rows = range(first + chunk, first + min(chunk + _PROMPT_LOGPROB_CHUNK, len(positions)))
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.start : rows.stop]).float(), dim=-1).cpu()
-            targets = torch.tensor(state.token_ids[positions.start + chunk + 1 : positions.start + chunk + 1 + len(rows)])
-            chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-            ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-            best = logprobs.topk(top, dim=-1) if top else None
-            for index in range(len(rows)):
-                candidates = list(zip(best.indices[index].tolist(), best.values[index].tolist())) if best is not None else []
-                entries.append(TokenLogprobs(float(chosen[index]), int(ranks[index]), candidates))
-        return positions.start + 1, entries
-
-    # Graphs.
-
-    @torch.inference_mode()
-    def capture_graphs(self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int) -> float:
-        """Capture the decode forward for each batch size (largest first); returns the seconds it took.
-
-        ``scratch_blocks`` holds, per KV-cache group, a block id no request is
-        ever given: padded rows write their keys and values there.
-        """
-        started = time.monotonic()
-        self.scratch_blocks = list(scratch_blocks)
-        self.max_model_len = max_model_len
-        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
-        self.static = StaticInputs(max(sizes), widths, self.device)
-        self._zeros = array("i", [0]) * max(widths)
-        self._rows = torch.arange(max(sizes))
-        self._fill_padding(0, max(sizes))
-        if self.captured_reader is not None:
-            self.captured_reader.capture_rows(max(sizes), max_model_len)
-        for size in sorted(set(sizes), reverse=True):
-            self.graphs[size] = platform.capture_graph(lambda size=size: self._captured_forward(size))
-        # The reference op (torch's ops) would hold [rows, vocab] tensors in the graph pool, sized after the KV cache:
-        # only a fused op is captured on an accelerator (a CPU's "graphs" are replays, for tests).
-        fused = self.bitmask_argmax is not None and (not self.bitmask_argmax.reference or self.device.type == "cpu")
-        if fused and self.logits_in_graph and self.parallel.layout.pipeline_parallel_size == 1:
-            largest = max(sizes)
-            if largest not in self.graph_logits:  # a platform that captured without calling the forward yet
-                self._captured_forward(largest)
-            self.mask_graphs = MaskGraphs(self, platform, sizes, self.graph_logits[largest].shape[-1])
-        return time.monotonic() - started
-
-    def _captured_forward(self, size: int) -> torch.Tensor:
-        """:meth:`_static_forward`, its output kept for the mask graph of that size (the capture's call is the
-        last: its output is what replays write)."""
-        output = self._static_forward(size)
-        if self.logits_in_graph:
-            self.graph_logits[size] = output
-        return output
-
-    def _graph_size(self, count: int) -> int | None:
-        fitting = [size for size in self.graphs if size >= count]
-        return min(fitting) if fitting else None
-
-    def _static_forward(self, size: int) -> torch.Tensor:
-        """The decode forward over the first ``size`` rows of the static buffers; what a graph captures."""
-        static = self.static
-        assert static is not None
-        metadata, batches = [], []
-        for index, group in enumerate(self.groups):
-            batch = AttentionBatch(
-                query_start=static.query_start[: size + 1],
-                seq_lens=static.seq_lens[:size],
-                block_table=static.block_tables[index][:size],
-                slot_mapping=static.slot_mappings[index][:size],
-                max_query_len=1,
-                max_seq_len=self.max_model_len,
-                block_size=group.spec.block_size,
-            )
-            batches.append(batch)
-            metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 static_decode=True, sparse_entries=self.captured_reader)
-        hidden = self.model(static.input_ids[:size], static.positions[:size], context)
-        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
-
-    def _fill_padding(self, start: int, stop: int) -> None:
-        """Make rows ``start:stop`` one-token requests at position 0 that live in the scratch blocks."""
-        static = self.static
-        assert static is not None
-        static.input_ids[start:stop] = 0
-        static.positions[start:stop] = 0
-        static.seq_lens[start:stop] = 1
-        for index, group in enumerate(self.groups):
-            static.block_tables[index][start:stop] = self.scratch_blocks[index]
-            static.slot_mappings[index][start:stop] = self.scratch_blocks[index] * group.spec.block_size
-
-    def _stage_ahead(self, step: SchedulerOutput) -> _Staged | None:
-        """Stage the decode-graph inputs of a step deferred behind one that waits for its bitmask: positions,
-        sequence lengths, block tables, slot mappings and padding, as its requests will be once it is taken in. The
-        copies queue behind the forward already launched, which read the buffers before them. None where the step
-        would not replay a graph as staged here (a prefill, a new or finished request, a connector, ...)."""
-        counts = step.num_scheduled_tokens
-        if (not self.graphs or step.new_requests or step.finished_request_ids or self.connector is not None
-                or self.parallel.layout.pipeline_parallel_size > 1 or any(count != 1 for count in counts.values())):
-            return None
-        size = self._graph_size(len(counts))
-        if size is None:
-            return None
-        cached = {entry.request_id: entry for entry in step.cached_requests}
-        positions: list[int] = []
-        tables: list[list[list[int]]] = [[] for _ in self.groups]
-        for request_id in counts:
-            state = self.requests[request_id]
-            if state.prefix_hit is None or state.params.prompt_logprobs is not None:
-                return None  # resumes from a hit, or scores its prompt: it runs eagerly
-            entry = cached.get(request_id)
-            positions.append(state.num_computed_tokens if entry is None else entry.num_computed_tokens)
-            for index, blocks in enumerate(state.block_ids):
-                added = entry.new_block_ids[index] if entry is not None and entry.new_block_ids is not None else ()
-                tables[index].append(blocks + list(added) if added else blocks)
-        self._stage_replay(positions, tables, size)
-        return _Staged(list(counts), positions, size)
-
-    def _replay(self, states: list[RequestState], size: int) -> torch.Tensor:
-        static = self.static
-        assert static is not None
-        count = len(states)
-        counts = [1] * count
-        positions = [state.num_computed_tokens for state in states]
-        staged, self._staged = self._staged, None
-        if (staged is None or staged.size != size or staged.positions != positions
-                or staged.request_ids != [state.request_id for state in states]):
-            self._stage_replay(positions, [[state.block_ids[index] for state in states] for index in range(len(self.groups))], size)
-        static.input_ids[:count].copy_(torch.tensor(self._gather_tokens(states, counts)), non_blocking=True)
-        self._fill_unknown(static.input_ids, states, counts)
-        if self.captured_reader is not None:
-            self.captured_reader.prepare_rows([state.request_id for state in states], size)
-        output = self.graphs[size]()
-        return output[:count] if self.logits_in_graph else self.model.compute_logits(output[:count])
-
-    def _stage_replay(self, positions: list[int], tables_by_group: list[list[list[int]]], size: int) -> None:
-        """Copy a decode step's positions, sequence lengths, block tables and slot mappings (row ``i`` at position
-        ``positions[i]``, its blocks ``tables_by_group[g][i]`` in group ``g``) into the static buffers, and pad the
-        rest of the ``size`` rows."""
-        static = self.static
-        assert static is not None
-        count = len(positions)
-        # Staged on the host (a few microseconds of CPU ops), then one copy each: device-side
-        # derivations would add kernel launches to every decode step.
-        host_positions = torch.tensor(positions)
-        static.positions[:count].copy_(host_positions, non_blocking=True)
-        static.seq_lens[:count].copy_(host_positions + 1, non_blocking=True)
-        for index, group in enumerate(self.groups):
-            tables = tables_by_group[index]
-            width = max(len(table) for table in tables)
-            rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
-            for table in tables:
-                rows.extend(table)
-                rows.extend(self._zeros[: width - len(table)])
-            host_table = torch.frombuffer(rows, dtype=torch.int32).view(count, width)
-            static.block_tables[index][:count, :width].copy_(host_table, non_blocking=True)
-            static.slot_mappings[index][:count].copy_(
-                group.spec.slot_mapping(host_table, self._rows[:count], host_positions), non_blocking=True
-            )
-        if count < size:
-            self._fill_padding(count, size)
-
 
 def _failed_loads(report: ConnectorOutput | None) -> frozenset[str]:
     """Requests whose step computed over a failed KV load: the runner discards what it sampled for them."""
@@ -770,6 +473,46 @@ def _scored_prompt_positions(state: RequestState, count: int) -> range:
         return range(0)
     start = state.num_computed_tokens
     return range(start, min(start + count, state.num_prompt_tokens - 1))
+
+
+def _score_prompts(model: torch.nn.Module, states: list[RequestState], counts: list[int], hidden: torch.Tensor,
+                   query_start: list[int], prompt_logprobs: PromptLogprobs) -> None:
+    """Score, into ``prompt_logprobs``, the prompt tokens each request that asks for them computed in this step."""
+    for row, (state, count) in enumerate(zip(states, counts)):
+        positions_scored = _scored_prompt_positions(state, count)
+        if positions_scored:
+            prompt_logprobs[state.request_id] = _score_prompt(model, state, hidden, query_start[row], positions_scored)
+
+
+def _score_prompt(model: torch.nn.Module, state: RequestState, hidden: torch.Tensor, batch_start: int,
+              positions: range) -> tuple[int, list[TokenLogprobs]]:
+    """Logprobs of prompt tokens ``positions.start + 1 ..`` from the logits at ``positions``."""
+    top = state.params.prompt_logprobs or 0
+    entries: list[TokenLogprobs] = []
+    first = batch_start + positions.start - state.num_computed_tokens  # this step's rows start at the computed count
+    for chunk in range(0, len(positions), _PROMPT_LOGPROB_CHUNK):
+        rows = range(first + chunk, first + min(chunk + _PROMPT_LOGPROB_CHUNK, len(positions)))
+        logprobs = torch.log_softmax(model.compute_logits(hidden[rows.start : rows.stop]).float(), dim=-1).cpu()
+        targets = torch.tensor(state.token_ids[positions.start + chunk + 1 : positions.start + chunk + 1 + len(rows)])
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+        best = logprobs.topk(top, dim=-1) if top else None
+        for index in range(len(rows)):
+            candidates = list(zip(best.indices[index].tolist(), best.values[index].tolist())) if best is not None else []
+            entries.append(TokenLogprobs(float(chosen[index]), int(ranks[index]), candidates))
+    return positions.start + 1, entries
+
+
+def _known_tokens(states: list[RequestState], counts: list[int]) -> list[int]:
+    """The next ``counts`` token ids of each of ``states``, end to end; 0 for a token still on the device (the last
+    step's, which :meth:`_PendingStep.fill_unknown` copies in)."""
+    token_ids: list[int] = []
+    for state, count in zip(states, counts):
+        start = state.num_computed_tokens
+        known = state.token_ids[start : start + count]
+        token_ids.extend(known)
+        token_ids.extend([0] * (count - len(known)))
+    return token_ids
 
 
 def describe_sizes(sizes: Sequence[int]) -> str:

@@ -32,7 +32,7 @@ import torch
 from weft.runner.logits_processors import RowTokens, to_device
 
 if TYPE_CHECKING:
-    from weft.runner.model_runner import RequestState as Request
+    from weft.runner.request_state import RequestState as Request
     from weft.sampling_params import SamplingParams
 
 

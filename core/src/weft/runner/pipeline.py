@@ -7,17 +7,28 @@ first stage embeds the tokens), runs its layers, and sends the result on without
 waiting, so while stage ``s`` runs micro-batch ``m`` stage ``s - 1`` already runs
 ``m + 1``. Every stage knows the step's token counts, so what arrives needs no
 shape message: the model's ``intermediate_spec`` says it. The last stage returns
-the logits of the sampling rows, in batch order.
+the logits of the sampling rows, in batch order; it samples, and every stage takes
+its tokens (:func:`share_sampled`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from weft.runner.sampler import SampledBatch
+
 if TYPE_CHECKING:
-    from weft.runner.model_runner import ModelRunner, RequestState
+    from weft.distributed.state import ParallelGroups
+    from weft.layers.attention import ForwardContext
+    from weft.runner.request_state import RequestState
+
+PrepareInputs = Callable[
+    [list["RequestState"], list[int]], tuple[torch.Tensor, torch.Tensor, "ForwardContext", list[int]]
+]
+"""The runner's input preparation: token ids, positions, the forward context and where each request starts."""
 
 
 def micro_batches(counts: list[int], parts: int) -> list[range]:
@@ -38,19 +49,18 @@ def micro_batches(counts: list[int], parts: int) -> list[range]:
 
 
 def forward_in_micro_batches(
-    runner: ModelRunner, states: list[RequestState], counts: list[int], sampling: list[int]
+    model: torch.nn.Module, parallel: ParallelGroups, prepare_inputs: PrepareInputs, states: list[RequestState],
+    counts: list[int], sampling: list[int],
 ) -> torch.Tensor | None:
     """This stage's part of the step; on the last stage the logits of the rows in ``sampling``."""
-    parallel = runner.parallel
     layout = parallel.layout
-    model = runner.model
     sends = []
     logits = []
     sampled = set(sampling)
     for batch in micro_batches(counts, layout.pipeline_parallel_size):
         batch_states = [states[row] for row in batch]
         batch_counts = [counts[row] for row in batch]
-        input_ids, positions, context, query_start = runner.prepare_inputs(batch_states, batch_counts)
+        input_ids, positions, context, query_start = prepare_inputs(batch_states, batch_counts)
         intermediate = None
         if not layout.is_first_stage:
             intermediate = parallel.receive_from_previous_stage(model.intermediate_spec(input_ids.shape[0]))
@@ -66,3 +76,15 @@ def forward_in_micro_batches(
     if not layout.is_last_stage or not logits:
         return None
     return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+
+def share_sampled(parallel: ParallelGroups, sampled: SampledBatch | None, count: int,
+                  device: torch.device) -> SampledBatch:
+    """The last stage's sampled tokens and statuses (``sampled``; None on the other stages), broadcast to every
+    stage: tensor ranks sample alike; the logprobs stay on the last stage, whose output the executor returns."""
+    if sampled is not None:
+        shared = torch.stack([sampled.tokens, sampled.status])
+    else:
+        shared = torch.empty((2, count), dtype=torch.long, device=device)
+    shared = parallel.broadcast_from_output_rank(shared)
+    return SampledBatch(shared[0], shared[1], sampled.logprobs if sampled is not None else None)

@@ -43,7 +43,7 @@ from weft.runner.logits_processors import apply_request_processors, needs_reques
 from weft.runner.penalties import TokenCounts, apply_penalties, needs_penalties
 
 if TYPE_CHECKING:
-    from weft.runner.model_runner import RequestState as Request
+    from weft.runner.request_state import RequestState as Request
     from weft.sampling_params import SamplingParams
 
 

@@ -18,13 +18,13 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 ``weft_registry`` fixture.
 """
 
+from weft.testing.connector_suite import KVConnectorContract
 from weft.testing.mm_processor_suite import MMProcessorContract
 from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
 from weft.testing.speculator_suite import SpeculatorContract
 from weft.testing.suites import (
     AttentionContract,
     HooksContract,
-    KVConnectorContract,
     LoaderContract,
     ModelContract,
     OpContract,

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from weft.contracts.loader import WeightSlice, as_slice
-from weft.layers.linear import Linear
-from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard, copy_checked
+from weft.api import ColumnParallelLinear, Linear, RowParallelLinear, Shard, copy_checked
 from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, SLIDING, DeepseekV4Settings, layer_groups
 from weft_dsv4.indexer import Indexer
@@ -322,7 +321,7 @@ def _registered_kernel(name: str, device: torch.device, dtype: torch.dtype, head
     """Kernel class ``name`` of :mod:`weft_dsv4.attention_kernel` for ``dtype`` and ``head_dim``, registered."""
     if device.type not in ("cuda", "xpu") or importlib.util.find_spec("triton") is None:
         return None
-    from weft.kernels.warmup import register
+    from weft.api import register
     from weft_dsv4 import attention_kernel
 
     kernel = getattr(attention_kernel, name)()

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import CompileKey, InputSpace, Kernel, Zipped
+from weft.api import CompileKey, InputSpace, Kernel, Zipped
 
 BLOCK_HEADS = 16
 """Heads scored against one tile of keys (the smallest M of a tensor-core dot)."""

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
+from weft.api import HFTokenizer, eos_ids_of
 from weft.contracts.loader import ModelSource
 from weft_dsv4.mm import VISION_CONFIG_KEY, declares_vision_encoder
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from weft.layers.linear import Linear
+from weft.api import Linear
 from weft_dsv4.norm import RMSNorm
 from weft_dsv4.rope import InterleavedRope, apply_rope
 

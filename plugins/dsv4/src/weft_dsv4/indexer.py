@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.layers.linear import Linear
+from weft.api import Linear
 from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, DeepseekV4Settings
 

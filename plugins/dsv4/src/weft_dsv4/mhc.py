@@ -69,7 +69,7 @@ def fused_kernel(device: torch.device, hc_mult: int) -> Any:
     None (the torch reference) elsewhere, the CPU included."""
     if device.type not in ("cuda", "xpu") or importlib.util.find_spec("triton") is None:
         return None
-    from weft.kernels.warmup import register
+    from weft.api import register
     from weft_dsv4.mhc_kernel import MhcWeightsKernel
 
     kernel = MhcWeightsKernel()

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel
+from weft.api import Choice, CompileKey, InputSpace, Kernel
 
 BLOCK_TOKENS = 16
 

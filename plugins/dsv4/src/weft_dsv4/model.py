@@ -52,7 +52,7 @@ import msgspec
 import torch
 from torch import nn
 
-from weft.builtins.decode_topk import DecodeTopKTorch
+from weft.api import DecodeTopKTorch
 from weft.contracts.kv_cache import (
     CheckpointSpec,
     CompressedSpec,
@@ -63,10 +63,14 @@ from weft.contracts.kv_cache import (
 )
 from weft.contracts.loader import as_slice
 from weft.contracts.model import ModelConfig, ModelFamily
-from weft.layers.attention import ForwardContext
-from weft.layers.linear import default_dtype
-from weft.layers.ops import current_op
-from weft.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, copy_checked
+from weft.api import (
+    ForwardContext,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    copy_checked,
+    current_op,
+    default_dtype,
+)
 from weft_dsv4.attention import DeepseekV4Attention, decode_attention_kernel, prefill_attention_kernel
 from weft_dsv4.compressor import EntryFormat, Fp8EntryFormat
 from weft_dsv4.config import CSA, HCA, DeepseekV4Settings, layer_groups

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.layers.moe import FusedMoE, MoEActivation, MoERouting, select_experts
-from weft.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Shard
+from weft.api import ColumnParallelLinear, FusedMoE, MoEActivation, MoERouting, RowParallelLinear, Shard, select_experts
 from weft_dsv4.config import DeepseekV4Settings
 
 

@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from weft.builtins.tool_parsers import marker_overlap
+from weft.api import marker_overlap
 from weft.contracts.reasoning_parser import ReasoningParser, ReasoningScan
 from weft.contracts.tool_parser import PartialCall, Scan, ToolParser
 

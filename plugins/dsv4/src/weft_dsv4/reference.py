@@ -15,9 +15,7 @@ import torch
 
 from weft.contracts.attention import AttentionBatch
 from weft.contracts.model import ModelConfig
-from weft.engine.core.kv_cache_manager import KVCacheManager
-from weft.layers.attention import ForwardContext
-from weft.layers.ops import using_ops
+from weft.api import ForwardContext, KVCacheManager, using_ops
 
 
 @contextlib.contextmanager
@@ -109,7 +107,7 @@ class Driver:
     ) -> None:
         import json
 
-        from weft.builtins.safetensors_loader import SafetensorsLoader
+        from weft.api import SafetensorsLoader
         from weft_dsv4.model import DeepseekV4Family
 
         hf_config = json.loads((Path(folder) / "config.json").read_text())

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from weft.layers.attention import ForwardContext
+from weft.api import ForwardContext
 
 class RequestRows:
     """One request's slice of the step: its index in the step's batch, rows, and positions ``start .. end - 1``."""

@@ -24,9 +24,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import torch
-from weft.builtins.safetensors_loader import SafetensorsLoader, cast
+from weft.api import SafetensorsLoader, cast
 from weft.contracts.loader import ModelSource
-from weft.hub import weight_files
+from weft.api import weight_files
 
 logger = logging.getLogger("weft.fastsafetensors")
 

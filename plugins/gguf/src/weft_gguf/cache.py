@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from weft.contracts.hooks import CliCommand, hookimpl
-from weft.progress import human_bytes
+from weft.api import human_bytes
 
 from weft_gguf import checksum
 from weft_gguf.files import CACHE_FORMAT, KEY_HASH_CHARS, SOURCES_INDEX, cache_dir, read_sources_index

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
-from weft.progress import bar, human_bytes, report
+from weft.api import bar, human_bytes, report
 
 from weft_gguf import checksum
 from weft_gguf.convert import cache_tokenizer
@@ -189,7 +189,7 @@ class GGUFLoader(WeightLoader):
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         """Slices of the dequantized cache file (written first if absent: the file is dequantized once)."""
         from safetensors import safe_open
-        from weft.builtins.safetensors_loader import SafetensorsSlice
+        from weft.api import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
         if cached.is_file():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from weft.builtins.hf_tokenizer import HFTokenizer, eos_ids_of
+from weft.api import HFTokenizer, eos_ids_of
 from weft.contracts.loader import ModelSource
 from weft_gguf import checksum
 from weft_gguf.convert import write_folder

@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.nn.functional import pad
 
-from weft.kernels.warmup import Kernel, compile_many
+from weft.api import Kernel, compile_many
 
 
 class GraphReader:

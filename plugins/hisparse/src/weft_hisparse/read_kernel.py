@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import CompileKey, Kernel
+from weft.api import CompileKey, Kernel
 
 
 @triton.jit

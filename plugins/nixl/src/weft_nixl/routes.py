@@ -17,7 +17,7 @@ from weft.contracts.hooks import hookimpl
 
 def _options(request: Any) -> Any:
     """This server's nixl options, or None when it does not use weft-nixl."""
-    from weft.config import plugin_options
+    from weft.api import plugin_options
 
     from weft_nixl.connector import NixlOptions
 

@@ -44,11 +44,16 @@ from weft.contracts.executor import (
     decode_scheduler_output,
     encode_step,
 )
-from weft.distributed.rendezvous import StoreAddress
-from weft.distributed.workers import check_layout, merge_worker_info
-from weft.plugins.errors import PluginError
-from weft.plugins.lock import NamedLock, configured_lock, verify_installed
-from weft.resolve import parallel_layout
+from weft.api import (
+    NamedLock,
+    PluginError,
+    StoreAddress,
+    check_layout,
+    configured_lock,
+    merge_worker_info,
+    parallel_layout,
+    verify_installed,
+)
 
 logger = logging.getLogger("weft.ray")
 
@@ -65,9 +70,7 @@ class RayWorker:
 
     def start(self, config: Any, layout: Any, store: StoreAddress, lock: NamedLock | None) -> tuple[int, str]:
         """``lock``: the plugin lock the engine core read, which this actor's machine must match (None: none named)."""
-        from weft.distributed.rendezvous import connect_store
-        from weft.plugins.registry import problems_reported_by_parent
-        from weft.runner.worker_process import build_worker
+        from weft.api import build_worker, connect_store, problems_reported_by_parent
 
         problems_reported_by_parent()  # the engine's process logged the installed plugins' problems
         if lock is not None:
@@ -121,7 +124,7 @@ class RayExecutor(Executor):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from weft.plugins.selection import select_platform
+        from weft.api import select_platform
 
         self.layout = parallel_layout(config)
         lock = configured_lock(config)
@@ -274,6 +277,6 @@ def _first_line(error: BaseException) -> str:
 
 
 def _registry() -> Any:
-    from weft.plugins import PluginRegistry
+    from weft.api import PluginRegistry
 
     return PluginRegistry()

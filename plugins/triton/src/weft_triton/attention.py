@@ -22,7 +22,7 @@ import torch
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
-from weft.kernels.warmup import register
+from weft.api import register
 from weft_triton.runtime import MISSING_TRITON, interpreting, runs_on
 
 DECODE_BLOCK_M = 16

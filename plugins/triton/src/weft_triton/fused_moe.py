@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, RuntimeMonitor, Zipped
+from weft.api import Choice, CompileKey, InputSpace, Kernel, RuntimeMonitor, Zipped
 from weft_triton.runtime import interpreting
 
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1 << 30)

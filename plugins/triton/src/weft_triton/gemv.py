@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, IntRange, Kernel, Zipped
+from weft.api import Choice, CompileKey, InputSpace, IntRange, Kernel, Zipped
 from weft_triton.runtime import interpreting
 
 MAX_ROWS = 1

@@ -30,7 +30,7 @@ class LinearTriton(OpImplementation):
 
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
-        from weft.kernels.warmup import register
+        from weft.api import register
         from weft_triton.gemv import GemvKernel
 
         self.kernel = register(GemvKernel())
@@ -80,7 +80,7 @@ class _FusedOp(OpImplementation):
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
         import weft_triton.fused as fused
-        from weft.kernels.warmup import register
+        from weft.api import register
 
         self.kernel = register(getattr(fused, self.kernel_class)())
 
@@ -106,7 +106,7 @@ class RmsNormTriton(_FusedOp):
             self.kernel.add(shape["dtype"], (shape["hidden_size"],))
 
     def __call__(self, x: Any, weight: Any, eps: float, residual: Any = None) -> Any:
-        from weft.layers.norm import rms_norm
+        from weft.api import rms_norm
 
         if not self.fused(x.dtype) or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
             return rms_norm(x, weight, eps, residual)
@@ -126,7 +126,7 @@ class RotaryTriton(_FusedOp):
             self.kernel.add(shape["dtype"], (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]))
 
     def __call__(self, query: Any, key: Any, cos: Any, sin: Any) -> Any:
-        from weft.layers.rotary import apply_rotary
+        from weft.api import apply_rotary
 
         dim = query.shape[-1]
         usable = (
@@ -151,7 +151,7 @@ class QkNormRotaryTriton(_FusedOp):
             self.kernel.add(shape["dtype"], (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]))
 
     def __call__(self, query: Any, key: Any, query_weight: Any, key_weight: Any, eps: float, cos: Any, sin: Any) -> Any:
-        from weft.builtins.ops import qk_norm_rotary
+        from weft.api import qk_norm_rotary
 
         dim = query.shape[-1]
         usable = (
@@ -225,9 +225,9 @@ class DecodeTopKTriton(OpImplementation):
     def __call__(self, scores: Any, seq_lens: Any, decode_query_len: int, block_size: int, topk: int,
                  launch: DecodeTopKLaunch | None = None) -> Any:
         """The op; ``launch`` overrides the policy's geometry (which never changes the result)."""
-        from weft.builtins.decode_topk import check_inputs
+        from weft.api import check_decode_topk_inputs
 
-        check_inputs(scores, seq_lens, decode_query_len, block_size, topk)
+        check_decode_topk_inputs(scores, seq_lens, decode_query_len, block_size, topk)
         return self.launcher(scores, seq_lens, decode_query_len, block_size, topk, launch or self.launch_for(scores, topk))
 
 
@@ -241,7 +241,7 @@ class BitmaskArgmaxTriton(OpImplementation):
 
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
-        from weft.kernels.warmup import register
+        from weft.api import register
         from weft_triton.bitmask_argmax import BitmaskArgmaxKernel
 
         self.kernel = register(BitmaskArgmaxKernel())
@@ -254,9 +254,9 @@ class BitmaskArgmaxTriton(OpImplementation):
         self.kernel.add(shape["dtype"])
 
     def __call__(self, logits: Any, mask_rows: Any, bitmask: Any) -> Any:
-        from weft.builtins.bitmask_argmax import check_inputs
+        from weft.api import check_bitmask_argmax_inputs
 
-        check_inputs(logits, mask_rows, bitmask)
+        check_bitmask_argmax_inputs(logits, mask_rows, bitmask)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         return self.kernel(dtype=logits.dtype, logits=logits, mask_rows=mask_rows.contiguous(), bitmask=bitmask.contiguous())

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from weft.contracts.attention import AttentionBatch, AttentionLayer
-from weft.kernels.warmup import Choice, CompileKey, InputSpace, Kernel, Zipped
+from weft.api import Choice, CompileKey, InputSpace, Kernel, Zipped
 from weft_triton.attention import DECODE_BLOCK_M, MAX_SPLITS, PREFILL_BLOCK_M
 from weft_triton.runtime import interpreting
 

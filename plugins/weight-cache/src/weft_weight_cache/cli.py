@@ -34,7 +34,7 @@ def weft_cli_commands() -> list[CliCommand]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from weft.cli import add_config_arguments
+    from weft.api import add_config_arguments
 
     commands = parser.add_subparsers(title="weights commands", metavar="COMMAND")
     serve = commands.add_parser(
@@ -83,11 +83,9 @@ class Layout:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from weft.cli import config_from_args
-    from weft.config import ConfigError, plugin_options
-    from weft.plugins import PluginError
+    from weft.api import ConfigError, PluginError, config_from_args, plugin_options
 
-    from weft.distributed.placement import placement
+    from weft.api import placement
     from weft_weight_cache.loader import WeightCacheOptions, socket_dir
 
     _log_to_stderr()
@@ -148,8 +146,7 @@ def _devices(text: str | None, config: Any) -> list[int]:
             return [int(part) for part in text.split(",")]
         except ValueError:
             raise ValueError(f"--devices {text!r}: give device indices separated by commas, e.g. 0,1") from None
-    from weft.plugins import PluginRegistry
-    from weft.resolve import build_platform
+    from weft.api import PluginRegistry, build_platform
 
     if build_platform(PluginRegistry(), config).device_type == "cuda":
         import torch
@@ -160,8 +157,7 @@ def _devices(text: str | None, config: Any) -> list[int]:
 
 def serve_device(config: Any, options: Any, layout: Layout, master: str, folder: Path, local_index: int) -> int:
     """Load this device's weights and serve them until SIGTERM or Ctrl-C; the exit status."""
-    from weft.plugins import PluginRegistry
-    from weft.resolve import build_platform, load_config_for
+    from weft.api import PluginRegistry, build_platform, load_config_for
 
     from weft_weight_cache.daemon import WeightCacheServer, load_resident
     from weft_weight_cache.key import device_identity, socket_name

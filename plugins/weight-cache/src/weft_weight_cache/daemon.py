@@ -47,9 +47,7 @@ def load_resident(config: Any, load_config: Any, disk_loader: str) -> tuple[Cach
 
     Returns the key engines must ask for and the packed parts on ``load_config.device``.
     """
-    from weft.plugins import PluginRegistry
-    from weft.resolve import build_loader, build_platform, load_family
-    from weft.runner.worker import resolve_dtype
+    from weft.api import PluginRegistry, build_loader, build_platform, load_family, resolve_dtype
 
     from weft_weight_cache.key import cache_key
     from weft_weight_cache.reads import rank_reads

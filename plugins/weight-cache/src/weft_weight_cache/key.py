@@ -6,10 +6,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from weft import __version__
+from weft.api import __version__
 from weft.contracts.loader import LoadConfig, ModelSource
 from weft.contracts.parallel import ParallelLayout
-from weft.hub import COMMIT, weight_files
+from weft.api import COMMIT, weight_files
 
 from weft_weight_cache.protocol import CacheKey
 

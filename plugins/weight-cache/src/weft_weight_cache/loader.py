@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 import torch
-from weft.builtins.safetensors_loader import SafetensorsLoader
+from weft.api import SafetensorsLoader
 from weft.contracts.loader import ModelSource, WeightSlice
 
 from weft_weight_cache.protocol import DEFAULT_MAX_FRAME_BYTES, Error, FrameError, Mismatch, Ok, TensorEntry
@@ -126,7 +126,7 @@ class WeightCacheLoader(SafetensorsLoader):
         return reason
 
     def _from_disk(self, source: ModelSource, dtype: str, reason: str, slices: bool) -> Iterator[tuple[str, Any]]:
-        from weft.plugins import PluginRegistry
+        from weft.api import PluginRegistry
 
         disk_loader = self.options.disk_loader
         logger.warning("weight cache: %s; loading from disk with the %r loader", reason, disk_loader)

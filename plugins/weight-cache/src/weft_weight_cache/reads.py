@@ -115,8 +115,7 @@ def rank_reads(config: Any, load_config: Any, loader: WeightLoader, source: Mode
     """What the engine worker that ``load_config`` places reads of ``source`` through ``loader``, with its results.
 
     ``dtype``: the worker's runtime dtype (the family's load dtype is what the reads come in)."""
-    from weft.distributed.state import ParallelGroups, using_parallel
-    from weft.resolve import model_config, parallel_layout
+    from weft.api import ParallelGroups, model_config, parallel_layout, using_parallel
 
     load_dtype = family.load_dtype(dtype)
     if not family.reads_weight_slices:

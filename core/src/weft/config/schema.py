@@ -100,7 +100,9 @@ class EngineConfig(_Section, frozen=True):
     dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
     ] = "auto"
-    seed: Annotated[int, Meta(description="seed of unseeded sampling")] = 0
+    seed: Annotated[int, Meta(description="seed of the generator shared by requests that give no seed of their own "
+                                         "(their samples then depend on what else runs); a request's 'seed' (weft "
+                                         "generate --sample-seed) makes its own output reproducible")] = 0
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
     graph_batch_sizes: Annotated[
         list[Annotated[int, Meta(ge=1)]],
@@ -118,7 +120,8 @@ class EngineConfig(_Section, frozen=True):
         Literal["auto", "thread", "process"],
         Meta(description="where grammar matchers accept tokens and fill bitmasks: a thread of the engine core, or a "
                          "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
-                         "beside the core's work); auto: a process on machines of 8 CPUs or more where the backend can"),
+                         "beside the core's work); auto: a process where the backend can run its fill there and the machine has 8 CPUs or "
+                         "more (or structured_output_fill_processes is set), else a thread"),
     ] = "auto"
     structured_output_fill_processes: Annotated[
         int, Meta(ge=1, le=64, description="fill processes sharing the matchers (each accepts and fills its own rows of a "
@@ -184,6 +187,10 @@ class ServerConfig(_Section, frozen=True):
     max_sequences_per_request: Annotated[
         int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
     ] = 256
+    strict_fields: Annotated[
+        bool, Meta(description="a request field no API of Weft's knows is a 400 naming it; default: accepted and "
+                               "ignored, logged once per name and listed in the x-weft-ignored-fields header")
+    ] = False
     special_tokens_in_content: Annotated[
         Literal["text", "control"],
         Meta(description="special-token text inside chat messages: text (encoded as plain text, so users cannot "

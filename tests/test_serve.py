@@ -438,7 +438,7 @@ def test_completion_streaming_echo_and_text_offsets(client):
 
 
 def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkeypatch):
-    import weft.serve.app as app
+    import weft.serve.completions as app
 
     def failures() -> float:
         for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():

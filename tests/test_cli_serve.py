@@ -41,7 +41,8 @@ def test_strict_fields_is_a_flag_of_serve():
 
 def _weft(*argv: str, cwd) -> tuple[subprocess.CompletedProcess, float]:
     began = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "weft.cli", *argv], capture_output=True, text=True, timeout=120, cwd=cwd)
+    result = subprocess.run([sys.executable, "-m", "weft.cli", *argv], capture_output=True, text=True, timeout=120,
+                            cwd=cwd)
     return result, time.monotonic() - began
 
 

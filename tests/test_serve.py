@@ -545,7 +545,7 @@ def test_strict_fields_refuses_unknown_fields_where_the_default_drops_them():
     from weft.serve.body import HTTPError, decode
     from weft.serve.protocol import CompletionRequest
 
-    data = b'{"prompt": "hi", "zzz": 1, "user": "u", "suffix": null}'
+    data = b'{"model": "m", "prompt": "hi", "zzz": 1, "user": "u", "suffix": null}'
     body, ignored = decode(data, CompletionRequest, "completions", strict_fields=False)
     assert body.prompt == "hi" and body.user == "u" and ignored == ["zzz"]  # suffix: null is its no-op value
     with pytest.raises(HTTPError) as refused:

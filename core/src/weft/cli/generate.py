@@ -21,7 +21,8 @@ EXAMPLES = """examples:
 
 def add_parser(commands: Any) -> None:
     generate = commands.add_parser(
-        "generate", help="generate text for prompts with the configured model", usage="%(prog)s [PROMPT ...] [options]",
+        "generate", help="generate text for prompts with the configured model",
+        usage="%(prog)s [PROMPT ...] [options]",
         description="Generate text for prompts with the configured model, in this process (no server).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -155,7 +155,7 @@ def _slots() -> tuple[str, ...]:
 def run_plugins_doctor(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
     from weft.plugins.discovery import allowlist, unmatched_allowlist_names
-    from weft.plugins.health import fix_for, load_failures
+    from weft.plugins.health import fix_for
     from weft.plugins.lock import lock_path, verify_plugin_lock
     from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
 
@@ -227,7 +227,21 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
     check("hooks", lambda: print(f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"))
 
     engine_starts = not failures
-    # Every other enabled plugin: one that does not import is a problem unless it is meant for another platform.
+    _check_unselected(registry, probes, platform_name, selected, failures, warnings)
+    print()
+    if failures:
+        print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
+        return 1
+    print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def _check_unselected(registry: Any, probes: dict[str, Any], platform_name: str | None, selected: set[tuple[str, str]],
+                      failures: list[str], warnings: list[str]) -> None:
+    """Doctor's last check: every enabled plugin the configuration did not select. One that does not import is a
+    problem (added to ``failures``) unless it is meant for another platform (a warning)."""
+    from weft.plugins.health import load_failures
+
     unselected = [failure for failure in load_failures(registry, probes, platform_name)
                   if (failure.entry.slot, failure.entry.name) not in selected]
     for failure in unselected:
@@ -238,13 +252,6 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         print(f"      fix: {failure.fix}")
     if not unselected:
         print("ok    every enabled plugin imports")
-
-    print()
-    if failures:
-        print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
-        return 1
-    print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
-    return 0
 
 
 def run_plugins_freeze(args: argparse.Namespace) -> int:

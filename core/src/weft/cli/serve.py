@@ -30,7 +30,8 @@ then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: applicati
 
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser(
-        "serve", help="serve the configured model over an OpenAI-compatible HTTP API", usage="%(prog)s [MODEL] [options]",
+        "serve", help="serve the configured model over an OpenAI-compatible HTTP API",
+        usage="%(prog)s [MODEL] [options]",
         description="Serve a model over an OpenAI-compatible HTTP API (chat completions, completions, responses).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -8,7 +8,9 @@ from typing import Any
 
 
 def add_parser(commands: Any) -> None:
-    verify = commands.add_parser("verify", help="check a model family token for token against its Hugging Face reference")
+    verify = commands.add_parser(
+        "verify", help="check a model family token for token against its Hugging Face reference",
+    )
     add_verify_arguments(verify)
     verify.set_defaults(run=run_verify, value_errors_are_usage=True)
 

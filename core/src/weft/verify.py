@@ -61,6 +61,7 @@ from weft.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.plugins.selection import select_platform
+from weft.resolve import missing_path
 from weft.sampling_params import MAX_LOGPROBS
 
 DTYPES = tuple(name for name in typing.get_args(typing.get_type_hints(EngineConfig)["dtype"]) if name != "auto")
@@ -364,6 +365,9 @@ def resolve_checkpoint(model: str, registry: PluginRegistry) -> ModelSource:
             source = loader.resolve(model)
             break
     else:
+        missing = missing_path(model)
+        if missing is not None:
+            raise ValueError(f"model {model!r}: {missing}")
         raise ValueError(
             f"model {model!r}: no installed loader accepts it; weft verify needs a folder with config.json "
             f"and *.safetensors, a GGUF file (or a Hugging Face repo id in the local cache)"

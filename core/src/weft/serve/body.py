@@ -4,9 +4,11 @@ Checks, in order: the media type (JSON, else 415), the size (``server.max_body_b
 else 413), the time the client takes to send it (``server.body_timeout``, else 408),
 then the JSON itself: more than :data:`MAX_CONTAINERS` objects and arrays (400),
 malformed (400), a field of the wrong type or range (400 naming the field), a
-field Weft does not implement or does not know at any level (400 naming it,
-:mod:`weft.serve.unsupported`), nested too deeply (400). Decoding runs on a
-worker thread (:meth:`weft.serve.app.Server.read`).
+field Weft does not implement (400 naming it, :mod:`weft.serve.unsupported`), a
+field no API knows inside an object of the body (400 naming it), nested too deeply
+(400). A top-level field no API knows is dropped and reported to the caller (as
+vLLM does: clients send vendors' fields), or a 400 with ``server.strict_fields``.
+Decoding runs on a worker thread (:meth:`weft.serve.server.Server.read`).
 """
 
 from __future__ import annotations
@@ -79,25 +81,27 @@ async def read_bytes(request: Request, limit: int, timeout: float) -> bytes:
     return bytes(body)
 
 
-def decode(data: bytes, body_type: type[Any], endpoint: str) -> Any:
-    """``data`` as ``body_type``; HTTPError 400 naming the field for anything malformed or unsupported.
+def decode(data: bytes, body_type: type[Any], endpoint: str, strict_fields: bool = True) -> tuple[Any, list[str]]:
+    """``data`` as ``body_type``, and the top-level fields no API knows that were dropped (``strict_fields``: none
+    are, each is a 400); HTTPError 400 naming the field for anything malformed or unsupported.
     Call it on a worker thread: a large body takes a while to check."""
     containers, depth = _containers_and_depth(data)
     if containers > MAX_CONTAINERS:
         raise HTTPError(400, f"the JSON body holds {containers} objects and arrays; at most {MAX_CONTAINERS} are "
                              f"accepted (send long token lists as one array)")
+    ignored: list[str] = []
     try:
         body = _parse(data, body_type)
     except msgspec.ValidationError as error:
         if _UNKNOWN.match(str(error)) is None or _path_of(error):
             raise _field_error(error, body_type) from None
-        body = _without_noop_fields(data, body_type, endpoint)
+        body, ignored = _without_unknown_fields(data, body_type, endpoint, strict_fields)
     # The body's own object is a level of ``depth``, not of _nested_too_deeply's.
     too_deep = _nested_too_deeply(msgspec.to_builtins(body)) if depth > MAX_NESTING + 1 else None
     if too_deep is not None:
         shown = too_deep if len(too_deep) <= 80 else too_deep[:80] + "..."
         raise HTTPError(400, f"{shown}: nested more than {MAX_NESTING} levels deep", param=shown)
-    return body
+    return body, ignored
 
 
 def _parse(data: bytes, body_type: Any) -> Any:
@@ -113,20 +117,27 @@ def _parse(data: bytes, body_type: Any) -> Any:
         raise HTTPError(400, f"the JSON body is nested too deeply (more than {MAX_NESTING} levels)") from None
 
 
-def _without_noop_fields(data: bytes, body_type: type[Any], endpoint: str) -> Any:
-    """A body with unknown fields: refuse the first that matters, decode again without the no-op ones."""
+def _without_unknown_fields(data: bytes, body_type: type[Any], endpoint: str,
+                            strict_fields: bool) -> tuple[Any, list[str]]:
+    """A body with top-level fields its Struct does not declare: refuse the first that matters (a feature Weft does
+    not implement, or any unknown field with ``strict_fields``), decode again without the others; returns the
+    body and the unknown fields dropped (the no-op values of :mod:`weft.serve.unsupported`'s rows are not
+    listed: Weft knows them)."""
     raw = _parse(data, Any)
     declared = {field.encode_name for field in msgspec.structs.fields(body_type)}
+    ignored = []
     for name in [key for key in raw if key not in declared]:
         reason = explain(endpoint, name, raw[name])
         if reason is not None:
             raise HTTPError(400, reason, param=name)
         if name not in _noop_names(endpoint):
-            raise HTTPError(400, f"{name}: unknown field; this endpoint accepts {', '.join(sorted(declared))} "
-                                 f"(see docs/serving.md)", param=name)
+            if strict_fields:
+                raise HTTPError(400, f"{name}: unknown field; this endpoint accepts {', '.join(sorted(declared))} "
+                                     f"(see docs/serving.md; server.strict_fields is on)", param=name)
+            ignored.append(name)
         del raw[name]
     try:
-        return msgspec.convert(raw, body_type)
+        return msgspec.convert(raw, body_type), ignored
     except msgspec.ValidationError as error:
         raise _field_error(error, body_type) from None
 

@@ -185,6 +185,8 @@ class GracefulServer(uvicorn.Server):
         self.in_flight = in_flight
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._drain_started: float | None = None
+        """When the first signal came (``time.monotonic()``); the log's times count from it."""
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -192,12 +194,19 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would close the listener at once and re-raise the signal at exit.
-        logger.info("received %s: draining (new requests get 503 for up to %g s)", signal.Signals(sig).name,
-                    self.shutdown_timeout)
+        name = signal.Signals(sig).name
+        if self._drain_started is None:
+            key = "Ctrl-C" if sig == signal.SIGINT else name
+            logger.warning("%s: waiting up to %g s (server.shutdown_timeout) for the requests in flight to finish; "
+                           "new ones get 503. %s again stops at once", name, self.shutdown_timeout, key)
+        else:
+            logger.warning("%s again: stopping now, %.1f s into the wait", name, time.monotonic() - self._drain_started)
         self.request_shutdown()
 
     def request_shutdown(self) -> None:
         """Start the graceful shutdown (from any thread, or a signal handler); a second call hurries it."""
+        if self._drain_started is None:
+            self._drain_started = time.monotonic()
         if self._loop is None or self._loop.is_closed():
             self.should_exit = True
             return
@@ -215,8 +224,8 @@ class GracefulServer(uvicorn.Server):
             await self.engine.drain(self.shutdown_timeout, busy=self.in_flight.busy)
             unanswered = self.in_flight.cut(responding=False)
             if unanswered:
-                logger.warning("shutdown: %d requests not yet in the engine after %g s; answered 503", unanswered,
-                               self.shutdown_timeout)
+                logger.warning("shutdown: %d requests not yet in the engine after %.1f s; answered 503", unanswered,
+                               time.monotonic() - (self._drain_started or time.monotonic()))
             deadline = time.monotonic() + FLUSH_SECONDS
             while self.in_flight.busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)

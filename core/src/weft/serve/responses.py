@@ -31,12 +31,13 @@ from weft.engine.api.streams import Delta
 from weft.serve import protocol as p
 from weft.serve import structured, tools
 from weft.serve.body import HTTPError, error_type
-from weft.serve.server import Server, field_of, request_id, sse, start_constrained
+from weft.serve.server import Server, field_of, request_id, server_of, sse, start_constrained
 
 logger = logging.getLogger("weft.serve")
 
 
-async def responses(server: Server, request: Request) -> Response:
+async def responses(request: Request) -> Response:
+    server = server_of(request)
     body: p.ResponsesRequest = await server.read(request, p.ResponsesRequest, "responses")
     server.check_model(body.model)
     messages = input_messages(body)

@@ -1,8 +1,8 @@
 """What every API module's handlers share: the :class:`Server` behind the routes and a few helpers.
 
 :mod:`weft.serve.app` builds the starlette app from the handlers of each API
-(chat and text completions there, the Responses API in :mod:`weft.serve.responses`);
-both import this module, never each other's handlers.
+(:mod:`weft.serve.chat`, :mod:`weft.serve.completions`, :mod:`weft.serve.responses`,
+:mod:`weft.serve.utility`); they import this module, never each other's handlers.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
 import msgspec
 from jinja2 import TemplateError
 from starlette.requests import Request
+from starlette.responses import Response
 
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
@@ -83,10 +85,17 @@ class Server:
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
     async def read(self, request: Request, body_type: type[Any], endpoint: str = "") -> Any:
-        """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`)."""
+        """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`). Top-level
+        fields no API knows are dropped (unless ``server.strict_fields``): logged, each name once per process,
+        and kept in ``request.state.ignored_fields`` for the response's header."""
         check_media_type(request)
-        data = await read_bytes(request, self.config.server.max_body_bytes, self.config.server.body_timeout)
-        return await self.engine.off_loop(decode, data, body_type, endpoint)
+        settings = self.config.server
+        data = await read_bytes(request, settings.max_body_bytes, settings.body_timeout)
+        body, ignored = await self.engine.off_loop(decode, data, body_type, endpoint, settings.strict_fields)
+        if ignored:
+            request.state.ignored_fields = [header_safe(name) for name in ignored[:MAX_LISTED_FIELDS]]
+            log_ignored_fields(ignored, endpoint)
+        return body
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -305,6 +314,41 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "cont
 
 def sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+MAX_LISTED_FIELDS = 32
+"""Most ignored field names one response's header lists."""
+MAX_LOGGED_FIELDS = 256
+"""Most distinct ignored field names this process logs (a client inventing names cannot flood the log)."""
+_logged_fields: set[str] = set()
+
+
+def log_ignored_fields(names: list[str], endpoint: str) -> None:
+    """A warning for each of ``names`` not logged before in this process (up to :data:`MAX_LOGGED_FIELDS`)."""
+    for name in names:
+        if name in _logged_fields or len(_logged_fields) > MAX_LOGGED_FIELDS:
+            continue
+        _logged_fields.add(name)
+        if len(_logged_fields) > MAX_LOGGED_FIELDS:
+            logger.warning("more than %d distinct unknown request fields; no more are logged", MAX_LOGGED_FIELDS)
+            continue
+        logger.warning("request field %r is unknown to the %s API: ignored (logged once; set server.strict_fields "
+                       "to refuse it with a 400)", header_safe(name), endpoint)
+
+
+def header_safe(name: str) -> str:
+    """``name`` as it may appear in a header or the log: percent-encoded outside printable ASCII, and for the comma."""
+    return urllib.parse.quote(name[:100], safe="!#$&'*+-.^_`|~:;<=>?@[]{}()/ \"")
+
+
+def struct_response(value: msgspec.Struct) -> Response:
+    """A 200 whose JSON body is ``value``, one of :mod:`weft.serve.protocol`'s response Structs."""
+    return Response(msgspec.json.encode(value), media_type="application/json")
+
+
+def server_of(request: Request) -> Server:
+    """The :class:`Server` behind the app that took ``request``."""
+    return request.app.state.server
 
 
 def request_id(request: Request) -> str:

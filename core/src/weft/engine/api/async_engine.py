@@ -245,7 +245,8 @@ class AsyncEngine:
         self._accepting = False
         remaining = list(self.outputs.requests)
         if remaining:
-            logger.warning("shutdown: %d requests still running after %.0f s; ending them", len(remaining), timeout)
+            waited = time.monotonic() - self._drain_began  # a second Ctrl-C ends the wait early: the true time
+            logger.warning("shutdown: %d requests still running after %.1f s; ending them", len(remaining), waited)
             self._end_with_error(remaining, "the server is shutting down", 503, "shutdown")
             if not self.dead:
                 self.client.abort(remaining)

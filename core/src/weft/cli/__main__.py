@@ -1,0 +1,7 @@
+"""``python -m weft.cli``: the ``weft`` command."""
+
+import sys
+
+from weft.cli import main
+
+sys.exit(main())

@@ -104,6 +104,13 @@ class EngineConfig(_Section, frozen=True):
     dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
     ] = "auto"
+    quantization: Annotated[
+        str,
+        Meta(description="how linear layers store and multiply weights: a weft.quantization method (cpu_int4: "
+                         "torch's int4 CPU kernel, GGUF blocks kept quantized), none (dense weights in dtype, "
+                         "quantized checkpoints dequantized), or auto (the method made for the platform and the "
+                         "model's format, else none)"),
+    ] = "auto"
     seed: Annotated[int, Meta(description="seed of unseeded sampling")] = 0
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
     graph_batch_sizes: Annotated[

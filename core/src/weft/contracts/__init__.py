@@ -17,6 +17,7 @@ executor           ``weft.executor``           :class:`weft.contracts.executor.E
 structured_output  ``weft.structured_output``  :class:`weft.contracts.structured_output.StructuredOutputBackend`
 tool_parser        ``weft.tool_parser``        :class:`weft.contracts.tool_parser.ToolParser`
 reasoning_parser   ``weft.reasoning_parser``   :class:`weft.contracts.reasoning_parser.ReasoningParser`
+quantization       ``weft.quantization``       :class:`weft.contracts.quantization.QuantizationMethod`
 hooks              ``weft.hooks``              a module or object with ``@hookimpl`` functions
                                                (:mod:`weft.contracts.hooks`)
 =================  ==========================  ==================================================
@@ -50,6 +51,7 @@ SLOT_GROUPS: dict[str, str] = {
     "structured_output": "weft.structured_output",
     "tool_parser": "weft.tool_parser",
     "reasoning_parser": "weft.reasoning_parser",
+    "quantization": "weft.quantization",
     "hooks": "weft.hooks",
 }
 """Each slot and the entry-point group its plugins register under."""

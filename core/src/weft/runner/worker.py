@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from weft.config import WeftConfig
@@ -30,10 +31,12 @@ from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, RUNNER_OPS, using_ops
+from weft.layers.quantization import process_quantized_layers, using_quantization
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
 from weft.resolve import (
     build_platform,
+    choose_quantization,
     load_config_for,
     load_family,
     load_kv_connector,
@@ -86,6 +89,10 @@ class Worker:
             local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
+        self.quantization_name, self.quantization = choose_quantization(
+            self.registry, config, self.platform, self.source.format, self.dtype)
+        if self.quantization is not None:
+            self.loader.load_config = msgspec.structs.replace(load_config, quantization=self.quantization_name)
         self.family = load_family(self.registry, config, self.source)
         self.model_config = model_config(config, self.source, self.dtype, self.parallel.layout)
         self.family.check_parallel(self.model_config)
@@ -95,7 +102,7 @@ class Worker:
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
-            with using_ops(self.ops), using_parallel(self.parallel):
+            with using_ops(self.ops), using_parallel(self.parallel), using_quantization(self.quantization):
                 self.model = self.family.build(self.model_config, self.device)
             load_dtype = self.family.load_dtype(self.dtype)
             if self.family.reads_weight_slices:
@@ -103,6 +110,9 @@ class Worker:
             else:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
+            formats = process_quantized_layers(self.model)
+            logger.info("linear layers: %s", "; ".join(f"{count} x {name}" for name, count in formats.items())
+                        or f"dense {self.dtype} (engine.quantization = {engine.quantization!r})")
             if self.structured_outputs:
                 # Its logits come in the model's dtype or float32: both variants compile at warm-up.
                 for dtype in (getattr(torch, self.dtype), torch.float32):

@@ -27,10 +27,11 @@ from weft.testing.suites import (
     ModelContract,
     OpContract,
     PlatformContract,
+    QuantizationContract,
     TokenizerContract,
 )
 
 __all__ = [
     "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "ModelContract", "OpContract", "PlatformContract",
-    "ReasoningParserContract", "StructuredOutputContract", "TokenizerContract", "ToolParserContract",
+    "QuantizationContract", "ReasoningParserContract", "StructuredOutputContract", "TokenizerContract", "ToolParserContract",
 ]

@@ -39,3 +39,88 @@ def test_gguf_blocks_decompose_exactly():
     raw.reshape(-1, 144)[:, :4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).copy())
     assert torch.equal(group_affine(raw, "Q4_K", 64, 512).dequantize(), expected)
+
+
+NATURAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "List three primary colors:",
+    "Translate to French: I like apples.",
+    "What is 12 times 12? Answer:",
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "In 1969, humans first landed on the Moon. The mission was called",
+    "Water boils at a temperature of",
+    "A good way to learn a new language is",
+    "The three branches of the United States government are",
+    "Photosynthesis is the process by which plants",
+]
+
+
+def natural_text() -> str:
+    """English prose and a little code: the docstrings of a few standard-library modules."""
+    import argparse
+    import json
+    import logging
+    import subprocess
+    import unittest
+
+    return "\n\n".join(module.__doc__.strip() for module in (argparse, subprocess, json, logging, unittest))
+
+
+@pytest.fixture(scope="module")
+def quantized_and_reference():
+    from conftest import smollm2_gguf
+    from transformers import AutoModelForCausalLM
+
+    from weft import LLM
+
+    path = smollm2_gguf()
+    llm = LLM(model="smollm2-135m-instruct", quantization="auto")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return llm, hf
+
+
+def test_default_model_runs_quantized_by_default():
+    from weft import LLM
+
+    llm = LLM(model="smollm2-135m-instruct")
+    assert llm.engine.worker.quantization_name == "cpu_int4"
+
+
+def test_greedy_output_equals_transformers_on_the_dequantized_weights(quantized_and_reference):
+    """At least 10 of 12 natural prompts give the same 24 greedy tokens as transformers in float32."""
+    from test_hf_parity import hf_greedy
+
+    from weft import SamplingParams
+
+    llm, hf = quantized_and_reference
+    prompts = [llm.tokenizer.encode(text) for text in NATURAL_PROMPTS]
+    reference = hf_greedy(hf, prompts, new_tokens=24)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    equal = [output.outputs[0].token_ids == expected for output, expected in zip(outputs, reference)]
+    assert sum(equal) >= 10, [text for text, same in zip(NATURAL_PROMPTS, equal) if not same]
+
+
+def test_teacher_forced_top1_and_logprob_band(quantized_and_reference):
+    """Over 1,000 tokens of natural text: Weft's top-1 next token equals transformers' at >= 99% of positions,
+    and the log-probability of each actual next token is within the band docs/quantization.md documents."""
+    from weft import SamplingParams
+
+    llm, hf = quantized_and_reference
+    tokens = llm.tokenizer.encode(natural_text())[:1001]
+    assert len(tokens) == 1001
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0].float()
+    reference_top = logits.argmax(-1)[:-1]
+    reference_logprobs = torch.log_softmax(logits, -1)[torch.arange(1000), torch.tensor(tokens[1:])]
+    output = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    positions = output.prompt_logprobs[1:]
+    top = torch.tensor([next(token for token, entry in position.items() if entry.rank == 1) for position in positions])
+    logprobs = torch.tensor([position[token].logprob for position, token in zip(positions, tokens[1:])])
+    agreement = (top == reference_top).float().mean().item()
+    difference = (logprobs - reference_logprobs).abs()
+    print(f"top-1 agreement {agreement:.4f}; |logprob difference| mean {difference.mean():.4f} "
+          f"p99 {difference.quantile(0.99):.4f} max {difference.max():.4f}")
+    assert agreement >= 0.99
+    assert difference.mean() <= 0.05 and difference.quantile(0.99) <= 0.3 and difference.max() <= 1.0

@@ -111,6 +111,14 @@ class EngineConfig(_Section, frozen=True):
                          "quantized checkpoints dequantized), or auto (the method made for the platform and the "
                          "model's format, else none)"),
     ] = "auto"
+    cpu_threads: Annotated[
+        int, Meta(ge=1, description="compute threads of a CPU worker; default: one per physical core available "
+                                    "(affinity and cgroup quota respected)")
+    ] | None = None
+    cpu_affinity: Annotated[
+        list[Annotated[int, Meta(ge=0)]],
+        Meta(description="CPUs a CPU worker's threads are bound to; default: one per physical core available"),
+    ] | None = None
     seed: Annotated[int, Meta(description="seed of unseeded sampling")] = 0
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
     graph_batch_sizes: Annotated[

@@ -77,6 +77,10 @@ class Worker:
         self.device = parallel.device if parallel is not SINGLE else self.platform.device()
         self.dtype = resolve_dtype(config, self.platform)
         self.local_rank = local_rank if local_rank is not None else self.device.index or 0
+        if self.platform.device_type == "cpu" and parallel.world_size == 1:
+            from weft.builtins.cpu_threads import bind_compute_threads
+
+            bind_compute_threads(config.engine.cpu_threads, config.engine.cpu_affinity)
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
 

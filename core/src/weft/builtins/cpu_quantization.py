@@ -56,6 +56,12 @@ class CpuInt4(QuantizationMethod):
     auto_formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     # bf16 activations and bf16-rounded scales against a float32 reference: a few parts in a thousand.
     tolerance: ClassVar[tuple[float, float]] = (2e-2, 2e-2)
+    conversions: ClassVar[dict[str, str]] = {
+        "Q4_0, Q4_1, Q4_K": "int4 g32 (codes kept; scale and zero rounded to bf16, |error| <= 2^-9 of each)",
+        "Q8_0": "two int4 g32 halves, 16 hi + lo, summed (exact codes; scales rounded to bf16)",
+        "float and other GGUF formats": "int4 g32 rounded to nearest (|error| <= half a step, (max - min) / 30)",
+        "activations": "multiplied in bf16 with float32 accumulation (torch's fast path)",
+    }
 
     @classmethod
     def is_available(cls, platform) -> bool:

@@ -153,6 +153,10 @@ class QuantizationMethod(PluginBase):
     """``(rtol, atol)`` of ``apply`` against ``x @ dequantized^T``, relative to the output's magnitude, used by
     the conformance kit; a method whose kernel rounds the activations or the scales says so here."""
 
+    conversions: ClassVar[dict[str, str]] = {}
+    """What each source format becomes and the error that implies (``{"Q4_1": "int4 g32, bf16 scales: ..."}``),
+    printed by ``weft config show``; per layer, :meth:`describe` says it after loading."""
+
     def __init__(self, platform: Platform, dtype: str) -> None:
         self.platform = platform
         self.dtype = dtype

@@ -36,6 +36,24 @@ def current_quantization() -> QuantizationMethod | None:
     return _active.get()
 
 
+def quantization_notes(config, registry) -> list[str]:
+    """What ``engine.quantization`` resolves to for the configured model and platform, and what each format
+    becomes (``weft config show`` prints these lines); resolving the model reads its metadata, not its weights."""
+    from weft.resolve import build_platform, choose_quantization, resolve_source
+    from weft.runner.worker import resolve_dtype
+
+    platform = build_platform(registry, config)
+    _, source = resolve_source(registry, config)
+    name, method = choose_quantization(registry, config, platform, source.format, resolve_dtype(config, platform))
+    if method is None:
+        return [f"quantization: none ({source.format} model on {platform.name}): dense weights in "
+                f"{resolve_dtype(config, platform)}, quantized checkpoint tensors dequantized at load"]
+    lines = [f"quantization: {name} (engine.quantization = {config.engine.quantization!r}; "
+             f"{source.format} model on {platform.name})"]
+    lines += [f"  {source_format} -> {target}" for source_format, target in method.conversions.items()]
+    return lines
+
+
 def process_quantized_layers(module: nn.Module) -> Counter[str]:
     """Let each quantized layer's method pack its loaded weights; returns how many layers took each format."""
     formats: Counter[str] = Counter()

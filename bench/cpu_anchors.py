@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 WEFT = """

@@ -115,6 +115,32 @@ def load_config_for(config: WeftConfig, device: str = "cpu", **ranks: int) -> Lo
     )
 
 
+def choose_quantization(
+    registry: PluginRegistry, config: WeftConfig, platform: Any, source_format: str, dtype: str
+) -> tuple[str, Any]:
+    """``(name, method)``: the quantization method ``engine.quantization`` names, built for ``platform`` and
+    activations of ``dtype``; under ``auto`` the highest-priority method made for the platform and
+    ``source_format``; ``("none", None)``: dense weights."""
+    name = config.engine.quantization
+    if name == "none":
+        return name, None
+    if name == "auto":
+        candidates = sorted(
+            ((method.priority, method_name, method) for method_name, method in registry.load_all("quantization").items()
+             if method.selects_by_default(platform, source_format)),
+            key=lambda item: -item[0],
+        )
+        if not candidates:
+            return "none", None
+        _, name, method_class = candidates[0]
+    else:
+        method_class = registry.load("quantization", name)
+        if not method_class.is_available(platform):
+            raise ValueError(f"engine.quantization = {name!r} has no kernels on platform {platform.name!r}; "
+                             f"choose another method, auto or none")
+    return name, method_class(platform, dtype)
+
+
 def build_loader(registry: PluginRegistry, config: WeftConfig, name: str, load_config: LoadConfig) -> WeightLoader:
     """The loader plugin ``name`` with its ``[plugins.<name>]`` options, carrying ``load_config``."""
     loader_class = registry.load("loader", name)

@@ -51,6 +51,12 @@ def run_config_show(args: argparse.Namespace) -> int:
         return 0
     print(f"# effective configuration (file: {path or 'none'}; flags override the file)")
     print(f"# {platform_note}")
+    try:
+        from weft.layers.quantization import quantization_notes
+
+        print("\n".join(f"# {line}" for line in quantization_notes(config, registry)))
+    except (ValueError, OSError) as error:
+        print(f"# quantization: not resolved ({error})")
     descriptions = {name: options_type for name, (options_type, _) in option_types.items()}
     print("\n".join(_toml_lines(data, descriptions=descriptions)))
     for line in unreadable:

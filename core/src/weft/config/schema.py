@@ -100,6 +100,21 @@ class EngineConfig(_Section, frozen=True):
     dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
     ] = "auto"
+    quantization: Annotated[
+        str,
+        Meta(description="how linear layers store and multiply weights: a weft.quantization method (cpu_int4: "
+                         "torch's int4 CPU kernel, GGUF blocks kept quantized), none (dense weights in dtype, "
+                         "quantized checkpoints dequantized), or auto (the method made for the platform and the "
+                         "model's format, else none)"),
+    ] = "auto"
+    cpu_threads: Annotated[
+        int, Meta(ge=1, description="compute threads of a CPU worker; default: one per physical core available "
+                                    "(affinity and cgroup quota respected)")
+    ] | None = None
+    cpu_affinity: Annotated[
+        list[Annotated[int, Meta(ge=0)]],
+        Meta(description="CPUs a CPU worker's threads are bound to; default: one per physical core available"),
+    ] | None = None
     seed: Annotated[int, Meta(description="seed of the generator shared by requests that give no seed of their own "
                                          "(their samples then depend on what else runs); a request's 'seed' (weft "
                                          "generate --sample-seed) makes its own output reproducible")] = 0

@@ -122,6 +122,10 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_expert_parallel: bool = False
     """Whether routed experts are spread over the tensor ranks (``engine.enable_expert_parallel``), which
     decides which experts' tensors a rank reads. Added in core API 1.8."""
+    quantization: str = "none"
+    """The quantization method the model's linear layers use (``engine.quantization`` resolved; "none": dense).
+    Under a method, a loader of a block-quantized format yields
+    :class:`~weft.contracts.quantization.QuantizedWeight` for the tensors it can decompose, else floats."""
 
     @property
     def global_rank(self) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.layers.ops import current_op
+from weft.layers.quantization import current_quantization
 
 
 @contextlib.contextmanager
@@ -31,11 +32,17 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class Linear(nn.Linear):
-    """``y = x W^T + b`` through the engine's ``linear`` op (plain torch outside an engine)."""
+    """``y = x W^T + b`` through the engine's ``linear`` op (plain torch outside an engine), or through the
+    engine's quantization method (:mod:`weft.contracts.quantization`), which then owns the weights: ``weight``
+    stays an empty parameter (unless a tied embedding's is assigned to it) and checkpoint parts go to the method."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
-        self.op = current_op("linear")
+        self.quantization = current_quantization()
+        self.op = current_op("linear") if self.quantization is None else None
+        if self.quantization is not None:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self.quantization.create_weights(self, in_features, out_features)
         if self.op is not None:
             self.op.declare(out_features=out_features, in_features=in_features, bias=bias, dtype=self.weight.dtype)
 
@@ -43,9 +50,15 @@ class Linear(nn.Linear):
         """No random initialisation: the checkpoint provides the weights."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` by whichever owns the weights: the quantization method, the op, or torch."""
+        if self.quantization is not None:
+            return self.quantization.apply(self, x, bias)
         if self.op is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.op(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
+        return self.op(x, self.weight, bias)
 
 
 class Embedding(nn.Embedding):

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 
 from weft.contracts.loader import WeightSlice, as_slice
 from weft.contracts.parallel import Communicator
+from weft.contracts.quantization import GroupAffine, QuantizedWeight
 from weft.distributed.state import current_parallel
 from weft.layers.linear import Embedding, Linear
+from weft.layers.quantization import current_quantization
 
 
 class Shard(msgspec.Struct, frozen=True):
@@ -63,6 +65,10 @@ class ColumnParallelLinear(Linear):
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
         """Copy this rank's rows of checkpoint tensor ``name`` (stacked part ``index``) into ``parameter``."""
         shard = self.shards[index]
+        if parameter == "weight" and self.quantization is not None:
+            part = quantized_part(weight).narrow(0, shard.start, shard.length)
+            self.quantization.load_weight(self, part, self.offsets[index], name)
+            return
         destination = getattr(self, parameter).data.narrow(0, self.offsets[index], shard.length)
         copy_checked(destination, as_slice(weight).narrow(0, shard.start, shard.length), name)
 
@@ -91,11 +97,14 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         if not self.bias_after_sum:
             return self.tensor.all_reduce(super().forward(x))
-        partial = F.linear(x, self.weight) if self.op is None else self.op(x, self.weight, None)
-        return self.tensor.all_reduce(partial) + self.bias
+        return self.tensor.all_reduce(self.matmul(x, None)) + self.bias
 
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
         weight = as_slice(weight)
+        if parameter == "weight" and self.quantization is not None:
+            self.quantization.load_weight(self, quantized_part(weight).narrow(1, self.shard.start, self.shard.length), 0,
+                                          name)
+            return
         destination = getattr(self, parameter).data
         if parameter == "bias":
             copy_checked(destination, weight.load(), name)
@@ -110,6 +119,7 @@ class VocabParallelEmbedding(Embedding):
         self.tensor: Communicator = current_parallel().tensor
         self.vocab_size = vocab_size
         self.rows_per_rank, self.first_row, self.rows = vocab_rows(vocab_size, self.tensor)
+        self.keep_codes = current_quantization() is not None
         super().__init__(self.rows_per_rank, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -122,6 +132,9 @@ class VocabParallelEmbedding(Embedding):
 
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
         load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+        if isinstance(weight, QuantizedWeight) and self.keep_codes:
+            # A head tied to this embedding gets this parameter as its weight: it packs these codes instead of floats.
+            self.weight.quantized_source = weight.group_affine()
 
 
 class ParallelLMHead(Linear):
@@ -140,7 +153,35 @@ class ParallelLMHead(Linear):
         return self.tensor.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
     def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
-        load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+        if self.quantization is None:
+            load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
+            return
+        self.load_quantized_rows(quantized_part(weight), name)
+
+    def load_quantized_rows(self, weight: GroupAffine | torch.Tensor, name: str) -> None:
+        """This rank's vocabulary rows for the quantization method, padding rows as zeros."""
+        if weight.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's "
+                             f"{self.vocab_size}")
+        if self.rows:
+            self.quantization.load_weight(self, weight.narrow(0, self.first_row, self.rows), 0, name)
+        if self.rows < self.rows_per_rank:
+            padding = torch.zeros(self.rows_per_rank - self.rows, weight.shape[1])
+            self.quantization.load_weight(self, padding, self.rows, name)
+
+    def load_tied_weight(self) -> None:
+        """A head tied to the embedding (whose float parameter is now ``weight``) hands the method the embedding's
+        codes where its loader kept them, else its float rows."""
+        source = getattr(self.weight, "quantized_source", None)
+        if source is None:
+            self.quantization.load_weight(self, self.weight.data, 0, "model.embed_tokens.weight")
+        else:
+            self.load_quantized_rows(source, "model.embed_tokens.weight")
+
+
+def quantized_part(weight: WeightSlice | torch.Tensor) -> GroupAffine | torch.Tensor:
+    """What a quantization method takes of a checkpoint tensor: its codes where the loader kept them, else floats."""
+    return weight.group_affine() if isinstance(weight, QuantizedWeight) else as_slice(weight).load()
 
 
 def vocab_rows(vocab_size: int, tensor: Communicator) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from weft.config import WeftConfig
@@ -32,11 +33,13 @@ from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
 from weft.layers.ops import LAYER_OPS, RUNNER_OPS, using_ops
+from weft.layers.quantization import process_quantized_layers, using_quantization
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import choose_op
 from weft.progress import human_bytes, report
 from weft.resolve import (
     build_platform,
+    choose_quantization,
     load_config_for,
     load_family,
     load_kv_connector,
@@ -86,6 +89,10 @@ class Worker:
         self.device = parallel.device if parallel is not SINGLE else self.platform.device()
         self.dtype = resolve_dtype(config, self.platform)
         self.local_rank = local_rank if local_rank is not None else self.device.index or 0
+        if self.platform.device_type == "cpu" and parallel.world_size == 1:
+            from weft.builtins.cpu_threads import bind_compute_threads
+
+            bind_compute_threads(config.engine.cpu_threads, config.engine.cpu_affinity)
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
 
@@ -98,6 +105,10 @@ class Worker:
             local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
+        self.quantization_name, self.quantization = choose_quantization(
+            self.registry, config, self.platform, self.source.format, self.dtype)
+        if self.quantization is not None:
+            self.loader.load_config = msgspec.structs.replace(load_config, quantization=self.quantization_name)
         self.family = load_family(self.registry, config, self.source)
         self.model_config = model_config(config, self.source, self.dtype, self.parallel.layout)
         self.family.check_parallel(self.model_config)
@@ -107,7 +118,7 @@ class Worker:
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
-            with using_ops(self.ops), using_parallel(self.parallel):
+            with using_ops(self.ops), using_parallel(self.parallel), using_quantization(self.quantization):
                 self.model = self.family.build(self.model_config, self.device)
             load_dtype = self.family.load_dtype(self.dtype)
             if layout.rank == 0:
@@ -118,6 +129,9 @@ class Worker:
             else:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
+            formats = process_quantized_layers(self.model)
+            logger.info("linear layers: %s", "; ".join(f"{count} x {name}" for name, count in formats.items())
+                        or f"dense {self.dtype} (engine.quantization = {engine.quantization!r})")
             if self.structured_outputs:
                 # Its logits come in the model's dtype or float32: both variants compile at warm-up.
                 for dtype in (getattr(torch, self.dtype), torch.float32):

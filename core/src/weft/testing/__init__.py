@@ -21,6 +21,7 @@ kit is registered as a pytest plugin (``pytest11``) and adds the
 from weft.testing.connector_suite import KVConnectorContract
 from weft.testing.mm_processor_suite import MMProcessorContract
 from weft.testing.output_suites import ReasoningParserContract, StructuredOutputContract, ToolParserContract
+from weft.testing.quantization_suite import QuantizationContract
 from weft.testing.speculator_suite import SpeculatorContract
 from weft.testing.suites import (
     AttentionContract,
@@ -34,7 +35,7 @@ from weft.testing.suites import (
 
 __all__ = [
     "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "MMProcessorContract",
-    "ModelContract", "OpContract", "PlatformContract",
+    "ModelContract", "OpContract", "PlatformContract", "QuantizationContract",
     "ReasoningParserContract", "SpeculatorContract", "StructuredOutputContract", "TokenizerContract",
     "ToolParserContract",
 ]

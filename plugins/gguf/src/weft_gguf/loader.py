@@ -28,6 +28,7 @@ from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, Weight
 from weft.api import bar, human_bytes, report
 
 from weft_gguf import checksum
+from weft_gguf.blocks import GGUFQuantizedWeight, decomposable
 from weft_gguf.convert import cache_tokenizer
 from weft_gguf.files import (
     ALIAS_GENERATION_CONFIGS,
@@ -187,7 +188,11 @@ class GGUFLoader(WeightLoader):
             yield name, part.load()
 
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
-        """Slices of the dequantized cache file (written first if absent: the file is dequantized once)."""
+        """Slices of the dequantized cache file (written first if absent: the file is dequantized once); under a
+        quantization method (``load_config.quantization``), the file's Q4_0/Q4_1/Q4_K/Q8_0 tensors in their blocks."""
+        if self.load_config.quantization != "none":
+            yield from self._quantized_weights(source, getattr(torch, dtype))
+            return
         from safetensors import safe_open
         from weft.api import SafetensorsSlice
 
@@ -209,6 +214,26 @@ class GGUFLoader(WeightLoader):
                    human_bytes(cached.stat().st_size))
         for name, tensor in tensors.items():
             yield name, LoadedSlice(tensor)
+
+    def _quantized_weights(self, source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, WeightSlice]]:
+        import gguf
+
+        config = source.hf_config
+        permute = config["model_type"] == "llama"
+        for tensor in self._reader(source.path).tensors:
+            name = hf_name(tensor.name)
+            heads = None
+            if permute and name.endswith("q_proj.weight"):
+                heads = config["num_attention_heads"]
+            elif permute and name.endswith("k_proj.weight"):
+                heads = config["num_key_value_heads"]
+            if decomposable(tensor.tensor_type.name):
+                yield name, GGUFQuantizedWeight(tensor, dtype, heads)
+                continue
+            values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+            if heads is not None:
+                values = unpermute_rotary(values, heads)
+            yield name, LoadedSlice(values.to(dtype).contiguous())
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf

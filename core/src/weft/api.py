@@ -57,6 +57,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "MoERouting": ("weft.layers.moe", "MoERouting"),
     "select_experts": ("weft.layers.moe", "select_experts"),
     "ExpertParallelExchange": ("weft.layers.moe", "ExpertParallelExchange"),
+    "moe": ("weft.layers.moe", "moe"),
+    "grouped_mm_runs": ("weft.layers.moe", "grouped_mm_runs"),
     # Start-up progress a loader reports (a bar while it converts, one line per step).
     "bar": ("weft.progress", "bar"),
     "human_bytes": ("weft.progress", "human_bytes"),

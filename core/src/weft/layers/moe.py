@@ -115,7 +115,7 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
     """``rows[ends[e-1]:ends[e]] @ weights[e].T`` for every expert ``e`` (``weights`` ``[E, out, in]``); rows
     past ``ends[-1]`` are left undefined. One grouped GEMM where torch has it for these tensors
     (``torch._grouped_mm``: CPU, and CUDA's bf16 on sm90+), else one matmul per expert."""
-    if _grouped_mm_runs(rows, weights):
+    if grouped_mm_runs(rows, weights):
         return torch._grouped_mm(rows, weights.transpose(1, 2), offs=ends)
     output = rows.new_empty((rows.shape[0], weights.shape[1]))
     start = 0
@@ -125,7 +125,9 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
     return output
 
 
-def _grouped_mm_runs(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+def grouped_mm_runs(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (``torch._grouped_mm``) computes ``rows`` against ``weights`` here: on the CPU
+    for equal dtypes, on CUDA for bf16 on sm90+ with 16-byte aligned rows."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if rows.device.type == "cpu":

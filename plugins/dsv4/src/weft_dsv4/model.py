@@ -189,14 +189,14 @@ class DeepseekV4Family(ModelFamily):
             return False  # TP/PP collectives of the family are not captured yet
         if not full_width_decode(config):
             return False  # a graph's decode reads every entry max_model_len allows: eager reads each request's own
-        from weft.layers.moe import _grouped_mm_runs
+        from weft.api import grouped_mm_runs
 
         s = DeepseekV4Settings(config.hf_config, config.parallel)
         hidden, columns = s.hidden_size, s.expert_intermediate
 
         def runs(inputs: int, outputs: int) -> bool:  # only the shapes matter: expanded, nothing allocated
             rows = torch.empty((1, 1), dtype=getattr(torch, config.dtype), device=device).expand(1, inputs)
-            return _grouped_mm_runs(rows, rows.new_empty((1, 1, 1)).expand(1, outputs, inputs))
+            return grouped_mm_runs(rows, rows.new_empty((1, 1, 1)).expand(1, outputs, inputs))
 
         return runs(hidden, 2 * columns) and runs(columns, hidden)
 

@@ -272,7 +272,7 @@ class MoETriton(OpImplementation):
 
     def __init__(self, platform: Any) -> None:
         super().__init__(platform)
-        from weft.kernels.warmup import register
+        from weft.api import register
         from weft_triton.fused_moe import FusedMoEKernel
 
         self.kernel = register(FusedMoEKernel())
@@ -286,7 +286,7 @@ class MoETriton(OpImplementation):
                         shape["intermediate_size"], shape["bias"])
 
     def __call__(self, hidden: Any, router_logits: Any, w13: Any, w2: Any, routing: Any, **kwargs: Any) -> Any:
-        from weft.layers.moe import moe
+        from weft.api import moe
 
         return moe(hidden, router_logits, w13, w2, routing, experts_function=self.experts, **kwargs)
 

@@ -20,20 +20,8 @@ SOURCES = ROOT / "core" / "src"
 LIMITS = {"file": 600, "class": 300, "function": 80}
 """Kind -> the most lines one may have."""
 
-_SPLIT_ELSEWHERE = "being split on branch arch-engine/arch-split (issue 43): the lead removes the entry at the merge"
 
-EXCEPTIONS = {
-    "file weft/cli.py": _SPLIT_ELSEWHERE,
-    "function weft/cli.py::run_plugins_doctor": _SPLIT_ELSEWHERE,
-    "file weft/config.py": _SPLIT_ELSEWHERE,
-    "class weft/engine/async_engine.py::AsyncEngine": _SPLIT_ELSEWHERE,
-    "function weft/engine/core_process.py::run_engine_core": _SPLIT_ELSEWHERE,
-    "class weft/engine/engine_core.py::EngineCore": _SPLIT_ELSEWHERE,
-    "file weft/engine/grammar_process.py": _SPLIT_ELSEWHERE,
-    "class weft/engine/scheduler.py::Scheduler": _SPLIT_ELSEWHERE,
-    "function weft/engine/scheduler.py::Scheduler.schedule": _SPLIT_ELSEWHERE,
-    "class weft/engine/structured_output.py::StructuredOutputManager": _SPLIT_ELSEWHERE,
-}
+EXCEPTIONS: dict[str, str] = {}
 """``"<kind> <file>[::<qualified name>]"`` -> why it is clearer whole (or where it is being split)."""
 
 

@@ -85,7 +85,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "check_layout": ("weft.distributed.workers", "check_layout"),
     "merge_worker_info": ("weft.distributed.workers", "merge_worker_info"),
     "build_worker": ("weft.runner.worker_process", "build_worker"),
-    "resolve_dtype": ("weft.runner.worker", "resolve_dtype"),
+    "resolve_dtype": ("weft.resolve", "resolve_dtype"),
     # Plugins, their lock, and the resolution of a configuration into them.
     "PluginRegistry": ("weft.plugins.registry", "PluginRegistry"),
     "PluginError": ("weft.plugins.errors", "PluginError"),

@@ -16,7 +16,13 @@ from typing import Any
 
 import msgspec
 
-from weft.config import ConfigError, WeftConfig, executor_name, plugin_options, with_platform_defaults
+from weft.config import (
+    ConfigError,
+    WeftConfig,
+    executor_name,
+    plugin_options,
+    with_platform_defaults,
+)
 from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.contracts.parallel import ParallelLayout
@@ -289,3 +295,14 @@ def load_kv_connector(
         pp_rank=layout.pipeline_rank, pp_size=layout.pipeline_parallel_size,
     )
     return connector_class, options, context
+
+
+def resolve_dtype(config: WeftConfig, platform: Any) -> str:
+    """``engine.dtype``, or the platform's default under ``auto``; ValueError naming the dtypes it supports."""
+    dtype = config.engine.dtype if config.engine.dtype != "auto" else platform.default_dtype()
+    if dtype not in platform.supported_dtypes:
+        raise ValueError(
+            f"engine.dtype = {dtype!r} is not supported by platform {platform.name!r}; "
+            f"supported: {', '.join(platform.supported_dtypes)}"
+        )
+    return dtype

@@ -154,7 +154,6 @@ def _slots() -> tuple[str, ...]:
 
 def run_plugins_doctor(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
-    from weft.plugins.discovery import allowlist, unmatched_allowlist_names
     from weft.plugins.health import fix_for
     from weft.plugins.lock import lock_path, verify_plugin_lock
     from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
@@ -181,18 +180,7 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         print(f"ok    {label}")
         return result
 
-    for entry in registry.entries:
-        if entry.status == "conflict":
-            failures.append(entry.problem)
-            print(f"FAIL  {entry.slot}/{entry.name}: {entry.problem}")
-        elif entry.status == "incompatible":
-            warnings.append(entry.problem)
-            print(f"warn  {entry.slot}/{entry.name}: {entry.problem}")
-    for name in unmatched_allowlist_names(registry.entries, allowlist()):
-        message = f"WEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution"
-        warnings.append(message)
-        print(f"warn  {message}")
-
+    _check_discovery(registry, failures, warnings)
     loaded = check("config", lambda: config_from_args(args, registry))
     if loaded is None:
         return 1
@@ -234,6 +222,23 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         return 1
     print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
     return 0
+
+
+def _check_discovery(registry: Any, failures: list[str], warnings: list[str]) -> None:
+    """Name clashes (failures), plugins for another core API and WEFT_PLUGINS names matching nothing (warnings)."""
+    from weft.plugins.discovery import allowlist, unmatched_allowlist_names
+
+    for entry in registry.entries:
+        if entry.status == "conflict":
+            failures.append(entry.problem)
+            print(f"FAIL  {entry.slot}/{entry.name}: {entry.problem}")
+        elif entry.status == "incompatible":
+            warnings.append(entry.problem)
+            print(f"warn  {entry.slot}/{entry.name}: {entry.problem}")
+    for name in unmatched_allowlist_names(registry.entries, allowlist()):
+        message = f"WEFT_PLUGINS names {name!r}, which matches no installed plugin or distribution"
+        warnings.append(message)
+        print(f"warn  {message}")
 
 
 def _check_unselected(registry: Any, probes: dict[str, Any], platform_name: str | None, selected: set[tuple[str, str]],

@@ -39,8 +39,7 @@ def current_quantization() -> QuantizationMethod | None:
 def quantization_notes(config, registry) -> list[str]:
     """What ``engine.quantization`` resolves to for the configured model and platform, and what each format
     becomes (``weft config show`` prints these lines); resolving the model reads its metadata, not its weights."""
-    from weft.resolve import build_platform, choose_quantization, resolve_source
-    from weft.runner.worker import resolve_dtype
+    from weft.resolve import build_platform, choose_quantization, resolve_dtype, resolve_source
 
     platform = build_platform(registry, config)
     _, source = resolve_source(registry, config)

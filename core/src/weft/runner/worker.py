@@ -45,6 +45,7 @@ from weft.resolve import (
     load_kv_connector,
     model_config,
     options_for,
+    resolve_dtype,
     resolve_source,
 )
 from weft.runner.kv_connector import WorkerConnector
@@ -62,15 +63,6 @@ def _source_bytes(path: Path) -> int:
     except OSError:
         return 0
 
-
-def resolve_dtype(config: WeftConfig, platform: Any) -> str:
-    dtype = config.engine.dtype if config.engine.dtype != "auto" else platform.default_dtype()
-    if dtype not in platform.supported_dtypes:
-        raise ValueError(
-            f"engine.dtype = {dtype!r} is not supported by platform {platform.name!r}; "
-            f"supported: {', '.join(platform.supported_dtypes)}"
-        )
-    return dtype
 
 
 class Worker:
@@ -90,7 +82,7 @@ class Worker:
         self.dtype = resolve_dtype(config, self.platform)
         self.local_rank = local_rank if local_rank is not None else self.device.index or 0
         if self.platform.device_type == "cpu" and parallel.world_size == 1:
-            from weft.builtins.cpu_threads import bind_compute_threads
+            from weft.runner.cpu_threads import bind_compute_threads
 
             bind_compute_threads(config.engine.cpu_threads, config.engine.cpu_affinity)
         self.runner: ModelRunner | None = None

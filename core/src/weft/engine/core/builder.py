@@ -38,10 +38,10 @@ from weft.resolve import (
     load_kv_connector,
     max_model_len,
     options_for,
+    resolve_dtype,
     resolve_engine_config,
     resolve_source,
 )
-from weft.runner.worker import resolve_dtype
 
 logger = logging.getLogger("weft.engine")
 

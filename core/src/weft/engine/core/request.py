@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
-    from weft.engine.core.structured_output import ConstraintState
+    from weft.engine.core.constraint_state import ConstraintState
     from weft.sampling_params import SamplingParams
 
 

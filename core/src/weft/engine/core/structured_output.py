@@ -39,7 +39,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +48,8 @@ import numpy
 import torch
 
 from weft.contracts.executor import GrammarOutput
-from weft.contracts.structured_output import GrammarMatcher, Vocabulary, bitmask_words
+from weft.contracts.structured_output import Vocabulary, bitmask_words
+from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
 from weft.engine.messages import GrammarStart
@@ -71,45 +71,6 @@ FILL_START_RETRY_S = 10.0
 """After fill processes failed to start, constrained requests are refused for this long, then a start is tried again
 (a failure that lasts, such as a backend the children cannot build, costs one try per interval; one that passes,
 such as a process limit or memory reached for a moment, heals)."""
-
-
-class ConstraintState:
-    """One request's constraint: its compilation, then its matcher."""
-
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "opener", "active", "start", "failed", "terminated")
-
-    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, start: GrammarStart | None) -> None:
-        self.constraint = constraint
-        self.compiled = compiled
-        self.matcher: GrammarMatcher | None = None
-        self.starts_after = start.after if start is not None else ()
-        self.opener = start.opener if start is not None else None
-        """The token that may open the reasoning, allowed beside the grammar's tokens for the first output token
-        (None once that token is sampled, or when the reasoning is open from the start)."""
-        self.active = start is None or self.opener is not None
-        """Whether output tokens are constrained now (after the reasoning, when there is one)."""
-        self.start = 0 if self.active else None
-        """The first output token its matcher takes (None: not active yet): a matcher made again after its fill
-        process died catches up on the request's output from there."""
-        self.failed = False
-        """A sampled token the matcher refused (it then constrains nothing more)."""
-        self.terminated = False
-        """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
-
-    @property
-    def live(self) -> bool:
-        """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
-        return not self.failed and not self.terminated
-
-    def release(self) -> None:
-        """The request ended: a matcher in the fill process is dropped with the next step."""
-        if isinstance(self.matcher, RemoteMatcher):
-            self.matcher.release()
-
-    @property
-    def masks(self) -> bool:
-        """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
-        return self.active and self.matcher is not None and not self.failed and not self.terminated
 
 
 class StructuredOutputManager:
@@ -440,17 +401,6 @@ class RemoteReply(Future):
             self.set_result(receive())
         except BaseException as error:
             self.set_exception(error)
-
-
-class RemoteMatcher:
-    """A matcher living in the fill process, by its handle; its request gone, the process drops it."""
-
-    __slots__ = ("handle", "release", "__weakref__")
-
-    def __init__(self, process: FillGroup) -> None:
-        self.handle = process.new_handle()
-        self.release = weakref.finalize(self, process.drop, self.handle)
-        """Drop it now (once; its tokens still queued are then skipped)."""
 
 
 def _build_backend(config: WeftConfig, registry: PluginRegistry, source: Any, vocab_size: int,

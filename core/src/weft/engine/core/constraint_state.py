@@ -1,0 +1,66 @@
+"""A request's output constraint as the scheduler tracks it (:class:`ConstraintState`), and a matcher that lives in
+a fill process (:class:`RemoteMatcher`). The :class:`~weft.engine.core.structured_output.StructuredOutputManager`
+makes and drives them; a :class:`~weft.engine.core.request.Request` carries its state."""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from weft.contracts.structured_output import GrammarMatcher, StructuredOutputsParams
+from weft.engine.messages import GrammarStart
+
+if TYPE_CHECKING:
+    from weft.engine.core.grammar_group import FillGroup
+
+
+class ConstraintState:
+    """One request's constraint: its compilation, then its matcher."""
+
+    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "opener", "active", "start", "failed", "terminated")
+
+    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, start: GrammarStart | None) -> None:
+        self.constraint = constraint
+        self.compiled = compiled
+        self.matcher: GrammarMatcher | None = None
+        self.starts_after = start.after if start is not None else ()
+        self.opener = start.opener if start is not None else None
+        """The token that may open the reasoning, allowed beside the grammar's tokens for the first output token
+        (None once that token is sampled, or when the reasoning is open from the start)."""
+        self.active = start is None or self.opener is not None
+        """Whether output tokens are constrained now (after the reasoning, when there is one)."""
+        self.start = 0 if self.active else None
+        """The first output token its matcher takes (None: not active yet): a matcher made again after its fill
+        process died catches up on the request's output from there."""
+        self.failed = False
+        """A sampled token the matcher refused (it then constrains nothing more)."""
+        self.terminated = False
+        """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
+        return not self.failed and not self.terminated
+
+    def release(self) -> None:
+        """The request ended: a matcher in the fill process is dropped with the next step."""
+        if isinstance(self.matcher, RemoteMatcher):
+            self.matcher.release()
+
+    @property
+    def masks(self) -> bool:
+        """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
+        return self.active and self.matcher is not None and not self.failed and not self.terminated
+
+
+
+class RemoteMatcher:
+    """A matcher living in the fill process, by its handle; its request gone, the process drops it."""
+
+    __slots__ = ("handle", "release", "__weakref__")
+
+    def __init__(self, process: FillGroup) -> None:
+        self.handle = process.new_handle()
+        self.release = weakref.finalize(self, process.drop, self.handle)
+        """Drop it now (once; its tokens still queued are then skipped)."""

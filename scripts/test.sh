@@ -32,8 +32,13 @@ if [ "$platform" = cpu ]; then
 fi
 cd "$root"
 set +e
+# Lint and format first (seconds); the tests run either way, and either failing fails the run.
+echo "scripts/test.sh: ruff check and ruff format --check"
+"$venv/bin/ruff" check --quiet . && "$venv/bin/ruff" format --check --quiet .
+lint=$?
 "$venv/bin/python" -m pytest -q -rfEs "$@"
 status=$?
 set -e
 [ "$status" -eq 5 ] && { echo "pytest collected no tests"; status=0; }
+[ "$lint" -ne 0 ] && { echo "scripts/test.sh: ruff found problems (above); fix them or run ruff format"; [ "$status" -eq 0 ] && status=1; }
 exit "$status"

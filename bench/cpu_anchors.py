@@ -77,16 +77,21 @@ def main() -> None:
     weft_code = WEFT.format(tokens=NEW_TOKENS, prompt=PROMPT)
     # Both timings include the prompt's evaluation (about 20 tokens, a few percent of the decode).
     llama_code = LLAMA.format(tokens_n=NEW_TOKENS, prompt=PROMPT)
-    has_llama = Path(args.llama_python).exists() and subprocess.run(
-        [args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    has_llama = (
+        Path(args.llama_python).exists()
+        and subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    )
     rates: dict[str, list[float]] = {"weft cpu_int4": [], "weft dense (none)": [], "llama.cpp": []}
     for round_index in range(args.rounds):
         rates["weft cpu_int4"].append(run(sys.executable, weft_code, "auto", str(args.threads)))
         rates["weft dense (none)"].append(run(sys.executable, weft_code, "none", str(args.threads)))
         if has_llama:
             rates["llama.cpp"].append(run(args.llama_python, llama_code, str(gguf_file()), str(args.threads)))
-        print(f"round {round_index + 1}: " + ", ".join(f"{name} {values[-1]:.1f}" for name, values in rates.items()
-                                                     if values), flush=True)
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{name} {values[-1]:.1f}" for name, values in rates.items() if values),
+            flush=True,
+        )
     median = {name: statistics.median(values) for name, values in rates.items() if values}
     print(f"\nbatch-1 decode, {NEW_TOKENS} tokens, {args.threads} threads, median of {args.rounds} (tokens/s):")
     for name, value in median.items():

@@ -70,7 +70,9 @@ def hf_generate(model, prompts: list[list[int]]) -> float:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, generation_config=config, stopping_criteria=StoppingCriteriaList([Never()]))
+        out = model.generate(
+            ids, attention_mask=mask, generation_config=config, stopping_criteria=StoppingCriteriaList([Never()])
+        )
         elapsed = time.perf_counter() - start
     assert out.shape[1] == width + NEW_TOKENS
     return elapsed
@@ -140,8 +142,10 @@ def main() -> None:
     args = parser.parse_args()
     from weft import LLM
 
-    print(f"# cpu_generate: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"# cpu_generate: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}"
+    )
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     for dtype_name in [] if args.skip_throughput else args.dtypes.split(","):
@@ -162,8 +166,11 @@ def main() -> None:
         for size in (1, BATCH):
             ours, theirs = median(runs[f"weft {size}"]), median(runs[f"hf {size}"])
             extra = f"   roofline {roofline:6.1f} tok/s ({ours / roofline:4.0%})" if size == 1 else ""
-            print(f"batch {size:<3} {dtype_name:<9} weft {ours:7.1f} tok/s   HF generate() {theirs:7.1f} tok/s   "
-                  f"ratio {ours / theirs:5.2f}x{extra}", flush=True)
+            print(
+                f"batch {size:<3} {dtype_name:<9} weft {ours:7.1f} tok/s   HF generate() {theirs:7.1f} tok/s   "
+                f"ratio {ours / theirs:5.2f}x{extra}",
+                flush=True,
+            )
         del llm, model
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
@@ -171,8 +178,11 @@ def main() -> None:
             cold = time_to_first_token(WEFT_BODY, env)
             warm = time_to_first_token(WEFT_BODY, env)
         hf_cold = time_to_first_token(HF_BODY.format(path=str(gguf_file())), dict(os.environ))
-        print(f"start to first token   weft cold {cold:5.1f} s, warm {warm:5.1f} s   HF {hf_cold:5.1f} s   "
-              f"ratio cold {hf_cold / cold:4.2f}x, warm {hf_cold / warm:4.2f}x faster", flush=True)
+        print(
+            f"start to first token   weft cold {cold:5.1f} s, warm {warm:5.1f} s   HF {hf_cold:5.1f} s   "
+            f"ratio cold {hf_cold / cold:4.2f}x, warm {hf_cold / warm:4.2f}x faster",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

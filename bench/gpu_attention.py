@@ -26,19 +26,32 @@ def tiny_model(folder: Path, tokenizer: Path, window: int | None) -> Path:
 
     hidden, layers, heads, kv_heads, head_dim, vocab = 256, 4, 8, 2, 64, 49152
     config = {
-        "architectures": ["MistralForCausalLM" if window else "LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 512, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "eos_token_id": 2, "bos_token_id": 1, "sliding_window": window,
+        "architectures": ["MistralForCausalLM" if window else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 512,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+        "sliding_window": window,
     }
     generator = torch.Generator().manual_seed(0)
 
     def weight(*shape):
         return torch.randn(*shape, generator=generator) * 0.2
 
-    tensors = {"model.embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden),
-               "model.norm.weight": torch.ones(hidden)}
+    tensors = {
+        "model.embed_tokens.weight": weight(vocab, hidden),
+        "lm_head.weight": weight(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
     for index in range(layers):
         prefix = f"model.layers.{index}."
         tensors |= {
@@ -46,9 +59,11 @@ def tiny_model(folder: Path, tokenizer: Path, window: int | None) -> Path:
             prefix + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
             prefix + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
             prefix + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
-            prefix + "mlp.gate_proj.weight": weight(512, hidden), prefix + "mlp.up_proj.weight": weight(512, hidden),
+            prefix + "mlp.gate_proj.weight": weight(512, hidden),
+            prefix + "mlp.up_proj.weight": weight(512, hidden),
             prefix + "mlp.down_proj.weight": weight(hidden, 512),
-            prefix + "input_layernorm.weight": torch.ones(hidden), prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+            prefix + "input_layernorm.weight": torch.ones(hidden),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
         }
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "model.safetensors"))
@@ -69,12 +84,18 @@ def parity(tokenizer: Path) -> None:
             folder = tiny_model(Path(root) / f"w{window}", tokenizer, window)
             results = {}
             for backend in ("torch", "triton"):
-                llm = LLM(model=str(folder), use={"platform": "cuda", "attention": backend},
-                          engine={"dtype": "float32", "num_kv_blocks": 1024, "block_size": 16, "max_num_batched_tokens": 256})
+                llm = LLM(
+                    model=str(folder),
+                    use={"platform": "cuda", "attention": backend},
+                    engine={"dtype": "float32", "num_kv_blocks": 1024, "block_size": 16, "max_num_batched_tokens": 256},
+                )
                 results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
                 del llm
-            same = sum(a == b for a, b in zip(results["torch"], results["triton"]))
-            print(f"parity window={window}: {same}/{len(prompts)} prompts give identical greedy tokens (48 each)", flush=True)
+            same = sum(a == b for a, b in zip(results["torch"], results["triton"], strict=False))
+            print(
+                f"parity window={window}: {same}/{len(prompts)} prompts give identical greedy tokens (48 each)",
+                flush=True,
+            )
 
 
 def copy_bandwidth() -> float:
@@ -117,7 +138,10 @@ def speed() -> None:
     platform = CudaPlatform()
     layer = AttentionLayer(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5)
     block = 16
-    for label, requests, cached, new in (("decode 64 x 2048", 64, 2047, 1), ("prefill 4 x 1024 on 1024", 4, 1024, 1024)):
+    for label, requests, cached, new in (
+        ("decode 64 x 2048", 64, 2047, 1),
+        ("prefill 4 x 1024 on 1024", 4, 1024, 1024),
+    ):
         context = cached + new
         per_request = -(-context // block)
         num_blocks = requests * per_request
@@ -128,7 +152,11 @@ def speed() -> None:
         batch = AttentionBatch(
             query_start=torch.arange(0, requests * new + 1, new, dtype=torch.int32, device="cuda"),
             seq_lens=torch.full((requests,), context, dtype=torch.int32, device="cuda"),
-            block_table=table, slot_mapping=slots, max_query_len=new, max_seq_len=context, block_size=block,
+            block_table=table,
+            slot_mapping=slots,
+            max_query_len=new,
+            max_seq_len=context,
+            block_size=block,
         )
         tokens = requests * new
         query = torch.randn(tokens, 32, 128, dtype=torch.bfloat16, device="cuda")

@@ -16,6 +16,7 @@ import itertools
 
 import torch
 import triton
+
 from gpu_common import copy_bandwidth, cuda_time
 
 SHAPES = {"qwen3-0.6b": (256, 16, 8), "llama3-8b": (512, 32, 8)}
@@ -45,20 +46,45 @@ def sweep(name: str, bandwidth: float) -> None:
     key_cache, value_cache = cache[0], cache[1]
     kv_bytes = int(seq_lens.sum()) * kv_heads * HEAD_DIM * 2 * 2
     floor = kv_bytes / bandwidth
-    print(f"{name}: {requests} requests x {heads}/{kv_heads} heads, {kv_bytes / 1e6:.0f} MB of KV a layer, "
-          f"{floor * 1e6:.1f} us at the copy bandwidth", flush=True)
+    print(
+        f"{name}: {requests} requests x {heads}/{kv_heads} heads, {kv_bytes / 1e6:.0f} MB of KV a layer, "
+        f"{floor * 1e6:.1f} us at the copy bandwidth",
+        flush=True,
+    )
 
     def launcher(block_m: int, block_n: int, warps: int, stages: int, output: torch.Tensor):
         grid = (requests, triton.cdiv(heads // kv_heads, block_m), kv_heads)
 
         def launch() -> None:
             _paged_attention_kernel[grid](
-                query, key_cache, value_cache, output, table, lens, query_start, HEAD_DIM**-0.5, 0,
-                query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                output.stride(0), output.stride(1), table.stride(0),
-                GROUP=heads // kv_heads, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
-                HAS_WINDOW=False, IEEE=False, num_warps=warps, num_stages=stages,
+                query,
+                key_cache,
+                value_cache,
+                output,
+                table,
+                lens,
+                query_start,
+                HEAD_DIM**-0.5,
+                0,
+                query.stride(0),
+                query.stride(1),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                output.stride(0),
+                output.stride(1),
+                table.stride(0),
+                GROUP=heads // kv_heads,
+                HEAD_DIM=HEAD_DIM,
+                BLOCK_SIZE=BLOCK,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                HAS_WINDOW=False,
+                IEEE=False,
+                num_warps=warps,
+                num_stages=stages,
             )
+
         return launch
 
     reference = torch.empty_like(query)
@@ -76,11 +102,17 @@ def sweep(name: str, bandwidth: float) -> None:
         results.append((seconds, block_n, warps, stages, error))
     results.sort()
     current = next(r for r in results if r[1:4] == (64, 4, 3))
-    print(f"  current (64 keys, 4 warps, 3 stages): {current[0] * 1e6:.1f} us = {floor / current[0]:.0%} of the copy "
-          "bandwidth", flush=True)
+    print(
+        f"  current (64 keys, 4 warps, 3 stages): {current[0] * 1e6:.1f} us = {floor / current[0]:.0%} of the copy "
+        "bandwidth",
+        flush=True,
+    )
     for seconds, block_n, warps, stages, error in results[:12]:
-        print(f"  BLOCK_N={block_n:3d} warps={warps} stages={stages}: {seconds * 1e6:7.1f} us, {floor / seconds:.0%} of "
-              f"copy bandwidth, {current[0] / seconds:.2f}x current, max |diff| {error:.3g}", flush=True)
+        print(
+            f"  BLOCK_N={block_n:3d} warps={warps} stages={stages}: {seconds * 1e6:7.1f} us, {floor / seconds:.0%} of "
+            f"copy bandwidth, {current[0] / seconds:.2f}x current, max |diff| {error:.3g}",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import gc
 from pathlib import Path
 
 import torch
-from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
 
+from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
 from weft import LLM, SamplingParams
 
 
@@ -40,16 +40,25 @@ def main() -> None:
     gc.collect()
     gc.disable()
     before, _ = figures("before the engine")
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    llm = LLM(
+        model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"}
+    )
     llm.generate([[1, 2, 3, 4]] * 8, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     running, _ = figures("engine running")
     llm.close()
     closed, reserved = figures("after close(), collector off")
-    print(f"close(): returned {gib(running - closed)} of {gib(running - before)} allocated by the engine; "
-          f"{gib(closed - before)} still allocated, {gib(reserved)} reserved", flush=True)
+    print(
+        f"close(): returned {gib(running - closed)} of {gib(running - before)} allocated by the engine; "
+        f"{gib(closed - before)} still allocated, {gib(reserved)} reserved",
+        flush=True,
+    )
     try:
-        LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-            engine={"dtype": "bfloat16", "num_kv_blocks": 2})
+        LLM(
+            model=model,
+            registry=registry_with_memory_loader(),
+            use={"platform": "cuda"},
+            engine={"dtype": "bfloat16", "num_kv_blocks": 2},
+        )
     except ValueError as error:
         print(f"failed start (as intended): {str(error)[:120]}", flush=True)
     failed, reserved = figures("after the failed start, collector off")

@@ -22,25 +22,53 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+
 from weft.contracts.loader import ModelSource, WeightLoader
 from weft.plugins import PluginRegistry
 from weft.plugins.discovery import PluginEntry, discover
 
 LLAMA3_8B: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=16384, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    bos_token_id=128000, eos_token_id=128001,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=16384,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    bos_token_id=128000,
+    eos_token_id=128001,
 )
 """Llama-3-8B's shape (context cut to 16k: the benchmarks need no more)."""
 
 QWEN3_0_6B: dict[str, Any] = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    bos_token_id=151643, eos_token_id=151645,
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
 )
 
 
@@ -113,7 +141,9 @@ def hf_parameter_shapes(shape: dict[str, Any]) -> list[tuple[str, torch.Size]]:
     return [(name, parameter.shape) for name, parameter in model.named_parameters()]
 
 
-def random_weights(shape: dict[str, Any], dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Callable[[], Iterator]:
+def random_weights(
+    shape: dict[str, Any], dtype: torch.dtype, seed: int = 0, std: float = 0.02
+) -> Callable[[], Iterator]:
     """A weight iterator of random tensors made on the GPU: N(0, std) matrices, norms of ones."""
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -154,13 +184,26 @@ class MemoryLoader(WeightLoader):
 
 
 SMOLLM2_135M: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": LLAMA3_8B, "qwen3-0.6b": QWEN3_0_6B, "smollm2-135m": SMOLLM2_135M,
+    "llama3-8b": LLAMA3_8B,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "smollm2-135m": SMOLLM2_135M,
     # Llama-3-8B's layers over SmolLM2's vocabulary (bench/structured_output.py: its grammar needs SmolLM2's tokenizer).
     "llama3-8b-smollm2-vocab": {**LLAMA3_8B, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2},
 }
@@ -178,7 +221,9 @@ class RandomLoader(WeightLoader):
 
     def resolve(self, source: str) -> ModelSource:
         tokenizer = os.environ["WEFT_TEST_TOKENIZER"]
-        return ModelSource(path=tokenizer, format="random", hf_config=dict(SHAPES[source[7:]]), tokenizer="hf", name=source)
+        return ModelSource(
+            path=tokenizer, format="random", hf_config=dict(SHAPES[source[7:]]), tokenizer="hf", name=source
+        )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in random_weights(SHAPES[source.name[7:]], torch.bfloat16)():
@@ -193,8 +238,9 @@ def install_random_loader(folder: Path) -> None:
 
     dist_info = folder / "weft_bench_random-0.dist-info"
     dist_info.mkdir(parents=True, exist_ok=True)
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: weft-bench-random\nVersion: 0\n"
-                                        "Requires-Dist: weft-core>=1.0,<2\n")
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: weft-bench-random\nVersion: 0\nRequires-Dist: weft-core>=1.0,<2\n"
+    )
     (dist_info / "entry_points.txt").write_text(f"[weft.loader]\nrandom = {__name__}:RandomLoader\n")
     bench = str(Path(__file__).resolve().parent)
     for entry in (str(folder), bench):
@@ -206,7 +252,12 @@ def install_random_loader(folder: Path) -> None:
 
 def registry_with_memory_loader() -> PluginRegistry:
     entry = PluginEntry(
-        slot="loader", name="memory", target=f"{__name__}:MemoryLoader", distribution="weft-bench", version="0",
-        core_api="", builtin=False,
+        slot="loader",
+        name="memory",
+        target=f"{__name__}:MemoryLoader",
+        distribution="weft-bench",
+        version="0",
+        core_api="",
+        builtin=False,
     )
     return PluginRegistry(discover() + [entry])

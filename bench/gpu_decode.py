@@ -27,15 +27,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpu_common import LLAMA3_8B, MemoryLoader, copy_bandwidth, cuda_time, random_weights, registry_with_memory_loader
 
+from gpu_common import LLAMA3_8B, MemoryLoader, copy_bandwidth, cuda_time, random_weights, registry_with_memory_loader
 from weft import LLM, SamplingParams
 
 
 def roofline_bytes(shape: dict, context: int) -> tuple[int, int]:
     """Weight bytes (bf16, embedding table excluded) and KV bytes at ``context`` tokens, per decode step."""
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv_heads, dim, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"], shape["vocab_size"]
+    heads, kv_heads, dim, vocab = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        shape["vocab_size"],
+    )
     per_layer = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter + 2 * hidden
     weights = layers * per_layer + hidden + vocab * hidden
     kv = 2 * layers * kv_heads * dim * context
@@ -60,8 +65,11 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     projections = {
-        "qkv_proj": (q + 2 * kv, hidden, layers), "o_proj": (hidden, q, layers), "gate_up_proj": (2 * inter, hidden, layers),
-        "down_proj": (hidden, inter, layers), "lm_head": (shape["vocab_size"], hidden, 1),
+        "qkv_proj": (q + 2 * kv, hidden, layers),
+        "o_proj": (hidden, q, layers),
+        "gate_up_proj": (2 * inter, hidden, layers),
+        "down_proj": (hidden, inter, layers),
+        "lm_head": (shape["vocab_size"], hidden, 1),
     }
     print("projections at one row in CUDA graphs, TB/s of weight bytes (cuBLAS | Triton tiles N/K/warps)", flush=True)
     totals = {"cublas": 0.0, "triton": 0.0, "best": 0.0}
@@ -73,9 +81,26 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
         cublas = graph_time(lambda: F.linear(x, weight))
         chosen = tile_config(n, k, 1)
         results = {}
-        for block_n, block_k, warps in dict.fromkeys([chosen] + list(itertools.product((4, 8, 16), (512, 1024), (4, 8)))):
-            launch = lambda: _gemv_kernel[(-(-n // block_n),)](x, weight, weight, y, 1, N=n, K=k, BLOCK_M=1,
-                                                               BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, num_warps=warps)
+        for block_n, block_k, warps in dict.fromkeys(
+            [chosen] + list(itertools.product((4, 8, 16), (512, 1024), (4, 8)))
+        ):
+
+            def launch():
+                return _gemv_kernel[(-(-n // block_n),)](
+                    x,
+                    weight,
+                    weight,
+                    y,
+                    1,
+                    N=n,
+                    K=k,
+                    BLOCK_M=1,
+                    BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                    HAS_BIAS=False,
+                    num_warps=warps,
+                )
+
             results[(block_n, block_k, warps)] = graph_time(launch)
         error = (y.float() - F.linear(x, weight).float()).abs().max().item()
         best = min(results, key=results.get)
@@ -97,9 +122,18 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
 
 
 def measure(model: str, registry, tokenizer: Path, ops: dict, context: int, steps: int, bandwidth: float) -> dict:
-    llm = LLM(model=model, registry=registry, use={"platform": "cuda", "ops": ops},
-              engine={"dtype": "bfloat16", "max_num_seqs": 8, "max_model_len": 4096, "num_kv_blocks": 2048,
-                      "max_num_batched_tokens": 4096})
+    llm = LLM(
+        model=model,
+        registry=registry,
+        use={"platform": "cuda", "ops": ops},
+        engine={
+            "dtype": "bfloat16",
+            "max_num_seqs": 8,
+            "max_model_len": 4096,
+            "num_kv_blocks": 2048,
+            "max_num_batched_tokens": 4096,
+        },
+    )
     engine = llm.engine
     prompt = torch.randint(10, 120000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
@@ -142,7 +176,12 @@ def main() -> None:
         flush=True,
     )
     variants = {
-        "all torch (cuBLAS, unfused)": {"linear": "torch", "rms_norm": "torch", "rotary": "torch", "silu_and_mul": "torch"},
+        "all torch (cuBLAS, unfused)": {
+            "linear": "torch",
+            "rms_norm": "torch",
+            "rotary": "torch",
+            "silu_and_mul": "torch",
+        },
         "cuBLAS + fused norm/rotary/silu": {"linear": "torch"},
         "Triton GEMV + fused (default)": {},
     }
@@ -155,8 +194,11 @@ def main() -> None:
             flush=True,
         )
     if projections is not None:
-        print(f"outside the projections (norms, rotary, attention, KV stores, residuals): "
-              f"{(result['replay'] - projections) * 1e3:.3f} ms of the default's {result['replay'] * 1e3:.3f} ms replay", flush=True)
+        print(
+            f"outside the projections (norms, rotary, attention, KV stores, residuals): "
+            f"{(result['replay'] - projections) * 1e3:.3f} ms of the default's {result['replay'] * 1e3:.3f} ms replay",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

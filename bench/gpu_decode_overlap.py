@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from weft.contracts.attention import AttentionBatch, AttentionLayer
 from weft_triton.paged_attention import PagedAttentionKernel
 
@@ -26,7 +27,7 @@ H, KVH, D, INTER, LAYERS = 4096, 8, 128, 14336, int(sys.argv[1]) if len(sys.argv
 R = 512
 BS = 16
 dt = torch.bfloat16
-layer = AttentionLayer(num_heads=32, num_kv_heads=8, head_dim=128, scale=D ** -0.5)
+layer = AttentionLayer(num_heads=32, num_kv_heads=8, head_dim=128, scale=D**-0.5)
 kern = PagedAttentionKernel()
 seq = torch.randint(513, 769, (R,), dtype=torch.int32)
 blocks_per = (seq + BS - 1) // BS
@@ -38,26 +39,60 @@ perm = torch.randperm(nblocks, dtype=torch.int32)
 table = torch.zeros(R, maxb, dtype=torch.int32)
 o = 0
 for i in range(R):
-    n = int(blocks_per[i]); table[i, :n] = perm[o:o + n]; o += n
+    n = int(blocks_per[i])
+    table[i, :n] = perm[o : o + n]
+    o += n
+
+
 def batch(lo, hi):
     n = hi - lo
-    return AttentionBatch(query_start=torch.arange(n + 1, dtype=torch.int32, device=dev), seq_lens=seq[lo:hi].to(dev),
-                          block_table=table[lo:hi].to(dev).contiguous(), slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev),
-                          max_query_len=1, max_seq_len=768, block_size=BS)
+    return AttentionBatch(
+        query_start=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        seq_lens=seq[lo:hi].to(dev),
+        block_table=table[lo:hi].to(dev).contiguous(),
+        slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev),
+        max_query_len=1,
+        max_seq_len=768,
+        block_size=BS,
+    )
+
+
 NW = 2
-W = [dict(qkv=torch.randn(6144, H, dtype=dt, device=dev) * 0.01, o=torch.randn(H, H, dtype=dt, device=dev) * 0.01,
-          gu=torch.randn(2 * INTER, H, dtype=dt, device=dev) * 0.01, d=torch.randn(H, INTER, dtype=dt, device=dev) * 0.01) for _ in range(NW)]
+W = [
+    dict(
+        qkv=torch.randn(6144, H, dtype=dt, device=dev) * 0.01,
+        o=torch.randn(H, H, dtype=dt, device=dev) * 0.01,
+        gu=torch.randn(2 * INTER, H, dtype=dt, device=dev) * 0.01,
+        d=torch.randn(H, INTER, dtype=dt, device=dev) * 0.01,
+    )
+    for _ in range(NW)
+]
 full = batch(0, R)
 halves = [batch(0, R // 2), batch(R // 2, R)]
 x_full = F.rms_norm(torch.randn(R, H, dtype=dt, device=dev), (H,))
 
+
 def qkv(x, l):
     return F.linear(x, W[l % NW]["qkv"])
+
+
 def attn(qkvo, l, b):
     q = qkvo[:, :H].view(-1, 32, D).contiguous()
     out = torch.empty_like(q)
-    kern(dtype=dt, layer=layer, block_size=BS, block_m=16, splits=1, query=q, kv_cache=caches[l % NC], output=out, batch=b)
+    kern(
+        dtype=dt,
+        layer=layer,
+        block_size=BS,
+        block_m=16,
+        splits=1,
+        query=q,
+        kv_cache=caches[l % NC],
+        output=out,
+        batch=b,
+    )
     return out.view(-1, H)
+
+
 def mlp(a, x, l):
     w = W[l % NW]
     h = x + F.linear(a, w["o"])
@@ -65,65 +100,99 @@ def mlp(a, x, l):
     g, u = gu.chunk(2, -1)
     return F.rms_norm(h + F.linear(F.silu(g) * u, w["d"]), (H,))
 
+
 def serial(x):
     for l in range(LAYERS):
-        t = qkv(x, l); a = attn(t, l, full); x = mlp(a, x, l)
+        t = qkv(x, l)
+        a = attn(t, l, full)
+        x = mlp(a, x, l)
     return x
+
+
 def serial_halves(x):
     xs = list(x.chunk(2))
     for l in range(LAYERS):
         for i in range(2):
-            t = qkv(xs[i], l); a = attn(t, l, halves[i]); xs[i] = mlp(a, xs[i], l)
+            t = qkv(xs[i], l)
+            a = attn(t, l, halves[i])
+            xs[i] = mlp(a, xs[i], l)
     return torch.cat(xs)
 
+
 s_att = torch.cuda.Stream()
+
+
 def overlapped(x):
     main = torch.cuda.current_stream()
     xs = list(x.chunk(2))
     s_att.wait_stream(main)
-    t = [None, None]; a = [None, None]; ev_t = [None, None]; ev_a = [None, None]
+    t = [None, None]
+    a = [None, None]
+    ev_t = [None, None]
+    ev_a = [None, None]
+
     def launch_attn(i, l):
-        ev_t[i] = torch.cuda.Event(); ev_t[i].record(main)
+        ev_t[i] = torch.cuda.Event()
+        ev_t[i].record(main)
         with torch.cuda.stream(s_att):
             s_att.wait_event(ev_t[i])
             a[i] = attn(t[i], l, halves[i])
-            ev_a[i] = torch.cuda.Event(); ev_a[i].record(s_att)
-    t[0] = qkv(xs[0], 0); launch_attn(0, 0)
-    t[1] = qkv(xs[1], 0); launch_attn(1, 0)
+            ev_a[i] = torch.cuda.Event()
+            ev_a[i].record(s_att)
+
+    t[0] = qkv(xs[0], 0)
+    launch_attn(0, 0)
+    t[1] = qkv(xs[1], 0)
+    launch_attn(1, 0)
     for l in range(LAYERS):
         for i in range(2):
             main.wait_event(ev_a[i])
             xs[i] = mlp(a[i], xs[i], l)
             if l + 1 < LAYERS:
-                t[i] = qkv(xs[i], l + 1); launch_attn(i, l + 1)
+                t[i] = qkv(xs[i], l + 1)
+                launch_attn(i, l + 1)
     main.wait_stream(s_att)
     return torch.cat(xs)
 
+
 def bench(fn, name):
     x = x_full.clone()
-    for _ in range(2): fn(x)
+    for _ in range(2):
+        fn(x)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = fn(x)
-    for _ in range(3): g.replay()
+    for _ in range(3):
+        g.replay()
     torch.cuda.synchronize()
     n = 20
     t0 = time.perf_counter()
-    for _ in range(n): g.replay()
+    for _ in range(n):
+        g.replay()
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / n * 1e3
     print(f"{name:16s} {ms:7.3f} ms per {LAYERS}-layer step", flush=True)
     return y, ms
 
+
 def parts():
     x = x_full.clone()
     t = qkv(x, 0)
-    for name, fn in (("qkv", lambda: qkv(x, 0)), ("attn", lambda: attn(t, 0, full)), ("o+mlp", lambda: mlp(t[:, :H], x, 0))):
-        for _ in range(3): fn()
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(50): fn()
-        torch.cuda.synchronize(); print(f"  {name:8s} {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms/layer")
+    for name, fn in (
+        ("qkv", lambda: qkv(x, 0)),
+        ("attn", lambda: attn(t, 0, full)),
+        ("o+mlp", lambda: mlp(t[:, :H], x, 0)),
+    ):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        print(f"  {name:8s} {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms/layer")
+
 
 parts()
 ys, a = bench(serial, "serial 512")

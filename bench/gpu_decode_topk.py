@@ -27,7 +27,13 @@ from weft_triton.ops import DecodeTopKTriton
 
 SHAPES = [
     # heads, decode rows (total_q), capacity in blocks
-    (1, 1, 128), (1, 64, 128), (8, 64, 128), (16, 256, 128), (64, 256, 128), (8, 64, 64), (64, 512, 74),
+    (1, 1, 128),
+    (1, 64, 128),
+    (8, 64, 128),
+    (16, 256, 128),
+    (64, 256, 128),
+    (8, 64, 64),
+    (64, 512, 74),
 ]
 MULTI_CHUNK = DecodeTopKLaunch(chunks=16, block=512, warps=4, stages=1)
 LAUNCHES_PER_GRAPH = 50
@@ -65,7 +71,9 @@ def graph_time(run) -> float:
 
 
 def main() -> None:
-    print(f"device: {torch.cuda.get_device_name()}; arch forced to gfx950 (ROCm platform option); topk 16, block_size 1")
+    print(
+        f"device: {torch.cuda.get_device_name()}; arch forced to gfx950 (ROCm platform option); topk 16, block_size 1"
+    )
     print(f"{'heads':>5} {'rows':>5} {'capacity':>8} {'policy':>34} {'single us':>10} {'16x512 us':>10} {'ratio':>6}")
     platform = RocmPlatform(RocmPlatform.Options(arch="gfx950"))
     ratios = []
@@ -84,12 +92,16 @@ def main() -> None:
         multi_time = graph_time(lambda op=multi_op, s=scores, n=seq_lens: op(s, n, 1, 1, 16, launch=MULTI_CHUNK))
         assert multi_op.counters.eq(0).all() and torch.equal(single_op(scores, seq_lens, 1, 1, 16), multi)
         ratios.append(multi_time / single_time)
-        print(f"{heads:>5} {rows:>5} {capacity:>8} {str(tuple(policy)):>34} {single_time * 1e6:>10.2f} "
-              f"{multi_time * 1e6:>10.2f} {ratios[-1]:>6.2f}")
+        print(
+            f"{heads:>5} {rows:>5} {capacity:>8} {str(tuple(policy)):>34} {single_time * 1e6:>10.2f} "
+            f"{multi_time * 1e6:>10.2f} {ratios[-1]:>6.2f}"
+        )
     geomean = statistics.geometric_mean(ratios)
-    print(f"multi-chunk / single-CTA time, geometric mean over the shapes: {geomean:.2f}x "
-          f"(the single CTA takes {100 / geomean:.0f}% of the multi-chunk time); outputs bit-identical and counters "
-          "zero on every shape. MI355 (the published ~28%) is not measured here.")
+    print(
+        f"multi-chunk / single-CTA time, geometric mean over the shapes: {geomean:.2f}x "
+        f"(the single CTA takes {100 / geomean:.0f}% of the multi-chunk time); outputs bit-identical and counters "
+        "zero on every shape. MI355 (the published ~28%) is not measured here."
+    )
 
 
 if __name__ == "__main__":

@@ -80,9 +80,15 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill: tokens a step (max_num_batched_tokens)")
     parser.add_argument("--requests", type=int, default=64, help="hisparse: long requests submitted at once")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="hisparse: KV-cache memory of each side, GiB")
-    parser.add_argument("--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages")
-    parser.add_argument("--indexer-key-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                        help="hisparse: how both sides store the indexer's keys ([plugins.DeepseekV4ForCausalLM])")
+    parser.add_argument(
+        "--gpu-share", type=float, default=0.1, help="hisparse: share of it for the CSA entries' GPU pages"
+    )
+    parser.add_argument(
+        "--indexer-key-dtype",
+        default="auto",
+        choices=("auto", "fp8_e4m3"),
+        help="hisparse: how both sides store the indexer's keys ([plugins.DeepseekV4ForCausalLM])",
+    )
     parser.add_argument("--side", choices=("plain", "hisparse"), help=argparse.SUPPRESS)
     parser.add_argument("--side-admit", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -102,11 +108,22 @@ def config_of(args: argparse.Namespace) -> dict:
 
     kinds = [SHORT[kind] for kind in args.layer_types.split(",")]
     return tiny_config(
-        kinds, hc_mult=args.hc_mult, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        num_attention_heads=args.heads, head_dim=args.head_dim, q_lora_rank=args.q_lora_rank,
-        moe_intermediate_size=args.moe_intermediate_size, n_routed_experts=args.experts,
-        num_experts_per_tok=args.experts_per_token, o_groups=4, o_lora_rank=args.hidden_size // 4,
-        index_n_heads=8, index_head_dim=64, index_topk=args.index_topk, sliding_window=args.sliding_window,
+        kinds,
+        hc_mult=args.hc_mult,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.heads,
+        head_dim=args.head_dim,
+        q_lora_rank=args.q_lora_rank,
+        moe_intermediate_size=args.moe_intermediate_size,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.experts_per_token,
+        o_groups=4,
+        o_lora_rank=args.hidden_size // 4,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=args.index_topk,
+        sliding_window=args.sliding_window,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": args.hca_rate},
         max_position_embeddings=max(8192, args.prompt_len + args.new_tokens + 16),
     )
@@ -134,9 +151,13 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     max_model_len = args.prompt_len + args.new_tokens + 16
     kv_bytes = int(args.kv_gib * (1 << 30))
     engine = {
-        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
+        "dtype": args.dtype,
+        "block_size": 16,
+        "max_model_len": max_model_len,
         "max_num_seqs": args.requests,
-        "max_num_batched_tokens": 8192, "enable_prefix_caching": False, "enforce_eager": args.enforce_eager,
+        "max_num_batched_tokens": 8192,
+        "enable_prefix_caching": False,
+        "enforce_eager": args.enforce_eager,
     }
     if args.device == "cuda":
         engine["gpu_memory_utilization"] = min(0.9, kv_bytes / torch.cuda.mem_get_info()[0])
@@ -147,7 +168,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         pages = -(-max_model_len // 16)  # csa_kv pages (16 tokens, 4 entries) of one request
         extra["use"] = {"kv_connector": "hisparse"}
         extra["plugins"]["hisparse"] = {
-            "host_pages": args.requests * pages + 16, "hot_buffer_blocks": -(-args.index_topk // 4),
+            "host_pages": args.requests * pages + 16,
+            "hot_buffer_blocks": -(-args.index_topk // 4),
             "gpu_share": args.gpu_share,
         }
     llm = LLM(model=str(folder), engine=engine, **extra)
@@ -176,15 +198,24 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         for index in sorted(index for index, at in (admit or {}).items() if at <= len(batches) and index not in states):
             add(index)
         if budgets is not None:  # past the recorded steps (a replay that diverged): the engine's own budget again
-            scheduler.max_num_batched_tokens = budgets[len(batches)] if len(batches) < len(budgets) else engine["max_num_batched_tokens"]
+            scheduler.max_num_batched_tokens = (
+                budgets[len(batches)] if len(batches) < len(budgets) else engine["max_num_batched_tokens"]
+            )
         output = schedule()
-        steps.append((time.perf_counter(), sum(output.num_scheduled_tokens.values()),
-                      all(count == 1 for count in output.num_scheduled_tokens.values())))
+        steps.append(
+            (
+                time.perf_counter(),
+                sum(output.num_scheduled_tokens.values()),
+                all(count == 1 for count in output.num_scheduled_tokens.values()),
+            )
+        )
         if output.num_scheduled_tokens:
             for request_id in output.num_scheduled_tokens:
                 first_step.setdefault(int(request_id[1:]), len(batches))
             batches.append(sorted(output.num_scheduled_tokens.items()))
-        most[0] = max(most[0], sum(1 for request in scheduler.running if core.scheduler.kv_cache.holds(request.request_id)))
+        most[0] = max(
+            most[0], sum(1 for request in scheduler.running if core.scheduler.kv_cache.holds(request.request_id))
+        )
         return output
 
     scheduler.schedule = recording
@@ -196,38 +227,56 @@ def hisparse_side(args: argparse.Namespace) -> dict:
         llm.engine.step()
     wall = time.perf_counter() - started
     decode_tokens = decode_seconds = 0.0
-    for (at, tokens, decode_only), (next_at, _, _) in zip(steps, steps[1:]):
+    for (at, tokens, decode_only), (next_at, _, _) in zip(steps, steps[1:], strict=False):
         if decode_only and tokens:
             decode_tokens += tokens
             decode_seconds += next_at - at
     ordered = [states[index] for index in range(len(prompts))]
     tokens = [list(state.output_token_ids) for state in ordered]
-    top2 = [[sorted(([token, entry.logprob] for token, entry in step.items()), key=lambda pair: -pair[1])[:2]
-             for step in state.logprobs or ()] for state in ordered]
+    top2 = [
+        [
+            sorted(([token, entry.logprob] for token, entry in step.items()), key=lambda pair: -pair[1])[:2]
+            for step in state.logprobs or ()
+        ]
+        for state in ordered
+    ]
     totals = core.scheduler.connector.metric_totals if core.scheduler.connector is not None else {}
     return {
-        "side": args.side, "max_running": most[0], "requests": args.requests, "prompt_len": args.prompt_len,
-        "num_blocks": dict(zip((group.name for group in core.scheduler.kv_cache.groups), core.num_blocks)),
-        "preemptions": scheduler.num_preemptions, "wall_s": wall,
+        "side": args.side,
+        "max_running": most[0],
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "num_blocks": dict(
+            zip((group.name for group in core.scheduler.kv_cache.groups), core.num_blocks, strict=False)
+        ),
+        "preemptions": scheduler.num_preemptions,
+        "wall_s": wall,
         "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
         "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
-        "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(), "steps": len(batches),
+        "batches_sha256": hashlib.sha256(json.dumps(batches).encode()).hexdigest(),
+        "steps": len(batches),
         "connector": {name: total.total for name, total in totals.items()},
-        "tokens": tokens, "top2": top2, "first_step": first_step, "batches": batches,
+        "tokens": tokens,
+        "top2": top2,
+        "first_step": first_step,
+        "batches": batches,
     }
 
 
 def hisparse_part(args: argparse.Namespace) -> None:
     """Both sides, each in a fresh process (the same free memory), then the ratio."""
     sides = {}
+
     def run_side(side: str, *extra: str) -> dict:
         command = [sys.executable, __file__, *sys.argv[1:], "--side", side, *extra]
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"the {side} side failed:\n{run.stderr[-4000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        print(json.dumps({key: value for key, value in result.items() if key not in ("tokens", "top2", "batches")}),
-              flush=True)  # each side as soon as it is done
+        print(
+            json.dumps({key: value for key, value in result.items() if key not in ("tokens", "top2", "batches")}),
+            flush=True,
+        )  # each side as soon as it is done
         return result
 
     for side in ("plain", "hisparse"):
@@ -243,40 +292,67 @@ def hisparse_part(args: argparse.Namespace) -> None:
     # same shapes are tests/test_dsv4_gpu.py's).
     scale = -(-max(sparse["max_running"], 1) // max(plain["max_running"], 1)) + 1
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as admissions:
-        json.dump({"first_step": sparse["first_step"], "budgets": [sum(count for _, count in batch) for batch in sparse["batches"]]},
-                  admissions)
+        json.dump(
+            {
+                "first_step": sparse["first_step"],
+                "budgets": [sum(count for _, count in batch) for batch in sparse["batches"]],
+            },
+            admissions,
+        )
     replay = run_side("plain", "--kv-gib", str(args.kv_gib * scale), "--side-admit", admissions.name)
     os.unlink(admissions.name)
-    unlike = next((step for step, (ours, theirs) in enumerate(zip(replay["batches"], sparse["batches"])) if ours != theirs), None)
+    unlike = next(
+        (
+            step
+            for step, (ours, theirs) in enumerate(zip(replay["batches"], sparse["batches"], strict=False))
+            if ours != theirs
+        ),
+        None,
+    )
     if unlike is None and len(replay["batches"]) != len(sparse["batches"]):
         unlike = min(len(replay["batches"]), len(sparse["batches"]))  # one side ran steps the other did not
     replayed = compare_tokens(replay, sparse)
     comparison = compare_tokens(plain, sparse)
     report = {
-        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_gib": args.kv_gib,
-        "gpu_share": args.gpu_share, "plain": plain, "hisparse": sparse,
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "kv_gib": args.kv_gib,
+        "gpu_share": args.gpu_share,
+        "plain": plain,
+        "hisparse": sparse,
         "concurrency_ratio": sparse["max_running"] / max(plain["max_running"], 1),
         "same_tokens": plain["tokens_sha256"] == sparse["tokens_sha256"],
         "plain_on_hisparse_batches": replay,
         "same_batches_replayed": replay["batches_sha256"] == sparse["batches_sha256"],
-        "first_unlike_batch": None if unlike is None else {
-            "step": unlike, "plain": replay["batches"][unlike:unlike + 1], "hisparse": sparse["batches"][unlike:unlike + 1]},
+        "first_unlike_batch": None
+        if unlike is None
+        else {
+            "step": unlike,
+            "plain": replay["batches"][unlike : unlike + 1],
+            "hisparse": sparse["batches"][unlike : unlike + 1],
+        },
         "same_tokens_replayed": replay["tokens_sha256"] == sparse["tokens_sha256"],
-        "divergences_replayed": replayed, "divergences": comparison, "indexer_key_dtype": args.indexer_key_dtype,
+        "divergences_replayed": replayed,
+        "divergences": comparison,
+        "indexer_key_dtype": args.indexer_key_dtype,
     }
     # HiSparse's decode graphs hold a hot buffer and page table on the GPU outside the KV-cache budget.
     report["graph_buffer_bytes"] = graph_bytes = sparse["connector"].get("graph_buffer_bytes_total", 0)
     for side in (plain, sparse, replay):
         del side["tokens"], side["top2"], side["first_step"], side["batches"]
-    publish(report, args.out, "gpu_dsv4_hisparse.json", (
-        f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
-        f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x; "
-        f"its decode graphs' hot buffer and page table {graph_bytes / (1 << 20):.1f} MiB beside it); "
-        f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
-        f"same greedy tokens: {report['same_tokens']} ({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB "
-        f"on HiSparse's admissions: batches alike {report['same_batches_replayed']}, same tokens "
-        f"{report['same_tokens_replayed']} ({replayed['summary']})"
-    ))
+    publish(
+        report,
+        args.out,
+        "gpu_dsv4_hisparse.json",
+        (
+            f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
+            f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x; "
+            f"its decode graphs' hot buffer and page table {graph_bytes / (1 << 20):.1f} MiB beside it); "
+            f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
+            f"same greedy tokens: {report['same_tokens']} ({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB "
+            f"on HiSparse's admissions: batches alike {report['same_batches_replayed']}, same tokens "
+            f"{report['same_tokens_replayed']} ({replayed['summary']})"
+        ),
+    )
 
 
 def compare_tokens(plain: dict, sparse: dict) -> dict:
@@ -291,8 +367,10 @@ def compare_tokens(plain: dict, sparse: dict) -> dict:
     from weft.verify import TIE_SAFETY
 
     noise, firsts = 0.0, []
-    for ours, theirs, ours_top, theirs_top in zip(plain["tokens"], sparse["tokens"], plain["top2"], sparse["top2"]):
-        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    for ours, theirs, ours_top, theirs_top in zip(
+        plain["tokens"], sparse["tokens"], plain["top2"], sparse["top2"], strict=False
+    ):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
         for step in range(first if first is not None else len(ours)):
             mine, other = dict(map(tuple, ours_top[step])), dict(map(tuple, theirs_top[step]))
             noise = max([noise] + [abs(mine[token] - other[token]) for token in mine.keys() & other.keys()])
@@ -303,15 +381,33 @@ def compare_tokens(plain: dict, sparse: dict) -> dict:
     for first, ours_top, theirs_top in firsts:
         plain_gap = ours_top[0][1] - ours_top[1][1] if len(ours_top) > 1 else float("inf")
         sparse_gap = theirs_top[0][1] - theirs_top[1][1] if len(theirs_top) > 1 else float("inf")
-        swapped = len(ours_top) > 1 and len(theirs_top) > 1 and ours_top[1][0] == theirs_top[0][0] and theirs_top[1][0] == ours_top[0][0]
-        divergences.append({"step": first, "plain_gap": plain_gap, "hisparse_gap": sparse_gap,
-                            "tie": swapped and max(plain_gap, sparse_gap) <= bound})
+        swapped = (
+            len(ours_top) > 1
+            and len(theirs_top) > 1
+            and ours_top[1][0] == theirs_top[0][0]
+            and theirs_top[1][0] == ours_top[0][0]
+        )
+        divergences.append(
+            {
+                "step": first,
+                "plain_gap": plain_gap,
+                "hisparse_gap": sparse_gap,
+                "tie": swapped and max(plain_gap, sparse_gap) <= bound,
+            }
+        )
     ties = sum(d["tie"] for d in divergences)
     requests = len(plain["tokens"])
-    summary = (f"{requests - len(divergences)} of {requests} requests gave the same tokens, {ties} diverged at a near-tie "
-               f"(gaps within {TIE_SAFETY} x the run's rounding noise {noise:.3g}), {len(divergences) - ties} beyond one")
-    return {"noise": noise, "tie_bound": bound, "divergences": divergences, "summary": summary,
-            "unchanged": ties == len(divergences)}
+    summary = (
+        f"{requests - len(divergences)} of {requests} requests gave the same tokens, {ties} diverged at a near-tie "
+        f"(gaps within {TIE_SAFETY} x the run's rounding noise {noise:.3g}), {len(divergences) - ties} beyond one"
+    )
+    return {
+        "noise": noise,
+        "tie_bound": bound,
+        "divergences": divergences,
+        "summary": summary,
+        "unchanged": ties == len(divergences),
+    }
 
 
 def prefill_part(args: argparse.Namespace) -> None:
@@ -324,11 +420,18 @@ def prefill_part(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, args.vocab_size, (args.batch, args.prompt_len), generator=generator).tolist()
     max_model_len = args.prompt_len + 16
-    llm = LLM(model=str(folder), engine={
-        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len, "max_num_seqs": args.batch,
-        "max_num_batched_tokens": max(args.chunk, 16), "enable_prefix_caching": False,  # every run prefills in full
-        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
-    })
+    llm = LLM(
+        model=str(folder),
+        engine={
+            "dtype": args.dtype,
+            "block_size": 16,
+            "max_model_len": max_model_len,
+            "max_num_seqs": args.batch,
+            "max_num_batched_tokens": max(args.chunk, 16),
+            "enable_prefix_caching": False,  # every run prefills in full
+            "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
+        },
+    )
     layers = [layer.self_attn for layer in llm.engine.worker.model.model.layers]
     kernel = layers[0].prefill_kernel
     if kernel is None:
@@ -343,23 +446,39 @@ def prefill_part(args: argparse.Namespace) -> None:
         for _ in range(args.repeats):
             seconds, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.device)
             runs.append(args.batch * args.prompt_len / seconds)
-        results[path] = {"prefill_tok_s": statistics.median(runs), "runs": runs,
-                         "first_tokens": [output.outputs[0].token_ids[0] for output in outputs]}
+        results[path] = {
+            "prefill_tok_s": statistics.median(runs),
+            "runs": runs,
+            "first_tokens": [output.outputs[0].token_ids[0] for output in outputs],
+        }
     kernel_side, einsum_side = results["kernel"], results["einsum"]
     report = {
-        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-        "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len, "chunk": args.chunk,
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "chunk": args.chunk,
         "config": {k: v for k, v in config_of(args).items() if k != "compress_rates"} | {"hca_rate": args.hca_rate},
-        "kernel_prefill_tok_s": kernel_side["prefill_tok_s"], "einsum_prefill_tok_s": einsum_side["prefill_tok_s"],
+        "kernel_prefill_tok_s": kernel_side["prefill_tok_s"],
+        "einsum_prefill_tok_s": einsum_side["prefill_tok_s"],
         "ratio_kernel_over_einsum": kernel_side["prefill_tok_s"] / einsum_side["prefill_tok_s"],
-        "kernel_runs": kernel_side["runs"], "einsum_runs": einsum_side["runs"],
-        "same_first_tokens": sum(a == b for a, b in zip(kernel_side["first_tokens"], einsum_side["first_tokens"])),
+        "kernel_runs": kernel_side["runs"],
+        "einsum_runs": einsum_side["runs"],
+        "same_first_tokens": sum(
+            a == b for a, b in zip(kernel_side["first_tokens"], einsum_side["first_tokens"], strict=False)
+        ),
     }
-    publish(report, args.out, "gpu_dsv4_prefill.json", (
-        f"prefill throughput, {args.batch} x {args.prompt_len} tokens in steps of {args.chunk}, {args.dtype}: "
-        f"Triton kernel {report['kernel_prefill_tok_s']:.0f} tok/s, einsum path {report['einsum_prefill_tok_s']:.0f} tok/s, "
-        f"ratio {report['ratio_kernel_over_einsum']:.2f}x; same first token: {report['same_first_tokens']} of {args.batch}"
-    ))
+    publish(
+        report,
+        args.out,
+        "gpu_dsv4_prefill.json",
+        (
+            f"prefill throughput, {args.batch} x {args.prompt_len} tokens in steps of {args.chunk}, {args.dtype}: "
+            f"Triton kernel {report['kernel_prefill_tok_s']:.0f} tok/s, einsum path {report['einsum_prefill_tok_s']:.0f} tok/s, "
+            f"ratio {report['ratio_kernel_over_einsum']:.2f}x; same first token: {report['same_first_tokens']} of {args.batch}"
+        ),
+    )
 
 
 def publish(report: dict, out: str | None, name: str, summary: str) -> None:
@@ -403,19 +522,29 @@ def main() -> None:
             return hf.generate(inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
 
     max_model_len = args.prompt_len + args.new_tokens + 16
-    llm = LLM(model=str(folder), engine={
-        "dtype": args.dtype, "block_size": 16, "max_model_len": max_model_len,
-        "max_num_seqs": args.batch, "max_num_batched_tokens": max(2048, args.prompt_len),
-        # Enough blocks in every group for the whole batch at full length (no preemption).
-        "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64, "enforce_eager": args.enforce_eager,
-    })
+    llm = LLM(
+        model=str(folder),
+        engine={
+            "dtype": args.dtype,
+            "block_size": 16,
+            "max_model_len": max_model_len,
+            "max_num_seqs": args.batch,
+            "max_num_batched_tokens": max(2048, args.prompt_len),
+            # Enough blocks in every group for the whole batch at full length (no preemption).
+            "num_kv_blocks": args.batch * -(-max_model_len // 16) + 64,
+            "enforce_eager": args.enforce_eager,
+        },
+    )
     prompt_lists = prompts.tolist()
 
     def weft_generate(tokens: int):
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         return llm.generate(prompt_lists, params, use_tqdm=False)
 
-    hf_generate(args.new_tokens), weft_generate(args.new_tokens)  # warm-up at full length: every kernel compiled, allocator primed
+    (
+        hf_generate(args.new_tokens),
+        weft_generate(args.new_tokens),
+    )  # warm-up at full length: every kernel compiled, allocator primed
     results = {}
     for name, generate in (("hf", hf_generate), ("weft", weft_generate)):
         rates, outputs = [], None
@@ -428,24 +557,39 @@ def main() -> None:
     hf_tokens = results["hf"]["outputs"][:, args.prompt_len :].tolist()
     weft_tokens = [list(output.outputs[0].token_ids) for output in results["weft"]["outputs"]]
     shared = []
-    for ours, theirs in zip(weft_tokens, hf_tokens):
-        count = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    for ours, theirs in zip(weft_tokens, hf_tokens, strict=False):
+        count = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+        )
         shared.append(count)
     report = {
-        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
-        "dtype": args.dtype, "batch": args.batch, "decode_graphs": sorted(llm.engine.runner.graphs), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "decode_graphs": sorted(llm.engine.runner.graphs),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "config": {k: v for k, v in config_of(args).items() if k != "compress_rates"} | {"hca_rate": args.hca_rate},
-        "hf_decode_tok_s": results["hf"]["decode_tok_s"], "weft_decode_tok_s": results["weft"]["decode_tok_s"],
+        "hf_decode_tok_s": results["hf"]["decode_tok_s"],
+        "weft_decode_tok_s": results["weft"]["decode_tok_s"],
         "ratio_weft_over_hf": results["weft"]["decode_tok_s"] / results["hf"]["decode_tok_s"],
-        "hf_runs": results["hf"]["runs"], "weft_runs": results["weft"]["runs"],
+        "hf_runs": results["hf"]["runs"],
+        "weft_runs": results["weft"]["runs"],
         "greedy_tokens_shared_with_hf": shared,
     }
-    publish(report, args.out, "gpu_dsv4.json", (
-        f"decode throughput, batch {args.batch}, {args.dtype}, graphs {'on' if report['decode_graphs'] else 'off'}: "
-        f"weft {report['weft_decode_tok_s']:.1f} tok/s, "
-        f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
-        f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
-    ))
+    publish(
+        report,
+        args.out,
+        "gpu_dsv4.json",
+        (
+            f"decode throughput, batch {args.batch}, {args.dtype}, graphs {'on' if report['decode_graphs'] else 'off'}: "
+            f"weft {report['weft_decode_tok_s']:.1f} tok/s, "
+            f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
+            f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
+        ),
+    )
 
 
 if __name__ == "__main__":

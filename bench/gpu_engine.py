@@ -43,6 +43,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+
 from gpu_common import (
     LLAMA3_8B,
     QWEN3_0_6B,
@@ -55,7 +56,6 @@ from gpu_common import (
 )
 from weft import LLM, SamplingParams
 
-
 PROFILE_KERNELS = 0
 """Kernels to list from a profile of the timed ``LLM.generate`` (``--profile``); 0 records none."""
 RUNS = 2
@@ -67,15 +67,21 @@ workload's first run gave 2,231-3,890 tok/s, its second 9,212), so before 2026-1
 def weft_generate(llm: LLM, prompts: list[list[int]], output: int, sampling: dict | None = None) -> float:
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=output, ignore_eos=True)
     # Warm, on reversed prompts: the timed ones must not find their prefixes cached.
-    llm.generate([prompt[::-1] for prompt in prompts[:8]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    llm.generate(
+        [prompt[::-1] for prompt in prompts[:8]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
     torch.cuda.synchronize()
     profiler = None
     if PROFILE_KERNELS:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.start()
     started, cpu_started = time.perf_counter(), time.thread_time()
-    outputs = llm.generate(prompts, [msgspec.structs.replace(params, seed=index) for index in range(len(prompts))]
-                           if params.seed is not None else params)
+    outputs = llm.generate(
+        prompts,
+        [msgspec.structs.replace(params, seed=index) for index in range(len(prompts))]
+        if params.seed is not None
+        else params,
+    )
     torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output
@@ -89,25 +95,32 @@ def print_kernel_profile(profiler: torch.profiler.profile, seconds: float, cpu_s
     """The kernels with the most device time, and how busy the device was (the profile adds host overhead)."""
     kernels = [event for event in profiler.key_averages() if event.device_time_total > 0]
     busy = sum(event.device_time_total for event in kernels) / 1e6
-    print(f"  profile: {seconds:.2f} s wall, device busy {busy:.2f} s ({busy / seconds:.0%}), host thread CPU {cpu_seconds:.2f} s")
+    print(
+        f"  profile: {seconds:.2f} s wall, device busy {busy:.2f} s ({busy / seconds:.0%}), host thread CPU {cpu_seconds:.2f} s"
+    )
     for event in sorted(kernels, key=lambda event: -event.device_time_total)[:PROFILE_KERNELS]:
         total = event.device_time_total / 1e6
-        print(f"  {total:7.3f} s {total / busy:6.1%} {event.count:8d} x {event.device_time_total / event.count:8.1f} us  {event.key[:110]}")
+        print(
+            f"  {total:7.3f} s {total / busy:6.1%} {event.count:8d} x {event.device_time_total / event.count:8.1f} us  {event.key[:110]}"
+        )
 
 
 def engine_settings(llm: LLM, overrides: dict) -> str:
     engine = llm.engine.config.engine
     given = f"set {overrides}; " if overrides else "defaults: "
-    return given + (f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
-            f"async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}")
+    return given + (
+        f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
+        f"async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}"
+    )
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(10, vocab - 10, (count, length), generator=torch.Generator().manual_seed(seed))
 
 
-def against_hf(args: argparse.Namespace, name: str, shape: dict, requests: int, prompt: int, output: int,
-               hf_batch: int) -> tuple[float, float, str]:
+def against_hf(
+    args: argparse.Namespace, name: str, shape: dict, requests: int, prompt: int, output: int, hf_batch: int
+) -> tuple[float, float, str]:
     """HF ``generate()`` on the first ``hf_batch`` requests, then Weft's ``LLM.generate`` of all of them on the
     same random bf16 weights. Returns (HF tokens/s, Weft tokens/s, Weft's engine settings)."""
     from transformers import AutoModelForCausalLM
@@ -122,17 +135,26 @@ def against_hf(args: argparse.Namespace, name: str, shape: dict, requests: int, 
     hf_generate(hf, prompts[:8].cuda(), 16)  # warm (the first full-size run still pays one-time costs: best of RUNS)
     hf_runs = [hf_batch * output / hf_generate(hf, batch[:hf_batch].cuda(), output) for batch in runs_prompts]
     hf_rate = max(hf_runs)
-    print(f"{name} {requests} x ({prompt}, {output}): HF transformers generate() {hf_rate:,.0f} output tokens/s "
-          f"(batch {hf_batch}; best of runs {', '.join(f'{rate:,.0f}' for rate in hf_runs)})", flush=True)
+    print(
+        f"{name} {requests} x ({prompt}, {output}): HF transformers generate() {hf_rate:,.0f} output tokens/s "
+        f"(batch {hf_batch}; best of runs {', '.join(f'{rate:,.0f}' for rate in hf_runs)})",
+        flush=True,
+    )
     state = dict(hf.state_dict())
     del hf
     gc.collect()
     model = MemoryLoader.add(name, shape, lambda: iter(state.items()), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", **args.engine})
+    llm = LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", **args.engine},
+    )
     runs = [weft_generate(llm, batch.tolist(), output) for batch in runs_prompts]
     seconds = min(runs)
-    print(f"{name}: Weft runs {', '.join(f'{requests * output / run:,.0f}' for run in runs)} output tokens/s", flush=True)
+    print(
+        f"{name}: Weft runs {', '.join(f'{requests * output / run:,.0f}' for run in runs)} output tokens/s", flush=True
+    )
     settings = engine_settings(llm, args.engine)
     llm.close()
     del llm
@@ -144,15 +166,23 @@ def against_hf(args: argparse.Namespace, name: str, shape: dict, requests: int, 
 def part_qwen(args: argparse.Namespace) -> None:
     requests, prompt, output = 256, 512, 256
     hf_rate, rate, settings = against_hf(args, "qwen3-0.6b", QWEN3_0_6B, requests, prompt, output, hf_batch=requests)
-    print(f"qwen3-0.6b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
-          f"= {rate / hf_rate:.1f}x HF", flush=True)
+    print(
+        f"qwen3-0.6b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
+        f"= {rate / hf_rate:.1f}x HF",
+        flush=True,
+    )
 
 
 SAMPLINGS = {
     "greedy": {},
     "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95, "seed": 0},
-    "+ top-k 50, repetition penalty 1.1": {"temperature": 0.8, "top_p": 0.95, "top_k": 50,
-                                           "repetition_penalty": 1.1, "seed": 0},
+    "+ top-k 50, repetition penalty 1.1": {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 50,
+        "repetition_penalty": 1.1,
+        "seed": 0,
+    },
 }
 
 
@@ -164,19 +194,27 @@ def part_sampled(args: argparse.Namespace) -> None:
     with torch.device("cuda"):
         state = dict(AutoModelForCausalLM.from_config(hf_config(QWEN3_0_6B), dtype=torch.bfloat16).state_dict())
     model = MemoryLoader.add("qwen3-0.6b-sampled", QWEN3_0_6B, lambda: iter(state.items()), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", **args.engine})
+    llm = LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", **args.engine},
+    )
     prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"]).tolist()
     rates = {}
     for name, sampling in SAMPLINGS.items():
         rates[name] = requests * output / weft_generate(llm, prompts, output, sampling)
-        print(f"qwen3-0.6b {requests} x ({prompt}, {output}), {name}: {rates[name]:,.0f} output tokens/s "
-              f"= {rates[name] / rates['greedy']:.2f}x greedy ({engine_settings(llm, args.engine)})", flush=True)
+        print(
+            f"qwen3-0.6b {requests} x ({prompt}, {output}), {name}: {rates[name]:,.0f} output tokens/s "
+            f"= {rates[name] / rates['greedy']:.2f}x greedy ({engine_settings(llm, args.engine)})",
+            flush=True,
+        )
     llm.close()
 
 
-def physical_estimate(shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float,
-                      sequential: bool = False) -> float:
+def physical_estimate(
+    shape: dict, requests: int, prompt: int, output: int, bandwidth: float, flops: float, sequential: bool = False
+) -> float:
     """Seconds for the workload: prefill at the matmul rate, decode steps at max(HBM time, matmul time).
 
     ``sequential``: each decode step's attention (reading the KV of every running request) runs after
@@ -203,23 +241,37 @@ def part_llama8b(args: argparse.Namespace) -> None:
     requests, prompt, output = 512, 512, 256
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     estimate = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops)
-    sequential = requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops, sequential=True)
-    print(f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
-          f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s); with attention after the "
-          f"matmuls instead of overlapping them: {sequential:,.0f}", flush=True)
+    sequential = (
+        requests * output / physical_estimate(LLAMA3_8B, requests, prompt, output, bandwidth, flops, sequential=True)
+    )
+    print(
+        f"llama-3-8b {requests} x ({prompt}, {output}): physical estimate {estimate:,.0f} output tokens/s "
+        f"(copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s); with attention after the "
+        f"matmuls instead of overlapping them: {sequential:,.0f}",
+        flush=True,
+    )
     # HF generate() on the first 128 requests (its cache grows by concatenation: all 512 would take minutes).
     hf_rate, rate, settings = against_hf(args, "llama-3-8b", LLAMA3_8B, requests, prompt, output, hf_batch=128)
-    print(f"llama-3-8b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
-          f"= {rate / estimate:.2f}x the physical estimate, {rate / sequential:.2f}x the sequential one, "
-          f"{rate / hf_rate:.1f}x HF", flush=True)
+    print(
+        f"llama-3-8b: Weft ({settings}) {rate:,.0f} output tokens/s ({requests * output / rate:.2f} s) "
+        f"= {rate / estimate:.2f}x the physical estimate, {rate / sequential:.2f}x the sequential one, "
+        f"{rate / hf_rate:.1f}x HF",
+        flush=True,
+    )
 
 
 def _client(url: str, model: str, prompts: list[list[int]], output: int, ready, go, results) -> None:
     import httpx
 
     async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int, float]:
-        body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": output,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         started = time.perf_counter()
         first, chunks = None, 0
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -266,9 +318,22 @@ def part_serve(args: argparse.Namespace) -> None:
         port = probe.getsockname()[1]
     log = open(Path(os.environ.get("OUT", "/tmp")) / "gpu_serve_server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "weft.cli", "serve", "--model", str(folder), "--set", f"server.port={port}",
-         "--set", "use.platform='cuda'", "--set", "engine.dtype='bfloat16'"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "weft.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--set",
+            f"server.port={port}",
+            "--set",
+            "use.platform='cuda'",
+            "--set",
+            "engine.dtype='bfloat16'",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -285,13 +350,18 @@ def part_serve(args: argparse.Namespace) -> None:
                 raise RuntimeError(f"weft serve did not start; see {log.name}")
             time.sleep(0.5)
         # Warm the server (first prefill and decode shapes).
-        httpx.post(f"{url}/v1/completions", json={"model": folder.name, "prompt": prompts[0], "max_tokens": 16},
-                   timeout=120).raise_for_status()
+        httpx.post(
+            f"{url}/v1/completions", json={"model": folder.name, "prompt": prompts[0], "max_tokens": 16}, timeout=120
+        ).raise_for_status()
         processes = {"API process": server.pid, "engine core": _child_with(server.pid, b"spawn_main")}
         context = multiprocessing.get_context("spawn")
         queue, ready, go = context.Queue(), context.Queue(), context.Event()
-        clients = [context.Process(target=_client, args=(url, folder.name, prompts[i::client_processes], output,
-                                                          ready, go, queue)) for i in range(client_processes)]
+        clients = [
+            context.Process(
+                target=_client, args=(url, folder.name, prompts[i::client_processes], output, ready, go, queue)
+            )
+            for i in range(client_processes)
+        ]
         for client in clients:
             client.start()
         for _ in clients:
@@ -313,17 +383,27 @@ def part_serve(args: argparse.Namespace) -> None:
     chunks = sum(count for _, count, _ in results)
     served_seconds = max(end for _, _, end in results) - start_at  # wall clock: comparable across the client processes
     served_rate = requests * output / served_seconds
-    print(f"serve: {requests} concurrent streaming completions, {chunks:,} chunks: {served_rate:,.0f} output tokens/s "
-          f"({served_seconds:.2f} s), TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[int(0.99 * len(ttfts))]:.2f} s",
-          flush=True)
-    print("serve: CPU seconds over the run: " + ", ".join(
-        f"{name} {seconds:.2f} s ({seconds / served_seconds:.0%} of one core)" for name, seconds in cpu_used.items())
-        + f", busiest client process {client_cpu:.2f} s ({client_cpu / served_seconds:.0%})", flush=True)
+    print(
+        f"serve: {requests} concurrent streaming completions, {chunks:,} chunks: {served_rate:,.0f} output tokens/s "
+        f"({served_seconds:.2f} s), TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[int(0.99 * len(ttfts))]:.2f} s",
+        flush=True,
+    )
+    print(
+        "serve: CPU seconds over the run: "
+        + ", ".join(
+            f"{name} {seconds:.2f} s ({seconds / served_seconds:.0%} of one core)" for name, seconds in cpu_used.items()
+        )
+        + f", busiest client process {client_cpu:.2f} s ({client_cpu / served_seconds:.0%})",
+        flush=True,
+    )
     llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
     seconds = weft_generate(llm, prompts, output)
     offline_rate = requests * output / seconds
-    print(f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
-          f"served at {served_rate / offline_rate:.0%} of offline", flush=True)
+    print(
+        f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
+        f"served at {served_rate / offline_rate:.0%} of offline",
+        flush=True,
+    )
     llm.close()
     del llm
     gc.collect()  # on CUDA the engine's KV cache stayed allocated after close() (a later part ran out of memory;
@@ -353,10 +433,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "sampled", "serve"], required=True)
-    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
-                        help="an engine option for the offline qwen and llama8b runs (default: none, the platform's)")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile the timed offline runs and print the N kernels with the most device time")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option for the offline qwen and llama8b runs (default: none, the platform's)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the timed offline runs and print the N kernels with the most device time",
+    )
     args = parser.parse_args()
     from weft.config import parse_override
 

@@ -47,11 +47,13 @@ def write_checkpoint(folder: Path, tokenizer: Path) -> Path:
     for shard in range(SHARDS):
         name = f"model-{shard + 1:05d}-of-{SHARDS:05d}.safetensors"
         tensors = {}
-        for tensor_name, shape in shapes[shard * per_shard:(shard + 1) * per_shard]:
+        for tensor_name, shape in shapes[shard * per_shard : (shard + 1) * per_shard]:
             if len(shape) == 1:
                 tensors[tensor_name] = torch.ones(shape, dtype=torch.bfloat16)
             else:
-                tensors[tensor_name] = (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+                tensors[tensor_name] = (
+                    (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+                )
             weight_map[tensor_name] = name
         save_file(tensors, folder / name)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -101,18 +103,27 @@ def part_fastsafetensors(folder: Path) -> None:
     for cold in (True, False):
         plain, state = load_model_seconds(folder, "safetensors", cold)
         fast, _ = load_model_seconds(folder, "fastsafetensors", cold)
-        print(f"{state}: safetensors {plain:.2f} s ({size / plain / 1e9:.1f} GB/s), fastsafetensors {fast:.2f} s "
-              f"({size / fast / 1e9:.1f} GB/s): fastsafetensors/plain time = {fast / plain:.2f}", flush=True)
+        print(
+            f"{state}: safetensors {plain:.2f} s ({size / plain / 1e9:.1f} GB/s), fastsafetensors {fast:.2f} s "
+            f"({size / fast / 1e9:.1f} GB/s): fastsafetensors/plain time = {fast / plain:.2f}",
+            flush=True,
+        )
 
 
 def engine_start(folder: Path, loader: str, socket_dir: Path) -> tuple[float, list[int]]:
     from weft import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=str(folder), use={"loader": loader}, engine={"gpu_memory_utilization": 0.5, "max_model_len": 4096},
-              plugins={"weight-cache": {"socket_dir": str(socket_dir)}})
+    llm = LLM(
+        model=str(folder),
+        use={"loader": loader},
+        engine={"gpu_memory_utilization": 0.5, "max_model_len": 4096},
+        plugins={"weight-cache": {"socket_dir": str(socket_dir)}},
+    )
     seconds = time.perf_counter() - start
-    tokens = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    tokens = (
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    )
     llm.close()
     del llm
     gc.collect()
@@ -126,9 +137,12 @@ def part_weight_cache(folder: Path) -> None:
     cold, tokens = engine_start(folder, "safetensors", socket_dir)
     start = time.perf_counter()
     daemon_log = socket_dir.with_suffix(".log")
-    daemon = subprocess.Popen([sys.executable, "-m", "weft.cli", "weights", "serve", "--model", str(folder),
-                               "--socket-dir", str(socket_dir)], stdout=subprocess.PIPE, stderr=daemon_log.open("w"),
-                              text=True)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "weights", "serve", "--model", str(folder), "--socket-dir", str(socket_dir)],
+        stdout=subprocess.PIPE,
+        stderr=daemon_log.open("w"),
+        text=True,
+    )
     line = daemon.stdout.readline()
     daemon_seconds = time.perf_counter() - start
     try:
@@ -141,14 +155,25 @@ def part_weight_cache(folder: Path) -> None:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=120)
     load_cold = load_model_seconds(folder, "safetensors", cold=True)[0]
-    print(f"## Engine start (LLM(...) until ready), Llama-3-8B shape; daemon start (load + pin) {daemon_seconds:.1f} s", flush=True)
-    print(f"{'cold' if dropped else 'warm'} disk: {cold:.2f} s; weight-cache daemon warm: {warm:.2f} s: "
-          f"warm/cold = {warm / cold:.2f}", flush=True)
-    print(f"Worker.load_model alone: disk {load_cold:.2f} s, weight cache {load_warm:.2f} s: ratio {load_warm / load_cold:.2f}",
-          flush=True)
+    print(
+        f"## Engine start (LLM(...) until ready), Llama-3-8B shape; daemon start (load + pin) {daemon_seconds:.1f} s",
+        flush=True,
+    )
+    print(
+        f"{'cold' if dropped else 'warm'} disk: {cold:.2f} s; weight-cache daemon warm: {warm:.2f} s: "
+        f"warm/cold = {warm / cold:.2f}",
+        flush=True,
+    )
+    print(
+        f"Worker.load_model alone: disk {load_cold:.2f} s, weight cache {load_warm:.2f} s: ratio {load_warm / load_cold:.2f}",
+        flush=True,
+    )
     leases = daemon_log.read_text().count("weight cache: lease ")
-    print(f"same 16 greedy tokens: {tokens == cached_tokens}; leases the daemon granted: {leases} (2 expected: the "
-          f"engine and the timed load)", flush=True)
+    print(
+        f"same 16 greedy tokens: {tokens == cached_tokens}; leases the daemon granted: {leases} (2 expected: the "
+        f"engine and the timed load)",
+        flush=True,
+    )
     if leases < 2:
         raise SystemExit(f"the engines did not map the daemon's weights (leases: {leases}); see {daemon_log}")
     if tokens != cached_tokens:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import LLAMA3_8B, MemoryLoader, matmul_rate, random_weights, registry_with_memory_loader
 
+from gpu_common import LLAMA3_8B, MemoryLoader, matmul_rate, random_weights, registry_with_memory_loader
 from weft import LLM, SamplingParams
 
 
@@ -49,24 +49,50 @@ def attention_sweep(tokens: int) -> None:
     flops = 4 * heads * dim * tokens * (tokens + 1) / 2
     results = []
     for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+
         def launch():
             grid = (1, -(-tokens * (heads // kv_heads) // block_m), kv_heads)
             _paged_attention_kernel[grid](
-                query, cache[0], cache[1], output, table, seq_lens, query_start, dim**-0.5, 0,
-                query.stride(0), query.stride(1), cache[0].stride(0), cache[0].stride(1), cache[0].stride(2),
-                output.stride(0), output.stride(1), table.stride(0),
-                GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block, BLOCK_M=block_m, BLOCK_N=block_n,
-                HAS_WINDOW=False, IEEE=False, num_warps=warps, num_stages=stages,
+                query,
+                cache[0],
+                cache[1],
+                output,
+                table,
+                seq_lens,
+                query_start,
+                dim**-0.5,
+                0,
+                query.stride(0),
+                query.stride(1),
+                cache[0].stride(0),
+                cache[0].stride(1),
+                cache[0].stride(2),
+                output.stride(0),
+                output.stride(1),
+                table.stride(0),
+                GROUP=heads // kv_heads,
+                HEAD_DIM=dim,
+                BLOCK_SIZE=block,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                HAS_WINDOW=False,
+                IEEE=False,
+                num_warps=warps,
+                num_stages=stages,
             )
+
         try:
             launch()
             results.append((flops / cuda_time(launch, 5) / 1e12, block_m, block_n, warps, stages))
         except Exception as error:
             print(f"  tiles {block_m}x{block_n} {warps}w {stages}s failed: {type(error).__name__}", flush=True)
     results.sort(reverse=True)
-    print(f"attention of one layer, {tokens}-token prefill (TFLOP/s, BLOCK_M, BLOCK_N, warps, stages): "
-          + ", ".join("/".join(map(str, (f"{r[0]:.0f}",) + r[1:])) for r in results[:6])
-          + f"; current default 64/64/4/3: {next((r[0] for r in results if r[1:] == (64, 64, 4, 3)), 0):.0f}", flush=True)
+    print(
+        f"attention of one layer, {tokens}-token prefill (TFLOP/s, BLOCK_M, BLOCK_N, warps, stages): "
+        + ", ".join("/".join(map(str, (f"{r[0]:.0f}",) + r[1:])) for r in results[:6])
+        + f"; current default 64/64/4/3: {next((r[0] for r in results if r[1:] == (64, 64, 4, 3)), 0):.0f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -83,9 +109,19 @@ def main() -> None:
         attention_sweep(args.tokens)
     shape = LLAMA3_8B
     model = MemoryLoader.add("llama3-8b", shape, random_weights(shape, torch.bfloat16), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", "max_num_seqs": 4, "max_model_len": args.tokens + 16,
-                      "max_num_batched_tokens": args.tokens, "enable_prefix_caching": False, "num_kv_blocks": 2048})
+    llm = LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={
+            "dtype": "bfloat16",
+            "max_num_seqs": 4,
+            "max_model_len": args.tokens + 16,
+            "max_num_batched_tokens": args.tokens,
+            "enable_prefix_caching": False,
+            "num_kv_blocks": 2048,
+        },
+    )
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     flops = prefill_flops(shape, args.tokens)

@@ -31,6 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
 from weft import LLM, SamplingParams
 from weft.config import parse_override
 from weft.engine.core.step_profile import StepProfile, StepRecord
@@ -52,8 +53,12 @@ def build(args: argparse.Namespace, scratch: Path) -> LLM:
 
     shape = SHAPES[args.shape]
     model = MemoryLoader.add(args.shape, shape, random_weights(shape, torch.bfloat16), args.tokenizer)
-    return LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-               engine={"dtype": "bfloat16", **args.engine})
+    return LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", **args.engine},
+    )
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -102,8 +107,10 @@ def print_wall(profile: StepProfile) -> None:
     print(f"  device idle between steps    {idle:8.3f} s {share(idle, wall)}   (host gaps)")
     print(f"  after the last step          {tail:8.3f} s {share(tail, wall)}")
     total = head + busy + idle + tail
-    print(f"  sum {total:.3f} s = {total / wall:.3f}x the host's wall; not covered by device work: "
-          f"{wall - busy:.3f} s ({share(wall - busy, wall).strip()})")
+    print(
+        f"  sum {total:.3f} s = {total / wall:.3f}x the host's wall; not covered by device work: "
+        f"{wall - busy:.3f} s ({share(wall - busy, wall).strip()})"
+    )
 
 
 def print_host(profile: StepProfile) -> None:
@@ -114,22 +121,30 @@ def print_host(profile: StepProfile) -> None:
     rest = sum(record.end - record.start for record in records) - before - launch - wait
     outside = wall - sum(record.end - record.start for record in records)
     print(f"host: {len(records)} step calls in {wall:.3f} s")
-    for name, seconds in (("scheduling, before the launch", before), ("launch (execute_model)", launch),
-                          ("waiting for tokens (result)", wait), ("rest of the core step (update)", rest),
-                          ("outside the core step", outside)):
+    for name, seconds in (
+        ("scheduling, before the launch", before),
+        ("launch (execute_model)", launch),
+        ("waiting for tokens (result)", wait),
+        ("rest of the core step (update)", rest),
+        ("outside the core step", outside),
+    ):
         print(f"  {name:32} {seconds:8.3f} s {share(seconds, wall)}   {ms(seconds / max(len(records), 1))} ms/call")
 
 
 def print_phases(profile: StepProfile) -> None:
     by_phase: dict[str, list[tuple[StepRecord, float]]] = defaultdict(list)
-    for record, call in zip(profile.records, call_walls(profile)):
+    for record, call in zip(profile.records, call_walls(profile), strict=False):
         by_phase[record.phase].append((record, call))
     wall = profile.wall
-    print("per phase (time: device span plus the device idle before each step; host: call-to-call wall of the calls "
-          "that launched them):")
-    print(f"  {'phase':13} {'steps':>5} {'device s':>9} {'idle s':>8} {'share':>6} {'host s':>8} {'prefill':>8} "
-          f"{'decode':>8} {'sampled':>8} {'tok/s':>10} {'out tok/s':>10} {'dev ms':>7} {'launch':>7} {'before':>7} "
-          f"{'wait':>7}")
+    print(
+        "per phase (time: device span plus the device idle before each step; host: call-to-call wall of the calls "
+        "that launched them):"
+    )
+    print(
+        f"  {'phase':13} {'steps':>5} {'device s':>9} {'idle s':>8} {'share':>6} {'host s':>8} {'prefill':>8} "
+        f"{'decode':>8} {'sampled':>8} {'tok/s':>10} {'out tok/s':>10} {'dev ms':>7} {'launch':>7} {'before':>7} "
+        f"{'wait':>7}"
+    )
     for phase in PHASES:
         entries = by_phase.get(phase, [])
         if not entries:
@@ -143,11 +158,13 @@ def print_phases(profile: StepProfile) -> None:
         sampled = sum(record.sampled_tokens for record in records)
         time_ = device + idle
         count = len(records)
-        print(f"  {phase:13} {count:5d} {device:9.3f} {idle:8.3f} {share(time_, wall)} {host:8.3f} {prefill:8d} "
-              f"{decode:8d} {sampled:8d} {rate(prefill + decode, time_)} {rate(sampled, time_)} "
-              f"{ms(device / count):>7} "
-              f"{ms(sum(r.launch for r in records) / count):>7} {ms(sum(r.before_launch for r in records) / count):>7} "
-              f"{ms(sum(r.wait for r in records) / count):>7}")
+        print(
+            f"  {phase:13} {count:5d} {device:9.3f} {idle:8.3f} {share(time_, wall)} {host:8.3f} {prefill:8d} "
+            f"{decode:8d} {sampled:8d} {rate(prefill + decode, time_)} {rate(sampled, time_)} "
+            f"{ms(device / count):>7} "
+            f"{ms(sum(r.launch for r in records) / count):>7} {ms(sum(r.before_launch for r in records) / count):>7} "
+            f"{ms(sum(r.wait for r in records) / count):>7}"
+        )
 
 
 def rate(tokens: int, seconds: float) -> str:
@@ -157,14 +174,16 @@ def rate(tokens: int, seconds: float) -> str:
 def call_walls(profile: StepProfile) -> list[float]:
     """Host seconds from each call's start to the next one's (the last: to the end of recording)."""
     starts = [record.start for record in profile.records] + [profile.wall]
-    return [after - before for before, after in zip(starts, starts[1:])]
+    return [after - before for before, after in zip(starts, starts[1:], strict=False)]
 
 
 def print_gaps(profile: StepProfile, count: int = 5) -> None:
     indexed = [(index, record) for index, record in enumerate(profile.records) if record.requests]
     largest = sorted(indexed[1:], key=lambda item: -(item[1].idle_before or 0.0))[:count]
-    print("largest device-idle gaps before a step: " + ", ".join(
-        f"#{index} {ms(record.idle_before)} ms ({record.phase})" for index, record in largest))
+    print(
+        "largest device-idle gaps before a step: "
+        + ", ".join(f"#{index} {ms(record.idle_before)} ms ({record.phase})" for index, record in largest)
+    )
 
 
 def print_decode_batches(profile: StepProfile) -> None:
@@ -173,8 +192,10 @@ def print_decode_batches(profile: StepProfile) -> None:
         if record.phase.startswith("decode"):
             buckets[record.requests.bit_length()].append(record)
     print("decode steps by batch size:")
-    print(f"  {'batch':>9} {'steps':>5} {'graph':>5} {'eager':>5} {'mean':>6} {'dev ms':>7} {'idle ms':>7} "
-          f"{'out tok/s':>10}")
+    print(
+        f"  {'batch':>9} {'steps':>5} {'graph':>5} {'eager':>5} {'mean':>6} {'dev ms':>7} {'idle ms':>7} "
+        f"{'out tok/s':>10}"
+    )
     for bits in sorted(buckets):
         records = buckets[bits]
         low, high = 1 << (bits - 1), (1 << bits) - 1
@@ -183,29 +204,38 @@ def print_decode_batches(profile: StepProfile) -> None:
         idle = sum(record.idle_before or 0.0 for record in records)
         sampled = sum(record.sampled_tokens for record in records)
         count = len(records)
-        print(f"  {f'{low}-{high}' if high > low else str(low):>9} {count:5d} {graphs:5d} {count - graphs:5d} "
-              f"{sum(r.requests for r in records) / count:6.1f} {ms(device / count):>7} {ms(idle / count):>7} "
-              f"{rate(sampled, device + idle)}")
+        print(
+            f"  {f'{low}-{high}' if high > low else str(low):>9} {count:5d} {graphs:5d} {count - graphs:5d} "
+            f"{sum(r.requests for r in records) / count:6.1f} {ms(device / count):>7} {ms(idle / count):>7} "
+            f"{rate(sampled, device + idle)}"
+        )
 
 
 def print_steps(profile: StepProfile, shown: int) -> None:
     records = profile.records
-    rows = list(range(len(records))) if len(records) <= 2 * shown else [*range(shown), -1,
-                                                                          *range(len(records) - shown, len(records))]
+    rows = (
+        list(range(len(records)))
+        if len(records) <= 2 * shown
+        else [*range(shown), -1, *range(len(records) - shown, len(records))]
+    )
     print("steps (ms; 'wait' is for the tokens this call applies: with asynchronous scheduling the step before's):")
-    print(f"  {'#':>4} {'t':>9} {'phase':13} {'graph':>5} {'run':>4} {'queue':>5} {'reqs':>4} {'prefill':>7} "
-          f"{'decode':>6} {'before':>7} {'launch':>7} {'wait':>7} {'call':>7} {'to next':>7} {'device':>7} {'idle':>7}")
+    print(
+        f"  {'#':>4} {'t':>9} {'phase':13} {'graph':>5} {'run':>4} {'queue':>5} {'reqs':>4} {'prefill':>7} "
+        f"{'decode':>6} {'before':>7} {'launch':>7} {'wait':>7} {'call':>7} {'to next':>7} {'device':>7} {'idle':>7}"
+    )
     walls = call_walls(profile)
     for index in rows:
         if index < 0:
             print(f"  {'...':>4}")
             continue
         record = records[index]
-        print(f"  {index:4d} {ms(record.start):>9} {record.phase:13} {record.graph_size or '-':>5} {record.running:4d} "
-              f"{record.waiting:5d} {record.requests:4d} {record.prefill_tokens:7d} {record.decode_tokens:6d} "
-              f"{ms(record.before_launch):>7} {ms(record.launch):>7} {ms(record.wait):>7} "
-              f"{ms(record.end - record.start):>7} {ms(walls[index] - (record.end - record.start)):>7} "
-              f"{ms(record.device):>7} {ms(record.idle_before):>7}")
+        print(
+            f"  {index:4d} {ms(record.start):>9} {record.phase:13} {record.graph_size or '-':>5} {record.running:4d} "
+            f"{record.waiting:5d} {record.requests:4d} {record.prefill_tokens:7d} {record.decode_tokens:6d} "
+            f"{ms(record.before_launch):>7} {ms(record.launch):>7} {ms(record.wait):>7} "
+            f"{ms(record.end - record.start):>7} {ms(walls[index] - (record.end - record.start)):>7} "
+            f"{ms(record.device):>7} {ms(record.idle_before):>7}"
+        )
 
 
 class GarbageCollections:
@@ -222,10 +252,14 @@ class GarbageCollections:
             self.pauses[info["generation"]].append(time.perf_counter() - self._started)
 
     def report(self) -> None:
-        parts = [f"generation {generation}: {len(pauses)} in {sum(pauses):.3f} s (longest {max(pauses, default=0) * 1e3:.1f} ms)"
-                 for generation, pauses in self.pauses.items()]
-        print(f"garbage collections in the profiled run (objects frozen at start-up: {gc.get_freeze_count():,}): "
-              + "; ".join(parts))
+        parts = [
+            f"generation {generation}: {len(pauses)} in {sum(pauses):.3f} s (longest {max(pauses, default=0) * 1e3:.1f} ms)"
+            for generation, pauses in self.pauses.items()
+        ]
+        print(
+            f"garbage collections in the profiled run (objects frozen at start-up: {gc.get_freeze_count():,}): "
+            + "; ".join(parts)
+        )
 
 
 def watch_garbage_collections() -> GarbageCollections:
@@ -242,12 +276,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="default: the workload's (see above)")
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--output", type=int)
-    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
-                        help="an engine option (default: none, the platform's)")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option (default: none, the platform's)",
+    )
     parser.add_argument("--steps", type=int, default=12, help="first and last steps listed")
-    parser.add_argument("--freeze", action="store_true",
-                        help="freeze start-up's objects out of the garbage collector's view after the build, as the "
-                             "engine-core process of weft serve and mp workers do (weft.heap)")
+    parser.add_argument(
+        "--freeze",
+        action="store_true",
+        help="freeze start-up's objects out of the garbage collector's view after the build, as the "
+        "engine-core process of weft serve and mp workers do (weft.heap)",
+    )
     args = parser.parse_args()
     if not args.tiny and args.tokenizer is None:
         parser.error("the GPU run needs --tokenizer DIR (or --tiny for the CPU run)")
@@ -272,17 +314,23 @@ def main() -> None:
         tokens = requests * output
         name = "tiny llama" if args.tiny else args.shape
         baseline = timed_generate(llm, warm_up, params, None)
-        print(f"{name} {requests} x ({prompt}, {output}): warm-up run (not profiled) {baseline:.3f} s, "
-              f"{tokens / baseline:,.0f} output tok/s", flush=True)
+        print(
+            f"{name} {requests} x ({prompt}, {output}): warm-up run (not profiled) {baseline:.3f} s, "
+            f"{tokens / baseline:,.0f} output tok/s",
+            flush=True,
+        )
         profile = StepProfile(llm.engine.runner)
         cache = llm.engine.kv_cache_manager.stats
         hits = cache.hit_tokens
         collections = watch_garbage_collections()
         seconds = timed_generate(llm, measured, params, profile)
         gc.callbacks.remove(collections.callback)
-        print(f"profiled run {seconds:.3f} s, {tokens / seconds:,.0f} output tok/s = {seconds / baseline:.3f}x the "
-              f"warm-up run's wall (the profile's overhead, and run-to-run noise); prefix-cache hits "
-              f"{cache.hit_tokens - hits} tokens", flush=True)
+        print(
+            f"profiled run {seconds:.3f} s, {tokens / seconds:,.0f} output tok/s = {seconds / baseline:.3f}x the "
+            f"warm-up run's wall (the profile's overhead, and run-to-run noise); prefix-cache hits "
+            f"{cache.hit_tokens - hits} tokens",
+            flush=True,
+        )
         print_wall(profile)
         collections.report()
         print_host(profile)

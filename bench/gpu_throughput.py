@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from gpu_common import (
     QWEN3_0_6B,
     MemoryLoader,
@@ -34,8 +35,10 @@ def decode_roofline(shape: dict, requests: int, prompt: int, output: int, bandwi
     """Seconds to stream weights and KV for every decode step at the measured bandwidth."""
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv_heads, dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    weights = 2 * (layers * (hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter)
-                   + shape["vocab_size"] * hidden)
+    weights = 2 * (
+        layers * (hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter)
+        + shape["vocab_size"] * hidden
+    )
     kv_per_token = 2 * 2 * layers * kv_heads * dim
     total = 0.0
     for step in range(output - 1):
@@ -67,17 +70,30 @@ def main() -> None:
     hf_batch = args.hf_requests or args.requests
     # Twice, the faster counting: HF's first full-size run pays one-time costs (on one H200 a Qwen3-0.6B run of
     # 256 x (512, 256) gave 3,356 tok/s, then 9,212; bench/gpu_engine.py).
-    hf_seconds = min(hf_generate(hf, prompts[:hf_batch].cuda(), args.output) for _ in range(2)) * args.requests / hf_batch
+    hf_seconds = (
+        min(hf_generate(hf, prompts[:hf_batch].cuda(), args.output) for _ in range(2)) * args.requests / hf_batch
+    )
     hf_rate = output_tokens / hf_seconds
-    print(f"HF transformers generate(): {hf_rate:,.0f} output tokens/s (batch {hf_batch}, the faster of two runs)", flush=True)
+    print(
+        f"HF transformers generate(): {hf_rate:,.0f} output tokens/s (batch {hf_batch}, the faster of two runs)",
+        flush=True,
+    )
     gc.collect()
     torch.cuda.empty_cache()
 
     state = {name: tensor for name, tensor in hf.state_dict().items()}
     model = MemoryLoader.add("qwen3-0.6b", shape, lambda: iter(state.items()), args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", "max_num_seqs": args.requests, "max_num_batched_tokens": 8192,
-                      "max_model_len": args.prompt + args.output + 16})
+    llm = LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={
+            "dtype": "bfloat16",
+            "max_num_seqs": args.requests,
+            "max_num_batched_tokens": 8192,
+            "max_model_len": args.prompt + args.output + 16,
+        },
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
     llm.generate(prompts[:8].tolist(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm
     lists = prompts.tolist()

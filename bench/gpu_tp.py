@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from gpu_common import install_random_loader, out_path
 from weft import LLM, SamplingParams
 
@@ -37,8 +38,11 @@ def timed(llm: LLM, prompts: list[list[int]], output: int) -> float:
 
 
 def measure(tensor_parallel_size: int, parts: list[str]) -> dict[str, float]:
-    llm = LLM(model="random:llama3-8b", use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", "tensor_parallel_size": tensor_parallel_size, "max_model_len": 2048})
+    llm = LLM(
+        model="random:llama3-8b",
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", "tensor_parallel_size": tensor_parallel_size, "max_model_len": 2048},
+    )
     generator = torch.Generator().manual_seed(1)
     results: dict[str, float] = {}
     try:
@@ -52,9 +56,12 @@ def measure(tensor_parallel_size: int, parts: list[str]) -> dict[str, float]:
             prompts = torch.randint(10, 120000, (512, 512), generator=generator).tolist()
             results["throughput"] = 512 * 256 / timed(llm, prompts, 256)
         engine = llm.engine.config.engine
-        print(f"TP={tensor_parallel_size}: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
-              f"{engine.max_num_batched_tokens}, async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}, "
-              f"{results}", flush=True)
+        print(
+            f"TP={tensor_parallel_size}: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+            f"{engine.max_num_batched_tokens}, async scheduling {'on' if llm.engine.core.async_scheduling else 'off'}, "
+            f"{results}",
+            flush=True,
+        )
     finally:
         llm.close()
         del llm
@@ -71,19 +78,26 @@ def main() -> None:
     parts = args.part or ["decode", "throughput"]
     os.environ["WEFT_TEST_TOKENIZER"] = str(Path(args.tokenizer).resolve())
     install_random_loader(Path(tempfile.mkdtemp(prefix="weft-bench-site-")))
-    print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
+    print(
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}",
+        flush=True,
+    )
     one = measure(1, parts)
     two = measure(2, parts)
     lines = []
     if "decode" in parts:
         ratio = two["decode_step_ms"] / one["decode_step_ms"]
-        lines.append(f"batch-1 decode step: TP=1 {one['decode_step_ms']:.2f} ms, TP=2 {two['decode_step_ms']:.2f} ms: "
-                     f"{ratio:.2f}x TP=1's (target <= 0.60)")
+        lines.append(
+            f"batch-1 decode step: TP=1 {one['decode_step_ms']:.2f} ms, TP=2 {two['decode_step_ms']:.2f} ms: "
+            f"{ratio:.2f}x TP=1's (target <= 0.60)"
+        )
     if "throughput" in parts:
         ratio = two["throughput"] / one["throughput"]
-        lines.append(f"512 x (512, 256): TP=1 {one['throughput']:,.0f} tok/s, TP=2 {two['throughput']:,.0f} tok/s: "
-                     f"{ratio:.2f}x TP=1's (target >= 1.60)")
+        lines.append(
+            f"512 x (512, 256): TP=1 {one['throughput']:,.0f} tok/s, TP=2 {two['throughput']:,.0f} tok/s: "
+            f"{ratio:.2f}x TP=1's (target >= 1.60)"
+        )
     print("\n".join(lines), flush=True)
     log = out_path("tp.txt")
     if log is not None:

@@ -82,9 +82,13 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=16, help="tokens after the prefix, fresh in every request")
     parser.add_argument("--rounds", type=int, help="default: 3; 5 with --gpu")
     parser.add_argument("--staging-mib", type=int, help="the connector's staging_buffer_size in MiB (default: its own)")
-    parser.add_argument("--variants", type=parse_variants, default=parse_variants("async"),
-                        help="connector engines to measure, comma-separated: async, sync, sync:N (synchronous loads of "
-                             "objects of N layers each, landing layer by layer); default: async")
+    parser.add_argument(
+        "--variants",
+        type=parse_variants,
+        default=parse_variants("async"),
+        help="connector engines to measure, comma-separated: async, sync, sync:N (synchronous loads of "
+        "objects of N layers each, landing layer by layer); default: async",
+    )
     args = parser.parse_args()
     prefix = args.prefix or (4096 if args.gpu else 2048)
     rounds = args.rounds or (5 if args.gpu else 3)
@@ -105,8 +109,12 @@ def main() -> None:
         install_random_loader(Path(tempfile.mkdtemp(prefix="weft-bench-site-")))
         blocks = 2 * (prefix + args.tail) // 16 + 64  # room for one request and its warm-up
         model, vocab = "random:llama3-8b", 120000
-        engine = {"enable_prefix_caching": False, "dtype": "bfloat16", "num_kv_blocks": blocks,
-                  "max_model_len": prefix + args.tail + 64}
+        engine = {
+            "enable_prefix_caching": False,
+            "dtype": "bfloat16",
+            "num_kv_blocks": blocks,
+            "max_model_len": prefix + args.tail + 64,
+        }
         use: dict[str, str] = {"platform": "cuda"}
         machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
         segment = (rounds + 2 * len(variants) + 3) * (prefix // 16) * (2 << 20)  # every prefix stored (2 MiB a block)
@@ -114,8 +122,10 @@ def main() -> None:
         model, vocab = None, 40000
         engine = {"enable_prefix_caching": False, "dtype": "float32"}
         use = {}
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-                   f"threads {torch.get_num_threads()}")
+        machine = (
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}"
+        )
         segment = 1 << 30
     print(f"# kv_store_ttft: {machine}, {time.strftime('%Y-%m-%d')}", flush=True)
     generator = torch.Generator().manual_seed(0)
@@ -150,8 +160,12 @@ def main() -> None:
                     totals = reader.engine.kv_connector.metric_totals
                     before = {name: total.total for name, total in totals.items()}
                     runs[variant.name].append(ttft(reader, shared + tokens(args.tail)))
-                    loads[variant.name].append(tuple(totals[name].total - before.get(name, 0.0)
-                                                     for name in ("loaded_bytes_total", "load_seconds")))
+                    loads[variant.name].append(
+                        tuple(
+                            totals[name].total - before.get(name, 0.0)
+                            for name in ("loaded_bytes_total", "load_seconds")
+                        )
+                    )
                     if index == 0:
                         runs["miss"].append(ttft(reader, tokens(prefix + args.tail)))
                         settle(reader)
@@ -160,24 +174,34 @@ def main() -> None:
         baseline_engine.close()
 
     baseline = median(runs["baseline"])
-    print(f"prompt {prefix} + {args.tail} tokens, medians of {rounds} rounds per variant "
-          f"(all: {', '.join(f'{name} ' + '/'.join(f'{v:.3f}' for v in values) for name, values in runs.items())})")
+    print(
+        f"prompt {prefix} + {args.tail} tokens, medians of {rounds} rounds per variant "
+        f"(all: {', '.join(f'{name} ' + '/'.join(f'{v:.3f}' for v in values) for name, values in runs.items())})"
+    )
     print(f"TTFT without connector      {baseline:8.3f} s   (baseline: computes {prefix + args.tail} tokens)")
     ceiling = None
     for variant in variants:
         hit = median(runs[variant.name])
-        print(f"TTFT with store hit, {variant.name:<10} {hit:8.3f} s   speed-up {baseline / hit:5.2f}x "
-              f"(baseline / hit: above 1 is faster; {variant.describe()})")
+        print(
+            f"TTFT with store hit, {variant.name:<10} {hit:8.3f} s   speed-up {baseline / hit:5.2f}x "
+            f"(baseline / hit: above 1 is faster; {variant.describe()})"
+        )
         loaded, seconds = sorted(loads[variant.name], key=lambda load: load[1])[len(loads[variant.name]) // 2]
         rate = loaded / seconds
-        line = (f"  load of a hit: {loaded / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {rate / 1e9:.2f} GB/s "
-                f"(median of {rounds})")
+        line = (
+            f"  load of a hit: {loaded / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {rate / 1e9:.2f} GB/s "
+            f"(median of {rounds})"
+        )
         if args.gpu:
             ceiling = ceiling or pinned_copy_bandwidth(int(loaded))
-            line += f"; a pinned host-to-device copy of the same size {ceiling / 1e9:.2f} GB/s: ratio {rate / ceiling:.2f}"
+            line += (
+                f"; a pinned host-to-device copy of the same size {ceiling / 1e9:.2f} GB/s: ratio {rate / ceiling:.2f}"
+            )
         print(line)
-    print(f"TTFT with store miss        {median(runs['miss']):8.3f} s   ratio {median(runs['miss']) / baseline:5.2f}x "
-          f"the baseline ({variants[0].name})")
+    print(
+        f"TTFT with store miss        {median(runs['miss']):8.3f} s   ratio {median(runs['miss']) / baseline:5.2f}x "
+        f"the baseline ({variants[0].name})"
+    )
 
 
 class Variant(NamedTuple):
@@ -201,9 +225,12 @@ def parse_variants(text: str) -> list[Variant]:
     for item in text.split(","):
         mode, _, layers = item.strip().partition(":")
         if mode not in ("async", "sync") or (layers and not layers.isdigit()):
-            raise argparse.ArgumentTypeError(f"--variants item {item!r}: write async, sync or sync:N (N layers per object)")
+            raise argparse.ArgumentTypeError(
+                f"--variants item {item!r}: write async, sync or sync:N (N layers per object)"
+            )
         variants.append(Variant(mode == "async", int(layers or 0)))
     return variants
+
 
 if __name__ == "__main__":
     main()

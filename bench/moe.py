@@ -29,15 +29,38 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import MemoryLoader, copy_bandwidth, cuda_time, hf_config, hf_generate, matmul_rate  # noqa: E402
-from gpu_common import registry_with_memory_loader  # noqa: E402
+from gpu_common import (  # noqa: E402
+    MemoryLoader,
+    copy_bandwidth,
+    cuda_time,
+    hf_config,
+    hf_generate,
+    matmul_rate,
+    registry_with_memory_loader,  # noqa: E402
+)
 
 QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
 )
 
 
@@ -65,8 +88,11 @@ def physical_bound(shape: dict, requests: int, prompt: int, output: int, bandwid
     kv_per_token = 2 * 2 * layers * shape["num_key_value_heads"] * shape["head_dim"]
     seconds = 2 * active * requests * prompt / flops
     for step in range(1, output):
-        weights = 2 * (layers * (counts["attention"] + counts["router"]
-                                 + touched_experts(requests, experts, top_k) * counts["expert"]) + counts["head"])
+        weights = 2 * (
+            layers
+            * (counts["attention"] + counts["router"] + touched_experts(requests, experts, top_k) * counts["expert"])
+            + counts["head"]
+        )
         hbm = (weights + requests * kv_per_token * (prompt + step)) / bandwidth
         seconds += max(hbm, 2 * active * requests / flops)
     return seconds
@@ -91,8 +117,11 @@ def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> Non
     hf_batch = args.hf_batch
     hf_seconds = hf_generate(hf, prompts[-hf_batch:].cuda(), output)
     hf_rate = hf_batch * output / hf_seconds
-    print(f"qwen3-30b-a3b: HF transformers generate() {hf_rate:,.0f} output tokens/s (batch {hf_batch}, warm, "
-          f"experts '{getattr(hf.config, '_experts_implementation', 'eager')}')", flush=True)
+    print(
+        f"qwen3-30b-a3b: HF transformers generate() {hf_rate:,.0f} output tokens/s (batch {hf_batch}, warm, "
+        f"experts '{getattr(hf.config, '_experts_implementation', 'eager')}')",
+        flush=True,
+    )
     state = dict(hf.state_dict())
     del hf
     gc.collect()
@@ -104,8 +133,9 @@ def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> Non
             yield name, state.pop(name)
 
     model = MemoryLoader.add("qwen3-30b-a3b", shape, weights, args.tokenizer)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16"})
+    llm = LLM(
+        model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"}, engine={"dtype": "bfloat16"}
+    )
     params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate([row[::-1] for row in prompts[:8].tolist()], warm)  # reversed: the timed prompts find no prefix
@@ -117,10 +147,15 @@ def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> Non
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == requests * output
     rate = requests * output / seconds
     bound = physical_bound(shape, requests, prompt, output, bandwidth, flops)
-    print(f"qwen3-30b-a3b {requests} x ({prompt}, {output}): Weft {rate:,.0f} output tokens/s ({seconds:.1f} s)",
-          flush=True)
-    print(f"  physical bound {bound:.1f} s ({requests * output / bound:,.0f} tokens/s): Weft at {bound / seconds:.0%} "
-          f"of it (goal 60%)", flush=True)
+    print(
+        f"qwen3-30b-a3b {requests} x ({prompt}, {output}): Weft {rate:,.0f} output tokens/s ({seconds:.1f} s)",
+        flush=True,
+    )
+    print(
+        f"  physical bound {bound:.1f} s ({requests * output / bound:,.0f} tokens/s): Weft at {bound / seconds:.0%} "
+        f"of it (goal 60%)",
+        flush=True,
+    )
     print(f"  HF generate() {hf_rate:,.0f} tokens/s: Weft = {rate / hf_rate:.1f}x HF", flush=True)
     llm.close()
 
@@ -137,8 +172,15 @@ def part_kernel(flops: float, bandwidth: float) -> None:
     inter = shape["moe_intermediate_size"]
     platform = PluginRegistry().load("platform", "cuda")()
     fused, reference = MoETriton(platform), MoETorch(platform)
-    fused.declare(num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter, dtype=torch.bfloat16,
-                  activation=None, bias=False)
+    fused.declare(
+        num_experts=experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        dtype=torch.bfloat16,
+        activation=None,
+        bias=False,
+    )
     compile_many(fused.kernel, fused.kernel.warmup_keys())
     generator = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=generator).bfloat16() * 0.02
@@ -147,19 +189,23 @@ def part_kernel(flops: float, bandwidth: float) -> None:
     for batch in (512, 256, 64, 16, 1):
         x = torch.randn(batch, hidden, device="cuda", generator=generator).bfloat16()
         logits = torch.randn(batch, experts, device="cuda", generator=generator)
-        torch.testing.assert_close(fused(x, logits, w13, w2, routing), reference(x, logits, w13, w2, routing),
-                                   rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(
+            fused(x, logits, w13, w2, routing), reference(x, logits, w13, w2, routing), rtol=3e-2, atol=3e-2
+        )
         fused_seconds = cuda_time(lambda: fused(x, logits, w13, w2, routing), repeats=20)
         reference_seconds = cuda_time(lambda: reference(x, logits, w13, w2, routing), repeats=20)
         pair_flops = 2 * batch * top_k * 3 * hidden * inter
         touched = touched_experts(batch, experts, top_k)
         weight_seconds = 2 * 3 * hidden * inter * touched / bandwidth
-        print(f"moe op batch {batch}: fused Triton {fused_seconds * 1e6:,.0f} us = "
-              f"{pair_flops / fused_seconds / 1e12:.0f} TFLOP/s, {pair_flops / fused_seconds / flops:.0%} of the bf16 matmul rate"
-              f"{' (goal 60%)' if batch == 512 else ''}; torch reference {reference_seconds * 1e6:,.0f} us = "
-              f"{pair_flops / reference_seconds / flops:.0%}; fused = {reference_seconds / fused_seconds:.2f}x the "
-              f"reference; reading the {touched:.0f} touched experts at the copy bandwidth takes "
-              f"{weight_seconds * 1e6:,.0f} us = {weight_seconds / fused_seconds:.0%} of the fused time", flush=True)
+        print(
+            f"moe op batch {batch}: fused Triton {fused_seconds * 1e6:,.0f} us = "
+            f"{pair_flops / fused_seconds / 1e12:.0f} TFLOP/s, {pair_flops / fused_seconds / flops:.0%} of the bf16 matmul rate"
+            f"{' (goal 60%)' if batch == 512 else ''}; torch reference {reference_seconds * 1e6:,.0f} us = "
+            f"{pair_flops / reference_seconds / flops:.0%}; fused = {reference_seconds / fused_seconds:.2f}x the "
+            f"reference; reading the {touched:.0f} touched experts at the copy bandwidth takes "
+            f"{weight_seconds * 1e6:,.0f} us = {weight_seconds / fused_seconds:.0%} of the fused time",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -170,8 +216,11 @@ def main() -> None:
     args = parser.parse_args()
     parts = args.part or ["kernel", "engine"]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} "
-          f"TFLOP/s (8192^3, cuBLAS)", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} "
+        f"TFLOP/s (8192^3, cuBLAS)",
+        flush=True,
+    )
     if "kernel" in parts:
         part_kernel(flops, bandwidth)
     if "engine" in parts:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from weft.config import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parent
@@ -58,8 +59,13 @@ def start(name: str, args: list[str], gpu: str | None = None) -> subprocess.Pope
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    return subprocess.Popen([sys.executable, "-m", "weft.cli", *args], stdout=log_file(name), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", *args],
+        stdout=log_file(name),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
@@ -119,18 +125,50 @@ class Cluster:
         if args.gpu_memory_utilization is not None:
             common += ["--set", f"engine.gpu_memory_utilization={args.gpu_memory_utilization}"]
         self.processes = {
-            "prefill": start("prefill", [*common, "--port", str(self.ports["prefill"]),
-                                         "--set", "plugins.nixl.role='kv_producer'",
-                                         "--set", f"plugins.nixl.side_channel_port={free_port()}"], args.prefill_gpu),
-            "decode": start("decode", [*common, "--port", str(self.ports["decode"]),
-                                       "--set", "plugins.nixl.role='kv_consumer'",
-                                       "--set", "engine.enable_prefix_caching=false"], args.decode_gpu),
+            "prefill": start(
+                "prefill",
+                [
+                    *common,
+                    "--port",
+                    str(self.ports["prefill"]),
+                    "--set",
+                    "plugins.nixl.role='kv_producer'",
+                    "--set",
+                    f"plugins.nixl.side_channel_port={free_port()}",
+                ],
+                args.prefill_gpu,
+            ),
+            "decode": start(
+                "decode",
+                [
+                    *common,
+                    "--port",
+                    str(self.ports["decode"]),
+                    "--set",
+                    "plugins.nixl.role='kv_consumer'",
+                    "--set",
+                    "engine.enable_prefix_caching=false",
+                ],
+                args.decode_gpu,
+            ),
         }
         for name in ("prefill", "decode"):
             wait_healthy(self.urls[name], self.processes[name])
-        self.processes["proxy"] = start("proxy", ["proxy", "pd", "--prefill", self.urls["prefill"], "--decode",
-                                                  self.urls["decode"], "--port", str(self.ports["proxy"]),
-                                                  "--log-level", "warning"])
+        self.processes["proxy"] = start(
+            "proxy",
+            [
+                "proxy",
+                "pd",
+                "--prefill",
+                self.urls["prefill"],
+                "--decode",
+                self.urls["decode"],
+                "--port",
+                str(self.ports["proxy"]),
+                "--log-level",
+                "warning",
+            ],
+        )
         wait_healthy(self.urls["proxy"], self.processes["proxy"])
         self.model = httpx.get(f"{self.urls['decode']}/v1/models").json()["data"][0]["id"]
         self.vocab = int(args.vocab)
@@ -159,41 +197,60 @@ def part_check(cluster: Cluster, args: argparse.Namespace) -> bool:
 
     async def answers(url: str) -> list[tuple[list[str], list[float]]]:
         async with httpx.AsyncClient(timeout=600) as client:
+
             async def one(prompt: list[int]) -> tuple[list[str], list[float]]:
-                body = {"model": cluster.model, "prompt": prompt, "max_tokens": args.output, "temperature": 0,
-                        "ignore_eos": True, "logprobs": 0}
+                body = {
+                    "model": cluster.model,
+                    "prompt": prompt,
+                    "max_tokens": args.output,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                }
                 response = await client.post(f"{url}/v1/completions", json=body)
                 response.raise_for_status()
                 logprobs = response.json()["choices"][0]["logprobs"]
                 return logprobs["tokens"], logprobs["token_logprobs"]
+
             return await asyncio.gather(*(one(prompt) for prompt in prompts))
 
     def same(a: tuple[list[str], list[float]], b: tuple[list[str], list[float]]) -> bool:
         # Token text alone may hide a difference (ids past the tokenizer's vocabulary decode to ""); a different
         # token has a different log-probability.
-        return a[0] == b[0] and all(abs(x - y) < 0.01 for x, y in zip(a[1], b[1]))
+        return a[0] == b[0] and all(abs(x - y) < 0.01 for x, y in zip(a[1], b[1], strict=False))
 
     before = cluster.metrics("decode")
     proxied = asyncio.run(answers(cluster.urls["proxy"]))
     after = cluster.metrics("decode")
     alone = asyncio.run(answers(cluster.urls["decode"]))
-    equal = sum(same(a, b) for a, b in zip(proxied, alone))
+    equal = sum(same(a, b) for a, b in zip(proxied, alone, strict=False))
     moved = after["weft_kv_connector_hit_tokens"] - before["weft_kv_connector_hit_tokens"]
     expected = sum(len(prompt) - 1 for prompt in prompts)
-    print(f"check: {equal}/{len(prompts)} greedy outputs through the proxy equal the decode instance's alone "
-          f"({args.output} tokens each); {moved:.0f} of {expected} prompt tokens (all but the last) arrived by NIXL",
-          flush=True)
+    print(
+        f"check: {equal}/{len(prompts)} greedy outputs through the proxy equal the decode instance's alone "
+        f"({args.output} tokens each); {moved:.0f} of {expected} prompt tokens (all but the last) arrived by NIXL",
+        flush=True,
+    )
     return equal == len(prompts) and moved == expected
 
 
-async def stream_latencies(url: str, model: str, prompts: list[list[int]], output: int) -> tuple[list[float], list[float]]:
+async def stream_latencies(
+    url: str, model: str, prompts: list[list[int]], output: int
+) -> tuple[list[float], list[float]]:
     """TTFT of each request and every inter-token gap, streaming ``prompts`` all at once."""
     ttfts: list[float] = []
     gaps: list[float] = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+
         async def one(prompt: list[int]) -> None:
-            body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             started = time.monotonic()
             last = None
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -207,6 +264,7 @@ async def stream_latencies(url: str, model: str, prompts: list[list[int]], outpu
                     else:
                         gaps.append(now - last)
                     last = now
+
         await asyncio.gather(*(one(prompt) for prompt in prompts))
     return ttfts, gaps
 
@@ -226,13 +284,20 @@ def part_latency(cluster: Cluster, args: argparse.Namespace) -> None:
         rows = {}
         for name, url in (("P/D via proxy", cluster.urls["proxy"]), ("colocated", cluster.urls["decode"])):
             ttfts, gaps = asyncio.run(stream_latencies(url, cluster.model, prompts, args.output))
-            rows[name] = (percentile(ttfts, 0.5), percentile(ttfts, 0.99), percentile(gaps, 0.5), percentile(gaps, 0.99))
+            rows[name] = (
+                percentile(ttfts, 0.5),
+                percentile(ttfts, 0.99),
+                percentile(gaps, 0.5),
+                percentile(gaps, 0.99),
+            )
         pd, alone = rows["P/D via proxy"], rows["colocated"]
-        print(f"latency {clients:>2} clients x ({args.prompt}, {args.output}): "
-              f"P/D TTFT p50 {pd[0] * 1e3:.0f} ms p99 {pd[1] * 1e3:.0f} ms, ITL p50 {pd[2] * 1e3:.1f} ms p99 {pd[3] * 1e3:.1f} ms | "
-              f"colocated TTFT p50 {alone[0] * 1e3:.0f} ms p99 {alone[1] * 1e3:.0f} ms, ITL p50 {alone[2] * 1e3:.1f} ms "
-              f"p99 {alone[3] * 1e3:.1f} ms | TTFT p50 {pd[0] / alone[0]:.2f}x, ITL p99 {pd[3] / alone[3]:.2f}x colocated",
-              flush=True)
+        print(
+            f"latency {clients:>2} clients x ({args.prompt}, {args.output}): "
+            f"P/D TTFT p50 {pd[0] * 1e3:.0f} ms p99 {pd[1] * 1e3:.0f} ms, ITL p50 {pd[2] * 1e3:.1f} ms p99 {pd[3] * 1e3:.1f} ms | "
+            f"colocated TTFT p50 {alone[0] * 1e3:.0f} ms p99 {alone[1] * 1e3:.0f} ms, ITL p50 {alone[2] * 1e3:.1f} ms "
+            f"p99 {alone[3] * 1e3:.1f} ms | TTFT p50 {pd[0] / alone[0]:.2f}x, ITL p99 {pd[3] / alone[3]:.2f}x colocated",
+            flush=True,
+        )
 
 
 def part_bandwidth(cluster: Cluster, args: argparse.Namespace) -> None:
@@ -241,30 +306,51 @@ def part_bandwidth(cluster: Cluster, args: argparse.Namespace) -> None:
     length = min(args.max_model_len - 16, 8192)
     for _ in range(3):
         before = cluster.metrics("prefill")
-        body = {"model": cluster.model, "prompt": random_prompt(rng, length, cluster.vocab), "max_tokens": 2,
-                "temperature": 0}
+        body = {
+            "model": cluster.model,
+            "prompt": random_prompt(rng, length, cluster.vocab),
+            "max_tokens": 2,
+            "temperature": 0,
+        }
         httpx.post(f"{cluster.urls['proxy']}/v1/completions", json=body, timeout=600).raise_for_status()
         after = cluster.metrics("prefill")
         sent = after["weft_kv_connector_send_bytes_total"] - before["weft_kv_connector_send_bytes_total"]
         seconds = after["weft_kv_connector_send_seconds_sum"] - before["weft_kv_connector_send_seconds_sum"]
-        print(f"bandwidth: a {length}-token prompt's KV, {sent / 1e6:,.1f} MB in {seconds * 1e3:.1f} ms: "
-              f"{sent / max(seconds, 1e-9) / 1e9:.2f} GB/s", flush=True)
+        print(
+            f"bandwidth: a {length}-token prompt's KV, {sent / 1e6:,.1f} MB in {seconds * 1e3:.1f} ms: "
+            f"{sent / max(seconds, 1e-9) / 1e9:.2f} GB/s",
+            flush=True,
+        )
 
 
 def part_overhead(args: argparse.Namespace) -> None:
     chunk_bytes, chunks, streams = 256, 4000, 16
     upstream_port, proxy_port = free_port(), free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "weft_disagg.fake_upstream", "--port", str(upstream_port),
-                                 "--chunk-bytes", str(chunk_bytes), "--chunks", str(chunks)], start_new_session=True)
+    upstream = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weft_disagg.fake_upstream",
+            "--port",
+            str(upstream_port),
+            "--chunk-bytes",
+            str(chunk_bytes),
+            "--chunks",
+            str(chunks),
+        ],
+        start_new_session=True,
+    )
     upstream_url = f"http://127.0.0.1:{upstream_port}"
-    proxy = start("overhead_proxy", ["proxy", "pd", "--decode", upstream_url, "--port", str(proxy_port),
-                                     "--log-level", "warning"])
+    proxy = start(
+        "overhead_proxy", ["proxy", "pd", "--decode", upstream_url, "--port", str(proxy_port), "--log-level", "warning"]
+    )
     try:
         wait_healthy(upstream_url, upstream)
         wait_healthy(f"http://127.0.0.1:{proxy_port}", proxy)
 
         async def rate(url: str) -> float:
             async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+
                 async def one() -> int:
                     total = 0
                     body = {"model": "fake", "prompt": "x", "stream": True}
@@ -272,6 +358,7 @@ def part_overhead(args: argparse.Namespace) -> None:
                         async for piece in response.aiter_raw():
                             total += len(piece)
                     return total
+
                 started = time.monotonic()
                 total = sum(await asyncio.gather(*(one() for _ in range(streams))))
                 return total / (time.monotonic() - started)
@@ -279,8 +366,11 @@ def part_overhead(args: argparse.Namespace) -> None:
         asyncio.run(rate(upstream_url))
         direct = asyncio.run(rate(upstream_url))
         proxied = asyncio.run(rate(f"http://127.0.0.1:{proxy_port}"))
-        print(f"overhead: {streams} streams of {chunks} x {chunk_bytes} B: direct {direct / 1e6:.1f} MB/s, through the "
-              f"proxy {proxied / 1e6:.1f} MB/s ({proxied / direct:.2f}x direct)", flush=True)
+        print(
+            f"overhead: {streams} streams of {chunks} x {chunk_bytes} B: direct {direct / 1e6:.1f} MB/s, through the "
+            f"proxy {proxied / 1e6:.1f} MB/s ({proxied / direct:.2f}x direct)",
+            flush=True,
+        )
     finally:
         for process in (upstream, proxy):
             os.killpg(process.pid, 15)
@@ -289,14 +379,20 @@ def part_overhead(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"a model alias, folder or GGUF file (default {DEFAULT_MODEL!r}, Weft's default model)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a model alias, folder or GGUF file (default {DEFAULT_MODEL!r}, Weft's default model)",
+    )
     parser.add_argument("--llama8b", action="store_true", help="a random Llama-3-8B-shape checkpoint (needs a GPU)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer files for --llama8b")
     parser.add_argument("--prefill-gpu", help="CUDA_VISIBLE_DEVICES of the prefill instance (GPU runs)")
     parser.add_argument("--decode-gpu", help="CUDA_VISIBLE_DEVICES of the decode instance (GPU runs)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        help="engine.gpu_memory_utilization of both instances (about 0.3 when they share one GPU)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="engine.gpu_memory_utilization of both instances (about 0.3 when they share one GPU)",
+    )
     parser.add_argument("--part", action="append", choices=["check", "latency", "bandwidth", "overhead"], required=True)
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (latency; the check's longest)")
     parser.add_argument("--output", type=int, default=64, help="output tokens")
@@ -318,7 +414,9 @@ def main() -> None:
         cluster = Cluster(args, model)
         try:
             for part in parts:
-                result = {"check": part_check, "latency": part_latency, "bandwidth": part_bandwidth}[part](cluster, args)
+                result = {"check": part_check, "latency": part_latency, "bandwidth": part_bandwidth}[part](
+                    cluster, args
+                )
                 ok = ok and result is not False
         finally:
             cluster.stop()

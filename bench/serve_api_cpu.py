@@ -50,8 +50,10 @@ from structured_output import tiny_model  # noqa: E402
 async def _one_stream(port: int, body: bytes) -> tuple[int, int, str]:
     """One streamed completion over a fresh connection: (completion tokens, data chunks, text)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     await writer.drain()
     raw = await reader.read(-1)
     writer.close()
@@ -71,17 +73,30 @@ async def _one_stream(port: int, body: bytes) -> tuple[int, int, str]:
     return tokens, chunks, "".join(text)
 
 
-def _client_process(port: int, clients: int, per_client: int, first: int, max_tokens: int, start_at: float,
-                    results: multiprocessing.Queue) -> None:
+def _client_process(
+    port: int,
+    clients: int,
+    per_client: int,
+    first: int,
+    max_tokens: int,
+    start_at: float,
+    results: multiprocessing.Queue,
+) -> None:
     async def client(index: int) -> list[tuple[int, int, str]]:
         done = []
         for turn in range(per_client):
-            body = json.dumps({
-                # Token ids (a model with a cut vocabulary could not take every id the tokenizer makes).
-                "model": "tiny", "prompt": [17 + (index * 31 + turn * 7 + k) % 900 for k in range(12)],
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True},
-            }).encode()
+            body = json.dumps(
+                {
+                    # Token ids (a model with a cut vocabulary could not take every id the tokenizer makes).
+                    "model": "tiny",
+                    "prompt": [17 + (index * 31 + turn * 7 + k) % 900 for k in range(12)],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ).encode()
             done.append(await _one_stream(port, body))
         return done
 
@@ -113,13 +128,16 @@ def _wait_ready(port: int, server: subprocess.Popen) -> None:
         time.sleep(0.3)
 
 
-def run_load(port: int, clients: int, processes: int, per_client: int, max_tokens: int) -> tuple[list[tuple[int, int, str]], float]:
+def run_load(
+    port: int, clients: int, processes: int, per_client: int, max_tokens: int
+) -> tuple[list[tuple[int, int, str]], float]:
     results: multiprocessing.Queue = multiprocessing.Queue()
     start_at = time.time() + 1.0  # every process imported and waiting
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     workers = [
-        multiprocessing.Process(target=_client_process,
-                                args=(port, share, per_client, sum(shares[:i]), max_tokens, start_at, results))
+        multiprocessing.Process(
+            target=_client_process, args=(port, share, per_client, sum(shares[:i]), max_tokens, start_at, results)
+        )
         for i, share in enumerate(shares)
     ]
     for worker in workers:
@@ -139,6 +157,7 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
     import msgspec
     import torch  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
     from weft.builtins.hf_tokenizer import HFTokenizer
     from weft.engine.api.async_engine import AsyncEngine
     from weft.engine.api.output_processor import OutputProcessor
@@ -154,12 +173,26 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
     random.seed(0)
     tokens = [[random.randrange(200, 20000) for _ in range(steps)] for _ in range(requests)]
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromCore)
-    messages = [encoder.encode(StepOutputs([
-        EngineCoreOutput(f"r{r}", [tokens[r][step]], finish_reason="length" if step == steps - 1 else None)
-        for r in range(requests)], CoreStats())) for step in range(steps)]
+    messages = [
+        encoder.encode(
+            StepOutputs(
+                [
+                    EngineCoreOutput(f"r{r}", [tokens[r][step]], finish_reason="length" if step == steps - 1 else None)
+                    for r in range(requests)
+                ],
+                CoreStats(),
+            )
+        )
+        for step in range(steps)
+    ]
     # The reader's side of an engine without a core process: its tables and lock, no observer.
     engine = AsyncEngine.__new__(AsyncEngine)
-    engine.outputs, engine._streams, engine._lock, engine.observer = OutputProcessor(tokenizer), {}, threading.Lock(), None
+    engine.outputs, engine._streams, engine._lock, engine.observer = (
+        OutputProcessor(tokenizer),
+        {},
+        threading.Lock(),
+        None,
+    )
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for r in range(requests):
         engine.outputs.add(f"r{r}", [1, 2, 3], params)
@@ -168,11 +201,15 @@ def receive_path(freeze: bool, requests: int = 256, steps: int = 128, steps_per_
         gc.freeze()
     started, deliveries = time.process_time(), 0
     for first in range(0, steps, steps_per_batch):
-        delivered, _ = engine._handle([decoder.decode(message) for message in messages[first : first + steps_per_batch]])
+        delivered, _ = engine._handle(
+            [decoder.decode(message) for message in messages[first : first + steps_per_batch]]
+        )
         deliveries += len(delivered)
     seconds = time.process_time() - started
-    print(f"# serve_api_cpu --receive-path{' --freeze' if freeze else ''}: {requests} requests x {steps} tokens, "
-          f"{steps_per_batch} steps per batch, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"# serve_api_cpu --receive-path{' --freeze' if freeze else ''}: {requests} requests x {steps} tokens, "
+        f"{steps_per_batch} steps per batch, {time.strftime('%Y-%m-%d')}"
+    )
     print(f"receive path {seconds / (requests * steps) * 1e6:6.2f} us/token ({deliveries} deltas)")
 
 
@@ -183,12 +220,18 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8791)
-    parser.add_argument("--vocab-size", type=int, default=49152,
-                        help="the model's vocabulary (SmolLM2's first ids): smaller makes the core's step cheaper, so "
-                             "that the API process falls behind it as on a GPU")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=49152,
+        help="the model's vocabulary (SmolLM2's first ids): smaller makes the core's step cheaper, so "
+        "that the API process falls behind it as on a GPU",
+    )
     parser.add_argument("--profile", help="write a py-spy flame-graph text of the API process here")
     parser.add_argument("--receive-path", action="store_true", help="measure the per-token receive path alone (above)")
-    parser.add_argument("--freeze", action="store_true", help="with --receive-path: gc.freeze() first, as weft serve does")
+    parser.add_argument(
+        "--freeze", action="store_true", help="with --receive-path: gc.freeze() first, as weft serve does"
+    )
     args = parser.parse_args()
     if args.receive_path:
         receive_path(args.freeze)
@@ -198,10 +241,29 @@ def main() -> None:
         model = tiny_model(scratch, vocab_size=args.vocab_size)
         environment = {**os.environ, "OMP_NUM_THREADS": "1"}
         server = subprocess.Popen(
-            [sys.executable, "-m", "weft.cli", "serve", "--model", model, "--served-model-name", "tiny",
-             "--port", str(args.port), "--max-num-seqs", str(args.clients), "--max-model-len", "512",
-             "--max-num-batched-tokens", "4096", "--set", "server.max_queued_requests=4096"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment,
+            [
+                sys.executable,
+                "-m",
+                "weft.cli",
+                "serve",
+                "--model",
+                model,
+                "--served-model-name",
+                "tiny",
+                "--port",
+                str(args.port),
+                "--max-num-seqs",
+                str(args.clients),
+                "--max-model-len",
+                "512",
+                "--max-num-batched-tokens",
+                "4096",
+                "--set",
+                "server.max_queued_requests=4096",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=environment,
         )
         try:
             _wait_ready(args.port, server)
@@ -211,11 +273,27 @@ def main() -> None:
             api_before, core_before = _cpu_seconds(api), _cpu_seconds(core)
             profiler = None
             if args.profile:
-                profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server.pid), "-f", "raw", "-r", "200",
-                                             "-o", args.profile, "--nonblocking", "--gil"],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            results, started = run_load(args.port, args.clients, args.client_processes, args.requests_per_client,
-                                        args.max_tokens)
+                profiler = subprocess.Popen(
+                    [
+                        str(Path(sys.executable).parent / "py-spy"),
+                        "record",
+                        "-p",
+                        str(server.pid),
+                        "-f",
+                        "raw",
+                        "-r",
+                        "200",
+                        "-o",
+                        args.profile,
+                        "--nonblocking",
+                        "--gil",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            results, started = run_load(
+                args.port, args.clients, args.client_processes, args.requests_per_client, args.max_tokens
+            )
             elapsed = time.time() - started
             (api_user, api_system), core_after = _cpu_seconds(api), _cpu_seconds(core)
             api_user, api_system = api_user - api_before[0], api_system - api_before[1]
@@ -232,12 +310,18 @@ def main() -> None:
     chunks = sum(result[1] for result in results)
     expected = len(results) * args.max_tokens
     assert tokens == expected, f"streamed {tokens} tokens, expected {expected}"
-    print(f"# serve_api_cpu: tiny random Llama, {args.clients} streaming /v1/completions clients x "
-          f"{args.requests_per_client} requests x {args.max_tokens} tokens, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}")
-    print(f"streamed {tokens} tokens in {chunks} chunks ({tokens / chunks:.2f} tokens/chunk) in {elapsed:.2f} s "
-          f"({tokens / elapsed:.0f} tok/s)")
-    print(f"API process  {api_cpu:6.2f} CPU s  {api_cpu / tokens * 1e6:6.1f} us/token  {api_cpu / chunks * 1e6:6.1f} us/chunk  "
-          f"(user {api_user:.2f} s, system {api_system:.2f} s)")
+    print(
+        f"# serve_api_cpu: tiny random Llama, {args.clients} streaming /v1/completions clients x "
+        f"{args.requests_per_client} requests x {args.max_tokens} tokens, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"streamed {tokens} tokens in {chunks} chunks ({tokens / chunks:.2f} tokens/chunk) in {elapsed:.2f} s "
+        f"({tokens / elapsed:.0f} tok/s)"
+    )
+    print(
+        f"API process  {api_cpu:6.2f} CPU s  {api_cpu / tokens * 1e6:6.1f} us/token  {api_cpu / chunks * 1e6:6.1f} us/chunk  "
+        f"(user {api_user:.2f} s, system {api_system:.2f} s)"
+    )
     print(f"engine core  {core_cpu:6.2f} CPU s  {core_cpu / tokens * 1e6:6.1f} us/token")
     print(f"API / core CPU: {api_cpu / core_cpu:.2f}")
 

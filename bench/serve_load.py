@@ -43,8 +43,13 @@ def question(index: int) -> str:
 
 async def one_request(http: httpx.AsyncClient, url: str, index: int) -> tuple[float, list[float], int]:
     body = {
-        "model": MODEL, "messages": [{"role": "user", "content": question(index)}], "max_tokens": NEW_TOKENS,
-        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "model": MODEL,
+        "messages": [{"role": "user", "content": question(index)}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
     arrivals: list[float] = []
@@ -60,7 +65,7 @@ async def one_request(http: httpx.AsyncClient, url: str, index: int) -> tuple[fl
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 arrivals.append(time.perf_counter())
     ttft = arrivals[0] - start
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return ttft, gaps, tokens
 
 
@@ -78,9 +83,14 @@ async def load(url: str, clients: int, per_client: int) -> dict[str, float]:
     ttfts = [r[0] for r in results]
     gaps = [gap for r in results for gap in r[1]]
     return {
-        "requests_per_s": len(results) / elapsed, "tokens_per_s": sum(r[2] for r in results) / elapsed,
-        "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_p99": percentile(ttfts, 0.99),
-        "itl_p50": percentile(gaps, 0.5), "itl_p90": percentile(gaps, 0.9), "itl_p99": percentile(gaps, 0.99),
+        "requests_per_s": len(results) / elapsed,
+        "tokens_per_s": sum(r[2] for r in results) / elapsed,
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p90": percentile(ttfts, 0.9),
+        "ttft_p99": percentile(ttfts, 0.99),
+        "itl_p50": percentile(gaps, 0.5),
+        "itl_p90": percentile(gaps, 0.9),
+        "itl_p99": percentile(gaps, 0.99),
     }
 
 
@@ -117,8 +127,12 @@ async def health_during_8mb_prompts(url: str) -> tuple[list[float], list[float]]
     done = asyncio.Event()
     probe = asyncio.create_task(health_latencies(url, done))
     async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=32)) as http:
-        big = [http.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}]})
-               for _ in range(2)]
+        big = [
+            http.post(
+                f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}]}
+            )
+            for _ in range(2)
+        ]
         big += [http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": text}) for _ in range(2)]
         streams = [one_request(http, url, index) for index in range(16)]
         responses = await asyncio.gather(*big, *streams)
@@ -153,7 +167,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "weft.cli", "serve", "--port", str(args.port), "--max-num-seqs", str(max(levels))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ),
     )
     try:
         deadline = time.monotonic() + 300
@@ -177,15 +193,26 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     if args.health or args.health_8mb:
-        flag, load_name = ("--health-8mb", "16 streams + 4 8-MB prompts") if args.health_8mb else ("--health", "64 streams + 8k-token prompt")
+        flag, load_name = (
+            ("--health-8mb", "16 streams + 4 8-MB prompts")
+            if args.health_8mb
+            else ("--health", "64 streams + 8k-token prompt")
+        )
         print(f"# serve_load {flag}: {MODEL}, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}")
         for name, values in (("idle", idle), (load_name, loaded)):
-            print(f"/health {name:30s} n={len(values):4d}  p50 {percentile(values, 0.5) * 1e3:7.1f} ms  "
-                  f"p99 {percentile(values, 0.99) * 1e3:7.1f} ms  max {max(values) * 1e3:7.1f} ms", flush=True)
-        print(f"p99 under load / p99 idle: {percentile(loaded, 0.99) / percentile(idle, 0.99):.1f}x (goal: p99 < 100 ms)")
+            print(
+                f"/health {name:30s} n={len(values):4d}  p50 {percentile(values, 0.5) * 1e3:7.1f} ms  "
+                f"p99 {percentile(values, 0.99) * 1e3:7.1f} ms  max {max(values) * 1e3:7.1f} ms",
+                flush=True,
+            )
+        print(
+            f"p99 under load / p99 idle: {percentile(loaded, 0.99) / percentile(idle, 0.99):.1f}x (goal: p99 < 100 ms)"
+        )
         return
-    print(f"# serve_load: {MODEL}, {NEW_TOKENS} new tokens per request, {args.requests_per_client} requests per client, "
-          f"{os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"# serve_load: {MODEL}, {NEW_TOKENS} new tokens per request, {args.requests_per_client} requests per client, "
+        f"{os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
+    )
     for level in levels:
         result = served[level]
         ceiling = offline_tokens_per_s(level, args.requests_per_client)

@@ -30,15 +30,21 @@ from weft.contracts.structured_output import StructuredOutputsParams
 
 SCHEMAS = {
     "records": {
-        "type": "array", "minItems": 4000,
+        "type": "array",
+        "minItems": 4000,
         "items": {
             "type": "object",
             "properties": {
-                "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                "name": {"type": "string"},
+                "age": {"type": "integer", "minimum": 0},
                 "role": {"enum": ["admin", "editor", "viewer"]},
-                "email": {"type": "string"}, "active": {"type": "boolean"},
-                "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                            "required": ["city"]},
+                "email": {"type": "string"},
+                "active": {"type": "boolean"},
+                "address": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city"],
+                },
                 "tags": {"type": "array", "items": {"type": "string"}},
             },
             "required": ["name", "age", "role"],
@@ -125,8 +131,10 @@ TIMELINE: Timeline | None = None
 def decode_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
     """Seconds from every request's first token to the last request's end, and the tokens decoded meanwhile."""
     engine = llm.engine
-    states = [engine.add_request(f"bench-{time.monotonic_ns()}-{index}", prompt, params, stream_text=False)
-              for index, prompt in enumerate(prompts)]
+    states = [
+        engine.add_request(f"bench-{time.monotonic_ns()}-{index}", prompt, params, stream_text=False)
+        for index, prompt in enumerate(prompts)
+    ]
     while any(not state.output_token_ids for state in states):
         engine.step()
     started = time.perf_counter()
@@ -157,8 +165,9 @@ def tiny_model(folder: Path, **sizes: object) -> str:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from conftest import make_tiny_model, smollm2_gguf
     from transformers import AutoTokenizer
+
+    from conftest import make_tiny_model, smollm2_gguf
 
     gguf = smollm2_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder / "tokenizer"))
@@ -167,8 +176,11 @@ def tiny_model(folder: Path, **sizes: object) -> str:
 
 def build(args: argparse.Namespace, scratch: Path) -> LLM:
     plugins = {"xgrammar": {"fill_threads": args.fill_threads}} if args.fill_threads else {}
-    engine = {"max_num_seqs": args.batch, "distributed_executor_backend": args.executor,
-              "structured_output_fill": args.fill}
+    engine = {
+        "max_num_seqs": args.batch,
+        "distributed_executor_backend": args.executor,
+        "structured_output_fill": args.fill,
+    }
     if args.fill_processes:
         engine["structured_output_fill_processes"] = args.fill_processes
     if args.tiny:
@@ -201,25 +213,50 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the CPU run on a random 2-layer Llama (host-bound)")
     parser.add_argument("--gpu", action="store_true", help="on the GPU, SmolLM2-135M's shape with random weights")
     parser.add_argument("--tokenizer", help="SmolLM2's tokenizer files (the GPU run; default: $WEFT_TEST_TOKENIZER)")
-    parser.add_argument("--shape", choices=["smollm2-135m", "llama3-8b"], default="smollm2-135m",
-                        help="the GPU run's layers (llama3-8b: Llama-3-8B's over SmolLM2's vocabulary)")
+    parser.add_argument(
+        "--shape",
+        choices=["smollm2-135m", "llama3-8b"],
+        default="smollm2-135m",
+        help="the GPU run's layers (llama3-8b: Llama-3-8B's over SmolLM2's vocabulary)",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, help="plugins.xgrammar.fill_threads (default: the plugin's)")
-    parser.add_argument("--schema", choices=sorted(SCHEMAS), action="append",
-                        help="the schema(s) to constrain with (repeatable; default: every one, each against the plain run)")
-    parser.add_argument("--executor", choices=["uniproc", "mp"], default="uniproc",
-                        help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)")
-    parser.add_argument("--fill", choices=["auto", "thread", "process"], default="auto",
-                        help="engine.structured_output_fill: the matchers in a thread of the core or a process of their own")
-    parser.add_argument("--fill-processes", type=int,
-                        help="engine.structured_output_fill_processes (default: the engine's, one per 4 CPUs, at most 4)")
-    parser.add_argument("--without-launch-ahead", action="store_true",
-                        help="also run each schema with the executor's launch_ahead off (each step's forward launched "
-                             "after the step before sampled, its inputs staged then), in the same engine")
-    parser.add_argument("--timeline", action="store_true",
-                        help="then one more run of each mode, printing the host time of each phase per step")
+    parser.add_argument(
+        "--schema",
+        choices=sorted(SCHEMAS),
+        action="append",
+        help="the schema(s) to constrain with (repeatable; default: every one, each against the plain run)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=["uniproc", "mp"],
+        default="uniproc",
+        help="engine.distributed_executor_backend for both modes (mp: the model in one worker process)",
+    )
+    parser.add_argument(
+        "--fill",
+        choices=["auto", "thread", "process"],
+        default="auto",
+        help="engine.structured_output_fill: the matchers in a thread of the core or a process of their own",
+    )
+    parser.add_argument(
+        "--fill-processes",
+        type=int,
+        help="engine.structured_output_fill_processes (default: the engine's, one per 4 CPUs, at most 4)",
+    )
+    parser.add_argument(
+        "--without-launch-ahead",
+        action="store_true",
+        help="also run each schema with the executor's launch_ahead off (each step's forward launched "
+        "after the step before sampled, its inputs staged then), in the same engine",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="then one more run of each mode, printing the host time of each phase per step",
+    )
     args = parser.parse_args()
     if args.gpu and not (args.tokenizer or os.environ.get("WEFT_TEST_TOKENIZER")):
         parser.error("--gpu needs SmolLM2's tokenizer files: --tokenizer DIR, or $WEFT_TEST_TOKENIZER")
@@ -229,11 +266,20 @@ def main() -> None:
 
 def run(args: argparse.Namespace, llm: LLM) -> None:
     tokenizer = llm.tokenizer
-    prompts = [tokenizer.encode(f"Write a list of {index + 3} short words as a JSON array:") for index in range(args.batch)]
+    prompts = [
+        tokenizer.encode(f"Write a list of {index + 3} short words as a JSON array:") for index in range(args.batch)
+    ]
     plain = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     modes = [("plain", plain)] + [
-        (name, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
-                              structured_outputs=StructuredOutputsParams(json=SCHEMAS[name])))
+        (
+            name,
+            SamplingParams(
+                temperature=0,
+                max_tokens=args.tokens,
+                ignore_eos=True,
+                structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]),
+            ),
+        )
         for name in args.schema or sorted(SCHEMAS)
     ]
     executor = llm.engine.core.executor
@@ -253,13 +299,17 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
             runs[name].append(tokens / seconds)
             best[name] = max(best[name], tokens / seconds)
     settings = llm.engine.core.describe()
-    print(f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
-          f"{settings}")
+    print(
+        f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
+        f"{settings}"
+    )
     manager = llm.engine.core.scheduler.structured_outputs
-    print(f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
-          f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}; matchers in "
-          f"{fill_where(manager)} "
-          f"(engine.structured_output_fill = {args.fill!r}); executor.launch_ahead: {launch_ahead['plain']}")
+    print(
+        f"executor: {llm.engine.core.executor.name}; batch {args.batch}, {args.tokens} decoded tokens per request, "
+        f"greedy, best of {args.repeats}; xgrammar fill threads: {args.fill_threads or 'default'}; matchers in "
+        f"{fill_where(manager)} "
+        f"(engine.structured_output_fill = {args.fill!r}); executor.launch_ahead: {launch_ahead['plain']}"
+    )
     for name, _ in modes:
         print(f"  {name + ':':14} {best[name]:10.1f} tok/s  (runs: {', '.join(f'{rate:.1f}' for rate in runs[name])})")
     for name, _ in modes[1:]:

@@ -51,14 +51,22 @@ class Site:
     def python(self, code: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
         """Run ``code`` in a fresh interpreter that sees this site's distributions."""
         return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=self.env(**extra_env), timeout=120
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            env=self.env(**extra_env),
+            timeout=120,
         )
 
     def weft(self, *args: str, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess[str]:
         """Run the ``weft`` command (as ``python -m weft.cli``) against this site."""
         return subprocess.run(
-            [sys.executable, "-m", "weft.cli", *args], capture_output=True, text=True, env=self.env(**extra_env),
-            cwd=cwd, timeout=120,
+            [sys.executable, "-m", "weft.cli", *args],
+            capture_output=True,
+            text=True,
+            env=self.env(**extra_env),
+            cwd=cwd,
+            timeout=120,
         )
 
 
@@ -161,9 +169,15 @@ def tokenizer_files(tmp_path_factory) -> Path:
 TINY_CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "llama3-rope": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         tie_word_embeddings=True,
     ),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
@@ -183,8 +197,15 @@ def make_tiny_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int =
     spec = dict(TINY_CONFIGS[kind])
     model_type = spec.pop("model_type")
     defaults = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config = AutoConfig.for_model(model_type, **{**defaults, **spec, **sizes})
     torch.manual_seed(seed)
@@ -263,7 +284,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_weft_serve(args: list[str], port: int, env: dict[str, str], timeout: float = 180) -> tuple[subprocess.Popen, list[str]]:
+def start_weft_serve(
+    args: list[str], port: int, env: dict[str, str], timeout: float = 180
+) -> tuple[subprocess.Popen, list[str]]:
     """``weft serve ARGS --set server.port=PORT`` as a process; returns it and its output so far (a list that
     keeps filling) once ``/health`` answers 200. Fails the test, with the output, if it exits or never answers."""
     import threading
@@ -273,7 +296,10 @@ def start_weft_serve(args: list[str], port: int, env: dict[str, str], timeout: f
 
     server = subprocess.Popen(
         [sys.executable, "-m", "weft.cli", "serve", *args, "--set", f"server.port={port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()

@@ -79,7 +79,11 @@ class HubServer:
         """The files of ``repo`` downloaded (GET of a resolve URL), in order."""
         prefix = f"/{repo}/resolve/"
         with self.lock:
-            return [r.path[len(prefix):].split("/", 1)[1] for r in self.requests if r.method == "GET" and r.path.startswith(prefix)]
+            return [
+                r.path[len(prefix) :].split("/", 1)[1]
+                for r in self.requests
+                if r.method == "GET" and r.path.startswith(prefix)
+            ]
 
     def _handle(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
         path = urllib.parse.unquote(urllib.parse.urlsplit(handler.path).path)
@@ -95,7 +99,9 @@ class HubServer:
         else:
             self._send(handler, 404, b"{}", {"X-Error-Code": "EntryNotFound"}, body)
 
-    def _commit(self, handler: BaseHTTPRequestHandler, repo_id: str, revision: str, body: bool) -> tuple[Repo, str] | None:
+    def _commit(
+        self, handler: BaseHTTPRequestHandler, repo_id: str, revision: str, body: bool
+    ) -> tuple[Repo, str] | None:
         repo = self.repos.get(repo_id)
         if repo is None:
             self._send(handler, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, body)
@@ -115,7 +121,11 @@ class HubServer:
             return
         repo, commit = found
         info = {
-            "id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "gated": repo.token is not None,
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": False,
+            "gated": repo.token is not None,
             "siblings": [{"rfilename": name} for name in sorted(repo.commits[commit])],
         }
         self._send(handler, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, True)
@@ -132,10 +142,14 @@ class HubServer:
         etag = hashlib.sha256(content).hexdigest()
         if body and filename in self.slow_files:
             time.sleep(1.0)
-        self._send(handler, 200, content, {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}, body)
+        self._send(
+            handler, 200, content, {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}, body
+        )
 
     @staticmethod
-    def _send(handler: BaseHTTPRequestHandler, status: int, content: bytes, headers: dict[str, str], body: bool) -> None:
+    def _send(
+        handler: BaseHTTPRequestHandler, status: int, content: bytes, headers: dict[str, str], body: bool
+    ) -> None:
         handler.send_response(status)
         for key, value in headers.items():
             handler.send_header(key, value)

@@ -17,21 +17,26 @@ import pytest
 
 def _modules_loaded(code: str, timeout: float = 120) -> set[str]:
     """The top-level packages ``code`` leaves in ``sys.modules``, run in a fresh interpreter."""
-    script = textwrap.dedent(code) + "\nimport sys\nprint(' '.join(sorted({name.split('.')[0] for name in sys.modules})))\n"
+    script = (
+        textwrap.dedent(code) + "\nimport sys\nprint(' '.join(sorted({name.split('.')[0] for name in sys.modules})))\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("module", [
-    "weft.serve.app",
-    "weft.entrypoints.serve",
-    "weft.engine.api.async_engine",
-    "weft.engine.api.llm_engine",
-    "weft.engine.client",
-    "weft.engine.messages",
-    "weft.engine.core.core_process",  # the process client names its entry point
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "weft.serve.app",
+        "weft.entrypoints.serve",
+        "weft.engine.api.async_engine",
+        "weft.engine.api.llm_engine",
+        "weft.engine.client",
+        "weft.engine.messages",
+        "weft.engine.core.core_process",  # the process client names its entry point
+    ],
+)
 def test_the_api_side_modules_import_no_torch(module):
     loaded = _modules_loaded(f"import {module}")
     assert "weft" in loaded

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from weft.testing import AttentionContract, LoaderContract, ModelContract
 
 

@@ -41,8 +41,9 @@ def test_strict_fields_is_a_flag_of_serve():
 
 def _weft(*argv: str, cwd) -> tuple[subprocess.CompletedProcess, float]:
     began = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "weft.cli", *argv], capture_output=True, text=True, timeout=120,
-                            cwd=cwd)
+    result = subprocess.run(
+        [sys.executable, "-m", "weft.cli", *argv], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
     return result, time.monotonic() - began
 
 
@@ -84,8 +85,30 @@ def test_generate_help_shows_only_its_own_flags(capsys):
         assert flag in text, flag
 
 
-DANGLING = {"a", "an", "the", "of", "to", "and", "or", "can", "where", "with", "for", "in", "on", "by", "is", "as",
-            "than", "that", "which", "when", "its", "their"}
+DANGLING = {
+    "a",
+    "an",
+    "the",
+    "of",
+    "to",
+    "and",
+    "or",
+    "can",
+    "where",
+    "with",
+    "for",
+    "in",
+    "on",
+    "by",
+    "is",
+    "as",
+    "than",
+    "that",
+    "which",
+    "when",
+    "its",
+    "their",
+}
 
 
 def _subcommands(parser: argparse.ArgumentParser, prefix: str = "weft") -> list[tuple[str, argparse.ArgumentParser]]:
@@ -121,8 +144,13 @@ def test_seed_and_sample_seed_are_told_apart(capsys):
 
 def test_a_model_path_that_does_not_exist_says_so(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = subprocess.run([sys.executable, "-m", "weft.cli", "generate", "--model", str(missing), "hello"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "generate", "--model", str(missing), "hello"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     assert f"{missing} does not exist" in result.stderr, result.stderr
     assert "no installed loader" not in result.stderr and "pip install" not in result.stderr

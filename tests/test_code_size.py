@@ -68,8 +68,10 @@ def oversized(found: list[Size]) -> list[Size]:
 
 def test_no_file_class_or_function_is_over_its_limit():
     found = [size for size in oversized(sizes(SOURCES)) if size.key not in EXCEPTIONS]
-    assert not found, ("over the size limits (split along the concepts it holds, or add it to EXCEPTIONS with why "
-                       "it is clearer whole):\n" + "\n".join(map(str, found)))
+    assert not found, (
+        "over the size limits (split along the concepts it holds, or add it to EXCEPTIONS with why "
+        "it is clearer whole):\n" + "\n".join(map(str, found))
+    )
 
 
 def test_every_exception_is_still_over_its_limit():

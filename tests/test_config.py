@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import last_json
 
+from conftest import last_json
 from weft.config import ConfigError, WeftConfig, load_config, parse_override
 
 
@@ -38,7 +38,10 @@ def test_file_values_and_overrides(tmp_path):
         ("[engine]\nmax_num_seqs = 0\n", "weft.toml: engine.max_num_seqs: expected int >= 1, got int 0"),
         ("[engine]\nmax_num_seq = 3\n", "weft.toml: engine.max_num_seq: unknown key; did you mean 'max_num_seqs'?"),
         ('modle = "x"\n', "weft.toml: modle: unknown key; did you mean 'model'?"),
-        ('[engine]\ndtype = "fp8"\n', "weft.toml: engine.dtype: expected one of 'auto', 'float32', 'float16', 'bfloat16', got 'fp8'"),
+        (
+            '[engine]\ndtype = "fp8"\n',
+            "weft.toml: engine.dtype: expected one of 'auto', 'float32', 'float16', 'bfloat16', got 'fp8'",
+        ),
         ("[server]\nport = 70000\n", "weft.toml: server.port: expected int <= 65535, got int 70000"),
         ("engine = 3\n", "weft.toml: engine: expected object, got int 3"),
         ("[engine\n", "weft.toml: not valid TOML"),
@@ -76,7 +79,9 @@ def test_config_show_exits_non_zero_with_the_key_path(site, tmp_path):
 
 def test_config_show_prints_the_effective_config(site, tmp_path):
     (tmp_path / "weft.toml").write_text('[engine]\nmax_num_seqs = 8\n[server]\napi_key = "secret"\n')
-    result = site.weft("config", "show", "--json", "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", cwd=tmp_path)
+    result = site.weft(
+        "config", "show", "--json", "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     shown = last_json(result.stdout)
     assert shown["engine"]["max_num_seqs"] == 8  # ./weft.toml is read when present
@@ -90,7 +95,10 @@ def test_config_show_prints_the_effective_config(site, tmp_path):
 def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
     site.add_distribution(
         "weft-opts",
-        entry_points={"weft.kv_connector": {"store": "store_impl:Store"}, "weft.platform": {"plain": "plain_impl:Plain"}},
+        entry_points={
+            "weft.kv_connector": {"store": "store_impl:Store"},
+            "weft.platform": {"plain": "plain_impl:Plain"},
+        },
         modules={
             "store_impl": """
                 import msgspec
@@ -145,9 +153,11 @@ def test_config_show_prints_every_installed_plugins_options_with_their_defaults(
     )
     result = site.weft("config", "show", cwd=tmp_path)  # no [plugins.cachey] table anywhere
     assert result.returncode == 0, result.stderr
-    table = result.stdout[result.stdout.index("[plugins.cachey]"):].split("\n\n")[0].splitlines()
+    table = result.stdout[result.stdout.index("[plugins.cachey]") :].split("\n\n")[0].splitlines()
     assert table == [
-        "[plugins.cachey]", "# path: unset (where blocks go; default: a temporary folder)", "max_bytes = 1048576",
+        "[plugins.cachey]",
+        "# path: unset (where blocks go; default: a temporary folder)",
+        "max_bytes = 1048576",
     ], table
     shown = last_json(site.weft("config", "show", "--json", cwd=tmp_path).stdout)
     assert shown["plugins"]["cachey"] == {"path": None, "max_bytes": 1048576}
@@ -158,7 +168,9 @@ def test_errors_blame_the_right_source(site, tmp_path):
     path = write(tmp_path, "[server]\nporta = 1\n")
     result = site.weft("config", "show", "--config", str(path), "--port", "9000")
     assert f"{path}: server.porta: unknown key" in result.stderr, result.stderr
-    result = site.weft("config", "show", "--config", str(write(tmp_path, "[plugins.bytes]\n")), "--set", "plugins.bytes.add_bos=7")
+    result = site.weft(
+        "config", "show", "--config", str(write(tmp_path, "[plugins.bytes]\n")), "--set", "plugins.bytes.add_bos=7"
+    )
     assert "override: plugins.bytes.add_bos: expected bool, got int 7" in result.stderr, result.stderr
 
 
@@ -211,7 +223,9 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
             table = line.strip("[]")
         elif line.startswith("# ") and ": unset" in line:
             comments.setdefault(table, []).append(line)
-    everything = last_json(site.weft("config", "show", "--json", "--set", "engine.max_model_len=256", cwd=tmp_path).stdout)
+    everything = last_json(
+        site.weft("config", "show", "--json", "--set", "engine.max_model_len=256", cwd=tmp_path).stdout
+    )
     unset = 0
     for name in ("", "engine", "server", "plugins"):
         section = everything[name] if name else everything
@@ -227,23 +241,32 @@ def test_config_show_prints_every_key_and_marks_the_unset_ones(site, tmp_path):
 
 def test_config_show_prints_the_values_the_engine_derives(site, tmp_path):
     """Options whose default follows from others (or from the platform) show the value the engine runs with."""
-    one = last_json(site.weft("config", "show", "--json", "--max-num-batched-tokens", "1000", cwd=tmp_path).stdout)["engine"]
+    one = last_json(site.weft("config", "show", "--json", "--max-num-batched-tokens", "1000", cwd=tmp_path).stdout)[
+        "engine"
+    ]
     assert one["distributed_executor_backend"] == "uniproc"
     assert one["long_prefill_token_threshold"] == 250
     assert one["graph_batch_sizes"] == []  # the CPU platform captures no graphs
     assert (one["max_num_seqs"], one["max_num_batched_tokens"], one["async_scheduling"]) == (64, 1000, False)
-    two = last_json(site.weft("config", "show", "--json", "--set", "engine.tensor_parallel_size=2", cwd=tmp_path).stdout)
+    two = last_json(
+        site.weft("config", "show", "--json", "--set", "engine.tensor_parallel_size=2", cwd=tmp_path).stdout
+    )
     assert two["engine"]["distributed_executor_backend"] == "mp"
 
 
 def test_options_that_would_do_nothing_on_one_rank_are_refused(tmp_path):
     for table, value in (("nnodes", 2), ("node_rank", 1), ("master_addr", "10.0.0.2"), ("master_port", 29600)):
-        with pytest.raises(ConfigError, match=rf"engine.distributed.{table} = .* but tensor_parallel_size x "
-                                               rf"pipeline_parallel_size = 1 x 1 = 1 ranks: .*raise tensor_parallel_size"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"engine.distributed.{table} = .* but tensor_parallel_size x "
+            rf"pipeline_parallel_size = 1 x 1 = 1 ranks: .*raise tensor_parallel_size",
+        ):
             load_config(None, {"engine": {"distributed": {table: value}}})
     # One node of rank 0 says what a single process is anyway; a real layout takes them all.
     load_config(None, {"engine": {"distributed": {"nnodes": 1, "node_rank": 0}}})
-    load_config(None, {"engine": {"tensor_parallel_size": 2, "distributed": {"nnodes": 2, "node_rank": 1, "master_addr": "h"}}})
+    load_config(
+        None, {"engine": {"tensor_parallel_size": 2, "distributed": {"nnodes": 2, "node_rank": 1, "master_addr": "h"}}}
+    )
 
 
 def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site, tmp_path):
@@ -255,8 +278,12 @@ def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site,
     write(tmp_path, '[use]\nkv_connector = "diskstor"\n')
     show = site.weft("config", "show", cwd=tmp_path)
     assert show.returncode == 1
-    [message] = [line.removeprefix("weft: error: ") for line in show.stderr.splitlines() if line.startswith("weft: error: ")]
-    assert message.startswith("use.kv_connector = 'diskstor': no kv_connector plugin named 'diskstor' is installed; available: ")
+    [message] = [
+        line.removeprefix("weft: error: ") for line in show.stderr.splitlines() if line.startswith("weft: error: ")
+    ]
+    assert message.startswith(
+        "use.kv_connector = 'diskstor': no kv_connector plugin named 'diskstor' is installed; available: "
+    )
     assert message.endswith("did you mean 'diskstore'?")
     doctor = site.weft("plugins", "doctor", cwd=tmp_path)
     assert doctor.returncode == 1 and f"FAIL  {message}" in doctor.stdout
@@ -270,35 +297,61 @@ def test_config_show_refuses_a_use_name_no_plugin_has_with_doctors_message(site,
 
 
 def test_fill_processes_without_a_fill_process_are_refused():
-    with pytest.raises(ConfigError, match=r"engine.structured_output_fill_processes = 2 but engine.structured_output_fill = "
-                                          r"'thread' fills on a thread of the engine core.*set structured_output_fill to 'process'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.structured_output_fill_processes = 2 but engine.structured_output_fill = "
+        r"'thread' fills on a thread of the engine core.*set structured_output_fill to 'process'",
+    ):
         load_config(None, {"engine": {"structured_output_fill": "thread", "structured_output_fill_processes": 2}})
     config = load_config(None, {"engine": {"structured_output_fill_processes": 2}})
     assert config.engine.structured_output_fill == "auto" and config.engine.structured_output_fill_processes == 2
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ({"engine": {"enforce_eager": True, "graph_batch_sizes": [1, 2]}},
-     r"engine.graph_batch_sizes = \[1, 2\] but engine.enforce_eager = true captures no graphs; remove graph_batch_sizes"),
-    ({"engine": {"num_kv_blocks": 64, "cpu_kv_cache_bytes": 1 << 20}},
-     r"engine.cpu_kv_cache_bytes = 1048576 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size; keep one"),
-    ({"engine": {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5}},
-     r"engine.gpu_memory_utilization = 0.5 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size"),
-    ({"engine": {"enable_chunked_prefill": False, "long_prefill_token_threshold": 128}},
-     r"engine.long_prefill_token_threshold = 128 paces long prefills .* but engine.enable_chunked_prefill = false"),
-    ({"engine": {"enable_chunked_prefill": False, "max_long_partial_prefills": 2}},
-     r"engine.max_long_partial_prefills = 2 paces long prefills"),
-    ({"use": {"structured_output": "none"}, "engine": {"structured_output_fill": "process"}},
-     r"engine.structured_output_fill = 'process' but use.structured_output = 'none' turns structured outputs off"),
-    ({"use": {"structured_output": "none"}, "engine": {"structured_output_fill_processes": 2}},
-     r"engine.structured_output_fill_processes = 2 but use.structured_output = 'none'"),
-    ({"engine": {"distributed": {"worker_timeout": 30}}},
-     r"engine.distributed.worker_timeout = 30 but the uniproc executor runs its one worker in the engine core's process"),
-    ({"engine": {"revision": "v2"}},
-     r"engine.revision = 'v2' applies to a Hugging Face repo id \(org/name\), but model = 'smollm2-135m-instruct' is not one"),
-    ({"model": ".", "engine": {"download_dir": "/tmp/hub"}},
-     r"engine.download_dir = '/tmp/hub' applies to a Hugging Face repo id .* model = '.' is not one"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            {"engine": {"enforce_eager": True, "graph_batch_sizes": [1, 2]}},
+            r"engine.graph_batch_sizes = \[1, 2\] but engine.enforce_eager = true captures no graphs; remove graph_batch_sizes",
+        ),
+        (
+            {"engine": {"num_kv_blocks": 64, "cpu_kv_cache_bytes": 1 << 20}},
+            r"engine.cpu_kv_cache_bytes = 1048576 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size; keep one",
+        ),
+        (
+            {"engine": {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5}},
+            r"engine.gpu_memory_utilization = 0.5 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size",
+        ),
+        (
+            {"engine": {"enable_chunked_prefill": False, "long_prefill_token_threshold": 128}},
+            r"engine.long_prefill_token_threshold = 128 paces long prefills .* but engine.enable_chunked_prefill = false",
+        ),
+        (
+            {"engine": {"enable_chunked_prefill": False, "max_long_partial_prefills": 2}},
+            r"engine.max_long_partial_prefills = 2 paces long prefills",
+        ),
+        (
+            {"use": {"structured_output": "none"}, "engine": {"structured_output_fill": "process"}},
+            r"engine.structured_output_fill = 'process' but use.structured_output = 'none' turns structured outputs off",
+        ),
+        (
+            {"use": {"structured_output": "none"}, "engine": {"structured_output_fill_processes": 2}},
+            r"engine.structured_output_fill_processes = 2 but use.structured_output = 'none'",
+        ),
+        (
+            {"engine": {"distributed": {"worker_timeout": 30}}},
+            r"engine.distributed.worker_timeout = 30 but the uniproc executor runs its one worker in the engine core's process",
+        ),
+        (
+            {"engine": {"revision": "v2"}},
+            r"engine.revision = 'v2' applies to a Hugging Face repo id \(org/name\), but model = 'smollm2-135m-instruct' is not one",
+        ),
+        (
+            {"model": ".", "engine": {"download_dir": "/tmp/hub"}},
+            r"engine.download_dir = '/tmp/hub' applies to a Hugging Face repo id .* model = '.' is not one",
+        ),
+    ],
+)
 def test_an_option_another_makes_do_nothing_is_refused(overrides, expected):
     """Each option here would be silently dropped beside the other one the message names."""
     with pytest.raises(ConfigError, match=rf"^override: {expected}"):
@@ -307,8 +360,13 @@ def test_an_option_another_makes_do_nothing_is_refused(overrides, expected):
 
 def test_a_file_that_spells_out_the_defaults_is_accepted(site, tmp_path):
     """What ``config show`` prints (every key, derived ones too) loads back, with these options set alike."""
-    for flags in ([], ["--num-kv-blocks", "64"], ["--enforce-eager"], ["--no-enable-chunked-prefill"],
-                  ["--structured-output", "none"]):
+    for flags in (
+        [],
+        ["--num-kv-blocks", "64"],
+        ["--enforce-eager"],
+        ["--no-enable-chunked-prefill"],
+        ["--structured-output", "none"],
+    ):
         shown = site.weft("config", "show", *flags, cwd=tmp_path)
         assert shown.returncode == 0, shown.stderr
         write(tmp_path, shown.stdout)
@@ -334,18 +392,39 @@ def test_a_selected_plugin_missing_its_required_options_is_named_with_its_table(
     registry = PluginRegistry()
     config = load_config(None, {"use": {"kv_connector": "disk"}}, registry=registry)
     [problem] = option_problems(config, registry)
-    assert problem == ("use.kv_connector = 'disk': config: plugins.disk: object missing required field path "
-                       "(there is no [plugins.disk] table: add one that sets it)")
-    assert option_problems(load_config(None, {"use": {"kv_connector": "disk"}, "plugins": {"disk": {"path": "/tmp/x"}}},
-                                       registry=registry), registry) == []
+    assert problem == (
+        "use.kv_connector = 'disk': config: plugins.disk: object missing required field path "
+        "(there is no [plugins.disk] table: add one that sets it)"
+    )
+    assert (
+        option_problems(
+            load_config(
+                None, {"use": {"kv_connector": "disk"}, "plugins": {"disk": {"path": "/tmp/x"}}}, registry=registry
+            ),
+            registry,
+        )
+        == []
+    )
 
 
 def test_list_and_table_options_have_flags_too(site, tmp_path):
     """Every option of [use] and [engine] has a flag: lists take comma-separated values, a table one KEY=VALUE a flag,
     added to the file's table."""
     write(tmp_path, '[use.ops]\nrms_norm = "torch"\n')
-    shown = site.weft("config", "show", "--json", "--graph-batch-sizes", "1,2, 4", "--pipeline-partition", "3",
-                      "--ops", "silu_and_mul=torch", "--ops", "bitmask_argmax=torch", cwd=tmp_path)
+    shown = site.weft(
+        "config",
+        "show",
+        "--json",
+        "--graph-batch-sizes",
+        "1,2, 4",
+        "--pipeline-partition",
+        "3",
+        "--ops",
+        "silu_and_mul=torch",
+        "--ops",
+        "bitmask_argmax=torch",
+        cwd=tmp_path,
+    )
     assert shown.returncode == 0, shown.stderr
     data = last_json(shown.stdout)
     assert data["engine"]["graph_batch_sizes"] == [1, 2, 4] and data["engine"]["pipeline_partition"] == [3]
@@ -353,4 +432,6 @@ def test_list_and_table_options_have_flags_too(site, tmp_path):
     wrong = site.weft("config", "show", "--ops", "rms_norm", cwd=tmp_path)
     assert wrong.returncode == 1 and "--ops 'rms_norm': expected KEY=VALUE" in wrong.stderr
     not_ints = site.weft("config", "show", "--graph-batch-sizes", "1,many", cwd=tmp_path)
-    assert not_ints.returncode == 1 and "engine.graph_batch_sizes.1: expected int, got str 'many'" in not_ints.stderr, not_ints.stderr
+    assert not_ints.returncode == 1 and "engine.graph_batch_sizes.1: expected int, got str 'many'" in not_ints.stderr, (
+        not_ints.stderr
+    )

@@ -68,7 +68,11 @@ def run_kit(site, tmp_path, body: str, *pytest_args: str) -> subprocess.Complete
     test_file.write_text(textwrap.dedent(body))
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), *pytest_args],
-        capture_output=True, text=True, env=site.env(), cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=site.env(),
+        cwd=tmp_path,
+        timeout=300,
     )
 
 
@@ -180,7 +184,8 @@ def test_kv_connector_kit_fails_a_misnamed_connector_that_saves_blocks_before_th
 
     model = make_tiny_model(tmp_path / "llama", "llama", tokenizer_files)
     site.add_distribution(
-        "weft-eager-disk", entry_points={"weft.kv_connector": {"eager-disk": "eager_disk:EagerDisk"}},
+        "weft-eager-disk",
+        entry_points={"weft.kv_connector": {"eager-disk": "eager_disk:EagerDisk"}},
         modules={"eager_disk": EAGER_DISK},
     )
     result = run_kit(
@@ -201,7 +206,8 @@ def test_kv_connector_kit_fails_a_misnamed_connector_that_saves_blocks_before_th
             def model_source(self):
                 return {str(model)!r}
         """,
-        "-k", "named_as_registered or second_engine or chunked",
+        "-k",
+        "named_as_registered or second_engine or chunked",
     )
     summary = result.stdout.split("short test summary")[-1]
     assert "FAILED test_kit_run.py::TestEagerDisk::test_chunked_prefill_saves_and_loads" in summary, result.stdout

@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 
 pytest.importorskip("triton")
@@ -70,8 +70,11 @@ def test_padded_graph_path_equals_eager(model, request, eager_replay_platform):
 
 @interpreted
 def test_warm_up_compiles_every_variant_before_serving(tiny_llama):
-    llm = LLM(model=str(tiny_llama), use={"attention": "triton"},
-              engine={"block_size": 4, "num_kv_blocks": 256, "runtime_jit": "error", "max_num_batched_tokens": 16})
+    llm = LLM(
+        model=str(tiny_llama),
+        use={"attention": "triton"},
+        engine={"block_size": 4, "num_kv_blocks": 256, "runtime_jit": "error", "max_num_batched_tokens": 16},
+    )
     kernel = llm.engine.worker.kernels.kernels["weft_triton.paged_attention"]
     assert len(kernel.compiled) == 3  # one layer shape and block size: decode, split-key decode, prefill
     # Chunked prefill, prefill mixed with decodes, decode-only steps: no miss (error mode would raise).
@@ -80,9 +83,14 @@ def test_warm_up_compiles_every_variant_before_serving(tiny_llama):
 
 
 def test_graph_sizes_beyond_max_num_seqs_are_refused(tiny_llama, eager_replay_platform):
-    with pytest.raises(ValueError, match=r"engine.graph_batch_sizes = \[1, 64\]: \[64\] exceed engine.max_num_seqs = 8"):
-        LLM(model=str(tiny_llama), use={"attention": "triton"},
-            engine={"num_kv_blocks": 64, "max_num_seqs": 8, "graph_batch_sizes": [64, 1]})
+    with pytest.raises(
+        ValueError, match=r"engine.graph_batch_sizes = \[1, 64\]: \[64\] exceed engine.max_num_seqs = 8"
+    ):
+        LLM(
+            model=str(tiny_llama),
+            use={"attention": "triton"},
+            engine={"num_kv_blocks": 64, "max_num_seqs": 8, "graph_batch_sizes": [64, 1]},
+        )
 
 
 # On an NVIDIA GPU: real CUDA graphs, real compilation.
@@ -113,8 +121,11 @@ def test_cuda_graphs_equal_eager_on_gpu(model, dtype, request):
 @needs_gpu
 def test_no_kernel_compiles_after_warm_up_on_gpu(tiny_window):
     """A scripted serving workload under runtime_jit = "error" compiles nothing once the engine is up."""
-    llm = LLM(model=str(tiny_window), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", "runtime_jit": "error", "max_num_batched_tokens": 64, "max_num_seqs": 16})
+    llm = LLM(
+        model=str(tiny_window),
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", "runtime_jit": "error", "max_num_batched_tokens": 64, "max_num_seqs": 16},
+    )
     before = triton_compiled_variants()
     assert before > 0
     workload = prompts(24, seed=21) + [list(range(100, 400))]  # a long prompt: chunked prefill beside decodes

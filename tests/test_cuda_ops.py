@@ -47,10 +47,18 @@ def test_fused_kernels_match_their_references_interpreted(op):
     from weft.builtins import ops as references
     from weft_triton import fused
 
-    reference = {"rms_norm": references.RmsNormTorch, "rotary": references.RotaryTorch,
-                 "qk_norm_rotary": references.QkNormRotaryTorch, "silu_and_mul": references.SiluAndMulTorch}[op](None)
-    kernel = {"rms_norm": fused.RmsNormKernel, "rotary": fused.RotaryKernel, "qk_norm_rotary": fused.QkNormRotaryKernel,
-              "silu_and_mul": fused.SiluAndMulKernel}[op]()
+    reference = {
+        "rms_norm": references.RmsNormTorch,
+        "rotary": references.RotaryTorch,
+        "qk_norm_rotary": references.QkNormRotaryTorch,
+        "silu_and_mul": references.SiluAndMulTorch,
+    }[op](None)
+    kernel = {
+        "rms_norm": fused.RmsNormKernel,
+        "rotary": fused.RotaryKernel,
+        "qk_norm_rotary": fused.QkNormRotaryKernel,
+        "silu_and_mul": fused.SiluAndMulKernel,
+    }[op]()
     checked = 0
     for args, kwargs in type(reference).example_inputs("cpu"):
         if args[0].dtype != torch.float32:
@@ -58,14 +66,38 @@ def test_fused_kernels_match_their_references_interpreted(op):
         if op == "rms_norm":
             x, weight, eps = args
             residual = kwargs.get("residual")
-            got = kernel(dtype=x.dtype, shape=(x.shape[-1],), flag=residual is not None, x=x, weight=weight, eps=eps, residual=residual)
+            got = kernel(
+                dtype=x.dtype,
+                shape=(x.shape[-1],),
+                flag=residual is not None,
+                x=x,
+                weight=weight,
+                eps=eps,
+                residual=residual,
+            )
         elif op == "rotary":
             query, key, cos, sin = args
-            got = kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], query.shape[2]), query=query, key=key, cos=cos, sin=sin)
+            got = kernel(
+                dtype=query.dtype,
+                shape=(query.shape[1], key.shape[1], query.shape[2]),
+                query=query,
+                key=key,
+                cos=cos,
+                sin=sin,
+            )
         elif op == "qk_norm_rotary":
             query, key, query_weight, key_weight, eps, cos, sin = args
-            got = kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], query.shape[2]), query=query, key=key,
-                         query_weight=query_weight, key_weight=key_weight, eps=eps, cos=cos, sin=sin)
+            got = kernel(
+                dtype=query.dtype,
+                shape=(query.shape[1], key.shape[1], query.shape[2]),
+                query=query,
+                key=key,
+                query_weight=query_weight,
+                key_weight=key_weight,
+                eps=eps,
+                cos=cos,
+                sin=sin,
+            )
         else:
             (x,) = args
             got = kernel(dtype=x.dtype, shape=(x.shape[-1] // 2,), x=x)

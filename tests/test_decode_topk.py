@@ -78,7 +78,7 @@ def test_reference_properties_on_a_large_capacity():
             kept = [block for block in got[head, row].tolist() if block >= 0]
             assert len(kept) == len(set(kept)) == min(64, length)
             assert all(0 <= block < length for block in kept)
-            assert got[head, row, len(kept):].eq(-1).all()
+            assert got[head, row, len(kept) :].eq(-1).all()
             if kept and len(kept) < length:
                 dropped = sorted(set(range(length)) - set(kept))
                 assert canonical[head, row, dropped].max() <= canonical[head, row, kept].min()
@@ -105,7 +105,14 @@ SIXTEEN_BY_512 = DecodeTopKLaunch(chunks=16, block=512, warps=4, stages=1)
 
 @pytest.mark.parametrize(
     ("capacity", "expected"),
-    [(0, SINGLE_CTA), (1, SINGLE_CTA), (74, SINGLE_CTA), (128, SINGLE_CTA), (129, SIXTEEN_BY_512), (8192, SIXTEEN_BY_512)],
+    [
+        (0, SINGLE_CTA),
+        (1, SINGLE_CTA),
+        (74, SINGLE_CTA),
+        (128, SINGLE_CTA),
+        (129, SIXTEEN_BY_512),
+        (8192, SIXTEEN_BY_512),
+    ],
 )
 def test_gfx950_policy_at_the_listed_capacities(capacity, expected):
     assert decode_topk_launch("gfx950", 16, capacity, 4, 8) == expected
@@ -118,7 +125,22 @@ def test_single_cta_needs_gfx950_and_topk_16():
 
 
 @pytest.mark.parametrize(
-    ("rows", "chunks"), [(1, 16), (3, 16), (4, 16), (5, 8), (8, 8), (9, 4), (16, 4), (17, 2), (32, 2), (33, 1), (64, 1), (65, 1), (4096, 1)]
+    ("rows", "chunks"),
+    [
+        (1, 16),
+        (3, 16),
+        (4, 16),
+        (5, 8),
+        (8, 8),
+        (9, 4),
+        (16, 4),
+        (17, 2),
+        (32, 2),
+        (33, 1),
+        (64, 1),
+        (65, 1),
+        (4096, 1),
+    ],
 )
 def test_beyond_16_by_512_chunks_are_the_largest_power_of_two_under_64_over_rows(rows, chunks):
     for total_q, heads in ((rows, 1), (1, rows)):
@@ -136,7 +158,9 @@ def test_policy_tiles_hold_topk_and_refuse_bad_shapes():
 
 # The Triton kernel, under the interpreter on the CPU (small shapes: the interpreter sorts in Python).
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU"
+)
 
 
 def gfx950_op():
@@ -210,7 +234,10 @@ def test_signed_zeros_infinities_and_nan_order_in_the_kernel():
     op = gfx950_op()
     expected = [[[4, 0, 1, 5, 2, 6, 7, 3] + [-1] * 8]]
     assert op(scores, seq_lens, 1, 1, 16).tolist() == expected
-    assert op(scores, seq_lens, 1, 1, 16, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)).tolist() == expected
+    assert (
+        op(scores, seq_lens, 1, 1, 16, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)).tolist()
+        == expected
+    )
 
 
 @interpreted
@@ -251,7 +278,9 @@ def _has_cuda() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA or ROCm GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES + [(4, 8, 1, 8192, 1, 512), (2, 16, 2, 2048, 4, 64), (8, 4, 1, 40000, 1, 16)], ids=str)
+@pytest.mark.parametrize(
+    "case", CASES + [(4, 8, 1, 8192, 1, 512), (2, 16, 2, 2048, 4, 64), (8, 4, 1, 40000, 1, 16)], ids=str
+)
 def test_kernel_on_gpu_equals_the_reference(case, dtype):
     from weft_triton.ops import DecodeTopKTriton
 
@@ -328,15 +357,21 @@ def test_a_grown_workspace_keeps_the_one_a_graph_may_have_captured():
     scores, seq_lens = random_case(5, 1, 4, 1, 40, 1)
     op = DecodeTopKTriton(None)
     expected = DecodeTopKTorch(None)(scores, seq_lens, 1, 1, 8)
-    assert torch.equal(op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=2, block=16, warps=1, stages=1)), expected)
+    assert torch.equal(
+        op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=2, block=16, warps=1, stages=1)), expected
+    )
     first, counters = weakref.ref(op.launcher.workspace), weakref.ref(op.counters)
     size = op.launcher.workspace.numel()
-    assert torch.equal(op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)), expected)
+    assert torch.equal(
+        op(scores, seq_lens, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)), expected
+    )
     assert op.launcher.workspace.numel() >= 2 * size and first() is not None and first() is not op.launcher.workspace
     assert counters() is op.counters  # as many rows: the counters did not grow
     bigger, lengths = random_case(6, 1, 9, 1, 40, 1)
-    assert torch.equal(op(bigger, lengths, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)),
-                       DecodeTopKTorch(None)(bigger, lengths, 1, 1, 8))
+    assert torch.equal(
+        op(bigger, lengths, 1, 1, 8, launch=DecodeTopKLaunch(chunks=4, block=16, warps=1, stages=1)),
+        DecodeTopKTorch(None)(bigger, lengths, 1, 1, 8),
+    )
     assert counters() is not None and counters() is not op.counters and op.counters.eq(0).all()
 
 

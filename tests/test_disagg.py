@@ -39,12 +39,21 @@ except ImportError as error:  # pragma: no cover - depends on the machine
     pytest.skip(f"NIXL is not installed: {error}", allow_module_level=True)
 
 PROMPTS = [
-    "Hi", "The capital of France is", "Once upon a time there was a little fox who",
+    "Hi",
+    "The capital of France is",
+    "Once upon a time there was a little fox who",
     "Write a haiku about the sea, the wind, and the long grey evening light over the harbour walls",
-    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16", "图片🌍 and more pictures of the world",
-    "A" * 40, "Explain why the sky is blue in one sentence.", "def fibonacci(n):\n    if n < 2:\n        return",
-    "Translate to German: good morning, how did you sleep?", "The quick brown fox jumps over the lazy dog. " * 3,
-    "Q: What is 2 + 2?\nA:", "In 1492,", "Roses are red, violets are blue,", "Lorem ipsum dolor sit amet, consectetur",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16",
+    "图片🌍 and more pictures of the world",
+    "A" * 40,
+    "Explain why the sky is blue in one sentence.",
+    "def fibonacci(n):\n    if n < 2:\n        return",
+    "Translate to German: good morning, how did you sleep?",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Q: What is 2 + 2?\nA:",
+    "In 1492,",
+    "Roses are red, violets are blue,",
+    "Lorem ipsum dolor sit amet, consectetur",
     "Tell me a story about a robot who learns to paint, in exactly three short paragraphs please.",
 ]
 MAX_TOKENS = 8
@@ -64,8 +73,13 @@ class Process:
         self.log = log_folder / f"{name}.log"
         env = {key: value for key, value in os.environ.items() if not key.startswith("WEFT_")}
         with self.log.open("w") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "weft.cli", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "weft.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
 
     def wait_until_healthy(self, url: str, timeout: float = 300) -> None:
         try:
@@ -91,30 +105,61 @@ class Cluster:
     """Prefill instances ``prefill1``.. (fault injection on), a decode instance (without prefix caching unless
     ``decode_prefix_caching``), the proxy."""
 
-    def __init__(self, model: Path, folder: Path, prefill_instances: int = 2, decode_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, model: Path, folder: Path, prefill_instances: int = 2, decode_prefix_caching: bool = False
+    ) -> None:
         self.model, self.folder = model, folder
         self.ports: dict[str, int] = {}
         self.urls: dict[str, str] = {}
         self.processes: dict[str, Process] = {}
         prefills = [f"prefill{index + 1}" for index in range(prefill_instances)]
         for name in prefills:
-            self.serve(name, 'plugins.nixl.role="kv_producer"', f"plugins.nixl.side_channel_port={free_port()}",
-                       "plugins.nixl.fault_injection=true")
-        self.serve("decode", 'plugins.nixl.role="kv_consumer"',
-                   f"engine.enable_prefix_caching={str(decode_prefix_caching).lower()}")
+            self.serve(
+                name,
+                'plugins.nixl.role="kv_producer"',
+                f"plugins.nixl.side_channel_port={free_port()}",
+                "plugins.nixl.fault_injection=true",
+            )
+        self.serve(
+            "decode",
+            'plugins.nixl.role="kv_consumer"',
+            f"engine.enable_prefix_caching={str(decode_prefix_caching).lower()}",
+        )
         for name in (*prefills, "decode"):
             self.processes[name].wait_until_healthy(self.urls[name])
-        self._start("proxy", [
-            "proxy", "pd", "--prefill", *(self.urls[name] for name in prefills), "--decode", self.urls["decode"],
-            "--health-interval", "0.5", "--log-level", "warning",
-        ])
+        self._start(
+            "proxy",
+            [
+                "proxy",
+                "pd",
+                "--prefill",
+                *(self.urls[name] for name in prefills),
+                "--decode",
+                self.urls["decode"],
+                "--health-interval",
+                "0.5",
+                "--log-level",
+                "warning",
+            ],
+        )
         self.processes["proxy"].wait_until_healthy(self.urls["proxy"])
         self.model_name = httpx.get(f"{self.urls['decode']}/v1/models").json()["data"][0]["id"]
 
     def serve(self, name: str, *settings: str) -> Process:
         """Start ``weft serve`` of the model with weft-nixl and ``--set`` ``settings`` of its own (a later one wins)."""
-        common = ["serve", "--model", str(self.model), "--kv-connector", "nixl", "--max-model-len", "512",
-                  "--set", "engine.cpu_kv_cache_bytes=33554432", "--set", "plugins.nixl.transfer_timeout=30.0"]
+        common = [
+            "serve",
+            "--model",
+            str(self.model),
+            "--kv-connector",
+            "nixl",
+            "--max-model-len",
+            "512",
+            "--set",
+            "engine.cpu_kv_cache_bytes=33554432",
+            "--set",
+            "plugins.nixl.transfer_timeout=30.0",
+        ]
         return self._start(name, [*common, *(part for setting in settings for part in ("--set", setting))])
 
     def _start(self, name: str, args: list[str]) -> Process:
@@ -178,10 +223,14 @@ def test_greedy_output_through_the_proxy_equals_a_single_instance_and_decode_com
 ):
     before = cluster.metrics("decode")
     with ThreadPoolExecutor(16) as pool:
-        proxied = list(pool.map(lambda prompt: ask(cluster.client("proxy"), cluster.model_name, api, prompt, stream), PROMPTS))
+        proxied = list(
+            pool.map(lambda prompt: ask(cluster.client("proxy"), cluster.model_name, api, prompt, stream), PROMPTS)
+        )
     after = cluster.metrics("decode")
     with ThreadPoolExecutor(16) as pool:
-        alone = list(pool.map(lambda prompt: ask(cluster.client("decode"), cluster.model_name, api, prompt, stream), PROMPTS))
+        alone = list(
+            pool.map(lambda prompt: ask(cluster.client("decode"), cluster.model_name, api, prompt, stream), PROMPTS)
+        )
     assert proxied == alone
     assert all(tokens for _, tokens in proxied)
     # Every prompt token but the last arrived through NIXL: the decode instance computed one per request.
@@ -199,23 +248,35 @@ def test_greedy_output_through_the_proxy_equals_a_single_instance_and_decode_com
 def remote_prefill(cluster: Cluster, producer: str, transfer_id: str) -> dict:
     """A decode leg's ``kv_transfer_params``: the KV of ``transfer_id`` comes from ``producer``."""
     side_channel = httpx.get(f"{cluster.urls[producer]}/kv_transfer").json()
-    return {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": side_channel["side_channel_host"],
-            "remote_port": side_channel["side_channel_port"]}
+    return {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_host": side_channel["side_channel_host"],
+        "remote_port": side_channel["side_channel_port"],
+    }
 
 
 def test_a_transfer_failure_injected_on_the_producer_makes_decode_compute_the_prompt_with_the_same_output(cluster):
     prompt = "A failed transfer must not change a single token of this answer"
     before = {name: cluster.metrics(name) for name in ("decode", "prefill1", "prefill2")}
-    failed = ask(cluster.client("proxy"), cluster.model_name, "completions", prompt, False,
-                 kv_transfer_params={"inject_failure": True})
+    failed = ask(
+        cluster.client("proxy"),
+        cluster.model_name,
+        "completions",
+        prompt,
+        False,
+        kv_transfer_params={"inject_failure": True},
+    )
     after = {name: cluster.metrics(name) for name in ("decode", "prefill1", "prefill2")}
     assert failed == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
     length = httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
     decode_delta = {key: after["decode"][key] - before["decode"].get(key, 0) for key in after["decode"]}
     assert decode_delta["weft_kv_connector_receive_failures_total"] == 1
     assert decode_delta["weft_kv_connector_failed_load_tokens"] == length - 1
-    producers = sum(after[name]["weft_kv_connector_send_failures_total"] - before[name]["weft_kv_connector_send_failures_total"]
-                    for name in ("prefill1", "prefill2"))
+    producers = sum(
+        after[name]["weft_kv_connector_send_failures_total"] - before[name]["weft_kv_connector_send_failures_total"]
+        for name in ("prefill1", "prefill2")
+    )
     assert producers == 1
 
 
@@ -223,12 +284,19 @@ def test_an_abandoned_transfer_makes_decode_compute_the_prompt_at_once(cluster):
     """``POST /kv_transfer/abandon`` on the prefill instance (the proxy's call when a prefill leg fails before
     its engine saw it): the decode leg hears at once, well before its transfer_timeout (30 s here)."""
     prompt = "Nobody will prefill this prompt for the decode instance"
-    assert httpx.post(f"{cluster.urls['prefill1']}/kv_transfer/abandon", json={"transfer_id": "t-abandoned"}).json() == {
-        "abandoned": "t-abandoned"}
+    assert httpx.post(
+        f"{cluster.urls['prefill1']}/kv_transfer/abandon", json={"transfer_id": "t-abandoned"}
+    ).json() == {"abandoned": "t-abandoned"}
     before = cluster.metrics("decode")["weft_kv_connector_receive_failures_total"]
     started = time.monotonic()
-    answer = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False,
-                 kv_transfer_params=remote_prefill(cluster, "prefill1", "t-abandoned"))
+    answer = ask(
+        cluster.client("decode"),
+        cluster.model_name,
+        "completions",
+        prompt,
+        False,
+        kv_transfer_params=remote_prefill(cluster, "prefill1", "t-abandoned"),
+    )
     assert time.monotonic() - started < 25  # a notice, not the 30 s transfer_timeout
     assert answer == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
     assert cluster.metrics("decode")["weft_kv_connector_receive_failures_total"] == before + 1
@@ -242,9 +310,14 @@ def drill(cluster):
     """One more instance, ``kv_both`` with short ``transfer_timeout`` and ``lease_timeout`` (``DRILL_TIMEOUT``),
     for the failures that only come from waiting; the cluster stops it with the others."""
     name = "drill"
-    cluster.serve(name, 'plugins.nixl.role="kv_both"', f"plugins.nixl.side_channel_port={free_port()}",
-                  f"plugins.nixl.transfer_timeout={DRILL_TIMEOUT}", f"plugins.nixl.lease_timeout={DRILL_TIMEOUT}",
-                  "engine.enable_prefix_caching=false").wait_until_healthy(cluster.urls[name])
+    cluster.serve(
+        name,
+        'plugins.nixl.role="kv_both"',
+        f"plugins.nixl.side_channel_port={free_port()}",
+        f"plugins.nixl.transfer_timeout={DRILL_TIMEOUT}",
+        f"plugins.nixl.lease_timeout={DRILL_TIMEOUT}",
+        "engine.enable_prefix_caching=false",
+    ).wait_until_healthy(cluster.urls[name])
     return name
 
 
@@ -255,8 +328,14 @@ def test_a_transfer_that_times_out_makes_decode_compute_the_prompt_with_the_same
     length = httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
     before = {name: cluster.metrics(name) for name in (drill, "prefill1")}
     started = time.monotonic()
-    answer = ask(cluster.client(drill), cluster.model_name, "completions", prompt, False,
-                 kv_transfer_params=remote_prefill(cluster, "prefill1", "t-timeout"))
+    answer = ask(
+        cluster.client(drill),
+        cluster.model_name,
+        "completions",
+        prompt,
+        False,
+        kv_transfer_params=remote_prefill(cluster, "prefill1", "t-timeout"),
+    )
     assert time.monotonic() - started >= DRILL_TIMEOUT
     assert answer == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
     after = {name: cluster.metrics(name) for name in (drill, "prefill1")}
@@ -264,7 +343,10 @@ def test_a_transfer_that_times_out_makes_decode_compute_the_prompt_with_the_same
     assert delta["weft_kv_connector_receive_started_total"] == 1
     assert delta["weft_kv_connector_receive_failures_total"] == 1
     assert delta["weft_kv_connector_failed_load_tokens"] == length - 1
-    assert after["prefill1"]["weft_kv_connector_send_started_total"] == before["prefill1"]["weft_kv_connector_send_started_total"]
+    assert (
+        after["prefill1"]["weft_kv_connector_send_started_total"]
+        == before["prefill1"]["weft_kv_connector_send_started_total"]
+    )
 
 
 def test_an_unclaimed_lease_expires_and_a_late_decode_leg_hears_at_once(cluster, drill):
@@ -273,8 +355,14 @@ def test_an_unclaimed_lease_expires_and_a_late_decode_leg_hears_at_once(cluster,
     prompt, well before its own transfer_timeout (30 s here)."""
     prompt = "Nobody claims the KV of this prefill in time"
     before = cluster.metrics(drill)["weft_kv_connector_send_failures_total"]
-    ask(cluster.client(drill), cluster.model_name, "completions", prompt, False,
-        kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-unclaimed"})
+    ask(
+        cluster.client(drill),
+        cluster.model_name,
+        "completions",
+        prompt,
+        False,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-unclaimed"},
+    )
     assert held(cluster, drill)[2] > 0  # the finished prefill's blocks are leased
     deadline = time.monotonic() + DRILL_TIMEOUT + 20
     while held(cluster, drill) != (0, 0, 0):
@@ -283,8 +371,14 @@ def test_an_unclaimed_lease_expires_and_a_late_decode_leg_hears_at_once(cluster,
     assert cluster.metrics(drill)["weft_kv_connector_send_failures_total"] == before + 1
     failures = cluster.metrics("decode")["weft_kv_connector_receive_failures_total"]
     started = time.monotonic()
-    late = ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False,
-               kv_transfer_params=remote_prefill(cluster, drill, "t-unclaimed"))
+    late = ask(
+        cluster.client("decode"),
+        cluster.model_name,
+        "completions",
+        prompt,
+        False,
+        kv_transfer_params=remote_prefill(cluster, drill, "t-unclaimed"),
+    )
     assert time.monotonic() - started < 25  # the producer's notice, not the decode instance's 30 s timeout
     assert late == ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
     assert cluster.metrics("decode")["weft_kv_connector_receive_failures_total"] == failures + 1
@@ -296,8 +390,14 @@ def held(cluster: Cluster, name: str) -> tuple[float, float, float]:
 
 
 def test_a_client_disconnect_mid_stream_leaves_no_request_or_block_held(cluster):
-    body = {"model": cluster.model_name, "prompt": "Keep talking for a long while about anything at all",
-            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": cluster.model_name,
+        "prompt": "Keep talking for a long while about anything at all",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{cluster.urls['proxy']}/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -313,7 +413,8 @@ def test_a_client_disconnect_mid_stream_leaves_no_request_or_block_held(cluster)
             break
         time.sleep(0.2)
     assert {name: held(cluster, name) for name in ("decode", "prefill1", "prefill2")} == {
-        name: (0, 0, 0) for name in ("decode", "prefill1", "prefill2")}
+        name: (0, 0, 0) for name in ("decode", "prefill1", "prefill2")
+    }
 
 
 def test_the_proxy_keeps_serving_when_a_prefill_instance_is_killed_mid_run(cluster):
@@ -339,12 +440,16 @@ def test_the_proxy_keeps_serving_when_a_prefill_instance_is_killed_mid_run(clust
         thread.join(timeout=120)
     assert results == expected
     deadline = time.monotonic() + 30
-    while cluster.metrics("proxy")[f'weft_proxy_instance_healthy{{role="prefill",url="{cluster.urls["prefill2"]}"}}'] != 0:
+    while (
+        cluster.metrics("proxy")[f'weft_proxy_instance_healthy{{role="prefill",url="{cluster.urls["prefill2"]}"}}'] != 0
+    ):
         assert time.monotonic() < deadline, "the proxy did not take the dead prefill instance out of rotation"
         time.sleep(0.2)
     before = cluster.metrics("prefill1")["weft_kv_connector_send_started_total"]
-    after_kill = [ask(cluster.client("proxy"), cluster.model_name, "completions", prompt, False) for prompt in prompts[:4]]
+    after_kill = [
+        ask(cluster.client("proxy"), cluster.model_name, "completions", prompt, False) for prompt in prompts[:4]
+    ]
     assert [text for text, _ in after_kill] == [
-        ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)[0] for prompt in prompts[:4]]
+        ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)[0] for prompt in prompts[:4]
+    ]
     assert cluster.metrics("prefill1")["weft_kv_connector_send_started_total"] - before == 4
-

@@ -32,15 +32,22 @@ def test_a_hybrid_model_moves_its_ring_compressed_and_recurrent_groups_and_decod
     prompts shorter than the window and many times longer (the ring wrapped) continue exactly."""
     cluster = dsv4_cluster
     # The last prompt (token ids) moves 128 tokens: a multiple of every snapshot unit of this model.
-    prompts = ["Hello there", "The quick brown fox jumps over the lazy dog and keeps running into the forest",
-               " ".join(str(number) for number in range(60)), [(7 * index + 5) % 400 + 3 for index in range(129)]]
+    prompts = [
+        "Hello there",
+        "The quick brown fox jumps over the lazy dog and keeps running into the forest",
+        " ".join(str(number) for number in range(60)),
+        [(7 * index + 5) % 400 + 3 for index in range(129)],
+    ]
     before = cluster.metrics("decode")
     proxied = [ask(cluster.client("proxy"), cluster.model_name, "completions", prompt, False) for prompt in prompts]
     after = cluster.metrics("decode")
-    assert proxied == [ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False)
-                       for prompt in prompts]
-    lengths = [httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
-               for prompt in prompts[:-1]] + [len(prompts[-1])]
+    assert proxied == [
+        ask(cluster.client("decode"), cluster.model_name, "completions", prompt, False) for prompt in prompts
+    ]
+    lengths = [
+        httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
+        for prompt in prompts[:-1]
+    ] + [len(prompts[-1])]
     assert max(lengths) > 4 * 16
     assert after["weft_kv_connector_hit_tokens"] - before["weft_kv_connector_hit_tokens"] == sum(n - 1 for n in lengths)
     assert after["weft_kv_connector_receive_failures_total"] == before["weft_kv_connector_receive_failures_total"]

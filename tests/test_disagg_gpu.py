@@ -28,10 +28,27 @@ def test_llama3_8b_shape_output_through_the_proxy_equals_one_instance(tokenizer_
     if torch.cuda.device_count() == 1:
         gpus = ["--prefill-gpu", "0", "--decode-gpu", "0", "--gpu-memory-utilization", "0.3"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "pd.py"), "--llama8b", "--tokenizer", str(tokenizer_files),
-         *gpus, "--part", "check", "--check-prompts", "16", "--prompt", "2048",
-         "--output", "32", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=3000,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "pd.py"),
+            "--llama8b",
+            "--tokenizer",
+            str(tokenizer_files),
+            *gpus,
+            "--part",
+            "check",
+            "--check-prompts",
+            "16",
+            "--prompt",
+            "2048",
+            "--output",
+            "32",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
     )
     print(result.stdout[-3000:], result.stderr[-3000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

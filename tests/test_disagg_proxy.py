@@ -59,8 +59,24 @@ class Proxy:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "weft.cli", "proxy", "pd", "--prefill", *prefill, "--decode", *decode,
-             "--port", str(self.port), "--log-level", "warning", "--health-interval", "0.2", *extra],
+            [
+                sys.executable,
+                "-m",
+                "weft.cli",
+                "proxy",
+                "pd",
+                "--prefill",
+                *prefill,
+                "--decode",
+                *decode,
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--health-interval",
+                "0.2",
+                *extra,
+            ],
             start_new_session=True,
         )
         deadline = time.monotonic() + 60
@@ -81,8 +97,11 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def upstreams():
-    started = {"prefill": Upstream([b'{"choices": []}']), "decode": Upstream(SPLIT_CHUNKS),
-               "decode2": Upstream(SPLIT_CHUNKS)}
+    started = {
+        "prefill": Upstream([b'{"choices": []}']),
+        "decode": Upstream(SPLIT_CHUNKS),
+        "decode2": Upstream(SPLIT_CHUNKS),
+    }
     yield started
     for upstream in started.values():
         upstream.stop()
@@ -119,28 +138,49 @@ def test_the_legs_carry_the_transfer_and_leave_the_callers_fields_alone(proxy, u
         upstream.seen.clear()
     # The decode leg answers once its prefill leg was answered: a prefill leg still running when the response ends
     # is cancelled.
-    sent = body(max_completion_tokens=20, stream_options={"include_usage": True}, temperature=0,
-                kv_transfer_params={"inject_failure": True}, fake_await_prefill=True, fake_key="carry")
+    sent = body(
+        max_completion_tokens=20,
+        stream_options={"include_usage": True},
+        temperature=0,
+        kv_transfer_params={"inject_failure": True},
+        fake_await_prefill=True,
+        fake_key="carry",
+    )
     response = httpx.post(f"{proxy.url}/v1/chat/completions", json=sent, timeout=30)
     assert response.status_code == 200
     (prefill,) = legs_of(upstreams["prefill"], "carry")
     (decode,) = legs_of(upstreams["decode"], "carry") + legs_of(upstreams["decode2"], "carry")
     transfer_id = prefill["kv_transfer_params"]["transfer_id"]
-    expected = {**sent, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
-                "kv_transfer_params": {"inject_failure": True, "do_remote_decode": True, "transfer_id": transfer_id}}
+    expected = {
+        **sent,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"inject_failure": True, "do_remote_decode": True, "transfer_id": transfer_id},
+    }
     del expected["stream_options"]
     assert prefill == expected
-    assert decode == {**sent, "kv_transfer_params": {
-        "inject_failure": True, "do_remote_prefill": True, "transfer_id": transfer_id,
-        "remote_host": "127.0.0.1", "remote_port": 7777}}
+    assert decode == {
+        **sent,
+        "kv_transfer_params": {
+            "inject_failure": True,
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 7777,
+        },
+    }
 
 
 def test_a_failed_prefill_leg_does_not_fail_the_request_and_ends_its_transfer(proxy, upstreams):
     upstreams["prefill"].seen.clear()
     upstreams["prefill"].app.state.abandoned.clear()
     # The decode leg waits for its transfer, which the proxy abandons once the prefill leg failed.
-    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_prefill_status=503, fake_await_prefill=True,
-                                                                    fake_key="failed-prefill"), timeout=30)
+    response = httpx.post(
+        f"{proxy.url}/v1/completions",
+        json=body(fake_prefill_status=503, fake_await_prefill=True, fake_key="failed-prefill"),
+        timeout=30,
+    )
     assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
     (prefill,) = legs_of(upstreams["prefill"], "failed-prefill")
     deadline = time.monotonic() + 10
@@ -164,19 +204,29 @@ def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight
     prefills = [upstreams["prefill"], Upstream([b'{"choices": []}'])]
     decodes = [upstreams["decode"], upstreams["decode2"]]
     everyone = (*prefills, *decodes)
-    proxy = Proxy([upstream.url for upstream in prefills], [upstream.url for upstream in decodes],
-                  "--policy", "least_loaded")
+    proxy = Proxy(
+        [upstream.url for upstream in prefills], [upstream.url for upstream in decodes], "--policy", "least_loaded"
+    )
 
     def legs(upstream: Upstream, key: str) -> int:
         return len(legs_of(upstream, key))
 
     held: list[httpx.Response] = []
-    holder = threading.Thread(target=lambda: held.append(httpx.post(
-        f"{proxy.url}/v1/completions", json=body(fake_delay=8, fake_prefill_delay=8, fake_key="held"), timeout=60)))
+    holder = threading.Thread(
+        target=lambda: held.append(
+            httpx.post(
+                f"{proxy.url}/v1/completions",
+                json=body(fake_delay=8, fake_prefill_delay=8, fake_key="held"),
+                timeout=60,
+            )
+        )
+    )
     try:
         holder.start()
         deadline = time.monotonic() + 10
-        while not (any(legs(upstream, "held") for upstream in prefills) and any(legs(upstream, "held") for upstream in decodes)):
+        while not (
+            any(legs(upstream, "held") for upstream in prefills) and any(legs(upstream, "held") for upstream in decodes)
+        ):
             assert time.monotonic() < deadline, "the held request did not reach both legs"
             time.sleep(0.02)
         busy = {upstream.url for upstream in everyone if legs(upstream, "held")}
@@ -186,10 +236,15 @@ def test_least_loaded_sends_both_legs_to_the_instances_with_the_fewest_in_flight
         # of each request have ended (the prefill leg answered, the decode leg's count released) before its response
         # ends, so each next request sees the counts of the held request alone.
         for _ in range(4):
-            assert httpx.post(f"{proxy.url}/v1/completions", json=body(fake_await_prefill=True, fake_key="after"),
-                              timeout=30).status_code == 200
+            assert (
+                httpx.post(
+                    f"{proxy.url}/v1/completions", json=body(fake_await_prefill=True, fake_key="after"), timeout=30
+                ).status_code
+                == 200
+            )
         assert {upstream.url: legs(upstream, "after") for upstream in everyone} == {
-            upstream.url: 0 if upstream.url in busy else 4 for upstream in everyone}
+            upstream.url: 0 if upstream.url in busy else 4 for upstream in everyone
+        }
         holder.join(timeout=60)
         assert [response.status_code for response in held] == [200]
     finally:
@@ -207,10 +262,14 @@ class BrokenTransport(httpx.AsyncBaseTransport):
         raise self.error
 
 
-@pytest.mark.parametrize(("error", "status", "message"), [
-    (RuntimeError("the transport broke"), 500, "proxy error: RuntimeError: the transport broke"),
-    (httpx.RemoteProtocolError("Server disconnected without sending a response."), 502, "could not be reached"),
-], ids=["own_failure", "upstream_broke_off"])
+@pytest.mark.parametrize(
+    ("error", "status", "message"),
+    [
+        (RuntimeError("the transport broke"), 500, "proxy error: RuntimeError: the transport broke"),
+        (httpx.RemoteProtocolError("Server disconnected without sending a response."), 502, "could not be reached"),
+    ],
+    ids=["own_failure", "upstream_broke_off"],
+)
 def test_a_failure_of_the_proxy_is_a_500_and_an_upstream_that_breaks_off_a_502(error, status, message):
     """Either way both legs end: no instance stays counted in flight (least_loaded would avoid it for good)."""
     import asyncio
@@ -241,7 +300,9 @@ def test_a_decode_5xx_before_the_first_byte_is_retried_on_another_instance(proxy
     for upstream in upstreams.values():
         upstream.seen.clear()
     before = metric(proxy, "weft_proxy_decode_retries_total")
-    response = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_status=503, fake_fail_times=1, fake_key="retry"), timeout=30)
+    response = httpx.post(
+        f"{proxy.url}/v1/completions", json=body(fake_status=503, fake_fail_times=1, fake_key="retry"), timeout=30
+    )
     assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
     assert metric(proxy, "weft_proxy_decode_retries_total") == before + 1
     # Each attempt has its own transfer (and prefill leg).
@@ -272,12 +333,17 @@ def test_an_unreachable_decode_instance_is_a_502_and_leaves_the_rotation(upstrea
 
 
 def test_a_body_that_is_not_json_is_refused(proxy):
-    response = httpx.post(f"{proxy.url}/v1/completions", content=b"prompt=hi", timeout=30,
-                          headers={"content-type": "application/x-www-form-urlencoded"})
+    response = httpx.post(
+        f"{proxy.url}/v1/completions",
+        content=b"prompt=hi",
+        timeout=30,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert response.status_code == 415
     assert "application/json" in response.json()["error"]["message"]
-    response = httpx.post(f"{proxy.url}/v1/completions", content=b"{not json", timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{proxy.url}/v1/completions", content=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
 
 
@@ -314,16 +380,23 @@ def test_the_prefill_leg_never_outlives_the_response(upstreams):
         return StreamingResponse(forever())
 
     async def kv_transfer(request):
-        return PlainTextResponse(msgspec.json.encode({"side_channel_host": "127.0.0.1", "side_channel_port": 7}),
-                                 media_type="application/json")
+        return PlainTextResponse(
+            msgspec.json.encode({"side_channel_host": "127.0.0.1", "side_channel_port": 7}),
+            media_type="application/json",
+        )
 
     async def health(request):
         return PlainTextResponse("ok")
 
     import uvicorn
 
-    app = Starlette(routes=[Route("/v1/completions", hang, methods=["POST"]), Route("/health", health),
-                            Route("/kv_transfer", kv_transfer)])
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", hang, methods=["POST"]),
+            Route("/health", health),
+            Route("/kv_transfer", kv_transfer),
+        ]
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

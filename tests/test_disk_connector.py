@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import make_tiny_model
-
 from weft.testing import KVConnectorContract
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,7 +56,9 @@ def test_damaged_files_are_failed_loads_and_recomputed(llama, tmp_path, caplog):
     from weft import LLM, SamplingParams
 
     engine = {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
-    connected = dict(model=str(llama), engine=engine, use={"kv_connector": "disk"}, plugins={"disk": {"path": str(tmp_path)}})
+    connected = dict(
+        model=str(llama), engine=engine, use={"kv_connector": "disk"}, plugins={"disk": {"path": str(tmp_path)}}
+    )
     prompt = [(7 * i + 5) % 900 + 20 for i in range(40)]  # two full blocks
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(model=str(llama), engine=engine) as plain:
@@ -80,16 +81,21 @@ def _groups():
     from weft.contracts.kv_cache import CompressedSpec, FullAttentionSpec, KVCacheGroupSpec
 
     return (
-        KVCacheGroupSpec("attention", ("layer.0", "layer.1"), FullAttentionSpec(
-            block_size=16, dtype="float32", num_kv_heads=2, head_dim=8)),
-        KVCacheGroupSpec("compressed", ("layer.2",), CompressedSpec(
-            block_size=16, dtype="float32", compress_ratio=4, entry_dim=8)),
+        KVCacheGroupSpec(
+            "attention",
+            ("layer.0", "layer.1"),
+            FullAttentionSpec(block_size=16, dtype="float32", num_kv_heads=2, head_dim=8),
+        ),
+        KVCacheGroupSpec(
+            "compressed", ("layer.2",), CompressedSpec(block_size=16, dtype="float32", compress_ratio=4, entry_dim=8)
+        ),
     )
 
 
 def test_blocks_of_a_backend_layout_and_a_block_first_layout_come_back_as_saved(tmp_path):
     """Without an engine: a model-managed compressed group (DeepSeek V4's layout) beside plain attention."""
     import torch
+
     from weft.contracts.kv_connector import ConnectorContext, ConnectorRequest, ConnectorStep, ConnectorStepRequest
     from weft.engine.core.kv_cache_manager import block_hashes
     from weft_example_disk.connector import DiskConnector, DiskOptions
@@ -102,7 +108,10 @@ def test_blocks_of_a_backend_layout_and_a_block_first_layout_come_back_as_saved(
     saved_blocks, loaded_blocks = ((4, 7, 1), (4, 7, 1)), ((0, 5, 8), (2, 3, 6))
 
     def run_step(caches, block_ids, computed, new, external):
-        scheduler, worker = DiskConnector(options, "scheduler", groups, context), DiskConnector(options, "worker", groups, context)
+        scheduler, worker = (
+            DiskConnector(options, "scheduler", groups, context),
+            DiskConnector(options, "worker", groups, context),
+        )
         worker.register_kv_caches(caches)
         offered = scheduler.get_num_new_matched_tokens(request, 0)
         scheduler.update_state_after_alloc(request, block_ids, external)
@@ -118,21 +127,29 @@ def test_blocks_of_a_backend_layout_and_a_block_first_layout_come_back_as_saved(
     assert run_step(written, saved_blocks, 0, len(prompt), 0) == (0, False)
     restored = {name: torch.zeros(shape) for name, shape in shapes.items()}
     assert run_step(restored, loaded_blocks, 32, len(prompt) - 32, 32) == (32, False)
-    for old, new in zip(saved_blocks[0][:2], loaded_blocks[0][:2]):
+    for old, new in zip(saved_blocks[0][:2], loaded_blocks[0][:2], strict=False):
         for layer in ("layer.0", "layer.1"):
             assert torch.equal(restored[layer][:, new], written[layer][:, old])
-    for old, new in zip(saved_blocks[1][:2], loaded_blocks[1][:2]):
+    for old, new in zip(saved_blocks[1][:2], loaded_blocks[1][:2], strict=False):
         assert torch.equal(restored["layer.2"][new], written["layer.2"][old])
     assert not restored["layer.0"][:, loaded_blocks[0][2]].any(), "the third block holds the last token: not loaded"
 
 
 def test_a_cache_layout_it_does_not_know_is_refused_naming_the_layer(tmp_path):
     import torch
+
     from weft.contracts.kv_connector import ConnectorContext
     from weft_example_disk.connector import DiskConnector, DiskOptions
 
     worker = DiskConnector(DiskOptions(path=str(tmp_path)), "worker", _groups(), ConnectorContext(model="layouts@0"))
-    blocks_first = {"layer.0": torch.zeros(9, 2, 16, 2, 8), "layer.1": torch.zeros(2, 9, 16, 2, 8), "layer.2": torch.zeros(9, 4, 8)}
-    with pytest.raises(ValueError, match=r"KV cache of layer\.0 \(group 'attention', FullAttentionSpec\) has shape "
-                                         r"\(9, 2, 16, 2, 8\).*expected the default \[2, num_blocks, 16"):
+    blocks_first = {
+        "layer.0": torch.zeros(9, 2, 16, 2, 8),
+        "layer.1": torch.zeros(2, 9, 16, 2, 8),
+        "layer.2": torch.zeros(9, 4, 8),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"KV cache of layer\.0 \(group 'attention', FullAttentionSpec\) has shape "
+        r"\(9, 2, 16, 2, 8\).*expected the default \[2, num_blocks, 16",
+    ):
         worker.register_kv_caches(blocks_first)

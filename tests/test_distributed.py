@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import free_port, make_tiny_model, start_weft_serve
 from weft import LLM, SamplingParams
 from weft.contracts.structured_output import StructuredOutputsParams
@@ -69,7 +70,13 @@ def checkpoint(tmp_path_factory, tokenizer_files):
         ("llama", {"num_hidden_layers": 3}, {"pipeline_parallel_size": 2, "pipeline_partition": [2, 1]}),
         ("llama3-rope", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     ],
-    ids=["tp2-vocab-1001", "tp2-qwen3-one-kv-head", "tp2-mistral-window", "pp2-partition-2-1", "tp2-pp2-tied-embeddings"],
+    ids=[
+        "tp2-vocab-1001",
+        "tp2-qwen3-one-kv-head",
+        "tp2-mistral-window",
+        "pp2-partition-2-1",
+        "tp2-pp2-tied-embeddings",
+    ],
 )
 def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint, kind, sizes, layout):
     model = checkpoint(kind, **sizes)
@@ -92,20 +99,23 @@ def test_structured_outputs_over_two_tensor_ranks_equal_transformers(checkpoint)
     arrived, so the core launches the forward before accepting them, then fills the mask on its thread while
     it schedules the next step. Constrained greedy equals transformers under xgrammar's own logits processor."""
     from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
-
     from weft.contracts.structured_output import StructuredOutputsParams
 
     model = checkpoint("llama")
     prompts = [[1, 5, 9, 200 + index, 31] for index in range(3)]
     expected = hf_constrained_greedy(model, prompts, TOOL_CALL, 24)
-    llm = LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 22, "tensor_parallel_size": 2, "async_scheduling": True})
+    llm = LLM(
+        model=str(model), engine={"cpu_kv_cache_bytes": 1 << 22, "tensor_parallel_size": 2, "async_scheduling": True}
+    )
     try:
         assert llm.engine.core.async_scheduling and llm.engine.core.executor.name == "mp"
-        params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+        params = SamplingParams(
+            temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=TOOL_CALL)
+        )
         outputs = llm.generate(prompts, params)
     finally:
         llm.engine.close()
-    for output, reference in zip(outputs, expected):
+    for output, reference in zip(outputs, expected, strict=False):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and (len(tokens) == 24 or len(reference) - len(tokens) <= 1)
 
@@ -125,12 +135,14 @@ def test_one_mp_worker_gives_the_greedy_tokens_of_the_in_process_worker(checkpoi
     params = [GREEDY] * len(PROMPTS) + [schema] * len(constrained_prompts)
     tokens = {}
     for executor in ("uniproc", "mp"):
-        with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 22, "async_scheduling": True,
-                                           "distributed_executor_backend": executor}) as llm:
+        with LLM(
+            model=str(model),
+            engine={"cpu_kv_cache_bytes": 1 << 22, "async_scheduling": True, "distributed_executor_backend": executor},
+        ) as llm:
             assert llm.engine.core.executor.name == executor and llm.engine.core.async_scheduling
             tokens[executor] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
     assert tokens["mp"] == tokens["uniproc"]
-    for got, reference in zip(tokens["mp"][len(PROMPTS) :], expected_constrained):
+    for got, reference in zip(tokens["mp"][len(PROMPTS) :], expected_constrained, strict=False):
         assert got == reference[: len(got)] and (len(got) == 24 or len(reference) - len(got) <= 1)  # HF keeps the EOS
 
 
@@ -148,8 +160,11 @@ def test_impossible_layouts_are_refused_with_the_numbers_and_the_fix(checkpoint,
     from weft.config import ConfigError, load_config
 
     model = str(checkpoint("llama"))
-    with pytest.raises(ValueError, match=r"tensor_parallel_size = 3 does not divide the model's 4 attention heads; "
-                                         r"use a tensor_parallel_size among 1, 2, 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size = 3 does not divide the model's 4 attention heads; "
+        r"use a tensor_parallel_size among 1, 2, 4",
+    ):
         LLM(model=model, tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size = 3 is more stages than the model's 2 layers"):
         LLM(model=model, pipeline_parallel_size=3)
@@ -157,7 +172,9 @@ def test_impossible_layouts_are_refused_with_the_numbers_and_the_fix(checkpoint,
         LLM(model=model, pipeline_parallel_size=2, pipeline_partition=[2, 1])
     with pytest.raises(ConfigError, match=r"'uniproc' runs one worker .* 2 x 1 = 2 ranks; use 'mp'"):
         load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed_executor_backend": "uniproc"})
-    with pytest.raises(ConfigError, match=r"pipeline_partition = \[2\] lists 1 stages but engine.pipeline_parallel_size = 2"):
+    with pytest.raises(
+        ConfigError, match=r"pipeline_partition = \[2\] lists 1 stages but engine.pipeline_parallel_size = 2"
+    ):
         load_config(None, {"engine.pipeline_parallel_size": 2, "engine.pipeline_partition": [2]})
     with pytest.raises(ConfigError, match=r"node_rank = 2 but engine.distributed.nnodes = 2"):
         load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2, "node_rank": 2}})
@@ -169,8 +186,12 @@ def test_impossible_layouts_are_refused_with_the_numbers_and_the_fix(checkpoint,
     from weft.contracts.platform import PlatformProbe
     from weft_cuda.platform import CudaPlatform
 
-    monkeypatch.setattr(selection, "select_platform", lambda registry, name: (CudaPlatform, PlatformProbe(True, "one GPU", 100, 1)))
-    with pytest.raises(ValueError, match=r"needs 2 devices on each of 1 node\(s\), but this node has 1 visible cuda device"):
+    monkeypatch.setattr(
+        selection, "select_platform", lambda registry, name: (CudaPlatform, PlatformProbe(True, "one GPU", 100, 1))
+    )
+    with pytest.raises(
+        ValueError, match=r"needs 2 devices on each of 1 node\(s\), but this node has 1 visible cuda device"
+    ):
         LLM(model=model, tensor_parallel_size=2)
 
 
@@ -179,16 +200,29 @@ def test_torchrun_variables_place_the_launcher():
     from weft.distributed.placement import placement
 
     config = load_config(None, {"engine.tensor_parallel_size": 4})
-    torchrun = {"GROUP_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "MASTER_ADDR": "10.0.0.7",
-                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    torchrun = {
+        "GROUP_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "RANK": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
     where = placement(config, torchrun)
     assert (where.nnodes, where.node_rank, where.master_addr, where.master_port) == (2, 1, "10.0.0.7", 29500)
     assert where.agent_store and where.node_ranks() == range(2, 4) and where.run_id == "weft/job7/0"
-    explicit = load_config(None, {"engine.tensor_parallel_size": 4, "engine.distributed": {"node_rank": 0, "master_port": 4000}})
+    explicit = load_config(
+        None, {"engine.tensor_parallel_size": 4, "engine.distributed": {"node_rank": 0, "master_port": 4000}}
+    )
     assert (placement(explicit, torchrun).node_rank, placement(explicit, torchrun).master_port) == (0, 4000)
     with pytest.raises(ConfigError, match="run torchrun with --nproc-per-node 1"):
         placement(config, {**torchrun, "LOCAL_WORLD_SIZE": "4"})
-    with pytest.raises(ConfigError, match=r"3 ranks \(tensor_parallel_size x pipeline_parallel_size\) cannot be spread evenly over 2 nodes"):
+    with pytest.raises(
+        ConfigError,
+        match=r"3 ranks \(tensor_parallel_size x pipeline_parallel_size\) cannot be spread evenly over 2 nodes",
+    ):
         placement(load_config(None, {"engine.pipeline_parallel_size": 3, "engine.distributed": {"nnodes": 2}}), {})
     with pytest.raises(ConfigError, match=r"2 nodes need a rendezvous port .* set engine.distributed.master_port"):
         placement(load_config(None, {"engine.tensor_parallel_size": 2, "engine.distributed": {"nnodes": 2}}), {})
@@ -198,21 +232,48 @@ def _environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(("WEFT_", "MASTER_", "TORCHELASTIC"))}
 
 
-def two_launchers(model: Path, node1_args: tuple[str, ...] = (), sections: dict | None = None,
-                  node1_env: dict[str, str] | None = None) -> tuple[list[list[int]], str]:
+def two_launchers(
+    model: Path, node1_args: tuple[str, ...] = (), sections: dict | None = None, node1_env: dict[str, str] | None = None
+) -> tuple[list[list[int]], str]:
     """The greedy tokens of a TP=2 engine started as two launchers on 127.0.0.1 (node 0 in this process, node 1 a
     ``weft serve`` given ``node1_args`` and ``node1_env``; ``sections`` for both), and node 1's log."""
     port = free_port()
-    common = ["--model", str(model), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--set", "engine.cpu_kv_cache_bytes=1048576",
-              "--set", "engine.distributed.worker_timeout=120"]
-    node1 = subprocess.Popen([sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1", *node1_args],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**_environment(), **(node1_env or {})})
+    common = [
+        "--model",
+        str(model),
+        "--tensor-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--set",
+        "engine.cpu_kv_cache_bytes=1048576",
+        "--set",
+        "engine.distributed.worker_timeout=120",
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "weft.cli", "serve", *common, "--node-rank", "1", *node1_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_environment(), **(node1_env or {})},
+    )
     try:
-        got, _ = greedy_tokens(model, sections, tensor_parallel_size=2,
-                               distributed={"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port,
-                                            "worker_timeout": 120})
+        got, _ = greedy_tokens(
+            model,
+            sections,
+            tensor_parallel_size=2,
+            distributed={
+                "nnodes": 2,
+                "node_rank": 0,
+                "master_addr": "127.0.0.1",
+                "master_port": port,
+                "worker_timeout": 120,
+            },
+        )
         status = node1.wait(timeout=60)
     finally:
         if node1.poll() is None:
@@ -243,26 +304,39 @@ def test_weft_serve_with_two_tensor_ranks_and_a_worker_killed(checkpoint, tokeni
     offline.engine.close()
 
     port = free_port()
-    server, log = start_weft_serve(["--model", str(model), "--tensor-parallel-size", "2",
-                                    "--set", "engine.cpu_kv_cache_bytes=1048576"], port, _environment(), timeout=240)
+    server, log = start_weft_serve(
+        ["--model", str(model), "--tensor-parallel-size", "2", "--set", "engine.cpu_kv_cache_bytes=1048576"],
+        port,
+        _environment(),
+        timeout=240,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-        completion = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=16,
-                                               temperature=0, extra_body={"ignore_eos": True})
+        completion = client.completions.create(
+            model=model.name,
+            prompt="The capital of France is",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert completion.choices[0].text == completion_expected
-        streamed = client.chat.completions.create(model=model.name, messages=chat, max_tokens=16, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
+        streamed = client.chat.completions.create(
+            model=model.name, messages=chat, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == chat_expected
 
-        pids = {int(pid): int(rank) for rank, pid in re.findall(r"worker rank (\d+) \(pid (\d+)\) joined", "".join(log))}
+        pids = {
+            int(pid): int(rank) for rank, pid in re.findall(r"worker rank (\d+) \(pid (\d+)\) joined", "".join(log))
+        }
         victim = next(pid for pid, rank in pids.items() if rank == 1)
         received: list[str] = []
 
         def stream() -> None:
             try:
-                for chunk in client.completions.create(model=model.name, prompt="Once", max_tokens=500, stream=True,
-                                                       extra_body={"ignore_eos": True}):
+                for chunk in client.completions.create(
+                    model=model.name, prompt="Once", max_tokens=500, stream=True, extra_body={"ignore_eos": True}
+                ):
                     received.append(chunk.choices[0].text if chunk.choices else "")
             except Exception as error:  # noqa: BLE001 - the error the stream ends with
                 received.append(f"ERROR {error}")
@@ -349,8 +423,9 @@ def test_deepseek_v4_with_expert_parallelism_gives_the_greedy_tokens_of_one_devi
         assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
 
 
-@pytest.mark.parametrize("layout", [{"enable_expert_parallel": True}, {"enable_expert_parallel": False}],
-                         ids=["ep2", "tp2-expert-columns"])
+@pytest.mark.parametrize(
+    "layout", [{"enable_expert_parallel": True}, {"enable_expert_parallel": False}], ids=["ep2", "tp2-expert-columns"]
+)
 def test_qwen3_moe_over_two_ranks_gives_the_greedy_tokens_of_one_device(tmp_path, tokenizer_files, layout):
     """EP=2: each rank holds 8 of the 16 experts, routes its half of the rows and gets the others' routing;
     without expert parallelism each rank holds half of every expert's columns."""
@@ -364,6 +439,7 @@ def test_qwen3_moe_over_two_ranks_gives_the_greedy_tokens_of_one_device(tmp_path
 
 def test_expert_parallel_ranks_read_only_their_experts(tmp_path, tokenizer_files):
     from safetensors.torch import load_file
+
     from test_moe_families import make_moe_model
     from weft.models.qwen3_moe import Qwen3MoeFamily
 
@@ -410,17 +486,26 @@ def _load_rank(folder: Path, family, rank: int, loader=None, **layout: object):
     tensor.size, tensor.rank = 2, rank
     loader = loader or SafetensorsLoader()
     source = loader.resolve(str(folder))
-    config = ModelConfig(architecture=source.hf_config["architectures"][0], hf_config=source.hf_config, dtype="float32",
-                         block_size=16, max_model_len=256, parallel=parallel_layout)
+    config = ModelConfig(
+        architecture=source.hf_config["architectures"][0],
+        hf_config=source.hf_config,
+        dtype="float32",
+        block_size=16,
+        max_model_len=256,
+        parallel=parallel_layout,
+    )
     with using_parallel(ParallelGroups(parallel_layout, tensor, torch.device("cpu"))):
         module = family.build(config, torch.device("cpu"))
     reads: list = []
-    family.load_weights(module, ((name, Recording(name, part, reads)) for name, part in loader.iter_weight_slices(source, "float32")))
+    family.load_weights(
+        module, ((name, Recording(name, part, reads)) for name, part in loader.iter_weight_slices(source, "float32"))
+    )
     return module, reads
 
 
 def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
     from safetensors.torch import load_file
+
     from weft.models.llama import LlamaFamily
 
     folder = checkpoint("llama", vocab_size=1001)  # 4 heads of 16, 2 KV heads, MLP 128, vocabulary 1,001
@@ -436,8 +521,13 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
     whole = {name for name, *rest in reads if rest == ["whole"]}
     assert all(name.endswith("norm.weight") for name in whole), whole
     attention = module.model.layers[0].self_attn
-    expected = torch.cat([stored[f"{layer}.self_attn.q_proj.weight"][32:], stored[f"{layer}.self_attn.k_proj.weight"][16:],
-                          stored[f"{layer}.self_attn.v_proj.weight"][16:]])
+    expected = torch.cat(
+        [
+            stored[f"{layer}.self_attn.q_proj.weight"][32:],
+            stored[f"{layer}.self_attn.k_proj.weight"][16:],
+            stored[f"{layer}.self_attn.v_proj.weight"][16:],
+        ]
+    )
     assert attention.qkv_proj.weight.equal(expected)
     embedding = module.model.embed_tokens.weight
     assert embedding[:500].equal(stored["model.embed_tokens.weight"][501:]) and not embedding[500].any()
@@ -460,7 +550,6 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(checkpoint, tmp_path):
     assert routed.down_proj[1].equal(stored[down])
 
 
-
 def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_device(checkpoint, site, tmp_path):
     """`weft generate` joins a running Ray cluster (plugins.ray.address) and places two ranks as actors; an actor
     whose machine lacks a plugin of the engine's lock refuses to start, naming its rank and the difference."""
@@ -474,36 +563,86 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
     prompts = ["The capital of France is", "Once upon a time"]
     with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}) as one:
         expected = [output.outputs[0].token_ids for output in one.generate(prompts, GREEDY)]
-    cluster = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, namespace="weft-test",
-                       log_to_driver=False)
+    cluster = ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, namespace="weft-test", log_to_driver=False
+    )
     try:
         address = cluster.address_info["gcs_address"]
         run = subprocess.run(
-            [sys.executable, "-m", "weft.cli", "generate", "--json", "--no-chat", "--model", str(model),
-             "--max-tokens", "16", "--ignore-eos", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-             "--set", f'plugins.ray.address="{address}"', "--set", "engine.cpu_kv_cache_bytes=1048576",
-             *(argument for prompt in prompts for argument in ("--prompt", prompt))],
-            capture_output=True, text=True, timeout=600, env=_environment(),
+            [
+                sys.executable,
+                "-m",
+                "weft.cli",
+                "generate",
+                "--json",
+                "--no-chat",
+                "--model",
+                str(model),
+                "--max-tokens",
+                "16",
+                "--ignore-eos",
+                "--tensor-parallel-size",
+                "2",
+                "--distributed-executor-backend",
+                "ray",
+                "--set",
+                f'plugins.ray.address="{address}"',
+                "--set",
+                "engine.cpu_kv_cache_bytes=1048576",
+                *(argument for prompt in prompts for argument in ("--prompt", prompt)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=_environment(),
         )
         # Structured outputs through the actors: the forward, then the sampling with the bitmask.
-        constrained = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(
-            choice=["yes, certainly", "no, never", "maybe later"]))
+        constrained = SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(choice=["yes, certainly", "no, never", "maybe later"]),
+        )
         with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}) as one:
             expected_choice = [output.outputs[0].text for output in one.generate(prompts, constrained)]
-        with LLM(model=str(model), engine={"cpu_kv_cache_bytes": 1 << 20}, tensor_parallel_size=2,
-                 distributed_executor_backend="ray", plugins={"ray": {"address": address}}) as spread:
+        with LLM(
+            model=str(model),
+            engine={"cpu_kv_cache_bytes": 1 << 20},
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            plugins={"ray": {"address": address}},
+        ) as spread:
             chosen = [output.outputs[0].text for output in spread.generate(prompts, constrained)]
         # The engine's process sees one more plugin (its own site folder) than the cluster's actors do.
-        site.add_distribution("weft-alpha", entry_points={"weft.hooks": {"alpha": "weft_alpha"}},
-                              modules={"weft_alpha": ""})
+        site.add_distribution(
+            "weft-alpha", entry_points={"weft.hooks": {"alpha": "weft_alpha"}}, modules={"weft_alpha": ""}
+        )
         lock = tmp_path / "weft.lock"
         lock.write_text(site.weft("plugins", "freeze").stdout)
         assert "weft-alpha" in lock.read_text() and "weft-alpha" not in freeze()
         refused = subprocess.run(
-            [sys.executable, "-m", "weft.cli", "generate", "--model", str(model), "--max-tokens", "2", "--prompt", "hi",
-             "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-             "--set", f'plugins.ray.address="{address}"', "--set", "engine.cpu_kv_cache_bytes=1048576"],
-            capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "weft.cli",
+                "generate",
+                "--model",
+                str(model),
+                "--max-tokens",
+                "2",
+                "--prompt",
+                "hi",
+                "--tensor-parallel-size",
+                "2",
+                "--distributed-executor-backend",
+                "ray",
+                "--set",
+                f'plugins.ray.address="{address}"',
+                "--set",
+                "engine.cpu_kv_cache_bytes=1048576",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
             env={**_environment(), "PYTHONPATH": site.env()["PYTHONPATH"], "WEFT_PLUGINS_LOCK": str(lock)},
         )
     finally:
@@ -514,9 +653,12 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
     assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
     assert chosen == expected_choice and set(chosen) <= {"yes, certainly", "no, never", "maybe later"}
     assert refused.returncode == 1
-    assert re.search(rf"weft: error: the installed plugins on {re.escape(socket.gethostname())} \(Ray worker rank \d\) "
-                     rf"differ from the lock {re.escape(str(lock))} \(named by WEFT_PLUGINS_LOCK\):\n"
-                     rf"  - weft-alpha 0.1.0 removed: locked, but not installed\n", refused.stderr), refused.stderr[-3000:]
+    assert re.search(
+        rf"weft: error: the installed plugins on {re.escape(socket.gethostname())} \(Ray worker rank \d\) "
+        rf"differ from the lock {re.escape(str(lock))} \(named by WEFT_PLUGINS_LOCK\):\n"
+        rf"  - weft-alpha 0.1.0 removed: locked, but not installed\n",
+        refused.stderr,
+    ), refused.stderr[-3000:]
 
 
 def test_a_gguf_model_is_read_in_slices():
@@ -527,7 +669,9 @@ def test_a_gguf_model_is_read_in_slices():
     loader = PluginRegistry().load("loader", "gguf")()
     source = loader.resolve(str(smollm2_gguf()))
     whole = dict(loader.iter_weights(source, "float32"))
-    name, part = next((name, part) for name, part in loader.iter_weight_slices(source, "float32") if name.endswith("q_proj.weight"))
+    name, part = next(
+        (name, part) for name, part in loader.iter_weight_slices(source, "float32") if name.endswith("q_proj.weight")
+    )
     assert part.narrow(0, 64, 64).equal(whole[name][64:128]) and part.narrow(1, 5, 7).equal(whole[name][:, 5:12])
 
 
@@ -540,7 +684,9 @@ def _random_moe(settings, index: int, seed: int, hash_to: list[int] | None = Non
     for parameter in layer.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
     if layer.gate.hashed:
-        table = torch.randint(0, settings.num_experts, (settings.vocab_size, settings.experts_per_token), generator=generator)
+        table = torch.randint(
+            0, settings.num_experts, (settings.vocab_size, settings.experts_per_token), generator=generator
+        )
         # Distinct picks per token, as a real table has them.
         table[:, 1] = (table[:, 0] + 1 + table[:, 1] % (settings.num_experts - 1)) % settings.num_experts
         layer.gate.tid2eid.copy_(torch.tensor([hash_to] * settings.vocab_size) if hash_to else table)
@@ -565,6 +711,7 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
     """One rank of an EP=2 MoE, its weights sliced from :func:`_random_moe`'s: what its router, its expert GEMMs
     and its collectives saw, and its output, for every case of ``EXCHANGE_CASES``."""
     import torch.distributed as dist
+
     from weft.contracts.parallel import Communicator, ParallelLayout
     from weft.distributed.state import ParallelGroups, using_parallel
     from weft_dsv4 import moe
@@ -602,14 +749,18 @@ def _expert_parallel_rank(rank: int, world: int, port: int, results) -> None:
     reports = []
     for index, tokens, hash_to in EXCHANGE_CASES:
         whole = _random_moe(DeepseekV4Settings(config), index, seed=index, hash_to=hash_to)
-        with using_parallel(ParallelGroups(layout, Recording(dist.group.WORLD, torch.device("cpu")), torch.device("cpu"))):
+        with using_parallel(
+            ParallelGroups(layout, Recording(dist.group.WORLD, torch.device("cpu")), torch.device("cpu"))
+        ):
             layer = moe.MoE(settings, index)
         layer.gate.load_state_dict(whole.gate.state_dict())
         for name, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
             layer.experts.load_stacked(part, getattr(whole.experts, name).data, name)
         columns = slice(rank * settings.shared_intermediate, (rank + 1) * settings.shared_intermediate)
         for name in ("gate_proj", "up_proj"):
-            getattr(layer.shared_experts, name).weight.data.copy_(getattr(whole.shared_experts, name).weight.data[columns])
+            getattr(layer.shared_experts, name).weight.data.copy_(
+                getattr(whole.shared_experts, name).weight.data[columns]
+            )
         layer.shared_experts.down_proj.weight.data.copy_(whole.shared_experts.down_proj.weight.data[:, columns])
         layer.gate.register_forward_pre_hook(lambda module, inputs: seen["router_rows"].append(inputs[0].shape[0]))
         generator = torch.Generator().manual_seed(100 + tokens)
@@ -634,6 +785,7 @@ def test_expert_parallelism_exchanges_each_shard_s_tokens_with_the_ranks_of_thei
     import math
 
     import torch.multiprocessing as torch_mp
+
     from weft_dsv4.config import DeepseekV4Settings
 
     config = _exchange_config()
@@ -671,12 +823,17 @@ def test_expert_parallelism_exchanges_each_shard_s_tokens_with_the_ranks_of_thei
         for rank in range(2):
             seen = reports[rank][case]
             label = f"rank {rank}, layer {index}, {tokens} tokens"
-            torch.testing.assert_close(torch.tensor(seen["output"]).view_as(expected), expected, atol=1e-5, rtol=1e-5, msg=label)
+            torch.testing.assert_close(
+                torch.tensor(seen["output"]).view_as(expected), expected, atol=1e-5, rtol=1e-5, msg=label
+            )
             assert seen["router_rows"] == [max(0, min(shard, tokens - rank * shard))], label
             pairs = int(((picked // experts_per_rank) == rank).sum())
             assert seen["gemm_rows"] == [pairs, pairs], label  # gate/up, then down
-            assert seen["collectives"] == [("all_gather", (shard, width)), ("reduce_scatter", (2 * shard, settings.hidden_size)),
-                                           ("all_gather", (shard, settings.hidden_size))], label
+            assert seen["collectives"] == [
+                ("all_gather", (shard, width)),
+                ("reduce_scatter", (2 * shard, settings.hidden_size)),
+                ("all_gather", (shard, settings.hidden_size)),
+            ], label
     assert [reports[1][3]["gemm_rows"], reports[1][0]["router_rows"]] == [[0, 0], [0]]
 
 
@@ -718,9 +875,11 @@ def test_pipeline_stages_work_on_different_micro_batches_at_once(checkpoint, sit
     import shutil
 
     record = tmp_path / "forwards.txt"
-    site.add_distribution("weft-slow-llama",
-                          entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
-                          modules={"weft_slow_llama": SLOW_LLAMA.format(record=str(record), sleep=0.5)})
+    site.add_distribution(
+        "weft-slow-llama",
+        entry_points={"weft.model": {"SlowLlamaForCausalLM": "weft_slow_llama:SlowLlamaFamily"}},
+        modules={"weft_slow_llama": SLOW_LLAMA.format(record=str(record), sleep=0.5)},
+    )
     monkeypatch.syspath_prepend(str(site.root))
     monkeypatch.setenv("PYTHONPATH", site.env()["PYTHONPATH"])  # the spawned workers find the family too
     model = tmp_path / "slow-llama"
@@ -742,5 +901,7 @@ def test_pipeline_stages_work_on_different_micro_batches_at_once(checkpoint, sit
     assert first_step[0] == first_step[1] and sum(first_step[0]) == prompt_tokens and min(first_step[0]) > 0, forwards
     (_, stage1_start, stage1_end), (_, stage0_start, stage0_end) = forwards[1][0], forwards[0][1]
     overlap = min(stage1_end, stage0_end) - max(stage1_start, stage0_start)
-    assert overlap > 0, (f"stage 1 ran micro-batch 0 over [{stage1_start:.3f}, {stage1_end:.3f}], stage 0 ran "
-                         f"micro-batch 1 over [{stage0_start:.3f}, {stage0_end:.3f}]: no overlap")
+    assert overlap > 0, (
+        f"stage 1 ran micro-batch 0 over [{stage1_start:.3f}, {stage1_end:.3f}], stage 0 ran "
+        f"micro-batch 1 over [{stage0_start:.3f}, {stage0_end:.3f}]: no overlap"
+    )

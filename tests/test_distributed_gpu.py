@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tiny_model
 from test_gpu_parity import TeacherSampler, relative_errors
 from weft import LLM, SamplingParams
@@ -70,17 +71,34 @@ def rank_logits(rank: int, world: int, port: int, dtype: str, prompt: list[int],
 
     torch.cuda.set_device(rank)
     registry = registry_with_memory_loader()
-    model = MemoryLoader.add("llama3-8b", LLAMA3_8B, random_weights(LLAMA3_8B, torch.bfloat16),
-                             Path(os.environ.get("WEFT_TEST_TOKENIZER", ".")))
-    config = load_config(None, {"model": model, "use.platform": "cuda", "engine": {
-        "dtype": dtype, "num_kv_blocks": 64, "max_model_len": 1024, "max_num_seqs": 8, "tensor_parallel_size": world}})
+    model = MemoryLoader.add(
+        "llama3-8b",
+        LLAMA3_8B,
+        random_weights(LLAMA3_8B, torch.bfloat16),
+        Path(os.environ.get("WEFT_TEST_TOKENIZER", ".")),
+    )
+    config = load_config(
+        None,
+        {
+            "model": model,
+            "use.platform": "cuda",
+            "engine": {
+                "dtype": dtype,
+                "num_kv_blocks": 64,
+                "max_model_len": 1024,
+                "max_num_seqs": 8,
+                "tensor_parallel_size": world,
+            },
+        },
+    )
     config = resolve_engine_config(config, registry)
     platform = build_platform(registry, config)
     parallel = SINGLE
     if world > 1:
         store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0)
-        parallel = init_parallel(ParallelLayout(tensor_parallel_size=world, rank=rank), platform,
-                                 torch.device("cuda", rank), store, 300)
+        parallel = init_parallel(
+            ParallelLayout(tensor_parallel_size=world, rank=rank), platform, torch.device("cuda", rank), store, 300
+        )
     worker = Worker(config, registry, parallel, platform)
     worker.load_model()
     worker.initialize_kv_cache([64])
@@ -104,8 +122,10 @@ def test_llama3_8b_shape_tp2_bf16_logits_within_the_bf16_band_of_tp1(tokenizer_f
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         results = context.Queue()
-        ranks = [context.Process(target=rank_logits, args=(rank, world, port, dtype, prompt, forced, results))
-                 for rank in range(world)]
+        ranks = [
+            context.Process(target=rank_logits, args=(rank, world, port, dtype, prompt, forced, results))
+            for rank in range(world)
+        ]
         for process in ranks:
             process.start()
         while True:
@@ -122,9 +142,11 @@ def test_llama3_8b_shape_tp2_bf16_logits_within_the_bf16_band_of_tp1(tokenizer_f
     exact = runs["fp32"][1]
     band = relative_errors(runs["tp1"][1], exact)
     error = relative_errors(runs["tp2"][1], exact)
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(runs["tp2"][1], runs["tp1"][1]))
-    print(f"\nrelative L2 error vs fp32: TP=1 bf16 mean {band.mean():.4f} max {band.max():.4f}; "
-          f"TP=2 bf16 mean {error.mean():.4f} max {error.max():.4f}; TP=2 argmax equals TP=1's at {agree}/{len(exact)}")
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(runs["tp2"][1], runs["tp1"][1], strict=False))
+    print(
+        f"\nrelative L2 error vs fp32: TP=1 bf16 mean {band.mean():.4f} max {band.max():.4f}; "
+        f"TP=2 bf16 mean {error.mean():.4f} max {error.max():.4f}; TP=2 argmax equals TP=1's at {agree}/{len(exact)}"
+    )
     assert len(error) == len(forced) + 1
     assert error.mean() <= 1.5 * band.mean()
     assert error.max() <= 2 * band.max()

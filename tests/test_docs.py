@@ -37,7 +37,9 @@ def test_links_and_paths_stay_inside_the_repository():
         for match in LINK.finditer(text):
             target = match["target"].split("#")[0]
             if re.match(r"[a-z][a-z0-9+.-]*:", target):  # a web page (or any other scheme): not in a clone
-                problems.append(f"{doc.relative_to(ROOT)}: link {match['target']!r} leaves the repository; name it in text")
+                problems.append(
+                    f"{doc.relative_to(ROOT)}: link {match['target']!r} leaves the repository; name it in text"
+                )
                 continue
             if not target:
                 continue

@@ -38,9 +38,14 @@ ATOL = RTOL = 1e-4
 CONFIGS = {
     "A": tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3),
     "B": tiny_config(
-        [CSA, HCA, CSA], hc_mult=3, sliding_window=8, index_topk=4, index_n_heads=3,
+        [CSA, HCA, CSA],
+        hc_mult=3,
+        sliding_window=8,
+        index_topk=4,
+        index_n_heads=3,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "moe", "moe"], scoring_func="sigmoid",
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        scoring_func="sigmoid",
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
     ),
 }
@@ -73,9 +78,15 @@ def test_transformers_weights_load_under_their_own_names(checkpoint):
     theirs = hf.state_dict()
     layer = next(i for i, kind in enumerate(hf.config.layer_types) if kind == CSA)
     prefix = f"model.layers.{layer}.self_attn"
-    assert torch.equal(ours[f"{prefix}.indexer.weights_proj.weight"], theirs[f"{prefix}.compressor.indexer.scorer.weights_proj.weight"])
-    assert torch.equal(ours[f"{prefix}.indexer.compressor.position_bias"], theirs[f"{prefix}.compressor.indexer.position_bias"])
-    assert torch.equal(ours["model.layers.0.mlp.experts.gate_up_proj"], theirs["model.layers.0.mlp.experts.gate_up_proj"])
+    assert torch.equal(
+        ours[f"{prefix}.indexer.weights_proj.weight"], theirs[f"{prefix}.compressor.indexer.scorer.weights_proj.weight"]
+    )
+    assert torch.equal(
+        ours[f"{prefix}.indexer.compressor.position_bias"], theirs[f"{prefix}.compressor.indexer.position_bias"]
+    )
+    assert torch.equal(
+        ours["model.layers.0.mlp.experts.gate_up_proj"], theirs["model.layers.0.mlp.experts.gate_up_proj"]
+    )
     assert torch.equal(ours["lm_head.weight"], theirs["lm_head.weight"])
 
 
@@ -94,7 +105,7 @@ def test_the_weight_name_map_reads_every_saved_tensor_and_writes_every_parameter
             target = ours[name]
             if expert is not None:  # one expert's w1/w3 (rows of gate_up_proj) or w2 (down_proj)
                 size = model.settings.moe_intermediate_size
-                target = target[expert] if part == "down" else target[expert][(0 if part == "gate" else size):][:size]
+                target = target[expert] if part == "down" else target[expert][(0 if part == "gate" else size) :][:size]
             assert torch.equal(target, saved.get_tensor(key).to(target.dtype)), key
             read.add((name, expert, part))
     for name, expert, part in read:
@@ -133,7 +144,9 @@ def test_the_engine_gives_the_indexer_the_op_it_chose(checkpoint):
 
     folder, _ = checkpoint
     llm = _llm(folder)
-    attention = [layer.self_attn for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None]
+    attention = [
+        layer.self_attn for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None
+    ]
     assert attention and all(isinstance(layer.topk_op, DecodeTopKTorch) for layer in attention)  # the CPU's choice
 
 
@@ -196,7 +209,7 @@ def _engine_tokens(folder, max_tokens=64, plugins=None, **engine) -> list[list[i
 def test_greedy_generation_through_the_engine_equals_transformers_generate(checkpoint):
     folder, hf = checkpoint
     tokens, _ = _engine_tokens(folder)
-    for length, ours in zip(PROMPT_LENGTHS, tokens):
+    for length, ours in zip(PROMPT_LENGTHS, tokens, strict=False):
         prompt = random_ids(length, seed=10 + length)
         with stable_topk(), torch.no_grad():
             generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
@@ -241,7 +254,7 @@ def test_fp8_indexer_keys_equal_transformers_scoring_keys_rounded_alike(checkpoi
     assert groups["indexer_keys"].entry_dim == plain["indexer_keys"].entry_dim + 4
     assert groups["indexer_keys"].page_size_bytes() * 2 < plain["indexer_keys"].page_size_bytes()
     assert all(groups[name] == spec for name, spec in plain.items() if name != "indexer_keys")
-    for length, ours in zip(PROMPT_LENGTHS, tokens):
+    for length, ours in zip(PROMPT_LENGTHS, tokens, strict=False):
         prompt = random_ids(length, seed=10 + length)
         with stable_topk(), fp8_indexer_keys(), torch.no_grad():
             generated = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
@@ -269,10 +282,10 @@ def test_prefills_of_several_requests_are_attended_as_one_batch_and_match_transf
     prompts = [random_ids(length, seed=30 + length) for length in PROMPT_LENGTHS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert sizes[0] == PROMPT_LENGTHS
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=False):
         with stable_topk(), torch.no_grad():
             generated = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert list(output.outputs[0].token_ids) == generated[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == generated[0, len(prompt) :].tolist()
 
 
 def test_preemption_and_prefix_caching_change_no_token(checkpoint):
@@ -289,7 +302,12 @@ def test_preemption_and_prefix_caching_change_no_token(checkpoint):
 
 SHARED = random_ids(48, seed=20)  # a multiple of both schedules' snapshot unit (8 and 16 tokens)
 # Hits that leave one token (a decode-shaped first step), a short and a long (chunked) rest.
-SHARED_PROMPTS = [SHARED + [7], SHARED + random_ids(5, seed=21), SHARED[:33] + random_ids(30, seed=22), SHARED + random_ids(40, seed=23)]
+SHARED_PROMPTS = [
+    SHARED + [7],
+    SHARED + random_ids(5, seed=21),
+    SHARED[:33] + random_ids(30, seed=22),
+    SHARED + random_ids(40, seed=23),
+]
 
 
 def _shared_prefix_tokens(folder, plugins=None, **engine):
@@ -332,7 +350,10 @@ def test_snapshot_groups_exist_only_under_prefix_caching(checkpoint):
     folder, _ = checkpoint
     config = Driver(folder).config
     plain = {group.name: group for group in Driver(folder).family.kv_cache_groups(config)}
-    cached = {group.name: group for group in Driver(folder).family.kv_cache_groups(msgspec.structs.replace(config, enable_prefix_caching=True))}
+    cached = {
+        group.name: group
+        for group in Driver(folder).family.kv_cache_groups(msgspec.structs.replace(config, enable_prefix_caching=True))
+    }
     assert set(cached) - set(plain) == {"window_checkpoint", "state_checkpoint"}
     assert cached["window"].checkpointed and cached["compressor_state"].checkpointed
     assert not plain["window"].checkpointed and not plain["compressor_state"].checkpointed
@@ -344,7 +365,9 @@ def test_kv_cache_groups_and_their_flags(checkpoint):
     groups = {group.name: group for group in Driver(folder).groups}
     config = json.loads((folder / "config.json").read_text())
     kinds = config["layer_types"]
-    assert set(groups) == {"window", "compressor_state", "indexer_keys", "csa_kv"} | ({"hca_kv"} if HCA in kinds else set())
+    assert set(groups) == {"window", "compressor_state", "indexer_keys", "csa_kv"} | (
+        {"hca_kv"} if HCA in kinds else set()
+    )
     for name in ("window", "compressor_state"):
         assert not groups[name].prefix_cacheable and groups[name].transferable
     for name in ("csa_kv", "hca_kv", "indexer_keys"):
@@ -366,7 +389,7 @@ def test_the_manager_grows_and_frees_every_group(checkpoint):
     window = groups[index["window"]].spec
     for length in (1, 8, 9, 40, 200):
         assert manager.allocate_slots("r", length)
-        held = {group.name: len(blocks) for group, blocks in zip(groups, manager.block_ids("r"))}
+        held = {group.name: len(blocks) for group, blocks in zip(groups, manager.block_ids("r"), strict=False)}
         assert held["window"] == min(-(-length // 8), window.ring_blocks)  # the ring stops growing
         assert held["compressor_state"] == 1
         for name in ("csa_kv", "hca_kv", "indexer_keys"):
@@ -381,7 +404,9 @@ def test_the_manager_grows_and_frees_every_group(checkpoint):
 def test_mhc_weights_are_doubly_stochastic_with_post_in_0_2(checkpoint):
     folder, _ = checkpoint
     model = Driver(folder).model
-    streams = torch.randn(37, model.settings.hc_mult, model.settings.hidden_size, generator=torch.Generator().manual_seed(0))
+    streams = torch.randn(
+        37, model.settings.hc_mult, model.settings.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     for layer in model.model.layers:
         for connection in (layer.attn_hc, layer.ffn_hc):
             pre, post, comb = connection.weights(streams)
@@ -412,7 +437,7 @@ def test_the_fused_mhc_kernel_matches_the_torch_reference(hc_mult):
         mixes = torch.randn(tokens, width, generator=generator) * 3
         for iterations in (1, 20):
             fused = kernel(mixes=mixes, base=base, scale=scale, eps=1e-6, iterations=iterations)
-            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, iterations)):
+            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, iterations), strict=False):
                 torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
 
 
@@ -472,7 +497,9 @@ def test_the_decode_attention_kernel_matches_the_einsum_path(dtype, head_dim, la
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 512])
 @pytest.mark.parametrize("layer", ["compressed", "sliding", "no entries yet"])
@@ -499,8 +526,17 @@ def check_decode_attention_kernel(dtype, head_dim, layer, device):
     assert len(compile_many(kernel, kernel.warmup_keys())) == 1
     kernel.monitor = RuntimeMonitor("error")
     output = torch.full_like(query, 7.0)
-    kernel(query=query, rows=rows, sinks=sinks, ring=ring, window_slots=window_slots, output=output,
-           scale=head_dim**-0.5, entries=entries, entry_slots=entry_slots)
+    kernel(
+        query=query,
+        rows=rows,
+        sinks=sinks,
+        ring=ring,
+        window_slots=window_slots,
+        output=output,
+        scale=head_dim**-0.5,
+        entries=entries,
+        entry_slots=entry_slots,
+    )
     expected = _einsum_decode(query, rows, sinks, ring, window_slots, entries, entry_slots)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(output[rows].float(), expected, **tolerance)
@@ -515,18 +551,25 @@ def _engine_tokens_on_the_kernels(folder, monkeypatch, kinds=("decode",), **engi
 
     for kind in kinds:
         choose = getattr(attention, f"{kind}_attention_kernel")
-        monkeypatch.setattr(model, f"{kind}_attention_kernel",
-                            lambda device, dtype, head_dim, choose=choose: choose(torch.device("cuda"), dtype, head_dim))
+        monkeypatch.setattr(
+            model,
+            f"{kind}_attention_kernel",
+            lambda device, dtype, head_dim, choose=choose: choose(torch.device("cuda"), dtype, head_dim),
+        )
     tokens, llm = _engine_tokens(folder, runtime_jit="error", max_tokens=20, **engine)
     for kind in kinds:
         kernel = llm.engine.worker.kernels.kernels[f"weft_dsv4.{kind}_attention"]
-        assert all(getattr(layer.self_attn, f"{kind}_kernel") is kernel for layer in llm.engine.worker.model.model.layers)
+        assert all(
+            getattr(layer.self_attn, f"{kind}_kernel") is kernel for layer in llm.engine.worker.model.model.layers
+        )
         assert kernel.compiled and kernel.monitor.mode == "error" and kernel.monitor.misses == []
     return tokens
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
-def test_the_engine_on_the_decode_attention_kernel_gives_the_torch_path_s_tokens(checkpoint, monkeypatch, eager_replay_platform):
+def test_the_engine_on_the_decode_attention_kernel_gives_the_torch_path_s_tokens(
+    checkpoint, monkeypatch, eager_replay_platform
+):
     """fp32 greedy tokens: the kernel (registered, warmed up, runtime_jit = "error") eagerly and in the decode
     graph path (full-width slots, padded rows, nothing read on the host) against the torch path eagerly."""
     pytest.importorskip("triton")
@@ -557,8 +600,12 @@ def _prefill_case(dtype, head_dim, layer, device, spans=PREFILL_SPANS):
         prefills.append(RequestRows(number, tokens, tokens + end - start, end))
         tokens += end - start + (number + 1) % 2
     table = torch.zeros(len(spans), 4, dtype=torch.int32, device=device)
-    step = SimpleNamespace(prefills=prefills, ring_blocks=4, boundaries=lambda start, end: [],
-                           batches={"window": SimpleNamespace(block_table=table, block_size=16)})
+    step = SimpleNamespace(
+        prefills=prefills,
+        ring_blocks=4,
+        boundaries=lambda start, end: [],
+        batches={"window": SimpleNamespace(block_table=table, block_size=16)},
+    )
     batch = PrefillBatch(step, window)
     requests, rows = batch.query_rows.shape
     query = torch.randn(tokens, heads, head_dim, generator=generator).to(device, dtype)
@@ -592,7 +639,12 @@ def _einsum_prefill(batch, query, sinks, keys, window, ratio, entries=None, pick
     if entries is not None:
         entries, entry_bias = DeepseekV4Attention._padded_entries(layer, batch, entries.float().nan_to_num(0.0), picks)
     attended = DeepseekV4Attention._attend(
-        layer, query[batch.query_rows].float(), keys.float().nan_to_num(0.0), batch.window_bias, entries, entry_bias,
+        layer,
+        query[batch.query_rows].float(),
+        keys.float().nan_to_num(0.0),
+        batch.window_bias,
+        entries,
+        entry_bias,
     )
     return attended[batch.query_valid]
 
@@ -612,21 +664,42 @@ def _prefill_kernel(dtype, head_dim):
 def _run_prefill_kernel(kernel, case):
     batch, query, sinks, keys, window, ratio, entries, picks = case
     output = torch.full_like(query, 7.0)
-    kernel(query=query, output=output, sinks=sinks, queries=batch.query_indices, query_rows=batch.query_rows,
-           firsts=batch.firsts, ends=batch.ends, keys=keys, window=window, scale=query.shape[-1] ** -0.5,
-           entries=entries, ratio=ratio, picks=picks)
+    kernel(
+        query=query,
+        output=output,
+        sinks=sinks,
+        queries=batch.query_indices,
+        query_rows=batch.query_rows,
+        firsts=batch.firsts,
+        ends=batch.ends,
+        keys=keys,
+        window=window,
+        scale=query.shape[-1] ** -0.5,
+        entries=entries,
+        ratio=ratio,
+        picks=picks,
+    )
     return output
 
 
-INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
-NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU")
+INTERPRETED = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU"
+)
+NEEDS_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU"
+)
 COMPILED = [pytest.mark.gpu, NEEDS_GPU]
 
 
-@pytest.mark.parametrize("device, head_dim", [
-    pytest.param("cpu", 32, marks=INTERPRETED), pytest.param("cpu", 48, marks=INTERPRETED),
-    pytest.param("cuda", 64, marks=COMPILED), pytest.param("cuda", 512, marks=COMPILED),
-])
+@pytest.mark.parametrize(
+    "device, head_dim",
+    [
+        pytest.param("cpu", 32, marks=INTERPRETED),
+        pytest.param("cpu", 48, marks=INTERPRETED),
+        pytest.param("cuda", 64, marks=COMPILED),
+        pytest.param("cuda", 512, marks=COMPILED),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("layer", ["hca", "csa", "sliding", "no entries yet"])
 def test_the_prefill_attention_kernel_matches_the_einsum_path(device, head_dim, dtype, layer):
@@ -661,7 +734,9 @@ def test_one_compiled_prefill_attention_variant_serves_every_layer_and_batch():
             case = _prefill_case(torch.bfloat16, 512, layer, "cuda", spans)
             output = _run_prefill_kernel(kernel, case)
             batch = case[0]
-            torch.testing.assert_close(output[batch.query_rows[batch.query_valid]].float(), _einsum_prefill(*case), atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(
+                output[batch.query_rows[batch.query_valid]].float(), _einsum_prefill(*case), atol=1e-2, rtol=1e-2
+            )
             variants.append(sum(len(caches[0]) for caches in _prefill_attention_kernel.device_caches.values()))
     assert kernel.monitor.misses == [] and len(set(variants)) == 1, variants
 
@@ -694,7 +769,9 @@ def test_routed_experts_sum_each_token_s_picks(checkpoint):
         for slot in range(2):
             e = int(experts[token, slot])
             gate, up = (experts_module.gate_up_proj[e] @ hidden[token]).chunk(2)
-            expected[token] += weights[token, slot] * (experts_module.down_proj[e] @ clamped_swiglu(gate, up, experts_module.limit))
+            expected[token] += weights[token, slot] * (
+                experts_module.down_proj[e] @ clamped_swiglu(gate, up, experts_module.limit)
+            )
     torch.testing.assert_close(experts_module.partial(hidden, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -728,11 +805,17 @@ def test_plugins_list_shows_the_family_only_when_weft_dsv4_is_installed():
     """
     import textwrap
 
-    shown = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "installed"], capture_output=True, text=True, timeout=120)
-    hidden = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "hidden"], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), "installed"], capture_output=True, text=True, timeout=120
+    )
+    hidden = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), "hidden"], capture_output=True, text=True, timeout=120
+    )
     shown_report = json.loads(shown.stdout.strip().splitlines()[-1])
     hidden_report = json.loads(hidden.stdout.strip().splitlines()[-1])
-    assert [(row["slot"], row["distribution"], row["status"]) for row in shown_report["rows"]] == [("model", "weft-dsv4", "ok")]
+    assert [(row["slot"], row["distribution"], row["status"]) for row in shown_report["rows"]] == [
+        ("model", "weft-dsv4", "ok")
+    ]
     assert shown_report["heavy"] == []
     assert hidden_report["rows"] == []
 
@@ -755,14 +838,32 @@ def test_tiny_checkpoint_script_and_weft_generate(tmp_path):
     folder = tmp_path / "tiny"
     made = subprocess.run(
         [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(folder), "--layer-types", "csa,hca,sliding"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert made.returncode == 0, made.stderr
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["DeepseekV4ForCausalLM"]
     result = subprocess.run(
-        [sys.executable, "-m", "weft.cli", "generate", "--model", str(folder), "--prompt", "Hello, world!",
-         "--prompt", "The lightning indexer picks the best entries.", "--max-tokens", "24", "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "weft.cli",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt",
+            "Hello, world!",
+            "--prompt",
+            "The lightning indexer picks the best entries.",
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout.strip().splitlines()[-1])
@@ -770,10 +871,11 @@ def test_tiny_checkpoint_script_and_weft_generate(tmp_path):
     assert all(row["outputs"][0]["finish_reason"] == "length" for row in rows)
     bad = subprocess.run(
         [sys.executable, "-m", "weft_dsv4.tiny_checkpoint", str(tmp_path / "x"), "--layer-types", "csa,mla"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode == 2 and "--layer-types: unknown ['mla']" in bad.stderr
-
 
 
 def test_the_decode_graph_path_changes_no_token(checkpoint, eager_replay_platform):
@@ -809,8 +911,14 @@ def test_decode_pads_to_max_model_len_within_the_row_token_bound():
     from weft_dsv4.model import FULL_WIDTH_DECODE_ROW_TOKENS, full_width_decode
 
     def config(max_model_len: int, max_num_seqs: int) -> ModelConfig:
-        return ModelConfig(architecture="DeepseekV4ForCausalLM", hf_config={}, dtype="bfloat16", block_size=16,
-                           max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        return ModelConfig(
+            architecture="DeepseekV4ForCausalLM",
+            hf_config={},
+            dtype="bfloat16",
+            block_size=16,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
 
     assert full_width_decode(config(16384, 4096)) and full_width_decode(config(16384, 0))
     assert full_width_decode(config(32848, 16)) and full_width_decode(config(1 << 20, 8))
@@ -825,8 +933,11 @@ def test_a_long_max_model_len_with_few_sequences_decodes_in_graphs(tmp_path, eag
     512 decode eagerly."""
     from weft.sampling_params import SamplingParams
 
-    folder = write_checkpoint(tmp_path / "long", tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3,
-                                                              max_position_embeddings=20000), seed=3)
+    folder = write_checkpoint(
+        tmp_path / "long",
+        tiny_config([HCA, CSA, SLIDING, CSA], hc_mult=2, index_topk=3, max_position_embeddings=20000),
+        seed=3,
+    )
     prompts = [random_ids(n, seed=n) for n in (9, 30)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = {"max_model_len": 20000, "num_kv_blocks": 2 * 2500 + 8, "max_num_batched_tokens": 64}

@@ -31,12 +31,22 @@ def test_text_parts_of_both_apis_join_with_blank_lines():
 
 
 def test_images_become_the_placeholder_and_other_parts_are_refused():
-    message = {"role": "user", "content": [
-        {"type": "input_text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "input_image"},
-    ]}
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "look"},
+            {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "input_image"},
+        ],
+    }
     assert normalize_messages([message], IMAGE)[0]["content"] == f"look\n\n{IMAGE}\n\n{IMAGE}"
-    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\]: DeepSeek V4.1 supports text and image content only; got 'input_audio'"):
-        normalize_messages([{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_audio"}]}], IMAGE)
+    with pytest.raises(
+        ValueError,
+        match=r"messages\[1\]\.content\[0\]: DeepSeek V4.1 supports text and image content only; got 'input_audio'",
+    ):
+        normalize_messages(
+            [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_audio"}]}], IMAGE
+        )
     with pytest.raises(ValueError, match="has no image token"):
         normalize_messages([message], None)
 
@@ -66,7 +76,11 @@ def test_inputs_are_never_mutated_or_shared():
 
 def test_tools_attach_to_the_first_system_message_or_a_new_one():
     tools = [{"name": "search"}]
-    out = normalize_messages([{"role": "user", "content": "u"}, {"role": "system", "content": "a"}, {"role": "system", "content": "b"}], IMAGE, tools)
+    out = normalize_messages(
+        [{"role": "user", "content": "u"}, {"role": "system", "content": "a"}, {"role": "system", "content": "b"}],
+        IMAGE,
+        tools,
+    )
     assert [m.get("tools") for m in out] == [None, tools, None]
     out = normalize_messages([{"role": "user", "content": "u"}], IMAGE, tools)
     assert out[0] == {"role": "system", "content": "", "tools": tools} and out[1]["role"] == "user"
@@ -115,7 +129,9 @@ def test_the_tokenizer_renders_tools_and_reasoning_settings(tokenizer):
 def test_image_parts_are_refused_unless_the_checkpoint_declares_a_vision_encoder(tokenizer, tmp_path):
     from weft.contracts.loader import ModelSource
 
-    image = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
+    image = [
+        {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}
+    ]
     train_tokenizer(tmp_path, 512)
 
     def served(hf_config: dict) -> DeepseekV4Tokenizer:
@@ -123,8 +139,11 @@ def test_image_parts_are_refused_unless_the_checkpoint_declares_a_vision_encoder
 
     text_only = served({"architectures": ["DeepseekV4ForCausalLM"]})
     for call in (text_only.normalize_messages, text_only.apply_chat_template):
-        with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: this DeepSeek V4.1 checkpoint declares no "
-                                             r"vision encoder \(its config.json has no 'vision_config'\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"^messages\[0\]\.content\[1\]: this DeepSeek V4.1 checkpoint declares no "
+            r"vision encoder \(its config.json has no 'vision_config'\)",
+        ):
             call(image)
     assert text_only.normalize_messages([{"role": "user", "content": [{"type": "text", "text": "ok"}]}])
     with pytest.raises(ValueError, match="image token"):  # a vision checkpoint: the tiny vocabulary has no id 129264
@@ -134,29 +153,42 @@ def test_image_parts_are_refused_unless_the_checkpoint_declares_a_vision_encoder
 
 
 def test_a_served_chat_hands_tools_to_the_template_and_parses_thinking_and_dsml(tokenizer):
+    from weft.serve.tools import AssistantOutput, ToolSettings, chat_input, reasoning_parser
     from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
 
-    from weft.serve.tools import AssistantOutput, ToolSettings, chat_input, reasoning_parser
-
     settings = ToolSettings([{"name": "search", "parameters": {"type": "object"}}], "auto")
-    messages, kwargs = chat_input(tokenizer, [{"role": "user", "content": "q"}], True, settings, DeepseekV4ToolParser, {})
+    messages, kwargs = chat_input(
+        tokenizer, [{"role": "user", "content": "q"}], True, settings, DeepseekV4ToolParser, {}
+    )
     assert kwargs["tools"] == [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
     prompt = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, **kwargs)
     assert "[tools:" in prompt and prompt.endswith("<think>high")  # the template rendered them itself
     thinking = reasoning_parser(DeepseekV4ReasoningParser, None, prompt)
     answer = 'Look it up.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">weft</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     reasoning, content, calls = AssistantOutput(thinking, DeepseekV4ToolParser()).parse(answer)
-    assert (reasoning, content) == ("Look it up.\n\n", None) and [(call.name, call.arguments) for call in calls] == [("search", '{"q": "weft"}')]
+    assert (reasoning, content) == ("Look it up.\n\n", None) and [(call.name, call.arguments) for call in calls] == [
+        ("search", '{"q": "weft"}')
+    ]
     off = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, reasoning_effort="none", **kwargs)
     assert reasoning_parser(DeepseekV4ReasoningParser, None, off) is None  # thinking off: all of it is the answer
 
 
 def test_draft_parallel_config_copies_everything_but_the_parallel_sizes():
-    target = ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True, distributed_backend="gloo")
+    target = ParallelConfig(
+        tensor_parallel_size=8,
+        pipeline_parallel_size=2,
+        data_parallel_size=4,
+        enable_expert_parallel=True,
+        distributed_backend="gloo",
+    )
     draft = draft_parallel_config(target, tensor_parallel_size=2)
     assert (draft.tensor_parallel_size, draft.pipeline_parallel_size) == (2, 1)
     assert draft.world_size == 2 and target.world_size == 16
-    unchanged = {k: v for k, v in msgspec.structs.asdict(target).items() if k not in ("tensor_parallel_size", "pipeline_parallel_size")}
+    unchanged = {
+        k: v
+        for k, v in msgspec.structs.asdict(target).items()
+        if k not in ("tensor_parallel_size", "pipeline_parallel_size")
+    }
     assert {k: msgspec.structs.asdict(draft)[k] for k in unchanged} == unchanged
     assert draft.enable_expert_parallel and draft.expert_parallel_size == 8  # a MoE draft keeps expert parallel
     dense = draft_parallel_config(target, tensor_parallel_size=1, draft_is_moe=False)
@@ -168,9 +200,15 @@ def test_fields_added_later_survive_the_copy():
         context_parallel_size: int = 1
         expert_placement: str = "linear"
 
-    target = FutureParallelConfig(tensor_parallel_size=4, context_parallel_size=2, expert_placement="round_robin", enable_expert_parallel=True)
+    target = FutureParallelConfig(
+        tensor_parallel_size=4, context_parallel_size=2, expert_placement="round_robin", enable_expert_parallel=True
+    )
     draft = draft_parallel_config(target, tensor_parallel_size=1)
     assert type(draft) is FutureParallelConfig
-    assert (draft.context_parallel_size, draft.expert_placement, draft.enable_expert_parallel) == (2, "round_robin", True)
+    assert (draft.context_parallel_size, draft.expert_placement, draft.enable_expert_parallel) == (
+        2,
+        "round_robin",
+        True,
+    )
     with pytest.raises(ValueError, match="tensor_parallel_size = 0"):
         draft_parallel_config(target, tensor_parallel_size=0)

@@ -19,9 +19,22 @@ from weft_dsv4.reference import Driver, stable_topk  # noqa: E402
 from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 
 LARGER = tiny_config(
-    [HCA, CSA, CSA, HCA, SLIDING, CSA], hc_mult=4, vocab_size=4096, hidden_size=512, num_attention_heads=8, head_dim=128,
-    q_lora_rank=256, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4, o_groups=4, o_lora_rank=128,
-    index_n_heads=4, index_head_dim=64, index_topk=16, sliding_window=64,
+    [HCA, CSA, CSA, HCA, SLIDING, CSA],
+    hc_mult=4,
+    vocab_size=4096,
+    hidden_size=512,
+    num_attention_heads=8,
+    head_dim=128,
+    q_lora_rank=256,
+    moe_intermediate_size=256,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    o_groups=4,
+    o_lora_rank=128,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=16,
+    sliding_window=64,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
 )
 PROMPT_LENGTHS = (17, 150, 301)
@@ -47,14 +60,22 @@ def test_fp32_engine_generation_on_gpu_equals_transformers(folder):
     from weft.sampling_params import SamplingParams
     from weft_triton.ops import DecodeTopKTriton
 
-    llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024})
-    indexers = [layer.self_attn.topk_op for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None]
+    llm = LLM(
+        model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024}
+    )
+    indexers = [
+        layer.self_attn.topk_op for layer in llm.engine.worker.model.model.layers if layer.self_attn.indexer is not None
+    ]
     assert indexers and all(isinstance(op, DecodeTopKTriton) for op in indexers)
-    outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    outputs = llm.generate(
+        [prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    )
     hf = hf_model(folder, torch.float32)
-    for length, output in zip(PROMPT_LENGTHS, outputs):
+    for length, output in zip(PROMPT_LENGTHS, outputs, strict=False):
         with stable_topk(), torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
+            expected = hf.generate(
+                torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0
+            )
         assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
 
 
@@ -65,16 +86,23 @@ def test_fp32_engine_with_fp8_indexer_keys_equals_transformers_scoring_keys_roun
     from weft.sampling_params import SamplingParams
     from weft_dsv4.reference import fp8_indexer_keys
 
-    llm = LLM(model=str(folder), engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024},
-              plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": "fp8_e4m3"}})
+    llm = LLM(
+        model=str(folder),
+        engine={"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024},
+        plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": "fp8_e4m3"}},
+    )
     groups = {group.name: group.spec for group in llm.engine.kv_cache_manager.groups}
     assert groups["indexer_keys"].dtype == "uint8"
-    outputs = llm.generate([prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    outputs = llm.generate(
+        [prompt(n) for n in PROMPT_LENGTHS], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    )
     del llm
     hf = hf_model(folder, torch.float32)
-    for length, output in zip(PROMPT_LENGTHS, outputs):
+    for length, output in zip(PROMPT_LENGTHS, outputs, strict=False):
         with stable_topk(), fp8_indexer_keys(), torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
+            expected = hf.generate(
+                torch.tensor([prompt(length)], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0
+            )
         assert list(output.outputs[0].token_ids) == expected[0, length:].tolist(), f"prompt of {length} tokens"
 
 
@@ -85,7 +113,9 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(folder):
     with stable_topk(), torch.no_grad():
         reference = hf_model(folder, torch.float32)(torch.tensor([ids], device="cuda")).logits[0].float()
         theirs = hf_model(folder, torch.bfloat16)(torch.tensor([ids], device="cuda")).logits[0].float()
-    driver = Driver(folder, dtype="bfloat16", device="cuda", block_size=16, max_model_len=1024, topk_op=DecodeTopKTriton(None))
+    driver = Driver(
+        folder, dtype="bfloat16", device="cuda", block_size=16, max_model_len=1024, topk_op=DecodeTopKTriton(None)
+    )
     prefill = driver.step([("a", ids[:300])])[0]
     decoded = torch.cat([driver.step([("a", [token])])[0] for token in ids[300:]])
     ours = torch.cat([prefill, decoded])
@@ -111,7 +141,7 @@ def test_the_compiled_mhc_kernel_matches_the_torch_reference():
         for tokens in (1, 37, 1000):
             mixes = (torch.randn(tokens, width, generator=generator) * 3).cuda()
             fused = kernel(mixes=mixes, base=base, scale=scale, eps=1e-6, iterations=20)
-            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, 20)):
+            for ours, reference in zip(fused, mhc_weights(mixes, base, scale, 1e-6, 20), strict=False):
                 torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
 
 
@@ -143,10 +173,17 @@ def test_prefix_cache_hits_and_warmed_kernels_on_gpu_change_no_token(folder):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}
     for caching in (False, True):
-        llm = LLM(model=str(folder), engine={
-            "dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024,
-            "enable_prefix_caching": caching, "runtime_jit": "error",
-        })
+        llm = LLM(
+            model=str(folder),
+            engine={
+                "dtype": "float32",
+                "block_size": 16,
+                "num_kv_blocks": 512,
+                "max_model_len": 1024,
+                "enable_prefix_caching": caching,
+                "runtime_jit": "error",
+            },
+        )
         first = llm.generate([shared + [5]], params)
         rest = llm.generate(prompts, params)
         results[caching] = [list(output.outputs[0].token_ids) for output in first + rest]
@@ -172,23 +209,38 @@ def test_decode_graphs_on_and_off_give_the_same_tokens(folder, indexer_key_dtype
     from weft.sampling_params import SamplingParams
 
     prompts = [prompt(n) for n in (17, 150, 301, 64, 5)]
-    params = [SamplingParams(temperature=0, max_tokens=80 - 9 * i, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=80 - 9 * i, ignore_eos=True, logprobs=2) for i in range(len(prompts))
+    ]
     results = {}
     for eager in (True, False):
-        llm = LLM(model=str(folder), engine={
-            "dtype": "bfloat16", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024,
-            "enable_prefix_caching": True, "enforce_eager": eager, "max_num_seqs": 8,
-        }, plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": indexer_key_dtype}})
+        llm = LLM(
+            model=str(folder),
+            engine={
+                "dtype": "bfloat16",
+                "block_size": 16,
+                "num_kv_blocks": 512,
+                "max_model_len": 1024,
+                "enable_prefix_caching": True,
+                "enforce_eager": eager,
+                "max_num_seqs": 8,
+            },
+            plugins={"DeepseekV4ForCausalLM": {"indexer_key_dtype": indexer_key_dtype}},
+        )
         assert bool(llm.engine.runner.graphs) is not eager
         # Decode attention in the Triton kernel on both sides, so the graphs replay it too.
-        assert all(type(layer.self_attn.decode_kernel).__name__ == "DecodeAttentionKernel"
-                   for layer in llm.engine.worker.model.model.layers)
+        assert all(
+            type(layer.self_attn.decode_kernel).__name__ == "DecodeAttentionKernel"
+            for layer in llm.engine.worker.model.model.layers
+        )
         outputs = llm.generate(prompts, params)
         results[eager] = [(list(output.outputs[0].token_ids), output.outputs[0].logprobs) for output in outputs]
         del llm
     report = []
-    for number, ((graphed, graphed_logprobs), (eager, eager_logprobs)) in enumerate(zip(results[False], results[True])):
-        first = next((i for i, (a, b) in enumerate(zip(graphed, eager)) if a != b), None)
+    for number, ((graphed, _graphed_logprobs), (eager, eager_logprobs)) in enumerate(
+        zip(results[False], results[True], strict=False)
+    ):
+        first = next((i for i, (a, b) in enumerate(zip(graphed, eager, strict=False)) if a != b), None)
         if first is None:
             report.append(f"prompt {number}: {len(eager)} tokens identical")
             continue
@@ -202,13 +254,14 @@ def test_decode_graphs_on_and_off_give_the_same_tokens(folder, indexer_key_dtype
             assert first >= 8 and gap < 0.1, report
 
 
-
 def attention_variants() -> dict[str, int]:
     """The compiled variants of each attention kernel's Triton function, by kernel."""
     from weft_dsv4.attention_kernel import _decode_attention_kernel, _prefill_attention_kernel
 
-    return {name: sum(len(caches[0]) for caches in function.device_caches.values())
-            for name, function in (("decode", _decode_attention_kernel), ("prefill", _prefill_attention_kernel))}
+    return {
+        name: sum(len(caches[0]) for caches in function.device_caches.values())
+        for name, function in (("decode", _decode_attention_kernel), ("prefill", _prefill_attention_kernel))
+    }
 
 
 def engine(folder, **settings):
@@ -250,8 +303,17 @@ def test_the_decode_and_prefill_attention_kernels_compile_nothing_after_warm_up(
     from weft.sampling_params import SamplingParams
 
     prompts = [prompt(n) for n in (17, 150, 301, 64, 5, 230)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40 - 5 * i, ignore_eos=True) for i in range(len(prompts))]
-    llm = engine(folder, dtype="bfloat16", runtime_jit="error", max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=40 - 5 * i, ignore_eos=True) for i in range(len(prompts))
+    ]
+    llm = engine(
+        folder,
+        dtype="bfloat16",
+        runtime_jit="error",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+    )
     kernels = [llm.engine.worker.kernels.kernels[f"weft_dsv4.{kind}_attention"] for kind in ("decode", "prefill")]
     assert all(len(kernel.compiled) == 1 for kernel in kernels) and llm.engine.runner.graphs
     before = attention_variants()

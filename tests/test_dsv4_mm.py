@@ -16,8 +16,28 @@ from weft_dsv4.mm import DeepseekV4MMOptions, DeepseekV4MMProcessor  # noqa: E40
 VISION = {"architectures": ["DeepseekV4ForCausalLM"], "vision_config": {"patch_size": 16}}
 IMAGE = 129264
 # (width, height): squares, wide, tall, thin, tiny, sizes just off a multiple of 32, one past the token cap.
-SIZES = [(32, 32), (64, 64), (33, 31), (47, 49), (1, 1), (5, 300), (300, 5), (96, 32), (32, 96), (100, 75),
-         (75, 100), (128, 17), (17, 128), (250, 250), (63, 64), (65, 64), (16, 16), (48, 48), (200, 40), (2100, 1500)]
+SIZES = [
+    (32, 32),
+    (64, 64),
+    (33, 31),
+    (47, 49),
+    (1, 1),
+    (5, 300),
+    (300, 5),
+    (96, 32),
+    (32, 96),
+    (100, 75),
+    (75, 100),
+    (128, 17),
+    (17, 128),
+    (250, 250),
+    (63, 64),
+    (65, 64),
+    (16, 16),
+    (48, 48),
+    (200, 40),
+    (2100, 1500),
+]
 
 
 def processor(**options) -> DeepseekV4MMProcessor:
@@ -51,7 +71,7 @@ def test_each_size_at_three_positions_expands_to_the_v41_stream(width, height):
         assert span.offset == before
         roles = [ROLES[value] for value in processed.extras["token_types"].to_numpy().tolist()]
         grid = expected_grid(width, height)
-        stream = roles[span.offset:span.offset + span.length]
+        stream = roles[span.offset : span.offset + span.length]
         if grid is not None:
             h, w = grid
         else:  # over the cap: the grid keeps the aspect ratio and fits 4096 IMAGE tokens
@@ -61,7 +81,7 @@ def test_each_size_at_three_positions_expands_to_the_v41_stream(width, height):
         assert stream == expected_stream(h, w), (width, height, before)
         assert span.length == h * (w + 1) + 2
         assert processed.token_ids == prompt[:before] + [IMAGE] * span.length + [12, 13]
-        assert roles[:before] == ["TEXT"] * before and roles[span.offset + span.length:] == ["TEXT"] * 2
+        assert roles[:before] == ["TEXT"] * before and roles[span.offset + span.length :] == ["TEXT"] * 2
         assert processed.positions is None  # positions are consecutive: one per slot, as for text
         grid = item.encoder_inputs["grid"].to_numpy().tolist()
         pixels = item.encoder_inputs["pixels"]
@@ -125,8 +145,12 @@ def test_a_data_url_image_from_a_chat_message_reaches_the_stream():
     buffer = io.BytesIO()
     Image.new("RGB", (70, 30), (200, 10, 10)).save(buffer, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
-                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     items = asyncio.run(ImageLoader().load_all(image_parts(messages)))
     processed = processor().process([3, IMAGE, 4], items)
     assert processed.items[0].ranges[0].length == 1 * (2 + 1) + 2  # 70x30 pixels: h = 1, w = 2

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 from weft.runner.sampler import RowParams, filter_logits
 
@@ -26,7 +26,10 @@ def llm(tiny_model):
 
 def prompts(count=6, seed=3):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (int(length),), generator=generator).tolist() for length in torch.randint(2, 60, (count,), generator=generator)]
+    return [
+        torch.randint(3, 49152, (int(length),), generator=generator).tolist()
+        for length in torch.randint(2, 60, (count,), generator=generator)
+    ]
 
 
 def token_ids(outputs):
@@ -82,9 +85,13 @@ def test_seeded_sampling_is_reproducible(llm):
     prompt = prompts(1)[0]
     first = token_ids(llm.generate([prompt], params))[0]
     # Same seed, different batch company: same tokens.
-    second = token_ids(llm.generate([prompts(1, seed=9)[0], prompt], [SamplingParams(temperature=1.0, max_tokens=5), params]))[1]
+    second = token_ids(
+        llm.generate([prompts(1, seed=9)[0], prompt], [SamplingParams(temperature=1.0, max_tokens=5), params])
+    )[1]
     assert first == second
-    other = token_ids(llm.generate([prompt], copy.copy(SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))))[0]
+    other = token_ids(
+        llm.generate([prompt], copy.copy(SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)))
+    )[0]
     assert other != first
     two = llm.generate([prompt], SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))[0]
     assert len(two.outputs) == 2 and two.outputs[0].token_ids != two.outputs[1].token_ids
@@ -97,7 +104,9 @@ def test_max_tokens_and_stop_token_ids(llm):
     assert output.token_ids == greedy[:5] and output.finish_reason == "length"
     stop_at = greedy[6]
     first = greedy.index(stop_at)
-    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]))[0].outputs[0]
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]))[0].outputs[
+        0
+    ]
     assert output.token_ids == greedy[: first + 1]
     assert output.finish_reason == "stop" and output.stop_reason == stop_at
 
@@ -108,10 +117,13 @@ def test_stop_strings_never_leak(llm):
     assert len(full) > 20
     stop = full[10:14]
     cut = full.index(stop)
-    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert output.text == full[:cut] and output.finish_reason == "stop" and output.stop_reason == stop
     kept = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
     )[0].outputs[0]
     assert kept.text == full[: cut + len(stop)]
 
@@ -122,16 +134,21 @@ def test_greedy_with_repetition_penalty_matches_hf(tiny_model, llm):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     prompt = prompts(1, seed=11)[0]
     generated = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.8, eos_token_id=-1, pad_token_id=0
-    )[0, len(prompt):].tolist()
+        torch.tensor([prompt]),
+        max_new_tokens=20,
+        do_sample=False,
+        repetition_penalty=1.8,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8))
     assert ours[0].outputs[0].token_ids == generated
 
 
 def test_presence_and_frequency_penalties_follow_openai(llm):
     from weft.contracts.executor import NewRequest
-    from weft.runner.request_state import RequestState
     from weft.runner.penalties import TokenCounts, apply_penalties
+    from weft.runner.request_state import RequestState
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     request = RequestState(NewRequest("r", [1, 2, 5, 5, 7], 2, params, (), ((),), 0), torch.device("cpu"))
@@ -149,17 +166,24 @@ def test_logprobs_equal_hf_log_softmax(tiny_model, llm):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     prompt = prompts(1, seed=12)[0]
     result = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        eos_token_id=-1, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=-1,
+        pad_token_id=0,
     )
-    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))[0].outputs[0]
-    assert output.token_ids == result.sequences[0, len(prompt):].tolist()
-    for step, (token, entries) in enumerate(zip(output.token_ids, output.logprobs)):
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))[
+        0
+    ].outputs[0]
+    assert output.token_ids == result.sequences[0, len(prompt) :].tolist()
+    for step, (token, entries) in enumerate(zip(output.token_ids, output.logprobs, strict=False)):
         reference = torch.log_softmax(result.logits[step][0].float(), dim=-1)
         top = reference.topk(3)
         assert entries[token].rank == 1
         assert abs(entries[token].logprob - float(reference[token])) < 1e-4
-        for rank, (value, index) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+        for rank, (value, index) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=False), start=1):
             assert abs(entries[index].logprob - value) < 1e-4 and entries[index].rank == rank
 
 
@@ -220,11 +244,18 @@ def test_hooks_see_the_engine_and_every_finished_request(llm):
 
 
 def test_use_ops_names_are_checked_and_forced_implementations_used(tiny_model):
-    with pytest.raises(ValueError, match=r"use.ops names \['softmax'\], which no installed plugin implements; known ops: .*linear"):
+    with pytest.raises(
+        ValueError, match=r"use.ops names \['softmax'\], which no installed plugin implements; known ops: .*linear"
+    ):
         LLM(model=str(tiny_model), use={"ops": {"softmax": "torch"}}, engine={"num_kv_blocks": 64})
     llm = LLM(model=str(tiny_model), use={"ops": {"linear": "torch"}}, engine={"num_kv_blocks": 64})
     assert {name: type(op).__name__ for name, op in llm.engine.worker.ops.items()} == {
-        "linear": "LinearTorch", "rms_norm": "RmsNormTorch", "rotary": "RotaryTorch", "qk_norm_rotary": "QkNormRotaryTorch",
-        "silu_and_mul": "SiluAndMulTorch", "decode_topk": "DecodeTopKTorch", "bitmask_argmax": "BitmaskArgmaxTorch",
+        "linear": "LinearTorch",
+        "rms_norm": "RmsNormTorch",
+        "rotary": "RotaryTorch",
+        "qk_norm_rotary": "QkNormRotaryTorch",
+        "silu_and_mul": "SiluAndMulTorch",
+        "decode_topk": "DecodeTopKTorch",
+        "bitmask_argmax": "BitmaskArgmaxTorch",
         "moe": "MoETorch",
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+
 from conftest import free_port, make_tiny_model, start_weft_serve
 from weft import LLM, SamplingParams
 from weft.contracts.executor import SchedulerOutput, decode_scheduler_output, encode_step
@@ -60,15 +61,25 @@ def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops
     import torch
 
     generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30, 41, 5, 60, 12)]
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)] * 4
+    prompts = [
+        torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30, 41, 5, 60, 12)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ] * 4
     results = {}
     for async_scheduling in (False, True):
-        llm = LLM(model=str(tiny_model), engine={
-            "block_size": 4, "num_kv_blocks": 48, "max_model_len": 128, "max_num_batched_tokens": 32,
-            "async_scheduling": async_scheduling,
-        })
+        llm = LLM(
+            model=str(tiny_model),
+            engine={
+                "block_size": 4,
+                "num_kv_blocks": 48,
+                "max_model_len": 128,
+                "max_num_batched_tokens": 32,
+                "async_scheduling": async_scheduling,
+            },
+        )
         outputs = llm.generate(prompts, params)
         results[async_scheduling] = [output.outputs[0].token_ids for output in outputs]
         assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
@@ -78,8 +89,9 @@ def test_async_scheduling_gives_the_same_greedy_tokens_with_preemption_and_stops
     stop = results[False][0][10]
     for async_scheduling in (False, True):
         llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling})
-        output = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop],
-                                                           ignore_eos=True))[0].outputs[0]
+        output = llm.generate(
+            [prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], ignore_eos=True)
+        )[0].outputs[0]
         assert output.token_ids == results[False][0][: results[False][0].index(stop) + 1]
         assert output.finish_reason == "stop" and output.stop_reason == stop
 
@@ -95,16 +107,25 @@ def test_under_kv_pressure_async_scheduling_preempts_and_recomputes_no_more_than
 
     if contended == "one long prompt":
         prompts = [list(range(1000, 1048)), list(range(2000, 2320))]
-        params = [SamplingParams(temperature=0, max_tokens=250, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+        params = [
+            SamplingParams(temperature=0, max_tokens=250, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        ]
         engine = {"num_kv_blocks": 24, "block_size": 16, "max_model_len": 384, "max_num_batched_tokens": 64}
     else:
         generator = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(3, 49152, (int(length),), generator=generator).tolist()
-                   for length in torch.randint(5, 150, (16,), generator=generator)]
+        prompts = [
+            torch.randint(3, 49152, (int(length),), generator=generator).tolist()
+            for length in torch.randint(5, 150, (16,), generator=generator)
+        ]
         params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        engine = {"max_num_seqs": 6, "num_kv_blocks": 40, "block_size": 16, "max_model_len": 512,
-                  "max_num_batched_tokens": 256}
+        engine = {
+            "max_num_seqs": 6,
+            "num_kv_blocks": 40,
+            "block_size": 16,
+            "max_model_len": 512,
+            "max_num_batched_tokens": 256,
+        }
     runs = {}
     for async_scheduling in (False, True):
         llm = LLM(model=str(tiny_model), engine={**engine, "async_scheduling": async_scheduling})
@@ -119,7 +140,10 @@ def test_under_kv_pressure_async_scheduling_preempts_and_recomputes_no_more_than
         tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
         runs[async_scheduling] = tokens, llm.engine.scheduler.num_preemptions, computed[0]
         assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
-    (sync_tokens, sync_preemptions, sync_computed), (async_tokens, async_preemptions, async_computed) = runs[False], runs[True]
+    (sync_tokens, sync_preemptions, sync_computed), (async_tokens, async_preemptions, async_computed) = (
+        runs[False],
+        runs[True],
+    )
     assert async_tokens == sync_tokens
     assert async_preemptions <= sync_preemptions + 2, runs
     assert async_computed <= sync_computed * 1.1, runs
@@ -148,17 +172,20 @@ def test_penalties_match_a_reference_at_every_step_with_preemption_and_chunked_p
     from collections import Counter
 
     import torch
+
     from weft.runner import sampler as sampler_module
     from weft.runner.model_runner import ModelRunner
 
     generator = torch.Generator().manual_seed(5)
     lengths = (3, 9, 17, 30, 41, 5, 60, 12)
     prompts = [torch.randint(3, 40, (length,), generator=generator).tolist() for length in lengths]  # repeated tokens
-    kinds = [SamplingParams(temperature=0, repetition_penalty=1.5),
-             SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.4),
-             SamplingParams(temperature=0, repetition_penalty=0.7, presence_penalty=-0.3, frequency_penalty=-0.6),
-             SamplingParams(temperature=0),
-             SamplingParams(temperature=0.9, seed=3, repetition_penalty=1.2, frequency_penalty=0.3)]
+    kinds = [
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.4),
+        SamplingParams(temperature=0, repetition_penalty=0.7, presence_penalty=-0.3, frequency_penalty=-0.6),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, seed=3, repetition_penalty=1.2, frequency_penalty=0.3),
+    ]
     params = [msgspec.structs.replace(kinds[index % len(kinds)], max_tokens=20, ignore_eos=True) for index in range(8)]
     edits, resumed, chunked = [], set(), []
     edited_logits, execute = sampler_module.edited_logits, ModelRunner.execute
@@ -183,22 +210,34 @@ def test_penalties_match_a_reference_at_every_step_with_preemption_and_chunked_p
     for async_scheduling in (False, True):
         for record in (edits, resumed, chunked):
             record.clear()
-        llm = LLM(model=str(tiny_model), engine={
-            "block_size": 4, "num_kv_blocks": 48, "max_model_len": 128, "max_num_batched_tokens": 32,
-            "async_scheduling": async_scheduling,
-        })
+        llm = LLM(
+            model=str(tiny_model),
+            engine={
+                "block_size": 4,
+                "num_kv_blocks": 48,
+                "max_model_len": 128,
+                "max_num_batched_tokens": 32,
+                "async_scheduling": async_scheduling,
+            },
+        )
         outputs = llm.generate(prompts, params)
         assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"
         assert any(chunked), "the long prompts should be prefilled in chunks"
         # The engine's request id is the output's with the choice's index.
-        runs = {f"{output.request_id}-0": (prompt, request_params, output.outputs[0].token_ids)
-                for output, prompt, request_params in zip(outputs, prompts, params, strict=True)}
+        runs = {
+            f"{output.request_id}-0": (prompt, request_params, output.outputs[0].token_ids)
+            for output, prompt, request_params in zip(outputs, prompts, params, strict=True)
+        }
         # Seeded rows too: a draw's seed is the request's and the position's, however often it was preempted.
         results[async_scheduling] = [tokens for _, _, tokens in runs.values()]
         checked = Counter()
         for request_id, position, raw, edited in edits:
             prompt, request_params, tokens = runs[request_id]
-            penalties = (request_params.repetition_penalty, request_params.presence_penalty, request_params.frequency_penalty)
+            penalties = (
+                request_params.repetition_penalty,
+                request_params.presence_penalty,
+                request_params.frequency_penalty,
+            )
             if penalties == (1.0, 0.0, 0.0):
                 assert torch.equal(edited, raw)
                 continue
@@ -218,14 +257,17 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     (``min_tokens``) waits for the step before it; the others, penalties included, return before their tokens
     reach the host."""
     import torch
+
     from weft.runner.model_runner import ModelRunner, _PendingStep
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30)]
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
-              SamplingParams(temperature=1.2, top_k=20, min_p=0.01, seed=2, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0})]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.01, seed=2, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0}),
+    ]
     waits, handles = [], []
     resolve, execute = ModelRunner._resolve_pending, ModelRunner.execute
 
@@ -241,8 +283,16 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     monkeypatch.setattr(ModelRunner, "execute", watched_execute)
 
     def tokens_and_logprobs(outputs):
-        return [(output.outputs[0].token_ids, [{token: round(entry.logprob, 4) for token, entry in step.items()}
-                                               for step in output.outputs[0].logprobs or []]) for output in outputs]
+        return [
+            (
+                output.outputs[0].token_ids,
+                [
+                    {token: round(entry.logprob, 4) for token, entry in step.items()}
+                    for step in output.outputs[0].logprobs or []
+                ],
+            )
+            for output in outputs
+        ]
 
     results = {}
     for async_scheduling in (False, True):
@@ -254,8 +304,15 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     sampled = [handle for handle in handles if any(token is not None for token in handle.result().sampled_token_ids)]
     assert len(sampled) >= 2 * 12 and all(isinstance(handle, _PendingStep) for handle in sampled)
     assert not any(waits)
-    penalized = SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
-                               seed=4, max_tokens=6, ignore_eos=True)
+    penalized = SamplingParams(
+        temperature=0.8,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        seed=4,
+        max_tokens=6,
+        ignore_eos=True,
+    )
     llm.generate(prompts[:2], [params[0], penalized])
     assert not any(waits)  # penalties read the counts the runner keeps on the device
     banning = SamplingParams(temperature=0.8, seed=4, max_tokens=6, min_tokens=4, stop_token_ids=[7])
@@ -270,13 +327,20 @@ def test_engine_settings_come_from_the_platform_unless_set(tiny_model):
     llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 64})
     engine = llm.engine.config.engine
     assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.async_scheduling) == (
-        defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.async_scheduling)
+        defaults.max_num_seqs,
+        defaults.max_num_batched_tokens,
+        defaults.async_scheduling,
+    )
     assert llm.engine.scheduler.max_num_seqs == defaults.max_num_seqs
     tuned = LLM(model=str(tiny_model), engine={"num_kv_blocks": 64, "max_num_seqs": 3, "max_num_batched_tokens": 100})
     assert (tuned.engine.scheduler.max_num_seqs, tuned.engine.scheduler.max_num_batched_tokens) == (3, 100)
     # `weft config show` prints the values the engine would use.
-    shown = subprocess.run([sys.executable, "-m", "weft.cli", "config", "show", "--json", "--set", "engine.max_num_seqs=5"],
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "config", "show", "--json", "--set", "engine.max_num_seqs=5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr
     engine_shown = msgspec.json.decode(shown.stdout)["engine"]
     assert engine_shown["max_num_seqs"] == 5
@@ -292,8 +356,15 @@ def test_async_scheduling_resolves_off_with_a_kv_connector_and_says_so(tmp_path,
     from weft.resolve import resolve_engine_config
 
     registry = PluginRegistry()
-    config = load_config(None, {"model": str(tmp_path), "use": {"kv_connector": "disk"},
-                                "engine": {"async_scheduling": True}, "plugins": {"disk": {"path": str(tmp_path)}}})
+    config = load_config(
+        None,
+        {
+            "model": str(tmp_path),
+            "use": {"kv_connector": "disk"},
+            "engine": {"async_scheduling": True},
+            "plugins": {"disk": {"path": str(tmp_path)}},
+        },
+    )
     with caplog.at_level("WARNING", logger="weft.engine"):
         assert resolve_engine_config(config, registry).engine.async_scheduling is False
     assert "async_scheduling = true is not used with a KV connector (use.kv_connector = 'disk')" in caplog.text
@@ -306,8 +377,12 @@ def test_an_unknown_executor_is_refused(tiny_model, tmp_path):
         LLM(model=str(tiny_model), engine={"distributed_executor_backend": "nosuch", "num_kv_blocks": 64})
     # weft config show says so too, naming the option, before anything loads.
     (tmp_path / "weft.toml").write_text('[engine]\ndistributed_executor_backend = "nosuch"\n')
-    shown = subprocess.run([sys.executable, "-m", "weft.cli", "config", "show", "--config", str(tmp_path / "weft.toml")],
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "config", "show", "--config", str(tmp_path / "weft.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 1 and "engine.distributed_executor_backend = 'nosuch'" in shown.stderr, shown.stderr
 
 
@@ -338,8 +413,12 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
         def call(stream: bool) -> None:
             try:
                 if stream:
-                    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
-                        results.append(httpx.Response(response.status_code, content="".join(response.iter_lines()).encode()))
+                    with httpx.stream(
+                        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+                    ) as response:
+                        results.append(
+                            httpx.Response(response.status_code, content="".join(response.iter_lines()).encode())
+                        )
                 else:
                     results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
             except Exception as error:  # noqa: BLE001 - a refused connection once the server exited is fine
@@ -395,7 +474,7 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
     # so too).
     health = [status for kind, status, _ in probes if kind == "health"]
     assert 503 in health, probes
-    assert 200 not in health[health.index(503):], health
+    assert 200 not in health[health.index(503) :], health
     for kind, status, text in probes:
         if kind == "request":
             assert status == 503 and "engine core process died" in text, (status, text)
@@ -404,8 +483,12 @@ def test_killing_the_core_gives_503s_and_a_non_zero_exit(tiny_model):
 def test_core_outputs_round_trip_msgpack():
     from weft.engine.messages import CoreStats, EngineCoreOutput, FromCore, StepOutputs
 
-    message = StepOutputs([EngineCoreOutput("r", [5], None, "stop", 5, 3)], CoreStats(waiting=2), {"x": "bad"},
-                          {"y": "internal error: RuntimeError: boom"})
+    message = StepOutputs(
+        [EngineCoreOutput("r", [5], None, "stop", 5, 3)],
+        CoreStats(waiting=2),
+        {"x": "bad"},
+        {"y": "internal error: RuntimeError: boom"},
+    )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=FromCore) == message
 
 
@@ -416,10 +499,14 @@ def test_the_core_in_its_own_process_gives_the_in_process_greedy_tokens(tiny_mod
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (4, 19, 33)]
     offline = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256})
-    expected = [output.outputs[0].token_ids for output in offline.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    expected = [
+        output.outputs[0].token_ids
+        for output in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ]
     for async_scheduling in (False, True):
-        server = start_server(model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling})
+        server = start_server(
+            model=str(tiny_model), engine={"num_kv_blocks": 256, "async_scheduling": async_scheduling}
+        )
         assert server.engine.engine_settings["async_scheduling"] is async_scheduling
         body = {"model": tiny_model.name, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
@@ -459,20 +546,30 @@ def test_a_seeded_request_draws_the_same_tokens_preempted_batched_or_alone(tiny_
 
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 40, (length,), generator=generator).tolist() for length in (7, 19, 33, 12, 50, 4)]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True)
-              for seed in (1, 2, 3, 1, 5, 6)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True)
+        for seed in (1, 2, 3, 1, 5, 6)
+    ]
     alone = LLM(model=str(tiny_model), engine={"max_model_len": 128})
     try:
-        expected = [alone.generate([prompt], request_params)[0].outputs[0].token_ids
-                    for prompt, request_params in zip(prompts, params, strict=True)]
+        expected = [
+            alone.generate([prompt], request_params)[0].outputs[0].token_ids
+            for prompt, request_params in zip(prompts, params, strict=True)
+        ]
     finally:
         alone.close()
     assert expected[0] != expected[3] or prompts[0] != prompts[3]
     for async_scheduling in (False, True):
-        llm = LLM(model=str(tiny_model), engine={
-            "block_size": 4, "num_kv_blocks": 40, "max_model_len": 128, "max_num_batched_tokens": 32,
-            "async_scheduling": async_scheduling,
-        })
+        llm = LLM(
+            model=str(tiny_model),
+            engine={
+                "block_size": 4,
+                "num_kv_blocks": 40,
+                "max_model_len": 128,
+                "max_num_batched_tokens": 32,
+                "async_scheduling": async_scheduling,
+            },
+        )
         try:
             outputs = llm.generate(prompts, params)
             assert llm.engine.scheduler.num_preemptions > 0, "the tight cache should preempt"

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from weft import LLM, SamplingParams
 from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from weft.engine.core.kv_cache_manager import KVCacheManager
@@ -62,19 +63,33 @@ def test_a_sampling_exception_fails_only_its_row(monkeypatch):
 def test_sampling_values_that_would_overflow_are_refused_or_greedy():
     assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=1e-4).greedy
-    for field, value in (("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("temperature", math.inf),
-                         ("top_p", math.nan), ("presence_penalty", -math.inf)):
+    for field, value in (
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("presence_penalty", -math.inf),
+    ):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
     # At the bounds, the sampler's float32 logits stay finite.
     logits = torch.randn(2, 40) * 30
-    rows = [Row(SamplingParams(temperature=1e-5, repetition_penalty=0.01)),
-            Row(SamplingParams(temperature=2.0, repetition_penalty=100.0, presence_penalty=2, frequency_penalty=-2), (1, 1, 2))]
+    rows = [
+        Row(SamplingParams(temperature=1e-5, repetition_penalty=0.01)),
+        Row(
+            SamplingParams(temperature=2.0, repetition_penalty=100.0, presence_penalty=2, frequency_penalty=-2),
+            (1, 1, 2),
+        ),
+    ]
     assert all(token.error is None for token in Sampler()(logits, rows))
 
 
 def _scheduler(threshold: int, budget: int = 2048) -> Scheduler:
-    groups = [KVCacheGroupSpec("full", ("layer",), FullAttentionSpec(block_size=16, dtype="float32", num_kv_heads=1, head_dim=8))]
+    groups = [
+        KVCacheGroupSpec(
+            "full", ("layer",), FullAttentionSpec(block_size=16, dtype="float32", num_kv_heads=1, head_dim=8)
+        )
+    ]
     return Scheduler(KVCacheManager(groups, [4096], True), 16, budget, 16384, True, None, threshold, 1)
 
 
@@ -145,7 +160,9 @@ def test_a_failed_step_is_retried_once_then_fails_everything(tiny_llm, monkeypat
     real = executor.execute_model
     calls = {"count": 0}
 
-    monkeypatch.setattr(executor, "execute_model", faulty(real, calls, lambda call: call == 5, "a transient device error"))
+    monkeypatch.setattr(
+        executor, "execute_model", faulty(real, calls, lambda call: call == 5, "a transient device error")
+    )
     retried = [output.outputs[0].token_ids for output in tiny_llm.generate(prompts, params)]
     assert retried == expected  # the running requests were recomputed: same greedy tokens
 
@@ -166,8 +183,10 @@ def test_a_fault_on_every_other_call_is_not_retried_forever(tmp_path, tokenizer_
     used to count as a first failure each time and retry forever."""
     from conftest import make_tiny_model
 
-    llm = LLM(model=str(make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)),
-              engine={"num_kv_blocks": 256, "async_scheduling": True})
+    llm = LLM(
+        model=str(make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)),
+        engine={"num_kv_blocks": 256, "async_scheduling": True},
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         expected = [output.outputs[0].token_ids for output in llm.generate(["Once upon a time"], params)]
@@ -175,8 +194,11 @@ def test_a_fault_on_every_other_call_is_not_retried_forever(tmp_path, tokenizer_
         real = executor.execute_model
         calls = {"count": 0}
 
-        monkeypatch.setattr(executor, "execute_model",
-                            faulty(real, calls, lambda call: call > 2 and call % 2 == 1, "a fault on every other call"))
+        monkeypatch.setattr(
+            executor,
+            "execute_model",
+            faulty(real, calls, lambda call: call > 2 and call % 2 == 1, "a fault on every other call"),
+        )
         with pytest.raises(RuntimeError, match="every other call"):
             llm.generate(["Once upon a time"], params)
         assert calls["count"] <= 6
@@ -198,10 +220,16 @@ def test_a_fault_on_every_other_call_is_not_retried_forever(tmp_path, tokenizer_
         llm.close()
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
+        ),
+    ],
+)
 def test_nan_activations_of_one_request_never_reach_another(device, tmp_path, tokenizer_files, one_torch_thread):
     """Concurrently (padded decode batches) and afterwards (recycled blocks), other requests' tokens are
     those they get alone; the request whose logits are NaN finishes with ``error``. On CUDA: Triton
@@ -209,8 +237,11 @@ def test_nan_activations_of_one_request_never_reach_another(device, tmp_path, to
     from conftest import POISONED_TEXT, poisoned_model
 
     platform = {"use": {"platform": "cuda"}} if device == "cuda" else {}
-    llm = LLM(model=str(poisoned_model(tmp_path / "poisoned", tokenizer_files)),
-              engine={"num_kv_blocks": 48, "max_model_len": 512}, **platform)
+    llm = LLM(
+        model=str(poisoned_model(tmp_path / "poisoned", tokenizer_files)),
+        engine={"num_kv_blocks": 48, "max_model_len": 512},
+        **platform,
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         prompts = [f"Count from {index} to {index + 9}:" for index in range(3)]

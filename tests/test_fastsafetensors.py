@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import LoadConfig
 from weft.plugins import PluginRegistry
@@ -106,8 +107,15 @@ def test_each_reader_gets_one_shard_per_batch():
 
 def test_a_draft_falls_back_only_under_pipeline_parallelism_and_only_from_a_collective_loader():
     registry = PluginRegistry()
-    target = LoadConfig(loader="fastsafetensors", pipeline_parallel_size=2, pipeline_parallel_rank=1,
-                        tensor_parallel_size=2, tensor_parallel_rank=1, download_dir="/cache", revision="v1")
+    target = LoadConfig(
+        loader="fastsafetensors",
+        pipeline_parallel_size=2,
+        pipeline_parallel_rank=1,
+        tensor_parallel_size=2,
+        tensor_parallel_rank=1,
+        download_dir="/cache",
+        revision="v1",
+    )
     draft = draft_load_config(target, registry)
     assert draft is not target and draft.loader == "safetensors"
     assert msgspec.structs.replace(draft, loader="fastsafetensors") == target, "a copy: every other field kept"
@@ -168,8 +176,21 @@ def free_port() -> int:
 def test_three_gloo_ranks_load_collectively_and_the_last_stage_draft_loads_alone(checkpoint, tmp_path):
     world, port = 3, free_port()
     processes = [
-        subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), str(rank), str(world), str(port),
-                          str(checkpoint), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(RANK_SCRIPT),
+                str(rank),
+                str(world),
+                str(port),
+                str(checkpoint),
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(world)
     ]
     outputs = [process.communicate(timeout=240)[0] for process in processes]

@@ -10,7 +10,9 @@ from conftest import last_json, make_tiny_model
 
 
 def weft(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weft.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "weft.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def test_default_model_answers():
@@ -26,7 +28,17 @@ def test_json_output_with_prompts_file_and_config(tmp_path, tokenizer_files):
     prompts.write_text(
         json.dumps({"prompt": "Hello"}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n"
     )
-    result = weft("generate", "--prompts-file", str(prompts), "--json", "--max-tokens", "5", "--ignore-eos", "--no-chat", cwd=tmp_path)
+    result = weft(
+        "generate",
+        "--prompts-file",
+        str(prompts),
+        "--json",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--no-chat",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     rows = last_json(result.stdout)
     assert [row["prompt"] for row in rows] == ["Hello", [{"role": "user", "content": "Hi"}]]

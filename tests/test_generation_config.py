@@ -18,14 +18,20 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import RunningServer, make_tiny_model
 
+from conftest import RunningServer, make_tiny_model
 from weft import LLM, SamplingParams
 from weft.config import ConfigError, load_config
 from weft.contracts.loader import ModelSource
 from weft.generation_config import load_model_sampling_defaults, read_generation_config
 
-MODEL_GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 1, "repetition_penalty": 1.3, "max_new_tokens": 7}
+MODEL_GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_k": 1,
+    "repetition_penalty": 1.3,
+    "max_new_tokens": 7,
+}
 """What the tiny checkpoint's generation_config.json recommends (HF names)."""
 AS_SAMPLING_PARAMS = dict(temperature=0.7, top_k=1, repetition_penalty=1.3, max_tokens=7)
 PROMPT = [1, 16515, 40232, 19692, 42907, 29430, 25825, 38666, 22691, 1225]
@@ -62,9 +68,10 @@ def hf_model(tiny_model):
 
 def hf_generate(model, prompt: list[int], **overrides) -> list[int]:
     """transformers' generate(): the checkpoint's generation_config.json, with ``overrides`` on top."""
-    generated = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               pad_token_id=0, **overrides)
-    return generated[0, len(prompt):].tolist()
+    generated = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0, **overrides
+    )
+    return generated[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,9 @@ def test_offline_unset_params_come_from_the_model(tiny_llm, hf_model):
 def test_offline_explicit_params_are_used_as_given(tiny_llm, hf_model):
     """An explicit SamplingParams is not merged with the model's defaults (vLLM): repetition penalty 1 here."""
     (output,) = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5))
-    assert output.outputs[0].token_ids == hf_generate(hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=5)
+    assert output.outputs[0].token_ids == hf_generate(
+        hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=5
+    )
 
 
 def test_server_unset_fields_come_from_the_model_and_request_values_win(tiny_server, tiny_llm, hf_model):
@@ -114,17 +123,29 @@ def test_server_unset_fields_come_from_the_model_and_request_values_win(tiny_ser
     text, tokens = completion_text(tiny_server, temperature=0, repetition_penalty=1.0, max_tokens=5)
     (explicit,) = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, repetition_penalty=1.0, max_tokens=5))
     assert (text, tokens) == (explicit.outputs[0].text, 5)
-    assert explicit.outputs[0].token_ids == hf_generate(hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=5)
+    assert explicit.outputs[0].token_ids == hf_generate(
+        hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=5
+    )
 
     # One field set by the request, the others still the model's: top_k 1 and the penalty keep it deterministic.
     text, tokens = completion_text(tiny_server, max_tokens=3)
-    assert (text, tokens) == (tiny_llm.generate(PROMPT, SamplingParams(**{**AS_SAMPLING_PARAMS, "max_tokens": 3}))[0].outputs[0].text, 3)
+    assert (text, tokens) == (
+        tiny_llm.generate(PROMPT, SamplingParams(**{**AS_SAMPLING_PARAMS, "max_tokens": 3}))[0].outputs[0].text,
+        3,
+    )
 
-    chat = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=120,
-                      json={"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}).json()
+    chat = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions",
+        timeout=120,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]},
+    ).json()
     (offline_chat,) = tiny_llm.chat([{"role": "user", "content": "Hello"}])
     assert chat["choices"][0]["message"]["content"] == offline_chat.outputs[0].text
-    assert chat["usage"]["completion_tokens"] == len(offline_chat.outputs[0].token_ids) <= MODEL_GENERATION_CONFIG["max_new_tokens"]
+    assert (
+        chat["usage"]["completion_tokens"]
+        == len(offline_chat.outputs[0].token_ids)
+        <= MODEL_GENERATION_CONFIG["max_new_tokens"]
+    )
 
 
 def test_none_switch_serves_weft_defaults(tiny_model, tiny_server, tiny_llm, start_server):
@@ -142,7 +163,9 @@ def test_a_folder_replaces_the_model_generation_config(tiny_model, hf_model, tmp
         llm = LLM(model=str(tiny_model), generation_config=str(other))
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=6)
     (output,) = llm.generate(PROMPT)
-    assert output.outputs[0].token_ids == hf_generate(hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=6)
+    assert output.outputs[0].token_ids == hf_generate(
+        hf_model, PROMPT, do_sample=False, repetition_penalty=1.0, max_new_tokens=6
+    )
     (record,) = [record for record in caplog.records if record.name == "weft.generation_config"]
     assert str(other / "generation_config.json") in record.getMessage()
     assert "temperature=0.0, max_tokens=6" in record.getMessage()
@@ -164,8 +187,9 @@ def test_none_switch_offline(tiny_model):
     ],
 )
 def test_a_bad_value_names_the_file_the_key_and_the_fix(tmp_path, key, value, reason):
-    source = ModelSource(path=str(tmp_path), format="safetensors", hf_config={}, tokenizer="hf", name="m",
-                         generation_config={key: value})
+    source = ModelSource(
+        path=str(tmp_path), format="safetensors", hf_config={}, tokenizer="hf", name="m", generation_config={key: value}
+    )
     with pytest.raises(ValueError) as error:
         load_model_sampling_defaults(source, "auto")
     message = str(error.value)
@@ -202,7 +226,9 @@ def test_unreadable_files_and_unknown_settings_are_named(tmp_path):
 def test_weft_generate_uses_the_model_defaults(tiny_model, tiny_llm):
     run = subprocess.run(
         [sys.executable, "-m", "weft.cli", "generate", "--model", str(tiny_model), "--no-chat", "--json", "Once upon"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     (result,) = json.loads(run.stdout)
@@ -254,7 +280,9 @@ def test_readme_request_samples_with_the_model_card_settings(default_server):
     body = readme_request()
     assert body["model"] == DEFAULT_MODEL and "temperature" not in body and "top_p" not in body
     for seed in SEEDS[:3]:
-        assert post_chat(default_server, {**body, "seed": seed}) == post_chat(default_server, {**body, **MODEL_CARD_SAMPLING, "seed": seed})
+        assert post_chat(default_server, {**body, "seed": seed}) == post_chat(
+            default_server, {**body, **MODEL_CARD_SAMPLING, "seed": seed}
+        )
 
 
 def assert_paris(answers: dict[int, str]) -> None:
@@ -277,8 +305,11 @@ def test_readme_openai_example_answers_paris(default_server):
     client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
     body = readme_request()
     answers = {
-        seed: client.chat.completions.create(model=body["model"], max_tokens=body["max_tokens"], messages=body["messages"],
-                                             seed=seed).choices[0].message.content
+        seed: client.chat.completions.create(
+            model=body["model"], max_tokens=body["max_tokens"], messages=body["messages"], seed=seed
+        )
+        .choices[0]
+        .message.content
         for seed in PARIS_SEEDS
     }
     assert_paris(answers)

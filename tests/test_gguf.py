@@ -61,9 +61,19 @@ def test_native_tokenizer_conversion_matches_transformers(tmp_path, monkeypatch,
     monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
     source = GGUFLoader().resolve("smollm2-135m-instruct")
     (folder,) = (tmp_path / "gguf").glob("*.tokenizer")
-    ours, reference = Tokenizer.from_file(str(folder / "tokenizer.json")), Tokenizer.from_file(str(tokenizer_files / "tokenizer.json"))
-    texts = ["Hello, world!", "  two  spaces", "naïve café 图片🌍 ∑", "<|im_start|>user\nHi<|im_end|>\n",
-             "def f(x):\n\treturn x**2", "3.14159 and 1234567890", "The quick brown fox. " * 30]
+    ours, reference = (
+        Tokenizer.from_file(str(folder / "tokenizer.json")),
+        Tokenizer.from_file(str(tokenizer_files / "tokenizer.json")),
+    )
+    texts = [
+        "Hello, world!",
+        "  two  spaces",
+        "naïve café 图片🌍 ∑",
+        "<|im_start|>user\nHi<|im_end|>\n",
+        "def f(x):\n\treturn x**2",
+        "3.14159 and 1234567890",
+        "The quick brown fox. " * 30,
+    ]
     for text in texts:
         assert ours.encode(text).ids == reference.encode(text).ids, text
     assert ours.get_vocab_size() == reference.get_vocab_size()
@@ -87,8 +97,10 @@ def test_a_corrupted_weight_cache_is_rebuilt_with_one_warning(tmp_path, monkeypa
     def counting(self, source, dtype):  # stands in for the dequantization (seconds): the cache is the subject
         built["count"] += 1
         generator = torch.Generator().manual_seed(0)
-        return {f"model.layers.{index}.mlp.up_proj.weight": torch.randn(256, 512, generator=generator, dtype=dtype)
-                for index in range(4)}
+        return {
+            f"model.layers.{index}.mlp.up_proj.weight": torch.randn(256, 512, generator=generator, dtype=dtype)
+            for index in range(4)
+        }
 
     monkeypatch.setattr(GGUFLoader, "_dequantize", counting)
     expected = dict(loader.iter_weights(source, "float32"))
@@ -112,7 +124,9 @@ def test_a_corrupted_weight_cache_is_rebuilt_with_one_warning(tmp_path, monkeypa
         with pytest.warns(UserWarning, match=expected_reason) as caught:
             reloaded = dict(loader.iter_weights(source, "float32"))
         assert len(caught) == 1 and built["count"] == before + 1
-        assert reloaded.keys() == expected.keys() and all(torch.equal(reloaded[name], expected[name]) for name in expected)
+        assert reloaded.keys() == expected.keys() and all(
+            torch.equal(reloaded[name], expected[name]) for name in expected
+        )
         assert checksum.problem(cached) is None  # rebuilt, with fresh checksums
 
 
@@ -137,8 +151,14 @@ def test_a_damaged_tokenizer_cache_is_rebuilt_with_one_warning(tmp_path, monkeyp
 
     damages = [
         ("tokenizer.json: .*truncated", lambda: truncate(folder / "tokenizer.json")),
-        ("chat_template.jinja: changed", lambda: (folder / "chat_template.jinja").write_text(template.replace("system", "sYstem"))),
-        ("tokenizer_config.json: missing its checksum file", lambda: checksum.sidecar(folder / "tokenizer_config.json").unlink()),
+        (
+            "chat_template.jinja: changed",
+            lambda: (folder / "chat_template.jinja").write_text(template.replace("system", "sYstem")),
+        ),
+        (
+            "tokenizer_config.json: missing its checksum file",
+            lambda: checksum.sidecar(folder / "tokenizer_config.json").unlink(),
+        ),
     ]
     for reason, damage in damages:
         damage()

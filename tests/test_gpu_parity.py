@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tiny_model
 from test_hf_parity import NEW_TOKENS, hf_greedy, prompts_of_lengths
-
 from weft import LLM, SamplingParams
 from weft.runner.sampler import SAMPLED, SampledBatch
 
@@ -36,11 +36,14 @@ def test_tiny_models_match_hf_greedy_on_gpu(kind, tmp_path, tokenizer_files):
     prompts = prompts_of_lengths([1, 3, 7, 16, 17, 40, 90, 150])
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     reference = hf_greedy(hf, prompts)
-    llm = LLM(model=str(folder), use={"platform": "cuda"},
-              engine={"dtype": "float32", "max_num_batched_tokens": 96, "block_size": 16, "num_kv_blocks": 512})
+    llm = LLM(
+        model=str(folder),
+        use={"platform": "cuda"},
+        engine={"dtype": "float32", "max_num_batched_tokens": 96, "block_size": 16, "num_kv_blocks": 512},
+    )
     assert llm.engine.runner.graphs and llm.engine.worker.attention.name == "triton"
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, expected, output in zip(prompts, reference, outputs):
+    for prompt, expected, output in zip(prompts, reference, outputs, strict=False):
         assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
 
 
@@ -70,14 +73,15 @@ def hf_teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch
 
 
 def relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([(a - b).norm() / b.norm() for a, b in zip(logits, reference)])
+    return torch.stack([(a - b).norm() / b.norm() for a, b in zip(logits, reference, strict=False)])
 
 
 @pytest.mark.parametrize("shape", ["llama3-8b", "qwen3-0.6b"])
 def test_bf16_logits_of_real_shapes_agree_with_hf(shape, tokenizer_files):
     """Llama-3-8B's shape, and Qwen3-0.6B's, whose q/k norms and rotation run as one fused op in bf16."""
-    from gpu_common import SHAPES, MemoryLoader, hf_config, registry_with_memory_loader
     from transformers import AutoModelForCausalLM
+
+    from gpu_common import SHAPES, MemoryLoader, hf_config, registry_with_memory_loader
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -93,8 +97,12 @@ def test_bf16_logits_of_real_shapes_agree_with_hf(shape, tokenizer_files):
 
     state = hf.state_dict()
     model = MemoryLoader.add(f"{shape}-parity", SHAPES[shape], lambda: iter(state.items()), tokenizer_files)
-    llm = LLM(model=model, registry=registry_with_memory_loader(), use={"platform": "cuda"},
-              engine={"dtype": "bfloat16", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 8})
+    llm = LLM(
+        model=model,
+        registry=registry_with_memory_loader(),
+        use={"platform": "cuda"},
+        engine={"dtype": "bfloat16", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 8},
+    )
     if shape == "qwen3-0.6b":
         assert type(llm.engine.worker.ops["qk_norm_rotary"]).__name__ == "QkNormRotaryTriton"
         assert llm.engine.runner.model.model.layers[0].self_attn.qk_norm_rotary is not None
@@ -105,9 +113,11 @@ def test_bf16_logits_of_real_shapes_agree_with_hf(shape, tokenizer_files):
 
     hf_error = relative_errors(hf_bf16, exact)
     weft_error = relative_errors(teacher.logits, exact)
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(teacher.logits, exact))
-    print(f"\nrelative L2 error vs fp32 HF: HF bf16 mean {hf_error.mean():.4f} max {hf_error.max():.4f}; "
-          f"Weft bf16 mean {weft_error.mean():.4f} max {weft_error.max():.4f}; "
-          f"Weft argmax equals fp32 argmax at {agree}/{len(exact)} positions")
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(teacher.logits, exact, strict=False))
+    print(
+        f"\nrelative L2 error vs fp32 HF: HF bf16 mean {hf_error.mean():.4f} max {hf_error.max():.4f}; "
+        f"Weft bf16 mean {weft_error.mean():.4f} max {weft_error.max():.4f}; "
+        f"Weft argmax equals fp32 argmax at {agree}/{len(exact)} positions"
+    )
     assert weft_error.mean() <= 1.5 * hf_error.mean()
     assert weft_error.max() <= 2 * hf_error.max()

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model, smollm2_gguf
 
+from conftest import TINY_CONFIGS, make_tiny_model, smollm2_gguf
 from weft import LLM, SamplingParams
 
 NEW_TOKENS = 64
@@ -31,8 +31,10 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
     config.pad_token_id = 0
     outputs = []
     for prompt in prompts:
-        generated = model.generate(torch.tensor([prompt]), generation_config=config, stopping_criteria=StoppingCriteriaList([Never()]))
-        outputs.append(generated[0, len(prompt):].tolist())
+        generated = model.generate(
+            torch.tensor([prompt]), generation_config=config, stopping_criteria=StoppingCriteriaList([Never()])
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
         assert len(outputs[-1]) == new_tokens
     return outputs
 
@@ -52,12 +54,21 @@ def test_tiny_random_models_match_hf(kind, tmp_path, tokenizer_files):
     # A small step budget and block size force chunked prefill and many blocks per request; with
     # asynchronous scheduling each decode reads the token the step before sampled from the device.
     for async_scheduling in (False, True):
-        llm = LLM(model=str(folder), engine={"max_num_batched_tokens": 96, "block_size": 8, "num_kv_blocks": 512,
-                                             "async_scheduling": async_scheduling})
+        llm = LLM(
+            model=str(folder),
+            engine={
+                "max_num_batched_tokens": 96,
+                "block_size": 8,
+                "num_kv_blocks": 512,
+                "async_scheduling": async_scheduling,
+            },
+        )
         assert llm.engine.core.async_scheduling is async_scheduling
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        for prompt, expected, output in zip(prompts, reference, outputs):
-            assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged (async {async_scheduling})"
+        for prompt, expected, output in zip(prompts, reference, outputs, strict=False):
+            assert output.outputs[0].token_ids == expected, (
+                f"prompt of {len(prompt)} tokens diverged (async {async_scheduling})"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +97,7 @@ def test_smollm2_gguf_matches_hf_loading_the_same_gguf(smollm2_llm):
     assert len({len(prompt) for prompt in prompts}) >= 6
     reference = hf_greedy(hf, prompts)
     outputs = smollm2_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    for text, expected, output in zip(texts, reference, outputs):
+    for text, expected, output in zip(texts, reference, outputs, strict=False):
         assert output.outputs[0].token_ids == expected, f"diverged on {text!r}"
 
 

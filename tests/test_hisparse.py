@@ -116,7 +116,9 @@ def test_speculative_top_k_is_written_per_step_and_read_back_in_token_order():
         request, step = divmod(row, steps)
         for column in range(k):
             entry = int(logical[row, column])
-            expected = -1 if entry < 0 else int(block_table[request, entry // per_block]) * per_block + entry % per_block
+            expected = (
+                -1 if entry < 0 else int(block_table[request, entry // per_block]) * per_block + entry % per_block
+            )
             assert int(slots[row, column]) == expected == int(by_step[step, request, column])
     assert valid.tolist() == (logical >= 0).sum(-1).tolist()
     assert by_step.is_contiguous() and by_step.shape == (steps, requests, k)
@@ -129,17 +131,25 @@ def test_the_reader_copies_in_only_missing_host_entries_and_refuses_a_hot_buffer
 
     spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)  # 2 entries a page
     groups = (KVCacheGroupSpec("csa_kv", ("layer",), spec),)
-    worker = HiSparseConnector(HiSparseOptions(host_pages=4, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m"))
+    worker = HiSparseConnector(
+        HiSparseOptions(host_pages=4, hot_buffer_blocks=1), "worker", groups, ConnectorContext("m")
+    )
     worker.register_kv_caches({"layer": torch.zeros(6, 2, 3)})
-    worker.host["layer"].copy_(torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3))  # host row r, slot j: 6r + 3j..
-    worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 1, 3),)))  # page 1 (entries 2, 3) at host row 3
+    worker.host["layer"].copy_(
+        torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3)
+    )  # host row r, slot j: 6r + 3j..
+    worker.bind_connector_metadata(
+        HiSparseStep(host_pages=(HostPage("r", 1, 3),))
+    )  # page 1 (entries 2, 3) at host row 3
     gathered = torch.full((1, 3, 3), -1.0)
     read = worker.read("layer", ["r"], torch.tensor([[0, 3, -1]]), gathered.clone())
     assert read[0, 0].tolist() == [-1.0] * 3 and read[0, 2].tolist() == [-1.0] * 3  # GPU page and "none" untouched
     assert read[0, 1].tolist() == [21.0, 22.0, 23.0]  # host row 3, slot 1
     worker.read("layer", ["r"], torch.tensor([[3, 2, -1]]), gathered.clone())
     assert worker.get_finished(set()).observations["host_entries_read_total"] == [1, 1]  # entry 3 was hot already
-    with pytest.raises(ValueError, match="hot_buffer_blocks = 1 holds 2 entries per request and layer, but layer selected 3"):
+    with pytest.raises(
+        ValueError, match="hot_buffer_blocks = 1 holds 2 entries per request and layer, but layer selected 3"
+    ):
         worker.bind_connector_metadata(HiSparseStep(host_pages=(HostPage("r", 0, 0),)))
         worker.read("layer", ["r"], torch.tensor([[0, 2, 3]]), gathered.clone())
 
@@ -185,7 +195,7 @@ def _expected(host, picks, pages_on_host, gathered=None):
     """What each row must read: for a pick of a page its request holds on the host, the host pool's bytes; what the
     model gathered (``gathered``, all -1 by default) for any other."""
     rows = torch.full((len(picks), len(picks[0]), host.shape[-1]), -1.0) if gathered is None else gathered.clone()
-    for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host)):
+    for row, (request_picks, on_host) in enumerate(zip(picks, pages_on_host, strict=False)):
         for column, entry in enumerate(request_picks):
             if entry >= 0 and entry // 2 in on_host:
                 rows[row, column] = host[on_host[entry // 2], entry % 2]
@@ -376,8 +386,10 @@ def test_the_read_kernel_interpreted_reads_and_keeps_what_the_torch_path_does():
     generator = torch.Generator().manual_seed(0)
     for index, picks in enumerate(steps):
         gathered = torch.randn(3, 4, 3, generator=generator)
-        reads = [_graph_step(worker, ["a", "b"], 3, picks, host_pages if index == 0 else (), gathered)
-                 for worker, _ in workers]
+        reads = [
+            _graph_step(worker, ["a", "b"], 3, picks, host_pages if index == 0 else (), gathered)
+            for worker, _ in workers
+        ]
         assert torch.equal(reads[0][0], _expected(host, picks, on_host, gathered)), index
         assert torch.equal(reads[1][0], reads[0][0]) and reads[1][1] == reads[0][1], index
     torch_path, kernel = (worker._graph for worker, _ in workers)
@@ -398,7 +410,9 @@ def test_a_decode_graph_reads_the_host_pool_s_bytes_through_random_requests_pick
 
     rng = random.Random(seed)
     rows = rng.choice([1, 2, 3])
-    worker, host = _graph_worker(hot_buffer_blocks=rng.choice([1, 2]), rows=rows, graph_hot_requests=rng.randint(0, rows))
+    worker, host = _graph_worker(
+        hot_buffer_blocks=rng.choice([1, 2]), rows=rows, graph_hot_requests=rng.randint(0, rows)
+    )
     live: dict[str, dict[int, int]] = {}  # request -> its host pages
     for step in range(30):
         while len(live) < rng.randint(1, rows + 2):
@@ -426,21 +440,39 @@ def test_a_decode_graph_reads_the_host_pool_s_bytes_through_random_requests_pick
         on_host = [live[request_id] for request_id in replayed] + [{}] * (rows - len(replayed))
         read, counted = _graph_step(worker, replayed, rows, picks, new_pages)
         assert torch.equal(read, _expected(host, picks, on_host)), step
-        host_picks = sum(entry // 2 in pages for row_picks, pages in zip(picks, on_host) for entry in row_picks)
+        host_picks = sum(
+            entry // 2 in pages for row_picks, pages in zip(picks, on_host, strict=False) for entry in row_picks
+        )
         assert sum(counted) == host_picks, step  # (a pick of -1 is in no page)
 
 
 def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only_acknowledged_pages():
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
-    from weft.contracts.kv_connector import ConnectorContext, ConnectorOutput, ConnectorStep, ConnectorStepRequest, LentBlock
+    from weft.contracts.kv_connector import (
+        ConnectorContext,
+        ConnectorOutput,
+        ConnectorStep,
+        ConnectorStepRequest,
+        LentBlock,
+    )
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions, copy_name
 
-    groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)),)
-    scheduler = HiSparseConnector(HiSparseOptions(host_pages=8, hot_buffer_blocks=1, keep_tail=1), "scheduler", groups,
-                                  ConnectorContext("m", tp_size=2))
+    groups = (
+        KVCacheGroupSpec(
+            "csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=3)
+        ),
+    )
+    scheduler = HiSparseConnector(
+        HiSparseOptions(host_pages=8, hot_buffer_blocks=1, keep_tail=1),
+        "scheduler",
+        groups,
+        ConnectorContext("m", tp_size=2),
+    )
 
     def step(computed, preempted=frozenset(), free=0):
-        requests = tuple(ConnectorStepRequest(name, computed, 1, ((10, 11, 12, 13),)) for name in ("a",) if name not in preempted)
+        requests = tuple(
+            ConnectorStepRequest(name, computed, 1, ((10, 11, 12, 13),)) for name in ("a",) if name not in preempted
+        )
         return ConnectorStep(requests=requests, preempted=frozenset(preempted), free_blocks=(free,), num_blocks=(100,))
 
     first = scheduler.build_connector_meta(step(31))  # a decoding request with 4 full pages (32 tokens)
@@ -459,13 +491,16 @@ def test_the_connector_drops_a_preempted_request_s_planned_copies_and_lends_only
 
 # End to end on a tiny DeepSeek V4 (CSA layers read their top-k through the connector).
 
+
 def _dsv4_checkpoint(tmp_path_factory):
     pytest.importorskip("weft_dsv4")
     from weft_dsv4.config import CSA, HCA, SLIDING
     from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
 
     # index_topk=3 over 2 entries a page (csa_kv pages of 8 tokens): reads mix pinned and host pages.
-    return write_checkpoint(tmp_path_factory.mktemp("hisparse"), tiny_config([CSA, SLIDING, HCA, CSA], hc_mult=2, index_topk=3), seed=5)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("hisparse"), tiny_config([CSA, SLIDING, HCA, CSA], hc_mult=2, index_topk=3), seed=5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -473,18 +508,34 @@ def tiny_dsv4(tmp_path_factory):
     return _dsv4_checkpoint(tmp_path_factory)
 
 
-def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dtype: str = "auto", full_width: bool = False,
-              graph_batch_sizes: list[int] | None = None, platform: str | None = None):
+def _generate(
+    folder,
+    hisparse: dict | None,
+    num_kv_blocks: int,
+    indexer_key_dtype: str = "auto",
+    full_width: bool = False,
+    graph_batch_sizes: list[int] | None = None,
+    platform: str | None = None,
+):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
-    engine = {"block_size": 8, "num_kv_blocks": num_kv_blocks, "max_model_len": 160, "max_num_batched_tokens": 32,
-              "enable_prefix_caching": False}
+    engine = {
+        "block_size": 8,
+        "num_kv_blocks": num_kv_blocks,
+        "max_model_len": 160,
+        "max_num_batched_tokens": 32,
+        "enable_prefix_caching": False,
+    }
     if graph_batch_sizes is not None:
         engine["graph_batch_sizes"] = graph_batch_sizes
     else:
         engine["enforce_eager"] = True
-    extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {"plugins": {}}
+    extra = (
+        {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}}
+        if hisparse is not None
+        else {"plugins": {}}
+    )
     extra["plugins"]["DeepseekV4ForCausalLM"] = {"indexer_key_dtype": indexer_key_dtype}
     if platform is not None:
         extra.setdefault("use", {})["platform"] = platform
@@ -492,22 +543,32 @@ def _generate(folder, hisparse: dict | None, num_kv_blocks: int, indexer_key_dty
     llm = LLM(model=str(folder), engine=engine, **extra)
     if full_width:  # decode as on a GPU that captures graphs: every row padded to the entries max_model_len allows
         llm.engine.worker.model.model.decode_width_tokens = engine["max_model_len"]
-    prompts = [torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (9, 30, 47)]
+    prompts = [
+        torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        for length in (9, 30, 47)
+    ]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
     return [list(output.outputs[0].token_ids) for output in outputs], llm
 
 
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(("indexer_key_dtype", "full_width"), [("auto", False), ("fp8_e4m3", False), ("auto", True)])
-def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(tiny_dsv4, indexer_key_dtype, full_width):
+def test_hisparse_on_and_off_give_the_same_greedy_tokens_while_pages_spill_and_return(
+    tiny_dsv4, indexer_key_dtype, full_width
+):
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, indexer_key_dtype=indexer_key_dtype)
     # 30 blocks a group for three requests growing to 103 tokens (13 csa_kv pages each): below the
     # watermark (3 blocks) clean pages are lent to the pool, other requests' new pages take them
     # (their own entries then come from the host), and one request is still preempted and
     # recomputed. Two blocks of hot rows (4 entries) for top-3 picks: entries are evicted and copied
     # in again in later steps.
-    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
-                            indexer_key_dtype=indexer_key_dtype, full_width=full_width)
+    tokens, llm = _generate(
+        tiny_dsv4,
+        {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2},
+        num_kv_blocks=30,
+        indexer_key_dtype=indexer_key_dtype,
+        full_width=full_width,
+    )
     assert tokens == reference
     connector = llm.engine.scheduler.connector
     assert connector.metric_totals["pages_copied_total"].total > 0
@@ -543,15 +604,20 @@ def _record_replayed_host_pages(monkeypatch) -> list[int]:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_decode_graphs_read_host_pages_through_the_refilled_page_table_with_the_same_greedy_tokens(
-        tiny_dsv4, eager_replay_platform, monkeypatch):
+    tiny_dsv4, eager_replay_platform, monkeypatch
+):
     """The runner's graph path (static buffers, padding rows, the model reading nothing on the host; on the CPU a
     'replay' runs the captured function again) with HiSparse spilling as in the test above: the reads of reclaimed
     pages go through the page table refilled before every replay, and the greedy tokens stay plain DeepSeek V4's."""
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128)  # eagerly
     assert not eager_replay_platform
     replayed_host_pages = _record_replayed_host_pages(monkeypatch)
-    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
-                            graph_batch_sizes=[1, 2, 4])
+    tokens, llm = _generate(
+        tiny_dsv4,
+        {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2},
+        num_kv_blocks=30,
+        graph_batch_sizes=[1, 2, 4],
+    )
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4] and eager_replay_platform
     assert len(replayed_host_pages) == len(eager_replay_platform)  # the table was refilled before every replay
     assert max(replayed_host_pages) > 0  # and replays read pages from the host
@@ -576,8 +642,13 @@ def test_on_a_gpu_captured_decode_graphs_read_host_pages_with_plain_deepseek_v4_
     and keep what they read in the hot buffer on the device, from which later replays read it."""
     reference, _ = _generate(tiny_dsv4, None, num_kv_blocks=128, platform="cuda")  # eagerly
     replayed_host_pages = _record_replayed_host_pages(monkeypatch)
-    tokens, llm = _generate(tiny_dsv4, {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2}, num_kv_blocks=30,
-                            graph_batch_sizes=[1, 2, 4], platform="cuda")
+    tokens, llm = _generate(
+        tiny_dsv4,
+        {"host_pages": 64, "hot_buffer_blocks": 2, "keep_tail": 2},
+        num_kv_blocks=30,
+        graph_batch_sizes=[1, 2, 4],
+        platform="cuda",
+    )
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4]
     assert max(replayed_host_pages, default=0) > 0  # replays read pages from the host
     _assert_replays_read_the_hot_buffer(llm)
@@ -589,18 +660,25 @@ def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_it
 
     engine = {"block_size": 8, "max_model_len": 160, "cpu_kv_cache_bytes": 4 << 20, "enable_prefix_caching": False}
     plain = LLM(model=str(tiny_dsv4), engine=engine).engine.core
-    sparse = LLM(model=str(tiny_dsv4), engine=engine, use={"kv_connector": "hisparse"},
-                 plugins={"hisparse": {"gpu_share": 0.1}}).engine.core
+    sparse = LLM(
+        model=str(tiny_dsv4), engine=engine, use={"kv_connector": "hisparse"}, plugins={"hisparse": {"gpu_share": 0.1}}
+    ).engine.core
     groups = plain.groups
     block_bytes = {group.name: group.spec.page_size_bytes() * len(group.layer_names) for group in groups}
     need = {group.name: group.spec.blocks_for_tokens(160) * block_bytes[group.name] for group in groups}
     assert len(set(need.values())) > 2  # the groups' needs differ: an equal split would waste most of the bytes
 
     def shares(core):
-        return {group.name: count * block_bytes[group.name] / (4 << 20) for count, group in zip(core.num_blocks, core.scheduler.kv_cache.groups)}
+        return {
+            group.name: count * block_bytes[group.name] / (4 << 20)
+            for count, group in zip(core.num_blocks, core.scheduler.kv_cache.groups, strict=False)
+        }
 
     # Without the connector every group holds the same number of full-length requests.
-    full_length = {group.name: count // group.spec.blocks_for_tokens(160) for count, group in zip(plain.num_blocks, groups)}
+    full_length = {
+        group.name: count // group.spec.blocks_for_tokens(160)
+        for count, group in zip(plain.num_blocks, groups, strict=False)
+    }
     assert max(full_length.values()) - min(full_length.values()) <= 1, full_length
     for name, share in shares(plain).items():
         assert share == pytest.approx(need[name] / sum(need.values()), rel=0.02, abs=1e-4), name
@@ -610,15 +688,15 @@ def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_it
     assert shares(sparse)["csa_kv"] < shares(plain)["csa_kv"] / 2  # the freed bytes go to the groups on the device
 
 
-
 def _concurrency_checkpoint(tmp_path_factory):
     from weft_dsv4.config import CSA
     from weft_dsv4.tiny_checkpoint import tiny_config, write_checkpoint
 
     # The CSA entries (256 wide) dominate a request's KV, as at long context: the indexer keys are 16 wide, and
     # the ring (a window of 8) and the compressor state are small.
-    config = tiny_config([CSA, CSA], hc_mult=2, index_topk=3, head_dim=256, index_head_dim=16, qk_rope_head_dim=8,
-                         sliding_window=8)
+    config = tiny_config(
+        [CSA, CSA], hc_mult=2, index_topk=3, head_dim=256, index_head_dim=16, qk_rope_head_dim=8, sliding_window=8
+    )
     return write_checkpoint(tmp_path_factory.mktemp("hisparse_concurrency"), config, seed=5)
 
 
@@ -628,8 +706,14 @@ def _most_holding_blocks(folder, hisparse: dict | None):
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
-    engine = {"block_size": 4, "max_model_len": 672, "max_num_batched_tokens": 512, "max_num_seqs": 12,
-              "cpu_kv_cache_bytes": 2_100_000, "enable_prefix_caching": False}
+    engine = {
+        "block_size": 4,
+        "max_model_len": 672,
+        "max_num_batched_tokens": 512,
+        "max_num_seqs": 12,
+        "cpu_kv_cache_bytes": 2_100_000,
+        "enable_prefix_caching": False,
+    }
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse}} if hisparse is not None else {}
     llm = LLM(model=str(folder), engine=engine, **extra)
     core = llm.engine.core
@@ -653,8 +737,9 @@ def _most_holding_blocks(folder, hisparse: dict | None):
 def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_and_none_is_preempted(tmp_path_factory):
     folder = _concurrency_checkpoint(tmp_path_factory)
     reference, plain_most, plain_preemptions, plain_pool = _most_holding_blocks(folder, None)
-    tokens, most, preemptions, pool = _most_holding_blocks(folder, {"host_pages": 12 * 170, "hot_buffer_blocks": 3,
-                                                                    "gpu_share": 0.1})
+    tokens, most, preemptions, pool = _most_holding_blocks(
+        folder, {"host_pages": 12 * 170, "hot_buffer_blocks": 3, "gpu_share": 0.1}
+    )
     assert plain_pool >= 4 and pool < 1.25  # every group holds 4 requests without HiSparse; csa_kv ~1.2 with it
     assert plain_most == 4 and plain_preemptions == 0
     # One prefill at a time holds all its pages (it reads every entry); the decoding ones keep their dirty and last
@@ -667,18 +752,28 @@ def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_
 
 # The admission gate driven through the engine's scheduler, with a stand-in for the workers.
 
+
 def _gated_scheduler(num_blocks: int, max_num_seqs: int = 8):
     """The engine's scheduler over one csa_kv group of ``num_blocks`` pages of 8 tokens, HiSparse as its connector."""
+    from weft.engine.core.scheduler.connector import SchedulerConnector
+    from weft.engine.core.scheduler.kv_cache import KVCacheManager
+
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.core.scheduler.kv_cache import KVCacheManager
-    from weft.engine.core.scheduler.connector import SchedulerConnector
     from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
-    groups = (KVCacheGroupSpec("csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)),)
-    connector = SchedulerConnector(HiSparseConnector, HiSparseOptions(host_pages=512, hot_buffer_blocks=1, keep_tail=2),
-                                   groups, ConnectorContext("m"))
+    groups = (
+        KVCacheGroupSpec(
+            "csa_kv", ("layer",), CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
+        ),
+    )
+    connector = SchedulerConnector(
+        HiSparseConnector,
+        HiSparseOptions(host_pages=512, hot_buffer_blocks=1, keep_tail=2),
+        groups,
+        ConnectorContext("m"),
+    )
     return Scheduler(KVCacheManager(groups, [num_blocks], False), max_num_seqs, 64, 512, True, connector)
 
 
@@ -686,6 +781,7 @@ def _step(scheduler) -> set[str]:
     """One step as the workers would run it: each request that samples gets token 7, every planned copy is
     acknowledged. Returns the requests scheduled."""
     import msgspec
+
     from weft.contracts.executor import ModelRunnerOutput
     from weft.contracts.kv_connector import ConnectorOutput
     from weft_hisparse.connector import HiSparseStep, copy_name
@@ -705,7 +801,9 @@ def _request(name: str, prompt: int | list[int], max_tokens: int, **params):
     from weft.sampling_params import SamplingParams
 
     token_ids = [3] * prompt if isinstance(prompt, int) else prompt
-    return Request(name, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), max_tokens, frozenset())
+    return Request(
+        name, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), max_tokens, frozenset()
+    )
 
 
 def test_a_gated_request_keeps_its_place_while_smaller_ones_keep_arriving():
@@ -773,6 +871,7 @@ def test_short_prompts_are_let_in_only_as_many_as_can_keep_their_last_pages():
 
 
 # The host prefix cache: finished requests' durable prefixes, read back by later requests' prefix hits.
+
 
 def test_a_finished_request_publishes_only_the_full_blocks_of_its_contiguous_durable_prefix():
     planner = PagePlanner(num_blocks=100, hot_buffer_blocks=2, host_rows=8, workers=2)
@@ -845,8 +944,13 @@ def _run_host_prefix_case(folder, hisparse: bool):
     last = first[:40] + prompt(99, 10)
     batches = [[first], [prompt(seed, 38) for seed in (1, 2, 3)], [prompt(seed, 38) for seed in (4, 5, 6)], [last]]
     # Sized from memory: with HiSparse csa_kv gets a tenth of its need (27 pages), the other groups theirs (273).
-    engine = {"block_size": 8, "max_model_len": 160, "max_num_batched_tokens": 64, "cpu_kv_cache_bytes": 16_000_000,
-              "enable_prefix_caching": hisparse}
+    engine = {
+        "block_size": 8,
+        "max_model_len": 160,
+        "max_num_batched_tokens": 64,
+        "cpu_kv_cache_bytes": 16_000_000,
+        "enable_prefix_caching": hisparse,
+    }
     hisparse_options = {"host_pages": 64, "gpu_share": 0.1}
     extra = {"use": {"kv_connector": "hisparse"}, "plugins": {"hisparse": hisparse_options}} if hisparse else {}
     llm = LLM(model=str(folder), engine=engine, **extra)
@@ -891,17 +995,22 @@ def test_a_prompt_prefix_in_the_host_prefix_cache_is_loaded_instead_of_computed_
 def _two_group_scheduler():
     """The engine's scheduler with prefix caching over csa_kv and a second prefix-cacheable group (hca_kv), pages
     of 8 tokens, HiSparse as its connector."""
+    from weft.engine.core.scheduler.connector import SchedulerConnector
+    from weft.engine.core.scheduler.kv_cache import KVCacheManager
+
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
-    from weft.engine.core.scheduler.kv_cache import KVCacheManager
-    from weft.engine.core.scheduler.connector import SchedulerConnector
     from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
     spec = CompressedSpec(block_size=8, dtype="float32", compress_ratio=4, entry_dim=2)
     groups = (KVCacheGroupSpec("csa_kv", ("csa",), spec), KVCacheGroupSpec("hca_kv", ("hca",), spec))
-    connector = SchedulerConnector(HiSparseConnector, HiSparseOptions(host_pages=64, hot_buffer_blocks=1, keep_tail=2),
-                                   groups, ConnectorContext("m"))
+    connector = SchedulerConnector(
+        HiSparseConnector,
+        HiSparseOptions(host_pages=64, hot_buffer_blocks=1, keep_tail=2),
+        groups,
+        ConnectorContext("m"),
+    )
     return Scheduler(KVCacheManager(groups, [40, 40], True), 8, 64, 512, True, connector)
 
 
@@ -920,6 +1029,7 @@ def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_pre
     prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
     import msgspec
     from weft.engine.core.scheduler.kv_cache import block_hashes
+
     from weft_hisparse.connector import HiSparseStep
 
     scheduler = _two_group_scheduler()

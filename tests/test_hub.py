@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hub_server import HubServer, Repo
 from safetensors.torch import save, save_file
+
+from hub_server import HubServer, Repo
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.config import load_config
 from weft.contracts.loader import LoadConfig
@@ -21,8 +22,12 @@ from weft.resolve import load_config_for, load_tokenizer, resolve_source
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "vocab_size": 16,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 16,
 }
 
 
@@ -32,7 +37,9 @@ def shard_bytes(seed: int, names: list[str]) -> tuple[bytes, dict[str, torch.Ten
     return save(tensors), tensors
 
 
-def model_files(seed: int, tokenizer_files: Path, chat_template: str) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
+def model_files(
+    seed: int, tokenizer_files: Path, chat_template: str
+) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
     """A sharded checkpoint, its metadata and tokenizer, and files a model does not need."""
     first, tensors_1 = shard_bytes(seed, ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"])
     second, tensors_2 = shard_bytes(seed + 100, ["lm_head.weight"])
@@ -59,8 +66,13 @@ def model_files(seed: int, tokenizer_files: Path, chat_template: str) -> tuple[d
 
 
 NEEDED = {
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors.index.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
 }
 
 
@@ -126,8 +138,12 @@ def test_revision_reaches_weights_and_tokenizer(hub, env):
         tokenizer = load_tokenizer(registry, config, source)
         assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "B:hi"
     main = load_config(None, {"model": "org/tiny"})
-    assert load_tokenizer(registry, main, resolve_source(registry, main)[1]).apply_chat_template(
-        [{"role": "user", "content": "hi"}]) == "A:hi"
+    assert (
+        load_tokenizer(registry, main, resolve_source(registry, main)[1]).apply_chat_template(
+            [{"role": "user", "content": "hi"}]
+        )
+        == "A:hi"
+    )
     conflicting = load_config(None, {"model": "org/tiny@v1", "engine": {"revision": "main"}})
     with pytest.raises(ValueError, match=r"pins revision 'v1' but engine.revision = 'main'"):
         resolve_source(registry, conflicting, load_config_for(conflicting))
@@ -223,6 +239,8 @@ def test_a_local_folder_reads_only_the_shards_its_index_names(tmp_path):
     (folder / "config.json").write_text(json.dumps(CONFIG))
     save_file({"a": torch.ones(2)}, folder / "model-00001-of-00001.safetensors")
     save_file({"a": torch.zeros(2)}, folder / "consolidated.safetensors")  # the same tensor again: must be skipped
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}})
+    )
     source = loader().resolve(str(folder))
     assert_same_tensors(weights(source), {"a": torch.ones(2)})

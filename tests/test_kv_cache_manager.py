@@ -9,7 +9,9 @@ from weft.engine.core.kv_cache_manager import KVCacheManager, block_hashes, hash
 
 
 def full_group(name="attn", block_size=4):
-    return KVCacheGroupSpec(name, ("l0",), FullAttentionSpec(block_size=block_size, dtype="float32", num_kv_heads=1, head_dim=8))
+    return KVCacheGroupSpec(
+        name, ("l0",), FullAttentionSpec(block_size=block_size, dtype="float32", num_kv_heads=1, head_dim=8)
+    )
 
 
 def admit(manager, request_id, tokens, num_tokens=None):
@@ -115,7 +117,9 @@ def test_shared_blocks_are_reference_counted():
 
 
 def test_several_groups_each_get_their_blocks():
-    window = KVCacheGroupSpec("window", ("l1",), SlidingWindowSpec(block_size=4, dtype="float32", num_kv_heads=1, head_dim=8, window=8))
+    window = KVCacheGroupSpec(
+        "window", ("l1",), SlidingWindowSpec(block_size=4, dtype="float32", num_kv_heads=1, head_dim=8, window=8)
+    )
     manager = KVCacheManager([full_group(block_size=8), window], [8, 8])
     assert manager.allocate_slots("a", 17)
     full_blocks, window_blocks = manager.block_ids("a")
@@ -169,7 +173,9 @@ def test_a_lent_block_is_free_until_reclaimed_and_never_released_twice():
     assert manager.num_free_blocks() == (3,)
     manager.free("b")
     assert manager.num_free_blocks() == (4,)
-    assert manager.allocate_slots("c", 16) and manager.reclaimed() == ()  # a lent block of an ended request is plain free
+    assert (
+        manager.allocate_slots("c", 16) and manager.reclaimed() == ()
+    )  # a lent block of an ended request is plain free
 
 
 def test_a_group_a_connector_fills_is_left_out_of_the_fillable_hit_and_given_fresh_blocks():

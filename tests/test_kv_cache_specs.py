@@ -16,11 +16,23 @@ from weft.contracts.kv_cache import (
 
 def deepseek_like_groups():
     return (
-        KVCacheGroupSpec("window", ("l0", "l1"), SlidingWindowSpec(block_size=64, dtype="bfloat16", num_kv_heads=1, head_dim=512, window=128, ring=True)),
-        KVCacheGroupSpec("csa", ("l1",), CompressedSpec(block_size=64, dtype="bfloat16", compress_ratio=4, entry_dim=512)),
-        KVCacheGroupSpec("hca", ("l0",), CompressedSpec(block_size=128, dtype="bfloat16", compress_ratio=128, entry_dim=512)),
-        KVCacheGroupSpec("indexer", ("l1",), CompressedSpec(block_size=64, dtype="bfloat16", compress_ratio=4, entry_dim=128)),
-        KVCacheGroupSpec("compressor", ("l0", "l1"), RecurrentStateSpec(block_size=64, dtype="float32", state_elements=8 * 1024)),
+        KVCacheGroupSpec(
+            "window",
+            ("l0", "l1"),
+            SlidingWindowSpec(block_size=64, dtype="bfloat16", num_kv_heads=1, head_dim=512, window=128, ring=True),
+        ),
+        KVCacheGroupSpec(
+            "csa", ("l1",), CompressedSpec(block_size=64, dtype="bfloat16", compress_ratio=4, entry_dim=512)
+        ),
+        KVCacheGroupSpec(
+            "hca", ("l0",), CompressedSpec(block_size=128, dtype="bfloat16", compress_ratio=128, entry_dim=512)
+        ),
+        KVCacheGroupSpec(
+            "indexer", ("l1",), CompressedSpec(block_size=64, dtype="bfloat16", compress_ratio=4, entry_dim=128)
+        ),
+        KVCacheGroupSpec(
+            "compressor", ("l0", "l1"), RecurrentStateSpec(block_size=64, dtype="float32", state_elements=8 * 1024)
+        ),
     )
 
 

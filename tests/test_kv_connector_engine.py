@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 
 HESITANT = '''
@@ -31,7 +31,8 @@ def tiny(tmp_path_factory, tokenizer_files):
 
 def test_a_request_the_connector_cannot_answer_for_yet_is_passed_over_and_asked_again(tiny, site, monkeypatch):
     site.add_distribution(
-        "weft-hesitant", entry_points={"weft.kv_connector": {"hesitant": "hesitant:HesitantConnector"}},
+        "weft-hesitant",
+        entry_points={"weft.kv_connector": {"hesitant": "hesitant:HesitantConnector"}},
         modules={"hesitant": HESITANT},
     )
     monkeypatch.syspath_prepend(str(site.root))
@@ -118,10 +119,14 @@ STASH = '''
 '''
 
 
-def test_an_asynchronous_load_parks_the_request_outside_the_batch_until_its_kv_arrives_or_fails(tiny, site, monkeypatch):
+def test_an_asynchronous_load_parks_the_request_outside_the_batch_until_its_kv_arrives_or_fails(
+    tiny, site, monkeypatch
+):
     site.add_distribution(
-        "weft-stash", requires=("weft-core>=1.3,<2",),
-        entry_points={"weft.kv_connector": {"stash": "stash:StashConnector"}}, modules={"stash": STASH},
+        "weft-stash",
+        requires=("weft-core>=1.3,<2",),
+        entry_points={"weft.kv_connector": {"stash": "stash:StashConnector"}},
+        modules={"stash": STASH},
     )
     monkeypatch.syspath_prepend(str(site.root))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -206,7 +211,9 @@ RECORDER = '''
 '''
 
 
-def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention_only_in_a_step_that_loads(tiny, site, monkeypatch):
+def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention_only_in_a_step_that_loads(
+    tiny, site, monkeypatch
+):
     """Core API 1.9: a layer's wait comes after the previous layer's attention ran, so a connector that lands
     layers one after another lets the first layers compute while later ones arrive; and every layer is
     waited for once per step, before any save. Core API 1.11: only in a step that loads synchronously
@@ -214,7 +221,8 @@ def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention_only_
     from weft.layers.attention import Attention
 
     site.add_distribution(
-        "weft-recorder", entry_points={"weft.kv_connector": {"recorder": "recorder:RecorderConnector"}},
+        "weft-recorder",
+        entry_points={"weft.kv_connector": {"recorder": "recorder:RecorderConnector"}},
         modules={"recorder": RECORDER},
     )
     monkeypatch.syspath_prepend(str(site.root))

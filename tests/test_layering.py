@@ -267,29 +267,41 @@ def upward_imports(imports: list[Import]) -> list[str]:
         if not is_weft(edge.target) or edge.allowed_type_only:
             continue
         if edge.target == "weft.api":
-            problems.append(f"  {edge}: core imports the plugin API, which hides the module it names from these "
-                            f"checks; import the module that defines the name")
+            problems.append(
+                f"  {edge}: core imports the plugin API, which hides the module it names from these "
+                f"checks; import the module that defines the name"
+            )
         if in_contract_layer(edge.source) and not in_contract_layer(edge.target):
-            problems.append(f"  {edge}: the contract layer imports {package_of(edge.target)}; move what it needs "
-                            f"into weft.contracts (implementations stay above and subclass it)")
+            problems.append(
+                f"  {edge}: the contract layer imports {package_of(edge.target)}; move what it needs "
+                f"into weft.contracts (implementations stay above and subclass it)"
+            )
         for layer, above in FORBIDDEN.items():
             for upper in above:
                 if in_layer(edge.source, layer) and in_layer(edge.target, upper):
-                    problems.append(f"  {edge}: {layer} imports {upper}, a layer above it; pass what it needs down "
-                                    f"(in the step's output, an argument, a contract)")
+                    problems.append(
+                        f"  {edge}: {layer} imports {upper}, a layer above it; pass what it needs down "
+                        f"(in the step's output, an argument, a contract)"
+                    )
     return problems
 
 
 def plugin_imports(imports: list[Import]) -> list[str]:
-    return [f"  {edge}: core imports a plugin; find it through its entry point (weft.plugins)"
-            for edge in imports if edge.target.startswith("weft_")]
+    return [
+        f"  {edge}: core imports a plugin; find it through its entry point (weft.plugins)"
+        for edge in imports
+        if edge.target.startswith("weft_")
+    ]
 
 
 def outside_plugin_api(imports: list[Import]) -> list[str]:
     """Plugin imports of core modules that :data:`PLUGIN_API` does not list, each with the fix."""
-    return [f"  {edge}: a plugin imports {edge.target}, which no core API version covers; import it from "
-            f"weft.api (add the name to weft.api's NAMES where a plugin needs it)"
-            for edge in imports if not any(in_layer(edge.target, allowed) for allowed in PLUGIN_API)]
+    return [
+        f"  {edge}: a plugin imports {edge.target}, which no core API version covers; import it from "
+        f"weft.api (add the name to weft.api's NAMES where a plugin needs it)"
+        for edge in imports
+        if not any(in_layer(edge.target, allowed) for allowed in PLUGIN_API)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -299,14 +311,17 @@ def imports() -> list[Import]:
 
 def test_no_module_closes_an_import_cycle(imports):
     found = module_cycles(imports)
-    assert not found, ("import cycles between modules (move what both need into a module both import):\n"
-                       + "\n".join(found))
+    assert not found, "import cycles between modules (move what both need into a module both import):\n" + "\n".join(
+        found
+    )
 
 
 def test_no_package_closes_an_import_cycle(imports):
     found = package_cycles(imports)
-    assert not found, ("import cycles between weft's packages (move the module that imports back up, or what "
-                       "it imports down):\n" + "\n".join(found))
+    assert not found, (
+        "import cycles between weft's packages (move the module that imports back up, or what "
+        "it imports down):\n" + "\n".join(found)
+    )
 
 
 def test_no_module_imports_a_layer_above_it(imports):
@@ -375,12 +390,18 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     ]
     upward = upward_imports(found)
     assert len(upward) == 3, upward
-    assert upward[0].startswith("  weft.contracts.slot -> weft.engine.loop (weft/contracts/slot.py:1, module level): "
-                                "the contract layer imports weft.engine")
-    assert upward[1].startswith("  weft.engine.loop -> weft.serve.app (weft/engine/loop.py:4, inside a function): "
-                                "weft.engine imports weft.serve")
-    assert upward[2].startswith("  weft.runner.hints -> weft.engine.loop (weft/runner/hints.py:3, "
-                                "under TYPE_CHECKING): weft.runner imports weft.engine")
+    assert upward[0].startswith(
+        "  weft.contracts.slot -> weft.engine.loop (weft/contracts/slot.py:1, module level): "
+        "the contract layer imports weft.engine"
+    )
+    assert upward[1].startswith(
+        "  weft.engine.loop -> weft.serve.app (weft/engine/loop.py:4, inside a function): "
+        "weft.engine imports weft.serve"
+    )
+    assert upward[2].startswith(
+        "  weft.runner.hints -> weft.engine.loop (weft/runner/hints.py:3, "
+        "under TYPE_CHECKING): weft.runner imports weft.engine"
+    )
     assert plugin_imports(found) == [
         "  weft.runner.step -> weft_cuda.kernels (weft/runner/step.py:1, module level): core imports a plugin; "
         "find it through its entry point (weft.plugins)"
@@ -390,28 +411,33 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 def test_a_type_only_cycle_fails_the_cycle_checks(tmp_path):
     """The runner's old shape: a module naming a type of the module that imports it, only under TYPE_CHECKING.
     Across packages it closes a package cycle too; an import TYPE_ONLY allows closes none."""
-    write_tree(tmp_path, {
-        "weft/__init__.py": "",
-        "weft/runner/__init__.py": "",
-        "weft/runner/model_runner.py": "from weft.runner.sampler import Sampler\n\nclass RequestState: ...\n",
-        "weft/runner/sampler.py": (
-            "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\n"
-            "if TYPE_CHECKING:\n    from weft.runner.model_runner import RequestState\n"
-        ),
-        "weft/layers/__init__.py": "",
-        "weft/layers/attention.py": "from weft.runner.sampler import Sampler\n",
-        "weft/runner/batch.py": "import typing\nif typing.TYPE_CHECKING:\n    import weft.layers.attention\n",
-        "weft/config.py": "def validate():\n    from weft.plugins.lock import lock_path\n",
-        "weft/plugins/__init__.py": "",
-        "weft/plugins/lock.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.config import WeftConfig\n",
-    })
+    write_tree(
+        tmp_path,
+        {
+            "weft/__init__.py": "",
+            "weft/runner/__init__.py": "",
+            "weft/runner/model_runner.py": "from weft.runner.sampler import Sampler\n\nclass RequestState: ...\n",
+            "weft/runner/sampler.py": (
+                "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\n"
+                "if TYPE_CHECKING:\n    from weft.runner.model_runner import RequestState\n"
+            ),
+            "weft/layers/__init__.py": "",
+            "weft/layers/attention.py": "from weft.runner.sampler import Sampler\n",
+            "weft/runner/batch.py": "import typing\nif typing.TYPE_CHECKING:\n    import weft.layers.attention\n",
+            "weft/config.py": "def validate():\n    from weft.plugins.lock import lock_path\n",
+            "weft/plugins/__init__.py": "",
+            "weft/plugins/lock.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.config import WeftConfig\n",
+        },
+    )
     found = scan(tmp_path)
 
     modules = module_cycles(found)
     assert [cycle.splitlines()[0] for cycle in modules] == [
         "  weft.runner.model_runner -> weft.runner.sampler -> weft.runner.model_runner:",
     ]
-    assert "weft.runner.sampler -> weft.runner.model_runner (weft/runner/sampler.py:5, under TYPE_CHECKING)" in modules[0]
+    assert (
+        "weft.runner.sampler -> weft.runner.model_runner (weft/runner/sampler.py:5, under TYPE_CHECKING)" in modules[0]
+    )
     packages = package_cycles(found)
     assert [cycle.splitlines()[0] for cycle in packages] == ["  weft.layers -> weft.runner -> weft.layers:"]
     assert "weft.runner.batch -> weft.layers.attention (weft/runner/batch.py:3, under TYPE_CHECKING)" in packages[0]
@@ -420,26 +446,30 @@ def test_a_type_only_cycle_fails_the_cycle_checks(tmp_path):
 
 def test_a_plugin_importing_core_outside_the_plugin_api_fails(tmp_path):
     """Plugins under plugins/*/src and plugins-*/src, importing core through the API and around it."""
-    write_tree(tmp_path, {
-        "core/src/weft/__init__.py": "",
-        "core/src/weft/api.py": "",
-        "core/src/weft/contracts/__init__.py": "",
-        "core/src/weft/contracts/tokenizer.py": "",
-        "core/src/weft/runner/__init__.py": "",
-        "core/src/weft/runner/worker.py": "",
-        "core/src/weft/engine/__init__.py": "",
-        "core/src/weft/engine/scheduler.py": "",
-        "plugins/good/src/weft_good/__init__.py": (
-            "from weft.api import HFTokenizer\nfrom weft.contracts.tokenizer import Tokenizer\n"
-            "from weft.contracts import CORE_API\nfrom . import model\n"
-        ),
-        "plugins/bad/src/weft_bad/model.py": (
-            "from weft.runner.worker import resolve_dtype\n\ndef build():\n    import weft.engine.scheduler\n"
-        ),
-        "plugins-xpu/src/weft_xpu/__init__.py": "from weft import __version__\n",
-    })
-    assert plugin_sources(tmp_path) == [tmp_path / name for name in ("plugins/bad/src", "plugins/good/src",
-                                                                     "plugins-xpu/src")]
+    write_tree(
+        tmp_path,
+        {
+            "core/src/weft/__init__.py": "",
+            "core/src/weft/api.py": "",
+            "core/src/weft/contracts/__init__.py": "",
+            "core/src/weft/contracts/tokenizer.py": "",
+            "core/src/weft/runner/__init__.py": "",
+            "core/src/weft/runner/worker.py": "",
+            "core/src/weft/engine/__init__.py": "",
+            "core/src/weft/engine/scheduler.py": "",
+            "plugins/good/src/weft_good/__init__.py": (
+                "from weft.api import HFTokenizer\nfrom weft.contracts.tokenizer import Tokenizer\n"
+                "from weft.contracts import CORE_API\nfrom . import model\n"
+            ),
+            "plugins/bad/src/weft_bad/model.py": (
+                "from weft.runner.worker import resolve_dtype\n\ndef build():\n    import weft.engine.scheduler\n"
+            ),
+            "plugins-xpu/src/weft_xpu/__init__.py": "from weft import __version__\n",
+        },
+    )
+    assert plugin_sources(tmp_path) == [
+        tmp_path / name for name in ("plugins/bad/src", "plugins/good/src", "plugins-xpu/src")
+    ]
 
     found = outside_plugin_api(scan_plugins(tmp_path, tmp_path / "core/src"))
     assert [line.partition(":")[0] for line in found] == [
@@ -447,18 +477,23 @@ def test_a_plugin_importing_core_outside_the_plugin_api_fails(tmp_path):
         "  weft_bad.model -> weft.engine.scheduler (plugins/bad/src/weft_bad/model.py",
         "  weft_xpu -> weft (plugins-xpu/src/weft_xpu/__init__.py",
     ]
-    assert found[0].endswith("a plugin imports weft.runner.worker, which no core API version covers; import it "
-                             "from weft.api (add the name to weft.api's NAMES where a plugin needs it)")
+    assert found[0].endswith(
+        "a plugin imports weft.runner.worker, which no core API version covers; import it "
+        "from weft.api (add the name to weft.api's NAMES where a plugin needs it)"
+    )
     assert "model.py:4, inside a function" in found[1]
 
 
 def test_core_may_not_import_the_plugin_api(tmp_path):
-    write_tree(tmp_path, {
-        "weft/__init__.py": "",
-        "weft/api.py": "",
-        "weft/runner/__init__.py": "",
-        "weft/runner/worker.py": "def build():\n    from weft.api import build_worker\n",
-    })
+    write_tree(
+        tmp_path,
+        {
+            "weft/__init__.py": "",
+            "weft/api.py": "",
+            "weft/runner/__init__.py": "",
+            "weft/runner/worker.py": "def build():\n    from weft.api import build_worker\n",
+        },
+    )
     assert upward_imports(scan(tmp_path)) == [
         "  weft.runner.worker -> weft.api (weft/runner/worker.py:2, inside a function): core imports the plugin "
         "API, which hides the module it names from these checks; import the module that defines the name"

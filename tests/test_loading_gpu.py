@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -39,19 +40,55 @@ def test_fastsafetensors_on_the_gpu_loads_the_plain_loaders_tensors(checkpoint):
 
 def generate(checkpoint: Path, socket_dir: Path, *extra: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "weft.cli", "generate", "The weather today", "--model", str(checkpoint), "--max-tokens",
-         "16", "--temperature", "0", "--ignore-eos", "--json", "--set", f'plugins.weight-cache.socket_dir="{socket_dir}"',
-         *extra], capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "weft.cli",
+            "generate",
+            "The weather today",
+            "--model",
+            str(checkpoint),
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--set",
+            f'plugins.weight-cache.socket_dir="{socket_dir}"',
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    return {"tokens": json.loads(result.stdout.strip().splitlines()[-1])[0]["outputs"][0]["token_ids"], "log": result.stderr}
+    return {
+        "tokens": json.loads(result.stdout.strip().splitlines()[-1])[0]["outputs"][0]["token_ids"],
+        "log": result.stderr,
+    }
 
 
 def test_a_daemon_serves_an_engine_over_cuda_ipc(checkpoint):
     socket_dir = Path(tempfile.mkdtemp(prefix="wcg", dir="/tmp"))
-    daemon = subprocess.Popen([sys.executable, "-m", "weft.cli", "weights", "serve", "--model", str(checkpoint),
-                               "--socket-dir", str(socket_dir), "--devices", "0"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weft.cli",
+            "weights",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--socket-dir",
+            str(socket_dir),
+            "--devices",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = daemon.stdout.readline()
         assert line.startswith("weft weights: serving") and " on cuda-" in line, line + daemon.stderr.read()

@@ -21,6 +21,7 @@ pytest.importorskip("PIL")
 pytest.importorskip("httpx")
 
 from PIL import Image  # noqa: E402
+
 from weft.serve.media import ImageLoader, MediaError, MediaLimits, image_parts  # noqa: E402
 
 PART = "messages[0].content[1].image_url"
@@ -61,13 +62,16 @@ def test_transparency_is_composited_over_white():
     assert item.pixels[:3] == bytes([10, 20, 30]) and item.pixels[3:6] == bytes([255, 255, 255])
 
 
-@pytest.mark.parametrize("url,message", [
-    (data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20), "corrupt or truncated"),
-    (data_url(b"garbage" * 20), "not an image Pillow recognises"),
-    ("data:image/png;base64,not base64!", "not valid base64"),
-    ("data:text/plain;base64,aGVsbG8=", "only image/\\* is accepted"),
-    ("ftp://example.com/a.png", "unsupported URL scheme 'ftp'"),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        (data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20), "corrupt or truncated"),
+        (data_url(b"garbage" * 20), "not an image Pillow recognises"),
+        ("data:image/png;base64,not base64!", "not valid base64"),
+        ("data:text/plain;base64,aGVsbG8=", "only image/\\* is accepted"),
+        ("ftp://example.com/a.png", "unsupported URL scheme 'ftp'"),
+    ],
+)
 def test_malformed_urls_and_corrupt_bytes_name_the_part(url, message):
     with pytest.raises(MediaError, match=f"^{re.escape(PART)}: .*{message}") as error:
         load(url)
@@ -132,13 +136,20 @@ def test_file_urls_only_under_the_allowed_path(tmp_path):
 def test_the_per_prompt_limit_and_image_parts():
     messages = [
         {"role": "system", "content": "s"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u1"}},
-                                     {"type": "image_url", "image_url": "u2"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "u1"}},
+                {"type": "image_url", "image_url": "u2"},
+            ],
+        },
     ]
     parts = image_parts(messages)
     assert parts == [("messages[1].content[1].image_url", "u1"), ("messages[1].content[2].image_url", "u2")]
     assert image_parts([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], "input") == [
-        ("input[0].content[0].image_url", "u")]
+        ("input[0].content[0].image_url", "u")
+    ]
     with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[0\]\.image_url: expected an image URL"):
         image_parts([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     url = data_url(encoded(picture(2, 2), "PNG"))
@@ -169,6 +180,7 @@ def media_app():
         async def chunks():
             for _ in range(64):
                 yield b"\0" * 4096
+
         return StreamingResponse(chunks(), media_type="image/png")
 
     async def slow(request):
@@ -183,8 +195,15 @@ def media_app():
         port = request.url.port
         return RedirectResponse(f"http://localhost:{port}/image.png", status_code=302)
 
-    return Starlette(routes=[Route("/image.png", image), Route("/big", big), Route("/slow", slow),
-                             Route("/hop/{left}", hop), Route("/elsewhere", elsewhere)])
+    return Starlette(
+        routes=[
+            Route("/image.png", image),
+            Route("/big", big),
+            Route("/slow", slow),
+            Route("/hop/{left}", hop),
+            Route("/elsewhere", elsewhere),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import msgspec
 import numpy
 import pytest
 import torch
+
 from weft.contracts.mm_processor import (
     ImageItem,
     PromptUpdate,
@@ -26,8 +27,9 @@ def test_image_items_check_their_bytes_and_hash_size_and_salt():
     with pytest.raises(ValueError, match="2x2 RGB needs 12 bytes of pixels, got 11"):
         ImageItem(2, 2, bytes(11))
     pixels = bytes(range(12))
-    assert item_hash(ImageItem(2, 2, pixels)) == item_hash(ImageItem.from_array(numpy.frombuffer(pixels, numpy.uint8)
-                                                                                .reshape(2, 2, 3)))
+    assert item_hash(ImageItem(2, 2, pixels)) == item_hash(
+        ImageItem.from_array(numpy.frombuffer(pixels, numpy.uint8).reshape(2, 2, 3))
+    )
     assert item_hash(ImageItem(2, 2, pixels)) != item_hash(ImageItem(4, 1, pixels))
     assert item_hash(ImageItem(2, 2, pixels)) != item_hash(ImageItem(2, 2, pixels), b"other options")
 

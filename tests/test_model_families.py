@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_parity import hf_greedy, prompts_of_lengths
 
+from test_hf_parity import hf_greedy, prompts_of_lengths
 from weft import LLM, SamplingParams
 from weft.verify import noise_ceiling, verify
 
@@ -23,37 +23,79 @@ PROMPT_LENGTHS = [3, 21, 70]
 """Shorter and longer than the sliding windows (16), and a prompt chunked over several steps."""
 
 SIZES = dict(
-    vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
 FAMILIES = {
     "gemma2": dict(
-        model_type="gemma2", head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        model_type="gemma2",
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
     ),
     "gemma3": dict(
-        model_type="gemma3_text", head_dim=32, sliding_window=16, query_pre_attn_scalar=24, sliding_window_pattern=2,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0}},
+        model_type="gemma3_text",
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
+        },
         tie_word_embeddings=False,
     ),
     # Phi-4-mini's shape: LongRoPE (the long factors from 25 tokens on), a rotation of 3/4 of each head.
     "phi3": dict(
-        model_type="phi3", head_dim=16, sliding_window=16, partial_rotary_factor=0.75,
+        model_type="phi3",
+        head_dim=16,
+        sliding_window=16,
+        partial_rotary_factor=0.75,
         original_max_position_embeddings=24,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
-                      "long_factor": [2.0 + 0.7 * i for i in range(6)]},
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.2 * i for i in range(6)],
+            "long_factor": [2.0 + 0.7 * i for i in range(6)],
+        },
     ),
     # MLA with both query paths' rope interleaved, yarn with mscale; a dense first layer, then MoE layers
     # (8 experts in 4 groups, 2 groups chosen, 2 experts a token, one shared expert).
     "deepseek_v3": dict(
-        model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        model_type="deepseek_v3",
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
         v_head_dim=16,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
     ),
 }
 
@@ -94,7 +136,7 @@ def test_greedy_output_matches_hf(checkpoint):
     reference = hf_greedy(hf, prompts, NEW_TOKENS)
     llm = LLM(model=str(checkpoint), engine={"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 128})
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, expected, output in zip(prompts, reference, outputs):
+    for prompt, expected, output in zip(prompts, reference, outputs, strict=False):
         assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
 
 
@@ -145,16 +187,24 @@ def test_older_gemma3_and_phi3_configs_read_as_transformers_reads_them():
     from weft.models.phi3 import Phi3Settings
 
     gemma3 = dict(
-        SIZES, model_type="gemma3_text", num_hidden_layers=7, head_dim=32, sliding_window=16, rope_theta=50000.0,
-        rope_local_base_freq=500.0, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        SIZES,
+        model_type="gemma3_text",
+        num_hidden_layers=7,
+        head_dim=32,
+        sliding_window=16,
+        rope_theta=50000.0,
+        rope_local_base_freq=500.0,
+        sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
     hf = AutoConfig.for_model(**gemma3)
     settings = GemmaSettings({key: value for key, value in gemma3.items() if key != "model_type"}, "Gemma3ForCausalLM")
     assert settings.layer_types == hf.layer_types
     assert settings.sliding_windows == [16 if kind == "sliding_attention" else None for kind in hf.layer_types]
     for kind in ("sliding_attention", "full_attention"):
-        assert {key: settings.ropes[kind].get(key) for key in ("rope_type", "rope_theta", "factor")} == \
-            {key: hf.rope_parameters[kind].get(key) for key in ("rope_type", "rope_theta", "factor")}
+        assert {key: settings.ropes[kind].get(key) for key in ("rope_type", "rope_theta", "factor")} == {
+            key: hf.rope_parameters[kind].get(key) for key in ("rope_type", "rope_theta", "factor")
+        }
 
     factors = dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8)
     phi3 = dict(SIZES, original_max_position_embeddings=128, rope_scaling={"type": "longrope", **factors})

@@ -15,8 +15,22 @@ class TestMoeReference(OpContract):
     plugin_name = "moe.torch"
 
 
-def naive_moe(hidden, router_logits, w13, w2, routing, *, activation=MoEActivation(), correction_bias=None,
-              w13_bias=None, w2_bias=None, topk=None, first_expert=0, shared_w13=None, shared_w2=None):
+def naive_moe(
+    hidden,
+    router_logits,
+    w13,
+    w2,
+    routing,
+    *,
+    activation=MoEActivation(),
+    correction_bias=None,
+    w13_bias=None,
+    w2_bias=None,
+    topk=None,
+    first_expert=0,
+    shared_w13=None,
+    shared_w2=None,
+):
     """One token and one chosen expert at a time, in float64, routing written out from the definitions."""
     tokens, hidden_size = hidden.shape
     output = torch.zeros(tokens, hidden_size, dtype=torch.float64)
@@ -25,13 +39,18 @@ def naive_moe(hidden, router_logits, w13, w2, routing, *, activation=MoEActivati
             chosen, weights = topk[0][t].tolist(), topk[1][t].double().tolist()
         else:
             logits = router_logits[t].double()
-            scores = {"softmax": logits.softmax(-1), "sigmoid": logits.sigmoid(),
-                      "sqrtsoftplus": F.softplus(logits).sqrt()}[routing.scoring]
+            scores = {
+                "softmax": logits.softmax(-1),
+                "sigmoid": logits.sigmoid(),
+                "sqrtsoftplus": F.softplus(logits).sqrt(),
+            }[routing.scoring]
             biased = scores + (correction_bias.double() if correction_bias is not None else 0)
             allowed = list(range(len(scores)))
             if routing.num_groups > 1:
                 size = len(scores) // routing.num_groups
-                group_score = [sorted(biased[g * size:(g + 1) * size].tolist())[-2:] for g in range(routing.num_groups)]
+                group_score = [
+                    sorted(biased[g * size : (g + 1) * size].tolist())[-2:] for g in range(routing.num_groups)
+                ]
                 best = sorted(range(routing.num_groups), key=lambda g: -sum(group_score[g]))[: routing.topk_groups]
                 allowed = [e for e in allowed if e // size in best]
             chosen = sorted(allowed, key=lambda e: -biased[e].item())[: routing.top_k]
@@ -40,7 +59,7 @@ def naive_moe(hidden, router_logits, w13, w2, routing, *, activation=MoEActivati
                 weights = [w / sum(weights) for w in weights]
             weights = [w * routing.scaling for w in weights]
         x = hidden[t].double()
-        for expert, weight in zip(chosen, weights):
+        for expert, weight in zip(chosen, weights, strict=False):
             local = expert - first_expert
             if not 0 <= local < w13.shape[0]:
                 continue

@@ -9,30 +9,59 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_parity import hf_greedy, prompts_of_lengths
 
+from test_hf_parity import hf_greedy, prompts_of_lengths
 from weft import LLM, SamplingParams
 
 MOE_CONFIGS = {
     "qwen3_moe": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=16,
-        num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[1], num_hidden_layers=3,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
     ),
     "qwen3_moe-unnormalised": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=8,
-        num_experts_per_tok=1, moe_intermediate_size=48, norm_topk_prob=False,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=1,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
     ),
     "mixtral": dict(
-        architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=8,
+        num_experts_per_tok=2,
         sliding_window=24,
     ),
     "gpt_oss": dict(
-        architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16, num_local_experts=8,
-        num_experts_per_tok=2, intermediate_size=32, sliding_window=12, num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=12,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "truncate": False,
+        },
     ),
 }
 
@@ -44,8 +73,15 @@ def make_moe_model(folder: Path, kind: str, tokenizer_folder: Path, seed: int = 
     spec = dict(MOE_CONFIGS[kind])
     model_type = spec.pop("model_type")
     defaults = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config = AutoConfig.for_model(model_type, **{**defaults, **spec})
     torch.manual_seed(seed)
@@ -71,7 +107,7 @@ def test_moe_families_match_hf_greedy(kind, tmp_path, tokenizer_files):
     reference = hf_greedy(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval(), prompts, 24)
     llm = LLM(model=str(folder), engine={"max_num_batched_tokens": 64, "block_size": 8, "num_kv_blocks": 256})
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for prompt, expected, output in zip(prompts, reference, outputs):
+    for prompt, expected, output in zip(prompts, reference, outputs, strict=False):
         assert output.outputs[0].token_ids == expected, f"{kind}: prompt of {len(prompt)} tokens diverged"
 
 

@@ -15,8 +15,9 @@ from weft.kernels.warmup import RuntimeMonitor, compile_many  # noqa: E402
 from weft.layers.moe import MoERouting  # noqa: E402
 from weft.testing import OpContract  # noqa: E402
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU"
+)
 
 
 def test_sort_pairs_groups_by_expert_in_padded_tiles():
@@ -88,8 +89,9 @@ def test_a_batch_that_gives_most_experts_no_token_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs an NVIDIA GPU"
+)
 class TestMoETritonOnGPU(OpContract):
     plugin_name = "moe.triton"
     device = "cuda"

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import make_tiny_model
 from weft.engine.core.scheduler.kv_cache import block_hashes
+
+from conftest import make_tiny_model
 from weft.entrypoints.llm import LLM
 from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract
@@ -48,7 +49,9 @@ def llama(tmp_path_factory, tokenizer_files) -> Path:
 
 def connected(model: Path, store: LocalMooncake, engine: dict | None = None, **options) -> LLM:
     return LLM(
-        model=str(model), engine={**ENGINE, **(engine or {})}, use={"kv_connector": "mooncake"},
+        model=str(model),
+        engine={**ENGINE, **(engine or {})},
+        use={"kv_connector": "mooncake"},
         plugins={"mooncake": store.options(**options)},
     )
 
@@ -71,7 +74,10 @@ def count_prefill_tokens(llm: LLM) -> list[int]:
     def counting(step):
         known = {new.request_id: (new.num_computed_tokens, new.num_prompt_tokens) for new in step.new_requests}
         for cached in step.cached_requests:
-            known[cached.request_id] = (cached.num_computed_tokens, runner.requests[cached.request_id].num_prompt_tokens)
+            known[cached.request_id] = (
+                cached.num_computed_tokens,
+                runner.requests[cached.request_id].num_prompt_tokens,
+            )
         for request_id, count in step.num_scheduled_tokens.items():
             done, prompt = known[request_id]
             counted[0] += max(0, min(count, prompt - done))
@@ -149,8 +155,10 @@ def test_objects_of_one_layer_each_land_layer_by_layer(store, llama, load_async)
     with connected(llama, store, layers_per_object=1, load_async=load_async) as second:
         worker = second.engine.runner.connector.worker_side
         moved, move = [], worker._move
-        worker._move = lambda request_id, objects, queued: (moved.extend(stored.part for stored in objects),
-                                                            move(request_id, objects, queued))[1]
+        worker._move = lambda request_id, objects, queued: (
+            moved.extend(stored.part for stored in objects),
+            move(request_id, objects, queued),
+        )[1]
         assert generate(second, [second_prompt]) == expected[1:]
         metrics = second.engine.kv_connector.metric_totals
         assert metrics["loaded_bytes_total"].total == 4 * block_bytes(second)
@@ -244,7 +252,8 @@ def ring_model(tmp_path, tokenizer_files, site, monkeypatch) -> Path:
     config["layer_types"] = ["full_attention", "sliding_attention"]
     (folder / "config.json").write_text(json.dumps(config))
     site.add_distribution(
-        "weft-ring-window", entry_points={"weft.model": {"RingWindowForCausalLM": "ring_window:RingWindowFamily"}},
+        "weft-ring-window",
+        entry_points={"weft.model": {"RingWindowForCausalLM": "ring_window:RingWindowFamily"}},
         modules={"ring_window": RING_FAMILY},
     )
     monkeypatch.syspath_prepend(str(site.root))
@@ -270,7 +279,9 @@ def test_a_model_with_a_ring_group_starts_and_stores_only_the_storable_group(sto
     assert computed[0] == len(prompt)
 
 
-def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_again(mooncake_runs, tmp_path, llama, caplog):
+def test_a_killed_master_leaves_requests_complete_and_a_restarted_one_is_used_again(
+    mooncake_runs, tmp_path, llama, caplog
+):
     prompts = [[(11 * i + 5 * p) % 5000 + 40 for i in range(40 + 6 * p)] for p in range(6)]
     expected = reference(llama, prompts)
     with LocalMooncake(segment_size=64 << 20, log_dir=tmp_path) as store:
@@ -339,8 +350,10 @@ def test_a_load_that_fails_mid_way_is_recomputed(store, llama, caplog, load_asyn
     finally:
         client.close()
 
-    with (connected(llama, store, load_async=load_async, layers_per_object=layers_per_object) as second,
-          caplog.at_level(logging.WARNING, logger="weft.engine")):
+    with (
+        connected(llama, store, load_async=load_async, layers_per_object=layers_per_object) as second,
+        caplog.at_level(logging.WARNING, logger="weft.engine"),
+    ):
         computed = count_prefill_tokens(second)
         assert generate(second, [prompt]) == expected
         stats = second.engine.kv_connector.stats
@@ -388,9 +401,15 @@ def test_a_request_loading_from_the_store_waits_outside_the_batch_while_another_
         execute, steps = runner.execute, []
 
         def watching(step):
-            prompts = {request_id: tuple(request.prompt_token_ids) for request_id, request in scheduler.requests.items()}
-            steps.append(({prompts[request_id] for request_id in step.num_scheduled_tokens},
-                          {tuple(request.prompt_token_ids) for request in scheduler.receiving.values()}))
+            prompts = {
+                request_id: tuple(request.prompt_token_ids) for request_id, request in scheduler.requests.items()
+            }
+            steps.append(
+                (
+                    {prompts[request_id] for request_id in step.num_scheduled_tokens},
+                    {tuple(request.prompt_token_ids) for request in scheduler.receiving.values()},
+                )
+            )
             return execute(step)
 
         runner.execute = watching
@@ -410,12 +429,16 @@ def test_loads_are_synchronous_under_tensor_or_pipeline_parallelism(store, caplo
 
     import msgspec
     from mooncake.store import MooncakeDistributedStore
+
     from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext, ConnectorRequest
     from weft_mooncake.connector import MooncakeOptions, MooncakeStoreConnector
 
-    groups = (KVCacheGroupSpec("attention", ("layer.0",), FullAttentionSpec(block_size=16, dtype="float32",
-                                                                          num_kv_heads=2, head_dim=8)),)
+    groups = (
+        KVCacheGroupSpec(
+            "attention", ("layer.0",), FullAttentionSpec(block_size=16, dtype="float32", num_kv_heads=2, head_dim=8)
+        ),
+    )
     prompt = list(range(40, 90))  # three full blocks
     request = ConnectorRequest("r", tuple(prompt), tuple(block_hashes(prompt, 16)))
     options = msgspec.convert(store.options(), MooncakeOptions)
@@ -437,8 +460,13 @@ def test_loads_are_synchronous_under_tensor_or_pipeline_parallelism(store, caplo
     finally:
         writer.close()
     assert answers == {(1, 1): (48, True), (2, 1): (48, False), (1, 2): (48, False)}
-    assert sum("loads synchronously under tensor or pipeline parallelism" in record.getMessage()
-               for record in caplog.records) == 2
+    assert (
+        sum(
+            "loads synchronously under tensor or pipeline parallelism" in record.getMessage()
+            for record in caplog.records
+        )
+        == 2
+    )
 
 
 def test_a_request_that_ends_while_loading_keeps_its_blocks_until_the_load_is_over(store, llama):
@@ -471,18 +499,23 @@ def test_a_device_cache_stages_the_bytes_a_host_cache_stores():
     import ctypes
 
     import torch
+
     from weft.contracts.kv_cache import FullAttentionSpec, KVCacheGroupSpec
     from weft_mooncake.blocks import HostBlocks, byte_layers, gather_blocks, group_layers, scatter_blocks
     from weft_mooncake.connector import BlockTransfer
 
-    group = KVCacheGroupSpec("attention", ("l0", "l1", "l2"),
-                             FullAttentionSpec(block_size=4, dtype="float32", num_kv_heads=2, head_dim=8))
+    group = KVCacheGroupSpec(
+        "attention", ("l0", "l1", "l2"), FullAttentionSpec(block_size=4, dtype="float32", num_kv_heads=2, head_dim=8)
+    )
     caches = {name: torch.randn(2, 10, 4, 2, 8) for name in group.layer_names}
     objects = [BlockTransfer(b"a", 0, (7, 2)), BlockTransfer(b"b", 0, (3, 9))]
     layers = group_layers(group, caches)
     (batch,) = HostBlocks({0: layers}, lambda address, size: None).batches(objects, "save")
-    stored = b"".join(ctypes.string_at(address, size) for addresses, sizes in zip(batch.addresses, batch.sizes)
-                      for address, size in zip(addresses, sizes))
+    stored = b"".join(
+        ctypes.string_at(address, size)
+        for addresses, sizes in zip(batch.addresses, batch.sizes, strict=False)
+        for address, size in zip(addresses, sizes, strict=False)
+    )
 
     blocks = torch.tensor([7, 2, 3, 9])
     staged = torch.empty(2, 3, 2, 2, layers.block_bytes, dtype=torch.uint8)
@@ -511,13 +544,25 @@ class TestMooncakeConnectorContract(KVConnectorContract):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"plugins.mooncake.master_server_address": "nohost"}, "plugins.mooncake.master_server_address: expected str matching"),
-        ({"plugins.mooncake.role": "reader"}, "plugins.mooncake.role: expected one of 'both', 'producer', 'consumer', got 'reader'"),
+        (
+            {"plugins.mooncake.master_server_address": "nohost"},
+            "plugins.mooncake.master_server_address: expected str matching",
+        ),
+        (
+            {"plugins.mooncake.role": "reader"},
+            "plugins.mooncake.role: expected one of 'both', 'producer', 'consumer', got 'reader'",
+        ),
         ({"plugins.mooncake.global_segment_size": -1}, "plugins.mooncake.global_segment_size: expected int >= 0"),
-        ({"plugins.mooncake.master": "h:1"}, "plugins.mooncake.master: unknown key. Valid keys here: master_server_address"),
+        (
+            {"plugins.mooncake.master": "h:1"},
+            "plugins.mooncake.master: unknown key. Valid keys here: master_server_address",
+        ),
         ({"plugins.mooncake.protocol": "rdma"}, "protocol = 'rdma' needs device_name"),
         ({"plugins.mooncake.load_async": "yes"}, "plugins.mooncake.load_async: expected bool, got str"),
-        ({"plugins.mooncake.staging_buffer_size": 4096}, "plugins.mooncake.staging_buffer_size: expected int >= 1048576"),
+        (
+            {"plugins.mooncake.staging_buffer_size": 4096},
+            "plugins.mooncake.staging_buffer_size: expected int >= 1048576",
+        ),
     ],
 )
 def test_options_are_checked_with_errors_naming_the_key(overrides, message):
@@ -532,8 +577,17 @@ def test_an_unreachable_master_is_a_clear_start_up_error(mooncake_runs, llama):
 
     port = free_port()
     with pytest.raises(ConnectionError, match=f"master_server_address = '127.0.0.1:{port}'"):
-        LLM(model=str(llama), engine=ENGINE, use={"kv_connector": "mooncake"}, plugins={"mooncake": {
-            "master_server_address": f"127.0.0.1:{port}", "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"}})
+        LLM(
+            model=str(llama),
+            engine=ENGINE,
+            use={"kv_connector": "mooncake"},
+            plugins={
+                "mooncake": {
+                    "master_server_address": f"127.0.0.1:{port}",
+                    "metadata_server": f"http://127.0.0.1:{free_port()}/metadata",
+                }
+            },
+        )
 
 
 def test_preempted_requests_give_the_same_tokens_and_are_stored(store, llama):
@@ -558,12 +612,22 @@ def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, st
     shared = [(19 * i + 3) % 5000 + 70 for i in range(64)]
     prompts = [shared + [5, 6, 7], shared + [8, 9, 10, 11]]
     expected = reference(llama, prompts)
-    config = {"model": str(llama), "engine": ENGINE, "use": {"kv_connector": "mooncake"},
-              "plugins": {"mooncake": store.options()}}
+    config = {
+        "model": str(llama),
+        "engine": ENGINE,
+        "use": {"kv_connector": "mooncake"},
+        "plugins": {"mooncake": store.options()},
+    }
     answers = []
     for prompt in prompts:
         server = start_server(**config)
-        body = {"model": server.engine.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": server.engine.model_name,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         answers.append(response.json()["choices"][0]["text"])
@@ -623,7 +687,9 @@ def test_deepseek_v4_resumes_a_prefix_loaded_from_the_store_from_its_loaded_snap
     pytest.importorskip("weft_dsv4")
     from weft_dsv4.tiny_checkpoint import SHORT_NAMES, tiny_config, write_checkpoint
 
-    model = write_checkpoint(tmp_path, tiny_config([SHORT_NAMES[kind] for kind in ("hca", "csa", "sliding", "csa")], index_topk=3), seed=11)
+    model = write_checkpoint(
+        tmp_path, tiny_config([SHORT_NAMES[kind] for kind in ("hca", "csa", "sliding", "csa")], index_topk=3), seed=11
+    )
     engine = {"block_size": 8, "num_kv_blocks": 64, "max_model_len": 128, "enable_prefix_caching": True}
     shared = [(5 * i + 1 + 30 * load_async) % 500 + 2 for i in range(52)]
     first_prompt, second_prompt = shared + [11, 12], shared + [21, 22, 23, 24, 25, 26, 27]
@@ -637,7 +703,9 @@ def test_deepseek_v4_resumes_a_prefix_loaded_from_the_store_from_its_loaded_snap
         computed = count_prefill_tokens(second)
         assert generate(second, [second_prompt]) == expected[1:]
         hit = second.engine.kv_connector.stats.hit_tokens
-    assert {"window_checkpoint", "state_checkpoint"} <= {group.name for group in second.engine.core.scheduler.kv_cache.groups}
+    assert {"window_checkpoint", "state_checkpoint"} <= {
+        group.name for group in second.engine.core.scheduler.kv_cache.groups
+    }
     assert hit == (len(shared) // unit) * unit > 0 and computed[0] == len(second_prompt) - hit
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -64,11 +65,15 @@ def engine_process(model: Path, prompts: list[list[int]], connector: dict | None
     if connector is not None:
         settings["use"]["kv_connector"] = "mooncake"
         settings["plugins"] = {"mooncake": connector}
-    result = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, json.dumps(settings), json.dumps(prompts)],
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROCESS, json.dumps(settings), json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 @pytest.mark.parametrize(("load_async", "layers_per_object"), [(True, 0), (False, 1)], ids=["async", "sync-layerwise"])

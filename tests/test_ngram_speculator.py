@@ -40,16 +40,19 @@ def lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return prompt_lookup(numpy.array(tokens, dtype=numpy.int64), min_n, max_n, k).tolist()
 
 
-@pytest.mark.parametrize(("tokens", "min_n", "max_n", "k", "expected"), [
-    ([1, 2, 3, 4, 2, 3], 2, 3, 4, [4, 2, 3]),  # vLLM's docstring example: [4, 2, 3] misses, [2, 3] follows 1
-    ([1, 2, 3, 4, 2, 3], 3, 3, 4, []),  # no earlier [4, 2, 3]
-    ([5, 6, 7, 9, 6, 7, 8, 6, 7], 2, 2, 3, [9, 6, 7]),  # the earliest of two matches of [6, 7]
-    ([5, 6, 7, 9, 1, 6, 7, 8, 5, 6, 7], 2, 3, 2, [9, 1]),  # [5, 6, 7] beats [6, 7]
-    ([4, 4, 4, 4], 1, 2, 5, [4, 4]),  # overlapping: the earliest [4, 4] ends at index 1
-    ([3], 1, 1, 2, []),  # nothing earlier
-    ([1, 2, 1, 2], 1, 5, 0, []),  # k = 0
-    ([9, 8, 7, 1, 2, 3], 1, 4, 3, []),  # the last token never occurred before
-])
+@pytest.mark.parametrize(
+    ("tokens", "min_n", "max_n", "k", "expected"),
+    [
+        ([1, 2, 3, 4, 2, 3], 2, 3, 4, [4, 2, 3]),  # vLLM's docstring example: [4, 2, 3] misses, [2, 3] follows 1
+        ([1, 2, 3, 4, 2, 3], 3, 3, 4, []),  # no earlier [4, 2, 3]
+        ([5, 6, 7, 9, 6, 7, 8, 6, 7], 2, 2, 3, [9, 6, 7]),  # the earliest of two matches of [6, 7]
+        ([5, 6, 7, 9, 1, 6, 7, 8, 5, 6, 7], 2, 3, 2, [9, 1]),  # [5, 6, 7] beats [6, 7]
+        ([4, 4, 4, 4], 1, 2, 5, [4, 4]),  # overlapping: the earliest [4, 4] ends at index 1
+        ([3], 1, 1, 2, []),  # nothing earlier
+        ([1, 2, 1, 2], 1, 5, 0, []),  # k = 0
+        ([9, 8, 7, 1, 2, 3], 1, 4, 3, []),  # the last token never occurred before
+    ],
+)
 def test_crafted_sequences(tokens, min_n, max_n, k, expected):
     assert lookup(tokens, min_n, max_n, k) == expected
     assert reference_lookup(tokens, min_n, max_n, k) == expected

@@ -34,8 +34,12 @@ def free_port() -> int:
 
 
 def engine(block_size: int = 16, tp_size: int = 1, model: str = "llama@abc") -> EngineDescription:
-    return EngineDescription(model, tp_size, 0, (GroupDescription("attention", "FullAttentionSpec", block_size, "float32",
-                                                                  block_size * 128),))
+    return EngineDescription(
+        model,
+        tp_size,
+        0,
+        (GroupDescription("attention", "FullAttentionSpec", block_size, "float32", block_size * 128),),
+    )
 
 
 def test_mismatched_engines_are_named_with_both_values():

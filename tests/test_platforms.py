@@ -26,12 +26,21 @@ def _suites() -> dict[str, type]:
         gpu = platform != "cpu"
         mark = pytest.mark.gpu if gpu else (lambda suite: suite)  # `-m gpu` selects them on a GPU machine
         platform_class = registry.load("platform", platform)
-        suites[f"Test{title}Platform"] = mark(type(f"Test{title}Platform", (PlatformContract,), {"plugin_name": platform}))
-        suites[f"Test{title}Attention"] = mark(type(
-            f"Test{title}Attention", (AttentionContract,),
-            {"plugin_name": platform_class.default_attention, "platform": platform,
-             "dtype": "bfloat16" if gpu else "float32", "tolerance": (2e-2, 2e-2) if gpu else (1e-4, 1e-4)},
-        ))
+        suites[f"Test{title}Platform"] = mark(
+            type(f"Test{title}Platform", (PlatformContract,), {"plugin_name": platform})
+        )
+        suites[f"Test{title}Attention"] = mark(
+            type(
+                f"Test{title}Attention",
+                (AttentionContract,),
+                {
+                    "plugin_name": platform_class.default_attention,
+                    "platform": platform,
+                    "dtype": "bfloat16" if gpu else "float32",
+                    "tolerance": (2e-2, 2e-2) if gpu else (1e-4, 1e-4),
+                },
+            )
+        )
         for name in OP_IMPLEMENTATIONS:
             class_name = f"Test{title}Op_{name.replace('.', '_')}"
             suites[class_name] = mark(type(class_name, (OpContract,), {"plugin_name": name, "platform": platform}))
@@ -52,7 +61,10 @@ def test_nvidia_probe_reads_the_driver_files(tmp_path, monkeypatch):
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert not CudaPlatform.probe_root(tmp_path).available
-    assert "no NVIDIA GPU driver (/proc/driver/nvidia/version and /dev/nvidiactl are absent)" == CudaPlatform.probe_root(tmp_path).reason
+    assert (
+        "no NVIDIA GPU driver (/proc/driver/nvidia/version and /dev/nvidiactl are absent)"
+        == CudaPlatform.probe_root(tmp_path).reason
+    )
     fake_file(tmp_path, "proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86\n")
     for bus in ("0000:01:00.0", "0000:02:00.0"):
         fake_file(tmp_path, f"proc/driver/nvidia/gpus/{bus}/information", "Model: \t\t NVIDIA H200\nIRQ: 1\n")
@@ -65,7 +77,10 @@ def test_nvidia_probe_reads_the_driver_files(tmp_path, monkeypatch):
     else:
         assert not probe.available and "no CUDA support; install a CUDA build of torch" in probe.reason
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert CudaPlatform.probe_root(tmp_path).reason == "NVIDIA driver present but no visible GPU (2 hidden by CUDA_VISIBLE_DEVICES)"
+    assert (
+        CudaPlatform.probe_root(tmp_path).reason
+        == "NVIDIA driver present but no visible GPU (2 hidden by CUDA_VISIBLE_DEVICES)"
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert CudaPlatform.probe_root(tmp_path).device_count == 1
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -73,7 +88,10 @@ def test_nvidia_probe_reads_the_driver_files(tmp_path, monkeypatch):
     for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm", "nvidia-modeset"):
         fake_file(sandboxed, f"dev/{name}", "")
     probe = CudaPlatform.probe_root(sandboxed)
-    assert probe.device_count == 2 and probe.details == {"driver": "unknown", "gpus": "nvidia0, nvidia1"}  # as under gVisor
+    assert probe.device_count == 2 and probe.details == {
+        "driver": "unknown",
+        "gpus": "nvidia0, nvidia1",
+    }  # as under gVisor
 
 
 def test_amd_probe_names_the_architectures_in_node_order(tmp_path, monkeypatch):
@@ -88,7 +106,11 @@ def test_amd_probe_names_the_architectures_in_node_order(tmp_path, monkeypatch):
     fake_file(tmp_path, "sys/class/kfd/kfd/topology/nodes/0/properties", "cpu_cores_count 64\ngfx_target_version 0\n")
     for node in range(1, 11):  # node 10 sorts after node 9, not after node 1
         version = 90402 if node == 10 else 90500
-        fake_file(tmp_path, f"sys/class/kfd/kfd/topology/nodes/{node}/properties", f"simd_count 256\ngfx_target_version {version}\n")
+        fake_file(
+            tmp_path,
+            f"sys/class/kfd/kfd/topology/nodes/{node}/properties",
+            f"simd_count 256\ngfx_target_version {version}\n",
+        )
     probe = RocmPlatform.probe_root(tmp_path)
     assert probe.device_count == 10 and probe.details["architectures"] == ", ".join(["gfx950"] * 9 + ["gfx942"])
     assert probe.available if torch_has_library("libtorch_hip.so") else "no ROCm support" in probe.reason
@@ -97,7 +119,10 @@ def test_amd_probe_names_the_architectures_in_node_order(tmp_path, monkeypatch):
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "0")
     assert RocmPlatform.probe_root(tmp_path).device_count == 1
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "-1")
-    assert "no visible GPU (10 hidden by HIP_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES" in RocmPlatform.probe_root(tmp_path).reason
+    assert (
+        "no visible GPU (10 hidden by HIP_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES"
+        in RocmPlatform.probe_root(tmp_path).reason
+    )
 
 
 def test_intel_probe_finds_intel_display_class_render_nodes(tmp_path, monkeypatch):
@@ -113,7 +138,11 @@ def test_intel_probe_finds_intel_display_class_render_nodes(tmp_path, monkeypatc
     fake_file(tmp_path, "sys/class/drm/renderD130/device/class", "0x120000\n")
     probe = XpuPlatform.probe_root(tmp_path)
     assert probe.device_count == 1 and probe.details["devices"] == "0x0bd5"
-    assert probe.available if torch_has_library("libtorch_xpu.so") else "no XPU support; install a XPU build" in probe.reason
+    assert (
+        probe.available
+        if torch_has_library("libtorch_xpu.so")
+        else "no XPU support; install a XPU build" in probe.reason
+    )
     monkeypatch.setenv("ZE_AFFINITY_MASK", "")
     assert "1 hidden by ZE_AFFINITY_MASK" in XpuPlatform.probe_root(tmp_path).reason
 
@@ -126,7 +155,12 @@ def test_gpu_platforms_share_one_base_and_differ_only_in_what_differs():
 
     assert all(issubclass(platform, GpuPlatform) for platform in (CudaPlatform, RocmPlatform, XpuPlatform))
     facts = {
-        platform.name: (platform.device_type, platform.distributed_backend, platform.supports_graph_capture, platform.triton_backend)
+        platform.name: (
+            platform.device_type,
+            platform.distributed_backend,
+            platform.supports_graph_capture,
+            platform.triton_backend,
+        )
         for platform in (CudaPlatform, RocmPlatform, XpuPlatform)
     }
     assert facts == {
@@ -135,12 +169,33 @@ def test_gpu_platforms_share_one_base_and_differ_only_in_what_differs():
         "xpu": ("xpu", "xccl", False, "intel"),
     }
     for platform in (CudaPlatform, RocmPlatform, XpuPlatform):
-        own = set(vars(platform)) - {"__module__", "__doc__", "__qualname__", "__firstlineno__", "__static_attributes__"}
-        assert own <= {"name", "device_type", "distributed_backend", "supports_graph_capture", "vendor", "runtime",
-                       "torch_library", "visibility_variables", "triton_backend", "scan", "device_arch", "__abstractmethods__",
-                       "_abc_impl", "__annotations__",
-                       "communicator"}, own  # CUDA's peer-memory all-reduce (weft_cuda.communicator)
-        assert platform.default_attention == ("triton" if triton_backend_installed(platform.triton_backend) else "torch")
+        own = set(vars(platform)) - {
+            "__module__",
+            "__doc__",
+            "__qualname__",
+            "__firstlineno__",
+            "__static_attributes__",
+        }
+        assert own <= {
+            "name",
+            "device_type",
+            "distributed_backend",
+            "supports_graph_capture",
+            "vendor",
+            "runtime",
+            "torch_library",
+            "visibility_variables",
+            "triton_backend",
+            "scan",
+            "device_arch",
+            "__abstractmethods__",
+            "_abc_impl",
+            "__annotations__",
+            "communicator",
+        }, own  # CUDA's peer-memory all-reduce (weft_cuda.communicator)
+        assert platform.default_attention == (
+            "triton" if triton_backend_installed(platform.triton_backend) else "torch"
+        )
     with pytest.raises(NotImplementedError, match="does not capture graphs"):
         XpuPlatform().capture_graph(lambda: None)
 
@@ -155,8 +210,10 @@ def test_gpu_base_takes_memory_dtype_device_and_arch_from_the_device_module(monk
 
     selected, total, bf16 = [], [141 << 30], [True]
     module = SimpleNamespace(
-        mem_get_info=lambda index: (total[0] // 2, total[0]), set_device=selected.append,
-        is_bf16_supported=lambda: bf16[0], current_device=lambda: 1,
+        mem_get_info=lambda index: (total[0] // 2, total[0]),
+        set_device=selected.append,
+        is_bf16_supported=lambda: bf16[0],
+        current_device=lambda: 1,
     )
     monkeypatch.setattr(XpuPlatform, "device_module", property(lambda self: module))
     monkeypatch.setattr(XpuPlatform, "device_arch", lambda self, index: f"pvc-{index}")
@@ -172,7 +229,9 @@ def test_gpu_base_takes_memory_dtype_device_and_arch_from_the_device_module(monk
     bf16[0] = False
     assert platform.default_dtype() == "float16"  # a device without bf16 arithmetic
     assert platform.select_device(2) == torch.device("xpu", 2) and selected == [2]
-    assert platform.launch_arch(torch.device("xpu")) == "pvc-1" and platform.launch_arch(torch.device("xpu", 3)) == "pvc-3"
+    assert (
+        platform.launch_arch(torch.device("xpu")) == "pvc-1" and platform.launch_arch(torch.device("xpu", 3)) == "pvc-3"
+    )
 
 
 def test_the_arch_option_forces_the_launch_arch_without_a_device():
@@ -182,7 +241,9 @@ def test_the_arch_option_forces_the_launch_arch_without_a_device():
     from weft_rocm.platform import RocmPlatform
 
     forced = RocmPlatform(RocmPlatform.Options(arch="gfx950"))
-    assert forced.launch_arch(torch.device("cuda", 3)) == "gfx950" and forced.launch_arch(torch.device("cpu")) == "gfx950"
+    assert (
+        forced.launch_arch(torch.device("cuda", 3)) == "gfx950" and forced.launch_arch(torch.device("cpu")) == "gfx950"
+    )
     assert RocmPlatform().launch_arch(torch.device("cpu")) == ""  # another device type: no architecture to tune for
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"arch": 950}, RocmPlatform.Options)

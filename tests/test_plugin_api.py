@@ -23,15 +23,20 @@ def test_each_name_is_the_object_its_module_defines(name):
 
 def test_importing_the_api_loads_no_module_it_names():
     """A plugin loaded in the API server's process (an HTTP route, a tool parser) imports weft.api without torch."""
-    code = ("import sys, weft.api\n"
-            "print(sorted(m for m in {module for module, _ in weft.api.NAMES.values()} | {'torch'} if m in sys.modules))")
+    code = (
+        "import sys, weft.api\n"
+        "print(sorted(m for m in {module for module, _ in weft.api.NAMES.values()} | {'torch'} if m in sys.modules))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
 
 
 def test_a_name_outside_the_api_is_refused_with_the_rule():
-    with pytest.raises(AttributeError, match=r"'Scheduler'.*not part of weft-core's plugin API.*weft.contracts and "
-                                             r"weft.api \(see docs/plugin-authors.md\)"):
+    with pytest.raises(
+        AttributeError,
+        match=r"'Scheduler'.*not part of weft-core's plugin API.*weft.contracts and "
+        r"weft.api \(see docs/plugin-authors.md\)",
+    ):
         weft.api.Scheduler  # noqa: B018
     with pytest.raises(ImportError):
         exec("from weft.api import Scheduler", {})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from conftest import last_json, platform_module
-
 from weft.contracts import CORE_API
 
 BUILTIN_PLATFORMS = {"cpu": "weft-core", "cuda": "weft-cuda", "rocm": "weft-rocm", "xpu": "weft-xpu"}
@@ -15,7 +14,10 @@ def test_listing_imports_no_torch_and_no_plugin_module(site):
     site.add_distribution(
         "weft-spy",
         entry_points={"weft.platform": {"spy": "spy_impl:SpyPlatform"}, "weft.hooks": {"spy-hooks": "spy_hooks"}},
-        modules={"spy_impl": "raise RuntimeError('imported during listing')", "spy_hooks": "raise RuntimeError('imported')"},
+        modules={
+            "spy_impl": "raise RuntimeError('imported during listing')",
+            "spy_hooks": "raise RuntimeError('imported')",
+        },
     )
     result = site.python(
         """
@@ -137,11 +139,15 @@ def test_selected_broken_plugin_is_a_hard_error_with_its_cause(site):
 
 def test_an_unselected_incompatible_plugin_is_logged_at_debug_and_a_clash_is_a_warning(site):
     site.add_distribution(
-        "weft-future", requires=("weft-core>=2,<3",),
-        entry_points={"weft.platform": {"future": "future_impl:F"}}, modules={"future_impl": "raise SystemExit(9)"},
+        "weft-future",
+        requires=("weft-core>=2,<3",),
+        entry_points={"weft.platform": {"future": "future_impl:F"}},
+        modules={"future_impl": "raise SystemExit(9)"},
     )
     for distribution in ("weft-alpha", "weft-beta"):
-        site.add_distribution(distribution, entry_points={"weft.platform": {"twin": "twin_impl:T"}}, modules={"twin_impl": ""})
+        site.add_distribution(
+            distribution, entry_points={"weft.platform": {"twin": "twin_impl:T"}}, modules={"twin_impl": ""}
+        )
     code = (
         "import logging, sys\n{}from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
         "print(select_platform(PluginRegistry())[0].name)"
@@ -149,7 +155,9 @@ def test_an_unselected_incompatible_plugin_is_logged_at_debug_and_a_clash_is_a_w
     result = site.python(code.format(""))
     assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
     assert "future" not in result.stderr  # nothing selected it: doctor reports it (a warning there)
-    assert "skipping platform plugin 'twin'" in result.stderr and "weft-alpha 0.1.0 and weft-beta 0.1.0" in result.stderr
+    assert (
+        "skipping platform plugin 'twin'" in result.stderr and "weft-alpha 0.1.0 and weft-beta 0.1.0" in result.stderr
+    )
     verbose = site.python(code.format("logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"))
     assert "skipping platform plugin 'future' (weft-future 0.1.0): " in verbose.stderr, verbose.stderr
     doctor = site.weft("plugins", "doctor")
@@ -175,16 +183,23 @@ def test_an_unselected_broken_plugin_is_logged_at_debug_and_reported_by_doctor(s
     assert result.stdout.strip() == "cpu"
     assert "broken" not in result.stderr, result.stderr  # nothing selected it
     verbose = site.python(code.format("logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)"))
-    assert "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in verbose.stderr and "libfoo.so" in verbose.stderr
+    assert (
+        "platform plugin 'broken' (weft-broken 0.1.0) failed to load" in verbose.stderr
+        and "libfoo.so" in verbose.stderr
+    )
     doctor = site.weft("plugins", "doctor")
     # A platform plugin that does not import is a platform this machine lacks: a warning, as for weft-cuda without CUDA.
-    assert doctor.returncode == 0 and "warn  platform/broken (weft-broken 0.1.0) does not import" in doctor.stdout, doctor.stdout
+    assert doctor.returncode == 0 and "warn  platform/broken (weft-broken 0.1.0) does not import" in doctor.stdout, (
+        doctor.stdout
+    )
     assert "fix: install the system library libfoo.so" in doctor.stdout
 
 
 def test_allowlist_none_disables_third_party_plugins(site):
     site.add_distribution(
-        "weft-extra", entry_points={"weft.platform": {"extra": "extra_impl:X"}}, modules={"extra_impl": platform_module("extra", cls="X")}
+        "weft-extra",
+        entry_points={"weft.platform": {"extra": "extra_impl:X"}},
+        modules={"extra_impl": platform_module("extra", cls="X")},
     )
     result = site.weft("plugins", "list", "--json", WEFT_PLUGINS="none")
     rows = {row["name"]: row for row in last_json(result.stdout)["plugins"]}
@@ -205,7 +220,9 @@ def test_allowlist_none_disables_third_party_plugins(site):
 
 def test_allowlist_name_matching_nothing_is_reported(site):
     site.add_distribution(
-        "weft-extra", entry_points={"weft.platform": {"extra": "extra_impl:X"}}, modules={"extra_impl": platform_module("extra", cls="X")}
+        "weft-extra",
+        entry_points={"weft.platform": {"extra": "extra_impl:X"}},
+        modules={"extra_impl": platform_module("extra", cls="X")},
     )
     listing = site.weft("plugins", "list", "--json", WEFT_PLUGINS="extra,weft-cuda,no-such-plugin")
     report = last_json(listing.stdout)
@@ -393,7 +410,10 @@ def add_accel(site):
     on a machine without triton."""
     site.add_distribution(
         "weft-accel",
-        entry_points={"weft.platform": {"accel": "accel_platform:Accel"}, "weft.ops": {"rms_norm.accel": "accel_ops:AccelRmsNorm"}},
+        entry_points={
+            "weft.platform": {"accel": "accel_platform:Accel"},
+            "weft.ops": {"rms_norm.accel": "accel_ops:AccelRmsNorm"},
+        },
         modules={"accel_platform": platform_module("accel", cls="Accel"), "accel_ops": "import accel_runtime_xyz\n"},
     )
 
@@ -406,7 +426,10 @@ def test_doctor_and_list_check_report_a_plugin_that_does_not_import_with_the_fix
         "FAIL  ops/rms_norm.fast (weft-fastops 0.1.0) does not import: "
         "ModuleNotFoundError: No module named 'fastops_kernels'" in doctor.stdout
     )
-    assert "fix: install fastops_kernels (pip install 'weft-fastops[kernels]' installs fastops-kernels>=2)" in doctor.stdout
+    assert (
+        "fix: install fastops_kernels (pip install 'weft-fastops[kernels]' installs fastops-kernels>=2)"
+        in doctor.stdout
+    )
     assert "no problems found" not in doctor.stdout
 
     plain = {row["name"]: row for row in last_json(site.weft("plugins", "list", "--json").stdout)["plugins"]}
@@ -415,10 +438,15 @@ def test_doctor_and_list_check_report_a_plugin_that_does_not_import_with_the_fix
     assert checked.returncode == 1, checked.stderr  # as doctor: a plugin that could run here does not import
     rows = {row["name"]: row for row in last_json(checked.stdout)["plugins"]}
     assert rows["rms_norm.fast"]["status"] == "broken"
-    assert rows["rms_norm.fast"]["problem"].startswith("ModuleNotFoundError: No module named 'fastops_kernels'. Fix: install fastops_kernels")
+    assert rows["rms_norm.fast"]["problem"].startswith(
+        "ModuleNotFoundError: No module named 'fastops_kernels'. Fix: install fastops_kernels"
+    )
     assert rows["cpu"]["status"] == "ok" and rows["rms_norm.torch"]["status"] == "ok"
     table = site.weft("plugins", "list", "--check")
-    assert any(line.split()[:2] == ["ops", "rms_norm.fast"] and line.split()[-1] == "broken" for line in table.stdout.splitlines())
+    assert any(
+        line.split()[:2] == ["ops", "rms_norm.fast"] and line.split()[-1] == "broken"
+        for line in table.stdout.splitlines()
+    )
 
 
 def test_a_plugin_meant_for_an_unavailable_platform_is_a_doctor_warning_naming_that_platform(site):
@@ -433,7 +461,10 @@ def test_a_plugin_meant_for_an_unavailable_platform_is_a_doctor_warning_naming_t
     assert "no problems found (" in doctor.stdout  # a warning, not a problem
     checked = site.weft("plugins", "list", "--check")
     assert checked.returncode == 0, checked.stdout  # broken, but meant for a platform this machine lacks: as doctor
-    assert any(line.split()[:2] == ["ops", "rms_norm.accel"] and line.split()[-1] == "broken" for line in checked.stdout.splitlines())
+    assert any(
+        line.split()[:2] == ["ops", "rms_norm.accel"] and line.split()[-1] == "broken"
+        for line in checked.stdout.splitlines()
+    )
 
 
 def test_a_selected_plugin_that_does_not_import_gets_its_fix_in_doctor(site):

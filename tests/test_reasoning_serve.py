@@ -23,12 +23,24 @@ TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"
 )
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
-TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+)
 MALFORMED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'  # a brace short
 ASK = [{"role": "user", "content": "Where is the Eiffel tower?"}]
 
@@ -38,7 +50,6 @@ def _chain_model(folder, tokenizer_files, template: str, chain_text: list[str], 
     token (the ``\n`` ending ``template``'s generation prompt): every layer's output projections zero (the residual
     stream is the token's embedding), each chain token's embedding a unit vector of its own, and the head scoring
     its successor on that vector."""
-    import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
@@ -46,9 +57,11 @@ def _chain_model(folder, tokenizer_files, template: str, chain_text: list[str], 
     (folder / "chat_template.jinja").write_text(template)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompt = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
-    chain = [tokenizer.encode(prompt, add_special_tokens=False)[-1],
-             *(token for piece in chain_text for token in tokenizer.encode(piece, add_special_tokens=False)),
-             tokenizer.eos_token_id]
+    chain = [
+        tokenizer.encode(prompt, add_special_tokens=False)[-1],
+        *(token for piece in chain_text for token in tokenizer.encode(piece, add_special_tokens=False)),
+        tokenizer.eos_token_id,
+    ]
     assert len(set(chain)) == len(chain), "each token of the chain must lead to one successor"
     weights = load_file(str(folder / "model.safetensors"))
     for name, tensor in weights.items():
@@ -57,7 +70,7 @@ def _chain_model(folder, tokenizer_files, template: str, chain_text: list[str], 
     embeddings, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     embeddings.zero_()
     head.zero_()
-    for dimension, (token, successor) in enumerate(zip(chain, chain[1:])):
+    for dimension, (token, successor) in enumerate(zip(chain, chain[1:], strict=False)):
         embeddings[token, dimension] = 1.0
         head[successor, dimension] = 20.0
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -110,12 +123,17 @@ def test_chat_returns_the_thinking_apart_whole_and_streamed(client):
 
 
 def test_responses_api_has_a_reasoning_item_then_the_message(client):
-    response = client.responses.create(model=client.served_model, input="Where is the Eiffel tower?", max_output_tokens=60)
+    response = client.responses.create(
+        model=client.served_model, input="Where is the Eiffel tower?", max_output_tokens=60
+    )
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert [part.text for part in response.output[0].content] == [REASONING]
     assert response.output_text == ANSWER
-    events = list(client.responses.create(model=client.served_model, input="Where is the Eiffel tower?", max_output_tokens=60,
-                                          stream=True))
+    events = list(
+        client.responses.create(
+            model=client.served_model, input="Where is the Eiffel tower?", max_output_tokens=60, stream=True
+        )
+    )
     assert "".join(event.delta for event in events if event.type == "response.reasoning_text.delta") == REASONING
     assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == ANSWER
     done = [event.item for event in events if event.type == "response.output_item.done"]
@@ -129,7 +147,8 @@ def test_without_parallel_calls_only_the_first_is_returned(client):
     choice = _chat(client, parallel_tool_calls=False, **answer).choices[0]
     assert choice.message.reasoning_content == REASONING and choice.finish_reason == "tool_calls"
     assert [(call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls] == [
-        ("get_weather", {"city": "Paris"})]
+        ("get_weather", {"city": "Paris"})
+    ]
     reasoning, content, calls, finish = _streamed(_chat(client, stream=True, parallel_tool_calls=False, **answer))
     assert (reasoning, content, finish) == (REASONING, "", ["tool_calls"])
     assert [(name, json.loads(arguments)) for name, arguments in calls] == [("get_weather", {"city": "Paris"})]
@@ -138,7 +157,12 @@ def test_without_parallel_calls_only_the_first_is_returned(client):
 @pytest.mark.parametrize(("max_tokens", "finish_reason"), [(300, "stop"), (24, "length")])
 def test_a_malformed_call_is_content_whole_and_streamed(client, max_tokens, finish_reason):
     """Not a call: no tool_calls (no delta either), the text as content, finish_reason stop (or length when cut)."""
-    answer = {"tools": [WEATHER], "max_tokens": max_tokens, "seed": 7, "extra_body": {"structured_outputs": {"choice": [MALFORMED_CALL]}}}
+    answer = {
+        "tools": [WEATHER],
+        "max_tokens": max_tokens,
+        "seed": 7,
+        "extra_body": {"structured_outputs": {"choice": [MALFORMED_CALL]}},
+    }
     choice = _chat(client, **answer).choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason == finish_reason
     text = choice.message.content
@@ -160,10 +184,14 @@ def _server(folder, **overrides):
     return server, client
 
 
-@pytest.mark.parametrize(("opens", "fill"), [(True, "thread"), (True, "process"), (False, "thread")],
-                         ids=["opens its thinking", "opens its thinking, fill process", "answers at once"])
+@pytest.mark.parametrize(
+    ("opens", "fill"),
+    [(True, "thread"), (True, "process"), (False, "thread")],
+    ids=["opens its thinking", "opens its thinking, fill process", "answers at once"],
+)
 def test_a_constraint_covers_the_answer_when_the_output_may_open_its_thinking(
-        tmp_path_factory, tokenizer_files, one_torch_thread, opens, fill):
+    tmp_path_factory, tokenizer_files, one_torch_thread, opens, fill
+):
     """The prompt does not open the thinking: the constraint covers the output from its first token, which may
     also open the thinking. A model writing ``<think>`` first thinks freely and its answer is constrained; one
     answering at once is constrained from there (before, the constraint waited for a ``</think>`` such a model never
@@ -182,8 +210,11 @@ def test_a_constraint_covers_the_answer_when_the_output_may_open_its_thinking(
         choices = ["Rome", "The user"]
         for stream in (False, True):
             chunks = _chat(client, stream=stream, temperature=0, extra_body={"structured_outputs": {"choice": choices}})
-            reasoning, content = _streamed(chunks)[:2] if stream else (
-                chunks.choices[0].message.reasoning_content or "", chunks.choices[0].message.content)
+            reasoning, content = (
+                _streamed(chunks)[:2]
+                if stream
+                else (chunks.choices[0].message.reasoning_content or "", chunks.choices[0].message.content)
+            )
             if opens:  # thinks as it would without the constraint; the answer is one of the choices
                 assert reasoning == REASONING and content in choices
             else:  # its own first tokens are one of the choices: greedy keeps them

@@ -9,6 +9,7 @@ import itertools
 import msgspec
 import pytest
 import torch
+
 from test_sampling import no_synchronizing_calls
 from weft import SamplingParams
 from weft.runner.penalties import TokenCounts
@@ -21,8 +22,13 @@ VOCAB = 12
 class Row:
     """The sampler's view of one request (what the runner's RequestState offers it)."""
 
-    def __init__(self, params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3),
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        output: tuple[int, ...] = (),
+        prompt: tuple[int, ...] = (1, 2, 3),
+        device: str = "cpu",
+    ) -> None:
         self.request_id = f"r{id(self)}"
         self.params = params
         self.prompt_token_ids = list(prompt)
@@ -100,9 +106,11 @@ def test_the_first_and_second_tokens_are_distributed_as_the_targets(drawn_propos
     favours what the target finds unlikely; a request that kept one token verifies a second step."""
     vocab, count, top_p = 6, 8000, 0.8
     generator = torch.Generator().manual_seed(0)
-    target = [torch.randn(vocab, generator=generator) * 1.5,  # position 0
-              torch.randn(vocab, vocab, generator=generator) * 1.5,  # position 1, after token t0
-              torch.randn(vocab, vocab, vocab, generator=generator)]  # position 2, after t0 t1
+    target = [
+        torch.randn(vocab, generator=generator) * 1.5,  # position 0
+        torch.randn(vocab, vocab, generator=generator) * 1.5,  # position 1, after token t0
+        torch.randn(vocab, vocab, vocab, generator=generator),
+    ]  # position 2, after t0 t1
     uniform = torch.full((vocab,), 1 / vocab)
     draft = [0.5 * (-target[0]).softmax(-1) + 0.5 * uniform, 0.5 * (-target[1]).softmax(-1) + 0.5 * uniform]
     params = SamplingParams(temperature=1.0, top_p=top_p)
@@ -110,8 +118,13 @@ def test_the_first_and_second_tokens_are_distributed_as_the_targets(drawn_propos
     rejection = RejectionSampler(Sampler(seed=1))
 
     def verify(logits, proposals, probs):
-        batch = rejection.verify(logits.reshape(-1, vocab), requests[: len(proposals)], proposals.tolist(),
-                                 [3] * len(proposals), probs.reshape(-1, vocab) if drawn_proposals else None)
+        batch = rejection.verify(
+            logits.reshape(-1, vocab),
+            requests[: len(proposals)],
+            proposals.tolist(),
+            [3] * len(proposals),
+            probs.reshape(-1, vocab) if drawn_proposals else None,
+        )
         return tokens_of(batch)
 
     first = torch.multinomial(draft[0], count, replacement=True, generator=generator)
@@ -123,14 +136,15 @@ def test_the_first_and_second_tokens_are_distributed_as_the_targets(drawn_propos
     kept = torch.tensor([outputs[index][0] for index in short], dtype=torch.long)
     again = torch.multinomial(draft[1][kept], 1, generator=generator).squeeze(1)
     logits = torch.stack([target[1][kept], target[2][kept, again]], dim=1)
-    for index, output in zip(short, verify(logits, again.unsqueeze(1), draft[1][kept].unsqueeze(1))):
+    for index, output in zip(short, verify(logits, again.unsqueeze(1), draft[1][kept].unsqueeze(1)), strict=False):
         outputs[index] = outputs[index] + output[:1]
     assert 0.05 * count < len(short) < 0.95 * count  # the draft is wrong often, and right often
     observed = torch.zeros(vocab, vocab, dtype=torch.float64)
     for output in outputs:
         observed[output[0], output[1]] += 1
     expected = reference_top_p(target[0], top_p).unsqueeze(1) * torch.stack(
-        [reference_top_p(target[1][token], top_p) for token in range(vocab)])
+        [reference_top_p(target[1][token], top_p) for token in range(vocab)]
+    )
     assert chi_square_p_value(observed.sum(1), expected.sum(1)) > 1e-3
     assert chi_square_p_value(observed.flatten(), expected.flatten()) > 1e-3
     # The same test tells the draft's distribution from the target's.
@@ -142,8 +156,15 @@ EDITED = [
     SamplingParams(temperature=0, repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.9),
     SamplingParams(temperature=0, min_tokens=4, logit_bias={5: 2.5, 6: -3.0}, bad_words_token_ids=((4, 9), (8,))),
     SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=11, presence_penalty=1.5, frequency_penalty=0.5),
-    SamplingParams(temperature=1.3, min_p=0.05, seed=5, repetition_penalty=0.6, min_tokens=3, logprobs=3,
-                   bad_words_token_ids=((2, 3),)),
+    SamplingParams(
+        temperature=1.3,
+        min_p=0.05,
+        seed=5,
+        repetition_penalty=0.6,
+        min_tokens=3,
+        logprobs=3,
+        bad_words_token_ids=((2, 3),),
+    ),
 ]
 
 
@@ -162,8 +183,11 @@ def decode_one_by_one(params: SamplingParams, output: tuple[int, ...], logits: t
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 
-@pytest.mark.parametrize(("device", "device_counts"), [
-    ("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=ON_GPU)], ids=["host-counts", "device-counts", "cuda"])
+@pytest.mark.parametrize(
+    ("device", "device_counts"),
+    [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=ON_GPU)],
+    ids=["host-counts", "device-counts", "cuda"],
+)
 def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device, device_counts):
     """On CUDA the verification runs where a synchronizing call raises: it never waits for the device."""
     generator = torch.Generator().manual_seed(4)
@@ -171,8 +195,9 @@ def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device, d
     for case in range(12):
         requests, proposals, rows, expected = [], [], [], []
         for params in EDITED:
-            output = tuple(torch.randint(VOCAB, (int(torch.randint(3, (), generator=generator)),),
-                                         generator=generator).tolist())
+            output = tuple(
+                torch.randint(VOCAB, (int(torch.randint(3, (), generator=generator)),), generator=generator).tolist()
+            )
             # Close logits, so that the edits decide tokens; the same token often best, so that penalties bite.
             logits = torch.randn(k + 1, VOCAB, generator=generator) * 0.6 + 2 * peaked(int(case % VOCAB))
             logits = logits.to(device)
@@ -186,14 +211,22 @@ def test_edits_apply_per_position_as_when_decoding_one_token_at_a_time(device, d
             expected.append(reference[: cut + 1])
         counts = TokenCounts(torch.device(device)) if device_counts else None
         with no_synchronizing_calls(device):
-            batch = RejectionSampler(Sampler(seed=99)).verify(torch.cat(rows), requests, proposals,
-                                                              [10 + len(row.output_token_ids) for row in requests],
-                                                              counts=counts).to_host()
+            batch = (
+                RejectionSampler(Sampler(seed=99))
+                .verify(
+                    torch.cat(rows),
+                    requests,
+                    proposals,
+                    [10 + len(row.output_token_ids) for row in requests],
+                    counts=counts,
+                )
+                .to_host()
+            )
         if device == "cuda":
             torch.cuda.synchronize()
-        for got, want in zip(batch.verified_tokens(), expected):
+        for got, want in zip(batch.verified_tokens(), expected, strict=False):
             assert [token.token_id for token in got] == [token.token_id for token in want]
-            for ours, theirs in zip(got, want):
+            for ours, theirs in zip(got, want, strict=False):
                 if theirs.logprob is not None:
                     assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
                     assert ours.rank == theirs.rank
@@ -210,9 +243,13 @@ def test_seeded_requests_are_reproducible_whatever_the_batch():
 
     def run(order, seed):
         batch = RejectionSampler(Sampler(seed=seed)).verify(
-            torch.cat([logits[i] for i in order]), [Row(params[i]) for i in order], [proposals[i] for i in order],
-            [first[i] for i in order], torch.cat([draft[i] for i in order]))
-        return dict(zip(order, tokens_of(batch)))
+            torch.cat([logits[i] for i in order]),
+            [Row(params[i]) for i in order],
+            [proposals[i] for i in order],
+            [first[i] for i in order],
+            torch.cat([draft[i] for i in order]),
+        )
+        return dict(zip(order, tokens_of(batch), strict=False))
 
     together = run(list(range(6)), seed=0)
     assert run([5, 3, 1, 0, 4, 2], seed=1) == together
@@ -225,8 +262,12 @@ def test_seeded_requests_are_reproducible_whatever_the_batch():
 
 def test_ragged_batches_of_zero_to_k_proposals_gain_one_to_n_plus_one_tokens():
     generator = torch.Generator().manual_seed(2)
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9),
-             SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0, presence_penalty=1.0)]
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, seed=4),
+        SamplingParams(temperature=0, presence_penalty=1.0),
+    ]
     for trial, drawn in itertools.product(range(4), (False, True)):
         lengths = [int(n) for n in torch.randint(0, 5, (9,), generator=generator)]
         proposals = [[int(t) for t in torch.randint(VOCAB, (n,), generator=generator)] for n in lengths]
@@ -234,18 +275,26 @@ def test_ragged_batches_of_zero_to_k_proposals_gain_one_to_n_plus_one_tokens():
         logits = torch.randn(sum(lengths) + 9, VOCAB, generator=generator) * 3
         probs = torch.rand(sum(lengths), VOCAB, generator=generator).softmax(-1) if drawn else None
         batch = RejectionSampler(Sampler()).verify(logits, requests, proposals, [5] * 9, probs)
-        for output, proposed in zip(tokens_of(batch), proposals):
+        for output, proposed in zip(tokens_of(batch), proposals, strict=False):
             assert 1 <= len(output) <= len(proposed) + 1
             assert output[:-1] == proposed[: len(output) - 1]
             assert all(0 <= token < VOCAB for token in output)
-    assert RejectionSampler(Sampler()).verify(torch.randn(3, VOCAB), [Row(kinds[0])] * 3, [[], [], []], [1, 1, 1]) \
-        .num_tokens.tolist() == [1, 1, 1]
+    assert RejectionSampler(Sampler()).verify(
+        torch.randn(3, VOCAB), [Row(kinds[0])] * 3, [[], [], []], [1, 1, 1]
+    ).num_tokens.tolist() == [1, 1, 1]
 
 
 def test_only_the_positions_a_request_keeps_can_fail_it():
     greedy = SamplingParams(temperature=0)
-    logits = torch.stack([peaked(4), peaked(9), torch.full((VOCAB,), float("nan")),  # the NaN is never reached
-                          peaked(4), torch.full((VOCAB,), float("nan"))])  # kept: position 1 of the second
+    logits = torch.stack(
+        [
+            peaked(4),
+            peaked(9),
+            torch.full((VOCAB,), float("nan")),  # the NaN is never reached
+            peaked(4),
+            torch.full((VOCAB,), float("nan")),
+        ]
+    )  # kept: position 1 of the second
     for params in (greedy, SamplingParams(temperature=0, presence_penalty=0.5)):
         batch = RejectionSampler(Sampler()).verify(logits, [Row(params), Row(params)], [[4, 1], [4]], [3, 3])
         verified = batch.to_host().verified_tokens()
@@ -275,8 +324,9 @@ class Broken(Row):
 def test_a_request_whose_verification_raises_fails_alone():
     params = SamplingParams(temperature=0, min_tokens=2)
     logits = torch.stack([peaked(4), peaked(5), peaked(6), peaked(7), peaked(8)])
-    batch = RejectionSampler(Sampler()).verify(logits, [Row(params), Broken(params), Row(params)], [[4], [], [7]],
-                                               [3, 3, 3])
+    batch = RejectionSampler(Sampler()).verify(
+        logits, [Row(params), Broken(params), Row(params)], [[4], [], [7]], [3, 3, 3]
+    )
     verified = batch.to_host().verified_tokens()
     assert [token.token_id for token in verified[0]] == [4, 5]
     assert verified[1][0].error == SAMPLING_FAILED
@@ -287,15 +337,19 @@ def test_verification_reads_nothing_back_from_the_device(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the rejection sampler read a tensor back to the host")
 
-    params = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02, top_k=10, seed=8, logprobs=3),
-              SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=3, bad_words_token_ids=((1, 2),)),
-              SamplingParams(temperature=1.0, frequency_penalty=0.4)]
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02, top_k=10, seed=8, logprobs=3),
+        SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=3, bad_words_token_ids=((1, 2),)),
+        SamplingParams(temperature=1.0, frequency_penalty=0.4),
+    ]
     proposals = [[1, 2, 3], [], [4, 4]]
     logits, probs = torch.randn(8, VOCAB), torch.rand(5, VOCAB).softmax(-1)
     requests = [Row(row) for row in params]
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    batch = RejectionSampler(Sampler()).verify(logits, requests, proposals, [3, 3, 3], probs, TokenCounts(logits.device))
+    batch = RejectionSampler(Sampler()).verify(
+        logits, requests, proposals, [3, 3, 3], probs, TokenCounts(logits.device)
+    )
     monkeypatch.undo()
     verified = batch.to_host().verified_tokens()
     assert all(token.error is None for tokens in verified for token in tokens)

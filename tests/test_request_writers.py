@@ -39,16 +39,34 @@ WRITERS = {
 OTHER_STATE = {
     ("weft.runner.request_state", "RequestState.__init__", "num_computed_tokens"): "the worker's own copy of a request",
     ("weft.runner.model_runner", "ModelRunner._update_requests", "num_computed_tokens"): (
-        "the worker's copy, updated from the step's CachedRequest"),
+        "the worker's copy, updated from the step's CachedRequest"
+    ),
     ("weft.runner.model_runner", "ModelRunner._execute", "num_computed_tokens"): (
-        "the worker's copy, moved past the step's scheduled tokens"),
-    ("weft.engine.api.output_processor", "RequestOutputState.__init__", "output_token_ids"): "the API side's request state",
+        "the worker's copy, moved past the step's scheduled tokens"
+    ),
+    (
+        "weft.engine.api.output_processor",
+        "RequestOutputState.__init__",
+        "output_token_ids",
+    ): "the API side's request state",
     ("weft.engine.api.output_processor", "RequestOutputState.__init__", "stop_reason"): "the API side's request state",
-    ("weft.engine.api.output_processor", "RequestOutputState.__init__", "num_cached_tokens"): "the API side's request state",
-    ("weft.engine.api.output_processor", "OutputProcessor.process", "num_cached_tokens"): "the API side's copy of the core's count",
+    (
+        "weft.engine.api.output_processor",
+        "RequestOutputState.__init__",
+        "num_cached_tokens",
+    ): "the API side's request state",
+    (
+        "weft.engine.api.output_processor",
+        "OutputProcessor.process",
+        "num_cached_tokens",
+    ): "the API side's copy of the core's count",
     ("weft.engine.api.output_processor", "OutputProcessor._append", "stop_reason"): "the API side's request state",
     ("weft.engine.api.output_processor", "OutputProcessor._append", "output_token_ids"): "the API side's request state",
-    ("weft.engine.api.output_processor", "OutputProcessor._check_stop_strings", "stop_reason"): "the API side's stop strings",
+    (
+        "weft.engine.api.output_processor",
+        "OutputProcessor._check_stop_strings",
+        "stop_reason",
+    ): "the API side's stop strings",
     ("weft.runner.sampler", "SampledBatch.__init__", "status"): "each sampled row's outcome (a device tensor)",
     ("weft.serve.body", "HTTPError.__init__", "status"): "an HTTP status code",
     ("weft_disagg.pd", "ProxyError.__init__", "status"): "an HTTP status code",
@@ -108,9 +126,12 @@ def scan(sources: list[Path]) -> list[Write]:
 
 
 def stray_writes(writes: list[Write]) -> list[str]:
-    return [f"  {write}" for write in writes
-            if write.field not in WRITERS.get((write.module, write.function), ())
-            and (write.module, write.function, write.field) not in OTHER_STATE]
+    return [
+        f"  {write}"
+        for write in writes
+        if write.field not in WRITERS.get((write.module, write.function), ())
+        and (write.module, write.function, write.field) not in OTHER_STATE
+    ]
 
 
 def test_only_update_from_output_and_finish_write_request_progress_and_status():
@@ -118,8 +139,7 @@ def test_only_update_from_output_and_finish_write_request_progress_and_status():
     assert not found, (
         "request progress and status written outside Scheduler.update_from_output (and finish, for the API's "
         "aborts): keep what the scheduler plans in its own bookkeeping, and let update_from_output write what "
-        "a step produced (or, for another object with the same field name, add it to OTHER_STATE):\n"
-        + "\n".join(found)
+        "a step produced (or, for another object with the same field name, add it to OTHER_STATE):\n" + "\n".join(found)
     )
 
 
@@ -128,13 +148,14 @@ def test_every_allowed_write_still_exists():
     seen = {(write.module, write.function, write.field) for write in writes}
     for (module, function), fields in WRITERS.items():
         assert any((module, function, field) in seen for field in fields), (
-            f"WRITERS allows {module}.{function}, which writes none of {sorted(fields)} any more; remove the entry")
+            f"WRITERS allows {module}.{function}, which writes none of {sorted(fields)} any more; remove the entry"
+        )
     for key, what in OTHER_STATE.items():
         assert key in seen, f"OTHER_STATE allows {key} ({what}), which no longer exists; remove the entry"
 
 
 def test_the_scan_finds_every_kind_of_write():
-    text = '''
+    text = """
 class SchedulerState:
     def schedule(self, request):
         request.num_computed_tokens += 4
@@ -149,7 +170,7 @@ def plan(request):
     request.num_cached_tokens: int = 2
     request.append_token(7)
     del request.stop_reason
-'''
+"""
     found = stray_writes(writes_in("weft.engine.core.scheduler_state", text))
     assert found == [
         "  weft.engine.core.scheduler_state:4 (SchedulerState.schedule) writes num_computed_tokens",

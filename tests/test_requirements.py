@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "requirements" / "test"
 PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
 FIX = "edit the .in files, then run: bash scripts/compile-test-requirements.sh"
-PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;]+)\s*(?:;(?P<marker>[^#]*))?(?:#\s*via\s*(?P<via>.*))?$")
+PIN = re.compile(
+    r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;]+)\s*(?:;(?P<marker>[^#]*))?(?:#\s*via\s*(?P<via>.*))?$"
+)
 
 
 def input_lines(path: Path) -> list[str]:
@@ -53,7 +55,9 @@ def test_platform_file_starts_from_the_common_base_and_only_adds(platform):
     assert lines and lines[0] == "-r common.in", f"requirements/test/{platform}.in must start with '-r common.in'"
     common = {canonicalize_name(requirement.name) for requirement in direct_requirements(FOLDER / "common.in")}
     again = sorted(common & {canonicalize_name(r.name) for r in direct_requirements(FOLDER / f"{platform}.in")})
-    assert not again, f"requirements/test/{platform}.in repeats {again} from common.in; change it there, for every platform"
+    assert not again, (
+        f"requirements/test/{platform}.in repeats {again} from common.in; change it there, for every platform"
+    )
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -76,7 +80,7 @@ def test_lock_pins_every_direct_requirement_within_its_range_and_no_torch(platfo
                 f"requirements/test/{platform}.txt pins {name}=={versions[name]}, outside {requirement} ({source}); {FIX}"
             )
     assert "torch" not in versions, "torch is the platform's runtime; the locks must not pin it (torch-provided.txt)"
-    stale = sorted(name for (name, _), (_, via) in pins.items() if re.search(r"-r (?!common\.in|%s\.in)" % platform, via))
+    stale = sorted(name for (name, _), (_, via) in pins.items() if re.search(rf"-r (?!common\.in|{platform}\.in)", via))
     assert not stale, f"requirements/test/{platform}.txt names inputs it was not compiled from: {stale}"
 
 
@@ -96,6 +100,6 @@ def test_packages_shared_by_the_locks_have_one_version():
 
 def test_test_script_installs_the_lock_of_the_platform_it_detects():
     script = (ROOT / "scripts" / "test.sh").read_text()
-    assert 'requirements=$root/requirements/test/$platform.txt' in script
+    assert "requirements=$root/requirements/test/$platform.txt" in script
     for platform in PLATFORMS:
         assert f"platform={platform}" in script or platform == "cpu" and "WEFT_TEST_PLATFORM:-cpu" in script

@@ -9,11 +9,12 @@ import math
 import msgspec
 import pytest
 import torch
+
 from weft import SamplingParams
 from weft.runner.penalties import TokenCounts, needs_penalties
 from weft.runner.sampler import (
-    NON_FINITE_LOGITS,
     NO_TOKEN_ALLOWED,
+    NON_FINITE_LOGITS,
     RowParams,
     Sampler,
     edited_logits,
@@ -24,7 +25,9 @@ from weft.runner.sampler import (
 class Row:
     """The sampler's view of one request (what the runner's RequestState offers it)."""
 
-    def __init__(self, params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3)) -> None:
+    def __init__(
+        self, params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3)
+    ) -> None:
         self.request_id = f"r{id(self)}"
         self.params = params
         self.prompt_token_ids = list(prompt)
@@ -98,11 +101,14 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=1.5, top_k=5),
-    SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.5, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05),
+    ],
+)
 def test_draws_follow_the_filtered_softmax(params):
     """20,000 draws over 8 tokens against softmax(filtered logits / T): the chi-square statistic (at most 7
     degrees of freedom) stays under 30, which a true sampler exceeds with probability below 1e-4; the seed
@@ -133,8 +139,12 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch():
             tokens.append(sampled[2 if company else 0].token_id)
         return tokens
 
-    company = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=3,
-               logprobs=2), SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=5)]
+    company = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, top_k=3, logprobs=2),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=5),
+    ]
     alone = draws(1234, None, 0)
     assert draws(1234, company, 7) == alone
     assert draws(1234, company[1:], 0) == alone
@@ -162,7 +172,7 @@ def reference_edits(logits: torch.Tensor, row: Row) -> torch.Tensor:
                 logits[token] = -math.inf
     for word in params.bad_words_token_ids:
         prefix = list(word[:-1])
-        if not prefix or output[-len(prefix):] == prefix:
+        if not prefix or output[-len(prefix) :] == prefix:
             logits[word[-1]] = -math.inf
     for token, value in (params.logit_bias or {}).items():
         if token < vocab:
@@ -190,8 +200,17 @@ def edit_rows() -> list[Row]:
         Row(SamplingParams(logit_bias={3: 5.0, 11: -100.0, 500: 1.0})),
         Row(SamplingParams(allowed_token_ids=(2, 6, 31, 400), logit_bias={6: 2.0})),
         Row(SamplingParams(bad_words_token_ids=((8,), (4, 12), (9, 9, 13), (1, 14))), output=(3, 4, 9, 9)),
-        Row(SamplingParams(temperature=0.5, repetition_penalty=0.8, presence_penalty=1.0, min_tokens=2, logit_bias={0: 3.0},
-                           bad_words_token_ids=((5, 6),)), output=(5,)),
+        Row(
+            SamplingParams(
+                temperature=0.5,
+                repetition_penalty=0.8,
+                presence_penalty=1.0,
+                min_tokens=2,
+                logit_bias={0: 3.0},
+                bad_words_token_ids=((5, 6),),
+            ),
+            output=(5,),
+        ),
     ]
 
 
@@ -225,8 +244,10 @@ def test_greedy_tokens_are_the_argmax_before_and_after_edits():
 
 def test_logprobs_are_the_raw_distributions():
     logits = torch.randn(10, 32, generator=torch.Generator().manual_seed(6)) * 3
-    rows = [Row(SamplingParams(**{**dict(temperature=0.9, top_k=4, logprobs=index % 4), **edit}), output=(4, 4))
-            for index, edit in enumerate([{}, {"repetition_penalty": 2.0}, {"temperature": 0}, {"logit_bias": {1: 50.0}}])]
+    rows = [
+        Row(SamplingParams(**{**dict(temperature=0.9, top_k=4, logprobs=index % 4), **edit}), output=(4, 4))
+        for index, edit in enumerate([{}, {"repetition_penalty": 2.0}, {"temperature": 0}, {"logit_bias": {1: 50.0}}])
+    ]
     rows.append(Row(SamplingParams(temperature=1.0)))
     sampled = Sampler()(logits[:5], rows)
     reference = logits[:5].double().log_softmax(-1)
@@ -252,13 +273,20 @@ def test_a_non_finite_row_fails_alone_in_a_mixed_batch():
             bad[poisoned, 13] = poison
             sampled = Sampler()(bad, rows)
             assert sampled[poisoned].error == NON_FINITE_LOGITS and sampled[poisoned].token_id == -1
-            assert all(token.error is None and 0 <= token.token_id < 32 for index, token in enumerate(sampled) if index != poisoned)
+            assert all(
+                token.error is None and 0 <= token.token_id < 32
+                for index, token in enumerate(sampled)
+                if index != poisoned
+            )
 
 
 def test_a_row_whose_edits_leave_no_token_fails_alone():
     logits = torch.randn(3, 32)
-    rows = [Row(SamplingParams(temperature=1.0)), Row(SamplingParams(allowed_token_ids=(40, 41))),
-            Row(SamplingParams(temperature=0, logprobs=1))]
+    rows = [
+        Row(SamplingParams(temperature=1.0)),
+        Row(SamplingParams(allowed_token_ids=(40, 41))),
+        Row(SamplingParams(temperature=0, logprobs=1)),
+    ]
     sampled = Sampler()(logits, rows)
     assert sampled[1].error == NO_TOKEN_ALLOWED
     assert sampled[0].error is None and sampled[2].error is None and sampled[2].token_id == int(logits[2].argmax())
@@ -325,8 +353,9 @@ def test_penalties_read_counts_kept_on_the_device_across_steps(device):
         if device == "cuda":
             torch.cuda.synchronize()
         for index, row in enumerate(rows):
-            torch.testing.assert_close(edited[index].cpu().double(), reference_edits(logits[index].cpu(), row),
-                                       rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(
+                edited[index].cpu().double(), reference_edits(logits[index].cpu(), row), rtol=1e-6, atol=1e-5
+            )
         sampled = host.sampled_tokens()
         assert all(token.error is None for token in sampled)
         for row, token in zip(rows, sampled, strict=True):

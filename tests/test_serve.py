@@ -46,18 +46,29 @@ def test_models(client):
 
 def test_chat(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=32
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
     )
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.prompt_tokens > 0 and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert (
+        reply.usage.prompt_tokens > 0
+        and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    )
 
 
 def test_chat_streaming_equals_non_streaming(client):
     messages = [{"role": "user", "content": "Name three fruits."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
@@ -75,10 +86,14 @@ def test_served_completion_equals_llm_generate(client, offline):
 
 
 def test_responses_with_string_and_items(client):
-    plain = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    plain = client.responses.create(
+        model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24
+    )
     assert "Paris" in plain.output_text
     items = client.responses.create(
-        model=MODEL, temperature=0, max_output_tokens=24,
+        model=MODEL,
+        temperature=0,
+        max_output_tokens=24,
         input=[{"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
     )
     assert items.output_text == plain.output_text
@@ -87,12 +102,23 @@ def test_responses_with_string_and_items(client):
 
 def test_n_seed_stop_and_logprobs(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3, temperature=1.0,
-        max_tokens=12, logprobs=True, top_logprobs=2,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        n=2,
+        seed=3,
+        temperature=1.0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
     )
     assert len(reply.choices) == 2 and reply.choices[0].message.content != reply.choices[1].message.content
     again = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2, seed=3, temperature=1.0, max_tokens=12,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        n=2,
+        seed=3,
+        temperature=1.0,
+        max_tokens=12,
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
     for choice in reply.choices:
@@ -102,13 +128,18 @@ def test_n_seed_stop_and_logprobs(client):
     assert sum(len(choice.logprobs.content) for choice in reply.choices) == reply.usage.completion_tokens
     # A prompt counts once in the usage, its cached tokens too (they were summed over the choices, above the prompt).
     for again in (False, True):
-        usage = client.completions.create(model=MODEL, prompt=["The quick brown fox jumps over the lazy dog. " * 6,
-                                                                "Count with me: one, two, three. " * 6],
-                                          n=3, max_tokens=2).usage
+        usage = client.completions.create(
+            model=MODEL,
+            prompt=["The quick brown fox jumps over the lazy dog. " * 6, "Count with me: one, two, three. " * 6],
+            n=3,
+            max_tokens=2,
+        ).usage
         assert again <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
     whole = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20)
     stop = whole.choices[0].text[4:7]
-    cut = client.completions.create(model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20, stop=[stop])
+    cut = client.completions.create(
+        model=MODEL, prompt="One, two, three, four,", temperature=0, max_tokens=20, stop=[stop]
+    )
     assert cut.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
@@ -125,9 +156,15 @@ def test_health_and_metrics(server, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in (
-        "weft_requests_total", "weft_prompt_tokens_total", "weft_generation_tokens_total", "weft_requests_waiting",
-        "weft_requests_running", "weft_kv_cache_usage_ratio", "weft_prefix_cache_hit_rate",
-        "weft_time_to_first_token_seconds_bucket", "weft_inter_token_latency_seconds_bucket",
+        "weft_requests_total",
+        "weft_prompt_tokens_total",
+        "weft_generation_tokens_total",
+        "weft_requests_waiting",
+        "weft_requests_running",
+        "weft_kv_cache_usage_ratio",
+        "weft_prefix_cache_hit_rate",
+        "weft_time_to_first_token_seconds_bucket",
+        "weft_inter_token_latency_seconds_bucket",
     ):
         assert name in metrics, name
 
@@ -144,7 +181,9 @@ def test_64_concurrent_streams_complete_with_the_right_text(server, offline):
         done = asyncio.Event()
 
         async def one(prompt):
-            stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True)
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True
+            )
             return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
         async def watch_health():
@@ -189,29 +228,55 @@ def assert_error(response, status, *fragments):
 
 
 def test_error_cases_and_the_server_keeps_serving(server, client):
-    assert_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400, "malformed JSON")
+    assert_error(
+        post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+        "malformed JSON",
+    )
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    error = assert_error(post(server, "/v1/chat/completions", {**base, "temperature": "hot"}), 400, "temperature", "float")
+    error = assert_error(
+        post(server, "/v1/chat/completions", {**base, "temperature": "hot"}), 400, "temperature", "float"
+    )
     assert error["param"] == "temperature"
     assert_error(post(server, "/v1/chat/completions", {**base, "temperature": 5}), 400, "temperature", "<= 2")
     assert_error(post(server, "/v1/chat/completions", {**base, "max_tokens": 0}), 400, "max_tokens")
     assert_error(post(server, "/v1/chat/completions", {**base, "messages": []}), 400, "messages")
     long_prompt = "hello " * 9000
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400, "tokens", "8192")
-    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}), 400, "9000", "8192")
+    assert_error(
+        post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}), 400, "9000", "8192"
+    )
     assert_error(post(server, "/v1/chat/completions", {**base, "model": "gpt-4"}), 404, "'gpt-4' does not exist")
     assert_error(post(server, "/v1/chat/completions", {**base, "model": "/etc/passwd"}), 404, "does not exist")
-    assert_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}), 400, "audio")
+    assert_error(
+        post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}),
+        400,
+        "audio",
+    )
     # Still serving.
-    assert "Paris" in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=16
-    ).choices[0].message.content
+    assert (
+        "Paris"
+        in client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=16,
+        )
+        .choices[0]
+        .message.content
+    )
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     engine = server.engine
     assert wait_until_idle(engine)
-    payload = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    payload = {
+        "model": MODEL,
+        "prompt": "Write a long essay about the sea.",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=60) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
@@ -234,14 +299,20 @@ def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_p
 
     folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)
     small = start_server(
-        model=str(folder), engine={"max_num_seqs": 1, "num_kv_blocks": 256},
+        model=str(folder),
+        engine={"max_num_seqs": 1, "num_kv_blocks": 256},
         server={"max_body_bytes": 2000, "max_queued_requests": 1, "api_key": "s3cret"},
     )
     name = folder.name
     auth = {"authorization": "Bearer s3cret"}
     assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}), 401, "API key")
-    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401)
-    assert post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code == 200
+    assert_error(
+        post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401
+    )
+    assert (
+        post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code
+        == 200
+    )
     assert_error(post(small, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth), 413, "2000")
     # One request that alone needs more sequences than the queue holds can never be admitted: 400, not 503.
     too_many = post(small, "/v1/completions", {"model": name, "prompt": "hi", "n": 2, "max_tokens": 2}, headers=auth)
@@ -251,13 +322,18 @@ def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_p
     async def flood():
         async with httpx.AsyncClient(timeout=120) as http:
             body = {"model": name, "prompt": "hello there", "max_tokens": 200, "ignore_eos": True}
-            return await asyncio.gather(*(http.post(f"{small.url}/v1/completions", json=body, headers=auth) for _ in range(6)))
+            return await asyncio.gather(
+                *(http.post(f"{small.url}/v1/completions", json=body, headers=auth) for _ in range(6))
+            )
 
     statuses = [response.status_code for response in asyncio.run(flood())]
     assert 200 in statuses and 503 in statuses, statuses
     busy = next(response for response in asyncio.run(flood()) if response.status_code == 503)
     assert busy.headers["retry-after"] and "busy" in busy.json()["error"]["message"]
-    assert post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code == 200
+    assert (
+        post(small, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}, headers=auth).status_code
+        == 200
+    )
 
 
 def scripted_model(folder, tokenizer_files, text: str):
@@ -272,21 +348,35 @@ def scripted_model(folder, tokenizer_files, text: str):
     hidden, vocab = 64, 49152
     assert len(set(chain)) == len(chain) and len(chain) <= hidden
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
     }
     embed = torch.zeros(vocab, hidden)
     head = torch.zeros(vocab, hidden)
-    for slot, (token, following) in enumerate(zip(chain, chain[1:])):
+    for slot, (token, following) in enumerate(zip(chain, chain[1:], strict=False)):
         embed[token, slot] = 1.0
         head[following, slot] = 10.0
     tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": torch.ones(hidden)}
     prefix = "model.layers.0."
     for name, shape in {
-        "self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
-        "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),
-        "mlp.gate_proj.weight": (16, hidden), "mlp.up_proj.weight": (16, hidden), "mlp.down_proj.weight": (hidden, 16),
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (hidden, hidden),
+        "self_attn.v_proj.weight": (hidden, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (16, hidden),
+        "mlp.up_proj.weight": (16, hidden),
+        "mlp.down_proj.weight": (hidden, 16),
     }.items():
         tensors[prefix + name] = torch.zeros(shape)
     tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
@@ -329,7 +419,11 @@ def test_shutdown_drains_in_flight_requests(start_server, tokenizer_files, tmp_p
     running = start_server(model=str(folder), engine={"num_kv_blocks": 256}, server={"shutdown_timeout": 60})
     result = {}
     payload = {"model": folder.name, "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
-    caller = threading.Thread(target=lambda: result.setdefault("response", httpx.post(f"{running.url}/v1/completions", json=payload, timeout=120)))
+    caller = threading.Thread(
+        target=lambda: result.setdefault(
+            "response", httpx.post(f"{running.url}/v1/completions", json=payload, timeout=120)
+        )
+    )
     caller.start()
     deadline = time.monotonic() + 30
     while not running.engine.has_unfinished and time.monotonic() < deadline:
@@ -345,7 +439,9 @@ def test_shutdown_gives_up_after_the_timeout(start_server, tokenizer_files, tmp_
     from conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "tiny", "llama", tokenizer_files)
-    running = start_server(model=str(folder), engine={"num_kv_blocks": 4096, "max_model_len": 512}, server={"shutdown_timeout": 1})
+    running = start_server(
+        model=str(folder), engine={"num_kv_blocks": 4096, "max_model_len": 512}, server={"shutdown_timeout": 1}
+    )
     payload = {"model": folder.name, "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{running.url}/v1/completions", json=payload, timeout=120) as response:
         next(response.iter_lines())
@@ -356,8 +452,11 @@ def test_shutdown_gives_up_after_the_timeout(start_server, tokenizer_files, tmp_
 
 
 def test_responses_streaming_events(client):
-    events = list(client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
-                                          max_output_tokens=24, stream=True))
+    events = list(
+        client.responses.create(
+            model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24, stream=True
+        )
+    )
     kinds = [event.type for event in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
@@ -369,19 +468,30 @@ def test_responses_streaming_events(client):
 def test_streaming_keeps_every_logprob_and_never_leaks_a_stop_string(client):
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, logprobs=True)
-    stream = list(client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=40, logprobs=True, stream=True
-    ))
-    streamed = [item for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for item in chunk.choices[0].logprobs.content]
+    stream = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=40, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        item
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
     expected = whole.choices[0].logprobs.content
     # Same tokens; values equal up to float noise (the second request reuses cached prompt blocks).
     assert [item.token for item in streamed] == [item.token for item in expected]
-    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(streamed, expected))
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(streamed, expected, strict=False))
     text = whole.choices[0].message.content
     stop = text[10:16]  # a stop string that spans tokens
-    pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=40, stop=[stop], stream=True) if chunk.choices]
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=40, stop=[stop], stream=True
+        )
+        if chunk.choices
+    ]
     assert "".join(pieces) == text[: text.index(stop)]
 
 
@@ -389,27 +499,51 @@ def test_more_bad_requests_get_400_and_leave_others_alone(server, client):
     import threading
 
     result = {}
-    innocent = threading.Thread(target=lambda: result.setdefault("reply", client.completions.create(
-        model=MODEL, prompt="Count to twenty:", temperature=0, max_tokens=40, extra_body={"ignore_eos": True})))
+    innocent = threading.Thread(
+        target=lambda: result.setdefault(
+            "reply",
+            client.completions.create(
+                model=MODEL, prompt="Count to twenty:", temperature=0, max_tokens=40, extra_body={"ignore_eos": True}
+            ),
+        )
+    )
     innocent.start()
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    assert_error(post(server, "/v1/chat/completions", {**base, "stop_token_ids": [99999], "min_tokens": 1}), 400, "stop_token_ids")
+    assert_error(
+        post(server, "/v1/chat/completions", {**base, "stop_token_ids": [99999], "min_tokens": 1}),
+        400,
+        "stop_token_ids",
+    )
     assert_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user"}]}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {**base, "seed": 2**64}), 400, "seed")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400, "prompt")
     chat = "/v1/chat/completions"
-    error = assert_error(post(server, chat, {**base, "messages": [{"role": "robot", "content": "x"}]}), 400,
-                         "messages[0].role", "'robot'")
+    error = assert_error(
+        post(server, chat, {**base, "messages": [{"role": "robot", "content": "x"}]}),
+        400,
+        "messages[0].role",
+        "'robot'",
+    )
     assert error["param"] == "messages[0].role"
-    assert_error(post(server, chat, {**base, "messages": [{"role": "tool", "content": "12 C"}]}), 400,
-                 "messages[0].tool_call_id")
+    assert_error(
+        post(server, chat, {**base, "messages": [{"role": "tool", "content": "12 C"}]}), 400, "messages[0].tool_call_id"
+    )
     weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
     assert_error(post(server, chat, {**base, "tools": [{"type": "function"}]}), 400, "tools[0].function: missing")
-    assert_error(post(server, chat, {**base, "tools": [{"type": "function", "function": {**weather, "name": "has space!"}}]}),
-                 400, "tools[0].name", "'has space!'")
-    assert_error(post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function"}]}), 400,
-                 "tools[0].name: missing")
-    error = assert_error(post(server, chat, {**base, "logit_bias": {"5": 101}}), 400, "logit_bias['5']: 101", "[-100, 100]")
+    assert_error(
+        post(server, chat, {**base, "tools": [{"type": "function", "function": {**weather, "name": "has space!"}}]}),
+        400,
+        "tools[0].name",
+        "'has space!'",
+    )
+    assert_error(
+        post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function"}]}),
+        400,
+        "tools[0].name: missing",
+    )
+    error = assert_error(
+        post(server, chat, {**base, "logit_bias": {"5": 101}}), 400, "logit_bias['5']: 101", "[-100, 100]"
+    )
     assert error["param"] == "logit_bias['5']"
     error = assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404, "/v1/nowhere")
     assert error["type"] == "not_found_error"
@@ -418,8 +552,19 @@ def test_more_bad_requests_get_400_and_leave_others_alone(server, client):
 
 
 def test_null_fields_mean_defaults(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "logprobs": None,
-            "ignore_eos": None, "max_tokens": 4, "temperature": None, "top_p": None, "seed": None, "stop": None}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "ignore_eos": None,
+        "max_tokens": 4,
+        "temperature": None,
+        "top_p": None,
+        "seed": None,
+        "stop": None,
+    }
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1
@@ -427,13 +572,20 @@ def test_null_fields_mean_defaults(server):
 
 def test_completion_streaming_echo_and_text_offsets(client):
     prompt = "The sky is"
-    stream = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True, stream=True))
+    stream = list(
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True, stream=True)
+    )
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     whole = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True)
     assert text == whole.choices[0].text and text.startswith(prompt)
-    offsets = [offset for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=1, stream=True) if chunk.choices and chunk.choices[0].logprobs
-        for offset in chunk.choices[0].logprobs.text_offset]
+    offsets = [
+        offset
+        for chunk in client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=1, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for offset in chunk.choices[0].logprobs.text_offset
+    ]
     assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
 
 
@@ -454,11 +606,17 @@ def test_an_unexpected_error_is_a_generic_500_counted_as_internal(server, monkey
     monkeypatch.setattr(app, "_completion_logprobs", broken)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
     plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True, "logprobs": 1}, timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True, "logprobs": 1}, timeout=60
+    ) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert plain.status_code == 500 and "secret" not in plain.text
     assert plain.headers["x-request-id"] in plain.json()["error"]["message"]
-    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "500" and "secret" not in events[-2]
+    assert (
+        events[-1] == "data: [DONE]"
+        and json.loads(events[-2][6:])["error"]["code"] == "500"
+        and "secret" not in events[-2]
+    )
     assert failures() == before + 2
 
 
@@ -473,15 +631,24 @@ def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(cli
     picked = []
     for number in range(len(prompts)):
         mine = candidates.choices[4 * number : 4 * number + 4]
-        ranked = sorted(mine, key=lambda choice: (-sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs),
-                                                  choice.index))
-        assert [choice.text for choice in best.choices[2 * number : 2 * number + 2]] == [choice.text for choice in ranked[:2]]
+        ranked = sorted(
+            mine,
+            key=lambda choice: (
+                -sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs),
+                choice.index,
+            ),
+        )
+        assert [choice.text for choice in best.choices[2 * number : 2 * number + 2]] == [
+            choice.text for choice in ranked[:2]
+        ]
         picked.append([choice.index - 4 * number for choice in ranked[:2]])
     assert picked != [[0, 1], [0, 1]], picked  # the ranking chose, not the order of sampling
     assert [choice.index for choice in best.choices] == [0, 1, 2, 3]
     assert best.usage.completion_tokens == candidates.usage.completion_tokens
     plain = client.completions.create(n=1, best_of=3, echo=True, **fields)
-    assert len(plain.choices) == 2 and plain.choices[0].logprobs is None and plain.choices[0].text.startswith(prompts[0])
+    assert (
+        len(plain.choices) == 2 and plain.choices[0].logprobs is None and plain.choices[0].text.startswith(prompts[0])
+    )
     with pytest.raises(openai.BadRequestError, match=r"best_of \(2\) must be at least n \(3\)"):
         client.completions.create(n=3, best_of=2, **fields)
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
@@ -491,7 +658,9 @@ def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(cli
     alone = client.completions.create(**{**fields, "temperature": 0})
     assert [choice.text for choice in greedy.choices] == [choice.text for choice in alone.choices]
     assert greedy.usage.completion_tokens == alone.usage.completion_tokens
-    too_many = httpx.post(f"{server.url}/v1/completions", json={**fields, "prompt": ["a"] * 100, "best_of": 100}, timeout=60)
+    too_many = httpx.post(
+        f"{server.url}/v1/completions", json={**fields, "prompt": ["a"] * 100, "best_of": 100}, timeout=60
+    )
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "best_of", too_many.text
 
 
@@ -500,20 +669,26 @@ def test_unknown_top_level_fields_are_ignored_and_listed_in_a_header(client, ser
     ``user`` is a field of OpenAI's, declared: it is no ignored field."""
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=2, user="x", extra_body={"some_vendor_field": 1})
+        model=MODEL, messages=messages, max_tokens=2, user="x", extra_body={"some_vendor_field": 1}
+    )
     assert chat.http_response.status_code == 200
     assert chat.headers["x-weft-ignored-fields"] == "some_vendor_field"
     assert chat.parse().choices[0].message.role == "assistant"
     text = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Hi", max_tokens=2, user="x", extra_body={"some_vendor_field": 1, "other": {"a": [1]}})
+        model=MODEL, prompt="Hi", max_tokens=2, user="x", extra_body={"some_vendor_field": 1, "other": {"a": [1]}}
+    )
     assert text.http_response.status_code == 200 and text.headers["x-weft-ignored-fields"] == "some_vendor_field,other"
     assert text.parse().choices[0].finish_reason == "length"
     answer = client.responses.with_raw_response.create(
-        model=MODEL, input="Hi", max_output_tokens=16, user="x", extra_body={"some_vendor_field": 1})
+        model=MODEL, input="Hi", max_output_tokens=16, user="x", extra_body={"some_vendor_field": 1}
+    )
     assert answer.http_response.status_code == 200 and answer.headers["x-weft-ignored-fields"] == "some_vendor_field"
     assert answer.parse().status in ("completed", "incomplete")
-    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "max_tokens": 2, "stream": True, "some_vendor_field": 1}, timeout=60)
+    streamed = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 2, "stream": True, "some_vendor_field": 1},
+        timeout=60,
+    )
     assert streamed.status_code == 200 and streamed.headers["x-weft-ignored-fields"] == "some_vendor_field"
     plain = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2, user="x")
     assert "x-weft-ignored-fields" not in plain.headers
@@ -524,9 +699,12 @@ def test_known_fields_of_the_wrong_type_and_unimplemented_features_are_still_400
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=MODEL, messages=messages, extra_body={"max_tokens": "lots", "zzz": 1})
     with pytest.raises(openai.BadRequestError, match="functions: Weft does not implement"):
-        client.chat.completions.create(model=MODEL, messages=messages,
-                                       extra_body={"functions": [{"name": "f", "parameters": {}}]})
-    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].zzz: unknown field"):  # only the top level is lenient
+        client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body={"functions": [{"name": "f", "parameters": {}}]}
+        )
+    with pytest.raises(
+        openai.BadRequestError, match="messages\\[0\\].zzz: unknown field"
+    ):  # only the top level is lenient
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi", "zzz": 1}])
 
 
@@ -534,8 +712,9 @@ def test_an_ignored_field_is_logged_once_per_name(client, caplog):
     messages = [{"role": "user", "content": "Hi"}]
     with caplog.at_level("WARNING", logger="weft.serve"):
         for _ in range(3):
-            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
-                                           extra_body={"field_logged_once": 1, "also_logged_once": 2})
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, extra_body={"field_logged_once": 1, "also_logged_once": 2}
+            )
     logged = [record.getMessage() for record in caplog.records if "unknown to the" in record.getMessage()]
     assert sum("'field_logged_once'" in line for line in logged) == 1, logged
     assert sum("'also_logged_once'" in line for line in logged) == 1, logged

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from conftest import POISON_TOKEN, POISONED_TEXT, poisoned_model
 
 
@@ -46,7 +47,10 @@ class ServeProcess:
             arguments += ["--set", setting]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "weft.cli", "serve", "--model", str(model), *arguments],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
@@ -108,8 +112,13 @@ loaded 2-core CI machine finishes, short enough that the timeout test waits litt
 @pytest.fixture(scope="module")
 def server(model):
     running = ServeProcess(
-        model, "engine.max_num_seqs=32", "engine.num_kv_blocks=2048", f"server.request_timeout={REQUEST_TIMEOUT}",
-        "server.header_timeout=1", "server.body_timeout=2", "server.max_sequences_per_request=64",
+        model,
+        "engine.max_num_seqs=32",
+        "engine.num_kv_blocks=2048",
+        f"server.request_timeout={REQUEST_TIMEOUT}",
+        "server.header_timeout=1",
+        "server.body_timeout=2",
+        "server.max_sequences_per_request=64",
         "server.strict_fields=true",  # the 400s for unknown fields, end to end (test_serve: the default)
     )
     yield running
@@ -120,7 +129,12 @@ def server(model):
 def stream_text(server: ServeProcess, prompt: str, max_tokens: int) -> tuple[str, str | None]:
     """A streamed completion's text and finish reason (EOS ignored, greedy)."""
     stream = server.client().completions.create(
-        model=server.name, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=server.name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     text, finish = "", None
     for chunk in stream:
@@ -139,8 +153,10 @@ def test_a_request_with_nan_logits_fails_alone_and_the_others_finish(server):
     alone = [stream_text(server, prompt, 32) for prompt in prompts]
     failures_before = server.metric("weft_request_failures_total", reason="engine_error")
     results: dict[int, tuple[str, str | None]] = {}
-    workers = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream_text(server, prompts[i], 32)))
-               for i in range(len(prompts))]
+    workers = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, stream_text(server, prompts[i], 32)))
+        for i in range(len(prompts))
+    ]
     for worker in workers:
         worker.start()
     with pytest.raises(openai.InternalServerError) as failed:
@@ -172,14 +188,21 @@ def test_extreme_sampling_values_are_safe(server):
     greedy = client.completions.create(model=server.name, prompt=prompt, max_tokens=12, temperature=0)
     tiny_temperature = client.completions.create(model=server.name, prompt=prompt, max_tokens=12, temperature=1e-38)
     assert tiny_temperature.choices[0].text == greedy.choices[0].text  # below 1e-5: greedy, no inf/NaN
-    for field, value in (("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("temperature", 1e300),
-                         ("top_p", 0.0), ("min_p", -1e-300)):
-        response = httpx.post(f"{server.url}/v1/completions", json={"model": server.name, "prompt": prompt, field: value},
-                              timeout=60)
+    for field, value in (
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
+        ("temperature", 1e300),
+        ("top_p", 0.0),
+        ("min_p", -1e-300),
+    ):
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={"model": server.name, "prompt": prompt, field: value}, timeout=60
+        )
         assert response.status_code == 400, (field, value, response.text)
         assert field in response.json()["error"]["message"]
-    penalized = client.completions.create(model=server.name, prompt=prompt, max_tokens=12, temperature=0.01,
-                                          extra_body={"repetition_penalty": 0.01})
+    penalized = client.completions.create(
+        model=server.name, prompt=prompt, max_tokens=12, temperature=0.01, extra_body={"repetition_penalty": 0.01}
+    )
     assert penalized.usage.completion_tokens > 0
 
 
@@ -205,8 +228,12 @@ def health_during(server: ServeProcess, requests: list[tuple[str, object]]) -> t
         watcher = asyncio.create_task(probe())
         try:
             async with httpx.AsyncClient(timeout=120) as http:
-                return await asyncio.gather(*(http.post(f"{server.url}{path}", content=body,
-                                                        headers={"content-type": "application/json"}) for path, body in bodies))
+                return await asyncio.gather(
+                    *(
+                        http.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+                        for path, body in bodies
+                    )
+                )
         finally:
             done.set()
             await watcher
@@ -221,10 +248,16 @@ def health_during(server: ServeProcess, requests: list[tuple[str, object]]) -> t
 
 def test_health_stays_responsive_during_an_8mb_prompt(server):
     prompt = "The quick brown fox jumps over the lazy dog. " * (((8 << 20) - 4096) // 45)
-    responses, latencies = health_during(server, [
-        ("/v1/chat/completions", {"model": server.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}),
-        ("/v1/completions", {"model": server.name, "prompt": prompt, "max_tokens": 1}),
-    ])
+    responses, latencies = health_during(
+        server,
+        [
+            (
+                "/v1/chat/completions",
+                {"model": server.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1},
+            ),
+            ("/v1/completions", {"model": server.name, "prompt": prompt, "max_tokens": 1}),
+        ],
+    )
     for response in responses:
         assert response.status_code == 400 and "context length" in response.json()["error"]["message"], response.text
     # The p99 (goal: under 100 ms) is bench/serve_load.py --health-8mb's; here, a liveness bound.
@@ -234,13 +267,25 @@ def test_health_stays_responsive_during_an_8mb_prompt(server):
 def test_heavy_checks_of_a_request_leave_the_event_loop_free(server):
     """Bad words tokenized for 16 choices, a constraint of 1,024 options, 60,000 token lists to decode."""
     words = [f"w{index}x" for index in range(1024)]
-    responses, latencies = health_during(server, [
-        ("/v1/completions", {"model": server.name, "prompt": "hi", "max_tokens": 1, "n": 16, "bad_words": words}),
-        ("/v1/completions", {"model": server.name, "prompt": "hi", "max_tokens": 1,
-                             "structured_outputs": {"choice": [f"option {index}" for index in range(1024)]}}),
-        ("/v1/completions", {"model": server.name, "prompt": [[1]] * 60000, "max_tokens": 1}),
-    ])
-    assert [response.status_code for response in responses] == [200, 200, 400], [response.text[:200] for response in responses]
+    responses, latencies = health_during(
+        server,
+        [
+            ("/v1/completions", {"model": server.name, "prompt": "hi", "max_tokens": 1, "n": 16, "bad_words": words}),
+            (
+                "/v1/completions",
+                {
+                    "model": server.name,
+                    "prompt": "hi",
+                    "max_tokens": 1,
+                    "structured_outputs": {"choice": [f"option {index}" for index in range(1024)]},
+                },
+            ),
+            ("/v1/completions", {"model": server.name, "prompt": [[1]] * 60000, "max_tokens": 1}),
+        ],
+    )
+    assert [response.status_code for response in responses] == [200, 200, 400], [
+        response.text[:200] for response in responses
+    ]
     assert "60000 sequences" in responses[2].json()["error"]["message"]
     assert len(latencies) > 5 and max(latencies) < 1.0, sorted(latencies)[-5:]
 
@@ -257,8 +302,10 @@ def test_long_text_anywhere_in_a_conversation_is_refused_after_a_prefix(server):
         [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}],
         [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": long}],
     ]
-    requests = [("/v1/chat/completions", {"model": server.name, "messages": messages, "max_tokens": 1})
-                for messages in conversations + conversations[:2]]
+    requests = [
+        ("/v1/chat/completions", {"model": server.name, "messages": messages, "max_tokens": 1})
+        for messages in conversations + conversations[:2]
+    ]
     results: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: results.extend(health_during(server, requests)[0]))
     worker.start()
@@ -270,7 +317,9 @@ def test_long_text_anywhere_in_a_conversation_is_refused_after_a_prefix(server):
     assert small.status_code == 200 and waited < 5, waited
     for response in results:
         message = response.json()["error"]["message"]
-        assert response.status_code == 400 and re.match(r"messages: a text of \d+ characters has more than", message), message
+        assert response.status_code == 400 and re.match(r"messages: a text of \d+ characters has more than", message), (
+            message
+        )
 
 
 # 4. Bad input never gives 5xx.
@@ -282,118 +331,421 @@ def _deep(levels: int) -> str:
 
 MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     # path, body, content type (None: not sent), status, a fragment the error must hold
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}',
-     "application/json", 400, "content[0].text"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}',
-     "application/json", 400, "text"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
-     "application/json", 400, "content[0].text"),
-    ("/v1/chat/completions", f'{{"model": "M", "messages": {_deep(5000)}}}'.encode(), "application/json", 400, "messages[0]"),
-    ("/v1/chat/completions", f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], "chat_template_kwargs": {{"x": {_deep(5000)}}}}}'.encode(),
-     "application/json", 400, "nested too deeply"),
-    ("/v1/chat/completions", f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi", "tool_calls": [{{"a": {_deep(200)}}}]}}]}}'.encode(),
-     "application/json", 400, "messages[0].tool_calls[0].a"),
-    ("/v1/chat/completions", f'{{"model": "M", "metadata": {{"a": {_deep(80)}}}}}'.encode(), "application/json", 400, "metadata"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "application/json", 400, "UTF-8"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}', "application/json", 400, "JSON"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": 5}]}', "application/json", 400, "messages[0].content"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": 5, "content": "hi"}]}', "application/json", 400, "messages[0].role"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}',
+        "application/json",
+        400,
+        "content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}',
+        "application/json",
+        400,
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+        "application/json",
+        400,
+        "content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "M", "messages": {_deep(5000)}}}'.encode(),
+        "application/json",
+        400,
+        "messages[0]",
+    ),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], "chat_template_kwargs": {{"x": {_deep(5000)}}}}}'.encode(),
+        "application/json",
+        400,
+        "nested too deeply",
+    ),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi", "tool_calls": [{{"a": {_deep(200)}}}]}}]}}'.encode(),
+        "application/json",
+        400,
+        "messages[0].tool_calls[0].a",
+    ),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "M", "metadata": {{"a": {_deep(80)}}}}}'.encode(),
+        "application/json",
+        400,
+        "metadata",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        "application/json",
+        400,
+        "UTF-8",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        "application/json",
+        400,
+        "JSON",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": 5}]}',
+        "application/json",
+        400,
+        "messages[0].content",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": 5, "content": "hi"}]}',
+        "application/json",
+        400,
+        "messages[0].role",
+    ),
     ("/v1/chat/completions", b'{"model": "M", "messages": "hi"}', "application/json", 400, "messages"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
-     "application/json", 400, "temperature"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 0}', "application/json", 400, "n"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 1e9}', "application/json", 400, "n"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
-     "application/json", 400, "max_tokens"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}',
-     "application/json", 400, "stop"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -1}',
-     "application/json", 400, "seed"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
-     "application/json", 400, "stream_options"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}',
-     "application/json", 400, "top_logprobs"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000000000000000000000}',
-     "application/json", 400, "max_tokens"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e3}',
-     "application/json", 400, "max_tokens"),
-    ("/v1/chat/completions", b'[1, 2]', "application/json", 400, "object"),
-    ("/v1/chat/completions", b'', "application/json", 400, "malformed JSON"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]', "application/json", 400, "malformed"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]}', "text/plain", 415, "application/json"),
-    ("/v1/chat/completions", b'model=M', "application/x-www-form-urlencoded", 415, "application/json"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "mystery": 1}',
-     "application/json", 400, "mystery"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-     "application/json", 400, "content[0]"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+        "application/json",
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 0}',
+        "application/json",
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 1e9}',
+        "application/json",
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
+        "application/json",
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}',
+        "application/json",
+        400,
+        "stop",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -1}',
+        "application/json",
+        400,
+        "seed",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
+        "application/json",
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}',
+        "application/json",
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000000000000000000000}',
+        "application/json",
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e3}',
+        "application/json",
+        400,
+        "max_tokens",
+    ),
+    ("/v1/chat/completions", b"[1, 2]", "application/json", 400, "object"),
+    ("/v1/chat/completions", b"", "application/json", 400, "malformed JSON"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]',
+        "application/json",
+        400,
+        "malformed",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]}',
+        "text/plain",
+        415,
+        "application/json",
+    ),
+    ("/v1/chat/completions", b"model=M", "application/x-www-form-urlencoded", 415, "application/json"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "mystery": 1}',
+        "application/json",
+        400,
+        "mystery",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        "application/json",
+        400,
+        "content[0]",
+    ),
     ("/v1/completions", b'{"model": "M", "prompt": [[1, 2], 3]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": [-5]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": [99999999]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": []}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": [[]]}', "application/json", 400, "prompt"),
     ("/v1/completions", b'{"model": "M", "prompt": {"a": 1}}', "application/json", 400, "prompt"),
-    ("/v1/completions", b'{"model": "M", "prompt": "hi", "stop_token_ids": [-1]}', "application/json", 400, "stop_token_ids"),
-    ("/v1/responses", b'{"model": "M", "input": [{"type": "function_call"}]}', "application/json", 400, "needs call_id and name"),
-    ("/v1/responses", b'{"model": "M", "input": [{"role": "user", "content": [{"type": "input_text", "text": null}]}]}',
-     "application/json", 400, "text"),
+    (
+        "/v1/completions",
+        b'{"model": "M", "prompt": "hi", "stop_token_ids": [-1]}',
+        "application/json",
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "M", "input": [{"type": "function_call"}]}',
+        "application/json",
+        400,
+        "needs call_id and name",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "M", "input": [{"role": "user", "content": [{"type": "input_text", "text": null}]}]}',
+        "application/json",
+        400,
+        "text",
+    ),
     ("/v1/responses", b'{"model": "M", "input": 5}', "application/json", 400, "input"),
     ("/tokenize", b'{"prompt": "a", "messages": []}', "application/json", 400, "prompt"),
     ("/tokenize", b'{"prompt": 5}', "application/json", 400, "prompt"),
     ("/detokenize", b'{"tokens": [1e20]}', "application/json", 400, "tokens"),
     ("/detokenize", b'{"tokens": [-1]}', "application/json", 400, "tokens"),
     # An unknown field first, then what an untyped decoding refuses.
-    ("/v1/chat/completions", f'{{"model": "M", "zzz": 1, "messages": {_deep(5000)}}}'.encode(), "application/json", 400, "nested too deeply"),
-    ("/v1/chat/completions", b'{"model": "M", "zzz": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', "application/json", 400, "JSON"),
-    ("/v1/chat/completions", b'{"model": "M", "zzz": "\xff", "messages": [{"role": "user", "content": "x"}]}', "application/json", 400, "UTF-8"),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "M", "zzz": 1, "messages": {_deep(5000)}}}'.encode(),
+        "application/json",
+        400,
+        "nested too deeply",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "zzz": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
+        "application/json",
+        400,
+        "JSON",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "zzz": "\xff", "messages": [{"role": "user", "content": "x"}]}',
+        "application/json",
+        400,
+        "UTF-8",
+    ),
     # Integers past what the engine core's messages carry.
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_k": 100000000000000000000000}',
-     "application/json", 400, "top_k"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 100000000000000000000000}',
-     "application/json", 400, "min_tokens"),
-    ("/v1/completions", b'{"model": "M", "prompt": "hi", "min_tokens": 18446744073709551616}', "application/json", 400, "min_tokens"),
-    ("/v1/completions", b'{"model": "M", "prompt": "hi", "top_k": 18446744073709551616}', "application/json", 400, "top_k"),
-    ("/v1/completions", b'{"model": "M", "prompt": "hi", "stop_token_ids": [18446744073709551616]}', "application/json", 400, "stop_token_ids"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_k": 100000000000000000000000}',
+        "application/json",
+        400,
+        "top_k",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 100000000000000000000000}',
+        "application/json",
+        400,
+        "min_tokens",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "M", "prompt": "hi", "min_tokens": 18446744073709551616}',
+        "application/json",
+        400,
+        "min_tokens",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "M", "prompt": "hi", "top_k": 18446744073709551616}',
+        "application/json",
+        400,
+        "top_k",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "M", "prompt": "hi", "stop_token_ids": [18446744073709551616]}',
+        "application/json",
+        400,
+        "stop_token_ids",
+    ),
     ("/v1/completions", b'{"model": "M", "prompt": [18446744073709551616]}', "application/json", 400, "prompt"),
     # chat_template_kwargs naming the server's own arguments to the template.
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": true}}',
-     "application/json", 400, "chat_template_kwargs: may not set add_generation_prompt"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}',
-     "application/json", 400, "chat_template_kwargs: may not set messages"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}, '
-     b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}', "application/json", 400,
-     "chat_template_kwargs: may not set tools"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": true}}',
+        "application/json",
+        400,
+        "chat_template_kwargs: may not set add_generation_prompt",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}',
+        "application/json",
+        400,
+        "chat_template_kwargs: may not set messages",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}, '
+        b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}',
+        "application/json",
+        400,
+        "chat_template_kwargs: may not set tools",
+    ),
     # Earlier calls that are not calls.
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}, {"role": "user", "content": "hi"}]}',
-     "application/json", 400, "messages[0].tool_calls[0].function"),
-    ("/tokenize", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "x"}]}]}', "application/json", 400,
-     "messages[0].tool_calls[0].function"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}, {"role": "user", "content": "hi"}]}',
+        "application/json",
+        400,
+        "messages[0].tool_calls[0].function",
+    ),
+    (
+        "/tokenize",
+        b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "x"}]}]}',
+        "application/json",
+        400,
+        "messages[0].tool_calls[0].function",
+    ),
     # An unknown top-level field: this module's server runs with server.strict_fields (the default ignores it).
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "zzz": 1}', "application/json",
-     400, "zzz: unknown field; this endpoint accepts"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "zzz": 1}',
+        "application/json",
+        400,
+        "zzz: unknown field; this endpoint accepts",
+    ),
     ("/v1/responses", b'{"model": "M", "input": "hi", "zzz": 1}', "application/json", 400, "zzz: unknown field"),
     # Unknown fields inside messages, parts and input items.
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi", "contnet": "x"}]}', "application/json", 400,
-     "messages[0].contnet: unknown field; it accepts role, content"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "txt": "x"}]}]}',
-     "application/json", 400, "messages[0].content[0].txt: unknown field; it accepts type, text"),
-    ("/v1/responses", b'{"model": "M", "input": [{"role": "user", "content": "hi", "zzz": 1}]}', "application/json", 400, "input[0].zzz: unknown field"),
-    ("/v1/responses", b'{"model": "M", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi", "zzz": 1}]}]}',
-     "application/json", 400, "input[0].content[0].zzz: unknown field"),
-    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "assistant", "content": "a", "audio": {"id": "x"}}]}', "application/json", 400,
-     "messages[0].audio"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi", "contnet": "x"}]}',
+        "application/json",
+        400,
+        "messages[0].contnet: unknown field; it accepts role, content",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "txt": "x"}]}]}',
+        "application/json",
+        400,
+        "messages[0].content[0].txt: unknown field; it accepts type, text",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "M", "input": [{"role": "user", "content": "hi", "zzz": 1}]}',
+        "application/json",
+        400,
+        "input[0].zzz: unknown field",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "M", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi", "zzz": 1}]}]}',
+        "application/json",
+        400,
+        "input[0].content[0].zzz: unknown field",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "M", "messages": [{"role": "assistant", "content": "a", "audio": {"id": "x"}}]}',
+        "application/json",
+        400,
+        "messages[0].audio",
+    ),
     # Lists past their caps (docs/serving.md), and bodies of too many arrays.
-    ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "stop": [f"s{i}" for i in range(65)]}).encode(), "application/json", 400, "stop"),
-    ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "stop": "s" * 513}).encode(), "application/json", 400, "stop"),
-    ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "bad_words": [f"w{i}" for i in range(1025)]}).encode(), "application/json",
-     400, "bad_words"),
-    ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}).encode(), "application/json",
-     400, "logit_bias"),
-    ("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}}).encode(),
-     "application/json", 400, "structured_outputs.choice"),
-    ("/v1/completions", json.dumps({"model": "M", "prompt": [[1]] * 70000}).encode(), "application/json", 400, "objects and arrays"),
+    (
+        "/v1/completions",
+        json.dumps({"model": "M", "prompt": "hi", "stop": [f"s{i}" for i in range(65)]}).encode(),
+        "application/json",
+        400,
+        "stop",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": "M", "prompt": "hi", "stop": "s" * 513}).encode(),
+        "application/json",
+        400,
+        "stop",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": "M", "prompt": "hi", "bad_words": [f"w{i}" for i in range(1025)]}).encode(),
+        "application/json",
+        400,
+        "bad_words",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": "M", "prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}).encode(),
+        "application/json",
+        400,
+        "logit_bias",
+    ),
+    (
+        "/v1/completions",
+        json.dumps(
+            {"model": "M", "prompt": "hi", "structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}}
+        ).encode(),
+        "application/json",
+        400,
+        "structured_outputs.choice",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": "M", "prompt": [[1]] * 70000}).encode(),
+        "application/json",
+        400,
+        "objects and arrays",
+    ),
     # A schema sent as a string gets the body's limits (depth 500 was a RecursionError and a 500).
-    *[("/v1/completions", json.dumps({"model": "M", "prompt": "hi", "structured_outputs": {"json": '{"items":' * levels + "{}" + "}" * levels}}).encode(),
-       "application/json", 400, "structured_outputs.json: nested more than 64 levels") for levels in (300, 5000)],
+    *[
+        (
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": "M",
+                    "prompt": "hi",
+                    "structured_outputs": {"json": '{"items":' * levels + "{}" + "}" * levels},
+                }
+            ).encode(),
+            "application/json",
+            400,
+            "structured_outputs.json: nested more than 64 levels",
+        )
+        for levels in (300, 5000)
+    ],
     # An empty conversation (OpenAI answers 400).
     ("/v1/responses", b'{"model": "M", "input": []}', "application/json", 400, "input"),
     ("/v1/chat/completions", b'{"model": "M", "messages": []}', "application/json", 400, "messages"),
@@ -404,8 +756,12 @@ def test_no_malformed_input_gets_a_5xx(server):
     problems = []
     for path, body, content_type, status, fragment in MALFORMED:
         headers = {} if content_type is None else {"content-type": content_type}
-        response = httpx.post(f"{server.url}{path}", content=body.replace(b'"M"', f'"{server.name}"'.encode()),
-                              headers=headers, timeout=60)
+        response = httpx.post(
+            f"{server.url}{path}",
+            content=body.replace(b'"M"', f'"{server.name}"'.encode()),
+            headers=headers,
+            timeout=60,
+        )
         error = response.json().get("error", {}) if response.headers.get("content-type") == "application/json" else {}
         if response.status_code != status or fragment not in error.get("message", ""):
             problems.append(f"{path} {body[:90]!r}: {response.status_code} {response.text[:300]}")
@@ -416,11 +772,21 @@ def test_no_malformed_input_gets_a_5xx(server):
 
 def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_in_its_own_words(server):
     """Not xgrammar's message with its timestamp and C++ source path, and with the field in param."""
-    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": server.name, "prompt": "hi", "max_tokens": 1, "structured_outputs": {"json": {"type": "string", "minLength": -5}}})
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": server.name,
+            "prompt": "hi",
+            "max_tokens": 1,
+            "structured_outputs": {"json": {"type": "string", "minLength": -5}},
+        },
+    )
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "structured_outputs", error
-    assert error["message"] == "structured_outputs.json: minLength = -5 (at #/minLength) must be a non-negative integer", error
+    assert (
+        error["message"] == "structured_outputs.json: minLength = -5 (at #/minLength) must be a non-negative integer"
+    ), error
 
 
 def test_a_400_names_its_field_in_param(server):
@@ -434,9 +800,14 @@ def test_a_400_names_its_field_in_param(server):
         ({"prompt": "hi", "top_k": 2**31}, "top_k"),
     ]
     for fields, param in cases:
-        response = httpx.post(f"{server.url}/v1/completions", json={"model": server.name, "max_tokens": 1, **fields}, timeout=60)
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={"model": server.name, "max_tokens": 1, **fields}, timeout=60
+        )
         error = response.json()["error"]
-        assert response.status_code == 400 and error["param"] == param and error["message"].startswith(param), (fields, error)
+        assert response.status_code == 400 and error["param"] == param and error["message"].startswith(param), (
+            fields,
+            error,
+        )
 
 
 def test_a_seed_near_its_limit_serves_every_choice(server):
@@ -451,27 +822,45 @@ def test_a_seed_near_its_limit_serves_every_choice(server):
 def test_what_openai_clients_echo_back_is_accepted(server):
     """A reply's message (with OpenAI's null fields) and a response's output items, sent back as the next input."""
     client = server.client()
-    reply = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None, "function_call": None,
-              "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    reply = client.chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    echoed = {
+        "role": "assistant",
+        "content": "Hello",
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     for history in ([reply.choices[0].message], [echoed, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]):
-        again = client.chat.completions.create(model=server.name, max_tokens=2,
-                                               messages=[{"role": "user", "content": "hi"}, *history, {"role": "user", "content": "and?"}])
+        again = client.chat.completions.create(
+            model=server.name,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "hi"}, *history, {"role": "user", "content": "and?"}],
+        )
         assert again.choices[0].message.content is not None
     response = client.responses.create(model=server.name, input="hi", max_output_tokens=2)
-    followed = client.responses.create(model=server.name, max_output_tokens=2,
-                                       input=[{"role": "user", "content": "hi"}, *response.output, {"role": "user", "content": "and?"}])
+    followed = client.responses.create(
+        model=server.name,
+        max_output_tokens=2,
+        input=[{"role": "user", "content": "hi"}, *response.output, {"role": "user", "content": "and?"}],
+    )
     assert followed.status in ("completed", "incomplete")
 
 
-@pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
-    ("/v1/completions", "suffix", "the end"),
-    ("/v1/responses", "max_tool_calls", 2),
-    ("/v1/responses", "previous_response_id", "resp_1"),
-])
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+        ("/v1/chat/completions", "guided_json", {"type": "object"}),
+        ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+        ("/v1/completions", "suffix", "the end"),
+        ("/v1/responses", "max_tool_calls", 2),
+        ("/v1/responses", "previous_response_id", "resp_1"),
+    ],
+)
 def test_unimplemented_fields_get_400_naming_them(server, path, field, value):
     base = {"model": server.name, "max_tokens": 2}
     base |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
@@ -489,8 +878,14 @@ def test_unimplemented_fields_get_400_naming_them(server, path, field, value):
 
 def test_ignored_fields_are_accepted(server):
     reply = server.client().chat.completions.create(
-        model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="u1", metadata={"k": "v"},
-        store=False, service_tier="auto", parallel_tool_calls=False,
+        model=server.name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=False,
     )
     assert reply.choices[0].message.content is not None
 
@@ -499,21 +894,31 @@ def test_ignored_fields_are_accepted(server):
 
 
 def test_a_request_that_alone_exceeds_the_limits_gets_400(server):
-    response = httpx.post(f"{server.url}/v1/completions", json={
-        "model": server.name, "prompt": [f"prompt {index}" for index in range(64)], "n": 16, "max_tokens": 1}, timeout=60)
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": server.name, "prompt": [f"prompt {index}" for index in range(64)], "n": 16, "max_tokens": 1},
+        timeout=60,
+    )
     assert response.status_code == 400, response.text
     assert "1024 sequences" in response.json()["error"]["message"] and response.json()["error"]["param"] == "n"
 
 
 def test_the_request_timeout_stops_a_request_and_frees_its_blocks(server):
     # Thousands of sampled tokens: the poisoned token is banned, else one draw of it ends the request with a 500.
-    body = {"model": server.name, "prompt": "Once upon a time", "max_tokens": 8500, "ignore_eos": True,
-            "logit_bias": {str(POISON_TOKEN): -100}}
+    body = {
+        "model": server.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 8500,
+        "ignore_eos": True,
+        "logit_bias": {str(POISON_TOKEN): -100},
+    }
     timeouts_before = server.metric("weft_request_failures_total", reason="timeout")
     results: dict[str, object] = {}
 
     def stream() -> None:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as response:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as response:
             results["stream"] = [line for line in response.iter_lines() if line.startswith("data: ")]
 
     worker = threading.Thread(target=stream)
@@ -541,8 +946,10 @@ def test_slow_headers_and_slow_bodies_are_cut_off(server):
         assert slow_headers.recv(4096) == b""  # closed
         assert time.monotonic() - started < 15
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as slow_body:
-        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          b"content-length: 100\r\n\r\n{\"model\": ")
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model": '
+        )
         started = time.monotonic()
         answer = b""
         while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
@@ -572,7 +979,9 @@ def test_a_short_request_is_not_starved_by_a_long_prefill(server):
     # A stream's headers go out once its request is in the engine: the steps counted from then on are the
     # one running when it arrived and the next, which gives it its first token (logprobs: a chunk even
     # for a token without text).
-    stream = client.completions.create(model=server.name, prompt="Hi", max_tokens=2, temperature=0, stream=True, logprobs=0)
+    stream = client.completions.create(
+        model=server.name, prompt="Hi", max_tokens=2, temperature=0, stream=True, logprobs=0
+    )
     steps_at_arrival = server.metric("weft_engine_steps_total")
     first = next(chunk for chunk in stream if chunk.choices)
     steps_at_first_token = server.metric("weft_engine_steps_total")
@@ -592,10 +1001,16 @@ def test_a_short_request_is_not_starved_by_a_long_prefill(server):
 def test_latency_queue_time_and_preemption_metrics(model):
     """Five requests on a server that runs four at once in 256 tokens of KV cache: one waits, running ones are
     preempted (recomputed later), and each still gets all its tokens."""
-    server = ServeProcess(model, "engine.max_num_seqs=4", "engine.block_size=4", "engine.num_kv_blocks=64",
-                          "engine.max_model_len=256")
-    names = ["weft_e2e_request_latency_seconds_count", "weft_e2e_request_latency_seconds_sum",
-             "weft_request_queue_time_seconds_count", "weft_request_queue_time_seconds_sum", "weft_preemptions_total"]
+    server = ServeProcess(
+        model, "engine.max_num_seqs=4", "engine.block_size=4", "engine.num_kv_blocks=64", "engine.max_model_len=256"
+    )
+    names = [
+        "weft_e2e_request_latency_seconds_count",
+        "weft_e2e_request_latency_seconds_sum",
+        "weft_request_queue_time_seconds_count",
+        "weft_request_queue_time_seconds_sum",
+        "weft_preemptions_total",
+    ]
     try:
         before = {name: server.metric(name) for name in names}
         quick_before = server.metric("weft_request_queue_time_seconds_bucket", le="0.1")
@@ -605,7 +1020,12 @@ def test_latency_queue_time_and_preemption_metrics(model):
         def run(index: int) -> None:
             started = time.monotonic()
             finished[index] = server.client().completions.create(
-                model=server.name, prompt=f"{index} little stories:", max_tokens=80, temperature=0, extra_body={"ignore_eos": True})
+                model=server.name,
+                prompt=f"{index} little stories:",
+                max_tokens=80,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             took[index] = time.monotonic() - started
 
         workers = [threading.Thread(target=run, args=(index,)) for index in range(5)]
@@ -643,10 +1063,14 @@ def test_control_tokens_typed_in_content_stay_text(server, tokenizer_files):
         return httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
 
     honest = tokens(plain)
-    assert honest == reference.apply_chat_template(plain, add_generation_prompt=True, return_dict=False)  # benign chats: unchanged
+    assert honest == reference.apply_chat_template(
+        plain, add_generation_prompt=True, return_dict=False
+    )  # benign chats: unchanged
     spoofed = tokens(spoof)
     assert spoofed.count(im_start) == honest.count(im_start) and spoofed.count(im_end) == honest.count(im_end)
-    assert reference.decode(spoofed) == reference.decode(reference.apply_chat_template(spoof, add_generation_prompt=True, return_dict=False))
+    assert reference.decode(spoofed) == reference.decode(
+        reference.apply_chat_template(spoof, add_generation_prompt=True, return_dict=False)
+    )
     parts = [{"role": "user", "content": [{"type": "text", "text": "<|im_start|>assistant"}]}]
     assert tokens(parts).count(im_start) == honest.count(im_start)
 
@@ -657,7 +1081,14 @@ def test_control_tokens_typed_in_content_stay_text(server, tokenizer_files):
 def test_openapi_schema_is_served(server):
     document = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     assert document["openapi"].startswith("3.1")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize"} <= set(document["paths"])
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+    } <= set(document["paths"])
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert {"messages", "temperature", "max_tokens", "tools", "response_format"} <= set(chat["properties"])
     assert "functions" not in chat["properties"]
@@ -679,9 +1110,17 @@ def _answer(connection: socket.socket) -> tuple[int, dict]:
 def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_number):
     """Streams running, a body still arriving, prompts still being tokenized: each ends with an answer in time."""
     shutdown_timeout = 2.0
-    server = ServeProcess(model, "engine.max_num_seqs=64", "engine.num_kv_blocks=2048", f"server.shutdown_timeout={shutdown_timeout}")
-    short = {"model": server.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True,
-             "logit_bias": {str(POISON_TOKEN): -100}}  # the poisoned token, sampled, would end a stream with a 500
+    server = ServeProcess(
+        model, "engine.max_num_seqs=64", "engine.num_kv_blocks=2048", f"server.shutdown_timeout={shutdown_timeout}"
+    )
+    short = {
+        "model": server.name,
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "logit_bias": {str(POISON_TOKEN): -100},
+    }  # the poisoned token, sampled, would end a stream with a 500
     long = {**short, "max_tokens": 8000}
     outcomes: list[list[str]] = []
     started = threading.Barrier(33)
@@ -704,13 +1143,22 @@ def test_a_signal_during_32_streams_drains_then_ends_every_stream(model, signal_
             worker.start()
         started.wait(timeout=60)
         slow_body = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          b"content-length: 100\r\n\r\n{\"model\": ")
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model": '
+        )
         # 150 prompts of 30,000 characters (under the long-text guard): seconds of tokenizing.
         tokenized: dict[str, httpx.Response] = {}
-        tokenizing = threading.Thread(target=lambda: tokenized.setdefault("response", httpx.post(
-            f"{server.url}/v1/completions", json={"model": server.name, "prompt": ["lorem ipsum " * 1500] * 150, "max_tokens": 1},
-            timeout=60)))
+        tokenizing = threading.Thread(
+            target=lambda: tokenized.setdefault(
+                "response",
+                httpx.post(
+                    f"{server.url}/v1/completions",
+                    json={"model": server.name, "prompt": ["lorem ipsum " * 1500] * 150, "max_tokens": 1},
+                    timeout=60,
+                ),
+            )
+        )
         tokenizing.start()
         time.sleep(0.5)
         signalled = time.monotonic()
@@ -750,8 +1198,14 @@ def test_ctrl_c_says_how_long_it_waits_and_a_second_one_stops_at_once(model):
     """The first Ctrl-C names the wait (server.shutdown_timeout) and the way out; a second one ends the wait, and
     the log says how long it really waited (it said "after 30 s" two seconds in)."""
     server = ServeProcess(model, "server.shutdown_timeout=30", "engine.num_kv_blocks=2048")
-    body = {"model": server.name, "prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "stream": True,
-            "logit_bias": {str(POISON_TOKEN): -100}}
+    body = {
+        "model": server.name,
+        "prompt": "Hello",
+        "max_tokens": 8000,
+        "ignore_eos": True,
+        "stream": True,
+        "logit_bias": {str(POISON_TOKEN): -100},
+    }
     lines: list[str] = []
     streaming = threading.Event()
 
@@ -779,8 +1233,10 @@ def test_ctrl_c_says_how_long_it_waits_and_a_second_one_stops_at_once(model):
     finally:
         server.stop()
     log = " ".join(server.log.split())
-    assert ("SIGINT: waiting up to 30 s (server.shutdown_timeout) for the requests in flight to finish; new ones get "
-            "503. Ctrl-C again stops at once") in log, log[-3000:]
+    assert (
+        "SIGINT: waiting up to 30 s (server.shutdown_timeout) for the requests in flight to finish; new ones get "
+        "503. Ctrl-C again stops at once"
+    ) in log, log[-3000:]
     assert "SIGINT again: stopping now" in log, log[-3000:]
     waited = re.search(r"1 requests still running after ([0-9.]+) s; ending them", log)
     assert waited is not None and 1.0 <= float(waited[1]) < 15, log[-3000:]
@@ -822,7 +1278,11 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
             if isinstance(body.get(field), int) and not isinstance(body[field], bool) and body[field] > 4:
                 body[field] = 4
         path = case.operation.path
-        if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if (
+            path == "/v1/chat/completions"
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
             body["max_tokens"] = 4  # else: up to the context length
         if path == "/v1/responses" and body.get("max_output_tokens") is None:
             body["max_output_tokens"] = 4
@@ -831,8 +1291,15 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
         # A GET without parameters has no schema-violating form.
         modes = [GenerationMode.POSITIVE] if operation.method.upper() == "GET" else list(GenerationMode)
         for mode in modes:
-            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=FUZZ_EXAMPLES,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy(generation_mode=mode))
             def fuzz(case) -> None:
                 bounded(case)
@@ -849,13 +1316,17 @@ def _request_structs() -> dict[str, type]:
     """Each endpoint's request Struct, by the endpoint's name in ``weft.serve.unsupported``."""
     from weft.serve import protocol
 
-    return {"chat.completions": protocol.ChatCompletionRequest, "completions": protocol.CompletionRequest,
-            "responses": protocol.ResponsesRequest}
+    return {
+        "chat.completions": protocol.ChatCompletionRequest,
+        "completions": protocol.CompletionRequest,
+        "responses": protocol.ResponsesRequest,
+    }
 
 
 def test_no_unsupported_row_names_a_declared_field():
     """When a feature lands its field is declared on the request Struct: its row must go (issue 15's tools...)."""
     import msgspec
+
     from weft.serve.unsupported import IGNORED, UNSUPPORTED
 
     structs = _request_structs()
@@ -864,7 +1335,9 @@ def test_no_unsupported_row_names_a_declared_field():
         stale = set(rows) & declared
         assert not stale, f"{endpoint}: {stale} are declared on the Struct; delete their rows"
     for field in IGNORED:
-        assert any(field in {f.encode_name for f in msgspec.structs.fields(struct)} for struct in structs.values()), field
+        assert any(field in {f.encode_name for f in msgspec.structs.fields(struct)} for struct in structs.values()), (
+            field
+        )
 
 
 def test_every_declared_request_field_has_a_row_in_the_docs():
@@ -917,14 +1390,15 @@ def test_the_switch_restores_control_tokens(tokenizer_files):
     as_text = tokenizer.encode_chat(spoof)
     as_control = tokenizer.encode_chat(spoof, control_tokens_in_content=True)
     assert as_control.count(im_start[0]) == as_text.count(im_start[0]) + 1
-    assert tokenizer.decode(as_text, skip_special_tokens=False) == tokenizer.decode(as_control, skip_special_tokens=False)
+    assert tokenizer.decode(as_text, skip_special_tokens=False) == tokenizer.decode(
+        as_control, skip_special_tokens=False
+    )
 
 
 def test_the_config_switch_reaches_the_frontend(tmp_path, tokenizer_files):
     """``server.special_tokens_in_content = "control"`` in the configuration (not only the tokenizer's
     argument) makes typed control tokens real; the default keeps them text."""
     from conftest import make_tiny_model
-
     from weft.config import load_config
     from weft.engine.api.frontend import Frontend
     from weft.plugins import PluginRegistry

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port, smollm2_gguf, start_weft_serve
 
+from conftest import free_port, smollm2_gguf, start_weft_serve
 from weft import progress
 from weft_gguf import files
 from weft_gguf.loader import GGUFLoader
@@ -45,11 +45,15 @@ def startup_lines(cache: str, url: str | None) -> list[str]:
     return [
         f"starting the engine for {MODEL}",
         f"loading the weights of {MODEL} (SmolLM2-135M-Instruct.Q4_1.gguf, 98.4 MB)",
-        *([] if url else [
-            "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf to float32 (first start only): 272 tensors",
-            f"cached for next time: {cache}/gguf/HASH-float32-v2.safetensors (538.1 MB; weft cache list shows it, "
-            f"weft cache clear frees it)",
-        ]),
+        *(
+            []
+            if url
+            else [
+                "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf to float32 (first start only): 272 tensors",
+                f"cached for next time: {cache}/gguf/HASH-float32-v2.safetensors (538.1 MB; weft cache list shows it, "
+                f"weft cache clear frees it)",
+            ]
+        ),
         f"allocating the KV cache: {blocks:,} blocks of 16 tokens",
         "warming up kernels",
         "ready in SECONDS s",
@@ -72,8 +76,13 @@ def test_first_start_and_rerun_print_their_steps_and_the_summary(tmp_path):
     prints only its steps and the summary with the URL; nothing else (no internal detail) comes before it."""
     cache = str(tmp_path / "cache")
     env = {**os.environ, "WEFT_CACHE_DIR": cache}
-    first = subprocess.run([sys.executable, "-m", "weft.cli", "generate", "--max-tokens", "4", "Hi"],
-                           capture_output=True, text=True, env=env, timeout=600)
+    first = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "generate", "--max-tokens", "4", "Hi"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert first.returncode == 0, first.stderr
     assert first.stderr.splitlines() == [f"weft: {line}" for line in weft_lines(first.stderr)], first.stderr
     assert normalized(weft_lines(first.stderr)) == startup_lines(cache, None)
@@ -128,14 +137,16 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
     env = {**os.environ, "WEFT_CACHE_DIR": str(cache)}
 
     def weft(*args):
-        return subprocess.run([sys.executable, "-m", "weft.cli", "cache", *args], capture_output=True, text=True,
-                              env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "weft.cli", "cache", *args], capture_output=True, text=True, env=env, timeout=120
+        )
 
     listing = weft("list")
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines()[2:-1]]
-    assert [row[:2] for row in rows] == [["SmolLM2-135M-Instruct.Q4_1.gguf", what]
-                                         for what in ("config", "generation_config", "tokenizer")] + [["?", "1"]]
+    assert [row[:2] for row in rows] == [
+        ["SmolLM2-135M-Instruct.Q4_1.gguf", what] for what in ("config", "generation_config", "tokenizer")
+    ] + [["?", "1"]]
     assert listing.stdout.splitlines()[0].startswith(f"{cache / 'gguf'}: ")
     cleared = weft("clear")
     assert cleared.returncode == 0 and cleared.stdout.startswith("freed "), cleared.stdout + cleared.stderr
@@ -145,10 +156,12 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arguments", [[], ["bogus"]])
 def test_cache_without_a_command_says_how_to_use_it(arguments):
-    result = subprocess.run([sys.executable, "-m", "weft.cli", "cache", *arguments], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 2 and ("usage: weft cache list | clear" in result.stderr
-                                       or "invalid choice" in result.stderr)
+    result = subprocess.run(
+        [sys.executable, "-m", "weft.cli", "cache", *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and (
+        "usage: weft cache list | clear" in result.stderr or "invalid choice" in result.stderr
+    )
 
 
 @pytest.mark.parametrize("terminal", [True, False])

@@ -4,6 +4,7 @@ and that unset it changes nothing."""
 from __future__ import annotations
 
 import pytest
+
 from conftest import make_tiny_model
 from weft import LLM, SamplingParams
 from weft.contracts.executor import CachedRequest, DoneStep, ModelRunnerOutput, NewRequest, SchedulerOutput
@@ -16,15 +17,25 @@ def tiny_model(tmp_path_factory, tokenizer_files):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_profiled_run_counts_every_token_and_gives_the_unprofiled_tokens(tiny_model, one_torch_thread,
-                                                                           async_scheduling):
+def test_a_profiled_run_counts_every_token_and_gives_the_unprofiled_tokens(
+    tiny_model, one_torch_thread, async_scheduling
+):
     import torch
 
-    prompts = [torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-               for length in (20, 33, 7, 50, 12, 41)]
+    prompts = [
+        torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        for length in (20, 33, 7, 50, 12, 41)
+    ]
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    llm = LLM(model=str(tiny_model), engine={"num_kv_blocks": 256, "max_num_batched_tokens": 48,
-                                             "async_scheduling": async_scheduling, "enable_prefix_caching": False})
+    llm = LLM(
+        model=str(tiny_model),
+        engine={
+            "num_kv_blocks": 256,
+            "max_num_batched_tokens": 48,
+            "async_scheduling": async_scheduling,
+            "enable_prefix_caching": False,
+        },
+    )
     plain = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
     profile = StepProfile(llm.engine.runner)
     llm.engine.core.step_profile = profile
@@ -99,4 +110,7 @@ def test_the_device_timeline_comes_from_the_events_around_each_launch(monkeypatc
     assert [record.idle_before for record in records] == [1.0, 0.5, 0.0]
     assert profile.device_tail == 1.0
     assert [(record.prefill_tokens, record.decode_tokens, record.sampled_tokens) for record in records] == [
-        (8, 0, 2), (0, 2, 2), (0, 1, 1)]
+        (8, 0, 2),
+        (0, 2, 2),
+        (0, 1, 1),
+    ]

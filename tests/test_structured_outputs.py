@@ -29,7 +29,11 @@ PERSON = {
         "name": {"type": "string", "minLength": 1, "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["engineer", "artist", "doctor", "pilot"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+        },
         "skills": {"type": "array", "items": {"enum": ["go", "rust", "chess"]}, "minItems": 1, "maxItems": 2},
         "active": {"type": "boolean"},
     },
@@ -52,7 +56,11 @@ TIME = {
     "function": {
         "name": "get_time",
         "description": "The local time in a timezone",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 16}}, "required": ["timezone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 16}},
+            "required": ["timezone"],
+        },
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -66,9 +74,16 @@ def client(default_server):
 def test_twenty_json_schema_requests_at_temperature_one_validate(client):
     def one(seed):
         reply = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Invent a person and describe them in JSON."}],
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
-            temperature=1.0, top_p=1.0, seed=seed, max_tokens=300,
+            model=MODEL,
+            messages=[{"role": "user", "content": "Invent a person and describe them in JSON."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            max_tokens=300,
         )
         return reply.choices[0]
 
@@ -82,8 +97,13 @@ def test_twenty_json_schema_requests_at_temperature_one_validate(client):
 
 def test_json_object_and_vllm_structured_outputs_field(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
-        response_format={"type": "json_object"}, temperature=1.0, top_p=1.0, seed=5, max_tokens=200,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        response_format={"type": "json_object"},
+        temperature=1.0,
+        top_p=1.0,
+        seed=5,
+        max_tokens=200,
     )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
@@ -91,7 +111,13 @@ def test_json_object_and_vllm_structured_outputs_field(client):
         assert reply.choices[0].message.content.lstrip().startswith("{")
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}
     reply = client.completions.create(
-        model=MODEL, prompt="Some numbers:", temperature=1.0, top_p=1.0, seed=1, max_tokens=60, extra_body={"structured_outputs": {"json": schema}},
+        model=MODEL,
+        prompt="Some numbers:",
+        temperature=1.0,
+        top_p=1.0,
+        seed=1,
+        max_tokens=60,
+        extra_body={"structured_outputs": {"json": schema}},
     )
     jsonschema.validate(json.loads(reply.choices[0].text), schema)
 
@@ -99,14 +125,28 @@ def test_json_object_and_vllm_structured_outputs_field(client):
 def test_response_format_json_schema_on_completions(client):
     """docs/openai-api.md says completions take ``response_format`` as chat does; the openai client has no such
     argument on ``completions.create``, so it goes in the body as other clients send it."""
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "sights": {"type": "array", "items": {"type": "string", "maxLength": 16},
-                                                          "minItems": 1, "maxItems": 3}},
-              "required": ["city", "sights"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "sights": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["city", "sights"],
+    }
     replies = client.completions.create(
-        model=MODEL, prompt="A city and its sights, as JSON:", n=3, temperature=1.0, top_p=1.0, seed=6, max_tokens=120,
-        extra_body={"response_format": {"type": "json_schema",
-                                         "json_schema": {"name": "city", "schema": schema, "strict": True}}},
+        model=MODEL,
+        prompt="A city and its sights, as JSON:",
+        n=3,
+        temperature=1.0,
+        top_p=1.0,
+        seed=6,
+        max_tokens=120,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": schema, "strict": True},
+            }
+        },
     )
     for choice in replies.choices:
         assert choice.finish_reason == "stop", choice.text
@@ -116,30 +156,54 @@ def test_response_format_json_schema_on_completions(client):
 def test_regex_choice_and_grammar_always_hold(client):
     pattern = r"[A-Z][a-z]{2,8} [0-9]{3}-[0-9]{4}"
     replies = client.completions.create(
-        model=MODEL, prompt="Name and phone number:", n=6, temperature=1.0, top_p=1.0, seed=3, max_tokens=40,
+        model=MODEL,
+        prompt="Name and phone number:",
+        n=6,
+        temperature=1.0,
+        top_p=1.0,
+        seed=3,
+        max_tokens=40,
         extra_body={"structured_outputs": {"regex": pattern}},
     )
     for choice in replies.choices:
         assert re.fullmatch(pattern, choice.text), choice.text
     colours = ["red", "green", "blue", "dark purple"]
     replies = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], n=6, temperature=1.0, top_p=1.0, seed=4, max_tokens=10,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick a colour."}],
+        n=6,
+        temperature=1.0,
+        top_p=1.0,
+        seed=4,
+        max_tokens=10,
         extra_body={"structured_outputs": {"choice": colours}},
     )
     assert all(choice.message.content in colours for choice in replies.choices)
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], temperature=1.0, top_p=1.0, max_tokens=20,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=20,
         extra_body={"structured_outputs": {"grammar": grammar}},
     )
     assert reply.choices[0].message.content in ("The answer is yes.", "The answer is no.")
 
 
 def test_streamed_constrained_output_equals_the_whole(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
-              "required": ["city", "population"]}
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A city in JSON."}], temperature=0, max_tokens=100,
-                  response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A city in JSON."}],
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
     with ThreadPoolExecutor(2) as pool:
         whole = pool.submit(lambda: client.chat.completions.create(**kwargs).choices[0].message.content)
         chunks = pool.submit(lambda: list(client.chat.completions.create(**kwargs, stream=True)))
@@ -154,26 +218,52 @@ def test_bad_constraints_get_400_naming_the_problem(default_server):
         return httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=60)
 
     cases = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
-         "response_format.json_schema.schema", "frobnicate"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "frobnicate",
+        ),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "parenthesis"),
         ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar", "EBNF"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one", "regex, choice"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "give one of them", ""),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope'",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "unique"),
         ({"logit_bias": {"abc": 5}}, "logit_bias", "token ids"),
         ({"logit_bias": {"5": 300}}, "logit_bias", "100"),
         ({"logit_bias": {"999999": 5}}, "logit_bias", "[0, 49152)"),
         # Keywords xgrammar would compile as if absent: refused rather than answered with JSON that breaks them.
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"v": {"type": "array", "uniqueItems": True}}}}}},
-         "response_format.json_schema.schema", "'uniqueItems' (at #/properties/v/uniqueItems)", "does not enforce"),
-        ({"structured_outputs": {"json": {"anyOf": [{"type": "integer", "not": {"const": 3}}]}}},
-         "structured_outputs.json", "#/anyOf/0/not"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"v": {"type": "array", "uniqueItems": True}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+            "'uniqueItems' (at #/properties/v/uniqueItems)",
+            "does not enforce",
+        ),
+        (
+            {"structured_outputs": {"json": {"anyOf": [{"type": "integer", "not": {"const": 3}}]}}},
+            "structured_outputs.json",
+            "#/anyOf/0/not",
+        ),
         ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
     ]
     for payload, *fragments in cases:
@@ -195,8 +285,15 @@ def test_required_and_named_tool_choice_yield_valid_calls(client):
 
     def one(seed):
         return client.chat.completions.create(
-            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required" if seed < 3 else named,
-            temperature=1.0, top_p=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False,
+            model=MODEL,
+            messages=ASK_WEATHER,
+            tools=[WEATHER, TIME],
+            tool_choice="required" if seed < 3 else named,
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            max_tokens=200,
+            parallel_tool_calls=False,
         ).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
@@ -215,29 +312,45 @@ def test_streamed_forced_tool_calls_send_id_and_name_first_then_arguments_in_pie
     choices = ("required", {"type": "function", "function": {"name": "get_weather"}})
 
     def chunks_of(tool_choice):
-        return list(client.chat.completions.create(
-            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, top_p=1.0, seed=2,
-            max_tokens=200, stream=True, parallel_tool_calls=False,
-        ))
+        return list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ASK_WEATHER,
+                tools=[WEATHER, TIME],
+                tool_choice=tool_choice,
+                temperature=1.0,
+                top_p=1.0,
+                seed=2,
+                max_tokens=200,
+                stream=True,
+                parallel_tool_calls=False,
+            )
+        )
 
     with ThreadPoolExecutor(2) as pool:
         streams = list(pool.map(chunks_of, choices))
-    for tool_choice, chunks in zip(choices, streams):
+    for tool_choice, chunks in zip(choices, streams, strict=False):
         pieces = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
         calls: dict[int, dict] = {}
         for piece in pieces:
             if piece.index not in calls:
-                assert piece.id.startswith("call_") and piece.function.name and piece.type == "function"  # its first piece
+                assert (
+                    piece.id.startswith("call_") and piece.function.name and piece.type == "function"
+                )  # its first piece
                 calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
             else:
                 assert piece.id is None and piece.function.name is None
             calls[piece.index]["arguments"] += piece.function.arguments or ""
         assert calls and len(pieces) > len(calls) + 1  # the arguments came in several pieces
         for call in calls.values():
-            schema = next(tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == call["name"])
+            schema = next(
+                tool["function"]["parameters"] for tool in (WEATHER, TIME) if tool["function"]["name"] == call["name"]
+            )
             jsonschema.validate(json.loads(call["arguments"]), schema)
         assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+        finish = [
+            chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+        ]
         assert finish == ["tool_calls" if tool_choice == "required" else "stop"]
 
 
@@ -245,8 +358,14 @@ def test_streamed_forced_tool_calls_send_id_and_name_first_then_arguments_in_pie
 def test_a_forced_call_cut_short_comes_back_as_the_stream_sent_it(client, tool_choice):
     """``max_tokens`` ends a forced call mid-arguments: as OpenAI does, the answer is that call with its arguments as
     far as they were written (not content) and ``finish_reason`` ``length``, streamed or not."""
-    request = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice, temperature=0,
-                   parallel_tool_calls=False)
+    request = dict(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     length = client.chat.completions.create(**request, max_tokens=200).usage.completion_tokens
     for cut in range(length - 1, 0, -1):  # the last cut that ends inside the arguments (the array's end comes after)
         whole = client.chat.completions.create(**request, max_tokens=cut).choices[0]
@@ -267,24 +386,35 @@ def test_a_forced_call_cut_short_comes_back_as_the_stream_sent_it(client, tool_c
 
 
 def test_two_turn_tool_conversation(client, default_server):
-    first = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        temperature=0, max_tokens=100,
-    ).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=0,
+            max_tokens=100,
+        )
+        .choices[0]
+        .message
+    )
     call = first.tool_calls[0]
     conversation = [
         *ASK_WEATHER,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
         {"role": "tool", "tool_call_id": call.id, "content": "It is 22 degrees and sunny."},
     ]
-    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], tool_choice="none",
-                                           temperature=0, max_tokens=40)
+    final = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=40
+    )
     choice = final.choices[0]
     assert choice.finish_reason in ("stop", "length") and choice.message.content
     assert choice.message.tool_calls is None
     # The call and the tool's result reached the prompt through the chat template.
     server = default_server.app.state.server
-    rendered = server.tokenizer.decode(server.chat_prompt(_protocol_messages(conversation), True), skip_special_tokens=False)
+    rendered = server.tokenizer.decode(
+        server.chat_prompt(_protocol_messages(conversation), True), skip_special_tokens=False
+    )
     assert "22 degrees and sunny" in rendered and "get_weather" in rendered
 
 
@@ -297,45 +427,86 @@ def _protocol_messages(messages):
 
 
 def test_tool_choice_none_and_auto_return_content(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="none",
-                                           temperature=0, max_tokens=20)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=20
+    )
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
-    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=20)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=20
+    )
     message = reply.choices[0].message
     assert message.content or message.tool_calls
 
 
 def test_responses_api_tools_text_format_and_function_call_items(client):
     tool = {"type": "function", **WEATHER["function"]}
-    response = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required",
-                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0)
+    response = client.responses.create(
+        model=MODEL,
+        input="Weather in Oslo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=120,
+        temperature=1.0,
+    )
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
-    named = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], max_output_tokens=8,
-                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0)
+    named = client.responses.create(
+        model=MODEL,
+        input="Weather in Oslo?",
+        tools=[tool],
+        max_output_tokens=8,
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=1.0,
+    )
     assert named.tool_choice.model_dump() == {"type": "function", "name": "get_weather"}  # as sent, no extra field
     # Cut short inside the forced call: the item the output stopped in is incomplete, streamed or not.
     cut = dict(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required", max_output_tokens=3)
     whole = client.responses.create(**cut)
     assert whole.status == "incomplete" and whole.output[-1].status == "incomplete"
-    done = [event.item for event in client.responses.create(**cut, stream=True) if event.type == "response.output_item.done"]
+    done = [
+        event.item for event in client.responses.create(**cut, stream=True) if event.type == "response.output_item.done"
+    ]
     assert done[-1].status == "incomplete"
     follow_up = client.responses.create(
-        model=MODEL, max_output_tokens=20, temperature=0, tools=[tool],
-        input=[{"role": "user", "content": "Weather in Oslo?"},
-               {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
-               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Snowing, -3 degrees."}],
+        model=MODEL,
+        max_output_tokens=20,
+        temperature=0,
+        tools=[tool],
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Snowing, -3 degrees."},
+        ],
     )
     assert follow_up.output_text
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
     formatted = client.responses.create(
-        model=MODEL, input="Name a city as JSON.", max_output_tokens=60, temperature=1.0, top_p=1.0,
+        model=MODEL,
+        input="Name a city as JSON.",
+        max_output_tokens=60,
+        temperature=1.0,
+        top_p=1.0,
         text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
     )
     jsonschema.validate(json.loads(formatted.output_text), schema)
-    events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required",
-                                          max_output_tokens=120, stream=True, parallel_tool_calls=False))
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="Weather in Oslo?",
+            tools=[tool],
+            tool_choice="required",
+            max_output_tokens=120,
+            stream=True,
+            parallel_tool_calls=False,
+        )
+    )
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
     done = next(event for event in events if event.type == "response.function_call_arguments.done")
@@ -349,49 +520,83 @@ def test_logit_bias_bans_and_forces_tokens(client, default_server):
     plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=0)
     tokenizer = default_server.app.state.server.tokenizer
     (first,) = tokenizer.encode(plain.choices[0].logprobs.tokens[0], add_special_tokens=False)
-    banned = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logit_bias={str(first): -100})
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logit_bias={str(first): -100}
+    )
     banned_ids = tokenizer.encode(banned.choices[0].text, add_special_tokens=False)
     assert first not in banned_ids and banned.choices[0].text != plain.choices[0].text
     forced_token = tokenizer.encode(" banana", add_special_tokens=False)[0]
-    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0, top_p=1.0,
-                                            max_tokens=6, logit_bias={str(forced_token): 100}, logprobs=True)
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=6,
+        logit_bias={str(forced_token): 100},
+        logprobs=True,
+    )
     assert [item.token for item in forced.choices[0].logprobs.content] == [tokenizer.decode([forced_token])] * 6
 
 
 def test_allowed_token_ids_and_bad_words(client, default_server):
     tokenizer = default_server.app.state.server.tokenizer
     allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
-    reply = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, top_p=1.0, max_tokens=8,
-                                      extra_body={"allowed_token_ids": allowed})
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="Answer:",
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=8,
+        extra_body={"allowed_token_ids": allowed},
+    )
     assert set(tokenizer.encode(reply.choices[0].text, add_special_tokens=False)) <= set(allowed)
     plain = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
     word = plain.choices[0].text.split()[0]
-    reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8,
-                                      extra_body={"bad_words": [word]})
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8, extra_body={"bad_words": [word]}
+    )
     assert word not in reply.choices[0].text.split()
 
 
 def test_logprobs_under_a_constraint_are_finite_and_completions_list_the_chosen_token(client):
     choice = {"structured_outputs": {"choice": ["yes", "no"]}}
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=5, extra_body=choice)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body=choice,
+    )
     assert chat.choices[0].message.content in ("yes", "no")
     entries = chat.choices[0].logprobs.content
     # The mask leaves only the grammar's tokens: the others' -inf arrives as vLLM's floor, -9999.0.
     assert entries and all(-9999.0 <= top.logprob <= 0 for entry in entries for top in entry.top_logprobs)
     assert any(top.logprob == -9999.0 for entry in entries for top in entry.top_logprobs)
     for stream in (False, True):
-        reply = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=4, logprobs=3,
-                                          temperature=1.0, seed=5, extra_body=choice, stream=stream)
+        reply = client.completions.create(
+            model=MODEL,
+            prompt="Is water wet? Answer:",
+            max_tokens=4,
+            logprobs=3,
+            temperature=1.0,
+            seed=5,
+            extra_body=choice,
+            stream=stream,
+        )
         chunks = list(reply) if stream else [reply]
         tokens = [token for chunk in chunks if chunk.choices[0].logprobs for token in chunk.choices[0].logprobs.tokens]
         tops = [top for chunk in chunks if chunk.choices[0].logprobs for top in chunk.choices[0].logprobs.top_logprobs]
         assert tokens and len(tops) == len(tokens)
         for token, top in zip(tokens, tops, strict=True):
             assert token in top and len(top) <= 4 and all(-9999.0 <= value <= 0 for value in top.values())
-    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, logprobs=1, temperature=1.5, seed=3)
+    plain = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, logprobs=1, temperature=1.5, seed=3
+    )
     logprobs = plain.choices[0].logprobs
-    assert all(token in top and len(top) <= 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
+    assert all(
+        token in top and len(top) <= 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True)
+    )
 
 
 def test_a_constraint_that_the_request_allows_no_token_of_is_a_400_and_the_server_goes_on(client, default_server):
@@ -399,12 +604,19 @@ def test_a_constraint_that_the_request_allows_no_token_of_is_a_400_and_the_serve
     allowed = tokenizer.encode(" banana split", add_special_tokens=False)  # no prefix of "yes" or "no"
     conflict = {"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": allowed}
     with pytest.raises(openai.BadRequestError, match="no token is left to sample") as refused:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=4,
-                                       extra_body=conflict)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=4, extra_body=conflict
+        )
     assert "allowed_token_ids" in refused.value.response.json()["error"]["message"]
     with pytest.raises(openai.APIError, match="no token is left to sample"):  # streamed: the error event
-        list(client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body=conflict, stream=True))
-    after = client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        list(
+            client.completions.create(
+                model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body=conflict, stream=True
+            )
+        )
+    after = client.completions.create(
+        model=MODEL, prompt="Is water wet?", max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
     assert after.choices[0].text in ("yes", "no")
 
 
@@ -419,7 +631,9 @@ def hf_model():
 
     loader, source = resolve_source(PluginRegistry(), load_config(None, {}))
     settings = dict(source.hf_config)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32
+    )
     missing, unexpected = model.load_state_dict(dict(loader.iter_weights(source, "float32")), strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # the head is tied to the embeddings
     model.tie_weights()
@@ -444,13 +658,21 @@ def test_echo_with_logprobs_returns_hf_prompt_logprobs(client, default_server, h
     assert logprobs.token_logprobs[1 : len(tokens)] == pytest.approx(expected, abs=2e-3)
     assert len(logprobs.tokens) == len(tokens) + 4
     assert "".join(logprobs.tokens) == reply.choices[0].text
-    stream = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True)
-    streamed = [value for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for value in chunk.choices[0].logprobs.token_logprobs]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True
+    )
+    streamed = [
+        value
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for value in chunk.choices[0].logprobs.token_logprobs
+    ]
     assert streamed[1 : len(tokens)] == pytest.approx(expected, abs=2e-3)
     # max_tokens 0 scores the prompt only (what evaluation harnesses send); without echo it is refused.
     for stream in (False, True):
-        scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, stream=stream)
+        scored = client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, stream=stream
+        )
         chunks = [chunk.choices[0] for chunk in scored if chunk.choices] if stream else scored.choices
         assert "".join(choice.text for choice in chunks) == prompt and chunks[-1].finish_reason == "length"
         values = [value for choice in chunks if choice.logprobs for value in choice.logprobs.token_logprobs]
@@ -471,17 +693,31 @@ def llm():
 
 
 def test_offline_structured_outputs_and_prompt_logprobs(llm, hf_model):
-    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["colour", "count"]}
-    params = [SamplingParams(temperature=1.0, top_p=1.0, seed=seed, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
-              for seed in range(4)]
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["colour", "count"],
+    }
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            max_tokens=60,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )
+        for seed in range(4)
+    ]
     for output in llm.generate(["A JSON object:"] * 4, params):
         jsonschema.validate(json.loads(output.outputs[0].text), schema)
     prompt = "Paris is the capital and largest city of France."
     output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
     assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(output.prompt_token_ids)
     expected = _hf_prompt_logprobs(hf_model, output.prompt_token_ids)
-    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], output.prompt_token_ids[1:])]
+    got = [
+        entry[token].logprob
+        for entry, token in zip(output.prompt_logprobs[1:], output.prompt_token_ids[1:], strict=False)
+    ]
     assert got == pytest.approx(expected, abs=2e-3)
     assert all(len(entry) >= 3 for entry in output.prompt_logprobs[1:])
 
@@ -501,8 +737,10 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
     monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
     engine = llm.engine
     constraint = StructuredOutputsParams(regex=r"(ab){3}")
-    slow = [engine.add_request(f"slow-{index}", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=constraint))
-            for index in range(2)]
+    slow = [
+        engine.add_request(f"slow-{index}", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=constraint))
+        for index in range(2)
+    ]
     plain = engine.add_request("plain", llm.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=5))
     try:
         while not plain.finished:
@@ -515,4 +753,3 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
         engine.step()
     assert engine.requests == {} and len(calls) == 1
     assert [request.text for request in slow] == ["ababab", "ababab"]
-

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
 
+from test_xgrammar_backend import TOOL_CALL, hf_constrained_greedy
 from weft import LLM, SamplingParams
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.runner.logits_processors import TokenBitmask
@@ -45,7 +45,7 @@ def test_constrained_greedy_on_gpu_equals_transformers(tmp_path, tokenizer_files
     outputs = llm.generate(prompts, params)
     llm.close()
     assert len(replays) >= 30  # the decode steps masked and sampled in the mask graph (CUDA graphs)
-    for output, reference in zip(outputs, expected):
+    for output, reference in zip(outputs, expected, strict=False):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
         if output.outputs[0].finish_reason == "stop":

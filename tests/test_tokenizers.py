@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import smollm2_gguf
 
+from conftest import smollm2_gguf
 from weft.builtins.chat_template import ChatTemplate
 from weft.contracts.loader import ModelSource
 from weft.testing import TokenizerContract
@@ -44,8 +44,12 @@ def hf_tokenizer():
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-     {"role": "user", "content": "图片🌍 ok?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "图片🌍 ok?"},
+    ],
 ]
 
 
@@ -55,7 +59,9 @@ def test_gguf_chat_template_renders_like_hf(hf_tokenizer, smollm2_source, conver
     from weft_gguf.tokenizer import GGUFTokenizer
 
     ours = GGUFTokenizer.from_source(smollm2_source)
-    expected = hf_tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours.apply_chat_template(conversation, add_generation_prompt) == expected
     assert ours.encode(expected, add_special_tokens=False) == hf_tokenizer.encode(expected, add_special_tokens=False)
 
@@ -87,7 +93,9 @@ def test_generation_blocks_keep_whitespace_control_and_literals():
 
 
 def test_variables_set_inside_a_generation_block_stay_local():
-    template = ChatTemplate("{% set x = 'outer' %}{% generation %}{% set x = 'inner' %}{{ x }}{% endgeneration %}/{{ x }}")
+    template = ChatTemplate(
+        "{% set x = 'outer' %}{% generation %}{% set x = 'inner' %}{{ x }}{% endgeneration %}/{{ x }}"
+    )
     assert template.render([]) == "inner/outer"
 
 

@@ -11,7 +11,6 @@ import json
 import random
 
 import pytest
-from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
 
 from weft.builtins.reasoning_parsers import ThinkReasoningParser
 from weft.builtins.tool_parsers import DeepseekV3ToolParser, HermesToolParser, Llama3JsonToolParser
@@ -20,6 +19,7 @@ from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
 from weft.testing import ReasoningParserContract, ToolParserContract
 from weft.testing.output_suites import parsed_tool_calls, stream_tool_calls
+from weft_dsv4.parsers import DeepseekV4ReasoningParser, DeepseekV4ToolParser
 
 QWEN_TWO_CALLS = (
     "<tool_call>\n"
@@ -35,9 +35,7 @@ HERMES_WITH_TEXT = (
     '{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n'
     "</tool_call>"
 )
-HERMES_BRACES_IN_STRINGS = (
-    '<tool_call>\n{"name": "run_code", "arguments": {"code": "if (x) { return \\"}\\"; } // ünïcødé ✓", "lang": "js"}}\n</tool_call>'
-)
+HERMES_BRACES_IN_STRINGS = '<tool_call>\n{"name": "run_code", "arguments": {"code": "if (x) { return \\"}\\"; } // ünïcødé ✓", "lang": "js"}}\n</tool_call>'
 HERMES_STRINGIFIED_ARGUMENTS = '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"weft\\"}"}\n</tool_call>'
 LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
 LLAMA_TAGGED_TWO = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
@@ -56,26 +54,54 @@ DSV4_CALLS = (
 )
 
 WELL_FORMED = [
-    (HermesToolParser, QWEN_TWO_CALLS, None, [
-        ("get_current_temperature", {"location": "San Francisco, CA, USA"}),
-        ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01"}),
-    ]),
-    (HermesToolParser, HERMES_WITH_TEXT, "Sure, let me look that up for you.", [("get_stock_fundamentals", {"symbol": "TSLA"})]),
-    (HermesToolParser, HERMES_BRACES_IN_STRINGS, None, [("run_code", {"code": 'if (x) { return "}"; } // ünïcødé ✓', "lang": "js"})]),
+    (
+        HermesToolParser,
+        QWEN_TWO_CALLS,
+        None,
+        [
+            ("get_current_temperature", {"location": "San Francisco, CA, USA"}),
+            ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01"}),
+        ],
+    ),
+    (
+        HermesToolParser,
+        HERMES_WITH_TEXT,
+        "Sure, let me look that up for you.",
+        [("get_stock_fundamentals", {"symbol": "TSLA"})],
+    ),
+    (
+        HermesToolParser,
+        HERMES_BRACES_IN_STRINGS,
+        None,
+        [("run_code", {"code": 'if (x) { return "}"; } // ünïcødé ✓', "lang": "js"})],
+    ),
     (HermesToolParser, HERMES_STRINGIFIED_ARGUMENTS, None, [("search", {"query": "weft"})]),
-    (HermesToolParser, "The weather is sunny today; no tool is needed.", "The weather is sunny today; no tool is needed.", []),
+    (
+        HermesToolParser,
+        "The weather is sunny today; no tool is needed.",
+        "The weather is sunny today; no tool is needed.",
+        [],
+    ),
     (Llama3JsonToolParser, LLAMA_ONE, None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     (Llama3JsonToolParser, LLAMA_TAGGED_TWO, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
     (Llama3JsonToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
-    (DeepseekV4ToolParser, DSV4_CALLS, "I will check both.", [
-        ("get_weather", {"city": 'Paris "Rive Gauche"', "days": 3, "hours": [8, 12]}),
-        ("read_file", {"path": "/tmp/example.lean"}),
-    ]),
+    (
+        DeepseekV4ToolParser,
+        DSV4_CALLS,
+        "I will check both.",
+        [
+            ("get_weather", {"city": 'Paris "Rive Gauche"', "days": 3, "hours": [8, 12]}),
+            ("read_file", {"path": "/tmp/example.lean"}),
+        ],
+    ),
     (DeepseekV4ToolParser, "No calls, only an answer.", "No calls, only an answer.", []),
 ]
 
 MALFORMED = [
-    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'),  # a brace short
+    (
+        HermesToolParser,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',
+    ),  # a brace short
     (HermesToolParser, '<tool_call>\n{"name": "get_weather", "argu'),  # cut by max_tokens
     (HermesToolParser, "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),  # not JSON at all
     (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),  # arguments not an object
@@ -84,12 +110,18 @@ MALFORMED = [
     (Llama3JsonToolParser, '{"answer": 42}'),
     (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {}} and then some prose'),
     (DeepseekV4ToolParser, DSV4_CALLS[:170]),  # cut inside the first parameter
-    (DeepseekV4ToolParser, '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n'),
+    (
+        DeepseekV4ToolParser,
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n',
+    ),
 ]
 
 MIXED = [  # a valid call and a malformed or unfinished one
     (HermesToolParser, QWEN_TWO_CALLS[:150]),  # one call, then cut by max_tokens inside the next
-    (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>\n' + HERMES_WITH_TEXT),  # bad, then good
+    (
+        HermesToolParser,
+        '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>\n' + HERMES_WITH_TEXT,
+    ),  # bad, then good
     (Llama3JsonToolParser, LLAMA_TAGGED_TWO[:80]),
     (DeepseekV4ToolParser, DSV4_CALLS[:330]),  # the first invoke closed, the second cut short
 ]
@@ -147,9 +179,13 @@ def test_a_parser_that_raises_answers_with_the_text_as_content():
 def test_dsv4_calls_rendered_by_the_parser_parse_back():
     calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "flags": {"a": True}}}]
     parsed = DeepseekV4ToolParser().parse(DeepseekV4ToolParser().render_calls(calls))
-    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [(c["name"], c["arguments"]) for c in calls]
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
     hermes = HermesToolParser().parse(HermesToolParser().render_calls(calls))
-    assert [(call.name, json.loads(call.arguments)) for call in hermes.calls] == [(c["name"], c["arguments"]) for c in calls]
+    assert [(call.name, json.loads(call.arguments)) for call in hermes.calls] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
     llama = Llama3JsonToolParser().parse(Llama3JsonToolParser().render_calls(calls * 2))
     assert [json.loads(call.arguments) for call in llama.calls] == [calls[0]["arguments"]] * 2
 
@@ -157,27 +193,42 @@ def test_dsv4_calls_rendered_by_the_parser_parse_back():
 def test_forced_choice_parsers_read_the_constrained_json():
     named = NamedCallParser("get_weather")
     parsed = named.parse('  {"city": "Paris", "unit": "celsius"}')
-    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    assert stream_tool_calls(NamedCallParser("get_weather"), '{"city": "Paris"}', 1) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
+    assert stream_tool_calls(NamedCallParser("get_weather"), '{"city": "Paris"}', 1) == (
+        "",
+        [("get_weather", '{"city": "Paris"}')],
+    )
     required = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"timezone": "CET"}}]'
     expected = [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})]
     assert [(call.name, json.loads(call.arguments)) for call in RequiredCallsParser().parse(required).calls] == expected
     for seed in range(4):
-        assert [(name, json.loads(arguments)) for name, arguments in stream_tool_calls(RequiredCallsParser(), required, seed)[1]] == expected
+        assert [
+            (name, json.loads(arguments))
+            for name, arguments in stream_tool_calls(RequiredCallsParser(), required, seed)[1]
+        ] == expected
     # Cut short (max_tokens): the unfinished call comes back as a call with its arguments as written, as OpenAI
     # returns it, and as the stream sent it.
-    for parser, text in ((RequiredCallsParser, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
-                                                '{"name": "get_time", "parameters": {"ti'),
-                         (lambda: NamedCallParser("get_time"), '{"ti')):
+    for parser, text in (
+        (
+            RequiredCallsParser,
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"ti',
+        ),
+        (lambda: NamedCallParser("get_time"), '{"ti'),
+    ):
         cut = parser().parse(text)
         assert cut.content is None and [(call.name, call.arguments) for call in cut.calls][-1] == ("get_time", '{"ti')
         for seed in range(3):
             assert stream_tool_calls(parser(), text, seed) == ("", [(call.name, call.arguments) for call in cut.calls])
     # Cut before a call is named: no call is made up, and what was written comes back as content, streamed or not.
-    for parser, text, content in ((RequiredCallsParser, '[{"name": "get_wea', '[{"name": "get_wea'),
-                                  (RequiredCallsParser, '[{"name": "get_weather", "par', '[{"name": "get_weather", "par'),
-                                  (RequiredCallsParser, '[{"name": "now", "parameters": {}}, {"na', '{"na'),
-                                  (lambda: NamedCallParser("now"), "", None), (lambda: NamedCallParser("now"), " \n", None)):
+    for parser, text, content in (
+        (RequiredCallsParser, '[{"name": "get_wea', '[{"name": "get_wea'),
+        (RequiredCallsParser, '[{"name": "get_weather", "par', '[{"name": "get_weather", "par'),
+        (RequiredCallsParser, '[{"name": "now", "parameters": {}}, {"na', '{"na'),
+        (lambda: NamedCallParser("now"), "", None),
+        (lambda: NamedCallParser("now"), " \n", None),
+    ):
         cut = parser().parse(text)
         assert cut.content == content and [call.name for call in cut.calls] == (["now"] if "now" in text else [])
         assert stream_tool_calls(parser(), text, 1) == parsed_tool_calls(cut)
@@ -234,12 +285,17 @@ def test_assistant_output_reasoning_then_dsml_calls_streamed():
 
 def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
     assert [call.name for call in AssistantOutput(None, HermesToolParser()).parse(QWEN_TWO_CALLS)[2]] == [
-        "get_current_temperature", "get_temperature_date"]
+        "get_current_temperature",
+        "get_temperature_date",
+    ]
     _, content, calls = AssistantOutput(None, HermesToolParser(), parallel=False).parse(QWEN_TWO_CALLS)
     assert content is None and [(call.name, json.loads(call.arguments)) for call in calls] == [
-        ("get_current_temperature", {"location": "San Francisco, CA, USA"})]
+        ("get_current_temperature", {"location": "San Francisco, CA, USA"})
+    ]
     output = AssistantOutput(None, HermesToolParser(), parallel=False)
-    deltas = [output.push(QWEN_TWO_CALLS[index : index + 5]) for index in range(0, len(QWEN_TWO_CALLS), 5)] + [output.finish()]
+    deltas = [output.push(QWEN_TWO_CALLS[index : index + 5]) for index in range(0, len(QWEN_TWO_CALLS), 5)] + [
+        output.finish()
+    ]
     pieces = [piece for delta in deltas for piece in delta.calls]
     assert [(piece.index, piece.name, piece.arguments) for piece in pieces] == [(0, calls[0].name, calls[0].arguments)]
     assert "".join(delta.content for delta in deltas) == ""
@@ -274,13 +330,21 @@ class TestDeepseekV4ToolContract(ToolParserContract):
 
 
 def test_deepseek_v3_reads_the_v3_and_the_v3_1_bodies_and_keeps_a_broken_call_as_text():
-    begin, end, call, call_end, sep = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", \
-        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    begin, end, call, call_end, sep = (
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    )
     v3 = f'{call}function{sep}get_weather\n```json\n{{"city": "Paris"}}\n```{call_end}'
-    v3_1 = f'{call}now{sep}{{}}{call_end}'
+    v3_1 = f"{call}now{sep}{{}}{call_end}"
     broken = f"{call}function{sep}oops\n```json\nnot json\n```{call_end}"
     parsed = DeepseekV3ToolParser().parse(f"Checking.{begin}{v3}{v3_1}{broken}{end} Done.")
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+    ]
     assert parsed.content == f"Checking.{broken} Done."
 
 

@@ -41,7 +41,9 @@ class TestTritonAttentionInterpretedSmallBlocks(AttentionContract):
     block_size = 4
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU"
+)
 @pytest.mark.parametrize("requests", [1, 3, 12])
 @pytest.mark.parametrize("window", [None, 37])
 def test_split_key_decode_matches_torch_backend(requests, window):
@@ -71,7 +73,11 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     batch = AttentionBatch(
         query_start=torch.arange(requests + 1, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_table=table, slot_mapping=slots.to(torch.int32), max_query_len=1, max_seq_len=max(lengths), block_size=block,
+        block_table=table,
+        slot_mapping=slots.to(torch.int32),
+        max_query_len=1,
+        max_seq_len=max(lengths),
+        block_size=block,
     )
     query = torch.randn(requests, 8, 32, generator=generator).to(device, dtype)
     key = torch.randn(requests, 2, 32, generator=generator).to(device, dtype)
@@ -86,10 +92,19 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU")
-@pytest.mark.parametrize(("heads", "soft_cap", "window"), [
-    ((6, 2), None, None), ((9, 3), None, None), ((10, 2), None, None), ((6, 2), 2.0, None), ((9, 3), 2.0, 11),
-])
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU"
+)
+@pytest.mark.parametrize(
+    ("heads", "soft_cap", "window"),
+    [
+        ((6, 2), None, None),
+        ((9, 3), None, None),
+        ((10, 2), None, None),
+        ((6, 2), 2.0, None),
+        ((9, 3), 2.0, 11),
+    ],
+)
 def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, window):
     """Groups of 3 and 5 (SmolLM2's 9 query heads over 3 KV heads): a step mixing prefill chunks and decode
     rows, then a decode-only step on the split-key path, both equal to the torch backend; with Gemma 2's
@@ -106,7 +121,11 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
     num_heads, kv_heads = heads
     generator = torch.Generator().manual_seed(num_heads)
     layer = AttentionLayer(
-        num_heads=num_heads, num_kv_heads=kv_heads, head_dim=32, scale=32**-0.5, logits_soft_cap=soft_cap,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=32,
+        scale=32**-0.5,
+        logits_soft_cap=soft_cap,
         sliding_window=window,
     )
     block = 8
@@ -116,16 +135,25 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
         per_request = -(-max(lengths) // block)
         num_blocks = requests * per_request + 1
         cache = torch.randn(2, num_blocks, block, kv_heads, 32, generator=generator).to(device)
-        table = torch.randperm(num_blocks - 1, generator=generator)[: requests * per_request].view(requests, per_request)
+        table = torch.randperm(num_blocks - 1, generator=generator)[: requests * per_request].view(
+            requests, per_request
+        )
         table = table.to(device, torch.int32)
-        positions = torch.cat([torch.arange(length - count, length) for count, length in zip(query_lens, lengths, strict=True)])
+        positions = torch.cat(
+            [torch.arange(length - count, length) for count, length in zip(query_lens, lengths, strict=True)]
+        )
         rows = torch.repeat_interleave(torch.arange(requests), torch.tensor(query_lens))
         slots = table.cpu()[rows, positions // block].long() * block + positions % block
         tokens = sum(query_lens)
         batch = AttentionBatch(
-            query_start=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device), block_table=table,
-            slot_mapping=slots.to(device, torch.int32), max_query_len=max(query_lens), max_seq_len=max(lengths),
+            query_start=torch.tensor(
+                [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+            ),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_table=table,
+            slot_mapping=slots.to(device, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(lengths),
             block_size=block,
         )
         query = torch.randn(tokens, num_heads, 32, generator=generator).to(device)
@@ -134,5 +162,7 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
         results = {}
         for backend in (TritonAttention(None, platform), TorchAttention(None, platform)):
             backend.prepare([layer], "float32")
-            results[backend.name] = backend.forward(layer, query, key, value, cache.clone(), backend.build_metadata(batch))
+            results[backend.name] = backend.forward(
+                layer, query, key, value, cache.clone(), backend.build_metadata(batch)
+            )
         torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)

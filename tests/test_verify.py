@@ -19,16 +19,26 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from weft.cli import main
 from weft.models.llama import LlamaSettings
 from weft.outputs import Logprob
 from weft.verify import (
-    NOISE_FACTOR, TIE_SAFETY, TIE_ULPS, first_divergence, near_tie_bound, read_prompts, rounding_noise,
+    NOISE_FACTOR,
+    TIE_SAFETY,
+    TIE_ULPS,
+    first_divergence,
+    near_tie_bound,
+    read_prompts,
+    rounding_noise,
 )
 
-PROMPTS = ("The capital of France is", "Once upon a time, in a small village by the sea, there lived", "1, 1, 2, 3, 5, 8,")
+PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "1, 1, 2, 3, 5, 8,",
+)
 MULTILINE_PROMPT = "def fibonacci(n):\n    if n < 2:"
 MAX_TOKENS = 6
 # fp32 on both sides, same math in another order: the tiny models' teacher-forced error is about 1e-6.
@@ -70,10 +80,13 @@ def max_teacher_forced_error(table: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("kind", "sizes"), [("llama", {}), ("qwen3", {}), ("mistral-window", {"sliding_window": WINDOW})],
+    ("kind", "sizes"),
+    [("llama", {}), ("qwen3", {}), ("mistral-window", {"sliding_window": WINDOW})],
     ids=["llama", "qwen3", "mistral-window"],
 )
-def test_llama_family_checkpoints_match_transformers(kind, sizes, tmp_path, tokenizer_files, jsonl_prompts_file, capsys):
+def test_llama_family_checkpoints_match_transformers(
+    kind, sizes, tmp_path, tokenizer_files, jsonl_prompts_file, capsys
+):
     folder = make_tiny_model(tmp_path / kind, kind, tokenizer_files, **sizes)
     code, out, err = weft_verify(folder, jsonl_prompts_file, capsys)
     assert code == 0, out + err
@@ -155,7 +168,10 @@ def test_a_near_tie_is_reported_as_such_and_a_clear_preference_is_not():
         logits[:, 0] = -10.0
         logits[prompt_length, reference_token] = 5.0
         logits[prompt_length, weft_token] = 5.0 - reference_margin
-        weft = [{5: Logprob(-0.1, 1, "")}, {weft_token: Logprob(-0.5, 1, ""), weft_second: Logprob(-0.5 - weft_gap, 2, "")}]
+        weft = [
+            {5: Logprob(-0.1, 1, "")},
+            {weft_token: Logprob(-0.5, 1, ""), weft_second: Logprob(-0.5 - weft_gap, 2, "")},
+        ]
         return first_divergence([5, weft_token], weft, [5, reference_token], logits, prompt_length, bound, str)
 
     tie = divergence(reference_margin=threshold / 2, weft_gap=threshold / 2)

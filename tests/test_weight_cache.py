@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+
 from conftest import free_port, make_tiny_model
 from weft.builtins.safetensors_loader import SafetensorsLoader
 from weft.contracts.loader import LoadConfig
@@ -40,6 +41,7 @@ from weft_weight_cache.protocol import (
     recv_frame,
     send_frame,
 )
+from weft_weight_cache.reads import ResidentSlice, whole_tensors
 from weft_weight_cache.safety import (
     DeviceLock,
     SafetyError,
@@ -48,14 +50,21 @@ from weft_weight_cache.safety import (
     check_socket_dir,
     prepare_socket_dir,
 )
-from weft_weight_cache.reads import ResidentSlice, whole_tensors
 from weft_weight_cache.storage import ResidentWeights, map_arena, part_views
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534
 KEY = CacheKey(
-    fingerprint="f" * 64, architecture="LlamaForCausalLM", model_config="c" * 64, tensor_parallel_size=1, tensor_parallel_rank=0,
-    pipeline_parallel_size=1, pipeline_parallel_rank=0, dtype="float32", quantization="none", revision="r",
+    fingerprint="f" * 64,
+    architecture="LlamaForCausalLM",
+    model_config="c" * 64,
+    tensor_parallel_size=1,
+    tensor_parallel_rank=0,
+    pipeline_parallel_size=1,
+    pipeline_parallel_rank=0,
+    dtype="float32",
+    quantization="none",
+    revision="r",
     weft_version="1.2.0",
 )
 IDENTITY = device_identity("cpu", 0)
@@ -113,6 +122,7 @@ def served(short_dir):
 
 # Frames.
 
+
 def test_a_frame_round_trips_with_its_descriptors():
     left, right = socket.socketpair(socket.AF_UNIX)
     read_end, write_end = os.pipe()
@@ -127,11 +137,14 @@ def test_a_frame_round_trips_with_its_descriptors():
     assert recv_frame(right) is None, "end of stream between frames is a clean close"
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"\x00\x00\x00", r"ended inside a frame's length \(3 of 8 bytes\)"),
-    (struct.pack(">Q", 10) + b"abc", r"ended inside a frame \(3 of 10 bytes\)"),
-    (struct.pack(">Q", 1 << 40), r"a frame of 1099511627776 bytes exceeds the limit of 65536 bytes"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x00\x00\x00", r"ended inside a frame's length \(3 of 8 bytes\)"),
+        (struct.pack(">Q", 10) + b"abc", r"ended inside a frame \(3 of 10 bytes\)"),
+        (struct.pack(">Q", 1 << 40), r"a frame of 1099511627776 bytes exceeds the limit of 65536 bytes"),
+    ],
+)
 def test_bad_frames_are_errors(data, message):
     left, right = socket.socketpair(socket.AF_UNIX)
     left.sendall(data)
@@ -148,6 +161,7 @@ def test_a_payload_that_is_no_request_is_an_error():
 
 
 # Safety rules.
+
 
 def test_the_socket_folder_is_created_0700_and_must_stay_private(short_dir):
     folder = prepare_socket_dir(short_dir / "sockets")
@@ -184,7 +198,9 @@ def test_a_folder_or_socket_of_another_owner_is_refused(served, short_dir):
 def test_the_peer_uid_comes_from_the_kernel():
     left, right = socket.socketpair(socket.AF_UNIX)
     check_peer(right)
-    with pytest.raises(SafetyError, match=f"uid {os.geteuid()} connected; this daemon serves uid {os.geteuid() + 1} only"):
+    with pytest.raises(
+        SafetyError, match=f"uid {os.geteuid()} connected; this daemon serves uid {os.geteuid() + 1} only"
+    ):
         check_peer(right, os.geteuid() + 1)
     left.close()
     right.close()
@@ -219,7 +235,9 @@ def test_the_daemon_refuses_another_users_process(served, short_dir):
 
 def test_one_daemon_per_device(short_dir):
     first = DeviceLock(short_dir, "cpu0")
-    with pytest.raises(SafetyError, match=rf"another weight-cache daemon \(pid {os.getpid()}\) already serves device cpu0"):
+    with pytest.raises(
+        SafetyError, match=rf"another weight-cache daemon \(pid {os.getpid()}\) already serves device cpu0"
+    ):
         DeviceLock(short_dir, "cpu0")
     DeviceLock(short_dir, "cpu1").close()
     first.close()
@@ -227,6 +245,7 @@ def test_one_daemon_per_device(short_dir):
 
 
 # The daemon's answers.
+
 
 def test_ok_maps_the_weights_copy_on_write_and_release_ends_the_lease(served):
     client = WeightCacheClient(served.path)
@@ -288,6 +307,7 @@ def test_the_daemon_answers_a_bad_frame_with_an_error_and_keeps_serving(short_di
 
 # The engine's loader.
 
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer_files) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("wc") / "model", "llama", tokenizer_files)
@@ -299,7 +319,9 @@ def disk_weights(checkpoint: Path, dtype: str = "float32") -> dict[str, torch.Te
 
 
 def cache_loader(folder: Path, **load) -> WeightCacheLoader:
-    return WeightCacheLoader.for_load(WeightCacheOptions(socket_dir=str(folder)), LoadConfig(loader="weight-cache", **load))
+    return WeightCacheLoader.for_load(
+        WeightCacheOptions(socket_dir=str(folder)), LoadConfig(loader="weight-cache", **load)
+    )
 
 
 def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(checkpoint, short_dir, caplog):
@@ -311,7 +333,9 @@ def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(
     assert all(torch.equal(with_nothing[name], expected[name]) for name in expected)
 
     key = cache_key(source, loader.load_config, "float32")
-    resident = ResidentWeights(whole_tensors((name, tensor + 1) for name, tensor in expected.items()), "cpu")  # tell them apart
+    resident = ResidentWeights(
+        whole_tensors((name, tensor + 1) for name, tensor in expected.items()), "cpu"
+    )  # tell them apart
     server = WeightCacheServer(key, resident, IDENTITY, short_dir / socket_name(IDENTITY))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -324,7 +348,9 @@ def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(
         assert "holds other weights: dtype (asked 'bfloat16', served 'float32')" in caplog.text
         assert all(torch.equal(bf16[name], expected[name].to(torch.bfloat16)) for name in expected)
         caplog.clear()
-        other_rank = dict(cache_loader(short_dir, tensor_parallel_size=2, tensor_parallel_rank=1).iter_weights(source, "float32"))
+        other_rank = dict(
+            cache_loader(short_dir, tensor_parallel_size=2, tensor_parallel_rank=1).iter_weights(source, "float32")
+        )
         assert "tensor_parallel_size (asked 2, served 1), tensor_parallel_rank (asked 1, served 0)" in caplog.text
         assert all(torch.equal(other_rank[name], expected[name]) for name in expected)
         caplog.clear()
@@ -338,7 +364,9 @@ def test_the_engine_maps_a_matching_key_and_falls_back_to_disk_on_anything_else(
         resident.close()
 
 
-def test_a_daemon_holds_only_its_ranks_parts_and_the_rank_loads_what_it_would_read_from_disk(checkpoint, short_dir, caplog):
+def test_a_daemon_holds_only_its_ranks_parts_and_the_rank_loads_what_it_would_read_from_disk(
+    checkpoint, short_dir, caplog
+):
     """Under TP=2 each daemon holds the parts its rank's model family reads (heads, columns, vocabulary rows;
     norms whole); a rank loading from it gets the parameters and reads it gets from disk. A PP=2 stage holds
     no part of the other stage's layers."""
@@ -383,16 +411,20 @@ def test_a_daemon_holds_only_its_ranks_parts_and_the_rank_loads_what_it_would_re
     assert max(held_bytes) < 0.55 * whole_bytes, (held_bytes, whole_bytes)
 
     stages = load_config(None, {"model": str(checkpoint), "engine.pipeline_parallel_size": 2})
-    _, last = load_resident(stages, load_config_for(stages, "cpu", pipeline_parallel_size=2, pipeline_parallel_rank=1),
-                            "safetensors")
+    _, last = load_resident(
+        stages, load_config_for(stages, "cpu", pipeline_parallel_size=2, pipeline_parallel_rank=1), "safetensors"
+    )
     held = {entry.name for entry in last.entries if entry.parts}
     last.close()
     assert held and not any(name.startswith(("model.layers.0.", "model.embed_tokens")) for name in held), held
 
     rows = ResidentSlice(TensorEntry("w", [4, 2], [TensorPart([0, 2, 2], "float32", [2, 2], 0)]), [torch.ones(2, 2)])
     assert torch.equal(rows.narrow(0, 2, 2), torch.ones(2, 2))
-    with pytest.raises(ValueError, match=r"holds 2..3 along dim 0 of 'w' for this rank, and the model reads 0..1 along "
-                                         r"dim 0: the daemon was started with other settings"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 2..3 along dim 0 of 'w' for this rank, and the model reads 0..1 along "
+        r"dim 0: the daemon was started with other settings",
+    ):
         rows.narrow(0, 0, 2)
 
 
@@ -410,8 +442,11 @@ def test_the_key_holds_the_stage_s_layers_and_expert_parallelism(tmp_path, token
     def key(rank: int = 1, **engine) -> CacheKey:
         config = load_config(None, {"model": str(model), **{f"engine.{name}": value for name, value in engine.items()}})
         size = engine.get("pipeline_parallel_size", 1)
-        return cache_key(source, load_config_for(config, "cpu", pipeline_parallel_size=size,
-                                                 pipeline_parallel_rank=rank % size), "float32")
+        return cache_key(
+            source,
+            load_config_for(config, "cpu", pipeline_parallel_size=size, pipeline_parallel_rank=rank % size),
+            "float32",
+        )
 
     even = key(pipeline_parallel_size=2)
     assert even.stage_layers == (2, 1) and key(0, pipeline_parallel_size=2).stage_layers == (0, 2)
@@ -431,12 +466,15 @@ def test_the_key_holds_the_stage_s_layers_and_expert_parallelism(tmp_path, token
 
 # A real daemon process and engine processes.
 
+
 def weft(*args: str) -> list[str]:
     return [sys.executable, "-m", "weft.cli", *args]
 
 
 def start_daemon(*args: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(weft("weights", "serve", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        weft("weights", "serve", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     line = process.stdout.readline()
     if not line.startswith("weft weights: serving"):
         process.kill()
@@ -464,9 +502,24 @@ def zero_weights_keeping_headers_and_times(checkpoint: Path) -> None:
 
 def generate(checkpoint: Path, folder: Path, *extra: str) -> dict:
     result = subprocess.run(
-        weft("generate", "The weather today", "--model", str(checkpoint), "--max-tokens", "12", "--temperature", "0",
-             "--ignore-eos", "--json", "--set", f'plugins.weight-cache.socket_dir="{folder}"', *extra),
-        capture_output=True, text=True, timeout=300,
+        weft(
+            "generate",
+            "The weather today",
+            "--model",
+            str(checkpoint),
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--set",
+            f'plugins.weight-cache.socket_dir="{folder}"',
+            *extra,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     return {"output": json.loads(result.stdout.strip().splitlines()[-1])[0], "log": result.stderr}
@@ -480,8 +533,12 @@ def test_a_daemon_serves_an_engine_process_that_never_reads_the_checkpoint(check
     daemon, line = start_daemon("--model", str(model), "--socket-dir", str(short_dir))
     try:
         assert f"on {IDENTITY} at {short_dir / 'cpu0.sock'}" in line and "rank 0 of 1" in line
-        second = subprocess.run(weft("weights", "serve", "--model", str(model), "--socket-dir", str(short_dir)),
-                                capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            weft("weights", "serve", "--model", str(model), "--socket-dir", str(short_dir)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 1 and f"(pid {daemon.pid}) already serves device cpu0" in second.stderr
 
         reference = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
@@ -492,7 +549,7 @@ def test_a_daemon_serves_an_engine_process_that_never_reads_the_checkpoint(check
         served = generate(model, short_dir, "--loader", "weight-cache")
         prompt = served["output"]["prompt_token_ids"]
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert served["output"]["outputs"][0]["token_ids"] == expected[0, len(prompt):].tolist(), served["log"]
+        assert served["output"]["outputs"][0]["token_ids"] == expected[0, len(prompt) :].tolist(), served["log"]
         assert "loading from disk" not in served["log"]
 
         from_disk = generate(model, short_dir)  # the plain loader reads the zeroed shards: the test can tell
@@ -517,9 +574,24 @@ def test_a_tp2_engine_of_two_launchers_on_loopback_maps_its_ranks_from_two_daemo
     folders = [Path(folder) / "weft-weight-cache" for folder in runtime]
     daemons = [
         subprocess.Popen(
-            weft("weights", "serve", "--model", str(model), "--nnodes", "2", "--node-rank", str(node),
-                 "--rendezvous-port", str(port), "--tensor-parallel-size", "2"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "XDG_RUNTIME_DIR": runtime[node]},
+            weft(
+                "weights",
+                "serve",
+                "--model",
+                str(model),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rendezvous-port",
+                str(port),
+                "--tensor-parallel-size",
+                "2",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "XDG_RUNTIME_DIR": runtime[node]},
         )
         for node in (0, 1)
     ]
@@ -541,7 +613,7 @@ def test_a_tp2_engine_of_two_launchers_on_loopback_maps_its_ranks_from_two_daemo
             for name, (entry, views) in mapped.items():  # this rank's parts only, as read from disk
                 whole = expected_weights[name]
                 assert entry.parts, name
-                for part, view in zip(entry.parts, views):
+                for part, view in zip(entry.parts, views, strict=False):
                     assert torch.equal(view, whole if part.narrow is None else whole.narrow(*part.narrow)), name
             query = mapped["model.layers.0.self_attn.q_proj.weight"][0]
             assert [part.narrow for part in query.parts] == [[0, 32 * node, 32]]
@@ -552,8 +624,9 @@ def test_a_tp2_engine_of_two_launchers_on_loopback_maps_its_ranks_from_two_daemo
 
         zero_weights_keeping_headers_and_times(model)
         monkeypatch.setenv("XDG_RUNTIME_DIR", runtime[0])  # node 0's engine: this process and its workers
-        got, node1_log = two_launchers(model, ("--loader", "weight-cache"), {"use": {"loader": "weight-cache"}},
-                                       {"XDG_RUNTIME_DIR": runtime[1]})
+        got, node1_log = two_launchers(
+            model, ("--loader", "weight-cache"), {"use": {"loader": "weight-cache"}}, {"XDG_RUNTIME_DIR": runtime[1]}
+        )
         assert got == expected, node1_log
         assert "loading from disk" not in node1_log
     finally:
@@ -574,8 +647,22 @@ def test_a_tp2_engine_of_one_launcher_maps_each_rank_from_its_cpu_slot_s_daemon(
     shutil.copytree(checkpoint, model)
     expected, _ = greedy_tokens(model)
     daemon = subprocess.Popen(
-        weft("weights", "serve", "--model", str(model), "--socket-dir", str(short_dir), "--tensor-parallel-size", "2",
-             "--devices", "0,1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        weft(
+            "weights",
+            "serve",
+            "--model",
+            str(model),
+            "--socket-dir",
+            str(short_dir),
+            "--tensor-parallel-size",
+            "2",
+            "--devices",
+            "0,1",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = sorted(daemon.stdout.readline() for _ in range(2))
         for slot, line in enumerate(lines):
@@ -591,8 +678,23 @@ def test_a_tp2_engine_of_one_launcher_maps_each_rank_from_its_cpu_slot_s_daemon(
 
 def test_the_daemons_port_must_not_be_the_engines(checkpoint, short_dir):
     result = subprocess.run(
-        weft("weights", "serve", "--model", str(checkpoint), "--socket-dir", str(short_dir), "--nnodes", "2",
-             "--tensor-parallel-size", "2", "--rendezvous-port", "29500"),
-        capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29500"},
+        weft(
+            "weights",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--socket-dir",
+            str(short_dir),
+            "--nnodes",
+            "2",
+            "--tensor-parallel-size",
+            "2",
+            "--rendezvous-port",
+            "29500",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MASTER_PORT": "29500"},
     )
     assert result.returncode == 1 and "--rendezvous-port 29500 is the engine's MASTER_PORT" in result.stderr

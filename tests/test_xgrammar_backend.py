@@ -9,16 +9,16 @@ import os
 import pytest
 import torch
 import xgrammar as xgr
-from weft_xgrammar.backend import XgrammarBackend
 
+from weft.builtins.bitmask_argmax import BitmaskArgmaxTorch
 from weft.builtins.hf_tokenizer import HFTokenizer, vocabulary_bytes
 from weft.config import load_config
 from weft.contracts.structured_output import StructuredOutputsParams, Vocabulary, bitmask_words
 from weft.plugins import PluginRegistry
 from weft.resolve import load_tokenizer, resolve_source
-from weft.builtins.bitmask_argmax import BitmaskArgmaxTorch
 from weft.runner.logits_processors import TokenBitmask
 from weft.testing import StructuredOutputContract
+from weft_xgrammar.backend import XgrammarBackend
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,9 @@ def test_vocabulary_bytes_of_a_sentencepiece_style_tokenizer():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "▁world": 4, "<0xC3>": 5, "<0xA9>": 6, "a": 7}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     backend.add_special_tokens(["<s>", "</s>"])
     table = vocabulary_bytes(backend, len(vocab))
     assert table[3] == b" hello" and table[4] == b" world" and table[5] == b"\xc3" and table[6] == b"\xa9"
@@ -62,7 +64,11 @@ def test_vocabulary_bytes_of_a_sentencepiece_style_tokenizer():
 
 
 def test_the_bitmask_applied_on_the_device_equals_xgrammars_own(backend, tokenizer):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+    }
     compiled = backend.compile(StructuredOutputsParams(json=schema))
     matchers = [backend.matcher(compiled) for _ in range(20)]
     for count, matcher in enumerate(matchers):  # each at another point of '{"a": 12, "b": "x"}'
@@ -99,7 +105,9 @@ def test_the_bitmask_applied_on_the_device_equals_xgrammars_own(backend, tokeniz
     expected[rows] = masked
     tokens, healthy = token_bitmask.argmax(logits, rows, bitmask.numpy().tobytes(), BitmaskArgmaxTorch(None))
     assert torch.equal(tokens, expected.argmax(dim=-1)) and bool(healthy.all())
-    assert all(bool(bitmask[index, token // 32] >> (token % 32) & 1) for index, token in enumerate(tokens[rows].tolist()))
+    assert all(
+        bool(bitmask[index, token // 32] >> (token % 32) & 1) for index, token in enumerate(tokens[rows].tolist())
+    )
 
 
 def test_rollback_returns_to_an_earlier_state(backend, tokenizer):
@@ -135,12 +143,12 @@ def test_accepting_a_batch_equals_accepting_one_at_a_time(backend, tokenizer):
     tokens = [eos, bang, bang, ab, cd]  # ends / ends the pattern / refused / refused after "!" / starts
     batched, single = [backend.matcher(compiled) for _ in histories], [backend.matcher(compiled) for _ in histories]
     for matchers in (batched, single):
-        for matcher, history in zip(matchers, histories):
+        for matcher, history in zip(matchers, histories, strict=False):
             assert all(matcher.accept_token(token) for token in history)
     got = backend.accept_tokens(batched, tokens)
     want = StructuredOutputBackend.accept_tokens(backend, single, tokens)
     assert got == want == [(True, True), (True, False), (False, False), (False, False), (True, False)]
-    for one, other in zip(batched[1:], single[1:]):  # the same states after: the same next masks
+    for one, other in zip(batched[1:], single[1:], strict=False):  # the same states after: the same next masks
         masks = [torch.zeros(1, bitmask_words(tokenizer.vocab_size), dtype=torch.int32) for _ in range(2)]
         one.fill_bitmask(masks[0], 0)
         other.fill_bitmask(masks[1], 0)
@@ -149,15 +157,22 @@ def test_accepting_a_batch_equals_accepting_one_at_a_time(backend, tokenizer):
 
 BOUNDED_STRINGS = {
     "type": "object",
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
-                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1},
-                   "note": {"type": "string", "minLength": 2, "maxLength": 24}},
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1},
+        "note": {"type": "string", "minLength": 2, "maxLength": 24},
+    },
     "required": ["name", "tags", "note"],
 }
 """Strings with maxLength or minLength: xgrammar 0.2.9's own rule for them admits raw control characters."""
-AT_LEAST_ONE_CHARACTER = {**BOUNDED_STRINGS, "properties": {
-    "name": {"type": "string", "minLength": 1}, "tags": {"type": "array", "items": {"type": "string", "minLength": 1}},
-    "note": {"type": "string", "minLength": 1}}}
+AT_LEAST_ONE_CHARACTER = {
+    **BOUNDED_STRINGS,
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        "note": {"type": "string", "minLength": 1},
+    },
+}
 
 
 def control_tokens(tokenizer) -> list[int]:
@@ -165,16 +180,43 @@ def control_tokens(tokenizer) -> list[int]:
     return [token for token, text in enumerate(tokenizer.vocabulary_bytes()) if any(byte < 0x20 for byte in text)]
 
 
-@pytest.mark.parametrize("constraint", [
-    StructuredOutputsParams(json=BOUNDED_STRINGS), StructuredOutputsParams(json=BOUNDED_STRINGS, any_whitespace=False),
-    StructuredOutputsParams(json=AT_LEAST_ONE_CHARACTER), StructuredOutputsParams(json_object=True),
-])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputsParams(json=BOUNDED_STRINGS),
+        StructuredOutputsParams(json=BOUNDED_STRINGS, any_whitespace=False),
+        StructuredOutputsParams(json=AT_LEAST_ONE_CHARACTER),
+        StructuredOutputsParams(json_object=True),
+    ],
+)
 def test_no_raw_control_character_is_allowed_inside_a_string(backend, tokenizer, constraint):
     """At the start of each string and inside it, the mask allows no token holding a control character
     (json.loads would refuse it), and still allows ordinary text."""
     separator = " " if constraint.any_whitespace else ""
-    pieces = ["{", '"name"', f":{separator}", '"', "A", "da", '"', f",{separator}", '"tags"', f":{separator}", '["', "x",
-              '"', "]", f",{separator}", '"note"', f":{separator}", '"', "o", "k", '"', "}"]
+    pieces = [
+        "{",
+        '"name"',
+        f":{separator}",
+        '"',
+        "A",
+        "da",
+        '"',
+        f",{separator}",
+        '"tags"',
+        f":{separator}",
+        '["',
+        "x",
+        '"',
+        "]",
+        f",{separator}",
+        '"note"',
+        f":{separator}",
+        '"',
+        "o",
+        "k",
+        '"',
+        "}",
+    ]
     in_string = {4, 5, 6, 11, 12, 18, 19, 20}  # after this many pieces the output is inside a string
     matcher = backend.matcher(backend.compile(constraint))
     for index, piece in enumerate(pieces):
@@ -188,9 +230,18 @@ def test_no_raw_control_character_is_allowed_inside_a_string(backend, tokenizer,
 def test_no_raw_control_character_is_allowed_in_a_forced_tool_calls_string(backend, tokenizer):
     from weft.serve.tools import ToolSettings, forced_constraint
 
-    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                                                      "required": ["city"]}}
-    for choice, opening in (("required", '[{"name": "get_weather", "parameters": {"city": "'), ("function", '{"city": "P')):
+    weather = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+        },
+    }
+    for choice, opening in (
+        ("required", '[{"name": "get_weather", "parameters": {"city": "'),
+        ("function", '{"city": "P'),
+    ):
         constraint = forced_constraint(ToolSettings([weather], choice, "get_weather" if choice == "function" else None))
         matcher = backend.matcher(backend.compile(constraint))
         for token in tokenizer.encode(opening, add_special_tokens=False):
@@ -218,8 +269,17 @@ def test_outputs_pushed_toward_control_characters_stay_json(tiny_llama, tokenize
     from weft import LLM, SamplingParams
 
     bias = {token: 30.0 for token in control_tokens(tokenizer)}
-    params = [SamplingParams(temperature=1.0, top_p=1.0, seed=seed, max_tokens=80, logit_bias=bias,
-                             structured_outputs=StructuredOutputsParams(json=BOUNDED_STRINGS)) for seed in range(6)]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            max_tokens=80,
+            logit_bias=bias,
+            structured_outputs=StructuredOutputsParams(json=BOUNDED_STRINGS),
+        )
+        for seed in range(6)
+    ]
     with LLM(model=str(tiny_llama), engine={"max_num_seqs": 6}) as llm:
         outputs = llm.generate([[1, 5, 9, 200 + seed, 31] for seed in range(6)], params)
     finished = [output.outputs[0].text for output in outputs if output.outputs[0].finish_reason == "stop"]
@@ -230,7 +290,11 @@ def test_outputs_pushed_toward_control_characters_stay_json(tiny_llama, tokenize
 
 TOOL_CALL = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}, "unit": {"enum": ["C", "F"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer"},
+        "unit": {"enum": ["C", "F"]},
+    },
     "required": ["city", "days", "unit"],
 }
 
@@ -252,14 +316,19 @@ def hf_constrained_greedy(folder, prompts: list[list[int]], schema: dict, max_ne
     hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=model.config.vocab_size)
-    compiled = xgr.GrammarCompiler(info).compile_grammar(json_grammar_without_raw_controls(schema, max_whitespace_cnt=4))
+    compiled = xgr.GrammarCompiler(info).compile_grammar(
+        json_grammar_without_raw_controls(schema, max_whitespace_cnt=4)
+    )
     outputs = []
     for prompt in prompts:
         with torch.inference_mode():
             generated = model.generate(
-                torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)], do_sample=False,
-                max_new_tokens=max_new_tokens, pad_token_id=0,
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)],
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
             )
         outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
@@ -273,7 +342,9 @@ def tiny_llama(tmp_path_factory, tokenizer_files):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_llama, async_scheduling, one_torch_thread):
+def test_constrained_greedy_equals_transformers_under_xgrammars_processor(
+    tiny_llama, async_scheduling, one_torch_thread
+):
     """The whole path (vocabulary, compile, bitmask in the core, mask on the logits, accepting tokens) against
     transformers + xgrammar's own logits processor on identical weights; with asynchronous scheduling the
     forward of each step is launched before the previous step's tokens are accepted."""
@@ -283,9 +354,11 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
     expected = hf_constrained_greedy(tiny_llama, prompts, TOOL_CALL, 40)
     with LLM(model=str(tiny_llama), engine={"max_num_seqs": 4, "async_scheduling": async_scheduling}) as llm:
         assert llm.engine.core.async_scheduling is async_scheduling
-        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+        params = SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL)
+        )
         outputs = llm.generate(prompts, params)
-    for output, reference in zip(outputs, expected):
+    for output, reference in zip(outputs, expected, strict=False):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1  # HF keeps the final EOS
         if output.outputs[0].finish_reason == "stop":
@@ -293,8 +366,9 @@ def test_constrained_greedy_equals_transformers_under_xgrammars_processor(tiny_l
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])
-def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_llama, one_torch_thread, eager_replay_platform,
-                                                                        monkeypatch, launch_ahead):
+def test_constrained_greedy_through_the_mask_graphs_equals_transformers(
+    tiny_llama, one_torch_thread, eager_replay_platform, monkeypatch, launch_ahead
+):
     """Decode graphs (replayed eagerly here, through the runner's static buffers and padding) and the mask graph
     after each: constrained greedy requests equal transformers under xgrammar's own processor, with a free request
     in the batch (an unmasked row of the graph) and steps whose batch is padded to the captured size; a batch with
@@ -310,11 +384,22 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
     monkeypatch.setattr(TorchAttention, "supports_graph_capture", True)
     prompts = [[1, 5, 9, 500 + index, 31, 4 * index] for index in range(5)]
     constrained = [0, 1, 3, 4]
-    expected = dict(zip(constrained, hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 24)))
+    expected = dict(
+        zip(
+            constrained,
+            hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 24),
+            strict=False,
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     with torch.inference_mode():
-        free = model.generate(torch.tensor([prompts[2]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
-                              do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 6:].tolist()
+        free = model.generate(
+            torch.tensor([prompts[2]]),
+            attention_mask=torch.ones(1, 6, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            pad_token_id=0,
+        )[0, 6:].tolist()
     schema = StructuredOutputsParams(json=TOOL_CALL)
     engine = {"max_num_seqs": 8, "graph_batch_sizes": [1, 2, 4, 8], "async_scheduling": True, "max_model_len": 64}
     with LLM(model=str(tiny_llama), use={"ops": {"bitmask_argmax": "torch"}}, engine=engine) as llm:
@@ -336,21 +421,28 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
             staged.append(graphs.staged)
 
         graphs.stage_ahead = counted_staging
-        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if index == 2 else
-                  SamplingParams(temperature=0, max_tokens=14 + 2 * index, structured_outputs=schema)
-                  for index in range(len(prompts))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            if index == 2
+            else SamplingParams(temperature=0, max_tokens=14 + 2 * index, structured_outputs=schema)
+            for index in range(len(prompts))
+        ]
         outputs = llm.generate(prompts, params)
         assert any(size > count for size, count in sampled) and len({size for size, _ in sampled}) > 1  # padded rows
         # Staged ahead: most decode steps (not a step right after a request's prefill or a finish).
-        assert sum(stage is not None for stage in staged) >= (10 if launch_ahead else 0) and (launch_ahead or not staged)
+        assert sum(stage is not None for stage in staged) >= (10 if launch_ahead else 0) and (
+            launch_ahead or not staged
+        )
         assert outputs[2].outputs[0].token_ids == free
         for index in constrained:
             tokens, reference = outputs[index].outputs[0].token_ids, expected[index]
             assert tokens == reference[: len(tokens)], index
             assert len(tokens) == params[index].max_tokens or len(reference) - len(tokens) <= 1, index  # HF keeps EOS
         calls = len(sampled)
-        with_logprobs = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema, logprobs=index % 2 or None)
-                         for index in range(2)]
+        with_logprobs = [
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema, logprobs=index % 2 or None)
+            for index in range(2)
+        ]
         unfused = llm.generate([prompts[0], prompts[1]], with_logprobs)
         assert len(sampled) == calls
         for index in range(2):
@@ -358,7 +450,11 @@ def test_constrained_greedy_through_the_mask_graphs_equals_transformers(tiny_lla
             assert tokens == expected[index][: len(tokens)]
     # Structured outputs turned off: no op for them and no mask graph.
     with LLM(model=str(tiny_llama), use={"structured_output": "none"}, engine=engine) as llm:
-        assert llm.engine.runner.graphs and llm.engine.runner.mask_graphs is None and llm.engine.runner.bitmask_argmax is None
+        assert (
+            llm.engine.runner.graphs
+            and llm.engine.runner.mask_graphs is None
+            and llm.engine.runner.bitmask_argmax is None
+        )
 
 
 @pytest.mark.parametrize("fill", ["thread", "process", "process-2", "process-launch-ahead"])
@@ -380,19 +476,36 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
     free = [index for index in range(len(prompts)) if index % 6 == 2]
     lengths = [12 + index % 5 * 7 for index in range(len(prompts))]
     constrained = [index for index in range(len(prompts)) if index not in free]
-    expected = dict(zip(constrained, hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 40)))
+    expected = dict(
+        zip(
+            constrained,
+            hf_constrained_greedy(tiny_llama, [prompts[i] for i in constrained], TOOL_CALL, 40),
+            strict=False,
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     for index in free:
         with torch.inference_mode():
-            generated = model.generate(torch.tensor([prompts[index]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
-                                       do_sample=False, max_new_tokens=lengths[index], pad_token_id=0)
+            generated = model.generate(
+                torch.tensor([prompts[index]]),
+                attention_mask=torch.ones(1, 6, dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=lengths[index],
+                pad_token_id=0,
+            )
         expected[index] = generated[0, 6:].tolist()
     schema = StructuredOutputsParams(json=TOOL_CALL)
-    params = [SamplingParams(temperature=0, max_tokens=length, structured_outputs=None if index in free else schema)
-              for index, length in enumerate(lengths)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=length, structured_outputs=None if index in free else schema)
+        for index, length in enumerate(lengths)
+    ]
     processes = 2 if fill == "process-2" else None
-    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": fill.partition("-")[0],
-              "structured_output_fill_processes": processes}
+    engine = {
+        "max_num_seqs": len(prompts),
+        "async_scheduling": True,
+        "structured_output_fill": fill.partition("-")[0],
+        "structured_output_fill_processes": processes,
+    }
     with LLM(model=str(tiny_llama), engine=engine) as llm:
         assert llm.engine.core.async_scheduling
         executor = llm.engine.core.executor
@@ -421,7 +534,8 @@ def test_the_fill_overlapping_the_next_step_keeps_every_token_in_order(tiny_llam
 
 @pytest.mark.parametrize("fault", ["killed", "failed step"])
 def test_fill_processes_that_fail_mid_generation_are_started_again_and_their_requests_lose_nothing(
-        tiny_llama, one_torch_thread, caplog, fault):
+    tiny_llama, one_torch_thread, caplog, fault
+):
     """A fill child killed (SIGKILL), or one whose answer to a step fails (``failed step``: the matchers may have
     taken part of its tokens), while constrained requests decode beside a free one: the step that finds it fails
     once, the core replaces the fill processes and makes each matcher again, caught up on its request's output,
@@ -432,16 +546,24 @@ def test_fill_processes_that_fail_mid_generation_are_started_again_and_their_req
 
     prompts = [[1, 5, 9, 300 + index, 31, 2 * index] for index in range(6)]
     schema = StructuredOutputsParams(json=TOOL_CALL)
-    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=None if index == 2 else schema)
-              for index in range(len(prompts))]
-    engine = {"max_num_seqs": len(prompts), "async_scheduling": True, "structured_output_fill": "process",
-              "structured_output_fill_processes": 2}
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=None if index == 2 else schema)
+        for index in range(len(prompts))
+    ]
+    engine = {
+        "max_num_seqs": len(prompts),
+        "async_scheduling": True,
+        "structured_output_fill": "process",
+        "structured_output_fill_processes": 2,
+    }
     with LLM(model=str(tiny_llama), engine=engine) as llm:
         expected = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
         manager = llm.engine.core.scheduler.structured_outputs
         first = manager._process.result()
-        states = [llm.engine.add_request(f"{fault}-{index}", prompt, sampling, stream_text=False)
-                  for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True))]
+        states = [
+            llm.engine.add_request(f"{fault}-{index}", prompt, sampling, stream_text=False)
+            for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True))
+        ]
         while min(len(state.output_token_ids) for state in states) < 8:
             llm.engine.step()
         if fault == "killed":
@@ -512,8 +634,9 @@ def test_a_fill_group_that_cannot_start_says_why(backend):
     from weft.engine.core.grammar_group import FillGroup
 
     with pytest.raises(RuntimeError, match="(?s)fill process failed.*no grammar engine in this child"):
-        FillGroup(UnbuildableBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size),
-                  processes=2)
+        FillGroup(
+            UnbuildableBackend, backend.options, backend.vocabulary, bitmask_words(backend.vocabulary.size), processes=2
+        )
 
 
 @pytest.mark.parametrize("fill", ["thread", "process"])
@@ -543,7 +666,7 @@ def test_a_launch_failing_while_the_fill_works_loses_no_token(tiny_llama, one_to
         core.executor.execute_model = flaky
         outputs = llm.generate(prompts, params)
         assert failed and failed[0] is not None and failed[0].done()  # its answer was read before the retry
-    for output, reference in zip(outputs, expected):
+    for output, reference in zip(outputs, expected, strict=False):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
 
@@ -579,7 +702,9 @@ def test_a_second_failure_still_reports_a_request_that_finished_before_it(tiny_l
     that finished request a was applied: a's end still comes out of the next step, b is failed."""
     from weft import LLM, SamplingParams
 
-    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=TOOL_CALL)
+    )
     free = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine = {"max_num_seqs": 2, "async_scheduling": True, "structured_output_fill": "thread"}
     with LLM(model=str(tiny_llama), engine=engine) as llm:
@@ -587,7 +712,11 @@ def test_a_second_failure_still_reports_a_request_that_finished_before_it(tiny_l
         real, fired = core.executor.execute_model, []
 
         def flaky(output):
-            done = [request_id for request_id in output.num_scheduled_tokens if request_id not in core.scheduler.unfinished_ids]
+            done = [
+                request_id
+                for request_id in output.num_scheduled_tokens
+                if request_id not in core.scheduler.unfinished_ids
+            ]
             if (done and core._bitmask is not None and not fired) or len(fired) == 1:
                 fired.append(done)
                 raise RuntimeError("injected launch failure")
@@ -632,10 +761,12 @@ def test_an_interrupted_read_of_the_fill_processs_answer_leaves_the_next_steps_i
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(prompts, params)
             outputs = llm.generate(prompts, params)
-            assert llm.engine.core.scheduler.structured_outputs._process.result().held()[1] == 1  # a (matchers, compiled) answer
+            assert (
+                llm.engine.core.scheduler.structured_outputs._process.result().held()[1] == 1
+            )  # a (matchers, compiled) answer
     finally:
         FillProcess.receive_step = real
-    for output, reference in zip(outputs, expected):
+    for output, reference in zip(outputs, expected, strict=False):
         tokens = output.outputs[0].token_ids
         assert tokens == reference[: len(tokens)] and len(reference) - len(tokens) <= 1
 
@@ -647,7 +778,11 @@ def test_a_fill_group_splits_the_matchers_and_answers_in_child_order(backend, to
     works)."""
     from weft.engine.core.grammar_group import FillFailed, FillGroup
 
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+    }
     compiled = backend.compile(StructuredOutputsParams(json=schema))
     words = bitmask_words(tokenizer.vocab_size)
     text = tokenizer.encode('{"a": 12, "b": "x"}', add_special_tokens=False)
@@ -702,8 +837,9 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
     no row, which leaves a gap there, and :meth:`FillGroup.rows` still answers the filled rows in child order."""
     from weft.engine.core.grammar_group import FillGroup
 
-    compiled = backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
-                                                             "required": ["a"]}))
+    compiled = backend.compile(
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    )
     words = bitmask_words(tokenizer.vocab_size)
     text = tokenizer.encode('{"a": 12}', add_special_tokens=False)
     probe = backend.matcher(compiled)
@@ -717,8 +853,9 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
         local = {handle: backend.matcher(compiled) for handle in handles}
         for tokens in ([text[0]] * 4, [refused, text[1], text[1], text[1]], [None, text[2], text[2], text[2]]):
             accepted = [(handle, token) for handle, token in zip(handles, tokens, strict=True) if token is not None]
-            reply = group.step([], accepted, [handle for handle, token in zip(handles, tokens, strict=True)
-                                              if token is not None])
+            reply = group.step(
+                [], accepted, [handle for handle, token in zip(handles, tokens, strict=True) if token is not None]
+            )
             assert reply.refused == ([(0, refused)] if refused in tokens else [])
             for handle, token in accepted:
                 if token != refused:
@@ -756,11 +893,23 @@ def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
         group.close()
 
 
-@pytest.mark.parametrize(("constraint", "fragment"), [
-    (StructuredOutputsParams(json={"type": "frobnicate"}), "structured_outputs.json: xgrammar cannot compile it: Unsupported type"),
-    (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error"),
-    (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar: xgrammar cannot compile it: EBNF parser error"),
-])
+@pytest.mark.parametrize(
+    ("constraint", "fragment"),
+    [
+        (
+            StructuredOutputsParams(json={"type": "frobnicate"}),
+            "structured_outputs.json: xgrammar cannot compile it: Unsupported type",
+        ),
+        (
+            StructuredOutputsParams(regex="a(b"),
+            "structured_outputs.regex: xgrammar cannot compile it: Regex parsing error",
+        ),
+        (
+            StructuredOutputsParams(grammar="root ::= "),
+            "structured_outputs.grammar: xgrammar cannot compile it: EBNF parser error",
+        ),
+    ],
+)
 def test_validation_names_the_field_and_the_reason(constraint, fragment):
     with pytest.raises(ValueError) as error:
         XgrammarBackend.validate(constraint)
@@ -768,7 +917,9 @@ def test_validation_names_the_field_and_the_reason(constraint, fragment):
 
 
 def test_constraints_are_checked_when_made():
-    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar or json_object; got regex, choice"):
+    with pytest.raises(
+        ValueError, match="exactly one of json, regex, choice, grammar or json_object; got regex, choice"
+    ):
         StructuredOutputsParams(regex="a", choice=("a",))
     with pytest.raises(ValueError, match="non-empty list of strings"):
         StructuredOutputsParams(choice=())
@@ -790,11 +941,17 @@ class TestXgrammarContract(StructuredOutputContract):
         return load_tokenizer(registry, config, source)
 
 
-@pytest.mark.parametrize(("schema", "problem"), [
-    ({"type": "string", "minLength": -5}, "minLength = -5 (at #/minLength)"),
-    ({"type": "object", "properties": {"tags": {"type": "array", "maxItems": 1.5}}}, "maxItems = 1.5 (at #/properties/tags/maxItems)"),
-    ({"type": "array", "items": {"type": "string", "maxLength": True}}, "maxLength = True (at #/items/maxLength)"),
-])
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ({"type": "string", "minLength": -5}, "minLength = -5 (at #/minLength)"),
+        (
+            {"type": "object", "properties": {"tags": {"type": "array", "maxItems": 1.5}}},
+            "maxItems = 1.5 (at #/properties/tags/maxItems)",
+        ),
+        ({"type": "array", "items": {"type": "string", "maxLength": True}}, "maxLength = True (at #/items/maxLength)"),
+    ],
+)
 def test_a_count_keyword_that_is_not_a_non_negative_integer_is_refused_naming_it(backend, schema, problem):
     with pytest.raises(ValueError) as refused:
         XgrammarBackend.validate(StructuredOutputsParams(json=schema))

@@ -96,6 +96,7 @@ def load_model_sampling_defaults(source: ModelSource, setting: str) -> dict[str,
         logger.debug(
             "default sampling parameters from %s: %s (a request's own values take precedence; "
             "engine.generation_config = 'none' uses Weft's defaults)",
-            origin, ", ".join(f"{key}={value}" for key, value in defaults.items()),
+            origin,
+            ", ".join(f"{key}={value}" for key, value in defaults.items()),
         )
     return defaults

@@ -183,7 +183,12 @@ def download(repo: str, revision: str, cache: Path) -> Path:
     def fetch(filename: str) -> Path:
         try:
             path = hf_hub_download(
-                repo, filename, revision=commit, cache_dir=str(cache), endpoint=hub, token=token,
+                repo,
+                filename,
+                revision=commit,
+                cache_dir=str(cache),
+                endpoint=hub,
+                token=token,
                 tqdm_class=_progress_class(),
             )
         except HfHubHTTPError as error:

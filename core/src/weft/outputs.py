@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-
 NO_TOKEN_ALLOWED = (
     "no token is left to sample: its allowed_token_ids, bad_words, logit_bias, min_tokens and structured-output "
     "constraint together exclude every token; loosen one of them"

@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 
-
 class _StderrHandler(logging.StreamHandler):
     """Writes to what ``sys.stderr`` is at the time of each line (a redirected stream, a test's capture)."""
 
@@ -79,20 +78,28 @@ def summary_lines(facts: Mapping[str, Any], seconds: float, url: str | None = No
     blocks = facts["num_kv_blocks"]
     capacity = facts.get("kv_capacity_tokens")
     kv = f"{capacity:,} tokens" if capacity else f"{sum(blocks):,} blocks"
-    kv += f" ({', '.join(f'{count:,}' for count in blocks)} blocks of {facts['block_size']}); " \
-          f"up to {facts['max_model_len']:,} tokens per request"
+    kv += (
+        f" ({', '.join(f'{count:,}' for count in blocks)} blocks of {facts['block_size']}); "
+        f"up to {facts['max_model_len']:,} tokens per request"
+    )
     lines = [
         f"ready in {seconds:.1f} s",
         f"  model     {facts['model']} ({facts['architecture']}, {facts['weights_format']} file {facts['weights_file']})",
         f"  platform  {facts['platform']}",
-        f"  dtype     {facts['dtype']}" + (f" (converted from the {facts['weights_format']} file's weights)"
-                                          if facts["weights_format"] != "safetensors" else ""),
+        f"  dtype     {facts['dtype']}"
+        + (
+            f" (converted from the {facts['weights_format']} file's weights)"
+            if facts["weights_format"] != "safetensors"
+            else ""
+        ),
         f"  KV cache  {kv}",
     ]
     defaults = facts.get("sampling_defaults")
     if defaults:
-        lines.append(f"  sampling  {', '.join(f'{key}={value}' for key, value in defaults.items())} "
-                     f"(the model's defaults; a request's own values win)")
+        lines.append(
+            f"  sampling  {', '.join(f'{key}={value}' for key, value in defaults.items())} "
+            f"(the model's defaults; a request's own values win)"
+        )
     if url is not None:
         lines.append(f"  serving   {url}")
     return lines
@@ -102,4 +109,3 @@ def report_summary(facts: Mapping[str, Any], started: float, url: str | None = N
     """Print :func:`summary_lines` (``started``: the ``time.monotonic()`` the start began at)."""
     for line in summary_lines(facts, time.monotonic() - started, url):
         report("%s", line)
-

@@ -96,7 +96,9 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform
         if asked_async:
             logging.getLogger("weft.engine").warning(
                 "engine.async_scheduling = true is not used with a KV connector (use.kv_connector = %r): each step's "
-                "connector report is applied before the next step is scheduled", config.use.kv_connector)
+                "connector report is applied before the next step is scheduled",
+                config.use.kv_connector,
+            )
         derived["async_scheduling"] = False
     if engine.distributed_executor_backend is None:
         derived["distributed_executor_backend"] = executor_name(engine)
@@ -104,8 +106,9 @@ def resolve_engine_config(config: WeftConfig, registry: PluginRegistry, platform
         derived["graph_batch_sizes"] = [] if engine.enforce_eager else platform.graph_batch_sizes(engine.max_num_seqs)
     if engine.long_prefill_token_threshold is None:
         # Without chunked prefill no prefill is split, so none is capped (0), whatever the budget.
-        derived["long_prefill_token_threshold"] = (max(1, engine.max_num_batched_tokens // 4)
-                                                   if engine.enable_chunked_prefill else 0)
+        derived["long_prefill_token_threshold"] = (
+            max(1, engine.max_num_batched_tokens // 4) if engine.enable_chunked_prefill else 0
+        )
     return msgspec.structs.replace(config, engine=msgspec.structs.replace(engine, **derived)) if derived else config
 
 
@@ -115,9 +118,14 @@ def load_config_for(config: WeftConfig, device: str = "cpu", **ranks: int) -> Lo
     engine = config.engine
     partition = tuple(engine.pipeline_partition) if engine.pipeline_partition is not None else None
     return LoadConfig(
-        loader=config.use.loader, revision=engine.revision, download_dir=engine.download_dir, device=device,
+        loader=config.use.loader,
+        revision=engine.revision,
+        download_dir=engine.download_dir,
+        device=device,
         tensor_parallel_size=ranks.pop("tensor_parallel_size", engine.tensor_parallel_size),
-        pipeline_partition=partition, enable_expert_parallel=engine.enable_expert_parallel, **ranks,
+        pipeline_partition=partition,
+        enable_expert_parallel=engine.enable_expert_parallel,
+        **ranks,
     )
 
 
@@ -132,8 +140,11 @@ def choose_quantization(
         return name, None
     if name == "auto":
         candidates = sorted(
-            ((method.priority, method_name, method) for method_name, method in registry.load_all("quantization").items()
-             if method.selects_by_default(platform, source_format)),
+            (
+                (method.priority, method_name, method)
+                for method_name, method in registry.load_all("quantization").items()
+                if method.selects_by_default(platform, source_format)
+            ),
             key=lambda item: -item[0],
         )
         if not candidates:
@@ -142,8 +153,10 @@ def choose_quantization(
     else:
         method_class = registry.load("quantization", name)
         if not method_class.is_available(platform):
-            raise ValueError(f"engine.quantization = {name!r} has no kernels on platform {platform.name!r}; "
-                             f"choose another method, auto or none")
+            raise ValueError(
+                f"engine.quantization = {name!r} has no kernels on platform {platform.name!r}; "
+                f"choose another method, auto or none"
+            )
     return name, method_class(platform, dtype)
 
 
@@ -163,7 +176,9 @@ def resolve_source(
     if loader_name != "auto":
         loader = build_loader(registry, config, loader_name, load_config)
         return loader, loader.resolve(model)
-    loaders = [(loader_class.priority, name, loader_class) for name, loader_class in registry.load_all("loader").items()]
+    loaders = [
+        (loader_class.priority, name, loader_class) for name, loader_class in registry.load_all("loader").items()
+    ]
     for _, name, loader_class in sorted(loaders, key=lambda item: -item[0]):
         loader = loader_class.for_load(options_for(config, "loader", loader_class, name), load_config)
         if loader.accepts(model):
@@ -185,14 +200,17 @@ def missing_path(model: str) -> str | None:
     """Why ``model`` names no model, when it is spelled as a file or folder (``/``, ``./``, ``~``, a ``.gguf``
     name, or more than one ``/``: an HF repo id has one) and nothing is there; else None."""
     spelled_as_path = (
-        model.startswith((".", "/", "~")) or model.endswith((".gguf", ".safetensors"))
+        model.startswith((".", "/", "~"))
+        or model.endswith((".gguf", ".safetensors"))
         or model.partition("@")[0].count("/") > 1
     )
     path = Path(model).expanduser()
     if not spelled_as_path or path.exists():
         return None
-    return (f"{path.resolve()} does not exist; give an existing folder with config.json and *.safetensors, "
-            f"a .gguf file, a Hugging Face repo id (org/name) or an alias")
+    return (
+        f"{path.resolve()} does not exist; give an existing folder with config.json and *.safetensors, "
+        f"a .gguf file, a Hugging Face repo id (org/name) or an alias"
+    )
 
 
 def _installed(distribution: str) -> bool:
@@ -255,16 +273,25 @@ def parallel_layout(config: WeftConfig, rank: int = 0) -> ParallelLayout:
     engine = config.engine
     partition = tuple(engine.pipeline_partition) if engine.pipeline_partition is not None else None
     return ParallelLayout(
-        tensor_parallel_size=engine.tensor_parallel_size, pipeline_parallel_size=engine.pipeline_parallel_size,
-        enable_expert_parallel=engine.enable_expert_parallel, pipeline_partition=partition, rank=rank,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
+        enable_expert_parallel=engine.enable_expert_parallel,
+        pipeline_partition=partition,
+        rank=rank,
     )
 
 
-def model_config(config: WeftConfig, source: ModelSource, dtype: str, layout: ParallelLayout | None = None) -> ModelConfig:
+def model_config(
+    config: WeftConfig, source: ModelSource, dtype: str, layout: ParallelLayout | None = None
+) -> ModelConfig:
     return ModelConfig(
-        architecture=architecture_of(config, source), hf_config=source.hf_config, dtype=dtype,
-        block_size=config.engine.block_size, max_model_len=max_model_len(config, source),
-        parallel=layout or parallel_layout(config), enable_prefix_caching=config.engine.enable_prefix_caching,
+        architecture=architecture_of(config, source),
+        hf_config=source.hf_config,
+        dtype=dtype,
+        block_size=config.engine.block_size,
+        max_model_len=max_model_len(config, source),
+        parallel=layout or parallel_layout(config),
+        enable_prefix_caching=config.engine.enable_prefix_caching,
         max_num_seqs=config.engine.max_num_seqs or 0,
     )
 
@@ -291,8 +318,11 @@ def load_kv_connector(
     options = options_for(config, "kv_connector", connector_class, name)
     layout = layout or parallel_layout(config)
     context = ConnectorContext(
-        model=model_identity(source), tp_rank=layout.tensor_rank, tp_size=layout.tensor_parallel_size,
-        pp_rank=layout.pipeline_rank, pp_size=layout.pipeline_parallel_size,
+        model=model_identity(source),
+        tp_rank=layout.tensor_rank,
+        tp_size=layout.tensor_parallel_size,
+        pp_rank=layout.pipeline_rank,
+        pp_size=layout.pipeline_parallel_size,
     )
     return connector_class, options, context
 

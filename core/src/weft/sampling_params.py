@@ -6,13 +6,14 @@ import math
 
 import msgspec
 
+from weft.contracts.structured_output import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy decoding (as in vLLM): dividing logits by it would overflow."""
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 """Wider factors overflow or underflow float32 logits (a penalty of 1e-300 turns them to inf)."""
 MAX_LOGPROBS = 20
 """The most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit for ``top_logprobs``)."""
-from weft.contracts.structured_output import StructuredOutputsParams
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -68,14 +69,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         if self.allowed_token_ids is not None:
             msgspec.structs.force_setattr(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.logit_bias is not None:
-            msgspec.structs.force_setattr(self, "logit_bias", {int(token): float(value) for token, value in self.logit_bias.items()})
+            msgspec.structs.force_setattr(
+                self, "logit_bias", {int(token): float(value) for token, value in self.logit_bias.items()}
+            )
         low, high = REPETITION_PENALTY_RANGE
         checks = [
-            *((math.isfinite(value), name, value, "must be a finite number") for name, value in (
-                ("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
-                ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
-                ("repetition_penalty", self.repetition_penalty),
-            )),
+            *(
+                (math.isfinite(value), name, value, "must be a finite number")
+                for name, value in (
+                    ("temperature", self.temperature),
+                    ("top_p", self.top_p),
+                    ("min_p", self.min_p),
+                    ("presence_penalty", self.presence_penalty),
+                    ("frequency_penalty", self.frequency_penalty),
+                    ("repetition_penalty", self.repetition_penalty),
+                )
+            ),
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
@@ -83,24 +92,52 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"),
-            (low <= self.repetition_penalty <= high, "repetition_penalty", self.repetition_penalty,
-             f"must be in [{low}, {high}] (1 disables it)"),
+            (
+                low <= self.repetition_penalty <= high,
+                "repetition_penalty",
+                self.repetition_penalty,
+                f"must be in [{low}, {high}] (1 disables it)",
+            ),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
-             f"must be in [0, {MAX_LOGPROBS}]"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                self.logprobs,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
-             self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]"),
-            (self.logit_bias is None or all(-100 <= value <= 100 for value in self.logit_bias.values()), "logit_bias",
-             self.logit_bias, "values must be in [-100, 100]"),
-            (self.logit_bias is None or all(token >= 0 for token in self.logit_bias), "logit_bias", self.logit_bias,
-             "token ids must be >= 0"),
-            (self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
-             "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids >= 0"),
-            (all(isinstance(word, str) and word.strip() for word in self.bad_words), "bad_words", self.bad_words,
-             "must be non-empty strings"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.logit_bias is None or all(-100 <= value <= 100 for value in self.logit_bias.values()),
+                "logit_bias",
+                self.logit_bias,
+                "values must be in [-100, 100]",
+            ),
+            (
+                self.logit_bias is None or all(token >= 0 for token in self.logit_bias),
+                "logit_bias",
+                self.logit_bias,
+                "token ids must be >= 0",
+            ),
+            (
+                self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "must be a non-empty list of token ids >= 0",
+            ),
+            (
+                all(isinstance(word, str) and word.strip() for word in self.bad_words),
+                "bad_words",
+                self.bad_words,
+                "must be non-empty strings",
+            ),
         ]
         for ok, field, value, rule in checks:
             if not ok:

@@ -197,25 +197,45 @@ class VerifyReport(msgspec.Struct, frozen=True):
             f"{self.max_tokens} greedy tokens each, chunked prefill with a {self.step_budget}-token step budget",
             "",
         ]
-        header = ("PROMPT", "TOKENS", "GREEDY (SAME TOKENS)", "FIRST DIVERGENCE (STEP: WEFT vs REFERENCE)", "GAP WEFT",
-                  "GAP REF", "TIE BOUND", "TF ERROR")
+        header = (
+            "PROMPT",
+            "TOKENS",
+            "GREEDY (SAME TOKENS)",
+            "FIRST DIVERGENCE (STEP: WEFT vs REFERENCE)",
+            "GAP WEFT",
+            "GAP REF",
+            "TIE BOUND",
+            "TF ERROR",
+        )
         rows = []
         for index, result in enumerate(self.results):
             divergence = result.divergence
             if divergence is None:
                 where, weft_gap, reference_gap, threshold = "-", "-", "-", "-"
             else:
-                where = (f"{divergence.step}: {divergence.weft_token} {divergence.weft_text!r} vs "
-                         f"{divergence.reference_token} {divergence.reference_text!r}")
+                where = (
+                    f"{divergence.step}: {divergence.weft_token} {divergence.weft_text!r} vs "
+                    f"{divergence.reference_token} {divergence.reference_text!r}"
+                )
                 weft_gap, reference_gap = f"{divergence.weft_gap:.3g}", f"{divergence.reference_gap:.3g}"
                 threshold = f"{divergence.threshold:.3g}"
             matched = self.max_tokens if divergence is None else divergence.step
             status = f"{result.status} {matched}/{self.max_tokens}"
-            rows.append((f"{index} {_preview(result.prompt)}", str(len(result.prompt_token_ids)), status, where,
-                         weft_gap, reference_gap, threshold, f"{result.teacher_forced_error:.2e}"))
+            rows.append(
+                (
+                    f"{index} {_preview(result.prompt)}",
+                    str(len(result.prompt_token_ids)),
+                    status,
+                    where,
+                    weft_gap,
+                    reference_gap,
+                    threshold,
+                    f"{result.teacher_forced_error:.2e}",
+                )
+            )
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
-            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
         counts = {status: sum(r.status == status for r in self.results) for status in ("match", "tie", "diverged")}
         error, reference_noise = self.teacher_forced_error, self.reference_noise
         ceiling = noise_ceiling(reference_noise, self.dtype)
@@ -328,38 +348,60 @@ def verify(
 
     tokenizer = registry.load("tokenizer", source.tokenizer).from_source(source)
     encoded = [tokenizer.encode(prompt) for prompt in prompts]
-    empty = [prompt for prompt, ids in zip(prompts, encoded) if not ids]
+    empty = [prompt for prompt, ids in zip(prompts, encoded, strict=False) if not ids]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens; give prompts with text")
     runs = _reference_runs(reference_class, family, source, dtype, platform_class().device(), encoded, max_tokens)
     step_budget = max(2 * len(prompts), (max(len(ids) for ids in encoded) + 1) // 2)
-    greedy, forced = _engine_runs(model, registry, dtype, step_budget, encoded, [run.tokens for run in runs], max_tokens)
+    greedy, forced = _engine_runs(
+        model, registry, dtype, step_budget, encoded, [run.tokens for run in runs], max_tokens
+    )
 
-    errors = [teacher_forced_errors(output.prompt_logprobs or [None], run.logits) for output, run in zip(forced, runs)]
+    errors = [
+        teacher_forced_errors(output.prompt_logprobs or [None], run.logits)
+        for output, run in zip(forced, runs, strict=False)
+    ]
     noise = rounding_noise(max(float(e.max()) for e in errors), max(run.noise for run in runs), dtype)
     bound = near_tie_bound(dtype, noise)
     results = []
-    for prompt, ids, output, run, error in zip(prompts, encoded, greedy, runs, errors):
+    for prompt, ids, output, run, error in zip(prompts, encoded, greedy, runs, errors, strict=False):
         divergence = first_divergence(
-            output.token_ids, output.logprobs or [], run.tokens, run.logits, len(ids), bound,
+            output.token_ids,
+            output.logprobs or [],
+            run.tokens,
+            run.logits,
+            len(ids),
+            bound,
             lambda ids: tokenizer.decode(ids, False),
         )
-        results.append(PromptResult(
-            prompt=prompt, prompt_token_ids=ids, weft_token_ids=list(output.token_ids), reference_token_ids=run.tokens,
-            divergence=divergence, teacher_forced_error=float(error.max()), reference_noise=run.noise,
-        ))
+        results.append(
+            PromptResult(
+                prompt=prompt,
+                prompt_token_ids=ids,
+                weft_token_ids=list(output.token_ids),
+                reference_token_ids=run.tokens,
+                divergence=divergence,
+                teacher_forced_error=float(error.max()),
+                reference_noise=run.noise,
+            )
+        )
     entry = registry.find("model", architecture)
     return VerifyReport(
-        model=model, architecture=architecture, family=entry.target,
-        reference=f"transformers {transformers.__version__} {reference_class.__name__}", dtype=dtype,
-        max_tokens=max_tokens, step_budget=step_budget, results=results,
+        model=model,
+        architecture=architecture,
+        family=entry.target,
+        reference=f"transformers {transformers.__version__} {reference_class.__name__}",
+        dtype=dtype,
+        max_tokens=max_tokens,
+        step_budget=step_budget,
+        results=results,
     )
 
 
 def resolve_checkpoint(model: str, registry: PluginRegistry) -> ModelSource:
     """The source of ``model``, refused unless transformers can load the same weights from it."""
     loaders = sorted(registry.load_all("loader").items(), key=lambda item: -item[1].priority)
-    for name, loader_class in loaders:
+    for name, loader_class in loaders:  # noqa: B007 - the error below names the loader that accepted it
         loader = loader_class()
         if loader.accepts(model):
             source = loader.resolve(model)
@@ -381,7 +423,9 @@ def resolve_checkpoint(model: str, registry: PluginRegistry) -> ModelSource:
     )
 
 
-def teacher_forced_errors(prompt_logprobs: Sequence[dict[int, Logprob] | None], reference_logits: torch.Tensor) -> torch.Tensor:
+def teacher_forced_errors(
+    prompt_logprobs: Sequence[dict[int, Logprob] | None], reference_logits: torch.Tensor
+) -> torch.Tensor:
     """The teacher-forced error (module docstring) at each row of ``reference_logits``.
 
     ``prompt_logprobs`` is Weft's for the prompt and the reference's continuation: entry ``i`` (None
@@ -395,7 +439,7 @@ def teacher_forced_errors(prompt_logprobs: Sequence[dict[int, Logprob] | None], 
         )
     reference = torch.log_softmax(reference_logits, dim=-1)
     errors = []
-    for row, entry in zip(reference, entries):
+    for row, entry in zip(reference, entries, strict=False):
         assert entry is not None
         weft = torch.tensor([logprob.logprob for logprob in entry.values()])
         errors.append((weft - row[list(entry)]).abs().max())
@@ -403,8 +447,13 @@ def teacher_forced_errors(prompt_logprobs: Sequence[dict[int, Logprob] | None], 
 
 
 def first_divergence(
-    weft_tokens: Sequence[int], weft_logprobs: Sequence[dict[int, Logprob]], reference_tokens: Sequence[int],
-    reference_logits: torch.Tensor, prompt_length: int, bound: float, decode: Callable[[list[int]], str],
+    weft_tokens: Sequence[int],
+    weft_logprobs: Sequence[dict[int, Logprob]],
+    reference_tokens: Sequence[int],
+    reference_logits: torch.Tensor,
+    prompt_length: int,
+    bound: float,
+    decode: Callable[[list[int]], str],
 ) -> Divergence | None:
     """Where Weft's greedy tokens first leave the reference's, and whether that is a near-tie.
 
@@ -413,7 +462,9 @@ def first_divergence(
     continuation, so a generated token's row is ``prompt_length - 1 + step``; ``bound`` is
     :func:`near_tie_bound`, relative to a row's :func:`logit_scale`.
     """
-    step = next((i for i, (ours, theirs) in enumerate(zip(weft_tokens, reference_tokens)) if ours != theirs), None)
+    step = next(
+        (i for i, (ours, theirs) in enumerate(zip(weft_tokens, reference_tokens, strict=False)) if ours != theirs), None
+    )
     if step is None:
         return None
     weft_token, reference_token = weft_tokens[step], reference_tokens[step]
@@ -425,15 +476,26 @@ def first_divergence(
     threshold = bound * float(logit_scale(row))
     tie = second_token == reference_token and weft_gap <= threshold and reference_gap <= threshold
     return Divergence(
-        step=step, weft_token=weft_token, reference_token=reference_token,
-        weft_text=decode([weft_token]), reference_text=decode([reference_token]),
-        weft_gap=weft_gap, reference_gap=reference_gap, threshold=threshold, tie=tie,
+        step=step,
+        weft_token=weft_token,
+        reference_token=reference_token,
+        weft_text=decode([weft_token]),
+        reference_text=decode([reference_token]),
+        weft_gap=weft_gap,
+        reference_gap=reference_gap,
+        threshold=threshold,
+        tie=tie,
     )
 
 
 def _engine_runs(
-    model: str, registry: PluginRegistry, dtype: str, step_budget: int, prompts: list[list[int]],
-    continuations: list[list[int]], max_tokens: int,
+    model: str,
+    registry: PluginRegistry,
+    dtype: str,
+    step_budget: int,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    max_tokens: int,
 ) -> tuple[list[CompletionOutput], list[RequestOutput]]:
     """Weft's greedy completions with their top-2 log-probabilities, and each prompt followed by its
     continuation with its prompt log-probabilities: all in one ``generate`` call."""
@@ -443,11 +505,13 @@ def _engine_runs(
     # The reference applies no penalty, whatever the model's generation_config suggests.
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, repetition_penalty=1.0)
     forced = msgspec.structs.replace(greedy, max_tokens=1, logprobs=None, prompt_logprobs=MAX_LOGPROBS)
-    requests = [*prompts, *(prompt + tokens for prompt, tokens in zip(prompts, continuations))]
+    requests = [*prompts, *(prompt + tokens for prompt, tokens in zip(prompts, continuations, strict=False))]
     max_model_len = max(len(ids) for ids in requests) + 1
     block_size = EngineConfig().block_size
     engine = {
-        "dtype": dtype, "max_num_batched_tokens": step_budget, "max_num_seqs": len(requests),
+        "dtype": dtype,
+        "max_num_batched_tokens": step_budget,
+        "max_num_seqs": len(requests),
         "max_model_len": max_model_len,
         # Room for every request at once (each group's blocks cover at least block_size tokens),
         # instead of the engine's default share of the device's memory.
@@ -471,8 +535,13 @@ class _ReferenceRun(msgspec.Struct, frozen=True):
 
 
 def _reference_runs(
-    reference_class: Any, family: ModelFamily, source: ModelSource, dtype: str, device: torch.device,
-    prompts: list[list[int]], max_tokens: int,
+    reference_class: Any,
+    family: ModelFamily,
+    source: ModelSource,
+    dtype: str,
+    device: torch.device,
+    prompts: list[list[int]],
+    max_tokens: int,
 ) -> list[_ReferenceRun]:
     """The reference's greedy continuation of each prompt and its logits over them."""
     model = _load_reference(reference_class, source, dtype).to(device).eval()
@@ -512,7 +581,11 @@ def _reference_class(transformers: Any, family: ModelFamily, architecture: str) 
     name = family.hf_architecture(architecture)
     found = getattr(transformers, name, None)
     if found is None:
-        named = f"{name!r}" if name == architecture else f"{name!r} (which {type(family).__name__} names for {architecture!r})"
+        named = (
+            f"{name!r}"
+            if name == architecture
+            else f"{name!r} (which {type(family).__name__} names for {architecture!r})"
+        )
         raise ValueError(
             f"transformers {transformers.__version__} has no class {named}, the reference for this model; "
             f"upgrade transformers, or, for a family registered under a name of its own, return the transformers "

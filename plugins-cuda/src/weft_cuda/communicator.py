@@ -25,6 +25,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from weft.contracts.parallel import Communicator
 
 logger = logging.getLogger("weft.cuda")
@@ -62,7 +63,9 @@ class CudaCommunicator(Communicator):
         except Exception as error:  # noqa: BLE001 - NCCL still works: tell why graphs will not capture
             logger.warning(
                 "tensor parallelism: no symmetric memory over NVLink (%s: %s); all-reduces go through NCCL "
-                "and decode runs without CUDA graphs", type(error).__name__, error,
+                "and decode runs without CUDA graphs",
+                type(error).__name__,
+                error,
             )
             return None
 
@@ -72,7 +75,9 @@ class CudaCommunicator(Communicator):
     def _fits(self, tensor: torch.Tensor) -> bool:
         size = tensor.numel() * tensor.element_size()
         # The kernel moves 16-byte vectors: the buffer's view and the input must agree on that alignment.
-        return self.buffer is not None and tensor.dtype in ONE_SHOT_DTYPES and size <= SYMMETRIC_BYTES and size % 16 == 0
+        return (
+            self.buffer is not None and tensor.dtype in ONE_SHOT_DTYPES and size <= SYMMETRIC_BYTES and size % 16 == 0
+        )
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

@@ -27,7 +27,9 @@ class CudaPlatform(GpuPlatform):
         device_files = sorted(path for path in (root / "dev").glob("nvidia[0-9]*") if path.name[6:].isdigit())
         if not version_file.exists() and not (root / "dev/nvidiactl").exists():
             return DeviceScan(driver=False, missing="/proc/driver/nvidia/version and /dev/nvidiactl are absent")
-        driver = version_file.read_text(errors="replace").splitlines()[0].strip() if version_file.exists() else "unknown"
+        driver = (
+            version_file.read_text(errors="replace").splitlines()[0].strip() if version_file.exists() else "unknown"
+        )
         # Sandboxed kernels (gVisor) may expose the device files without the driver's /proc entries.
         gpu_dirs = sorted((root / "proc/driver/nvidia/gpus").glob("*")) or device_files
         models = []

@@ -29,7 +29,11 @@ class RocmPlatform(GpuPlatform):
     vendor: ClassVar[str] = "AMD"
     runtime: ClassVar[str] = "ROCm"
     torch_library: ClassVar[str] = "libtorch_hip.so"
-    visibility_variables: ClassVar[tuple[str, ...]] = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    visibility_variables: ClassVar[tuple[str, ...]] = (
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "CUDA_VISIBLE_DEVICES",
+    )
     triton_backend: ClassVar[str | None] = "amd"
 
     @classmethod
@@ -40,7 +44,9 @@ class RocmPlatform(GpuPlatform):
         # Node 0.. in numeric order (node 10 after node 9); CPU nodes report gfx_target_version 0.
         nodes = (root / "sys/class/kfd/kfd/topology/nodes").glob("*/properties")
         for properties in sorted(nodes, key=lambda path: int(path.parent.name) if path.parent.name.isdigit() else -1):
-            fields = dict(line.split(None, 1) for line in properties.read_text(errors="replace").splitlines() if " " in line)
+            fields = dict(
+                line.split(None, 1) for line in properties.read_text(errors="replace").splitlines() if " " in line
+            )
             target = int(fields.get("gfx_target_version", "0").strip() or 0)
             if target:
                 architectures.append(gfx_name(target))

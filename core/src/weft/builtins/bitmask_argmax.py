@@ -30,14 +30,19 @@ from weft.runner.logits_processors import bitmask_penalty
 
 def check_inputs(logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.dim() != 2 or mask_rows.shape != (logits.shape[0],):
-        raise ValueError(f"bitmask_argmax: logits must be [rows, vocab] and mask_rows [rows]; got "
-                         f"{tuple(logits.shape)} and {tuple(mask_rows.shape)}")
+        raise ValueError(
+            f"bitmask_argmax: logits must be [rows, vocab] and mask_rows [rows]; got "
+            f"{tuple(logits.shape)} and {tuple(mask_rows.shape)}"
+        )
     if bitmask.dim() != 2 or bitmask.dtype != torch.int32 or mask_rows.dtype != torch.int32:
-        raise ValueError(f"bitmask_argmax: bitmask must be int32 [masks, words] and mask_rows int32; got "
-                         f"{bitmask.dtype} {tuple(bitmask.shape)} and {mask_rows.dtype}")
+        raise ValueError(
+            f"bitmask_argmax: bitmask must be int32 [masks, words] and mask_rows int32; got "
+            f"{bitmask.dtype} {tuple(bitmask.shape)} and {mask_rows.dtype}"
+        )
     if bitmask.shape[0] and bitmask.shape[1] * 32 < logits.shape[1]:
-        raise ValueError(f"bitmask_argmax: the bitmask covers {bitmask.shape[1] * 32} tokens but the logits have "
-                         f"{logits.shape[1]}")
+        raise ValueError(
+            f"bitmask_argmax: the bitmask covers {bitmask.shape[1] * 32} tokens but the logits have {logits.shape[1]}"
+        )
 
 
 class BitmaskArgmaxTorch(OpImplementation):
@@ -49,14 +54,17 @@ class BitmaskArgmaxTorch(OpImplementation):
     priority: ClassVar[int] = -100
     tolerance: ClassVar[tuple[float, float]] = (0.0, 0.0)
 
-    def __call__(self, logits: torch.Tensor, mask_rows: torch.Tensor,
-                 bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         check_inputs(logits, mask_rows, bitmask)
         rows, vocab = logits.shape
         if bitmask.shape[0] and rows:
             masked = mask_rows >= 0
             words = bitmask.index_select(0, mask_rows.clamp(min=0).long())
-            words = torch.where(masked.unsqueeze(1), words, torch.full_like(words, -1))  # a row without a mask allows all
+            words = torch.where(
+                masked.unsqueeze(1), words, torch.full_like(words, -1)
+            )  # a row without a mask allows all
             logits += bitmask_penalty(words, logits.dtype, vocab)
         values, tokens = logits.max(dim=-1)
         return tokens, torch.isfinite(values)

@@ -69,7 +69,9 @@ class ChatTemplate:
         except (TypeError, LookupError, AttributeError, ArithmeticError) as error:
             raise TemplateRuntimeError(f"{type(error).__name__}: {error}") from error
 
-    def render_with_generation_spans(self, messages: list[dict[str, Any]], **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_generation_spans(
+        self, messages: list[dict[str, Any]], **variables: Any
+    ) -> tuple[str, list[tuple[int, int]]]:
         """Render, and return the character spans of every ``{% generation %}`` block's output."""
         pieces: list[str] = []
         self.environment.globals["_generation_spans"] = pieces

@@ -39,7 +39,9 @@ def round_to_int4(weight: torch.Tensor, group_size: int = GROUP) -> GroupAffine:
     low, high = groups.amin(-1), groups.amax(-1)
     scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
     codes = ((groups - low.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
-    return GroupAffine(codes.reshape(rows, columns), scales, low, group_size, 4, False, str(weight.dtype).removeprefix("torch."))
+    return GroupAffine(
+        codes.reshape(rows, columns), scales, low, group_size, 4, False, str(weight.dtype).removeprefix("torch.")
+    )
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,16 +71,20 @@ class CpuInt4(QuantizationMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         if in_features % GROUP:
-            raise ValueError(f"quantization 'cpu_int4' needs input features in groups of {GROUP}; a layer has "
-                             f"{in_features}; set engine.quantization = 'none'")
+            raise ValueError(
+                f"quantization 'cpu_int4' needs input features in groups of {GROUP}; a layer has "
+                f"{in_features}; set engine.quantization = 'none'"
+            )
         layer.quantized_parts = []
 
     def load_weight(self, layer: nn.Module, weight: GroupAffine | torch.Tensor, row: int, name: str) -> None:
         if isinstance(weight, torch.Tensor):
             weight = round_to_int4(weight)
         elif weight.group_size % GROUP or weight.bits not in (4, 8) or (weight.bits == 4) == weight.signed:
-            raise ValueError(f"checkpoint tensor {name!r} is {weight.source_format} ({weight.bits}-bit codes in groups "
-                             f"of {weight.group_size}), which 'cpu_int4' cannot take; set engine.quantization = 'none'")
+            raise ValueError(
+                f"checkpoint tensor {name!r} is {weight.source_format} ({weight.bits}-bit codes in groups "
+                f"of {weight.group_size}), which 'cpu_int4' cannot take; set engine.quantization = 'none'"
+            )
         layer.quantized_parts.append((row, weight))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -87,8 +93,9 @@ class CpuInt4(QuantizationMethod):
             raise ValueError(f"a {type(layer).__name__} of {layer.out_features} rows got no weights to quantize")
         weight = GroupAffine.concatenate([part for _, part in parts])
         if weight.shape != (layer.out_features, layer.in_features):
-            raise ValueError(f"quantized weights of shape {weight.shape} for a layer of "
-                             f"{(layer.out_features, layer.in_features)}")
+            raise ValueError(
+                f"quantized weights of shape {weight.shape} for a layer of {(layer.out_features, layer.in_features)}"
+            )
         if weight.group_size != GROUP:
             weight = regroup(weight)
         offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
@@ -97,8 +104,10 @@ class CpuInt4(QuantizationMethod):
         else:
             codes = weight.codes.to(torch.int16)
             high, low = codes >> 4, codes & 15  # code == 16 * high + low, exactly
-            layer.int4_packs = [pack_int4(high + 8, 16 * weight.scales, offsets),
-                                pack_int4(low, weight.scales, 8 * weight.scales)]
+            layer.int4_packs = [
+                pack_int4(high + 8, 16 * weight.scales, offsets),
+                pack_int4(low, weight.scales, 8 * weight.scales),
+            ]
         layer.effective_format = (
             f"int4 g{GROUP} bf16 scales from {weight.source_format}"
             + (" (as two int4 halves)" if weight.bits == 8 else "")
@@ -122,5 +131,12 @@ def regroup(weight: GroupAffine) -> GroupAffine:
     """Groups larger than the kernel's split into groups of :data:`GROUP` (each keeps its scale and offset)."""
     factor = weight.group_size // GROUP
     split = lambda tensor: None if tensor is None else tensor.repeat_interleave(factor, dim=1)  # noqa: E731
-    return GroupAffine(weight.codes, split(weight.scales), split(weight.offsets), GROUP, weight.bits, weight.signed,
-                       weight.source_format)
+    return GroupAffine(
+        weight.codes,
+        split(weight.scales),
+        split(weight.offsets),
+        GROUP,
+        weight.bits,
+        weight.signed,
+        weight.source_format,
+    )

@@ -37,7 +37,9 @@ def visible_blocks(seq_lens: torch.Tensor, decode_query_len: int, block_size: in
     return ((positions + 1).clamp(min=0) + block_size - 1).div(block_size, rounding_mode="floor").clamp(max=max_block)
 
 
-def check_inputs(scores: torch.Tensor, seq_lens: torch.Tensor, decode_query_len: int, block_size: int, topk: int) -> None:
+def check_inputs(
+    scores: torch.Tensor, seq_lens: torch.Tensor, decode_query_len: int, block_size: int, topk: int
+) -> None:
     if scores.dim() != 3:
         raise ValueError(f"decode_topk: scores must be [heads, total_q, max_block]; got shape {tuple(scores.shape)}")
     if decode_query_len < 1 or scores.shape[1] != seq_lens.numel() * decode_query_len:
@@ -84,7 +86,11 @@ class DecodeTopKTorch(OpImplementation):
         generator = torch.Generator().manual_seed(0)
         special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, 1.0, -1e30, 3.0])
         for heads, reqs, q, max_block, block_size, topk in (
-            (1, 3, 1, 9, 4, 4), (2, 2, 2, 40, 16, 8), (1, 4, 1, 130, 1, 16), (2, 1, 3, 7, 2, 16), (1, 2, 1, 0, 4, 4),
+            (1, 3, 1, 9, 4, 4),
+            (2, 2, 2, 40, 16, 8),
+            (1, 4, 1, 130, 1, 16),
+            (2, 1, 3, 7, 2, 16),
+            (1, 2, 1, 0, 4, 4),
         ):
             scores = torch.randint(-3, 4, (heads, reqs * q, max_block), generator=generator).float()
             if max_block:

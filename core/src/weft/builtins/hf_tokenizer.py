@@ -64,7 +64,9 @@ class HFTokenizer(Tokenizer):
         return cls.from_transformers(_auto_tokenizer(folder), extra_eos_ids, template)
 
     @classmethod
-    def _from_tokenizers(cls, folder: Path, config: dict[str, Any], template: str | None, extra_eos_ids: Sequence[int]) -> HFTokenizer:
+    def _from_tokenizers(
+        cls, folder: Path, config: dict[str, Any], template: str | None, extra_eos_ids: Sequence[int]
+    ) -> HFTokenizer:
         from tokenizers import Tokenizer as FastTokenizer
 
         fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -90,7 +92,9 @@ class HFTokenizer(Tokenizer):
         )
 
     @classmethod
-    def from_transformers(cls, tokenizer: Any, extra_eos_ids: Sequence[int] = (), template: str | None = None) -> HFTokenizer:
+    def from_transformers(
+        cls, tokenizer: Any, extra_eos_ids: Sequence[int] = (), template: str | None = None
+    ) -> HFTokenizer:
         """Wrap a transformers tokenizer object."""
         eos = set(extra_eos_ids)
         if tokenizer.eos_token_id is not None:
@@ -106,7 +110,8 @@ class HFTokenizer(Tokenizer):
             backend=getattr(tokenizer, "backend_tokenizer", None),
             special_token_texts=frozenset(
                 token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special
-            ) | frozenset(getattr(tokenizer, "all_special_tokens", ())),
+            )
+            | frozenset(getattr(tokenizer, "all_special_tokens", ())),
             encode_plain=lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True),
         )
 
@@ -140,7 +145,9 @@ class HFTokenizer(Tokenizer):
             return super().vocabulary_bytes()
         return vocabulary_bytes(self._backend, self.vocab_size)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
         variables = {**self.special_tokens, **template_kwargs}
@@ -188,7 +195,11 @@ def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to the printable character byte-level BPE vocabularies spell it with."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     mapping = {byte: chr(byte) for byte in printable}
     extra = 0
     for byte in range(256):
@@ -209,9 +220,14 @@ def _decoder_of(tokenizer: Any) -> Callable[[list[int], bool], str]:
         TokenizersBackend = None  # noqa: N806
     kind = type(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
-            and kind.decode is PreTrainedTokenizerBase.decode and kind._decode is TokenizersBackend._decode
-            and not tokenizer.clean_up_tokenization_spaces):
+    if (
+        TokenizersBackend is not None
+        and isinstance(tokenizer, TokenizersBackend)
+        and backend is not None
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 

@@ -65,18 +65,27 @@ class MoETorch(OpImplementation):
                     grouped = MoERouting(top_k=top_k, scoring="sigmoid", num_groups=4, topk_groups=2)
                     yield (hidden, logits, w13, w2, grouped), {"correction_bias": randn(experts, scale=0.1)}
                 oai = MoEActivation(kind="swiglu_oai", limit=1.5)
-                yield (hidden, logits, w13, w2, MoERouting(top_k=top_k)), {
-                    "activation": oai, "w13_bias": randn(experts, 2 * intermediate, dtype=dtype),
-                    "w2_bias": randn(experts, hidden_size, dtype=dtype),
+                yield (
+                    (hidden, logits, w13, w2, MoERouting(top_k=top_k)),
+                    {
+                        "activation": oai,
+                        "w13_bias": randn(experts, 2 * intermediate, dtype=dtype),
+                        "w2_bias": randn(experts, hidden_size, dtype=dtype),
+                    },
+                )
+                shared = {
+                    "shared_w13": randn(2 * intermediate, hidden_size, scale=hidden_size**-0.5, dtype=dtype),
+                    "shared_w2": randn(hidden_size, intermediate, scale=intermediate**-0.5, dtype=dtype),
+                    "activation": MoEActivation(limit=2.0),
                 }
-                shared = {"shared_w13": randn(2 * intermediate, hidden_size, scale=hidden_size**-0.5, dtype=dtype),
-                          "shared_w2": randn(hidden_size, intermediate, scale=intermediate**-0.5, dtype=dtype),
-                          "activation": MoEActivation(limit=2.0)}
                 yield (hidden, logits, w13, w2, MoERouting(top_k=top_k, scoring="sqrtsoftplus")), shared
                 # Precomputed routing over this rank's half of the experts (expert parallelism, hash routing).
                 chosen = torch.randint(0, experts, (tokens, top_k), generator=generator).to(device)
                 held = experts // 2
-                yield (hidden, None, w13[:held], w2[:held], MoERouting(top_k=top_k)), {
-                    "topk": (chosen, torch.rand(tokens, top_k, generator=generator).to(device)),
-                    "first_expert": experts - held,
-                }
+                yield (
+                    (hidden, None, w13[:held], w2[:held], MoERouting(top_k=top_k)),
+                    {
+                        "topk": (chosen, torch.rand(tokens, top_k, generator=generator).to(device)),
+                        "first_expert": experts - held,
+                    },
+                )

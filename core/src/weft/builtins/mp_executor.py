@@ -137,15 +137,21 @@ class MultiprocExecutor(Executor):
         spawn = torch_mp.get_context("spawn")
         for local_rank, rank in enumerate(self.placement.node_ranks(0)):
             process = spawn.Process(
-                target=run_worker, args=(self.config, self.layout.at_rank(rank), local_rank, self.store_address, os.getpid()),
-                name=f"weft-worker-{rank}", daemon=True,
+                target=run_worker,
+                args=(self.config, self.layout.at_rank(rank), local_rank, self.store_address, os.getpid()),
+                name=f"weft-worker-{rank}",
+                daemon=True,
             )
             process.start()
             self.processes[rank] = process
         world = self.layout.world_size
         if self.placement.nnodes > 1:
-            logger.info("waiting for %d nodes to join at %s:%s", self.placement.nnodes - 1,
-                        self.placement.master_addr, self.store_address.port)
+            logger.info(
+                "waiting for %d nodes to join at %s:%s",
+                self.placement.nnodes - 1,
+                self.placement.master_addr,
+                self.store_address.port,
+            )
         hosts: dict[int, str] = {}
         subscribed = 0
         deadline = time.monotonic() + self.timeout
@@ -260,17 +266,23 @@ class MultiprocExecutor(Executor):
                 # Its own report may be on the way: it names the error, not just the exit.
                 if self.results.poll(200):
                     return
-                hint = "" if rank in self._joined else (
-                    " before it started; a script that starts an engine with several workers must do so under "
-                    "`if __name__ == \"__main__\":` (multiprocessing's spawn imports the script again in each worker)"
+                hint = (
+                    ""
+                    if rank in self._joined
+                    else (
+                        " before it started; a script that starts an engine with several workers must do so under "
+                        '`if __name__ == "__main__":` (multiprocessing\'s spawn imports the script again in each worker)'
+                    )
                 )
                 self._fail(f"worker rank {rank} (pid {process.pid}) {exit_cause(process.exitcode)}{hint}")
         now = time.monotonic()
         for node, seen in self._node_seen.items():
             if now - seen > NODE_SILENCE_SECONDS:
                 ranks = self.placement.node_ranks(node)
-                self._fail(f"node {node} (worker ranks {ranks.start}-{ranks.stop - 1}) stopped answering "
-                           f"for {NODE_SILENCE_SECONDS:g} s")
+                self._fail(
+                    f"node {node} (worker ranks {ranks.start}-{ranks.stop - 1}) stopped answering "
+                    f"for {NODE_SILENCE_SECONDS:g} s"
+                )
 
     def _check(self) -> None:
         if self.failure is not None:

@@ -33,10 +33,12 @@ DEFAULT_NGRAM = 5
 
 
 class NgramOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    prompt_lookup_min: Annotated[int | None, msgspec.Meta(
-        description="the shortest suffix n-gram looked up (default: prompt_lookup_max, or 5)")] = None
-    prompt_lookup_max: Annotated[int | None, msgspec.Meta(
-        description="the longest suffix n-gram looked up (default: prompt_lookup_min, or 5)")] = None
+    prompt_lookup_min: Annotated[
+        int | None, msgspec.Meta(description="the shortest suffix n-gram looked up (default: prompt_lookup_max, or 5)")
+    ] = None
+    prompt_lookup_max: Annotated[
+        int | None, msgspec.Meta(description="the longest suffix n-gram looked up (default: prompt_lookup_min, or 5)")
+    ] = None
 
 
 class TokenBuffer:
@@ -99,8 +101,10 @@ class NgramSpeculator(Speculator):
         if self.min_n < 1:
             raise ValueError(f"speculative prompt_lookup_min = {self.min_n}: must be at least 1")
         if self.max_n < self.min_n:
-            raise ValueError(f"speculative prompt_lookup_max = {self.max_n} is below prompt_lookup_min = "
-                             f"{self.min_n}: raise prompt_lookup_max or lower prompt_lookup_min")
+            raise ValueError(
+                f"speculative prompt_lookup_max = {self.max_n} is below prompt_lookup_min = "
+                f"{self.min_n}: raise prompt_lookup_max or lower prompt_lookup_min"
+            )
         self._requests: dict[str, TokenBuffer] = {}
 
     def add_request(self, request: SpeculationRequest) -> None:
@@ -113,8 +117,9 @@ class NgramSpeculator(Speculator):
             if buffer is None:
                 raise KeyError(f"ngram speculator: request {request_id!r} was never added (add_request first)")
             room = self.config.max_model_len - buffer.length
-            found = prompt_lookup(buffer.tokens(), self.min_n, self.max_n,
-                                  min(most, self.config.num_speculative_tokens, room))
+            found = prompt_lookup(
+                buffer.tokens(), self.min_n, self.max_n, min(most, self.config.num_speculative_tokens, room)
+            )
             proposals.append(found.tolist())
         return Proposals(proposals)
 

@@ -28,10 +28,17 @@ class LinearTorch(OpImplementation):
         import torch
 
         generator = torch.Generator().manual_seed(0)
-        for rows, out_features, in_features, bias in ((1, 96, 64, False), (3, 40, 1000, True), (4, 256, 512, False), (37, 64, 64, True)):
+        for rows, out_features, in_features, bias in (
+            (1, 96, 64, False),
+            (3, 40, 1000, True),
+            (4, 256, 512, False),
+            (37, 64, 64, True),
+        ):
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, in_features, generator=generator).to(device, dtype)
-                weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(device, dtype)
+                weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(
+                    device, dtype
+                )
                 b = torch.randn(out_features, generator=generator).to(device, dtype) if bias else None
                 yield (x, weight, b), {}
 

@@ -62,8 +62,12 @@ class SafetensorsLoader(WeightLoader):
             raise ValueError(f"model {source!r}: no *.safetensors files in {folder}")
         name = source if not Path(source).expanduser().is_dir() else folder.resolve().name
         return ModelSource(
-            path=str(folder.resolve()), format="safetensors", hf_config=json.loads(config_file.read_text()),
-            tokenizer="hf", name=name, generation_config=read_generation_config(folder),
+            path=str(folder.resolve()),
+            format="safetensors",
+            hf_config=json.loads(config_file.read_text()),
+            tokenizer="hf",
+            name=name,
+            generation_config=read_generation_config(folder),
         )
 
     def iter_weights(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -33,7 +33,7 @@ def json_value_end(text: str, start: int, final: bool = False) -> int | None:
         position += 1
     if position >= len(text):
         return None
-    if text[position] not in "{[\"":
+    if text[position] not in '{["':
         match = _SCALAR.match(text, position)
         if match is None:
             return position + 1  # not JSON: let the caller's json.loads say so
@@ -199,7 +199,9 @@ class Llama3JsonToolParser(ToolParser):
         )
 
     def render_calls(self, calls: Any) -> str:
-        return "; ".join(json.dumps({"name": call["name"], "parameters": call["arguments"]}, ensure_ascii=False) for call in calls)
+        return "; ".join(
+            json.dumps({"name": call["name"], "parameters": call["arguments"]}, ensure_ascii=False) for call in calls
+        )
 
 
 class DeepseekV3ToolParser(ToolParser):
@@ -273,8 +275,12 @@ class DeepseekV3ToolParser(ToolParser):
         )
 
     def render_calls(self, calls: Any) -> str:
-        return self.calls_begin + "".join(
-            f"{self.call_begin}function{self.separator}{call['name']}\n```json\n"
-            f"{json.dumps(call['arguments'], ensure_ascii=False)}\n```{self.call_end}"
-            for call in calls
-        ) + self.calls_end
+        return (
+            self.calls_begin
+            + "".join(
+                f"{self.call_begin}function{self.separator}{call['name']}\n```json\n"
+                f"{json.dumps(call['arguments'], ensure_ascii=False)}\n```{self.call_end}"
+                for call in calls
+            )
+            + self.calls_end
+        )

@@ -119,8 +119,12 @@ class TorchAttention(AttentionBackend):
             queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
             if sinks is not None:
                 attended = _attend_with_sinks(
-                    layer, queries.reshape(count, layer.num_heads, 1, dim), keys, values,
-                    metadata.decode_bias[layer.sliding_window], sinks,
+                    layer,
+                    queries.reshape(count, layer.num_heads, 1, dim),
+                    keys,
+                    values,
+                    metadata.decode_bias[layer.sliding_window],
+                    sinks,
                 )
             else:
                 attended = _attend(layer, queries, keys, values, metadata.decode_bias[layer.sliding_window])
@@ -157,7 +161,11 @@ def _masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(
-    layer: AttentionLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    layer: AttentionLayer,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
     gqa: bool = False,
 ) -> torch.Tensor:
     """Softmax attention under ``mask`` (boolean: visible, or additive); with the layer's soft cap when it has one,
@@ -169,7 +177,11 @@ def _attend(
 
 
 def _attend_with_sinks(
-    layer: AttentionLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    layer: AttentionLayer,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
     sinks: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of ``queries`` ``[B, heads, rows, dim]`` over ``keys``/``values`` ``[B, kv_heads, L, dim]`` under

@@ -72,7 +72,6 @@ def build_parser(with_plugin_commands: bool = False) -> argparse.ArgumentParser:
 
 def _add_plugin_commands(commands: Any) -> None:
     from weft.plugins import PluginRegistry
-
     from weft.plugins.registry import warn_plugin_problem
 
     registry = PluginRegistry()

@@ -104,7 +104,9 @@ def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]
         return config, f"engine.{', engine.'.join(PLATFORM_SIZED)}: the platform's, which cannot be read here ({error})"
 
 
-def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = (), descriptions: dict[str, type] | None = None) -> list[str]:
+def _toml_lines(
+    table: dict[str, Any], path: tuple[str, ...] = (), descriptions: dict[str, type] | None = None
+) -> list[str]:
     """``table`` as TOML; a key whose value is None (TOML has no null) is a comment saying it is unset
     (with its description: from WeftConfig, or for ``plugins.<name>.*`` from ``descriptions[name]``)."""
     lines = [f"[{'.'.join(map(_toml_key, path))}]"] if path else []
@@ -121,7 +123,11 @@ def _toml_lines(table: dict[str, Any], path: tuple[str, ...] = (), descriptions:
 
 
 def _toml_key(key: str) -> str:
-    return key if key and all(char.isascii() and (char.isalnum() or char in "-_") for char in key) else msgspec.json.encode(key).decode()
+    return (
+        key
+        if key and all(char.isascii() and (char.isalnum() or char in "-_") for char in key)
+        else msgspec.json.encode(key).decode()
+    )
 
 
 def _description(path: tuple[str, ...], plugin_options: dict[str, type]) -> str:

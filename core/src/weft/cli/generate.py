@@ -21,10 +21,12 @@ EXAMPLES = """examples:
 
 def add_parser(commands: Any) -> None:
     generate = commands.add_parser(
-        "generate", help="generate text for prompts with the configured model",
+        "generate",
+        help="generate text for prompts with the configured model",
         usage="%(prog)s [PROMPT ...] [options]",
         description="Generate text for prompts with the configured model, in this process (no server).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_generate_arguments(generate)
     add_config_arguments(generate, sections=("use", "engine"))  # no server: its flags would do nothing here
@@ -40,30 +42,56 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     prompts.add_argument("prompt_args", nargs="*", metavar="PROMPT", help="prompts given as arguments")
     prompts.add_argument(
-        "--prompts-file", metavar="FILE",
-        help="one prompt per line; in a .jsonl file each line is {\"prompt\": ...} or {\"messages\": [...]}",
+        "--prompts-file",
+        metavar="FILE",
+        help='one prompt per line; in a .jsonl file each line is {"prompt": ...} or {"messages": [...]}',
     )
     prompts.add_argument(
-        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="render prompts as a user message with the model's chat template (default: when it has one)",
     )
     sampling = parser.add_argument_group(
-        "sampling", "an option left out takes the model's generation config (engine.generation_config), else its default"
+        "sampling",
+        "an option left out takes the model's generation config (engine.generation_config), else its default",
     )
-    sampling.add_argument("--max-tokens", type=int, help=f"most tokens per answer (default {GENERATE_DEFAULTS['max_tokens']})")
-    sampling.add_argument("--temperature", type=float, help=f"0 is greedy (default {GENERATE_DEFAULTS['temperature']:g})")
-    sampling.add_argument("--top-p", type=float, help="nucleus sampling; off unless set here or by the model")
-    sampling.add_argument("--top-k", type=int, help="keep the k most likely tokens; off unless set here or by the model")
-    sampling.add_argument("--min-p", type=float, help="drop tokens below min-p times the top one's probability; off unless set here or by the model")
-    sampling.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty; off unless set here or by the model")
-    sampling.add_argument("--presence-penalty", type=float, default=0.0,
-                          help="subtracted from the logit of each token already in the answer (default 0)")
-    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
-                          help="subtracted from a token's logit once per time it is already in the answer (default 0)")
     sampling.add_argument(
-        "--sample-seed", type=int, default=None,
+        "--max-tokens", type=int, help=f"most tokens per answer (default {GENERATE_DEFAULTS['max_tokens']})"
+    )
+    sampling.add_argument(
+        "--temperature", type=float, help=f"0 is greedy (default {GENERATE_DEFAULTS['temperature']:g})"
+    )
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling; off unless set here or by the model")
+    sampling.add_argument(
+        "--top-k", type=int, help="keep the k most likely tokens; off unless set here or by the model"
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=float,
+        help="drop tokens below min-p times the top one's probability; off unless set here or by the model",
+    )
+    sampling.add_argument(
+        "--repetition-penalty", type=float, help="HF's repetition penalty; off unless set here or by the model"
+    )
+    sampling.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from the logit of each token already in the answer (default 0)",
+    )
+    sampling.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from a token's logit once per time it is already in the answer (default 0)",
+    )
+    sampling.add_argument(
+        "--sample-seed",
+        type=int,
+        default=None,
         help="this run's own sampling seed (an API request's 'seed'): each answer is reproducible whatever else runs "
-             "beside it; --seed (engine.seed) only seeds the generator shared by requests that give no seed",
+        "beside it; --seed (engine.seed) only seeds the generator shared by requests that give no seed",
     )
     sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     sampling.add_argument("--n", type=int, default=1, help="answers per prompt")
@@ -104,13 +132,22 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompts = _read_prompts(args)
     flags = {
-        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "max_tokens": args.max_tokens,
     }
     given = {field: value for field, value in flags.items() if value is not None}
     fixed = dict(
-        n=args.n, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.sample_seed, stop=tuple(args.stop), logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+        n=args.n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sample_seed,
+        stop=tuple(args.stop),
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
     )
     try:  # the flags are checked before the model loads
         SamplingParams(**fixed, **given)
@@ -125,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         outputs = llm.generate(prompts, params)
     results = []
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=False):
         results.append(
             {
                 "prompt": prompt,
@@ -135,8 +172,11 @@ def run_generate(args: argparse.Namespace) -> int:
                         "text": completion.text,
                         "token_ids": completion.token_ids,
                         "finish_reason": completion.finish_reason,
-                        **({"logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs]}
-                           if completion.logprobs is not None else {}),
+                        **(
+                            {"logprobs": [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs]}
+                            if completion.logprobs is not None
+                            else {}
+                        ),
                     }
                     for completion in output.outputs
                 ],

@@ -28,21 +28,31 @@ FLAG_SECTIONS: dict[str, tuple[type[msgspec.Struct], str]] = {
 """The tables with a flag per option: the struct, and the title of its argument group in ``--help``."""
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(FLAG_SECTIONS),
-                         model_positional: bool = False) -> None:
+def add_config_arguments(
+    parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(FLAG_SECTIONS), model_positional: bool = False
+) -> None:
     """``--config``, ``--model``, ``--set KEY=VALUE`` and one flag per option of each table of ``sections``
     (an argument group each). ``model_positional``: the model may also be given as the first argument
     (``weft serve MODEL``, as vLLM's)."""
     group = parser.add_argument_group("model and configuration (flags override the file)")
     if model_positional:
-        group.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
-                           help="the model, as --model (give one of the two)")
+        group.add_argument(
+            "model_positional",
+            nargs="?",
+            metavar="MODEL",
+            default=None,
+            help="the model, as --model (give one of the two)",
+        )
     group.add_argument("--model", help="model alias, folder, GGUF file or HF repo id (org/name[@revision])")
     group.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_CONFIG_FILE} if present)")
     group.add_argument(
-        "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
         help="set any key, e.g. --set plugins.mooncake.master_server_address=host:50051 (repeatable; VALUE is a "
-             "TOML literal)",
+        "TOML literal)",
     )
     for section in sections:
         struct, title = FLAG_SECTIONS[section]
@@ -66,11 +76,18 @@ def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -
         flag = "--" + field.name.replace("_", "-")
         text = f"{path}: {description}" if description else path
         if base is list:  # --graph-batch-sizes 1,2,4,8 (one value: a prompt after it stays a prompt)
-            group.add_argument(flag, dest=f"cfglist:{path}", metavar="N,N,...", default=None,
-                               help=f"{text} (comma-separated)")
+            group.add_argument(
+                flag, dest=f"cfglist:{path}", metavar="N,N,...", default=None, help=f"{text} (comma-separated)"
+            )
         else:  # --ops rms_norm=torch --ops silu_and_mul=torch
-            group.add_argument(flag, dest=f"cfgdict:{path}", metavar="KEY=VALUE", action="append", default=None,
-                               help=f"{text} (repeatable)")
+            group.add_argument(
+                flag,
+                dest=f"cfgdict:{path}",
+                metavar="KEY=VALUE",
+                action="append",
+                default=None,
+                help=f"{text} (repeatable)",
+            )
 
 
 def _collection_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
@@ -113,7 +130,13 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
             key = name[len("cfg:") :]
-            overrides[key] = value if isinstance(value, bool) else str(value) if isinstance(value, _Text) else parse_override(f"{key}={value}")[1]
+            overrides[key] = (
+                value
+                if isinstance(value, bool)
+                else str(value)
+                if isinstance(value, _Text)
+                else parse_override(f"{key}={value}")[1]
+            )
         elif name.startswith("cfglist:") and value is not None:
             items = [item.strip() for item in str(value).split(",") if item.strip()]
             overrides[name[len("cfglist:") :]] = [parse_override(f"item={item}")[1] for item in items]
@@ -122,8 +145,10 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
             for assignment in value:  # one key each, added to the file's table
                 entry, sep, text = assignment.partition("=")
                 if not sep or not entry.strip():
-                    raise ConfigError(f"--{key.rpartition('.')[2].replace('_', '-')} {assignment!r}: expected KEY=VALUE, "
-                                      f"e.g. rms_norm=torch")
+                    raise ConfigError(
+                        f"--{key.rpartition('.')[2].replace('_', '-')} {assignment!r}: expected KEY=VALUE, "
+                        f"e.g. rms_norm=torch"
+                    )
                 overrides[f"{key}.{entry.strip()}"] = text.strip()
     for assignment in args.overrides:
         key, value = parse_override(assignment)
@@ -135,8 +160,9 @@ def _model_argument(args: argparse.Namespace) -> str | None:
     """The model named by ``MODEL`` or ``--model`` (both is an error unless they agree)."""
     positional = getattr(args, "model_positional", None)
     if positional is not None and args.model is not None and positional != args.model:
-        raise ConfigError(f"the model is given twice, as MODEL {positional!r} and as --model {args.model!r}; "
-                          f"give one of them")
+        raise ConfigError(
+            f"the model is given twice, as MODEL {positional!r} and as --model {args.model!r}; give one of them"
+        )
     return positional if positional is not None else args.model
 
 
@@ -174,4 +200,3 @@ def _without_annotated(annotation: Any) -> Any:
 
 def is_struct(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, msgspec.Struct)
-

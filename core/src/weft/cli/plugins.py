@@ -19,9 +19,10 @@ def add_parser(commands: Any) -> None:
     listing = plugin_commands.add_parser("list", help="every installed plugin, from metadata only (imports nothing)")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="also import every enabled plugin: one that fails is 'broken', with the exception and the fix; "
-             "exits 1 when one of them could run on this machine (as doctor)",
+        "exits 1 when one of them could run on this machine (as doctor)",
     )
     listing.set_defaults(run=run_plugins_list)
     inspect = plugin_commands.add_parser("inspect", help="a plugin's details and option schema")
@@ -34,7 +35,8 @@ def add_parser(commands: Any) -> None:
     add_config_arguments(doctor)
     doctor.set_defaults(run=run_plugins_doctor)
     freeze = plugin_commands.add_parser(
-        "freeze", help="print the installed plugin set as a lock file: weft plugins freeze > weft.lock (imports nothing)"
+        "freeze",
+        help="print the installed plugin set as a lock file: weft plugins freeze > weft.lock (imports nothing)",
     )
     freeze.set_defaults(run=run_plugins_freeze)
 
@@ -93,7 +95,8 @@ def _mark_broken(entries: list[Any]) -> tuple[list[Any], bool]:
     broken = {(failure.entry.slot, failure.entry.name): failure for failure in failures}
     marked = [
         msgspec.structs.replace(entry, status="broken", problem=f"{failure.error}. Fix: {failure.fix}")
-        if (failure := broken.get((entry.slot, entry.name))) else entry
+        if (failure := broken.get((entry.slot, entry.name)))
+        else entry
         for entry in entries
     ]
     return marked, any(not failure.expected for failure in failures)
@@ -102,7 +105,7 @@ def _mark_broken(entries: list[Any]) -> tuple[list[Any], bool]:
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
 
 
 def run_plugins_inspect(args: argparse.Namespace) -> int:
@@ -123,8 +126,13 @@ def run_plugins_inspect(args: argparse.Namespace) -> int:
     summary = plugin.summary() if hasattr(plugin, "summary") else (plugin.__doc__ or "").strip().split("\n")[0]
     if args.json:
         data = {
-            "name": entry.name, "slot": entry.slot, "distribution": entry.distribution, "version": entry.version,
-            "core_api": entry.core_api, "target": entry.target, "summary": summary,
+            "name": entry.name,
+            "slot": entry.slot,
+            "distribution": entry.distribution,
+            "version": entry.version,
+            "core_api": entry.core_api,
+            "target": entry.target,
+            "summary": summary,
             "options": msgspec.json.schema(options),
         }
         sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
@@ -140,7 +148,11 @@ def run_plugins_inspect(args: argparse.Namespace) -> int:
     rows = []
     for field in fields:
         _, description = unwrap(field.type)
-        default = "(required)" if field.required else repr(field.default if field.default is not msgspec.NODEFAULT else field.default_factory())
+        default = (
+            "(required)"
+            if field.required
+            else repr(field.default if field.default is not msgspec.NODEFAULT else field.default_factory())
+        )
         rows.append(("   ", field.encode_name, type_name(field.type), default, description))
     _print_table(("   ", "KEY", "TYPE", "DEFAULT", "DESCRIPTION"), rows)
     return 0
@@ -175,7 +187,9 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
             print(f"FAIL  {label}: {error}")
             if plugin is not None and error.__cause__ is not None:  # it was found, and failed to import
                 entry = registry.find(*plugin)
-                print(f"      fix: {fix_for(entry, error.__cause__, registry.platforms_of(entry.distribution), probes)}")
+                print(
+                    f"      fix: {fix_for(entry, error.__cause__, registry.platforms_of(entry.distribution), probes)}"
+                )
             return None
         print(f"ok    {label}")
         return result
@@ -195,8 +209,11 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         state = "available" if probe.available else "unavailable"
         print(f"      platform {name}: {state}, priority {probe.priority}: {probe.reason}")
     use = config.use
-    chosen = check(use_label("platform", use), lambda: select_platform(registry, use.platform),
-                   None if use.platform == "auto" else ("platform", use.platform))
+    chosen = check(
+        use_label("platform", use),
+        lambda: select_platform(registry, use.platform),
+        None if use.platform == "auto" else ("platform", use.platform),
+    )
     platform_name = None
     if chosen is not None:
         platform, _ = chosen
@@ -204,15 +221,23 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
         print(f"      platform: {platform.name}")
         if use.attention == "auto":
             attention = platform.default_attention
-            check(f"{use_label('attention', use)} -> {attention!r}", lambda: registry.load("attention", attention),
-                  ("attention", attention))
+            check(
+                f"{use_label('attention', use)} -> {attention!r}",
+                lambda: registry.load("attention", attention),
+                ("attention", attention),
+            )
     for key, slot, name in plugins_named_in_use(use):
         if slot != "platform":
             check(use_label(key, use), lambda slot=slot, name=name: registry.load(slot, name), (slot, name))
     for slot in ("loader", "tokenizer"):
         if getattr(use, slot) == "auto":
             print(f"      use.{slot} = 'auto': chosen from the model source when the model loads")
-    check("hooks", lambda: print(f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"))
+    check(
+        "hooks",
+        lambda: print(
+            f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"
+        ),
+    )
 
     engine_starts = not failures
     _check_unselected(registry, probes, platform_name, selected, failures, warnings)
@@ -241,14 +266,23 @@ def _check_discovery(registry: Any, failures: list[str], warnings: list[str]) ->
         print(f"warn  {message}")
 
 
-def _check_unselected(registry: Any, probes: dict[str, Any], platform_name: str | None, selected: set[tuple[str, str]],
-                      failures: list[str], warnings: list[str]) -> None:
+def _check_unselected(
+    registry: Any,
+    probes: dict[str, Any],
+    platform_name: str | None,
+    selected: set[tuple[str, str]],
+    failures: list[str],
+    warnings: list[str],
+) -> None:
     """Doctor's last check: every enabled plugin the configuration did not select. One that does not import is a
     problem (added to ``failures``) unless it is meant for another platform (a warning)."""
     from weft.plugins.health import load_failures
 
-    unselected = [failure for failure in load_failures(registry, probes, platform_name)
-                  if (failure.entry.slot, failure.entry.name) not in selected]
+    unselected = [
+        failure
+        for failure in load_failures(registry, probes, platform_name)
+        if (failure.entry.slot, failure.entry.name) not in selected
+    ]
     for failure in unselected:
         label = f"{failure.entry.slot}/{failure.entry.name} ({failure.entry.distribution} {failure.entry.version})"
         line = f"{label} does not import: {failure.error}"

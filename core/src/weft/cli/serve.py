@@ -30,10 +30,12 @@ then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: applicati
 
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser(
-        "serve", help="serve the configured model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve the configured model over an OpenAI-compatible HTTP API",
         usage="%(prog)s [MODEL] [options]",
         description="Serve a model over an OpenAI-compatible HTTP API (chat completions, completions, responses).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(serve, model_positional=True)
     serve.set_defaults(run=run_serve, value_errors_are_usage=True)
@@ -51,11 +53,15 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise ConfigError(f"server.port {port}: {host}:{port} is already in use (another server?); stop it, "
-                                  f"or pick a free port with --port") from None
+                raise ConfigError(
+                    f"server.port {port}: {host}:{port} is already in use (another server?); stop it, "
+                    f"or pick a free port with --port"
+                ) from None
             reason = error.strerror or str(error)
-            raise ConfigError(f"server.host {host!r}, server.port {port}: cannot listen there ({reason}); "
-                              f"pick another address with --host or --port") from None
+            raise ConfigError(
+                f"server.host {host!r}, server.port {port}: cannot listen there ({reason}); "
+                f"pick another address with --host or --port"
+            ) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

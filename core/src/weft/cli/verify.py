@@ -9,7 +9,8 @@ from typing import Any
 
 def add_parser(commands: Any) -> None:
     verify = commands.add_parser(
-        "verify", help="check a model family token for token against its Hugging Face reference",
+        "verify",
+        help="check a model family token for token against its Hugging Face reference",
     )
     add_verify_arguments(verify)
     verify.set_defaults(run=run_verify, value_errors_are_usage=True)
@@ -17,13 +18,15 @@ def add_parser(commands: Any) -> None:
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="a folder with config.json and *.safetensors, a GGUF file or alias, or a cached HF repo id",
+        "model",
+        help="a folder with config.json and *.safetensors, a GGUF file or alias, or a cached HF repo id",
     )
     parser.add_argument("--reference", choices=("hf",), default="hf", help="what to compare against: hf (transformers)")
     parser.add_argument(
-        "--prompts", metavar="FILE",
+        "--prompts",
+        metavar="FILE",
         help="one prompt per line; or JSON Lines (a .jsonl file, or one whose first line is JSON), each line a JSON "
-             "string or {\"prompt\": ...}, for prompts of several lines (default: four built-in prompts)",
+        'string or {"prompt": ...}, for prompts of several lines (default: four built-in prompts)',
     )
     parser.add_argument("--dtype", help="weights and activations on both sides: float32 (default), float16 or bfloat16")
     parser.add_argument("--max-tokens", type=int, help="greedy tokens per prompt (default 16)")

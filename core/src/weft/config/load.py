@@ -106,17 +106,22 @@ def _take_plugins_lock(raw: dict[str, Any], source: str) -> str | None:
     return None
 
 
-
 def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -> None:
     """The parallel layout's own consistency (what needs the model or the devices is checked at start)."""
     engine = config.engine
 
     def where(*keys: str) -> str:
-        return OVERRIDE_SOURCE if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys) else source
+        return (
+            OVERRIDE_SOURCE
+            if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys)
+            else source
+        )
 
     world = world_size(engine)
-    sizes = (f"tensor_parallel_size x pipeline_parallel_size = {engine.tensor_parallel_size} x "
-             f"{engine.pipeline_parallel_size} = {world} ranks")
+    sizes = (
+        f"tensor_parallel_size x pipeline_parallel_size = {engine.tensor_parallel_size} x "
+        f"{engine.pipeline_parallel_size} = {world} ranks"
+    )
     if engine.distributed_executor_backend == "uniproc" and world > 1:
         raise ConfigError(
             f"{where('distributed_executor_backend', 'tensor_parallel_size', 'pipeline_parallel_size')}: "
@@ -133,13 +138,17 @@ def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -
     nodes, node_rank = engine.distributed.nnodes, engine.distributed.node_rank
     if world == 1:
         # One rank runs in the engine core's process: nothing meets anyone, so these would do nothing.
-        given = {key: value for key, value in msgspec.structs.asdict(engine.distributed).items()
-                 if key in ("nnodes", "node_rank", "master_addr", "master_port") and value is not None
-                 and (key, value) not in (("nnodes", 1), ("node_rank", 0))}
+        given = {
+            key: value
+            for key, value in msgspec.structs.asdict(engine.distributed).items()
+            if key in ("nnodes", "node_rank", "master_addr", "master_port")
+            and value is not None
+            and (key, value) not in (("nnodes", 1), ("node_rank", 0))
+        }
         if given:
             keys = [f"distributed.{key}" for key in given]
             raise ConfigError(
-                f"{where(*keys)}: {', '.join(f'engine.{key} = {value!r}' for key, value in zip(keys, given.values()))} "
+                f"{where(*keys)}: {', '.join(f'engine.{key} = {value!r}' for key, value in zip(keys, given.values(), strict=False))} "
                 f"but {sizes}: one rank runs in the engine core's process and meets no other; raise "
                 f"tensor_parallel_size or pipeline_parallel_size to spread the model over nodes, or remove "
                 f"{'it' if len(given) == 1 else 'them'}"
@@ -163,8 +172,9 @@ def _check_structured_output_fill(config: WeftConfig, source: str, override_path
         )
 
 
-def _check_options_that_would_do_nothing(config: WeftConfig, raw: dict[str, Any], source: str,
-                                         override_paths: set[str]) -> None:
+def _check_options_that_would_do_nothing(
+    config: WeftConfig, raw: dict[str, Any], source: str, override_paths: set[str]
+) -> None:
     """An option given where another makes it do nothing is an error naming both, not a setting silently dropped."""
     engine = config.engine
 
@@ -180,42 +190,60 @@ def _check_options_that_would_do_nothing(config: WeftConfig, raw: dict[str, Any]
         return found and value != default
 
     def fail(keys: tuple[str, ...], message: str) -> None:
-        where = OVERRIDE_SOURCE if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys) else source
+        where = (
+            OVERRIDE_SOURCE
+            if any(_set_by_override(["engine", *key.split(".")], override_paths) for key in keys)
+            else source
+        )
         raise ConfigError(f"{where}: {message}")
 
     if engine.enforce_eager and engine.graph_batch_sizes:
-        fail(("graph_batch_sizes", "enforce_eager"),
-             f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no graphs; "
-             f"remove graph_batch_sizes, or set enforce_eager to false")
+        fail(
+            ("graph_batch_sizes", "enforce_eager"),
+            f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no graphs; "
+            f"remove graph_batch_sizes, or set enforce_eager to false",
+        )
     if engine.num_kv_blocks is not None:
         for key in ("cpu_kv_cache_bytes", "gpu_memory_utilization"):
             if given(key):
-                fail((key, "num_kv_blocks"),
-                     f"engine.{key} = {getattr(engine, key)!r} sizes the KV cache, but engine.num_kv_blocks = "
-                     f"{engine.num_kv_blocks} sets its size; keep one of them")
+                fail(
+                    (key, "num_kv_blocks"),
+                    f"engine.{key} = {getattr(engine, key)!r} sizes the KV cache, but engine.num_kv_blocks = "
+                    f"{engine.num_kv_blocks} sets its size; keep one of them",
+                )
     if not engine.enable_chunked_prefill:
         for key in ("long_prefill_token_threshold", "max_long_partial_prefills"):
             if given(key) and getattr(engine, key) != 0:  # 0: no cap, what config show prints here
-                fail((key, "enable_chunked_prefill"),
-                     f"engine.{key} = {getattr(engine, key)!r} paces long prefills over steps, which only chunked "
-                     f"prefill splits, but engine.enable_chunked_prefill = false; remove it, or turn chunked prefill on")
+                fail(
+                    (key, "enable_chunked_prefill"),
+                    f"engine.{key} = {getattr(engine, key)!r} paces long prefills over steps, which only chunked "
+                    f"prefill splits, but engine.enable_chunked_prefill = false; remove it, or turn chunked prefill on",
+                )
     if config.use.structured_output == "none":
         for key in ("structured_output_fill", "structured_output_fill_processes"):
             if given(key):
-                fail((key,), f"engine.{key} = {getattr(engine, key)!r} but use.structured_output = 'none' turns "
-                             f"structured outputs off, so nothing is filled; remove it, or choose a backend")
+                fail(
+                    (key,),
+                    f"engine.{key} = {getattr(engine, key)!r} but use.structured_output = 'none' turns "
+                    f"structured outputs off, so nothing is filled; remove it, or choose a backend",
+                )
     if given("distributed.worker_timeout") and executor_name(engine) == "uniproc":
-        fail(("distributed.worker_timeout", "distributed_executor_backend"),
-             f"engine.distributed.worker_timeout = {engine.distributed.worker_timeout:g} but the uniproc executor runs "
-             f"its one worker in the engine core's process: no worker is started or waited for; remove it (the mp "
-             f"and ray executors wait on it)")
+        fail(
+            ("distributed.worker_timeout", "distributed_executor_backend"),
+            f"engine.distributed.worker_timeout = {engine.distributed.worker_timeout:g} but the uniproc executor runs "
+            f"its one worker in the engine core's process: no worker is started or waited for; remove it (the mp "
+            f"and ray executors wait on it)",
+        )
     if engine.revision is not None or engine.download_dir is not None:
         from weft.hub import is_repo_id
 
         if not is_repo_id(config.model):
             key = "revision" if engine.revision is not None else "download_dir"
-            fail((key,), f"engine.{key} = {getattr(engine, key)!r} applies to a Hugging Face repo id (org/name), but "
-                         f"model = {config.model!r} is not one (an alias, a local folder or file); remove it")
+            fail(
+                (key,),
+                f"engine.{key} = {getattr(engine, key)!r} applies to a Hugging Face repo id (org/name), but "
+                f"model = {config.model!r} is not one (an alias, a local folder or file); remove it",
+            )
 
 
 def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:
@@ -307,7 +335,10 @@ def validate_plugin_options(
             continue
         for options_type in option_types:
             try:
-                validated[name] = {**validated.get(name, {}), **msgspec.to_builtins(msgspec.convert(table, options_type))}
+                validated[name] = {
+                    **validated.get(name, {}),
+                    **msgspec.to_builtins(msgspec.convert(table, options_type)),
+                }
             except msgspec.ValidationError as error:
                 prefix = f"plugins.{name}."
                 inner = {path[len(prefix) :] for path in override_paths if path.startswith(prefix)}
@@ -381,7 +412,9 @@ def _explain(
     unknown = re.match(r"Object contains unknown field `(.*)`", message)
     if unknown:
         field = unknown[1]
-        valid = [f.encode_name for f in msgspec.structs.fields(_struct_at(root, parts))] if _struct_at(root, parts) else []
+        valid = (
+            [f.encode_name for f in msgspec.structs.fields(_struct_at(root, parts))] if _struct_at(root, parts) else []
+        )
         close = difflib.get_close_matches(field, valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         parts.append(field)
@@ -415,7 +448,15 @@ def _name_dict_keys(raw: Any, parts: list[str], message: str) -> list[str]:
     for part in parts:
         if part == "...":
             found, node = _lookup(raw, resolved)
-            keys = [key for key, value in node.items() if wanted is None or not isinstance(value, wanted) or (wanted is int and isinstance(value, bool))] if found and isinstance(node, dict) else []
+            keys = (
+                [
+                    key
+                    for key, value in node.items()
+                    if wanted is None or not isinstance(value, wanted) or (wanted is int and isinstance(value, bool))
+                ]
+                if found and isinstance(node, dict)
+                else []
+            )
             part = keys[0] if len(keys) == 1 or (keys and part is parts[-1]) else "..."
         resolved.append(part)
     return resolved

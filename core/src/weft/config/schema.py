@@ -58,118 +58,234 @@ class UseConfig(_Section, frozen=True):
     reasoning_parser: Annotated[
         str, Meta(description="reasoning parser, none, or auto: the one made for the model's architecture")
     ] = "auto"
-    ops: Annotated[dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")] = {}
+    ops: Annotated[
+        dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")
+    ] = {}
 
 
 class DistributedConfig(_Section, frozen=True):
     """Several nodes: one launcher per node (``weft serve`` on each); torchrun's variables fill what is unset."""
 
-    nnodes: Annotated[int, Meta(ge=1, description="nodes the model spans; default: $WORLD_SIZE / $LOCAL_WORLD_SIZE under torchrun, else 1")] | None = None
-    node_rank: Annotated[int, Meta(ge=0, description="this node's index (0 runs the engine); default: $GROUP_RANK or $NODE_RANK, else 0")] | None = None
-    master_addr: Annotated[str, Meta(description="address of node 0, where workers meet; default: $MASTER_ADDR, else 127.0.0.1")] | None = None
-    master_port: Annotated[int, Meta(ge=0, le=65535, description="TCP port of the rendezvous on node 0; default: $MASTER_PORT, else a free one (one node only)")] | None = None
+    nnodes: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="nodes the model spans; default: $WORLD_SIZE / $LOCAL_WORLD_SIZE under torchrun, else 1",
+            ),
+        ]
+        | None
+    ) = None
+    node_rank: (
+        Annotated[
+            int,
+            Meta(ge=0, description="this node's index (0 runs the engine); default: $GROUP_RANK or $NODE_RANK, else 0"),
+        ]
+        | None
+    ) = None
+    master_addr: (
+        Annotated[str, Meta(description="address of node 0, where workers meet; default: $MASTER_ADDR, else 127.0.0.1")]
+        | None
+    ) = None
+    master_port: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=65535,
+                description="TCP port of the rendezvous on node 0; default: $MASTER_PORT, else a free one (one node only)",
+            ),
+        ]
+        | None
+    ) = None
     worker_timeout: Annotated[
-        float, Meta(gt=0, description="seconds a worker may take to start, load, join the others or finish a collective")
+        float,
+        Meta(gt=0, description="seconds a worker may take to start, load, join the others or finish a collective"),
     ] = 600.0
 
 
 class EngineConfig(_Section, frozen=True):
     """Scheduling, KV cache and numerics."""
 
-    max_num_seqs: Annotated[
-        int, Meta(ge=1, description="most requests running in one step; default: the platform's (CPU 64, H200-class GPU 512)")
-    ] | None = None
-    max_num_batched_tokens: Annotated[
-        int, Meta(ge=1, description="token budget of one step; default: the platform's (CPU 2048, H200-class GPU 16384)")
-    ] | None = None
+    max_num_seqs: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="most requests running in one step; default: the platform's (CPU 64, H200-class GPU 512)",
+            ),
+        ]
+        | None
+    ) = None
+    max_num_batched_tokens: (
+        Annotated[
+            int,
+            Meta(
+                ge=1, description="token budget of one step; default: the platform's (CPU 2048, H200-class GPU 16384)"
+            ),
+        ]
+        | None
+    ) = None
     max_model_len: Annotated[int, Meta(ge=1, description="context length; default: the model's")] | None = None
     block_size: Annotated[int, Meta(ge=1, le=4096, description="tokens per KV-cache block")] = 16
     num_kv_blocks: Annotated[int, Meta(ge=1, description="KV-cache blocks; default: sized from memory")] | None = None
-    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="share of device memory the engine may use")] = 0.9
+    gpu_memory_utilization: Annotated[
+        float, Meta(gt=0, le=1, description="share of device memory the engine may use")
+    ] = 0.9
     cpu_kv_cache_bytes: Annotated[int, Meta(ge=1, description="KV-cache bytes on the CPU platform")] = 1 << 30
     enable_prefix_caching: Annotated[bool, Meta(description="reuse KV blocks of identical prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, Meta(description="split long prompts across steps")] = True
-    long_prefill_token_threshold: Annotated[
-        int, Meta(ge=0, description="a prefill needing more tokens is long: while other requests wait or run it gets "
-                                    "this many per step, then the budget they leave; default: a quarter of "
-                                    "max_num_batched_tokens; 0: no cap")
-    ] | None = None
+    long_prefill_token_threshold: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="a prefill needing more tokens is long: while other requests wait or run it gets "
+                "this many per step, then the budget they leave; default: a quarter of "
+                "max_num_batched_tokens; 0: no cap",
+            ),
+        ]
+        | None
+    ) = None
     max_long_partial_prefills: Annotated[
-        int, Meta(ge=1, description="long prefills running at once; a long prompt beyond that waits while shorter ones go first")
+        int,
+        Meta(
+            ge=1,
+            description="long prefills running at once; a long prompt beyond that waits while shorter ones go first",
+        ),
     ] = 1
     dtype: Annotated[
-        Literal["auto", "float32", "float16", "bfloat16"], Meta(description="weights and activations; auto: the platform's")
+        Literal["auto", "float32", "float16", "bfloat16"],
+        Meta(description="weights and activations; auto: the platform's"),
     ] = "auto"
     quantization: Annotated[
         str,
-        Meta(description="how linear layers store and multiply weights: a weft.quantization method (cpu_int4: "
-                         "torch's int4 CPU kernel, GGUF blocks kept quantized), none (dense weights in dtype, "
-                         "quantized checkpoints dequantized), or auto (the method made for the platform and the "
-                         "model's format, else none)"),
+        Meta(
+            description="how linear layers store and multiply weights: a weft.quantization method (cpu_int4: "
+            "torch's int4 CPU kernel, GGUF blocks kept quantized), none (dense weights in dtype, "
+            "quantized checkpoints dequantized), or auto (the method made for the platform and the "
+            "model's format, else none)"
+        ),
     ] = "auto"
-    cpu_threads: Annotated[
-        int, Meta(ge=1, description="compute threads of a CPU worker; default: one per physical core available "
-                                    "(affinity and cgroup quota respected)")
-    ] | None = None
-    cpu_affinity: Annotated[
-        list[Annotated[int, Meta(ge=0)]],
-        Meta(description="CPUs a CPU worker's threads are bound to; default: one per physical core available"),
-    ] | None = None
-    seed: Annotated[int, Meta(description="seed of the generator shared by requests that give no seed of their own "
-                                         "(their samples then depend on what else runs); a request's 'seed' (weft "
-                                         "generate --sample-seed) makes its own output reproducible")] = 0
+    cpu_threads: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="compute threads of a CPU worker; default: one per physical core available "
+                "(affinity and cgroup quota respected)",
+            ),
+        ]
+        | None
+    ) = None
+    cpu_affinity: (
+        Annotated[
+            list[Annotated[int, Meta(ge=0)]],
+            Meta(description="CPUs a CPU worker's threads are bound to; default: one per physical core available"),
+        ]
+        | None
+    ) = None
+    seed: Annotated[
+        int,
+        Meta(
+            description="seed of the generator shared by requests that give no seed of their own "
+            "(their samples then depend on what else runs); a request's 'seed' (weft "
+            "generate --sample-seed) makes its own output reproducible"
+        ),
+    ] = 0
     enforce_eager: Annotated[bool, Meta(description="never capture graphs")] = False
-    graph_batch_sizes: Annotated[
-        list[Annotated[int, Meta(ge=1)]],
-        Meta(description="decode batch sizes captured as graphs; default: the platform's (1, 2, 4, 8, then every 8 up "
-                         "to max_num_seqs where it captures graphs; none on the CPU)"),
-    ] | None = None
+    graph_batch_sizes: (
+        Annotated[
+            list[Annotated[int, Meta(ge=1)]],
+            Meta(
+                description="decode batch sizes captured as graphs; default: the platform's (1, 2, 4, 8, then every 8 up "
+                "to max_num_seqs where it captures graphs; none on the CPU)"
+            ),
+        ]
+        | None
+    ) = None
     runtime_jit: Annotated[
         Literal["warn", "error"],
         Meta(description="a kernel variant compiled after warm-up: warn (and compile) or error"),
     ] = "warn"
-    async_scheduling: Annotated[
-        bool, Meta(description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it")
-    ] | None = None
+    async_scheduling: (
+        Annotated[
+            bool,
+            Meta(
+                description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it"
+            ),
+        ]
+        | None
+    ) = None
     structured_output_fill: Annotated[
         Literal["auto", "thread", "process"],
-        Meta(description="where grammar matchers accept tokens and fill bitmasks: a thread of the engine core, or a "
-                         "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
-                         "beside the core's work); auto: a process where the backend can run its fill there and the machine has 8 CPUs or "
-                         "more (or structured_output_fill_processes is set), else a thread"),
+        Meta(
+            description="where grammar matchers accept tokens and fill bitmasks: a thread of the engine core, or a "
+            "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
+            "beside the core's work); auto: a process where the backend can run its fill there and the machine has 8 CPUs or "
+            "more (or structured_output_fill_processes is set), else a thread"
+        ),
     ] = "auto"
-    structured_output_fill_processes: Annotated[
-        int, Meta(ge=1, le=64, description="fill processes sharing the matchers (each accepts and fills its own rows of a "
-                                           "step, beside the others); default: one per 4 CPUs, at most 4")
-    ] | None = None
-    distributed_executor_backend: Annotated[
-        str,
-        Meta(description="executor plugin that runs the model on workers: uniproc (one worker in the engine core's "
-                         "process), mp (one process per device), ray (weft-ray); default: uniproc on one device, mp above"),
-    ] | None = None
+    structured_output_fill_processes: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                le=64,
+                description="fill processes sharing the matchers (each accepts and fills its own rows of a "
+                "step, beside the others); default: one per 4 CPUs, at most 4",
+            ),
+        ]
+        | None
+    ) = None
+    distributed_executor_backend: (
+        Annotated[
+            str,
+            Meta(
+                description="executor plugin that runs the model on workers: uniproc (one worker in the engine core's "
+                "process), mp (one process per device), ray (weft-ray); default: uniproc on one device, mp above"
+            ),
+        ]
+        | None
+    ) = None
     tensor_parallel_size: Annotated[
         int, Meta(ge=1, description="devices each layer is sharded over (attention heads, MLP columns, vocabulary)")
     ] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, description="stages the layers are split over")] = 1
-    pipeline_partition: Annotated[
-        list[Annotated[int, Meta(ge=1)]],
-        Meta(description="layers of each pipeline stage, first stage first; default: an even split"),
-    ] | None = None
+    pipeline_partition: (
+        Annotated[
+            list[Annotated[int, Meta(ge=1)]],
+            Meta(description="layers of each pipeline stage, first stage first; default: an even split"),
+        ]
+        | None
+    ) = None
     enable_expert_parallel: Annotated[
         bool, Meta(description="mixture-of-experts models: spread whole routed experts over the tensor-parallel ranks")
     ] = False
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
-    revision: Annotated[
-        str, Meta(description="Hugging Face revision (branch, tag or commit) of a repo id model, for weights and "
-                              "tokenizer alike; default: the one after '@' in model, else main")
-    ] | None = None
-    download_dir: Annotated[
-        str, Meta(description="Hugging Face cache a repo id downloads into; default: HF_HUB_CACHE, else HF_HOME/hub")
-    ] | None = None
+    revision: (
+        Annotated[
+            str,
+            Meta(
+                description="Hugging Face revision (branch, tag or commit) of a repo id model, for weights and "
+                "tokenizer alike; default: the one after '@' in model, else main"
+            ),
+        ]
+        | None
+    ) = None
+    download_dir: (
+        Annotated[
+            str,
+            Meta(description="Hugging Face cache a repo id downloads into; default: HF_HUB_CACHE, else HF_HOME/hub"),
+        ]
+        | None
+    ) = None
     generation_config: Annotated[
         str,
-        Meta(description="sampling defaults of requests that leave them unset: auto (the model's generation config), "
-                         "none (Weft's: temperature 1, top_p 1...), or a folder holding a generation_config.json"),
+        Meta(
+            description="sampling defaults of requests that leave them unset: auto (the model's generation config), "
+            "none (Weft's: temperature 1, top_p 1...), or a folder holding a generation_config.json"
+        ),
     ] = "auto"
 
 
@@ -183,33 +299,50 @@ class ServerConfig(_Section, frozen=True):
     max_body_bytes: Annotated[int, Meta(ge=1, description="largest accepted request body")] = 8 << 20
     max_queued_requests: Annotated[int, Meta(ge=1, description="waiting requests before 503")] = 1024
     shutdown_timeout: Annotated[
-        float, Meta(ge=0, description="on SIGINT/SIGTERM: seconds in-flight requests may take to finish while new ones get 503")
+        float,
+        Meta(
+            ge=0, description="on SIGINT/SIGTERM: seconds in-flight requests may take to finish while new ones get 503"
+        ),
     ] = 30.0
     request_timeout: Annotated[
-        float, Meta(gt=0, description="seconds a request may take from arrival to its last token; then it is stopped "
-                                      "(408; a stream gets an error event)")
+        float,
+        Meta(
+            gt=0,
+            description="seconds a request may take from arrival to its last token; then it is stopped "
+            "(408; a stream gets an error event)",
+        ),
     ] = 1800.0
     header_timeout: Annotated[
-        float, Meta(gt=0, description="seconds a client may take to send a request's headers; then the connection is closed")
+        float,
+        Meta(gt=0, description="seconds a client may take to send a request's headers; then the connection is closed"),
     ] = 30.0
     body_timeout: Annotated[
         float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
     ] = 60.0
     tokenizer_threads: Annotated[
-        int, Meta(ge=1, description="threads that decode request bodies, render chat templates and tokenize, off the "
-                                    "event loop; a request waits for one when all are busy")
+        int,
+        Meta(
+            ge=1,
+            description="threads that decode request bodies, render chat templates and tokenize, off the "
+            "event loop; a request waits for one when all are busy",
+        ),
     ] = 4
     max_sequences_per_request: Annotated[
         int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
     ] = 256
     strict_fields: Annotated[
-        bool, Meta(description="a request field no API of Weft's knows is a 400 naming it; default: accepted and "
-                               "ignored, logged once per name and listed in the x-weft-ignored-fields header")
+        bool,
+        Meta(
+            description="a request field no API of Weft's knows is a 400 naming it; default: accepted and "
+            "ignored, logged once per name and listed in the x-weft-ignored-fields header"
+        ),
     ] = False
     special_tokens_in_content: Annotated[
         Literal["text", "control"],
-        Meta(description="special-token text inside chat messages: text (encoded as plain text, so users cannot "
-                         "spoof roles) or control (encoded as the control tokens, the old behaviour)"),
+        Meta(
+            description="special-token text inside chat messages: text (encoded as plain text, so users cannot "
+            "spoof roles) or control (encoded as the control tokens, the old behaviour)"
+        ),
     ] = "text"
 
 
@@ -217,13 +350,19 @@ class WeftConfig(_Section, frozen=True):
     """The whole configuration."""
 
     model: Annotated[
-        str, Meta(description="alias, local folder, GGUF file, or HF repo id (org/name[@revision], downloaded if missing)")
-    ] = DEFAULT_MODEL
-    plugins_lock: Annotated[
         str,
-        Meta(description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "
-                         "different installed plugin set; default: $WEFT_PLUGINS_LOCK if set"),
-    ] | None = None
+        Meta(description="alias, local folder, GGUF file, or HF repo id (org/name[@revision], downloaded if missing)"),
+    ] = DEFAULT_MODEL
+    plugins_lock: (
+        Annotated[
+            str,
+            Meta(
+                description="lock file from `weft plugins freeze` (relative to this file): engine starts refuse a "
+                "different installed plugin set; default: $WEFT_PLUGINS_LOCK if set"
+            ),
+        ]
+        | None
+    ) = None
     """Spelled ``[plugins] lock`` in weft.toml (``plugins_lock``, the older spelling, is still read; giving both is
     an error): :func:`load_config` moves it here, so ``plugins`` holds only the per-plugin option tables."""
     use: UseConfig = msgspec.field(default_factory=UseConfig)
@@ -247,7 +386,6 @@ def with_platform_defaults(config: WeftConfig, defaults: Mapping[str, Any]) -> W
     if not chosen:
         return config
     return msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, **chosen))
-
 
 
 def world_size(engine: EngineConfig) -> int:

@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 
-from weft.contracts.platform import EngineDefaults, MemoryInfo, Platform, PlatformProbe, torch_has_library, visible_device_count
+from weft.contracts.platform import (
+    EngineDefaults,
+    MemoryInfo,
+    Platform,
+    PlatformProbe,
+    torch_has_library,
+    visible_device_count,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +147,11 @@ class GpuPlatform(Platform):
                 details=scan.details,
             )
         return PlatformProbe(
-            available=True, reason=f"{count} {cls.vendor} GPU(s)", priority=100, device_count=count, details=scan.details
+            available=True,
+            reason=f"{count} {cls.vendor} GPU(s)",
+            priority=100,
+            device_count=count,
+            details=scan.details,
         )
 
     @property

@@ -261,7 +261,14 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True):
 
     name: str
     layer_names: tuple[str, ...]
-    spec: FullAttentionSpec | SlidingWindowSpec | CompressedSpec | LatentAttentionSpec | RecurrentStateSpec | CheckpointSpec
+    spec: (
+        FullAttentionSpec
+        | SlidingWindowSpec
+        | CompressedSpec
+        | LatentAttentionSpec
+        | RecurrentStateSpec
+        | CheckpointSpec
+    )
     checkpointed: bool = False
     """For a group that is not prefix-cacheable: its model restores it, after a prefix hit, from a
     :class:`CheckpointSpec` group it also declares, so prefix caching may stay on (added in core API 1.5)."""

@@ -329,7 +329,9 @@ class KVConnector(PluginBase):
 
     # Scheduler side.
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that can be loaded from outside.
 
         Returns ``(n, load_async)``; ``n is None`` means "not known yet, ask next
@@ -346,7 +348,9 @@ class KVConnector(PluginBase):
         hit"; core API 1.11). Empty (the default): an offer loads every group."""
         return ()
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int
+    ) -> None:
         """The engine admitted ``request`` to load ``num_external_tokens`` tokens (the lookup's answer, or 0).
 
         ``block_ids`` are the blocks of its first step only; the load range and every
@@ -378,7 +382,9 @@ class KVConnector(PluginBase):
         their requests keep reading them (see "Lent blocks"; core API 1.6). None by default."""
         return ()
 
-    def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """The request ended. Returns ``(delay_free, params)``: delay freeing its blocks until sent.
 
         ``block_ids``: every block it holds now, per group (empty tuples when it holds none).
@@ -441,7 +447,9 @@ class SparseEntryReader(Protocol):
     reader overwrites the rows whose block was lent and reclaimed with their own copy.
     """
 
-    def read(self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def read(
+        self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor
+    ) -> torch.Tensor:
         """``selected`` ``[rows, k]`` entry indices in each request's token order (``-1``: none), ``entries``
         ``[rows, k, dim]`` as gathered from the cache, one row per request of ``request_ids``. Returns
         the entries, with those of reclaimed blocks replaced."""

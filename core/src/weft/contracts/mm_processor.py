@@ -118,8 +118,10 @@ class ImageItem(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.width <= 0 or self.height <= 0 or len(self.pixels) != self.width * self.height * 3:
-            raise ValueError(f"ImageItem: {self.width}x{self.height} RGB needs {max(self.width * self.height * 3, 0)} "
-                             f"bytes of pixels, got {len(self.pixels)}")
+            raise ValueError(
+                f"ImageItem: {self.width}x{self.height} RGB needs {max(self.width * self.height * 3, 0)} "
+                f"bytes of pixels, got {len(self.pixels)}"
+            )
 
     def to_array(self) -> numpy.ndarray:
         """``[height, width, 3]`` uint8."""
@@ -202,8 +204,13 @@ class PromptUpdate(msgspec.Struct, frozen=True):
     """Per replacement position, the value of each 1-D integer extra (``token_types``)."""
 
 
-def apply_prompt_updates(prompt_token_ids: Sequence[int], placeholder_token_id: int, updates: Sequence[PromptUpdate],
-                         text_extras: dict[str, int] | None = None, extras_dtype: str = "int64") -> ProcessedPrompt:
+def apply_prompt_updates(
+    prompt_token_ids: Sequence[int],
+    placeholder_token_id: int,
+    updates: Sequence[PromptUpdate],
+    text_extras: dict[str, int] | None = None,
+    extras_dtype: str = "int64",
+) -> ProcessedPrompt:
     """Replace each placeholder of the prompt by its item's update, in order, and place the ranges and extras: each
     item's range is its whole replacement.
 
@@ -213,8 +220,10 @@ def apply_prompt_updates(prompt_token_ids: Sequence[int], placeholder_token_id: 
     text_extras = dict(text_extras or {})
     found = sum(1 for token in prompt_token_ids if token == placeholder_token_id)
     if found != len(updates):
-        raise ValueError(f"the prompt holds {found} image placeholder(s) (token {placeholder_token_id}) but "
-                         f"{len(updates)} image(s) came with it; each image part must become exactly one placeholder")
+        raise ValueError(
+            f"the prompt holds {found} image placeholder(s) (token {placeholder_token_id}) but "
+            f"{len(updates)} image(s) came with it; each image part must become exactly one placeholder"
+        )
     token_ids: list[int] = []
     extras: dict[str, list[int]] = {name: [] for name in text_extras}
     items = []
@@ -228,10 +237,15 @@ def apply_prompt_updates(prompt_token_ids: Sequence[int], placeholder_token_id: 
         update = next(updates_left)
         unknown = set(update.extras) - set(text_extras)
         if unknown:
-            raise ValueError(f"prompt update of item {update.hash[:12]} carries extras {sorted(unknown)} that "
-                             f"text_extras does not name")
-        items.append(ProcessedItem(update.hash, (PlaceholderRange(len(token_ids), len(update.token_ids)),),
-                                   update.encoder_inputs))
+            raise ValueError(
+                f"prompt update of item {update.hash[:12]} carries extras {sorted(unknown)} that "
+                f"text_extras does not name"
+            )
+        items.append(
+            ProcessedItem(
+                update.hash, (PlaceholderRange(len(token_ids), len(update.token_ids)),), update.encoder_inputs
+            )
+        )
         token_ids.extend(update.token_ids)
         for name, value in text_extras.items():
             extras[name].extend(update.extras.get(name, (value,) * len(update.token_ids)))

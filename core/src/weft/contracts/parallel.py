@@ -183,7 +183,6 @@ class Communicator:
         ``size`` equal runs of rows, rank 0's first; this rank gets its run, summed over every rank."""
         if self.size == 1:
             return tensor
-        import torch
         import torch.distributed as dist
 
         if tensor.shape[0] % self.size:

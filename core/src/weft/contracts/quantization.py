@@ -98,9 +98,13 @@ class GroupAffine:
             )
         first, count = (start, length) if dim == 0 else (start // self.group_size, length // self.group_size)
         return GroupAffine(
-            self.codes.narrow(dim, start, length), self.scales.narrow(dim, first, count),
+            self.codes.narrow(dim, start, length),
+            self.scales.narrow(dim, first, count),
             None if self.offsets is None else self.offsets.narrow(dim, first, count),
-            self.group_size, self.bits, self.signed, self.source_format,
+            self.group_size,
+            self.bits,
+            self.signed,
+            self.source_format,
         )
 
     @staticmethod
@@ -109,17 +113,26 @@ class GroupAffine:
         import torch
 
         first = parts[0]
-        if any((part.group_size, part.bits, part.signed) != (first.group_size, first.bits, first.signed)
-               for part in parts):
+        if any(
+            (part.group_size, part.bits, part.signed) != (first.group_size, first.bits, first.signed) for part in parts
+        ):
             formats = sorted({part.source_format for part in parts})
             raise ValueError(f"one stacked weight mixes block formats {formats}; engine.quantization = 'none' loads it")
         offsets = None
         if any(part.offsets is not None for part in parts):
-            offsets = torch.cat([part.offsets if part.offsets is not None else torch.zeros_like(part.scales)
-                                 for part in parts])
+            offsets = torch.cat(
+                [part.offsets if part.offsets is not None else torch.zeros_like(part.scales) for part in parts]
+            )
         formats = "+".join(dict.fromkeys(part.source_format for part in parts))
-        return GroupAffine(torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts]),
-                           offsets, first.group_size, first.bits, first.signed, formats)
+        return GroupAffine(
+            torch.cat([part.codes for part in parts]),
+            torch.cat([part.scales for part in parts]),
+            offsets,
+            first.group_size,
+            first.bits,
+            first.signed,
+            formats,
+        )
 
 
 class QuantizedWeight(WeightSlice):

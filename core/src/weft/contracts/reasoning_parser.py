@@ -98,5 +98,7 @@ class ReasoningParser(PluginBase):
         try:
             return self.scan(text, final)
         except Exception:
-            logger.warning("reasoning parser %r failed on the output; it is returned as content", self.name, exc_info=True)
+            logger.warning(
+                "reasoning parser %r failed on the output; it is returned as content", self.name, exc_info=True
+            )
             return ReasoningScan("", text if final else "")

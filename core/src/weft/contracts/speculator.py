@@ -179,8 +179,9 @@ class Speculator(PluginBase):
         :meth:`weft.contracts.model.ModelFamily.kv_cache_shape`); None where the attention backend owns it."""
         if spec.paged_attention:
             return None
-        raise NotImplementedError(f"speculator {self.name!r} declares a {type(spec).__name__} group "
-                                  "but does not define kv_cache_shape for it")
+        raise NotImplementedError(
+            f"speculator {self.name!r} declares a {type(spec).__name__} group but does not define kv_cache_shape for it"
+        )
 
     def bind_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """The cache tensors of the layers of :meth:`kv_cache_groups`, by layer name, once allocated."""

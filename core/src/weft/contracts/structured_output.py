@@ -184,8 +184,10 @@ class StructuredOutputBackend(PluginBase):
     @classmethod
     def fills_in_a_process(cls) -> bool:
         """Whether the backend implements :meth:`serialize_compiled` and :meth:`deserialize_compiled`."""
-        return (cls.serialize_compiled is not StructuredOutputBackend.serialize_compiled
-                and cls.deserialize_compiled is not StructuredOutputBackend.deserialize_compiled)
+        return (
+            cls.serialize_compiled is not StructuredOutputBackend.serialize_compiled
+            and cls.deserialize_compiled is not StructuredOutputBackend.deserialize_compiled
+        )
 
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[tuple[bool, bool]]:
         """For each ``matchers[i]``: :meth:`GrammarMatcher.accept_token` of ``tokens[i]``, then (when accepted)

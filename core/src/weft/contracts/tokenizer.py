@@ -135,7 +135,9 @@ class Tokenizer(PluginBase):
             return found.sub(lambda match: marker_of[match.group()], value)
 
         masked = _map_strings(list(messages), mask)
-        text = self.apply_chat_template(self.normalize_messages(masked), add_generation_prompt, **_map_strings(template_kwargs, mask))
+        text = self.apply_chat_template(
+            self.normalize_messages(masked), add_generation_prompt, **_map_strings(template_kwargs, mask)
+        )
         ids: list[int] = []
         pieces = re.split("(" + "|".join(re.escape(marker) for marker in special_of) + ")", text)
         for index, piece in enumerate(pieces):
@@ -159,7 +161,9 @@ class Tokenizer(PluginBase):
     ) -> str:
         """Render normalized ``messages`` to the prompt text the model was trained on."""
 
-    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer; ``prompt_token_ids`` give context for the first pieces."""
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 

@@ -128,7 +128,8 @@ class ToolParser(PluginBase):
         """An assistant turn's calls (``{"name", "arguments"}``, arguments a dict) as the model writes them
         (for chat templates that ignore ``tool_calls``)."""
         return "\n".join(
-            "<tool_call>\n" + json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+            "<tool_call>\n"
+            + json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
             + "\n</tool_call>"
             for call in calls
         )
@@ -143,8 +144,9 @@ class ToolParser(PluginBase):
         scan = self._safe_scan(text, final=True)
         if self.streams_pieces:
             named = next((index for index, call in enumerate(scan.calls) if not call.name), len(scan.calls))
-            return ParsedOutput(scan.content or None,
-                                [ToolCall(_call_id(), call.name, call.arguments) for call in scan.calls[:named]])
+            return ParsedOutput(
+                scan.content or None, [ToolCall(_call_id(), call.name, call.arguments) for call in scan.calls[:named]]
+            )
         valid = [call for call in scan.calls if is_valid_call(call)]
         if len(valid) < len(scan.calls) and not valid:
             return ParsedOutput(text or None, [])

@@ -86,6 +86,11 @@ def placement(config: WeftConfig, environ: Mapping[str, str] | None = None) -> P
             f"(or $MASTER_PORT) to the same free port on every node"
         )
     return Placement(
-        nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-        agent_store=agent_store, run_id=run_id, ranks_per_node=world // nnodes,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        agent_store=agent_store,
+        run_id=run_id,
+        ranks_per_node=world // nnodes,
     )

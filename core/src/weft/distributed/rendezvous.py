@@ -38,8 +38,11 @@ def serve_store(placement: Placement, timeout: float) -> tuple[Any, StoreAddress
     else:
         try:
             store = TCPStore(
-                placement.master_addr if placement.nnodes == 1 else "0.0.0.0", placement.master_port or 0,
-                is_master=True, timeout=expire, wait_for_workers=False,
+                placement.master_addr if placement.nnodes == 1 else "0.0.0.0",
+                placement.master_port or 0,
+                is_master=True,
+                timeout=expire,
+                wait_for_workers=False,
             )
         except (RuntimeError, OSError) as error:
             raise RuntimeError(
@@ -80,7 +83,10 @@ def publish_config(store: Any, config: WeftConfig) -> None:
 def leader_config(store: Any, config: WeftConfig) -> WeftConfig:
     """Node 0's configuration, once it published it; raises ValueError when ``config`` differs in what nodes share."""
     leader = msgspec.msgpack.decode(store.get("config"), type=WeftConfig)
-    mine, theirs = _flat(msgspec.json.decode(shared_settings(config))), _flat(msgspec.json.decode(shared_settings(leader)))
+    mine, theirs = (
+        _flat(msgspec.json.decode(shared_settings(config))),
+        _flat(msgspec.json.decode(shared_settings(leader))),
+    )
     differing = sorted(key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key))
     if differing:
         raise ValueError(

@@ -32,8 +32,14 @@ if TYPE_CHECKING:
 class ParallelGroups:
     """The groups of one rank (or of a single-process engine, with none)."""
 
-    def __init__(self, layout: ParallelLayout, tensor: Communicator, device: torch.device,
-                 world_cpu_group: Any = None, distributed: bool = False) -> None:
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        tensor: Communicator,
+        device: torch.device,
+        world_cpu_group: Any = None,
+        distributed: bool = False,
+    ) -> None:
         self.layout = layout
         self.tensor = tensor
         """Collectives over this stage's tensor-parallel ranks."""
@@ -53,7 +59,9 @@ class ParallelGroups:
         destination = self.layout.rank + self.layout.tensor_parallel_size
         return [dist.isend(tensors[name].contiguous(), dst=destination) for name in sorted(tensors)]
 
-    def receive_from_previous_stage(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    def receive_from_previous_stage(
+        self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> dict[str, torch.Tensor]:
         """The previous stage's output, shaped as ``spec`` says (every stage knows the step's token counts)."""
         import torch.distributed as dist
 
@@ -116,7 +124,9 @@ def current_parallel() -> ParallelGroups:
     return _current.get()
 
 
-def init_parallel(layout: ParallelLayout, platform: Platform, device: torch.device, store: Any, timeout: float) -> ParallelGroups:
+def init_parallel(
+    layout: ParallelLayout, platform: Platform, device: torch.device, store: Any, timeout: float
+) -> ParallelGroups:
     """Join the model's world through ``store`` and create its groups (every rank calls this together)."""
     import torch.distributed as dist
 
@@ -125,7 +135,9 @@ def init_parallel(layout: ParallelLayout, platform: Platform, device: torch.devi
     options: dict[str, Any] = {}
     if device.type != "cpu":
         options["device_id"] = device
-    dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=expire, **options)
+    dist.init_process_group(
+        backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=expire, **options
+    )
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
     tensor_group = None
     for stage in range(pp):

@@ -161,8 +161,10 @@ class ProcessClient(CoreClient):
 
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
-            target=run_engine_core, args=(config, input_address, output_address, os.getpid()),
-            name="weft-engine-core", daemon=True,
+            target=run_engine_core,
+            args=(config, input_address, output_address, os.getpid()),
+            name="weft-engine-core",
+            daemon=True,
         )
         self.process.start()
         self.engine_settings = self._handshake(startup_timeout)

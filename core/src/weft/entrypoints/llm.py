@@ -77,7 +77,9 @@ class LLM:
         self.config = config
         self.engine = LLMEngine(config, self._registry)
         self.tokenizer = self.engine.tokenizer
-        self.model_sampling_defaults = load_model_sampling_defaults(self.engine.frontend.source, config.engine.generation_config)
+        self.model_sampling_defaults = load_model_sampling_defaults(
+            self.engine.frontend.source, config.engine.generation_config
+        )
         report_summary({**self.engine.core.describe(), "sampling_defaults": self.model_sampling_defaults}, started)
         self._ids = itertools.count()
 
@@ -137,7 +139,9 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _params_for(self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+    def _params_for(
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
@@ -147,11 +151,13 @@ class LLM:
             raise ValueError(f"got {count} prompts but {len(params)} SamplingParams; give one, or one per prompt")
         return params
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool | None) -> list[RequestOutput]:
+    def _run(
+        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool | None
+    ) -> list[RequestOutput]:
         engine = self.engine
         groups: list[tuple[str, str | None, list[int], list[RequestOutputState]]] = []
         try:
-            for (text, token_ids), request_params in zip(encoded, params):
+            for (text, token_ids), request_params in zip(encoded, params, strict=False):
                 base = str(next(self._ids))
                 requests = [
                     engine.add_request(f"{base}-{index}", token_ids, choice, stream_text=False)
@@ -163,7 +169,9 @@ class LLM:
                 for request in requests:
                     engine.abort(request.request_id)
             raise
-        progress = _Progress(len(groups), enabled=use_tqdm if use_tqdm is not None else len(groups) > 1 and sys.stderr.isatty())
+        progress = _Progress(
+            len(groups), enabled=use_tqdm if use_tqdm is not None else len(groups) > 1 and sys.stderr.isatty()
+        )
         done = 0
         try:
             while engine.has_unfinished:

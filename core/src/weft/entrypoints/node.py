@@ -47,8 +47,15 @@ def run_node(config: WeftConfig) -> int:
     assert where.master_port is not None
     ranks = where.node_ranks()
     address = StoreAddress(where.master_addr, where.master_port, where.run_id, config.engine.distributed.worker_timeout)
-    logger.info("node %d of %d: ranks %d-%d, waiting for node 0 at %s:%d",
-                where.node_rank, where.nnodes, ranks.start, ranks.stop - 1, where.master_addr, where.master_port)
+    logger.info(
+        "node %d of %d: ranks %d-%d, waiting for node 0 at %s:%d",
+        where.node_rank,
+        where.nnodes,
+        ranks.start,
+        ranks.stop - 1,
+        where.master_addr,
+        where.master_port,
+    )
     store = connect_store(address)
     context = zmq.Context()
     results = context.socket(zmq.PUSH)
@@ -65,8 +72,12 @@ def run_node(config: WeftConfig) -> int:
     spawn = torch_mp.get_context("spawn")
     processes: dict[int, Any] = {}
     for local_rank, rank in enumerate(ranks):
-        process = spawn.Process(target=run_worker, args=(config, layout.at_rank(rank), local_rank, address, os.getpid()),
-                                name=f"weft-worker-{rank}", daemon=True)
+        process = spawn.Process(
+            target=run_worker,
+            args=(config, layout.at_rank(rank), local_rank, address, os.getpid()),
+            name=f"weft-worker-{rank}",
+            daemon=True,
+        )
         process.start()
         processes[rank] = process
     status = 0

@@ -28,8 +28,13 @@ def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Sta
     """Start the engine core and return the app serving it (plugins' ``weft_http_routes`` included)."""
     registry = registry or PluginRegistry()
     server = config.server
-    engine = AsyncEngine(config, registry, server.max_queued_requests, request_timeout=server.request_timeout,
-                         tokenizer_threads=server.tokenizer_threads)
+    engine = AsyncEngine(
+        config,
+        registry,
+        server.max_queued_requests,
+        request_timeout=server.request_timeout,
+        tokenizer_threads=server.tokenizer_threads,
+    )
     try:
         routes = [route for contributed in registry.hooks().hook.weft_http_routes() for route in (contributed or ())]
         return create_app(engine, config, routes)
@@ -38,15 +43,21 @@ def build_app(config: WeftConfig, registry: PluginRegistry | None = None) -> Sta
         raise
 
 
-def build_server(app: Starlette, config: WeftConfig, log_level: str = "info", port: int | None = None) -> GracefulServer:
+def build_server(
+    app: Starlette, config: WeftConfig, log_level: str = "info", port: int | None = None
+) -> GracefulServer:
     """The uvicorn server for ``app`` (``port``: instead of ``server.port``), its requests tracked from their
     arrival (:class:`weft.serve.lifecycle.InFlightRequests`)."""
     settings = config.server
     engine: AsyncEngine = app.state.server.engine
     in_flight = InFlightRequests(app, engine, app.state.server.metrics.failed)
     return GracefulServer(
-        uvicorn_config(in_flight, settings.host, settings.port if port is None else port, settings.header_timeout, log_level),
-        engine, settings.shutdown_timeout, in_flight,
+        uvicorn_config(
+            in_flight, settings.host, settings.port if port is None else port, settings.header_timeout, log_level
+        ),
+        engine,
+        settings.shutdown_timeout,
+        in_flight,
     )
 
 
@@ -58,8 +69,10 @@ def serve(config: WeftConfig) -> int:
     app = build_app(config)
     state = app.state.server
     engine: AsyncEngine = state.engine
-    url = (f"http://{config.server.host}:{config.server.port}/v1 (OpenAI-compatible"
-           f"{'; API key required' if state.api_key else ''})")
+    url = (
+        f"http://{config.server.host}:{config.server.port}/v1 (OpenAI-compatible"
+        f"{'; API key required' if state.api_key else ''})"
+    )
     report_summary({**engine.engine_settings, "sampling_defaults": state.model_sampling_defaults}, started, url)
     server = build_server(app, config)
 
@@ -79,6 +92,8 @@ def serve(config: WeftConfig) -> int:
         engine.stop()
     if engine.dead:
         reason = f": {engine.death_reason}" if engine.death_reason else ""
-        print(f"weft: error: the engine core process died (exit code {engine.client.exitcode}){reason}", file=sys.stderr)
+        print(
+            f"weft: error: the engine core process died (exit code {engine.client.exitcode}){reason}", file=sys.stderr
+        )
         return 1
     return 0

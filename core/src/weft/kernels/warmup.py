@@ -92,7 +92,7 @@ class Zipped(InputSpace):
 
     def points(self) -> Iterator[dict[str, Any]]:
         names = list(self.columns)
-        return (dict(zip(names, row)) for row in zip(*self.columns.values()))
+        return (dict(zip(names, row, strict=False)) for row in zip(*self.columns.values(), strict=False))
 
 
 class Product(InputSpace):

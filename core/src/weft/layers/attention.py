@@ -57,7 +57,11 @@ class Attention(nn.Module):
         self.spec = spec
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        context: ForwardContext,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``sinks``: the ``[num_heads]`` sink logits of a layer whose spec has ``sinks``."""

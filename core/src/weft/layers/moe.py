@@ -135,13 +135,23 @@ def grouped_mm_runs(rows: torch.Tensor, weights: torch.Tensor) -> bool:
     if rows.device.type != "cuda" or rows.dtype != torch.bfloat16:
         return False
     # CUTLASS's grouped GEMM wants 16-byte aligned rows on both sides.
-    return torch.cuda.get_device_capability(rows.device) >= (9, 0) and rows.shape[-1] % 8 == 0 and weights.shape[1] % 8 == 0
+    return (
+        torch.cuda.get_device_capability(rows.device) >= (9, 0)
+        and rows.shape[-1] % 8 == 0
+        and weights.shape[1] % 8 == 0
+    )
 
 
 def fused_experts(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-    activation: MoEActivation = MoEActivation(), w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None, first_expert: int = 0,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    activation: MoEActivation = MoEActivation(),
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t])`` over the experts this rank holds.
 
@@ -178,11 +188,20 @@ def fused_experts(
 
 
 def moe(
-    hidden: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
-    routing: MoERouting, *, activation: MoEActivation = MoEActivation(),
-    correction_bias: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None, topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-    first_expert: int = 0, shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: MoERouting,
+    *,
+    activation: MoEActivation = MoEActivation(),
+    correction_bias: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    first_expert: int = 0,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
     experts_function: Any = None,
 ) -> torch.Tensor:
     """The ``moe`` op's definition (:class:`weft.builtins.moe.MoETorch` documents the arguments). An implementation
@@ -227,7 +246,9 @@ class ExpertParallelExchange:
         start = min(self.communicator.rank * rows, tensor.shape[0])
         return tensor[start : min(start + rows, tensor.shape[0])]
 
-    def dispatch(self, experts: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, experts: torch.Tensor, weights: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's ``(experts, weights)`` (``[N, k]``), from each rank's routing of its own rows."""
         rows, k = self.shard_rows(num_tokens), experts.shape[1]
         # Experts and weights travel in one float32 tensor (expert ids are exact below 2**24), its rows padded
@@ -296,8 +317,13 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, routing: MoERouting,
-        activation: MoEActivation = MoEActivation(), bias: bool = False,
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: MoERouting,
+        activation: MoEActivation = MoEActivation(),
+        bias: bool = False,
     ) -> None:
         super().__init__()
         parallel = current_parallel()
@@ -312,13 +338,19 @@ class FusedMoE(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(count, hidden_size), requires_grad=False) if bias else None
         self.exchange = (
             ExpertParallelExchange(self.tensor)
-            if parallel.layout.enable_expert_parallel and self.tensor.size > 1 else None
+            if parallel.layout.enable_expert_parallel and self.tensor.size > 1
+            else None
         )
         self.op = current_op("moe")
         if self.op is not None:
             self.op.declare(
-                num_experts=count, top_k=routing.top_k, hidden_size=hidden_size, intermediate_size=columns,
-                dtype=self.gate_up_proj.dtype, activation=activation, bias=bias,
+                num_experts=count,
+                top_k=routing.top_k,
+                hidden_size=hidden_size,
+                intermediate_size=columns,
+                dtype=self.gate_up_proj.dtype,
+                activation=activation,
+                bias=bias,
             )
 
     def holds(self, expert: int) -> bool:
@@ -330,8 +362,11 @@ class FusedMoE(nn.Module):
         return tensor if self.exchange is None else self.exchange.own_rows(tensor)
 
     def forward(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
-        correction_bias: torch.Tensor | None = None, topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        correction_bias: torch.Tensor | None = None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
         shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every token's output, summed over the tensor ranks.
@@ -351,14 +386,20 @@ class FusedMoE(nn.Module):
         return self.tensor.all_reduce(partial)
 
     def compute(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor | None, correction_bias: torch.Tensor | None,
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        correction_bias: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """This rank's partial output (its experts, its columns)."""
         kwargs = dict(
-            activation=self.activation, correction_bias=correction_bias, w13_bias=self.gate_up_proj_bias,
+            activation=self.activation,
+            correction_bias=correction_bias,
+            w13_bias=self.gate_up_proj_bias,
             # Under tensor parallelism the ranks' partial sums add up: one rank adds the bias.
-            w2_bias=self.down_proj_bias if self.held.column_start == 0 else None, topk=topk,
+            w2_bias=self.down_proj_bias if self.held.column_start == 0 else None,
+            topk=topk,
             first_expert=self.held.first,
         )
         if self.op is None:

@@ -27,7 +27,7 @@ RUNNER_OPS: tuple[str, ...] = ("bitmask_argmax",)
 """Core ops the model runner calls around the model (reference: :mod:`weft.builtins.bitmask_argmax`); chosen
 with the layers' ops, and forced the same way in ``[use.ops]``."""
 
-_active: contextvars.ContextVar[dict[str, OpImplementation]] = contextvars.ContextVar("weft_layer_ops", default={})
+_active: contextvars.ContextVar[dict[str, OpImplementation]] = contextvars.ContextVar("weft_layer_ops", default={})  # noqa: B039 - never mutated: using_ops sets a new dict
 
 
 @contextlib.contextmanager

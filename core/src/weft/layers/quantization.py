@@ -45,10 +45,14 @@ def quantization_notes(config, registry) -> list[str]:
     _, source = resolve_source(registry, config)
     name, method = choose_quantization(registry, config, platform, source.format, resolve_dtype(config, platform))
     if method is None:
-        return [f"quantization: none ({source.format} model on {platform.name}): dense weights in "
-                f"{resolve_dtype(config, platform)}, quantized checkpoint tensors dequantized at load"]
-    lines = [f"quantization: {name} (engine.quantization = {config.engine.quantization!r}; "
-             f"{source.format} model on {platform.name})"]
+        return [
+            f"quantization: none ({source.format} model on {platform.name}): dense weights in "
+            f"{resolve_dtype(config, platform)}, quantized checkpoint tensors dequantized at load"
+        ]
+    lines = [
+        f"quantization: {name} (engine.quantization = {config.engine.quantization!r}; "
+        f"{source.format} model on {platform.name})"
+    ]
     lines += [f"  {source_format} -> {target}" for source_format, target in method.conversions.items()]
     return lines
 

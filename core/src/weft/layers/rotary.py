@@ -69,7 +69,10 @@ def _yarn_inverse_frequencies(dim: int, base: float, parameters: dict[str, Any])
 
 
 def _yarn_factor(parameters: dict[str, Any]) -> float:
-    return parameters.get("factor") or parameters["max_position_embeddings"] / parameters["original_max_position_embeddings"]
+    return (
+        parameters.get("factor")
+        or parameters["max_position_embeddings"] / parameters["original_max_position_embeddings"]
+    )
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -83,7 +86,11 @@ def attention_scaling(parameters: dict[str, Any]) -> float:
     if parameters.get("attention_factor") is not None and kind in ("yarn", "longrope"):
         return float(parameters["attention_factor"])
     if kind == "yarn":
-        factor, mscale, mscale_all_dim = _yarn_factor(parameters), parameters.get("mscale"), parameters.get("mscale_all_dim")
+        factor, mscale, mscale_all_dim = (
+            _yarn_factor(parameters),
+            parameters.get("mscale"),
+            parameters.get("mscale_all_dim"),
+        )
         if mscale and mscale_all_dim:
             return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         return yarn_mscale(factor)
@@ -133,7 +140,9 @@ class LongRopeEmbedding(RotaryEmbedding):
         self.sin = torch.cat((self.sin, long.sin))
 
 
-def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` ``[T, heads, dim]`` and ``key`` ``[T, kv_heads, dim]`` by a :meth:`RotaryEmbedding.table`;
     a table narrower than the heads rotates their leading dims only."""
     width = cos.shape[-1]

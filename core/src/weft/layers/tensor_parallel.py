@@ -46,7 +46,9 @@ class Shard(msgspec.Struct, frozen=True):
 
 def copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
     if destination.shape != source.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, expected {tuple(destination.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, expected {tuple(destination.shape)}"
+        )
     with torch.no_grad():
         destination.copy_(source)
 
@@ -62,7 +64,9 @@ class ColumnParallelLinear(Linear):
         self.shards = tuple(shards)
         self.offsets = [sum(shard.length for shard in shards[:index]) for index in range(len(shards))]
 
-    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+    def load_checkpoint_tensor(
+        self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0
+    ) -> None:
         """Copy this rank's rows of checkpoint tensor ``name`` (stacked part ``index``) into ``parameter``."""
         shard = self.shards[index]
         if parameter == "weight" and self.quantization is not None:
@@ -99,11 +103,14 @@ class RowParallelLinear(Linear):
             return self.tensor.all_reduce(super().forward(x))
         return self.tensor.all_reduce(self.matmul(x, None)) + self.bias
 
-    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+    def load_checkpoint_tensor(
+        self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0
+    ) -> None:
         weight = as_slice(weight)
         if parameter == "weight" and self.quantization is not None:
-            self.quantization.load_weight(self, quantized_part(weight).narrow(1, self.shard.start, self.shard.length), 0,
-                                          name)
+            self.quantization.load_weight(
+                self, quantized_part(weight).narrow(1, self.shard.start, self.shard.length), 0, name
+            )
             return
         destination = getattr(self, parameter).data
         if parameter == "bias":
@@ -130,7 +137,9 @@ class VocabParallelEmbedding(Embedding):
         hidden = F.embedding(local.masked_fill(~inside, 0), self.weight)
         return self.tensor.all_reduce(hidden.masked_fill(~inside.unsqueeze(-1), 0))
 
-    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+    def load_checkpoint_tensor(
+        self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0
+    ) -> None:
         load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
         if isinstance(weight, QuantizedWeight) and self.keep_codes:
             # A head tied to this embedding gets this parameter as its weight: it packs these codes instead of floats.
@@ -152,7 +161,9 @@ class ParallelLMHead(Linear):
             return logits
         return self.tensor.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
-    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+    def load_checkpoint_tensor(
+        self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0
+    ) -> None:
         if self.quantization is None:
             load_vocab_rows(self.weight, self.first_row, self.rows, weight, name, self.vocab_size)
             return
@@ -161,8 +172,9 @@ class ParallelLMHead(Linear):
     def load_quantized_rows(self, weight: GroupAffine | torch.Tensor, name: str) -> None:
         """This rank's vocabulary rows for the quantization method, padding rows as zeros."""
         if weight.shape[0] != self.vocab_size:
-            raise ValueError(f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's "
-                             f"{self.vocab_size}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's {self.vocab_size}"
+            )
         if self.rows:
             self.quantization.load_weight(self, weight.narrow(0, self.first_row, self.rows), 0, name)
         if self.rows < self.rows_per_rank:
@@ -191,11 +203,14 @@ def vocab_rows(vocab_size: int, tensor: Communicator) -> tuple[int, int, int]:
     return per_rank, first, max(0, min(vocab_size - first, per_rank))
 
 
-def load_vocab_rows(parameter: torch.Tensor, first: int, rows: int, weight: WeightSlice | torch.Tensor, name: str,
-                    vocab_size: int) -> None:
+def load_vocab_rows(
+    parameter: torch.Tensor, first: int, rows: int, weight: WeightSlice | torch.Tensor, name: str, vocab_size: int
+) -> None:
     weight = as_slice(weight)
     if weight.shape[0] != vocab_size:
-        raise ValueError(f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's {vocab_size}")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has {weight.shape[0]} rows, expected the vocabulary's {vocab_size}"
+        )
     with torch.no_grad():
         parameter.data[rows:].zero_()
     if rows:

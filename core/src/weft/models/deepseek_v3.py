@@ -111,7 +111,10 @@ class LatentStep:
 
 
 def apply_interleaved_rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout), writing the results de-interleaved as HF does
     (evens' results then odds'; queries and keys alike, so their products are unchanged)."""
@@ -148,10 +151,16 @@ class DeepseekV3Attention(nn.Module):
         self.rotate = apply_interleaved_rotary if s.rope_interleave else apply_rotary
 
     def forward(
-        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext, step: LatentStep,
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        context: ForwardContext,
+        step: LatentStep,
     ) -> torch.Tensor:
         s, tokens = self.settings, hidden.shape[0]
-        query = self.q_proj(hidden) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        query = (
+            self.q_proj(hidden) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        )
         query_nope, query_rope = query.view(tokens, self.num_heads, self.qk_head_dim).split(
             [s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1
         )
@@ -259,7 +268,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
 
     def forward(
-        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext, step: LatentStep,
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        context: ForwardContext,
+        step: LatentStep,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), context, step)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -349,7 +362,8 @@ class DeepseekV3Family(ModelFamily):
             filled.add(target if part is None else f"{target}#{part}")
         expected = {
             name if part is None else f"{name}#{part}"
-            for name, parameter in parameters.items() for part in _parts(name, parameter)
+            for name, parameter in parameters.items()
+            for part in _parts(name, parameter)
         }
         if settings.tie_word_embeddings:
             expected.discard("lm_head.weight")

@@ -112,12 +112,18 @@ class GemmaAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = GemmaRMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim, scale=s.scale,
-            sliding_window=s.sliding_windows[index], logits_soft_cap=s.attention_soft_cap,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=s.head_dim,
+            scale=s.scale,
+            sliding_window=s.sliding_windows[index],
+            logits_soft_cap=s.attention_soft_cap,
         )
         self.attn = Attention(layer_name(index), 0, spec)
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(tokens, self.num_heads, self.head_dim)
@@ -155,7 +161,9 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
         attended = self.self_attn(rotary, self.input_layernorm(hidden), context)
         hidden = hidden + self.post_attention_layernorm(attended)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
@@ -168,19 +176,23 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(settings.vocab_size, settings.hidden_size)
         # HF multiplies by the factor cast to the weights' dtype (sqrt(2304) = 48.0 is exact, sqrt(640) is not).
         self.register_buffer(
-            "normalizer", torch.tensor(settings.hidden_size**0.5, dtype=torch.float32).to(self.embed_tokens.weight.dtype),
+            "normalizer",
+            torch.tensor(settings.hidden_size**0.5, dtype=torch.float32).to(self.embed_tokens.weight.dtype),
             persistent=False,
         )
         self.layers = nn.ModuleList(GemmaDecoderLayer(settings, index) for index in range(settings.num_layers))
         self.norm = GemmaRMSNorm(settings.hidden_size, settings.rms_norm_eps)
-        self.rotary = nn.ModuleDict({
-            kind: RotaryEmbedding(settings.head_dim, max_positions, settings.ropes[kind]) for kind in set(self.layer_types)
-        })
+        self.rotary = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(settings.head_dim, max_positions, settings.ropes[kind])
+                for kind in set(self.layer_types)
+            }
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.normalizer
         tables = {kind: rotary.table(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
-        for kind, layer in zip(self.layer_types, self.layers):
+        for kind, layer in zip(self.layer_types, self.layers, strict=False):
             hidden = layer(tables[kind], hidden, context)
         return self.norm(hidden)
 

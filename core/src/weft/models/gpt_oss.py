@@ -83,8 +83,12 @@ class GptOssFamily(SparseMoeFamily):
     settings_class = GptOssSettings
     module_class = GptOssForCausalLM
     expert_parts = {}
-    stacked_parts = {"gate_up_proj": "gate_up", "gate_up_proj_bias": "gate_up_bias", "down_proj": "down",
-                     "down_proj_bias": "down_bias"}
+    stacked_parts = {
+        "gate_up_proj": "gate_up",
+        "gate_up_proj_bias": "gate_up_bias",
+        "down_proj": "down",
+        "down_proj_bias": "down_bias",
+    }
     checkpoint_names = {".mlp.router.": ".mlp.gate."}
     _quantized = re.compile(r"^(?P<block>.*\.experts)\.(?P<part>gate_up_proj|down_proj)_(?P<kind>blocks|scales)$")
 

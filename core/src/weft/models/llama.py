@@ -28,6 +28,9 @@ from weft.contracts.model import ModelConfig, ModelFamily
 from weft.contracts.parallel import ParallelLayout, check_heads, head_range
 from weft.layers.attention import Attention, ForwardContext
 from weft.layers.linear import default_dtype
+from weft.layers.norm import RMSNorm
+from weft.layers.ops import current_op
+from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from weft.layers.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -36,9 +39,6 @@ from weft.layers.tensor_parallel import (
     VocabParallelEmbedding,
     copy_checked,
 )
-from weft.layers.norm import RMSNorm
-from weft.layers.ops import current_op
-from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaSettings:
@@ -112,11 +112,20 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         spec = AttentionLayer(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim,
-            scale=s.head_dim**-0.5, sliding_window=s.sliding_windows[index], sinks=s.attention_sinks,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=s.head_dim,
+            scale=s.head_dim**-0.5,
+            sliding_window=s.sliding_windows[index],
+            sinks=s.attention_sinks,
         )
         self.attn = Attention(layer_name(index), 0, spec)
-        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=s.head_dim, dtype=self.o_proj.weight.dtype)
+        heads = dict(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=s.head_dim,
+            dtype=self.o_proj.weight.dtype,
+        )
         self.rotary = current_op("rotary")
         if self.rotary is not None:
             self.rotary.declare(**heads)
@@ -128,7 +137,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm_rotary is not None:
             self.qk_norm_rotary.declare(**heads)
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(tokens, self.num_heads, self.head_dim)
@@ -136,7 +147,12 @@ class LlamaAttention(nn.Module):
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm_rotary is not None:
             query, key = self.qk_norm_rotary(
-                query, key, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rotary,
+                query,
+                key,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                *rotary,
             )
         else:
             if self.q_norm is not None:
@@ -182,7 +198,10 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(settings)
 
     def forward(
-        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``; the next norm adds them (fused)."""
@@ -215,7 +234,10 @@ class LlamaModel(nn.Module):
         self.rotary = self.rotary_class(settings.head_dim, max_positions, settings.rope)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
         intermediate: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         if self.is_first_stage:
@@ -246,7 +268,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
         intermediate: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.model(input_ids, positions, context, intermediate)
@@ -294,7 +319,10 @@ class LlamaFamily(ModelFamily):
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
         settings = self.settings(config)
         spec = FullAttentionSpec(
-            block_size=config.block_size, dtype=config.dtype, num_kv_heads=settings.local_kv_heads, head_dim=settings.head_dim
+            block_size=config.block_size,
+            dtype=config.dtype,
+            num_kv_heads=settings.local_kv_heads,
+            head_dim=settings.head_dim,
         )
         return (KVCacheGroupSpec("attention", tuple(layer_name(i) for i in settings.stage_layers), spec),)
 
@@ -360,8 +388,12 @@ class LlamaFamily(ModelFamily):
         """The parameters (and stacked parts) checkpoint tensor ``name`` fills on this rank; None: it has no home."""
         if name in _STAGE_TENSORS:  # on the first or the last pipeline stage only
             targets = [(name, None)] if name in parameters and not (name == "lm_head.weight" and shared_head) else []
-            if name == "model.embed_tokens.weight" and settings.tie_word_embeddings and not shared_head \
-                    and "lm_head.weight" in parameters:
+            if (
+                name == "model.embed_tokens.weight"
+                and settings.tie_word_embeddings
+                and not shared_head
+                and "lm_head.weight" in parameters
+            ):
                 targets.append(("lm_head.weight", None))  # a tied head on a last stage without the embedding
             return targets
         for checkpoint_part, (stacked, index) in _STACKED.items():

@@ -56,7 +56,8 @@ class Phi3Settings(LlamaSettings):
         rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         if rope["rope_type"] == "longrope":
             rope["original_max_position_embeddings"] = config.get(
-                "original_max_position_embeddings", rope.get("original_max_position_embeddings"),
+                "original_max_position_embeddings",
+                rope.get("original_max_position_embeddings"),
             )
             rope["max_position_embeddings"] = self.max_position_embeddings
 
@@ -73,7 +74,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 self.model.layers[index].self_attn.rotary = None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
         intermediate: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         if self.long_rope:
@@ -108,8 +112,10 @@ def _split_fused(weights: Iterable[tuple[str, Any]], settings: LlamaSettings) ->
     q_size, kv_size = settings.num_heads * settings.head_dim, settings.num_kv_heads * settings.head_dim
     parts = {
         "qkv_proj": (("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)),
-        "gate_up_proj": (("gate_proj", 0, settings.intermediate_size),
-                         ("up_proj", settings.intermediate_size, settings.intermediate_size)),
+        "gate_up_proj": (
+            ("gate_proj", 0, settings.intermediate_size),
+            ("up_proj", settings.intermediate_size, settings.intermediate_size),
+        ),
     }
     for name, tensor in weights:
         fused = name.split(".")[-2]

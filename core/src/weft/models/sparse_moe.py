@@ -49,13 +49,19 @@ class SparseMoeSettings(LlamaSettings):
 class SparseMoeBlock(nn.Module):
     """The router (one replicated linear layer) and the experts; ``forward(hidden)`` is the block's output."""
 
-    def __init__(self, settings: SparseMoeSettings, activation: MoEActivation = MoEActivation(),
-                 router_bias: bool = False, expert_bias: bool = False) -> None:
+    def __init__(
+        self,
+        settings: SparseMoeSettings,
+        activation: MoEActivation = MoEActivation(),
+        router_bias: bool = False,
+        expert_bias: bool = False,
+    ) -> None:
         super().__init__()
         s = settings
         self.gate = Linear(s.hidden_size, s.num_experts, bias=router_bias)
-        self.experts = FusedMoE(s.num_experts, s.hidden_size, s.moe_intermediate_size, s.routing, activation,
-                                bias=expert_bias)
+        self.experts = FusedMoE(
+            s.num_experts, s.hidden_size, s.moe_intermediate_size, s.routing, activation, bias=expert_bias
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(self.experts.own_rows(hidden)))

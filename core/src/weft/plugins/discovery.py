@@ -160,7 +160,9 @@ def discover() -> list[PluginEntry]:
     installed = metadata.entry_points()  # one scan of the installed distributions for every group
     plugin_dists = {
         canonicalize_name(ep.dist.metadata["Name"]): ep.dist
-        for group in SLOT_GROUPS.values() for ep in installed.select(group=group) if ep.dist is not None
+        for group in SLOT_GROUPS.values()
+        for ep in installed.select(group=group)
+        if ep.dist is not None
     }
     allowed = with_required_distributions(allowlist(), plugin_dists)
     for slot, group in SLOT_GROUPS.items():
@@ -178,7 +180,9 @@ def discover() -> list[PluginEntry]:
                 builtin=builtin,
             )
             if not allowed.allows(entry):
-                entry = msgspec.structs.replace(entry, status="disabled", problem=f"excluded by WEFT_PLUGINS={allowed.raw!r}")
+                entry = msgspec.structs.replace(
+                    entry, status="disabled", problem=f"excluded by WEFT_PLUGINS={allowed.raw!r}"
+                )
             elif problem := compatibility_problem(entry):
                 entry = msgspec.structs.replace(entry, status="incompatible", problem=problem)
             entries.append(entry)

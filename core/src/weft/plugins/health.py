@@ -66,9 +66,7 @@ def load_failures(
     return failures
 
 
-def fix_for(
-    entry: PluginEntry, error: BaseException, platforms: list[str], probes: dict[str, PlatformProbe]
-) -> str:
+def fix_for(entry: PluginEntry, error: BaseException, platforms: list[str], probes: dict[str, PlatformProbe]) -> str:
     """What to do about ``entry`` failing to import with ``error``."""
     fix = _fix_for_error(entry, error)
     unavailable = [name for name in platforms if name in probes and not probes[name].available]
@@ -114,7 +112,9 @@ def _requirement_providing(distribution: str, module: str) -> Requirement | None
         dist = metadata.distribution(distribution)
     except metadata.PackageNotFoundError:
         return None
-    return next((item for item in requirements(dist) if canonicalize_name(item.name) == canonicalize_name(module)), None)
+    return next(
+        (item for item in requirements(dist) if canonicalize_name(item.name) == canonicalize_name(module)), None
+    )
 
 
 def _extra_of(requirement: Requirement) -> str:

@@ -101,7 +101,10 @@ def installed_plugin_set(entries: list[PluginEntry] | None = None) -> PluginLock
         first = dist_entries[0]
         distributions.append(
             LockedDistribution(
-                name=name, version=first.version, core_api=first.core_api, record_sha256=_record_sha256(name),
+                name=name,
+                version=first.version,
+                core_api=first.core_api,
+                record_sha256=_record_sha256(name),
                 entry_points=sorted(
                     (LockedEntryPoint(slot=entry.slot, name=entry.name, target=entry.target) for entry in dist_entries),
                     key=lambda point: (point.slot, point.name),
@@ -199,7 +202,9 @@ def _distribution_differences(before: LockedDistribution, after: LockedDistribut
     name = after.name
     differences = []
     if before.version != after.version:
-        differences.append(f"{name} {_direction(before.version, after.version)}: locked {before.version}, installed {after.version}")
+        differences.append(
+            f"{name} {_direction(before.version, after.version)}: locked {before.version}, installed {after.version}"
+        )
     else:
         if before.record_sha256 != after.record_sha256:
             differences.append(

@@ -127,13 +127,18 @@ class PluginRegistry:
         for entry in entries:
             if entry.status in ("incompatible", "conflict"):
                 quiet = entry.status == "incompatible" and slot != "hooks"  # a clash is the user's to resolve
-                _report(f"skipping {slot} {entry.describe()}: {entry.problem}", logging.DEBUG if quiet else logging.WARNING)
+                _report(
+                    f"skipping {slot} {entry.describe()}: {entry.problem}", logging.DEBUG if quiet else logging.WARNING
+                )
         for entry in entries:
             if (slot, entry.name) in self._failures:
                 self._report_failure(entry, platform)
         wanted = [
-            entry.name for entry in entries
-            if entry.status == "ok" and (slot, entry.name) not in self._loaded and (slot, entry.name) not in self._failures
+            entry.name
+            for entry in entries
+            if entry.status == "ok"
+            and (slot, entry.name) not in self._loaded
+            and (slot, entry.name) not in self._failures
         ]
         if wanted:
             by_name = {entry.name: entry for entry in entries if entry.status == "ok"}
@@ -146,16 +151,16 @@ class PluginRegistry:
                 self._report_failure(by_name[entry_point.name], platform)
 
             manager = _Named(
-                SLOT_GROUPS[slot], names=wanted, on_load_failure_callback=on_failure, name_order=True,
-                on_missing_entrypoints_callback=lambda names: None, chosen=[by_name[name] for name in wanted],
+                SLOT_GROUPS[slot],
+                names=wanted,
+                on_load_failure_callback=on_failure,
+                name_order=True,
+                on_missing_entrypoints_callback=lambda names: None,
+                chosen=[by_name[name] for name in wanted],
             )
             for extension in manager:
                 self._loaded[(slot, extension.name)] = extension.plugin
-        return {
-            entry.name: self._loaded[(slot, entry.name)]
-            for entry in entries
-            if (slot, entry.name) in self._loaded
-        }
+        return {entry.name: self._loaded[(slot, entry.name)] for entry in entries if (slot, entry.name) in self._loaded}
 
     def hooks(self) -> pluggy.PluginManager:
         """The pluggy manager with every usable ``weft.hooks`` plugin registered."""

@@ -38,14 +38,20 @@ def select_platform(registry: PluginRegistry, name: str = "auto") -> tuple[type[
         if not probe.available:
             raise PluginError(f"platform {name!r} is not available here: {probe.reason}")
         return platform, probe
-    available = [(probe.priority, name, platform, probe) for name, (platform, probe) in probe_platforms(registry).items() if probe.available]
+    available = [
+        (probe.priority, name, platform, probe)
+        for name, (platform, probe) in probe_platforms(registry).items()
+        if probe.available
+    ]
     if not available:
         raise PluginError("no platform is available; install weft-core (it provides 'cpu') or set use.platform")
     available.sort(key=lambda item: item[0], reverse=True)
     best = [item for item in available if item[0] == available[0][0]]
     if len(best) > 1:
         names = ", ".join(repr(item[1]) for item in best)
-        raise PluginError(f"several platforms are available with equal priority ({names}); choose one with use.platform")
+        raise PluginError(
+            f"several platforms are available with equal priority ({names}); choose one with use.platform"
+        )
     return best[0][2], best[0][3]
 
 
@@ -54,7 +60,9 @@ def choose_op(registry: PluginRegistry, op: str, platform: Platform, forced: str
     if forced is not None:
         implementation = registry.load("ops", f"{op}.{forced}")
         if not implementation.runs_on(platform.name) or not implementation.is_available(platform):
-            raise PluginError(f"use.ops.{op} = {forced!r}: that implementation cannot run on platform {platform.name!r}")
+            raise PluginError(
+                f"use.ops.{op} = {forced!r}: that implementation cannot run on platform {platform.name!r}"
+            )
         return implementation(platform)
     candidates: list[Any] = [
         implementation
@@ -87,7 +95,8 @@ def select_parser(registry: PluginRegistry, slot: str, name: str, architecture: 
     if name != "auto":
         return registry.load(slot, name)
     claiming = sorted(
-        (parser_name, parser) for parser_name, parser in registry.load_all(slot).items()
+        (parser_name, parser)
+        for parser_name, parser in registry.load_all(slot).items()
         if architecture in getattr(parser, "architectures", ())
     )
     if len(claiming) > 1:

@@ -53,8 +53,10 @@ def choose_cpus(threads: int | None, affinity: list[int] | None) -> tuple[list[i
     if affinity is not None:
         unknown = sorted(set(affinity) - set(available))
         if unknown:
-            raise ValueError(f"engine.cpu_affinity = {affinity}: CPUs {unknown} are not available to this process "
-                             f"(available: {available}); name some of those")
+            raise ValueError(
+                f"engine.cpu_affinity = {affinity}: CPUs {unknown} are not available to this process "
+                f"(available: {available}); name some of those"
+            )
         cpus, why = sorted(affinity), "engine.cpu_affinity"
     else:
         cpus = physical_cores(available)
@@ -64,8 +66,12 @@ def choose_cpus(threads: int | None, affinity: list[int] | None) -> tuple[list[i
             cpus, why = cpus[:limit], f"{why}, capped by the cgroup quota of {limit}"
     if threads is not None:
         if threads > len(cpus):
-            logger.warning("engine.cpu_threads = %d exceeds the %d CPUs chosen (%s); threads will share cores",
-                           threads, len(cpus), why)
+            logger.warning(
+                "engine.cpu_threads = %d exceeds the %d CPUs chosen (%s); threads will share cores",
+                threads,
+                len(cpus),
+                why,
+            )
         else:
             cpus = cpus[:threads]
         why = f"engine.cpu_threads = {threads}; {why}"

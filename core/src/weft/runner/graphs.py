@@ -97,8 +97,9 @@ class DecodeGraphs:
         self.staged: _Staged | None = None
         """A deferred step's decode-graph inputs, staged in the static buffers when it came (:meth:`stage_ahead`)."""
 
-    def capture(self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int],
-                max_model_len: int) -> float:
+    def capture(
+        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
+    ) -> float:
         """Capture the decode forward for each batch size (largest first); returns the seconds it took.
 
         ``scratch_blocks`` holds, per KV-cache group, a block id no request is
@@ -123,8 +124,9 @@ class DecodeGraphs:
             largest = max(sizes)
             if largest not in self.logits:  # a platform that captured without calling the forward yet
                 self._captured_forward(largest)
-            self.mask_graphs = MaskGraphs(self.logits, self.bitmask_argmax, self.device, platform, sizes,
-                                          self.logits[largest].shape[-1])
+            self.mask_graphs = MaskGraphs(
+                self.logits, self.bitmask_argmax, self.device, platform, sizes, self.logits[largest].shape[-1]
+            )
         return time.monotonic() - started
 
     def _captured_forward(self, size: int) -> torch.Tensor:
@@ -157,8 +159,14 @@ class DecodeGraphs:
             )
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 static_decode=True, sparse_entries=self.captured_reader)
+        context = ForwardContext(
+            backend=self.backend,
+            metadata=metadata,
+            kv_caches=self.kv_caches,
+            batches=batches,
+            static_decode=True,
+            sparse_entries=self.captured_reader,
+        )
         hidden = self.model(static.input_ids[:size], static.positions[:size], context)
         return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 
@@ -180,8 +188,13 @@ class DecodeGraphs:
         the step would not replay a graph as staged here (a prefill, a new or finished request, ...)."""
         self.staged = None
         counts = step.num_scheduled_tokens
-        if (not self.graphs or step.new_requests or step.finished_request_ids
-                or self.parallel.layout.pipeline_parallel_size > 1 or any(count != 1 for count in counts.values())):
+        if (
+            not self.graphs
+            or step.new_requests
+            or step.finished_request_ids
+            or self.parallel.layout.pipeline_parallel_size > 1
+            or any(count != 1 for count in counts.values())
+        ):
             return
         size = self.size_for(len(counts))
         if size is None:
@@ -206,8 +219,12 @@ class DecodeGraphs:
         ``size`` (unless :meth:`stage_ahead` staged them already); the caller writes the token ids."""
         positions = [state.num_computed_tokens for state in states]
         staged, self.staged = self.staged, None
-        if (staged is None or staged.size != size or staged.positions != positions
-                or staged.request_ids != [state.request_id for state in states]):
+        if (
+            staged is None
+            or staged.size != size
+            or staged.positions != positions
+            or staged.request_ids != [state.request_id for state in states]
+        ):
             tables = [[state.block_ids[index] for state in states] for index in range(len(self.groups))]
             self._stage_replay(positions, tables, size)
 
@@ -252,8 +269,15 @@ class MaskGraphs:
     buffers it reads: the rows' mask indices (-1: unmasked) then the bitmask words, staged in pinned memory and
     copied to the device in one copy before each replay."""
 
-    def __init__(self, graph_logits: Mapping[int, torch.Tensor], bitmask_argmax: OpImplementation,
-                 device: torch.device, platform: Platform, sizes: Sequence[int], vocab: int) -> None:
+    def __init__(
+        self,
+        graph_logits: Mapping[int, torch.Tensor],
+        bitmask_argmax: OpImplementation,
+        device: torch.device,
+        platform: Platform,
+        sizes: Sequence[int],
+        vocab: int,
+    ) -> None:
         """``graph_logits``: each decode graph's logits, which its replays write (:attr:`DecodeGraphs.logits`)."""
         self.graph_logits = graph_logits
         self.bitmask_argmax = bitmask_argmax
@@ -294,8 +318,10 @@ class MaskGraphs:
         to the host is queued at once) before it samples."""
         masked = len(rows)
         if not self.fits(rows, bitmask):
-            raise ValueError(f"the grammar bitmask holds {len(bitmask) // 4} int32 words for {masked} rows; "
-                             f"the logits need {self.words} a row")
+            raise ValueError(
+                f"the grammar bitmask holds {len(bitmask) // 4} int32 words for {masked} rows; "
+                f"the logits need {self.words} a row"
+            )
         if self._copying:
             self._copied.synchronize()  # type: ignore[union-attr]  # the last copy has left the buffer
         end = self.offset + masked * self.words

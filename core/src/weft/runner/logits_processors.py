@@ -59,9 +59,13 @@ class TokenBitmask:
         else:
             logits.index_add_(0, staged[:count], penalty)
 
-    def argmax(self, logits: torch.Tensor, rows: list[int], bitmask: bytes,
-               op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def argmax(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        bitmask: bytes,
+        op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's greedy token under the masks of :meth:`apply` (bitmask row ``i`` for logits row ``rows[i]``,
         the other rows unmasked), and whether its maximum is finite: the ``bitmask_argmax`` op ``op`` over
         the rows' mask indices and the words, which cross in one copy as in :meth:`apply`. The masked rows
@@ -173,7 +177,8 @@ def apply_request_processors(logits: torch.Tensor, requests: Sequence[RequestSta
 def completed_bad_words(words: Sequence[Sequence[int]], output: list[int]) -> list[int]:
     """The last token of each bad word whose other tokens end ``output`` (every one-token word)."""
     return [
-        word[-1] for word in words
+        word[-1]
+        for word in words
         if len(word) <= len(output) + 1 and (len(word) == 1 or output[len(output) - len(word) + 1 :] == list(word[:-1]))
     ]
 

@@ -89,8 +89,15 @@ PromptLogprobs = dict[str, tuple[int, list[TokenLogprobs]]]
 class _PendingStep(StepHandle):
     """A step whose sampled tokens are being copied to the host."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampling: list[int], sampled: SampledBatch,
-                 connector_output: ConnectorOutput | None, prompt_logprobs: PromptLogprobs) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        states: list[RequestState],
+        sampling: list[int],
+        sampled: SampledBatch,
+        connector_output: ConnectorOutput | None,
+        prompt_logprobs: PromptLogprobs,
+    ) -> None:
         """``sampled``: one row per entry of ``sampling``, on the device."""
         self.runner = runner
         self.prompt_logprobs = prompt_logprobs
@@ -119,7 +126,7 @@ class _PendingStep(StepHandle):
         previous = {self.request_ids[row]: index for index, row in enumerate(self.sampling)}
         positions, rows = [], []
         offset = 0
-        for state, count in zip(states, counts):
+        for state, count in zip(states, counts, strict=False):
             if state.num_computed_tokens + count > len(state.token_ids):
                 positions.append(offset + count - 1)
                 rows.append(previous[state.request_id])
@@ -144,16 +151,24 @@ class _PendingStep(StepHandle):
                 tokens[row] = sampled.token_id
                 if sampled.logprob is not None:
                     logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
-            self.output = self.runner.finish_step(self.states, tokens, logprobs, self.connector_output, failed,
-                                                  self.prompt_logprobs)
+            self.output = self.runner.finish_step(
+                self.states, tokens, logprobs, self.connector_output, failed, self.prompt_logprobs
+            )
         return self.output
 
 
 class _AwaitingMask:
     """A step whose forward ran and whose sampling waits for the grammar bitmask."""
 
-    def __init__(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
-                 report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs, graph_size: int | None) -> None:
+    def __init__(
+        self,
+        states: list[RequestState],
+        sampling: list[int],
+        logits: torch.Tensor | None,
+        report: ConnectorOutput | None,
+        prompt_logprobs: PromptLogprobs,
+        graph_size: int | None,
+    ) -> None:
         self.states, self.sampling, self.logits, self.report = states, sampling, logits, report
         self.prompt_logprobs = prompt_logprobs
         self.graph_size = graph_size
@@ -186,8 +201,9 @@ class ModelRunner:
         self.connector = connector
         self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
         captured_reader = self.sparse_entries if isinstance(self.sparse_entries, CapturedSparseEntryReader) else None
-        self.decode_graphs = DecodeGraphs(model, backend, groups, kv_caches, device, parallel, captured_reader,
-                                          bitmask_argmax)
+        self.decode_graphs = DecodeGraphs(
+            model, backend, groups, kv_caches, device, parallel, captured_reader, bitmask_argmax
+        )
         """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
         self.requests: dict[str, RequestState] = {}
         self.last_graph_size: int | None = None
@@ -218,8 +234,9 @@ class ModelRunner:
         return self.decode_graphs.mask_graphs
 
     @torch.inference_mode()
-    def capture_graphs(self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int],
-                       max_model_len: int) -> float:
+    def capture_graphs(
+        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
+    ) -> float:
         """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`); returns the seconds."""
         return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len)
 
@@ -254,27 +271,33 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_block_ids is not None:
-                for blocks, added in zip(state.block_ids, cached.new_block_ids):
+                for blocks, added in zip(state.block_ids, cached.new_block_ids, strict=False):
                     blocks.extend(added)
 
     def _execute(self, step: SchedulerOutput) -> StepHandle | None:
         self._update_requests(step)
         if step.is_empty:
-            report = (self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
-                      if self.connector is not None else None)
+            report = (
+                self.connector.poll(step.kv_connector_metadata, step.finished_request_ids)
+                if self.connector is not None
+                else None
+            )
             return DoneStep(ModelRunnerOutput([], [], connector_output=report))
         if self.connector is not None:
             self.connector.start_step(step.kv_connector_metadata, step.has_sync_kv_loads)
         request_ids = list(step.num_scheduled_tokens)
         states = [self.requests[request_id] for request_id in request_ids]
         counts = list(step.num_scheduled_tokens.values())
-        sampling = [row for row, (state, count) in enumerate(zip(states, counts))
-                    if state.num_computed_tokens + count >= len(state.token_ids)]
+        sampling = [
+            row
+            for row, (state, count) in enumerate(zip(states, counts, strict=False))
+            if state.num_computed_tokens + count >= len(state.token_ids)
+        ]
         prompt_logprobs: PromptLogprobs = {}
         logits = self._forward(states, counts, sampling, prompt_logprobs)
         report = self.connector.finish_step(step.finished_request_ids) if self.connector is not None else None
         # Each state's computed count moves past this step (the next step's CachedRequest confirms it).
-        for state, count in zip(states, counts):
+        for state, count in zip(states, counts, strict=False):
             state.num_computed_tokens += count
         if step.structured_output_request_ids:
             self._awaiting = _AwaitingMask(states, sampling, logits, report, prompt_logprobs, self.last_graph_size)
@@ -302,25 +325,41 @@ class ModelRunner:
         if grammar.request_ids and awaiting.logits is not None:
             row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
             rows = [row_of[request_id] for request_id in grammar.request_ids]
-            if self.bitmask_argmax is not None and self.parallel.layout.pipeline_parallel_size == 1 and all(
-                    plain_greedy(awaiting.states[row]) for row in awaiting.sampling):
+            if (
+                self.bitmask_argmax is not None
+                and self.parallel.layout.pipeline_parallel_size == 1
+                and all(plain_greedy(awaiting.states[row]) for row in awaiting.sampling)
+            ):
                 # Every row greedy: the mask and the argmax in one op (one kernel where the platform has it),
                 # replayed with the status in one graph after a decode graph (every row of it samples).
                 size = awaiting.graph_size
-                if (self.mask_graphs is not None and size is not None and len(awaiting.sampling) == len(awaiting.states)
-                        and self.mask_graphs.fits(rows, grammar.bitmask)):
+                if (
+                    self.mask_graphs is not None
+                    and size is not None
+                    and len(awaiting.sampling) == len(awaiting.states)
+                    and self.mask_graphs.fits(rows, grammar.bitmask)
+                ):
                     sampled = self.mask_graphs.sample(size, len(awaiting.states), rows, grammar.bitmask)
                 else:
-                    tokens, healthy = self.token_bitmask.argmax(awaiting.logits, rows, grammar.bitmask, self.bitmask_argmax)
+                    tokens, healthy = self.token_bitmask.argmax(
+                        awaiting.logits, rows, grammar.bitmask, self.bitmask_argmax
+                    )
                     sampled = greedy_batch(tokens, healthy)
             else:
                 self.token_bitmask.apply(awaiting.logits, rows, grammar.bitmask)
-        return self._sample_step(awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report,
-                                 awaiting.prompt_logprobs, sampled)
+        return self._sample_step(
+            awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs, sampled
+        )
 
-    def _sample_step(self, states: list[RequestState], sampling: list[int], logits: torch.Tensor | None,
-                     report: ConnectorOutput | None, prompt_logprobs: PromptLogprobs,
-                     sampled: SampledBatch | None = None) -> StepHandle:
+    def _sample_step(
+        self,
+        states: list[RequestState],
+        sampling: list[int],
+        logits: torch.Tensor | None,
+        report: ConnectorOutput | None,
+        prompt_logprobs: PromptLogprobs,
+        sampled: SampledBatch | None = None,
+    ) -> StepHandle:
         """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`) and start their way to the host."""
         if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
@@ -344,13 +383,19 @@ class ModelRunner:
             return sampled
         return share_sampled(self.parallel, sampled, len(states), self.device)
 
-    def finish_step(self, states: list[RequestState], tokens: list[int | None], logprobs: dict[str, TokenLogprobs],
-                    report: ConnectorOutput | None, failed: dict[str, str],
-                    prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
+    def finish_step(
+        self,
+        states: list[RequestState],
+        tokens: list[int | None],
+        logprobs: dict[str, TokenLogprobs],
+        report: ConnectorOutput | None,
+        failed: dict[str, str],
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> ModelRunnerOutput:
         """Append each sampled token to its request's state; returns the step's output (``failed``: requests
         that got no token, with the reason)."""
         failed_loads = _failed_loads(report)
-        for row, (state, token) in enumerate(zip(states, tokens)):
+        for row, (state, token) in enumerate(zip(states, tokens, strict=False)):
             if token is None:
                 continue
             if state.request_id in failed_loads:  # computed over incomplete KV: the scheduler recomputes it
@@ -360,8 +405,9 @@ class ModelRunner:
                 state.token_ids.append(token)
         # A row computed over a failed load is recomputed, whatever its logits were (the load may have left garbage).
         failed = {request_id: reason for request_id, reason in failed.items() if request_id not in failed_loads}
-        return ModelRunnerOutput([state.request_id for state in states], tokens, logprobs, report, failed,
-                                 prompt_logprobs or {})
+        return ModelRunnerOutput(
+            [state.request_id for state in states], tokens, logprobs, report, failed, prompt_logprobs or {}
+        )
 
     def _resolve_pending(self) -> None:
         # Taken first: a step whose result raises is reported once, not again by every later step.
@@ -369,14 +415,17 @@ class ModelRunner:
         if pending is not None:
             pending.result()
 
-    def _forward(self, states: list[RequestState], counts: list[int], sampling: list[int],
-                 prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
+    def _forward(
+        self, states: list[RequestState], counts: list[int], sampling: list[int], prompt_logprobs: PromptLogprobs
+    ) -> torch.Tensor | None:
         """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last);
         fills ``prompt_logprobs`` (not under pipeline parallelism, which refuses prompt logprobs)."""
         if self.parallel.layout.pipeline_parallel_size > 1:
             return forward_in_micro_batches(self.model, self.parallel, self.prepare_inputs, states, counts, sampling)
         count = len(states)
-        scores_prompt = any(_scored_prompt_positions(state, count) for state, count in zip(states, counts))
+        scores_prompt = any(
+            _scored_prompt_positions(state, count) for state, count in zip(states, counts, strict=False)
+        )
         resumes = any(state.prefix_hit is None and state.num_computed_tokens for state in states)
         if self.graphs and sum(counts) == count and not scores_prompt and not resumes:
             size = self.decode_graphs.size_for(count)
@@ -404,8 +453,9 @@ class ModelRunner:
         if self._pending is not None:
             self._pending.fill_unknown(input_ids, states, counts)
 
-    def _execute_eager(self, states: list[RequestState], counts: list[int], sampling: list[int],
-                       prompt_logprobs: PromptLogprobs) -> torch.Tensor | None:
+    def _execute_eager(
+        self, states: list[RequestState], counts: list[int], sampling: list[int], prompt_logprobs: PromptLogprobs
+    ) -> torch.Tensor | None:
         input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
         hidden = self.model(input_ids, positions, context)
         _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
@@ -414,13 +464,15 @@ class ModelRunner:
         last_rows = to_device([query_start[row + 1] - 1 for row in sampling], torch.long, self.device)
         return self.model.compute_logits(hidden[last_rows])
 
-    def prepare_inputs(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+    def prepare_inputs(
+        self, states: list[RequestState], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
         each request's tokens start in the flat batch."""
         positions: list[int] = []
         query_start = [0]
         seq_lens = []
-        for state, count in zip(states, counts):
+        for state, count in zip(states, counts, strict=False):
             start = state.num_computed_tokens
             positions.extend(range(start, start + count))
             query_start.append(query_start[-1] + count)
@@ -451,10 +503,16 @@ class ModelRunner:
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
         prefix_hits = [state.take_prefix_hit() for state in states]
-        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches,
-                                 prefix_hits=prefix_hits, request_ids=[state.request_id for state in states],
-                                 sparse_entries=self.sparse_entries,
-                                 wait_for_layer=self.connector.layer_wait if self.connector is not None else None)
+        context = ForwardContext(
+            backend=self.backend,
+            metadata=metadata,
+            kv_caches=self.kv_caches,
+            batches=batches,
+            prefix_hits=prefix_hits,
+            request_ids=[state.request_id for state in states],
+            sparse_entries=self.sparse_entries,
+            wait_for_layer=self.connector.layer_wait if self.connector is not None else None,
+        )
         return input_ids, position_tensor, context, query_start
 
 
@@ -475,17 +533,24 @@ def _scored_prompt_positions(state: RequestState, count: int) -> range:
     return range(start, min(start + count, state.num_prompt_tokens - 1))
 
 
-def _score_prompts(model: torch.nn.Module, states: list[RequestState], counts: list[int], hidden: torch.Tensor,
-                   query_start: list[int], prompt_logprobs: PromptLogprobs) -> None:
+def _score_prompts(
+    model: torch.nn.Module,
+    states: list[RequestState],
+    counts: list[int],
+    hidden: torch.Tensor,
+    query_start: list[int],
+    prompt_logprobs: PromptLogprobs,
+) -> None:
     """Score, into ``prompt_logprobs``, the prompt tokens each request that asks for them computed in this step."""
-    for row, (state, count) in enumerate(zip(states, counts)):
+    for row, (state, count) in enumerate(zip(states, counts, strict=False)):
         positions_scored = _scored_prompt_positions(state, count)
         if positions_scored:
             prompt_logprobs[state.request_id] = _score_prompt(model, state, hidden, query_start[row], positions_scored)
 
 
-def _score_prompt(model: torch.nn.Module, state: RequestState, hidden: torch.Tensor, batch_start: int,
-              positions: range) -> tuple[int, list[TokenLogprobs]]:
+def _score_prompt(
+    model: torch.nn.Module, state: RequestState, hidden: torch.Tensor, batch_start: int, positions: range
+) -> tuple[int, list[TokenLogprobs]]:
     """Logprobs of prompt tokens ``positions.start + 1 ..`` from the logits at ``positions``."""
     top = state.params.prompt_logprobs or 0
     entries: list[TokenLogprobs] = []
@@ -498,7 +563,11 @@ def _score_prompt(model: torch.nn.Module, state: RequestState, hidden: torch.Ten
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
         best = logprobs.topk(top, dim=-1) if top else None
         for index in range(len(rows)):
-            candidates = list(zip(best.indices[index].tolist(), best.values[index].tolist())) if best is not None else []
+            candidates = (
+                list(zip(best.indices[index].tolist(), best.values[index].tolist(), strict=False))
+                if best is not None
+                else []
+            )
             entries.append(TokenLogprobs(float(chosen[index]), int(ranks[index]), candidates))
     return positions.start + 1, entries
 
@@ -507,7 +576,7 @@ def _known_tokens(states: list[RequestState], counts: list[int]) -> list[int]:
     """The next ``counts`` token ids of each of ``states``, end to end; 0 for a token still on the device (the last
     step's, which :meth:`_PendingStep.fill_unknown` copies in)."""
     token_ids: list[int] = []
-    for state, count in zip(states, counts):
+    for state, count in zip(states, counts, strict=False):
         start = state.num_computed_tokens
         known = state.token_ids[start : start + count]
         token_ids.extend(known)

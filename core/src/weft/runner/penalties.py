@@ -60,12 +60,16 @@ class TokenCounts:
     def record(self, requests: Sequence[Request], tokens: torch.Tensor, dropped: frozenset[str] = frozenset()) -> None:
         """Count ``tokens[i]`` (on the device) in the row of ``requests[i]``, for each request holding a row
         whose id is not in ``dropped`` (tokens the runner discards, such as those computed over a failed load)."""
-        batch_rows = [index for index, request in enumerate(requests)
-                      if request.request_id in self.rows and request.request_id not in dropped]
+        batch_rows = [
+            index
+            for index, request in enumerate(requests)
+            if request.request_id in self.rows and request.request_id not in dropped
+        ]
         if not batch_rows:
             return
-        both = to_device([batch_rows, [self.rows[requests[index].request_id] for index in batch_rows]], torch.long,
-                         self.device)
+        both = to_device(
+            [batch_rows, [self.rows[requests[index].request_id] for index in batch_rows]], torch.long, self.device
+        )
         # Each request holds its own row, so no (row, token) pair repeats and a plain put adds one to each.
         index = (both[1], tokens.index_select(0, both[0]))
         self.output.index_put_(index, self.output[index] + 1)
@@ -120,8 +124,9 @@ def needs_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], counts: TokenCounts,
-                    added: torch.Tensor | None = None) -> None:
+def apply_penalties(
+    logits: torch.Tensor, requests: Sequence[Request], counts: TokenCounts, added: torch.Tensor | None = None
+) -> None:
     """Rows of ``logits`` in place, row ``i`` for ``requests[i]``: its penalties (the module docstring), from
     its row of ``counts`` (built there if it has none yet). ``added``: ``[rows, vocab]`` int32 counts row ``i``
     adds to its request's output counts (a speculative step's position counts the proposals before it)."""
@@ -136,9 +141,15 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], counts: T
     if added is not None:
         output = output + (added if index is None else added.index_select(0, index))
     seen = counts.prompt.index_select(0, held) | (output > 0)
-    weights = to_device([[request.params.repetition_penalty for request in penalized],
-                         [request.params.presence_penalty for request in penalized],
-                         [request.params.frequency_penalty for request in penalized]], logits.dtype, logits.device)
+    weights = to_device(
+        [
+            [request.params.repetition_penalty for request in penalized],
+            [request.params.presence_penalty for request in penalized],
+            [request.params.frequency_penalty for request in penalized],
+        ],
+        logits.dtype,
+        logits.device,
+    )
     repetition, presence, frequency = weights.unsqueeze(2)
     chosen = logits if index is None else logits.index_select(0, index)
     chosen = torch.where(seen, torch.where(chosen > 0, chosen / repetition, chosen * repetition), chosen)

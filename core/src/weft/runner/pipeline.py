@@ -49,8 +49,12 @@ def micro_batches(counts: list[int], parts: int) -> list[range]:
 
 
 def forward_in_micro_batches(
-    model: torch.nn.Module, parallel: ParallelGroups, prepare_inputs: PrepareInputs, states: list[RequestState],
-    counts: list[int], sampling: list[int],
+    model: torch.nn.Module,
+    parallel: ParallelGroups,
+    prepare_inputs: PrepareInputs,
+    states: list[RequestState],
+    counts: list[int],
+    sampling: list[int],
 ) -> torch.Tensor | None:
     """This stage's part of the step; on the last stage the logits of the rows in ``sampling``."""
     layout = parallel.layout
@@ -78,8 +82,9 @@ def forward_in_micro_batches(
     return torch.cat(logits) if len(logits) > 1 else logits[0]
 
 
-def share_sampled(parallel: ParallelGroups, sampled: SampledBatch | None, count: int,
-                  device: torch.device) -> SampledBatch:
+def share_sampled(
+    parallel: ParallelGroups, sampled: SampledBatch | None, count: int, device: torch.device
+) -> SampledBatch:
     """The last stage's sampled tokens and statuses (``sampled``; None on the other stages), broadcast to every
     stage: tensor ranks sample alike; the logprobs stay on the last stage, whose output the executor returns."""
     if sampled is not None:

@@ -104,8 +104,14 @@ class VerifiedBatch:
     request how many tokens it gains and its status (:data:`~weft.runner.sampler.SAMPLED` or why it failed),
     and per position the raw logprobs when a request asked."""
 
-    def __init__(self, tokens: torch.Tensor, num_tokens: torch.Tensor, status: torch.Tensor, starts: list[int],
-                 logprobs: RawLogprobs | None = None) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        num_tokens: torch.Tensor,
+        status: torch.Tensor,
+        starts: list[int],
+        logprobs: RawLogprobs | None = None,
+    ) -> None:
         self.tokens, self.num_tokens, self.status, self.logprobs = tokens, num_tokens, status, logprobs
         self.starts = starts
         """Per request, its first position (host ints; one entry more than requests)."""
@@ -124,11 +130,22 @@ class VerifiedBatch:
         positions, requests = self.tokens.shape[0], self.num_tokens.shape[0]
         logprobs = self.logprobs
         if logprobs is not None:
-            logprobs = RawLogprobs(*(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(
-                tensor, non_blocking=non_blocking) for tensor in (logprobs.chosen, logprobs.ranks, logprobs.top_tokens,
-                                                                  logprobs.top_values)), logprobs.wanted)
-        return VerifiedBatch(host[:positions], host[positions : positions + requests], host[positions + requests :],
-                             self.starts, logprobs)
+            logprobs = RawLogprobs(
+                *(
+                    torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(
+                        tensor, non_blocking=non_blocking
+                    )
+                    for tensor in (logprobs.chosen, logprobs.ranks, logprobs.top_tokens, logprobs.top_values)
+                ),
+                logprobs.wanted,
+            )
+        return VerifiedBatch(
+            host[:positions],
+            host[positions : positions + requests],
+            host[positions + requests :],
+            self.starts,
+            logprobs,
+        )
 
     def verified_tokens(self) -> list[list[SampledToken]]:
         """Per request the tokens it gains, in order (one :class:`SampledToken` with the error when it failed);
@@ -139,7 +156,7 @@ class VerifiedBatch:
             chosen, ranks = logprobs.chosen.tolist(), logprobs.ranks.tolist()
             top_tokens, top_values = logprobs.top_tokens.tolist(), logprobs.top_values.tolist()
         verified = []
-        for request, (start, count, status) in enumerate(zip(self.starts, counts, statuses)):
+        for _request, (start, count, status) in enumerate(zip(self.starts, counts, statuses, strict=False)):
             if status != SAMPLED:
                 verified.append([SampledToken(-1, error=STATUS_REASONS[status])])
                 continue
@@ -148,9 +165,17 @@ class VerifiedBatch:
             if wanted is None:
                 verified.append([SampledToken(tokens[position]) for position in positions])
             else:
-                verified.append([SampledToken(tokens[p], chosen[p], ranks[p], list(zip(top_tokens[p][:wanted],
-                                                                                        top_values[p][:wanted])))
-                                 for p in positions])
+                verified.append(
+                    [
+                        SampledToken(
+                            tokens[p],
+                            chosen[p],
+                            ranks[p],
+                            list(zip(top_tokens[p][:wanted], top_values[p][:wanted], strict=False)),
+                        )
+                        for p in positions
+                    ]
+                )
         return verified
 
     @staticmethod
@@ -160,8 +185,11 @@ class VerifiedBatch:
         for part in parts:
             starts.extend(starts[-1] + start for start in part.starts[1:])
         logprobs = None if parts[0].logprobs is None else RawLogprobs.concatenate([part.logprobs for part in parts])
-        return VerifiedBatch(*(torch.cat([getattr(part, name) for part in parts])
-                               for name in ("tokens", "num_tokens", "status")), starts, logprobs)
+        return VerifiedBatch(
+            *(torch.cat([getattr(part, name) for part in parts]) for name in ("tokens", "num_tokens", "status")),
+            starts,
+            logprobs,
+        )
 
 
 class RejectionSampler:
@@ -173,9 +201,15 @@ class RejectionSampler:
         self._position_generators: dict[torch.device, list[torch.Generator]] = {}
         """Reused across steps: one per seeded position of a step, reseeded for its draw."""
 
-    def verify(self, logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Sequence[int]],
-               first_positions: Sequence[int], draft_probs: torch.Tensor | None = None,
-               counts: TokenCounts | None = None) -> VerifiedBatch:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        proposals: Sequence[Sequence[int]],
+        first_positions: Sequence[int],
+        draft_probs: torch.Tensor | None = None,
+        counts: TokenCounts | None = None,
+    ) -> VerifiedBatch:
         """Verify each request's ``proposals[r]`` against ``logits`` (``[sum(n_r + 1), vocab]``, request-major: its
         proposed positions then its bonus position), without waiting for the device.
 
@@ -188,10 +222,13 @@ class RejectionSampler:
         for proposed in proposals:
             starts.append(starts[-1] + len(proposed) + 1)
         if logits.shape[0] != starts[-1]:
-            raise ValueError(f"verify: {logits.shape[0]} rows of logits for {starts[-1]} positions "
-                             "(each request's proposals and its bonus position)")
-        top = max((request.params.logprobs for request in requests if request.params.logprobs is not None),
-                  default=None)
+            raise ValueError(
+                f"verify: {logits.shape[0]} rows of logits for {starts[-1]} positions "
+                "(each request's proposals and its bonus position)"
+            )
+        top = max(
+            (request.params.logprobs for request in requests if request.params.logprobs is not None), default=None
+        )
         try:
             return self._verify(logits, requests, proposals, first_positions, draft_probs, counts, top)
         except Exception:  # one request's failure must not end the step of the others
@@ -209,9 +246,16 @@ class RejectionSampler:
                 parts.append(_failed_request(rows, request, top))
         return VerifiedBatch.concatenate(parts)
 
-    def _verify(self, logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Sequence[int]],
-                first_positions: Sequence[int], draft_probs: torch.Tensor | None, counts: TokenCounts | None,
-                top: int | None) -> VerifiedBatch:
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        proposals: Sequence[Sequence[int]],
+        first_positions: Sequence[int],
+        draft_probs: torch.Tensor | None,
+        counts: TokenCounts | None,
+        top: int | None,
+    ) -> VerifiedBatch:
         device, vocab = logits.device, logits.shape[-1]
         owner, offset, draft, starts = [], [], [], [0]
         for row, proposed in enumerate(proposals):
@@ -225,12 +269,12 @@ class RejectionSampler:
         # One copy: each position's request, offset, proposal (0 at the bonus position) and its request's number of
         # proposals; the positions that hold a proposal; the proposals padded to the longest.
         proposed_counts = [len(proposals[row]) for row in owner]
-        proposed_rows = [index for index, (j, n) in enumerate(zip(offset, proposed_counts)) if j < n]
+        proposed_rows = [index for index, (j, n) in enumerate(zip(offset, proposed_counts, strict=False)) if j < n]
         packed = to_device([*owner, *offset, *draft, *proposed_counts, *proposed_rows, *padded], torch.long, device)
         owner_index, offset_index, draft_index, proposed_count = packed[: 4 * count].view(4, count)
         proposed_here = offset_index < proposed_count
         proposed_index = packed[4 * count : 4 * count + len(proposed_rows)]
-        positions = [ProposedPosition(requests[row], proposals[row], j) for row, j in zip(owner, offset)]
+        positions = [ProposedPosition(requests[row], proposals[row], j) for row, j in zip(owner, offset, strict=False)]
         raw = logits.float()
         if all(plain_greedy(request) for request in requests):
             tokens, healthy = greedy_maxima(raw)
@@ -245,41 +289,66 @@ class RejectionSampler:
                 before = (torch.arange(width, device=device).unsqueeze(0) < offset_index.unsqueeze(1)).int()
                 proposed_by_request = packed[4 * count + len(proposed_rows) :].view(len(proposals), width)
                 added = torch.zeros(count, vocab, dtype=torch.int32, device=device).scatter_add_(
-                    1, proposed_by_request.index_select(0, owner_index), before)
+                    1, proposed_by_request.index_select(0, owner_index), before
+                )
             processed = edited_logits(raw, positions, counts, added)
             maxima, tokens = processed.max(dim=-1)
             status = torch.where(torch.isfinite(maxima), SAMPLED, BANNED).masked_fill_(
-                ~torch.isfinite(raw.max(dim=-1).values), NON_FINITE)
+                ~torch.isfinite(raw.max(dim=-1).values), NON_FINITE
+            )
             accepted = tokens == draft_index
             if not all(request.params.greedy for request in requests):
                 rows = RowParams([position.params for position in positions], vocab, device)
-                drawn, drawn_accepted = self._draw(filter_logits(processed, rows), rows, positions, offset,
-                                                   first_positions, owner, draft_index, proposed_index, draft_probs)
+                drawn, drawn_accepted = self._draw(
+                    filter_logits(processed, rows),
+                    rows,
+                    positions,
+                    offset,
+                    first_positions,
+                    owner,
+                    draft_index,
+                    proposed_index,
+                    draft_probs,
+                )
                 tokens = torch.where(rows.greedy, tokens, drawn)
                 accepted = torch.where(rows.greedy, accepted, drawn_accepted)
         # The first position not accepted (the bonus position at the latest) is each request's last kept one.
         never = torch.full((len(proposals),), width + 1, dtype=torch.long, device=device)
-        kept = never.scatter_reduce(0, owner_index, torch.where(accepted & proposed_here, width + 1, offset_index),
-                                    "amin")
+        kept = never.scatter_reduce(
+            0, owner_index, torch.where(accepted & proposed_here, width + 1, offset_index), "amin"
+        )
         kept_here = kept.index_select(0, owner_index)
         tokens = torch.where(offset_index < kept_here, draft_index, tokens)
         # A request fails with the first failing position it keeps.
         failing = (status != SAMPLED) & (offset_index <= kept_here)
-        first_failure = never.mul(4).scatter_reduce(0, owner_index, torch.where(failing, offset_index * 4 + status,
-                                                                                (width + 1) * 4), "amin")
+        first_failure = never.mul(4).scatter_reduce(
+            0, owner_index, torch.where(failing, offset_index * 4 + status, (width + 1) * 4), "amin"
+        )
         request_status = torch.where(first_failure < (width + 1) * 4, first_failure % 4, SAMPLED)
         logprobs = None if top is None else raw_logprobs(raw, tokens, top, positions)
         return VerifiedBatch(tokens, kept + 1, request_status, starts, logprobs)
 
-    def _draw(self, filtered: torch.Tensor, rows: RowParams, positions: Sequence[ProposedPosition],
-              offset: Sequence[int], first_positions: Sequence[int], owner: Sequence[int], draft_index: torch.Tensor,
-              proposed_index: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(
+        self,
+        filtered: torch.Tensor,
+        rows: RowParams,
+        positions: Sequence[ProposedPosition],
+        offset: Sequence[int],
+        first_positions: Sequence[int],
+        owner: Sequence[int],
+        draft_index: torch.Tensor,
+        proposed_index: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's draw at each position and whether it accepts the position's proposal (module docstring)."""
         probs = filtered.softmax(dim=-1)
         count, vocab = probs.shape
         seeded = self._seeded(positions, rows, offset, first_positions, owner, probs.device)
-        noise = exponential_noise(probs.new_empty(count, vocab if draft_probs is None else vocab + 1),
-                                  self.sampler.generator(probs.device), seeded)
+        noise = exponential_noise(
+            probs.new_empty(count, vocab if draft_probs is None else vocab + 1),
+            self.sampler.generator(probs.device),
+            seeded,
+        )
         race = noise[:, :vocab]
         if draft_probs is None:
             drawn = (probs / race).argmax(dim=-1)
@@ -295,18 +364,31 @@ class RejectionSampler:
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
         return (residual / race).argmax(dim=-1), accepted
 
-    def _seeded(self, positions: Sequence[ProposedPosition], rows: RowParams, offset: Sequence[int],
-                first_positions: Sequence[int], owner: Sequence[int],
-                device: torch.device) -> list[tuple[int, torch.Generator]]:
+    def _seeded(
+        self,
+        positions: Sequence[ProposedPosition],
+        rows: RowParams,
+        offset: Sequence[int],
+        first_positions: Sequence[int],
+        owner: Sequence[int],
+        device: torch.device,
+    ) -> list[tuple[int, torch.Generator]]:
         """A generator per drawn position of a seeded request, seeded for the token that position draws."""
-        wanted = [index for index, position in enumerate(positions)
-                  if position.params.seed is not None and rows.random[index]]
+        wanted = [
+            index for index, position in enumerate(positions) if position.params.seed is not None and rows.random[index]
+        ]
         pool = self._position_generators.setdefault(device, [])
         while len(pool) < len(wanted):
             pool.append(torch.Generator(device=device))
-        return [(index, generator.manual_seed(draw_seed(positions[index].params.seed,
-                                                        first_positions[owner[index]] + offset[index])))
-                for index, generator in zip(wanted, pool)]
+        return [
+            (
+                index,
+                generator.manual_seed(
+                    draw_seed(positions[index].params.seed, first_positions[owner[index]] + offset[index])
+                ),
+            )
+            for index, generator in zip(wanted, pool, strict=False)
+        ]
 
 
 def _failed_request(logits: torch.Tensor, request: Request, top: int | None) -> VerifiedBatch:
@@ -315,7 +397,13 @@ def _failed_request(logits: torch.Tensor, request: Request, top: int | None) -> 
     logprobs = None
     if top is not None:
         top_values = torch.zeros(count, top, device=device)
-        logprobs = RawLogprobs(torch.zeros(count, device=device), tokens, top_values.long(), top_values,
-                               [request.params.logprobs] * count)
-    return VerifiedBatch(tokens, torch.ones(1, dtype=torch.long, device=device),
-                         torch.full((1,), FAILED, dtype=torch.long, device=device), [0, count], logprobs)
+        logprobs = RawLogprobs(
+            torch.zeros(count, device=device), tokens, top_values.long(), top_values, [request.params.logprobs] * count
+        )
+    return VerifiedBatch(
+        tokens,
+        torch.ones(1, dtype=torch.long, device=device),
+        torch.full((1,), FAILED, dtype=torch.long, device=device),
+        [0, count],
+        logprobs,
+    )

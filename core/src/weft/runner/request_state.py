@@ -15,8 +15,18 @@ from weft.contracts.executor import NewRequest
 class RequestState:
     """The runner's copy of one request."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "generator",
-                 "block_ids", "num_computed_tokens", "prefix_hit", "state_transferred")
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "eos_token_ids",
+        "generator",
+        "block_ids",
+        "num_computed_tokens",
+        "prefix_hit",
+        "state_transferred",
+    )
 
     def __init__(self, new: NewRequest, device: torch.device) -> None:
         self.request_id = new.request_id

@@ -70,8 +70,14 @@ class SampledToken(msgspec.Struct):
 class RawLogprobs:
     """Per row of a step: the chosen token's raw logprob and rank, and the top candidates' tokens and logprobs."""
 
-    def __init__(self, chosen: torch.Tensor, ranks: torch.Tensor, top_tokens: torch.Tensor, top_values: torch.Tensor,
-                 wanted: list[int | None]) -> None:
+    def __init__(
+        self,
+        chosen: torch.Tensor,
+        ranks: torch.Tensor,
+        top_tokens: torch.Tensor,
+        top_values: torch.Tensor,
+        wanted: list[int | None],
+    ) -> None:
         self.chosen, self.ranks, self.top_tokens, self.top_values = chosen, ranks, top_tokens, top_values
         self.wanted = wanted
         """Per row, how many candidates its request asked for (None: no logprobs)."""
@@ -79,9 +85,13 @@ class RawLogprobs:
     @staticmethod
     def concatenate(pieces: Sequence[RawLogprobs]) -> RawLogprobs:
         """The rows of ``pieces`` in order (all of the same width)."""
-        return RawLogprobs(*(torch.cat([getattr(piece, name) for piece in pieces])
-                             for name in ("chosen", "ranks", "top_tokens", "top_values")),
-                           [wanted for piece in pieces for wanted in piece.wanted])
+        return RawLogprobs(
+            *(
+                torch.cat([getattr(piece, name) for piece in pieces])
+                for name in ("chosen", "ranks", "top_tokens", "top_values")
+            ),
+            [wanted for piece in pieces for wanted in piece.wanted],
+        )
 
 
 class SampledBatch:
@@ -90,8 +100,13 @@ class SampledBatch:
     :meth:`to_host`; a failed row's token is some valid id (the next step may read it before the
     host knows it failed)."""
 
-    def __init__(self, tokens: torch.Tensor, status: torch.Tensor, logprobs: RawLogprobs | None = None,
-                 packed: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        status: torch.Tensor,
+        logprobs: RawLogprobs | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> None:
         self.tokens, self.status, self.logprobs = tokens, status, logprobs
         self.packed = packed
         """``[2, n]``, ``n`` at least the rows: the tokens then the statuses in one contiguous tensor, the first
@@ -107,15 +122,22 @@ class SampledBatch:
         tokens_and_status = _host_copy(packed, non_blocking)[:, : self.tokens.shape[0]]
         logprobs = self.logprobs
         if logprobs is not None:
-            logprobs = RawLogprobs(*(_host_copy(tensor, non_blocking) for tensor in (
-                logprobs.chosen, logprobs.ranks, logprobs.top_tokens, logprobs.top_values)), logprobs.wanted)
+            logprobs = RawLogprobs(
+                *(
+                    _host_copy(tensor, non_blocking)
+                    for tensor in (logprobs.chosen, logprobs.ranks, logprobs.top_tokens, logprobs.top_values)
+                ),
+                logprobs.wanted,
+            )
         return SampledBatch(tokens_and_status[0], tokens_and_status[1], logprobs)
 
     def sampled_tokens(self) -> list[SampledToken]:
         """One per row (reads the tensors: on the host, after :meth:`to_host` finished)."""
         statuses = self.status.tolist()
-        sampled = [SampledToken(token) if status == SAMPLED else SampledToken(-1, error=STATUS_REASONS[status])
-                   for token, status in zip(self.tokens.tolist(), statuses, strict=True)]
+        sampled = [
+            SampledToken(token) if status == SAMPLED else SampledToken(-1, error=STATUS_REASONS[status])
+            for token, status in zip(self.tokens.tolist(), statuses, strict=True)
+        ]
         logprobs = self.logprobs
         if logprobs is None:
             return sampled
@@ -124,7 +146,7 @@ class SampledBatch:
         for row, wanted in enumerate(logprobs.wanted):
             if wanted is None or statuses[row] != SAMPLED:
                 continue
-            top = list(zip(top_tokens[row][:wanted], top_values[row][:wanted]))
+            top = list(zip(top_tokens[row][:wanted], top_values[row][:wanted], strict=False))
             sampled[row] = SampledToken(sampled[row].token_id, chosen[row], ranks[row], top)
         return sampled
 
@@ -152,16 +174,20 @@ class RowParams:
 
     def __init__(self, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> None:
         random = [not row.greedy for row in params]
-        top_k = [row.top_k if drawn and 0 < row.top_k < vocab else vocab for row, drawn in zip(params, random)]
-        top_p = [row.top_p if drawn and row.top_p < 1 else 2.0 for row, drawn in zip(params, random)]
-        min_p = [row.min_p if drawn else 0.0 for row, drawn in zip(params, random)]
-        temperature = [row.temperature if drawn else 1.0 for row, drawn in zip(params, random)]
+        top_k = [
+            row.top_k if drawn and 0 < row.top_k < vocab else vocab for row, drawn in zip(params, random, strict=False)
+        ]
+        top_p = [row.top_p if drawn and row.top_p < 1 else 2.0 for row, drawn in zip(params, random, strict=False)]
+        min_p = [row.min_p if drawn else 0.0 for row, drawn in zip(params, random, strict=False)]
+        temperature = [row.temperature if drawn else 1.0 for row, drawn in zip(params, random, strict=False)]
         self.random = random
         """Per row, whether it draws (not greedy)."""
         self.uses_top_k = any(k < vocab for k in top_k)
         self.uses_top_p = any(p < 1 for p in top_p)
         self.uses_min_p = any(p > 0 for p in min_p)
-        packed = to_device([temperature, top_k, top_p, min_p, [float(drawn) for drawn in random]], torch.float32, device)  # top_k < 2**24
+        packed = to_device(
+            [temperature, top_k, top_p, min_p, [float(drawn) for drawn in random]], torch.float32, device
+        )  # top_k < 2**24
         self.temperature = packed[0]
         self.top_k = packed[1].long()
         self.top_p = packed[2]
@@ -179,8 +205,9 @@ class Sampler:
         """:meth:`sample`, waited for: one token per row, on the host."""
         return self.sample(logits, requests).to_host(non_blocking=False).sampled_tokens()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
-               counts: TokenCounts | None = None) -> SampledBatch:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None
+    ) -> SampledBatch:
         """Sample one token per row of ``logits`` (on the model's device), without waiting for the device.
 
         A step of plain greedy rows (no logprobs, no edits) takes the argmax of the logits as they are.
@@ -190,7 +217,9 @@ class Sampler:
         if all(plain_greedy(request) for request in requests):
             tokens, healthy = greedy_maxima(logits)
             return SampledBatch(tokens, greedy_status(healthy))
-        top = max((request.params.logprobs for request in requests if request.params.logprobs is not None), default=None)
+        top = max(
+            (request.params.logprobs for request in requests if request.params.logprobs is not None), default=None
+        )
         try:
             return self._sample_rows(logits, requests, top, counts)
         except Exception:  # one request's failure must not end the step of the others
@@ -204,14 +233,17 @@ class Sampler:
                 parts.append(_failed_row(logits.device, top, request))
         return SampledBatch.concatenate(parts)
 
-    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request], top: int | None,
-                     counts: TokenCounts | None) -> SampledBatch:
+    def _sample_rows(
+        self, logits: torch.Tensor, requests: Sequence[Request], top: int | None, counts: TokenCounts | None
+    ) -> SampledBatch:
         """Every step of the module docstring over ``logits``; logprobs of width ``top`` when it is not None."""
         raw = logits.float()
         raw_maxima = raw.max(dim=-1).values
         processed = edited_logits(raw, requests, counts)
         maxima, tokens = processed.max(dim=-1)
-        status = torch.where(torch.isfinite(maxima), SAMPLED, BANNED).masked_fill_(~torch.isfinite(raw_maxima), NON_FINITE)
+        status = torch.where(torch.isfinite(maxima), SAMPLED, BANNED).masked_fill_(
+            ~torch.isfinite(raw_maxima), NON_FINITE
+        )
         if not all(request.params.greedy for request in requests):
             rows = RowParams([request.params for request in requests], logits.shape[-1], logits.device)
             tokens = torch.where(rows.greedy, tokens, self._draw(filter_logits(processed, rows), requests, rows))
@@ -221,8 +253,11 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request], rows: RowParams) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
-        seeded = [(row, request.generator) for row, request in enumerate(requests)
-                  if request.generator is not None and rows.random[row]]
+        seeded = [
+            (row, request.generator)
+            for row, request in enumerate(requests)
+            if request.generator is not None and rows.random[row]
+        ]
         return probs.div_(exponential_noise(probs, self.generator(probs.device), seeded)).argmax(dim=-1)
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -233,8 +268,9 @@ class Sampler:
         return generator
 
 
-def exponential_noise(like: torch.Tensor, generator: torch.Generator,
-                      seeded: Sequence[tuple[int, torch.Generator]] = ()) -> torch.Tensor:
+def exponential_noise(
+    like: torch.Tensor, generator: torch.Generator, seeded: Sequence[tuple[int, torch.Generator]] = ()
+) -> torch.Tensor:
     """Exp(1) draws shaped like ``like`` (rows of the exponential race), from ``generator`` but for each row of
     ``seeded``, drawn from that row's own generator as it stands."""
     noise = torch.empty_like(like).exponential_(generator=generator)
@@ -264,14 +300,18 @@ def greedy_status(healthy: torch.Tensor) -> torch.Tensor:
     return torch.where(healthy, SAMPLED, NON_FINITE)
 
 
-
 def _failed_row(device: torch.device, top: int | None, request: Request) -> SampledBatch:
     tokens = torch.zeros(1, dtype=torch.long, device=device)
     status = torch.full((1,), FAILED, dtype=torch.long, device=device)
     if top is None:
         return SampledBatch(tokens, status)
-    logprobs = RawLogprobs(torch.zeros(1, device=device), tokens, torch.zeros(1, top, dtype=torch.long, device=device),
-                           torch.zeros(1, top, device=device), [request.params.logprobs])
+    logprobs = RawLogprobs(
+        torch.zeros(1, device=device),
+        tokens,
+        torch.zeros(1, top, dtype=torch.long, device=device),
+        torch.zeros(1, top, device=device),
+        [request.params.logprobs],
+    )
     return SampledBatch(tokens, status, logprobs)
 
 
@@ -288,7 +328,9 @@ def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, top: int, requests: Se
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_values, top_tokens = logprobs.topk(top, dim=-1)
-    return RawLogprobs(chosen.squeeze(1), ranks, top_tokens, top_values, [request.params.logprobs for request in requests])
+    return RawLogprobs(
+        chosen.squeeze(1), ranks, top_tokens, top_values, [request.params.logprobs for request in requests]
+    )
 
 
 def filter_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
@@ -322,8 +364,9 @@ def filter_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return scaled
 
 
-def edited_logits(raw: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None,
-                  added: torch.Tensor | None = None) -> torch.Tensor:
+def edited_logits(
+    raw: torch.Tensor, requests: Sequence[Request], counts: TokenCounts | None = None, added: torch.Tensor | None = None
+) -> torch.Tensor:
     """``raw`` with the edits of the rows that ask for them (step 3 of the module docstring), in a new
     tensor when any does; ``raw`` itself, untouched, when none does. Penalties read ``counts`` (see
     :meth:`Sampler.sample`) and ``added`` (see :func:`~weft.runner.penalties.apply_penalties`)."""
@@ -356,4 +399,6 @@ def needs_output_tokens(request: Request) -> bool:
     the counts the runner keeps on the device."""
     params = request.params
     # min_tokens first: a runner state's output is a slice of its token ids, made only when it is read.
-    return bool(params.bad_words_token_ids) or (params.min_tokens > 0 and len(request.output_token_ids) < params.min_tokens)
+    return bool(params.bad_words_token_ids) or (
+        params.min_tokens > 0 and len(request.output_token_ids) < params.min_tokens
+    )

@@ -58,17 +58,23 @@ logger = logging.getLogger("weft.runner")
 def _source_bytes(path: Path) -> int:
     """The size of a model file, or of the files of a model folder."""
     try:
-        return path.stat().st_size if path.is_file() else sum(file.stat().st_size for file in path.iterdir()
-                                                                 if file.is_file())
+        return (
+            path.stat().st_size
+            if path.is_file()
+            else sum(file.stat().st_size for file in path.iterdir() if file.is_file())
+        )
     except OSError:
         return 0
 
 
-
 class Worker:
     def __init__(
-        self, config: WeftConfig, registry: PluginRegistry | None = None, parallel: ParallelGroups = SINGLE,
-        platform: Any = None, local_rank: int | None = None,
+        self,
+        config: WeftConfig,
+        registry: PluginRegistry | None = None,
+        parallel: ParallelGroups = SINGLE,
+        platform: Any = None,
+        local_rank: int | None = None,
     ) -> None:
         """``config`` has its platform-sized engine options resolved (:func:`weft.resolve.resolve_engine_config`);
         ``parallel`` is this rank's groups (the default: one device), ``platform`` the one they were made on,
@@ -92,13 +98,17 @@ class Worker:
         config, engine = self.config, self.config.engine
         layout = self.parallel.layout
         load_config = load_config_for(
-            config, str(self.device), tensor_parallel_rank=layout.tensor_rank,
-            pipeline_parallel_size=layout.pipeline_parallel_size, pipeline_parallel_rank=layout.pipeline_rank,
+            config,
+            str(self.device),
+            tensor_parallel_rank=layout.tensor_rank,
+            pipeline_parallel_size=layout.pipeline_parallel_size,
+            pipeline_parallel_rank=layout.pipeline_rank,
             local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
         self.quantization_name, self.quantization = choose_quantization(
-            self.registry, config, self.platform, self.source.format, self.dtype)
+            self.registry, config, self.platform, self.source.format, self.dtype
+        )
         if self.quantization is not None:
             self.loader.load_config = msgspec.structs.replace(load_config, quantization=self.quantization_name)
         self.family = load_family(self.registry, config, self.source)
@@ -106,7 +116,9 @@ class Worker:
         self.family.check_parallel(self.model_config)
         attention_name = config.use.attention if config.use.attention != "auto" else self.platform.default_attention
         attention_class = self.registry.load("attention", attention_name)
-        self.attention = attention_class(options_for(config, "attention", attention_class, attention_name), self.platform)
+        self.attention = attention_class(
+            options_for(config, "attention", attention_class, attention_name), self.platform
+        )
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
@@ -114,16 +126,23 @@ class Worker:
                 self.model = self.family.build(self.model_config, self.device)
             load_dtype = self.family.load_dtype(self.dtype)
             if layout.rank == 0:
-                report("loading the weights of %s (%s, %s)", self.source.name, Path(self.source.path).name,
-                       human_bytes(_source_bytes(Path(self.source.path))))
+                report(
+                    "loading the weights of %s (%s, %s)",
+                    self.source.name,
+                    Path(self.source.path).name,
+                    human_bytes(_source_bytes(Path(self.source.path))),
+                )
             if self.family.reads_weight_slices:
                 weights = self.loader.iter_weight_slices(self.source, load_dtype)
             else:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
             formats = process_quantized_layers(self.model)
-            logger.info("linear layers: %s", "; ".join(f"{count} x {name}" for name, count in formats.items())
-                        or f"dense {self.dtype} (engine.quantization = {engine.quantization!r})")
+            logger.info(
+                "linear layers: %s",
+                "; ".join(f"{count} x {name}" for name, count in formats.items())
+                or f"dense {self.dtype} (engine.quantization = {engine.quantization!r})",
+            )
             if self.structured_outputs:
                 # Its logits come in the model's dtype or float32: both variants compile at warm-up.
                 for dtype in (getattr(torch, self.dtype), torch.float32):
@@ -157,12 +176,17 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
         if self.parallel.layout.rank == 0:
-            report("allocating the KV cache: %s blocks of %d tokens", " + ".join(f"{count:,}" for count in num_blocks),
-                   self.config.engine.block_size)
+            report(
+                "allocating the KV cache: %s blocks of %d tokens",
+                " + ".join(f"{count:,}" for count in num_blocks),
+                self.config.engine.block_size,
+            )
         kv_caches = {}
-        for group, count in zip(self.groups, num_blocks):
+        for group, count in zip(self.groups, num_blocks, strict=False):
             # One block beyond the manager's: the scratch block padded graph rows write to.
-            shape = self.family.kv_cache_shape(group.spec, count + 1) or self.attention.kv_cache_shape(count + 1, group.spec)
+            shape = self.family.kv_cache_shape(group.spec, count + 1) or self.attention.kv_cache_shape(
+                count + 1, group.spec
+            )
             for layer in group.layer_names:
                 kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
         self.kv_caches = kv_caches
@@ -170,18 +194,30 @@ class Worker:
         if connector is not None:
             connector_class, options, context = connector
             gather = self.parallel.all_gather_objects if self.parallel.world_size > 1 else None
-            attention_layers = frozenset(module.layer_name for module in self.model.modules() if isinstance(module, Attention))
-            self.kv_connector = WorkerConnector(connector_class, options, self.groups, context, kv_caches, gather,
-                                                attention_layers)
+            attention_layers = frozenset(
+                module.layer_name for module in self.model.modules() if isinstance(module, Attention)
+            )
+            self.kv_connector = WorkerConnector(
+                connector_class, options, self.groups, context, kv_caches, gather, attention_layers
+            )
         self.runner = ModelRunner(
-            self.model, self.attention, self.groups, kv_caches, self.device, Sampler(self.config.engine.seed),
-            self.kv_connector, self.parallel, self.ops["bitmask_argmax"] if self.structured_outputs else None,
+            self.model,
+            self.attention,
+            self.groups,
+            kv_caches,
+            self.device,
+            Sampler(self.config.engine.seed),
+            self.kv_connector,
+            self.parallel,
+            self.ops["bitmask_argmax"] if self.structured_outputs else None,
         )
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
         compiled = self.kernels.warm_up()
         if compiled:
-            logger.debug("kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items()))
+            logger.debug(
+                "kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items())
+            )
         self._capture_graphs(num_blocks)
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:
@@ -193,24 +229,33 @@ class Worker:
         paged = any(group.spec.paged_attention for group in self.groups)
         if not (self.platform.supports_graph_capture and (self.attention.supports_graph_capture or not paged)):
             if self.platform.supports_graph_capture:
-                logger.info("decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name)
+                logger.info(
+                    "decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name
+                )
             return
         layout = self.parallel.layout
         if layout.pipeline_parallel_size > 1:
             logger.info("decode runs eagerly under pipeline parallelism (stages hand micro-batches to each other)")
             return
         if layout.tensor_parallel_size > 1 and not self.parallel.tensor.can_capture(getattr(torch, self.dtype)):
-            logger.info("decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
-                        self.platform.distributed_backend)
+            logger.info(
+                "decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
+                self.platform.distributed_backend,
+            )
             return
         managed = [group.name for group in self.groups if not group.spec.paged_attention]
         if managed and not self.family.captures_managed_groups(self.model_config, self.device):
             # The runner's static buffers hold every group's block table; a model that manages groups
             # itself (rings, compressed entries) must read them without the host to be captured.
-            logger.info("decode runs eagerly: KV-cache groups %s are managed by the model, which cannot be captured", managed)
+            logger.info(
+                "decode runs eagerly: KV-cache groups %s are managed by the model, which cannot be captured", managed
+            )
             return
-        if managed and self.runner.sparse_entries is not None and not isinstance(self.runner.sparse_entries,
-                                                                                   CapturedSparseEntryReader):
+        if (
+            managed
+            and self.runner.sparse_entries is not None
+            and not isinstance(self.runner.sparse_entries, CapturedSparseEntryReader)
+        ):
             logger.info("decode runs eagerly: the KV connector reads sparse entries of groups %s on the host", managed)
             return
         sizes = sorted(set(engine.graph_batch_sizes or self.platform.graph_batch_sizes(engine.max_num_seqs)))

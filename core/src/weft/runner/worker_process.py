@@ -87,7 +87,9 @@ class WorkerChannel:
         self.context.term()
 
 
-def run_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, store_address: StoreAddress, parent_pid: int) -> None:
+def run_worker(
+    config: WeftConfig, layout: ParallelLayout, local_rank: int, store_address: StoreAddress, parent_pid: int
+) -> None:
     """A worker process's main function."""
     from weft.plugins.registry import problems_reported_by_parent
 
@@ -135,7 +137,9 @@ def build_worker(config: WeftConfig, layout: ParallelLayout, local_rank: int, st
 
         cores = usable_cpus()
         torch.set_num_threads(max(1, cores // layout.world_size))
-    parallel = init_parallel(layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout)
+    parallel = init_parallel(
+        layout, platform, device, distributed_store(store), config.engine.distributed.worker_timeout
+    )
     return Worker(config, registry, parallel, platform, local_rank), parallel
 
 

@@ -68,8 +68,12 @@ OPEN_ROUTES = (
 
 
 def error_response(error: HTTPError) -> Response:
-    body = p.ErrorResponse(p.ErrorBody(message=error.message, type=error.kind, param=error.param, code=str(error.status)))
-    return Response(msgspec.json.encode(body), status_code=error.status, media_type="application/json", headers=error.headers)
+    body = p.ErrorResponse(
+        p.ErrorBody(message=error.message, type=error.kind, param=error.param, code=str(error.status))
+    )
+    return Response(
+        msgspec.json.encode(body), status_code=error.status, media_type="application/json", headers=error.headers
+    )
 
 
 def internal_error(request: Request) -> HTTPError:
@@ -87,7 +91,9 @@ async def http_error(request: Request, error: Exception) -> Response:
 async def starlette_http_error(request: Request, error: Exception) -> Response:
     """Exception handler: starlette's own (404 for a path no route has, 405 for a method), in OpenAI's shape."""
     status = getattr(error, "status_code", 500)
-    return error_response(HTTPError(status, f"{request.method} {request.url.path}: {getattr(error, 'detail', 'error')}"))
+    return error_response(
+        HTTPError(status, f"{request.method} {request.url.path}: {getattr(error, 'detail', 'error')}")
+    )
 
 
 class AuthMiddleware:

@@ -35,8 +35,14 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`")
 class HTTPError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, kind: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.kind = kind or error_type(status)
@@ -56,15 +62,19 @@ def check_media_type(request: Request) -> None:
         return
     media_type = declared.split(";", 1)[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
-        raise HTTPError(415, f"Content-Type {declared!r} is not accepted; send the body as JSON with "
-                             f"'Content-Type: application/json'")
+        raise HTTPError(
+            415,
+            f"Content-Type {declared!r} is not accepted; send the body as JSON with 'Content-Type: application/json'",
+        )
 
 
 async def read_bytes(request: Request, limit: int, timeout: float) -> bytes:
     """The raw body, at most ``limit`` bytes, received within ``timeout`` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes (server.max_body_bytes)")
+        raise HTTPError(
+            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes (server.max_body_bytes)"
+        )
     body = bytearray()
 
     async def receive() -> None:
@@ -76,8 +86,11 @@ async def read_bytes(request: Request, limit: int, timeout: float) -> bytes:
     try:
         await asyncio.wait_for(receive(), timeout)
     except TimeoutError:
-        raise HTTPError(408, f"the request body did not arrive within {timeout:g} s (server.body_timeout)",
-                        headers={"Connection": "close"}) from None
+        raise HTTPError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (server.body_timeout)",
+            headers={"Connection": "close"},
+        ) from None
     return bytes(body)
 
 
@@ -87,8 +100,11 @@ def decode(data: bytes, body_type: type[Any], endpoint: str, strict_fields: bool
     Call it on a worker thread: a large body takes a while to check."""
     containers, depth = _containers_and_depth(data)
     if containers > MAX_CONTAINERS:
-        raise HTTPError(400, f"the JSON body holds {containers} objects and arrays; at most {MAX_CONTAINERS} are "
-                             f"accepted (send long token lists as one array)")
+        raise HTTPError(
+            400,
+            f"the JSON body holds {containers} objects and arrays; at most {MAX_CONTAINERS} are "
+            f"accepted (send long token lists as one array)",
+        )
     ignored: list[str] = []
     try:
         body = _parse(data, body_type)
@@ -117,8 +133,9 @@ def _parse(data: bytes, body_type: Any) -> Any:
         raise HTTPError(400, f"the JSON body is nested too deeply (more than {MAX_NESTING} levels)") from None
 
 
-def _without_unknown_fields(data: bytes, body_type: type[Any], endpoint: str,
-                            strict_fields: bool) -> tuple[Any, list[str]]:
+def _without_unknown_fields(
+    data: bytes, body_type: type[Any], endpoint: str, strict_fields: bool
+) -> tuple[Any, list[str]]:
     """A body with top-level fields its Struct does not declare: refuse the first that matters (a feature Weft does
     not implement, or any unknown field with ``strict_fields``), decode again without the others; returns the
     body and the unknown fields dropped (the no-op values of :mod:`weft.serve.unsupported`'s rows are not
@@ -132,8 +149,12 @@ def _without_unknown_fields(data: bytes, body_type: type[Any], endpoint: str,
             raise HTTPError(400, reason, param=name)
         if name not in _noop_names(endpoint):
             if strict_fields:
-                raise HTTPError(400, f"{name}: unknown field; this endpoint accepts {', '.join(sorted(declared))} "
-                                     f"(see docs/serving.md; server.strict_fields is on)", param=name)
+                raise HTTPError(
+                    400,
+                    f"{name}: unknown field; this endpoint accepts {', '.join(sorted(declared))} "
+                    f"(see docs/serving.md; server.strict_fields is on)",
+                    param=name,
+                )
             ignored.append(name)
         del raw[name]
     try:
@@ -167,7 +188,7 @@ def _path_of(error: msgspec.ValidationError) -> str:
 
 def _fields_at(info: msgspec.inspect.Type, path: str) -> list[str]:
     """The field names of the object at ``path`` of a body of type ``info`` (empty when not a Struct)."""
-    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+    for name, _index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
         info = _member(info, msgspec.inspect.StructType if name else msgspec.inspect.ListType)
         if isinstance(info, msgspec.inspect.StructType):
             info = next((field.type for field in info.fields if field.encode_name == name), None)

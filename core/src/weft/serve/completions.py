@@ -32,8 +32,12 @@ async def completions(request: Request) -> Response:
     prompts = await server.engine.off_loop(_completion_prompts, server, body.prompt)
     scores_only = body.max_tokens == 0
     if scores_only and not body.echo:
-        raise HTTPError(400, "max_tokens: 0 generates nothing, which only echo (scoring the prompt) allows; set "
-                        "max_tokens to 1 or more, or echo to true", param="max_tokens")
+        raise HTTPError(
+            400,
+            "max_tokens: 0 generates nothing, which only echo (scoring the prompt) allows; set "
+            "max_tokens to 1 or more, or echo to true",
+            param="max_tokens",
+        )
     max_tokens = 1 if scores_only else body.max_tokens  # the forward that scores the prompt samples a token, dropped
     for prompt in prompts:
         server.check_length(prompt, max_tokens)
@@ -42,16 +46,24 @@ async def completions(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     n, best_of = _best_of(body)
-    params = server.sampling_params(body, max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint,
-                                    prompt_logprobs=prompt_logprobs)
+    params = server.sampling_params(
+        body, max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint, prompt_logprobs=prompt_logprobs
+    )
     if params.greedy:
         best_of = n  # greedy candidates are all alike: the first n are the best n
     if best_of != n:
         # Ranking the candidates needs each sampled token's log-probability: asked for even when the client did not.
         logprobs = body.logprobs if body.logprobs is not None else 0
         params = msgspec.structs.replace(params, n=best_of, logprobs=logprobs)
-    output, ids = await start_constrained(server, request, prompts, params, field, body.kv_transfer_params,
-                                          choices_field="best_of" if best_of != n else "n")
+    output, ids = await start_constrained(
+        server,
+        request,
+        prompts,
+        params,
+        field,
+        body.kv_transfer_params,
+        choices_field="best_of" if best_of != n else "n",
+    )
     if scores_only:
         output = _PromptOnly(output)
     response_id, created = f"cmpl-{request_id(request)}", int(time.time())
@@ -63,12 +75,20 @@ async def completions(request: Request) -> Response:
         )
     deltas = await server.collect(request, output, ids)
     best = _best_candidates(deltas, n, best_of) if best_of != n else deltas
-    choices = await server.engine.off_loop(_completion_choices, server, body, prompts, best)  # decoding the echoed prompts
-    return JSONResponse({
-        "id": response_id, "object": "text_completion", "created": created, "model": server.model_name,
-        # Usage counts every candidate: each was computed.
-        "choices": choices, "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
-    })
+    choices = await server.engine.off_loop(
+        _completion_choices, server, body, prompts, best
+    )  # decoding the echoed prompts
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": server.model_name,
+            # Usage counts every candidate: each was computed.
+            "choices": choices,
+            "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
+        }
+    )
 
 
 class _PromptOnly:
@@ -91,9 +111,15 @@ class _PromptOnly:
 def _without_output(delta: Delta) -> Delta:
     if delta.error:
         return delta
-    return msgspec.structs.replace(delta, token_ids=[], text="", logprobs=None if delta.logprobs is None else [],
-                                   num_output_tokens=0, stop_reason=None,
-                                   finish_reason=None if delta.finish_reason is None else "length")
+    return msgspec.structs.replace(
+        delta,
+        token_ids=[],
+        text="",
+        logprobs=None if delta.logprobs is None else [],
+        num_output_tokens=0,
+        stop_reason=None,
+        finish_reason=None if delta.finish_reason is None else "length",
+    )
 
 
 def _best_of(body: p.CompletionRequest) -> tuple[int, int]:
@@ -101,11 +127,19 @@ def _best_of(body: p.CompletionRequest) -> tuple[int, int]:
     n = body.n or 1
     best_of = body.best_of if body.best_of is not None else n
     if best_of < n:
-        raise HTTPError(400, f"best_of ({best_of}) must be at least n ({n}): it is the number of candidates the n "
-                        f"choices are picked from; raise best_of or lower n", param="best_of")
+        raise HTTPError(
+            400,
+            f"best_of ({best_of}) must be at least n ({n}): it is the number of candidates the n "
+            f"choices are picked from; raise best_of or lower n",
+            param="best_of",
+        )
     if best_of > n and body.stream:
-        raise HTTPError(400, f"best_of ({best_of}) above n ({n}) cannot be streamed: the best candidates are known only "
-                        f"when every one has finished; set stream to false or best_of to n", param="best_of")
+        raise HTTPError(
+            400,
+            f"best_of ({best_of}) above n ({n}) cannot be streamed: the best candidates are known only "
+            f"when every one has finished; set stream to false or best_of to n",
+            param="best_of",
+        )
     return n, best_of
 
 
@@ -115,7 +149,11 @@ def _best_candidates(deltas: list[list[Delta]], n: int, best_of: int) -> list[li
     candidate). Exactly ``n`` per prompt, so a choice's prompt is still its index over ``n``."""
 
     def score(choice: list[Delta]) -> float:
-        values = [entry[token].logprob for delta in choice for token, entry in zip(delta.token_ids, delta.logprobs or ())]
+        values = [
+            entry[token].logprob
+            for delta in choice
+            for token, entry in zip(delta.token_ids, delta.logprobs or (), strict=False)
+        ]
         return sum(values) / max(len(values), 1)
 
     chosen = []
@@ -126,8 +164,9 @@ def _best_candidates(deltas: list[list[Delta]], n: int, best_of: int) -> list[li
     return chosen
 
 
-def _completion_choices(server: Server, body: p.CompletionRequest, prompts: list[list[int]],
-                        deltas: list[list[Delta]]) -> list[dict[str, Any]]:
+def _completion_choices(
+    server: Server, body: p.CompletionRequest, prompts: list[list[int]], deltas: list[list[Delta]]
+) -> list[dict[str, Any]]:
     echoed = [server.tokenizer.decode(prompt) for prompt in prompts] if body.echo else []
     choices = []
     for index, choice in enumerate(deltas):
@@ -142,8 +181,11 @@ def _completion_choices(server: Server, body: p.CompletionRequest, prompts: list
                 echoed_logprobs = _prompt_completion_logprobs(server, choice[0].prompt_logprobs, prompt, body.logprobs)
                 logprobs = _join_logprobs(echoed_logprobs, logprobs)
         entry: dict[str, Any] = {
-            "index": index, "text": prefix + "".join(delta.text for delta in choice), "logprobs": logprobs,
-            "finish_reason": choice[-1].finish_reason, "stop_reason": choice[-1].stop_reason,
+            "index": index,
+            "text": prefix + "".join(delta.text for delta in choice),
+            "logprobs": logprobs,
+            "finish_reason": choice[-1].finish_reason,
+            "stop_reason": choice[-1].stop_reason,
         }
         if body.prompt_logprobs is not None:
             entry["prompt_logprobs"] = _prompt_logprobs_json(choice[0].prompt_logprobs)
@@ -151,12 +193,13 @@ def _completion_choices(server: Server, body: p.CompletionRequest, prompts: list
     return choices
 
 
-def _prompt_completion_logprobs(server: Server, entries: list[dict[int, Logprob] | None] | None, prompt: list[int],
-                                top: int) -> dict[str, list[Any]]:
+def _prompt_completion_logprobs(
+    server: Server, entries: list[dict[int, Logprob] | None] | None, prompt: list[int], top: int
+) -> dict[str, list[Any]]:
     """The prompt's tokens in a completion's logprobs shape (the first token has none, as in OpenAI's API)."""
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
-    for token, entry in zip(prompt, entries or [None] * len(prompt)):
+    for token, entry in zip(prompt, entries or [None] * len(prompt), strict=False):
         text = server.tokenizer.decode([token], skip_special_tokens=False)
         result["tokens"].append(text)
         result["text_offset"].append(offset)
@@ -178,8 +221,12 @@ def _prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> li
     """vLLM's ``prompt_logprobs``: per prompt token, None or ``{token id: {logprob, rank, decoded_token}}``."""
     if entries is None:
         return None
-    return [None if entry is None else {str(token): {**msgspec.to_builtins(lp), "logprob": finite(lp.logprob)}
-                                        for token, lp in entry.items()} for entry in entries]
+    return [
+        None
+        if entry is None
+        else {str(token): {**msgspec.to_builtins(lp), "logprob": finite(lp.logprob)} for token, lp in entry.items()}
+        for entry in entries
+    ]
 
 
 def _is_token_list(value: Any) -> bool:
@@ -195,11 +242,14 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
         return [list(prompt)]
     if not all(isinstance(item, str) or _is_token_list(item) for item in prompt):
         raise HTTPError(
-            400, "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
+            400,
+            "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
             param="prompt",
         )
     try:
-        prompts = [server.engine.frontend.encode_prompt(item) if isinstance(item, str) else list(item) for item in prompt]
+        prompts = [
+            server.engine.frontend.encode_prompt(item) if isinstance(item, str) else list(item) for item in prompt
+        ]
     except ValueError as error:
         raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     if any(not item for item in prompts):
@@ -207,8 +257,16 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
     return prompts
 
 
-def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], body: Any,
-                       response_id: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+def _completion_stream(
+    server: Server,
+    output: asyncio.Queue,
+    ids: list[str],
+    prompts: list[list[int]],
+    body: Any,
+    response_id: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     head = {"id": response_id, "object": "text_completion", "created": created, "model": server.model_name}
     offsets = [0] * len(ids)
     opening = []
@@ -223,7 +281,12 @@ def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
 
     def render(delta: Delta) -> dict[str, Any] | None:
         index = delta.index
-        if not delta.text and not delta.finish_reason and not (wants_logprobs and delta.token_ids) and not echo_pending[index]:
+        if (
+            not delta.text
+            and not delta.finish_reason
+            and not (wants_logprobs and delta.token_ids)
+            and not echo_pending[index]
+        ):
             return None
         text, logprobs = delta.text, None
         if echo_pending[index]:
@@ -233,14 +296,15 @@ def _completion_stream(server: Server, output: asyncio.Queue, ids: list[str], pr
             offsets[index] = len(prompt_text)
             text = prompt_text + text
             echoed = _prompt_completion_logprobs(server, delta.prompt_logprobs, prompt, body.logprobs)
-            logprobs = _join_logprobs(echoed, _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[index]))
+            logprobs = _join_logprobs(
+                echoed, _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[index])
+            )
         elif wants_logprobs:
             logprobs = _completion_logprobs(delta.logprobs or [], delta.token_ids, body.logprobs, offsets[index])
         offsets[index] += len(delta.text)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     return sse_stream(server, output, ids, prompts, head, include_usage, opening, render)
-
 
 
 def _top_with_chosen(entry: dict[int, Logprob], token: int, top: int) -> dict[str, float]:
@@ -255,7 +319,7 @@ def _top_with_chosen(entry: dict[int, Logprob], token: int, top: int) -> dict[st
 
 def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int, offset: int) -> dict[str, Any]:
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(tokens, entries):
+    for token, entry in zip(tokens, entries, strict=False):
         chosen = entry[token]
         result["tokens"].append(chosen.decoded_token)
         result["token_logprobs"].append(finite(chosen.logprob))
@@ -263,4 +327,3 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], t
         result["text_offset"].append(offset)
         offset += len(chosen.decoded_token)
     return result
-

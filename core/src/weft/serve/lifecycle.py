@@ -90,7 +90,8 @@ class TimedH11Protocol(H11Protocol):
         body = f"request headers not received within {self.header_timeout:g} s (server.header_timeout)\n".encode()
         self.transport.write(
             b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode() + body
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         self.transport.close()
 
@@ -152,10 +153,13 @@ class InFlightRequests:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             request_id = scope["state"].get("request_id")
-            response = error_response(HTTPError(
-                503, f"the server is shutting down{f' (request {request_id})' if request_id else ''}; retry later",
-                headers={"Retry-After": "5", **({"X-Request-Id": request_id} if request_id else {})},
-            ))
+            response = error_response(
+                HTTPError(
+                    503,
+                    f"the server is shutting down{f' (request {request_id})' if request_id else ''}; retry later",
+                    headers={"Retry-After": "5", **({"X-Request-Id": request_id} if request_id else {})},
+                )
+            )
             await response(scope, receive, send)
         finally:
             del self._running[task]
@@ -167,7 +171,11 @@ class InFlightRequests:
     def cut(self, responding: bool) -> int:
         """Cancel the handlers still running that have not started a response (``responding``: also those that
         have); each is answered 503 (a started response is ended as it is). Returns how many."""
-        cut = [(task, served) for task, served in self._running.items() if not served.cut and (responding or not served.responding)]
+        cut = [
+            (task, served)
+            for task, served in self._running.items()
+            if not served.cut and (responding or not served.responding)
+        ]
         for task, served in cut:
             served.cut = True
             task.cancel()
@@ -177,8 +185,9 @@ class InFlightRequests:
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose shutdown drains the engine and the HTTP requests first (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float,
-                 in_flight: InFlightRequests) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float, in_flight: InFlightRequests
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -197,8 +206,13 @@ class GracefulServer(uvicorn.Server):
         name = signal.Signals(sig).name
         if self._drain_started is None:
             key = "Ctrl-C" if sig == signal.SIGINT else name
-            logger.warning("%s: waiting up to %g s (server.shutdown_timeout) for the requests in flight to finish; "
-                           "new ones get 503. %s again stops at once", name, self.shutdown_timeout, key)
+            logger.warning(
+                "%s: waiting up to %g s (server.shutdown_timeout) for the requests in flight to finish; "
+                "new ones get 503. %s again stops at once",
+                name,
+                self.shutdown_timeout,
+                key,
+            )
         else:
             logger.warning("%s again: stopping now, %.1f s into the wait", name, time.monotonic() - self._drain_started)
         self.request_shutdown()
@@ -224,8 +238,11 @@ class GracefulServer(uvicorn.Server):
             await self.engine.drain(self.shutdown_timeout, busy=self.in_flight.busy)
             unanswered = self.in_flight.cut(responding=False)
             if unanswered:
-                logger.warning("shutdown: %d requests not yet in the engine after %.1f s; answered 503", unanswered,
-                               time.monotonic() - (self._drain_started or time.monotonic()))
+                logger.warning(
+                    "shutdown: %d requests not yet in the engine after %.1f s; answered 503",
+                    unanswered,
+                    time.monotonic() - (self._drain_started or time.monotonic()),
+                )
             deadline = time.monotonic() + FLUSH_SECONDS
             while self.in_flight.busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -242,5 +259,12 @@ class GracefulServer(uvicorn.Server):
 def uvicorn_config(app: Any, host: str, port: int, header_timeout: float, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for a Weft app: the timed h11 protocol, a short final wait (the drain came first)."""
     protocol = type("WeftH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1, timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=protocol,
+        timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )

@@ -46,24 +46,32 @@ _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?
 class MediaLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a request's images may be (the server section of the config will carry these)."""
 
-    allowed_media_domains: Annotated[list[str] | None, msgspec.Meta(
-        description="Hosts http(s) image URLs may name (and redirect to); unset: any host. Set it on a server "
-                    "reachable from outside: without it, clients can make the server fetch from its own "
-                    "network.")] = None
-    allowed_local_media_path: Annotated[str, msgspec.Meta(
-        description="A folder whose files file: image URLs may read; empty: file: URLs are refused.")] = ""
-    max_image_bytes: Annotated[int, msgspec.Meta(
-        description="The most bytes of one encoded image (a data URL's decoded bytes, a download, a file).")] = 20 << 20
-    max_image_pixels: Annotated[int, msgspec.Meta(
-        description="The most pixels (width x height) of one image, checked before decoding.")] = 7680 * 4320
-    max_image_side: Annotated[int, msgspec.Meta(
-        description="The most pixels of either side of one image.")] = 16384
-    limit_images_per_prompt: Annotated[int, msgspec.Meta(
-        description="The most images one prompt may carry.")] = 16
-    fetch_timeout_s: Annotated[float, msgspec.Meta(
-        description="Seconds a download may take, redirects included.")] = 10.0
-    max_redirects: Annotated[int, msgspec.Meta(
-        description="Redirects followed for one http(s) image URL.")] = 3
+    allowed_media_domains: Annotated[
+        list[str] | None,
+        msgspec.Meta(
+            description="Hosts http(s) image URLs may name (and redirect to); unset: any host. Set it on a server "
+            "reachable from outside: without it, clients can make the server fetch from its own "
+            "network."
+        ),
+    ] = None
+    allowed_local_media_path: Annotated[
+        str, msgspec.Meta(description="A folder whose files file: image URLs may read; empty: file: URLs are refused.")
+    ] = ""
+    max_image_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            description="The most bytes of one encoded image (a data URL's decoded bytes, a download, a file)."
+        ),
+    ] = 20 << 20
+    max_image_pixels: Annotated[
+        int, msgspec.Meta(description="The most pixels (width x height) of one image, checked before decoding.")
+    ] = 7680 * 4320
+    max_image_side: Annotated[int, msgspec.Meta(description="The most pixels of either side of one image.")] = 16384
+    limit_images_per_prompt: Annotated[int, msgspec.Meta(description="The most images one prompt may carry.")] = 16
+    fetch_timeout_s: Annotated[float, msgspec.Meta(description="Seconds a download may take, redirects included.")] = (
+        10.0
+    )
+    max_redirects: Annotated[int, msgspec.Meta(description="Redirects followed for one http(s) image URL.")] = 3
 
 
 class MediaError(ValueError):
@@ -108,9 +116,11 @@ class ImageLoader:
     async def load_all(self, parts: Sequence[tuple[str, str]]) -> list[ImageItem]:
         """The images of one prompt (``(path, url)`` pairs, as :func:`image_parts` gives), loaded concurrently."""
         if len(parts) > self.limits.limit_images_per_prompt:
-            raise MediaError(parts[self.limits.limit_images_per_prompt][0],
-                             f"the prompt carries {len(parts)} images, more than limit_images_per_prompt "
-                             f"({self.limits.limit_images_per_prompt})")
+            raise MediaError(
+                parts[self.limits.limit_images_per_prompt][0],
+                f"the prompt carries {len(parts)} images, more than limit_images_per_prompt "
+                f"({self.limits.limit_images_per_prompt})",
+            )
         return list(await asyncio.gather(*(self.load(url, path) for path, url in parts)))
 
     async def load(self, url: str, param: str) -> ImageItem:
@@ -123,13 +133,15 @@ class ImageLoader:
         elif scheme == "file":
             data = await asyncio.to_thread(self._read_file, url, param)
         else:
-            raise MediaError(param, f"unsupported URL scheme {scheme or url[:20]!r}: use a data:, http(s): or file: "
-                                    f"URL")
+            raise MediaError(
+                param, f"unsupported URL scheme {scheme or url[:20]!r}: use a data:, http(s): or file: URL"
+            )
         return await asyncio.to_thread(self.decode, data, param)
 
     def _too_big(self, param: str, size: int | str) -> MediaError:
-        return MediaError(param, f"the image is {size} bytes, more than max_image_bytes "
-                                 f"({self.limits.max_image_bytes})")
+        return MediaError(
+            param, f"the image is {size} bytes, more than max_image_bytes ({self.limits.max_image_bytes})"
+        )
 
     def _data_url(self, url: str, param: str) -> bytes:
         match = _DATA_URL.fullmatch(url)
@@ -162,8 +174,9 @@ class ImageLoader:
         try:
             return await asyncio.wait_for(self._follow(client, url, param), self.limits.fetch_timeout_s)
         except TimeoutError:
-            raise MediaError(param, f"fetching {url} took more than fetch_timeout_s "
-                                    f"({self.limits.fetch_timeout_s:g} s)") from None
+            raise MediaError(
+                param, f"fetching {url} took more than fetch_timeout_s ({self.limits.fetch_timeout_s:g} s)"
+            ) from None
         except httpx.HTTPError as error:
             raise MediaError(param, f"fetching {url} failed: {error}") from None
         finally:
@@ -191,14 +204,16 @@ class ImageLoader:
                     if len(body) > self.limits.max_image_bytes:
                         raise self._too_big(param, f"more than {len(body) - 1}")
                 return bytes(body)
-        raise MediaError(param, f"fetching the image took more than max_redirects ({self.limits.max_redirects}) "
-                                f"redirects")
+        raise MediaError(
+            param, f"fetching the image took more than max_redirects ({self.limits.max_redirects}) redirects"
+        )
 
     def _read_file(self, url: str, param: str) -> bytes:
         root = self.limits.allowed_local_media_path
         if not root:
-            raise MediaError(param, "file: URLs are refused: set allowed_local_media_path to a folder to allow "
-                                    "its files")
+            raise MediaError(
+                param, "file: URLs are refused: set allowed_local_media_path to a folder to allow its files"
+            )
         parsed = urlsplit(url)
         if parsed.netloc not in ("", "localhost"):
             raise MediaError(param, f"file: URL on host {parsed.netloc!r}: only local files are read")
@@ -219,11 +234,13 @@ class ImageLoader:
         try:
             image = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
-            raise MediaError(param, f"the data is not an image Pillow recognises (supported: "
-                                    f"{', '.join(FORMATS)})") from None
+            raise MediaError(
+                param, f"the data is not an image Pillow recognises (supported: {', '.join(FORMATS)})"
+            ) from None
         except Image.DecompressionBombError as error:  # Pillow's own ceiling, far above the default limits
-            raise MediaError(param, f"the image is larger than max_image_pixels ({self.limits.max_image_pixels}): "
-                                    f"{error}") from None
+            raise MediaError(
+                param, f"the image is larger than max_image_pixels ({self.limits.max_image_pixels}): {error}"
+            ) from None
         except Exception as error:  # a malformed header fails Pillow's parsers in many ways
             raise MediaError(param, f"the image is corrupt or truncated ({type(error).__name__}: {error})") from None
         if image.format not in FORMATS:
@@ -233,8 +250,11 @@ class ImageLoader:
         if max(width, height) > limits.max_image_side:
             raise MediaError(param, f"the image is {width}x{height}; max_image_side is {limits.max_image_side}")
         if width * height > limits.max_image_pixels:
-            raise MediaError(param, f"the image is {width}x{height} = {width * height} pixels, more than "
-                                    f"max_image_pixels ({limits.max_image_pixels})")
+            raise MediaError(
+                param,
+                f"the image is {width}x{height} = {width * height} pixels, more than "
+                f"max_image_pixels ({limits.max_image_pixels})",
+            )
         try:
             image.load()
         except (OSError, SyntaxError, ValueError) as error:

@@ -20,7 +20,27 @@ if TYPE_CHECKING:
     from weft.engine.api.async_engine import AsyncEngine
     from weft.engine.api.output_processor import RequestOutputState as Request
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 
 FAILURE_REASONS = {
@@ -40,47 +60,81 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("weft_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry)
+        self.requests = Counter(
+            "weft_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry
+        )
         self.failures = Counter(
-            "weft_request_failures", "Requests that ended in an error, by reason: "
+            "weft_request_failures",
+            "Requests that ended in an error, by reason: "
             + "; ".join(f"{reason}: {meaning}" for reason, meaning in FAILURE_REASONS.items()),
-            ["reason"], registry=self.registry,
+            ["reason"],
+            registry=self.registry,
         )
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)
         self.prompt_tokens = Counter("weft_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
-        self.generation_tokens = Counter("weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter(
+            "weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry
+        )
         self.time_to_first_token = Histogram(
-            "weft_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=self.registry
+            "weft_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token_latency = Histogram(
-            "weft_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=_LATENCY_BUCKETS,
+            "weft_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.queue_time = Histogram(
-            "weft_request_queue_time_seconds", "Arrival in the engine core to first scheduling", buckets=_REQUEST_BUCKETS,
+            "weft_request_queue_time_seconds",
+            "Arrival in the engine core to first scheduling",
+            buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
         self.e2e_latency = Histogram(
-            "weft_e2e_request_latency_seconds", "Arrival to the end of a request, whatever ended it",
-            buckets=_REQUEST_BUCKETS, registry=self.registry,
+            "weft_e2e_request_latency_seconds",
+            "Arrival to the end of a request, whatever ended it",
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
         )
         # The engine core's gauges, as of the last step it reported.
         gauges = [
             ("weft_requests_waiting", "Requests waiting to be scheduled", lambda stats: stats.waiting),
             ("weft_requests_running", "Requests being generated", lambda stats: stats.running),
             ("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", lambda stats: stats.kv_cache_usage),
-            ("weft_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
-             lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1)),
-            ("weft_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-             lambda stats: stats.prefix_cache_query_tokens),
-            ("weft_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", lambda stats: stats.prefix_cache_hit_tokens),
-            ("weft_kv_connector_hit_tokens", "Prompt tokens loaded through the KV connector",
-             lambda stats: stats.connector_hit_tokens or 0),
-            ("weft_kv_connector_failed_load_tokens", "Of those, tokens whose load failed and were recomputed",
-             lambda stats: stats.connector_failed_load_tokens or 0),
-            ("weft_kv_connector_requests_waiting_for_kv", "Requests waiting for their KV to arrive through the connector",
-             lambda stats: stats.waiting_for_remote_kv),
+            (
+                "weft_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens looked up",
+                lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1),
+            ),
+            (
+                "weft_prefix_cache_queries_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                lambda stats: stats.prefix_cache_query_tokens,
+            ),
+            (
+                "weft_prefix_cache_hits_tokens",
+                "Prompt tokens found in the prefix cache",
+                lambda stats: stats.prefix_cache_hit_tokens,
+            ),
+            (
+                "weft_kv_connector_hit_tokens",
+                "Prompt tokens loaded through the KV connector",
+                lambda stats: stats.connector_hit_tokens or 0,
+            ),
+            (
+                "weft_kv_connector_failed_load_tokens",
+                "Of those, tokens whose load failed and were recomputed",
+                lambda stats: stats.connector_failed_load_tokens or 0,
+            ),
+            (
+                "weft_kv_connector_requests_waiting_for_kv",
+                "Requests waiting for their KV to arrive through the connector",
+                lambda stats: stats.waiting_for_remote_kv,
+            ),
         ]
         if engine.config.use.kv_connector == "none":
             gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
@@ -117,8 +171,11 @@ class _CoreCounters(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         stats = self.engine.stats
-        yield CounterMetricFamily("weft_preemptions", "Requests preempted (KV blocks taken back, recomputed later)",
-                                  value=stats.num_preemptions)
+        yield CounterMetricFamily(
+            "weft_preemptions",
+            "Requests preempted (KV blocks taken back, recomputed later)",
+            value=stats.num_preemptions,
+        )
         yield CounterMetricFamily("weft_engine_steps", "Engine steps run", value=stats.num_steps)
 
 
@@ -140,7 +197,7 @@ class _ConnectorMetrics(Collector):
             else:
                 family = HistogramMetricFamily(name, spec.help)
                 counts = total.buckets if total is not None else [0] * len(spec.buckets)
-                buckets = [(repr(float(bound)), count) for bound, count in zip(spec.buckets, counts)]
+                buckets = [(repr(float(bound)), count) for bound, count in zip(spec.buckets, counts, strict=False)]
                 buckets.append(("+Inf", total.count if total is not None else 0))
                 family.add_metric([], buckets, total.total if total is not None else 0.0)
             yield family

@@ -27,14 +27,21 @@ ENDPOINTS: list[tuple[str, str, str, type | None, type | str, bool]] = [
     ("/v1/models", "get", "The served model", None, p.ModelList, False),
     ("/tokenize", "post", "Token ids of a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse, False),
     ("/detokenize", "post", "Text of token ids", p.DetokenizeRequest, p.DetokenizeResponse, False),
-    ("/health", "get", "200 ok while serving; 503 while draining or after the engine core died", None, "text/plain", False),
+    (
+        "/health",
+        "get",
+        "200 ok while serving; 503 while draining or after the engine core died",
+        None,
+        "text/plain",
+        False,
+    ),
     ("/metrics", "get", "Prometheus metrics", None, "text/plain", False),
 ]
 
 
 _SSE_EVENT = {
     "description": "One server-sent event (as OpenAPI 3.1 describes a stream: its schema is each event's). "
-                   "Its data is a JSON chunk, or an error body, or the final [DONE].",
+    "Its data is a JSON chunk, or an error body, or the final [DONE].",
     "type": "object",
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
     "required": ["data"],
@@ -55,10 +62,17 @@ def _examples(model: str) -> dict[str, dict[str, Any]]:
 
 @cache
 def openapi_document(model: str) -> bytes:
-    bodies = [kind for _, _, _, request, response, _ in ENDPOINTS for kind in (request, response) if isinstance(kind, type)]
-    schemas, components = msgspec.json.schema_components([*bodies, p.ErrorResponse], ref_template="#/components/schemas/{name}")
+    bodies = [
+        kind for _, _, _, request, response, _ in ENDPOINTS for kind in (request, response) if isinstance(kind, type)
+    ]
+    schemas, components = msgspec.json.schema_components(
+        [*bodies, p.ErrorResponse], ref_template="#/components/schemas/{name}"
+    )
     schema_of = dict(zip([*bodies, p.ErrorResponse], schemas, strict=True))
-    error = {"description": "An error, in OpenAI's shape", "content": {"application/json": {"schema": schema_of[p.ErrorResponse]}}}
+    error = {
+        "description": "An error, in OpenAI's shape",
+        "content": {"application/json": {"schema": schema_of[p.ErrorResponse]}},
+    }
     paths: dict[str, Any] = {}
     for path, method, summary, request, response, streams in ENDPOINTS:
         if isinstance(response, str):
@@ -68,23 +82,38 @@ def openapi_document(model: str) -> bytes:
             if streams:
                 content["text/event-stream"] = {"schema": _SSE_EVENT}
         operation: dict[str, Any] = {
-            "summary": summary, "operationId": f"{method}{path.replace('/', '_')}",
+            "summary": summary,
+            "operationId": f"{method}{path.replace('/', '_')}",
             "responses": {"200": {"description": "OK", "content": content}, "default": error},
         }
         if request is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": schema_of[request], "example": _examples(model)[path],
-            }}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": schema_of[request],
+                        "example": _examples(model)[path],
+                    }
+                },
+            }
         paths[path] = {method: operation}
     document = {
         "openapi": "3.1.0",
-        "info": {"title": "Weft", "version": __version__,
-                 "description": "OpenAI-compatible API of a weft serve process (see docs/serving.md)"},
+        "info": {
+            "title": "Weft",
+            "version": __version__,
+            "description": "OpenAI-compatible API of a weft serve process (see docs/serving.md)",
+        },
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "required when server.api_key or $WEFT_API_KEY is set"}},
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "required when server.api_key or $WEFT_API_KEY is set",
+                }
+            },
         },
     }
     return msgspec.json.encode(document)

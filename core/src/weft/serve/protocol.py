@@ -328,7 +328,11 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 _NULL_DEFAULTS: dict[str, Any] = {
-    "n": 1, "ignore_eos": False, "stream": False, "echo": False, "add_generation_prompt": True,
+    "n": 1,
+    "ignore_eos": False,
+    "stream": False,
+    "echo": False,
+    "add_generation_prompt": True,
 }
 
 

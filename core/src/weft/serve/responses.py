@@ -46,18 +46,25 @@ async def responses(request: Request) -> Response:
         constraint, field = tools.output_constraint(settings, *structured.from_text_format(body.text), "text.format")
     except ValueError as error:
         raise HTTPError(400, str(error), param=field_of(error)) from None
-    template_kwargs = {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
+    template_kwargs = (
+        {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
+    )
     prompt = await server.engine.off_loop(server.chat_prompt, messages, True, settings, template_kwargs)
     server.check_length(prompt, body.max_output_tokens)
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(
-        p.ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed),
-        body.max_output_tokens, None, constraint=constraint, **extra,
+        p.ChatCompletionRequest(
+            model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p, seed=body.seed
+        ),
+        body.max_output_tokens,
+        None,
+        constraint=constraint,
+        **extra,
     )
     tail = server.prompt_tail(prompt)
-    output, ids = await start_constrained(server, request, [prompt], params, field, None,
-                                          server.grammar_start(tail, constraint))
+    output, ids = await start_constrained(
+        server, request, [prompt], params, field, None, server.grammar_start(tail, constraint)
+    )
     response = ResponseObject(server, body, prompt, request_id(request))
     reply = server.reply(tail, settings)
     if body.stream:
@@ -68,12 +75,20 @@ async def responses(request: Request) -> Response:
     items = []
     if reasoning:
         items.append(response.reasoning_item(response.item_id("rs"), reasoning, "completed"))
-    message = (response.message_item(response.item_id("msg"), content or "", "completed")
-               if content is not None or not calls else None)
-    call_items = [response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed")
-                  for call in calls]
+    message = (
+        response.message_item(response.item_id("msg"), content or "", "completed")
+        if content is not None or not calls
+        else None
+    )
+    call_items = [
+        response.call_item(response.item_id("fc"), call.id, call.name, call.arguments, "completed") for call in calls
+    ]
     # In the order written: calls, then content (a forced choice's output cut short before a call was named).
-    items += [*call_items, message] if message is not None and cut and calls else [*([message] if message else []), *call_items]
+    items += (
+        [*call_items, message]
+        if message is not None and cut and calls
+        else [*([message] if message else []), *call_items]
+    )
     if cut and items:
         items[-1]["status"] = "incomplete"  # the output stopped inside it
     return JSONResponse(response.finished(items, choice))
@@ -94,7 +109,9 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         elif item.type == "function_call":
             if not item.call_id or not item.name:
                 raise HTTPError(400, f"{where}: a function_call item needs call_id and name", param=where)
-            call = p.MessageToolCall(id=item.call_id, function=p.MessageFunctionCall(name=item.name, arguments=item.arguments or "{}"))
+            call = p.MessageToolCall(
+                id=item.call_id, function=p.MessageFunctionCall(name=item.name, arguments=item.arguments or "{}")
+            )
             previous = messages[-1] if messages else None
             if previous is not None and previous.role == "assistant" and previous.tool_calls and not previous.content:
                 previous.tool_calls.append(call)
@@ -108,8 +125,12 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
                 output = "".join(part.text or "" for part in output)
             messages.append(p.ChatMessage(role="tool", tool_call_id=item.call_id, content=output or ""))
         elif item.type != "reasoning":
-            raise HTTPError(400, f"{where}.type: {item.type!r} items are not supported; send messages, function_call "
-                            f"and function_call_output items", param=f"{where}.type")
+            raise HTTPError(
+                400,
+                f"{where}.type: {item.type!r} items are not supported; send messages, function_call "
+                f"and function_call_output items",
+                param=f"{where}.type",
+            )
     return messages
 
 
@@ -128,7 +149,11 @@ class ResponseObject:
         return f"{prefix}_{self.id.removeprefix('resp_')}{suffix}"
 
     def message_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+        content = (
+            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            if status != "in_progress"
+            else []
+        )
         return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
@@ -138,21 +163,36 @@ class ResponseObject:
 
     @staticmethod
     def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-                "status": status}
+        return {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
 
-    def state(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-              incomplete: bool = False) -> dict[str, Any]:
+    def state(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None, incomplete: bool = False
+    ) -> dict[str, Any]:
         body = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
-            "model": self.server.model_name, "instructions": body.instructions, "output": output,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None,
+            "model": self.server.model_name,
+            "instructions": body.instructions,
+            "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "tool_choice": _tool_choice(body.tool_choice),
             "tools": msgspec.to_builtins(body.tools or []),
             "text": msgspec.to_builtins(body.text) if body.text is not None else {"format": {"type": "text"}},
-            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
             "usage": usage,
         }
 
@@ -160,9 +200,11 @@ class ResponseObject:
         usage = self.server.usage([self.prompt], [choice])
         incomplete = choice[-1].finish_reason == "length"
         return self.state(
-            "incomplete" if incomplete else "completed", items,
+            "incomplete" if incomplete else "completed",
+            items,
             {
-                "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                "input_tokens": usage.prompt_tokens,
+                "output_tokens": usage.completion_tokens,
                 "total_tokens": usage.total_tokens,
                 "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
                 "output_tokens_details": {"reasoning_tokens": 0},
@@ -185,12 +227,17 @@ class _StreamedItems:
         if piece.reasoning:
             events += self._ensure("reasoning")
             self.text += piece.reasoning
-            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=piece.reasoning))
+            events.append(
+                self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=piece.reasoning)
+            )
         if piece.content:
             events += self._ensure("message")
             self.text += piece.content
-            events.append(self.event("response.output_text.delta", **self._where(), content_index=0, delta=piece.content,
-                                     logprobs=[]))
+            events.append(
+                self.event(
+                    "response.output_text.delta", **self._where(), content_index=0, delta=piece.content, logprobs=[]
+                )
+            )
         for call in piece.calls:
             if call.id is not None:
                 events += self._close()
@@ -198,7 +245,9 @@ class _StreamedItems:
                 events += self._open(item)
             if call.arguments:
                 self.text += call.arguments
-                events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=call.arguments))
+                events.append(
+                    self.event("response.function_call_arguments.delta", **self._where(), delta=call.arguments)
+                )
         return events
 
     def finish(self, cut: bool = False) -> list[bytes]:
@@ -241,7 +290,9 @@ class _StreamedItems:
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
             done = self.response.message_item(item["id"], text, status)
         else:
-            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text))
+            events.append(
+                self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)
+            )
             done = self.response.call_item(item["id"], item["call_id"], item["name"], text, status)
         events.append(self.event("response.output_item.done", output_index=len(self.items), item=done))
         self.items.append(done)
@@ -249,8 +300,9 @@ class _StreamedItems:
         return events
 
 
-async def _stream(server: Server, output: asyncio.Queue, ids: list[str], response: ResponseObject,
-                  reply: tools.AssistantOutput) -> AsyncIterator[bytes]:
+async def _stream(
+    server: Server, output: asyncio.Queue, ids: list[str], response: ResponseObject, reply: tools.AssistantOutput
+) -> AsyncIterator[bytes]:
     sequence = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -268,15 +320,18 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
             if delta.error:
                 yield event("error", message=delta.error, code=error_type(delta.error_status), param=None)
                 failed = response.state("failed", items.items)
-                yield event("response.failed", response={**failed, "error": {"code": error_type(delta.error_status),
-                                                                              "message": delta.error}})
+                yield event(
+                    "response.failed",
+                    response={**failed, "error": {"code": error_type(delta.error_status), "message": delta.error}},
+                )
                 return
             deltas.append(delta)
             piece = reply.push(delta.text) if delta.text else tools.MessageDelta()
             if delta.finish_reason is not None:
                 last = reply.finish()
-                piece = tools.MessageDelta(piece.reasoning + last.reasoning, piece.content + last.content,
-                                           piece.calls + last.calls)
+                piece = tools.MessageDelta(
+                    piece.reasoning + last.reasoning, piece.content + last.content, piece.calls + last.calls
+                )
             for chunk in items.feed(piece):
                 yield chunk
             if delta.finish_reason is not None:
@@ -288,8 +343,12 @@ async def _stream(server: Server, output: asyncio.Queue, ids: list[str], respons
     except Exception:
         logger.exception("internal error in stream %s", response.id)
         server.metrics.failed("internal")
-        yield event("error", message=f"internal error in request {response.id}; the server log has the details",
-                    code="server_error", param=None)
+        yield event(
+            "error",
+            message=f"internal error in request {response.id}; the server log has the details",
+            code="server_error",
+            param=None,
+        )
     finally:
         for request_id in ids:
             server.engine.abort(request_id)

@@ -52,11 +52,15 @@ class Server:
         self.metrics = ServerMetrics(engine)
         engine.observer = self.metrics
         self.created = int(time.time())
-        self.model_sampling_defaults = load_model_sampling_defaults(engine.frontend.source, config.engine.generation_config)
+        self.model_sampling_defaults = load_model_sampling_defaults(
+            engine.frontend.source, config.engine.generation_config
+        )
         architecture = engine.frontend.architecture()
         self.tool_parser, self.tool_parser_options = self._parser("tool_parser", config.use.tool_parser, architecture)
         self.reasoning_parser, self.reasoning_parser_options = self._parser(
-            "reasoning_parser", config.use.reasoning_parser, architecture,
+            "reasoning_parser",
+            config.use.reasoning_parser,
+            architecture,
         )
         # The structured-output backend's import takes seconds: done now, off the event loop.
         threading.Thread(target=self._import_structured_output_backend, daemon=True).start()
@@ -100,23 +104,35 @@ class Server:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             shown = repr(model) if len(model) <= 200 else f"{model[:200]!r}..."
-            raise HTTPError(404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
+            raise HTTPError(
+                404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model"
+            )
 
     def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
             raise HTTPError(
-                400, f"the prompt has {len(prompt)} tokens but the model's context length is {self.max_model_len}; "
-                f"shorten the prompt", param="messages",
+                400,
+                f"the prompt has {len(prompt)} tokens but the model's context length is {self.max_model_len}; "
+                f"shorten the prompt",
+                param="messages",
             )
         if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
             raise HTTPError(
-                400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context length "
-                f"of {self.max_model_len} tokens; lower max_tokens", param="max_tokens",
+                400,
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context length "
+                f"of {self.max_model_len} tokens; lower max_tokens",
+                param="max_tokens",
             )
 
-    async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None,
-                    grammar_start: GrammarStart | None = None, choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
+    async def start(
+        self,
+        request: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        grammar_start: GrammarStart | None = None,
+        choices_field: str = "n",
+    ) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
         Engine request ids are the HTTP request's id and the choice's index. ``grammar_start``:
         see :meth:`weft.engine.api.frontend.Frontend.core_request`. ``choices_field``: the request field that
@@ -125,13 +141,18 @@ class Server:
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
         if sequences > limit:
             raise HTTPError(
-                400, f"{choices_field} ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request "
+                400,
+                f"{choices_field} ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request "
                 f"may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
                 param=choices_field,
             )
         if kv_transfer_params is not None and sequences != 1:
-            raise HTTPError(400, "kv_transfer_params: a KV transfer serves one prompt and one choice; "
-                            f"send {choices_field} = 1 and a single prompt", param="kv_transfer_params")
+            raise HTTPError(
+                400,
+                "kv_transfer_params: a KV transfer serves one prompt and one choice; "
+                f"send {choices_field} = 1 and a single prompt",
+                param="kv_transfer_params",
+            )
         output: asyncio.Queue = asyncio.Queue()
         choices = params.choices()
         base = request_id(request)
@@ -142,14 +163,16 @@ class Server:
         ]
         ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
-            await self.engine.submit(batch, output, kv_transfer_params, grammar_start,
-                                     getattr(request.state, "arrival", None))
+            await self.engine.submit(
+                batch, output, kv_transfer_params, grammar_start, getattr(request.state, "arrival", None)
+            )
         except BaseException as error:
             for engine_request_id in ids:
                 self.engine.abort(engine_request_id)
             if isinstance(error, QueueFullError):
-                raise HTTPError(503, f"the server is busy ({error}); retry later", "server_error",
-                                headers={"Retry-After": "1"}) from None
+                raise HTTPError(
+                    503, f"the server is busy ({error}); retry later", "server_error", headers={"Retry-After": "1"}
+                ) from None
             if isinstance(error, ShuttingDownError):
                 raise HTTPError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
             if isinstance(error, ValueError):
@@ -183,9 +206,15 @@ class Server:
                 self.engine.abort(engine_request_id)
         return deltas
 
-    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
-                        unset_max_tokens: int | None = None, constraint: StructuredOutputsParams | None = None,
-                        **extra: Any) -> SamplingParams:
+    def sampling_params(
+        self,
+        body: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        unset_max_tokens: int | None = None,
+        constraint: StructuredOutputsParams | None = None,
+        **extra: Any,
+    ) -> SamplingParams:
         """The request's sampling values; one it leaves unset comes from the model's generation config
         (``engine.generation_config``), else Weft's default. ``unset_max_tokens``: the endpoint's own
         default max_tokens (None: up to the context length). ``constraint``: the output's structured-output
@@ -196,20 +225,30 @@ class Server:
                 logit_bias = {int(token): value for token, value in body.logit_bias.items()}
                 outside = [(token, value) for token, value in body.logit_bias.items() if not -100 <= value <= 100]
             except ValueError:
-                raise HTTPError(400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}",
-                                param="logit_bias") from None
+                raise HTTPError(
+                    400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}", param="logit_bias"
+                ) from None
             if outside:
                 token, value = outside[0]
-                raise HTTPError(400, f"logit_bias[{token!r}]: {value} is outside [-100, 100]; -100 bans the token, 100 "
-                                "all but forces it", param=f"logit_bias[{token!r}]")
+                raise HTTPError(
+                    400,
+                    f"logit_bias[{token!r}]: {value} is outside [-100, 100]; -100 bans the token, 100 "
+                    "all but forces it",
+                    param=f"logit_bias[{token!r}]",
+                )
 
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         requested = {
-            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
-            "repetition_penalty": body.repetition_penalty, "max_tokens": max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "repetition_penalty": body.repetition_penalty,
+            "max_tokens": max_tokens,
         }
         chosen = {
-            "max_tokens": unset_max_tokens, **self.model_sampling_defaults,
+            "max_tokens": unset_max_tokens,
+            **self.model_sampling_defaults,
             **{field: value for field, value in requested.items() if value is not None},
         }
         try:
@@ -241,37 +280,63 @@ class Server:
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         completion_tokens = sum(choice[-1].num_output_tokens for choice in deltas if choice)
         per_prompt = len(deltas) // max(1, len(prompts))
-        cached = sum(min((choice[-1].num_cached_tokens for choice in deltas[index * per_prompt : (index + 1) * per_prompt]
-                          if choice), default=0) for index in range(len(prompts)))
+        cached = sum(
+            min(
+                (
+                    choice[-1].num_cached_tokens
+                    for choice in deltas[index * per_prompt : (index + 1) * per_prompt]
+                    if choice
+                ),
+                default=0,
+            )
+            for index in range(len(prompts))
+        )
         return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
 
-    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    settings: tools.ToolSettings | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[p.ChatMessage],
+        add_generation_prompt: bool,
+        settings: tools.ToolSettings | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
         call it on a worker thread: templating and encoding take time)."""
         for index, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
-                raise HTTPError(400, f"messages[{index}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
-                                f"{message.role!r}", param=f"messages[{index}].role")
+                raise HTTPError(
+                    400,
+                    f"messages[{index}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got {message.role!r}",
+                    param=f"messages[{index}].role",
+                )
             if message.role == "tool" and not message.tool_call_id:
-                raise HTTPError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it "
-                                "answers (tool_calls[].id of the assistant message before it)",
-                                param=f"messages[{index}].tool_call_id")
+                raise HTTPError(
+                    400,
+                    f"messages[{index}].tool_call_id: a tool message needs the id of the call it "
+                    "answers (tool_calls[].id of the assistant message before it)",
+                    param=f"messages[{index}].tool_call_id",
+                )
         plain = [msgspec.to_builtins(message) for message in messages]
         reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise HTTPError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}, the server's own arguments "
-                            f"to the template; send messages, add_generation_prompt and tools as the request's fields",
-                            param="chat_template_kwargs")
+            raise HTTPError(
+                400,
+                f"chat_template_kwargs: may not set {', '.join(reserved)}, the server's own arguments "
+                f"to the template; send messages, add_generation_prompt and tools as the request's fields",
+                param="chat_template_kwargs",
+            )
         try:
-            conversation, kwargs = tools.chat_input(self.tokenizer, plain, add_generation_prompt, settings,
-                                                    self.tool_parser, template_kwargs or {})
+            conversation, kwargs = tools.chat_input(
+                self.tokenizer, plain, add_generation_prompt, settings, self.tool_parser, template_kwargs or {}
+            )
             return self.engine.frontend.encode_chat(conversation, add_generation_prompt, **kwargs)
         except ValueError as error:
             field = field_of(error)
             raise HTTPError(400, str(error), param=field if field.startswith("messages") else "messages") from None
         except TemplateError as error:
-            raise HTTPError(400, f"messages: the model's chat template cannot render them: {error}", param="messages") from None
+            raise HTTPError(
+                400, f"messages: the model's chat template cannot render them: {error}", param="messages"
+            ) from None
 
     def prompt_tail(self, prompt: list[int]) -> str:
         """The end of a prompt as text: what the reasoning parser reads (whether the template opened the thinking)."""
@@ -280,8 +345,11 @@ class Server:
     def reply(self, prompt_tail: str, settings: tools.ToolSettings | None) -> tools.AssistantOutput:
         """How one choice's text becomes an assistant message (reasoning, content, tool calls)."""
         reasoning = tools.reasoning_parser(self.reasoning_parser, self.reasoning_parser_options, prompt_tail)
-        return tools.AssistantOutput(reasoning, tools.call_parser(settings, self.tool_parser, self.tool_parser_options),
-                                     settings is None or settings.parallel)
+        return tools.AssistantOutput(
+            reasoning,
+            tools.call_parser(settings, self.tool_parser, self.tool_parser_options),
+            settings is None or settings.parallel,
+        )
 
     def grammar_start(self, prompt_tail: str, constraint: StructuredOutputsParams | None) -> GrammarStart | None:
         """Where a constraint starts when the model may reason first (it covers the answer only); None: from the
@@ -299,9 +367,15 @@ class Server:
 
     def keeps_special_tokens(self, settings: tools.ToolSettings | None) -> bool:
         """Whether the output text must keep special tokens: the markers the parsers read are some."""
-        return bool((self.reasoning_parser is not None and self.reasoning_parser.needs_special_tokens) or (
-            settings is not None and settings.choice == "auto" and self.tool_parser is not None
-            and self.tool_parser.needs_special_tokens))
+        return bool(
+            (self.reasoning_parser is not None and self.reasoning_parser.needs_special_tokens)
+            or (
+                settings is not None
+                and settings.choice == "auto"
+                and self.tool_parser is not None
+                and self.tool_parser.needs_special_tokens
+            )
+        )
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -332,8 +406,12 @@ def log_ignored_fields(names: list[str], endpoint: str) -> None:
         if len(_logged_fields) > MAX_LOGGED_FIELDS:
             logger.warning("more than %d distinct unknown request fields; no more are logged", MAX_LOGGED_FIELDS)
             continue
-        logger.warning("request field %r is unknown to the %s API: ignored (logged once; set server.strict_fields "
-                       "to refuse it with a 400)", header_safe(name), endpoint)
+        logger.warning(
+            "request field %r is unknown to the %s API: ignored (logged once; set server.strict_fields "
+            "to refuse it with a 400)",
+            header_safe(name),
+            endpoint,
+        )
 
 
 def header_safe(name: str) -> str:
@@ -358,9 +436,16 @@ def request_id(request: Request) -> str:
     return request.state.request_id
 
 
-async def start_constrained(server: Server, request: Request, prompts: list[list[int]], params: SamplingParams,
-                            field: str, kv_transfer_params: dict[str, Any] | None = None,
-                            grammar_start: GrammarStart | None = None, choices_field: str = "n") -> tuple[asyncio.Queue, list[str]]:
+async def start_constrained(
+    server: Server,
+    request: Request,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    field: str,
+    kv_transfer_params: dict[str, Any] | None = None,
+    grammar_start: GrammarStart | None = None,
+    choices_field: str = "n",
+) -> tuple[asyncio.Queue, list[str]]:
     """``Server.start``, a constraint the backend refuses named by the field the client used."""
     try:
         return await server.start(request, prompts, params, kv_transfer_params, grammar_start, choices_field)

@@ -31,10 +31,16 @@ def sse_error(message: str, status: int) -> bytes:
     return sse(p.ErrorResponse(p.ErrorBody(message=message, type=error_type(status), code=str(status))))
 
 
-
-async def sse_stream(server: Server, output: asyncio.Queue, ids: list[str], prompts: list[list[int]], head: dict[str, Any],
-                      include_usage: bool, opening: list[dict[str, Any]],
-                      render: Callable[[Delta], dict[str, Any] | None]) -> AsyncIterator[bytes]:
+async def sse_stream(
+    server: Server,
+    output: asyncio.Queue,
+    ids: list[str],
+    prompts: list[list[int]],
+    head: dict[str, Any],
+    include_usage: bool,
+    opening: list[dict[str, Any]],
+    render: Callable[[Delta], dict[str, Any] | None],
+) -> AsyncIterator[bytes]:
     """Chunks of a chat or text completion stream: ``opening`` choices, one per delta ``render`` keeps,
     the usage chunk, ``[DONE]``; or up to an error event, then ``[DONE]``. Leaving early (a disconnect)
     aborts the requests.
@@ -74,7 +80,9 @@ async def sse_stream(server: Server, output: asyncio.Queue, ids: list[str], prom
     except Exception:  # after the headers went out: the client gets an error event, the log the details
         logger.exception("internal error in stream %s", head["id"])
         server.metrics.failed("internal")
-        yield b"".join(events) + sse_error(f"internal error in request {head['id']}; the server log has the details", 500)
+        yield b"".join(events) + sse_error(
+            f"internal error in request {head['id']}; the server log has the details", 500
+        )
     finally:
         for engine_request_id in ids:
             server.engine.abort(engine_request_id)
@@ -86,4 +94,3 @@ def _chunk_ends(head: dict[str, Any], include_usage: bool) -> tuple[bytes, bytes
     (without ``usage`` unless ``include_usage``)."""
     start = b"data: " + msgspec.json.encode(head)[:-1] + b',"choices":['
     return start, b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
-

@@ -17,7 +17,6 @@ from weft.contracts.structured_output import StructuredOutputsParams
 from weft.serve import protocol as p
 from weft.serve.body import check_json_text
 
-
 Constraint = tuple[StructuredOutputsParams | None, str]
 
 
@@ -79,7 +78,9 @@ def _from_vllm(fields: p.StructuredOutputsRequest | None) -> StructuredOutputsPa
         if getattr(fields, name) is not None:
             raise ValueError(f"structured_outputs.{name}: not supported; use json, regex, choice or grammar")
     given: dict[str, Any] = {
-        name: getattr(fields, name) for name in ("json", "regex", "choice", "grammar") if getattr(fields, name) is not None
+        name: getattr(fields, name)
+        for name in ("json", "regex", "choice", "grammar")
+        if getattr(fields, name) is not None
     }
     if isinstance(fields.json, str):
         check_json_text(fields.json, "structured_outputs.json")

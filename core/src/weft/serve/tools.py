@@ -55,8 +55,10 @@ def chat_tools(body: p.ChatCompletionRequest) -> ToolSettings | None:
         if tool.type != "function":
             raise ValueError(f"tools[{index}]: only function tools are supported; got type {tool.type!r}")
         if tool.function is None:
-            raise ValueError(f'tools[{index}].function: missing; a function tool is {{"type": "function", "function": '
-                             f'{{"name": ..., "parameters": {{...}}}}}}')
+            raise ValueError(
+                f'tools[{index}].function: missing; a function tool is {{"type": "function", "function": '
+                f'{{"name": ..., "parameters": {{...}}}}}}'
+            )
         functions.append(msgspec.to_builtins(tool.function))
     return _settings(functions, body.tool_choice, body.parallel_tool_calls, "tool_choice")
 
@@ -67,27 +69,34 @@ def responses_tools(body: p.ResponsesRequest) -> ToolSettings | None:
         if tool.type != "function":
             raise ValueError(f"tools[{index}]: only function tools are supported here; got type {tool.type!r}")
         if not tool.name:
-            raise ValueError(f'tools[{index}].name: missing; a function tool is {{"type": "function", "name": ..., '
-                             f'"parameters": {{...}}}}')
+            raise ValueError(
+                f'tools[{index}].name: missing; a function tool is {{"type": "function", "name": ..., '
+                f'"parameters": {{...}}}}'
+            )
         functions.append(msgspec.to_builtins(msgspec.structs.replace(tool, type="function")))
     for function in functions:
         function.pop("type", None)
     return _settings(functions, body.tool_choice, body.parallel_tool_calls, "tool_choice")
 
 
-def _settings(functions: list[dict[str, Any]], choice: str | p.NamedToolChoice | None, parallel: bool | None,
-              field: str) -> ToolSettings | None:
+def _settings(
+    functions: list[dict[str, Any]], choice: str | p.NamedToolChoice | None, parallel: bool | None, field: str
+) -> ToolSettings | None:
     names = [function["name"] for function in functions]
     for index, name in enumerate(names):
         if not TOOL_NAME.fullmatch(name):
-            raise ValueError(f"tools[{index}].name: {name!r} is not a function name; use 1 to 64 letters, digits, "
-                             "underscores or dashes (as OpenAI requires)")
+            raise ValueError(
+                f"tools[{index}].name: {name!r} is not a function name; use 1 to 64 letters, digits, "
+                "underscores or dashes (as OpenAI requires)"
+            )
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ValueError(f"tools: function names must be unique; {duplicated} appear more than once")
     for index, function in enumerate(functions):
         parameters = function.get("parameters")
-        if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        if parameters is not None and (
+            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+        ):
             raise ValueError(f"tools[{index}].parameters: must be a JSON schema of type object")
     if isinstance(choice, p.NamedToolChoice):
         name = choice.function.name if choice.function is not None else choice.name
@@ -118,26 +127,36 @@ def forced_constraint(settings: ToolSettings | None) -> StructuredOutputsParams 
         function = next(function for function in settings.tools if function["name"] == settings.function)
         return StructuredOutputsParams(json=_parameters(function))
     calls = [
-        {"type": "object", "properties": {"name": {"const": function["name"]}, "parameters": _parameters(function)},
-         "required": ["name", "parameters"]}
+        {
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, "parameters": _parameters(function)},
+            "required": ["name", "parameters"],
+        }
         for function in settings.tools
     ]
-    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
     if not settings.parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
 
 
-def output_constraint(settings: ToolSettings | None, constraint: StructuredOutputsParams | None, field: str,
-                      format_field: str) -> tuple[StructuredOutputsParams | None, str]:
+def output_constraint(
+    settings: ToolSettings | None, constraint: StructuredOutputsParams | None, field: str, format_field: str
+) -> tuple[StructuredOutputsParams | None, str]:
     """The output's one constraint and the field it came from: a forced tool choice's, or the format's
     (``format_field``); both at once is a ValueError."""
     forced = forced_constraint(settings)
     if forced is None:
         return constraint, field
     if constraint is not None:
-        raise ValueError(f"tool_choice: it forces a tool call, which {format_field} would contradict; drop "
-                         f"{format_field} or let tool_choice be 'auto'")
+        raise ValueError(
+            f"tool_choice: it forces a tool call, which {format_field} would contradict; drop "
+            f"{format_field} or let tool_choice be 'auto'"
+        )
     return forced, "tools"
 
 
@@ -192,9 +211,14 @@ def call_parser(settings: ToolSettings | None, tool_parser: type[ToolParser] | N
 # The prompt.
 
 
-def chat_input(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
-               settings: ToolSettings | None, tool_parser: type[ToolParser] | None,
-               template_kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def chat_input(
+    tokenizer: Tokenizer,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    settings: ToolSettings | None,
+    tool_parser: type[ToolParser] | None,
+    template_kwargs: dict[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and template arguments to render: the template gets the tools and earlier calls, or, when
     it ignores them (its text is the same without), they are written into the conversation in the tool
     parser's format (Hermes' without one)."""
@@ -202,8 +226,9 @@ def chat_input(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_gen
     messages = [_template_message(message) for message in messages]
 
     def render(conversation: list[dict[str, Any]], **extra: Any) -> str:
-        return tokenizer.apply_chat_template(tokenizer.normalize_messages(conversation), add_generation_prompt,
-                                             **template_kwargs, **extra)
+        return tokenizer.apply_chat_template(
+            tokenizer.normalize_messages(conversation), add_generation_prompt, **template_kwargs, **extra
+        )
 
     if any(message.get("tool_calls") for message in messages):
         without_calls = [{key: value for key, value in message.items() if key != "tool_calls"} for message in messages]
@@ -257,8 +282,10 @@ def _calls_as_content(message: dict[str, Any], writer: ToolParser) -> dict[str, 
     calls = [call.get("function", call) for call in message["tool_calls"]]
     written = writer.render_calls([{"name": call.get("name"), "arguments": call.get("arguments")} for call in calls])
     content = message.get("content") or ""
-    return {**{key: value for key, value in message.items() if key != "tool_calls"},
-            "content": f"{content}\n{written}" if content else written}
+    return {
+        **{key: value for key, value in message.items() if key != "tool_calls"},
+        "content": f"{content}\n{written}" if content else written,
+    }
 
 
 # The reply.

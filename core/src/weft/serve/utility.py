@@ -14,8 +14,13 @@ from weft.serve.server import server_of, struct_response
 
 async def models(request: Request) -> Response:
     server = server_of(request)
-    card = p.ModelCard(id=server.model_name, object="model", created=server.created, owned_by="weft",
-                       max_model_len=server.max_model_len)
+    card = p.ModelCard(
+        id=server.model_name,
+        object="model",
+        created=server.created,
+        owned_by="weft",
+        max_model_len=server.max_model_len,
+    )
     return struct_response(p.ModelList(object="list", data=[card]))
 
 
@@ -29,7 +34,9 @@ async def tokenize(request: Request) -> Response:
         tokens = await server.engine.off_loop(server.chat_prompt, body.messages, True)
     else:
         try:
-            tokens = await server.engine.off_loop(server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens)
+            tokens = await server.engine.off_loop(
+                server.engine.frontend.encode_prompt, body.prompt, body.add_special_tokens
+            )
         except ValueError as error:
             raise HTTPError(400, f"prompt: {error}", param="prompt") from None
     return struct_response(p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len))
@@ -41,7 +48,9 @@ async def detokenize(request: Request) -> Response:
     server.check_model(body.model)
     bad = [token for token in body.tokens if not 0 <= token < server.tokenizer.vocab_size]
     if bad:
-        raise HTTPError(400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens")
+        raise HTTPError(
+            400, f"tokens: ids must be in [0, {server.tokenizer.vocab_size}); got {bad[:5]}", param="tokens"
+        )
     text = await server.engine.off_loop(server.tokenizer.decode, body.tokens, False)
     return struct_response(p.DetokenizeResponse(prompt=text))
 
@@ -58,4 +67,3 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     server = server_of(request)
     return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-

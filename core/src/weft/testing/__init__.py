@@ -34,8 +34,18 @@ from weft.testing.suites import (
 )
 
 __all__ = [
-    "AttentionContract", "HooksContract", "KVConnectorContract", "LoaderContract", "MMProcessorContract",
-    "ModelContract", "OpContract", "PlatformContract", "QuantizationContract",
-    "ReasoningParserContract", "SpeculatorContract", "StructuredOutputContract", "TokenizerContract",
+    "AttentionContract",
+    "HooksContract",
+    "KVConnectorContract",
+    "LoaderContract",
+    "MMProcessorContract",
+    "ModelContract",
+    "OpContract",
+    "PlatformContract",
+    "QuantizationContract",
+    "ReasoningParserContract",
+    "SpeculatorContract",
+    "StructuredOutputContract",
+    "TokenizerContract",
     "ToolParserContract",
 ]

@@ -78,14 +78,18 @@ class _Probed(KVConnector):
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
         local = self._probe_offers.pop(request.request_id, None)
         if num_external_tokens and local is not None:
-            self._probe_receives.append(
-                LoadRange(request.request_id, local, local + num_external_tokens, block_ids))
+            self._probe_receives.append(LoadRange(request.request_id, local, local + num_external_tokens, block_ids))
 
     def build_connector_meta(self, step: ConnectorStep) -> Any:
         loads = tuple(
-            LoadRange(item.request_id, item.num_computed_tokens - item.num_external_tokens, item.num_computed_tokens,
-                      item.block_ids)
-            for item in step.requests if item.num_external_tokens
+            LoadRange(
+                item.request_id,
+                item.num_computed_tokens - item.num_external_tokens,
+                item.num_computed_tokens,
+                item.block_ids,
+            )
+            for item in step.requests
+            if item.num_external_tokens
         )
         receives, self._probe_receives = tuple(self._probe_receives), []
         self.kit_probe.loads += loads + receives
@@ -119,8 +123,11 @@ class _Probed(KVConnector):
         output = super().get_finished(finished_request_ids)
         for request_id in output.failed_loads:
             self._probe_receiving.pop(request_id, None)
-        arrived = [self._probe_receiving.pop(request_id) for request_id in sorted(output.finished_receiving)
-                   if request_id in self._probe_receiving]
+        arrived = [
+            self._probe_receiving.pop(request_id)
+            for request_id in sorted(output.finished_receiving)
+            if request_id in self._probe_receiving
+        ]
         if not self.fail_loads:
             return output
         for layer_name in self._probe_caches:
@@ -155,8 +162,11 @@ def probed(connector_class: type[KVConnector], fail_loads: bool = False) -> type
     # The probe's metadata carries the connector's own, typed so that it decodes as the connector's type.
     step_metadata = msgspec.defstruct(
         "ProbeMetadata",
-        [("connector", metadata_type(connector_class)), ("loads", tuple[LoadRange, ...]),
-         ("receives", tuple[LoadRange, ...])],
+        [
+            ("connector", metadata_type(connector_class)),
+            ("loads", tuple[LoadRange, ...]),
+            ("receives", tuple[LoadRange, ...]),
+        ],
         frozen=True,
     )
     name = f"Probed{connector_class.__name__}"

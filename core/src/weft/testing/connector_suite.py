@@ -79,7 +79,9 @@ class KVConnectorContract(_Contract):
         from weft.engine.core.kv_cache_manager import block_hashes
 
         size = connector_block_size(groups)
-        return ConnectorRequest(request_id=request_id, prompt_token_ids=tuple(prompt), block_hashes=tuple(block_hashes(prompt, size)))
+        return ConnectorRequest(
+            request_id=request_id, prompt_token_ids=tuple(prompt), block_hashes=tuple(block_hashes(prompt, size))
+        )
 
     def test_is_a_kv_connector_named_as_registered(self, plugin):
         from weft.contracts.kv_connector import KVConnector
@@ -128,10 +130,16 @@ class KVConnectorContract(_Contract):
     def _engine(self, **overrides: Any) -> dict[str, Any]:
         return {"block_size": self.block_size, "num_kv_blocks": 64, "max_model_len": 256, **overrides}
 
-    def _connected(self, model_source: str, connector_options: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    def _connected(
+        self, model_source: str, connector_options: dict[str, Any], engine: dict[str, Any]
+    ) -> dict[str, Any]:
         """``LLM`` arguments for an engine with the connector under test."""
-        return dict(model=model_source, engine=engine, use={"kv_connector": self.plugin_name},
-                    plugins={self.plugin_name: connector_options})
+        return dict(
+            model=model_source,
+            engine=engine,
+            use={"kv_connector": self.plugin_name},
+            plugins={self.plugin_name: connector_options},
+        )
 
     def _probed_llm(self, plugin, connected: dict[str, Any], fail_loads: bool = False):
         """An engine whose connector is ``plugin`` watched by the kit (:mod:`weft.testing.connector_probe`)."""
@@ -172,7 +180,9 @@ class KVConnectorContract(_Contract):
             f"the {at_least} tokens of full blocks an earlier engine saved (and never the last token)"
         )
 
-    def _saved_then_loaded(self, model_source, connector_options, engine, saved: list[int], loaded: list[int], at_least: int):
+    def _saved_then_loaded(
+        self, model_source, connector_options, engine, saved: list[int], loaded: list[int], at_least: int
+    ):
         """A first engine generates for ``saved``, a second for ``loaded``, loading ``at_least`` tokens the first saved."""
         from weft.entrypoints.llm import LLM
 
@@ -249,7 +259,9 @@ class KVConnectorContract(_Contract):
         )
         result = subprocess.run(
             [sys.executable, "-c", code, json.dumps(connected), json.dumps(prompt)],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 0, f"the engine in the second process failed:\n{result.stderr[-3000:]}"
         with LLM(**connected) as later:

@@ -44,7 +44,8 @@ class MMProcessorContract(_Contract):
         for _ in range(images):
             prompt += [processor.placeholder_token_id] + [self.text_token_id] * text_between
         assert processor.placeholder_token_id not in range(self.text_token_id, self.text_token_id + 5), (
-            "text_token_id collides with the placeholder: set text_token_id in the test class")
+            "text_token_id collides with the placeholder: set text_token_id in the test class"
+        )
         return prompt
 
     @staticmethod
@@ -58,14 +59,16 @@ class MMProcessorContract(_Contract):
 
         assert issubclass(plugin, MMProcessor), f"{plugin!r} must subclass weft.contracts.mm_processor.MMProcessor"
         assert plugin.name == self.plugin_name, (
-            f"{plugin.__name__}.name is {plugin.name!r} but its entry point is {self.plugin_name!r}")
+            f"{plugin.__name__}.name is {plugin.name!r} but its entry point is {self.plugin_name!r}"
+        )
 
     def test_module_imports_no_torch(self, entry):
         module, _, attribute = entry.target.partition(":")
         result = _run_isolated(
             "import importlib, json, sys\n"
             f"getattr(importlib.import_module({module.strip()!r}), {attribute.strip()!r})\n"
-            "print(json.dumps({'torch': 'torch' in sys.modules}))\n")
+            "print(json.dumps({'torch': 'torch' in sys.modules}))\n"
+        )
         assert not result["torch"], f"importing {entry.target} imports torch; the API process must not"
 
     def test_expansion_is_as_long_as_the_processor_reports(self, processor):
@@ -78,7 +81,8 @@ class MMProcessorContract(_Contract):
         assert len(processed.token_ids) == len(prompt) - len(images) + added, (
             f"the expanded prompt has {len(processed.token_ids)} ids, but the prompt's {len(prompt) - len(images)} "
             f"text "
-            f"ids and the spans the items report ({added} positions) make {len(prompt) - len(images) + added}")
+            f"ids and the spans the items report ({added} positions) make {len(prompt) - len(images) + added}"
+        )
         previous_end = 0
         text = []
         for item, (start, end) in zip(processed.items, spans, strict=True):
@@ -89,7 +93,8 @@ class MMProcessorContract(_Contract):
             previous_end = end
         text += processed.token_ids[previous_end:]
         assert text == [token for token in prompt if token != processor.placeholder_token_id], (
-            "the positions outside the items' spans must keep the prompt's own tokens, in order")
+            "the positions outside the items' spans must keep the prompt's own tokens, in order"
+        )
         for name, extra in processed.extras.items():
             assert extra.shape[-1] == len(processed.token_ids), f"extra {name!r}: last axis must be the prompt's length"
         if processed.positions is not None:
@@ -101,8 +106,9 @@ class MMProcessorContract(_Contract):
         changed = bytearray(first.pixels)
         changed[len(changed) // 2] ^= 0xFF
         other = type(first)(width, height, bytes(changed))
-        hashes = [processor.process(self._prompt(processor, 2, 1), [image]).items[0].hash
-                  for image in (first, again, other)]
+        hashes = [
+            processor.process(self._prompt(processor, 2, 1), [image]).items[0].hash for image in (first, again, other)
+        ]
         assert hashes[0] == hashes[1], "the same pixels must give the same item hash"
         assert hashes[0] != hashes[2], "an image differing in one pixel must give another item hash"
         transposed = type(first)(height, width, first.pixels) if width != height else None
@@ -125,11 +131,19 @@ class MMProcessorContract(_Contract):
                 values = processed.positions.to_numpy()[..., start:end]
                 positions = (values - values[..., :1]).tolist()
             ranges = [(r.offset - start, r.length) for r in item.ranges]
-            seen.append((processed.token_ids[start:end], ranges, item.hash, extras, positions,
-                         msgspec.msgpack.encode(item.encoder_inputs)))
+            seen.append(
+                (
+                    processed.token_ids[start:end],
+                    ranges,
+                    item.hash,
+                    extras,
+                    positions,
+                    msgspec.msgpack.encode(item.encoder_inputs),
+                )
+            )
         assert all(result == seen[0] for result in seen[1:]), (
-            "the same image at offsets 0, 1 and 13 must expand to the same ids, ranges, hash, extras and encoder "
-            "inputs")
+            "the same image at offsets 0, 1 and 13 must expand to the same ids, ranges, hash, extras and encoder inputs"
+        )
 
     def test_placeholders_and_images_must_agree_in_number(self, processor):
         image = random_image(4, *self.image_sizes[0])

@@ -19,8 +19,11 @@ class StructuredOutputContract(_Contract):
     document: ClassVar[dict[str, Any]] = {"name": "Ada", "tags": ["x", "y"], "age": 36}
     schema: ClassVar[dict[str, Any]] = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["x", "y"]}},
-                       "age": {"type": "integer"}},
+        "properties": {
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"enum": ["x", "y"]}},
+            "age": {"type": "integer"},
+        },
         "required": ["name", "tags", "age"],
     }
 
@@ -32,15 +35,19 @@ class StructuredOutputContract(_Contract):
     def backend(self, plugin, tokenizer):
         from weft.contracts.structured_output import Vocabulary
 
-        vocabulary = Vocabulary(tokenizer.vocabulary_bytes(), tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+        vocabulary = Vocabulary(
+            tokenizer.vocabulary_bytes(), tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids))
+        )
         return plugin(None, vocabulary)
 
     def test_validation_refuses_what_cannot_compile_naming_the_field(self, plugin):
         from weft.contracts.structured_output import StructuredOutputsParams
 
-        for field, constraint in (("json", StructuredOutputsParams(json={"type": "no-such-type"})),
-                                  ("regex", StructuredOutputsParams(regex="(unclosed")),
-                                  ("grammar", StructuredOutputsParams(grammar="root ::= ("))):
+        for field, constraint in (
+            ("json", StructuredOutputsParams(json={"type": "no-such-type"})),
+            ("regex", StructuredOutputsParams(regex="(unclosed")),
+            ("grammar", StructuredOutputsParams(grammar="root ::= (")),
+        ):
             with pytest.raises(ValueError, match=rf"structured_outputs\.{field}"):
                 plugin.validate(constraint)
         plugin.validate(StructuredOutputsParams(json=self.schema))
@@ -120,7 +127,7 @@ class ToolParserContract(_Contract):
 
     slot = "tool_parser"
     calls: ClassVar[list[dict[str, Any]]] = [
-        {"name": "get_weather", "arguments": {"city": "Paris \"Rive Gauche\"", "days": 3, "hours": [8, 12]}},
+        {"name": "get_weather", "arguments": {"city": 'Paris "Rive Gauche"', "days": 3, "hours": [8, 12]}},
         {"name": "now", "arguments": {}},
     ]
     leading_text: ClassVar[str] = "Let me check.\n"

@@ -11,4 +11,3 @@ def weft_registry():
     from weft.plugins import PluginRegistry
 
     return PluginRegistry()
-

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from weft.testing.suites import _Contract
+from weft.testing.suites import _Contract, _platform_under_test
 
 
 class QuantizationContract(_Contract):
@@ -44,10 +44,18 @@ class QuantizationContract(_Contract):
         scales = uniform(out_features, groups)
         return {
             "Q4_0": GroupAffine(codes(0, 16, torch.uint8), scales, -8 * scales, 32, 4, False, "Q4_0"),
-            "Q4_1": GroupAffine(codes(0, 16, torch.uint8), uniform(out_features, groups),
-                                -uniform(out_features, groups) * 8, 32, 4, False, "Q4_1"),
-            "Q8_0": GroupAffine(codes(-128, 128, torch.int8), uniform(out_features, groups) / 8, None, 32, 8, True,
-                                "Q8_0"),
+            "Q4_1": GroupAffine(
+                codes(0, 16, torch.uint8),
+                uniform(out_features, groups),
+                -uniform(out_features, groups) * 8,
+                32,
+                4,
+                False,
+                "Q4_1",
+            ),
+            "Q8_0": GroupAffine(
+                codes(-128, 128, torch.int8), uniform(out_features, groups) / 8, None, 32, 8, True, "Q8_0"
+            ),
             "float": torch.randn(out_features, in_features, generator=generator) * 0.05,
         }
 
@@ -86,4 +94,6 @@ class QuantizationContract(_Contract):
                 scale = expected.abs().max()
                 error = ((actual.float() - expected).abs() - rtol * expected.abs()).max() / scale
                 # Float weights the method rounds itself (to 4 bits at worst): a looser bound.
-                assert error <= (self.rounded_float_tolerance if name == "float" else atol), f"{self.plugin_name} on {name} weights, {dtype} activations: error {error:.4f}"
+                assert error <= (self.rounded_float_tolerance if name == "float" else atol), (
+                    f"{self.plugin_name} on {name} weights, {dtype} activations: error {error:.4f}"
+                )

@@ -38,8 +38,11 @@ class SpeculatorContract(_Contract):
     def config(self) -> Any:
         from weft.contracts.speculator import SpeculatorConfig
 
-        return SpeculatorConfig(num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size,
-                                max_model_len=self.max_model_len)
+        return SpeculatorConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     def proposal_step(self, speculator: Any, request_ids: list[str], max_tokens: list[int]) -> Any:
         from weft.contracts.speculator import ProposalStep
@@ -53,11 +56,13 @@ class SpeculatorContract(_Contract):
     def _propose(self, speculator: Any, request_ids: list[str], max_tokens: list[int]) -> list[list[int]]:
         proposals = speculator.propose(self.proposal_step(speculator, request_ids, max_tokens))
         assert len(proposals.token_ids) == len(request_ids), "one row of proposals per requested row"
-        for row, (tokens, most) in enumerate(zip(proposals.token_ids, max_tokens)):
+        for row, (tokens, most) in enumerate(zip(proposals.token_ids, max_tokens, strict=False)):
             assert len(tokens) <= min(most, self.num_speculative_tokens), (
-                f"row {row}: {len(tokens)} proposals, but at most {min(most, self.num_speculative_tokens)} were asked")
+                f"row {row}: {len(tokens)} proposals, but at most {min(most, self.num_speculative_tokens)} were asked"
+            )
             assert all(isinstance(token, int) and 0 <= token < self.vocab_size for token in tokens), (
-                f"row {row}: proposals {tokens} are not token ids below the vocabulary size {self.vocab_size}")
+                f"row {row}: proposals {tokens} are not token ids below the vocabulary size {self.vocab_size}"
+            )
         total = sum(len(tokens) for tokens in proposals.token_ids)
         if proposals.probs is not None:
             import torch
@@ -74,7 +79,8 @@ class SpeculatorContract(_Contract):
 
         assert issubclass(plugin, Speculator)
         assert plugin.name == self.plugin_name, (
-            f"{plugin.__name__}.name is {plugin.name!r} but its entry point is {self.plugin_name!r}")
+            f"{plugin.__name__}.name is {plugin.name!r} but its entry point is {self.plugin_name!r}"
+        )
 
     def test_kv_cache_groups_are_specs_with_their_own_layer_names(self, build):
         from weft.contracts.kv_cache import KVCacheGroupSpec
@@ -120,15 +126,16 @@ class SpeculatorContract(_Contract):
 
         speculator, rng, k = build(), random.Random(7), self.num_speculative_tokens
         contexts = {f"r{seed}": repetitive_context(seed, self.vocab_size, 60) for seed in range(4)}
-        truths = {request_id: repetitive_context(seed + 100, self.vocab_size, 400)
-                  for seed, request_id in enumerate(contexts)}
+        truths = {
+            request_id: repetitive_context(seed + 100, self.vocab_size, 400) for seed, request_id in enumerate(contexts)
+        }
         for request_id, context in contexts.items():
             speculator.add_request(SpeculationRequest(request_id, context))
         ids = list(contexts)
         for _ in range(12):
             proposals = self._propose(speculator, ids, [k] * len(ids))
             results = []
-            for request_id, proposed in zip(ids, proposals):
+            for request_id, proposed in zip(ids, proposals, strict=False):
                 cut = rng.randint(0, len(proposed))  # the scheduler may verify only a prefix
                 truth = truths[request_id]
                 accepted = 0

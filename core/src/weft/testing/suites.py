@@ -128,9 +128,9 @@ class PlatformContract(_Contract):
     def test_distributed_backend_is_built_when_available(self, available):
         import torch.distributed
 
-        assert torch.distributed.is_available() and torch.distributed.is_backend_available(available.distributed_backend), (
-            f"the installed torch has no {available.distributed_backend!r} backend for platform {self.plugin_name!r}"
-        )
+        assert torch.distributed.is_available() and torch.distributed.is_backend_available(
+            available.distributed_backend
+        ), f"the installed torch has no {available.distributed_backend!r} backend for platform {self.plugin_name!r}"
 
     def test_graph_capture_replays_when_declared(self, available):
         if not available.supports_graph_capture:
@@ -217,9 +217,7 @@ class OpContract(_Contract):
 
     @pytest.fixture
     def reference(self, weft_registry, plugin):
-        candidates = [
-            impl for impl in weft_registry.load_all("ops", prefix=f"{plugin.op}.").values() if impl.reference
-        ]
+        candidates = [impl for impl in weft_registry.load_all("ops", prefix=f"{plugin.op}.").values() if impl.reference]
         assert len(candidates) == 1, f"op {plugin.op!r} must have exactly one reference, found {len(candidates)}"
         return candidates[0]
 
@@ -353,7 +351,9 @@ class AttentionContract(_Contract):
         head_dim = self.head_dims[head_dim_index]
         device = target_platform.device(0) if self.platform is not None else torch.device(self.device)
         dtype = getattr(torch, self.dtype)
-        layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window)
+        layer = AttentionLayer(
+            num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window
+        )
         backend.prepare([layer], self.dtype)
         spec = FullAttentionSpec(block_size=self.block_size, dtype=self.dtype, num_kv_heads=2, head_dim=head_dim)
         per_request = -(-40 // self.block_size)  # every request stays under 40 tokens
@@ -373,20 +373,24 @@ class AttentionContract(_Contract):
             starts, slots = [0], []
             for request, cached, new in step:
                 for position in range(cached, cached + new):
-                    slots.append(tables[request][position // self.block_size] * self.block_size + position % self.block_size)
+                    slots.append(
+                        tables[request][position // self.block_size] * self.block_size + position % self.block_size
+                    )
                 starts.append(starts[-1] + new)
             width = max(len(table) for table in tables)
             batch = AttentionBatch(
                 query_start=torch.tensor(starts, dtype=torch.int32, device=device),
                 seq_lens=torch.tensor([cached + new for _, cached, new in step], dtype=torch.int32, device=device),
-                block_table=torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in step], dtype=torch.int32, device=device),
+                block_table=torch.tensor(
+                    [tables[r] + [0] * (width - len(tables[r])) for r, _, _ in step], dtype=torch.int32, device=device
+                ),
                 slot_mapping=torch.tensor(slots, dtype=torch.int32, device=device),
                 max_query_len=max(new for _, _, new in step),
                 max_seq_len=max(cached + new for _, cached, new in step),
                 block_size=self.block_size,
             )
             output = backend.forward(layer, query, key, value, kv_cache, backend.build_metadata(batch))
-            for index, (request, cached, new) in enumerate(step):
+            for index, (request, cached, _new) in enumerate(step):
                 rows = slice(starts[index], starts[index + 1])
                 history[request][0].append(key[rows].float().cpu())
                 history[request][1].append(value[rows].float().cpu())
@@ -436,9 +440,14 @@ class ModelContract(_Contract):
         loader = next((candidate for candidate in (cls() for cls in classes) if candidate.accepts(model_source)), None)
         assert loader is not None, f"no installed loader accepts {model_source!r}"
         source = loader.resolve(model_source)
-        assert self.plugin_name in source.hf_config.get("architectures", []), "the checkpoint is of another architecture"
+        assert self.plugin_name in source.hf_config.get("architectures", []), (
+            "the checkpoint is of another architecture"
+        )
         config = ModelConfig(
-            architecture=self.plugin_name, hf_config=source.hf_config, dtype="float32", block_size=self.block_size,
+            architecture=self.plugin_name,
+            hf_config=source.hf_config,
+            dtype="float32",
+            block_size=self.block_size,
             max_model_len=min(source.hf_config.get("max_position_embeddings", 512), 512),
         )
         return plugin(), loader, source, config
@@ -475,12 +484,16 @@ class ModelContract(_Contract):
         with pytest.raises(ValueError):
             family.load_weights(family.build(config, torch.device("cpu")), weights[1:])
         with pytest.raises(ValueError):
-            family.load_weights(family.build(config, torch.device("cpu")), [*weights, ("no.such.tensor", torch.zeros(1))])
+            family.load_weights(
+                family.build(config, torch.device("cpu")), [*weights, ("no.such.tensor", torch.zeros(1))]
+            )
 
     def test_generates_through_the_engine(self, model_source):
         from weft.entrypoints.llm import LLM
         from weft.sampling_params import SamplingParams
 
-        llm = LLM(model=model_source, engine={"block_size": self.block_size, "num_kv_blocks": 256, "max_model_len": 256})
+        llm = LLM(
+            model=model_source, engine={"block_size": self.block_size, "num_kv_blocks": 256, "max_model_len": 256}
+        )
         outputs = llm.generate([[5, 6, 7], [8] * 40], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]

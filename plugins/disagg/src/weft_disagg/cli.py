@@ -10,19 +10,45 @@ from weft.contracts.hooks import CliCommand, hookimpl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     kinds = parser.add_subparsers(dest="proxy_kind", required=True, metavar="KIND")
-    pd = kinds.add_parser("pd", help="prefill/decode disaggregation: prefill legs and decode legs to separate instances")
-    pd.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                    help="prefill instances (weft serve with plugins.nixl.role = 'kv_producer')")
-    pd.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                    help="decode instances (weft serve with plugins.nixl.role = 'kv_consumer')")
+    pd = kinds.add_parser(
+        "pd", help="prefill/decode disaggregation: prefill legs and decode legs to separate instances"
+    )
+    pd.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill instances (weft serve with plugins.nixl.role = 'kv_producer')",
+    )
+    pd.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode instances (weft serve with plugins.nixl.role = 'kv_consumer')",
+    )
     pd.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     pd.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    pd.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin",
-                    help="how an instance is chosen among the healthy ones (default round_robin)")
-    pd.add_argument("--decode-attempts", type=int, default=2, metavar="N",
-                    help="decode attempts per request: a 5xx before the first byte is retried (default 2)")
-    pd.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
-                    help="how often instances' /health is checked (default 2)")
+    pd.add_argument(
+        "--policy",
+        choices=["round_robin", "least_loaded"],
+        default="round_robin",
+        help="how an instance is chosen among the healthy ones (default round_robin)",
+    )
+    pd.add_argument(
+        "--decode-attempts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="decode attempts per request: a 5xx before the first byte is retried (default 2)",
+    )
+    pd.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how often instances' /health is checked (default 2)",
+    )
     pd.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -45,5 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
 @hookimpl
 def weft_cli_commands() -> list[Any]:
-    return [CliCommand(name="proxy", help="run a disaggregation proxy (weft proxy pd --prefill URL... --decode URL...)",
-                       add_arguments=add_arguments, run=run)]
+    return [
+        CliCommand(
+            name="proxy",
+            help="run a disaggregation proxy (weft proxy pd --prefill URL... --decode URL...)",
+            add_arguments=add_arguments,
+            run=run,
+        )
+    ]

@@ -77,7 +77,9 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
             key = str(body.get("fake_key", ""))
             _failures[key] = _failures.get(key, 0) + 1
             if _failures[key] <= body.get("fake_fail_times", 1 << 30):
-                error = {"error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}}
+                error = {
+                    "error": {"message": f"fake upstream answers {status}", "type": "server_error", "code": str(status)}
+                }
                 return JSONResponse(error, status_code=status)
 
         delay = body.get("fake_prefill_delay") if prefill_leg else body.get("fake_delay")
@@ -104,16 +106,25 @@ def create_app(chunks: Sequence[bytes], side_channel_port: int = 1) -> Starlette
         return JSONResponse({"abandoned": abandoned[-1].get("transfer_id")})
 
     async def kv_transfer(request: Request) -> Response:
-        return JSONResponse({"kv_connector": "nixl", "role": "kv_producer", "side_channel_host": "127.0.0.1",
-                             "side_channel_port": side_channel_port, "tensor_parallel_size": 1})
+        return JSONResponse(
+            {
+                "kv_connector": "nixl",
+                "role": "kv_producer",
+                "side_channel_host": "127.0.0.1",
+                "side_channel_port": side_channel_port,
+                "tensor_parallel_size": 1,
+            }
+        )
 
-    app = Starlette(routes=[
-        Route("/v1/completions", completion, methods=["POST"]),
-        Route("/v1/chat/completions", completion, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/kv_transfer", kv_transfer, methods=["GET"]),
-        Route("/kv_transfer/abandon", abandon, methods=["POST"]),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/chat/completions", completion, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/kv_transfer", kv_transfer, methods=["GET"]),
+            Route("/kv_transfer/abandon", abandon, methods=["POST"]),
+        ]
+    )
     app.state.seen = seen
     app.state.abandoned = abandoned
     return app

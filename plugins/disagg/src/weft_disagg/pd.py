@@ -117,20 +117,34 @@ class Pool:
 class ProxyMetrics:
     def __init__(self, proxy: PDProxy) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("weft_proxy_requests", "Requests answered, by HTTP status", ["status"], registry=self.registry)
-        self.leg_seconds = Histogram(
-            "weft_proxy_leg_seconds", "Per leg: prefill (whole answer), decode_first_byte, decode (whole answer)",
-            ["leg"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self.requests = Counter(
+            "weft_proxy_requests", "Requests answered, by HTTP status", ["status"], registry=self.registry
         )
-        self.leg_failures = Counter("weft_proxy_leg_failures", "Legs that failed (unreachable, broke off, error status)",
-                                    ["leg"], registry=self.registry)
-        self.decode_retries = Counter("weft_proxy_decode_retries", "Decode attempts retried after a 5xx",
-                                      registry=self.registry)
-        self.forwarded_bytes = Counter("weft_proxy_forwarded_bytes", "Response bytes forwarded to clients",
-                                       registry=self.registry)
-        in_flight = Gauge("weft_proxy_in_flight", "Legs in flight per instance", ["role", "url"], registry=self.registry)
-        healthy = Gauge("weft_proxy_instance_healthy", "1 when the instance is in rotation", ["role", "url"],
-                        registry=self.registry)
+        self.leg_seconds = Histogram(
+            "weft_proxy_leg_seconds",
+            "Per leg: prefill (whole answer), decode_first_byte, decode (whole answer)",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.leg_failures = Counter(
+            "weft_proxy_leg_failures",
+            "Legs that failed (unreachable, broke off, error status)",
+            ["leg"],
+            registry=self.registry,
+        )
+        self.decode_retries = Counter(
+            "weft_proxy_decode_retries", "Decode attempts retried after a 5xx", registry=self.registry
+        )
+        self.forwarded_bytes = Counter(
+            "weft_proxy_forwarded_bytes", "Response bytes forwarded to clients", registry=self.registry
+        )
+        in_flight = Gauge(
+            "weft_proxy_in_flight", "Legs in flight per instance", ["role", "url"], registry=self.registry
+        )
+        healthy = Gauge(
+            "weft_proxy_instance_healthy", "1 when the instance is in rotation", ["role", "url"], registry=self.registry
+        )
         for instance in [*proxy.prefill.instances, *proxy.decode.instances]:
             in_flight.labels(instance.role, instance.url).set_function(lambda instance=instance: instance.in_flight)
             healthy.labels(instance.role, instance.url).set_function(lambda instance=instance: float(instance.healthy))
@@ -139,8 +153,14 @@ class ProxyMetrics:
 class PDProxy:
     """The proxy's state: the instance pools, the HTTP client, the health check, the metrics."""
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], policy: Policy = "round_robin",
-                 decode_attempts: int = 2, health_interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        policy: Policy = "round_robin",
+        decode_attempts: int = 2,
+        health_interval: float = 2.0,
+    ) -> None:
         if not decode_urls:
             raise ValueError("weft proxy pd needs at least one --decode URL")
         if decode_attempts < 1:
@@ -158,8 +178,9 @@ class PDProxy:
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
+            ),
         )
         await self.check_health()
         self._health_task = asyncio.create_task(self._watch_health())
@@ -198,8 +219,12 @@ class PDProxy:
         assert self.client is not None
         response = await self.client.get(f"{instance.url}/kv_transfer", timeout=5.0)
         if response.status_code != 200:
-            logger.error("%s has no KV transfer (GET /kv_transfer answered %d): start it with use.kv_connector = "
-                         "'nixl' and plugins.nixl.role = 'kv_producer'", instance, response.status_code)
+            logger.error(
+                "%s has no KV transfer (GET /kv_transfer answered %d): start it with use.kv_connector = "
+                "'nixl' and plugins.nixl.role = 'kv_producer'",
+                instance,
+                response.status_code,
+            )
             return None
         info = msgspec.json.decode(response.content)
         host = info["side_channel_host"]
@@ -223,8 +248,11 @@ class PDProxy:
     async def _completion(self, request: Request) -> Response:
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
-            raise ProxyError(415, f"the body must be JSON (Content-Type: application/json); got {media_type or 'none'!r}",
-                             "invalid_request_error")
+            raise ProxyError(
+                415,
+                f"the body must be JSON (Content-Type: application/json); got {media_type or 'none'!r}",
+                "invalid_request_error",
+            )
         try:
             body = msgspec.json.decode(await request.body())
         except msgspec.DecodeError as error:
@@ -245,13 +273,16 @@ class PDProxy:
                 await _settle(prefill_task)
                 tried.append(decode)
                 continue
-            forwarded = {name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers}
+            forwarded = {
+                name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers
+            }
             relay = _Relay(self, decode, response, prefill_task, started)
             return _RelayedResponse(relay, status_code=response.status_code, headers=forwarded)
         raise AssertionError("unreachable: the last attempt returns")
 
-    async def _send(self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
-                    ) -> tuple[Instance, httpx.Response, asyncio.Task | None, float]:
+    async def _send(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
+    ) -> tuple[Instance, httpx.Response, asyncio.Task | None, float]:
         """Start both legs of one attempt; returns once the decode instance answered with its status."""
         assert self.client is not None
         decode = self.decode.choose(tried)
@@ -264,21 +295,33 @@ class PDProxy:
             transfer_id = uuid.uuid4().hex
             given = body.get("kv_transfer_params")
             given = given if isinstance(given, dict) else {}
-            prefill_body = {**body, "max_tokens": 1, "stream": False,
-                            "kv_transfer_params": {**given, "do_remote_decode": True, "transfer_id": transfer_id}}
+            prefill_body = {
+                **body,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {**given, "do_remote_decode": True, "transfer_id": transfer_id},
+            }
             prefill_body.pop("stream_options", None)
             if "max_completion_tokens" in body:
                 prefill_body["max_completion_tokens"] = 1
             host, port = prefill.side_channel
-            decode_body = {**body, "kv_transfer_params": {
-                **given, "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port,
-            }}
+            decode_body = {
+                **body,
+                "kv_transfer_params": {
+                    **given,
+                    "do_remote_prefill": True,
+                    "transfer_id": transfer_id,
+                    "remote_host": host,
+                    "remote_port": port,
+                },
+            }
             prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers, transfer_id))
         decode.in_flight += 1
         started = time.monotonic()
         try:
-            upstream = self.client.build_request("POST", decode.url + path, content=msgspec.json.encode(decode_body),
-                                                 headers=headers)
+            upstream = self.client.build_request(
+                "POST", decode.url + path, content=msgspec.json.encode(decode_body), headers=headers
+            )
             response = await self.client.send(upstream, stream=True)
         except BaseException as error:
             decode.in_flight -= 1
@@ -290,8 +333,9 @@ class PDProxy:
             raise
         return decode, response, prefill_task, started
 
-    async def _prefill(self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
-                       transfer_id: str) -> None:
+    async def _prefill(
+        self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str], transfer_id: str
+    ) -> None:
         assert self.client is not None
         instance.in_flight += 1
         started = time.monotonic()
@@ -300,17 +344,26 @@ class PDProxy:
             self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - started)
             if response.status_code >= 400:
                 self.metrics.leg_failures.labels("prefill").inc()
-                logger.warning("%s answered %d: %s (the decode instance computes the prompt)", instance,
-                               response.status_code, response.text[:200])
+                logger.warning(
+                    "%s answered %d: %s (the decode instance computes the prompt)",
+                    instance,
+                    response.status_code,
+                    response.text[:200],
+                )
                 # The engine may never have seen the request: end its transfer, so the decode instance
                 # does not wait for KV that will not come.
-                await self.client.post(f"{instance.url}/kv_transfer/abandon", json={"transfer_id": transfer_id},
-                                       headers=headers, timeout=5.0)
+                await self.client.post(
+                    f"{instance.url}/kv_transfer/abandon",
+                    json={"transfer_id": transfer_id},
+                    headers=headers,
+                    timeout=5.0,
+                )
         except httpx.TransportError as error:
             instance.healthy = False
             self.metrics.leg_failures.labels("prefill").inc()
-            logger.warning("%s failed: %s: %s (the decode instance computes the prompt)", instance,
-                           type(error).__name__, error)
+            logger.warning(
+                "%s failed: %s: %s (the decode instance computes the prompt)", instance, type(error).__name__, error
+            )
         finally:
             instance.in_flight -= 1
 
@@ -340,9 +393,21 @@ class PDProxy:
 class _Relay:
     """One answered attempt: the decode response to forward, and what must end with it."""
 
-    def __init__(self, proxy: PDProxy, decode: Instance, response: httpx.Response, prefill_task: asyncio.Task | None,
-                 started: float) -> None:
-        self.proxy, self.decode, self.response, self.prefill_task, self.started = proxy, decode, response, prefill_task, started
+    def __init__(
+        self,
+        proxy: PDProxy,
+        decode: Instance,
+        response: httpx.Response,
+        prefill_task: asyncio.Task | None,
+        started: float,
+    ) -> None:
+        self.proxy, self.decode, self.response, self.prefill_task, self.started = (
+            proxy,
+            decode,
+            response,
+            prefill_task,
+            started,
+        )
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:

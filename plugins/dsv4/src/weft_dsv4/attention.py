@@ -10,14 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.contracts.loader import WeightSlice, as_slice
 from weft.api import ColumnParallelLinear, Linear, RowParallelLinear, Shard, copy_checked
+from weft.contracts.loader import WeightSlice, as_slice
 from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, SLIDING, DeepseekV4Settings, layer_groups
 from weft_dsv4.indexer import Indexer
 from weft_dsv4.norm import RMSNorm, unweighted_rms_norm
 from weft_dsv4.rope import InterleavedRope, apply_rope
 from weft_dsv4.step import PrefillBatch, StepLayout
+
 
 class DeepseekV4Attention(nn.Module):
     def __init__(self, s: DeepseekV4Settings, index: int) -> None:
@@ -31,7 +32,9 @@ class DeepseekV4Attention(nn.Module):
         self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(s.q_lora_rank, s.rms_norm_eps)
         heads = Shard(rank * s.local_heads, s.local_heads)
-        self.q_b_proj = ColumnParallelLinear(s.q_lora_rank, [Shard(heads.start * s.head_dim, heads.length * s.head_dim)], bias=False)
+        self.q_b_proj = ColumnParallelLinear(
+            s.q_lora_rank, [Shard(heads.start * s.head_dim, heads.length * s.head_dim)], bias=False
+        )
         self.kv_proj = Linear(s.hidden_size, s.head_dim, bias=False)
         self.kv_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         # Grouped low-rank output: each of o_groups head groups to o_lora_rank, then one mix.
@@ -43,7 +46,9 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = None
         self.indexer = None
         if self.kind != SLIDING:
-            self.compressor = Compressor(s.hidden_size, s.head_dim, s.ratio(self.kind), self.kind == CSA, s.rms_norm_eps)
+            self.compressor = Compressor(
+                s.hidden_size, s.head_dim, s.ratio(self.kind), self.kind == CSA, s.rms_norm_eps
+            )
         if self.kind == CSA:
             self.indexer = Indexer(s)
         self.cache_names = {group: f"model.layers.{index}.self_attn.{group}" for group in layer_groups(self.kind)}
@@ -56,7 +61,9 @@ class DeepseekV4Attention(nn.Module):
         """The Triton prefill attention (:class:`weft_dsv4.attention_kernel.PrefillAttentionKernel`) where the family
         chose it; None: :meth:`_attend` over the padded batch."""
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ropes: dict[str, InterleavedRope], step: StepLayout) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, ropes: dict[str, InterleavedRope], step: StepLayout
+    ) -> torch.Tensor:
         s = self.settings
         tokens, dtype = hidden.shape[0], hidden.dtype
         cos, sin = ropes[self.rope_name].table(positions, dtype)
@@ -73,9 +80,19 @@ class DeepseekV4Attention(nn.Module):
             keys = self._prefill_window_keys(step, batch, kv)
             if self.prefill_kernel is not None:
                 self.prefill_kernel(
-                    query=query, output=output, sinks=self.sinks, queries=batch.query_indices, query_rows=batch.query_rows,
-                    firsts=batch.firsts, ends=batch.ends, keys=keys, window=self.window, scale=self.head_dim**-0.5,
-                    entries=entries, ratio=self.compressor.ratio if self.compressor is not None else 1, picks=picks,
+                    query=query,
+                    output=output,
+                    sinks=self.sinks,
+                    queries=batch.query_indices,
+                    query_rows=batch.query_rows,
+                    firsts=batch.firsts,
+                    ends=batch.ends,
+                    keys=keys,
+                    window=self.window,
+                    scale=self.head_dim**-0.5,
+                    entries=entries,
+                    ratio=self.compressor.ratio if self.compressor is not None else 1,
+                    picks=picks,
                 )
             else:
                 entry_bias = None
@@ -89,9 +106,13 @@ class DeepseekV4Attention(nn.Module):
         mixed = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(tokens, -1)
         return self.o_b_proj(mixed)
 
-    def load_checkpoint_tensor(self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0) -> None:
+    def load_checkpoint_tensor(
+        self, parameter: str, weight: WeightSlice | torch.Tensor, name: str, index: int = 0
+    ) -> None:
         """The sinks of this rank's heads."""
-        copy_checked(getattr(self, parameter).data, as_slice(weight).narrow(0, self.heads.start, self.heads.length), name)
+        copy_checked(
+            getattr(self, parameter).data, as_slice(weight).narrow(0, self.heads.start, self.heads.length), name
+        )
 
     def restore(self, step: StepLayout, hit: int, tables: dict[str, torch.Tensor]) -> None:
         """Resume a request from a prefix hit of ``hit`` tokens: its window ring and compressor state
@@ -99,7 +120,9 @@ class DeepseekV4Attention(nn.Module):
         block = hit // step.checkpoint_unit - 1
         ring = step.caches[self.cache_names["window"]]
         size = ring.shape[1]
-        snapshot = step.caches[self.cache_names["window_checkpoint"]][int(tables["window_checkpoint"][block])].view(self.window, -1)
+        snapshot = step.caches[self.cache_names["window_checkpoint"]][int(tables["window_checkpoint"][block])].view(
+            self.window, -1
+        )
         positions = torch.arange(max(hit - self.window, 0), hit, device=ring.device)
         slots = tables["window"][(positions // size) % step.ring_blocks] * size + positions % size
         ring.view(-1, ring.shape[-1])[slots] = snapshot[positions - (hit - self.window)]
@@ -120,8 +143,12 @@ class DeepseekV4Attention(nn.Module):
         return keys
 
     def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
-        entries: torch.Tensor | None = None, entry_bias: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        bias: torch.Tensor,
+        entries: torch.Tensor | None = None,
+        entry_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax over each request's keys (also the values) and compressed entries, with the per-head sink.
 
@@ -146,8 +173,14 @@ class DeepseekV4Attention(nn.Module):
         return output
 
     def _decode(
-        self, query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_residual: torch.Tensor,
-        rope: InterleavedRope, step: StepLayout, output: torch.Tensor,
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        hidden: torch.Tensor,
+        q_residual: torch.Tensor,
+        rope: InterleavedRope,
+        step: StepLayout,
+        output: torch.Tensor,
     ) -> None:
         """Every one-token request of the step at once: window keys, new entries, indexer picks, attention,
         written to ``output``'s decoding rows. Keys and entries are named by their slots in the flat caches
@@ -180,7 +213,12 @@ class DeepseekV4Attention(nn.Module):
             entry_cache = step.caches[self.cache_names[entry_group]]
             entries = entry_cache.view(-1, entry_cache.shape[-1])
             slots, visible = self.compressor.decode_step(
-                hidden[rows], batch, state[:, :main], entry_cache, batch.tables[entry_group], rope,
+                hidden[rows],
+                batch,
+                state[:, :main],
+                entry_cache,
+                batch.tables[entry_group],
+                rope,
             )
             if self.indexer is None:
                 entry_slots = torch.where(visible, slots, -1)
@@ -188,11 +226,20 @@ class DeepseekV4Attention(nn.Module):
                 index_state = state[:, main : main + self.indexer.compressor.state_elements()]
                 index_cache = step.caches[self.cache_names["indexer_keys"]]
                 index_slots, _ = self.indexer.compressor.decode_step(
-                    hidden[rows], batch, index_state, index_cache, batch.tables["indexer_keys"], rope,
+                    hidden[rows],
+                    batch,
+                    index_state,
+                    index_cache,
+                    batch.tables["indexer_keys"],
+                    rope,
                 )
-                index_keys = self.indexer.compressor.format.decode(index_cache.view(-1, index_cache.shape[-1])[index_slots])
+                index_keys = self.indexer.compressor.format.decode(
+                    index_cache.view(-1, index_cache.shape[-1])[index_slots]
+                )
                 cos, sin = rope.table(positions, hidden.dtype)
-                index_query = self.indexer.q_b_proj(q_residual[rows]).view(-1, self.indexer.num_heads, self.indexer.head_dim)
+                index_query = self.indexer.q_b_proj(q_residual[rows]).view(
+                    -1, self.indexer.num_heads, self.indexer.head_dim
+                )
                 index_query = apply_rope(index_query, cos, sin)
                 index_weights = self.indexer.weights_proj(hidden[rows]).float() * self.indexer.num_heads**-0.5
                 scores = self.indexer.scores(index_query.unsqueeze(1), index_weights.unsqueeze(1), index_keys)[:, 0]
@@ -209,14 +256,23 @@ class DeepseekV4Attention(nn.Module):
                         request_ids = [step.request_ids[index] for index in batch.indices]
                         picked = step.sparse_entries.read(layer_name, request_ids, picks, picked)
                     entries = picked.reshape(-1, picked.shape[-1])
-                    entry_slots = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
+                    entry_slots = torch.where(
+                        picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1
+                    )
             if chosen is not None:
                 blocks = self._snapshot_blocks(step, chosen, "state_checkpoint")
                 step.caches[self.cache_names["state_checkpoint"]][blocks] = state[batch.state_blocks[chosen]]
         if self.decode_kernel is not None:
             self.decode_kernel(
-                query=query, rows=rows, sinks=self.sinks, ring=flat, window_slots=window_slots, output=output,
-                scale=self.head_dim**-0.5, entries=entries, entry_slots=entry_slots,
+                query=query,
+                rows=rows,
+                sinks=self.sinks,
+                ring=flat,
+                window_slots=window_slots,
+                output=output,
+                scale=self.head_dim**-0.5,
+                entries=entries,
+                entry_slots=entry_slots,
             )
             return
         keys, bias = gathered(flat, window_slots), slot_bias(window_slots)
@@ -234,7 +290,12 @@ class DeepseekV4Attention(nn.Module):
         return batch.or_scratch(chosen, unit, blocks, step.caches[self.cache_names[group]].shape[0] - 1)
 
     def _compress(
-        self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope, step: StepLayout
+        self,
+        hidden: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        rope: InterleavedRope,
+        step: StepLayout,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The prefilling requests' compressed entries ``[requests, entries, d]`` (padded past each request's count)
         and, on a CSA layer, the indexer's picks of each query ``[requests, rows, k]`` (-1: none); ``(None, None)``
@@ -257,15 +318,26 @@ class DeepseekV4Attention(nn.Module):
         main = self.compressor.state_elements()
         snapshots = step.caches.get(self.cache_names.get("state_checkpoint", ""))
         entries = self.compressor.prefill(
-            kv, gate, batch, state[:, :main], entry_cache, step.batches[entry_table].block_table[batch.index].long(), rope,
+            kv,
+            gate,
+            batch,
+            state[:, :main],
+            entry_cache,
+            step.batches[entry_table].block_table[batch.index].long(),
+            rope,
             snapshots[:, :main] if snapshots is not None else None,
         )
         if self.indexer is None:
             return entries, None
         elements = self.indexer.compressor.state_elements()
         index_keys = self.indexer.compressor.prefill(
-            index_kv, index_gate, batch, state[:, main : main + elements], index_keys_cache,
-            step.batches["indexer_keys"].block_table[batch.index].long(), rope,
+            index_kv,
+            index_gate,
+            batch,
+            state[:, main : main + elements],
+            index_keys_cache,
+            step.batches["indexer_keys"].block_table[batch.index].long(),
+            rope,
             snapshots[:, main : main + elements] if snapshots is not None else None,
         )
         scores = self.indexer.scores(index_query[batch.query_rows], index_weights[batch.query_rows], index_keys)
@@ -273,18 +345,27 @@ class DeepseekV4Attention(nn.Module):
         # batch's queries are padded in front, so each request's last row sits at its last position.
         requests, rows = batch.query_rows.shape
         seq_lens = (batch.query_positions[:, -1] + 1 - (m - 1)).to(torch.int32)
-        picks = self.topk_op(scores.view(1, requests * rows, -1), seq_lens, rows, m, self.indexer.topk)[0].view(requests, rows, -1).long()
+        picks = (
+            self.topk_op(scores.view(1, requests * rows, -1), seq_lens, rows, m, self.indexer.topk)[0]
+            .view(requests, rows, -1)
+            .long()
+        )
         return entries, picks
 
     def _padded_entries(
-        self, batch: PrefillBatch, entries: torch.Tensor, picks: torch.Tensor | None,
+        self,
+        batch: PrefillBatch,
+        entries: torch.Tensor,
+        picks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed entries as :meth:`_attend` reads them, with their bias: HCA every entry of each request
         ``[requests, entries, d]``, hidden from a query before it is complete; CSA each query's picks
         ``[requests, rows, k, d]``."""
         if picks is None:
             complete = (batch.query_positions + 1) // self.compressor.ratio
-            hidden_entries = torch.arange(entries.shape[1], device=entries.device)[None, None, :] >= complete[:, :, None]
+            hidden_entries = (
+                torch.arange(entries.shape[1], device=entries.device)[None, None, :] >= complete[:, :, None]
+            )
             bias = torch.zeros(hidden_entries.shape, dtype=torch.float32, device=entries.device)
             return entries, bias.masked_fill_(hidden_entries, float("-inf"))
         if entries.shape[1]:

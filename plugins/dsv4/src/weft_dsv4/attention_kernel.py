@@ -45,13 +45,25 @@ BLOCK_HEADS = 16
 
 @triton.jit
 def _fold(
-    q, source, index, valid, dims, dim_ok, scale, running_max, running_sum, accumulator,
-    HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+    q,
+    source,
+    index,
+    valid,
+    dims,
+    dim_ok,
+    scale,
+    running_max,
+    running_sum,
+    accumulator,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Fold the vectors ``source[index]`` where ``valid`` into the running softmax; a tile with none is skipped."""
     if tl.max(valid.to(tl.int32), 0) > 0:
         vectors = tl.load(
-            source + index.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None] & dim_ok[None, :], other=0.0,
+            source + index.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+            mask=valid[:, None] & dim_ok[None, :],
+            other=0.0,
         ).to(tl.float32)
         if IEEE:
             scores = tl.dot(q, tl.trans(vectors), input_precision="ieee")
@@ -73,8 +85,20 @@ def _fold(
 
 @triton.jit
 def _fold_slots(
-    q, source, slot_row, count, start, dims, dim_ok, scale, running_max, running_sum, accumulator,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q,
+    source,
+    slot_row,
+    count,
+    start,
+    dims,
+    dim_ok,
+    scale,
+    running_max,
+    running_sum,
+    accumulator,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Fold the vectors at slots ``start .. start + BLOCK_N`` of one row of slots (``-1``: masked)."""
     index = start + tl.arange(0, BLOCK_N)
@@ -84,18 +108,38 @@ def _fold_slots(
 
 @triton.jit
 def _fold_run(
-    q, source, start, end, dims, dim_ok, scale, running_max, running_sum, accumulator,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q,
+    source,
+    start,
+    end,
+    dims,
+    dim_ok,
+    scale,
+    running_max,
+    running_sum,
+    accumulator,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Fold the vectors ``start .. start + BLOCK_N`` of ``source``, those before ``end``."""
     index = start + tl.arange(0, BLOCK_N)
-    return _fold(q, source, index, index < end, dims, dim_ok, scale, running_max, running_sum, accumulator, HEAD_DIM, IEEE)
+    return _fold(
+        q, source, index, index < end, dims, dim_ok, scale, running_max, running_sum, accumulator, HEAD_DIM, IEEE
+    )
 
 
 @triton.jit
 def _open_row(
-    query, row, sinks, heads, stride_qt, stride_qh,
-    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    query,
+    row,
+    sinks,
+    heads,
+    stride_qt,
+    stride_qh,
+    HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """This program's block of heads of query ``row`` (fp32), and a softmax started from their sinks."""
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -103,7 +147,9 @@ def _open_row(
     dims = tl.arange(0, PADDED_DIM)
     dim_ok = dims < HEAD_DIM
     tile = head_ok[:, None] & dim_ok[None, :]
-    q = tl.load(query + row * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=tile, other=0.0).to(tl.float32)
+    q = tl.load(query + row * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=tile, other=0.0).to(
+        tl.float32
+    )
     running_max = tl.load(sinks + head, mask=head_ok, other=0.0).to(tl.float32)
     running_sum = tl.full([BLOCK_H], 1.0, tl.float32)
     accumulator = tl.zeros([BLOCK_H, PADDED_DIM], tl.float32)
@@ -112,55 +158,166 @@ def _open_row(
 
 @triton.jit
 def _close_row(
-    output, row, running_sum, accumulator, heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    output,
+    row,
+    running_sum,
+    accumulator,
+    heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """Store the weighted sum of this program's block of heads at ``row`` of ``output``."""
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, PADDED_DIM)
     tile = (head < heads)[:, None] & (dims < HEAD_DIM)[None, :]
     result = accumulator / running_sum[:, None]
-    tl.store(output + row * stride_ot + head[:, None] * stride_oh + dims[None, :], result.to(output.dtype.element_ty), mask=tile)
+    tl.store(
+        output + row * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        result.to(output.dtype.element_ty),
+        mask=tile,
+    )
 
 
-@triton.jit(do_not_specialize=[
-    "heads", "window_count", "window_stride", "entry_count", "entry_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-])
+@triton.jit(
+    do_not_specialize=[
+        "heads",
+        "window_count",
+        "window_stride",
+        "entry_count",
+        "entry_stride",
+        "stride_qt",
+        "stride_qh",
+        "stride_ot",
+        "stride_oh",
+    ]
+)
 def _decode_attention_kernel(
-    query, rows, output, sinks, ring, window_slots, entries, entry_slots,
-    heads, window_count, window_stride, entry_count, entry_stride, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    query,
+    rows,
+    output,
+    sinks,
+    ring,
+    window_slots,
+    entries,
+    entry_slots,
+    heads,
+    window_count,
+    window_stride,
+    entry_count,
+    entry_stride,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     number = tl.program_id(0)
     row = tl.load(rows + number).to(tl.int64)
     q, dims, dim_ok, running_max, running_sum, accumulator = _open_row(
-        query, row, sinks, heads, stride_qt, stride_qh, HEAD_DIM, PADDED_DIM, BLOCK_H,
+        query,
+        row,
+        sinks,
+        heads,
+        stride_qt,
+        stride_qh,
+        HEAD_DIM,
+        PADDED_DIM,
+        BLOCK_H,
     )
     window_row = window_slots + number.to(tl.int64) * window_stride
     for start in range(0, window_count, BLOCK_N):
         running_max, running_sum, accumulator = _fold_slots(
-            q, ring, window_row, window_count, start, dims, dim_ok, scale, running_max, running_sum, accumulator,
-            HEAD_DIM, BLOCK_N, IEEE,
+            q,
+            ring,
+            window_row,
+            window_count,
+            start,
+            dims,
+            dim_ok,
+            scale,
+            running_max,
+            running_sum,
+            accumulator,
+            HEAD_DIM,
+            BLOCK_N,
+            IEEE,
         )
     entry_row = entry_slots + number.to(tl.int64) * entry_stride
     for start in range(0, entry_count, BLOCK_N):
         running_max, running_sum, accumulator = _fold_slots(
-            q, entries, entry_row, entry_count, start, dims, dim_ok, scale, running_max, running_sum, accumulator,
-            HEAD_DIM, BLOCK_N, IEEE,
+            q,
+            entries,
+            entry_row,
+            entry_count,
+            start,
+            dims,
+            dim_ok,
+            scale,
+            running_max,
+            running_sum,
+            accumulator,
+            HEAD_DIM,
+            BLOCK_N,
+            IEEE,
         )
     _close_row(output, row, running_sum, accumulator, heads, stride_ot, stride_oh, HEAD_DIM, PADDED_DIM, BLOCK_H)
 
 
-@triton.jit(do_not_specialize=[
-    "heads", "rows", "window", "key_stride", "entry_count", "entry_stride", "ratio", "pick_count", "pick_stride",
-    "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-])
+@triton.jit(
+    do_not_specialize=[
+        "heads",
+        "rows",
+        "window",
+        "key_stride",
+        "entry_count",
+        "entry_stride",
+        "ratio",
+        "pick_count",
+        "pick_stride",
+        "stride_qt",
+        "stride_qh",
+        "stride_ot",
+        "stride_oh",
+    ]
+)
 def _prefill_attention_kernel(
-    query, queries, query_rows, output, sinks, firsts, ends, keys, entries, picks,
-    heads, rows, window, key_stride, entry_count, entry_stride, ratio, pick_count, pick_stride, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    query,
+    queries,
+    query_rows,
+    output,
+    sinks,
+    firsts,
+    ends,
+    keys,
+    entries,
+    picks,
+    heads,
+    rows,
+    window,
+    key_stride,
+    entry_count,
+    entry_stride,
+    ratio,
+    pick_count,
+    pick_stride,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     padded = tl.load(queries + tl.program_id(0)).to(tl.int64)  # request * rows + column of the padded batch
     request = padded // rows
@@ -168,7 +325,15 @@ def _prefill_attention_kernel(
     first = tl.load(firsts + request).to(tl.int64)
     row = tl.load(query_rows + padded).to(tl.int64)
     q, dims, dim_ok, running_max, running_sum, accumulator = _open_row(
-        query, row, sinks, heads, stride_qt, stride_qh, HEAD_DIM, PADDED_DIM, BLOCK_H,
+        query,
+        row,
+        sinks,
+        heads,
+        stride_qt,
+        stride_qh,
+        HEAD_DIM,
+        PADDED_DIM,
+        BLOCK_H,
     )
     # Key j of the request is position first + j: the window is keys low .. position - first.
     key_row = keys + request * key_stride
@@ -176,19 +341,55 @@ def _prefill_attention_kernel(
     high = (position + 1 - first).to(tl.int32)
     for start in range(low, high, BLOCK_N):
         running_max, running_sum, accumulator = _fold_run(
-            q, key_row, start, high, dims, dim_ok, scale, running_max, running_sum, accumulator, HEAD_DIM, BLOCK_N, IEEE,
+            q,
+            key_row,
+            start,
+            high,
+            dims,
+            dim_ok,
+            scale,
+            running_max,
+            running_sum,
+            accumulator,
+            HEAD_DIM,
+            BLOCK_N,
+            IEEE,
         )
     entry_row = entries + request * entry_stride
     visible = tl.minimum((position + 1) // ratio, entry_count).to(tl.int32)  # HCA; 0 on CSA and sliding layers
     for start in range(0, visible, BLOCK_N):
         running_max, running_sum, accumulator = _fold_run(
-            q, entry_row, start, visible, dims, dim_ok, scale, running_max, running_sum, accumulator, HEAD_DIM, BLOCK_N, IEEE,
+            q,
+            entry_row,
+            start,
+            visible,
+            dims,
+            dim_ok,
+            scale,
+            running_max,
+            running_sum,
+            accumulator,
+            HEAD_DIM,
+            BLOCK_N,
+            IEEE,
         )
     pick_row = picks + padded * pick_stride
     for start in range(0, pick_count, BLOCK_N):  # CSA; none elsewhere
         running_max, running_sum, accumulator = _fold_slots(
-            q, entry_row, pick_row, pick_count, start, dims, dim_ok, scale, running_max, running_sum, accumulator,
-            HEAD_DIM, BLOCK_N, IEEE,
+            q,
+            entry_row,
+            pick_row,
+            pick_count,
+            start,
+            dims,
+            dim_ok,
+            scale,
+            running_max,
+            running_sum,
+            accumulator,
+            HEAD_DIM,
+            BLOCK_N,
+            IEEE,
         )
     _close_row(output, row, running_sum, accumulator, heads, stride_ot, stride_oh, HEAD_DIM, PADDED_DIM, BLOCK_H)
 
@@ -213,7 +414,10 @@ class SharedKVAttentionKernel(Kernel):
             self.shapes.append((dtype, head_dim))
 
     def dispatch(
-        self, query: torch.Tensor | None = None, dtype: torch.dtype | None = None, head_dim: int | None = None,
+        self,
+        query: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        head_dim: int | None = None,
     ) -> AttentionKey:
         if query is not None:
             dtype, head_dim = query.dtype, query.shape[-1]
@@ -237,20 +441,29 @@ class SharedKVAttentionKernel(Kernel):
         function, arguments = self.warmup_launch(getattr(torch, key.dtype))
         return function.warmup(*arguments, grid=(1,), **_constants(key))
 
-    def check(self, query: torch.Tensor, output: torch.Tensor, sources: dict[str, torch.Tensor],
-              indices: dict[str, torch.Tensor | None]) -> None:
+    def check(
+        self,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        sources: dict[str, torch.Tensor],
+        indices: dict[str, torch.Tensor | None],
+    ) -> None:
         """Refuse operands the compiled variants cannot read: the dtypes and unit strides they were built for."""
         head_dim = query.shape[-1]
         if query.stride(-1) != 1 or output.stride(-1) != 1 or output.dtype != query.dtype:
-            raise ValueError(f"{self.name} needs query and output of one dtype with unit-stride heads, got {query.dtype} "
-                             f"strides {query.stride()} and {output.dtype} strides {output.stride()}")
+            raise ValueError(
+                f"{self.name} needs query and output of one dtype with unit-stride heads, got {query.dtype} "
+                f"strides {query.stride()} and {output.dtype} strides {output.stride()}"
+            )
         for name, index in indices.items():
             if index is not None and index.dtype != torch.int64:
                 raise ValueError(f"{self.name} takes {name} as int64 (the compiled variants' type), got {index.dtype}")
         for name, source in sources.items():
             if source.dtype != query.dtype or tuple(source.stride()[-2:]) != (head_dim, 1):
-                raise ValueError(f"{self.name} reads {name} as contiguous rows of {head_dim} {query.dtype}, got "
-                                 f"{source.dtype} of shape {tuple(source.shape)}, strides {source.stride()}")
+                raise ValueError(
+                    f"{self.name} reads {name} as contiguous rows of {head_dim} {query.dtype}, got "
+                    f"{source.dtype} of shape {tuple(source.shape)}, strides {source.stride()}"
+                )
 
 
 class DecodeAttentionKernel(SharedKVAttentionKernel):
@@ -262,28 +475,72 @@ class DecodeAttentionKernel(SharedKVAttentionKernel):
 
     def warmup_launch(self, dtype: torch.dtype) -> tuple[Any, tuple[Any, ...]]:
         return _decode_attention_kernel, (
-            dtype, torch.int64, dtype, torch.float32, dtype, torch.int64, dtype, torch.int64,
-            1, 1, 1, 1, 1, 1.0, 1, 1, 1, 1,
+            dtype,
+            torch.int64,
+            dtype,
+            torch.float32,
+            dtype,
+            torch.int64,
+            dtype,
+            torch.int64,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1.0,
+            1,
+            1,
+            1,
+            1,
         )
 
     def launch(
-        self, compiled: Any, *, query: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, ring: torch.Tensor,
-        window_slots: torch.Tensor, output: torch.Tensor, scale: float,
-        entries: torch.Tensor | None = None, entry_slots: torch.Tensor | None = None,
+        self,
+        compiled: Any,
+        *,
+        query: torch.Tensor,
+        rows: torch.Tensor,
+        sinks: torch.Tensor,
+        ring: torch.Tensor,
+        window_slots: torch.Tensor,
+        output: torch.Tensor,
+        scale: float,
+        entries: torch.Tensor | None = None,
+        entry_slots: torch.Tensor | None = None,
     ) -> None:
         if entries is None:  # a sliding layer: no entries, the window's slots stand in as an empty row
             entries, entry_slots, entry_count = ring, window_slots, 0
         else:
             entry_count = entry_slots.shape[1]
-        self.check(query, output, {"ring": ring, "entries": entries},
-                   {"rows": rows, "window_slots": window_slots, "entry_slots": entry_slots})
+        self.check(
+            query,
+            output,
+            {"ring": ring, "entries": entries},
+            {"rows": rows, "window_slots": window_slots, "entry_slots": entry_slots},
+        )
         if rows.shape[0] == 0:
             return
         key = self.dispatch(query)
         _decode_attention_kernel[(rows.shape[0], triton.cdiv(query.shape[1], key.block_heads))](
-            query, rows, output, sinks, ring, window_slots, entries, entry_slots,
-            query.shape[1], window_slots.shape[1], window_slots.stride(0), entry_count, entry_slots.stride(0), scale,
-            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+            query,
+            rows,
+            output,
+            sinks,
+            ring,
+            window_slots,
+            entries,
+            entry_slots,
+            query.shape[1],
+            window_slots.shape[1],
+            window_slots.stride(0),
+            entry_count,
+            entry_slots.stride(0),
+            scale,
+            query.stride(0),
+            query.stride(1),
+            output.stride(0),
+            output.stride(1),
             **_constants(key),
         )
 
@@ -301,32 +558,94 @@ class PrefillAttentionKernel(SharedKVAttentionKernel):
 
     def warmup_launch(self, dtype: torch.dtype) -> tuple[Any, tuple[Any, ...]]:
         return _prefill_attention_kernel, (
-            dtype, torch.int64, torch.int64, dtype, torch.float32, torch.int64, torch.int64, dtype, dtype, torch.int64,
-            1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1, 1, 1, 1,
+            dtype,
+            torch.int64,
+            torch.int64,
+            dtype,
+            torch.float32,
+            torch.int64,
+            torch.int64,
+            dtype,
+            dtype,
+            torch.int64,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1.0,
+            1,
+            1,
+            1,
+            1,
         )
 
     def launch(
-        self, compiled: Any, *, query: torch.Tensor, output: torch.Tensor, sinks: torch.Tensor, queries: torch.Tensor,
-        query_rows: torch.Tensor, firsts: torch.Tensor, ends: torch.Tensor, keys: torch.Tensor, window: int, scale: float,
-        entries: torch.Tensor | None = None, ratio: int = 1, picks: torch.Tensor | None = None,
+        self,
+        compiled: Any,
+        *,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        sinks: torch.Tensor,
+        queries: torch.Tensor,
+        query_rows: torch.Tensor,
+        firsts: torch.Tensor,
+        ends: torch.Tensor,
+        keys: torch.Tensor,
+        window: int,
+        scale: float,
+        entries: torch.Tensor | None = None,
+        ratio: int = 1,
+        picks: torch.Tensor | None = None,
     ) -> None:
         requests, rows = query_rows.shape
         if tuple(query_rows.stride()) != (rows, 1) or (picks is not None and not picks.is_contiguous()):
-            raise ValueError(f"{self.name} indexes query_rows and picks as contiguous [requests, rows(, k)], got strides "
-                             f"{query_rows.stride()} and {None if picks is None else picks.stride()}")
+            raise ValueError(
+                f"{self.name} indexes query_rows and picks as contiguous [requests, rows(, k)], got strides "
+                f"{query_rows.stride()} and {None if picks is None else picks.stride()}"
+            )
         entry_count = entries.shape[1] if entries is not None and picks is None else 0  # entries read in order: HCA's
         entries = keys if entries is None else entries  # a sliding layer reads none: the keys stand in
         pick_count = picks.shape[-1] if picks is not None else 0
         picks = queries if picks is None else picks
-        self.check(query, output, {"keys": keys, "entries": entries},
-                   {"queries": queries, "query_rows": query_rows, "firsts": firsts, "ends": ends, "picks": picks})
+        self.check(
+            query,
+            output,
+            {"keys": keys, "entries": entries},
+            {"queries": queries, "query_rows": query_rows, "firsts": firsts, "ends": ends, "picks": picks},
+        )
         if queries.shape[0] == 0:
             return
         key = self.dispatch(query)
         _prefill_attention_kernel[(queries.shape[0], triton.cdiv(query.shape[1], key.block_heads))](
-            query, queries, query_rows, output, sinks, firsts, ends, keys, entries, picks,
-            query.shape[1], rows, window, keys.stride(0), entry_count, entries.stride(0), ratio, pick_count, pick_count,
-            scale, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+            query,
+            queries,
+            query_rows,
+            output,
+            sinks,
+            firsts,
+            ends,
+            keys,
+            entries,
+            picks,
+            query.shape[1],
+            rows,
+            window,
+            keys.stride(0),
+            entry_count,
+            entries.stride(0),
+            ratio,
+            pick_count,
+            pick_count,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            output.stride(0),
+            output.stride(1),
             **_constants(key),
         )
 
@@ -334,7 +653,10 @@ class PrefillAttentionKernel(SharedKVAttentionKernel):
 def _constants(key: AttentionKey) -> dict[str, Any]:
     padded = triton.next_power_of_2(key.head_dim)
     return dict(
-        HEAD_DIM=key.head_dim, PADDED_DIM=padded, BLOCK_H=key.block_heads, BLOCK_N=32 if padded <= 256 else 16,
+        HEAD_DIM=key.head_dim,
+        PADDED_DIM=padded,
+        BLOCK_H=key.block_heads,
+        BLOCK_N=32 if padded <= 256 else 16,
         IEEE=key.dtype == "float32",
         num_warps=8 if padded >= 256 else 4,
     )

@@ -36,7 +36,9 @@ DEFAULT_EFFORT = "high"
 
 
 def normalize_messages(
-    messages: Sequence[dict[str, Any]], image_placeholder: str | None, tools: Sequence[dict[str, Any]] | None = None,
+    messages: Sequence[dict[str, Any]],
+    image_placeholder: str | None,
+    tools: Sequence[dict[str, Any]] | None = None,
     vision_encoder: bool = True,
 ) -> list[dict[str, Any]]:
     """V4.1's normalised copy of ``messages`` (see the module docstring); ``vision_encoder``: whether the checkpoint
@@ -139,7 +141,9 @@ class DeepseekV4Tokenizer(HFTokenizer):
     def normalize_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return normalize_messages(messages, self.image_placeholder, vision_encoder=self.vision_encoder)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         tools = template_kwargs.pop("tools", None)
         settings = reasoning_settings(template_kwargs.pop("reasoning_effort", None))
         rendered = normalize_messages(messages, self.image_placeholder, tools, self.vision_encoder)

@@ -94,8 +94,15 @@ class Compressor(nn.Module):
         return self.kv_proj(hidden), self.gate_proj(hidden) + self.position_bias[positions % self.ratio]
 
     def prefill(
-        self, kv: torch.Tensor, gate: torch.Tensor, batch: PrefillBatch, state: torch.Tensor, cache: torch.Tensor,
-        tables: torch.Tensor, rope: InterleavedRope, snapshots: torch.Tensor | None = None,
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        batch: PrefillBatch,
+        state: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        rope: InterleavedRope,
+        snapshots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Add every prefilling request's tokens (their projections ``kv``, ``gate`` by step row) to its windows,
         store the entries they complete in ``cache`` (the requests' blocks ``tables`` ``[requests, blocks]``) and
@@ -128,13 +135,21 @@ class Compressor(nn.Module):
         firsts, lasts = batch.starts // m, batch.ends // m
         counts = lasts - firsts
         requests = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
-        windows = firsts[requests] + torch.arange(requests.numel(), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        windows = (
+            firsts[requests]
+            + torch.arange(requests.numel(), device=device)
+            - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        )
         if requests.numel():
             slots = 2 * m if self.overlap else m
             positions = (windows[:, None] - (1 if self.overlap else 0)) * m + torch.arange(slots, device=device)
-            entries = self.windows_to_entries(source(requests[:, None].expand_as(positions), positions), windows, kv.dtype, rope)
+            entries = self.windows_to_entries(
+                source(requests[:, None].expand_as(positions), positions), windows, kv.dtype, rope
+            )
             per_block = cache.shape[1]
-            slots_of = tables[requests].gather(1, (windows // per_block)[:, None])[:, 0] * per_block + windows % per_block
+            slots_of = (
+                tables[requests].gather(1, (windows // per_block)[:, None])[:, 0] * per_block + windows % per_block
+            )
             cache.view(-1, cache.shape[-1])[slots_of] = self.format.encode(entries, cache.dtype)
         # The ring keeps each request's last span positions.
         kept = batch.ends[:, None] - span + torch.arange(span, device=device)
@@ -149,7 +164,12 @@ class Compressor(nn.Module):
         return self.format.decode(flat[tables.gather(1, index // per_block) * per_block + index % per_block])
 
     def decode_step(
-        self, hidden: torch.Tensor, batch: DecodeBatch, state: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        batch: DecodeBatch,
+        state: torch.Tensor,
+        cache: torch.Tensor,
+        table: torch.Tensor,
         rope: InterleavedRope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token for each decoding request: record it in the state ring, pool and store the
@@ -170,9 +190,13 @@ class Compressor(nn.Module):
             window = ((positions[rows] + 1) // m - 1).clamp(min=0)
             width_tokens = 2 * m if self.overlap else m
             source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
-            entries = self.windows_to_entries(ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % span], window, kv.dtype, rope)
+            entries = self.windows_to_entries(
+                ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % span], window, kv.dtype, rope
+            )
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
-            flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = self.format.encode(entries, cache.dtype)
+            flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = self.format.encode(
+                entries, cache.dtype
+            )
         counts = (positions + 1) // m
         if batch.full_width:
             longest = table.shape[1] * per_block  # every entry the table can address (as a decode graph reads)
@@ -181,7 +205,9 @@ class Compressor(nn.Module):
         index = torch.arange(longest, device=kv.device).expand(positions.shape[0], -1)
         return table.gather(1, index // per_block) * per_block + index % per_block, index < counts[:, None]
 
-    def windows_to_entries(self, sources: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype, rope: InterleavedRope) -> torch.Tensor:
+    def windows_to_entries(
+        self, sources: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype, rope: InterleavedRope
+    ) -> torch.Tensor:
         """Entries ``windows`` ``[count]`` from the fp32 (kv | gate) of their source positions ``[count, slots, 2 * width]``
         (``m`` positions, or ``2m`` from the window before with overlap), at their first position's RoPE."""
         m, width = self.ratio, self.width
@@ -201,4 +227,3 @@ class Compressor(nn.Module):
         """``[count, slots, dim]`` windows to entries: softmax over the slots per channel (fp32), weighted sum, norm."""
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return self.kv_norm((kv * weights).sum(dim=1))
-

@@ -40,9 +40,13 @@ class DeepseekV4Settings:
         self.max_position_embeddings = config.get("max_position_embeddings", 1048576)
         num_kv_heads = config.get("num_key_value_heads", 1)
         if num_kv_heads != 1:
-            raise ValueError(f"DeepSeek V4: num_key_value_heads is {num_kv_heads}; the architecture has one shared KV head")
+            raise ValueError(
+                f"DeepSeek V4: num_key_value_heads is {num_kv_heads}; the architecture has one shared KV head"
+            )
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
-            raise ValueError(f"DeepSeek V4: scoring_func {self.scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax")
+            raise ValueError(
+                f"DeepSeek V4: scoring_func {self.scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax"
+            )
         rates = dict(config.get("compress_rates") or {CSA: 4, HCA: 128})
         for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
             if config.get(legacy) is not None:
@@ -74,8 +78,10 @@ class DeepseekV4Settings:
                 f"stage; use tensor_parallel_size (with enable_expert_parallel) to spread it"
             )
         check_heads("attention heads", self.num_heads, tp)
-        divided = [("o_groups (output head groups)", self.o_groups),
-                   ("moe_intermediate_size (shared expert columns)", self.moe_intermediate_size)]
+        divided = [
+            ("o_groups (output head groups)", self.o_groups),
+            ("moe_intermediate_size (shared expert columns)", self.moe_intermediate_size),
+        ]
         if layout.enable_expert_parallel:
             divided.append(("n_routed_experts", self.num_experts))
         for name, value in divided:
@@ -110,7 +116,9 @@ class DeepseekV4Settings:
             kinds = ["hash_moe"] * min(self.num_layers, hashed) + ["moe"] * max(0, self.num_layers - hashed)
         kinds = list(kinds[: self.num_layers])
         if len(kinds) != self.num_layers or any(kind not in ("hash_moe", "moe") for kind in kinds):
-            raise ValueError(f"DeepSeek V4: mlp_layer_types must list {self.num_layers} of 'hash_moe'/'moe'; got {kinds}")
+            raise ValueError(
+                f"DeepSeek V4: mlp_layer_types must list {self.num_layers} of 'hash_moe'/'moe'; got {kinds}"
+            )
         return kinds
 
     def _rope(self, config: dict[str, Any]) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -134,7 +142,9 @@ class DeepseekV4Settings:
             entry.setdefault("partial_rotary_factor", factor)
             entry.setdefault("rope_type", "default")
             if entry["rope_type"] not in ("default", "yarn"):
-                raise ValueError(f"DeepSeek V4: rope_parameters.{name}.rope_type {entry['rope_type']!r}; expected default or yarn")
+                raise ValueError(
+                    f"DeepSeek V4: rope_parameters.{name}.rope_type {entry['rope_type']!r}; expected default or yarn"
+                )
         return int(self.head_dim * factor), rope
 
     def ratio(self, kind: str) -> int:

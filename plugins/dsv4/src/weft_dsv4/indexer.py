@@ -10,6 +10,7 @@ from weft.api import Linear
 from weft_dsv4.compressor import Compressor
 from weft_dsv4.config import CSA, DeepseekV4Settings
 
+
 class Indexer(nn.Module):
     """The lightning indexer of a CSA layer: its own compressor at ``index_head_dim``, and the
     score ``I[t, w] = sum_h w_{t,h} * ReLU(q_{t,h} . K_w) / sqrt(d)`` of every visible entry."""

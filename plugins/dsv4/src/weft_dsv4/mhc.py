@@ -13,6 +13,7 @@ from torch import nn
 from weft_dsv4.config import DeepseekV4Settings
 from weft_dsv4.norm import unweighted_rms_norm
 
+
 def mhc_weights(
     mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, iterations: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +51,9 @@ class HyperConnection(nn.Module):
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn)
         if self.kernel is not None:
-            return self.kernel(mixes=mixes, base=self.base, scale=self.scale, eps=self.hc_eps, iterations=self.iterations)
+            return self.kernel(
+                mixes=mixes, base=self.base, scale=self.scale, eps=self.hc_eps, iterations=self.iterations
+            )
         return mhc_weights(mixes, self.base, self.scale, self.hc_eps, self.iterations)
 
     @staticmethod
@@ -61,7 +64,9 @@ class HyperConnection(nn.Module):
     def expand(post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         dtype = streams.dtype
         # comb is applied transposed: stream k gets sum_j comb[j, k] * streams[j].
-        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
 
 
 def fused_kernel(device: torch.device, hc_mult: int) -> Any:

@@ -23,8 +23,18 @@ BLOCK_TOKENS = 16
 
 @triton.jit
 def _mhc_weights_kernel(
-    mixes, base, scale, pre_out, post_out, comb_out, tokens, eps, iterations,
-    N: tl.constexpr, PADDED: tl.constexpr, BLOCK_T: tl.constexpr,
+    mixes,
+    base,
+    scale,
+    pre_out,
+    post_out,
+    comb_out,
+    tokens,
+    eps,
+    iterations,
+    N: tl.constexpr,
+    PADDED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, PADDED)
@@ -91,20 +101,50 @@ class MhcWeightsKernel(Kernel):
             return key
         n = key.hc_mult
         return _mhc_weights_kernel.warmup(
-            torch.float32, torch.float32, torch.float32, torch.float32, torch.float32, torch.float32, 1, 1e-6, 20,
-            N=n, PADDED=triton.next_power_of_2(n), BLOCK_T=BLOCK_TOKENS, grid=(1,),
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            1,
+            1e-6,
+            20,
+            N=n,
+            PADDED=triton.next_power_of_2(n),
+            BLOCK_T=BLOCK_TOKENS,
+            grid=(1,),
         )
 
-    def launch(self, compiled: Any, *, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-               iterations: int, **_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def launch(
+        self,
+        compiled: Any,
+        *,
+        mixes: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        eps: float,
+        iterations: int,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, n = mixes.shape[0], _hc_mult(mixes.shape[-1])
         pre = torch.empty(tokens, n, dtype=torch.float32, device=mixes.device)
         post = torch.empty_like(pre)
         comb = torch.empty(tokens, n, n, dtype=torch.float32, device=mixes.device)
         if tokens:
             _mhc_weights_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
-                mixes.contiguous(), base, scale, pre, post, comb, tokens, eps, iterations,
-                N=n, PADDED=triton.next_power_of_2(n), BLOCK_T=BLOCK_TOKENS,
+                mixes.contiguous(),
+                base,
+                scale,
+                pre,
+                post,
+                comb,
+                tokens,
+                eps,
+                iterations,
+                N=n,
+                PADDED=triton.next_power_of_2(n),
+                BLOCK_T=BLOCK_TOKENS,
             )
         return pre, post, comb
 

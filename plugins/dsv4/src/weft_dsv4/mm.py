@@ -56,16 +56,28 @@ def declares_vision_encoder(hf_config: dict[str, Any]) -> bool:
 class DeepseekV4MMOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[plugins."mm_processor.dsv4"]`` (the tokenizer, also named dsv4, has ``[plugins."tokenizer.dsv4"]``)."""
 
-    image_token_id: Annotated[int, msgspec.Meta(
-        description="The placeholder each image part becomes; equal to the dsv4 tokenizer's image_token_id"
-    )] = IMAGE_TOKEN_ID
-    patch_size: Annotated[int, msgspec.Meta(
-        description="Pixels per side of one vision-encoder patch (the checkpoint's; not in transformers' config)")] = 16
-    merge_size: Annotated[int, msgspec.Meta(
-        description="Patches merged per side into one IMAGE token (the checkpoint's)")] = 2
-    max_image_tokens: Annotated[int, msgspec.Meta(
-        description="The most IMAGE tokens (h * w) of one image; a larger one is scaled down, keeping its "
-                    "aspect ratio")] = 4096
+    image_token_id: Annotated[
+        int,
+        msgspec.Meta(
+            description="The placeholder each image part becomes; equal to the dsv4 tokenizer's image_token_id"
+        ),
+    ] = IMAGE_TOKEN_ID
+    patch_size: Annotated[
+        int,
+        msgspec.Meta(
+            description="Pixels per side of one vision-encoder patch (the checkpoint's; not in transformers' config)"
+        ),
+    ] = 16
+    merge_size: Annotated[
+        int, msgspec.Meta(description="Patches merged per side into one IMAGE token (the checkpoint's)")
+    ] = 2
+    max_image_tokens: Annotated[
+        int,
+        msgspec.Meta(
+            description="The most IMAGE tokens (h * w) of one image; a larger one is scaled down, keeping its "
+            "aspect ratio"
+        ),
+    ] = 4096
     cache_size: Annotated[int, msgspec.Meta(description="Prompt updates kept, by item hash (an LRU)")] = 256
 
     def __post_init__(self) -> None:
@@ -108,7 +120,8 @@ class DeepseekV4MMProcessor(MMProcessor):
         if not declares_vision_encoder(config.hf_config):
             raise ValueError(
                 f"this {config.architecture} checkpoint declares no vision encoder (its config.json has no "
-                f"'{VISION_CONFIG_KEY}'), so it reads no images; send text only, or serve a checkpoint with one")
+                f"'{VISION_CONFIG_KEY}'), so it reads no images; send text only, or serve a checkpoint with one"
+            )
         self.placeholder_token_id = self.options.image_token_id
         # The hash covers what decides the encoder's inputs, not the cache's size.
         options = self.options
@@ -149,8 +162,11 @@ class DeepseekV4MMProcessor(MMProcessor):
         resized = image.resize((columns * side, rows * side), Image.Resampling.BICUBIC)
         types = token_types(rows, columns)
         return PromptUpdate(
-            key, (self.placeholder_token_id,) * len(types),
-            {"pixels": TensorData.from_array(numpy.asarray(resized, dtype=numpy.uint8)),
-             "grid": TensorData.from_array(numpy.asarray([rows, columns], dtype=numpy.int64))},
+            key,
+            (self.placeholder_token_id,) * len(types),
+            {
+                "pixels": TensorData.from_array(numpy.asarray(resized, dtype=numpy.uint8)),
+                "grid": TensorData.from_array(numpy.asarray([rows, columns], dtype=numpy.int64)),
+            },
             {"token_types": types},
         )

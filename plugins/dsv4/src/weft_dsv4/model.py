@@ -52,7 +52,15 @@ import msgspec
 import torch
 from torch import nn
 
-from weft.api import DecodeTopKTorch
+from weft.api import (
+    DecodeTopKTorch,
+    ForwardContext,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    copy_checked,
+    current_op,
+    default_dtype,
+)
 from weft.contracts.kv_cache import (
     CheckpointSpec,
     CompressedSpec,
@@ -63,14 +71,6 @@ from weft.contracts.kv_cache import (
 )
 from weft.contracts.loader import as_slice
 from weft.contracts.model import ModelConfig, ModelFamily
-from weft.api import (
-    ForwardContext,
-    ParallelLMHead,
-    VocabParallelEmbedding,
-    copy_checked,
-    current_op,
-    default_dtype,
-)
 from weft_dsv4.attention import DeepseekV4Attention, decode_attention_kernel, prefill_attention_kernel
 from weft_dsv4.compressor import EntryFormat, Fp8EntryFormat
 from weft_dsv4.config import CSA, HCA, DeepseekV4Settings, layer_groups
@@ -109,7 +109,14 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(s)
         self.ffn_hc = HyperConnection(s)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, ropes: dict[str, InterleavedRope], step: StepLayout) -> torch.Tensor:
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ropes: dict[str, InterleavedRope],
+        step: StepLayout,
+    ) -> torch.Tensor:
         pre, post, comb = self.attn_hc.weights(streams)
         attention = self.self_attn(self.input_layernorm(HyperConnection.collapse(pre, streams)), positions, ropes, step)
         streams = HyperConnection.expand(post, comb, attention, streams)
@@ -131,7 +138,9 @@ class DeepseekV4Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(s, index) for index in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.hc_head = HyperHead(s)
-        self.ropes = nn.ModuleDict({name: InterleavedRope(s.rope[name], s.head_dim, max_positions) for name in ("main", "compress")})
+        self.ropes = nn.ModuleDict(
+            {name: InterleavedRope(s.rope[name], s.head_dim, max_positions) for name in ("main", "compress")}
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         step = StepLayout(context, self.group_names, self.ring_blocks, self.decode_width_tokens)
@@ -163,12 +172,17 @@ class DeepseekV4ForCausalLM(nn.Module):
 class DeepseekV4Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[plugins.DeepseekV4ForCausalLM]`` in weft.toml."""
 
-    indexer_key_dtype: Annotated[Literal["auto", "fp8_e4m3"], msgspec.Meta(description=(
-        "how the lightning indexer's compressed keys are stored: 'auto' in the model's dtype (transformers' "
-        "numbers), 'fp8_e4m3' as DeepSeek's own inference does, float8 with a float32 scale per key: under half "
-        "a bf16 cache's bytes for that group, which every CSA layer scores in full each step (it stays on the "
-        "GPU under weft-hisparse), at a small change to the indexer's scores and so, near ties, to its picks"
-    ))] = "auto"
+    indexer_key_dtype: Annotated[
+        Literal["auto", "fp8_e4m3"],
+        msgspec.Meta(
+            description=(
+                "how the lightning indexer's compressed keys are stored: 'auto' in the model's dtype (transformers' "
+                "numbers), 'fp8_e4m3' as DeepSeek's own inference does, float8 with a float32 scale per key: under half "
+                "a bf16 cache's bytes for that group, which every CSA layer scores in full each step (it stays on the "
+                "GPU under weft-hisparse), at a small change to the indexer's scores and so, near ties, to its picks"
+            )
+        ),
+    ] = "auto"
 
 
 class DeepseekV4Family(ModelFamily):
@@ -206,51 +220,113 @@ class DeepseekV4Family(ModelFamily):
         kinds = s.layer_types
 
         def names(group: str) -> tuple[str, ...]:
-            return tuple(f"model.layers.{i}.self_attn.{group}" for i, kind in enumerate(kinds) if group in layer_groups(kind))
+            return tuple(
+                f"model.layers.{i}.self_attn.{group}" for i, kind in enumerate(kinds) if group in layer_groups(kind)
+            )
 
         def compressed_block(ratio: int) -> int:
             return math.lcm(block_size, ratio)
 
         checkpointed = config.enable_prefix_caching
         groups = [
-            KVCacheGroupSpec("window", names("window"), SlidingWindowSpec(
-                block_size=block_size, dtype=config.dtype, num_kv_heads=1, head_dim=s.head_dim,
-                window=s.sliding_window, ring=True,
-            ), checkpointed=checkpointed),
+            KVCacheGroupSpec(
+                "window",
+                names("window"),
+                SlidingWindowSpec(
+                    block_size=block_size,
+                    dtype=config.dtype,
+                    num_kv_heads=1,
+                    head_dim=s.head_dim,
+                    window=s.sliding_window,
+                    ring=True,
+                ),
+                checkpointed=checkpointed,
+            ),
         ]
         if CSA in kinds:
             ratio = s.ratio(CSA)
-            groups.append(KVCacheGroupSpec("csa_kv", names("csa_kv"), CompressedSpec(
-                block_size=compressed_block(ratio), dtype=config.dtype, compress_ratio=ratio, entry_dim=s.head_dim,
-            )))
+            groups.append(
+                KVCacheGroupSpec(
+                    "csa_kv",
+                    names("csa_kv"),
+                    CompressedSpec(
+                        block_size=compressed_block(ratio),
+                        dtype=config.dtype,
+                        compress_ratio=ratio,
+                        entry_dim=s.head_dim,
+                    ),
+                )
+            )
         if HCA in kinds:
             ratio = s.ratio(HCA)
-            groups.append(KVCacheGroupSpec("hca_kv", names("hca_kv"), CompressedSpec(
-                block_size=compressed_block(ratio), dtype=config.dtype, compress_ratio=ratio, entry_dim=s.head_dim,
-            )))
+            groups.append(
+                KVCacheGroupSpec(
+                    "hca_kv",
+                    names("hca_kv"),
+                    CompressedSpec(
+                        block_size=compressed_block(ratio),
+                        dtype=config.dtype,
+                        compress_ratio=ratio,
+                        entry_dim=s.head_dim,
+                    ),
+                )
+            )
         if CSA in kinds:
             ratio = s.ratio(CSA)
             key_format = self.indexer_key_format
-            groups.append(KVCacheGroupSpec("indexer_keys", names("indexer_keys"), CompressedSpec(
-                block_size=compressed_block(ratio), dtype=key_format.cache_dtype(config.dtype), compress_ratio=ratio,
-                entry_dim=key_format.row_width(s.index_head_dim),
-            )))
+            groups.append(
+                KVCacheGroupSpec(
+                    "indexer_keys",
+                    names("indexer_keys"),
+                    CompressedSpec(
+                        block_size=compressed_block(ratio),
+                        dtype=key_format.cache_dtype(config.dtype),
+                        compress_ratio=ratio,
+                        entry_dim=key_format.row_width(s.index_head_dim),
+                    ),
+                )
+            )
         if CSA in kinds or HCA in kinds:
             elements = max(s.state_elements(kind) for kind in kinds)
-            groups.append(KVCacheGroupSpec("compressor_state", names("compressor_state"), RecurrentStateSpec(
-                block_size=block_size, dtype="float32", state_elements=elements,
-            ), checkpointed=checkpointed))
+            groups.append(
+                KVCacheGroupSpec(
+                    "compressor_state",
+                    names("compressor_state"),
+                    RecurrentStateSpec(
+                        block_size=block_size,
+                        dtype="float32",
+                        state_elements=elements,
+                    ),
+                    checkpointed=checkpointed,
+                )
+            )
         if checkpointed:
             # Snapshots of the ring (the last `window` keys) and of the compressor state at every
             # boundary of the manager's hash unit, so that a prefix hit can resume exactly there.
             unit = math.lcm(*(group.spec.block_size for group in groups))
-            groups.append(KVCacheGroupSpec("window_checkpoint", names("window_checkpoint"), CheckpointSpec(
-                block_size=unit, dtype=config.dtype, state_elements=s.sliding_window * s.head_dim,
-            )))
+            groups.append(
+                KVCacheGroupSpec(
+                    "window_checkpoint",
+                    names("window_checkpoint"),
+                    CheckpointSpec(
+                        block_size=unit,
+                        dtype=config.dtype,
+                        state_elements=s.sliding_window * s.head_dim,
+                    ),
+                )
+            )
             if CSA in kinds or HCA in kinds:
-                groups.append(KVCacheGroupSpec("state_checkpoint", names("state_checkpoint"), CheckpointSpec(
-                    block_size=unit, dtype="float32", state_elements=elements,
-                )))
+                groups.append(
+                    KVCacheGroupSpec(
+                        "state_checkpoint",
+                        names("state_checkpoint"),
+                        CheckpointSpec(
+                            block_size=unit,
+                            dtype="float32",
+                            state_elements=elements,
+                        ),
+                    )
+                )
         return tuple(groups)
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
@@ -306,7 +382,11 @@ class DeepseekV4Family(ModelFamily):
         """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects: each rank reads its part
         (its heads, columns and vocabulary rows; under expert parallelism only its experts)."""
         targets = dict(module.named_parameters())
-        targets.update((name, buffer) for name, buffer in module.named_buffers() if name.endswith(("tid2eid", "e_score_correction_bias")))
+        targets.update(
+            (name, buffer)
+            for name, buffer in module.named_buffers()
+            if name.endswith(("tid2eid", "e_score_correction_bias"))
+        )
         filled: set[str] = set()
         for checkpoint_name, tensor in weights:
             if checkpoint_name.startswith("mtp.") or ".mtp." in checkpoint_name:

@@ -21,8 +21,9 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 def routing(s: DeepseekV4Settings) -> MoERouting:
-    return MoERouting(top_k=s.experts_per_token, scoring=s.scoring_func, renormalize=True,
-                      scaling=s.routed_scaling_factor)
+    return MoERouting(
+        top_k=s.experts_per_token, scoring=s.scoring_func, renormalize=True, scaling=s.routed_scaling_factor
+    )
 
 
 class SharedExpert(nn.Module):
@@ -74,8 +75,9 @@ class Experts(FusedMoE):
     ``down_proj`` ``[E, H, I]``; called with ``(hidden, experts, weights)`` it returns this rank's partial sum."""
 
     def __init__(self, s: DeepseekV4Settings) -> None:
-        super().__init__(s.num_experts, s.hidden_size, s.moe_intermediate_size, routing(s),
-                         MoEActivation(limit=s.swiglu_limit))
+        super().__init__(
+            s.num_experts, s.hidden_size, s.moe_intermediate_size, routing(s), MoEActivation(limit=s.swiglu_limit)
+        )
         self.limit = s.swiglu_limit
 
     def partial(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

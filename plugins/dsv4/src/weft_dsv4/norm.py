@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 weight, multiplied in fp32 and cast once (as DeepSeek V4 keeps its norms)."""
 

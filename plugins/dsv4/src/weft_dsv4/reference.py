@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from weft.api import ForwardContext, KVCacheManager, using_ops
 from weft.contracts.attention import AttentionBatch
 from weft.contracts.model import ModelConfig
-from weft.api import ForwardContext, KVCacheManager, using_ops
 
 
 @contextlib.contextmanager
@@ -61,7 +61,9 @@ def stable_topk() -> Iterator[None]:
         torch.Tensor.topk = original
 
 
-def random_hf_model(config_kwargs: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+def random_hf_model(
+    config_kwargs: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Any:
     """A ``DeepseekV4ForCausalLM`` with random weights large enough to matter (sinks, biases, routing)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -84,7 +86,9 @@ def random_hf_model(config_kwargs: dict[str, Any], seed: int = 0, dtype: torch.d
         for name, buffer in model.named_buffers():
             if name.endswith("tid2eid"):
                 experts = config.n_routed_experts
-                choice = torch.stack([torch.randperm(experts, generator=generator)[: buffer.shape[1]] for _ in range(buffer.shape[0])])
+                choice = torch.stack(
+                    [torch.randperm(experts, generator=generator)[: buffer.shape[1]] for _ in range(buffer.shape[0])]
+                )
                 buffer.copy_(choice)
             elif name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
@@ -102,8 +106,14 @@ class Driver:
     building each step's per-group block tables and slots exactly as the model runner does."""
 
     def __init__(
-        self, folder: Path, dtype: str = "float32", device: str = "cpu", block_size: int = 8, max_model_len: int = 512,
-        num_blocks: int = 256, topk_op: Any = None,
+        self,
+        folder: Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 8,
+        max_model_len: int = 512,
+        num_blocks: int = 256,
+        topk_op: Any = None,
     ) -> None:
         import json
 
@@ -112,14 +122,20 @@ class Driver:
 
         hf_config = json.loads((Path(folder) / "config.json").read_text())
         self.config = ModelConfig(
-            architecture="DeepseekV4ForCausalLM", hf_config=hf_config, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+            architecture="DeepseekV4ForCausalLM",
+            hf_config=hf_config,
+            dtype=dtype,
+            block_size=block_size,
+            max_model_len=max_model_len,
         )
         self.device = torch.device(device)
         self.family = DeepseekV4Family()
         with using_ops({"decode_topk": topk_op} if topk_op is not None else {}):
             self.model = self.family.build(self.config, self.device)
         loader = SafetensorsLoader()
-        self.family.load_weights(self.model, loader.iter_weights(loader.resolve(str(folder)), self.family.load_dtype(dtype)))
+        self.family.load_weights(
+            self.model, loader.iter_weights(loader.resolve(str(folder)), self.family.load_dtype(dtype))
+        )
         self.groups = self.family.kv_cache_groups(self.config)
         self.manager = KVCacheManager(self.groups, [num_blocks] * len(self.groups), enable_prefix_caching=False)
         self.caches = {}
@@ -151,16 +167,26 @@ class Driver:
         for index, group in enumerate(self.groups):
             tables = [self.manager.block_ids(request_id, (index,))[0] for request_id, _ in chunks]
             width = max(len(table) for table in tables)
-            block_table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-            batches.append(AttentionBatch(
-                query_start=query_start_tensor, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                block_table=block_table, slot_mapping=group.spec.slot_mapping(block_table, rows, position_tensor).to(torch.int32),
-                max_query_len=max(len(chunk) for _, chunk in chunks), max_seq_len=max(seq_lens), block_size=group.spec.block_size,
-            ))
-        context = ForwardContext(backend=None, metadata=[None] * len(self.groups), kv_caches=self.caches, batches=batches)
+            block_table = torch.tensor(
+                [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+            )
+            batches.append(
+                AttentionBatch(
+                    query_start=query_start_tensor,
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                    block_table=block_table,
+                    slot_mapping=group.spec.slot_mapping(block_table, rows, position_tensor).to(torch.int32),
+                    max_query_len=max(len(chunk) for _, chunk in chunks),
+                    max_seq_len=max(seq_lens),
+                    block_size=group.spec.block_size,
+                )
+            )
+        context = ForwardContext(
+            backend=None, metadata=[None] * len(self.groups), kv_caches=self.caches, batches=batches
+        )
         hidden = self.model(torch.tensor(token_ids, device=device), position_tensor, context)
         logits = self.model.compute_logits(hidden).float()
-        return [logits[a:b] for a, b in zip(query_start, query_start[1:])]
+        return [logits[a:b] for a, b in zip(query_start, query_start[1:], strict=False)]
 
     def free(self, request_id: str) -> None:
         self.manager.free(request_id)

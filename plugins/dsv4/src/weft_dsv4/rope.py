@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-def rope_inverse_frequencies(parameters: dict[str, Any], head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+
+def rope_inverse_frequencies(
+    parameters: dict[str, Any], head_dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (one per interleaved pair) and the cos/sin scale of one rope type."""
     dim = int(head_dim * parameters["partial_rotary_factor"])
     base = float(parameters["rope_theta"])

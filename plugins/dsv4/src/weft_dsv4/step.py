@@ -10,6 +10,7 @@ import torch
 
 from weft.api import ForwardContext
 
+
 class RequestRows:
     """One request's slice of the step: its index in the step's batch, rows, and positions ``start .. end - 1``."""
 
@@ -21,8 +22,10 @@ class RequestRows:
 class StepLayout:
     """The step's requests (from the runner's per-group batches) and the cache tensors by layer."""
 
-    def __init__(self, context: ForwardContext, group_names: tuple[str, ...], ring_blocks: int, decode_width_tokens: int = 0) -> None:
-        batches = dict(zip(group_names, context.batches))
+    def __init__(
+        self, context: ForwardContext, group_names: tuple[str, ...], ring_blocks: int, decode_width_tokens: int = 0
+    ) -> None:
+        batches = dict(zip(group_names, context.batches, strict=False))
         first = batches["window"]
         self.caches = context.kv_caches
         self.request_ids = context.request_ids
@@ -45,7 +48,8 @@ class StepLayout:
         lengths = first.seq_lens.tolist()
         self.restores = [
             (hit, {name: batch.block_table[index].long() for name, batch in batches.items()})
-            for index, hit in enumerate(context.prefix_hits) if self.checkpoint_unit and hit and hit % self.checkpoint_unit == 0
+            for index, hit in enumerate(context.prefix_hits)
+            if self.checkpoint_unit and hit and hit % self.checkpoint_unit == 0
         ]
         """``(tokens found cached, the request's blocks per group)`` of each request resuming from a prefix hit.
         A transferred prefix (a prefill/decode transfer) came with the ring and state themselves: the runner
@@ -123,7 +127,11 @@ class PrefillBatch:
         self.write_slots = slots[kept]
         self.write_rows = (row_starts[:, None] + kept_positions - starts[:, None])[kept]
         # Window snapshots: at each boundary B a request crosses, the keys of positions B - window .. B - 1.
-        pairs = [(number, boundary) for number, request in enumerate(prefills) for boundary in step.boundaries(request.start, request.end)]
+        pairs = [
+            (number, boundary)
+            for number, request in enumerate(prefills)
+            for boundary in step.boundaries(request.start, request.end)
+        ]
         self.snapshot_block = self.snapshot_offset = self.snapshot_request = self.snapshot_key = None
         self.boundary_requests = torch.tensor([number for number, _ in pairs], dtype=torch.long, device=device)
         self.boundaries = torch.tensor([boundary for _, boundary in pairs], dtype=torch.long, device=device)
@@ -131,7 +139,9 @@ class PrefillBatch:
         self.boundary_snapshot_blocks = None
         if pairs and "state_checkpoint" in step.batches:
             state_tables = step.batches["state_checkpoint"].block_table[index].long()
-            self.boundary_snapshot_blocks = state_tables[self.boundary_requests, self.boundaries // step.checkpoint_unit - 1]
+            self.boundary_snapshot_blocks = state_tables[
+                self.boundary_requests, self.boundaries // step.checkpoint_unit - 1
+            ]
         if pairs:
             numbers = torch.tensor([number for number, _ in pairs], device=device)
             boundaries = torch.tensor([boundary for _, boundary in pairs], device=device)
@@ -152,14 +162,23 @@ class PrefillBatch:
         distance = self.query_positions[:, :, None] - self.key_positions[:, None, :]
         key_valid = self.key_positions < self.ends[:, None]
         hidden = (distance < 0) | (distance >= self.window) | ~key_valid[:, None, :] | ~self.query_valid[:, :, None]
-        return torch.zeros(distance.shape, dtype=torch.float32, device=distance.device).masked_fill_(hidden, float("-inf"))
+        return torch.zeros(distance.shape, dtype=torch.float32, device=distance.device).masked_fill_(
+            hidden, float("-inf")
+        )
 
 
 class DecodeBatch:
     """The step's one-token requests, gathered so that each layer handles them together."""
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, position_list: list[int] | None,
-                 tables: dict[str, torch.Tensor], indices: list[int], full_width: bool) -> None:
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        position_list: list[int] | None,
+        tables: dict[str, torch.Tensor],
+        indices: list[int],
+        full_width: bool,
+    ) -> None:
         self.rows, self.positions = rows, positions
         """Each decoding row's row of the step, and its position."""
         self.position_list = position_list
@@ -176,8 +195,9 @@ class DecodeBatch:
         the arithmetic, of a graph's decode)."""
 
     @classmethod
-    def of_step(cls, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any],
-                width_tokens: int = 0) -> DecodeBatch:
+    def of_step(
+        cls, indices: list[int], starts: list[int], lengths: list[int], batches: dict[str, Any], width_tokens: int = 0
+    ) -> DecodeBatch:
         """The step's rows ``indices`` (eager); with ``width_tokens``, tables padded to that many tokens' blocks."""
         device = batches["window"].block_table.device
         chosen = torch.tensor(indices, device=device)
@@ -186,10 +206,18 @@ class DecodeBatch:
         for name, batch in batches.items():
             table = batch.block_table[chosen].long()
             if width_tokens:
-                table = torch.nn.functional.pad(table, (0, max(0, -(-width_tokens // batch.block_size) - table.shape[1])))
+                table = torch.nn.functional.pad(
+                    table, (0, max(0, -(-width_tokens // batch.block_size) - table.shape[1]))
+                )
             tables[name] = table
-        return cls(torch.tensor([starts[index] for index in indices], device=device),
-                   torch.tensor(position_list, device=device), position_list, tables, indices, bool(width_tokens))
+        return cls(
+            torch.tensor([starts[index] for index in indices], device=device),
+            torch.tensor(position_list, device=device),
+            position_list,
+            tables,
+            indices,
+            bool(width_tokens),
+        )
 
     @classmethod
     def static(cls, batches: dict[str, Any]) -> DecodeBatch:

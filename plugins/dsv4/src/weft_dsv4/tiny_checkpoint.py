@@ -35,12 +35,29 @@ Weft is a plugin-architected inference engine: the core defines contracts, plugi
 def tiny_config(layer_types: list[str], hc_mult: int = 2, vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
     """The reference page's tiny configuration with the given layer-type schedule."""
     config: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, num_key_value_heads=1, head_dim=64, q_lora_rank=64, num_experts_per_tok=2,
-        n_routed_experts=8, n_shared_experts=1, o_groups=2, o_lora_rank=32, index_n_heads=2,
-        index_head_dim=32, index_topk=8, sliding_window=16, hc_mult=hc_mult, layer_types=layer_types,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        q_lora_rank=64,
+        num_experts_per_tok=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_topk=8,
+        sliding_window=16,
+        hc_mult=hc_mult,
+        layer_types=layer_types,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     config.update(overrides)
     return config
@@ -53,16 +70,28 @@ def train_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer)
     if tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(f"the trained tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {vocab_size}")
+        raise ValueError(
+            f"the trained tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {vocab_size}"
+        )
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-        "add_bos_token": False, "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
 
 
 def write_checkpoint(folder: Path, config: dict[str, Any], seed: int = 0) -> Path:
@@ -79,7 +108,9 @@ def write_checkpoint(folder: Path, config: dict[str, Any], seed: int = 0) -> Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random DeepSeek V4 checkpoint folder.")
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--layer-types", default="hca,csa,sliding,csa", help=f"comma-separated, from {sorted(SHORT_NAMES)}")
+    parser.add_argument(
+        "--layer-types", default="hca,csa,sliding,csa", help=f"comma-separated, from {sorted(SHORT_NAMES)}"
+    )
     parser.add_argument("--hc-mult", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [kind for kind in kinds if kind not in SHORT_NAMES]
     if unknown or not kinds:
         parser.error(f"--layer-types: unknown {unknown or 'empty list'}; use names from {sorted(SHORT_NAMES)}")
-    folder = write_checkpoint(args.folder, tiny_config([SHORT_NAMES[k] for k in kinds], args.hc_mult, args.vocab_size), args.seed)
+    folder = write_checkpoint(
+        args.folder, tiny_config([SHORT_NAMES[k] for k in kinds], args.hc_mult, args.vocab_size), args.seed
+    )
     print(f"wrote a tiny DeepSeek V4 checkpoint to {folder}")
     return 0
 

@@ -42,10 +42,19 @@ NAMES: tuple[tuple[str, str], ...] = (
     ("layers.{layer}.attn.compressor.norm.weight", "model.layers.{layer}.self_attn.compressor.kv_norm.weight"),
     ("layers.{layer}.attn.indexer.wq_b.weight", "model.layers.{layer}.self_attn.indexer.q_b_proj.weight"),
     ("layers.{layer}.attn.indexer.weights_proj.weight", "model.layers.{layer}.self_attn.indexer.weights_proj.weight"),
-    ("layers.{layer}.attn.indexer.compressor.wkv.weight", "model.layers.{layer}.self_attn.indexer.compressor.kv_proj.weight"),
-    ("layers.{layer}.attn.indexer.compressor.wgate.weight", "model.layers.{layer}.self_attn.indexer.compressor.gate_proj.weight"),
+    (
+        "layers.{layer}.attn.indexer.compressor.wkv.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.kv_proj.weight",
+    ),
+    (
+        "layers.{layer}.attn.indexer.compressor.wgate.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.gate_proj.weight",
+    ),
     ("layers.{layer}.attn.indexer.compressor.ape", "model.layers.{layer}.self_attn.indexer.compressor.position_bias"),
-    ("layers.{layer}.attn.indexer.compressor.norm.weight", "model.layers.{layer}.self_attn.indexer.compressor.kv_norm.weight"),
+    (
+        "layers.{layer}.attn.indexer.compressor.norm.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.kv_norm.weight",
+    ),
     ("layers.{layer}.ffn.gate.weight", "model.layers.{layer}.mlp.gate.weight"),
     ("layers.{layer}.ffn.gate.bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),
     ("layers.{layer}.ffn.gate.tid2eid", "model.layers.{layer}.mlp.gate.tid2eid"),
@@ -59,17 +68,30 @@ NAMES: tuple[tuple[str, str], ...] = (
 
 # transformers' module names where they differ from ours (its indexer hangs under the compressor).
 TRANSFORMERS_NAMES: tuple[tuple[str, str], ...] = (
-    ("model.layers.{layer}.self_attn.compressor.indexer.scorer.weights_proj.weight",
-     "model.layers.{layer}.self_attn.indexer.weights_proj.weight"),
-    ("model.layers.{layer}.self_attn.compressor.indexer.q_b_proj.weight", "model.layers.{layer}.self_attn.indexer.q_b_proj.weight"),
-    ("model.layers.{layer}.self_attn.compressor.indexer.kv_proj.weight",
-     "model.layers.{layer}.self_attn.indexer.compressor.kv_proj.weight"),
-    ("model.layers.{layer}.self_attn.compressor.indexer.gate_proj.weight",
-     "model.layers.{layer}.self_attn.indexer.compressor.gate_proj.weight"),
-    ("model.layers.{layer}.self_attn.compressor.indexer.position_bias",
-     "model.layers.{layer}.self_attn.indexer.compressor.position_bias"),
-    ("model.layers.{layer}.self_attn.compressor.indexer.kv_norm.weight",
-     "model.layers.{layer}.self_attn.indexer.compressor.kv_norm.weight"),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.scorer.weights_proj.weight",
+        "model.layers.{layer}.self_attn.indexer.weights_proj.weight",
+    ),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.q_b_proj.weight",
+        "model.layers.{layer}.self_attn.indexer.q_b_proj.weight",
+    ),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.kv_proj.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.kv_proj.weight",
+    ),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.gate_proj.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.gate_proj.weight",
+    ),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.position_bias",
+        "model.layers.{layer}.self_attn.indexer.compressor.position_bias",
+    ),
+    (
+        "model.layers.{layer}.self_attn.compressor.indexer.kv_norm.weight",
+        "model.layers.{layer}.self_attn.indexer.compressor.kv_norm.weight",
+    ),
 )
 
 
@@ -95,7 +117,7 @@ def parameter_name(checkpoint_name: str) -> tuple[str, int | None, str | None]:
     for one expert's slice of the stacked expert tensors. A name we do not know comes back unchanged."""
     name = _translate(checkpoint_name, _FORWARD)
     if name is None and checkpoint_name.startswith("model."):
-        name = _translate(checkpoint_name[len("model."):], _FORWARD)
+        name = _translate(checkpoint_name[len("model.") :], _FORWARD)
     name = name or checkpoint_name
     if "#" not in name:
         return name, None, None

@@ -24,9 +24,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import torch
-from weft.api import SafetensorsLoader, cast
+
+from weft.api import SafetensorsLoader, cast, weight_files
 from weft.contracts.loader import ModelSource
-from weft.api import weight_files
 
 logger = logging.getLogger("weft.fastsafetensors")
 
@@ -34,7 +34,9 @@ logger = logging.getLogger("weft.fastsafetensors")
 class FastSafetensorsOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gds: Annotated[
         Literal["auto", "off"],
-        msgspec.Meta(description="GPU-direct storage: auto (used where cuFile works, else a bounce buffer), off (never)"),
+        msgspec.Meta(
+            description="GPU-direct storage: auto (used where cuFile works, else a bounce buffer), off (never)"
+        ),
     ] = "auto"
     max_threads: Annotated[int, msgspec.Meta(ge=1, description="threads copying file data")] = 16
     bounce_buffer_kb: Annotated[int, msgspec.Meta(ge=64, description="bounce buffer per copy thread, KiB")] = 16 * 1024
@@ -80,7 +82,7 @@ def agree_on_files(files: list[str], group: Any) -> list[str]:
 def batches(files: list[str], readers: int) -> list[dict[int, list[str]]]:
     """Shards in batches of one per reader: ``{group rank: [file]}``, so each rank reads a 1/readers share."""
     return [
-        {rank: [file] for rank, file in enumerate(files[start:start + readers])}
+        {rank: [file] for rank, file in enumerate(files[start : start + readers])}
         for start in range(0, len(files), readers)
     ]
 
@@ -101,11 +103,19 @@ class FastSafetensorsLoader(SafetensorsLoader):
         files = agree_on_files([str(file) for file in weight_files(Path(source.path))], group)
         device = self.load_config.device
         reader = SafeTensorsFileLoader(
-            group, device, nogds=device == "cpu" or options.gds == "off", max_threads=options.max_threads,
+            group,
+            device,
+            nogds=device == "cpu" or options.gds == "off",
+            max_threads=options.max_threads,
             bbuf_size_kb=options.bounce_buffer_kb,
         )
-        logger.info("fastsafetensors: %d shards to %s with %s, %d reader(s)", len(files), device,
-                    reader.copier_class.__name__, reader.pg.size())
+        logger.info(
+            "fastsafetensors: %d shards to %s with %s, %d reader(s)",
+            len(files),
+            device,
+            reader.copier_class.__name__,
+            reader.pg.size(),
+        )
         try:
             for batch in batches(files, reader.pg.size()):
                 reader.add_filenames(batch)

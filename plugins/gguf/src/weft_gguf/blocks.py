@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from weft.contracts.quantization import GroupAffine, QuantizedWeight
 
 GROUP = 32
@@ -85,7 +86,10 @@ def group_affine(data: np.ndarray, format_name: str, rows: int, columns: int) ->
         torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, columns)),
         torch.from_numpy(np.ascontiguousarray(scales).reshape(rows, groups)),
         None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets).reshape(rows, groups)),
-        GROUP, bits, signed, format_name,
+        GROUP,
+        bits,
+        signed,
+        format_name,
     )
 
 
@@ -106,8 +110,15 @@ class GGUFQuantizedWeight(QuantizedWeight):
         if self.unpermute_heads is None:
             return weights
         rows = lambda tensor: None if tensor is None else unpermute_rotary(tensor, self.unpermute_heads)  # noqa: E731
-        return GroupAffine(rows(weights.codes), rows(weights.scales), rows(weights.offsets), weights.group_size,
-                           weights.bits, weights.signed, weights.source_format)
+        return GroupAffine(
+            rows(weights.codes),
+            rows(weights.scales),
+            rows(weights.offsets),
+            weights.group_size,
+            weights.bits,
+            weights.signed,
+            weights.source_format,
+        )
 
     def load(self) -> torch.Tensor:
         return self.group_affine().dequantize().to(self.dtype)

@@ -16,9 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from weft.contracts.hooks import CliCommand, hookimpl
 from weft.api import human_bytes
-
+from weft.contracts.hooks import CliCommand, hookimpl
 from weft_gguf import checksum
 from weft_gguf.files import CACHE_FORMAT, KEY_HASH_CHARS, SOURCES_INDEX, cache_dir, read_sources_index
 
@@ -28,16 +27,24 @@ _KINDS = {".safetensors": "weights", ".tokenizer": "tokenizer", ".json": "metada
 
 @hookimpl
 def weft_cli_commands() -> list[CliCommand]:
-    return [CliCommand(name="cache", help="list or clear the converted-weights cache (dequantized GGUF weights, "
-                                          "tokenizers)", add_arguments=add_arguments, run=run)]
+    return [
+        CliCommand(
+            name="cache",
+            help="list or clear the converted-weights cache (dequantized GGUF weights, tokenizers)",
+            add_arguments=add_arguments,
+            run=run,
+        )
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(title="cache commands", metavar="COMMAND")
     commands.add_parser("list", help="each cached entry: its source file, what it holds and its size").set_defaults(
-        cache_command=run_list)
-    commands.add_parser("clear", help="delete the whole cache (it is rebuilt on the next start that needs it)"
-                        ).set_defaults(cache_command=run_clear)
+        cache_command=run_list
+    )
+    commands.add_parser(
+        "clear", help="delete the whole cache (it is rebuilt on the next start that needs it)"
+    ).set_defaults(cache_command=run_clear)
 
 
 def run(args: argparse.Namespace) -> int:

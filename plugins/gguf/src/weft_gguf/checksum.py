@@ -36,8 +36,9 @@ def digests(path: Path) -> list[str]:
 def record(path: Path, destination: Path) -> Path:
     """Write the checksum file of ``path`` (to be renamed beside ``destination``); returns it."""
     written = sidecar(path)
-    written.write_text(json.dumps({"format": FORMAT, "size": path.stat().st_size, "chunk_bytes": CHUNK_BYTES,
-                                   "sha256": digests(path)}))
+    written.write_text(
+        json.dumps({"format": FORMAT, "size": path.stat().st_size, "chunk_bytes": CHUNK_BYTES, "sha256": digests(path)})
+    )
     return written
 
 

@@ -40,15 +40,22 @@ def write_tokenizer(reader: Any, folder: Path) -> bool:
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens or merges is None:
         return False
-    tokenizer = Tokenizer(models.BPE(
-        vocab={token: index for index, token in enumerate(tokens)},
-        merges=[tuple(merge.split(" ", 1)) for merge in merges],
-        fuse_unk=False, byte_fallback=False,
-    ))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={token: index for index, token in enumerate(tokens)},
+            merges=[tuple(merge.split(" ", 1)) for merge in merges],
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types) if kind == CONTROL]
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, types, strict=False)
+            if kind == CONTROL
+        ]
     )
     config: dict[str, Any] = {}
     for name in ("bos", "eos", "unknown", "padding"):
@@ -77,8 +84,9 @@ def cache_tokenizer(folder: Path, source: Path, reader: Callable[[], Any]) -> No
         wrong = checksum.folder_problem(folder)
         if wrong is None:
             return
-        warnings.warn(f"weft-gguf: the tokenizer cache {folder} is damaged ({wrong}); rebuilding it from {source}",
-                      stacklevel=3)
+        warnings.warn(
+            f"weft-gguf: the tokenizer cache {folder} is damaged ({wrong}); rebuilding it from {source}", stacklevel=3
+        )
         shutil.rmtree(folder, ignore_errors=True)
     try:
         write_tokenizer(reader(), folder)

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
-from weft.api import bar, human_bytes, report
 
+from weft.api import bar, human_bytes, report
+from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
 from weft_gguf import checksum
 from weft_gguf.blocks import GGUFQuantizedWeight, decomposable
 from weft_gguf.convert import cache_tokenizer
@@ -179,7 +179,11 @@ class GGUFLoader(WeightLoader):
         # While the file is parsed anyway: its byte-level BPE vocabulary, for the "gguf" tokenizer.
         cache_tokenizer(tokenizer_cache(path), path, lambda: self._reader(path))
         return ModelSource(
-            path=str(path.resolve()), format="gguf", hf_config=config, tokenizer="gguf", name=name,
+            path=str(path.resolve()),
+            format="gguf",
+            hf_config=config,
+            tokenizer="gguf",
+            name=name,
             generation_config=generation_config or ALIAS_GENERATION_CONFIGS.get(source, {}),
         )
 
@@ -194,6 +198,7 @@ class GGUFLoader(WeightLoader):
             yield from self._quantized_weights(source, getattr(torch, dtype))
             return
         from safetensors import safe_open
+
         from weft.api import SafetensorsSlice
 
         cached = cache_dir() / "gguf" / f"{file_key(Path(source.path), dtype)}.safetensors"
@@ -204,14 +209,18 @@ class GGUFLoader(WeightLoader):
                     for name in handle.keys():
                         yield name, SafetensorsSlice(handle.get_slice(name), dtype)
                 return
-            warnings.warn(f"weft-gguf: the weight cache {cached} is {wrong}; rebuilding it from {source.path}",
-                          stacklevel=2)
+            warnings.warn(
+                f"weft-gguf: the weight cache {cached} is {wrong}; rebuilding it from {source.path}", stacklevel=2
+            )
             checksum.remove(cached)
         tensors = self._dequantize(source, getattr(torch, dtype))
         self._readers.pop(str(Path(source.path).resolve()), None)
         if _save_atomically(tensors, cached):
-            report("cached for next time: %s (%s; weft cache list shows it, weft cache clear frees it)", cached,
-                   human_bytes(cached.stat().st_size))
+            report(
+                "cached for next time: %s (%s; weft cache list shows it, weft cache clear frees it)",
+                cached,
+                human_bytes(cached.stat().st_size),
+            )
         for name, tensor in tensors.items():
             yield name, LoadedSlice(tensor)
 

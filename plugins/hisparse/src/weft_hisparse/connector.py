@@ -59,22 +59,39 @@ logger = logging.getLogger("weft.hisparse")
 class HiSparseOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[plugins.hisparse]``: the host pool and the GPU hot buffer."""
 
-    group: Annotated[str, Meta(min_length=1, description="the KV-cache group read sparsely (DeepSeek V4: csa_kv)")] = "csa_kv"
-    host_pages: Annotated[int, Meta(ge=1, description="pages (blocks of the group, every layer) in the host pool")] = 4096
+    group: Annotated[str, Meta(min_length=1, description="the KV-cache group read sparsely (DeepSeek V4: csa_kv)")] = (
+        "csa_kv"
+    )
+    host_pages: Annotated[int, Meta(ge=1, description="pages (blocks of the group, every layer) in the host pool")] = (
+        4096
+    )
     hot_buffer_blocks: Annotated[
-        int, Meta(ge=1, description="GPU rows per request and layer for entries copied in from the host, in blocks of "
-                                    "entries (decode graphs: per slice of graph_hot_requests, allocated with the graphs)")
+        int,
+        Meta(
+            ge=1,
+            description="GPU rows per request and layer for entries copied in from the host, in blocks of "
+            "entries (decode graphs: per slice of graph_hot_requests, allocated with the graphs)",
+        ),
     ] = 4
     graph_hot_requests: Annotated[
-        int, Meta(ge=0, description="decode graphs: requests holding a slice of hot_buffer_blocks in the hot buffer at "
-                                    "once (at most the largest graph's rows; the others read every miss from the host "
-                                    "pool); it bounds the hot buffer's memory, which is outside the KV-cache budget")
+        int,
+        Meta(
+            ge=0,
+            description="decode graphs: requests holding a slice of hot_buffer_blocks in the hot buffer at "
+            "once (at most the largest graph's rows; the others read every miss from the host "
+            "pool); it bounds the hot buffer's memory, which is outside the KV-cache budget",
+        ),
     ] = 16
     keep_tail: Annotated[int, Meta(ge=1, description="last pages of each request that stay pinned on the GPU")] = 2
     gpu_share: Annotated[
-        float, Meta(gt=0, lt=1, description="the group's GPU pages, as a share of what its requests would hold, when the "
-                                            "engine sizes the cache from memory (the other groups get what theirs hold); "
-                                            "it must hold one request of max_model_len, since a prefill reads every entry")
+        float,
+        Meta(
+            gt=0,
+            lt=1,
+            description="the group's GPU pages, as a share of what its requests would hold, when the "
+            "engine sizes the cache from memory (the other groups get what theirs hold); "
+            "it must hold one request of max_model_len, since a prefill reads every entry",
+        ),
     ] = 0.1
 
 
@@ -130,8 +147,11 @@ class HiSparseConnector(KVConnector):
         ConnectorMetric("host_entries_read_total", "Selected entries of host pages read from the host pool"),
         ConnectorMetric("hot_entries_read_total", "Selected entries of host pages read from the GPU hot buffer"),
         ConnectorMetric("host_prefix_pages_loaded_total", "Pages of prompt prefixes loaded from the host prefix cache"),
-        ConnectorMetric("graph_buffer_bytes_total", "Bytes of the decode graphs' hot buffer and page table on the GPU, "
-                                                    "outside the KV-cache budget (counted once, at capture)"),
+        ConnectorMetric(
+            "graph_buffer_bytes_total",
+            "Bytes of the decode graphs' hot buffer and page table on the GPU, "
+            "outside the KV-cache budget (counted once, at capture)",
+        ),
     )
     Options = HiSparseOptions
     gates_admission: ClassVar[bool] = True
@@ -196,7 +216,9 @@ class HiSparseConnector(KVConnector):
 
     # Scheduler role.
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """The prompt's pages after the engine's local hit that the host prefix cache holds (:meth:`_host_hit`); but
         a request whose prefill (which reads, so holds, every page of its prompt, and after
         a preemption of its outputs so far) would not fit beside what the running ones keep on the GPU waits (None)
@@ -238,7 +260,9 @@ class HiSparseConnector(KVConnector):
         (whose ring and compressor state the model restores from the snapshots that hit shares), so it is exact."""
         return (self.group,)
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], num_external_tokens: int
+    ) -> None:
         self._decoding.discard(request.request_id)  # admitted again after a preemption: it computes its prompt afresh
         self._prefilling[request.request_id] = _Prefill(len(request.prompt_token_ids), self._prefill_pages(request))
         self._admitted.add(request.request_id)
@@ -256,8 +280,11 @@ class HiSparseConnector(KVConnector):
     def build_connector_meta(self, step: ConnectorStep) -> HiSparseStep:
         if self.planner is None:
             self.planner = PagePlanner(
-                step.num_blocks[self.group], self.options.hot_buffer_blocks, self.options.host_pages,
-                self.context.tp_size * self.context.pp_size, self.options.keep_tail,
+                step.num_blocks[self.group],
+                self.options.hot_buffer_blocks,
+                self.options.host_pages,
+                self.context.tp_size * self.context.pp_size,
+                self.options.keep_tail,
             )
         planner = self.planner
         self._num_blocks = step.num_blocks[self.group]
@@ -280,7 +307,9 @@ class HiSparseConnector(KVConnector):
             end = request.num_computed_tokens + request.num_new_tokens
             self._ends[request.request_id] = max(self._ends.get(request.request_id, 0), end)
             prefill = self._prefilling.get(request.request_id)
-            if prefill is not None and (request.num_new_tokens != 1 or request.num_computed_tokens < prefill.prompt_tokens):
+            if prefill is not None and (
+                request.num_new_tokens != 1 or request.num_computed_tokens < prefill.prompt_tokens
+            ):
                 prefill.held = len(request.block_ids[self.group])
                 continue  # prefilling: it reads every entry
             if request.num_new_tokens != 1:
@@ -301,9 +330,12 @@ class HiSparseConnector(KVConnector):
         plan = planner.plan(step.free_blocks[self.group], demand)
         for copy in plan.copies:
             self._planned[copy_name(copy)] = copy
-        self._lend = tuple(LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned))
-        return HiSparseStep(copies=plan.copies, loads=loads, host_pages=tuple(host_pages),
-                            dropped=tuple(sorted(step.preempted)))
+        self._lend = tuple(
+            LentBlock(request_id, self.group, page) for request_id, page in map(planner.owner, plan.unpinned)
+        )
+        return HiSparseStep(
+            copies=plan.copies, loads=loads, host_pages=tuple(host_pages), dropped=tuple(sorted(step.preempted))
+        )
 
     def _plan_loads(self, step: ConnectorStep) -> tuple[PageLoad, ...]:
         """The host prefix hits of the requests admitted for this step: host rows into their fresh GPU blocks.
@@ -320,12 +352,14 @@ class HiSparseConnector(KVConnector):
             blocks = range(first, first + request.num_external_tokens // size)
             missing = [index for index in blocks if hashes[index] not in self.planner.host_prefix]
             if missing:  # the lookup and this step see the same cache: nothing evicts in between
-                raise RuntimeError(f"weft-hisparse: prefix blocks {missing} of request {request.request_id!r} left the "
-                                   f"host prefix cache between its lookup and its step")
+                raise RuntimeError(
+                    f"weft-hisparse: prefix blocks {missing} of request {request.request_id!r} left the "
+                    f"host prefix cache between its lookup and its step"
+                )
             rows = self.planner.take_prefix([hashes[index] for index in blocks])
             gpu_blocks = request.block_ids[self.group][first * self._pages_per_block :]
             pages = [row for block_rows in rows for row in block_rows]
-            loads.extend(PageLoad(gpu_block, host_row) for gpu_block, host_row in zip(gpu_blocks, pages))
+            loads.extend(PageLoad(gpu_block, host_row) for gpu_block, host_row in zip(gpu_blocks, pages, strict=False))
         self._filling.clear()  # admitted, then preempted before any step: its blocks are gone
         return tuple(loads)
 
@@ -346,10 +380,17 @@ class HiSparseConnector(KVConnector):
             self.planner.acknowledge(rank, copies)
         for name, copy in list(self._planned.items()):
             pages = self.planner.pages.get(copy.request_id)
-            if pages is None or copy.page >= len(pages) or pages[copy.page].host_row != copy.host_row or not pages[copy.page].pending:
+            if (
+                pages is None
+                or copy.page >= len(pages)
+                or pages[copy.page].host_row != copy.host_row
+                or not pages[copy.page].pending
+            ):
                 del self._planned[name]  # acknowledged by every rank, or its request is gone
 
-    def request_finished(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Its pages leave the planner; the host rows of its contiguous durable prefix stay in the host prefix cache,
         by the engine's chained hash of each prompt block (bookkeeping only: see :mod:`weft_hisparse.pages`)."""
         if self.planner is not None:
@@ -369,7 +410,9 @@ class HiSparseConnector(KVConnector):
             block_axis(group, layer_name, cache)  # block first, or a ValueError naming the layout expected
             self.layers[layer_name] = cache
             self.host[layer_name] = torch.zeros(
-                (self.options.host_pages, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin,
+                (self.options.host_pages, *cache.shape[1:]),
+                dtype=cache.dtype,
+                pin_memory=pin,
             )
 
     def bind_connector_metadata(self, metadata: HiSparseStep | None) -> None:
@@ -425,7 +468,9 @@ class HiSparseConnector(KVConnector):
     def sparse_entry_reader(self) -> SparseEntryReader:
         return self
 
-    def read(self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def read(
+        self, layer_name: str, request_ids: Sequence[str], selected: torch.Tensor, entries: torch.Tensor
+    ) -> torch.Tensor:
         """Replace the selected entries of host pages with their hot-buffer rows, copying in from the host only
         the ones missing (LRU per request). The resolver's bookkeeping is host-side; the bytes move in one
         gather from the host pool, one copy to the device and one scatter per layer and step."""
@@ -439,7 +484,11 @@ class HiSparseConnector(KVConnector):
             host_pages = self._host_pages.get(request_id)
             if not host_pages:
                 continue
-            columns = [column for column, entry in enumerate(selected_rows[row]) if entry >= 0 and entry // per_page in host_pages]
+            columns = [
+                column
+                for column, entry in enumerate(selected_rows[row])
+                if entry >= 0 and entry // per_page in host_pages
+            ]
             if not columns:
                 continue
             buffer, base = self._hot_buffer(request_id, layer_name, per_page)
@@ -451,9 +500,11 @@ class HiSparseConnector(KVConnector):
                     f"least {-(-selected.shape[-1] // per_page)} (the model's top-k in blocks of {per_page} entries)"
                 )
             # The resolver at entry granularity: each selected entry is a "page" of one host row.
-            located = {entry: Page(gpu_block=None, host_row=host_pages[entry // per_page] * per_page + entry % per_page)
-                       for entry in wanted}
-            for column, location in zip(columns, buffer.resolve(located, wanted)):
+            located = {
+                entry: Page(gpu_block=None, host_row=host_pages[entry // per_page] * per_page + entry % per_page)
+                for entry in wanted
+            }
+            for column, location in zip(columns, buffer.resolve(located, wanted), strict=False):
                 hot_row = base + (location.hot_row if location.kind == "host" else location.index)
                 if location.kind == "host":
                     copy_from.append(location.index)
@@ -466,7 +517,9 @@ class HiSparseConnector(KVConnector):
         hot = self._hot_pool(layer_name, entries)
         if copy_from:
             host = self.host[layer_name].view(-1, entries.shape[-1])
-            hot[torch.tensor(copy_to, device=hot.device)] = host[torch.tensor(copy_from)].to(hot.device, non_blocking=True)
+            hot[torch.tensor(copy_to, device=hot.device)] = host[torch.tensor(copy_from)].to(
+                hot.device, non_blocking=True
+            )
             self._observe("host_entries_read_total", len(copy_from))
         if hot_hits:
             self._observe("hot_entries_read_total", hot_hits)
@@ -484,11 +537,19 @@ class HiSparseConnector(KVConnector):
         pages = self.groups[self.group].spec.blocks_for_tokens(max_model_len)
         per_page = next(iter(self.layers.values())).shape[1]
         slices = min(self.options.graph_hot_requests, rows)
-        self._graph = GraphReader(self.layers, self.host, self.options.hot_buffer_blocks * per_page, rows, pages, slices)
-        logger.info("decode graphs' hot buffer (%d requests x %d entries x %d layers) and page table "
-                    "(%d rows): %.1f MiB on the device, outside the KV-cache budget; final select in %s",
-                    slices, self.options.hot_buffer_blocks * per_page, len(self.layers), rows,
-                    self._graph.device_bytes / (1 << 20), "Triton" if self._graph.kernel is not None else "torch ops")
+        self._graph = GraphReader(
+            self.layers, self.host, self.options.hot_buffer_blocks * per_page, rows, pages, slices
+        )
+        logger.info(
+            "decode graphs' hot buffer (%d requests x %d entries x %d layers) and page table "
+            "(%d rows): %.1f MiB on the device, outside the KV-cache budget; final select in %s",
+            slices,
+            self.options.hot_buffer_blocks * per_page,
+            len(self.layers),
+            rows,
+            self._graph.device_bytes / (1 << 20),
+            "Triton" if self._graph.kernel is not None else "torch ops",
+        )
         self._observe("graph_buffer_bytes_total", self._graph.device_bytes)
 
     def prepare_rows(self, request_ids: Sequence[str], rows: int) -> None:

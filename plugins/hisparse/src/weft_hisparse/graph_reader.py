@@ -61,8 +61,15 @@ class GraphReader:
     layer in the hot buffer; ``slices``: requests holding a slice at once (at most ``rows``).
     """
 
-    def __init__(self, caches: Mapping[str, torch.Tensor], host: Mapping[str, torch.Tensor], hot_entries: int,
-                 rows: int, pages: int, slices: int) -> None:
+    def __init__(
+        self,
+        caches: Mapping[str, torch.Tensor],
+        host: Mapping[str, torch.Tensor],
+        hot_entries: int,
+        rows: int,
+        pages: int,
+        slices: int,
+    ) -> None:
         cache = next(iter(caches.values()))
         device, width = cache.device, cache.shape[-1]
         self.per_page = cache.shape[1]
@@ -141,22 +148,44 @@ class GraphReader:
         self.used[layer].index_copy_(0, slices, pad(used, (0, 1)).scatter(1, into, now)[:, :width])
         self.counts += torch.stack((hit.sum(), miss.sum()))
         first = slices[:, None] * width
-        return self._select(layer, entries, torch.where(hit, first + column, -1), torch.where(miss, wanted, -1),
-                            torch.where(kept, first + victim, -1))
+        return self._select(
+            layer,
+            entries,
+            torch.where(hit, first + column, -1),
+            torch.where(miss, wanted, -1),
+            torch.where(kept, first + victim, -1),
+        )
 
-    def _select(self, layer: int, entries: torch.Tensor, hot_rows: torch.Tensor, host_rows: torch.Tensor,
-                keep_rows: torch.Tensor) -> torch.Tensor:
+    def _select(
+        self,
+        layer: int,
+        entries: torch.Tensor,
+        hot_rows: torch.Tensor,
+        host_rows: torch.Tensor,
+        keep_rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Each pick from hot-buffer row ``hot_rows``, else host-pool row ``host_rows`` (also written to hot-buffer
         row ``keep_rows``), else ``entries`` (-1: none). The kernel loads from the host only the rows asked for."""
         hot, pool = self.hot[layer], self.pools[layer]
         if self.kernel is not None:
             entries = entries.contiguous()
-            self.kernel(dtype=entries.dtype, width=entries.shape[-1], entries=entries, hot=hot, pool=pool,
-                        hot_rows=hot_rows, host_rows=host_rows, keep_rows=keep_rows)
+            self.kernel(
+                dtype=entries.dtype,
+                width=entries.shape[-1],
+                entries=entries,
+                hot=hot,
+                pool=pool,
+                hot_rows=hot_rows,
+                host_rows=host_rows,
+                keep_rows=keep_rows,
+            )
             return entries
         from_host = pool[host_rows.clamp(min=0)]
-        read = torch.where((hot_rows >= 0)[..., None], hot[hot_rows.clamp(min=0)],
-                           torch.where((host_rows >= 0)[..., None], from_host, entries))
+        read = torch.where(
+            (hot_rows >= 0)[..., None],
+            hot[hot_rows.clamp(min=0)],
+            torch.where((host_rows >= 0)[..., None], from_host, entries),
+        )
         discard = hot.shape[0] - 1
         hot.index_copy_(0, torch.where(keep_rows >= 0, keep_rows, discard).flatten(), from_host.flatten(0, 1))
         return read
@@ -224,7 +253,11 @@ def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise ValueError(f"weft-hisparse: the host pool must be pinned to be read from {device}")
 
     class Mapped:  # what torch.as_tensor reads a foreign device pointer from
-        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
-                                    "data": (host.data_ptr(), False), "version": 3}
+        __cuda_array_interface__ = {
+            "shape": (host.numel() * host.element_size(),),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+        }
 
     return torch.as_tensor(Mapped(), device=device).view(host.dtype).view(host.shape)

@@ -68,7 +68,9 @@ class SpillPlan(msgspec.Struct, frozen=True):
 class PagePlanner:
     """Page states of every request, spill planning and the host pool's rows."""
 
-    def __init__(self, num_blocks: int, hot_buffer_blocks: int, host_rows: int, workers: int, keep_tail: int = 2) -> None:
+    def __init__(
+        self, num_blocks: int, hot_buffer_blocks: int, host_rows: int, workers: int, keep_tail: int = 2
+    ) -> None:
         if host_rows < 1 or workers < 1:
             raise ValueError(f"HiSparse needs host rows and workers; got host_rows={host_rows}, workers={workers}")
         self.transition_watermark = max(hot_buffer_blocks, num_blocks // 10)
@@ -99,7 +101,12 @@ class PagePlanner:
         while self._unplanned:
             request_id, index = self._unplanned[0]
             pages = self.pages.get(request_id)
-            if pages is None or index >= len(pages) or pages[index].state is not PageState.DIRTY or pages[index].pending:
+            if (
+                pages is None
+                or index >= len(pages)
+                or pages[index].state is not PageState.DIRTY
+                or pages[index].pending
+            ):
                 self._unplanned.popleft()
                 continue  # released, or planned already
             if not self.free_host_rows and self.host_prefix:

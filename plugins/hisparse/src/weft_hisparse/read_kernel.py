@@ -25,8 +25,9 @@ from weft.api import CompileKey, Kernel
 
 
 @triton.jit
-def _read_host_entries_kernel(entries, hot, pool, hot_rows, host_rows, keep_rows, WIDTH: tl.constexpr,
-                              BLOCK: tl.constexpr):
+def _read_host_entries_kernel(
+    entries, hot, pool, hot_rows, host_rows, keep_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr
+):
     """One program per pick: ``hot_rows`` >= 0 reads that hot-buffer row, else ``host_rows`` >= 0 that host-pool row
     (and writes it to hot-buffer row ``keep_rows`` where >= 0); a pick with neither keeps its entry."""
     pick = tl.program_id(0).to(tl.int64)
@@ -63,16 +64,34 @@ class ReadHostEntriesKernel(Kernel):
             return key  # interpreted: nothing to compile
         dtype = getattr(torch, key.dtype)
         return _read_host_entries_kernel.warmup(
-            dtype, dtype, dtype, torch.int64, torch.int64, torch.int64, grid=(1,), **self._constants(key.width),
+            dtype,
+            dtype,
+            dtype,
+            torch.int64,
+            torch.int64,
+            torch.int64,
+            grid=(1,),
+            **self._constants(key.width),
         )
 
     @staticmethod
     def _constants(width: int) -> dict[str, int]:
         return dict(WIDTH=width, BLOCK=triton.next_power_of_2(width))
 
-    def launch(self, compiled: Any, *, entries: torch.Tensor, hot: torch.Tensor, pool: torch.Tensor,
-               hot_rows: torch.Tensor, host_rows: torch.Tensor, keep_rows: torch.Tensor, **_: Any) -> None:
+    def launch(
+        self,
+        compiled: Any,
+        *,
+        entries: torch.Tensor,
+        hot: torch.Tensor,
+        pool: torch.Tensor,
+        hot_rows: torch.Tensor,
+        host_rows: torch.Tensor,
+        keep_rows: torch.Tensor,
+        **_: Any,
+    ) -> None:
         picks = hot_rows.numel()
         if picks:
-            _read_host_entries_kernel[(picks,)](entries, hot, pool, hot_rows, host_rows, keep_rows,
-                                                **self._constants(entries.shape[-1]))
+            _read_host_entries_kernel[(picks,)](
+                entries, hot, pool, hot_rows, host_rows, keep_rows, **self._constants(entries.shape[-1])
+            )

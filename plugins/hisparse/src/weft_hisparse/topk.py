@@ -27,7 +27,9 @@ def per_step_slots(
     by_step = torch.full((steps, requests, k), -1, dtype=torch.long, device=logical.device)
     token_order = by_step.permute(1, 0, 2)  # [requests, steps, k], a strided view of the same storage
     entries = logical.view(requests, steps, k).long()
-    blocks = block_table.long().gather(1, (entries.clamp(min=0) // entries_per_block).view(requests, -1)).view_as(entries)
+    blocks = (
+        block_table.long().gather(1, (entries.clamp(min=0) // entries_per_block).view(requests, -1)).view_as(entries)
+    )
     slots = blocks * entries_per_block + entries.clamp(min=0) % entries_per_block
     token_order.copy_(torch.where(entries >= 0, slots, -1))
     slots_in_token_order = token_order.reshape(requests * steps, k)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
+
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
 MAX_SLICES_PER_CALL = 1024
@@ -102,8 +103,12 @@ def group_layers(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) ->
 class HostBlocks:
     """A host-memory cache: objects move straight between the registered cache tensors and the store."""
 
-    def __init__(self, layers: dict[int, GroupLayers], register: Callable[[int, int], None],
-                 parts: dict[int, list[range]] | None = None) -> None:
+    def __init__(
+        self,
+        layers: dict[int, GroupLayers],
+        register: Callable[[int, int], None],
+        parts: dict[int, list[range]] | None = None,
+    ) -> None:
         """``parts``: per group, the runs of its layers one object each holds (default: one run of all)."""
         self._parts = parts or whole_groups(layers)
         self._layouts: dict[int, list[tuple[tuple[int, ...], int]]] = {}
@@ -157,7 +162,10 @@ class DeviceBlocks:
     """A CUDA device cache, moved through a pinned host staging buffer with copies on side streams."""
 
     def __init__(
-        self, layers: dict[int, GroupLayers], staging_bytes: int, register: Callable[[int, int], None],
+        self,
+        layers: dict[int, GroupLayers],
+        staging_bytes: int,
+        register: Callable[[int, int], None],
         parts: dict[int, list[range]] | None = None,
     ) -> None:
         """``parts``: as :class:`HostBlocks`'."""

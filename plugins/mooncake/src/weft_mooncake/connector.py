@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
+
 from weft.contracts.kv_connector import (
     ConnectorContext,
     ConnectorMetric,
@@ -65,12 +66,12 @@ from weft.contracts.kv_connector import (
     KVConnector,
     connector_block_size,
 )
-
 from weft_mooncake.blocks import Batch, DeviceBlocks, HostBlocks, group_layers, layer_parts
 from weft_mooncake.store import StoreClient
 
 if TYPE_CHECKING:
     import torch
+
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
 logger = logging.getLogger("weft.mooncake")
@@ -85,35 +86,52 @@ class MooncakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         str, Meta(pattern=r"^[^:\s]+:[0-9]{1,5}$", description="host:port of mooncake_master's RPC service")
     ] = "127.0.0.1:50051"
     metadata_server: Annotated[
-        str, Meta(min_length=1, description="transfer-engine metadata service, e.g. http://host:port/metadata (the master's "
-                              "--enable_http_metadata_server), an etcd host:port, or P2PHANDSHAKE")
+        str,
+        Meta(
+            min_length=1,
+            description="transfer-engine metadata service, e.g. http://host:port/metadata (the master's "
+            "--enable_http_metadata_server), an etcd host:port, or P2PHANDSHAKE",
+        ),
     ] = "http://127.0.0.1:8080/metadata"
     global_segment_size: Annotated[
-        int, Meta(ge=0, description="bytes of this engine's memory contributed to the store; 0 = contribute none "
-                                    "(objects then live on storage nodes and outlive the engine)")
+        int,
+        Meta(
+            ge=0,
+            description="bytes of this engine's memory contributed to the store; 0 = contribute none "
+            "(objects then live on storage nodes and outlive the engine)",
+        ),
     ] = 0
     local_buffer_size: Annotated[int, Meta(ge=0, description="bytes of Mooncake's local transfer buffer")] = 16 << 20
     protocol: Annotated[Literal["tcp", "rdma"], Meta(description="transfer protocol")] = "tcp"
     device_name: Annotated[str, Meta(description="RDMA devices for protocol rdma, e.g. mlx5_0")] = ""
-    local_hostname: Annotated[str, Meta(description="address other Mooncake nodes reach this engine at")] = (
-        "127.0.0.1"
-    )
+    local_hostname: Annotated[str, Meta(description="address other Mooncake nodes reach this engine at")] = "127.0.0.1"
     role: Annotated[
         Literal["both", "producer", "consumer"],
         Meta(description="both: save and load; producer: only save; consumer: only load, never save"),
     ] = "both"
     load_async: Annotated[
-        bool, Meta(description="load a hit in the background while other requests step (the request waits outside "
-                               "the batch); false: load it before the forward of the step it is admitted for")
+        bool,
+        Meta(
+            description="load a hit in the background while other requests step (the request waits outside "
+            "the batch); false: load it before the forward of the step it is admitted for"
+        ),
     ] = True
     staging_buffer_size: Annotated[
-        int, Meta(ge=1 << 20, description="bytes of pinned host memory (and as much device memory) that device KV "
-                                          "caches move through, half for loads and half for saves")
+        int,
+        Meta(
+            ge=1 << 20,
+            description="bytes of pinned host memory (and as much device memory) that device KV "
+            "caches move through, half for loads and half for saves",
+        ),
     ] = 256 << 20
     layers_per_object: Annotated[
-        int, Meta(ge=0, description="layers of a group one stored object holds: 0 = all of them (fewest objects); n: "
-                                    "a synchronous load lands n layers at a time, so the first layers compute while "
-                                    "later ones arrive")
+        int,
+        Meta(
+            ge=0,
+            description="layers of a group one stored object holds: 0 = all of them (fewest objects); n: "
+            "a synchronous load lands n layers at a time, so the first layers compute while "
+            "later ones arrive",
+        ),
     ] = 0
 
     def __post_init__(self) -> None:
@@ -179,8 +197,12 @@ class MooncakeStoreConnector(KVConnector):
     metadata_type: ClassVar[Any] = MooncakeStepMetadata
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
         ConnectorMetric("loaded_bytes_total", "Bytes of KV blocks loaded from the Mooncake store"),
-        ConnectorMetric("load_seconds", "Seconds one request's load from the Mooncake store took, copies included",
-                        "histogram", _LOAD_SECONDS_BUCKETS),
+        ConnectorMetric(
+            "load_seconds",
+            "Seconds one request's load from the Mooncake store took, copies included",
+            "histogram",
+            _LOAD_SECONDS_BUCKETS,
+        ),
         ConnectorMetric("saved_bytes_total", "Bytes of KV blocks saved to the Mooncake store"),
         ConnectorMetric("dropped_saves_total", "Objects not saved: the store was unavailable or refused them"),
     )
@@ -210,7 +232,9 @@ class MooncakeStoreConnector(KVConnector):
             logger.info(
                 "weft-mooncake loads synchronously under tensor or pipeline parallelism (%d x %d ranks): the engine "
                 "recomputes a request as soon as one rank reports its load failed, while an asynchronous load of "
-                "another rank could still be writing into its blocks", context.tp_size, context.pp_size,
+                "another rank could still be writing into its blocks",
+                context.tp_size,
+                context.pp_size,
             )
         prefix = (
             f"weft/{context.model}/{{dtype}}/tp{context.tp_rank}of{context.tp_size}/"
@@ -282,8 +306,9 @@ class MooncakeStoreConnector(KVConnector):
         run = f"{part}/" if self.options.layers_per_object else ""
         return f"{self._key_prefixes[group]}{run}{block_hash.hex()}"
 
-    def _objects(self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], first: int, end: int
-                 ) -> tuple[BlockTransfer, ...]:
+    def _objects(
+        self, request: ConnectorRequest, block_ids: tuple[tuple[int, ...], ...], first: int, end: int
+    ) -> tuple[BlockTransfer, ...]:
         """The objects of prefix blocks ``first:end``: every block's first run of layers, then the next run."""
         objects = []
         for part in range(max(len(self._parts[group]) for group in self.stored_groups)):
@@ -299,7 +324,9 @@ class MooncakeStoreConnector(KVConnector):
 
     # Scheduler role.
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if not self.loads or self.block_size is None:
             return 0, False
         usable = min(len(request.block_hashes), (len(request.prompt_token_ids) - 1) // self.block_size)
@@ -316,8 +343,12 @@ class MooncakeStoreConnector(KVConnector):
         """Leading blocks whose objects of every stored group exist in the store."""
         if not hashes:
             return 0
-        keys = [self.key(group, block_hash, part) for block_hash in hashes for group in self.stored_groups
-                for part in range(len(self._parts[group]))]
+        keys = [
+            self.key(group, block_hash, part)
+            for block_hash in hashes
+            for group in self.stored_groups
+            for part in range(len(self._parts[group]))
+        ]
         found = self.client.call("lookup", self.client.store.batch_is_exist, keys)
         if found is None:
             return 0
@@ -356,7 +387,9 @@ class MooncakeStoreConnector(KVConnector):
                 tracked.load_from = tracked.load_to = 0
             if not self.saves:
                 continue
-            computed = min(scheduled.num_computed_tokens + scheduled.num_new_tokens, len(tracked.request.prompt_token_ids))
+            computed = min(
+                scheduled.num_computed_tokens + scheduled.num_new_tokens, len(tracked.request.prompt_token_ids)
+            )
             full = min(computed // self.block_size, len(tracked.request.block_hashes))
             if full > tracked.stored:
                 objects = self._objects(tracked.request, tracked.block_ids, tracked.stored, full)
@@ -364,8 +397,12 @@ class MooncakeStoreConnector(KVConnector):
                 tracked.stored = full
                 tracked.saved_any = True
         metadata = MooncakeStepMetadata(
-            loads=tuple(loads), receives=tuple(self._receives), saves=tuple(saves), preempted=step.preempted,
-            ended=tuple(self._ended), settled=tuple(self._settled),
+            loads=tuple(loads),
+            receives=tuple(self._receives),
+            saves=tuple(saves),
+            preempted=step.preempted,
+            ended=tuple(self._ended),
+            settled=tuple(self._settled),
         )
         self._receives, self._ended, self._settled = [], [], []
         return metadata
@@ -420,7 +457,9 @@ class MooncakeStoreConnector(KVConnector):
     def _register(self, address: int, size: int) -> None:
         status = self.client.store.register_buffer(address, size)
         if status != 0:
-            raise RuntimeError(f"weft-mooncake: registering {size} bytes at {address:#x} with Mooncake failed ({status})")
+            raise RuntimeError(
+                f"weft-mooncake: registering {size} bytes at {address:#x} with Mooncake failed ({status})"
+            )
 
     def bind_connector_metadata(self, metadata: MooncakeStepMetadata) -> None:
         self._metadata = metadata
@@ -451,9 +490,14 @@ class MooncakeStoreConnector(KVConnector):
         queued = self.blocks.forward_done()
         for transfer in metadata.receives:
             self._receiving[transfer.request_id] = self._loader.submit(self._load, transfer, queued)
-        if metadata.loads:  # synchronous: landed run by run while the forward runs (on the loader, which owns the staging)
-            self._landed = {(group, part): threading.Event() for group in self.stored_groups
-                            for part in range(len(self._parts[group]))}
+        if (
+            metadata.loads
+        ):  # synchronous: landed run by run while the forward runs (on the loader, which owns the staging)
+            self._landed = {
+                (group, part): threading.Event()
+                for group in self.stored_groups
+                for part in range(len(self._parts[group]))
+            }
             self._step_load = self._loader.submit(self._load_in_runs, metadata.loads, self._landed, queued)
             self._step_load_requests = {transfer.request_id for transfer in metadata.loads}
 
@@ -467,8 +511,9 @@ class MooncakeStoreConnector(KVConnector):
         self._observe("load_seconds", time.perf_counter() - started)
         return True
 
-    def _load_in_runs(self, transfers: Sequence[RequestTransfer], landed: dict[tuple[int, int], threading.Event],
-                      queued: Any) -> set[str]:
+    def _load_in_runs(
+        self, transfers: Sequence[RequestTransfer], landed: dict[tuple[int, int], threading.Event], queued: Any
+    ) -> set[str]:
         """A step's synchronous loads: every request's first run of layers, then the next, each run's event set
         once it landed for all of them (set at the end whatever happened); returns the requests that failed."""
         failed: set[str] = set()
@@ -488,7 +533,7 @@ class MooncakeStoreConnector(KVConnector):
                         failed.add(transfer.request_id)
                     else:
                         loaded[transfer.request_id] += moved
-                for (group, of_part), event in landed.items():
+                for (_group, of_part), event in landed.items():
                     if of_part == part:
                         event.set()
         finally:
@@ -508,7 +553,9 @@ class MooncakeStoreConnector(KVConnector):
             for batch in self.blocks.batches(objects, "load"):
                 keys = self._keys(batch)
                 store = self.client.store
-                results = self.client.call("load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes)
+                results = self.client.call(
+                    "load", store.batch_get_into_multi_buffers, keys, batch.addresses, batch.sizes
+                )
                 if results is None or any(got != sum(want) for got, want in zip(results, batch.sizes, strict=True)):
                     return None
                 self.blocks.unstage_loaded(batch, queued)
@@ -566,7 +613,9 @@ class MooncakeStoreConnector(KVConnector):
                 self.blocks.stage_for_save(batch, forward_done)
                 store = self.client.store
                 keys = self._keys(batch)
-                results = self.client.call("save", store.batch_put_from_multi_buffers, keys, batch.addresses, batch.sizes)
+                results = self.client.call(
+                    "save", store.batch_put_from_multi_buffers, keys, batch.addresses, batch.sizes
+                )
             except Exception:  # a save is best effort: never let it fail the engine
                 logger.exception("weft-mooncake: saving %d objects failed", len(batch.objects))
                 results = None
@@ -575,7 +624,9 @@ class MooncakeStoreConnector(KVConnector):
             self._observe("saved_bytes_total", saved)
             if refused:
                 self._dropped(refused)
-                logger.debug("weft-mooncake: %d of %d objects were not saved (%s)", refused, len(batch.objects), results)
+                logger.debug(
+                    "weft-mooncake: %d of %d objects were not saved (%s)", refused, len(batch.objects), results
+                )
 
     def _keys(self, batch: Batch) -> list[str]:
         return [self.key(batch.group, stored.block_hash, batch.part) for stored in batch.objects]
@@ -613,7 +664,9 @@ class MooncakeStoreConnector(KVConnector):
         with self._observations_lock:
             observations, self._observations = self._observations, {}
         return ConnectorOutput(
-            finished_sending=frozenset(sent), finished_receiving=frozenset(arrived), failed_loads=frozenset(failed),
+            finished_sending=frozenset(sent),
+            finished_receiving=frozenset(arrived),
+            failed_loads=frozenset(failed),
             observations=observations,
         )
 

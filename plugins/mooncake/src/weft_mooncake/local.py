@@ -71,22 +71,33 @@ class LocalMooncake:
     def options(self, **overrides: Any) -> dict[str, Any]:
         """The ``[plugins.mooncake]`` table of an engine that uses this store and contributes no memory."""
         return {
-            "master_server_address": self.master_server_address, "metadata_server": self.metadata_server,
-            "global_segment_size": 0, "protocol": "tcp", **overrides,
+            "master_server_address": self.master_server_address,
+            "metadata_server": self.metadata_server,
+            "global_segment_size": 0,
+            "protocol": "tcp",
+            **overrides,
         }
 
     def master_command(self) -> list[str]:
         return [
-            mooncake_binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.metadata_port}", f"--metrics_port={self.metrics_port}",
+            mooncake_binary("mooncake_master"),
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.metadata_port}",
+            f"--metrics_port={self.metrics_port}",
         ]
 
     def storage_command(self) -> list[str]:
         return [
-            mooncake_binary("mooncake_client"), f"--global_segment_size={self.segment_size}",
-            f"--master_server_address={self.master_server_address}", f"--metadata_server={self.metadata_server}",
-            "--host=127.0.0.1", f"--port={self.storage_port}", "--protocol=tcp",
+            mooncake_binary("mooncake_client"),
+            f"--global_segment_size={self.segment_size}",
+            f"--master_server_address={self.master_server_address}",
+            f"--metadata_server={self.metadata_server}",
+            "--host=127.0.0.1",
+            f"--port={self.storage_port}",
+            "--protocol=tcp",
         ]
 
     def start(self, timeout: float = 60.0) -> LocalMooncake:

@@ -66,7 +66,12 @@ class StoreClient:
             ) from None
         self.store = store_class()
         status = self.store.setup(
-            local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name,
+            local_hostname,
+            metadata_server,
+            global_segment_size,
+            local_buffer_size,
+            protocol,
+            device_name,
             master_server_address,
         )
         if status != 0:
@@ -103,7 +108,9 @@ class StoreClient:
             logger.warning(
                 "weft-mooncake: the Mooncake master at %s is unreachable (%s failed with RPC_FAIL); "
                 "requests go on without the store, and it is probed every %.1f s",
-                self.master_server_address, operation, self.probe_interval,
+                self.master_server_address,
+                operation,
+                self.probe_interval,
             )
             self._prober = threading.Thread(target=self._probe, name="weft-mooncake-probe", daemon=True)
             self._prober.start()
@@ -117,7 +124,9 @@ class StoreClient:
             if result and result[0] >= 0:
                 with self._lock:
                     self._available = True
-                logger.warning("weft-mooncake: the Mooncake master at %s is reachable again", self.master_server_address)
+                logger.warning(
+                    "weft-mooncake: the Mooncake master at %s is reachable again", self.master_server_address
+                )
                 return
 
     def close(self) -> None:

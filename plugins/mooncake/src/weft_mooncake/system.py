@@ -37,7 +37,9 @@ def install_hint(packages: list[str]) -> str:
     if not packages:
         return "install the system package that provides it (debian-packages.txt does not list it: add it there)"
     names = " ".join(packages)
-    return f"install the Debian packages {names} (as root: apt-get install {names}; bash scripts/install.sh --all does it)"
+    return (
+        f"install the Debian packages {names} (as root: apt-get install {names}; bash scripts/install.sh --all does it)"
+    )
 
 
 def explain_import_error(error: ImportError) -> str:
@@ -62,10 +64,14 @@ def missing_library_problem() -> str | None:
         import_store_class()
     except ImportError as error:
         cause = error.__cause__
-        if _is_missing_library(cause) or (isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("mooncake")):
+        if _is_missing_library(cause) or (
+            isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("mooncake")
+        ):
             return str(error)  # a library, or Mooncake's own package (weft-mooncake[cpu] or [cuda]) not installed
         raise
-    master = subprocess.run([mooncake_binary("mooncake_master"), "--version"], capture_output=True, text=True, timeout=60)
+    master = subprocess.run(
+        [mooncake_binary("mooncake_master"), "--version"], capture_output=True, text=True, timeout=60
+    )
     if LOADER_ERROR in master.stderr:
         return f"{master.stderr.strip()}: {install_hint(missing_packages())}"
     return None

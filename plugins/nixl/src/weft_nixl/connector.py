@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 from msgspec import Meta
+
 from weft.contracts.kv_cache import transferable_groups
 from weft.contracts.kv_connector import (
     ConnectorContext,
@@ -56,8 +57,8 @@ from weft.contracts.kv_connector import (
 
 if TYPE_CHECKING:
     import torch
-    from weft.contracts.kv_cache import KVCacheGroupSpec
 
+    from weft.contracts.kv_cache import KVCacheGroupSpec
     from weft_nixl.side_channel import ConsumerChannel, ProducerChannel
     from weft_nixl.transfer import KVAgent
 
@@ -72,20 +73,24 @@ class NixlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     role: Annotated[
         Literal["kv_producer", "kv_consumer", "kv_both"],
-        Meta(description="kv_producer: a prefill instance (pushes KV); kv_consumer: a decode instance (receives); kv_both"),
+        Meta(
+            description="kv_producer: a prefill instance (pushes KV); kv_consumer: a decode instance (receives); kv_both"
+        ),
     ] = "kv_both"
     side_channel_host: Annotated[
         str, Meta(min_length=1, description="address a producer listens on and decode instances reach it at")
     ] = "127.0.0.1"
     side_channel_port: Annotated[
-        int, Meta(ge=1, le=65535, description="a producer's side-channel port for TP rank 0 (rank r listens on port + r)")
+        int,
+        Meta(ge=1, le=65535, description="a producer's side-channel port for TP rank 0 (rank r listens on port + r)"),
     ] = 5600
     backends: Annotated[tuple[str, ...], Meta(min_length=1, description="NIXL backends, e.g. ['UCX']")] = ("UCX",)
     transfer_timeout: Annotated[
         float, Meta(gt=0, description="seconds a decode request waits for its KV before computing the prompt itself")
     ] = 60.0
     lease_timeout: Annotated[
-        float, Meta(gt=0, description="seconds a prefill instance keeps a finished prefill's blocks for a decode instance")
+        float,
+        Meta(gt=0, description="seconds a prefill instance keeps a finished prefill's blocks for a decode instance"),
     ] = 60.0
     fault_injection: Annotated[
         bool, Meta(description="honour kv_transfer_params.inject_failure on the prefill leg (tests and drills)")
@@ -194,14 +199,17 @@ class NixlConnector(KVConnector):
     metrics: ClassVar[tuple[ConnectorMetric, ...]] = (
         ConnectorMetric("send_started_total", "KV writes a prefill instance posted to decode instances"),
         ConnectorMetric("send_bytes_total", "Bytes of KV a prefill instance wrote to decode instances"),
-        ConnectorMetric("send_failures_total", "Prefilled requests whose KV was not written (failed, refused, "
-                                               "expired lease, injected fault)"),
+        ConnectorMetric(
+            "send_failures_total",
+            "Prefilled requests whose KV was not written (failed, refused, expired lease, injected fault)",
+        ),
         ConnectorMetric("send_seconds", "From posting a KV write to its completion", "histogram", _LATENCY_BUCKETS),
         ConnectorMetric("receive_started_total", "Requests a decode instance registered blocks for"),
         ConnectorMetric("receive_bytes_total", "Bytes of KV a decode instance received"),
         ConnectorMetric("receive_failures_total", "Requests whose KV did not arrive (the prompt was computed instead)"),
-        ConnectorMetric("receive_seconds", "From registering a request's blocks to its KV's arrival", "histogram",
-                        _LATENCY_BUCKETS),
+        ConnectorMetric(
+            "receive_seconds", "From registering a request's blocks to its KV's arrival", "histogram", _LATENCY_BUCKETS
+        ),
     )
 
     def __init__(
@@ -242,7 +250,9 @@ class NixlConnector(KVConnector):
 
     # Scheduler role.
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if not self.consumes or not request.params.get("do_remote_prefill") or request.request_id in self._consumed:
             return 0, False
         if _remote_address(request) is None:
@@ -262,17 +272,28 @@ class NixlConnector(KVConnector):
             self._consuming[request.request_id] = transfer
             local = len(request.prompt_token_ids) - 1 - num_external_tokens
             first = tuple(local // self.groups[index].spec.block_size for index in self.transferable)
-            self._receives.append(Receive(
-                request.request_id, transfer.transfer_id, address, first,
-                tuple(block_ids[index][start:] for index, start in zip(self.transferable, first)),
-            ))
-        elif (self.consumes and params.get("do_remote_prefill") and request.request_id not in self._consumed
-              and (address := _remote_address(request)) is not None):
+            self._receives.append(
+                Receive(
+                    request.request_id,
+                    transfer.transfer_id,
+                    address,
+                    first,
+                    tuple(block_ids[index][start:] for index, start in zip(self.transferable, first, strict=False)),
+                )
+            )
+        elif (
+            self.consumes
+            and params.get("do_remote_prefill")
+            and request.request_id not in self._consumed
+            and (address := _remote_address(request)) is not None
+        ):
             self._consumed.add(request.request_id)
             self._declined.append((str(params["transfer_id"]), address))
         elif self.produces and params.get("do_remote_decode") and isinstance(params.get("transfer_id"), str):
             inject = bool(params.get("inject_failure")) and self.options.fault_injection
-            self._producing[request.request_id] = _Produced(params["transfer_id"], len(request.prompt_token_ids), inject)
+            self._producing[request.request_id] = _Produced(
+                params["transfer_id"], len(request.prompt_token_ids), inject
+            )
 
     def build_connector_meta(self, step: ConnectorStep) -> NixlStepMetadata:
         sends = []
@@ -282,17 +303,25 @@ class NixlConnector(KVConnector):
                 continue
             if scheduled.num_computed_tokens + scheduled.num_new_tokens >= produced.num_prompt_tokens:
                 produced.sent = True
-                sends.append(Send(
-                    scheduled.request_id, produced.transfer_id,
-                    tuple(scheduled.block_ids[index] for index in self.transferable), produced.inject_failure,
-                ))
+                sends.append(
+                    Send(
+                        scheduled.request_id,
+                        produced.transfer_id,
+                        tuple(scheduled.block_ids[index] for index in self.transferable),
+                        produced.inject_failure,
+                    )
+                )
         for request_id in step.preempted:
             produced = self._producing.get(request_id)
             if produced is not None:
                 produced.sent = False  # its prefill is computed again, and sent then
         metadata = NixlStepMetadata(
-            sends=tuple(sends), receives=tuple(self._receives), ended=tuple(self._ended),
-            abandoned=tuple(self._abandoned), declined=tuple(self._declined), preempted=step.preempted,
+            sends=tuple(sends),
+            receives=tuple(self._receives),
+            ended=tuple(self._ended),
+            abandoned=tuple(self._abandoned),
+            declined=tuple(self._declined),
+            preempted=step.preempted,
         )
         self._receives, self._ended, self._abandoned, self._declined = [], [], [], []
         return metadata
@@ -337,11 +366,20 @@ class NixlConnector(KVConnector):
         name = f"weft-nixl-{uuid.uuid4().hex[:12]}-tp{context.tp_rank}"
         self.agent = KVAgent(name, options.backends, self.groups, self.transferable, kv_caches)
         engine = EngineDescription(
-            model=context.model, tp_size=context.tp_size, tp_rank=context.tp_rank,
+            model=context.model,
+            tp_size=context.tp_size,
+            tp_rank=context.tp_rank,
             groups=tuple(
-                GroupDescription(group.name, type(group.spec).__name__, group.spec.block_size, group.spec.dtype,
-                                 regions[0].block_bytes)
-                for group, regions in zip((self.groups[index] for index in self.transferable), self.agent.regions)
+                GroupDescription(
+                    group.name,
+                    type(group.spec).__name__,
+                    group.spec.block_size,
+                    group.spec.dtype,
+                    regions[0].block_bytes,
+                )
+                for group, regions in zip(
+                    (self.groups[index] for index in self.transferable), self.agent.regions, strict=False
+                )
             ),
         )
         if self.produces:
@@ -409,13 +447,16 @@ class NixlConnector(KVConnector):
         sent = self._sent & self._awaiting
         self._sent -= sent
         in_flight = {ready.request_id for ready in self._ready.values()} | {
-            writing.request_id for writing in self._writing.values()}
+            writing.request_id for writing in self._writing.values()
+        }
         self._awaiting &= in_flight
         arrived, self._arrived = self._arrived, set()
         failed, self._failed = self._failed, set()
         observations, self._observations = self._observations, {}
         return ConnectorOutput(
-            finished_sending=frozenset(sent), finished_receiving=frozenset(arrived), failed_loads=frozenset(failed),
+            finished_sending=frozenset(sent),
+            finished_receiving=frozenset(arrived),
+            failed_loads=frozenset(failed),
             observations=observations,
         )
 
@@ -435,8 +476,10 @@ class NixlConnector(KVConnector):
             taken = channel.take(transfer_id)
             if taken is None:
                 if now - ready.since > self.options.lease_timeout:
-                    channel.end(transfer_id, f"no decode instance registered within lease_timeout "
-                                             f"({self.options.lease_timeout:g} s)")
+                    channel.end(
+                        transfer_id,
+                        f"no decode instance registered within lease_timeout ({self.options.lease_timeout:g} s)",
+                    )
                     self._send_over(ready.request_id, failed=True)
                 continue
             identity, registration, arrived = taken
@@ -466,7 +509,9 @@ class NixlConnector(KVConnector):
         del self._ready[transfer_id]
         peer = channel.peers[registration.agent_name]
         pairs = []
-        for local_blocks, first, remote_blocks in zip(ready.block_ids, registration.first_block, registration.block_ids):
+        for local_blocks, first, remote_blocks in zip(
+            ready.block_ids, registration.first_block, registration.block_ids, strict=False
+        ):
             count = max(0, min(len(remote_blocks), len(local_blocks) - first))
             pairs.append((local_blocks[first : first + count], np.asarray(remote_blocks[:count], dtype=np.uint64)))
         notification = NOTIFICATION_PREFIX + transfer_id.encode()
@@ -514,13 +559,18 @@ class NixlConnector(KVConnector):
         assert channel is not None and agent is not None
         num_bytes = sum(
             len(blocks) * sum(region.block_bytes for region in regions)
-            for blocks, regions in zip(receive.block_ids, agent.regions)
+            for blocks, regions in zip(receive.block_ids, agent.regions, strict=False)
         )
         timeout = self.options.transfer_timeout
         self._waiting[receive.transfer_id] = _Waiting(receive.request_id, receive.address, timeout, num_bytes)
         self._observe("receive_started_total")
-        registration = Register(receive.transfer_id, agent.name, list(receive.first_block),
-                                [list(blocks) for blocks in receive.block_ids], timeout)
+        registration = Register(
+            receive.transfer_id,
+            agent.name,
+            list(receive.first_block),
+            [list(blocks) for blocks in receive.block_ids],
+            timeout,
+        )
         refused = channel.register(_rank_address(receive.address, self.context.tp_rank), registration)
         if refused:
             self._receive_over(receive.transfer_id, arrived=False, reason=refused)
@@ -534,20 +584,24 @@ class NixlConnector(KVConnector):
             if isinstance(event, Notice):
                 self._receive_over(event.transfer_id, arrived=False, reason=event.reason)
                 continue
-            reason = {"gone": "the prefill instance's process went away",
-                      "unreachable": f"the prefill instance's side channel {address} refuses connections"
-                      }.get(event, f"the prefill instance {event}")
+            reason = {
+                "gone": "the prefill instance's process went away",
+                "unreachable": f"the prefill instance's side channel {address} refuses connections",
+            }.get(event, f"the prefill instance {event}")
             for transfer_id, waiting in list(self._waiting.items()):
                 if _rank_address(waiting.address, self.context.tp_rank) == address:
                     self._receive_over(transfer_id, arrived=False, reason=reason)
         for message in agent.notifications():
             if message.startswith(NOTIFICATION_PREFIX):
-                self._receive_over(message[len(NOTIFICATION_PREFIX):].decode(), arrived=True)
+                self._receive_over(message[len(NOTIFICATION_PREFIX) :].decode(), arrived=True)
         now = time.monotonic()
         for transfer_id, waiting in list(self._waiting.items()):
             if now > waiting.deadline:
-                self._receive_over(transfer_id, arrived=False,
-                                   reason=f"no KV within transfer_timeout ({self.options.transfer_timeout:g} s)")
+                self._receive_over(
+                    transfer_id,
+                    arrived=False,
+                    reason=f"no KV within transfer_timeout ({self.options.transfer_timeout:g} s)",
+                )
 
     def _receive_over(self, transfer_id: str, arrived: bool, reason: str = "") -> None:
         waiting = self._waiting.pop(transfer_id, None)
@@ -558,8 +612,12 @@ class NixlConnector(KVConnector):
             self._observe("receive_seconds", time.monotonic() - waiting.started)
         elif not waiting.abandoned:
             self._observe("receive_failures_total")
-            logger.warning("weft-nixl: the KV of request %s (transfer %s) will not arrive: %s; computing the prompt",
-                           waiting.request_id, transfer_id, reason)
+            logger.warning(
+                "weft-nixl: the KV of request %s (transfer %s) will not arrive: %s; computing the prompt",
+                waiting.request_id,
+                transfer_id,
+                reason,
+            )
         if arrived or waiting.abandoned:
             self._arrived.add(waiting.request_id)
         else:
@@ -587,7 +645,8 @@ def _remote_address(request: ConnectorRequest) -> str | None:
         return f"{host}:{port}"
     logger.warning(
         "weft-nixl: request %s asks for a remote prefill but kv_transfer_params needs transfer_id (a string), "
-        "remote_host (a string) and remote_port (an int); got %s: computing the prompt here", request.request_id,
+        "remote_host (a string) and remote_port (an int); got %s: computing the prompt here",
+        request.request_id,
         {key: params.get(key) for key in ("transfer_id", "remote_host", "remote_port")},
     )
     return None

@@ -18,7 +18,6 @@ from weft.contracts.hooks import hookimpl
 def _options(request: Any) -> Any:
     """This server's nixl options, or None when it does not use weft-nixl."""
     from weft.api import plugin_options
-
     from weft_nixl.connector import NixlOptions
 
     config = request.app.state.server.config
@@ -41,11 +40,15 @@ async def kv_transfer(request: Any) -> Any:
     if options is None:
         return _error(404, "this server's use.kv_connector is not 'nixl'")
     config = request.app.state.server.config
-    return JSONResponse({
-        "kv_connector": "nixl", "role": options.role,
-        "side_channel_host": options.side_channel_host, "side_channel_port": options.side_channel_port,
-        "tensor_parallel_size": config.engine.tensor_parallel_size,
-    })
+    return JSONResponse(
+        {
+            "kv_connector": "nixl",
+            "role": options.role,
+            "side_channel_host": options.side_channel_host,
+            "side_channel_port": options.side_channel_port,
+            "tensor_parallel_size": config.engine.tensor_parallel_size,
+        }
+    )
 
 
 async def abandon(request: Any) -> Any:
@@ -83,4 +86,7 @@ async def abandon(request: Any) -> Any:
 def weft_http_routes() -> list[Any]:
     from starlette.routing import Route
 
-    return [Route("/kv_transfer", kv_transfer, methods=["GET"]), Route("/kv_transfer/abandon", abandon, methods=["POST"])]
+    return [
+        Route("/kv_transfer", kv_transfer, methods=["GET"]),
+        Route("/kv_transfer/abandon", abandon, methods=["POST"]),
+    ]

@@ -112,15 +112,22 @@ def mismatch(producer: EngineDescription, consumer: EngineDescription) -> str | 
     if producer.tp_size != consumer.tp_size:
         problems.append(f"tensor_parallel_size: prefill {producer.tp_size}, decode {consumer.tp_size}")
     if [group.name for group in producer.groups] != [group.name for group in consumer.groups]:
-        problems.append(f"KV-cache groups: prefill {[g.name for g in producer.groups]}, decode {[g.name for g in consumer.groups]}")
-    for ours, theirs in zip(producer.groups, consumer.groups):
+        problems.append(
+            f"KV-cache groups: prefill {[g.name for g in producer.groups]}, decode {[g.name for g in consumer.groups]}"
+        )
+    for ours, theirs in zip(producer.groups, consumer.groups, strict=False):
         for field in ("kind", "block_size", "dtype", "block_bytes"):
             if getattr(ours, field) != getattr(theirs, field):
-                problems.append(f"{field} of group {ours.name!r}: prefill {getattr(ours, field)!r}, decode {getattr(theirs, field)!r}")
+                problems.append(
+                    f"{field} of group {ours.name!r}: prefill {getattr(ours, field)!r}, decode {getattr(theirs, field)!r}"
+                )
     if not problems:
         return None
-    return ("the prefill and decode instances cannot exchange KV (" + "; ".join(problems)
-            + "): run both with the same model, engine.block_size, engine.dtype and engine.tensor_parallel_size")
+    return (
+        "the prefill and decode instances cannot exchange KV ("
+        + "; ".join(problems)
+        + "): run both with the same model, engine.block_size, engine.dtype and engine.tensor_parallel_size"
+    )
 
 
 class ProducerChannel:
@@ -200,7 +207,10 @@ class ProducerChannel:
         message = _decoder.decode(payload)
         if isinstance(message, Hello):
             error = mismatch(self.engine, message.engine)
-            if error is None and [[region.block_bytes for region in group] for group in message.regions] != self.block_counts:
+            if (
+                error is None
+                and [[region.block_bytes for region in group] for group in message.regions] != self.block_counts
+            ):
                 error = "the decode instance's KV-cache layout differs from the prefill instance's (bytes per block per layer)"
             if error is not None:
                 logger.error("weft-nixl: refused the decode worker %s: %s", message.agent_name, error)
@@ -215,7 +225,10 @@ class ProducerChannel:
                 if ended is None and known:
                     self._registrations[message.transfer_id] = (identity, message, time.monotonic())
             if not known:
-                self._send(identity, Notice(message.transfer_id, "the prefill instance has no handshake from this decode worker"))
+                self._send(
+                    identity,
+                    Notice(message.transfer_id, "the prefill instance has no handshake from this decode worker"),
+                )
             elif ended is not None:
                 self._send(identity, Notice(message.transfer_id, ended[0]))
         elif isinstance(message, Abandon):  # from the decode worker, or the prefill instance's API (its leg failed)
@@ -320,8 +333,11 @@ class ConsumerChannel:
                 if event == zmq.EVENT_CONNECTED:
                     producer.connected = True
                 gone = event == zmq.EVENT_DISCONNECTED and producer.connected
-                unreachable = (event == zmq.EVENT_CONNECT_RETRIED and not producer.connected
-                               and time.monotonic() - producer.since > CONNECT_TIMEOUT)
+                unreachable = (
+                    event == zmq.EVENT_CONNECT_RETRIED
+                    and not producer.connected
+                    and time.monotonic() - producer.since > CONNECT_TIMEOUT
+                )
                 if gone or unreachable:
                     events.append((address, "gone" if gone else "unreachable"))
                     producer.close()

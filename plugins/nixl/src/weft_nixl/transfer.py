@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+
 from weft.contracts.kv_connector import block_axis
 
 if TYPE_CHECKING:
     import torch
+
     from weft.contracts.kv_cache import KVCacheGroupSpec
 
 logger = logging.getLogger("weft.nixl")
@@ -59,8 +61,7 @@ def import_nixl() -> tuple[Any, Any]:
             continue
         return api.nixl_agent, api.nixl_agent_config
     raise ImportError(
-        "weft-nixl needs NVIDIA's NIXL: pip install 'weft-nixl[cu12]' (or [cu13] for CUDA 13); "
-        + "; ".join(errors)
+        "weft-nixl needs NVIDIA's NIXL: pip install 'weft-nixl[cu12]' (or [cu13] for CUDA 13); " + "; ".join(errors)
     )
 
 
@@ -87,8 +88,14 @@ def group_regions(group: KVCacheGroupSpec, kv_caches: dict[str, torch.Tensor]) -
 class KVAgent:
     """A NIXL agent that owns this worker's registered KV-cache memory."""
 
-    def __init__(self, name: str, backends: Sequence[str], groups: Sequence[KVCacheGroupSpec],
-                 transferable: Sequence[int], kv_caches: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str],
+        groups: Sequence[KVCacheGroupSpec],
+        transferable: Sequence[int],
+        kv_caches: dict[str, torch.Tensor],
+    ) -> None:
         nixl_agent, nixl_agent_config = import_nixl()
         self.name = name
         # No progress thread: NIXL's spins without pause (a core per instance, which slowed a shared
@@ -120,25 +127,38 @@ class KVAgent:
             self._peers[metadata] = name
         return name
 
-    def write(self, peer: str, peer_regions: Sequence[Sequence[Region]], peer_device: int,
-              pairs: Sequence[tuple[np.ndarray, np.ndarray]], notification: bytes) -> tuple[Any, int]:
+    def write(
+        self,
+        peer: str,
+        peer_regions: Sequence[Sequence[Region]],
+        peer_device: int,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        notification: bytes,
+    ) -> tuple[Any, int]:
         """A write of local blocks ``pairs[g][0]`` into the peer's blocks ``pairs[g][1]`` of each transferable
         group ``g``, to post with :meth:`post`; returns the transfer's handle and its bytes."""
         local_rows, remote_rows = [], []
-        for local_regions, remote_regions, (local_blocks, remote_blocks) in zip(self.regions, peer_regions, pairs):
+        for local_regions, remote_regions, (local_blocks, remote_blocks) in zip(
+            self.regions, peer_regions, pairs, strict=False
+        ):
             if not len(local_blocks):
                 continue
-            for local, remote in zip(local_regions, remote_regions):
+            for local, remote in zip(local_regions, remote_regions, strict=False):
                 size = np.full(len(local_blocks), local.block_bytes, dtype=np.uint64)
                 local_device = np.full(len(local_blocks), self.device_id, dtype=np.uint64)
                 remote_device = np.full(len(local_blocks), peer_device, dtype=np.uint64)
                 local_rows.append(np.stack([local.base + local_blocks * local.block_bytes, size, local_device], axis=1))
-                remote_rows.append(np.stack([remote.base + remote_blocks * remote.block_bytes, size, remote_device], axis=1))
+                remote_rows.append(
+                    np.stack([remote.base + remote_blocks * remote.block_bytes, size, remote_device], axis=1)
+                )
         local_descs = np.concatenate(local_rows).astype(np.uint64)
         remote_descs = np.concatenate(remote_rows).astype(np.uint64)
         handle = self.agent.initialize_xfer(
-            "WRITE", self.agent.get_xfer_descs(local_descs, self.memory_type),
-            self.agent.get_xfer_descs(remote_descs, self.memory_type), peer, notification,
+            "WRITE",
+            self.agent.get_xfer_descs(local_descs, self.memory_type),
+            self.agent.get_xfer_descs(remote_descs, self.memory_type),
+            peer,
+            notification,
         )
         return handle, int(local_descs[:, 1].sum())
 

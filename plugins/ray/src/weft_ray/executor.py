@@ -33,6 +33,17 @@ import time
 from typing import Any, ClassVar, Literal
 
 import msgspec
+
+from weft.api import (
+    NamedLock,
+    PluginError,
+    StoreAddress,
+    check_layout,
+    configured_lock,
+    merge_worker_info,
+    parallel_layout,
+    verify_installed,
+)
 from weft.contracts.executor import (
     Executor,
     ExecutorFailed,
@@ -43,16 +54,6 @@ from weft.contracts.executor import (
     WorkerInfo,
     decode_scheduler_output,
     encode_step,
-)
-from weft.api import (
-    NamedLock,
-    PluginError,
-    StoreAddress,
-    check_layout,
-    configured_lock,
-    merge_worker_info,
-    parallel_layout,
-    verify_installed,
 )
 
 logger = logging.getLogger("weft.ray")
@@ -124,6 +125,7 @@ class RayExecutor(Executor):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         from weft.api import select_platform
 
         self.layout = parallel_layout(config)
@@ -139,8 +141,13 @@ class RayExecutor(Executor):
         self._closed = False
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=self.options.address, namespace=self.options.namespace, include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(
+                address=self.options.address,
+                namespace=self.options.namespace,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
         platform_class, _ = select_platform(registry or _registry(), config.use.platform)
         bundle = {"CPU": 1.0} if platform_class.device_type == "cpu" else {"GPU": 1.0, "CPU": 1.0}
         try:
@@ -156,12 +163,22 @@ class RayExecutor(Executor):
             remote = ray.remote(RayWorker)
             for rank in range(world):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-                self.actors.append(remote.options(
-                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                    name=f"weft-worker-{rank}-{os.getpid()}",
-                ).remote())
-            started = self.wait([actor.start.remote(config, self.layout.at_rank(rank), address, lock)
-                                 for rank, actor in enumerate(self.actors)], "start", time.monotonic() + self.timeout)
+                self.actors.append(
+                    remote.options(
+                        num_cpus=bundle["CPU"],
+                        num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=strategy,
+                        name=f"weft-worker-{rank}-{os.getpid()}",
+                    ).remote()
+                )
+            started = self.wait(
+                [
+                    actor.start.remote(config, self.layout.at_rank(rank), address, lock)
+                    for rank, actor in enumerate(self.actors)
+                ],
+                "start",
+                time.monotonic() + self.timeout,
+            )
             self.pids = dict(enumerate(started))
             logger.info("%d Ray workers joined (%s)", world, ", ".join(sorted({host for _, host in started})))
         except BaseException:
@@ -175,8 +192,9 @@ class RayExecutor(Executor):
         from torch.distributed import PrefixStore, TCPStore
 
         host = ray.util.get_node_ip_address()
-        store = TCPStore("0.0.0.0", 0, is_master=True, timeout=datetime.timedelta(seconds=self.timeout),
-                         wait_for_workers=False)
+        store = TCPStore(
+            "0.0.0.0", 0, is_master=True, timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False
+        )
         prefix = f"weft-ray-{os.getpid()}"
         return PrefixStore(prefix, store), StoreAddress(host, store.port, prefix, self.timeout)
 
@@ -203,7 +221,9 @@ class RayExecutor(Executor):
                     if isinstance(cause, PluginError):  # an actor refused to start (the plugin lock): its whole message
                         self._kill_actors()
                         raise cause from None
-                    self._fail(f"worker rank {rank}{self._where(rank)} failed: {type(cause).__name__}: {_first_line(cause)}")
+                    self._fail(
+                        f"worker rank {rank}{self._where(rank)} failed: {type(cause).__name__}: {_first_line(cause)}"
+                    )
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"the workers did not {phase} within engine.distributed.worker_timeout = {self.timeout:g} s")
         return answers
@@ -221,13 +241,17 @@ class RayExecutor(Executor):
         raise self.failure
 
     def load_model(self) -> WorkerInfo:
-        infos = self.wait([actor.load_model.remote() for actor in self.actors], "load the model",
-                          time.monotonic() + self.timeout)
+        infos = self.wait(
+            [actor.load_model.remote() for actor in self.actors], "load the model", time.monotonic() + self.timeout
+        )
         return merge_worker_info(infos, self.layout)
 
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
-        self.wait([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors],
-                  "allocate the KV cache", time.monotonic() + self.timeout)
+        self.wait(
+            [actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors],
+            "allocate the KV cache",
+            time.monotonic() + self.timeout,
+        )
 
     def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         if self.failure is not None:

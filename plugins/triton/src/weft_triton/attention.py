@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
+from weft.api import register
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from weft.contracts.kv_cache import FullAttentionSpec, SlidingWindowSpec
-from weft.api import register
 from weft_triton.runtime import MISSING_TRITON, interpreting, runs_on
 
 DECODE_BLOCK_M = 16
@@ -73,7 +73,9 @@ class TritonAttention(AttentionBackend):
         except ModuleNotFoundError as error:
             if (error.name or "").partition(".")[0] != "triton":
                 raise
-            raise RuntimeError(f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'") from error
+            raise RuntimeError(
+                f"attention backend 'triton' {MISSING_TRITON}; or set use.attention = 'torch'"
+            ) from error
         self.kernel = PagedAttentionKernel()
         self.store = StoreKVKernel()
 
@@ -101,7 +103,9 @@ class TritonAttention(AttentionBackend):
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         if batch.max_query_len == 1:
-            return TritonAttentionMetadata(batch=batch, block_m=DECODE_BLOCK_M, splits=decode_splits(batch.seq_lens.shape[0]))
+            return TritonAttentionMetadata(
+                batch=batch, block_m=DECODE_BLOCK_M, splits=decode_splits(batch.seq_lens.shape[0])
+            )
         return TritonAttentionMetadata(batch=batch, block_m=PREFILL_BLOCK_M)
 
     def forward(
@@ -114,15 +118,33 @@ class TritonAttention(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         batch = metadata.batch
-        if key.stride(-1) == value.stride(-1) == 1 and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous():
-            self.store(dtype=key.dtype, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, key=key, value=value,
-                       kv_cache=kv_cache, slot_mapping=batch.slot_mapping)
+        if (
+            key.stride(-1) == value.stride(-1) == 1
+            and key.dtype == value.dtype == kv_cache.dtype
+            and kv_cache.is_contiguous()
+        ):
+            self.store(
+                dtype=key.dtype,
+                num_kv_heads=layer.num_kv_heads,
+                head_dim=layer.head_dim,
+                key=key,
+                value=value,
+                kv_cache=kv_cache,
+                slot_mapping=batch.slot_mapping,
+            )
         else:
             self.store_kv(kv_cache, key, value, batch.slot_mapping)
         query = query.contiguous()
         output = torch.empty_like(query)
         self.kernel(
-            dtype=query.dtype, layer=layer, block_size=batch.block_size, block_m=metadata.block_m,
-            splits=metadata.splits, query=query, kv_cache=kv_cache, output=output, batch=batch,
+            dtype=query.dtype,
+            layer=layer,
+            block_size=batch.block_size,
+            block_m=metadata.block_m,
+            splits=metadata.splits,
+            query=query,
+            kv_cache=kv_cache,
+            output=output,
+            batch=batch,
         )
         return output

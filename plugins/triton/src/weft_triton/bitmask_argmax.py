@@ -78,16 +78,28 @@ class BitmaskArgmaxKernel(Kernel):
     def compile(self, key: BitmaskArgmaxKey) -> Any:
         if interpreting():
             return key
-        return _bitmask_argmax_kernel.warmup(getattr(torch, key.dtype), torch.int32, torch.int32, torch.int64, torch.bool,
-                                             1, 1, 1, BLOCK=BLOCK, grid=(1,))
+        return _bitmask_argmax_kernel.warmup(
+            getattr(torch, key.dtype),
+            torch.int32,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            1,
+            1,
+            1,
+            BLOCK=BLOCK,
+            grid=(1,),
+        )
 
-    def launch(self, compiled: Any, *, logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.Tensor,
-               **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(
+        self, compiled: Any, *, logits: torch.Tensor, mask_rows: torch.Tensor, bitmask: torch.Tensor, **_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, vocab = logits.shape
         tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
         healthy = torch.empty(rows, dtype=torch.bool, device=logits.device)
         if rows:
             words = bitmask.shape[1] if bitmask.shape[0] else 1
-            _bitmask_argmax_kernel[(rows,)](logits, mask_rows, bitmask, tokens, healthy, vocab, words, logits.stride(0),
-                                           BLOCK=BLOCK)
+            _bitmask_argmax_kernel[(rows,)](
+                logits, mask_rows, bitmask, tokens, healthy, vocab, words, logits.stride(0), BLOCK=BLOCK
+            )
         return tokens, healthy

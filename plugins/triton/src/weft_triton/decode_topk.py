@@ -51,10 +51,24 @@ def _write_output(output_row, keys, positions, topk, visible):
 
 @triton.jit
 def _decode_topk_kernel(
-    scores, seq_lens, output, workspace, counters,
-    total_q, decode_query_len, block_size, max_block, topk, span,
-    stride_sh, stride_sq, stride_oh, stride_oq,
-    BLOCK: tl.constexpr, TOPK_PAD: tl.constexpr, CHUNKS: tl.constexpr,
+    scores,
+    seq_lens,
+    output,
+    workspace,
+    counters,
+    total_q,
+    decode_query_len,
+    block_size,
+    max_block,
+    topk,
+    span,
+    stride_sh,
+    stride_sq,
+    stride_oh,
+    stride_oq,
+    BLOCK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -84,8 +98,10 @@ def _decode_topk_kernel(
         if arrived == busy - 1:
             slots = tl.arange(0, CHUNKS * TOPK_PAD)
             merged = tl.load(
-                workspace + row * CHUNKS * TOPK_PAD + slots, mask=slots // TOPK_PAD < busy,
-                other=-9223372036854775807 - 1, volatile=True,
+                workspace + row * CHUNKS * TOPK_PAD + slots,
+                mask=slots // TOPK_PAD < busy,
+                other=-9223372036854775807 - 1,
+                volatile=True,
             )
             merged = tl.sort(merged, descending=True)
             _write_output(output_row, merged, slots, topk, visible)
@@ -115,7 +131,9 @@ class DecodeTopKLauncher:
         self._superseded: list[torch.Tensor] = []
         """Buffers grown out of, alive for the graphs captured over them."""
 
-    def _buffers(self, rows: int, chunks: int, topk_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(
+        self, rows: int, chunks: int, topk_pad: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.workspace = self._grown(self.workspace, rows * chunks * topk_pad, torch.int64, device)
         self.counters = self._grown(self.counters, rows, torch.int32, device)
         return self.workspace, self.counters
@@ -131,7 +149,12 @@ class DecodeTopKLauncher:
         return torch.zeros(need, dtype=dtype, device=device)
 
     def __call__(
-        self, scores: torch.Tensor, seq_lens: torch.Tensor, decode_query_len: int, block_size: int, topk: int,
+        self,
+        scores: torch.Tensor,
+        seq_lens: torch.Tensor,
+        decode_query_len: int,
+        block_size: int,
+        topk: int,
         launch: DecodeTopKLaunch,
     ) -> torch.Tensor:
         """The op's output for inputs already checked (``weft.builtins.decode_topk.check_inputs``)."""
@@ -149,10 +172,25 @@ class DecodeTopKLauncher:
         scores = scores if scores.stride(-1) == 1 else scores.contiguous()
         workspace, counters = self._buffers(rows, launch.chunks, topk_pad, scores.device)
         _decode_topk_kernel[(rows, launch.chunks)](
-            scores, seq_lens, output, workspace, counters,
-            total_q, decode_query_len, block_size, max_block, topk, chunk_span(max_block, launch),
-            scores.stride(0), scores.stride(1), output.stride(0), output.stride(1),
-            BLOCK=launch.block, TOPK_PAD=topk_pad, CHUNKS=launch.chunks,
-            num_warps=launch.warps, num_stages=launch.stages,
+            scores,
+            seq_lens,
+            output,
+            workspace,
+            counters,
+            total_q,
+            decode_query_len,
+            block_size,
+            max_block,
+            topk,
+            chunk_span(max_block, launch),
+            scores.stride(0),
+            scores.stride(1),
+            output.stride(0),
+            output.stride(1),
+            BLOCK=launch.block,
+            TOPK_PAD=topk_pad,
+            CHUNKS=launch.chunks,
+            num_warps=launch.warps,
+            num_stages=launch.stages,
         )
         return output

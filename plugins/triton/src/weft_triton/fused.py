@@ -27,7 +27,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(
+    x, residual, weight, out, residual_out, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK)
     mask = columns < N
@@ -45,8 +47,18 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexp
 
 @triton.jit
 def _rotate_heads(
-    source, weight, target, token, stride_source, c, s, eps,
-    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, NORM: tl.constexpr,
+    source,
+    weight,
+    target,
+    token,
+    stride_source,
+    c,
+    s,
+    eps,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate the ``HEADS`` heads of one token (``rotate_half`` layout) into a contiguous target. With ``NORM``
     each head is RMS-normalised over its ``2 * HALF`` dims and multiplied by ``weight`` first, rounded as the
@@ -71,8 +83,18 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    query, key, cos, sin, query_out, key_out, stride_qt, stride_kt,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    query,
+    key,
+    cos,
+    sin,
+    query_out,
+    key_out,
+    stride_qt,
+    stride_kt,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -84,8 +106,21 @@ def _rotary_kernel(
 
 @triton.jit
 def _qk_norm_rotary_kernel(
-    query, key, query_weight, key_weight, cos, sin, query_out, key_out, stride_qt, stride_kt, eps,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    query,
+    key,
+    query_weight,
+    key_weight,
+    cos,
+    sin,
+    query_out,
+    key_out,
+    stride_qt,
+    stride_kt,
+    eps,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -134,7 +169,7 @@ class _FusedKernel(Kernel):
     def input_space(self) -> InputSpace | None:
         if not self.shapes:
             return None
-        dtypes, shapes = zip(*self.shapes)
+        dtypes, shapes = zip(*self.shapes, strict=False)
         return Zipped(dtype=dtypes, shape=shapes) * Choice("flag", self.flags)
 
     def compile(self, key: FusedKey) -> Any:
@@ -147,15 +182,41 @@ class RmsNormKernel(_FusedKernel):
 
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
         (n,) = key.shape
-        return _rms_norm_kernel.warmup(dtype, dtype, dtype, dtype, dtype, 1e-6, N=n, BLOCK=triton.next_power_of_2(n),
-                                       HAS_RESIDUAL=key.flag, grid=(1,))
+        return _rms_norm_kernel.warmup(
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            1e-6,
+            N=n,
+            BLOCK=triton.next_power_of_2(n),
+            HAS_RESIDUAL=key.flag,
+            grid=(1,),
+        )
 
-    def launch(self, compiled: Any, *, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, **_: Any) -> Any:
+    def launch(
+        self,
+        compiled: Any,
+        *,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        **_: Any,
+    ) -> Any:
         n = x.shape[-1]
         out = torch.empty_like(x)
         summed = torch.empty_like(x) if residual is not None else out
         _rms_norm_kernel[(x.numel() // n,)](
-            x, residual if residual is not None else x, weight, out, summed, eps, N=n, BLOCK=triton.next_power_of_2(n),
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            summed,
+            eps,
+            N=n,
+            BLOCK=triton.next_power_of_2(n),
             HAS_RESIDUAL=residual is not None,
         )
         return out if residual is None else (out, summed)
@@ -166,18 +227,43 @@ class RotaryKernel(_FusedKernel):
 
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
         heads, kv_heads, dim = key.shape
-        return _rotary_kernel.warmup(dtype, dtype, dtype, dtype, dtype, dtype, 16, 16, HEADS=heads, KV_HEADS=kv_heads,
-                                     HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)), grid=(1,))
+        return _rotary_kernel.warmup(
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            16,
+            16,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
+            grid=(1,),
+        )
 
-    def launch(self, compiled: Any, *, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **_: Any) -> Any:
+    def launch(
+        self, compiled: Any, *, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **_: Any
+    ) -> Any:
         tokens, heads, dim = query.shape
         kv_heads = key.shape[1]
         query_out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
         key_out = torch.empty(tokens, kv_heads, dim, dtype=key.dtype, device=key.device)
         if tokens:
             _rotary_kernel[(tokens,)](
-                query, key, cos, sin, query_out, key_out, query.stride(0), key.stride(0), HEADS=heads, KV_HEADS=kv_heads,
-                HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
+                query,
+                key,
+                cos,
+                sin,
+                query_out,
+                key_out,
+                query.stride(0),
+                key.stride(0),
+                HEADS=heads,
+                KV_HEADS=kv_heads,
+                HALF=dim // 2,
+                BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
             )
         return query_out, key_out
 
@@ -188,13 +274,36 @@ class QkNormRotaryKernel(_FusedKernel):
     def _warm(self, key: FusedKey, dtype: torch.dtype) -> Any:
         heads, kv_heads, dim = key.shape
         return _qk_norm_rotary_kernel.warmup(
-            dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype, 16, 16, 1e-6, HEADS=heads, KV_HEADS=kv_heads,
-            HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)), grid=(1,),
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            16,
+            16,
+            1e-6,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
+            grid=(1,),
         )
 
     def launch(
-        self, compiled: Any, *, query: torch.Tensor, key: torch.Tensor, query_weight: torch.Tensor, key_weight: torch.Tensor,
-        eps: float, cos: torch.Tensor, sin: torch.Tensor, **_: Any,
+        self,
+        compiled: Any,
+        *,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        query_weight: torch.Tensor,
+        key_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        **_: Any,
     ) -> Any:
         tokens, heads, dim = query.shape
         kv_heads = key.shape[1]
@@ -202,8 +311,21 @@ class QkNormRotaryKernel(_FusedKernel):
         key_out = torch.empty(tokens, kv_heads, dim, dtype=key.dtype, device=key.device)
         if tokens:
             _qk_norm_rotary_kernel[(tokens,)](
-                query, key, query_weight, key_weight, cos, sin, query_out, key_out, query.stride(0), key.stride(0), eps,
-                HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
+                query,
+                key,
+                query_weight,
+                key_weight,
+                cos,
+                sin,
+                query_out,
+                key_out,
+                query.stride(0),
+                key.stride(0),
+                eps,
+                HEADS=heads,
+                KV_HEADS=kv_heads,
+                HALF=dim // 2,
+                BLOCK_HEADS=triton.next_power_of_2(max(heads, kv_heads)),
             )
         return query_out, key_out
 

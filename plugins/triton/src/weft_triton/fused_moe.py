@@ -34,10 +34,24 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 1 << 30)
 
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])
 def _grouped_gemm_kernel(
-    a, b, bias, c, pair_weights, sorted_pairs, tile_experts, num_pairs, top_k,
-    N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS_PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+    a,
+    b,
+    bias,
+    c,
+    pair_weights,
+    sorted_pairs,
+    tile_experts,
+    num_pairs,
+    top_k,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``c[p, :] = (a[row(p)] @ b[e].T + bias[e]) (* pair_weights[p])`` for the pairs ``p`` of one M tile, whose
     expert is ``e``; ``row(p) = p // top_k`` when ``a`` holds one row per token, else ``p``. Every tensor is
@@ -58,8 +72,9 @@ def _grouped_gemm_kernel(
     accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + ks
-        inputs = tl.load(a + rows[:, None].to(tl.int64) * K + k[None, :],
-                         mask=valid[:, None] & (k[None, :] < K), other=0.0)
+        inputs = tl.load(
+            a + rows[:, None].to(tl.int64) * K + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0
+        )
         weights = tl.load(b_tile + k[:, None], mask=(k[:, None] < K) & (columns[None, :] < N), other=0.0)
         if IEEE:
             accumulator += tl.dot(inputs, weights, input_precision="ieee")
@@ -69,8 +84,11 @@ def _grouped_gemm_kernel(
         accumulator += tl.load(bias + expert * N + columns, mask=columns < N, other=0.0).to(tl.float32)[None, :]
     if WEIGHTED:
         accumulator *= tl.load(pair_weights + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(c + pairs[:, None].to(tl.int64) * N + columns[None, :], accumulator.to(c.dtype.element_ty),
-             mask=valid[:, None] & (columns[None, :] < N))
+    tl.store(
+        c + pairs[:, None].to(tl.int64) * N + columns[None, :],
+        accumulator.to(c.dtype.element_ty),
+        mask=valid[:, None] & (columns[None, :] < N),
+    )
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -79,7 +97,10 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def sort_pairs(
-    experts: torch.Tensor, num_experts: int, first_expert: int, block_m: int,
+    experts: torch.Tensor,
+    num_experts: int,
+    first_expert: int,
+    block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted_pairs, tile_experts)``: the pair indices (``t * k + j``) ordered by expert, each expert's run
     padded with ``T * k`` (no pair) to a multiple of ``block_m``, ``[max_tiles * block_m]``; and each tile's
@@ -164,12 +185,25 @@ class FusedMoEKernel(Kernel):
             self.shapes.append(shape)
 
     def dispatch(
-        self, dtype: torch.dtype | str, out_dtype: torch.dtype | str, n: int, k: int, num_pairs: int, num_experts: int,
-        rows_per_token: bool, has_bias: bool, weighted: bool,
+        self,
+        dtype: torch.dtype | str,
+        out_dtype: torch.dtype | str,
+        n: int,
+        k: int,
+        num_pairs: int,
+        num_experts: int,
+        rows_per_token: bool,
+        has_bias: bool,
+        weighted: bool,
     ) -> FusedMoEKey:
         return FusedMoEKey(
-            dtype=str(dtype).removeprefix("torch."), out_dtype=str(out_dtype).removeprefix("torch."), n=n, k=k,
-            bucket=row_bucket(num_pairs, num_experts), rows_per_token=rows_per_token, has_bias=has_bias,
+            dtype=str(dtype).removeprefix("torch."),
+            out_dtype=str(out_dtype).removeprefix("torch."),
+            n=n,
+            k=k,
+            bucket=row_bucket(num_pairs, num_experts),
+            rows_per_token=rows_per_token,
+            has_bias=has_bias,
             weighted=weighted,
         )
 
@@ -178,13 +212,15 @@ class FusedMoEKernel(Kernel):
             return None
         # Each declared shape's two GEMMs: gate/up (rows per token, out in the dtype) and down (per pair, weighted,
         # float32 out); one representative pair count per row bucket.
-        columns: dict[str, list[Any]] = {name: [] for name in
-                                         ("dtype", "out_dtype", "n", "k", "num_experts", "rows_per_token", "has_bias",
-                                          "weighted")}
+        columns: dict[str, list[Any]] = {
+            name: []
+            for name in ("dtype", "out_dtype", "n", "k", "num_experts", "rows_per_token", "has_bias", "weighted")
+        }
         for dtype, experts, _, hidden, intermediate, bias in self.shapes:
             for n, k, first in ((2 * intermediate, hidden, True), (hidden, intermediate, False)):
-                for name, value in zip(columns, (dtype, dtype if first else "float32", n, k, experts, first, bias,
-                                                 not first)):
+                for name, value in zip(
+                    columns, (dtype, dtype if first else "float32", n, k, experts, first, bias, not first), strict=False
+                ):
                     columns[name].append(value)
         counts = [max(1, bucket if bucket < ROW_BUCKETS[-1] else 1024) for bucket in ROW_BUCKETS]
         return Zipped(**columns) * Choice("rows_per_expert", counts)
@@ -205,36 +241,92 @@ class FusedMoEKernel(Kernel):
         dtype, out = getattr(torch, key.dtype), getattr(torch, key.out_dtype)
         block_m, block_n, block_k, warps, stages = tile_config(key.bucket, key.n, key.k, key.dtype)
         return _grouped_gemm_kernel.warmup(
-            dtype, dtype, dtype, out, torch.float32, torch.int32, torch.int32, 1, 1,
-            N=key.n, K=key.k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TOKEN=key.rows_per_token,
-            HAS_BIAS=key.has_bias, WEIGHTED=key.weighted, IEEE=key.dtype == "float32",
-            num_warps=warps, num_stages=stages, grid=(1,),
+            dtype,
+            dtype,
+            dtype,
+            out,
+            torch.float32,
+            torch.int32,
+            torch.int32,
+            1,
+            1,
+            N=key.n,
+            K=key.k,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            ROWS_PER_TOKEN=key.rows_per_token,
+            HAS_BIAS=key.has_bias,
+            WEIGHTED=key.weighted,
+            IEEE=key.dtype == "float32",
+            num_warps=warps,
+            num_stages=stages,
+            grid=(1,),
         )
 
     def launch(
-        self, compiled: Any, *, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
-        pair_weights: torch.Tensor | None, experts: torch.Tensor, first_expert: int, top_k: int, n: int, k: int,
-        num_pairs: int, num_experts: int, rows_per_token: bool, weighted: bool, sorted_cache: dict, **_: Any,
+        self,
+        compiled: Any,
+        *,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        bias: torch.Tensor | None,
+        c: torch.Tensor,
+        pair_weights: torch.Tensor | None,
+        experts: torch.Tensor,
+        first_expert: int,
+        top_k: int,
+        n: int,
+        k: int,
+        num_pairs: int,
+        num_experts: int,
+        rows_per_token: bool,
+        weighted: bool,
+        sorted_cache: dict,
+        **_: Any,
     ) -> torch.Tensor:
-        block_m, block_n, block_k, warps, stages = tile_config(row_bucket(num_pairs, num_experts), n, k,
-                                                               str(a.dtype).removeprefix("torch."))
+        block_m, block_n, block_k, warps, stages = tile_config(
+            row_bucket(num_pairs, num_experts), n, k, str(a.dtype).removeprefix("torch.")
+        )
         if block_m not in sorted_cache:
             sorted_cache[block_m] = sort_pairs(experts, num_experts, first_expert, block_m)
         sorted_pairs, tile_experts = sorted_cache[block_m]
         grid = (tile_experts.numel(), triton.cdiv(n, block_n))
         _grouped_gemm_kernel[grid](
-            a, b, bias if bias is not None else b, c, pair_weights if pair_weights is not None else c,
-            sorted_pairs, tile_experts, num_pairs, top_k,
-            N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TOKEN=rows_per_token,
-            HAS_BIAS=bias is not None, WEIGHTED=weighted, IEEE=a.dtype == torch.float32,
-            num_warps=warps, num_stages=stages,
+            a,
+            b,
+            bias if bias is not None else b,
+            c,
+            pair_weights if pair_weights is not None else c,
+            sorted_pairs,
+            tile_experts,
+            num_pairs,
+            top_k,
+            N=n,
+            K=k,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            ROWS_PER_TOKEN=rows_per_token,
+            HAS_BIAS=bias is not None,
+            WEIGHTED=weighted,
+            IEEE=a.dtype == torch.float32,
+            num_warps=warps,
+            num_stages=stages,
         )
         return c
 
 
 def fused_moe(
-    kernel: FusedMoEKernel, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor,
-    weights: torch.Tensor, activation: Any, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+    kernel: FusedMoEKernel,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    activation: Any,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
     first_expert: int,
 ) -> torch.Tensor:
     """:func:`weft.layers.moe.fused_experts` through the grouped GEMMs (same arguments, same result)."""
@@ -243,17 +335,47 @@ def fused_moe(
     hidden_size, num_pairs = hidden.shape[1], tokens * top_k
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_cache: dict = {}
-    common = dict(experts=experts, first_expert=first_expert, top_k=top_k, num_pairs=num_pairs, num_experts=count,
-                  sorted_cache=sorted_cache)
+    common = dict(
+        experts=experts,
+        first_expert=first_expert,
+        top_k=top_k,
+        num_pairs=num_pairs,
+        num_experts=count,
+        sorted_cache=sorted_cache,
+    )
     gate_up = torch.empty((num_pairs, 2 * intermediate), dtype=hidden.dtype, device=hidden.device)
-    kernel(dtype=hidden.dtype, out_dtype=hidden.dtype, n=2 * intermediate, k=hidden_size, rows_per_token=True,
-           has_bias=w13_bias is not None, weighted=False, a=hidden, b=w13, bias=w13_bias, c=gate_up,
-           pair_weights=None, **common)
+    kernel(
+        dtype=hidden.dtype,
+        out_dtype=hidden.dtype,
+        n=2 * intermediate,
+        k=hidden_size,
+        rows_per_token=True,
+        has_bias=w13_bias is not None,
+        weighted=False,
+        a=hidden,
+        b=w13,
+        bias=w13_bias,
+        c=gate_up,
+        pair_weights=None,
+        **common,
+    )
     gate, up = gate_up.chunk(2, dim=-1)
     activated = activation(gate, up).contiguous()
     # Pairs of no held expert are never written: zeros, so that they add nothing to the sum.
     products = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    kernel(dtype=hidden.dtype, out_dtype=torch.float32, n=hidden_size, k=intermediate, rows_per_token=False,
-           has_bias=w2_bias is not None, weighted=True, a=activated, b=w2, bias=w2_bias, c=products,
-           pair_weights=weights.float().contiguous(), **common)
+    kernel(
+        dtype=hidden.dtype,
+        out_dtype=torch.float32,
+        n=hidden_size,
+        k=intermediate,
+        rows_per_token=False,
+        has_bias=w2_bias is not None,
+        weighted=True,
+        a=activated,
+        b=w2,
+        bias=w2_bias,
+        c=products,
+        pair_weights=weights.float().contiguous(),
+        **common,
+    )
     return products.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

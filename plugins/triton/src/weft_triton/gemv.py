@@ -28,8 +28,16 @@ Llama-3-8B projection faster than cuBLAS; at two and four rows cuBLAS is faster,
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x, w, bias, y, M,
-    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x,
+    w,
+    bias,
+    y,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -38,13 +46,16 @@ def _gemv_kernel(
     accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + ks
-        weights = tl.load(w + columns[:, None] * K + k[None, :], mask=(columns[:, None] < N) & (k[None, :] < K), other=0.0)
+        weights = tl.load(
+            w + columns[:, None] * K + k[None, :], mask=(columns[:, None] < N) & (k[None, :] < K), other=0.0
+        )
         inputs = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
         accumulator += tl.sum(inputs.to(tl.float32)[:, None, :] * weights.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         accumulator += tl.load(bias + columns, mask=columns < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
-        y + rows[:, None] * N + columns[None, :], accumulator.to(y.dtype.element_ty),
+        y + rows[:, None] * N + columns[None, :],
+        accumulator.to(y.dtype.element_ty),
         mask=(rows[:, None] < M) & (columns[None, :] < N),
     )
 
@@ -100,7 +111,7 @@ class GemvKernel(Kernel):
     def input_space(self) -> InputSpace | None:
         if not self.shapes:
             return None
-        n, k, has_bias = zip(*self.shapes)
+        n, k, has_bias = zip(*self.shapes, strict=False)
         return Choice("dtype", self.dtypes) * Zipped(n=n, k=k, has_bias=has_bias) * IntRange("m", 1, MAX_ROWS + 1)
 
     def compile(self, key: GemvKey) -> Any:
@@ -109,19 +120,48 @@ class GemvKernel(Kernel):
         dtype = getattr(torch, key.dtype)
         block_n, block_k, warps = tile_config(key.n, key.k, key.block_m)
         return _gemv_kernel.warmup(
-            dtype, dtype, dtype, dtype, 1, N=key.n, K=key.k, BLOCK_M=key.block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, HAS_BIAS=key.has_bias, num_warps=warps, grid=(1,),
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            1,
+            N=key.n,
+            K=key.k,
+            BLOCK_M=key.block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            HAS_BIAS=key.has_bias,
+            num_warps=warps,
+            grid=(1,),
         )
 
     def launch(
-        self, compiled: Any, *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int, n: int, k: int,
+        self,
+        compiled: Any,
+        *,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        m: int,
+        n: int,
+        k: int,
         **_: Any,
     ) -> torch.Tensor:
         block_m = block_rows(m)
         block_n, block_k, warps = tile_config(n, k, block_m)
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias if bias is not None else weight, y, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps,
+            x,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            N=n,
+            K=k,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            HAS_BIAS=bias is not None,
+            num_warps=warps,
         )
         return y

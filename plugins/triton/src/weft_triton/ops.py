@@ -55,7 +55,9 @@ class LinearTriton(OpImplementation):
 
         rows = x.numel() // x.shape[-1]
         if (
-            rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
+            rows > MAX_ROWS
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or x.dtype != weight.dtype
             or not pays(*weight.shape)
         ):
             return F.linear(x, weight, bias)
@@ -64,8 +66,14 @@ class LinearTriton(OpImplementation):
             flat = flat.clone(memory_format=torch.contiguous_format)
         out_features, in_features = weight.shape
         y = self.kernel(
-            dtype=x.dtype, n=out_features, k=in_features, m=rows, has_bias=bias is not None,
-            x=flat, weight=weight, bias=bias,
+            dtype=x.dtype,
+            n=out_features,
+            k=in_features,
+            m=rows,
+            has_bias=bias is not None,
+            x=flat,
+            weight=weight,
+            bias=bias,
         )
         return y.reshape(*x.shape[:-1], out_features)
 
@@ -112,7 +120,15 @@ class RmsNormTriton(_FusedOp):
             return rms_norm(x, weight, eps, residual)
         x = x.contiguous()
         residual = residual.contiguous() if residual is not None else None
-        return self.kernel(dtype=x.dtype, shape=(x.shape[-1],), flag=residual is not None, x=x, weight=weight, eps=eps, residual=residual)
+        return self.kernel(
+            dtype=x.dtype,
+            shape=(x.shape[-1],),
+            flag=residual is not None,
+            x=x,
+            weight=weight,
+            eps=eps,
+            residual=residual,
+        )
 
 
 class RotaryTriton(_FusedOp):
@@ -130,13 +146,18 @@ class RotaryTriton(_FusedOp):
 
         dim = query.shape[-1]
         usable = (
-            self.fused(query.dtype) and dim % 16 == 0 and key.dtype == query.dtype == cos.dtype == sin.dtype
-            and query.stride(-1) == key.stride(-1) == 1 and query.stride(1) == key.stride(1) == dim
+            self.fused(query.dtype)
+            and dim % 16 == 0
+            and key.dtype == query.dtype == cos.dtype == sin.dtype
+            and query.stride(-1) == key.stride(-1) == 1
+            and query.stride(1) == key.stride(1) == dim
         )
         if not usable:
             return apply_rotary(query, key, cos, sin)
         cos, sin = cos.contiguous(), sin.contiguous()
-        return self.kernel(dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key, cos=cos, sin=sin)
+        return self.kernel(
+            dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key, cos=cos, sin=sin
+        )
 
 
 class QkNormRotaryTriton(_FusedOp):
@@ -155,16 +176,25 @@ class QkNormRotaryTriton(_FusedOp):
 
         dim = query.shape[-1]
         usable = (
-            self.fused(query.dtype) and dim % 16 == 0
+            self.fused(query.dtype)
+            and dim % 16 == 0
             and key.dtype == query.dtype == cos.dtype == sin.dtype == query_weight.dtype == key_weight.dtype
-            and query.stride(-1) == key.stride(-1) == 1 and query.stride(1) == key.stride(1) == dim
+            and query.stride(-1) == key.stride(-1) == 1
+            and query.stride(1) == key.stride(1) == dim
         )
         if not usable:
             return qk_norm_rotary(query, key, query_weight, key_weight, eps, cos, sin)
         cos, sin = cos.contiguous(), sin.contiguous()
         return self.kernel(
-            dtype=query.dtype, shape=(query.shape[1], key.shape[1], dim), query=query, key=key,
-            query_weight=query_weight.contiguous(), key_weight=key_weight.contiguous(), eps=eps, cos=cos, sin=sin,
+            dtype=query.dtype,
+            shape=(query.shape[1], key.shape[1], dim),
+            query=query,
+            key=key,
+            query_weight=query_weight.contiguous(),
+            key_weight=key_weight.contiguous(),
+            eps=eps,
+            cos=cos,
+            sin=sin,
         )
 
 
@@ -222,13 +252,22 @@ class DecodeTopKTriton(OpImplementation):
         heads, total_q, capacity = scores.shape
         return decode_topk_launch(self.arch(scores.device), topk, capacity, total_q, heads)
 
-    def __call__(self, scores: Any, seq_lens: Any, decode_query_len: int, block_size: int, topk: int,
-                 launch: DecodeTopKLaunch | None = None) -> Any:
+    def __call__(
+        self,
+        scores: Any,
+        seq_lens: Any,
+        decode_query_len: int,
+        block_size: int,
+        topk: int,
+        launch: DecodeTopKLaunch | None = None,
+    ) -> Any:
         """The op; ``launch`` overrides the policy's geometry (which never changes the result)."""
         from weft.api import check_decode_topk_inputs
 
         check_decode_topk_inputs(scores, seq_lens, decode_query_len, block_size, topk)
-        return self.launcher(scores, seq_lens, decode_query_len, block_size, topk, launch or self.launch_for(scores, topk))
+        return self.launcher(
+            scores, seq_lens, decode_query_len, block_size, topk, launch or self.launch_for(scores, topk)
+        )
 
 
 class BitmaskArgmaxTriton(OpImplementation):
@@ -259,7 +298,9 @@ class BitmaskArgmaxTriton(OpImplementation):
         check_bitmask_argmax_inputs(logits, mask_rows, bitmask)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        return self.kernel(dtype=logits.dtype, logits=logits, mask_rows=mask_rows.contiguous(), bitmask=bitmask.contiguous())
+        return self.kernel(
+            dtype=logits.dtype, logits=logits, mask_rows=mask_rows.contiguous(), bitmask=bitmask.contiguous()
+        )
 
 
 class MoETriton(OpImplementation):
@@ -282,16 +323,32 @@ class MoETriton(OpImplementation):
         return runs_on(platform)
 
     def declare(self, **shape: Any) -> None:
-        self.kernel.add(shape["dtype"], shape["num_experts"], shape["top_k"], shape["hidden_size"],
-                        shape["intermediate_size"], shape["bias"])
+        self.kernel.add(
+            shape["dtype"],
+            shape["num_experts"],
+            shape["top_k"],
+            shape["hidden_size"],
+            shape["intermediate_size"],
+            shape["bias"],
+        )
 
     def __call__(self, hidden: Any, router_logits: Any, w13: Any, w2: Any, routing: Any, **kwargs: Any) -> Any:
         from weft.api import moe
 
         return moe(hidden, router_logits, w13, w2, routing, experts_function=self.experts, **kwargs)
 
-    def experts(self, hidden: Any, w13: Any, w2: Any, experts: Any, weights: Any, activation: Any, w13_bias: Any,
-                w2_bias: Any, first_expert: int) -> Any:
+    def experts(
+        self,
+        hidden: Any,
+        w13: Any,
+        w2: Any,
+        experts: Any,
+        weights: Any,
+        activation: Any,
+        w13_bias: Any,
+        w2_bias: Any,
+        first_expert: int,
+    ) -> Any:
         from weft_triton.fused_moe import fused_moe
 
         return fused_moe(self.kernel, hidden, w13, w2, experts, weights, activation, w13_bias, w2_bias, first_expert)

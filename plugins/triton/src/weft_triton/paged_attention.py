@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.contracts.attention import AttentionBatch, AttentionLayer
 from weft.api import Choice, CompileKey, InputSpace, Kernel, Zipped
+from weft.contracts.attention import AttentionBatch, AttentionLayer
 from weft_triton.attention import DECODE_BLOCK_M, MAX_SPLITS, PREFILL_BLOCK_M
 from weft_triton.runtime import interpreting
 
@@ -46,14 +46,26 @@ PREFILL_STAGES = 2
 
 @triton.jit
 def _load_key_tile(
-    key_cache, value_cache, table_row, key_positions, loadable, kv_head, dims,
-    stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+    key_cache,
+    value_cache,
+    table_row,
+    key_positions,
+    loadable,
+    kv_head,
+    dims,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """Keys and values of one tile of positions; a tile may span several cache blocks, so each
     key's block is looked up in the request's block-table row."""
     physical = tl.load(table_row + key_positions // BLOCK_SIZE, mask=loadable, other=0)
-    offsets = (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None] \
-        + kv_head * stride_ch + dims[None, :]
+    offsets = (
+        (physical.to(tl.int64) * stride_cb + (key_positions % BLOCK_SIZE) * stride_cs)[:, None]
+        + kv_head * stride_ch
+        + dims[None, :]
+    )
     k = tl.load(key_cache + offsets, mask=loadable[:, None], other=0.0)
     v = tl.load(value_cache + offsets, mask=loadable[:, None], other=0.0)
     return k, v
@@ -61,7 +73,16 @@ def _load_key_tile(
 
 @triton.jit
 def _online_softmax_step(
-    q, k, v, visible, scale, soft_cap, running_max, running_sum, accumulator, IEEE: tl.constexpr,
+    q,
+    k,
+    v,
+    visible,
+    scale,
+    soft_cap,
+    running_max,
+    running_sum,
+    accumulator,
+    IEEE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
 ):
     """Fold one key tile into the running (max, sum, unnormalised output); ``visible`` masks scores, which are
@@ -88,11 +109,32 @@ def _online_softmax_step(
 
 @triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt"])
 def _paged_attention_kernel(
-    query, key_cache, value_cache, output, block_table, seq_lens, query_start,
-    scale, window, soft_cap,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    query,
+    key_cache,
+    value_cache,
+    output,
+    block_table,
+    seq_lens,
+    query_start,
+    scale,
+    window,
+    soft_cap,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     request = tl.program_id(0)
     tile = tl.program_id(1)
@@ -110,7 +152,8 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
         query + (first + query_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=valid[:, None], other=0.0,
+        mask=valid[:, None],
+        other=0.0,
     )
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -126,29 +169,71 @@ def _paged_attention_kernel(
         key_positions = tile_start + keys
         in_context = key_positions < seq_len
         k, v = _load_key_tile(
-            key_cache, value_cache, block_table + request * stride_bt, key_positions, in_context, kv_head, dims,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+            key_cache,
+            value_cache,
+            block_table + request * stride_bt,
+            key_positions,
+            in_context,
+            kv_head,
+            dims,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
         )
         visible = (key_positions[None, :] <= positions[:, None]) & in_context[None, :]
         if HAS_WINDOW:
             visible = visible & (key_positions[None, :] > positions[:, None] - window)
         running_max, running_sum, accumulator = _online_softmax_step(
-            q, k, v, visible, scale, soft_cap, running_max, running_sum, accumulator, IEEE, HAS_SOFT_CAP,
+            q,
+            k,
+            v,
+            visible,
+            scale,
+            soft_cap,
+            running_max,
+            running_sum,
+            accumulator,
+            IEEE,
+            HAS_SOFT_CAP,
         )
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
         output + (first + query_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-        result.to(output.dtype.element_ty), mask=valid[:, None],
+        result.to(output.dtype.element_ty),
+        mask=valid[:, None],
     )
 
 
 @triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt", "splits"])
 def _decode_split_kernel(
-    query, key_cache, value_cache, partial, partial_max, partial_sum, block_table, seq_lens,
-    scale, window, soft_cap, splits,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    query,
+    key_cache,
+    value_cache,
+    partial,
+    partial_max,
+    partial_sum,
+    block_table,
+    seq_lens,
+    scale,
+    window,
+    soft_cap,
+    splits,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
 ):
     """One (request, KV head, key range) of a decode step: an unnormalised partial softmax."""
@@ -176,11 +261,30 @@ def _decode_split_kernel(
         key_positions = tile_start + keys
         visible = (key_positions < high) & (key_positions >= first_key)
         k, v = _load_key_tile(
-            key_cache, value_cache, block_table + request * stride_bt, key_positions, visible, kv_head, dims,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+            key_cache,
+            value_cache,
+            block_table + request * stride_bt,
+            key_positions,
+            visible,
+            kv_head,
+            dims,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
         )
         running_max, running_sum, accumulator = _online_softmax_step(
-            q, k, v, visible[None, :], scale, soft_cap, running_max, running_sum, accumulator, IEEE, HAS_SOFT_CAP,
+            q,
+            k,
+            v,
+            visible[None, :],
+            scale,
+            soft_cap,
+            running_max,
+            running_sum,
+            accumulator,
+            IEEE,
+            HAS_SOFT_CAP,
         )
     slot = ((request * KV_HEADS + kv_head) * MAX_SPLITS + split) * BLOCK_M + rows
     tl.store(partial + slot[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=valid[:, None])
@@ -190,8 +294,18 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["splits"])
 def _decode_merge_kernel(
-    partial, partial_max, partial_sum, output, splits, stride_ot, stride_oh,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    partial,
+    partial_max,
+    partial_sum,
+    output,
+    splits,
+    stride_ot,
+    stride_oh,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     """Merge one (request, query head)'s partial softmaxes into its attention output."""
     request = tl.program_id(0)
@@ -213,8 +327,19 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _store_kv_kernel(
-    key, value, key_cache, value_cache, slot_mapping, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_slot,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
 ):
     """One token's keys and values into its cache slot (a negative slot is a padding row: skipped)."""
     token = tl.program_id(0).to(tl.int64)
@@ -254,7 +379,9 @@ class StoreKVKernel(Kernel):
         if not (self.layers and self.dtypes):
             return None
         shapes = list(dict.fromkeys((layer.num_kv_heads, layer.head_dim) for layer in self.layers))
-        return Choice("dtype", self.dtypes) * Zipped(num_kv_heads=[h for h, _ in shapes], head_dim=[d for _, d in shapes])
+        return Choice("dtype", self.dtypes) * Zipped(
+            num_kv_heads=[h for h, _ in shapes], head_dim=[d for _, d in shapes]
+        )
 
     def compile(self, key: StoreKVKey) -> Any:
         if interpreting():
@@ -262,25 +389,54 @@ class StoreKVKernel(Kernel):
         dtype = getattr(torch, key.dtype)
         row = key.num_kv_heads * key.head_dim
         return _store_kv_kernel.warmup(
-            dtype, dtype, dtype, dtype, torch.int32, row, key.head_dim, row, key.head_dim, row,
-            grid=(1,), **self._constants(key),
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            torch.int32,
+            row,
+            key.head_dim,
+            row,
+            key.head_dim,
+            row,
+            grid=(1,),
+            **self._constants(key),
         )
 
     @staticmethod
     def _constants(key: StoreKVKey) -> dict[str, Any]:
-        return dict(KV_HEADS=key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_HEADS=triton.next_power_of_2(key.num_kv_heads))
+        return dict(
+            KV_HEADS=key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_HEADS=triton.next_power_of_2(key.num_kv_heads)
+        )
 
     def launch(
-        self, compiled: Any, *, dtype: torch.dtype, num_kv_heads: int, head_dim: int, key: torch.Tensor,
-        value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        compiled: Any,
+        *,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         tokens = key.shape[0]
         if not tokens:
             return
         cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
         _store_kv_kernel[(tokens,)](
-            key, value, cache[0], cache[1], slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            cache.stride(1), **self._constants(self.dispatch(dtype, num_kv_heads, head_dim)),
+            key,
+            value,
+            cache[0],
+            cache[1],
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            cache.stride(1),
+            **self._constants(self.dispatch(dtype, num_kv_heads, head_dim)),
         )
 
 
@@ -312,9 +468,14 @@ class PagedAttentionKernel(Kernel):
         self, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int, splits: int = 1
     ) -> PagedAttentionKey:
         return PagedAttentionKey(
-            dtype=str(dtype).removeprefix("torch."), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim, block_size=block_size, block_m=block_m,
-            has_window=layer.sliding_window is not None, split=splits > 1,
+            dtype=str(dtype).removeprefix("torch."),
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            block_size=block_size,
+            block_m=block_m,
+            has_window=layer.sliding_window is not None,
+            split=splits > 1,
             has_soft_cap=layer.logits_soft_cap is not None,
         )
 
@@ -322,8 +483,10 @@ class PagedAttentionKernel(Kernel):
         if not (self.layers and self.dtypes and self.block_sizes):
             return None
         return (
-            Choice("dtype", self.dtypes) * Choice("layer", self.layers)
-            * Choice("block_size", self.block_sizes) * Choice("block_m", (DECODE_BLOCK_M, PREFILL_BLOCK_M))
+            Choice("dtype", self.dtypes)
+            * Choice("layer", self.layers)
+            * Choice("block_size", self.block_sizes)
+            * Choice("block_m", (DECODE_BLOCK_M, PREFILL_BLOCK_M))
             * Choice("splits", (1, MAX_SPLITS))
         ).where(lambda block_m, splits: splits == 1 or block_m == DECODE_BLOCK_M)
 
@@ -336,75 +499,190 @@ class PagedAttentionKernel(Kernel):
         # the default cache layout; pointers are given as dtypes (16-byte aligned, as at runtime).
         if key.split:
             split = _decode_split_kernel.warmup(
-                dtype, dtype, dtype, torch.float32, torch.float32, torch.float32, torch.int32, torch.int32,
-                1.0, 0, 1.0, 2, heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, 1,
-                grid=(1,), **self._split_constants(key),
+                dtype,
+                dtype,
+                dtype,
+                torch.float32,
+                torch.float32,
+                torch.float32,
+                torch.int32,
+                torch.int32,
+                1.0,
+                0,
+                1.0,
+                2,
+                heads * dim,
+                dim,
+                block * kv_heads * dim,
+                kv_heads * dim,
+                dim,
+                1,
+                grid=(1,),
+                **self._split_constants(key),
             )
             merge = _decode_merge_kernel.warmup(
-                torch.float32, torch.float32, torch.float32, dtype, 2, heads * dim, dim,
-                grid=(1,), KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=key.block_m,
+                torch.float32,
+                torch.float32,
+                torch.float32,
+                dtype,
+                2,
+                heads * dim,
+                dim,
+                grid=(1,),
+                KV_HEADS=kv_heads,
+                GROUP=heads // kv_heads,
+                HEAD_DIM=dim,
+                BLOCK_M=key.block_m,
                 MAX_SPLITS=MAX_SPLITS,
             )
             return split, merge
         return _paged_attention_kernel.warmup(
-            dtype, dtype, dtype, dtype, torch.int32, torch.int32, torch.int32,
-            1.0, 0, 1.0,
-            heads * dim, dim, block * kv_heads * dim, kv_heads * dim, dim, heads * dim, dim, 1,
-            grid=(1,), **self._constants(key),
+            dtype,
+            dtype,
+            dtype,
+            dtype,
+            torch.int32,
+            torch.int32,
+            torch.int32,
+            1.0,
+            0,
+            1.0,
+            heads * dim,
+            dim,
+            block * kv_heads * dim,
+            kv_heads * dim,
+            dim,
+            heads * dim,
+            dim,
+            1,
+            grid=(1,),
+            **self._constants(key),
         )
 
     @staticmethod
     def _split_constants(key: PagedAttentionKey) -> dict[str, Any]:
         return dict(
-            KV_HEADS=key.num_kv_heads, GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim,
-            BLOCK_SIZE=key.block_size, BLOCK_M=key.block_m, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
-            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32", HAS_SOFT_CAP=key.has_soft_cap,
+            KV_HEADS=key.num_kv_heads,
+            GROUP=key.num_heads // key.num_kv_heads,
+            HEAD_DIM=key.head_dim,
+            BLOCK_SIZE=key.block_size,
+            BLOCK_M=key.block_m,
+            BLOCK_N=BLOCK_N,
+            MAX_SPLITS=MAX_SPLITS,
+            HAS_WINDOW=key.has_window,
+            IEEE=key.dtype == "float32",
+            HAS_SOFT_CAP=key.has_soft_cap,
         )
 
     @staticmethod
     def _constants(key: PagedAttentionKey) -> dict[str, Any]:
         return dict(
-            GROUP=key.num_heads // key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_SIZE=key.block_size,
-            BLOCK_M=key.block_m, BLOCK_N=BLOCK_N if key.block_m == DECODE_BLOCK_M else PREFILL_BLOCK_N,
-            HAS_WINDOW=key.has_window, IEEE=key.dtype == "float32", HAS_SOFT_CAP=key.has_soft_cap,
+            GROUP=key.num_heads // key.num_kv_heads,
+            HEAD_DIM=key.head_dim,
+            BLOCK_SIZE=key.block_size,
+            BLOCK_M=key.block_m,
+            BLOCK_N=BLOCK_N if key.block_m == DECODE_BLOCK_M else PREFILL_BLOCK_N,
+            HAS_WINDOW=key.has_window,
+            IEEE=key.dtype == "float32",
+            HAS_SOFT_CAP=key.has_soft_cap,
             num_stages=3 if key.block_m == DECODE_BLOCK_M else PREFILL_STAGES,
         )
 
     def launch(
-        self, compiled: Any, *, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int,
-        query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch, splits: int = 1,
+        self,
+        compiled: Any,
+        *,
+        dtype: torch.dtype,
+        layer: AttentionLayer,
+        block_size: int,
+        block_m: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+        batch: AttentionBatch,
+        splits: int = 1,
     ) -> None:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         key = self.dispatch(dtype, layer, block_size, block_m, splits)
         if key.split:
             self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch)
             return
-        grid = (batch.seq_lens.shape[0], triton.cdiv(batch.max_query_len * (layer.num_heads // layer.num_kv_heads), block_m), layer.num_kv_heads)
+        grid = (
+            batch.seq_lens.shape[0],
+            triton.cdiv(batch.max_query_len * (layer.num_heads // layer.num_kv_heads), block_m),
+            layer.num_kv_heads,
+        )
         _paged_attention_kernel[grid](
-            query, key_cache, value_cache, output, batch.block_table, batch.seq_lens, batch.query_start,
-            layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 1.0,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            output.stride(0), output.stride(1), batch.block_table.stride(0),
+            query,
+            key_cache,
+            value_cache,
+            output,
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start,
+            layer.scale,
+            layer.sliding_window or 0,
+            layer.logits_soft_cap or 1.0,
+            query.stride(0),
+            query.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            output.stride(0),
+            output.stride(1),
+            batch.block_table.stride(0),
             **self._constants(key),
         )
 
-
     def _launch_split(
-        self, key: PagedAttentionKey, layer: AttentionLayer, splits: int, query: torch.Tensor, key_cache: torch.Tensor,
-        value_cache: torch.Tensor, output: torch.Tensor, batch: AttentionBatch,
+        self,
+        key: PagedAttentionKey,
+        layer: AttentionLayer,
+        splits: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+        batch: AttentionBatch,
     ) -> None:
         requests, kv_heads = batch.seq_lens.shape[0], layer.num_kv_heads
-        partial = torch.empty(requests, kv_heads, MAX_SPLITS, key.block_m, layer.head_dim, dtype=torch.float32, device=query.device)
+        partial = torch.empty(
+            requests, kv_heads, MAX_SPLITS, key.block_m, layer.head_dim, dtype=torch.float32, device=query.device
+        )
         partial_max = torch.empty(requests, kv_heads, MAX_SPLITS, key.block_m, dtype=torch.float32, device=query.device)
         partial_sum = torch.empty_like(partial_max)
         _decode_split_kernel[(requests, kv_heads, splits)](
-            query, key_cache, value_cache, partial, partial_max, partial_sum, batch.block_table, batch.seq_lens,
-            layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 1.0, splits,
-            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            batch.block_table.stride(0), **self._split_constants(key),
+            query,
+            key_cache,
+            value_cache,
+            partial,
+            partial_max,
+            partial_sum,
+            batch.block_table,
+            batch.seq_lens,
+            layer.scale,
+            layer.sliding_window or 0,
+            layer.logits_soft_cap or 1.0,
+            splits,
+            query.stride(0),
+            query.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            batch.block_table.stride(0),
+            **self._split_constants(key),
         )
         _decode_merge_kernel[(requests, layer.num_heads)](
-            partial, partial_max, partial_sum, output, splits, output.stride(0), output.stride(1),
-            KV_HEADS=kv_heads, GROUP=layer.num_heads // kv_heads, HEAD_DIM=layer.head_dim, BLOCK_M=key.block_m,
+            partial,
+            partial_max,
+            partial_sum,
+            output,
+            splits,
+            output.stride(0),
+            output.stride(1),
+            KV_HEADS=kv_heads,
+            GROUP=layer.num_heads // kv_heads,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_M=key.block_m,
             MAX_SPLITS=MAX_SPLITS,
         )

@@ -29,8 +29,14 @@ from weft.contracts.hooks import CliCommand, hookimpl
 
 @hookimpl
 def weft_cli_commands() -> list[CliCommand]:
-    return [CliCommand(name="weights", help="weight-cache daemons: keep weights resident for fast engine starts",
-                       add_arguments=add_arguments, run=run)]
+    return [
+        CliCommand(
+            name="weights",
+            help="weight-cache daemons: keep weights resident for fast engine starts",
+            add_arguments=add_arguments,
+            run=run,
+        )
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,15 +44,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     commands = parser.add_subparsers(title="weights commands", metavar="COMMAND")
     serve = commands.add_parser(
-        "serve", help="load the configured model's weights on each local device and serve them to engines",
-        description="Load weights once per local device and serve them to engines (use.loader = \"weight-cache\").",
+        "serve",
+        help="load the configured model's weights on each local device and serve them to engines",
+        description='Load weights once per local device and serve them to engines (use.loader = "weight-cache").',
     )
     add_config_arguments(serve)
     daemon = serve.add_argument_group("daemons")
-    daemon.add_argument("--devices", help="local device indices to serve, comma separated (default: every GPU; on the CPU: 0)")
+    daemon.add_argument(
+        "--devices", help="local device indices to serve, comma separated (default: every GPU; on the CPU: 0)"
+    )
     daemon.add_argument("--socket-dir", help="socket folder (default: plugins.weight-cache.socket_dir)")
-    daemon.add_argument("--rendezvous-port", type=int, help="the daemons' port on engine.distributed.master_addr, the "
-                        "same on every node, not the engine's (default: plugins.weight-cache.rendezvous_port)")
+    daemon.add_argument(
+        "--rendezvous-port",
+        type=int,
+        help="the daemons' port on engine.distributed.master_addr, the "
+        "same on every node, not the engine's (default: plugins.weight-cache.rendezvous_port)",
+    )
     serve.set_defaults(weights_command=run_serve)
 
 
@@ -76,16 +89,17 @@ class Layout:
         """The LoadConfig ranks of the daemon on this node's ``local_index``-th device."""
         rank = self.node_rank * len(self.devices) + local_index
         return {
-            "tensor_parallel_size": self.tp, "tensor_parallel_rank": rank % self.tp,
-            "pipeline_parallel_size": self.pp, "pipeline_parallel_rank": (rank // self.tp) % self.pp,
-            "data_parallel_rank": rank // (self.tp * self.pp), "local_rank": self.devices[local_index],
+            "tensor_parallel_size": self.tp,
+            "tensor_parallel_rank": rank % self.tp,
+            "pipeline_parallel_size": self.pp,
+            "pipeline_parallel_rank": (rank // self.tp) % self.pp,
+            "data_parallel_rank": rank // (self.tp * self.pp),
+            "local_rank": self.devices[local_index],
         }
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from weft.api import ConfigError, PluginError, config_from_args, plugin_options
-
-    from weft.api import placement
+    from weft.api import ConfigError, PluginError, config_from_args, placement, plugin_options
     from weft_weight_cache.loader import WeightCacheOptions, socket_dir
 
     _log_to_stderr()
@@ -99,8 +113,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # that several nodes know a master port is the engines' concern.
         port = args.rendezvous_port or options.rendezvous_port
         where = placement(config, {**os.environ, "MASTER_PORT": os.environ.get("MASTER_PORT", str(port))})
-        layout = Layout(where.nnodes, where.node_rank, devices, config.engine.tensor_parallel_size,
-                        config.engine.pipeline_parallel_size)
+        layout = Layout(
+            where.nnodes,
+            where.node_rank,
+            devices,
+            config.engine.tensor_parallel_size,
+            config.engine.pipeline_parallel_size,
+        )
         if layout.world > 1 and os.environ.get("MASTER_PORT") == str(port):
             raise ValueError(
                 f"--rendezvous-port {port} is the engine's MASTER_PORT: the daemons' process group needs a port of its own "
@@ -110,7 +129,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, PluginError, ValueError) as error:
         print(f"weft weights: error: {error}", file=sys.stderr)
         return 1
-    plan = dict(config=config, options=options, layout=layout, master=f"tcp://{where.master_addr}:{port}", folder=folder)
+    plan = dict(
+        config=config, options=options, layout=layout, master=f"tcp://{where.master_addr}:{port}", folder=folder
+    )
     if len(devices) == 1:
         return serve_device(local_index=0, **plan)
     import multiprocessing
@@ -158,7 +179,6 @@ def _devices(text: str | None, config: Any) -> list[int]:
 def serve_device(config: Any, options: Any, layout: Layout, master: str, folder: Path, local_index: int) -> int:
     """Load this device's weights and serve them until SIGTERM or Ctrl-C; the exit status."""
     from weft.api import PluginRegistry, build_platform, load_config_for
-
     from weft_weight_cache.daemon import WeightCacheServer, load_resident
     from weft_weight_cache.key import device_identity, socket_name
     from weft_weight_cache.safety import DeviceLock, SafetyError, prepare_socket_dir
@@ -225,8 +245,9 @@ def _join_daemon_group(master: str, rank: int, world: int, device_type: str) -> 
     import torch.distributed as dist
 
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=master, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        backend, init_method=master, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
+    )
 
 
 def _check_same_checkpoint(key: Any, rank: int) -> None:

@@ -24,7 +24,9 @@ from weft_weight_cache.safety import check_socket, check_socket_path
 
 
 class WeightCacheClient:
-    def __init__(self, socket_path: Path, timeout: float = 60.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self, socket_path: Path, timeout: float = 60.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         check_socket_path(socket_path)
         check_socket(socket_path)
         self.max_frame_bytes = max_frame_bytes

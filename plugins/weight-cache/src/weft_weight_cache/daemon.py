@@ -48,7 +48,6 @@ def load_resident(config: Any, load_config: Any, disk_loader: str) -> tuple[Cach
     Returns the key engines must ask for and the packed parts on ``load_config.device``.
     """
     from weft.api import PluginRegistry, build_loader, build_platform, load_family, resolve_dtype
-
     from weft_weight_cache.key import cache_key
     from weft_weight_cache.reads import rank_reads
 
@@ -67,8 +66,13 @@ class WeightCacheServer:
     """Serves one device's resident weights on a socket in a checked folder."""
 
     def __init__(
-        self, key: CacheKey, weights: ResidentWeights, identity: str, socket_path: Path,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, allowed_uid: int | None = None,
+        self,
+        key: CacheKey,
+        weights: ResidentWeights,
+        identity: str,
+        socket_path: Path,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        allowed_uid: int | None = None,
     ) -> None:
         self.key, self.weights, self.identity = key, weights, identity
         self.socket_path, self.max_frame_bytes, self.allowed_uid = socket_path, max_frame_bytes, allowed_uid
@@ -131,9 +135,10 @@ class WeightCacheServer:
 
     def _get_state(self, connection: socket.socket, request: GetState, held: set[str]) -> None:
         if request.device != self.identity:
-            self._reply(connection, Error(
-                f"device mismatch: this daemon serves {self.identity}, the engine is on {request.device}"
-            ))
+            self._reply(
+                connection,
+                Error(f"device mismatch: this daemon serves {self.identity}, the engine is on {request.device}"),
+            )
             return
         fields = mismatched_fields(request.key, self.key)
         if fields:
@@ -145,8 +150,12 @@ class WeightCacheServer:
             self.leases[lease] = id(connection)
             self.served += 1
             held.add(lease)
-        logger.info("weight cache: lease %s for %d tensors (%d leases held)", lease[:8], len(self.weights.entries),
-                    len(self.leases))
+        logger.info(
+            "weight cache: lease %s for %d tensors (%d leases held)",
+            lease[:8],
+            len(self.weights.entries),
+            len(self.leases),
+        )
         self._reply(connection, Ok(lease, arena, self.weights.entries), fds)
 
     def _release(self, lease: str, held: set[str]) -> None:

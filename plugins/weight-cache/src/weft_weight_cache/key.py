@@ -6,11 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from weft.api import __version__
+from weft.api import COMMIT, __version__, weight_files
 from weft.contracts.loader import LoadConfig, ModelSource
 from weft.contracts.parallel import ParallelLayout
-from weft.api import COMMIT, weight_files
-
 from weft_weight_cache.protocol import CacheKey
 
 
@@ -42,8 +40,9 @@ def stage_layers(source: ModelSource, load_config: LoadConfig) -> tuple[int, int
     layers = source.hf_config.get("num_hidden_layers")
     if load_config.pipeline_parallel_size == 1 or not isinstance(layers, int):
         return None
-    layout = ParallelLayout(pipeline_parallel_size=load_config.pipeline_parallel_size,
-                            pipeline_partition=load_config.pipeline_partition)
+    layout = ParallelLayout(
+        pipeline_parallel_size=load_config.pipeline_parallel_size, pipeline_partition=load_config.pipeline_partition
+    )
     held = layout.stage_layers(layers, load_config.pipeline_parallel_rank)
     return held.start, len(held)
 
@@ -52,12 +51,18 @@ def cache_key(source: ModelSource, load_config: LoadConfig, dtype: str) -> Cache
     folder = Path(source.path)
     quantization = (source.hf_config.get("quantization_config") or {}).get("quant_method", "none")
     return CacheKey(
-        fingerprint=fingerprint(folder), architecture=(source.hf_config.get("architectures") or ["?"])[0],
+        fingerprint=fingerprint(folder),
+        architecture=(source.hf_config.get("architectures") or ["?"])[0],
         model_config=hashlib.sha256(json.dumps(source.hf_config, sort_keys=True, default=str).encode()).hexdigest(),
-        tensor_parallel_size=load_config.tensor_parallel_size, tensor_parallel_rank=load_config.tensor_parallel_rank,
+        tensor_parallel_size=load_config.tensor_parallel_size,
+        tensor_parallel_rank=load_config.tensor_parallel_rank,
         pipeline_parallel_size=load_config.pipeline_parallel_size,
-        pipeline_parallel_rank=load_config.pipeline_parallel_rank, dtype=dtype, quantization=str(quantization),
-        revision=revision(folder), weft_version=__version__, stage_layers=stage_layers(source, load_config),
+        pipeline_parallel_rank=load_config.pipeline_parallel_rank,
+        dtype=dtype,
+        quantization=str(quantization),
+        revision=revision(folder),
+        weft_version=__version__,
+        stage_layers=stage_layers(source, load_config),
         expert_parallel=load_config.enable_expert_parallel,
     )
 

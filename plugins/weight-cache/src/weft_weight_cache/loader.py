@@ -21,9 +21,9 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 import torch
+
 from weft.api import SafetensorsLoader
 from weft.contracts.loader import ModelSource, WeightSlice
-
 from weft_weight_cache.protocol import DEFAULT_MAX_FRAME_BYTES, Error, FrameError, Mismatch, Ok, TensorEntry
 from weft_weight_cache.reads import ResidentSlice
 from weft_weight_cache.safety import SafetyError, default_socket_dir
@@ -32,16 +32,27 @@ logger = logging.getLogger("weft.weight_cache")
 
 
 class WeightCacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    socket_dir: Annotated[
-        str, msgspec.Meta(description="folder of the daemons' sockets (0700, yours); default $XDG_RUNTIME_DIR/"
-                                      "weft-weight-cache, else /tmp/weft-weight-cache-<uid>")
-    ] | None = None
+    socket_dir: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                description="folder of the daemons' sockets (0700, yours); default $XDG_RUNTIME_DIR/"
+                "weft-weight-cache, else /tmp/weft-weight-cache-<uid>"
+            ),
+        ]
+        | None
+    ) = None
     disk_loader: Annotated[
         str, msgspec.Meta(description="loader the daemon reads with, and the engine falls back to")
     ] = "safetensors"
     rendezvous_port: Annotated[
-        int, msgspec.Meta(ge=1, le=65535, description="TCP port of the daemons' own process group (several "
-                                                      "daemons): the same on every node, never the engine's")
+        int,
+        msgspec.Meta(
+            ge=1,
+            le=65535,
+            description="TCP port of the daemons' own process group (several "
+            "daemons): the same on every node, never the engine's",
+        ),
     ] = 29650
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024, description="largest protocol frame accepted")] = (
         DEFAULT_MAX_FRAME_BYTES
@@ -110,12 +121,18 @@ class WeightCacheLoader(SafetensorsLoader):
                 finally:
                     for fd in fds:
                         os.close(fd)
-                logger.info("weight cache: mapping %d tensors (%.1f MiB) from %s", len(reply.tensors),
-                            reply.arena.nbytes / 2**20, path)
+                logger.info(
+                    "weight cache: mapping %d tensors (%.1f MiB) from %s",
+                    len(reply.tensors),
+                    reply.arena.nbytes / 2**20,
+                    path,
+                )
                 return _Lease(client, reply, block, path)
             if isinstance(reply, Mismatch):
-                differences = ", ".join(f"{field} (asked {getattr(key, field)!r}, served "
-                                        f"{getattr(reply.served, field)!r})" for field in reply.fields)
+                differences = ", ".join(
+                    f"{field} (asked {getattr(key, field)!r}, served {getattr(reply.served, field)!r})"
+                    for field in reply.fields
+                )
                 reason = f"the daemon at {path} holds other weights: {differences}"
             else:
                 assert isinstance(reply, Error)
@@ -155,8 +172,12 @@ class _Lease:
         try:
             self.client.release(self.reply.lease)
         except (OSError, FrameError) as error:
-            logger.warning("weight cache: releasing lease %s at %s failed (%s); closing the connection ends it",
-                           self.reply.lease[:8], self.path, error)
+            logger.warning(
+                "weight cache: releasing lease %s at %s failed (%s); closing the connection ends it",
+                self.reply.lease[:8],
+                self.path,
+                error,
+            )
         finally:
             self.client.close()
 

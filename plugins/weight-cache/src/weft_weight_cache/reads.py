@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+
 from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.contracts.model import ModelFamily
 from weft.contracts.parallel import Communicator
-
 from weft_weight_cache.protocol import TensorEntry
 
 Narrow = list[int] | None
@@ -81,7 +81,7 @@ class ResidentSlice(WeightSlice):
     def __init__(self, entry: TensorEntry, views: list[torch.Tensor]) -> None:
         self.name = entry.name
         self.shape = tuple(entry.shape)
-        self.parts = [(part.narrow, view) for part, view in zip(entry.parts, views)]
+        self.parts = [(part.narrow, view) for part, view in zip(entry.parts, views, strict=False)]
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self._part([dim, start, length])
@@ -110,8 +110,9 @@ class _TensorRank(Communicator):
         self.size, self.rank = size, rank
 
 
-def rank_reads(config: Any, load_config: Any, loader: WeightLoader, source: ModelSource, family: ModelFamily,
-               dtype: str) -> list[TensorReads]:
+def rank_reads(
+    config: Any, load_config: Any, loader: WeightLoader, source: ModelSource, family: ModelFamily, dtype: str
+) -> list[TensorReads]:
     """What the engine worker that ``load_config`` places reads of ``source`` through ``loader``, with its results.
 
     ``dtype``: the worker's runtime dtype (the family's load dtype is what the reads come in)."""
@@ -121,7 +122,8 @@ def rank_reads(config: Any, load_config: Any, loader: WeightLoader, source: Mode
     if not family.reads_weight_slices:
         return list(whole_tensors(loader.iter_weights(source, load_dtype)))
     layout = parallel_layout(
-        config, rank=load_config.pipeline_parallel_rank * load_config.tensor_parallel_size + load_config.tensor_parallel_rank
+        config,
+        rank=load_config.pipeline_parallel_rank * load_config.tensor_parallel_size + load_config.tensor_parallel_rank,
     )
     configured = model_config(config, source, dtype, layout)
     family.check_parallel(configured)

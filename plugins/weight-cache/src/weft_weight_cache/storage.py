@@ -69,17 +69,25 @@ class ResidentWeights:
     def _fill(self, block: torch.Tensor, reads: list[TensorReads]) -> None:
         for entry in self.entries:
             read = reads.pop(0)  # drop the loader's copies as soon as they are in the arena
-            for part, (_, tensor) in zip(entry.parts, read.parts):
+            for part, (_, tensor) in zip(entry.parts, read.parts, strict=False):
                 source = _byte_view(tensor)
-                block[part.offset:part.offset + source.numel()].copy_(source)
+                block[part.offset : part.offset + source.numel()].copy_(source)
 
     def describe(self) -> tuple[Arena, tuple[int, ...]]:
         """The arena for one engine, and the descriptors to pass with it."""
         if self.device.type == "cuda":
             storage = self.block.untyped_storage()
             device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
-            cuda = CudaHandle(int(device), bytes(handle), int(size), int(offset), bytes(counter), int(counter_offset),
-                              None if event is None else bytes(event), bool(sync))
+            cuda = CudaHandle(
+                int(device),
+                bytes(handle),
+                int(size),
+                int(offset),
+                bytes(counter),
+                int(counter_offset),
+                None if event is None else bytes(event),
+                bool(sync),
+            )
             return Arena(kind="cuda", nbytes=self.nbytes, cuda=cuda), ()
         return Arena(kind="host", nbytes=self.nbytes), (self.fd,)
 
@@ -103,8 +111,14 @@ def map_arena(arena: Arena, fds: list[int], device: str) -> torch.Tensor:
         handle: Any = arena.cuda
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
-            handle.device, handle.handle, handle.size, handle.offset, handle.ref_counter_handle,
-            handle.ref_counter_offset, handle.event_handle, handle.event_sync_required,
+            handle.device,
+            handle.handle,
+            handle.size,
+            handle.offset,
+            handle.ref_counter_handle,
+            handle.ref_counter_offset,
+            handle.event_handle,
+            handle.event_sync_required,
         )
         block = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", handle.device))
         return block.set_(storage, 0, (arena.nbytes,), (1,))
@@ -121,5 +135,5 @@ def part_views(block: torch.Tensor, entries: list[TensorEntry]) -> Iterator[tupl
             for size in part.shape:
                 count *= size
             nbytes = count * torch.empty(0, dtype=dtype).element_size()
-            views.append(block[part.offset:part.offset + nbytes].view(dtype).view(part.shape))
+            views.append(block[part.offset : part.offset + nbytes].view(dtype).view(part.shape))
         yield entry, views

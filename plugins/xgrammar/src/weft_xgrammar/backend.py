@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 
-from weft.contracts.structured_output import GrammarMatcher, StructuredOutputBackend, StructuredOutputsParams, Vocabulary
+from weft.contracts.structured_output import (
+    GrammarMatcher,
+    StructuredOutputBackend,
+    StructuredOutputsParams,
+    Vocabulary,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -28,11 +33,15 @@ class XgrammarOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_limit_bytes: Annotated[
         int, msgspec.Meta(ge=0, description="memory for xgrammar's cache of compiled grammars (0: no limit)")
     ] = 256 << 20
-    fill_threads: Annotated[int, msgspec.Meta(
-        ge=1, description="xgrammar threads filling one step's bitmask rows, in each fill process or the fill thread (at "
-                          "most the CPUs less one); default 1: on an H200 machine's CPU more gained nothing at batch 32, "
-                          "and 4 threads in each of two fill processes tripled the wait for the mask",
-    )] = 1
+    fill_threads: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="xgrammar threads filling one step's bitmask rows, in each fill process or the fill thread (at "
+            "most the CPUs less one); default 1: on an H200 machine's CPU more gained nothing at batch 32, "
+            "and 4 threads in each of two fill processes tripled the wait for the mask",
+        ),
+    ] = 1
     max_whitespace: Annotated[
         int, msgspec.Meta(ge=1, description="JSON with free whitespace: most whitespace characters in a row")
     ] = 4
@@ -43,7 +52,7 @@ _BOUNDED_STRING_CHARACTER = re.compile(r'^(\w+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\)
 """The rule xgrammar 0.2.9 writes for one character of a string with ``maxLength`` or ``minLength``, a whole
 line of the grammar's text: its class leaves out only the quote, the backslash, CR and LF, so it admits raw
 control characters (U+0000-U+001F), which JSON forbids in a string (xgrammar's rule for other strings keeps them out)."""
-_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
 """One unescaped character of a JSON string (RFC 8259: not a quote, a backslash or a control character)."""
 
 _PARALLEL_ROWS = 16
@@ -51,16 +60,50 @@ _PARALLEL_ROWS = 16
 
 
 UNENFORCED_KEYWORDS = (
-    "uniqueItems", "contains", "minContains", "maxContains", "not", "propertyNames", "dependentRequired",
-    "dependentSchemas", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "not",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
 )
 """JSON-schema keywords xgrammar's grammar leaves out (it compiles them as if absent, or as anything): a schema
 using one is refused, rather than answered with JSON that breaks it."""
 
 SUPPORTED_KEYWORDS = (
-    "type", "properties", "required", "additionalProperties", "patternProperties", "minProperties", "maxProperties",
-    "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs",
-    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
+    "items",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "$defs",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
     "multipleOf",
 )
 """What the 400 for an unenforced keyword lists as usable instead."""
@@ -106,7 +149,9 @@ def _first(schema: Any, here: Callable[[dict, str], str | None], path: str = "#"
     """The first answer of ``here`` (a schema object, its JSON pointer) over ``schema`` and the subschemas of enforced
     keywords, depth first, or None (a schema for which ``here`` answers is not searched further)."""
     if isinstance(schema, list):  # items as a list (draft 4-7 tuples)
-        return next((found for index, item in enumerate(schema) if (found := _first(item, here, f"{path}/{index}"))), None)
+        return next(
+            (found for index, item in enumerate(schema) if (found := _first(item, here, f"{path}/{index}"))), None
+        )
     if not isinstance(schema, dict):
         return None
     if (found := here(schema, path)) is not None:
@@ -168,13 +213,17 @@ class XgrammarBackend(StructuredOutputBackend):
 
         self._xgr = xgr
         info = xgr.TokenizerInfo(
-            vocabulary.token_bytes, xgr.VocabType.RAW, vocab_size=vocabulary.size,
+            vocabulary.token_bytes,
+            xgr.VocabType.RAW,
+            vocab_size=vocabulary.size,
             stop_token_ids=list(vocabulary.eos_token_ids),
         )
         self._info = info
         self._stop_token_ids = frozenset(info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
-            info, max_threads=self.options.compile_threads, cache_enabled=True,
+            info,
+            max_threads=self.options.compile_threads,
+            cache_enabled=True,
             cache_limit_bytes=self.options.cache_limit_bytes or -1,
         )
         # The fill overlaps the engine core's scheduling or forward: leave it a CPU (on a 2-CPU machine one
@@ -197,7 +246,9 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"structured_outputs.json: {problem}")
         try:
             if kind == "json":
-                grammar = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=constraint.any_whitespace))
+                grammar = str(
+                    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=constraint.any_whitespace)
+                )
                 if (fixed := _bounded_strings_fixed(grammar)) != grammar:  # what compile() compiles: its errors too
                     xgr.Grammar.from_ebnf(fixed)
             elif kind == "regex":
@@ -215,7 +266,9 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             return self._compile(constraint)
         except RuntimeError as error:  # xgrammar's own message, without its timestamp and C++ source location
-            raise ValueError(f"structured_outputs.{constraint.kind}: xgrammar cannot compile it: {_reason(error)}") from None
+            raise ValueError(
+                f"structured_outputs.{constraint.kind}: xgrammar cannot compile it: {_reason(error)}"
+            ) from None
 
     def _compile(self, constraint: StructuredOutputsParams) -> Any:
         compiler, kind = self.compiler, constraint.kind
@@ -258,10 +311,13 @@ class XgrammarBackend(StructuredOutputBackend):
         if not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):
             return super().accept_tokens(matchers, tokens)
         accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(
-            [matcher.matcher for matcher in matchers], list(tokens))  # type: ignore[attr-defined]
+            [matcher.matcher for matcher in matchers], list(tokens)
+        )  # type: ignore[attr-defined]
         stops = self._stop_token_ids
-        return [(ok, ok and token in stops and matcher.is_terminated())
-                for matcher, token, ok in zip(matchers, tokens, accepted, strict=True)]
+        return [
+            (ok, ok and token in stops and matcher.is_terminated())
+            for matcher, token, ok in zip(matchers, tokens, accepted, strict=True)
+        ]
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         if len(matchers) < _PARALLEL_ROWS or not all(isinstance(matcher, XgrammarMatcher) for matcher in matchers):

@@ -24,6 +24,7 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 import torch
+
 from weft.contracts.kv_cache import KVCacheGroupSpec, prefix_cacheable_groups
 from weft.contracts.kv_connector import (
     ConnectorContext,
@@ -115,7 +116,9 @@ class DiskConnector(KVConnector):
             return 0, False
         usable = (len(request.prompt_token_ids) - 1) // self.block_size  # the last token is always computed
         found = 0
-        while found < usable and all(self._file(group, request.block_hashes[found]).exists() for group in self.stored_groups):
+        while found < usable and all(
+            self._file(group, request.block_hashes[found]).exists() for group in self.stored_groups
+        ):
             found += 1
         return max(found * self.block_size - num_computed_tokens, 0), False
 
@@ -133,7 +136,9 @@ class DiskConnector(KVConnector):
             request = tracked.request
             if item.num_external_tokens:  # tokens [num_computed - num_external, num_computed) come from disk
                 first = (item.num_computed_tokens - item.num_external_tokens) // self.block_size
-                loads[item.request_id] = self._block_files(request, item.block_ids, first, item.num_computed_tokens // self.block_size)
+                loads[item.request_id] = self._block_files(
+                    request, item.block_ids, first, item.num_computed_tokens // self.block_size
+                )
             computed = min(item.num_computed_tokens + item.num_new_tokens, len(request.prompt_token_ids))
             full = computed // self.block_size  # prompt blocks complete after this step; never generated tokens
             if full > tracked.saved:
@@ -181,9 +186,11 @@ class DiskConnector(KVConnector):
         expected = [len(layers), *self._block_shape(layers[0], len(file.blocks))]
         if list(stacked.shape) != expected or stacked.dtype != self._caches[layers[0]].dtype:
             raise ValueError(f"{file.path} holds {list(stacked.shape)} {stacked.dtype}; expected {expected}")
-        for layer, blocks in zip(layers, stacked):
+        for layer, blocks in zip(layers, stacked, strict=False):
             cache = self._caches[layer]
-            cache.index_copy_(self._axes[layer], torch.tensor(file.blocks, device=cache.device), blocks.to(cache.device))
+            cache.index_copy_(
+                self._axes[layer], torch.tensor(file.blocks, device=cache.device), blocks.to(cache.device)
+            )
 
     def _block_shape(self, layer: str, count: int) -> list[int]:
         shape = list(self._caches[layer].shape)
@@ -207,7 +214,9 @@ class DiskConnector(KVConnector):
 
     def _save(self, file: BlockFile) -> None:
         blocks = [
-            self._caches[layer].index_select(self._axes[layer], torch.tensor(file.blocks, device=self._caches[layer].device))
+            self._caches[layer].index_select(
+                self._axes[layer], torch.tensor(file.blocks, device=self._caches[layer].device)
+            )
             for layer in self.groups[file.group].layer_names
         ]
         path = Path(file.path)

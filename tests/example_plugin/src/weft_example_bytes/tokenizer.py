@@ -49,6 +49,8 @@ class ByteTokenizer(Tokenizer):
         names = {BOS: "<bos>", EOS: "<eos>"}
         return "".join(names.get(i, "") for i in token_ids if i >= 256) + text
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         rendered = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
         return rendered + ("<|assistant|>\n" if add_generation_prompt else "")

@@ -56,8 +56,15 @@ Delivery = tuple[asyncio.Queue, Delta]
 class AsyncEngine:
     """Starts the engine core process; call :meth:`start` on the event loop before submitting."""
 
-    def __init__(self, config: WeftConfig, registry: PluginRegistry | None = None, max_queued_requests: int = 1024,
-                 startup_timeout: float = 3600.0, request_timeout: float | None = None, tokenizer_threads: int = 4) -> None:
+    def __init__(
+        self,
+        config: WeftConfig,
+        registry: PluginRegistry | None = None,
+        max_queued_requests: int = 1024,
+        startup_timeout: float = 3600.0,
+        request_timeout: float | None = None,
+        tokenizer_threads: int = 4,
+    ) -> None:
         verify_plugin_lock(config)  # before the frontend resolves the model (the core process checks again)
         self.config = config
         self.registry = registry or PluginRegistry()
@@ -120,7 +127,9 @@ class AsyncEngine:
         self.dead = True
         self._accepting = False
         reason = f": {self.death_reason}" if self.death_reason else ""
-        message = f"the engine core process died (exit code {self.client.exitcode}){reason}; the server is shutting down"
+        message = (
+            f"the engine core process died (exit code {self.client.exitcode}){reason}; the server is shutting down"
+        )
         logger.error(message)
         self._fail_all(message, 503, "engine_dead")
         if self.on_core_death is not None:
@@ -132,7 +141,9 @@ class AsyncEngine:
         """``function(*args)`` on a tokenizer thread (``server.tokenizer_threads`` of them, shared by every
         request). A caller that is cancelled stops waiting, and its call is dropped if it has not started. They
         are not the event loop's default executor, which a shutdown waits for."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, functools.partial(function, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_threads, functools.partial(function, *args)
+        )
 
     def refusal(self, arrival: float) -> str | None:
         """Why a request that arrived at ``arrival`` (``time.monotonic()``) may not be submitted now, or None:
@@ -143,9 +154,14 @@ class AsyncEngine:
             return "the server is shutting down"
         return None
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, int]], output: asyncio.Queue,
-                     kv_transfer_params: dict[str, Any] | None = None, grammar_start: GrammarStart | None = None,
-                     arrival: float | None = None) -> None:
+    async def submit(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams, int]],
+        output: asyncio.Queue,
+        kv_transfer_params: dict[str, Any] | None = None,
+        grammar_start: GrammarStart | None = None,
+        arrival: float | None = None,
+    ) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
         (``kv_transfer_params``: for the KV connector, one request only; ``grammar_start``: see
         :meth:`weft.engine.api.frontend.Frontend.core_request`). The requests are the sequences of one API request
@@ -163,8 +179,10 @@ class AsyncEngine:
         self._preparing += len(requests)
         try:
             core_requests = await self.off_loop(
-                self.frontend.core_requests, [(request_id, prompt, params) for request_id, prompt, params, _ in requests],
-                kv_transfer_params, grammar_start,
+                self.frontend.core_requests,
+                [(request_id, prompt, params) for request_id, prompt, params, _ in requests],
+                kv_transfer_params,
+                grammar_start,
             )
         finally:
             self._preparing -= len(requests)
@@ -173,7 +191,7 @@ class AsyncEngine:
         now = time.monotonic()
         deadline = None if self.request_timeout is None else arrival + self.request_timeout
         with self._lock:
-            for (request_id, _, params, index), core_request in zip(requests, core_requests):
+            for (request_id, _, params, index), core_request in zip(requests, core_requests, strict=False):
                 self.outputs.add(request_id, core_request.prompt_token_ids, params)
                 self._streams[request_id] = OutputStream(output, index, last_token_time=now, deadline=deadline)
         self.stats.waiting += len(requests)
@@ -209,12 +227,17 @@ class AsyncEngine:
         """Abort requests past their deadline; each gets a 408 error delta."""
         now = time.monotonic()
         with self._lock:
-            overdue = [request_id for request_id, stream in self._streams.items()
-                       if stream.deadline is not None and now > stream.deadline]
+            overdue = [
+                request_id
+                for request_id, stream in self._streams.items()
+                if stream.deadline is not None and now > stream.deadline
+            ]
         if not overdue:
             return
-        message = (f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped; "
-                   f"ask for fewer tokens or raise the limit")
+        message = (
+            f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped; "
+            f"ask for fewer tokens or raise the limit"
+        )
         self._end_with_error(overdue, message, 408, "timeout")
         self.client.abort(overdue)
 

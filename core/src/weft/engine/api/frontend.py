@@ -58,7 +58,9 @@ class Frontend:
         self._refuse_far_too_long(text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         """Token ids of a conversation (``server.special_tokens_in_content`` decides whether special-token
         text inside messages is plain text or control tokens); ValueError for a conversation far too long."""
         self._refuse_far_too_long_chat(messages, template_kwargs)
@@ -79,25 +81,35 @@ class Frontend:
         if len(text) <= self.max_model_len * _CHARS_PER_TOKEN_BOUND:
             return
         cut = text.rfind(" ", 0, self.max_model_len * _CHARS_PER_TOKEN_BOUND)
-        prefix = self.tokenizer.encode(text[: cut if cut > 0 else self.max_model_len * _CHARS_PER_TOKEN_BOUND], add_special_tokens)
+        prefix = self.tokenizer.encode(
+            text[: cut if cut > 0 else self.max_model_len * _CHARS_PER_TOKEN_BOUND], add_special_tokens
+        )
         if len(prefix) >= self.max_model_len:
             raise ValueError(
                 f"a text of {len(text)} characters has more than {len(prefix) - 1} tokens, but the context length is "
                 f"{self.max_model_len}; shorten it"
             )
 
-    def core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     kv_transfer_params: dict[str, Any] | None = None,
-                     grammar_start: GrammarStart | None = None) -> EngineCoreRequest:
+    def core_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        grammar_start: GrammarStart | None = None,
+    ) -> EngineCoreRequest:
         """The core's request for a prompt; ValueError ``"<field>: <problem>"`` when the prompt or params don't
         fit the model.
 
         ``grammar_start``: where a constraint starts when the model may reason first (:class:`GrammarStart`)."""
         return self.core_requests([(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_start)[0]
 
-    def core_requests(self, requests: list[tuple[str, list[int], SamplingParams]],
-                      kv_transfer_params: dict[str, Any] | None = None,
-                      grammar_start: GrammarStart | None = None) -> list[EngineCoreRequest]:
+    def core_requests(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        kv_transfer_params: dict[str, Any] | None = None,
+        grammar_start: GrammarStart | None = None,
+    ) -> list[EngineCoreRequest]:
         """:meth:`core_request` for each ``(request_id, prompt_token_ids, params)``: the sequences of one API
         request, whose params differ in their seed at most, so that checking them (a constraint compiled,
         bad words tokenized) is done once, not once per choice. Call it off the event loop."""
@@ -112,8 +124,11 @@ class Frontend:
             room = self.max_model_len - len(prompt_token_ids)
             max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
-            core_requests.append(EngineCoreRequest(request_id, list(prompt_token_ids), params, eos, max_tokens,
-                                                   kv_transfer_params, grammar_start))
+            core_requests.append(
+                EngineCoreRequest(
+                    request_id, list(prompt_token_ids), params, eos, max_tokens, kv_transfer_params, grammar_start
+                )
+            )
         return core_requests
 
     @property
@@ -135,8 +150,11 @@ class Frontend:
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
         """``params`` checked against the model (token ids, the constraint), its bad words tokenized."""
-        for field, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
-                              ("allowed_token_ids", params.allowed_token_ids or ())):
+        for field, tokens in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
             out_of_range = [token for token in tokens if not 0 <= token < self._vocab]
             if out_of_range:
                 raise ValueError(f"{field}: token ids must be in [0, {self._vocab}); got {out_of_range[:5]}")

@@ -28,8 +28,14 @@ if TYPE_CHECKING:
 class RequestOutputState:
     """One request as its caller sees it."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 stream_text: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        stream_text: bool,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -71,8 +77,12 @@ class RequestOutputState:
 
     def completion(self, index: int) -> CompletionOutput:
         return CompletionOutput(
-            index=index, text=self.text, token_ids=list(self.output_token_ids), finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason, logprobs=self.logprobs,
+            index=index,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
         )
 
 
@@ -96,8 +106,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestOutputState] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            stream_text: bool = True) -> RequestOutputState:
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream_text: bool = True
+    ) -> RequestOutputState:
         state = RequestOutputState(request_id, prompt_token_ids, params, self.tokenizer, stream_text)
         self.requests[request_id] = state
         return state
@@ -140,7 +151,8 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [None] + [
-                    self._decoded(entry, token) for entry, token in zip(output.prompt_logprobs, state.prompt_token_ids[1:])
+                    self._decoded(entry, token)
+                    for entry, token in zip(output.prompt_logprobs, state.prompt_token_ids[1:], strict=False)
                 ]
             for position in range(len(output.new_token_ids)):
                 if self._append(state, output, position):

@@ -55,8 +55,17 @@ class OutputStream(msgspec.Struct):
 
     def error_delta(self, message: str, status: int) -> Delta:
         return Delta(
-            index=self.index, token_ids=[], text="", logprobs=None, finish_reason="error", stop_reason=None,
-            num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0, error=message, error_status=status,
+            index=self.index,
+            token_ids=[],
+            text="",
+            logprobs=None,
+            finish_reason="error",
+            stop_reason=None,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            error=message,
+            error_status=status,
         )
 
     def publish(self, state: RequestOutputState, observer: Any) -> Delta | None:
@@ -104,9 +113,14 @@ class OutputStream(msgspec.Struct):
         self.published_tokens = generated
         self.published_chars = end
         delta = Delta(
-            index=self.index, token_ids=list(tokens), text=text, logprobs=logprobs,
-            finish_reason=state.finish_reason, stop_reason=state.stop_reason,
-            num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=generated,
+            index=self.index,
+            token_ids=list(tokens),
+            text=text,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=generated,
             num_cached_tokens=state.num_cached_tokens,
         )
         if state.prompt_logprobs is not None and not self.sent_prompt_logprobs:

@@ -69,15 +69,26 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             connector_class, options, context = loaded
             connector = SchedulerConnector(connector_class, options, info.groups, context)
         shares = connector.scheduler_side.kv_cache_shares() if connector is not None else None
-        num_blocks = num_kv_blocks(config, info.groups, context_length, info.available_kv_bytes, shares,
-                                   connector.name if connector is not None else None)
+        num_blocks = num_kv_blocks(
+            config,
+            info.groups,
+            context_length,
+            info.available_kv_bytes,
+            shares,
+            connector.name if connector is not None else None,
+        )
         executor.initialize_kv_cache(num_blocks)
         kv_cache_manager = KVCacheManager(info.groups, num_blocks, engine.enable_prefix_caching)
         structured_outputs = StructuredOutputManager(config, registry, source, source.hf_config.get("vocab_size"))
         scheduler = Scheduler(
-            kv_cache_manager, engine.max_num_seqs, engine.max_num_batched_tokens, context_length,
-            engine.enable_chunked_prefill, connector,
-            engine.long_prefill_token_threshold, engine.max_long_partial_prefills,
+            kv_cache_manager,
+            engine.max_num_seqs,
+            engine.max_num_batched_tokens,
+            context_length,
+            engine.enable_chunked_prefill,
+            connector,
+            engine.long_prefill_token_threshold,
+            engine.max_long_partial_prefills,
             structured_outputs,
         )
     except BaseException:
@@ -92,7 +103,10 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling, startup)
     logger.debug(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
-        time.monotonic() - started, num_blocks, engine.max_num_seqs, engine.max_num_batched_tokens,
+        time.monotonic() - started,
+        num_blocks,
+        engine.max_num_seqs,
+        engine.max_num_batched_tokens,
         "on" if async_scheduling else "off",
     )
     hooks.hook.weft_engine_started(engine=core)
@@ -100,20 +114,31 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
 
 
 def startup_facts(
-    config: WeftConfig, platform: Any, source: ModelSource, groups: Sequence[KVCacheGroupSpec], num_blocks: list[int],
+    config: WeftConfig,
+    platform: Any,
+    source: ModelSource,
+    groups: Sequence[KVCacheGroupSpec],
+    num_blocks: list[int],
     max_model_len: int,
 ) -> dict[str, Any]:
     """What the startup summary says about the engine (:func:`weft.progress.summary_lines`).
 
     ``kv_capacity_tokens``: the tokens the cache holds, set by the groups whose blocks run out as a sequence
     grows (a sliding window's ring keeps a fixed number of blocks per request and sets no limit)."""
-    limits = [count * group.spec.block_size for group, count in zip(groups, num_blocks)
-              if group.spec.blocks_for_tokens(count * group.spec.block_size + 1) > count]
+    limits = [
+        count * group.spec.block_size
+        for group, count in zip(groups, num_blocks, strict=False)
+        if group.spec.blocks_for_tokens(count * group.spec.block_size + 1) > count
+    ]
     return {
-        "model": source.name, "architecture": ", ".join(source.hf_config.get("architectures") or ["?"]),
-        "weights_format": source.format, "weights_file": Path(source.path).name,
-        "platform": platform.name, "dtype": resolve_dtype(config, platform),
-        "block_size": config.engine.block_size, "max_model_len": max_model_len,
+        "model": source.name,
+        "architecture": ", ".join(source.hf_config.get("architectures") or ["?"]),
+        "weights_format": source.format,
+        "weights_file": Path(source.path).name,
+        "platform": platform.name,
+        "dtype": resolve_dtype(config, platform),
+        "block_size": config.engine.block_size,
+        "max_model_len": max_model_len,
         "kv_capacity_tokens": min(limits) if limits else None,
     }
 
@@ -142,13 +167,19 @@ def num_kv_blocks(
         if shares is None:
             shares = (1.0,) * len(groups)
         if len(shares) != len(groups) or min(shares) <= 0:
-            raise ValueError(f"KV connector {connector_name!r} gave KV-cache shares {shares} for "
-                             f"{len(groups)} groups; give one positive share per group")
+            raise ValueError(
+                f"KV connector {connector_name!r} gave KV-cache shares {shares} for "
+                f"{len(groups)} groups; give one positive share per group"
+            )
         bytes_per_block = [group.spec.page_size_bytes() * len(group.layer_names) for group in groups]
-        needs = [share * group.spec.blocks_for_tokens(max_model_len) * size
-                 for share, group, size in zip(shares, groups, bytes_per_block)]
-        counts = [int(available_bytes * need / sum(needs)) // size for need, size in zip(needs, bytes_per_block)]
-    for group, count in zip(groups, counts):
+        needs = [
+            share * group.spec.blocks_for_tokens(max_model_len) * size
+            for share, group, size in zip(shares, groups, bytes_per_block, strict=False)
+        ]
+        counts = [
+            int(available_bytes * need / sum(needs)) // size for need, size in zip(needs, bytes_per_block, strict=False)
+        ]
+    for group, count in zip(groups, counts, strict=False):
         needed = group.spec.blocks_for_tokens(max_model_len)
         if count < needed:
             raise ValueError(

@@ -18,7 +18,17 @@ if TYPE_CHECKING:
 class ConstraintState:
     """One request's constraint: its compilation, then its matcher."""
 
-    __slots__ = ("constraint", "compiled", "matcher", "starts_after", "opener", "active", "start", "failed", "terminated")
+    __slots__ = (
+        "constraint",
+        "compiled",
+        "matcher",
+        "starts_after",
+        "opener",
+        "active",
+        "start",
+        "failed",
+        "terminated",
+    )
 
     def __init__(self, constraint: StructuredOutputsParams, compiled: Future, start: GrammarStart | None) -> None:
         self.constraint = constraint
@@ -52,7 +62,6 @@ class ConstraintState:
     def masks(self) -> bool:
         """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
         return self.active and self.matcher is not None and not self.failed and not self.terminated
-
 
 
 class RemoteMatcher:

@@ -36,8 +36,9 @@ logger = logging.getLogger("weft.engine")
 STEP_FAILED = "the engine step failed twice (the server log has the details)"
 
 
-def _receive(core: EngineCore, poller: Any, inputs: Any, decoder: msgspec.msgpack.Decoder,
-             refused: dict[str, str]) -> tuple[bool, bool]:
+def _receive(
+    core: EngineCore, poller: Any, inputs: Any, decoder: msgspec.msgpack.Decoder, refused: dict[str, str]
+) -> tuple[bool, bool]:
     """Apply every waiting message (waiting up to a second when the core has no work); the requests the core
     refuses go to ``refused``. Returns whether to stop and whether anything arrived."""
     timeout = 0 if core.has_work else 1000

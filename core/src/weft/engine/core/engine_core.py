@@ -53,8 +53,15 @@ class EngineCore:
     """Steps a scheduler and an executor that :func:`~weft.engine.core.builder.build_engine_core` built."""
 
     def __init__(
-        self, config: WeftConfig, hooks: Any, executor: Executor, scheduler: Scheduler, source: ModelSource,
-        num_blocks: list[int], async_scheduling: bool, startup: dict[str, Any] | None = None,
+        self,
+        config: WeftConfig,
+        hooks: Any,
+        executor: Executor,
+        scheduler: Scheduler,
+        source: ModelSource,
+        num_blocks: list[int],
+        async_scheduling: bool,
+        startup: dict[str, Any] | None = None,
     ) -> None:
         """``config`` is the resolved one the parts were built from; ``executor`` has its KV cache allocated;
         ``startup``: what the startup summary says (:func:`weft.engine.core.builder.startup_facts`)."""
@@ -89,8 +96,12 @@ class EngineCore:
         if not self.has_work:  # a failure before the core went idle is not this request's
             self._failed_steps = 0
         core_request = Request(
-            request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            frozenset(request.eos_token_ids), kv_transfer_params=request.kv_transfer_params,
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.max_tokens,
+            frozenset(request.eos_token_ids),
+            kv_transfer_params=request.kv_transfer_params,
         )
         self.scheduler.add(core_request, request.grammar_start)
 
@@ -105,14 +116,20 @@ class EngineCore:
     def _report_finished(self) -> None:
         for request in self.scheduler.take_finished():
             self.hooks.hook.weft_request_finished(
-                request_id=request.request_id, finish_reason=request.finish_reason,
-                num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
+                request_id=request.request_id,
+                finish_reason=request.finish_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=len(request.output_token_ids),
             )
 
     @property
     def has_work(self) -> bool:
-        return (self.scheduler.has_unfinished or self._in_flight is not None or bool(self._unreported)
-                or self.scheduler.saves_pending)
+        return (
+            self.scheduler.has_unfinished
+            or self._in_flight is not None
+            or bool(self._unreported)
+            or self.scheduler.saves_pending
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -159,8 +176,13 @@ class EngineCore:
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
             output = self._schedule()
-            if (output.structured_output_request_ids and self.executor.launch_ahead and self._in_flight is not None
-                    and self._in_flight[1] is None and self.step_profile is None):  # a profile times each launch
+            if (
+                output.structured_output_request_ids
+                and self.executor.launch_ahead
+                and self._in_flight is not None
+                and self._in_flight[1] is None
+                and self.step_profile is None
+            ):  # a profile times each launch
                 # The step in flight waits for its mask, and this step's forward reads its tokens: the workers stage
                 # this step's inputs while the core waits for that mask, and launch it as soon as they sampled.
                 output.launch_after_sampling = True
@@ -335,5 +357,10 @@ class EngineCore:
 
     def describe(self) -> dict[str, Any]:
         engine = self.config.engine
-        return {"max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
-                "async_scheduling": self.async_scheduling, "num_kv_blocks": self.num_blocks, **self.startup}
+        return {
+            "max_num_seqs": engine.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "async_scheduling": self.async_scheduling,
+            "num_kv_blocks": self.num_blocks,
+            **self.startup,
+        }

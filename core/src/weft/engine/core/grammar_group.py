@@ -47,8 +47,15 @@ class FillGroup:
     segment with the rows to fill ordered child after child, and the filled rows come back in child order. Used
     from one thread at a time (the engine core's), except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
 
-    def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
-                 words: int, processes: int = 1, spin: float | None = None) -> None:
+    def __init__(
+        self,
+        backend_class: type[StructuredOutputBackend],
+        options: Any,
+        vocabulary: Vocabulary,
+        words: int,
+        processes: int = 1,
+        spin: float | None = None,
+    ) -> None:
         if processes < 1:
             raise ValueError(f"a fill group needs at least one process, not {processes}")
         self.children: list[FillProcess] = []
@@ -72,8 +79,11 @@ class FillGroup:
         """Tokens the last step sent."""
         try:
             for index in range(processes):  # all start, then each is waited for
-                self.children.append(FillProcess(backend_class, options, vocabulary, words, spin,
-                                                 name=f"weft-grammar-fill-{index}", wait=False))
+                self.children.append(
+                    FillProcess(
+                        backend_class, options, vocabulary, words, spin, name=f"weft-grammar-fill-{index}", wait=False
+                    )
+                )
             for child in self.children:
                 child.wait_started()
         except BaseException:
@@ -110,11 +120,15 @@ class FillGroup:
         for child in self.children:
             child.forget(key)
 
-    def step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> StepReply:
+    def step(
+        self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]
+    ) -> StepReply:
         self.send_step(matchers, accepted, fill)
         return self.receive_step()
 
-    def send_step(self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]) -> None:
+    def send_step(
+        self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]
+    ) -> None:
         """One step to every child: ``matchers`` made since the last step, each to its child; ``accepted``: ``(handle,
         token)`` in generation order, for the matchers to take; ``fill``: handles whose row to fill if their matcher is
         still live after accepting. A dropped matcher's tokens and rows are left out (its child no longer holds it)."""
@@ -200,8 +214,15 @@ class FillGroup:
             return StepReply(self._order, ended, refused)
         assert self._segment is not None
         filled = self._segment.filled
-        return StepReply([handle for offset, count in zip(self._offsets, counts, strict=True)
-                          for handle in filled[offset : offset + count].tolist()], ended, refused)
+        return StepReply(
+            [
+                handle
+                for offset, count in zip(self._offsets, counts, strict=True)
+                for handle in filled[offset : offset + count].tolist()
+            ],
+            ended,
+            refused,
+        )
 
     def _reports(self) -> tuple[list[int], list[tuple[int, int]]]:
         """The last step's ended matchers and refused tokens, in the order of its tokens."""

@@ -146,8 +146,16 @@ class FillProcess:
     """The child process and the core's end of it; used from one thread at a time (the engine core's),
     except :meth:`new_handle`, :meth:`drop` and :meth:`close`."""
 
-    def __init__(self, backend_class: type[StructuredOutputBackend], options: Any, vocabulary: Vocabulary,
-                 words: int, spin: float | None = None, name: str = "weft-grammar-fill", wait: bool = True) -> None:
+    def __init__(
+        self,
+        backend_class: type[StructuredOutputBackend],
+        options: Any,
+        vocabulary: Vocabulary,
+        words: int,
+        spin: float | None = None,
+        name: str = "weft-grammar-fill",
+        wait: bool = True,
+    ) -> None:
         self.words = words
         """int32 words of one bitmask row."""
         self.spin = default_spin() if spin is None else spin
@@ -163,9 +171,20 @@ class FillProcess:
         self._gone = False
         """Its pipe broke or it exited (perhaps not reaped yet)."""
         self._process = context.Process(
-            target=serve, args=(child, self._go, self._done, self._box_memory.name, backend_class, options, vocabulary,
-                                words, self.spin),
-            daemon=True, name=name,
+            target=serve,
+            args=(
+                child,
+                self._go,
+                self._done,
+                self._box_memory.name,
+                backend_class,
+                options,
+                vocabulary,
+                words,
+                self.spin,
+            ),
+            daemon=True,
+            name=name,
         )
         try:
             self._process.start()
@@ -238,7 +257,12 @@ class FillProcess:
         forgotten, self._forgotten = self._forgotten, []
         piped = bool(made or dropped or forgotten)
         box = self._box
-        box[_KIND], box[_START], box[_COUNT], box[_ACCEPTED] = _STEP_AFTER_PIPE if piped else _STEP, start, count, tokens
+        box[_KIND], box[_START], box[_COUNT], box[_ACCEPTED] = (
+            _STEP_AFTER_PIPE if piped else _STEP,
+            start,
+            count,
+            tokens,
+        )
         self._unread += 1  # its answer comes whatever happens to the pipe below
         self._go.release()
         if piped:  # after ``go``: the child reads it as it comes (a large one does not wait in a full pipe)
@@ -332,8 +356,17 @@ class FillProcess:
             self._box_memory = None  # type: ignore[assignment]
 
 
-def serve(conn: Connection, go: Any, done: Any, box_name: str, backend_class: type[StructuredOutputBackend],
-          options: Any, vocabulary: Vocabulary, words: int, spin: float = 0.0) -> None:
+def serve(
+    conn: Connection,
+    go: Any,
+    done: Any,
+    box_name: str,
+    backend_class: type[StructuredOutputBackend],
+    options: Any,
+    vocabulary: Vocabulary,
+    words: int,
+    spin: float = 0.0,
+) -> None:
     """The child: build the backend, then answer the core's messages until it says close (or is gone)."""
     parent = os.getppid()
     box_memory = shared_memory.SharedMemory(name=box_name)
@@ -409,8 +442,14 @@ def serve(conn: Connection, go: Any, done: Any, box_name: str, backend_class: ty
         backend.close()
 
 
-def _take_matchers(backend: StructuredOutputBackend, compiled: dict[int, Any], matchers: dict[int, Any],
-                   made: list[tuple[int, int, bytes | None]], dropped: list[int], forgotten: list[int]) -> None:
+def _take_matchers(
+    backend: StructuredOutputBackend,
+    compiled: dict[int, Any],
+    matchers: dict[int, Any],
+    made: list[tuple[int, int, bytes | None]],
+    dropped: list[int],
+    forgotten: list[int],
+) -> None:
     # Forgotten first: a key forgotten and sent again in one message holds the new bytes. Dropped before the matchers
     # are made, and a dropped one is not made (a request that ended before its matcher's first step drops it in the
     # same message); its compiled constraint is kept all the same (the core counts it sent).
@@ -440,8 +479,9 @@ def distinct_batches(items: Sequence[T], key: Callable[[T], Hashable]) -> Iterat
         yield batch
 
 
-def _accept_reporting(backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[list[int]],
-                      reports: numpy.ndarray) -> None:
+def _accept_reporting(
+    backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[list[int]], reports: numpy.ndarray
+) -> None:
     """Each token of the matchers in ``matchers`` (``accepted``: ``[handle, token]`` in order), in batches where a
     matcher appears once; one that ended or refused a token leaves ``matchers`` (it takes no more tokens and fills
     no rows) and has that token's entry of ``reports`` set (:data:`ENDED`, :data:`REFUSED`)."""

@@ -148,12 +148,16 @@ class ComputedPrefix(msgspec.Struct, frozen=True):
 class KVCacheManager:
     """Allocates, shares and frees KV-cache blocks of every group for every request."""
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks: Sequence[int], enable_prefix_caching: bool = True):
+    def __init__(
+        self, groups: Sequence[KVCacheGroupSpec], num_blocks: Sequence[int], enable_prefix_caching: bool = True
+    ):
         if len(groups) != len(num_blocks):
             raise ValueError(f"{len(groups)} KV-cache groups but {len(num_blocks)} block counts")
         self.groups = tuple(groups)
         self.pools = tuple(BlockPool(count) for count in num_blocks)
-        self.prefix_caching = enable_prefix_caching and all(group.prefix_cacheable or group.checkpointed for group in self.groups)
+        self.prefix_caching = enable_prefix_caching and all(
+            group.prefix_cacheable or group.checkpointed for group in self.groups
+        )
         self._hash_unit = lcm(*(group.spec.block_size for group in self.groups))
         self._blocks: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[list[bytes]]] = {}
@@ -196,7 +200,7 @@ class KVCacheManager:
             return empty
         usable = ((len(token_ids) - 1) // self._hash_unit) * self._hash_unit
         per_group: list[tuple[int, ...]] = []
-        for group, pool in zip(self.groups, self.pools):
+        for group, pool in zip(self.groups, self.pools, strict=False):
             found = []
             for block_hash in block_hashes(token_ids[:usable], group.spec.block_size) if group.prefix_cacheable else ():
                 block = pool.lookup(block_hash)
@@ -205,22 +209,28 @@ class KVCacheManager:
                 found.append(block)
             per_group.append(tuple(found))
         num_tokens = self._held_by_all(per_group, ())
-        blocks = tuple(found[: num_tokens // group.spec.block_size] for found, group in zip(per_group, self.groups))
+        blocks = tuple(
+            found[: num_tokens // group.spec.block_size] for found, group in zip(per_group, self.groups, strict=False)
+        )
         fillable = self._held_by_all(per_group, filled_groups) - num_tokens if filled_groups else 0
         if fillable <= 0:
             return ComputedPrefix(blocks=blocks, num_tokens=num_tokens)
         end = num_tokens + fillable
         fillable_blocks = tuple(
             () if index in filled_groups else found[num_tokens // group.spec.block_size : end // group.spec.block_size]
-            for index, (found, group) in enumerate(zip(per_group, self.groups))
+            for index, (found, group) in enumerate(zip(per_group, self.groups, strict=False))
         )
-        return ComputedPrefix(blocks=blocks, num_tokens=num_tokens, fillable_tokens=fillable,
-                              fillable_blocks=fillable_blocks)
+        return ComputedPrefix(
+            blocks=blocks, num_tokens=num_tokens, fillable_tokens=fillable, fillable_blocks=fillable_blocks
+        )
 
     def _held_by_all(self, per_group: list[tuple[int, ...]], skipped: Sequence[int]) -> int:
         """Tokens (a multiple of the hash unit) whose blocks every prefix-cacheable group not ``skipped`` found."""
-        held = [len(found) * group.spec.block_size for index, (found, group) in enumerate(zip(per_group, self.groups))
-                if group.prefix_cacheable and index not in skipped]
+        held = [
+            len(found) * group.spec.block_size
+            for index, (found, group) in enumerate(zip(per_group, self.groups, strict=False))
+            if group.prefix_cacheable and index not in skipped
+        ]
         return (min(held, default=0) // self._hash_unit) * self._hash_unit
 
     def filled(self, prefix: ComputedPrefix, num_tokens: int) -> ComputedPrefix:
@@ -230,11 +240,13 @@ class KVCacheManager:
         if num_tokens == 0:
             return prefix
         if num_tokens % self._hash_unit or not 0 < num_tokens <= prefix.fillable_tokens:
-            raise ValueError(f"{num_tokens} tokens cannot extend a prefix hit of {prefix.num_tokens} tokens: at most "
-                             f"{prefix.fillable_tokens} are fillable, in multiples of {self._hash_unit}")
+            raise ValueError(
+                f"{num_tokens} tokens cannot extend a prefix hit of {prefix.num_tokens} tokens: at most "
+                f"{prefix.fillable_tokens} are fillable, in multiples of {self._hash_unit}"
+            )
         blocks = tuple(
             shared + more[: num_tokens // group.spec.block_size]
-            for shared, more, group in zip(prefix.blocks, prefix.fillable_blocks, self.groups)
+            for shared, more, group in zip(prefix.blocks, prefix.fillable_blocks, self.groups, strict=False)
         )
         return ComputedPrefix(blocks=blocks, num_tokens=prefix.num_tokens)
 
@@ -256,19 +268,20 @@ class KVCacheManager:
         held = self._blocks.get(request_id)
         new_request = held is None
         if not new_request and all(
-            len(blocks) >= group.spec.blocks_for_tokens(num_tokens) for group, blocks in zip(self.groups, held)
+            len(blocks) >= group.spec.blocks_for_tokens(num_tokens)
+            for group, blocks in zip(self.groups, held, strict=False)
         ):
             return True  # a decode step inside blocks it already holds: the common case, kept cheap
         held = held or [[] for _ in self.groups]
         reused = prefix.blocks if (new_request and prefix is not None) else tuple(() for _ in self.groups)
         needed = []
-        for group, pool, blocks, shared in zip(self.groups, self.pools, held, reused):
+        for group, pool, blocks, shared in zip(self.groups, self.pools, held, reused, strict=False):
             missing = group.spec.blocks_for_tokens(num_tokens) - len(blocks) - len(shared)
             idle_shared = sum(1 for block in shared if pool.is_idle(block))
             if max(missing, 0) + idle_shared > pool.num_free:
                 return False
             needed.append(max(missing, 0))
-        for pool, blocks, shared, count in zip(self.pools, held, reused, needed):
+        for pool, blocks, shared, count in zip(self.pools, held, reused, needed, strict=False):
             for block in shared:
                 pool.touch(block)
             blocks.extend(shared)
@@ -313,13 +326,15 @@ class KVCacheManager:
         snapshot (:class:`CheckpointSpec`) blocks, so no later hit can end in its prefix."""
         self._without_snapshots.add(request_id)
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[tuple[int, int, bytes]]:
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> list[tuple[int, int, bytes]]:
         """Publish the request's blocks that are now full and computed, so later requests can reuse them; returns
         ``(group, block, hash)`` of each block published now (for :meth:`uncache`)."""
         published: list[tuple[int, int, bytes]] = []
         if not self.prefix_caching:
             return published
-        for index, (group, pool) in enumerate(zip(self.groups, self.pools)):
+        for index, (group, pool) in enumerate(zip(self.groups, self.pools, strict=False)):
             if not group.prefix_cacheable:
                 continue
             if request_id in self._without_snapshots and isinstance(group.spec, CheckpointSpec):
@@ -351,7 +366,7 @@ class KVCacheManager:
         self._without_snapshots.discard(request_id)
         if blocks is None:
             return
-        for group, (pool, group_blocks) in enumerate(zip(self.pools, blocks)):
+        for group, (pool, group_blocks) in enumerate(zip(self.pools, blocks, strict=False)):
             for position in range(len(group_blocks) - 1, -1, -1):
                 block = group_blocks[position]
                 if (group, position) not in released:

@@ -91,17 +91,24 @@ class SchedulerConnector:
             skipped = [group.name for group in self.groups if not group.prefix_cacheable]
             logger.info(
                 "KV connector %r: groups %s are not prefix-cacheable, so prompts are computed in full; "
-                "the other groups are still handed to the connector", self.name, skipped,
+                "the other groups are still handed to the connector",
+                self.name,
+                skipped,
             )
         # A transfer moves the request's state itself; snapshots of its prefix stay behind (never published).
-        self.all_transferable = all(group.transferable or isinstance(group.spec, CheckpointSpec) for group in self.groups)
+        self.all_transferable = all(
+            group.transferable or isinstance(group.spec, CheckpointSpec) for group in self.groups
+        )
         self.scheduler_side = connector_class(options, "scheduler", self.groups, context)
         self.filled_groups = tuple(self.scheduler_side.fills_groups())
         """The groups whose blocks of a local prefix hit the connector loads (empty: its loads fill every group)."""
         if self.filled_groups and not self.loads_possible:
-            logger.info("KV connector %r fills groups %s of the engine's prefix hits; the engine's prefix cache is off "
-                        "for this model, so there are none to fill", self.name,
-                        [self.groups[index].name for index in self.filled_groups])
+            logger.info(
+                "KV connector %r fills groups %s of the engine's prefix hits; the engine's prefix cache is off "
+                "for this model, so there are none to fill",
+                self.name,
+                [self.groups[index].name for index in self.filled_groups],
+            )
         self.stats = ConnectorStats()
         self.metric_specs = {metric.name: metric for metric in connector_class.metrics}
         self.metric_totals: dict[str, ConnectorMetricTotal] = {}
@@ -119,8 +126,9 @@ class SchedulerConnector:
 
     # The scheduler's calls.
 
-    def lookup(self, request: Request, num_computed_tokens: int, may_load: bool = True,
-               fillable: tuple[int, int] = (0, 1)) -> tuple[int, bool] | None:
+    def lookup(
+        self, request: Request, num_computed_tokens: int, may_load: bool = True, fillable: tuple[int, int] = (0, 1)
+    ) -> tuple[int, bool] | None:
         """``(tokens, load_async)``: the tokens after ``num_computed_tokens`` that the connector can load for
         ``request``, and whether they arrive asynchronously (None: ask again later). ``may_load`` False: the
         request computes every token (it asked for prompt logprobs), so only a connector that gates admission
@@ -142,19 +150,25 @@ class SchedulerConnector:
             return 0, False  # a connector that gates admission let it in: any offer is ignored
         if self.filled_groups and count:
             if load_async:
-                raise RuntimeError(f"KV connector {self.name!r} fills groups {list(self.filled_groups)} of prefix "
-                                   f"hits, but offered an asynchronous load of request {request.request_id!r}: "
-                                   f"a fill is synchronous")
+                raise RuntimeError(
+                    f"KV connector {self.name!r} fills groups {list(self.filled_groups)} of prefix "
+                    f"hits, but offered an asynchronous load of request {request.request_id!r}: "
+                    f"a fill is synchronous"
+                )
             tokens, unit = fillable
             count = min(count, tokens) // unit * unit  # only what every other group holds, in whole blocks of each
         if count and load_async and not self.all_transferable:
             refused = [group.name for group in self.groups if not group.transferable]
-            raise RuntimeError(f"KV connector {self.name!r} offered an asynchronous load of request "
-                               f"{request.request_id!r}, but KV-cache groups {refused} are not transferable")
+            raise RuntimeError(
+                f"KV connector {self.name!r} offered an asynchronous load of request "
+                f"{request.request_id!r}, but KV-cache groups {refused} are not transferable"
+            )
         if count and not load_async and not self.loads_possible:
             refused = [group.name for group in self.groups if not group.prefix_cacheable]
-            raise RuntimeError(f"KV connector {self.name!r} offered a synchronous load of request "
-                               f"{request.request_id!r}, but KV-cache groups {refused} are not prefix-cacheable")
+            raise RuntimeError(
+                f"KV connector {self.name!r} offered a synchronous load of request "
+                f"{request.request_id!r}, but KV-cache groups {refused} are not prefix-cacheable"
+            )
         if count < 0 or num_computed_tokens + count >= request.num_tokens:
             raise RuntimeError(
                 f"KV connector {self.name!r} offered {count} tokens of request {request.request_id!r} after "
@@ -162,8 +176,13 @@ class SchedulerConnector:
             )
         return count, load_async and count > 0
 
-    def allocated(self, request: Request, num_external_tokens: int, block_ids: tuple[tuple[int, ...], ...],
-                  load_async: bool = False) -> None:
+    def allocated(
+        self,
+        request: Request,
+        num_external_tokens: int,
+        block_ids: tuple[tuple[int, ...], ...],
+        load_async: bool = False,
+    ) -> None:
         """The scheduler admitted ``request`` with ``block_ids``, ``num_external_tokens`` of them to load
         (``load_async``: parked until they arrive)."""
         connector_request = self._connector_request(request)
@@ -205,7 +224,9 @@ class SchedulerConnector:
         return any(request_id in self._loading for request_id in request_ids)
 
     def build_metadata(
-        self, scheduled: list[tuple[Request, int, int, tuple[tuple[int, ...], ...]]], kv_cache: KVCacheManager,
+        self,
+        scheduled: list[tuple[Request, int, int, tuple[tuple[int, ...], ...]]],
+        kv_cache: KVCacheManager,
     ) -> bytes:
         """The connector's metadata for a step scheduling ``(request, tokens computed before the step, new
         tokens, block ids)``, as msgpack;
@@ -217,8 +238,10 @@ class SchedulerConnector:
             reclaimed=kv_cache.reclaimed(),
             requests=tuple(
                 ConnectorStepRequest(
-                    request_id=request.request_id, num_computed_tokens=computed,
-                    num_new_tokens=count, block_ids=block_ids,
+                    request_id=request.request_id,
+                    num_computed_tokens=computed,
+                    num_new_tokens=count,
+                    block_ids=block_ids,
                     num_external_tokens=self._loading.get(request.request_id, 0),
                 )
                 for request, computed, count, block_ids in scheduled
@@ -237,7 +260,8 @@ class SchedulerConnector:
         """The requests whose synchronous load failed in the reported step, with the external tokens they were to load."""
         failed = {
             request_id: self._loading.get(request_id, 0)
-            for request_id in report.failed_loads if request_id not in self._receiving
+            for request_id in report.failed_loads
+            if request_id not in self._receiving
         }
         for request_id, count in failed.items():
             self.stats.failed_load_tokens += count
@@ -257,8 +281,12 @@ class SchedulerConnector:
             count = self._receiving.pop(request_id)
             resolved[request_id] = 0
             self.stats.failed_load_tokens += count
-            logger.warning("KV connector %r could not receive %d tokens of request %s; computing them",
-                           self.name, count, request_id)
+            logger.warning(
+                "KV connector %r could not receive %d tokens of request %s; computing them",
+                self.name,
+                count,
+                request_id,
+            )
         return resolved
 
     def update(self, report: ConnectorOutput) -> list[str]:
@@ -298,10 +326,10 @@ class SchedulerConnector:
             prompt = tuple(request.prompt_token_ids)
             hashes = block_hashes(prompt, self.block_size) if self.block_size else []
             known = ConnectorRequest(
-                request_id=request.request_id, prompt_token_ids=prompt, block_hashes=tuple(hashes),
+                request_id=request.request_id,
+                prompt_token_ids=prompt,
+                block_hashes=tuple(hashes),
                 params=request.kv_transfer_params or {},
             )
             self._requests[request.request_id] = known
         return known
-
-

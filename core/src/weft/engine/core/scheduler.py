@@ -99,7 +99,9 @@ class Scheduler(SchedulerState):
     # Scheduling.
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.max_num_batched_tokens, self.long_prefill_token_threshold if self.enable_chunked_prefill else 0)
+        plan = _StepPlan(
+            self.max_num_batched_tokens, self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
+        )
         # A step that preempted admits nothing: the blocks it freed are the running requests' next ones, and the
         # victim, first in line, would come straight back (its blocks of the step in flight not counted yet) only to
         # be preempted again, recomputing its prefill step after step.
@@ -139,8 +141,9 @@ class Scheduler(SchedulerState):
                 continue
             while not self.kv_cache.allocate_slots(request.request_id, planned + count):
                 victim = self.running.pop()
-                self._steps.publish_before_preempt(victim, self._planned.get(victim.request_id, 0), self.kv_cache,
-                                                   self.connector is not None)
+                self._steps.publish_before_preempt(
+                    victim, self._planned.get(victim.request_id, 0), self.kv_cache, self.connector is not None
+                )
                 self._preempt(victim)
                 preempted = True
                 if victim in plan.capped:
@@ -180,7 +183,9 @@ class Scheduler(SchedulerState):
             count = min(needed, plan.budget) if self.enable_chunked_prefill else needed
             long = bool(plan.long_cap) and count > plan.long_cap
             if long and long_prefills >= self.max_long_partial_prefills:
-                set_aside.append(self.waiting.popleft())  # its turn comes when a long prefill ends; shorter ones go first
+                set_aside.append(
+                    self.waiting.popleft()
+                )  # its turn comes when a long prefill ends; shorter ones go first
                 continue
             if long:
                 count = plan.long_cap
@@ -192,7 +197,10 @@ class Scheduler(SchedulerState):
             # saves and transfers take a request's blocks as its computed tokens' own.
             lookahead = 1 if self.connector is None and self.running and computed + count == len(tokens) else 0
             if not self.kv_cache.allocate_slots(
-                request.request_id, computed + count + lookahead, prefix, prompt_length=len(tokens) if first_time else 0,
+                request.request_id,
+                computed + count + lookahead,
+                prefix,
+                prompt_length=len(tokens) if first_time else 0,
             ):
                 break
             self.waiting.popleft()
@@ -223,9 +231,16 @@ class Scheduler(SchedulerState):
         computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
         filled = self.connector.filled_groups if self.connector is not None else ()
         prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens, filled)
-        offer = (self.connector.lookup(request, prefix.num_tokens, may_load=not computes_all,
-                                       fillable=(prefix.fillable_tokens, self.kv_cache.fillable_unit))
-                 if self.connector is not None else (0, False))
+        offer = (
+            self.connector.lookup(
+                request,
+                prefix.num_tokens,
+                may_load=not computes_all,
+                fillable=(prefix.fillable_tokens, self.kv_cache.fillable_unit),
+            )
+            if self.connector is not None
+            else (0, False)
+        )
         if offer is None:
             return None
         local, (external, load_async) = prefix.num_tokens, offer
@@ -254,8 +269,10 @@ class Scheduler(SchedulerState):
         metadata = None
         if self.connector is not None:
             metadata = self.connector.build_metadata(
-                [(request, self._planned[request.request_id], count, self.kv_cache.block_ids(request.request_id))
-                 for request, count in scheduled],
+                [
+                    (request, self._planned[request.request_id], count, self.kv_cache.block_ids(request.request_id))
+                    for request, count in scheduled
+                ],
                 self.kv_cache,
             )
         first_ids = {new.request_id for new in new_requests}
@@ -272,8 +289,12 @@ class Scheduler(SchedulerState):
                 constrained.append(request.request_id)
         finished = self._steps.launched(rows)
         return SchedulerOutput(
-            new_requests=new_requests, cached_requests=cached_requests, num_scheduled_tokens=counts,
-            finished_request_ids=finished, kv_connector_metadata=metadata, structured_output_request_ids=constrained,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=counts,
+            finished_request_ids=finished,
+            kv_connector_metadata=metadata,
+            structured_output_request_ids=constrained,
             has_sync_kv_loads=self.connector is not None and self.connector.has_sync_loads(list(counts)),
         )
 

@@ -33,8 +33,13 @@ logger = logging.getLogger("weft.engine")
 
 
 class SchedulerState:
-    def __init__(self, kv_cache: KVCacheManager, max_model_len: int, connector: SchedulerConnector | None = None,
-                 structured_outputs: StructuredOutputManager | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        connector: SchedulerConnector | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.connector = connector
         self.structured_outputs = structured_outputs
@@ -115,14 +120,17 @@ class SchedulerState:
         """The gauges of the queues, the KV cache and the KV connector (``num_steps``: the core's step count)."""
         manager, connector = self.kv_cache, self.connector
         return CoreStats(
-            waiting=len(self.waiting) + len(self.receiving), running=len(self.running),
+            waiting=len(self.waiting) + len(self.receiving),
+            running=len(self.running),
             waiting_for_remote_kv=len(self.receiving),
-            kv_cache_usage=manager.usage(), prefix_cache_query_tokens=manager.stats.query_tokens,
+            kv_cache_usage=manager.usage(),
+            prefix_cache_query_tokens=manager.stats.query_tokens,
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
             connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
             connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
             connector_metrics=connector.metric_totals if connector is not None else {},
-            num_preemptions=self.num_preemptions, num_steps=num_steps,
+            num_preemptions=self.num_preemptions,
+            num_steps=num_steps,
         )
 
     @property
@@ -131,7 +139,10 @@ class SchedulerState:
         return len(self.running), len(self.waiting)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: ModelRunnerOutput, connector_report: ConnectorOutput | None,
+        self,
+        output: SchedulerOutput,
+        sampled: ModelRunnerOutput,
+        connector_report: ConnectorOutput | None,
     ) -> list[EngineCoreOutput]:
         """Apply one step's results: ``sampled`` (the workers' tokens), stop rules and the KV connector's
         report of the step (``connector_report``: its loads, receipts and saves). Returns each request's
@@ -154,7 +165,7 @@ class SchedulerState:
                     self.kv_cache.forgo_snapshots(request_id)
                 self.waiting.appendleft(request)
         outputs: list[EngineCoreOutput] = []
-        for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids):
+        for request_id, token in zip(sampled.request_ids, sampled.sampled_token_ids, strict=False):
             request = self.requests.get(request_id)
             row = rows.get(request_id)
             if request is None or request.finished or row is None or request.num_preemptions != row.num_preemptions:
@@ -173,9 +184,14 @@ class SchedulerState:
                 continue
             request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id]
             if request_id in sampled.failed:
-                outputs.append(EngineCoreOutput(
-                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id],
-                ))
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        [],
+                        finish_reason=RequestStatus.FINISHED_ERROR.value,
+                        error=sampled.failed[request_id],
+                    )
+                )
                 self.finish(request_id, RequestStatus.FINISHED_ERROR)
                 continue
             known = min(request.num_computed_tokens, request.num_tokens)
@@ -193,12 +209,18 @@ class SchedulerState:
             prompt_logprobs = None
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            outputs.append(EngineCoreOutput(
-                request_id, [token], [logprobs] if logprobs is not None else None,
-                request.finish_reason, request.stop_reason, request.num_cached_tokens,
-                queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
-                prompt_logprobs=prompt_logprobs,
-            ))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    [token],
+                    [logprobs] if logprobs is not None else None,
+                    request.finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
             if request.finished:
                 self._free(request)
         if connector is not None and report is not None:
@@ -227,8 +249,11 @@ class SchedulerState:
         owns); ``saves_timeout``: how long the core waited for pending saves, for the warning when some remain."""
         if self.connector is not None:
             if self.connector.has_delayed_frees:
-                logger.warning("KV connector %r: finished requests still had saves in flight after %.0f s",
-                               self.connector.name, saves_timeout)
+                logger.warning(
+                    "KV connector %r: finished requests still had saves in flight after %.0f s",
+                    self.connector.name,
+                    saves_timeout,
+                )
             self.connector.close()
         if self.structured_outputs is not None:
             self.structured_outputs.close()

@@ -47,7 +47,10 @@ class StepsInFlight:
         ``(steps in flight at the time, blocks)``; unpublished if one of those steps fails."""
 
     def requests_for_workers(
-        self, scheduled: list[tuple[Request, int]], starts: dict[str, int], kv_cache: KVCacheManager,
+        self,
+        scheduled: list[tuple[Request, int]],
+        starts: dict[str, int],
+        kv_cache: KVCacheManager,
     ) -> tuple[list[NewRequest], list[CachedRequest]]:
         """What the workers need of the scheduled requests (``starts``: where each one's step starts): new ones
         whole, the others' start and the blocks they gained since they were last sent."""
@@ -59,15 +62,27 @@ class StepsInFlight:
             sent = self._sent_blocks.get(request_id)
             start = starts[request_id]
             if sent is None:
-                new_requests.append(NewRequest(
-                    request_id, list(request.all_token_ids), request.num_prompt_tokens, request.params,
-                    tuple(request.eos_token_ids), blocks, start, request.state_transferred,
-                ))
+                new_requests.append(
+                    NewRequest(
+                        request_id,
+                        list(request.all_token_ids),
+                        request.num_prompt_tokens,
+                        request.params,
+                        tuple(request.eos_token_ids),
+                        blocks,
+                        start,
+                        request.state_transferred,
+                    )
+                )
             else:
-                grown = any(len(group) > held for group, held in zip(blocks, sent))
-                cached_requests.append(CachedRequest(
-                    request_id, start, tuple(group[held:] for group, held in zip(blocks, sent)) if grown else None,
-                ))
+                grown = any(len(group) > held for group, held in zip(blocks, sent, strict=False))
+                cached_requests.append(
+                    CachedRequest(
+                        request_id,
+                        start,
+                        tuple(group[held:] for group, held in zip(blocks, sent, strict=False)) if grown else None,
+                    )
+                )
             self._sent_blocks[request_id] = [len(group) for group in blocks]
         return new_requests, cached_requests
 
@@ -87,8 +102,9 @@ class StepsInFlight:
         self._published = [(steps - 1, blocks) for steps, blocks in self._published if steps > 1]
         return self._steps.popleft()
 
-    def publish_before_preempt(self, request: Request, planned: int, kv_cache: KVCacheManager,
-                               with_connector: bool) -> None:
+    def publish_before_preempt(
+        self, request: Request, planned: int, kv_cache: KVCacheManager, with_connector: bool
+    ) -> None:
         """Before preempting a request with steps in flight: publish the blocks those steps fill (of tokens whose ids
         are known; ``planned``: the tokens computed or being computed) in the prefix cache, so that it finds them
         when it comes back rather than computing them again; with asynchronous scheduling a preempted request
@@ -102,7 +118,8 @@ class StepsInFlight:
         if known <= request.num_computed_tokens:
             return
         if with_connector and any(
-                (row := step.get(request.request_id)) is not None and row.first for step in self._steps):
+            (row := step.get(request.request_id)) is not None and row.first for step in self._steps
+        ):
             return
         published = kv_cache.cache_blocks(request.request_id, request.all_token_ids, known)
         if published:

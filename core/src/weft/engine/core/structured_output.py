@@ -139,7 +139,9 @@ class StructuredOutputManager:
         state.matcher = RemoteMatcher(process)
         self._made.append((state.matcher.handle, *compiled))
         if state.active and state.start is not None:  # made again (its fill process died): it catches up
-            self._accepted.extend((request.request_id, state, token) for token in request.output_token_ids[state.start :])
+            self._accepted.extend(
+                (request.request_id, state, token) for token in request.output_token_ids[state.start :]
+            )
         return True
 
     def _start_again_later(self) -> None:
@@ -148,8 +150,10 @@ class StructuredOutputManager:
         if self._start_failed_at is None:
             self._start_failed_at = now
         elif now - self._start_failed_at >= FILL_START_RETRY_S:
-            logger.warning("structured outputs: starting the fill processes again (they failed to start %.0f s ago)",
-                           now - self._start_failed_at)
+            logger.warning(
+                "structured outputs: starting the fill processes again (they failed to start %.0f s ago)",
+                now - self._start_failed_at,
+            )
             self._start_failed_at = None
             self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
 
@@ -183,10 +187,13 @@ class StructuredOutputManager:
         failed, self._fill_failed = self._fill_failed, False
         if group.alive and not failed:
             return
-        logger.error("structured outputs: %s (exit codes %s); starting %d fill processes again; the constrained "
-                     "requests continue once their matchers are made again",
-                     "a fill process exited" if not group.alive else "a fill step failed", group.exit_codes,
-                     len(group.children))
+        logger.error(
+            "structured outputs: %s (exit codes %s); starting %d fill processes again; the constrained "
+            "requests continue once their matchers are made again",
+            "a fill process exited" if not group.alive else "a fill step failed",
+            group.exit_codes,
+            len(group.children),
+        )
         group.close()
         self._made, self._accepted = [], []  # for matchers of the group that is gone
         self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
@@ -202,8 +209,11 @@ class StructuredOutputManager:
         """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled on
         the fill thread once every matcher took the tokens :meth:`accept` recorded; call neither method
         again before taking the result."""
-        candidates = [(request_id, request.constraint) for request_id in request_ids
-                      if (request := requests.get(request_id)) is not None and request.constraint is not None]
+        candidates = [
+            (request_id, request.constraint)
+            for request_id in request_ids
+            if (request := requests.get(request_id)) is not None and request.constraint is not None
+        ]
         if not candidates:  # finished meanwhile: the recorded tokens wait for the next fill
             empty: Future[GrammarOutput] = Future()
             empty.set_result(GrammarOutput([], b""))
@@ -214,18 +224,28 @@ class StructuredOutputManager:
             return self._send_remote(accepted, candidates, made)
         return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
 
-    def _send_remote(self, accepted: list[tuple[str, ConstraintState, int]], candidates: list[tuple[str, ConstraintState]],
-                     made: list[tuple[int, int, bytes]]) -> Future[GrammarOutput]:
+    def _send_remote(
+        self,
+        accepted: list[tuple[str, ConstraintState, int]],
+        candidates: list[tuple[str, ConstraintState]],
+        made: list[tuple[int, int, bytes]],
+    ) -> Future[GrammarOutput]:
         """:meth:`_accept_and_fill` by the fill process: the message sent now, the reply read when the result is
         taken (:class:`RemoteReply`)."""
         reply = RemoteReply()
         try:
             process = self._process.result()  # type: ignore[union-attr]
-            live = [(request_id, state, token_id) for request_id, state, token_id in accepted
-                    if not (state.failed or state.terminated)]
+            live = [
+                (request_id, state, token_id)
+                for request_id, state, token_id in accepted
+                if not (state.failed or state.terminated)
+            ]
             masked = [(request_id, state) for request_id, state in candidates if state.masks]
-            process.send_step(made, [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
-                              [state.matcher.handle for _, state in masked])  # type: ignore[union-attr]
+            process.send_step(
+                made,
+                [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
+                [state.matcher.handle for _, state in masked],
+            )  # type: ignore[union-attr]
         except BaseException as error:
             self._fill_failed = True
             reply.set_exception(error)
@@ -234,8 +254,13 @@ class StructuredOutputManager:
         reply.receive = lambda: self._finish_remote(process, live, masked, openers)
         return reply
 
-    def _finish_remote(self, process: FillGroup, live: list[tuple[str, ConstraintState, int]],
-                       masked: list[tuple[str, ConstraintState]], openers: dict[int, int]) -> GrammarOutput:
+    def _finish_remote(
+        self,
+        process: FillGroup,
+        live: list[tuple[str, ConstraintState, int]],
+        masked: list[tuple[str, ConstraintState]],
+        openers: dict[int, int],
+    ) -> GrammarOutput:
         """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints (what the children
         that did not fail report is applied before a failure raises)."""
         by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
@@ -266,8 +291,9 @@ class StructuredOutputManager:
             rows = words.tobytes()
         return GrammarOutput(filled, rows)
 
-    def _accept_and_fill(self, accepted: list[tuple[str, ConstraintState, int]],
-                         candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
+    def _accept_and_fill(
+        self, accepted: list[tuple[str, ConstraintState, int]], candidates: list[tuple[str, ConstraintState]]
+    ) -> GrammarOutput:
         self._accept(accepted)
         return self._fill(candidates)
 
@@ -279,11 +305,16 @@ class StructuredOutputManager:
     def _accept_batch(self, batch: list[tuple[str, ConstraintState, int]]) -> None:
         """Each matcher (once in ``batch``) takes its token in one backend call; a constraint already over takes
         nothing, one refusing its token is marked failed."""
-        live = [(request_id, state, token_id) for request_id, state, token_id in batch if not (state.failed or state.terminated)]
+        live = [
+            (request_id, state, token_id)
+            for request_id, state, token_id in batch
+            if not (state.failed or state.terminated)
+        ]
         if not live:
             return
         results = self._backend.result().accept_tokens(  # type: ignore[union-attr]
-            [state.matcher for _, state, _ in live], [token_id for _, _, token_id in live])  # type: ignore[misc]
+            [state.matcher for _, state, _ in live], [token_id for _, _, token_id in live]
+        )  # type: ignore[misc]
         for (request_id, state, token_id), (ok, terminated) in zip(live, results, strict=True):
             if ok:
                 state.terminated = terminated
@@ -325,8 +356,12 @@ class StructuredOutputManager:
             return future
 
     def _forget_compiled(self, future: Future) -> None:
-        if future.exception() is None and self._process is not None and self._process.done() \
-                and self._process.exception() is None:
+        if (
+            future.exception() is None
+            and self._process is not None
+            and self._process.done()
+            and self._process.exception() is None
+        ):
             self._process.result().forget(future.result()[0])
 
     def _start(self) -> None:
@@ -335,20 +370,28 @@ class StructuredOutputManager:
         self._backend_class = select_structured_output(self.registry, self.config.use.structured_output)
         if self._backend_class is None:
             raise ValueError(no_backend_message(self.config))
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cpus() // 2)),
-                                        thread_name_prefix="weft-grammar")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(4, usable_cpus() // 2)), thread_name_prefix="weft-grammar"
+        )
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
-        self._backend = self._pool.submit(_build_backend, self.config, self.registry, self.source, self.vocab_size,
-                                          self._backend_class)
+        self._backend = self._pool.submit(
+            _build_backend, self.config, self.registry, self.source, self.vocab_size, self._backend_class
+        )
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
 
     def _start_process(self) -> FillGroup:
         backend = self._backend.result()  # type: ignore[union-attr]
         count = self.config.engine.structured_output_fill_processes or default_processes()
-        group = FillGroup(self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count)
-        logger.debug("structured outputs: bitmasks filled in %d process%s of their own (pid %s)", count,
-                    "" if count == 1 else "es", ", ".join(str(pid) for pid in group.pids))
+        group = FillGroup(
+            self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count
+        )
+        logger.debug(
+            "structured outputs: bitmasks filled in %d process%s of their own (pid %s)",
+            count,
+            "" if count == 1 else "es",
+            ", ".join(str(pid) for pid in group.pids),
+        )
         return group
 
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
@@ -403,8 +446,13 @@ class RemoteReply(Future):
             self.set_exception(error)
 
 
-def _build_backend(config: WeftConfig, registry: PluginRegistry, source: Any, vocab_size: int,
-                   backend_class: type[StructuredOutputBackend]) -> StructuredOutputBackend:
+def _build_backend(
+    config: WeftConfig,
+    registry: PluginRegistry,
+    source: Any,
+    vocab_size: int,
+    backend_class: type[StructuredOutputBackend],
+) -> StructuredOutputBackend:
     from weft.resolve import load_tokenizer, options_for
 
     tokenizer = load_tokenizer(registry, config, source)
@@ -425,8 +473,12 @@ def _allow(words: numpy.ndarray, tokens: list[int | None]) -> None:
 
 def _refused(request_id: str, state: ConstraintState, token_id: int) -> None:
     # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
-    logger.warning("request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
-                   request_id, token_id, state.constraint.kind)
+    logger.warning(
+        "request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
+        request_id,
+        token_id,
+        state.constraint.kind,
+    )
     state.failed = True
 
 
@@ -436,9 +488,12 @@ def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputB
     is set: on fewer the process's CPU is one the core's own work needs)."""
     setting = config.engine.structured_output_fill
     if setting == "process" and not backend_class.fills_in_a_process():
-        raise ValueError(f"engine.structured_output_fill = 'process', but the {backend_class.name!r} structured-output "
-                         "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'")
+        raise ValueError(
+            f"engine.structured_output_fill = 'process', but the {backend_class.name!r} structured-output "
+            "backend cannot serialize its compiled constraints; set it to 'thread' or 'auto'"
+        )
     if setting == "auto":
         return backend_class.fills_in_a_process() and (
-            usable_cpus() >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None)
+            usable_cpus() >= SPIN_MIN_CPUS or config.engine.structured_output_fill_processes is not None
+        )
     return setting == "process"

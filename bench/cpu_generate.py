@@ -104,7 +104,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 path = {path!r}
 tokenizer = AutoTokenizer.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1])
-model = AutoModelForCausalLM.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(
+    path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
+)
 model.generate(**tokenizer("Hello", return_tensors="pt"), max_new_tokens=1)
 """
 
@@ -143,8 +145,8 @@ def main() -> None:
     from weft import LLM
 
     print(
-        f"# cpu_generate: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}"
+        f"# cpu_generate: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch "
+        f"{torch.__version__}, threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d')}"
     )
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)

@@ -78,14 +78,14 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         nbytes = n * k * 2
-        cublas = graph_time(lambda: F.linear(x, weight))
+        cublas = graph_time(lambda x=x, weight=weight: F.linear(x, weight))
         chosen = tile_config(n, k, 1)
         results = {}
         for block_n, block_k, warps in dict.fromkeys(
             [chosen] + list(itertools.product((4, 8, 16), (512, 1024), (4, 8)))
         ):
 
-            def launch():
+            def launch(x=x, weight=weight, y=y, n=n, k=k, block_n=block_n, block_k=block_k, warps=warps):
                 return _gemv_kernel[(-(-n // block_n),)](
                     x,
                     weight,
@@ -172,7 +172,8 @@ def main() -> None:
     roofline = (weight_bytes + kv_bytes) / bandwidth
     print(
         f"roofline: {(weight_bytes + kv_bytes) / 1e9:.2f} GB per step ({weight_bytes / 1e9:.2f} weights + "
-        f"{kv_bytes / 1e9:.3f} KV at {average_context} tokens) at {bandwidth / 1e12:.2f} TB/s = {roofline * 1e3:.3f} ms",
+        f"{kv_bytes / 1e9:.3f} KV at {average_context} tokens) at {bandwidth / 1e12:.2f} TB/s = {roofline * 1e3:.3f} "
+        "ms",
         flush=True,
     )
     variants = {

@@ -72,11 +72,11 @@ halves = [batch(0, R // 2), batch(R // 2, R)]
 x_full = F.rms_norm(torch.randn(R, H, dtype=dt, device=dev), (H,))
 
 
-def qkv(x, l):
-    return F.linear(x, W[l % NW]["qkv"])
+def qkv(x, layer_index):
+    return F.linear(x, W[layer_index % NW]["qkv"])
 
 
-def attn(qkvo, l, b):
+def attn(qkvo, layer_index, b):
     q = qkvo[:, :H].view(-1, 32, D).contiguous()
     out = torch.empty_like(q)
     kern(
@@ -86,15 +86,15 @@ def attn(qkvo, l, b):
         block_m=16,
         splits=1,
         query=q,
-        kv_cache=caches[l % NC],
+        kv_cache=caches[layer_index % NC],
         output=out,
         batch=b,
     )
     return out.view(-1, H)
 
 
-def mlp(a, x, l):
-    w = W[l % NW]
+def mlp(a, x, layer_index):
+    w = W[layer_index % NW]
     h = x + F.linear(a, w["o"])
     gu = F.linear(F.rms_norm(h, (H,)), w["gu"])
     g, u = gu.chunk(2, -1)
@@ -102,20 +102,20 @@ def mlp(a, x, l):
 
 
 def serial(x):
-    for l in range(LAYERS):
-        t = qkv(x, l)
-        a = attn(t, l, full)
-        x = mlp(a, x, l)
+    for layer_index in range(LAYERS):
+        t = qkv(x, layer_index)
+        a = attn(t, layer_index, full)
+        x = mlp(a, x, layer_index)
     return x
 
 
 def serial_halves(x):
     xs = list(x.chunk(2))
-    for l in range(LAYERS):
+    for layer_index in range(LAYERS):
         for i in range(2):
-            t = qkv(xs[i], l)
-            a = attn(t, l, halves[i])
-            xs[i] = mlp(a, xs[i], l)
+            t = qkv(xs[i], layer_index)
+            a = attn(t, layer_index, halves[i])
+            xs[i] = mlp(a, xs[i], layer_index)
     return torch.cat(xs)
 
 
@@ -131,12 +131,12 @@ def overlapped(x):
     ev_t = [None, None]
     ev_a = [None, None]
 
-    def launch_attn(i, l):
+    def launch_attn(i, layer_index):
         ev_t[i] = torch.cuda.Event()
         ev_t[i].record(main)
         with torch.cuda.stream(s_att):
             s_att.wait_event(ev_t[i])
-            a[i] = attn(t[i], l, halves[i])
+            a[i] = attn(t[i], layer_index, halves[i])
             ev_a[i] = torch.cuda.Event()
             ev_a[i].record(s_att)
 
@@ -144,13 +144,13 @@ def overlapped(x):
     launch_attn(0, 0)
     t[1] = qkv(xs[1], 0)
     launch_attn(1, 0)
-    for l in range(LAYERS):
+    for layer_index in range(LAYERS):
         for i in range(2):
             main.wait_event(ev_a[i])
-            xs[i] = mlp(a[i], xs[i], l)
-            if l + 1 < LAYERS:
-                t[i] = qkv(xs[i], l + 1)
-                launch_attn(i, l + 1)
+            xs[i] = mlp(a[i], xs[i], layer_index)
+            if layer_index + 1 < LAYERS:
+                t[i] = qkv(xs[i], layer_index + 1)
+                launch_attn(i, layer_index + 1)
     main.wait_stream(s_att)
     return torch.cat(xs)
 

@@ -184,7 +184,8 @@ def hisparse_side(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
     recorded = json.loads(Path(args.side_admit).read_text()) if args.side_admit else None
     admit = {int(index): at for index, at in recorded["first_step"].items()} if recorded else None
-    """Replay: request ``index`` reaches the engine just before the step that scheduled it first on the side recorded."""
+    """Replay: request ``index`` reaches the engine just before the step that scheduled it first on the side
+    recorded."""
     budgets = recorded["budgets"] if recorded else None
     """Replay: each step's token budget, the tokens the side recorded scheduled in it (where its lent blocks, not
     the budget, cut a chunk short, the replay's scheduler cuts it by the budget instead, in the same place)."""
@@ -345,12 +346,13 @@ def hisparse_part(args: argparse.Namespace) -> None:
         "gpu_dsv4_hisparse.json",
         (
             f"{args.prompt_len}-token requests holding blocks at once in {args.kv_gib} GiB of KV cache: "
-            f"{plain['max_running']} without HiSparse, {sparse['max_running']} with ({report['concurrency_ratio']:.2f}x; "
-            f"its decode graphs' hot buffer and page table {graph_bytes / (1 << 20):.1f} MiB beside it); "
-            f"decode {plain['decode_tok_s'] or 0:.1f} tok/s without, {sparse['decode_tok_s'] or 0:.1f} tok/s with; "
-            f"same greedy tokens: {report['same_tokens']} ({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB "
-            f"on HiSparse's admissions: batches alike {report['same_batches_replayed']}, same tokens "
-            f"{report['same_tokens_replayed']} ({replayed['summary']})"
+            f"{plain['max_running']} without HiSparse, {sparse['max_running']} with "
+            f"({report['concurrency_ratio']:.2f}x; its decode graphs' hot buffer and page table "
+            f"{graph_bytes / (1 << 20):.1f} MiB beside it); decode {plain['decode_tok_s'] or 0:.1f} tok/s without, "
+            f"{sparse['decode_tok_s'] or 0:.1f} tok/s with; same greedy tokens: {report['same_tokens']} "
+            f"({comparison['summary']}); plain with {args.kv_gib * scale:g} GiB on HiSparse's admissions: batches "
+            f"alike {report['same_batches_replayed']}, same tokens {report['same_tokens_replayed']} "
+            f"({replayed['summary']})"
         ),
     )
 
@@ -475,8 +477,9 @@ def prefill_part(args: argparse.Namespace) -> None:
         "gpu_dsv4_prefill.json",
         (
             f"prefill throughput, {args.batch} x {args.prompt_len} tokens in steps of {args.chunk}, {args.dtype}: "
-            f"Triton kernel {report['kernel_prefill_tok_s']:.0f} tok/s, einsum path {report['einsum_prefill_tok_s']:.0f} tok/s, "
-            f"ratio {report['ratio_kernel_over_einsum']:.2f}x; same first token: {report['same_first_tokens']} of {args.batch}"
+            f"Triton kernel {report['kernel_prefill_tok_s']:.0f} tok/s, einsum path "
+            f"{report['einsum_prefill_tok_s']:.0f} tok/s, ratio {report['ratio_kernel_over_einsum']:.2f}x; same first "
+            f"token: {report['same_first_tokens']} of {args.batch}"
         ),
     )
 
@@ -584,10 +587,10 @@ def main() -> None:
         args.out,
         "gpu_dsv4.json",
         (
-            f"decode throughput, batch {args.batch}, {args.dtype}, graphs {'on' if report['decode_graphs'] else 'off'}: "
-            f"weft {report['weft_decode_tok_s']:.1f} tok/s, "
-            f"HF generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; "
-            f"greedy tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
+            f"decode throughput, batch {args.batch}, {args.dtype}, graphs "
+            f"{'on' if report['decode_graphs'] else 'off'}: weft {report['weft_decode_tok_s']:.1f} tok/s, HF "
+            f"generate() {report['hf_decode_tok_s']:.1f} tok/s, ratio {report['ratio_weft_over_hf']:.2f}x; greedy "
+            f"tokens shared with HF (of {args.new_tokens}): median {statistics.median(shared)}"
         ),
     )
 

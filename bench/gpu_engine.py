@@ -1,4 +1,5 @@
-"""The engine with default settings on the GPU: offline throughput and serving, against baselines measured in the same run.
+"""The engine with default settings on the GPU: offline throughput and serving, against baselines measured in the same
+run.
 
 Parts (``--part``, repeatable):
 
@@ -96,12 +97,14 @@ def print_kernel_profile(profiler: torch.profiler.profile, seconds: float, cpu_s
     kernels = [event for event in profiler.key_averages() if event.device_time_total > 0]
     busy = sum(event.device_time_total for event in kernels) / 1e6
     print(
-        f"  profile: {seconds:.2f} s wall, device busy {busy:.2f} s ({busy / seconds:.0%}), host thread CPU {cpu_seconds:.2f} s"
+        f"  profile: {seconds:.2f} s wall, device busy {busy:.2f} s ({busy / seconds:.0%}), host thread CPU "
+        f"{cpu_seconds:.2f} s"
     )
     for event in sorted(kernels, key=lambda event: -event.device_time_total)[:PROFILE_KERNELS]:
         total = event.device_time_total / 1e6
         print(
-            f"  {total:7.3f} s {total / busy:6.1%} {event.count:8d} x {event.device_time_total / event.count:8.1f} us  {event.key[:110]}"
+            f"  {total:7.3f} s {total / busy:6.1%} {event.count:8d} x {event.device_time_total / event.count:8.1f} us  "
+            f"{event.key[:110]}"
         )
 
 

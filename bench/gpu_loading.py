@@ -165,7 +165,8 @@ def part_weight_cache(folder: Path) -> None:
         flush=True,
     )
     print(
-        f"Worker.load_model alone: disk {load_cold:.2f} s, weight cache {load_warm:.2f} s: ratio {load_warm / load_cold:.2f}",
+        f"Worker.load_model alone: disk {load_cold:.2f} s, weight cache {load_warm:.2f} s: ratio "
+        f"{load_warm / load_cold:.2f}",
         flush=True,
     )
     leases = daemon_log.read_text().count("weight cache: lease ")

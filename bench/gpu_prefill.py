@@ -50,7 +50,7 @@ def attention_sweep(tokens: int) -> None:
     results = []
     for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
 
-        def launch():
+        def launch(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
             grid = (1, -(-tokens * (heads // kv_heads) // block_m), kv_heads)
             _paged_attention_kernel[grid](
                 query,

@@ -253,7 +253,8 @@ class GarbageCollections:
 
     def report(self) -> None:
         parts = [
-            f"generation {generation}: {len(pauses)} in {sum(pauses):.3f} s (longest {max(pauses, default=0) * 1e3:.1f} ms)"
+            f"generation {generation}: {len(pauses)} in {sum(pauses):.3f} s (longest "
+            f"{max(pauses, default=0) * 1e3:.1f} ms)"
             for generation, pauses in self.pauses.items()
         ]
         print(

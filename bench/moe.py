@@ -192,15 +192,15 @@ def part_kernel(flops: float, bandwidth: float) -> None:
         torch.testing.assert_close(
             fused(x, logits, w13, w2, routing), reference(x, logits, w13, w2, routing), rtol=3e-2, atol=3e-2
         )
-        fused_seconds = cuda_time(lambda: fused(x, logits, w13, w2, routing), repeats=20)
-        reference_seconds = cuda_time(lambda: reference(x, logits, w13, w2, routing), repeats=20)
+        fused_seconds = cuda_time(lambda x=x, logits=logits: fused(x, logits, w13, w2, routing), repeats=20)
+        reference_seconds = cuda_time(lambda x=x, logits=logits: reference(x, logits, w13, w2, routing), repeats=20)
         pair_flops = 2 * batch * top_k * 3 * hidden * inter
         touched = touched_experts(batch, experts, top_k)
         weight_seconds = 2 * 3 * hidden * inter * touched / bandwidth
         print(
             f"moe op batch {batch}: fused Triton {fused_seconds * 1e6:,.0f} us = "
-            f"{pair_flops / fused_seconds / 1e12:.0f} TFLOP/s, {pair_flops / fused_seconds / flops:.0%} of the bf16 matmul rate"
-            f"{' (goal 60%)' if batch == 512 else ''}; torch reference {reference_seconds * 1e6:,.0f} us = "
+            f"{pair_flops / fused_seconds / 1e12:.0f} TFLOP/s, {pair_flops / fused_seconds / flops:.0%} of the bf16 "
+            f"matmul rate{' (goal 60%)' if batch == 512 else ''}; torch reference {reference_seconds * 1e6:,.0f} us = "
             f"{pair_flops / reference_seconds / flops:.0%}; fused = {reference_seconds / fused_seconds:.2f}x the "
             f"reference; reading the {touched:.0f} touched experts at the copy bandwidth takes "
             f"{weight_seconds * 1e6:,.0f} us = {weight_seconds / fused_seconds:.0%} of the fused time",

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation against one colocated instance, and the P/D proxy's own overhead.
+r"""Prefill/decode disaggregation against one colocated instance, and the P/D proxy's own overhead.
 
 Starts a prefill instance, a decode instance (weft-nixl) and ``weft proxy pd`` as processes, then:
 
@@ -21,7 +21,8 @@ model folder with ``--model``)::
 
 Two GPUs (prefill on GPU 0, decode on GPU 1, VRAM to VRAM), a random Llama-3-8B-shape checkpoint::
 
-    python bench/pd.py --llama8b --tokenizer DIR --prefill-gpu 0 --decode-gpu 1 --part check --part latency --part bandwidth
+    python bench/pd.py --llama8b --tokenizer DIR --prefill-gpu 0 --decode-gpu 1 \
+        --part check --part latency --part bandwidth
 """
 
 from __future__ import annotations
@@ -292,10 +293,10 @@ def part_latency(cluster: Cluster, args: argparse.Namespace) -> None:
             )
         pd, alone = rows["P/D via proxy"], rows["colocated"]
         print(
-            f"latency {clients:>2} clients x ({args.prompt}, {args.output}): "
-            f"P/D TTFT p50 {pd[0] * 1e3:.0f} ms p99 {pd[1] * 1e3:.0f} ms, ITL p50 {pd[2] * 1e3:.1f} ms p99 {pd[3] * 1e3:.1f} ms | "
-            f"colocated TTFT p50 {alone[0] * 1e3:.0f} ms p99 {alone[1] * 1e3:.0f} ms, ITL p50 {alone[2] * 1e3:.1f} ms "
-            f"p99 {alone[3] * 1e3:.1f} ms | TTFT p50 {pd[0] / alone[0]:.2f}x, ITL p99 {pd[3] / alone[3]:.2f}x colocated",
+            f"latency {clients:>2} clients x ({args.prompt}, {args.output}): P/D TTFT p50 {pd[0] * 1e3:.0f} ms p99 "
+            f"{pd[1] * 1e3:.0f} ms, ITL p50 {pd[2] * 1e3:.1f} ms p99 {pd[3] * 1e3:.1f} ms | colocated TTFT p50 "
+            f"{alone[0] * 1e3:.0f} ms p99 {alone[1] * 1e3:.0f} ms, ITL p50 {alone[2] * 1e3:.1f} ms p99 "
+            f"{alone[3] * 1e3:.1f} ms | TTFT p50 {pd[0] / alone[0]:.2f}x, ITL p99 {pd[3] / alone[3]:.2f}x colocated",
             flush=True,
         )
 

@@ -312,15 +312,16 @@ def main() -> None:
     assert tokens == expected, f"streamed {tokens} tokens, expected {expected}"
     print(
         f"# serve_api_cpu: tiny random Llama, {args.clients} streaming /v1/completions clients x "
-        f"{args.requests_per_client} requests x {args.max_tokens} tokens, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d')}"
+        f"{args.requests_per_client} requests x {args.max_tokens} tokens, {os.cpu_count()} cpus, "
+        f"{time.strftime('%Y-%m-%d')}"
     )
     print(
         f"streamed {tokens} tokens in {chunks} chunks ({tokens / chunks:.2f} tokens/chunk) in {elapsed:.2f} s "
         f"({tokens / elapsed:.0f} tok/s)"
     )
     print(
-        f"API process  {api_cpu:6.2f} CPU s  {api_cpu / tokens * 1e6:6.1f} us/token  {api_cpu / chunks * 1e6:6.1f} us/chunk  "
-        f"(user {api_user:.2f} s, system {api_system:.2f} s)"
+        f"API process  {api_cpu:6.2f} CPU s  {api_cpu / tokens * 1e6:6.1f} us/token  {api_cpu / chunks * 1e6:6.1f} "
+        f"us/chunk  (user {api_user:.2f} s, system {api_system:.2f} s)"
     )
     print(f"engine core  {core_cpu:6.2f} CPU s  {core_cpu / tokens * 1e6:6.1f} us/token")
     print(f"API / core CPU: {api_cpu / core_cpu:.2f}")

@@ -217,10 +217,11 @@ def main() -> None:
         result = served[level]
         ceiling = offline_tokens_per_s(level, args.requests_per_client)
         print(
-            f"clients {level:3d}: {result['requests_per_s']:6.2f} req/s  {result['tokens_per_s']:7.1f} tok/s "
-            f"(offline LLM.generate {ceiling:7.1f} tok/s, ratio {result['tokens_per_s'] / ceiling:4.2f})  "
-            f"TTFT p50/p90/p99 {result['ttft_p50'] * 1e3:6.0f}/{result['ttft_p90'] * 1e3:6.0f}/{result['ttft_p99'] * 1e3:6.0f} ms  "
-            f"ITL p50/p90/p99 {result['itl_p50'] * 1e3:5.0f}/{result['itl_p90'] * 1e3:5.0f}/{result['itl_p99'] * 1e3:5.0f} ms",
+            f"clients {level:3d}: {result['requests_per_s']:6.2f} req/s  {result['tokens_per_s']:7.1f} tok/s (offline "
+            f"LLM.generate {ceiling:7.1f} tok/s, ratio {result['tokens_per_s'] / ceiling:4.2f})  TTFT p50/p90/p99 "
+            f"{result['ttft_p50'] * 1e3:6.0f}/{result['ttft_p90'] * 1e3:6.0f}/{result['ttft_p99'] * 1e3:6.0f} ms  ITL "
+            f"p50/p90/p99 {result['itl_p50'] * 1e3:5.0f}/{result['itl_p90'] * 1e3:5.0f}/{result['itl_p99'] * 1e3:5.0f} "
+            "ms",
             flush=True,
         )
 

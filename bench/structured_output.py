@@ -300,7 +300,8 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
             best[name] = max(best[name], tokens / seconds)
     settings = llm.engine.core.describe()
     print(
-        f"engine: {'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
+        "engine: "
+        f"{'GPU, random ' + args.shape + ' shape' if args.gpu else 'random tiny Llama' if args.tiny else args.model}; "
         f"{settings}"
     )
     manager = llm.engine.core.scheduler.structured_outputs

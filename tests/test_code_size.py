@@ -48,7 +48,7 @@ def sizes(sources: Path) -> list[Size]:
         shown = path.relative_to(sources).as_posix()
         found.append(Size("file", shown, len(text.splitlines())))
 
-        def visit(node: ast.AST, prefix: str) -> None:
+        def visit(node: ast.AST, prefix: str, shown: str = shown) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     kind = "class" if isinstance(child, ast.ClassDef) else "function"

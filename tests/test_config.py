@@ -116,7 +116,8 @@ def test_plugin_tables_are_validated_against_the_plugin_options(site, tmp_path):
         },
     )
     cases = {
-        '[plugins.store]\nmaster = "h:1"\nsegment_bytes = "big"\n': "plugins.store.segment_bytes: expected int, got str 'big'",
+        '[plugins.store]\nmaster = "h:1"\nsegment_bytes = "big"\n': "plugins.store.segment_bytes: expected int, got "
+        "str 'big'",
         "[plugins.store]\nsegment_bytes = 1\n": "plugins.store: object missing required field master",
         '[plugins.store]\nmaster = "h:1"\nbogus = 1\n': "plugins.store.bogus: unknown key",
         "[plugins.nothere]\nx = 1\n": "plugins.nothere: no installed plugin is named 'nothere'",
@@ -142,7 +143,9 @@ def test_config_show_prints_every_installed_plugins_options_with_their_defaults(
                 from weft.contracts.kv_connector import KVConnector
 
                 class CacheyOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-                    path: Annotated[str | None, msgspec.Meta(description="where blocks go; default: a temporary folder")] = None
+                    path: Annotated[
+                        str | None, msgspec.Meta(description="where blocks go; default: a temporary folder")
+                    ] = None
                     max_bytes: int = 1 << 20
 
                 class Cachey(KVConnector):
@@ -312,11 +315,13 @@ def test_fill_processes_without_a_fill_process_are_refused():
     [
         (
             {"engine": {"enforce_eager": True, "graph_batch_sizes": [1, 2]}},
-            r"engine.graph_batch_sizes = \[1, 2\] but engine.enforce_eager = true captures no graphs; remove graph_batch_sizes",
+            r"engine.graph_batch_sizes = \[1, 2\] but engine.enforce_eager = true captures no graphs; remove "
+            r"graph_batch_sizes",
         ),
         (
             {"engine": {"num_kv_blocks": 64, "cpu_kv_cache_bytes": 1 << 20}},
-            r"engine.cpu_kv_cache_bytes = 1048576 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size; keep one",
+            r"engine.cpu_kv_cache_bytes = 1048576 sizes the KV cache, but engine.num_kv_blocks = 64 sets its size; "
+            r"keep one",
         ),
         (
             {"engine": {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5}},
@@ -324,7 +329,8 @@ def test_fill_processes_without_a_fill_process_are_refused():
         ),
         (
             {"engine": {"enable_chunked_prefill": False, "long_prefill_token_threshold": 128}},
-            r"engine.long_prefill_token_threshold = 128 paces long prefills .* but engine.enable_chunked_prefill = false",
+            r"engine.long_prefill_token_threshold = 128 paces long prefills .* but engine.enable_chunked_prefill = "
+            r"false",
         ),
         (
             {"engine": {"enable_chunked_prefill": False, "max_long_partial_prefills": 2}},
@@ -332,7 +338,8 @@ def test_fill_processes_without_a_fill_process_are_refused():
         ),
         (
             {"use": {"structured_output": "none"}, "engine": {"structured_output_fill": "process"}},
-            r"engine.structured_output_fill = 'process' but use.structured_output = 'none' turns structured outputs off",
+            r"engine.structured_output_fill = 'process' but use.structured_output = 'none' turns structured outputs "
+            r"off",
         ),
         (
             {"use": {"structured_output": "none"}, "engine": {"structured_output_fill_processes": 2}},
@@ -340,11 +347,13 @@ def test_fill_processes_without_a_fill_process_are_refused():
         ),
         (
             {"engine": {"distributed": {"worker_timeout": 30}}},
-            r"engine.distributed.worker_timeout = 30 but the uniproc executor runs its one worker in the engine core's process",
+            r"engine.distributed.worker_timeout = 30 but the uniproc executor runs its one worker in the engine "
+            r"core's process",
         ),
         (
             {"engine": {"revision": "v2"}},
-            r"engine.revision = 'v2' applies to a Hugging Face repo id \(org/name\), but model = 'smollm2-135m-instruct' is not one",
+            r"engine.revision = 'v2' applies to a Hugging Face repo id \(org/name\), but model = "
+            r"'smollm2-135m-instruct' is not one",
         ),
         (
             {"model": ".", "engine": {"download_dir": "/tmp/hub"}},

@@ -172,7 +172,9 @@ EAGER_DISK = """
 
         def build_connector_meta(self, step):
             # The defect: it takes a prefill chunk for the whole prompt, so it saves blocks not computed yet.
-            whole = [msgspec.structs.replace(item, num_new_tokens=item.num_new_tokens + 10_000) for item in step.requests]
+            whole = [
+                msgspec.structs.replace(item, num_new_tokens=item.num_new_tokens + 10_000) for item in step.requests
+            ]
             return super().build_connector_meta(msgspec.structs.replace(step, requests=tuple(whole)))
 """
 

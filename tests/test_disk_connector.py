@@ -30,7 +30,8 @@ class TestDiskConnectorContract(KVConnectorContract):
 
 
 def test_the_docs_demo_run_twice_loads_the_first_runs_blocks_in_the_second(llama, tmp_path, monkeypatch, capsys):
-    """docs/plugin-authors.md's two runs, on a small checkpoint: the first in its own process, the second in this one."""
+    """docs/plugin-authors.md's two runs, on a small checkpoint: the first in its own process, the second in this
+    one."""
     import re
     import runpy
     import subprocess

@@ -847,7 +847,8 @@ SLOW_LLAMA = '''
 
 
     class SlowLlamaFamily(LlamaFamily):
-        """The Llama family, each forward held {sleep} s longer and its (stage, tokens, start, end) appended to RECORD."""
+        """The Llama family, each forward held {sleep} s longer and its (stage, tokens, start, end) appended to
+        RECORD."""
 
         def build(self, config, device):
             module = super().build(config, device)

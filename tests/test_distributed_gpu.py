@@ -61,7 +61,8 @@ def teacher_forced_logits(worker, prompt: list[int], forced: list[int]) -> list[
 
 
 def rank_logits(rank: int, world: int, port: int, dtype: str, prompt: list[int], forced: list[int], results) -> None:
-    """One rank of a Llama-3-8B-shaped model: its teacher-forced logits (rank 0 reports them) and whether it captured graphs."""
+    """One rank of a Llama-3-8B-shaped model: its teacher-forced logits (rank 0 reports them) and whether it captured
+    graphs."""
     from gpu_common import LLAMA3_8B, MemoryLoader, random_weights, registry_with_memory_loader
     from weft.config import load_config
     from weft.contracts.parallel import ParallelLayout

@@ -164,7 +164,10 @@ def test_a_served_chat_hands_tools_to_the_template_and_parses_thinking_and_dsml(
     prompt = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, **kwargs)
     assert "[tools:" in prompt and prompt.endswith("<think>high")  # the template rendered them itself
     thinking = reasoning_parser(DeepseekV4ReasoningParser, None, prompt)
-    answer = 'Look it up.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">weft</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    answer = (
+        'Look it up.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" '
+        'string="true">weft</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     reasoning, content, calls = AssistantOutput(thinking, DeepseekV4ToolParser()).parse(answer)
     assert (reasoning, content) == ("Look it up.\n\n", None) and [(call.name, call.arguments) for call in calls] == [
         ("search", '{"q": "weft"}')

@@ -1,4 +1,5 @@
-"""Hugging Face repo ids download through huggingface_hub from a local server speaking the Hub's protocol (HF_ENDPOINT)."""
+"""Hugging Face repo ids download through huggingface_hub from a local server speaking the Hub's protocol
+(HF_ENDPOINT)."""
 
 from __future__ import annotations
 

@@ -426,7 +426,8 @@ def test_a_type_only_cycle_fails_the_cycle_checks(tmp_path):
             "weft/runner/batch.py": "import typing\nif typing.TYPE_CHECKING:\n    import weft.layers.attention\n",
             "weft/config.py": "def validate():\n    from weft.plugins.lock import lock_path\n",
             "weft/plugins/__init__.py": "",
-            "weft/plugins/lock.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.config import WeftConfig\n",
+            "weft/plugins/lock.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.config import "
+            "WeftConfig\n",
         },
     )
     found = scan(tmp_path)

@@ -57,7 +57,7 @@ def test_fused_experts_match_the_reference_interpreted():
         kernel.add(hidden.dtype, w13.shape[0], routing.top_k, hidden.shape[1], w2.shape[2], "w13_bias" in kwargs)
         compile_many(kernel, kernel.warmup_keys())
 
-        def experts_function(*arguments):
+        def experts_function(*arguments, kernel=kernel):
             return fused_moe(kernel, *arguments)
 
         from weft.layers.moe import moe

@@ -3,8 +3,8 @@ master and storage node (started here on loopback ports), CUDA graphs on.
 
 The first process computes prompts that share a prefix and saves their full blocks; the second
 process loads the prefix into its GPU cache (asynchronously, or synchronously layer by layer, through
-the pinned staging buffer) and computes only the tails. The reference is a third process without the connector that runs the same
-requests in the same order, so its engine's own prefix cache gives the later prompts the prefix
+the pinned staging buffer) and computes only the tails. The reference is a third process without the connector that runs
+the same requests in the same order, so its engine's own prefix cache gives the later prompts the prefix
 the same way: its greedy tokens are what the second process must produce.
 """
 

@@ -129,7 +129,8 @@ def test_freeze_imports_no_plugin_and_no_torch(site):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = main(["plugins", "freeze"])
-        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "weft_alpha", "weft_cuda", "weft_mooncake")
+        heavy = sorted(m for m in sys.modules
+                       if m.split(".")[0] in ("torch", "weft_alpha", "weft_cuda", "weft_mooncake")
                        or m.startswith("weft.builtins"))
         print(json.dumps({"code": code, "heavy": heavy}))
         """
@@ -303,7 +304,8 @@ def pip_install(site: Site, *arguments: str) -> str:
 
 def test_the_same_build_installed_from_another_checkout_or_as_a_dependency_matches_the_lock(tmp_path):
     """The RECORD hash is the build's: pip's direct_url.json (the checkout's path) and REQUESTED differ between
-    these two installs of one wheel, and neither is a difference (nor the bytecode pip compiles); a changed module is."""
+    these two installs of one wheel, and neither is a difference (nor the bytecode pip compiles); a changed module
+    is."""
     entry_points = "[weft.hooks]\neta = weft_eta\n[console_scripts]\nweft-eta = weft_eta:main\n"
     first, second, rebuilt = tmp_path / "checkout-a", tmp_path / "checkout-b", tmp_path / "checkout-c"
     wheel = build_wheel(first, "weft-eta", {"weft_eta/__init__.py": "def main():\n    pass\n"}, entry_points)

@@ -149,8 +149,8 @@ def test_an_unselected_incompatible_plugin_is_logged_at_debug_and_a_clash_is_a_w
             distribution, entry_points={"weft.platform": {"twin": "twin_impl:T"}}, modules={"twin_impl": ""}
         )
     code = (
-        "import logging, sys\n{}from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import select_platform\n"
-        "print(select_platform(PluginRegistry())[0].name)"
+        "import logging, sys\n{}from weft.plugins import PluginRegistry\nfrom weft.plugins.selection import "
+        "select_platform\nprint(select_platform(PluginRegistry())[0].name)"
     )
     result = site.python(code.format(""))
     assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
@@ -455,7 +455,8 @@ def test_a_plugin_meant_for_an_unavailable_platform_is_a_doctor_warning_naming_t
     assert doctor.returncode == 0, doctor.stdout
     assert "warn  ops/rms_norm.accel (weft-accel 0.1.0) does not import: ModuleNotFoundError" in doctor.stdout
     assert (
-        "fix: install the package that provides the module 'accel_runtime_xyz' (a dependency weft-accel does not declare), "
+        "fix: install the package that provides the module 'accel_runtime_xyz' (a dependency weft-accel does not "
+        "declare), "
         "or use weft-accel on a machine where its platform 'accel' is available (here: throwaway)" in doctor.stdout
     )
     assert "no problems found (" in doctor.stdout  # a warning, not a problem

@@ -77,7 +77,8 @@ def test_lock_pins_every_direct_requirement_within_its_range_and_no_torch(platfo
             name = canonicalize_name(requirement.name)
             assert name in versions, f"requirements/test/{platform}.txt lacks {requirement} from {source}; {FIX}"
             assert requirement.specifier.contains(versions[name], prereleases=True), (
-                f"requirements/test/{platform}.txt pins {name}=={versions[name]}, outside {requirement} ({source}); {FIX}"
+                f"requirements/test/{platform}.txt pins {name}=={versions[name]}, outside {requirement} ({source}); "
+                f"{FIX}"
             )
     assert "torch" not in versions, "torch is the platform's runtime; the locks must not pin it (torch-provided.txt)"
     stale = sorted(name for (name, _), (_, via) in pins.items() if re.search(rf"-r (?!common\.in|{platform}\.in)", via))

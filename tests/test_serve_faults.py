@@ -361,14 +361,16 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     ),
     (
         "/v1/chat/completions",
-        f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], "chat_template_kwargs": {{"x": {_deep(5000)}}}}}'.encode(),
+        '{"model": "M", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+        f'{{"x": {_deep(5000)}}}}}'.encode(),
         "application/json",
         400,
         "nested too deeply",
     ),
     (
         "/v1/chat/completions",
-        f'{{"model": "M", "max_tokens": 1, "messages": [{{"role": "user", "content": "hi", "tool_calls": [{{"a": {_deep(200)}}}]}}]}}'.encode(),
+        '{"model": "M", "max_tokens": 1, "messages": [{"role": "user", "content": "hi", "tool_calls": [{"a": '
+        f"{_deep(200)}}}]}}]}}".encode(),
         "application/json",
         400,
         "messages[0].tool_calls[0].a",
@@ -505,7 +507,8 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     ),
     (
         "/v1/chat/completions",
-        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+        b'"x"}}]}]}',
         "application/json",
         400,
         "content[0]",
@@ -604,7 +607,8 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     # chat_template_kwargs naming the server's own arguments to the template.
     (
         "/v1/chat/completions",
-        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": true}}',
+        b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+        b'{"add_generation_prompt": true}}',
         "application/json",
         400,
         "chat_template_kwargs: may not set add_generation_prompt",
@@ -627,7 +631,8 @@ MALFORMED: list[tuple[str, bytes, str | None, int, str]] = [
     # Earlier calls that are not calls.
     (
         "/v1/chat/completions",
-        b'{"model": "M", "messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}, {"role": "user", "content": "hi"}]}',
+        b'{"model": "M", "messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}, {"role": "user", '
+        b'"content": "hi"}]}',
         "application/json",
         400,
         "messages[0].tool_calls[0].function",

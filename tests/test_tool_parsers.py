@@ -35,10 +35,16 @@ HERMES_WITH_TEXT = (
     '{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n'
     "</tool_call>"
 )
-HERMES_BRACES_IN_STRINGS = '<tool_call>\n{"name": "run_code", "arguments": {"code": "if (x) { return \\"}\\"; } // ünïcødé ✓", "lang": "js"}}\n</tool_call>'
+HERMES_BRACES_IN_STRINGS = (
+    '<tool_call>\n{"name": "run_code", "arguments": {"code": "if (x) { return \\"}\\"; } // ünïcødé ✓", "lang": '
+    '"js"}}\n</tool_call>'
+)
 HERMES_STRINGIFIED_ARGUMENTS = '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"weft\\"}"}\n</tool_call>'
 LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
-LLAMA_TAGGED_TWO = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
+LLAMA_TAGGED_TWO = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": '
+    '{"tz": "CET"}}'
+)
 DSV4_CALLS = (
     "I will check both.\n\n"
     "<｜DSML｜tool_calls>\n"
@@ -200,7 +206,10 @@ def test_forced_choice_parsers_read_the_constrained_json():
         "",
         [("get_weather", '{"city": "Paris"}')],
     )
-    required = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"timezone": "CET"}}]'
+    required = (
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"timezone": '
+        '"CET"}}]'
+    )
     expected = [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})]
     assert [(call.name, json.loads(call.arguments)) for call in RequiredCallsParser().parse(required).calls] == expected
     for seed in range(4):

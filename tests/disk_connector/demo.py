@@ -11,5 +11,6 @@ with LLM(model=model, use={"kv_connector": "disk"}, plugins={"disk": {"path": bl
         document + " Question: what does the tenant keep tidy? Answer:", SamplingParams(temperature=0, max_tokens=12)
     )[0]
 print(
-    f"{output.num_cached_tokens} of {len(output.prompt_token_ids)} prompt tokens loaded; answer: {output.outputs[0].text!r}"
+    f"{output.num_cached_tokens} of {len(output.prompt_token_ids)} prompt tokens loaded; answer: "
+    f"{output.outputs[0].text!r}"
 )

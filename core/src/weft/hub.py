@@ -1,4 +1,5 @@
-"""Hugging Face Hub repo ids as model folders: found in the local cache, downloaded with ``huggingface_hub`` when missing.
+"""Hugging Face Hub repo ids as model folders: found in the local cache, downloaded with ``huggingface_hub`` when
+missing.
 
 ``org/name`` (optionally ``org/name@revision``, or ``engine.revision``) resolves to the cache's
 ``models--org--name/snapshots/<commit>`` folder. What is downloaded is what a model needs: its
@@ -165,7 +166,10 @@ def _explain(error: Exception, repo: str, revision: str) -> ValueError:
     elif isinstance(error, RevisionNotFoundError):
         fix = "no such branch, tag or commit in the repo: check the revision"
     else:
-        fix = "the Hub could not be reached; check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 to use the cache only"
+        fix = (
+            "the Hub could not be reached; check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 to use the "
+            "cache only"
+        )
     return ValueError(f"{where}: {fix} ({type(error).__name__}: {error})")
 
 

@@ -84,7 +84,8 @@ def summary_lines(facts: Mapping[str, Any], seconds: float, url: str | None = No
     )
     lines = [
         f"ready in {seconds:.1f} s",
-        f"  model     {facts['model']} ({facts['architecture']}, {facts['weights_format']} file {facts['weights_file']})",
+        f"  model     {facts['model']} ({facts['architecture']}, {facts['weights_format']} file "
+        f"{facts['weights_file']})",
         f"  platform  {facts['platform']}",
         f"  dtype     {facts['dtype']}"
         + (

@@ -244,12 +244,15 @@ class VerifyReport(msgspec.Struct, frozen=True):
             "",
             f"{counts['match']}/{len(self.results)} prompts matched, {counts['tie']} diverged at a near-tie, "
             f"{counts['diverged']} diverged; max teacher-forced error {error:.2e}",
-            "TF ERROR   teacher forcing through Weft's engine (each prompt and the reference's continuation, in the batch",
-            "           above): the worst position's largest |Weft log-prob - reference log-prob| over the next token and",
+            "TF ERROR   teacher forcing through Weft's engine (each prompt and the reference's continuation, in the "
+            "batch",
+            "           above): the worst position's largest |Weft log-prob - reference log-prob| over the next token "
+            "and",
             f"           Weft's top {MAX_LOGPROBS}, over max(1, max |reference logit|)",
-            "TIE BOUND  a divergence is a near-tie when Weft's runner-up is the reference's token and both gaps are at most",
-            f"           max({TIE_ULPS} x eps({self.dtype}), {TIE_SAFETY} x noise) x max(1, max |logit|); noise: the larger "
-            f"of the reference's",
+            "TIE BOUND  a divergence is a near-tie when Weft's runner-up is the reference's token and both gaps are "
+            "at most",
+            f"           max({TIE_ULPS} x eps({self.dtype}), {TIE_SAFETY} x noise) x max(1, max |logit|); noise: the "
+            "larger of the reference's",
             f"           own rounding noise R (its cached decode vs its full forward) and the TF error, counted up to "
             f"{NOISE_FACTOR} x max(R, eps);",
             f"           here R {reference_noise:.2e}, ceiling {ceiling:.2e}, TF error {error:.2e} {counted}: "
@@ -266,9 +269,10 @@ class VerifyReport(msgspec.Struct, frozen=True):
         d = result.divergence
         assert d is not None
         message = (
-            f"prompt {index} ({_preview(result.prompt)}) diverged at step {d.step}: weft {d.weft_token} {d.weft_text!r} "
-            f"vs reference {d.reference_token} {d.reference_text!r}; reference margin {d.reference_gap:.3g}, "
-            f"weft top-1/top-2 gap {d.weft_gap:.3g}, near-tie bound {d.threshold:.3g} ({self.dtype})"
+            f"prompt {index} ({_preview(result.prompt)}) diverged at step {d.step}: weft {d.weft_token} "
+            f"{d.weft_text!r} vs reference {d.reference_token} {d.reference_text!r}; reference margin "
+            f"{d.reference_gap:.3g}, weft top-1/top-2 gap {d.weft_gap:.3g}, near-tie bound {d.threshold:.3g} "
+            f"({self.dtype})"
         )
         if d.reference_gap < 0:
             message += (

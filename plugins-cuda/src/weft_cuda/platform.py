@@ -47,7 +47,8 @@ class CudaPlatform(GpuPlatform):
         return f"sm_{major}{minor}"
 
     def communicator(self, group: Any, device: Any) -> Any:
-        """NCCL, with one-shot all-reduces over NVLink peer memory that decode graphs capture (weft_cuda.communicator)."""
+        """NCCL, with one-shot all-reduces over NVLink peer memory that decode graphs capture
+        (weft_cuda.communicator)."""
         from weft_cuda.communicator import CudaCommunicator
 
         return CudaCommunicator(group, device)

@@ -271,7 +271,8 @@ class MultiprocExecutor(Executor):
                     if rank in self._joined
                     else (
                         " before it started; a script that starts an engine with several workers must do so under "
-                        '`if __name__ == "__main__":` (multiprocessing\'s spawn imports the script again in each worker)'
+                        '`if __name__ == "__main__":` (multiprocessing\'s spawn imports the script again in each '
+                        "worker)"
                     )
                 )
                 self._fail(f"worker rank {rank} (pid {process.pid}) {exit_cause(process.exitcode)}{hint}")

@@ -111,7 +111,8 @@ class RotaryTorch(OpImplementation):
 
 
 def qk_norm_rotary(query: Any, key: Any, query_weight: Any, key_weight: Any, eps: float, cos: Any, sin: Any) -> Any:
-    """Per-head RMSNorm of queries and keys (weights ``[dim]``), then the rotary embedding (:class:`QkNormRotaryTorch`)."""
+    """Per-head RMSNorm of queries and keys (weights ``[dim]``), then the rotary embedding
+    (:class:`QkNormRotaryTorch`)."""
     from weft.layers.norm import rms_norm
     from weft.layers.rotary import apply_rotary
 

@@ -1,4 +1,5 @@
-"""Core's reasoning parser ``think``: thinking between ``<think>`` and ``</think>`` (Qwen3, DeepSeek R1 and the like)."""
+"""Core's reasoning parser ``think``: thinking between ``<think>`` and ``</think>`` (Qwen3, DeepSeek R1 and the
+like)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ class TorchAttentionMetadata(msgspec.Struct):
     """Additive mask (0 or -inf) over the gathered key positions of each decoding query,
     ``[D, 1, 1, max_blocks * block_size]``, per sliding window (None: no window)."""
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    """Per prefill chunk: first query row, rows, its cache blocks, and its causal mask ``[rows, blocks * block_size]``."""
+    """Per prefill chunk: first query row, rows, its cache blocks, and its causal mask
+    ``[rows, blocks * block_size]``."""
 
 
 class TorchAttention(AttentionBackend):

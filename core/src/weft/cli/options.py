@@ -91,7 +91,8 @@ def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -
 
 
 def _collection_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
-    """``(key path, field)`` of every list or table option of ``struct`` that takes scalars (``[plugins]`` is --set's)."""
+    """``(key path, field)`` of every list or table option of ``struct`` that takes scalars (``[plugins]`` is
+    --set's)."""
     found = []
     for field in msgspec.structs.fields(struct):
         base, _ = unwrap(field.type)
@@ -103,7 +104,8 @@ def _collection_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple
 
 
 def _scalar_fields(section: str, struct: type[msgspec.Struct]) -> list[tuple[str, Any]]:
-    """``(key path, field)`` of every scalar option of ``struct``, nested tables' (``[engine.distributed]``) included."""
+    """``(key path, field)`` of every scalar option of ``struct``, nested tables' (``[engine.distributed]``)
+    included."""
     found = []
     for field in msgspec.structs.fields(struct):
         base, _ = unwrap(field.type)

@@ -148,9 +148,10 @@ def _check_parallel(config: WeftConfig, source: str, override_paths: set[str]) -
         if given:
             keys = [f"distributed.{key}" for key in given]
             raise ConfigError(
-                f"{where(*keys)}: {', '.join(f'engine.{key} = {value!r}' for key, value in zip(keys, given.values(), strict=False))} "
+                f"{where(*keys)}: "
+                f"{', '.join(f'engine.{key} = {value!r}' for key, value in zip(keys, given.values(), strict=False))} "
                 f"but {sizes}: one rank runs in the engine core's process and meets no other; raise "
-                f"tensor_parallel_size or pipeline_parallel_size to spread the model over nodes, or remove "
+                "tensor_parallel_size or pipeline_parallel_size to spread the model over nodes, or remove "
                 f"{'it' if len(given) == 1 else 'them'}"
             )
     if nodes is not None and node_rank is not None and node_rank >= nodes:
@@ -200,8 +201,8 @@ def _check_options_that_would_do_nothing(
     if engine.enforce_eager and engine.graph_batch_sizes:
         fail(
             ("graph_batch_sizes", "enforce_eager"),
-            f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no graphs; "
-            f"remove graph_batch_sizes, or set enforce_eager to false",
+            f"engine.graph_batch_sizes = {engine.graph_batch_sizes} but engine.enforce_eager = true captures no "
+            "graphs; remove graph_batch_sizes, or set enforce_eager to false",
         )
     if engine.num_kv_blocks is not None:
         for key in ("cpu_kv_cache_bytes", "gpu_memory_utilization"):
@@ -247,7 +248,8 @@ def _check_options_that_would_do_nothing(
 
 
 def _check_generation_config(config: WeftConfig, source: str, override_paths: set[str]) -> None:
-    """``engine.generation_config`` is a keyword or a folder holding generation_config.json (checked before any model loads)."""
+    """``engine.generation_config`` is a keyword or a folder holding generation_config.json (checked before any model
+    loads)."""
     value = config.engine.generation_config
     if value in ("auto", "none") or (Path(value).expanduser() / "generation_config.json").is_file():
         return

@@ -13,7 +13,8 @@ description (``weft config show`` and the CLI flags are generated from them).
     structured_output = "auto"        # grammar backend (weft-xgrammar); tool_parser and reasoning_parser likewise
     [engine]
     max_num_seqs = 64
-    generation_config = "auto"        # sampling defaults: the model's; "none": Weft's; or a folder with generation_config.json
+    generation_config = "auto"        # sampling defaults: the model's; "none": Weft's;
+                                      # or a folder with generation_config.json
     [server]
     port = 8000
     [plugins]
@@ -93,7 +94,8 @@ class DistributedConfig(_Section, frozen=True):
             Meta(
                 ge=0,
                 le=65535,
-                description="TCP port of the rendezvous on node 0; default: $MASTER_PORT, else a free one (one node only)",
+                description="TCP port of the rendezvous on node 0; default: $MASTER_PORT, else a free one (one node "
+                "only)",
             ),
         ]
         | None
@@ -198,8 +200,8 @@ class EngineConfig(_Section, frozen=True):
         Annotated[
             list[Annotated[int, Meta(ge=1)]],
             Meta(
-                description="decode batch sizes captured as graphs; default: the platform's (1, 2, 4, 8, then every 8 up "
-                "to max_num_seqs where it captures graphs; none on the CPU)"
+                description="decode batch sizes captured as graphs; default: the platform's (1, 2, 4, 8, then every 8 "
+                "up to max_num_seqs where it captures graphs; none on the CPU)"
             ),
         ]
         | None
@@ -212,7 +214,8 @@ class EngineConfig(_Section, frozen=True):
         Annotated[
             bool,
             Meta(
-                description="schedule step N+1 while step N runs on the device; default: on where the platform gains from it"
+                description="schedule step N+1 while step N runs on the device; default: on where the platform gains "
+                "from it"
             ),
         ]
         | None
@@ -221,8 +224,8 @@ class EngineConfig(_Section, frozen=True):
         Literal["auto", "thread", "process"],
         Meta(
             description="where grammar matchers accept tokens and fill bitmasks: a thread of the engine core, or a "
-            "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs "
-            "beside the core's work); auto: a process where the backend can run its fill there and the machine has 8 CPUs or "
+            "process of their own (for a backend whose fill holds the GIL, as xgrammar's does, so it runs beside the "
+            "core's work); auto: a process where the backend can run its fill there and the machine has 8 CPUs or "
             "more (or structured_output_fill_processes is set), else a thread"
         ),
     ] = "auto"

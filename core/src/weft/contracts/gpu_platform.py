@@ -94,7 +94,8 @@ class _DefaultAttention:
 
 
 class GpuPlatform(Platform):
-    """A GPU with a torch device module; subclasses name the vendor and implement :meth:`scan` and :meth:`device_arch`."""
+    """A GPU with a torch device module; subclasses name the vendor and implement :meth:`scan` and
+    :meth:`device_arch`."""
 
     Options: ClassVar[type[msgspec.Struct]] = GpuPlatformOptions
 

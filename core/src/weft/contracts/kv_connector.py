@@ -220,7 +220,8 @@ class ConnectorRequest(msgspec.Struct, frozen=True):
     """Chained hashes (:func:`weft.engine.core.kv_cache_manager.hash_block`) of the request's full prompt
     blocks of :func:`connector_block_size` tokens; prefix-cacheable groups share them."""
     params: dict[str, Any] = {}
-    """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API 1.3)."""
+    """Connector-specific fields carried on the request: the API's ``kv_transfer_params`` (filled since core API
+    1.3)."""
 
 
 class ConnectorContext(msgspec.Struct, frozen=True):

@@ -181,7 +181,8 @@ class QuantizationMethod(PluginBase):
 
     @classmethod
     def selects_by_default(cls, platform: Platform, source_format: str) -> bool:
-        """Whether ``engine.quantization = "auto"`` picks this method for a model of ``source_format`` on ``platform``."""
+        """Whether ``engine.quantization = "auto"`` picks this method for a model of ``source_format`` on
+        ``platform``."""
         return source_format in cls.auto_formats and cls.is_available(platform)
 
     def create_weights(self, layer: torch.nn.Module, in_features: int, out_features: int) -> None:
@@ -199,7 +200,8 @@ class QuantizationMethod(PluginBase):
 
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W^T + bias`` for ``x`` ``[tokens, in_features]`` in the activations' dtype; the result in that dtype."""
+        """``x @ W^T + bias`` for ``x`` ``[tokens, in_features]`` in the activations' dtype; the result in that
+        dtype."""
 
     @abstractmethod
     def describe(self, layer: torch.nn.Module) -> str:

@@ -110,7 +110,8 @@ class Vocabulary(msgspec.Struct, frozen=True):
     """The model's tokens as a grammar engine needs them."""
 
     token_bytes: list[bytes]
-    """Per token id, the bytes it adds to decoded text; ``b""`` for special tokens (never allowed inside a constraint)."""
+    """Per token id, the bytes it adds to decoded text; ``b""`` for special tokens (never allowed inside a
+    constraint)."""
     size: int
     """Width of the model's logits (may exceed ``len(token_bytes)``: padded embeddings, never allowed)."""
     eos_token_ids: tuple[int, ...]

@@ -115,13 +115,15 @@ class ToolParser(PluginBase):
     # Templates that do not render tools themselves get them in the parser's format.
 
     def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
-        """A system-prompt paragraph presenting ``tools`` and the call format (for chat templates that ignore ``tools``)."""
+        """A system-prompt paragraph presenting ``tools`` and the call format (for chat templates that ignore
+        ``tools``)."""
         listed = "\n".join(json.dumps({"type": "function", "function": tool}, ensure_ascii=False) for tool in tools)
         return (
             "You may call one or more functions to assist with the user query. The functions:\n"
             f"<tools>\n{listed}\n</tools>\n"
             "For each function call, answer with a JSON object with the function name and arguments within "
-            '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+            '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>"
         )
 
     def render_calls(self, calls: Sequence[dict[str, Any]]) -> str:

@@ -1,7 +1,7 @@
 """Running one model over several processes, devices and nodes, on torch.distributed.
 
-``placement``      where this launcher sits: nodes, node rank, the rendezvous address (weft.toml or torchrun's variables);
-                   torch-free
+``placement``      where this launcher sits: nodes, node rank, the rendezvous address (weft.toml or
+                   torchrun's variables); torch-free
 ``rendezvous``     the store every rank meets at and the engine's step channel addresses published in it
 ``state``          this process's parallel groups: tensor-parallel collectives, pipeline sends, the token broadcast
 ``messages``       what the engine core and worker processes say to each other

@@ -77,8 +77,8 @@ def placement(config: WeftConfig, environ: Mapping[str, str] | None = None) -> P
         raise ConfigError(f"node rank {node_rank} but {nnodes} nodes; node ranks run from 0 to {nnodes - 1}")
     if world % nnodes:
         raise ConfigError(
-            f"{world} ranks (tensor_parallel_size x pipeline_parallel_size) cannot be spread evenly over {nnodes} nodes; "
-            f"make the world size a multiple of engine.distributed.nnodes"
+            f"{world} ranks (tensor_parallel_size x pipeline_parallel_size) cannot be spread evenly over {nnodes} "
+            "nodes; make the world size a multiple of engine.distributed.nnodes"
         )
     if nnodes > 1 and master_port is None:
         raise ConfigError(

@@ -1,4 +1,5 @@
-"""What executors share about their workers: the layout check before any starts, one report from many, how a process ended."""
+"""What executors share about their workers: the layout check before any starts, one report from many, how a process
+ended."""
 
 from __future__ import annotations
 

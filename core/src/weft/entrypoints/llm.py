@@ -117,7 +117,8 @@ class LLM:
         use_tqdm: bool | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate a reply (``sampling_params`` as in :meth:`generate`).
+        """Render each conversation with the model's chat template and generate a reply (``sampling_params`` as in
+        :meth:`generate`).
 
         Special-token text inside the messages is encoded as plain text unless ``server.special_tokens_in_content``
         is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`)."""

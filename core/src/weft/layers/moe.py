@@ -241,7 +241,8 @@ class ExpertParallelExchange:
         return math.ceil(num_tokens / self.communicator.size)
 
     def own_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``tensor`` (``N`` rows, the same on every rank); fewer than ``S`` (or none) at the end."""
+        """This rank's rows of ``tensor`` (``N`` rows, the same on every rank); fewer than ``S`` (or none) at the
+        end."""
         rows = self.shard_rows(tensor.shape[0])
         start = min(self.communicator.rank * rows, tensor.shape[0])
         return tensor[start : min(start + rows, tensor.shape[0])]

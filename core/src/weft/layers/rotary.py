@@ -196,7 +196,8 @@ def yarn_frequencies(head_dim: int, parameters: dict[str, Any]) -> tuple[torch.T
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):
-    """Rotary embeddings with YaRN's frequencies (:func:`yarn_frequencies`), cos and sin scaled by its attention factor."""
+    """Rotary embeddings with YaRN's frequencies (:func:`yarn_frequencies`), cos and sin scaled by its attention
+    factor."""
 
     def __init__(self, head_dim: int, max_positions: int, parameters: dict[str, Any]) -> None:
         super().__init__(head_dim, max_positions, {**parameters, "rope_type": "default"})

@@ -336,7 +336,8 @@ class LlamaFamily(ModelFamily):
         return module.eval()
 
     def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
-        """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects; each rank copies (and reads) its part."""
+        """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects; each rank copies (and reads) its
+        part."""
         settings: LlamaSettings = module.settings
         parameters = dict(module.named_parameters(remove_duplicate=False))
         shared_head = settings.tie_word_embeddings and "model.embed_tokens.weight" in parameters

@@ -140,16 +140,16 @@ def compatibility_problem(entry: PluginEntry) -> str:
         return ""
     if not entry.core_api:
         return (
-            f"{entry.describe()} declares no weft-core API range; installed core API is {CORE_API_TEXT}. "
-            f"Its distribution must depend on weft-core with a range, e.g. 'weft-core>={CORE_API_TEXT},<{CORE_API[0] + 1}'"
+            f"{entry.describe()} declares no weft-core API range; installed core API is {CORE_API_TEXT}. Its "
+            f"distribution must depend on weft-core with a range, e.g. 'weft-core>={CORE_API_TEXT},<{CORE_API[0] + 1}'"
         )
     from packaging.specifiers import SpecifierSet
 
     if not SpecifierSet(entry.core_api).contains(CORE_VERSION, prereleases=True):
         return (
             f"{entry.describe()} requires weft-core API {entry.core_api}; installed core API is {CORE_API_TEXT} "
-            f"(weft-core {CORE_VERSION}). "
-            f"Install a release of {entry.distribution} built for weft-core {CORE_API_TEXT}, or a weft-core in {entry.core_api}"
+            f"(weft-core {CORE_VERSION}). Install a release of {entry.distribution} built for weft-core "
+            f"{CORE_API_TEXT}, or a weft-core in {entry.core_api}"
         )
     return ""
 

@@ -85,11 +85,20 @@ def _fix_for_error(entry: PluginEntry, error: BaseException) -> str:
             return f"{entry.distribution}'s own module {entry.module!r} is missing: reinstall it ({reinstall})"
         requirement = _requirement_providing(entry.distribution, missing)
         if requirement is None:
-            return f"install the package that provides the module {missing!r} (a dependency {entry.distribution} does not declare)"
+            return (
+                f"install the package that provides the module {missing!r} (a dependency {entry.distribution} does not "
+                "declare)"
+            )
         extra = _extra_of(requirement)
         if extra:
-            return f"install {missing} (pip install '{entry.distribution}[{extra}]' installs {requirement.name}{requirement.specifier})"
-        return f"install {missing} (pip install '{requirement.name}{requirement.specifier}', which {entry.distribution} requires)"
+            return (
+                f"install {missing} (pip install '{entry.distribution}[{extra}]' installs "
+                f"{requirement.name}{requirement.specifier})"
+            )
+        return (
+            f"install {missing} (pip install '{requirement.name}{requirement.specifier}', which {entry.distribution} "
+            "requires)"
+        )
     if isinstance(error, ImportError):
         library = re.search(r"(\S+\.so[.\d]*): cannot open shared object file", str(error))
         if library:
@@ -97,8 +106,8 @@ def _fix_for_error(entry: PluginEntry, error: BaseException) -> str:
         return f"reinstall {entry.distribution} ({reinstall}) or the package its import names"
     if isinstance(error, AttributeError):
         return (
-            f"{entry.distribution} {entry.version}'s entry point names {entry.target}, which its module does not define: "
-            f"reinstall or upgrade {entry.distribution}"
+            f"{entry.distribution} {entry.version}'s entry point names {entry.target}, which its module does not "
+            f"define: reinstall or upgrade {entry.distribution}"
         )
     return (
         f"importing {entry.module} raised an error: upgrade {entry.distribution} or report it to its authors; "

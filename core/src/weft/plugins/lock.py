@@ -213,7 +213,8 @@ def _distribution_differences(before: LockedDistribution, after: LockedDistribut
             )
         if before.core_api != after.core_api:
             differences.append(
-                f"{name} {after.version} declares weft-core {after.core_api or '(no range)'}, locked {before.core_api or '(no range)'}"
+                f"{name} {after.version} declares weft-core {after.core_api or '(no range)'}, locked "
+                f"{before.core_api or '(no range)'}"
             )
     was = {(point.slot, point.name): point.target for point in before.entry_points}
     now = {(point.slot, point.name): point.target for point in after.entry_points}

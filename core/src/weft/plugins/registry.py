@@ -184,7 +184,10 @@ class PluginRegistry:
     def _report_failure(self, entry: PluginEntry, platform: str | None) -> None:
         message = f"installed {load_failure_message(entry, self._failures[(entry.slot, entry.name)])}; it is skipped"
         if self.meant_for_another_platform(entry, platform):
-            message += f" (it is meant for platform {' or '.join(map(repr, self.platforms_of(entry.distribution)))}, not {platform!r})"
+            message += (
+                f" (it is meant for platform {' or '.join(map(repr, self.platforms_of(entry.distribution)))}, not "
+                f"{platform!r})"
+            )
         _report(message, logging.WARNING if entry.slot == "hooks" else logging.DEBUG)
 
 

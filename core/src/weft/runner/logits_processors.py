@@ -119,7 +119,8 @@ def _penalty_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _row_words(bitmask: bytes, count: int, vocab: int) -> int:
-    """int32 words of each of the ``count`` rows of ``bitmask``; ValueError when they cover fewer than ``vocab`` tokens."""
+    """int32 words of each of the ``count`` rows of ``bitmask``; ValueError when they cover fewer than ``vocab``
+    tokens."""
     words = len(bitmask) // 4 // count
     if words * 32 < vocab:
         raise ValueError(f"the grammar bitmask covers {words * 32} tokens but the logits have {vocab}")

@@ -360,7 +360,8 @@ class ModelRunner:
         prompt_logprobs: PromptLogprobs,
         sampled: SampledBatch | None = None,
     ) -> StepHandle:
-        """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`) and start their way to the host."""
+        """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`) and start their way to the
+        host."""
         if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]

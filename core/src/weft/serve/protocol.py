@@ -90,7 +90,8 @@ class ToolChoiceFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
 
 class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``{"type": "function", "function": {"name": ...}}`` (chat) or ``{"type": "function", "name": ...}`` (Responses)."""
+    """``{"type": "function", "function": {"name": ...}}`` (chat) or ``{"type": "function", "name": ...}``
+    (Responses)."""
 
     type: str = "function"
     function: ToolChoiceFunction | None = None

@@ -142,8 +142,8 @@ class Server:
         if sequences > limit:
             raise HTTPError(
                 400,
-                f"{choices_field} ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one request "
-                f"may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
+                f"{choices_field} ({params.n}) times the prompts ({len(prompts)}) is {sequences} sequences; one "
+                f"request may have at most {limit} (server.max_sequences_per_request, server.max_queued_requests)",
                 param=choices_field,
             )
         if kv_transfer_params is not None and sequences != 1:

@@ -155,7 +155,8 @@ class _Probed(KVConnector):
 
 
 def probed(connector_class: type[KVConnector], fail_loads: bool = False) -> type[KVConnector]:
-    """A subclass of ``connector_class`` that records into its ``kit_probe`` and, with ``fail_loads``, fails every load."""
+    """A subclass of ``connector_class`` that records into its ``kit_probe`` and, with ``fail_loads``, fails every
+    load."""
 
     from weft.runner.kv_connector import metadata_type
 

@@ -183,7 +183,8 @@ class KVConnectorContract(_Contract):
     def _saved_then_loaded(
         self, model_source, connector_options, engine, saved: list[int], loaded: list[int], at_least: int
     ):
-        """A first engine generates for ``saved``, a second for ``loaded``, loading ``at_least`` tokens the first saved."""
+        """A first engine generates for ``saved``, a second for ``loaded``, loading ``at_least`` tokens the first
+        saved."""
         from weft.entrypoints.llm import LLM
 
         expected = self._reference(model_source, engine, [saved, loaded])

@@ -156,7 +156,8 @@ class ToolParserContract(_Contract):
 
 
 def parsed_tool_calls(parsed: Any) -> tuple[str, list[tuple[str, str]]]:
-    """A whole-output parse as :func:`stream_tool_calls` reports a stream: the content and each call's ``(name, arguments)``."""
+    """A whole-output parse as :func:`stream_tool_calls` reports a stream: the content and each call's
+    ``(name, arguments)``."""
     return parsed.content or "", [(call.name, call.arguments) for call in parsed.calls]
 
 

@@ -75,8 +75,9 @@ def _flatten(parts: list[Any], index: int, image_placeholder: str | None, vision
         elif kind in IMAGE_PARTS:
             if not vision_encoder:
                 raise ValueError(
-                    f"messages[{index}].content[{part_index}]: this DeepSeek V4.1 checkpoint declares no vision encoder "
-                    f"(its config.json has no '{VISION_CONFIG_KEY}'), so it reads no images; send text parts only"
+                    f"messages[{index}].content[{part_index}]: this DeepSeek V4.1 checkpoint declares no vision "
+                    f"encoder (its config.json has no '{VISION_CONFIG_KEY}'), so it reads no images; send text parts "
+                    "only"
                 )
             if image_placeholder is None:
                 raise ValueError(
@@ -86,7 +87,8 @@ def _flatten(parts: list[Any], index: int, image_placeholder: str | None, vision
             texts.append(image_placeholder)
         else:
             raise ValueError(
-                f"messages[{index}].content[{part_index}]: DeepSeek V4.1 supports text and image content only; got {kind!r}"
+                f"messages[{index}].content[{part_index}]: DeepSeek V4.1 supports text and image content only; got "
+                f"{kind!r}"
             )
     return "\n\n".join(texts)
 

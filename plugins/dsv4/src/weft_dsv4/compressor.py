@@ -208,8 +208,9 @@ class Compressor(nn.Module):
     def windows_to_entries(
         self, sources: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype, rope: InterleavedRope
     ) -> torch.Tensor:
-        """Entries ``windows`` ``[count]`` from the fp32 (kv | gate) of their source positions ``[count, slots, 2 * width]``
-        (``m`` positions, or ``2m`` from the window before with overlap), at their first position's RoPE."""
+        """Entries ``windows`` ``[count]`` from the fp32 (kv | gate) of their source positions
+        ``[count, slots, 2 * width]`` (``m`` positions, or ``2m`` from the window before with overlap), at their first
+        position's RoPE."""
         m, width = self.ratio, self.width
         source_kv, source_gate = sources[..., :width].to(dtype), sources[..., width:]
         if self.overlap:

@@ -17,7 +17,8 @@ from weft_dsv4.norm import unweighted_rms_norm
 def mhc_weights(
     mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, iterations: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference: ``pre``, ``post`` and Sinkhorn-normalised ``comb`` from the ``fn`` projection ``[T, (2 + n) * n]``."""
+    """The reference: ``pre``, ``post`` and Sinkhorn-normalised ``comb`` from the ``fn`` projection
+    ``[T, (2 + n) * n]``."""
     n = int((mixes.shape[-1] + 1) ** 0.5) - 1
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])

@@ -93,7 +93,8 @@ reserve; beyond both bounds decode runs eagerly over each batch's longest reques
 
 
 def full_width_decode(config: ModelConfig) -> bool:
-    """Whether decode pads every row to ``max_model_len`` (and so may be captured): see ``FULL_WIDTH_DECODE_MAX_LEN``."""
+    """Whether decode pads every row to ``max_model_len`` (and so may be captured): see
+    ``FULL_WIDTH_DECODE_MAX_LEN``."""
     if config.max_model_len <= FULL_WIDTH_DECODE_MAX_LEN:
         return True
     return 0 < config.max_num_seqs and config.max_model_len * config.max_num_seqs <= FULL_WIDTH_DECODE_ROW_TOKENS
@@ -177,9 +178,10 @@ class DeepseekV4Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         msgspec.Meta(
             description=(
                 "how the lightning indexer's compressed keys are stored: 'auto' in the model's dtype (transformers' "
-                "numbers), 'fp8_e4m3' as DeepSeek's own inference does, float8 with a float32 scale per key: under half "
-                "a bf16 cache's bytes for that group, which every CSA layer scores in full each step (it stays on the "
-                "GPU under weft-hisparse), at a small change to the indexer's scores and so, near ties, to its picks"
+                "numbers), 'fp8_e4m3' as DeepSeek's own inference does, float8 with a float32 scale per key: under "
+                "half a bf16 cache's bytes for that group, which every CSA layer scores in full each step (it stays "
+                "on the GPU under weft-hisparse), at a small change to the indexer's scores and so, near ties, to its "
+                "picks"
             )
         ),
     ] = "auto"
@@ -393,8 +395,8 @@ class DeepseekV4Family(ModelFamily):
                 continue  # the multi-token-prediction head is not part of the causal model
             if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 raise ValueError(
-                    f"checkpoint tensor {checkpoint_name!r} is {tensor.dtype}: quantised DeepSeek V4 checkpoints are not "
-                    f"supported yet; dequantise it to bfloat16 first"
+                    f"checkpoint tensor {checkpoint_name!r} is {tensor.dtype}: quantised DeepSeek V4 checkpoints are "
+                    "not supported yet; dequantise it to bfloat16 first"
                 )
             name, expert, part = parameter_name(checkpoint_name)
             if name not in targets:

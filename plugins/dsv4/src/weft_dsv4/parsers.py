@@ -101,7 +101,8 @@ class DeepseekV4ToolParser(ToolParser):
 
 
 def _value(raw: str, is_string: bool) -> str:
-    """A parameter's value as JSON text: a string parameter's text, else the JSON it holds (as a string if it is none)."""
+    """A parameter's value as JSON text: a string parameter's text, else the JSON it holds (as a string if it is
+    none)."""
     if is_string:
         return json.dumps(raw, ensure_ascii=False)
     try:

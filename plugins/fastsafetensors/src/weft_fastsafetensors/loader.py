@@ -72,9 +72,9 @@ def agree_on_files(files: list[str], group: Any) -> list[str]:
     dist.broadcast_object_list(chosen, src=global_rank(group, 0), group=group)
     if [Path(file).name for file in chosen[0]] != [Path(file).name for file in files]:
         raise ValueError(
-            f"fastsafetensors: rank {dist.get_rank()} sees shards {[Path(f).name for f in files]} but the group's first "
-            f"rank (world rank {global_rank(group, 0)}) sees {[Path(f).name for f in chosen[0]]}: every rank must "
-            f"load the same checkpoint"
+            f"fastsafetensors: rank {dist.get_rank()} sees shards {[Path(f).name for f in files]} but the group's "
+            f"first rank (world rank {global_rank(group, 0)}) sees {[Path(f).name for f in chosen[0]]}: every rank "
+            "must load the same checkpoint"
         )
     return files
 

@@ -1,8 +1,8 @@
 """Checksums of the caches (dequantized weights, tokenizer folders): what was written is what is read, or it is rebuilt.
 
 Beside each cache file lies ``<file>.sha256``: its size and the SHA-256 of each
-64 MiB chunk; a cached folder has one beside each of its files. Verifying hashes the chunks on a thread pool (hashlib releases
-the GIL), so a large cache costs a fraction of a second per gigabyte on a many-core host.
+64 MiB chunk; a cached folder has one beside each of its files. Verifying hashes the chunks on a thread pool (hashlib
+releases the GIL), so a large cache costs a fraction of a second per gigabyte on a many-core host.
 """
 
 from __future__ import annotations

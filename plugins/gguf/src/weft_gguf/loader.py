@@ -125,7 +125,8 @@ def read_sampling_metadata(reader: Any) -> dict[str, Any]:
 
 
 def cached_metadata(path: Path, kind: str, read: Any, open_reader: Any) -> dict[str, Any]:
-    """``read(reader)`` of a GGUF file (``kind``: its name in the cache), computed once and then kept in the cache folder."""
+    """``read(reader)`` of a GGUF file (``kind``: its name in the cache), computed once and then kept in the cache
+    folder."""
     cached = cache_dir() / "gguf" / f"{file_key(path, kind)}.json"
     if cached.is_file():
         try:

@@ -167,8 +167,8 @@ class HiSparseConnector(KVConnector):
         names = [group.name for group in self.groups]
         if self.options.group not in names:
             raise ValueError(
-                f"plugins.hisparse.group = {self.options.group!r}: the model has no such KV-cache group (it has {names}); "
-                f"HiSparse needs a model that reads a compressed group sparsely, such as DeepSeek V4 (csa_kv)"
+                f"plugins.hisparse.group = {self.options.group!r}: the model has no such KV-cache group (it has "
+                f"{names}); HiSparse needs a model that reads a compressed group sparsely, such as DeepSeek V4 (csa_kv)"
             )
         self.group = names.index(self.options.group)
         spec = self.groups[self.group].spec
@@ -495,9 +495,10 @@ class HiSparseConnector(KVConnector):
             wanted = [selected_rows[row][column] for column in columns]
             if len(wanted) > buffer.rows:  # one step's entries must not evict each other
                 raise ValueError(
-                    f"plugins.hisparse.hot_buffer_blocks = {self.options.hot_buffer_blocks} holds {buffer.rows} entries per "
-                    f"request and layer, but {layer_name} selected {len(wanted)} of host pages in one step; raise it to at "
-                    f"least {-(-selected.shape[-1] // per_page)} (the model's top-k in blocks of {per_page} entries)"
+                    f"plugins.hisparse.hot_buffer_blocks = {self.options.hot_buffer_blocks} holds {buffer.rows} "
+                    f"entries per request and layer, but {layer_name} selected {len(wanted)} of host pages in one "
+                    f"step; raise it to at least {-(-selected.shape[-1] // per_page)} (the model's top-k in blocks of "
+                    f"{per_page} entries)"
                 )
             # The resolver at entry granularity: each selected entry is a "page" of one host row.
             located = {
@@ -581,7 +582,8 @@ class HiSparseConnector(KVConnector):
         return self._hot[key]
 
     def _hot_pool(self, layer_name: str, like: torch.Tensor) -> torch.Tensor:
-        """The layer's GPU hot buffers, one slice of ``hot_buffer_blocks`` blocks of entries per request, grown on demand."""
+        """The layer's GPU hot buffers, one slice of ``hot_buffer_blocks`` blocks of entries per request, grown on
+        demand."""
         rows = self.options.hot_buffer_blocks * self.layers[layer_name].shape[1]
         needed = len(self._slots.get(layer_name, ())) * rows
         pool = self._hot_pools.get(layer_name)

@@ -183,7 +183,8 @@ class DeviceBlocks:
         if largest > self.half:
             raise ValueError(
                 f"weft-mooncake: staging_buffer_size = {staging_bytes} holds half for loads and half for saves, and "
-                f"one stored block of this model takes {largest} bytes: set staging_buffer_size to at least {2 * largest}"
+                f"one stored block of this model takes {largest} bytes: set staging_buffer_size to at least "
+                f"{2 * largest}"
             )
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True)
         self.scratch = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
@@ -274,8 +275,8 @@ def byte_layers(tensors: Sequence[torch.Tensor], block_bytes: int, parts: int = 
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], blocks: torch.Tensor, staged: torch.Tensor) -> None:
-    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object, parts,
-    block bytes]``: object after object, the stored byte layout (the module docstring)."""
+    """Copy ``blocks`` of every layer (:func:`byte_layers`) into ``staged``, ``[objects, layers, blocks per object,
+    parts, block bytes]``: object after object, the stored byte layout (the module docstring)."""
     objects, _, count, parts, _ = staged.shape
     for index, cache in enumerate(layers):
         staged[:, index].copy_(cache.index_select(1, blocks).view(parts, objects, count, -1).permute(1, 2, 0, 3))

@@ -502,7 +502,8 @@ class MooncakeStoreConnector(KVConnector):
             self._step_load_requests = {transfer.request_id for transfer in metadata.loads}
 
     def _load(self, transfer: RequestTransfer, queued: Any) -> bool:
-        """Load a request's objects into its blocks (after the engine's ``queued`` work); whether every object arrived."""
+        """Load a request's objects into its blocks (after the engine's ``queued`` work); whether every object
+        arrived."""
         started = time.perf_counter()
         loaded = self._move(transfer.request_id, transfer.objects, queued)
         if loaded is None:

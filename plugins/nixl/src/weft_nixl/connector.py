@@ -74,7 +74,8 @@ class NixlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     role: Annotated[
         Literal["kv_producer", "kv_consumer", "kv_both"],
         Meta(
-            description="kv_producer: a prefill instance (pushes KV); kv_consumer: a decode instance (receives); kv_both"
+            description="kv_producer: a prefill instance (pushes KV); kv_consumer: a decode instance (receives); "
+            "kv_both"
         ),
     ] = "kv_both"
     side_channel_host: Annotated[

@@ -119,7 +119,8 @@ def mismatch(producer: EngineDescription, consumer: EngineDescription) -> str | 
         for field in ("kind", "block_size", "dtype", "block_bytes"):
             if getattr(ours, field) != getattr(theirs, field):
                 problems.append(
-                    f"{field} of group {ours.name!r}: prefill {getattr(ours, field)!r}, decode {getattr(theirs, field)!r}"
+                    f"{field} of group {ours.name!r}: prefill {getattr(ours, field)!r}, decode "
+                    f"{getattr(theirs, field)!r}"
                 )
     if not problems:
         return None
@@ -211,7 +212,10 @@ class ProducerChannel:
                 error is None
                 and [[region.block_bytes for region in group] for group in message.regions] != self.block_counts
             ):
-                error = "the decode instance's KV-cache layout differs from the prefill instance's (bytes per block per layer)"
+                error = (
+                    "the decode instance's KV-cache layout differs from the prefill instance's (bytes per block per "
+                    "layer)"
+                )
             if error is not None:
                 logger.error("weft-nixl: refused the decode worker %s: %s", message.agent_name, error)
             else:

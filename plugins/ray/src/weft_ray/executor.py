@@ -155,9 +155,9 @@ class RayExecutor(Executor):
             ready, _ = ray.wait([self.placement_group.ready()], timeout=self.timeout)
             if not ready:
                 raise ExecutorFailed(
-                    f"the Ray cluster cannot place {world} bundles of {bundle} ({self.options.placement_strategy}) within "
-                    f"engine.distributed.worker_timeout = {self.timeout:g} s; it has {ray.cluster_resources()}: add nodes "
-                    f"or devices, or lower tensor_parallel_size x pipeline_parallel_size"
+                    f"the Ray cluster cannot place {world} bundles of {bundle} ({self.options.placement_strategy}) "
+                    f"within engine.distributed.worker_timeout = {self.timeout:g} s; it has {ray.cluster_resources()}: "
+                    "add nodes or devices, or lower tensor_parallel_size x pipeline_parallel_size"
                 )
             self.store, address = self._serve_store()
             remote = ray.remote(RayWorker)

@@ -81,8 +81,8 @@ class Layout:
         self.world = nnodes * len(devices)
         if self.world % (tp * pp):
             raise ValueError(
-                f"{nnodes} node(s) x {len(devices)} device(s) = {self.world} daemons, not a multiple of tp {tp} x pp {pp}; "
-                f"serve as many devices as the engines use"
+                f"{nnodes} node(s) x {len(devices)} device(s) = {self.world} daemons, not a multiple of tp {tp} x pp "
+                f"{pp}; serve as many devices as the engines use"
             )
 
     def ranks(self, local_index: int) -> dict[str, int]:
@@ -122,8 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         if layout.world > 1 and os.environ.get("MASTER_PORT") == str(port):
             raise ValueError(
-                f"--rendezvous-port {port} is the engine's MASTER_PORT: the daemons' process group needs a port of its own "
-                f"(the same on every node)"
+                f"--rendezvous-port {port} is the engine's MASTER_PORT: the daemons' process group needs a port of its "
+                "own (the same on every node)"
             )
         folder = Path(args.socket_dir).expanduser() if args.socket_dir else socket_dir(options)
     except (ConfigError, PluginError, ValueError) as error:
@@ -214,10 +214,10 @@ def serve_device(config: Any, options: Any, layout: Layout, master: str, folder:
             if dist.is_initialized():
                 dist.destroy_process_group()
     line = (
-        f"weft weights: serving {config.model} (this rank's parts of {sum(bool(entry.parts) for entry in resident.entries)} "
-        f"tensors, {resident.nbytes / 2**20:.1f} MiB, "
-        f"{key.dtype}) for rank {rank} of {layout.world} (tp {ranks['tensor_parallel_rank']}/{layout.tp}, "
-        f"pp {ranks['pipeline_parallel_rank']}/{layout.pp}) on {identity} at {server.socket_path}\n"
+        f"weft weights: serving {config.model} (this rank's parts of "
+        f"{sum(bool(entry.parts) for entry in resident.entries)} tensors, {resident.nbytes / 2**20:.1f} MiB, "
+        f"{key.dtype}) for rank {rank} of {layout.world} (tp {ranks['tensor_parallel_rank']}/{layout.tp}, pp "
+        f"{ranks['pipeline_parallel_rank']}/{layout.pp}) on {identity} at {server.socket_path}\n"
     )
     # One write: the slots' processes share stdout, and print() may send the text and its newline apart, so
     # another slot's line could land between them (a pipe keeps a write of under 4 KiB whole).

@@ -52,7 +52,8 @@ class WeightCacheClient:
             raise
 
     def get_state(self, key: CacheKey, device: str) -> tuple[Ok | Mismatch | Error, list[int]]:
-        """The daemon's answer for ``key`` on ``device``, with the descriptors of an :class:`Ok` (the caller closes them)."""
+        """The daemon's answer for ``key`` on ``device``, with the descriptors of an :class:`Ok` (the caller closes
+        them)."""
         reply, fds = self._ask(GetState(key, device))
         if isinstance(reply, Released):
             raise FrameError("the daemon answered get_state with released")

@@ -36,7 +36,8 @@ class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     """sha256 over the weight shards' names and safetensors headers (tensor names, dtypes, shapes, offsets)."""
     architecture: str
     model_config: str
-    """sha256 of the model's ``config.json`` contents: head counts, sizes and tied embeddings decide each rank's part."""
+    """sha256 of the model's ``config.json`` contents: head counts, sizes and tied embeddings decide each rank's
+    part."""
     tensor_parallel_size: int
     tensor_parallel_rank: int
     pipeline_parallel_size: int

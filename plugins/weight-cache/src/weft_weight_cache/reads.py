@@ -96,8 +96,9 @@ class ResidentSlice(WeightSlice):
         held = ", ".join(_describe(held) for held, _ in self.parts) or "nothing"
         raise ValueError(
             f"weight-cache: the daemon holds {held} of {self.name!r} for this rank, and the model reads "
-            f"{_describe(narrow)}: the daemon was started with other settings than this engine (engine."
-            f"pipeline_partition, engine.enable_expert_parallel); restart `weft weights serve` with the engine's settings"
+            f"{_describe(narrow)}: the daemon was started with other settings than this engine "
+            "(engine.pipeline_partition, engine.enable_expert_parallel); restart `weft weights serve` with the "
+            "engine's settings"
         )
 
 

@@ -51,7 +51,8 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 _BOUNDED_STRING_CHARACTER = re.compile(r'^(\w+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
 """The rule xgrammar 0.2.9 writes for one character of a string with ``maxLength`` or ``minLength``, a whole
 line of the grammar's text: its class leaves out only the quote, the backslash, CR and LF, so it admits raw
-control characters (U+0000-U+001F), which JSON forbids in a string (xgrammar's rule for other strings keeps them out)."""
+control characters (U+0000-U+001F), which JSON forbids in a string (xgrammar's rule for other strings keeps them
+out)."""
 _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
 """One unescaped character of a JSON string (RFC 8259: not a quote, a backslash or a control character)."""
 
@@ -239,8 +240,8 @@ class XgrammarBackend(StructuredOutputBackend):
         schema = constraint.schema()  # its own ValueError when it is not a JSON object
         if (keyword := unenforced_keyword(schema)) is not None:
             raise ValueError(
-                f"structured_outputs.json: the schema uses {keyword.rsplit('/', 1)[1]!r} (at {keyword}), which xgrammar "
-                f"does not enforce; remove it (enforced: {', '.join(SUPPORTED_KEYWORDS)})"
+                f"structured_outputs.json: the schema uses {keyword.rsplit('/', 1)[1]!r} (at {keyword}), which "
+                f"xgrammar does not enforce; remove it (enforced: {', '.join(SUPPORTED_KEYWORDS)})"
             )
         if (problem := bad_count(schema)) is not None:
             raise ValueError(f"structured_outputs.json: {problem}")

@@ -1,14 +1,14 @@
 """The API process's engine: a process client of the engine core plus one output stream per request, on asyncio.
 
 :class:`AsyncEngine` starts the core in its own process (:class:`~weft.engine.client.ProcessClient`: spawn,
-handshake, sockets) and sends it tokenized requests and aborts from the event loop. Work on a request's text (templating,
-tokenizing, checking it against the model) runs on a bounded pool of tokenizer threads
+handshake, sockets) and sends it tokenized requests and aborts from the event loop. Work on a request's text
+(templating, tokenizing, checking it against the model) runs on a bounded pool of tokenizer threads
 (:meth:`AsyncEngine.off_loop`), never on the event loop. A reader thread
 receives what the core streams back and turns token ids into text with the
 output processor (detokenization, stop strings and their holdback stay off the event loop);
 each request's progress goes to the submitting coroutine's ``asyncio.Queue`` as
-:class:`~weft.engine.api.streams.Delta` items (:mod:`weft.engine.api.streams`), handed over with ``call_soon_threadsafe``. A lock guards
-the request tables the loop and the reader share. The scheduler and the model
+:class:`~weft.engine.api.streams.Delta` items (:mod:`weft.engine.api.streams`), handed over with
+``call_soon_threadsafe``. A lock guards the request tables the loop and the reader share. The scheduler and the model
 run in the core's process, so neither waits on the other's GIL.
 
 A request ends with an error delta (``error`` and an HTTP status) when the core

@@ -86,7 +86,8 @@ class EngineCore:
         self._unreported: list[EngineCoreOutput] = []
         """Outputs of a step applied by a call that then raised (the next launch failed): the next call returns them."""
         self.step_profile: StepProfile | None = None
-        """When set, records the timings of every step (:mod:`weft.engine.core.step_profile`); None: nothing is recorded."""
+        """When set, records the timings of every step (:mod:`weft.engine.core.step_profile`); None: nothing is
+        recorded."""
 
     # Requests.
 

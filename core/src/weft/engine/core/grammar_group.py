@@ -1,8 +1,8 @@
 """Several fill processes seen by the engine core as one (:class:`FillGroup`), and what a step's answer holds.
 
-:mod:`weft.engine.core.grammar_process` has the fill process itself (:class:`~weft.engine.core.grammar_process.FillProcess`,
-the core's end of one child, and the child's loop) and the protocol they share; this module splits a step's work across
-children (``engine.structured_output_fill_processes``).
+:mod:`weft.engine.core.grammar_process` has the fill process itself
+(:class:`~weft.engine.core.grammar_process.FillProcess`, the core's end of one child, and the child's loop) and the
+protocol they share; this module splits a step's work across children (``engine.structured_output_fill_processes``).
 """
 
 from __future__ import annotations

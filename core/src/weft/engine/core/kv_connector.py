@@ -172,7 +172,8 @@ class SchedulerConnector:
         if count < 0 or num_computed_tokens + count >= request.num_tokens:
             raise RuntimeError(
                 f"KV connector {self.name!r} offered {count} tokens of request {request.request_id!r} after "
-                f"{num_computed_tokens} computed ones, but the request has {request.num_tokens} and its last must be computed"
+                f"{num_computed_tokens} computed ones, but the request has {request.num_tokens} and its last must be "
+                "computed"
             )
         return count, load_async and count > 0
 
@@ -201,7 +202,8 @@ class SchedulerConnector:
         self._loading.pop(request.request_id, None)
 
     def request_finished(self, request: Request, block_ids: tuple[tuple[int, ...], ...] | None) -> bool:
-        """``request`` ended holding ``block_ids`` (None: none); True when they must stay allocated until its saves are done."""
+        """``request`` ended holding ``block_ids`` (None: none); True when they must stay allocated until its saves are
+        done."""
         request_id = request.request_id
         connector_request = self._requests.pop(request_id, None)
         self._loading.pop(request_id, None)
@@ -257,7 +259,8 @@ class SchedulerConnector:
     # The workers' report.
 
     def failed_loads(self, report: ConnectorOutput) -> dict[str, int]:
-        """The requests whose synchronous load failed in the reported step, with the external tokens they were to load."""
+        """The requests whose synchronous load failed in the reported step, with the external tokens they were to
+        load."""
         failed = {
             request_id: self._loading.get(request_id, 0)
             for request_id in report.failed_loads

@@ -110,6 +110,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, {self.status.name if self.status else 'unfinished'}, prompt={self.num_prompt_tokens}, "
-            f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+            f"Request({self.request_id!r}, {self.status.name if self.status else 'unfinished'}, "
+            f"prompt={self.num_prompt_tokens}, output={len(self.output_token_ids)}, "
+            f"computed={self.num_computed_tokens})"
         )

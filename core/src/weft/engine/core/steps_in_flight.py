@@ -111,7 +111,8 @@ class StepsInFlight:
         otherwise lost its chunk in flight every time, and a request under KV pressure could recompute the same
         chunk step after step. Sound because steps run in order: the step in flight writes the blocks before any
         later step reads them (a block handed out again is unpublished by the pool first). Not where a KV connector
-        loads in one of those steps (a load can fail after the fact); a failed step unpublishes them (:meth:`forget`)."""
+        loads in one of those steps (a load can fail after the fact); a failed step unpublishes them
+        (:meth:`forget`)."""
         if not self._steps:
             return
         known = min(planned, request.num_tokens)

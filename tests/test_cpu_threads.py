@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from weft.builtins import cpu_threads
+from weft.runner import cpu_threads
 
 
 def test_quota_caps_the_physical_cores(monkeypatch, tmp_path):

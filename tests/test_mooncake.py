@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from weft.engine.core.scheduler.kv_cache import block_hashes
+from weft.engine.core.kv_cache_manager import block_hashes
 
 from conftest import make_tiny_model
 from weft.entrypoints.llm import LLM

@@ -40,26 +40,31 @@ def expected_kv() -> tuple[int, int]:
     return (1 << 30) // (bytes_per_token * 16), field("llama.context_length")
 
 
-def startup_lines(cache: str, url: str | None) -> list[str]:
+def startup_lines(cache: str, url: str | None, dense: bool) -> list[str]:
+    """``dense``: ``engine.quantization = 'none'``, the GGUF dequantized to float32 (and cached) on its first start;
+    else the default, its blocks kept quantized (nothing converted, nothing cached)."""
     blocks, context = expected_kv()
     return [
         f"starting the engine for {MODEL}",
         f"loading the weights of {MODEL} (SmolLM2-135M-Instruct.Q4_1.gguf, 98.4 MB)",
         *(
-            []
-            if url
-            else [
+            [
                 "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf to float32 (first start only): 272 tensors",
                 f"cached for next time: {cache}/gguf/HASH-float32-v2.safetensors (538.1 MB; weft cache list shows it, "
                 f"weft cache clear frees it)",
             ]
+            if dense
+            else []
         ),
         f"allocating the KV cache: {blocks:,} blocks of 16 tokens",
         "warming up kernels",
         "ready in SECONDS s",
         f"  model     {MODEL} (LlamaForCausalLM, gguf file SmolLM2-135M-Instruct.Q4_1.gguf)",
         "  platform  cpu",
-        "  dtype     float32 (converted from the gguf file's weights)",
+        "  dtype     float32 (converted from the gguf file's weights)"
+        if dense
+        else "  weights   cpu_int4 (the gguf file's blocks kept quantized, the rest float32; weft config show lists "
+        "each format)",
         f"  KV cache  {blocks * 16:,} tokens ({blocks:,} blocks of 16); up to {context:,} tokens per request",
         "  sampling  temperature=0.2, top_p=0.9 (the model's defaults; a request's own values win)",
         *([f"  serving   {url} (OpenAI-compatible)"] if url else []),
@@ -72,12 +77,13 @@ def normalized(lines: list[str]) -> list[str]:
 
 
 def test_first_start_and_rerun_print_their_steps_and_the_summary(tmp_path):
-    """The first start dequantizes (with the note that it is cached); the rerun, a server on the same cache,
-    prints only its steps and the summary with the URL; nothing else (no internal detail) comes before it."""
+    """A first start on dense weights dequantizes (with the note that it is cached); a server with the default
+    (quantized) weights prints only its steps and the summary with the URL; nothing else (no internal detail) comes
+    before it."""
     cache = str(tmp_path / "cache")
     env = {**os.environ, "WEFT_CACHE_DIR": cache}
     first = subprocess.run(
-        [sys.executable, "-m", "weft.cli", "generate", "--max-tokens", "4", "Hi"],
+        [sys.executable, "-m", "weft.cli", "generate", "--quantization", "none", "--max-tokens", "4", "Hi"],
         capture_output=True,
         text=True,
         env=env,
@@ -85,7 +91,7 @@ def test_first_start_and_rerun_print_their_steps_and_the_summary(tmp_path):
     )
     assert first.returncode == 0, first.stderr
     assert first.stderr.splitlines() == [f"weft: {line}" for line in weft_lines(first.stderr)], first.stderr
-    assert normalized(weft_lines(first.stderr)) == startup_lines(cache, None)
+    assert normalized(weft_lines(first.stderr)) == startup_lines(cache, None, dense=True)
 
     port = free_port()
     server, log = start_weft_serve([], port, env)
@@ -95,7 +101,7 @@ def test_first_start_and_rerun_print_their_steps_and_the_summary(tmp_path):
         summary_end = next(index for index, line in enumerate(ready) if line.startswith("weft:   serving"))
         assert all(line.startswith("weft: ") for line in ready[: summary_end + 1]), output
         url = f"http://127.0.0.1:{port}/v1"
-        assert normalized(weft_lines("\n".join(ready[: summary_end + 1]))) == startup_lines(cache, url)
+        assert normalized(weft_lines("\n".join(ready[: summary_end + 1]))) == startup_lines(cache, url, dense=False)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -87,12 +87,7 @@ def summary_lines(facts: Mapping[str, Any], seconds: float, url: str | None = No
         f"  model     {facts['model']} ({facts['architecture']}, {facts['weights_format']} file "
         f"{facts['weights_file']})",
         f"  platform  {facts['platform']}",
-        f"  dtype     {facts['dtype']}"
-        + (
-            f" (converted from the {facts['weights_format']} file's weights)"
-            if facts["weights_format"] != "safetensors"
-            else ""
-        ),
+        _dtype_line(facts),
         f"  KV cache  {kv}",
     ]
     defaults = facts.get("sampling_defaults")
@@ -110,3 +105,17 @@ def report_summary(facts: Mapping[str, Any], started: float, url: str | None = N
     """Print :func:`summary_lines` (``started``: the ``time.monotonic()`` the start began at)."""
     for line in summary_lines(facts, time.monotonic() - started, url):
         report("%s", line)
+
+
+def _dtype_line(facts: Mapping[str, Any]) -> str:
+    """The weights' numerics: quantized by a ``weft.quantization`` method, or dense in ``dtype``."""
+    quantization = facts.get("quantization", "none")
+    if quantization != "none":
+        return (
+            f"  weights   {quantization} (the {facts['weights_format']} file's blocks kept quantized, the rest "
+            f"{facts['dtype']}; weft config show lists each format)"
+        )
+    converted = facts["weights_format"] != "safetensors"
+    return f"  dtype     {facts['dtype']}" + (
+        f" (converted from the {facts['weights_format']} file's weights)" if converted else ""
+    )

@@ -86,5 +86,5 @@ def bind_compute_threads(threads: int | None, affinity: list[int] | None) -> int
     count = threads or len(cpus)
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(count)
-    logger.info("CPU compute: %d thread(s) on CPUs %s (%s)", count, ",".join(map(str, cpus)), why)
+    logger.debug("CPU compute: %d thread(s) on CPUs %s (%s)", count, ",".join(map(str, cpus)), why)
     return count

@@ -138,7 +138,7 @@ class Worker:
                 weights = self.loader.iter_weights(self.source, load_dtype)
             self.family.load_weights(self.model, weights)
             formats = process_quantized_layers(self.model)
-            logger.info(
+            logger.debug(
                 "linear layers: %s",
                 "; ".join(f"{count} x {name}" for name, count in formats.items())
                 or f"dense {self.dtype} (engine.quantization = {engine.quantization!r})",

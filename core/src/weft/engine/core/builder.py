@@ -34,6 +34,7 @@ from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
     build_platform,
+    choose_quantization,
     load_executor,
     load_kv_connector,
     max_model_len,
@@ -99,7 +100,8 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
     async_scheduling = bool(engine.async_scheduling) and executor_class.supports_async_output
     if async_scheduling and connector is not None:  # resolve_engine_config turned it off already
         async_scheduling = False
-    startup = startup_facts(config, platform, source, info.groups, num_blocks, context_length)
+    quantization, _ = choose_quantization(registry, config, platform, source.format, resolve_dtype(config, platform))
+    startup = startup_facts(config, platform, source, info.groups, num_blocks, context_length, quantization)
     core = EngineCore(config, hooks, executor, scheduler, source, num_blocks, async_scheduling, startup)
     logger.debug(
         "engine core ready in %.1f s: %s blocks, max_num_seqs %d, max_num_batched_tokens %d, async scheduling %s",
@@ -120,8 +122,10 @@ def startup_facts(
     groups: Sequence[KVCacheGroupSpec],
     num_blocks: list[int],
     max_model_len: int,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     """What the startup summary says about the engine (:func:`weft.progress.summary_lines`).
+    ``quantization``: the ``weft.quantization`` method the linear layers run (``none``: dense weights).
 
     ``kv_capacity_tokens``: the tokens the cache holds, set by the groups whose blocks run out as a sequence
     grows (a sliding window's ring keeps a fixed number of blocks per request and sets no limit)."""
@@ -137,6 +141,7 @@ def startup_facts(
         "weights_file": Path(source.path).name,
         "platform": platform.name,
         "dtype": resolve_dtype(config, platform),
+        "quantization": quantization,
         "block_size": config.engine.block_size,
         "max_model_len": max_model_len,
         "kv_capacity_tokens": min(limits) if limits else None,

@@ -72,73 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             msgspec.structs.force_setattr(
                 self, "logit_bias", {int(token): float(value) for token, value in self.logit_bias.items()}
             )
-        low, high = REPETITION_PENALTY_RANGE
-        checks = [
-            *(
-                (math.isfinite(value), name, value, "must be a finite number")
-                for name, value in (
-                    ("temperature", self.temperature),
-                    ("top_p", self.top_p),
-                    ("min_p", self.min_p),
-                    ("presence_penalty", self.presence_penalty),
-                    ("frequency_penalty", self.frequency_penalty),
-                    ("repetition_penalty", self.repetition_penalty),
-                )
-            ),
-            (self.n >= 1, "n", self.n, "must be >= 1"),
-            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)"),
-            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", self.top_k, "must be >= -1 (0 or -1 disables it)"),
-            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"),
-            (
-                low <= self.repetition_penalty <= high,
-                "repetition_penalty",
-                self.repetition_penalty,
-                f"must be in [{low}, {high}] (1 disables it)",
-            ),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                self.logprobs,
-                f"must be in [0, {MAX_LOGPROBS}]",
-            ),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"),
-            (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                "prompt_logprobs",
-                self.prompt_logprobs,
-                f"must be in [0, {MAX_LOGPROBS}]",
-            ),
-            (
-                self.logit_bias is None or all(-100 <= value <= 100 for value in self.logit_bias.values()),
-                "logit_bias",
-                self.logit_bias,
-                "values must be in [-100, 100]",
-            ),
-            (
-                self.logit_bias is None or all(token >= 0 for token in self.logit_bias),
-                "logit_bias",
-                self.logit_bias,
-                "token ids must be >= 0",
-            ),
-            (
-                self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
-                "allowed_token_ids",
-                self.allowed_token_ids,
-                "must be a non-empty list of token ids >= 0",
-            ),
-            (
-                all(isinstance(word, str) and word.strip() for word in self.bad_words),
-                "bad_words",
-                self.bad_words,
-                "must be non-empty strings",
-            ),
-        ]
+        checks = [*_knob_checks(self), *_token_checks(self)]
         for ok, field, value, rule in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} = {value!r}: {rule}")
@@ -154,3 +88,85 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + index) % 2**63)
             for index in range(self.n)
         ]
+
+
+_Check = tuple[object, str, object, str]
+"""Whether (truthy) a field holds, the field, its value and the rule it breaks (the error names all three)."""
+
+
+def _knob_checks(params: SamplingParams) -> list[_Check]:
+    """The sampling knobs: finite, in their ranges; and the output's length bounds."""
+    low, high = REPETITION_PENALTY_RANGE
+    return [
+        *(
+            (math.isfinite(value), name, value, "must be a finite number")
+            for name, value in (
+                ("temperature", params.temperature),
+                ("top_p", params.top_p),
+                ("min_p", params.min_p),
+                ("presence_penalty", params.presence_penalty),
+                ("frequency_penalty", params.frequency_penalty),
+                ("repetition_penalty", params.repetition_penalty),
+            )
+        ),
+        (params.n >= 1, "n", params.n, "must be >= 1"),
+        (params.temperature >= 0, "temperature", params.temperature, "must be >= 0 (0 is greedy)"),
+        (0 < params.top_p <= 1, "top_p", params.top_p, "must be in (0, 1]"),
+        (params.top_k >= -1, "top_k", params.top_k, "must be >= -1 (0 or -1 disables it)"),
+        (0 <= params.min_p <= 1, "min_p", params.min_p, "must be in [0, 1]"),
+        (-2 <= params.presence_penalty <= 2, "presence_penalty", params.presence_penalty, "must be in [-2, 2]"),
+        (-2 <= params.frequency_penalty <= 2, "frequency_penalty", params.frequency_penalty, "must be in [-2, 2]"),
+        (
+            low <= params.repetition_penalty <= high,
+            "repetition_penalty",
+            params.repetition_penalty,
+            f"must be in [{low}, {high}] (1 disables it)",
+        ),
+        (params.max_tokens is None or params.max_tokens >= 1, "max_tokens", params.max_tokens, "must be >= 1"),
+        (params.min_tokens >= 0, "min_tokens", params.min_tokens, "must be >= 0"),
+    ]
+
+
+def _token_checks(params: SamplingParams) -> list[_Check]:
+    """What the output returns and where it stops (logprobs, stop strings), the seed, and the token-level options
+    (logit bias, allowed tokens, bad words)."""
+    return [
+        (
+            params.logprobs is None or 0 <= params.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            params.logprobs,
+            f"must be in [0, {MAX_LOGPROBS}]",
+        ),
+        (all(isinstance(s, str) and s for s in params.stop), "stop", params.stop, "must be non-empty strings"),
+        (params.seed is None or 0 <= params.seed < 2**63, "seed", params.seed, "must be in [0, 2**63)"),
+        (
+            params.prompt_logprobs is None or 0 <= params.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            params.prompt_logprobs,
+            f"must be in [0, {MAX_LOGPROBS}]",
+        ),
+        (
+            params.logit_bias is None or all(-100 <= value <= 100 for value in params.logit_bias.values()),
+            "logit_bias",
+            params.logit_bias,
+            "values must be in [-100, 100]",
+        ),
+        (
+            params.logit_bias is None or all(token >= 0 for token in params.logit_bias),
+            "logit_bias",
+            params.logit_bias,
+            "token ids must be >= 0",
+        ),
+        (
+            params.allowed_token_ids is None or (params.allowed_token_ids and min(params.allowed_token_ids) >= 0),
+            "allowed_token_ids",
+            params.allowed_token_ids,
+            "must be a non-empty list of token ids >= 0",
+        ),
+        (
+            all(isinstance(word, str) and word.strip() for word in params.bad_words),
+            "bad_words",
+            params.bad_words,
+            "must be non-empty strings",
+        ),
+    ]

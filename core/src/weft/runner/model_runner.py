@@ -6,12 +6,8 @@ parameters), created from the step's ``NewRequest`` and updated from its
 ``CachedRequest`` entries; it never reads the engine's scheduler or KV-cache
 manager. It appends the tokens it samples to that state itself.
 
-The batch lays the scheduled tokens of every request end to end. For each
-KV-cache group it also builds the block table and each new token's cache slot
-(as the group's spec lays them out), then asks the attention backend for its
-metadata once for each group the backend owns; every layer reuses it. Groups a
-model manages itself (compressed entries, recurrent state, rings) get no backend
-metadata: the model reads their :class:`AttentionBatch` from the context.
+The batch lays the scheduled tokens of every request end to end, with each KV-cache group's block table, cache
+slots and attention metadata (:class:`~weft.runner.batch_inputs.InputBuilder`).
 
 Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`, :mod:`weft.runner.graphs`):
 a step of decodes only that fits a captured batch size replays the graph over the static inputs;
@@ -54,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weft.contracts.attention import AttentionBackend, AttentionBatch
+from weft.contracts.attention import AttentionBackend
 from weft.contracts.executor import (
     DoneStep,
     GrammarOutput,
@@ -68,6 +64,7 @@ from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
+from weft.runner.batch_inputs import InputBuilder, known_tokens
 from weft.runner.graphs import DecodeGraphs, MaskGraphs
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
@@ -174,6 +171,37 @@ class _AwaitingMask:
         self.graph_size = graph_size
         """The decode graph the forward replayed (its logits are that graph's output); None: it ran eagerly."""
 
+    def apply_mask(self, grammar: GrammarOutput, runner: ModelRunner) -> SampledBatch | None:
+        """Mask the logits of ``grammar``'s rows with its bitmask; returns the step's rows already sampled where
+        every row is greedy and ``runner`` has the fused ``bitmask_argmax`` op (None: the sampler samples them)."""
+        sampled = None
+        if grammar.request_ids and self.logits is not None:
+            row_of = {self.states[row].request_id: index for index, row in enumerate(self.sampling)}
+            rows = [row_of[request_id] for request_id in grammar.request_ids]
+            if (
+                runner.bitmask_argmax is not None
+                and runner.parallel.layout.pipeline_parallel_size == 1
+                and all(plain_greedy(self.states[row]) for row in self.sampling)
+            ):
+                # Every row greedy: the mask and the argmax in one op (one kernel where the platform has it),
+                # replayed with the status in one graph after a decode graph (every row of it samples).
+                size = self.graph_size
+                if (
+                    runner.mask_graphs is not None
+                    and size is not None
+                    and len(self.sampling) == len(self.states)
+                    and runner.mask_graphs.fits(rows, grammar.bitmask)
+                ):
+                    sampled = runner.mask_graphs.sample(size, len(self.states), rows, grammar.bitmask)
+                else:
+                    tokens, healthy = runner.token_bitmask.argmax(
+                        self.logits, rows, grammar.bitmask, runner.bitmask_argmax
+                    )
+                    sampled = greedy_batch(tokens, healthy)
+            else:
+                runner.token_bitmask.apply(self.logits, rows, grammar.bitmask)
+        return sampled
+
 
 class ModelRunner:
     """Steps a worker's model: takes in each step's requests, batches, runs the forward (eagerly, through
@@ -200,6 +228,8 @@ class ModelRunner:
         self.sampler = sampler
         self.connector = connector
         self.sparse_entries = connector.worker_side.sparse_entry_reader() if connector is not None else None
+        self.inputs = InputBuilder(backend, groups, kv_caches, device, self.sparse_entries, connector)
+        """Builds each eager forward's flat batch and context (:meth:`prepare_inputs`)."""
         captured_reader = self.sparse_entries if isinstance(self.sparse_entries, CapturedSparseEntryReader) else None
         self.decode_graphs = DecodeGraphs(
             model, backend, groups, kv_caches, device, parallel, captured_reader, bitmask_argmax
@@ -321,32 +351,7 @@ class ModelRunner:
     def _sample_awaiting(self, grammar: GrammarOutput) -> StepHandle:
         awaiting, self._awaiting = self._awaiting, None
         assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
-        sampled = None
-        if grammar.request_ids and awaiting.logits is not None:
-            row_of = {awaiting.states[row].request_id: index for index, row in enumerate(awaiting.sampling)}
-            rows = [row_of[request_id] for request_id in grammar.request_ids]
-            if (
-                self.bitmask_argmax is not None
-                and self.parallel.layout.pipeline_parallel_size == 1
-                and all(plain_greedy(awaiting.states[row]) for row in awaiting.sampling)
-            ):
-                # Every row greedy: the mask and the argmax in one op (one kernel where the platform has it),
-                # replayed with the status in one graph after a decode graph (every row of it samples).
-                size = awaiting.graph_size
-                if (
-                    self.mask_graphs is not None
-                    and size is not None
-                    and len(awaiting.sampling) == len(awaiting.states)
-                    and self.mask_graphs.fits(rows, grammar.bitmask)
-                ):
-                    sampled = self.mask_graphs.sample(size, len(awaiting.states), rows, grammar.bitmask)
-                else:
-                    tokens, healthy = self.token_bitmask.argmax(
-                        awaiting.logits, rows, grammar.bitmask, self.bitmask_argmax
-                    )
-                    sampled = greedy_batch(tokens, healthy)
-            else:
-                self.token_bitmask.apply(awaiting.logits, rows, grammar.bitmask)
+        sampled = awaiting.apply_mask(grammar, self)
         return self._sample_step(
             awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs, sampled
         )
@@ -446,7 +451,7 @@ class ModelRunner:
         static = self.decode_graphs.static
         assert static is not None
         counts = [1] * len(states)
-        static.input_ids[: len(states)].copy_(torch.tensor(_known_tokens(states, counts)), non_blocking=True)
+        static.input_ids[: len(states)].copy_(torch.tensor(known_tokens(states, counts)), non_blocking=True)
         self._fill_unknown(static.input_ids, states, counts)
         return self.decode_graphs.replay(states, size)
 
@@ -469,52 +474,8 @@ class ModelRunner:
         self, states: list[RequestState], counts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
-        each request's tokens start in the flat batch."""
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens = []
-        for state, count in zip(states, counts, strict=False):
-            start = state.num_computed_tokens
-            positions.extend(range(start, start + count))
-            query_start.append(query_start[-1] + count)
-            seq_lens.append(start + count)
-        device = self.device
-        input_ids = to_device(_known_tokens(states, counts), torch.long, self.device)
-        self._fill_unknown(input_ids, states, counts)
-        position_tensor = to_device(positions, torch.long, self.device)
-        query_start_tensor = to_device(query_start, torch.int32, self.device)
-        seq_lens_tensor = to_device(seq_lens, torch.int32, self.device)
-        rows = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_start_tensor.diff().long())
-        metadata, batches = [], []
-        for index, group in enumerate(self.groups):
-            tables = [state.block_ids[index] for state in states]
-            width = max(len(table) for table in tables)
-            block_table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
-            block_table = block_table.to(device, non_blocking=True)
-            slot_mapping = group.spec.slot_mapping(block_table, rows, position_tensor)
-            batch = AttentionBatch(
-                query_start=query_start_tensor,
-                seq_lens=seq_lens_tensor,
-                block_table=block_table,
-                slot_mapping=slot_mapping.to(torch.int32),
-                max_query_len=max(counts),
-                max_seq_len=max(seq_lens),
-                block_size=group.spec.block_size,
-            )
-            batches.append(batch)
-            metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
-        prefix_hits = [state.take_prefix_hit() for state in states]
-        context = ForwardContext(
-            backend=self.backend,
-            metadata=metadata,
-            kv_caches=self.kv_caches,
-            batches=batches,
-            prefix_hits=prefix_hits,
-            request_ids=[state.request_id for state in states],
-            sparse_entries=self.sparse_entries,
-            wait_for_layer=self.connector.layer_wait if self.connector is not None else None,
-        )
-        return input_ids, position_tensor, context, query_start
+        each request's tokens start in the flat batch (:meth:`InputBuilder.build`)."""
+        return self.inputs.build(states, counts, self._fill_unknown)
 
 
 def _failed_loads(report: ConnectorOutput | None) -> frozenset[str]:
@@ -571,18 +532,6 @@ def _score_prompt(
             )
             entries.append(TokenLogprobs(float(chosen[index]), int(ranks[index]), candidates))
     return positions.start + 1, entries
-
-
-def _known_tokens(states: list[RequestState], counts: list[int]) -> list[int]:
-    """The next ``counts`` token ids of each of ``states``, end to end; 0 for a token still on the device (the last
-    step's, which :meth:`_PendingStep.fill_unknown` copies in)."""
-    token_ids: list[int] = []
-    for state, count in zip(states, counts, strict=False):
-        start = state.num_computed_tokens
-        known = state.token_ids[start : start + count]
-        token_ids.extend(known)
-        token_ids.extend([0] * (count - len(known)))
-    return token_ids
 
 
 def describe_sizes(sizes: Sequence[int]) -> str:

@@ -282,15 +282,8 @@ class RejectionSampler:
             accepted = tokens == draft_index
         else:
             counts = TokenCounts(device) if counts is None else counts
-            added = None
-            penalized = [request for request in requests if needs_penalties(request.params)]
-            if penalized:
-                counts.hold_rows(penalized, vocab)  # built from the requests' own outputs, before any proposal
-                before = (torch.arange(width, device=device).unsqueeze(0) < offset_index.unsqueeze(1)).int()
-                proposed_by_request = packed[4 * count + len(proposed_rows) :].view(len(proposals), width)
-                added = torch.zeros(count, vocab, dtype=torch.int32, device=device).scatter_add_(
-                    1, proposed_by_request.index_select(0, owner_index), before
-                )
+            padded_index = packed[4 * count + len(proposed_rows) :].view(len(proposals), width)
+            added = _proposed_before(requests, counts, vocab, padded_index, owner_index, offset_index)
             processed = edited_logits(raw, positions, counts, added)
             maxima, tokens = processed.max(dim=-1)
             status = torch.where(torch.isfinite(maxima), SAMPLED, BANNED).masked_fill_(
@@ -406,4 +399,28 @@ def _failed_request(logits: torch.Tensor, request: Request, top: int | None) -> 
         torch.full((1,), FAILED, dtype=torch.long, device=device),
         [0, count],
         logprobs,
+    )
+
+
+def _proposed_before(
+    requests: Sequence[Request],
+    counts: TokenCounts,
+    vocab: int,
+    padded: torch.Tensor,
+    owner_index: torch.Tensor,
+    offset_index: torch.Tensor,
+) -> torch.Tensor | None:
+    """Per position, how often each token was proposed before it by its request: penalties count those on top of
+    the request's own outputs, which this holds in ``counts`` (None: no request is penalized).
+
+    ``padded`` holds each request's proposals padded to the longest; ``owner_index`` and ``offset_index`` each
+    position's request and its offset among that request's positions."""
+    penalized = [request for request in requests if needs_penalties(request.params)]
+    if not penalized:
+        return None
+    counts.hold_rows(penalized, vocab)  # built from the requests' own outputs, before any proposal
+    count, width, device = len(owner_index), padded.shape[1], padded.device
+    before = (torch.arange(width, device=device).unsqueeze(0) < offset_index.unsqueeze(1)).int()
+    return torch.zeros(count, vocab, dtype=torch.int32, device=device).scatter_add_(
+        1, padded.index_select(0, owner_index), before
     )

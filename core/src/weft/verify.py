@@ -2,12 +2,12 @@
 
 Two implementations over the same prompts, as token ids from Weft's tokenizer:
 
-1. The reference: the transformers class the family names (:meth:`ModelFamily.hf_architecture`)
-   on the same checkpoint (a folder of config.json and ``*.safetensors``, or a GGUF file, which
-   transformers dequantizes in memory as Weft's gguf loader does), in the same dtype, eager
-   attention, run inside the family's :meth:`ModelFamily.hf_reference_context`. It generates
-   greedily with its own KV cache, then gives its logits at every position of the prompt and
-   its continuation from one full forward.
+1. The reference (:mod:`weft.verify_reference`): the transformers class the family names
+   (:meth:`ModelFamily.hf_architecture`) on the same checkpoint (a folder of config.json and
+   ``*.safetensors``, or a GGUF file, which transformers dequantizes in memory as Weft's gguf loader
+   does), in the same dtype, eager attention, run inside the family's
+   :meth:`ModelFamily.hf_reference_context`. It generates greedily with its own KV cache, then gives
+   its logits at every position of the prompt and its continuation from one full forward.
 2. Weft's engine, through the public API, in one ``LLM.generate`` call: every prompt greedy,
    ``max_tokens`` new tokens with the top two log-probabilities of each; and beside them every
    prompt followed by the reference's continuation, with its prompt log-probabilities
@@ -44,7 +44,6 @@ transformers is optional; it is imported when a verification starts.
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import typing
 from collections.abc import Callable, Sequence
@@ -54,15 +53,16 @@ from typing import Any
 import msgspec
 import torch
 
+from weft import verify_reference
 from weft.config import EngineConfig, WeftConfig
 from weft.contracts.loader import ModelSource
-from weft.contracts.model import ModelFamily
 from weft.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.plugins.selection import select_platform
 from weft.resolve import missing_path
 from weft.sampling_params import MAX_LOGPROBS
+from weft.verify_reference import logit_scale
 
 DTYPES = tuple(name for name in typing.get_args(typing.get_type_hints(EngineConfig)["dtype"]) if name != "auto")
 """The dtypes both sides can run in: ``engine.dtype``'s explicit choices."""
@@ -88,11 +88,6 @@ NOISE_FACTOR = 16
 is smaller) and still count as rounding. Measured: SmolLM2-135M in float32, 1.3e-6 against the reference's
 2.8e-6; the tiny test checkpoints in bfloat16, up to 1.7e-2 (2.2 eps); a rope base ten times too large,
 0.2 to 0.7 in either dtype."""
-
-
-def logit_scale(logits: torch.Tensor) -> torch.Tensor:
-    """``max(1, max |logit|)`` of each row: what a relative error or bound is relative to."""
-    return logits.abs().amax(-1).clamp_min(1.0)
 
 
 def rounding_noise(teacher_forced_error: float, reference_noise: float, dtype: str) -> float:
@@ -331,23 +326,16 @@ def verify(
 
     Raises ValueError naming the problem when the model, a prompt or an option cannot be verified.
     """
-    if reference not in REFERENCES:
-        raise ValueError(f"reference {reference!r} is not supported; choose one of {', '.join(REFERENCES)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens = {max_tokens}: must be >= 1")
-    if not prompts:
-        raise ValueError("no prompts to verify; give at least one")
+    _check_options(prompts, dtype, max_tokens, reference)
     verify_plugin_lock(WeftConfig())  # WEFT_PLUGINS_LOCK: refuse a different plugin set before importing any
-    transformers = _import_transformers()
+    transformers = verify_reference.import_transformers()
     registry = registry or PluginRegistry()
     source = resolve_checkpoint(model, registry)
     architecture = (source.hf_config.get("architectures") or [None])[0]
     if architecture is None:
         raise ValueError(f"model {model!r}: its config.json names no 'architectures'; cannot choose a model family")
     family = registry.load("model", architecture)()
-    reference_class = _reference_class(transformers, family, architecture)
+    reference_class = verify_reference.reference_class(transformers, family, architecture)
     platform_class, _ = select_platform(registry)
 
     tokenizer = registry.load("tokenizer", source.tokenizer).from_source(source)
@@ -355,7 +343,9 @@ def verify(
     empty = [prompt for prompt, ids in zip(prompts, encoded, strict=False) if not ids]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens; give prompts with text")
-    runs = _reference_runs(reference_class, family, source, dtype, platform_class().device(), encoded, max_tokens)
+    runs = verify_reference.reference_runs(
+        reference_class, family, source, dtype, platform_class().device(), encoded, max_tokens
+    )
     step_budget = max(2 * len(prompts), (max(len(ids) for ids in encoded) + 1) // 2)
     greedy, forced = _engine_runs(
         model, registry, dtype, step_budget, encoded, [run.tokens for run in runs], max_tokens
@@ -400,6 +390,18 @@ def verify(
         step_budget=step_budget,
         results=results,
     )
+
+
+def _check_options(prompts: Sequence[str], dtype: str, max_tokens: int, reference: str) -> None:
+    """Raise ValueError naming the option of :func:`verify` that cannot be verified."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference {reference!r} is not supported; choose one of {', '.join(REFERENCES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens = {max_tokens}: must be >= 1")
+    if not prompts:
+        raise ValueError("no prompts to verify; give at least one")
 
 
 def resolve_checkpoint(model: str, registry: PluginRegistry) -> ModelSource:
@@ -529,91 +531,6 @@ def _engine_runs(
     del llm
     gc.collect()
     return [output.outputs[0] for output in outputs[: len(prompts)]], outputs[len(prompts) :]
-
-
-class _ReferenceRun(msgspec.Struct, frozen=True):
-    tokens: list[int]
-    """The reference's greedy continuation of the prompt."""
-    logits: torch.Tensor
-    """Its logits (float32, on the CPU) at every position of the prompt and that continuation (its last
-    token excluded), from one full forward."""
-    noise: float
-    """The largest relative difference between its cached-decode logits and ``logits`` at the same positions."""
-
-
-def _reference_runs(
-    reference_class: Any,
-    family: ModelFamily,
-    source: ModelSource,
-    dtype: str,
-    device: torch.device,
-    prompts: list[list[int]],
-    max_tokens: int,
-) -> list[_ReferenceRun]:
-    """The reference's greedy continuation of each prompt and its logits over them."""
-    model = _load_reference(reference_class, source, dtype).to(device).eval()
-    runs = []
-    with torch.inference_mode(), family.hf_reference_context():
-        for prompt in prompts:
-            tokens, decoded = _reference_greedy(model, prompt, max_tokens)
-            logits = model(torch.tensor([prompt + tokens[:-1]], device=device)).logits[0].float().cpu()
-            full = logits[len(prompt) - 1 :]
-            noise = float(((decoded - full).abs().amax(-1) / logit_scale(full)).max())
-            runs.append(_ReferenceRun(tokens, logits, noise))
-    del model
-    gc.collect()  # the reference's weights, before the engine loads
-    return runs
-
-
-def _load_reference(reference_class: Any, source: ModelSource, dtype: str) -> Any:
-    options = {"dtype": getattr(torch, dtype), "attn_implementation": "eager"}
-    if source.format == "gguf":
-        path = Path(source.path)  # dequantized in memory, as Weft's gguf loader does
-        return reference_class.from_pretrained(str(path.parent), gguf_file=path.name, **options)
-    return reference_class.from_pretrained(source.path, **options)
-
-
-def _import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as error:
-        raise ValueError(
-            f"weft verify compares against Hugging Face transformers, which is not installed ({error}); "
-            f"pip install transformers"
-        ) from None
-    return transformers
-
-
-def _reference_class(transformers: Any, family: ModelFamily, architecture: str) -> Any:
-    name = family.hf_architecture(architecture)
-    found = getattr(transformers, name, None)
-    if found is None:
-        named = (
-            f"{name!r}"
-            if name == architecture
-            else f"{name!r} (which {type(family).__name__} names for {architecture!r})"
-        )
-        raise ValueError(
-            f"transformers {transformers.__version__} has no class {named}, the reference for this model; "
-            f"upgrade transformers, or, for a family registered under a name of its own, return the transformers "
-            f"class it reproduces from ModelFamily.hf_architecture"
-        )
-    return found
-
-
-def _reference_greedy(model: Any, prompt: list[int], count: int) -> tuple[list[int], torch.Tensor]:
-    """``count`` greedy tokens, the argmax of the reference's logits at each step with its own KV cache;
-    and those logits (float32, on the CPU)."""
-    # transformers 5.24 names the KV cache `cache`; earlier releases `past_key_values`.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    output = model(torch.tensor([prompt], device=model.device), use_cache=True)
-    rows = [output.logits[0, -1].float().cpu()]
-    while len(rows) < count:
-        step = torch.tensor([[int(rows[-1].argmax())]], device=model.device)
-        output = model(step, use_cache=True, **{name: getattr(output, name)})
-        rows.append(output.logits[0, -1].float().cpu())
-    logits = torch.stack(rows)
-    return logits.argmax(-1).tolist(), logits
 
 
 def _preview(prompt: str, width: int = 24) -> str:

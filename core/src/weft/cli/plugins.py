@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -168,7 +169,6 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
     from weft.plugins import PluginError, PluginRegistry
     from weft.plugins.health import fix_for
     from weft.plugins.lock import lock_path, verify_plugin_lock
-    from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
 
     registry = PluginRegistry()
     failures: list[str] = []
@@ -204,11 +204,27 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
     if named_lock is not None:
         check("plugin lock", lambda: verify_plugin_lock(config))
 
+    platform_name = _check_selection(registry, config.use, probes, check)
+
+    engine_starts = not failures
+    _check_unselected(registry, probes, platform_name, selected, failures, warnings)
+    print()
+    if failures:
+        print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
+        return 1
+    print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
+    return 0
+
+
+def _check_selection(registry: Any, use: Any, probes: dict[str, Any], check: Callable[..., Any]) -> str | None:
+    """The platforms' probes (recorded in ``probes``), then the platform, attention backend, named plugins and hooks
+    that ``use`` selects, each loaded through ``check``; the chosen platform's name (None: none could be chosen)."""
+    from weft.plugins.selection import plugins_named_in_use, probe_platforms, select_platform, use_label
+
     probes.update((name, probe) for name, (_, probe) in probe_platforms(registry).items())
     for name, probe in probes.items():
         state = "available" if probe.available else "unavailable"
         print(f"      platform {name}: {state}, priority {probe.priority}: {probe.reason}")
-    use = config.use
     chosen = check(
         use_label("platform", use),
         lambda: select_platform(registry, use.platform),
@@ -238,15 +254,7 @@ def run_plugins_doctor(args: argparse.Namespace) -> int:
             f"      hooks plugins: {', '.join(sorted(n for n, _ in registry.hooks().list_name_plugin())) or 'none'}"
         ),
     )
-
-    engine_starts = not failures
-    _check_unselected(registry, probes, platform_name, selected, failures, warnings)
-    print()
-    if failures:
-        print(f"{len(failures)} problem(s) found{'' if engine_starts else '; the engine would not start'}.")
-        return 1
-    print(f"no problems found{f' ({len(warnings)} warning(s))' if warnings else ''}.")
-    return 0
+    return platform_name
 
 
 def _check_discovery(registry: Any, failures: list[str], warnings: list[str]) -> None:

@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.streams import Delta
 from weft.outputs import Logprob
+from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
-from weft.serve import structured, tools
 from weft.serve.body import HTTPError
 from weft.serve.server import Server, field_of, request_id, server_of, start_constrained
 from weft.serve.stream import finite, sse_stream
@@ -86,7 +86,7 @@ async def chat_completions(request: Request) -> Response:
             "created": created,
             "model": server.model_name,
             "choices": choices,
-            "usage": msgspec.to_builtins(server.usage([prompt], deltas)),
+            "usage": msgspec.to_builtins(fields.usage([prompt], deltas)),
         }
     )
 

@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from weft.engine.api.streams import Delta
 from weft.outputs import Logprob
+from weft.serve import fields, structured
 from weft.serve import protocol as p
-from weft.serve import structured
 from weft.serve.body import HTTPError
 from weft.serve.server import Server, field_of, request_id, server_of, start_constrained
 from weft.serve.stream import finite, sse_stream
@@ -86,7 +86,7 @@ async def completions(request: Request) -> Response:
             "model": server.model_name,
             # Usage counts every candidate: each was computed.
             "choices": choices,
-            "usage": msgspec.to_builtins(server.usage(prompts, deltas)),
+            "usage": msgspec.to_builtins(fields.usage(prompts, deltas)),
         }
     )
 

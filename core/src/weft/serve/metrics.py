@@ -55,6 +55,44 @@ FAILURE_REASONS = {
 """The ``reason`` label of ``weft_request_failures_total``."""
 
 
+_CORE_GAUGES = [
+    ("weft_requests_waiting", "Requests waiting to be scheduled", lambda stats: stats.waiting),
+    ("weft_requests_running", "Requests being generated", lambda stats: stats.running),
+    ("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", lambda stats: stats.kv_cache_usage),
+    (
+        "weft_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache / prompt tokens looked up",
+        lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1),
+    ),
+    (
+        "weft_prefix_cache_queries_tokens",
+        "Prompt tokens looked up in the prefix cache",
+        lambda stats: stats.prefix_cache_query_tokens,
+    ),
+    (
+        "weft_prefix_cache_hits_tokens",
+        "Prompt tokens found in the prefix cache",
+        lambda stats: stats.prefix_cache_hit_tokens,
+    ),
+    (
+        "weft_kv_connector_hit_tokens",
+        "Prompt tokens loaded through the KV connector",
+        lambda stats: stats.connector_hit_tokens or 0,
+    ),
+    (
+        "weft_kv_connector_failed_load_tokens",
+        "Of those, tokens whose load failed and were recomputed",
+        lambda stats: stats.connector_failed_load_tokens or 0,
+    ),
+    (
+        "weft_kv_connector_requests_waiting_for_kv",
+        "Requests waiting for their KV to arrive through the connector",
+        lambda stats: stats.waiting_for_remote_kv,
+    ),
+]
+"""The engine core's gauges, as of the last step it reported: (name, description, read from the core's stats)."""
+
+
 class ServerMetrics:
     """Counters, gauges and histograms; also the AsyncEngine's observer (called from its reader thread too)."""
 
@@ -76,6 +114,19 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry
         )
+        self._declare_histograms()
+        gauges = _CORE_GAUGES
+        if engine.config.use.kv_connector == "none":
+            gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
+        for name, description, read in gauges:
+            Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
+        if engine.config.use.kv_connector != "none":
+            connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
+            self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
+        self.registry.register(_CoreCounters(engine))
+
+    def _declare_histograms(self) -> None:
+        """The latency histograms: per token (first and between), per request (queued, end to end)."""
         self.time_to_first_token = Histogram(
             "weft_time_to_first_token_seconds",
             "Arrival to first generated token",
@@ -100,50 +151,6 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
-        # The engine core's gauges, as of the last step it reported.
-        gauges = [
-            ("weft_requests_waiting", "Requests waiting to be scheduled", lambda stats: stats.waiting),
-            ("weft_requests_running", "Requests being generated", lambda stats: stats.running),
-            ("weft_kv_cache_usage_ratio", "Share of KV-cache blocks in use", lambda stats: stats.kv_cache_usage),
-            (
-                "weft_prefix_cache_hit_rate",
-                "Prompt tokens served from the prefix cache / prompt tokens looked up",
-                lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1),
-            ),
-            (
-                "weft_prefix_cache_queries_tokens",
-                "Prompt tokens looked up in the prefix cache",
-                lambda stats: stats.prefix_cache_query_tokens,
-            ),
-            (
-                "weft_prefix_cache_hits_tokens",
-                "Prompt tokens found in the prefix cache",
-                lambda stats: stats.prefix_cache_hit_tokens,
-            ),
-            (
-                "weft_kv_connector_hit_tokens",
-                "Prompt tokens loaded through the KV connector",
-                lambda stats: stats.connector_hit_tokens or 0,
-            ),
-            (
-                "weft_kv_connector_failed_load_tokens",
-                "Of those, tokens whose load failed and were recomputed",
-                lambda stats: stats.connector_failed_load_tokens or 0,
-            ),
-            (
-                "weft_kv_connector_requests_waiting_for_kv",
-                "Requests waiting for their KV to arrive through the connector",
-                lambda stats: stats.waiting_for_remote_kv,
-            ),
-        ]
-        if engine.config.use.kv_connector == "none":
-            gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
-        for name, description, read in gauges:
-            Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
-        if engine.config.use.kv_connector != "none":
-            connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
-            self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
-        self.registry.register(_CoreCounters(engine))
 
     def first_token(self, seconds: float, queued_seconds: float | None = None) -> None:
         self.time_to_first_token.observe(seconds)

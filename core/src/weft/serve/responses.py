@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from weft.engine.api.streams import Delta
+from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
-from weft.serve import structured, tools
 from weft.serve.body import HTTPError, error_type
 from weft.serve.server import Server, field_of, request_id, server_of, sse, start_constrained
 
@@ -197,7 +197,7 @@ class ResponseObject:
         }
 
     def finished(self, items: list[dict[str, Any]], choice: list[Delta]) -> dict[str, Any]:
-        usage = self.server.usage([self.prompt], [choice])
+        usage = fields.usage([self.prompt], [choice])
         incomplete = choice[-1].finish_reason == "length"
         return self.state(
             "incomplete" if incomplete else "completed",

@@ -31,8 +31,8 @@ from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
 from weft.resolve import options_for
 from weft.sampling_params import SamplingParams
+from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
-from weft.serve import structured, tools
 from weft.serve.body import HTTPError, check_media_type, decode, read_bytes
 from weft.serve.metrics import ServerMetrics
 
@@ -219,24 +219,7 @@ class Server:
         (``engine.generation_config``), else Weft's default. ``unset_max_tokens``: the endpoint's own
         default max_tokens (None: up to the context length). ``constraint``: the output's structured-output
         constraint; ``extra``: more SamplingParams fields."""
-        logit_bias = None
-        if body.logit_bias:
-            try:
-                logit_bias = {int(token): value for token, value in body.logit_bias.items()}
-                outside = [(token, value) for token, value in body.logit_bias.items() if not -100 <= value <= 100]
-            except ValueError:
-                raise HTTPError(
-                    400, f"logit_bias: keys are token ids; got {list(body.logit_bias)[:5]}", param="logit_bias"
-                ) from None
-            if outside:
-                token, value = outside[0]
-                raise HTTPError(
-                    400,
-                    f"logit_bias[{token!r}]: {value} is outside [-100, 100]; -100 bans the token, 100 "
-                    "all but forces it",
-                    param=f"logit_bias[{token!r}]",
-                )
-
+        logit_bias = fields.logit_bias(body)
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
         requested = {
             "temperature": body.temperature,
@@ -273,26 +256,6 @@ class Server:
             field = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise HTTPError(400, str(error).replace("SamplingParams.", ""), param=field) from None
 
-    def usage(self, prompts: list[list[int]], deltas: list[list[Delta]]) -> p.Usage:
-        """Counts of one API request: ``deltas`` holds each prompt's choices in turn. A prompt counts once, its
-        cached tokens too: those of the choice that found the fewest in the cache (its later choices find what the
-        first computed), so ``cached_tokens`` never exceeds ``prompt_tokens``."""
-        prompt_tokens = sum(len(prompt) for prompt in prompts)
-        completion_tokens = sum(choice[-1].num_output_tokens for choice in deltas if choice)
-        per_prompt = len(deltas) // max(1, len(prompts))
-        cached = sum(
-            min(
-                (
-                    choice[-1].num_cached_tokens
-                    for choice in deltas[index * per_prompt : (index + 1) * per_prompt]
-                    if choice
-                ),
-                default=0,
-            )
-            for index in range(len(prompts))
-        )
-        return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, {"cached_tokens": cached})
-
     def chat_prompt(
         self,
         messages: list[p.ChatMessage],
@@ -302,29 +265,8 @@ class Server:
     ) -> list[int]:
         """The conversation's token ids, its tools and earlier calls rendered (:func:`weft.serve.tools.chat_input`;
         call it on a worker thread: templating and encoding take time)."""
-        for index, message in enumerate(messages):
-            if message.role not in CHAT_ROLES:
-                raise HTTPError(
-                    400,
-                    f"messages[{index}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got {message.role!r}",
-                    param=f"messages[{index}].role",
-                )
-            if message.role == "tool" and not message.tool_call_id:
-                raise HTTPError(
-                    400,
-                    f"messages[{index}].tool_call_id: a tool message needs the id of the call it "
-                    "answers (tool_calls[].id of the assistant message before it)",
-                    param=f"messages[{index}].tool_call_id",
-                )
+        fields.check_messages(messages, template_kwargs)
         plain = [msgspec.to_builtins(message) for message in messages]
-        reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise HTTPError(
-                400,
-                f"chat_template_kwargs: may not set {', '.join(reserved)}, the server's own arguments "
-                f"to the template; send messages, add_generation_prompt and tools as the request's fields",
-                param="chat_template_kwargs",
-            )
         try:
             conversation, kwargs = tools.chat_input(
                 self.tokenizer, plain, add_generation_prompt, settings, self.tool_parser, template_kwargs or {}
@@ -378,12 +320,8 @@ class Server:
         )
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-"""The roles a chat message may have (OpenAI's; ``function``: the deprecated tool result, passed to the template)."""
 _PROMPT_TAIL_TOKENS = 64
 """Tokens at a prompt's end a reasoning parser reads (a template opens or closes the thinking there)."""
-_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "control_tokens_in_content"}
-"""Arguments the server gives the chat template itself (``chat_template_kwargs`` may not)."""
 
 
 def sse(data: Any) -> bytes:

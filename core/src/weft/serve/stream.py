@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from weft.engine.api.streams import Delta
+from weft.serve import fields
 from weft.serve import protocol as p
 from weft.serve.body import error_type
 from weft.serve.server import Server, sse
@@ -76,7 +77,7 @@ async def sse_stream(
                 batch, events = b"".join(events), []
                 yield batch
         if include_usage and not pending:
-            yield sse({**head, "choices": [], "usage": msgspec.to_builtins(server.usage(prompts, last))})
+            yield sse({**head, "choices": [], "usage": msgspec.to_builtins(fields.usage(prompts, last))})
     except Exception:  # after the headers went out: the client gets an error event, the log the details
         logger.exception("internal error in stream %s", head["id"])
         server.metrics.failed("internal")

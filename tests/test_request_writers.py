@@ -37,6 +37,9 @@ WRITERS = {
 """(module, function) -> what it may write of the engine's requests."""
 
 OTHER_STATE = {
+    ("weft.runner.rejection_sampler", "VerifiedBatch.__init__", "status"): (
+        "a verified batch's per-request status tensor (accepted, failed), which the runner reads"
+    ),
     ("weft.runner.request_state", "RequestState.__init__", "num_computed_tokens"): "the worker's own copy of a request",
     ("weft.runner.model_runner", "ModelRunner._update_requests", "num_computed_tokens"): (
         "the worker's copy, updated from the step's CachedRequest"

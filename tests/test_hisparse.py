@@ -755,11 +755,10 @@ def test_with_a_csa_pool_of_about_one_request_many_more_requests_decode_at_once_
 
 def _gated_scheduler(num_blocks: int, max_num_seqs: int = 8):
     """The engine's scheduler over one csa_kv group of ``num_blocks`` pages of 8 tokens, HiSparse as its connector."""
-    from weft.engine.core.kv_connector import SchedulerConnector
-    from weft.engine.core.kv_cache_manager import KVCacheManager
-
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
+    from weft.engine.core.kv_cache_manager import KVCacheManager
+    from weft.engine.core.kv_connector import SchedulerConnector
     from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
@@ -995,11 +994,10 @@ def test_a_prompt_prefix_in_the_host_prefix_cache_is_loaded_instead_of_computed_
 def _two_group_scheduler():
     """The engine's scheduler with prefix caching over csa_kv and a second prefix-cacheable group (hca_kv), pages
     of 8 tokens, HiSparse as its connector."""
-    from weft.engine.core.kv_connector import SchedulerConnector
-    from weft.engine.core.kv_cache_manager import KVCacheManager
-
     from weft.contracts.kv_cache import CompressedSpec, KVCacheGroupSpec
     from weft.contracts.kv_connector import ConnectorContext
+    from weft.engine.core.kv_cache_manager import KVCacheManager
+    from weft.engine.core.kv_connector import SchedulerConnector
     from weft.engine.core.scheduler import Scheduler
     from weft_hisparse.connector import HiSparseConnector, HiSparseOptions
 
@@ -1028,8 +1026,8 @@ def test_a_host_prefix_hit_covers_only_what_the_other_groups_hold_in_the_gpu_pre
     """Only csa_kv is on the host: its pages are loaded only for tokens whose blocks of every other group the engine's
     prefix cache still holds (else the hit could not be exact), in whole blocks of every group."""
     import msgspec
-    from weft.engine.core.kv_cache_manager import block_hashes
 
+    from weft.engine.core.kv_cache_manager import block_hashes
     from weft_hisparse.connector import HiSparseStep
 
     scheduler = _two_group_scheduler()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from weft.engine.core.kv_cache_manager import block_hashes
 
 from conftest import make_tiny_model
+from weft.engine.core.kv_cache_manager import block_hashes
 from weft.entrypoints.llm import LLM
 from weft.sampling_params import SamplingParams
 from weft.testing import KVConnectorContract

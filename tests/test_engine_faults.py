@@ -213,7 +213,7 @@ def test_a_fault_on_every_other_call_is_not_retried_forever(tmp_path, tokenizer_
         while calls["count"] < 2:
             llm.engine.step()  # the second call fails: its request is preempted, to be recomputed
         llm.engine.abort("dropped")  # then its client goes: nothing is left to step
-        assert not llm.engine.core.has_work and llm.engine.core._failed_steps == 1
+        assert not llm.engine.core.has_work and llm.engine.core._retries.failed_steps == 1
         calls["count"] = 0
         assert [output.outputs[0].token_ids for output in llm.generate(["Once upon a time"], params)] == expected
     finally:

@@ -31,7 +31,7 @@ from typing import Any
 
 from weft.config import WeftConfig
 from weft.engine.api.frontend import Frontend
-from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
+from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
 from weft.engine.api.streams import Delta, OutputStream
 from weft.engine.client import ProcessClient
 from weft.engine.messages import CoreStats, GrammarStart, StepOutputs
@@ -248,11 +248,8 @@ class AsyncEngine:
             for request_id in request_ids:
                 stream = self._streams.pop(request_id, None)
                 state = self.outputs.abort(request_id, reason)
-                if stream is not None:
-                    deliveries.append((stream.queue, stream.error_delta(f"{message} (request {request_id})", status)))
-                if state is not None and self.observer is not None:
-                    self.observer.finished(state)
-                    self.observer.failed(reason)
+                text = f"{message} (request {request_id})"
+                deliveries += _ended_with_error(stream, state, self.observer, text, status, reason)
         for queue, delta in deliveries:
             queue.put_nowait(delta)
 
@@ -336,21 +333,13 @@ class AsyncEngine:
             for message in messages:
                 self.stats = message.stats
                 step = self.outputs.apply(message)
-                for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, "engine_error")):
-                    for request_id, error in errors.items():
-                        stream = self._streams.pop(request_id, None)
-                        text = error if status == 400 else f"internal error in request {request_id}: {error}"
-                        if stream is not None:
-                            deliveries.append((stream.queue, stream.error_delta(text, status)))
-                        if (state := step.ended.get(request_id)) is not None and self.observer is not None:
-                            self.observer.finished(state)
-                            self.observer.failed(reason)
+                deliveries += _step_errors(step, self._streams, self.observer)
                 all_stopped += step.stopped
                 for state in step.advanced:
                     advanced[state.request_id] = state
             for state in advanced.values():
                 try:
-                    delivery = self._publish(state)
+                    delivery = _publish(state, self._streams, self.observer)
                 except Exception:
                     logger.exception("could not publish progress of request %s", state.request_id)
                     continue
@@ -358,16 +347,48 @@ class AsyncEngine:
                     deliveries.append(delivery)
         return deliveries, all_stopped
 
-    def _publish(self, state: RequestOutputState) -> Delivery | None:
-        stream = self._streams.get(state.request_id)
-        if stream is None:
-            return None
-        delta = stream.publish(state, self.observer)
-        if state.finished:
-            self._streams.pop(state.request_id, None)
-        return None if delta is None else (stream.queue, delta)
-
     def _fail_all(self, message: str, status: int, reason: str) -> None:
         with self._lock:
             ids = list(self._streams)
         self._end_with_error(ids, message, status, reason)
+
+
+def _publish(state: RequestOutputState, streams: dict[str, OutputStream], observer: Any) -> Delivery | None:
+    """The delta of ``state``'s progress for its stream (None: it has none, or nothing to send); a finished request
+    leaves ``streams``."""
+    stream = streams.get(state.request_id)
+    if stream is None:
+        return None
+    delta = stream.publish(state, observer)
+    if state.finished:
+        streams.pop(state.request_id, None)
+    return None if delta is None else (stream.queue, delta)
+
+
+def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any) -> list[Delivery]:
+    """The error deltas of the requests the core refused (400) or failed (500) in ``step``, which leave
+    ``streams``."""
+    deliveries: list[Delivery] = []
+    for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, "engine_error")):
+        for request_id, error in errors.items():
+            stream = streams.pop(request_id, None)
+            text = error if status == 400 else f"internal error in request {request_id}: {error}"
+            deliveries += _ended_with_error(stream, step.ended.get(request_id), observer, text, status, reason)
+    return deliveries
+
+
+def _ended_with_error(
+    stream: OutputStream | None,
+    state: RequestOutputState | None,
+    observer: Any,
+    text: str,
+    status: int,
+    reason: str,
+) -> list[Delivery]:
+    """A request ended with an error: the error delta (``text``, HTTP ``status``) for its stream (none: it has
+    none), and the observer told that it finished (``state``; None: nothing to tell) and failed for ``reason``."""
+    deliveries = [] if stream is None else [(stream.queue, stream.error_delta(text, status))]
+    if state is not None and observer is not None:
+        observer.finished(state)
+        observer.failed(reason)
+    return deliveries

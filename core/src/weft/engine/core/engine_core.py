@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,43 @@ class StepFailed(Exception):
         self.fatal = fatal
 
 
+class StepRetries:
+    """The retry rule of :meth:`EngineCore.step_with_retry`: how many steps failed since one produced output."""
+
+    def __init__(self) -> None:
+        self.failed_steps = 0
+        """Steps that raised with no output since."""
+        self.quiet_calls = 0
+        """Calls that succeeded without output since the last failure."""
+
+    def step(
+        self,
+        step: Callable[[], list[EngineCoreOutput]],
+        recover: Callable[[], None],
+        has_work: Callable[[], bool],
+    ) -> list[EngineCoreOutput]:
+        """``step()``; on a first failure, logged, ``recover()`` and no output; a second one raises (the count starts
+        over). ``has_work()``: whether the core still holds work, read after a call that succeeded without output."""
+        try:
+            produced = step()
+        except ExecutorFailed:
+            raise  # the workers are gone: nothing to retry on
+        except Exception:
+            self.failed_steps += 1
+            self.quiet_calls = 0
+            if self.failed_steps > 1:
+                self.failed_steps = 0
+                raise
+            logger.exception("engine step failed; retrying it once (running requests are recomputed)")
+            recover()
+            return []
+        if self.failed_steps:
+            self.quiet_calls += 1
+            if produced or not has_work() or self.quiet_calls >= RETRY_QUIET_CALLS:
+                self.failed_steps = 0
+        return produced
+
+
 class EngineCore:
     """Steps a scheduler and an executor that :func:`~weft.engine.core.builder.build_engine_core` built."""
 
@@ -75,10 +113,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.startup = startup or {}
         self.num_steps = 0
-        self._failed_steps = 0
-        """Steps that raised with no output since (see :meth:`step_with_retry`)."""
-        self._quiet_calls = 0
-        """Calls that succeeded without output since the last failure."""
+        self._retries = StepRetries()
+        """Failed steps counted towards the retry rule (:meth:`step_with_retry`)."""
         self._in_flight: tuple[SchedulerOutput, StepHandle | None] | None = None
         """The step launched last, with asynchronous scheduling; its handle is None while its sampling
         waits for the bitmask being filled (:attr:`_bitmask`, which a synchronous step also uses)."""
@@ -95,7 +131,7 @@ class EngineCore:
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         if not self.has_work:  # a failure before the core went idle is not this request's
-            self._failed_steps = 0
+            self._retries.failed_steps = 0
         core_request = Request(
             request.request_id,
             request.prompt_token_ids,
@@ -269,24 +305,7 @@ class EngineCore:
         calls succeeded in between. A call that succeeds without output (the recomputed prefill launched, a fill
         answer only taken by the next call) does not make the next failure a first one on its own: a fault that
         fails every other call would retry forever."""
-        try:
-            produced = self.step()
-        except ExecutorFailed:
-            raise  # the workers are gone: nothing to retry on
-        except Exception:
-            self._failed_steps += 1
-            self._quiet_calls = 0
-            if self._failed_steps > 1:
-                self._failed_steps = 0
-                raise
-            logger.exception("engine step failed; retrying it once (running requests are recomputed)")
-            self.recover_from_failure()
-            return []
-        if self._failed_steps:
-            self._quiet_calls += 1
-            if produced or not self.has_work or self._quiet_calls >= RETRY_QUIET_CALLS:
-                self._failed_steps = 0
-        return produced
+        return self._retries.step(self.step, self.recover_from_failure, lambda: self.has_work)
 
     def _schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()

@@ -414,17 +414,7 @@ def serve(
                 continue
             piped = conn.recv() if kind == _STEP_AFTER_PIPE else None
             try:
-                if piped is not None:
-                    _take_matchers(backend, compiled, matchers, *piped[1:])
-                assert segment is not None, "a step before the shared segment"
-                start, count, tokens = int(box[_START]), int(box[_COUNT]), int(box[_ACCEPTED])
-                if tokens:
-                    _accept_reporting(backend, matchers, segment.accepted[:tokens].tolist(), segment.reports)
-                live = [handle for handle in segment.fill[start : start + count].tolist() if handle in matchers]
-                if live:
-                    backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[start : start + len(live)])  # type: ignore[index]
-                    segment.filled[start : start + len(live)] = live
-                box[_FAILED], box[_FILLED] = 0, len(live)
+                box[_FAILED], box[_FILLED] = 0, _answer_step(backend, compiled, matchers, segment, bitmask, box, piped)
             except BaseException:
                 box[_FAILED], box[_FILLED] = 1, 0
                 conn.send(("error", traceback.format_exc()))
@@ -440,6 +430,31 @@ def serve(
         box = None  # type: ignore[assignment]
         box_memory.close()
         backend.close()
+
+
+def _answer_step(
+    backend: StructuredOutputBackend,
+    compiled: dict[int, Any],
+    matchers: dict[int, Any],
+    segment: StepSegment | None,
+    bitmask: Any,
+    box: numpy.ndarray,
+    piped: tuple | None,
+) -> int:
+    """One step of :func:`serve`: the matchers made, dropped and forgotten (``piped``: the message the pipe brought
+    with the step, or None), then the step's accepted tokens taken and its rows filled in the shared segment; the
+    number of rows filled."""
+    if piped is not None:
+        _take_matchers(backend, compiled, matchers, *piped[1:])
+    assert segment is not None, "a step before the shared segment"
+    start, count, tokens = int(box[_START]), int(box[_COUNT]), int(box[_ACCEPTED])
+    if tokens:
+        _accept_reporting(backend, matchers, segment.accepted[:tokens].tolist(), segment.reports)
+    live = [handle for handle in segment.fill[start : start + count].tolist() if handle in matchers]
+    if live:
+        backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[start : start + len(live)])
+        segment.filled[start : start + len(live)] = live
+    return len(live)
 
 
 def _take_matchers(

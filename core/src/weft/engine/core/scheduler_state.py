@@ -204,29 +204,32 @@ class SchedulerState:
             if request.constraint is not None:
                 self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
             request.status, request.stop_reason = self._stop(request, token)
-            logprobs = sampled.logprobs.get(request_id)
-            first = len(request.output_token_ids) == 1
-            prompt_logprobs = None
-            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    [token],
-                    [logprobs] if logprobs is not None else None,
-                    request.finish_reason,
-                    request.stop_reason,
-                    request.num_cached_tokens,
-                    queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
-                    prompt_logprobs=prompt_logprobs,
-                )
-            )
+            outputs.append(self._token_output(request, token, sampled.logprobs.get(request_id)))
             if request.finished:
                 self._free(request)
         if connector is not None and report is not None:
             for request_id in connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
+
+    @staticmethod
+    def _token_output(request: Request, token: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
+        """What the caller gets of the token ``request`` just took (and of its end, when it ended): with its
+        logprobs, and the prompt's logprobs with its first token."""
+        first = len(request.output_token_ids) == 1
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        return EngineCoreOutput(
+            request.request_id,
+            [token],
+            [logprobs] if logprobs is not None else None,
+            request.finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens,
+            queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     @staticmethod
     def _add_prompt_logprobs(request: Request, position: int, entries: list[TokenLogprobs]) -> None:

@@ -89,7 +89,8 @@ class StructuredOutputManager:
         self._accepted: list[tuple[str, ConstraintState, int]] = []
         """Tokens generated since the last fill, for their matchers, in order."""
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
-        self._bitmask: torch.Tensor | None = None
+        self._thread_fill: ThreadFill | None = None
+        """What the fill thread runs (made with the backend)."""
         self._process: Future[FillGroup] | None = None
         """The fill processes (``engine.structured_output_fill``, ``engine.structured_output_fill_processes``);
         None: the fill thread fills."""
@@ -222,7 +223,7 @@ class StructuredOutputManager:
         if self._process is not None:
             made, self._made = self._made, []
             return self._send_remote(accepted, candidates, made)
-        return self._filler.submit(self._accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
+        return self._filler.submit(self._thread_fill.accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
 
     def _send_remote(
         self,
@@ -230,8 +231,8 @@ class StructuredOutputManager:
         candidates: list[tuple[str, ConstraintState]],
         made: list[tuple[int, int, bytes]],
     ) -> Future[GrammarOutput]:
-        """:meth:`_accept_and_fill` by the fill process: the message sent now, the reply read when the result is
-        taken (:class:`RemoteReply`)."""
+        """:meth:`ThreadFill.accept_and_fill` by the fill process: the message sent now, the reply read when the
+        result is taken (:class:`RemoteReply`, :func:`_finish_remote`)."""
         reply = RemoteReply()
         try:
             process = self._process.result()  # type: ignore[union-attr]
@@ -251,47 +252,107 @@ class StructuredOutputManager:
             reply.set_exception(error)
             return reply
         openers = {state.matcher.handle: state.opener for _, state in masked if state.opener is not None}  # type: ignore[union-attr]
-        reply.receive = lambda: self._finish_remote(process, live, masked, openers)
+        reply.receive = lambda: _finish_remote(process, live, masked, openers, self._mark_fill_failed)
         return reply
 
-    def _finish_remote(
-        self,
-        process: FillGroup,
-        live: list[tuple[str, ConstraintState, int]],
-        masked: list[tuple[str, ConstraintState]],
-        openers: dict[int, int],
-    ) -> GrammarOutput:
-        """The fill process's answer to :meth:`_send_remote`'s message, applied to the constraints (what the children
-        that did not fail report is applied before a failure raises)."""
-        by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
-        by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
+    def _mark_fill_failed(self) -> None:
+        """A step's answer could not be read (:meth:`recover`)."""
+        self._fill_failed = True
 
-        def apply(reply: StepReply) -> None:
-            for handle in reply.ended:
-                by_handle[handle][1].terminated = True
-            for handle, token_id in reply.refused:
-                request_id, state = by_handle[handle]
-                _refused(request_id, state, token_id)
+    # Compilation.
 
-        try:
-            reply = process.receive_step()
-        except FillFailed as failure:
-            self._fill_failed = True
-            apply(failure.reply)
-            raise
-        except BaseException:
-            self._fill_failed = True
-            raise
-        apply(reply)
-        filled = [by_handle[handle][0] for handle in reply.filled]
-        rows = process.rows(len(filled)) if filled else b""
-        if openers and filled:
-            words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(len(filled), -1)
-            _allow(words, [openers.get(handle) for handle in reply.filled])
-            rows = words.tobytes()
-        return GrammarOutput(filled, rows)
+    def _compile(self, constraint: StructuredOutputsParams) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._start()
+            future = self._compiled.get(constraint)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._compiled.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile_now, constraint)  # type: ignore[union-attr]
+            self._compiled[constraint] = future
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                _, evicted = self._compiled.popitem(last=False)
+                if self._process is not None:
+                    evicted.add_done_callback(self._forget_compiled)
+            return future
 
-    def _accept_and_fill(
+    def _forget_compiled(self, future: Future) -> None:
+        if (
+            future.exception() is None
+            and self._process is not None
+            and self._process.done()
+            and self._process.exception() is None
+        ):
+            self._process.result().forget(future.result()[0])
+
+    def _start(self) -> None:
+        from weft.plugins.selection import select_structured_output
+
+        self._backend_class = select_structured_output(self.registry, self.config.use.structured_output)
+        if self._backend_class is None:
+            raise ValueError(no_backend_message(self.config))
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(4, usable_cpus() // 2)), thread_name_prefix="weft-grammar"
+        )
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
+        self._backend = self._pool.submit(
+            _build_backend, self.config, self.registry, self.source, self.vocab_size, self._backend_class
+        )
+        self._thread_fill = ThreadFill(self._backend, self.vocab_size)
+        if fills_in_a_process(self.config, self._backend_class):
+            self._process = self._pool.submit(self._start_process)
+
+    def _start_process(self) -> FillGroup:
+        backend = self._backend.result()  # type: ignore[union-attr]
+        count = self.config.engine.structured_output_fill_processes or default_processes()
+        group = FillGroup(
+            self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count
+        )
+        logger.debug(
+            "structured outputs: bitmasks filled in %d process%s of their own (pid %s)",
+            count,
+            "" if count == 1 else "es",
+            ", ".join(str(pid) for pid in group.pids),
+        )
+        return group
+
+    def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
+        """The compiled constraint; for the fill process, its key and its bytes."""
+        backend = self._backend.result()  # type: ignore[union-attr]
+        compiled = backend.compile(constraint)
+        if self._process is None:
+            return compiled
+        return next(self._keys), backend.serialize_compiled(compiled)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._filler.shutdown(wait=True)  # type: ignore[union-attr]
+            if self._process is not None:
+                process, self._process = self._process, None
+                if process.done():
+                    if process.exception() is None:
+                        process.result().close()
+                else:  # still starting (a restart): closed once it has
+                    process.add_done_callback(lambda started: started.exception() or started.result().close())
+            if self._backend is not None and self._backend.done() and self._backend.exception() is None:
+                self._backend.result().close()
+            self._pool = None
+
+
+class ThreadFill:
+    """The fill thread's work where the matchers live in the core: each step, the matchers take the tokens recorded
+    since the last fill, then the constraints that mask fill their bitmask rows."""
+
+    def __init__(self, backend: Future[StructuredOutputBackend], vocab_size: int) -> None:
+        self._backend = backend
+        self.vocab_size = vocab_size
+        """Width of the model's logits."""
+        self._bitmask: torch.Tensor | None = None
+        """The rows filled last (grown, never shrunk)."""
+
+    def accept_and_fill(
         self, accepted: list[tuple[str, ConstraintState, int]], candidates: list[tuple[str, ConstraintState]]
     ) -> GrammarOutput:
         self._accept(accepted)
@@ -337,86 +398,6 @@ class StructuredOutputManager:
             self._bitmask = torch.empty(max(count, 64), bitmask_words(self.vocab_size), dtype=torch.int32)
         return self._bitmask[:count]
 
-    # Compilation.
-
-    def _compile(self, constraint: StructuredOutputsParams) -> Future:
-        with self._lock:
-            if self._pool is None:
-                self._start()
-            future = self._compiled.get(constraint)
-            if future is not None and not (future.done() and future.exception() is not None):
-                self._compiled.move_to_end(constraint)
-                return future
-            future = self._pool.submit(self._compile_now, constraint)  # type: ignore[union-attr]
-            self._compiled[constraint] = future
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                _, evicted = self._compiled.popitem(last=False)
-                if self._process is not None:
-                    evicted.add_done_callback(self._forget_compiled)
-            return future
-
-    def _forget_compiled(self, future: Future) -> None:
-        if (
-            future.exception() is None
-            and self._process is not None
-            and self._process.done()
-            and self._process.exception() is None
-        ):
-            self._process.result().forget(future.result()[0])
-
-    def _start(self) -> None:
-        from weft.plugins.selection import select_structured_output
-
-        self._backend_class = select_structured_output(self.registry, self.config.use.structured_output)
-        if self._backend_class is None:
-            raise ValueError(no_backend_message(self.config))
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, min(4, usable_cpus() // 2)), thread_name_prefix="weft-grammar"
-        )
-        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-grammar-fill")
-        self._backend = self._pool.submit(
-            _build_backend, self.config, self.registry, self.source, self.vocab_size, self._backend_class
-        )
-        if fills_in_a_process(self.config, self._backend_class):
-            self._process = self._pool.submit(self._start_process)
-
-    def _start_process(self) -> FillGroup:
-        backend = self._backend.result()  # type: ignore[union-attr]
-        count = self.config.engine.structured_output_fill_processes or default_processes()
-        group = FillGroup(
-            self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count
-        )
-        logger.debug(
-            "structured outputs: bitmasks filled in %d process%s of their own (pid %s)",
-            count,
-            "" if count == 1 else "es",
-            ", ".join(str(pid) for pid in group.pids),
-        )
-        return group
-
-    def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
-        """The compiled constraint; for the fill process, its key and its bytes."""
-        backend = self._backend.result()  # type: ignore[union-attr]
-        compiled = backend.compile(constraint)
-        if self._process is None:
-            return compiled
-        return next(self._keys), backend.serialize_compiled(compiled)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._filler.shutdown(wait=True)  # type: ignore[union-attr]
-            if self._process is not None:
-                process, self._process = self._process, None
-                if process.done():
-                    if process.exception() is None:
-                        process.result().close()
-                else:  # still starting (a restart): closed once it has
-                    process.add_done_callback(lambda started: started.exception() or started.result().close())
-            if self._backend is not None and self._backend.done() and self._backend.exception() is None:
-                self._backend.result().close()
-            self._pool = None
-
 
 class RemoteReply(Future):
     """The fill process's answer to one step's message, read on the thread that asks for the result (the engine
@@ -444,6 +425,45 @@ class RemoteReply(Future):
             self.set_result(receive())
         except BaseException as error:
             self.set_exception(error)
+
+
+def _finish_remote(
+    process: FillGroup,
+    live: list[tuple[str, ConstraintState, int]],
+    masked: list[tuple[str, ConstraintState]],
+    openers: dict[int, int],
+    failed: Callable[[], None],
+) -> GrammarOutput:
+    """The fill process's answer to :meth:`StructuredOutputManager._send_remote`'s message, applied to the
+    constraints (what the children that did not fail report is applied before a failure raises); ``failed`` is
+    called when the answer could not be read."""
+    by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
+    by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
+
+    def apply(reply: StepReply) -> None:
+        for handle in reply.ended:
+            by_handle[handle][1].terminated = True
+        for handle, token_id in reply.refused:
+            request_id, state = by_handle[handle]
+            _refused(request_id, state, token_id)
+
+    try:
+        reply = process.receive_step()
+    except FillFailed as failure:
+        failed()
+        apply(failure.reply)
+        raise
+    except BaseException:
+        failed()
+        raise
+    apply(reply)
+    filled = [by_handle[handle][0] for handle in reply.filled]
+    rows = process.rows(len(filled)) if filled else b""
+    if openers and filled:
+        words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(len(filled), -1)
+        _allow(words, [openers.get(handle) for handle in reply.filled])
+        rows = words.tobytes()
+    return GrammarOutput(filled, rows)
 
 
 def _build_backend(

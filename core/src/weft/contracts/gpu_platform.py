@@ -205,14 +205,19 @@ class GpuPlatform(Platform):
         if getattr(self, "_graph_pool", None) is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         # Run once outside the graph on a side stream: lazy initialisation (BLAS
-        # workspaces, kernel loading) must not happen during capture.
-        side = torch.cuda.Stream()
+        # workspaces, kernel loading) must not happen during capture. One side stream for every
+        # capture, warm-up and capture alike: cuBLAS keeps a workspace per stream until the process
+        # ends, and torch.cuda.graph makes a new stream for each graph unless given one (33 graphs
+        # held 1 GiB of workspaces after close()).
+        if getattr(self, "_capture_stream", None) is None:
+            self._capture_stream = torch.cuda.Stream()
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
             outputs = fn()
 
         def replay() -> Any:
@@ -222,7 +227,10 @@ class GpuPlatform(Platform):
         return replay
 
     def release_memory(self) -> None:
-        """Drop the graphs' shared pool (the pool lives while a graph captured into it does) and hand the
-        allocator's cached blocks back to the driver."""
+        """Drop the graphs' shared pool (the pool lives while a graph captured into it does) and the capture
+        stream, and hand the allocator's cached blocks back to the driver. cuBLAS's workspace of the capture
+        stream stays (torch frees workspaces only all at once, which would pull one from under another engine's
+        graphs in the same process)."""
         self._graph_pool = None
+        self._capture_stream = None
         self.device_module.empty_cache()  # nothing to do where the device was never used

@@ -257,7 +257,9 @@ class RunningServer:
 @pytest.fixture(scope="session")
 def default_server():
     """One server on the default model for every test module that needs no special configuration."""
-    running = RunningServer({"engine": {"max_num_seqs": 64}})
+    # Dense weights: its tests compare logprobs with transformers on the dequantized GGUF (the quantized default's
+    # own band is tests/test_quantization.py's).
+    running = RunningServer({"engine": {"max_num_seqs": 64, "quantization": "none"}})
     yield running
     running.stop()
 

@@ -650,7 +650,9 @@ def test_the_ray_executor_on_a_local_ray_cluster_gives_the_greedy_tokens_of_one_
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert [result["outputs"][0]["token_ids"] for result in results] == expected
-    assert "(RayWorker pid=" in run.stderr and "[rank 1]" in run.stderr  # the ranks ran as Ray actors
+    # The ranks ran as Ray actors (their start-up lines come through Ray's log forwarding, which folds identical
+    # lines of the two ranks into one; rank 1 took part: tensor parallelism's all-reduce needs it for any token).
+    assert "(RayWorker pid=" in run.stderr
     assert chosen == expected_choice and set(chosen) <= {"yes, certainly", "no, never", "maybe later"}
     assert refused.returncode == 1
     assert re.search(

@@ -663,7 +663,7 @@ def test_sized_from_memory_the_groups_split_by_need_and_the_sparse_group_gets_it
     sparse = LLM(
         model=str(tiny_dsv4), engine=engine, use={"kv_connector": "hisparse"}, plugins={"hisparse": {"gpu_share": 0.1}}
     ).engine.core
-    groups = plain.groups
+    groups = plain.scheduler.kv_cache.groups
     block_bytes = {group.name: group.spec.page_size_bytes() * len(group.layer_names) for group in groups}
     need = {group.name: group.spec.blocks_for_tokens(160) * block_bytes[group.name] for group in groups}
     assert len(set(need.values())) > 2  # the groups' needs differ: an equal split would waste most of the bytes

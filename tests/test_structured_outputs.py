@@ -687,7 +687,7 @@ def test_echo_with_logprobs_returns_hf_prompt_logprobs(client, default_server, h
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(model=MODEL)
+    engine = LLM(model=MODEL, quantization="none")  # compared with transformers on the dequantized weights
     yield engine
     engine.close()
 

@@ -23,6 +23,7 @@ from weft.engine.api.output_processor import RequestOutputState
 from weft.generation_config import load_model_sampling_defaults
 from weft.outputs import RequestOutput
 from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
 from weft.progress import report, report_summary
 from weft.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class LLM:
 
     def _start(self, config: WeftConfig) -> None:
         started = time.monotonic()
+        verify_plugin_lock(config)  # a refused plugin set is the first thing said, before any step
         report("starting the engine for %s", config.model)
         self.config = config
         self.engine = LLMEngine(config, self._registry)

@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from weft.config import WeftConfig
 from weft.engine.api.async_engine import AsyncEngine
 from weft.plugins import PluginRegistry
+from weft.plugins.lock import verify_plugin_lock
 from weft.progress import report, report_summary
 from weft.serve.app import create_app
 from weft.serve.lifecycle import FLUSH_SECONDS, GracefulServer, InFlightRequests, uvicorn_config
@@ -65,6 +66,7 @@ def serve(config: WeftConfig) -> int:
     """Serve until interrupted; returns the exit status (1 when the engine core died)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
+    verify_plugin_lock(config)  # a refused plugin set is the first thing said, before any step
     report("starting the engine for %s", config.model)
     app = build_app(config)
     state = app.state.server

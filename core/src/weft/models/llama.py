@@ -158,7 +158,9 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = (self.rotary or apply_rotary)(query, key, *rotary)
-        output = self.attn(query, key, value, context, self.sinks)
+        # Sinks only where the layer has them: a subclass of Attention (a test's, a plugin's) need not take them.
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        output = self.attn(query, key, value, context, **sinks)
         return self.o_proj(output.reshape(tokens, self.q_size))
 
     def load_checkpoint_tensor(self, parameter: str, weight: Any, name: str, index: int = 0) -> None:

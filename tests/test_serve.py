@@ -28,7 +28,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(model=MODEL)
+    return LLM(model=MODEL, quantization="none")  # as the shared server (conftest's default_server) runs it
 
 
 def wait_until_idle(engine, timeout=30.0):

@@ -45,7 +45,7 @@ if [ "$all" = 1 ]; then
     [ "$gpu" = 1 ] && nvidia-smi | grep -q "CUDA Version: 13" && nixl_build=cu13
     distributions=(core plugins/gguf "plugins/mooncake[$mooncake_build]" plugins/dsv4 plugins/xgrammar plugins/ray
                    plugins/hisparse "plugins/nixl[$nixl_build]" plugins/disagg plugins/fastsafetensors
-                   plugins/weight-cache plugins/triton plugins-cuda plugins-rocm plugins-xpu)
+                   plugins/weight-cache plugins/vision plugins/triton plugins-cuda plugins-rocm plugins-xpu)
 elif [ "$gpu" = 1 ]; then
     distributions=(core plugins/gguf plugins/xgrammar plugins/triton plugins-cuda)
 else

@@ -29,6 +29,7 @@ import torch
 from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
+from weft.contracts.speculator import Speculator, SpeculatorConfig
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
@@ -210,6 +211,7 @@ class Worker:
             self.kv_connector,
             self.parallel,
             self.ops["bitmask_argmax"] if self.structured_outputs else None,
+            self._build_speculator(),
         )
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
@@ -219,6 +221,35 @@ class Worker:
                 "kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items())
             )
         self._capture_graphs(num_blocks)
+
+    def _build_speculator(self) -> Speculator | None:
+        """The ``[engine.speculative]`` speculator, built with its options (those of its Options Struct that the
+        table sets, over its ``[plugins]`` table's); None when speculation is off."""
+        speculative = self.config.engine.speculative
+        if not speculative.enabled:
+            return None
+        speculator_class = self.registry.load("speculator", speculative.method)
+        options = options_for(self.config, "speculator", speculator_class, speculative.method)
+        given = {
+            name: getattr(speculative, name)
+            for name in msgspec.structs.asdict(speculative)
+            if name in speculator_class.Options.__struct_fields__ and getattr(speculative, name) is not None
+        }
+        if given:
+            options = msgspec.structs.replace(options, **given)
+        vocab = self.model_config.hf_config.get("vocab_size")
+        return speculator_class(
+            options,
+            SpeculatorConfig(
+                num_speculative_tokens=speculative.num_speculative_tokens,
+                vocab_size=int(vocab) if vocab is not None else 0,
+                max_model_len=self.model_config.max_model_len,
+                block_size=self.config.engine.block_size,
+                dtype=self.dtype,
+                model=speculative.model,
+                target=self.model_config,
+            ),
+        )
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:
         """Capture decode graphs when the platform and the attention backend both can, unless told not to."""

@@ -91,6 +91,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             engine.long_prefill_token_threshold,
             engine.max_long_partial_prefills,
             structured_outputs,
+            engine.speculative.num_speculative_tokens if engine.speculative.enabled else 0,
         )
     except BaseException:
         if connector is not None:

@@ -186,3 +186,51 @@ def test_preemption_and_no_block_leaks_after_200_mixed_requests(tiny_llama, plai
         assert not tight.engine.scheduler.requests
     finally:
         tight.close()
+
+
+def test_weft_serve_with_speculative_config_and_its_metrics(tiny_llama, plain):
+    """``weft serve --speculative-config JSON`` (a real process) answers the official client as plain decoding
+    does, and ``/metrics`` carries the spec_decode counters."""
+    import json
+    import os
+
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import free_port, start_weft_serve
+
+    port = free_port()
+    server, _ = start_weft_serve(
+        [str(tiny_llama), "--speculative-config", json.dumps(NGRAM), "--num-kv-blocks", "1024", "--block-size", "4"],
+        port,
+        dict(os.environ),
+    )
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        prompt = repetitive_prompts(1, seed=31)[0]
+        answer = client.completions.create(model="llama", prompt=prompt, max_tokens=30, temperature=0)
+        expected = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+        assert answer.choices[0].text == expected
+        streamed = "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(
+                model="llama", prompt=prompt, max_tokens=30, temperature=0, stream=True
+            )
+        )
+        assert streamed == expected
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        samples = {
+            (sample.name, sample.labels.get("position")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert samples[("weft_spec_decode_num_drafts_total", None)] > 0
+        drafted = samples[("weft_spec_decode_num_draft_tokens_total", None)]
+        accepted = samples[("weft_spec_decode_num_accepted_tokens_total", None)]
+        assert drafted > 0 and 0 <= accepted <= drafted
+        per_position = [samples[("weft_spec_decode_num_accepted_tokens_per_pos_total", str(j))] for j in range(4)]
+        assert sum(per_position) == accepted
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -78,9 +78,10 @@ def part_cpu(args: argparse.Namespace) -> None:
     )
     passage_tokens = len(tokenizer.encode(PASSAGE))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    same = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == ngram.generate(
-        [prompt], params, use_tqdm=False
-    )[0].outputs[0].token_ids
+    same = (
+        plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        == ngram.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
     print(f"cpu: default model, batch 1, passage of {passage_tokens} tokens; greedy output identical: {same}")
     rates: dict[str, list[float]] = {"off": [], "ngram k=4": []}
     for _ in range(args.rounds):

@@ -124,9 +124,9 @@ def test_stops_max_tokens_logprobs_and_n_cut_inside_an_accepted_run(plain, ngram
             for token in mine:
                 assert mine[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
     two = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
-    assert [
-        [completion.token_ids for completion in output.outputs] for output in ngram.generate(prompts[:3], two)
-    ] == [[completion.token_ids for completion in output.outputs] for output in plain.generate(prompts[:3], two)]
+    assert [[completion.token_ids for completion in output.outputs] for output in ngram.generate(prompts[:3], two)] == [
+        [completion.token_ids for completion in output.outputs] for output in plain.generate(prompts[:3], two)
+    ]
 
 
 def test_stop_strings_cut_inside_an_accepted_run(plain, ngram):
@@ -169,11 +169,15 @@ def test_preemption_and_no_block_leaks_after_200_mixed_requests(tiny_llama, plai
         for index in range(200):
             kind = index % 4
             if kind == 0:
-                params.append(SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 40, (1,), generator=generator))))
+                params.append(
+                    SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 40, (1,), generator=generator)))
+                )
             elif kind == 1:
                 params.append(SamplingParams(temperature=1.0, top_p=0.9, max_tokens=25, seed=index))
             elif kind == 2:
-                params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[prompts[index][2]]))
+                params.append(
+                    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[prompts[index][2]])
+                )
             else:
                 params.append(SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True, logprobs=1))
         greedy = [index for index in range(200) if index % 4 in (0, 2)]

@@ -97,6 +97,11 @@ def _check_speculative(config: WeftConfig, source: str, override_paths: set[str]
             f"{where}: engine.speculative.method = {speculative.method!r} is not an installed speculator; installed: "
             f"{', '.join(sorted(installed)) or 'none'} (or 'none' to turn speculation off)"
         )
+    if speculative.method == "draft" and not speculative.model:
+        raise ConfigError(
+            f"{where}: engine.speculative.method = 'draft' needs engine.speculative.model: a folder, file or alias of "
+            f"a smaller model with the target's tokenizer"
+        )
     if engine.pipeline_parallel_size > 1:
         raise ConfigError(
             f"{where}: engine.speculative.method = {speculative.method!r} with engine.pipeline_parallel_size = "

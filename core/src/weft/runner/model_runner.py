@@ -62,7 +62,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
-from weft.contracts.speculator import ProposalStep, SpeculationRequest, Speculator, Verified
+from weft.contracts.speculator import DraftInputs, ProposalStep, SpeculationRequest, Speculator, Verified
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import InputBuilder, known_tokens
@@ -168,7 +168,13 @@ class _PendingStep(StepHandle):
                 tokens[row] = row_tokens[0].token_id
                 gained.add(request_id, row_tokens)
             self.output = self.runner.finish_step(
-                self.states, tokens, gained.logprobs, self.connector_output, failed, self.prompt_logprobs, gained,
+                self.states,
+                tokens,
+                gained.logprobs,
+                self.connector_output,
+                failed,
+                self.prompt_logprobs,
+                gained,
                 self.proposals,
             )
         return self.output
@@ -268,7 +274,10 @@ class ModelRunner:
         parallel: ParallelGroups = SINGLE,
         bitmask_argmax: OpImplementation | None = None,
         speculator: Speculator | None = None,
+        num_target_groups: int | None = None,
     ) -> None:
+        """``groups``: every KV-cache group, the target's first ``num_target_groups`` (default: all), then the
+        speculator's own."""
         self.model = model
         self.parallel = parallel
         self.backend = backend
@@ -305,6 +314,8 @@ class ModelRunner:
         self.speculator = speculator
         """Proposes each request's next tokens after its step (None: speculative decoding is off)."""
         self.rejection_sampler = RejectionSampler(sampler)
+        self.draft_groups = range(num_target_groups if num_target_groups is not None else len(groups), len(groups))
+        """The indices of the speculator's own KV-cache groups (empty: it owns no model)."""
         """Verifies the steps that carry proposals (``SchedulerOutput.spec_token_ids``)."""
 
     @property
@@ -557,7 +568,12 @@ class ModelRunner:
             limits.append(max(left, 0))
         if not ids:
             return {}
-        made = speculator.propose(ProposalStep(ids, limits))
+        draft_inputs = None
+        if self.draft_groups:
+            draft_inputs = DraftInputs(
+                [[self.requests[request_id].block_ids[group] for group in self.draft_groups] for request_id in ids]
+            )
+        made = speculator.propose(ProposalStep(ids, limits, draft_inputs))
         return {
             request_id: proposed[:limit]
             for request_id, proposed, limit in zip(ids, made.token_ids, limits, strict=True)

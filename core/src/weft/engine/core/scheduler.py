@@ -88,8 +88,12 @@ class Scheduler(SchedulerState):
         max_long_partial_prefills: int = 1,
         structured_outputs: StructuredOutputManager | None = None,
         num_speculative_tokens: int = 0,
+        speculator_owns_model: bool = False,
     ) -> None:
         super().__init__(kv_cache, max_model_len, connector, structured_outputs, num_speculative_tokens)
+        self.draft_lookahead = num_speculative_tokens if speculator_owns_model else 0
+        """Slots allocated past a decoding request's step for its draft model's proposals (0: no draft model);
+        taken only where the cache has room: a draft proposes within the blocks its request holds."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -147,7 +151,9 @@ class Scheduler(SchedulerState):
             if count <= 0 or count > plan.budget:
                 index += 1
                 continue
-            while not self.kv_cache.allocate_slots(request.request_id, planned + count):
+            ahead = self.draft_lookahead if needed == count and self.speculates(request) else 0
+            allocated = ahead > 0 and self.kv_cache.allocate_slots(request.request_id, planned + count + ahead)
+            while not allocated and not self.kv_cache.allocate_slots(request.request_id, planned + count):
                 victim = self.running.pop()
                 self._steps.publish_before_preempt(
                     victim, self._planned.get(victim.request_id, 0), self.kv_cache, self.connector is not None
@@ -220,6 +226,8 @@ class Scheduler(SchedulerState):
             # to lose the token in flight), over and over while they hold the rest. Not with a KV connector, whose
             # saves and transfers take a request's blocks as its computed tokens' own.
             lookahead = 1 if self.connector is None and self.running and computed + count == len(tokens) else 0
+            if computed + count == len(tokens) and self.speculates(request):
+                lookahead = max(lookahead, self.draft_lookahead)
             if not self.kv_cache.allocate_slots(
                 request.request_id,
                 computed + count + lookahead,

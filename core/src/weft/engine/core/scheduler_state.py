@@ -291,9 +291,7 @@ class SchedulerState:
         return output
 
     @staticmethod
-    def _token_output(
-        request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None
-    ) -> EngineCoreOutput:
+    def _token_output(request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
         """What the caller gets of the token ``request`` just took (and of its end, when it ended): with its
         logprobs, and the prompt's logprobs with its first token."""
         first = len(request.output_token_ids) == len(tokens)

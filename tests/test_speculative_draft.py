@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_tiny_model
+from test_speculative import ENGINE, GREEDY, repetitive_prompts, spec_counts, token_ids
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
-
-from test_speculative import ENGINE, GREEDY, repetitive_prompts, spec_counts, token_ids
 
 
 @pytest.fixture(scope="module")

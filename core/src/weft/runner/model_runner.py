@@ -70,8 +70,8 @@ from weft.runner.graphs import DecodeGraphs, MaskGraphs
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
 from weft.runner.pipeline import forward_in_micro_batches, share_sampled
-from weft.runner.request_state import RequestState
 from weft.runner.rejection_sampler import RejectionSampler, VerifiedBatch
+from weft.runner.request_state import RequestState
 from weft.runner.sampler import (
     SampledBatch,
     SampledToken,

@@ -1,8 +1,9 @@
 """Speculative decoding through the engine: proposals verified in one step leave the output as plain decoding's.
 
-Greedy output is identical with speculation off and with ``ngram``; seeded sampling draws the same tokens; the
-sampled distribution is the plain sampler's (chi-square); rejected proposals leave no KV block behind; stops,
-``max_tokens``, structured outputs, logprobs, preemption and prefix caching cut and count as without speculation.
+Greedy output is identical with speculation off and with ``ngram``; seeded sampling draws the same tokens;
+rejected proposals leave no KV block behind; stops, ``max_tokens``, structured outputs, logprobs, preemption and
+prefix caching cut and count as without speculation. (The chi-square test of the sampled distribution is in
+test_speculative_draft.py, whose draft proposals are accepted often enough to test both paths.)
 """
 
 from __future__ import annotations
@@ -238,3 +239,4 @@ def test_weft_serve_with_speculative_config_and_its_metrics(tiny_llama, plain):
     finally:
         server.terminate()
         server.wait(timeout=60)
+

@@ -2,12 +2,14 @@
 
 Greedy output is identical with speculation off, with a tiny random draft of another size, and with a self-draft
 (the target as its own draft, whose greedy proposals the target must accept every time); in mixed batches with n=2
-and stop strings too; the draft's blocks come back to the pool when the requests are done.
+and stop strings too; the draft's blocks come back to the pool when the requests are done. Sampling with a draft
+keeps the plain sampler's distribution (a chi-square test against Hugging Face's probabilities).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import make_tiny_model
 from test_speculative import ENGINE, GREEDY, repetitive_prompts, spec_counts, token_ids
@@ -115,3 +117,97 @@ def test_the_draft_blocks_come_back(small_draft):
 def test_draft_without_a_model_is_refused(models):
     with pytest.raises(ConfigError, match="engine.speculative.model"):
         LLM(model=str(models[0]), engine={**ENGINE, "speculative": {"method": "draft"}})
+
+
+def _top_p_probs(logits, top_p):
+    """Temperature-1 probabilities with top-p applied as vLLM does: the smallest most-likely set whose mass
+    reaches ``top_p`` (the token that crosses it included)."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(dim=-1) - ordered
+    ordered = torch.where(before < top_p, ordered, torch.zeros_like(ordered))
+    kept = torch.zeros_like(probs).scatter(-1, order, ordered)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def test_sampled_distribution_matches_the_plain_sampler_chi_square(models, self_draft):
+    """Seeded first and second tokens at temperature 1 with top-p, sampled with speculation (the second token of each
+    request is verified against the draft's greedy proposal, accepted with its probability), against the distribution Hugging Face's forward of the same weights
+    gives: a chi-square goodness-of-fit test over the (first, second) pairs."""
+    from transformers import AutoModelForCausalLM
+
+    top_p, samples = 0.9, 800
+    prompt = repetitive_prompts(1, seed=13)[0]
+    reference = AutoModelForCausalLM.from_pretrained(str(models[0]), dtype=torch.float32)
+    with torch.no_grad():
+        first = _top_p_probs(reference(torch.tensor([prompt])).logits[0, -1], top_p)
+        candidates = first.nonzero().flatten()
+        batch = torch.tensor([[*prompt, int(token)] for token in candidates])
+        second = _top_p_probs(reference(batch).logits[:, -1], top_p)
+    expected = {
+        (int(a), int(b)): samples * float(first[a] * second[row, b])
+        for row, a in enumerate(candidates)
+        for b in second[row].nonzero().flatten()
+    }
+    drafted, accepted = spec_counts(self_draft)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=seed, max_tokens=3) for seed in range(samples)]
+    outputs = self_draft.generate([prompt] * samples, params)
+    drafted, accepted = spec_counts(self_draft)[0] - drafted, spec_counts(self_draft)[1] - accepted
+    assert 0 < accepted < drafted  # proposals were verified, and both accepted and rejected
+    observed: dict[tuple[int, int], int] = {}
+    for output in outputs:
+        pair = tuple(output.outputs[0].token_ids[:2])
+        observed[pair] = observed.get(pair, 0) + 1
+    impossible = {pair: count for pair, count in observed.items() if pair not in expected}
+    assert not impossible, f"pairs outside top-p's support were sampled: {impossible}"
+    large = [pair for pair, mass in expected.items() if mass >= 5]
+    bins = [(observed.get(pair, 0), expected[pair]) for pair in large]
+    rest = samples - sum(count for count, _ in bins), samples - sum(mass for _, mass in bins)
+    if rest[1] >= 5:
+        bins.append(rest)
+    assert len(bins) >= 5, "the distribution is too peaked for the test to say anything"
+    statistic = sum((count - mass) ** 2 / mass for count, mass in bins)
+    degrees = len(bins) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(degrees / 2), torch.tensor(statistic / 2)))
+    assert p_value > 1e-3, f"chi-square {statistic:.1f} over {degrees} degrees of freedom: p = {p_value:.2e}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_qwen3_greedy_is_identical(tmp_path_factory, tokenizer_files, method):
+    root = tmp_path_factory.mktemp("qwen3")
+    target = make_tiny_model(root / "target", "qwen3", tokenizer_files, vocab_size=512)
+    draft = make_tiny_model(root / "draft", "qwen3", tokenizer_files, seed=4, vocab_size=512, num_hidden_layers=1)
+    speculative = {"method": method, "num_speculative_tokens": 3}
+    speculative.update({"model": str(draft)} if method == "draft" else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    prompts = repetitive_prompts(count=4, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for engine in (ENGINE, {**ENGINE, "speculative": speculative}):
+        llm = LLM(model=str(target), engine=engine)
+        try:
+            results.append(token_ids(llm.generate(prompts, params)))
+            counts = spec_counts(llm)
+        finally:
+            llm.close()
+    assert results[1] == results[0]
+    assert counts[0] > 0  # it did speculate
+
+
+def test_two_tensor_ranks_speculate_as_one_device(models, plain):
+    """The mp executor with TP=2 (gloo): both ranks' speculators propose the same tokens, rank 0's reach the
+    scheduler, and greedy output equals one device's without speculation."""
+    prompts = repetitive_prompts(count=4, seed=51)
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    engine = {
+        **ENGINE,
+        "tensor_parallel_size": 2,
+        "speculative": {"method": "draft", "model": str(models[0]), "num_speculative_tokens": 3},
+    }
+    llm = LLM(model=str(models[0]), engine=engine)
+    try:
+        assert llm.engine.core.executor.name == "mp"
+        assert token_ids(llm.generate(prompts, GREEDY)) == expected
+        drafted, accepted = spec_counts(llm)
+    finally:
+        llm.close()
+    assert drafted > 0 and accepted == drafted  # the self-draft's proposals are the target's greedy tokens

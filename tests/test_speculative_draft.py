@@ -8,6 +8,8 @@ keeps the plain sampler's distribution (a chi-square test against Hugging Face's
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from conftest import make_tiny_model
 from test_speculative import ENGINE, GREEDY, repetitive_prompts, spec_counts, token_ids
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
+from weft.contracts.speculator import Proposals, ProposalStep, SpeculationRequest, Speculator
 
 
 @pytest.fixture(scope="module")
@@ -130,29 +133,135 @@ def _top_p_probs(logits, top_p):
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def test_sampled_distribution_matches_the_plain_sampler_chi_square(models, self_draft):
+@pytest.fixture(scope="module")
+def peaked(models, tmp_path_factory):
+    """The target with its LM head scaled by 2.3: at temperature 1 and top-p 0.9 a dozen tokens or so hold the mass,
+    so (first, second) pairs are frequent enough for a chi-square test to see a wrong rule."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("peaked") / "model"
+    shutil.copytree(models[0], folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 2.3
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_sampled_distribution_matches_the_plain_sampler_chi_square(peaked):
     """Seeded first and second tokens at temperature 1 with top-p, sampled with speculation (the second token of each
-    request is verified against the draft's greedy proposal, accepted with its probability), against the distribution Hugging Face's forward of the same weights
-    gives: a chi-square goodness-of-fit test over the (first, second) pairs."""
+    request is verified against the draft's greedy proposal, accepted with its probability), against the distribution
+    Hugging Face's forward of the same weights gives: a chi-square goodness-of-fit test over the (first, second)
+    pairs."""
+    llm = speculating(peaked, peaked, k=2)
+    try:
+        _assert_distribution_is_the_targets(peaked, llm)
+    finally:
+        llm.close()
+
+
+class SampledSpeculator(Speculator):
+    """Proposes tokens drawn from a fixed distribution ``q`` over the vocabulary, and returns it: the verification
+    must then use the general rule (keep with min(1, p/q), else draw from (p - q)+)."""
+
+    name = "sampled"
+    q: torch.Tensor | None = None
+    """Set by the test (see there)."""
+
+    def __init__(self, options, config) -> None:  # noqa: ANN001 - the contract's
+        super().__init__(options, config)
+        assert self.q is not None and self.q.shape == (config.vocab_size,)
+        self.lengths: dict[str, int] = {}
+
+    def add_request(self, request: SpeculationRequest) -> None:
+        self.lengths[request.request_id] = len(request.prompt_token_ids) + len(request.output_token_ids)
+
+    def on_verified(self, results) -> None:  # noqa: ANN001 - the contract's
+        for result in results:
+            if result.request_id in self.lengths:
+                self.lengths[result.request_id] += len(result.token_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self.lengths.pop(request_id, None)
+
+    def propose(self, step: ProposalStep) -> Proposals:
+        proposals = []
+        for request_id, most in zip(step.request_ids, step.max_tokens, strict=True):
+            if most <= 0:
+                proposals.append([])
+                continue
+            seed = zlib.crc32(f"{request_id}:{self.lengths.get(request_id, 0)}".encode())
+            drawn = torch.multinomial(self.q, most, replacement=True, generator=torch.Generator().manual_seed(seed))
+            proposals.append(drawn.tolist())
+        count = sum(len(tokens) for tokens in proposals)
+        return Proposals(proposals, probs=self.q.expand(count, -1).clone())
+
+
+def test_drawn_proposals_keep_the_distribution_chi_square(peaked):
+    """A speculator that samples its proposals and returns their distribution: the general rejection rule keeps the
+    target's distribution (the same chi-square test)."""
+    from weft.plugins import PluginRegistry
+    from weft.plugins.discovery import PluginEntry, discover
+
+    entry = PluginEntry(
+        slot="speculator",
+        name="sampled",
+        target=f"{__name__}:SampledSpeculator",
+        distribution="weft-tests",
+        version="0",
+        core_api="",
+        builtin=False,
+    )
+    reference = _reference(peaked)
+    _, first, candidates, second = reference
+    # Uniform over the four likeliest second tokens: proposals of tokens more likely than 1/4 are kept, the others
+    # often rejected, and a rejection's residual (p - q)+ is far from p (drawing from p there fails the test).
+    marginal = (first[candidates].unsqueeze(1) * second).sum(dim=0)
+    q = torch.zeros(second.shape[-1])
+    q[marginal.topk(4).indices] = 0.25
+    SampledSpeculator.q = q
+    llm = LLM(
+        model=str(peaked),
+        registry=PluginRegistry([*discover(), entry]),
+        engine={**ENGINE, "speculative": {"method": "sampled", "num_speculative_tokens": 2}},
+    )
+    try:
+        _assert_distribution_is_the_targets(peaked, llm, reference)
+    finally:
+        llm.close()
+
+
+TOP_P = 0.9
+
+
+def _reference(model):
+    """The test prompt, Hugging Face's first-token probabilities under top-p, the first tokens it keeps, and the
+    second-token probabilities after each of them."""
     from transformers import AutoModelForCausalLM
 
-    top_p, samples = 0.9, 800
     prompt = repetitive_prompts(1, seed=13)[0]
-    reference = AutoModelForCausalLM.from_pretrained(str(models[0]), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     with torch.no_grad():
-        first = _top_p_probs(reference(torch.tensor([prompt])).logits[0, -1], top_p)
+        first = _top_p_probs(reference(torch.tensor([prompt])).logits[0, -1], TOP_P)
         candidates = first.nonzero().flatten()
         batch = torch.tensor([[*prompt, int(token)] for token in candidates])
-        second = _top_p_probs(reference(batch).logits[:, -1], top_p)
+        second = _top_p_probs(reference(batch).logits[:, -1], TOP_P)
+    return prompt, first, candidates, second
+
+
+def _assert_distribution_is_the_targets(model, llm, reference=None, samples=800):
+    top_p = TOP_P
+    prompt, first, candidates, second = reference or _reference(model)
     expected = {
         (int(a), int(b)): samples * float(first[a] * second[row, b])
         for row, a in enumerate(candidates)
         for b in second[row].nonzero().flatten()
     }
-    drafted, accepted = spec_counts(self_draft)
+    drafted, accepted = spec_counts(llm)
     params = [SamplingParams(temperature=1.0, top_p=top_p, seed=seed, max_tokens=3) for seed in range(samples)]
-    outputs = self_draft.generate([prompt] * samples, params)
-    drafted, accepted = spec_counts(self_draft)[0] - drafted, spec_counts(self_draft)[1] - accepted
+    outputs = llm.generate([prompt] * samples, params)
+    drafted, accepted = spec_counts(llm)[0] - drafted, spec_counts(llm)[1] - accepted
     assert 0 < accepted < drafted  # proposals were verified, and both accepted and rejected
     observed: dict[tuple[int, int], int] = {}
     for output in outputs:
@@ -160,11 +269,25 @@ def test_sampled_distribution_matches_the_plain_sampler_chi_square(models, self_
         observed[pair] = observed.get(pair, 0) + 1
     impossible = {pair: count for pair, count in observed.items() if pair not in expected}
     assert not impossible, f"pairs outside top-p's support were sampled: {impossible}"
-    large = [pair for pair, mass in expected.items() if mass >= 5]
-    bins = [(observed.get(pair, 0), expected[pair]) for pair in large]
-    rest = samples - sum(count for count, _ in bins), samples - sum(mass for _, mass in bins)
+    # Bins: each pair expected at least 5 times; then, per first token, its other pairs together; then the rest.
+    bins, small = [], {}
+    for pair, mass in expected.items():
+        if mass >= 5:
+            bins.append((observed.get(pair, 0), mass))
+        else:
+            count, total = small.get(pair[0], (0, 0.0))
+            small[pair[0]] = (count + observed.get(pair, 0), total + mass)
+    rest = [0, 0.0]
+    for count, mass in small.values():
+        if mass >= 5:
+            bins.append((count, mass))
+        else:
+            rest[0], rest[1] = rest[0] + count, rest[1] + mass
     if rest[1] >= 5:
-        bins.append(rest)
+        bins.append(tuple(rest))
+    elif bins:  # too little left for a bin of its own: into the smallest one
+        count, mass = bins.pop(min(range(len(bins)), key=lambda index: bins[index][1]))
+        bins.append((count + rest[0], mass + rest[1]))
     assert len(bins) >= 5, "the distribution is too peaked for the test to say anything"
     statistic = sum((count - mass) ** 2 / mass for count, mass in bins)
     degrees = len(bins) - 1

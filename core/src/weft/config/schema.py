@@ -125,15 +125,11 @@ class SpeculativeConfig(_Section, frozen=True):
         | None
     ) = None
     prompt_lookup_min: (
-        Annotated[
-            int, Meta(ge=1, description="ngram: the shortest suffix looked up; default: prompt_lookup_max, or 5")
-        ]
+        Annotated[int, Meta(ge=1, description="ngram: the shortest suffix looked up; default: prompt_lookup_max, or 5")]
         | None
     ) = None
     prompt_lookup_max: (
-        Annotated[
-            int, Meta(ge=1, description="ngram: the longest suffix looked up; default: prompt_lookup_min, or 5")
-        ]
+        Annotated[int, Meta(ge=1, description="ngram: the longest suffix looked up; default: prompt_lookup_min, or 5")]
         | None
     ) = None
 

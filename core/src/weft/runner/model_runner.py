@@ -314,6 +314,8 @@ class ModelRunner:
         self.speculator = speculator
         """Proposes each request's next tokens after its step (None: speculative decoding is off)."""
         self.rejection_sampler = RejectionSampler(sampler)
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        """The distributions of a sampling speculator's proposals, by request, until its step verifies them."""
         self.draft_groups = range(num_target_groups if num_target_groups is not None else len(groups), len(groups))
         """The indices of the speculator's own KV-cache groups (empty: it owns no model)."""
         """Verifies the steps that carry proposals (``SchedulerOutput.spec_token_ids``)."""
@@ -359,6 +361,7 @@ class ModelRunner:
         speculator = self.speculator
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
             self.token_counts.free(request_id)
             if speculator is not None:
                 speculator.remove_request(request_id)
@@ -478,7 +481,12 @@ class ModelRunner:
                 for state, row_proposals in zip(sampled_states, proposed, strict=True)
             ]
             verified = self.rejection_sampler.verify(
-                logits, sampled_states, proposed, first_positions, None, self.token_counts
+                logits,
+                sampled_states,
+                proposed,
+                first_positions,
+                self._take_draft_probs(sampled_states, proposed, logits),
+                self.token_counts,
             )
             self.token_counts.record_kept(
                 sampled_states, verified.tokens, verified.num_tokens, verified.starts, _failed_loads(report)
@@ -574,11 +582,35 @@ class ModelRunner:
                 [[self.requests[request_id].block_ids[group] for group in self.draft_groups] for request_id in ids]
             )
         made = speculator.propose(ProposalStep(ids, limits, draft_inputs))
+        if made.probs is not None:  # drawn proposals: the verification needs each one's distribution
+            start = 0
+            for request_id, proposed, limit in zip(ids, made.token_ids, limits, strict=True):
+                if proposed and limit:
+                    self._draft_probs[request_id] = made.probs[start : start + min(len(proposed), limit)]
+                start += len(proposed)
         return {
             request_id: proposed[:limit]
             for request_id, proposed, limit in zip(ids, made.token_ids, limits, strict=True)
             if proposed and limit
         }
+
+    def _take_draft_probs(
+        self, states: list[RequestState], proposed: list[list[int]], logits: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The distributions the rows' proposals were drawn from, request-major (one-hot rows for deterministic
+        proposals beside drawn ones); None when every row's proposals are deterministic."""
+        stored = [self._draft_probs.pop(state.request_id, None) for state in states]
+        if all(probs is None for probs in stored):
+            return None
+        parts = []
+        for probs, tokens in zip(stored, proposed, strict=True):
+            if not tokens:
+                continue
+            if probs is None:
+                ids = torch.tensor(tokens, device=logits.device)
+                probs = torch.nn.functional.one_hot(ids, logits.shape[-1]).float()
+            parts.append(probs[: len(tokens)].to(logits.device, torch.float32))
+        return torch.cat(parts)
 
     def _resolve_pending(self) -> None:
         # Taken first: a step whose result raises is reported once, not again by every later step.

@@ -106,6 +106,38 @@ class DistributedConfig(_Section, frozen=True):
     ] = 600.0
 
 
+class SpeculativeConfig(_Section, frozen=True):
+    """Speculative decoding (docs/speculative.md): a speculator proposes tokens that the model verifies in one
+    step; the output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution)."""
+
+    method: Annotated[
+        str,
+        Meta(
+            description="the weft.speculator that proposes tokens: none (off), ngram (prompt lookup over the "
+            "request's own tokens), or a plugin's"
+        ),
+    ] = "none"
+    num_speculative_tokens: Annotated[
+        int, Meta(ge=1, le=32, description="most tokens proposed for one request per step (k)")
+    ] = 4
+    model: (
+        Annotated[str, Meta(description="the draft model of a speculator that loads one (alias, folder or repo id)")]
+        | None
+    ) = None
+    prompt_lookup_min: (
+        Annotated[int, Meta(ge=1, description="ngram: the shortest suffix looked up; default: prompt_lookup_max, or 5")]
+        | None
+    ) = None
+    prompt_lookup_max: (
+        Annotated[int, Meta(ge=1, description="ngram: the longest suffix looked up; default: prompt_lookup_min, or 5")]
+        | None
+    ) = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineConfig(_Section, frozen=True):
     """Scheduling, KV cache and numerics."""
 
@@ -266,6 +298,7 @@ class EngineConfig(_Section, frozen=True):
         bool, Meta(description="mixture-of-experts models: spread whole routed experts over the tensor-parallel ranks")
     ] = False
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     revision: (
         Annotated[
             str,

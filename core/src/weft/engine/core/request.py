@@ -87,6 +87,9 @@ class Request:
         self.prompt_logprobs_sent = False
         self.kv_transfer_params = kv_transfer_params
         """What the KV connector is to do with this request (the API's ``kv_transfer_params``)."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: the speculator's proposals for the request's next step (after its last token),
+        from the output of its last step; cleared when they are scheduled or the request is preempted."""
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -39,6 +39,7 @@ from weft.plugins.selection import choose_op
 from weft.progress import human_bytes, report
 from weft.resolve import (
     build_platform,
+    check_kv_cache_dtype,
     choose_quantization,
     load_config_for,
     load_family,
@@ -47,6 +48,7 @@ from weft.resolve import (
     options_for,
     resolve_dtype,
     resolve_source,
+    with_kv_cache_dtype,
 )
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, describe_sizes
@@ -119,6 +121,7 @@ class Worker:
         self.attention = attention_class(
             options_for(config, "attention", attention_class, attention_name), self.platform
         )
+        check_kv_cache_dtype(config, self.platform, self.attention)
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
@@ -149,7 +152,7 @@ class Worker:
                     self.ops["bitmask_argmax"].declare(dtype=dtype)
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
-        self.groups = self.family.kv_cache_groups(self.model_config)
+        self.groups = with_kv_cache_dtype(config, self.family.kv_cache_groups(self.model_config))
         if self.platform.device_type == "cpu":
             available = engine.cpu_kv_cache_bytes
         else:

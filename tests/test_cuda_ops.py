@@ -33,6 +33,26 @@ def test_gemv_kernel_matches_linear_interpreted(rows, bias):
     assert kernel.monitor.misses == []
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_kernel_matches_the_dequantized_product_interpreted(bias):
+    """float8_e4m3fn weights with a scale per output column: ``x @ (codes * scale)^T + b`` in float32."""
+    from weft_triton.gemv import Fp8GemvKernel
+
+    generator = torch.Generator().manual_seed(3)
+    n, k = 40, 600
+    x = torch.randn(1, k, generator=generator)
+    codes = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=generator) / 1000 + 1e-4
+    b = torch.randn(n, generator=generator) if bias else None
+    kernel = Fp8GemvKernel()
+    kernel.add_shape(n, k, bias, torch.float32)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    y = kernel(dtype=x.dtype, n=n, k=k, m=1, has_bias=bias, x=x, weight=codes, scale=scale, bias=b)
+    torch.testing.assert_close(y, F.linear(x, codes.float() * scale[:, None], b), rtol=1e-5, atol=1e-5)
+    assert kernel.monitor.misses == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 class TestLinearTritonOnGPU(OpContract):

@@ -39,7 +39,8 @@ GEMV_ROWS = 1
 
 def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``matrix`` ``[rows, columns]`` as float8_e4m3fn codes and a float32 scale per row (``max |row| / 448``;
-    ``1 / 448`` for a row of zeros, as transformers has it), rounded to nearest: ``matrix ~ codes * scales[:, None]``."""
+    ``1 / 448`` for a row of zeros, as transformers has it), rounded to nearest:
+    ``matrix ~ codes * scales[:, None]``."""
     matrix = matrix.float()
     largest = matrix.abs().amax(dim=-1)
     scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / FLOAT8_MAX

@@ -16,6 +16,7 @@ tests/test_triton_attention.py under ``TRITON_INTERPRET=1``); the GPU side is te
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -201,3 +202,29 @@ def test_fp8_checkpoints_load_as_their_dequantized_weights(tmp_path, tokenizer_f
     finally:
         llm.close()
     assert [output.outputs[0].token_ids for output in outputs] == expected_tokens
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+def test_many_rows_are_quantized_by_the_triton_kernel_interpreted(monkeypatch):
+    """Where Triton runs, the method quantizes a many-row step's activations in one kernel launch (torch's
+    ``quantize_rows`` is not called) and the product is the one of torch's codes and scales."""
+    from weft.builtins.cpu import CpuPlatform
+    from weft.kernels.warmup import compile_many
+    from weft_cuda import fp8
+    from weft_triton.quantize import Fp8QuantizeRowsKernel
+
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(64, 1104, generator=generator) * 0.05
+    x = torch.randn(5, 1104, generator=generator)
+    expected = fp8.scaled_matmul(x, *fp8.quantize_rows(weight))
+    method = fp8.Fp8(CpuPlatform(), "float32")
+    method.quantize = Fp8QuantizeRowsKernel()
+    layer = torch.nn.Linear(1104, 64, bias=False)
+    method.create_weights(layer, 1104, 64)
+    method.load_weight(layer, weight, 0, "weight")
+    method.process_weights_after_loading(layer)
+    assert len(compile_many(method.quantize, method.quantize.warmup_keys())) == 1
+    monkeypatch.setattr(fp8, "quantize_rows", None)  # the weights are quantized: only activations remain
+    actual = method.apply(layer, x, None)
+    assert torch.equal(actual, expected.float())
+    assert method.quantize.monitor.misses == []

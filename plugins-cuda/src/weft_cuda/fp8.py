@@ -13,7 +13,9 @@ Two kernels multiply, chosen per call by the rows:
   and the weights converted in registers: the step streams half the bytes of bf16 weights;
 * more rows: the activations quantized per token (``scale = max |row| / 448``) and multiplied by
   ``torch._scaled_mm`` with row-wise scales (cuBLASLt's fp8 tensor cores, float32 accumulation),
-  bf16 out.
+  bf16 out. The quantization is one launch of :class:`weft_triton.quantize.Fp8QuantizeRowsKernel` where Triton
+  runs (the same codes and scales as :func:`quantize_rows`, whose seven torch launches over float32 copies cost a
+  512-row decode step about what the fp8 GEMMs save).
 
 The math of both (:func:`quantize_rows`, :func:`scaled_matmul`) also runs on the CPU (torch converts
 float8 and has a CPU ``_scaled_mm``), where tests check it against plain torch; the method itself
@@ -52,10 +54,18 @@ def scaled_matmul(
 ) -> torch.Tensor:
     """``x @ (codes * scales[:, None])^T`` for ``x`` ``[rows, in]``: ``x`` quantized per token, both scales applied
     by ``torch._scaled_mm`` (row-wise scaling takes a bf16 output)."""
-    x_codes, x_scales = quantize_rows(x)
-    return torch._scaled_mm(
-        x_codes, codes.t(), scale_a=x_scales[:, None], scale_b=scales[None, :], out_dtype=out_dtype
-    )
+    return scaled_product(*quantize_rows(x), codes, scales, out_dtype)
+
+
+def scaled_product(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(x_codes * x_scales[:, None]) @ (codes * scales[:, None])^T`` through ``torch._scaled_mm``."""
+    return torch._scaled_mm(x_codes, codes.t(), scale_a=x_scales[:, None], scale_b=scales[None, :], out_dtype=out_dtype)
 
 
 class Fp8(QuantizationMethod):
@@ -76,14 +86,16 @@ class Fp8(QuantizationMethod):
 
     def __init__(self, platform, dtype: str) -> None:
         super().__init__(platform, dtype)
-        self.gemv = None
+        self.gemv = self.quantize = None
         from weft_triton.runtime import runs_on
 
         if runs_on(platform):
             from weft.api import register
             from weft_triton.gemv import Fp8GemvKernel
+            from weft_triton.quantize import Fp8QuantizeRowsKernel
 
             self.gemv = register(Fp8GemvKernel())
+            self.quantize = register(Fp8QuantizeRowsKernel())
 
     @classmethod
     def is_available(cls, platform) -> bool:
@@ -102,6 +114,8 @@ class Fp8(QuantizationMethod):
         layer.fp8_parts = []
         if self.gemv is not None and self.dtype in ("bfloat16", "float16"):
             self.gemv.add_shape(out_features, in_features, False, getattr(torch, self.dtype))
+        if self.quantize is not None and self.dtype in ("bfloat16", "float16", "float32"):
+            self.quantize.add_shape(in_features, getattr(torch, self.dtype))
 
     def load_weight(self, layer: nn.Module, weight: GroupAffine | torch.Tensor, row: int, name: str) -> None:
         device = layer.weight.device
@@ -145,6 +159,9 @@ class Fp8(QuantizationMethod):
                 scale=layer.fp8_scales,
                 bias=None,
             )
+        elif self.quantize is not None and x.dtype in self.quantize.dtypes:
+            x_codes, x_scales = self.quantize(dtype=x.dtype, k=layer.in_features, x=flat.contiguous())
+            out = scaled_product(x_codes, x_scales, layer.fp8_codes, layer.fp8_scales)
         else:
             out = scaled_matmul(flat, layer.fp8_codes, layer.fp8_scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)

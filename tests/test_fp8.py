@@ -49,6 +49,30 @@ def test_fp8_kv_cache_is_refused_on_the_cpu(tmp_path, tokenizer_files):
     assert "this platform is cpu" in message and "engine.kv_cache_dtype = 'auto'" in message
 
 
+@pytest.mark.parametrize("distribution", ["weft_rocm", "weft_xpu"])
+def test_fp8_is_refused_on_the_other_gpu_platforms(distribution):
+    """ROCm and XPU inherit the platform contract's default (no fp8): both options are refused with the requirement
+    and the platform's name, before any weight is read."""
+    from weft.config import WeftConfig
+    from weft.config.schema import EngineConfig
+    from weft.plugins import PluginRegistry
+    from weft.resolve import check_kv_cache_dtype, choose_quantization
+
+    module = pytest.importorskip(f"{distribution}.platform")
+    platform_class = next(
+        value
+        for name, value in vars(module).items()
+        if name.endswith("Platform") and value.__module__ == module.__name__
+    )
+    platform = platform_class()
+    assert platform.name == distribution.removeprefix("weft_")
+    fp8_weights = WeftConfig(engine=EngineConfig(quantization="fp8"))
+    with pytest.raises(ValueError, match="engine.quantization = 'fp8' needs a CUDA GPU with compute capability >= 8.9"):
+        choose_quantization(PluginRegistry(), fp8_weights, platform, "safetensors", "bfloat16")
+    with pytest.raises(ValueError, match=f"this platform is {platform.name}; use engine.kv_cache_dtype = 'auto'"):
+        check_kv_cache_dtype(WeftConfig(engine=EngineConfig(kv_cache_dtype="fp8")), platform, None)
+
+
 def test_fp8_kv_cache_doubles_the_tokens_a_block_budget_holds():
     """The cache is sized from the specs: an fp8 block of the same tokens takes half of bf16's bytes."""
     from weft.config import WeftConfig

@@ -245,10 +245,17 @@ class carveout:
         self.sms = sms
 
     def __enter__(self):
-        torch._C._set_sm_carveout_experimental(self.sms)
+        if CARVEOUT:
+            torch._C._set_sm_carveout_experimental(self.sms)
 
     def __exit__(self, *exc):
-        torch._C._set_sm_carveout_experimental(None)
+        if CARVEOUT:
+            torch._C._set_sm_carveout_experimental(None)
+
+
+CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental")
+if not CARVEOUT:
+    print("  (this torch has no _set_sm_carveout_experimental: the 'carved' lines below run on the full GPU)")
 
 
 green_contexts_kept = []

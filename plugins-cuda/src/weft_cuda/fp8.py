@@ -14,8 +14,8 @@ Two kernels multiply, chosen per call by the rows:
 * more rows: the activations quantized per token (``scale = max |row| / 448``) and multiplied by
   ``torch._scaled_mm`` with row-wise scales (cuBLASLt's fp8 tensor cores, float32 accumulation),
   bf16 out. The quantization is one launch of :class:`weft_triton.quantize.Fp8QuantizeRowsKernel` where Triton
-  runs (the same codes and scales as :func:`quantize_rows`, whose seven torch launches over float32 copies cost a
-  512-row decode step about what the fp8 GEMMs save).
+  runs (the same codes and scales as :func:`quantize_rows`, whose seven torch launches over float32 copies would,
+  by their bytes, take a 512-row 8B decode step about as long as the fp8 GEMMs save: an estimate, not measured).
 
 The math of both (:func:`quantize_rows`, :func:`scaled_matmul`) also runs on the CPU (torch converts
 float8 and has a CPU ``_scaled_mm``), where tests check it against plain torch; the method itself

@@ -2,9 +2,10 @@
 
 Before each fp8 GEMM (``torch._scaled_mm``) the activations ``x[M, K]`` become codes and a float32 scale per row:
 ``scale = max |row| / 448`` (``1 / 448`` for a row of zeros), ``code = x / scale`` rounded to nearest-even on
-float8_e4m3's grid. In torch that is some seven element-wise launches over float32 copies of ``x`` per GEMM, about
-as long as the fp8 GEMM saves at a 512-row decode step; here one program per row reads the row twice (its maximum,
-then its codes: the second read hits the cache) and writes one byte an element. The division is IEEE
+float8_e4m3's grid. In torch that is some seven element-wise launches over float32 copies of ``x`` per GEMM (by their
+bytes, about what the fp8 GEMMs save at a 512-row 8B decode step: an estimate, not a measurement); here one
+program per row reads the row twice (its maximum, then its codes: the second read hits the cache) and writes one
+byte an element. The division is IEEE
 round-to-nearest and the rounding that of :func:`weft_triton.paged_attention._round_to_float8`, so the codes and
 scales are torch's (:func:`weft_cuda.fp8.quantize_rows`) bit for bit, on every Triton backend and in the
 interpreter.

@@ -201,6 +201,13 @@ class EngineConfig(_Section, frozen=True):
             "model's format, else none)"
         ),
     ] = "auto"
+    kv_cache_dtype: Annotated[
+        Literal["auto", "fp8"],
+        Meta(
+            description="elements of the paged KV cache: auto (the model's dtype) or fp8 (float8_e4m3, half the "
+            "bytes, so twice the tokens in the same memory; a CUDA GPU of compute capability 8.9 or newer)"
+        ),
+    ] = "auto"
     cpu_threads: (
         Annotated[
             int,

@@ -40,6 +40,7 @@ from weft.plugins.selection import choose_op
 from weft.progress import human_bytes, report
 from weft.resolve import (
     build_platform,
+    check_kv_cache_dtype,
     choose_quantization,
     load_config_for,
     load_family,
@@ -48,6 +49,7 @@ from weft.resolve import (
     options_for,
     resolve_dtype,
     resolve_source,
+    with_kv_cache_dtype,
 )
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, describe_sizes
@@ -121,6 +123,7 @@ class Worker:
         self.attention = attention_class(
             options_for(config, "attention", attention_class, attention_name), self.platform
         )
+        check_kv_cache_dtype(config, self.platform, self.attention)
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
@@ -152,10 +155,11 @@ class Worker:
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
             self.speculator = self._build_speculator()
-        self.groups = self.family.kv_cache_groups(self.model_config)
+        groups = self.family.kv_cache_groups(self.model_config)
         if self.speculator is not None:
             # Its own layers' groups come after the target's: the target's group indices stay as its layers name them.
-            self.groups = (*self.groups, *self.speculator.kv_cache_groups())
+            groups = (*groups, *self.speculator.kv_cache_groups())
+        self.groups = with_kv_cache_dtype(config, groups)
         if self.platform.device_type == "cpu":
             available = engine.cpu_kv_cache_bytes
         else:

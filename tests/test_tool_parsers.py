@@ -373,3 +373,101 @@ class TestDeepseekV4ReasoningContract(ReasoningParserContract):
     thinking_prompt = "<｜User｜>Capital of France?<｜Assistant｜><think>"
     thinking_output = "France's capital.</think>Paris."
     reasoning, answer = "France's capital.", "Paris."
+
+
+# gpt-oss's harmony format (the model's output begins after the prompt's ``<|start|>assistant``).
+
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks about Paris. Simple.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris is the capital of France."
+)
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather: call get_weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris","days":3}'
+)
+HARMONY_PREAMBLE_AND_TWO_CALLS = (
+    "<|channel|>analysis<|message|>Two lookups.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking both now.<|end|>"
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content", "calls"),
+    [
+        (HARMONY_ANSWER, "The user asks about Paris. Simple.", "Paris is the capital of France.", []),
+        (HARMONY_CALL, "Need the weather: call get_weather.", None, [("get_weather", {"city": "Paris", "days": 3})]),
+        (
+            HARMONY_PREAMBLE_AND_TWO_CALLS,
+            "Two lookups.",
+            "Checking both now.",
+            [("get_weather", {"city": "Oslo"}), ("now", {})],
+        ),
+        # Two analysis messages; a final answer without reasoning; a model that ignored the format.
+        (
+            "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Done.",
+            "One.\n\nTwo.",
+            "Done.",
+            [],
+        ),
+        ("<|channel|>final<|message|>Just the answer.", None, "Just the answer.", []),
+        ("Plain text, no harmony.", None, "Plain text, no harmony.", []),
+    ],
+)
+def test_harmony_output_splits_into_reasoning_content_and_calls_whole_and_streamed(text, reasoning, content, calls):
+    from weft.builtins.harmony import HarmonyReasoningParser, HarmonyToolParser
+
+    prompt = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
+    whole = AssistantOutput(HarmonyReasoningParser(prompt=prompt), HarmonyToolParser()).parse(text)
+    assert whole[:2] == (reasoning, content)
+    assert [(call.name, json.loads(call.arguments)) for call in whole[2]] == calls
+    for seed in range(6):
+        output = AssistantOutput(HarmonyReasoningParser(prompt=prompt), HarmonyToolParser())
+        rng, position, deltas = random.Random(seed), 0, []
+        while position < len(text):
+            size = rng.randint(1, 6)
+            deltas.append(output.push(text[position : position + size]))
+            position += size
+        deltas.append(output.finish())
+        streamed_calls: dict[int, list[str]] = {}
+        for delta in deltas:
+            for piece in delta.calls:
+                streamed_calls.setdefault(piece.index, [piece.name, ""])[1] += piece.arguments
+        assert "".join(delta.reasoning for delta in deltas) == (reasoning or "")
+        assert "".join(delta.content for delta in deltas) == (content or "")
+        assert [(name, json.loads(arguments)) for name, arguments in streamed_calls.values()] == calls
+
+
+def test_harmony_without_the_reasoning_parser_and_with_a_broken_call():
+    """Alone, the tool parser reads the raw output (analysis bodies are then content); a call whose body is not a
+    JSON object stays as text; a built-in tool's call (``to=python``) is not one of the request's functions."""
+    from weft.builtins.harmony import HarmonyToolParser
+
+    parsed = HarmonyToolParser().parse(HARMONY_CALL)
+    assert parsed.content == "Need the weather: call get_weather."
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
+    broken = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{city: Paris"
+    parsed = HarmonyToolParser().parse(broken)
+    assert parsed.calls == [] and parsed.content == broken
+    python = "<|channel|>analysis to=python<|message|>print(1)"
+    parsed = HarmonyToolParser().parse(python)
+    assert parsed.calls == [] and "print(1)" in parsed.content
+    assert select_parser(PluginRegistry(), "tool_parser", "auto", "GptOssForCausalLM") is HarmonyToolParser
+
+
+class TestHarmonyToolContract(ToolParserContract):
+    plugin_name = "harmony"
+
+
+class TestHarmonyReasoningContract(ReasoningParserContract):
+    plugin_name = "harmony"
+    thinking_prompt = "<|start|>user<|message|>Capital of France?<|end|><|start|>assistant"
+    thinking_output = (
+        "<|channel|>analysis<|message|>France's capital.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    )
+    reasoning, answer = "France's capital.", "Paris."

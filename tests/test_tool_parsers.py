@@ -13,7 +13,12 @@ import random
 import pytest
 
 from weft.builtins.reasoning_parsers import ThinkReasoningParser
-from weft.builtins.tool_parsers import DeepseekV3ToolParser, HermesToolParser, Llama3JsonToolParser
+from weft.builtins.tool_parsers import (
+    DeepseekV3ToolParser,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+)
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
@@ -58,6 +63,13 @@ DSV4_CALLS = (
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>"
 )
+# Mistral: tokenizer v3's JSON list (Mistral 7B v0.3, Mixtral 8x22B), v11's NAME[ARGS] per call, v7's call id.
+MISTRAL_LIST = (
+    '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", "format": '
+    '"celsius"}}, {"name": "get_time", "arguments": {"tz": "CET"}}]'
+)
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "hours": [8, 12]}[TOOL_CALLS]now[ARGS]{}'
+MISTRAL_WITH_ID = 'Let me check.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
 
 WELL_FORMED = [
     (
@@ -101,6 +113,15 @@ WELL_FORMED = [
         ],
     ),
     (DeepseekV4ToolParser, "No calls, only an answer.", "No calls, only an answer.", []),
+    (
+        MistralToolParser,
+        MISTRAL_LIST,
+        None,
+        [("get_current_weather", {"location": "Paris, France", "format": "celsius"}), ("get_time", {"tz": "CET"})],
+    ),
+    (MistralToolParser, MISTRAL_NAMED, None, [("get_weather", {"city": "Paris", "hours": [8, 12]}), ("now", {})]),
+    (MistralToolParser, MISTRAL_WITH_ID, "Let me check.", [("get_weather", {"city": "Paris"})]),
+    (MistralToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
 ]
 
 MALFORMED = [
@@ -120,6 +141,11 @@ MALFORMED = [
         DeepseekV4ToolParser,
         '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n',
     ),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": }}]'),
+    (MistralToolParser, MISTRAL_LIST[:40]),  # cut before the first call's arguments
+    (MistralToolParser, MISTRAL_NAMED[:40]),  # cut inside the first call's arguments
+    (MistralToolParser, '[TOOL_CALLS]get_weather(city="Paris")'),  # no [ARGS]
+    (MistralToolParser, "[TOOL_CALLS] [get_weather(city='Paris')]"),  # a list, not of JSON calls
 ]
 
 MIXED = [  # a valid call and a malformed or unfinished one
@@ -130,6 +156,9 @@ MIXED = [  # a valid call and a malformed or unfinished one
     ),  # bad, then good
     (Llama3JsonToolParser, LLAMA_TAGGED_TWO[:80]),
     (DeepseekV4ToolParser, DSV4_CALLS[:330]),  # the first invoke closed, the second cut short
+    (MistralToolParser, MISTRAL_LIST[:140]),  # the first call closed, the second cut short
+    (MistralToolParser, MISTRAL_NAMED[:-1]),  # the second call's arguments cut short
+    (MistralToolParser, MISTRAL_LIST + " That is all."),  # text after the list
 ]
 
 RECORDED = [(parser, text) for parser, text, _, _ in WELL_FORMED] + MALFORMED + MIXED
@@ -316,6 +345,8 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "tool_parser", "auto", "LlamaForCausalLM") is Llama3JsonToolParser
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ToolParser
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV3ForCausalLM") is DeepseekV3ToolParser
+    assert select_parser(registry, "tool_parser", "auto", "MixtralForCausalLM") is MistralToolParser
+    assert select_parser(registry, "tool_parser", "auto", "MistralForCausalLM") is MistralToolParser
     assert select_parser(registry, "reasoning_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ReasoningParser
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
@@ -359,6 +390,10 @@ def test_deepseek_v3_reads_the_v3_and_the_v3_1_bodies_and_keeps_a_broken_call_as
 
 class TestDeepseekV3ToolContract(ToolParserContract):
     plugin_name = "deepseek_v3"
+
+
+class TestMistralToolContract(ToolParserContract):
+    plugin_name = "mistral"
 
 
 class TestThinkContract(ReasoningParserContract):
@@ -471,3 +506,56 @@ class TestHarmonyReasoningContract(ReasoningParserContract):
         "<|channel|>analysis<|message|>France's capital.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
     )
     reasoning, answer = "France's capital.", "Paris."
+
+
+# Mistral 7B Instruct v0.3's template checks the ids of earlier calls (its tool-call parts, abridged).
+MISTRAL_TEMPLATE = """
+{%- if tools %}[AVAILABLE_TOOLS] {{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST] {{ message.content }}[/INST]
+{%- elif message.tool_calls %}[TOOL_CALLS] [
+{%- for tool_call in message.tool_calls %}
+{%- if not (tool_call.id is defined and tool_call.id|length == 9) %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments|tojson }}, "id": "
+{{- tool_call.id }}"}{% if not loop.last %}, {% endif %}
+{%- endfor %}]</s>
+{%- elif message.role == "tool" %}
+{%- if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+[TOOL_RESULTS] {"content": {{ message.content|tojson }}, "call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]
+{%- elif message.role == "assistant" %} {{ message.content }}</s>
+{%- endif %}
+{%- endfor %}
+"""
+
+
+def test_mistral_templates_get_call_ids_of_nine_letters_and_digits(tokenizer_files, tmp_path):
+    """OpenAI-style ids (``call_`` + 24 characters) in a conversation's history reach Mistral's template as their
+    last 9 letters and digits, the same in the assistant's call and in the tool's answer; Hermes' keep them."""
+    import shutil
+
+    from weft.builtins.hf_tokenizer import HFTokenizer
+    from weft.serve.tools import ToolSettings, chat_input
+
+    folder = tmp_path / "mistral-template"
+    shutil.copytree(tokenizer_files, folder)
+    (folder / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    tokenizer = HFTokenizer.from_folder(folder)
+    call_id = "call_0f3a9c2b7d4e4b1a9c8d7e6f"
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "Sunny."},
+    ]
+    settings = ToolSettings([{"name": "get_weather", "parameters": {"type": "object"}}], "auto")
+    messages, kwargs = chat_input(tokenizer, history, True, settings, MistralToolParser, {})
+    prompt = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, **kwargs)
+    assert '"id": "9c8d7e6f"' not in prompt and '"id": "a9c8d7e6f"' in prompt
+    assert '"call_id": "a9c8d7e6f"' in prompt and "[AVAILABLE_TOOLS]" in prompt
+    assert MistralToolParser().template_call_id("call_1") == "0000call1"  # short ones padded
+    with pytest.raises(ValueError, match="length 9"):  # the ids as given: the template refuses them
+        chat_input(tokenizer, history, True, settings, HermesToolParser, {})

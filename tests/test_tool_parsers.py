@@ -18,6 +18,7 @@ from weft.builtins.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    Phi4MiniToolParser,
 )
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
@@ -70,6 +71,10 @@ MISTRAL_LIST = (
 )
 MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "hours": [8, 12]}[TOOL_CALLS]now[ARGS]{}'
 MISTRAL_WITH_ID = 'Let me check.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
+PHI4_MINI_TWO = (
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "parameters": '
+    '{"tz": "CET"}}]'
+)
 
 WELL_FORMED = [
     (
@@ -122,6 +127,13 @@ WELL_FORMED = [
     (MistralToolParser, MISTRAL_NAMED, None, [("get_weather", {"city": "Paris", "hours": [8, 12]}), ("now", {})]),
     (MistralToolParser, MISTRAL_WITH_ID, "Let me check.", [("get_weather", {"city": "Paris"})]),
     (MistralToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
+    (Phi4MiniToolParser, PHI4_MINI_TWO, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (
+        Phi4MiniToolParser,
+        "Use functools[...] sparingly; functools.partial binds arguments.",
+        "Use functools[...] sparingly; functools.partial binds arguments.",
+        [],
+    ),
 ]
 
 MALFORMED = [
@@ -146,6 +158,8 @@ MALFORMED = [
     (MistralToolParser, MISTRAL_NAMED[:40]),  # cut inside the first call's arguments
     (MistralToolParser, '[TOOL_CALLS]get_weather(city="Paris")'),  # no [ARGS]
     (MistralToolParser, "[TOOL_CALLS] [get_weather(city='Paris')]"),  # a list, not of JSON calls
+    (Phi4MiniToolParser, 'functools[{"name": "get_weather", "arguments": {"city": '),  # cut short
+    (Phi4MiniToolParser, "functools[get_weather(city='Paris')]"),
 ]
 
 MIXED = [  # a valid call and a malformed or unfinished one
@@ -159,6 +173,7 @@ MIXED = [  # a valid call and a malformed or unfinished one
     (MistralToolParser, MISTRAL_LIST[:140]),  # the first call closed, the second cut short
     (MistralToolParser, MISTRAL_NAMED[:-1]),  # the second call's arguments cut short
     (MistralToolParser, MISTRAL_LIST + " That is all."),  # text after the list
+    (Phi4MiniToolParser, PHI4_MINI_TWO[:90]),  # the first call closed, the second cut short
 ]
 
 RECORDED = [(parser, text) for parser, text, _, _ in WELL_FORMED] + MALFORMED + MIXED
@@ -347,6 +362,7 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV3ForCausalLM") is DeepseekV3ToolParser
     assert select_parser(registry, "tool_parser", "auto", "MixtralForCausalLM") is MistralToolParser
     assert select_parser(registry, "tool_parser", "auto", "MistralForCausalLM") is MistralToolParser
+    assert select_parser(registry, "tool_parser", "auto", "Phi3ForCausalLM") is Phi4MiniToolParser
     assert select_parser(registry, "reasoning_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ReasoningParser
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
@@ -394,6 +410,11 @@ class TestDeepseekV3ToolContract(ToolParserContract):
 
 class TestMistralToolContract(ToolParserContract):
     plugin_name = "mistral"
+
+
+class TestPhi4MiniToolContract(ToolParserContract):
+    plugin_name = "phi4_mini_json"
+    leading_text = ""  # a Phi-4-mini answer is calls or text, not both
 
 
 class TestThinkContract(ReasoningParserContract):

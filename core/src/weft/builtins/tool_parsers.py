@@ -1,5 +1,6 @@
 """Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON), ``llama3_json`` (Llama 3's bare JSON),
-``deepseek_v3`` (DeepSeek V3/V3.1/R1's marker-delimited calls) and ``mistral`` (Mistral/Mixtral's ``[TOOL_CALLS]``).
+``deepseek_v3`` (DeepSeek V3/V3.1/R1's marker-delimited calls), ``mistral`` (Mistral/Mixtral's ``[TOOL_CALLS]``) and
+``phi4_mini_json`` (Phi-4-mini's ``functools[...]``).
 
 Each reads the whole output so far (:meth:`~weft.contracts.tool_parser.ToolParser.scan`)
 with two helpers other parsers may use too: :func:`json_value_end` finds where a JSON
@@ -367,3 +368,38 @@ class MistralToolParser(ToolParser):
     def render_calls(self, calls: Any) -> str:
         listed = [{"name": call["name"], "arguments": call["arguments"]} for call in calls]
         return f"{self.marker} {json.dumps(listed, ensure_ascii=False)}"
+
+
+class Phi4MiniToolParser(ToolParser):
+    """Phi-4-mini's calls: the answer is ``functools[{"name": ..., "arguments": {...}}, ...]`` (``parameters``
+    read as ``arguments``); an answer that starts otherwise is content, and so is text after the list. The
+    default for ``Phi3ForCausalLM``, whose other checkpoints (Phi-3, Phi-3.5, Phi-4) write no calls: their
+    answers stay content. Tools reach a template that ignores them as Phi-4-mini's template writes them, in
+    ``<|tool|>...<|/tool|>`` after the system message."""
+
+    name: ClassVar[str] = "phi4_mini_json"
+    architectures: ClassVar[tuple[str, ...]] = ("Phi3ForCausalLM",)
+    opener: ClassVar[str] = "functools["
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = len(text) - len(text.lstrip())
+        if not text.startswith(self.opener, start):
+            if not final and self.opener.startswith(text[start:]):
+                return Scan("", [])  # nothing yet, or the opener arriving: undecided
+            return Scan(text, [])
+        calls, stopped = json_calls(text, start + len(self.opener), final, " \t\r\n,")
+        rest = text[stopped:].lstrip()
+        if rest.startswith("]"):
+            return Scan(rest[1:], calls)
+        if not final and (not rest or rest.startswith("{")):
+            return Scan("", calls)  # the list is still being written
+        if not calls:  # not a list of calls after all: the text as written
+            return Scan(text if final else "", [])
+        return Scan(text[stopped:], calls)  # calls, then something else: that is content
+
+    def tools_prompt(self, tools: Any) -> str:
+        return f"<|tool|>{json.dumps(list(tools), ensure_ascii=False)}<|/tool|>"
+
+    def render_calls(self, calls: Any) -> str:
+        listed = [{"name": call["name"], "arguments": call["arguments"]} for call in calls]
+        return f"{self.opener[:-1]}{json.dumps(listed, ensure_ascii=False)}"

@@ -57,6 +57,7 @@ class TritonAttention(AttentionBackend):
     supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
     supports_graph_capture: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -116,6 +117,7 @@ class TritonAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = metadata.batch
         if (
@@ -146,5 +148,6 @@ class TritonAttention(AttentionBackend):
             kv_cache=kv_cache,
             output=output,
             batch=batch,
+            sinks=sinks,
         )
         return output

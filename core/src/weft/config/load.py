@@ -325,6 +325,19 @@ def _table_key(key: str) -> str:
     return key if "." not in key else f'"{key}"'
 
 
+def plugin_table_key(entry: Any, entries: list[Any]) -> str:
+    """The key of ``entry``'s options table under ``[plugins]``: its name, or ``<slot>.<name>`` when another of
+    ``entries`` (the installed plugins) has the same name (``[plugins.<name>]`` would configure both) or the name
+    is ``lock`` (``[plugins] lock`` is the plugin lock file)."""
+    shared = entry.name == "lock" or any(other.name == entry.name and other.slot != entry.slot for other in entries)
+    return f"{entry.slot}.{entry.name}" if shared else entry.name
+
+
+def plugin_table(entry: Any, entries: list[Any]) -> str:
+    """The weft.toml header of ``entry``'s options table: ``[plugins.<name>]`` or ``[plugins."<slot>.<name>"]``."""
+    return f"[plugins.{_table_key(plugin_table_key(entry, entries))}]"
+
+
 def plugin_entries_for_table(entries: list[Any], key: str) -> list[Any]:
     """The plugin entries a ``[plugins.<key>]`` table configures (``key`` may be ``slot.name``)."""
     from weft.contracts import SLOT_GROUPS

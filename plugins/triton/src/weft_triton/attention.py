@@ -59,6 +59,7 @@ class TritonAttention(AttentionBackend):
     supports_graph_capture: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"float8_e4m3fn"})
+    supports_sinks: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -121,6 +122,7 @@ class TritonAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = metadata.batch
         cache_dtype = kv_cache.dtype if kv_cache.dtype != query.dtype else None
@@ -154,5 +156,6 @@ class TritonAttention(AttentionBackend):
             output=output,
             batch=batch,
             cache_dtype=cache_dtype,
+            sinks=sinks,
         )
         return output

@@ -114,12 +114,23 @@ def _online_softmax_step(
     return new_max, running_sum, accumulator
 
 
+@triton.jit
+def _fold_sink(sinks, head, running_max, running_sum, accumulator):
+    """Add each head's sink logit (gpt-oss) to the softmax's denominator: a key every query sees whose value is
+    zero. Returns the sum and the output, both rescaled to the new maximum."""
+    sink = tl.load(sinks + head).to(tl.float32)
+    new_max = tl.maximum(running_max, sink)
+    correction = tl.exp(running_max - new_max)
+    return running_sum * correction + tl.exp(sink - new_max), accumulator * correction[:, None]
+
+
 @triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt"])
 def _paged_attention_kernel(
     query,
     key_cache,
     value_cache,
     output,
+    sinks,
     block_table,
     seq_lens,
     query_start,
@@ -142,6 +153,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     request = tl.program_id(0)
     tile = tl.program_id(1)
@@ -204,6 +216,8 @@ def _paged_attention_kernel(
             IEEE,
             HAS_SOFT_CAP,
         )
+    if HAS_SINKS:
+        running_sum, accumulator = _fold_sink(sinks, head, running_max, running_sum, accumulator)
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
         output + (first + query_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -305,6 +319,7 @@ def _decode_merge_kernel(
     partial_max,
     partial_sum,
     output,
+    sinks,
     splits,
     stride_ot,
     stride_oh,
@@ -313,8 +328,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Merge one (request, query head)'s partial softmaxes into its attention output."""
+    """Merge one (request, query head)'s partial softmaxes into its attention output (and its sink logit)."""
     request = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -324,10 +340,15 @@ def _decode_merge_kernel(
     maxima = tl.load(partial_max + slot, mask=used, other=float("-inf"))
     sums = tl.load(partial_sum + slot, mask=used, other=0.0)
     top = tl.max(maxima, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     scale = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - top))
     dims = tl.arange(0, HEAD_DIM)
     accumulators = tl.load(partial + slot[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
     total = tl.sum(sums * scale, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     result = tl.sum(accumulators * scale[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(output + request * stride_ot + head * stride_oh + dims, result.to(output.dtype.element_ty))
 
@@ -503,6 +524,7 @@ class PagedAttentionKey(CompileKey, frozen=True):
     has_soft_cap: bool = False
     cache_dtype: str = ""
     """The cache's element type where it differs from ``dtype`` (``"float8_e4m3fn"``)."""
+    has_sinks: bool = False
 
 
 def cache_dtype_name(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
@@ -543,6 +565,7 @@ class PagedAttentionKernel(Kernel):
             split=splits > 1,
             has_soft_cap=layer.logits_soft_cap is not None,
             cache_dtype=cache_dtype_name(dtype, cache_dtype),
+            has_sinks=layer.sinks,
         )
 
     def input_space(self) -> InputSpace | None:
@@ -593,6 +616,7 @@ class PagedAttentionKernel(Kernel):
                 torch.float32,
                 torch.float32,
                 dtype,
+                dtype,
                 2,
                 heads * dim,
                 dim,
@@ -602,12 +626,14 @@ class PagedAttentionKernel(Kernel):
                 HEAD_DIM=dim,
                 BLOCK_M=key.block_m,
                 MAX_SPLITS=MAX_SPLITS,
+                HAS_SINKS=key.has_sinks,
             )
             return split, merge
         return _paged_attention_kernel.warmup(
             dtype,
             cache,
             cache,
+            dtype,
             dtype,
             torch.int32,
             torch.int32,
@@ -653,6 +679,7 @@ class PagedAttentionKernel(Kernel):
             HAS_WINDOW=key.has_window,
             IEEE=key.dtype == "float32",
             HAS_SOFT_CAP=key.has_soft_cap,
+            HAS_SINKS=key.has_sinks,
             num_stages=3 if key.block_m == DECODE_BLOCK_M else PREFILL_STAGES,
         )
 
@@ -670,11 +697,15 @@ class PagedAttentionKernel(Kernel):
         batch: AttentionBatch,
         splits: int = 1,
         cache_dtype: torch.dtype | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         key = self.dispatch(dtype, layer, block_size, block_m, splits, cache_dtype)
+        # The sink logits in the activations' dtype (the warm-up's signature); a layer without them gets the
+        # output as a pointer it never reads.
+        sinks = output if sinks is None else sinks.to(output.dtype).contiguous()
         if key.split:
-            self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch)
+            self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch, sinks)
             return
         grid = (
             batch.seq_lens.shape[0],
@@ -686,6 +717,7 @@ class PagedAttentionKernel(Kernel):
             key_cache,
             value_cache,
             output,
+            sinks,
             batch.block_table,
             batch.seq_lens,
             batch.query_start,
@@ -713,6 +745,7 @@ class PagedAttentionKernel(Kernel):
         value_cache: torch.Tensor,
         output: torch.Tensor,
         batch: AttentionBatch,
+        sinks: torch.Tensor,
     ) -> None:
         requests, kv_heads = batch.seq_lens.shape[0], layer.num_kv_heads
         partial = torch.empty(
@@ -746,6 +779,7 @@ class PagedAttentionKernel(Kernel):
             partial_max,
             partial_sum,
             output,
+            sinks,
             splits,
             output.stride(0),
             output.stride(1),
@@ -754,4 +788,5 @@ class PagedAttentionKernel(Kernel):
             HEAD_DIM=layer.head_dim,
             BLOCK_M=key.block_m,
             MAX_SPLITS=MAX_SPLITS,
+            HAS_SINKS=key.has_sinks,
         )

@@ -26,6 +26,7 @@ for part in "$@"; do
         attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
         throughput-profile) python3 bench/gpu_throughput.py --profile --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_throughput.log" ;;
         prefill-sweep) python3 bench/gpu_prefill.py --sweep --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_prefill.log" ;;
+        spec) python3 bench/spec_decode.py --part gpu --tokenizer .whl/tokenizer --rounds 2 2>&1 | tee "$out/spec_decode.log" ;;
         moe) python3 bench/moe.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/moe.log" ;;
         *) python3 "bench/gpu_$part.py" --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_$part.log" ;;
     esac

@@ -258,6 +258,12 @@ def test_encode_equals_hf_image_features(kind, checkpoints):
     expected = hf_image_features(kind, model, items)
     for item, output, reference, size in zip(processed.items, outputs, expected, SIZES, strict=True):
         assert output.shape == (item.num_embeddings, TEXT["hidden_size"]), size
+        if kind == "idefics3":  # the markers' rows are their token embeddings, the <image> rows the features
+            token_ids = item.encoder_inputs["token_ids"].to_torch()
+            markers = token_ids != IMAGE_TOKEN
+            with torch.no_grad():
+                torch.testing.assert_close(output[markers], model.get_input_embeddings()(token_ids[markers]))
+            output = output[~markers]
         torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-5, msg=f"{kind} {size}")
 
 
@@ -324,3 +330,113 @@ def test_logits_of_a_prompt_with_two_images_equal_hf(kind, checkpoints):
     torch.testing.assert_close(
         weft_logits(family, module, processed), hf_logits(kind, model, processed, items), rtol=1e-4, atol=1e-4
     )
+
+
+def test_hf_processors_expand_as_the_processors_do(checkpoints, tmp_path):
+    """The HF processors (built offline on a word-level tokenizer made here) expand each image placeholder to the
+    same ids as ours, for two images in one prompt (Qwen2.5-VL: its processor's rule, see below)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Idefics3Processor, LlavaNextProcessor, PreTrainedTokenizerFast
+
+    vocab = {f"w{index}": index for index in range(VOCAB)}
+    names = {
+        IMAGE_TOKEN: "<image>",
+        391: "<|vision_start|>",
+        392: "<|vision_end|>",
+        393: "<|video_pad|>",
+        IDEFICS3_MARKERS["fake"]: "<fake_token_around_image>",
+        IDEFICS3_MARKERS["global_"]: "<global-img>",
+        IDEFICS3_MARKERS["newline"][0]: "\n",
+        IDEFICS3_MARKERS["double_newline"][0]: "\n\n",
+        382: "<end_of_utterance>",
+    }
+    names.update({token: f"<row_{i // 6 + 1}_col_{i % 6 + 1}>" for i, token in enumerate(IDEFICS3_MARKERS["row_col"])})
+    words = {index: names.get(index, f"w{index}") for index in range(VOCAB)}
+
+    def tokenizer(image_name: str):
+        table = {**words, IMAGE_TOKEN: image_name}
+        model = models.WordLevel({word: index for index, word in table.items()}, unk_token="w3")
+        raw = Tokenizer(model)
+        raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w3")
+        fast.add_special_tokens({"additional_special_tokens": [table[index] for index in names if index in table]})
+        return fast
+
+    items = [image(11, 64, 40), image(12, 90, 90)]
+    prompt = [1, 20, IMAGE_TOKEN, 21, 22, IMAGE_TOKEN, 23]
+    for kind in KINDS:
+        folder, model = checkpoints[kind]
+        if kind == "qwen2_5_vl":
+            # Qwen2_5_VLProcessor needs torchvision (its video processor), which CI lacks: its rule, one
+            # <|image_pad|> per merged patch of the HF image processor's grid, written out here.
+            grids = hf_image_processor(kind)([pil(item) for item in items], return_tensors="np")["image_grid_thw"]
+            counts = iter(int(grid.prod()) // 4 for grid in grids)
+            expected = [t for token in prompt for t in ([token] * next(counts) if token == IMAGE_TOKEN else [token])]
+            assert processor_for(kind, folder).process(prompt, items).token_ids == expected
+            continue
+        if kind == "idefics3":
+            hf = Idefics3Processor(hf_image_processor(kind), tokenizer("<image>"), image_seq_len=4)
+            text = "w1 w20 <image> w21 w22 <image> w23"
+        else:
+            hf = LlavaNextProcessor(
+                hf_image_processor(kind), tokenizer("<image>"), patch_size=8,
+                vision_feature_select_strategy="default", num_additional_image_tokens=1,
+            )
+            text = "w1 w20 <image> w21 w22 <image> w23"
+        expected = hf(images=[pil(item) for item in items], text=text, return_tensors="np")["input_ids"][0].tolist()
+        ours = processor_for(kind, folder).process(prompt, items).token_ids
+        assert ours == expected, kind
+
+
+def test_qwen2_5_vl_positions_equal_hf_rope_index(checkpoints):
+    folder, model = checkpoints["qwen2_5_vl"]
+    items = [image(13, 120, 50), image(14, 17, 93)]
+    processed = processor_for("qwen2_5_vl", folder).process([1, 2, IMAGE_TOKEN, 3, IMAGE_TOKEN, 4, 5], items)
+    ids = torch.tensor([processed.token_ids])
+    grids = torch.stack([item.encoder_inputs["image_grid_thw"].to_torch() for item in processed.items])
+    expected, _ = model.model.get_rope_index(ids, (ids == IMAGE_TOKEN).int(), image_grid_thw=grids)
+    assert processed.positions.to_numpy().tolist() == expected[:, 0].tolist()
+
+
+class TestQwen2_5_VLProcessorContract(MMProcessorContract):
+    plugin_name = "qwen2_5_vl"
+    hf_config = {"image_token_id": 151655, "vision_config": {"patch_size": 14, "spatial_merge_size": 2}}
+
+
+class TestIdefics3ProcessorContract(MMProcessorContract):
+    plugin_name = "idefics3"
+    hf_config = {"image_token_id": IMAGE_TOKEN, "scale_factor": 2, "vision_config": {"image_size": 32, "patch_size": 8}}
+    options = IDEFICS3_OPTIONS
+
+
+class TestLlavaNextProcessorContract(MMProcessorContract):
+    plugin_name = "llava_next"
+    hf_config = {
+        "image_token_index": IMAGE_TOKEN,
+        "image_grid_pinpoints": PINPOINTS,
+        "vision_config": {"image_size": 32, "patch_size": 8},
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_without_a_vision_encoder_is_refused(kind):
+    from weft.plugins.registry import PluginRegistry
+
+    processor = PluginRegistry().load("mm_processor", kind)
+    with pytest.raises(ValueError, match="declares no vision encoder"):
+        processor(IDEFICS3_OPTIONS if kind == "idefics3" else None, MMProcessorConfig("X", {"image_token_id": 5}))
+
+
+def test_a_repeated_image_is_processed_once_and_hashes_apart_from_other_settings(checkpoints):
+    from weft_vision.qwen2_5_vl_processor import Qwen2_5_VLProcessor, Qwen2_5_VLProcessorOptions
+
+    folder, _ = checkpoints["qwen2_5_vl"]
+    processor = processor_for("qwen2_5_vl", folder)
+    item = image(15, 64, 40)
+    first = processor.process([1, IMAGE_TOKEN], [item])
+    again = processor.process([1, 2, 3, IMAGE_TOKEN, IMAGE_TOKEN], [item, item])
+    assert processor.cached_items == 1
+    assert {entry.hash for entry in again.items} == {first.items[0].hash}
+    config = MMProcessorConfig("Qwen2_5_VLForConditionalGeneration", json.loads((folder / "config.json").read_text()))
+    smaller = Qwen2_5_VLProcessor(Qwen2_5_VLProcessorOptions(max_pixels=56 * 56), config)
+    assert smaller.process([1, IMAGE_TOKEN], [item]).items[0].hash != first.items[0].hash

@@ -7,6 +7,8 @@ coordinate, as transformers' ``Idefics3VisionEmbeddings`` computes them, so a vi
 tower's reads the same table), SigLIP's encoder layers and a final layer norm. The connector folds each
 ``scale_factor x scale_factor`` block of patch features into one feature (transformers' ``pixel_shuffle``) and
 projects it to the language model's width: ``(side / patch / scale)**2`` rows per view, the views in order.
+Those rows go at the ``<image>`` positions of the item's replacement (the ``token_ids`` encoder input); its
+marker tokens' rows are their token embeddings, so the encoder output covers the whole replacement, one range.
 """
 
 from __future__ import annotations
@@ -97,10 +99,20 @@ class Idefics3Model(VisionLanguageModel):
         self.visual = Idefics3VisionTower(vision)
         scale = int(settings.hf_config.get("scale_factor", 2))
         self.connector = Idefics3Connector(vision["hidden_size"], scale, settings.hidden_size)
+        self.image_token_id = int(settings.hf_config.get("image_token_id", 128257))
 
     def encode_item(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         features = self.connector(self.visual(inputs["pixel_values"]))
-        return features.reshape(-1, features.shape[-1])
+        token_ids = inputs["token_ids"]
+        rows = self.model.embed_tokens(token_ids)
+        image = token_ids == self.image_token_id
+        if int(image.sum()) != features.shape[0] * features.shape[1]:
+            raise ValueError(
+                f"Idefics3 item: {features.shape[0]} views give {features.shape[0] * features.shape[1]} features, but "
+                f"its replacement holds {int(image.sum())} <image> tokens; the processor and the checkpoint disagree"
+            )
+        rows[image] = features.reshape(-1, features.shape[-1]).to(rows.dtype)
+        return rows
 
 
 class Idefics3Family(VisionLanguageFamily):

@@ -13,8 +13,10 @@ The placeholder ``<image>`` becomes, for a split image::
     "\\n" <fake_token_around_image> <global-img> <image> * seq <fake_token_around_image>
 
 and without splitting just the last line (without its leading newline). ``seq`` is the vision tower's patches
-per crop over ``scale_factor**2`` (the pixel shuffle). The item's ranges are its runs of ``<image>``, one per
-crop, the global view last: the encoder's rows go there, the marker tokens keep their own embeddings.
+per crop over ``scale_factor**2`` (the pixel shuffle). The item's range is its whole replacement, markers
+included, so that the replacement is one span of encoder rows (the contract's invariants, and one cache entry
+per item): the family's ``encode`` writes the views' features at the ``<image>`` positions and the markers'
+own token embeddings at the others, reading the replacement from the ``token_ids`` encoder input.
 
 The marker tokens are the tokenizer's: their ids and those of ``"\\n"`` and ``"\\n\\n"`` (the text between two
 markers is tokenised apart, so the newline after the last row and the one before the global view read as one
@@ -171,22 +173,21 @@ class Idefics3Processor(CachedUpdateProcessor):
                 f"{MAX_GRID}x{MAX_GRID} the <row_r_col_c> markers name; lower the preprocessor's size"
             )
         pixel_values = numpy.stack([normalize(view, self.mean, self.std) for view in views])
+        run = [self.placeholder_token_id] * self.image_seq_len
         tokens: list[int] = []
-        ranges: list[tuple[int, int]] = []
-
-        def image_run() -> None:
-            ranges.append((len(tokens), self.image_seq_len))
-            tokens.extend([self.placeholder_token_id] * self.image_seq_len)
-
         for row in range(rows):
             for column in range(columns):
-                tokens += [self.fake_image_token_id, self.row_col_token_ids[row * MAX_GRID + column]]
-                image_run()
+                tokens += [self.fake_image_token_id, self.row_col_token_ids[row * MAX_GRID + column], *run]
             tokens += self.newline if row < rows - 1 else self.double_newline
-        tokens += [self.fake_image_token_id, self.global_image_token_id]
-        image_run()
-        tokens.append(self.fake_image_token_id)
-        return ItemUpdate(key, tuple(tokens), {"pixel_values": TensorData.from_array(pixel_values)}, tuple(ranges))
+        tokens += [self.fake_image_token_id, self.global_image_token_id, *run, self.fake_image_token_id]
+        return ItemUpdate(
+            key,
+            tuple(tokens),
+            {
+                "pixel_values": TensorData.from_array(pixel_values),
+                "token_ids": TensorData.from_array(numpy.asarray(tokens, dtype=numpy.int64)),
+            },
+        )
 
 
 def resize_to_longest_edge(height: int, width: int, longest_edge: int) -> tuple[int, int]:

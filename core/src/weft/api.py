@@ -40,6 +40,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "qk_norm_rotary": ("weft.builtins.ops", "qk_norm_rotary"),
     # Layers a model family builds from.
     "ForwardContext": ("weft.layers.attention", "ForwardContext"),
+    "MultimodalBatch": ("weft.layers.multimodal", "MultimodalBatch"),
+    "merge_multimodal_embeddings": ("weft.layers.multimodal", "merge_multimodal_embeddings"),
     "Linear": ("weft.layers.linear", "Linear"),
     "default_dtype": ("weft.layers.linear", "default_dtype"),
     "rms_norm": ("weft.layers.norm", "rms_norm"),
@@ -59,6 +61,10 @@ NAMES: dict[str, tuple[str, str]] = {
     "ExpertParallelExchange": ("weft.layers.moe", "ExpertParallelExchange"),
     "moe": ("weft.layers.moe", "moe"),
     "grouped_mm_runs": ("weft.layers.moe", "grouped_mm_runs"),
+    # Core's Llama family, for a family whose language model is a Llama (a vision-language model's).
+    "LlamaFamily": ("weft.models.llama", "LlamaFamily"),
+    "LlamaForCausalLM": ("weft.models.llama", "LlamaForCausalLM"),
+    "LlamaSettings": ("weft.models.llama", "LlamaSettings"),
     # Start-up progress a loader reports (a bar while it converts, one line per step).
     "bar": ("weft.progress", "bar"),
     "human_bytes": ("weft.progress", "human_bytes"),

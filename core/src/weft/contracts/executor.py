@@ -42,6 +42,7 @@ import msgspec
 
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.kv_connector import ConnectorOutput
+from weft.contracts.mm_processor import MultimodalInputs
 from weft.contracts.plugin import PluginBase
 from weft.sampling_params import SamplingParams
 
@@ -63,6 +64,10 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     state_transferred: bool = False
     """Its model-managed state (ring, recurrent state) after those tokens arrived whole from another
     instance (core API 1.6): the model keeps it, never restoring it from snapshots of the prefix."""
+    multimodal: MultimodalInputs | None = None
+    """Its images (placeholder ranges, item hashes, encoder inputs), per-position extras and positions
+    (core API 1.14; :mod:`weft.contracts.mm_processor`); None: text only. Workers encode an item when a step's
+    ``encoder_inputs`` names it."""
 
 
 class CachedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -105,6 +110,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     proposed tokens, fed after its last token (its ``num_scheduled_tokens`` is one more than their count). The step
     computes logits at each of those positions and keeps the proposals the rejection sampler accepts (core API
     1.15)."""
+    encoder_inputs: dict[str, list[int]] = {}
+    """Per request, the indices of its items (``NewRequest.multimodal.items``) whose encoder output this step
+    needs and the workers do not hold: they run ``ModelFamily.encode`` on them and keep each output under the
+    item's hash until ``freed_encoder_hashes`` names it (the scheduler's encoder cache decides; core API 1.15)."""
+    freed_encoder_hashes: list[str] = []
+    """Item hashes whose encoder outputs workers drop, before this step's encoding (core API 1.15)."""
 
     @property
     def is_empty(self) -> bool:

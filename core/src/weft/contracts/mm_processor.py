@@ -191,6 +191,35 @@ class ProcessedPrompt(msgspec.Struct, frozen=True):
     """int64 ``[len(token_ids)]`` or ``[axes, len(token_ids)]`` where positions are not ``0..n-1``; None: they are."""
 
 
+    def multimodal(self) -> MultimodalInputs | None:
+        """What the engine needs of this prompt besides its ids (None: it carries no item, extra or positions)."""
+        if not self.items and not self.extras and self.positions is None:
+            return None
+        return MultimodalInputs(self.items, self.extras, self.positions)
+
+
+class MultimodalInputs(msgspec.Struct, frozen=True, array_like=True):
+    """A processed prompt's items, extras and positions: what travels with its token ids from the API process to the
+    engine core (``EngineCoreRequest.multimodal``) and on to the workers (``NewRequest.multimodal``).
+
+    The item ranges, extras and positions index the prompt's token ids (:attr:`ProcessedPrompt.token_ids`)."""
+
+    items: list[ProcessedItem]
+    extras: dict[str, TensorData] = {}
+    positions: TensorData | None = None
+
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """``(start, end, item index, first row)`` of every placeholder range, in prompt order: positions
+        ``start..end-1`` take rows ``first row..`` of the item's encoder output."""
+        found = []
+        for index, item in enumerate(self.items):
+            row = 0
+            for placeholder in item.ranges:
+                found.append((placeholder.offset, placeholder.offset + placeholder.length, index, row))
+                row += placeholder.length
+        return sorted(found)
+
+
 class PromptUpdate(msgspec.Struct, frozen=True):
     """One item's replacement for its placeholder: what a processor caches per item hash.
 

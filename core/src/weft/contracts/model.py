@@ -33,17 +33,23 @@ names the transformers class (default: the checkpoint's architecture itself) and
 nothing changes).
 
 Images (:mod:`weft.contracts.mm_processor`): a family that reads them overrides :meth:`ModelFamily.encode`
-(the default refuses). The runner calls it with the encoder inputs of the items whose embeddings a step
-needs and are not in the encoder cache, and merges the result at the placeholder positions::
+(the default refuses). When a step's ``encoder_inputs`` names items the workers do not hold, the runner calls::
 
-    rows = family.encode(module, [item.encoder_inputs as tensors on the device, ...])  # [num_embeddings_i, hidden]
-    embeds = module.embed_input_ids(input_ids)                          # [num_tokens, hidden]
-    embeds[placeholder_rows] = the rows of each item's output this step covers, in order
-    hidden = module(input_ids, positions, context, inputs_embeds=embeds)
+    outputs = family.encode(module, [item.encoder_inputs as tensors on the device, ...])
+    # one [num_embeddings_i, hidden] tensor per item: a row per position of its placeholder ranges, in order
 
-so such a module has an ``embed_input_ids(input_ids)`` method and takes ``inputs_embeds`` (added in core
-API 1.14). Per-position extras of the processed prompt (``token_types``) reach it as keyword arguments of
-the same name, cut to the step's positions.
+once per step for all of them (eagerly: steps with images never replay a graph), and keeps each output under the
+item's hash until the scheduler's encoder cache evicts it. For every request of the step whose scheduled
+positions cover part of an item's ranges it gathers those rows into ``context.multimodal``
+(:class:`weft.layers.multimodal.MultimodalBatch`: the flat-batch ``rows`` and their ``embeds``), so a range may
+cross a chunk boundary. The module merges them right after its token embedding::
+
+    hidden = merge_multimodal_embeddings(self.embed_tokens(input_ids), context)   # weft.api
+
+(core's Llama does, so a family whose language model is a Llama builds on ``weft.api.LlamaForCausalLM``).
+Per-position extras of the processed prompt (``token_types``) and multi-axis positions reach the module on
+``context.multimodal.extras`` and ``context.multimodal.positions``, cut to the step's positions. All of this
+came with core API 1.14.
 """
 
 from __future__ import annotations

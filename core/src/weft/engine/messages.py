@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from weft.contracts.executor import TokenLogprobs
+from weft.contracts.mm_processor import MultimodalInputs
 from weft.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, frozen=True):
     grammar_start: GrammarStart | None = None
     """With a structured-output constraint, for a model that may reason first (None: the constraint covers the
     whole output)."""
+    multimodal: MultimodalInputs | None = None
+    """The prompt's images (items with their ranges, hashes and encoder inputs), extras and positions, as the
+    multimodal processor made them in the API process (:mod:`weft.contracts.mm_processor`); None: text only."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
@@ -83,6 +87,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     kv_cache_usage: float = 0.0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    encoder_cache_queries: int = 0
+    """Items whose encoder output a step needed, looked up in the encoder cache (a counter)."""
+    encoder_cache_hits: int = 0
+    """Of those, items found there: not encoded again (a counter)."""
     connector_hit_tokens: int | None = None
     connector_failed_load_tokens: int | None = None
     waiting_for_remote_kv: int = 0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
+from weft.layers.multimodal import MultimodalBatch
 
 
 class ForwardContext(msgspec.Struct):
@@ -45,6 +46,10 @@ class ForwardContext(msgspec.Struct):
     """Blocks until the KV connector's load of a layer's cache for this step is complete (core API 1.9);
     None without a connector and in captured graphs. :class:`Attention` calls it before its layer's
     attention; a model that reads or writes a cache tensor any other way is waited for before the forward."""
+    multimodal: MultimodalBatch | None = None
+    """The step's encoder rows, multi-axis positions and per-position extras (core API 1.14); None in a step
+    without any. A vision-language family merges the rows after its token embedding with
+    :func:`weft.layers.multimodal.merge_multimodal_embeddings`."""
 
 
 class Attention(nn.Module):

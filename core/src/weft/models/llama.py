@@ -28,6 +28,7 @@ from weft.contracts.model import ModelConfig, ModelFamily
 from weft.contracts.parallel import ParallelLayout, check_heads, head_range
 from weft.layers.attention import Attention, ForwardContext
 from weft.layers.linear import default_dtype
+from weft.layers.multimodal import merge_multimodal_embeddings
 from weft.layers.norm import RMSNorm
 from weft.layers.ops import current_op
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -243,7 +244,7 @@ class LlamaModel(nn.Module):
         intermediate: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = merge_multimodal_embeddings(self.embed_tokens(input_ids), context), None
         else:
             assert intermediate is not None
             hidden, residual = intermediate["hidden"], intermediate["residual"]

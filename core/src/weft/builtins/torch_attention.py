@@ -2,8 +2,10 @@
 
 Per step, :meth:`TorchAttention.build_metadata` turns block tables into flat
 cache-slot indices once. Each layer then writes the new keys and values, and
-attends in two shapes: all single-token decodes together, padded to the
-longest context, and each prefill chunk on its own. Both go through
+attends in two shapes: every request with a few new tokens (decodes, the
+verification rows of speculative decoding, the tail of a prompt after a prefix
+hit) together, padded to the longest context and the most new tokens, and each
+longer prefill chunk on its own. Both go through
 ``scaled_dot_product_attention`` with an explicit mask (causal with the
 chunk's offset into the context, and the sliding window when the layer has one); a layer
 with attention sinks (gpt-oss) or a logits soft cap (Gemma 2) takes the same masks through explicit scores,
@@ -24,17 +26,24 @@ import torch.nn.functional as F
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 
 
+SHORT_QUERY = 16
+"""Requests with at most this many new tokens in a step attend together, in one padded batch."""
+
+
 class TorchAttentionMetadata(msgspec.Struct):
     slot_mapping: torch.Tensor
-    decode_rows: torch.Tensor | None
-    """Query rows of the decoding requests, ``[D]``."""
-    decode_blocks: torch.Tensor | None
-    """Cache blocks of each decoding request, padded with block 0, ``[D, max_blocks]``."""
-    decode_bias: dict[int | None, torch.Tensor]
-    """Additive mask (0 or -inf) over the gathered key positions of each decoding query,
-    ``[D, 1, 1, max_blocks * block_size]``, per sliding window (None: no window)."""
+    short_rows: torch.Tensor | None
+    """``[S, Q]``: the query row of each short request's ``Q`` (the most new tokens among them) query slots; a
+    padding slot repeats the request's last row."""
+    short_kept: torch.Tensor | None
+    """``[S * Q]`` bool: the slots that are real query rows (not padding)."""
+    short_blocks: torch.Tensor | None
+    """Cache blocks of each short request, padded with block 0, ``[S, max_blocks]``."""
+    short_bias: dict[int | None, torch.Tensor]
+    """Additive mask (0 or -inf) over the gathered key positions of each short request's query slots,
+    ``[S, 1, Q, max_blocks * block_size]``, per sliding window (None: no window). A padding slot sees key 0 only."""
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    """Per prefill chunk: first query row, rows, its cache blocks, and its causal mask
+    """Per longer prefill chunk: first query row, rows, its cache blocks, and its causal mask
     ``[rows, blocks * block_size]``."""
 
 
@@ -61,35 +70,44 @@ class TorchAttention(AttentionBackend):
         seq_lens = batch.seq_lens.tolist()
         device = batch.slot_mapping.device
         block_size = batch.block_size
-        decode_requests, prefills = [], []
+        short_requests, prefills = [], []
         for index, seq_len in enumerate(seq_lens):
             rows = query_start[index + 1] - query_start[index]
-            if rows == 1:
-                decode_requests.append(index)
+            if rows <= SHORT_QUERY:
+                short_requests.append(index)
                 continue
             blocks = batch.block_table[index, : -(-seq_len // block_size)].long()
             key_positions = torch.arange(blocks.numel() * block_size, device=device).unsqueeze(0)
             query_positions = torch.arange(seq_len - rows, seq_len, device=device).unsqueeze(1)
             prefills.append((query_start[index], rows, blocks, key_positions - query_positions))
-        decode_rows = decode_blocks = None
-        decode_bias: dict[int | None, torch.Tensor] = {}
-        if decode_requests:
-            chosen = torch.tensor(decode_requests, device=device)
+        short_rows = short_kept = short_blocks = None
+        short_bias: dict[int | None, torch.Tensor] = {}
+        if short_requests:
+            chosen = torch.tensor(short_requests, device=device)
             lengths = batch.seq_lens[chosen].long()
-            width = -(-int(lengths.max()) // block_size)
-            decode_blocks = batch.block_table[chosen, :width].long()
-            positions = torch.arange(width * block_size, device=device).unsqueeze(0)
-            visible = positions < lengths.unsqueeze(1)
+            starts = batch.query_start[chosen].long()
+            counts = batch.query_start[chosen + 1].long() - starts
+            most = max(query_start[index + 1] - query_start[index] for index in short_requests)
+            width = -(-max(seq_lens[index] for index in short_requests) // block_size)
+            short_blocks = batch.block_table[chosen, :width].long()
+            slot = torch.arange(most, device=device)
+            kept = slot.unsqueeze(0) < counts.unsqueeze(1)  # [S, Q]
+            short_rows = starts.unsqueeze(1) + torch.minimum(slot.unsqueeze(0), (counts - 1).unsqueeze(1))
+            short_kept = kept.reshape(-1)
+            keys = torch.arange(width * block_size, device=device).view(1, 1, -1)
+            query_positions = (lengths - counts).unsqueeze(1) + slot.unsqueeze(0)  # [S, Q]
+            causal = keys <= query_positions.unsqueeze(2)
             for window in (None, *self.windows):
-                seen = visible if window is None else visible & (positions > (lengths - 1 - window).unsqueeze(1))
+                seen = causal if window is None else causal & (keys > (query_positions - window).unsqueeze(2))
+                seen = torch.where(kept.unsqueeze(2), seen, keys == 0)  # a padding slot: one key, no NaN
                 bias = torch.zeros(seen.shape, dtype=self.dtype, device=device).masked_fill_(~seen, float("-inf"))
-                decode_bias[window] = bias[:, None, None, :]
-            decode_rows = batch.query_start[chosen].long()
+                short_bias[window] = bias.unsqueeze(1)
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping.long(),
-            decode_rows=decode_rows,
-            decode_blocks=decode_blocks,
-            decode_bias=decode_bias,
+            short_rows=short_rows,
+            short_kept=short_kept,
+            short_blocks=short_blocks,
+            short_bias=short_bias,
             prefills=prefills,
         )
 
@@ -113,27 +131,34 @@ class TorchAttention(AttentionBackend):
         output = torch.empty_like(query)
         gqa = layer.num_heads != layer.num_kv_heads
 
-        if metadata.decode_rows is not None:
-            count, width = metadata.decode_blocks.shape
-            flat = metadata.decode_blocks.reshape(-1)
+        if metadata.short_rows is not None:
+            count, width = metadata.short_blocks.shape
+            most = metadata.short_rows.shape[1]
+            flat = metadata.short_blocks.reshape(-1)
             gathered = (count, width * block_size, heads, dim)
             keys = _gather(key_blocks, flat, query.dtype).view(gathered).transpose(1, 2)
             values = _gather(value_blocks, flat, query.dtype).view(gathered).transpose(1, 2)
-            # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
+            queries = query.index_select(0, metadata.short_rows.reshape(-1)).view(count, most, layer.num_heads, dim)
+            bias = metadata.short_bias[layer.sliding_window]  # [S, 1, Q, L]
             group = layer.num_heads // heads
-            queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
             if sinks is not None:
-                attended = _attend_with_sinks(
+                attended = _attend_with_sinks(layer, queries.transpose(1, 2), keys, values, bias, sinks)
+                attended = attended.transpose(1, 2)  # [S, Q, heads, dim]
+            else:
+                # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
+                grouped = queries.view(count, most, heads, group, dim).permute(0, 2, 3, 1, 4)
+                grouped_bias = bias.unsqueeze(2).expand(count, 1, group, most, bias.shape[-1])
+                attended = _attend(
                     layer,
-                    queries.reshape(count, layer.num_heads, 1, dim),
+                    grouped.reshape(count, heads, group * most, dim),
                     keys,
                     values,
-                    metadata.decode_bias[layer.sliding_window],
-                    sinks,
+                    grouped_bias.reshape(count, 1, group * most, bias.shape[-1]),
                 )
-            else:
-                attended = _attend(layer, queries, keys, values, metadata.decode_bias[layer.sliding_window])
-            output.index_copy_(0, metadata.decode_rows, attended.reshape(count, layer.num_heads, dim))
+                attended = attended.view(count, heads, group, most, dim).permute(0, 3, 1, 2, 4)
+            attended = attended.reshape(count * most, layer.num_heads, dim)
+            kept = metadata.short_kept
+            output.index_copy_(0, metadata.short_rows.reshape(-1)[kept], attended[kept])
 
         for start, rows, blocks, offsets in metadata.prefills:
             length = blocks.numel() * block_size

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 
-
 SHORT_QUERY = 16
 """Requests with at most this many new tokens in a step attend together, in one padded batch."""
 

@@ -205,6 +205,26 @@ def test_vllm_flags_with_nothing_to_do_are_accepted_and_say_why(monkeypatch):
     assert vllm_flags.apply(parse("serve", "org/name")) == []
 
 
+@pytest.mark.parametrize("spelled, tokens", [("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("4096", 4096)])
+def test_vllm_sizes_of_max_model_len(spelled, tokens):
+    from weft.cli import vllm_flags
+
+    args = parse("serve", "org/name", "--max-model-len", spelled)
+    notes = vllm_flags.apply(args)
+    assert config_from_args(args)[0].engine.max_model_len == tokens
+    assert notes == ([] if spelled.isdigit() else [f"--max-model-len {spelled} (vLLM's spelling) is {tokens:,} tokens"])
+
+
+def test_vllm_generation_config_vllm_is_none():
+    from weft.cli import vllm_flags
+
+    args = parse("serve", "org/name", "--generation-config", "vllm")
+    assert vllm_flags.apply(args) == [
+        "--generation-config vllm (vLLM's spelling) is none: Weft's defaults, not the model's"
+    ]
+    assert config_from_args(args)[0].engine.generation_config == "none"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

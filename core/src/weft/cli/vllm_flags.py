@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +40,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 DTYPE_SPELLINGS = {"half": "float16", "float": "float32"}
 """vLLM's other names of the dtypes ``engine.dtype`` takes."""
+SIZE_SUFFIXES = {"k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+"""vLLM's suffixes of ``--max-model-len`` (``32k`` is 32,000 tokens, ``32K`` 32,768)."""
 
 
 class VllmFlag(NamedTuple):
@@ -153,7 +156,12 @@ def epilog() -> str:
         "refused, naming why (a value that changes nothing passes, e.g. --kv-cache-dtype auto)": [
             flag.names[-1] for flag in NOT_IMPLEMENTED
         ],
-        "and": ["--dtype half|float", f"{HF_TOKEN_FLAG} TOKEN (sets HF_TOKEN)"],
+        "and": [
+            "--dtype half|float",
+            "--max-model-len 32k|32K",
+            "--generation-config vllm",
+            f"{HF_TOKEN_FLAG} TOKEN (sets HF_TOKEN)",
+        ],
     }
     text = [
         textwrap.fill(
@@ -194,6 +202,16 @@ def apply(args: argparse.Namespace) -> list[str]:
     if dtype in DTYPE_SPELLINGS:
         setattr(args, "cfg:engine.dtype", type(dtype)(DTYPE_SPELLINGS[dtype]))
         notes.append(f"--dtype {dtype} (vLLM's spelling) is {DTYPE_SPELLINGS[dtype]}")
+    length = getattr(args, "cfg:engine.max_model_len", None)
+    sized = re.fullmatch(r"(\d+(?:\.\d+)?)([kmKM])", str(length)) if length is not None else None
+    if sized is not None:
+        tokens = int(float(sized[1]) * SIZE_SUFFIXES[sized[2]])
+        setattr(args, "cfg:engine.max_model_len", str(tokens))
+        notes.append(f"--max-model-len {length} (vLLM's spelling) is {tokens:,} tokens")
+    generation_config = getattr(args, "cfg:engine.generation_config", None)
+    if generation_config == "vllm":
+        setattr(args, "cfg:engine.generation_config", type(generation_config)("none"))
+        notes.append("--generation-config vllm (vLLM's spelling) is none: Weft's defaults, not the model's")
     tokenizer = getattr(args, "cfg:use.tokenizer", None)
     if tokenizer is not None and ("/" in tokenizer or os.sep in tokenizer or Path(tokenizer).exists()):
         raise ConfigError(

@@ -292,3 +292,17 @@ def test_a_vllm_command_line_serves_and_a_client_vendor_field_is_ignored(tmp_pat
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_an_unknown_flag_names_the_closest_one_and_where_the_flags_are_listed(capsys):
+    from weft.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--modle", "x", "--uvicorn-log-level", "debug"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("usage: weft serve [MODEL] [options]")
+    assert (
+        "weft serve: error: unrecognized arguments: --modle --uvicorn-log-level debug; --modle: did you mean --model? "
+        "(weft serve --help lists its flags)"
+    ) in error

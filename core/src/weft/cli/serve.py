@@ -41,7 +41,7 @@ def add_parser(commands: Any) -> None:
     )
     add_config_arguments(serve, model_positional=True, aliases=vllm_flags.ALIASES)
     vllm_flags.add_arguments(serve)
-    serve.set_defaults(run=run_serve, value_errors_are_usage=True)
+    serve.set_defaults(run=run_serve, value_errors_are_usage=True, command_parser=serve)
 
 
 def check_port_free(host: str, port: int) -> None:

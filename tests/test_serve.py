@@ -708,6 +708,78 @@ def test_known_fields_of_the_wrong_type_and_unimplemented_features_are_still_400
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi", "zzz": 1}])
 
 
+def test_vllm_fields_that_change_the_output_are_refused_unless_they_ask_for_nothing(client):
+    """vLLM's request fields Weft does not implement are 400s naming the field (an unknown field would be dropped,
+    answering as if it were absent); their values that change nothing pass, and are no ignored field."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for endpoint, fields in (
+        (client.chat.completions, {"messages": messages}),
+        (client.completions, {"prompt": "Hi"}),
+    ):
+        for field, value in (("use_beam_search", True), ("truncate_prompt_tokens", 8), ("priority", 1)):
+            with pytest.raises(openai.BadRequestError, match=f"{field}: Weft does not implement vLLM's") as refused:
+                endpoint.create(model=MODEL, max_tokens=2, **fields, extra_body={field: value})
+            assert refused.value.body["param"] == field
+        noop = {"use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True, "cache_salt": None}
+        answer = endpoint.with_raw_response.create(
+            model=MODEL, max_tokens=2, **fields, extra_body={**noop, "request_id": "abc"}
+        )
+        assert answer.http_response.status_code == 200 and answer.headers["x-weft-ignored-fields"] == "request_id"
+    with pytest.raises(openai.BadRequestError, match="continue_final_message: Weft does not implement"):
+        client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+
+
+def test_include_stop_str_in_output(client):
+    """The text up to the stop string, with or without it, against the same greedy text generated without one."""
+    fields = {"model": MODEL, "prompt": "The three primary colors are", "temperature": 0, "max_tokens": 24}
+    free = client.completions.create(**fields).choices[0].text
+    stop = free.split()[2]  # a word well inside the text
+    before = free[: free.index(stop)]
+    cut = client.completions.create(**fields, stop=[stop]).choices[0]
+    kept = client.completions.create(**fields, stop=[stop], extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert (cut.text, cut.finish_reason) == (before, "stop")
+    assert (kept.text, kept.finish_reason) == (before + stop, "stop")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name three fruits."}], "temperature": 0}
+    free = client.chat.completions.create(**chat, max_tokens=24).choices[0].message.content
+    stop = free.split()[1]
+    stream = client.chat.completions.create(
+        **chat, max_tokens=24, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True}
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == free[: free.index(stop)] + stop
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(client, offline):
+    """Past its end-of-turn token (ignore_eos), the text with special tokens is the offline tokenizer's decoding of
+    the same greedy tokens with them; the default text is its decoding without them."""
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "extra_body": {"ignore_eos": True},
+    }
+    default = client.chat.completions.create(**chat)
+    kept = client.chat.completions.create(**{**chat, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}})
+    expected = offline.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    tokens = expected[0].outputs[0].token_ids
+    with_special = offline.tokenizer.decode(tokens, skip_special_tokens=False)
+    assert "<|im_end|>" in with_special  # the answer ended before max_tokens: the test shows something
+    assert kept.choices[0].message.content == with_special
+    assert default.choices[0].message.content == offline.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_a_rebuilt_reply_may_send_back_its_tool_calls_index(client):
+    """Clients that rebuild a streamed reply from its deltas keep each tool call's ``index``."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Call f."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert reply.choices[0].message.role == "assistant"
+
+
 def test_an_ignored_field_is_logged_once_per_name(client, caplog):
     messages = [{"role": "user", "content": "Hi"}]
     with caplog.at_level("WARNING", logger="weft.serve"):

@@ -16,6 +16,7 @@ only when the first argument is not a core command.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import Any
 
@@ -34,7 +35,10 @@ _COMMAND_MODULES = (plugins, config, serve, generate, verify)  # the order of `w
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_plugin_commands=_wants_plugin_commands(argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_closest_flags(command, unknown)}")
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -50,6 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         return 0
+
+
+def _closest_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What a mistyped or foreign flag may have meant (``--modle``: ``--model``), and where the flags are listed."""
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    guesses = [
+        f"; {given}: did you mean {close[0]}?"
+        for given in unknown
+        if given.startswith("-") and (close := difflib.get_close_matches(given.partition("=")[0], flags, n=1))
+    ]
+    return f"{''.join(guesses)} ({parser.prog} --help lists its flags)"
 
 
 def _wants_plugin_commands(argv: list[str]) -> bool:

@@ -30,7 +30,7 @@ def add_parser(commands: Any) -> None:
     )
     add_generate_arguments(generate)
     add_config_arguments(generate, sections=("use", "engine"))  # no server: its flags would do nothing here
-    generate.set_defaults(run=run_generate, value_errors_are_usage=True)
+    generate.set_defaults(run=run_generate, value_errors_are_usage=True, command_parser=generate)
 
 
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,15 @@ FLAG_SECTIONS: dict[str, tuple[type[msgspec.Struct], str]] = {
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(FLAG_SECTIONS), model_positional: bool = False
+    parser: argparse.ArgumentParser,
+    sections: tuple[str, ...] = tuple(FLAG_SECTIONS),
+    model_positional: bool = False,
+    aliases: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
     """``--config``, ``--model``, ``--set KEY=VALUE`` and one flag per option of each table of ``sections``
     (an argument group each). ``model_positional``: the model may also be given as the first argument
-    (``weft serve MODEL``, as vLLM's)."""
+    (``weft serve MODEL``, as vLLM's). ``aliases``: more names of an option's flag, by its key
+    (``{"engine.tensor_parallel_size": ("-tp",)}``)."""
     group = parser.add_argument_group("model and configuration (flags override the file)")
     if model_positional:
         group.add_argument(
@@ -56,7 +61,7 @@ def add_config_arguments(
     )
     for section in sections:
         struct, title = FLAG_SECTIONS[section]
-        _add_section_flags(parser.add_argument_group(title), section, struct)
+        _add_section_flags(parser.add_argument_group(title), section, struct, aliases or {})
 
 
 SPECULATIVE_TABLE = "engine.speculative"
@@ -64,7 +69,9 @@ SPECULATIVE_TABLE = "engine.speculative"
 would read as the engine's own."""
 
 
-def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -> None:
+def _add_section_flags(
+    group: Any, section: str, struct: type[msgspec.Struct], aliases: Mapping[str, tuple[str, ...]]
+) -> None:
     if section == "engine":
         group.add_argument(
             "--speculative-config",
@@ -78,28 +85,28 @@ def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -
         if path.startswith(SPECULATIVE_TABLE + "."):
             continue
         base, description = unwrap(field.type)
-        flag = "--" + field.name.replace("_", "-")
+        flags = ("--" + field.name.replace("_", "-"), *aliases.get(path, ()))
         dest = f"cfg:{path}"
         text = f"{path}: {description}" if description else path
         if base is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif base is str:
-            group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text, type=_Text)
+            group.add_argument(*flags, dest=dest, metavar=field.name.upper(), default=None, help=text, type=_Text)
         else:
-            group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
+            group.add_argument(*flags, dest=dest, metavar=field.name.upper(), default=None, help=text)
     for path, field in _collection_fields(section, struct):
         if path.startswith(SPECULATIVE_TABLE + "."):
             continue
         base, description = unwrap(field.type)
-        flag = "--" + field.name.replace("_", "-")
+        flags = ("--" + field.name.replace("_", "-"), *aliases.get(path, ()))
         text = f"{path}: {description}" if description else path
         if base is list:  # --graph-batch-sizes 1,2,4,8 (one value: a prompt after it stays a prompt)
             group.add_argument(
-                flag, dest=f"cfglist:{path}", metavar="N,N,...", default=None, help=f"{text} (comma-separated)"
+                *flags, dest=f"cfglist:{path}", metavar="N,N,...", default=None, help=f"{text} (comma-separated)"
             )
         else:  # --ops rms_norm=torch --ops silu_and_mul=torch
             group.add_argument(
-                flag,
+                *flags,
                 dest=f"cfgdict:{path}",
                 metavar="KEY=VALUE",
                 action="append",

@@ -1,6 +1,7 @@
 """``weft serve [MODEL]``: the configured model over an OpenAI-compatible HTTP API (:mod:`weft.entrypoints.serve`).
 
-Flags come in groups (model, plugins, engine, server); the port is checked before anything loads.
+Flags come in groups (model, plugins, engine, server), and vLLM's flags are taken too (:mod:`weft.cli.vllm_flags`);
+the port is checked before anything loads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import sys
 from typing import Any
 
+from weft.cli import vllm_flags
 from weft.cli.options import add_config_arguments, config_from_args
 from weft.config import ConfigError
 
@@ -34,11 +36,12 @@ def add_parser(commands: Any) -> None:
         help="serve the configured model over an OpenAI-compatible HTTP API",
         usage="%(prog)s [MODEL] [options]",
         description="Serve a model over an OpenAI-compatible HTTP API (chat completions, completions, responses).",
-        epilog=EXAMPLES,
+        epilog=EXAMPLES + "\n" + vllm_flags.epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(serve, model_positional=True)
-    serve.set_defaults(run=run_serve, value_errors_are_usage=True)
+    add_config_arguments(serve, model_positional=True, aliases=vllm_flags.ALIASES)
+    vllm_flags.add_arguments(serve)
+    serve.set_defaults(run=run_serve, value_errors_are_usage=True, command_parser=serve)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -65,6 +68,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    notes = vllm_flags.apply(args)
     config, _ = config_from_args(args)
     from weft.distributed.placement import placement
 
@@ -74,6 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return run_node(config)
     check_port_free(config.server.host, config.server.port)  # before the model loads: a busy port fails at once
+    for note in notes:
+        print(f"weft: {note}", file=sys.stderr)
     from weft.engine.client import CoreStartError
     from weft.entrypoints.serve import serve
 

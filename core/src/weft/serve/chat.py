@@ -42,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
-    extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
+    extra = fields.output_text(body, server.keeps_special_tokens(settings))
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None, constraint=constraint, **extra)
     tail = server.prompt_tail(prompt)
     output, ids = await start_constrained(

@@ -47,7 +47,13 @@ async def completions(request: Request) -> Response:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     n, best_of = _best_of(body)
     params = server.sampling_params(
-        body, max_tokens, body.logprobs, unset_max_tokens=16, constraint=constraint, prompt_logprobs=prompt_logprobs
+        body,
+        max_tokens,
+        body.logprobs,
+        unset_max_tokens=16,
+        constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
+        **fields.output_text(body),
     )
     if params.greedy:
         best_of = n  # greedy candidates are all alike: the first n are the best n

@@ -38,6 +38,16 @@ def logit_bias(body: Any) -> dict[int, float] | None:
     return logit_bias
 
 
+def output_text(body: Any, keep_special_tokens: bool = False) -> dict[str, bool]:
+    """The SamplingParams fields of how a chat or text completion's output text is made (vLLM's
+    ``skip_special_tokens``, ``include_stop_str_in_output``). ``keep_special_tokens``: a parser reads the special
+    tokens of the text (a reasoning or tool-call marker), so they stay whatever the request says."""
+    return {
+        "skip_special_tokens": body.skip_special_tokens and not keep_special_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+    }
+
+
 def check_messages(messages: list[p.ChatMessage], template_kwargs: dict[str, Any] | None) -> None:
     """A 400 naming the first message whose role is unknown or tool message that names no call, or the first
     ``chat_template_kwargs`` key that the server itself gives the template."""

@@ -132,6 +132,10 @@ class SamplingFields(IgnoredFields, kw_only=True):
     max_tokens: MaxTokens | None = None
     min_tokens: Count | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    """vLLM's: false keeps special tokens in the output text (true, the default, drops them)."""
+    include_stop_str_in_output: bool | None = None
+    """vLLM's: true ends the text with the stop string that ended it (false, the default, cuts it off)."""
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -168,6 +172,9 @@ class MessageToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: str
     type: Literal["function"] = "function"
     function: MessageFunctionCall
+    index: int | None = None
+    """Ignored: the position a streamed reply's delta gave the call (a client that rebuilt the reply from its
+    chunks sends it back)."""
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -331,6 +338,8 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 _NULL_DEFAULTS: dict[str, Any] = {
     "n": 1,
     "ignore_eos": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
     "stream": False,
     "echo": False,
     "add_generation_prompt": True,

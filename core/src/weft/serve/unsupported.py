@@ -24,6 +24,21 @@ _GUIDED: dict[str, tuple[str, Any]] = {
     for kind in ("json", "regex", "choice", "grammar")
 }
 
+_VLLM: dict[str, tuple[str, Any]] = {
+    "use_beam_search": ("vLLM's beam search", False),
+    "length_penalty": ("vLLM's beam-search length penalty", 1),
+    "truncate_prompt_tokens": ("vLLM's prompt truncation (a longer prompt is a 400 naming its length)", NOOP),
+    "spaces_between_special_tokens": ("vLLM's decoding without spaces between special tokens", True),
+    "priority": ("vLLM's priority scheduling (requests are served first come, first served)", 0),
+    "return_tokens_as_token_ids": ("vLLM's 'token_id:N' logprob tokens", False),
+    "return_token_ids": ("vLLM's token ids in the response", False),
+    "logits_processors": ("vLLM's per-request logits processors", NOOP),
+    "cache_salt": ("vLLM's per-request prefix-cache isolation (cache_salt)", NOOP),
+    "vllm_xargs": ("vLLM's extra arguments for its plugins", NOOP),
+}
+"""vLLM's request fields that change the output (or, ``cache_salt``, who shares the prefix cache) and that Weft
+does not implement: ignoring them, as an unknown field is, would answer a request as if they were absent."""
+
 UNSUPPORTED: dict[str, dict[str, tuple[str, Any]]] = {
     # endpoint -> field -> (what it would do, its value that changes nothing)
     "chat.completions": {
@@ -35,10 +50,21 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, Any]]] = {
         "modalities": ("output modalities other than text", ["text"]),
         "web_search_options": ("web search", NOOP),
         **_GUIDED,
+        **_VLLM,
+        "echo": ("vLLM's echo of the last message into the reply", False),
+        "continue_final_message": ("vLLM's continuation of the final message", False),
+        "add_special_tokens": ("vLLM's special tokens added after the chat template's", False),
+        "documents": ("vLLM's documents for the chat template", NOOP),
+        "prompt_logprobs": ("vLLM's prompt logprobs in chat (POST /v1/completions has them)", NOOP),
+        "thinking_token_budget": ("vLLM's thinking token budget", NOOP),
+        "include_reasoning": ("vLLM's replies without their reasoning", True),
     },
     "completions": {
         "suffix": ("insertion (a suffix after the completion)", NOOP),
         **_GUIDED,
+        **_VLLM,
+        "add_special_tokens": ("vLLM's prompt encoded without special tokens", True),
+        "prompt_embeds": ("vLLM's prompt embeddings", NOOP),
     },
     "responses": {
         "previous_response_id": ("stored responses (Weft stores none)", NOOP),

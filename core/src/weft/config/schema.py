@@ -59,6 +59,10 @@ class UseConfig(_Section, frozen=True):
     reasoning_parser: Annotated[
         str, Meta(description="reasoning parser, none, or auto: the one made for the model's architecture")
     ] = "auto"
+    mm_processor: Annotated[
+        str,
+        Meta(description="multimodal (image) processor, none, or auto: the one made for the model's architecture"),
+    ] = "auto"
     ops: Annotated[
         dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")
     ] = {}
@@ -145,6 +149,17 @@ class EngineConfig(_Section, frozen=True):
                 description="a prefill needing more tokens is long: while other requests wait or run it gets "
                 "this many per step, then the budget they leave; default: a quarter of "
                 "max_num_batched_tokens; 0: no cap",
+            ),
+        ]
+        | None
+    ) = None
+    encoder_cache_size: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="embedding rows of image encoder outputs kept for reuse (one per image placeholder "
+                "position); an image needing more is refused; default: max_num_batched_tokens",
             ),
         ]
         | None

@@ -29,6 +29,7 @@ import torch
 from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
+from weft.contracts.model import ModelFamily
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
@@ -48,6 +49,7 @@ from weft.resolve import (
     resolve_dtype,
     resolve_source,
 )
+from weft.runner.encoder import EncoderRunner
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, describe_sizes
 from weft.runner.sampler import Sampler
@@ -211,6 +213,8 @@ class Worker:
             self.parallel,
             self.ops["bitmask_argmax"] if self.structured_outputs else None,
         )
+        if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
+            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device))
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
         compiled = self.kernels.warm_up()

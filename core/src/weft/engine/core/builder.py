@@ -25,6 +25,7 @@ from typing import Any
 from weft.config import WeftConfig, executor_name
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import ModelSource
+from weft.engine.core.encoder_cache import EncoderCache
 from weft.engine.core.engine_core import EngineCore
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.kv_connector import SchedulerConnector
@@ -92,6 +93,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             engine.max_long_partial_prefills,
             structured_outputs,
         )
+        scheduler.encoder_cache = EncoderCache(engine.encoder_cache_size or engine.max_num_batched_tokens)
     except BaseException:
         if connector is not None:
             connector.close()  # a store client, a side channel: its scheduler role's resources

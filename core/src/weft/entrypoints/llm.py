@@ -147,14 +147,42 @@ class LLM:
         :meth:`generate`).
 
         Special-token text inside the messages is encoded as plain text unless ``server.special_tokens_in_content``
-        is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`)."""
+        is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`).
+
+        ``image_url`` parts are read as the server reads them (:mod:`weft.serve.media`, the ``[server]`` limits),
+        except that ``file:`` URLs may name any file where ``server.allowed_local_media_path`` is unset: the
+        caller is local."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         params = self._params_for(len(conversations), sampling_params)
         encoded = []
         for conversation in conversations:
             token_ids = self.engine.frontend.encode_chat(list(conversation), add_generation_prompt, **template_kwargs)
-            encoded.append((self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, None))
+            images = self._chat_images(list(conversation))
+            multimodal = None
+            if images:
+                processed = self.engine.frontend.process_images(token_ids, images)
+                token_ids, multimodal = processed.token_ids, processed.multimodal()
+            encoded.append((self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, multimodal))
         return self._run(encoded, params, use_tqdm)
+
+    def _chat_images(self, conversation: list[dict[str, Any]]) -> list[Any]:
+        """The images of a conversation's ``image_url`` / ``input_image`` parts, decoded (ValueError naming the part
+        when one cannot be read, or when the model reads no images)."""
+        import asyncio
+
+        import msgspec
+
+        from weft.serve.media import ImageLoader, MediaError, image_parts, media_limits
+
+        parts = image_parts(conversation)
+        if not parts:
+            return []
+        if self.engine.frontend.mm_processor is None:
+            raise MediaError(parts[0][0], self.engine.frontend.images_refusal)
+        limits = media_limits(self.config.server)
+        if not limits.allowed_local_media_path:
+            limits = msgspec.structs.replace(limits, allowed_local_media_path="/")
+        return asyncio.run(ImageLoader(limits).load_all(parts))
 
     def close(self) -> None:
         """Let the KV connector finish its pending saves and disconnect (also on leaving a ``with`` block)."""

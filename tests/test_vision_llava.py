@@ -218,3 +218,35 @@ def test_a_checkpoint_without_a_vision_config_reads_no_images(tmp_path, tiny_lla
     assert "declares no vision encoder" in frontend.images_refusal
     with pytest.raises(ValueError, match="declares no vision encoder"):
         frontend.process_images([IMAGE_TOKEN], [])
+
+
+def test_an_encoder_store_hands_outputs_between_instances(tiny_llava, hf_llava, tmp_path):
+    """E/P/D's hand-over on one machine: one engine encodes and writes the item's output to engine.encoder_store; a
+    second engine on the same store reads it instead of encoding (its encode fails if called), output unchanged; a
+    file of the wrong shape is ignored."""
+    store = tmp_path / "store"
+    engine = {"encoder_store": str(store), "num_kv_blocks": 64, "quantization": "none", "dtype": "float32"}
+    picture = image(44, 36, 71)
+    with LLM(model=str(tiny_llava), engine=engine) as encoder:
+        encoder.generate({"prompt": "<image>", "multi_modal_data": {"image": picture}}, GREEDY)
+    (written,) = store.glob("*.safetensors")
+    assert not list(store.glob(".*.partial"))
+    prompt = {"prompt": "USER: <image>\nWhat now? ASSISTANT:", "multi_modal_data": {"image": picture}}
+    with LLM(model=str(tiny_llava), engine=engine) as prefill:
+        runner = prefill.engine.core.executor.worker.runner.encoder
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("encoded an item the store holds")
+
+        runner.family = type("NoEncode", (), {"encode": refuse})()
+        (output,) = prefill.generate(prompt, GREEDY)
+        assert runner.store_reads == 1
+    assert output.outputs[0].token_ids == hf_greedy(hf_llava, output.prompt_token_ids, hf_pixels(tiny_llava, [picture]))
+
+    from safetensors.torch import save_file
+
+    save_file({"embeddings": torch.zeros(3, 64)}, str(written))  # three rows: not this item's
+    with LLM(model=str(tiny_llava), engine=engine) as again:
+        (output,) = again.generate(prompt, GREEDY)
+        assert again.engine.core.executor.worker.runner.encoder.store_reads == 0
+    assert output.outputs[0].token_ids == hf_greedy(hf_llava, output.prompt_token_ids, hf_pixels(tiny_llava, [picture]))

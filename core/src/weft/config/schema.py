@@ -164,6 +164,14 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    encoder_store: Annotated[
+        str,
+        Meta(
+            description="a folder shared by instances where image encoder outputs are kept by item hash: an "
+            "instance reads an image's output from it instead of encoding, and writes what it encodes (E/P/D: the "
+            "encoder instance writes, the prefill instance reads); empty: none",
+        ),
+    ] = ""
     max_long_partial_prefills: Annotated[
         int,
         Meta(

@@ -7,10 +7,20 @@ device) and kept under their hashes. :meth:`EncoderRunner.batch` then gathers, f
 rows of its items that its scheduled positions cover, with its multi-axis positions and extras where it has them:
 the step's :class:`~weft.layers.multimodal.MultimodalBatch`. A step that needs one runs eagerly
 (:meth:`EncoderRunner.needed`): decode graphs are captured for text.
+
+``engine.encoder_store`` (a folder, shared by instances on one machine or a shared file system) hands encoder
+outputs between instances, E/P/D's encode leg to its prefill leg: an item whose ``<hash>.safetensors`` is there is
+read, not encoded; what is encoded is written there (a temporary name, then an atomic rename, so a reader never
+sees half a file). The item hash covers the pixels and the processor's options, so a file is valid for any prompt
+holding the item. A file of the wrong shape (another model) is ignored and overwritten.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy
@@ -20,19 +30,36 @@ from weft.layers.multimodal import MultimodalBatch
 
 if TYPE_CHECKING:
     from weft.contracts.executor import SchedulerOutput
+    from weft.contracts.mm_processor import ProcessedItem
     from weft.contracts.model import ModelFamily
     from weft.runner.request_state import RequestState
+
+logger = logging.getLogger("weft.runner")
 
 
 class EncoderRunner:
     """Encodes a step's items with the model family and keeps the outputs by item hash (module docstring)."""
 
-    def __init__(self, family: ModelFamily, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self,
+        family: ModelFamily,
+        model: torch.nn.Module,
+        device: torch.device,
+        store: str | Path | None = None,
+        writes: bool = True,
+    ) -> None:
+        """``store``: ``engine.encoder_store`` (module docstring); ``writes``: whether this worker writes to it."""
         self.family = family
         self.model = model
         self.device = device
         self.outputs: dict[str, torch.Tensor] = {}
         """Item hash -> its encoder output, ``[num_embeddings, hidden]`` on the device."""
+        self.store = Path(store) if store else None
+        self.writes = writes
+        self.store_reads = 0
+        """Items read from the store instead of encoded."""
+        if self.store is not None:
+            self.store.mkdir(parents=True, exist_ok=True)
 
     def update(self, step: SchedulerOutput, requests: dict[str, RequestState]) -> None:
         """Drop what the step frees, then encode what it asks for (after its new requests were taken in)."""
@@ -46,6 +73,8 @@ class EncoderRunner:
                 item = multimodal.items[index]
                 if item.hash not in self.outputs:
                     items[item.hash] = item
+        for item_hash in [item_hash for item_hash in items if self._read(item_hash, items[item_hash])]:
+            del items[item_hash]
         if not items:
             return
         inputs = [
@@ -64,6 +93,47 @@ class EncoderRunner:
                     f"{item.num_embeddings} placeholder positions; it must be [{item.num_embeddings}, hidden]"
                 )
             self.outputs[item_hash] = output
+            self._write(item_hash, output)
+
+    def _read(self, item_hash: str, item: ProcessedItem) -> bool:
+        """Take the item's output from the store where it is there with the right number of rows."""
+        if self.store is None:
+            return False
+        path = self.store / f"{item_hash}.safetensors"
+        if not path.exists():
+            return False
+        from safetensors.torch import load_file
+
+        try:
+            output = load_file(str(path), device=str(self.device))["embeddings"]
+        except Exception as error:  # noqa: BLE001 - a damaged file is encoded again, and overwritten
+            logger.warning("encoder store: %s is unreadable (%s); encoding the item again", path, error)
+            return False
+        if output.dim() != 2 or output.shape[0] != item.num_embeddings:
+            logger.warning(
+                "encoder store: %s holds %s rows, the item needs [%d, hidden] (another model's?); encoding it again",
+                path,
+                tuple(output.shape),
+                item.num_embeddings,
+            )
+            return False
+        self.outputs[item_hash] = output
+        self.store_reads += 1
+        return True
+
+    def _write(self, item_hash: str, output: torch.Tensor) -> None:
+        if self.store is None or not self.writes:
+            return
+        from safetensors.torch import save_file
+
+        path = self.store / f"{item_hash}.safetensors"
+        partial = self.store / f".{item_hash}.{uuid.uuid4().hex}.partial"
+        try:
+            save_file({"embeddings": output.detach().to("cpu").contiguous()}, str(partial))
+            os.replace(partial, path)
+        except OSError as error:  # a full or read-only store costs the other instances an encode, nothing else
+            logger.warning("encoder store: cannot write %s: %s", path, error)
+            partial.unlink(missing_ok=True)
 
     @staticmethod
     def needed(states: list[RequestState], counts: list[int]) -> bool:

@@ -214,7 +214,9 @@ class Worker:
             self.ops["bitmask_argmax"] if self.structured_outputs else None,
         )
         if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
-            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device))
+            store = self.config.engine.encoder_store or None
+            writes = self.parallel.layout.rank == 0  # every rank encodes the same items; one file is written
+            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device, store, writes))
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
         compiled = self.kernels.warm_up()

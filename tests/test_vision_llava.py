@@ -114,9 +114,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def test_processor_pixels_equal_transformers(tiny_llava):
-    from weft_vision.llava_processor import LlavaProcessor, pixel_values
-
     from weft.contracts.mm_processor import ImageItem, MMProcessorConfig
+    from weft_vision.llava_processor import LlavaProcessor, pixel_values
 
     hf_config = json.loads((tiny_llava / "config.json").read_text())
     processor = LlavaProcessor(None, MMProcessorConfig("LlavaForConditionalGeneration", hf_config, str(tiny_llava)))
@@ -149,7 +148,9 @@ def test_greedy_equals_transformers_with_images(tiny_llava, hf_llava):
             "dtype": "float32",
         },
     )
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts], GREEDY)
+    outputs = llm.generate(
+        [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts], GREEDY
+    )
     for (text, images), output in zip(prompts, outputs, strict=True):
         assert output.prompt_token_ids.count(IMAGE_TOKEN) == PATCHES * len(images)
         expected = hf_greedy(hf_llava, output.prompt_token_ids, hf_pixels(tiny_llava, images))

@@ -82,7 +82,7 @@ def error_response(error: ProxyError) -> Response:
 class Instance:
     """One upstream server, as the proxy sees it."""
 
-    def __init__(self, url: str, role: Literal["prefill", "decode"]) -> None:
+    def __init__(self, url: str, role: Literal["encode", "prefill", "decode"]) -> None:
         self.url = url.rstrip("/")
         self.role = role
         self.in_flight = 0
@@ -145,7 +145,7 @@ class ProxyMetrics:
         healthy = Gauge(
             "weft_proxy_instance_healthy", "1 when the instance is in rotation", ["role", "url"], registry=self.registry
         )
-        for instance in [*proxy.prefill.instances, *proxy.decode.instances]:
+        for instance in proxy.instances():
             in_flight.labels(instance.role, instance.url).set_function(lambda instance=instance: instance.in_flight)
             healthy.labels(instance.role, instance.url).set_function(lambda instance=instance: float(instance.healthy))
 
@@ -200,8 +200,12 @@ class PDProxy:
             except Exception:  # noqa: BLE001 - the watcher must keep running
                 logger.exception("health check failed")
 
+    def instances(self) -> list[Instance]:
+        """Every upstream instance, of every role."""
+        return [*self.prefill.instances, *self.decode.instances]
+
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(instance) for instance in [*self.prefill.instances, *self.decode.instances]))
+        await asyncio.gather(*(self._check(instance) for instance in self.instances()))
 
     async def _check(self, instance: Instance) -> None:
         assert self.client is not None

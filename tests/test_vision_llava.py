@@ -251,3 +251,18 @@ def test_an_encoder_store_hands_outputs_between_instances(tiny_llava, hf_llava, 
         (output,) = again.generate(prompt, GREEDY)
         assert again.engine.core.executor.worker.runner.encoder.store_reads == 0
     assert output.outputs[0].token_ids == hf_greedy(hf_llava, output.prompt_token_ids, hf_pixels(tiny_llava, [picture]))
+
+
+def test_a_family_without_an_encoder_refuses_images_instead_of_reading_placeholders(tiny_llava, monkeypatch):
+    """A model whose processor expands images but whose family encodes none (DeepSeek V4.1 today): the request is
+    refused, saying why; before, its placeholders ran as plain tokens. Text requests still run."""
+    from weft_vision.llava import LlavaFamily
+
+    from weft.contracts.model import ModelFamily
+
+    monkeypatch.setattr(LlavaFamily, "encode", ModelFamily.encode)
+    llm = LLM(model=str(tiny_llava), engine={"num_kv_blocks": 64, "quantization": "none", "dtype": "float32"})
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration.*has no vision encoder"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": image(32, 32, 0)}}, GREEDY)
+    (output,) = llm.generate("USER: hello ASSISTANT:", GREEDY)
+    assert len(output.outputs[0].token_ids) == NEW_TOKENS

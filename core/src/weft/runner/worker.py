@@ -157,7 +157,8 @@ class Worker:
         else:
             index = self.device.index if self.device.index is not None else 0
             available = int(self.platform.memory_info(index).free * engine.gpu_memory_utilization)
-        return WorkerInfo(groups=list(self.groups), available_kv_bytes=available)
+        reads_images = type(self.family).encode is not ModelFamily.encode
+        return WorkerInfo(groups=list(self.groups), available_kv_bytes=available, reads_images=reads_images)
 
     @property
     def structured_outputs(self) -> bool:

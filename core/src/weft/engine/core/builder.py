@@ -34,6 +34,7 @@ from weft.engine.core.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
+    architecture_of,
     build_platform,
     choose_quantization,
     load_executor,
@@ -93,7 +94,11 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             engine.max_long_partial_prefills,
             structured_outputs,
         )
-        scheduler.encoder_cache = EncoderCache(engine.encoder_cache_size or engine.max_num_batched_tokens)
+        scheduler.encoder_cache = EncoderCache(
+            engine.encoder_cache_size or engine.max_num_batched_tokens,
+            info.reads_images,
+            architecture_of(config, source),
+        )
     except BaseException:
         if connector is not None:
             connector.close()  # a store client, a side channel: its scheduler role's resources

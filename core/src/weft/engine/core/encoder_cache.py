@@ -43,10 +43,14 @@ class EncoderCacheStats(msgspec.Struct):
 class EncoderCache:
     """What the workers' encoder caches hold, by item hash (module docstring)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, reads_images: bool = True, architecture: str = "") -> None:
+        """``reads_images``: whether the model family encodes images (``WorkerInfo.reads_images``); a request
+        carrying images is refused otherwise (:meth:`refusal`), ``architecture`` named in the message."""
         if budget < 1:
             raise ValueError(f"engine.encoder_cache_size must be at least 1 embedding row, got {budget}")
         self.budget = budget
+        self.reads_images = reads_images
+        self.architecture = architecture
         self._rows: dict[str, int] = {}
         """Held entries: item hash -> its rows."""
         self._references: dict[str, set[str]] = {}
@@ -61,7 +65,14 @@ class EncoderCache:
         self.stats = EncoderCacheStats()
 
     def refusal(self, multimodal: MultimodalInputs) -> str | None:
-        """Why a request with these items can never run here (an item larger than the budget); None: it can."""
+        """Why a request with these items can never run here (the family encodes no images, or an item is larger
+        than the budget); None: it can."""
+        if multimodal.items and not self.reads_images:
+            return (
+                f"this model ({self.architecture or 'its architecture'}) has a multimodal processor but its model "
+                f"family has no vision encoder (ModelFamily.encode), so its images cannot be read; send text parts "
+                f"only, or serve it with a family that encodes images"
+            )
         for index, item in enumerate(multimodal.items):
             if item.num_embeddings > self.budget:
                 return (

@@ -35,7 +35,6 @@ import msgspec
 from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import LentBlock
 
-
 BlockItem = tuple[int, int, bytes]
 """A run of prompt positions whose KV depends on more than their token ids: ``(start, end, key)``, the key naming
 the content (an image's item hash and which of its rows the run holds: :attr:`Request.block_items

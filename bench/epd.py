@@ -13,7 +13,10 @@ compared. On a loaded machine the rounds vary: the ratio of medians is the figur
 
     python bench/epd.py --clients 64 --seconds 10 --rounds 3
 
-It prints one line per round and proxy, then ``requests/s: msgspec pass-through X, re-encoding Y, ratio X/Y``.
+It prints one line per round and proxy, then ``requests/s: msgspec pass-through X, re-encoding Y, ratio X/Y``, and
+the proxies' own CPU time per request (user + system seconds of the proxy process, from ``/proc``) with the
+requests per CPU-second each could serve on a core of its own. On a machine shared with other work, where the
+proxy is not what limits the load, the second ratio is the one that shows the proxies' difference.
 """
 
 from __future__ import annotations
@@ -141,6 +144,12 @@ def serve_baseline(port: int, encode: list[str], prefill: list[str], decode: lis
     uvicorn.run(reencoding_app(encode, prefill, decode), host="127.0.0.1", port=port, log_level="warning")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux ``/proc``)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -232,19 +241,31 @@ def main() -> None:
         wait_up(proxies["re-encoding"], "/health", processes[-1])
 
         rates: dict[str, list[float]] = {name: [] for name in proxies}
+        per_cpu: dict[str, list[float]] = {name: [] for name in proxies}
+        pids = dict(zip(proxies, (processes[-2].pid, processes[-1].pid), strict=True))
         for url in proxies.values():  # warm-up: connections, imports
             asyncio.run(load(url, args.clients, 1.0, args.images, args.stream))
         for round_index in range(args.rounds):
             for name, url in proxies.items():
-                started = time.monotonic()
+                started, cpu = time.monotonic(), cpu_seconds(pids[name])
                 done, failed = asyncio.run(load(url, args.clients, args.seconds, args.images, args.stream))
                 rate = done / (time.monotonic() - started)
+                used = cpu_seconds(pids[name]) - cpu
                 rates[name].append(rate)
-                print(f"round {round_index + 1} {name}: {rate:.1f} requests/s ({done} answered, {failed} failed)")
+                per_cpu[name].append(done / max(used, 1e-9))
+                print(
+                    f"round {round_index + 1} {name}: {rate:.1f} requests/s ({done} answered, {failed} failed), "
+                    f"proxy CPU {1000 * used / max(done, 1):.2f} ms per request"
+                )
         fast, slow = (statistics.median(rates[name]) for name in proxies)
         print(
             f"requests/s ({args.clients} clients, {args.images} image(s), {'streamed' if args.stream else 'whole'}, "
             f"{args.events} tokens): msgspec pass-through {fast:.1f}, re-encoding {slow:.1f}, ratio {fast / slow:.2f}"
+        )
+        fast, slow = (statistics.median(per_cpu[name]) for name in proxies)
+        print(
+            f"requests per proxy CPU-second: msgspec pass-through {fast:.1f}, re-encoding {slow:.1f}, "
+            f"ratio {fast / slow:.2f}"
         )
     finally:
         for process in processes:

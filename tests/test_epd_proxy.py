@@ -164,7 +164,7 @@ def test_a_decode_retry_redoes_the_encode_legs(upstreams):
     proxy = EPDProxy([upstreams["encode"].url], [], [upstreams["decode"].url, decode2.url])
     try:
         upstreams["encode"].seen.clear()
-        body = {**chat_body("retry", False, [IMAGE]), "fake_status": 503, "fake_fail_times": 1}
+        body = {**chat_body("epd-retry", False, [IMAGE]), "fake_status": 503, "fake_fail_times": 1}
         response = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 200 and response.content == b"".join(SPLIT_CHUNKS)
         assert len(upstreams["encode"].seen) == 2

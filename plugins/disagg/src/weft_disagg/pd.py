@@ -281,6 +281,8 @@ class PDProxy:
                 name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers
             }
             relay = _Relay(self, decode, response, prefill_task, started)
+            if "content-length" in response.headers:  # a whole answer, already computed: sent in one piece
+                return Response(await relay.whole(), status_code=response.status_code, headers=forwarded)
             return _RelayedResponse(relay, status_code=response.status_code, headers=forwarded)
         raise AssertionError("unreachable: the last attempt returns")
 
@@ -430,6 +432,24 @@ class _Relay:
             logger.warning("%s broke off its response: %s: %s", self.decode, type(error).__name__, error)
         finally:
             await self.close()
+
+    async def whole(self) -> bytes:
+        """The decode response's bytes at once: for an answer of known length (a non-streamed completion, which the
+        instance computed before answering), a plain response costs the proxy less than relaying it chunk by chunk,
+        and a client that leaves meanwhile wastes nothing upstream."""
+        metrics = self.proxy.metrics
+        try:
+            content = await self.response.aread()
+        except httpx.TransportError as error:
+            metrics.leg_failures.labels("decode").inc()
+            raise ProxyError(502, f"{self.decode} broke off its response: {type(error).__name__}: {error}") from None
+        finally:
+            await self.close()
+        elapsed = time.monotonic() - self.started
+        metrics.leg_seconds.labels("decode_first_byte").observe(elapsed)
+        metrics.leg_seconds.labels("decode").observe(elapsed)
+        metrics.forwarded_bytes.inc(len(content))
+        return content
 
     async def close(self) -> None:
         """Close the decode response and end the prefill leg (once; also when streaming never started)."""

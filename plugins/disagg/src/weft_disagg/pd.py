@@ -13,7 +13,9 @@ requests in flight) and sends two legs at once, with one transfer id:
 
 The decode response's bytes go to the client untouched, status and content type included:
 no JSON re-encoding, no SSE re-parsing (msgspec reads the request body and writes the legs'
-bodies, nothing else). The response generator's ``finally`` cancels (and awaits) the prefill
+bodies, nothing else). An answer of known length (``Content-Length``: a non-streamed completion,
+computed before the instance answered) is read whole and sent as one response; a stream is relayed
+chunk by chunk as it comes. The response generator's ``finally`` cancels (and awaits) the prefill
 task, so it never outlives the response, a client that disconnects included; an abandoned
 prefill request ends on its instance, which tells the decode instance not to wait.
 

@@ -256,9 +256,8 @@ def test_an_encoder_store_hands_outputs_between_instances(tiny_llava, hf_llava, 
 def test_a_family_without_an_encoder_refuses_images_instead_of_reading_placeholders(tiny_llava, monkeypatch):
     """A model whose processor expands images but whose family encodes none (DeepSeek V4.1 today): the request is
     refused, saying why; before, its placeholders ran as plain tokens. Text requests still run."""
-    from weft_vision.llava import LlavaFamily
-
     from weft.contracts.model import ModelFamily
+    from weft_vision.llava import LlavaFamily
 
     monkeypatch.setattr(LlavaFamily, "encode", ModelFamily.encode)
     llm = LLM(model=str(tiny_llava), engine={"num_kv_blocks": 64, "quantization": "none", "dtype": "float32"})
@@ -266,3 +265,31 @@ def test_a_family_without_an_encoder_refuses_images_instead_of_reading_placehold
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": image(32, 32, 0)}}, GREEDY)
     (output,) = llm.generate("USER: hello ASSISTANT:", GREEDY)
     assert len(output.outputs[0].token_ids) == NEW_TOKENS
+
+
+def test_llm_chat_reads_image_parts_also_from_a_running_event_loop(tiny_llava, hf_llava, tmp_path):
+    import asyncio
+
+    from PIL import Image
+
+    picture = image(40, 40, 81)
+    Image.fromarray(picture).save(tmp_path / "cat.png")
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is it?"},
+                {"type": "image_url", "image_url": {"url": (tmp_path / "cat.png").as_uri()}},
+            ],
+        }
+    ]
+    llm = LLM(model=str(tiny_llava), engine={"num_kv_blocks": 64, "quantization": "none", "dtype": "float32"})
+    (output,) = llm.chat(messages, GREEDY)
+    assert output.prompt_token_ids.count(IMAGE_TOKEN) == PATCHES
+    assert output.outputs[0].token_ids == hf_greedy(hf_llava, output.prompt_token_ids, hf_pixels(tiny_llava, [picture]))
+
+    async def in_a_loop():
+        return llm.chat(messages, GREEDY)
+
+    (again,) = asyncio.run(in_a_loop())
+    assert again.outputs[0].token_ids == output.outputs[0].token_ids

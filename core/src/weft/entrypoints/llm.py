@@ -182,7 +182,16 @@ class LLM:
         limits = media_limits(self.config.server)
         if not limits.allowed_local_media_path:
             limits = msgspec.structs.replace(limits, allowed_local_media_path="/")
-        return asyncio.run(ImageLoader(limits).load_all(parts))
+        loading = ImageLoader(limits).load_all(parts)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop in this thread: the usual case
+            return asyncio.run(loading)
+        # Called from a running loop (a notebook): load on a thread of its own rather than fail.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as thread:
+            return thread.submit(asyncio.run, loading).result()
 
     def close(self) -> None:
         """Let the KV connector finish its pending saves and disconnect (also on leaving a ``with`` block)."""

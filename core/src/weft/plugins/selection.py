@@ -88,8 +88,8 @@ def select_structured_output(registry: PluginRegistry, name: str) -> Any:
 
 
 def select_parser(registry: PluginRegistry, slot: str, name: str, architecture: str | None) -> Any:
-    """The ``tool_parser``, ``reasoning_parser`` or ``mm_processor`` class ``name`` selects; under ``auto`` the one whose
-    ``architectures`` lists ``architecture``; None for ``none`` or when no parser claims it."""
+    """The ``tool_parser``, ``reasoning_parser`` or ``mm_processor`` class ``name`` selects; under ``auto`` the one
+    whose ``architectures`` lists ``architecture``; None for ``none`` or when no parser claims it."""
     if name == "none":
         return None
     if name != "auto":

@@ -194,7 +194,12 @@ def _text_config(config: ModelConfig) -> ModelConfig:
     return msgspec.structs.replace(config, architecture=TEXT_ARCHITECTURES[model_type], hf_config=text)
 
 
-_VISION_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
+_VISION_PREFIXES = (
+    "model.vision_tower.vision_model.",
+    "vision_tower.vision_model.",
+    "model.vision_tower.",
+    "vision_tower.",
+)
 
 
 def _checkpoint_name(name: str) -> tuple[str, str]:

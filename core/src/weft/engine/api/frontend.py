@@ -33,7 +33,12 @@ class Frontend:
         self.source = source or resolve_source(registry, config)[1]
         self.tokenizer = load_tokenizer(registry, config, self.source)
         self.max_model_len = max_model_len(config, self.source)
-        self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
+        hf_config = self.source.hf_config
+        text_config = hf_config.get("text_config")
+        # A vision-language checkpoint keeps its language model's vocabulary in text_config.
+        self.vocab_size: int | None = hf_config.get("vocab_size") or (
+            text_config.get("vocab_size") if isinstance(text_config, dict) else None
+        )
         self.model_name = config.server.served_model_name or self.source.name
         self.special_tokens_in_content = config.server.special_tokens_in_content
         self.config = config

@@ -100,6 +100,8 @@ def make_checkpoint(shape_name: str, tokenizer: Path, folder: Path) -> Path:
         str(folder)
     )
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory
     return folder
 
 

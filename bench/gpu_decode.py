@@ -89,7 +89,8 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
                 return _gemv_kernel[(-(-n // block_n),)](
                     x,
                     weight,
-                    weight,
+                    x,
+                    x,
                     y,
                     1,
                     N=n,
@@ -97,6 +98,7 @@ def projection_profile(shape: dict, bandwidth: float) -> float:
                     BLOCK_M=1,
                     BLOCK_N=block_n,
                     BLOCK_K=block_k,
+                    HAS_SCALE=False,
                     HAS_BIAS=False,
                     num_warps=warps,
                 )

@@ -15,7 +15,7 @@ Parts (``--part``, repeatable):
   each as a fraction of the measured bf16 matmul rate over the FLOPs of the (token, expert) pairs computed;
   and the fused kernel at batch 1, 16, 64 and 256 against the bytes of the experts it must read.
 
-Usage (H200, about 10 minutes): python bench/moe.py --tokenizer DIR [--part engine] [--part kernel]
+Usage (H100 or H200, about 10 minutes): python bench/moe.py --tokenizer DIR [--part engine] [--part kernel]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import gc
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -98,6 +99,15 @@ def physical_bound(shape: dict, requests: int, prompt: int, output: int, bandwid
     return seconds
 
 
+def random_weight(name: str, shape: torch.Size) -> torch.Tensor:
+    """The bf16 weight ``name`` on the GPU: ones for a norm, else N(0, 0.02) seeded by the name (the same tensor
+    each time it is made, so transformers and the engine run the same weights without holding two copies)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+
+
 def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -106,13 +116,11 @@ def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> Non
     shape, requests, prompt, output = QWEN3_30B_A3B, 256, 512, 256
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(10, shape["vocab_size"] - 10, (requests, prompt), generator=generator)
-    torch.manual_seed(0)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16).eval()
     with torch.no_grad():  # N(0, 0.02) everywhere, as the other benchmarks' random weights
         for name, parameter in hf.named_parameters():
-            if not name.endswith("norm.weight"):
-                parameter.normal_(0, 0.02)
+            parameter.copy_(random_weight(name, parameter.shape))
     hf_generate(hf, prompts[:4].cuda(), 8)  # warm
     hf_batch = args.hf_batch
     hf_seconds = hf_generate(hf, prompts[-hf_batch:].cuda(), output)
@@ -122,15 +130,14 @@ def part_engine(args: argparse.Namespace, bandwidth: float, flops: float) -> Non
         f"experts '{getattr(hf.config, '_experts_implementation', 'eager')}')",
         flush=True,
     )
-    state = dict(hf.state_dict())
-    del hf
+    shapes = {name: tensor.shape for name, tensor in hf.state_dict().items()}
+    del hf  # the engine gets the same weights made again, one tensor at a time: one copy of the 61 GB on the GPU
     gc.collect()
     torch.cuda.empty_cache()
 
-    def weights():  # each tensor handed over once and dropped here: one copy of the 61 GB at a time
-        while state:
-            name = next(iter(state))
-            yield name, state.pop(name)
+    def weights():
+        for name, tensor_shape in shapes.items():
+            yield name, random_weight(name, tensor_shape)
 
     model = MemoryLoader.add("qwen3-30b-a3b", shape, weights, args.tokenizer)
     llm = LLM(
@@ -194,6 +201,8 @@ def part_kernel(flops: float, bandwidth: float) -> None:
         )
         fused_seconds = cuda_time(lambda x=x, logits=logits: fused(x, logits, w13, w2, routing), repeats=20)
         reference_seconds = cuda_time(lambda x=x, logits=logits: reference(x, logits, w13, w2, routing), repeats=20)
+        fused_graph = graph_time(lambda x=x, logits=logits: fused(x, logits, w13, w2, routing))
+        reference_graph = graph_time(lambda x=x, logits=logits: reference(x, logits, w13, w2, routing))
         pair_flops = 2 * batch * top_k * 3 * hidden * inter
         touched = touched_experts(batch, experts, top_k)
         weight_seconds = 2 * 3 * hidden * inter * touched / bandwidth
@@ -206,6 +215,47 @@ def part_kernel(flops: float, bandwidth: float) -> None:
             f"{weight_seconds * 1e6:,.0f} us = {weight_seconds / fused_seconds:.0%} of the fused time",
             flush=True,
         )
+        print(
+            f"  in a CUDA graph (no launch overhead, as decode runs): fused {_us(fused_graph)}"
+            + (
+                f" = {pair_flops / fused_graph / flops:.0%} of the matmul rate, reading the experts at the copy "
+                f"bandwidth = {weight_seconds / fused_graph:.0%} of it"
+                if fused_graph
+                else ""
+            )
+            + f"; torch reference {_us(reference_graph)}",
+            flush=True,
+        )
+
+
+def graph_time(run, launches: int = 10) -> float | None:
+    """Median seconds of ``run()`` over 5 replays of a CUDA graph of ``launches`` calls (the GPU's time alone);
+    None where ``run`` cannot be captured (a host synchronisation)."""
+    try:
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                run()
+    except RuntimeError as error:
+        print(f"  (not capturable: {str(error).splitlines()[0]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / launches)
+    del graph
+    return sorted(times)[2]
+
+
+def _us(seconds: float | None) -> str:
+    return "not capturable" if seconds is None else f"{seconds * 1e6:,.0f} us"
 
 
 def main() -> None:

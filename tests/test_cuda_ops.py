@@ -33,6 +33,69 @@ def test_gemv_kernel_matches_linear_interpreted(rows, bias):
     assert kernel.monitor.misses == []
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_kernel_matches_the_dequantized_product_interpreted(bias):
+    """float8_e4m3fn weights with a scale per output column: ``x @ (codes * scale)^T + b`` in float32."""
+    from weft_triton.gemv import Fp8GemvKernel
+
+    generator = torch.Generator().manual_seed(3)
+    n, k = 40, 600
+    x = torch.randn(1, k, generator=generator)
+    codes = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=generator) / 1000 + 1e-4
+    b = torch.randn(n, generator=generator) if bias else None
+    kernel = Fp8GemvKernel()
+    kernel.add_shape(n, k, bias, torch.float32)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    y = kernel(dtype=x.dtype, n=n, k=k, m=1, has_bias=bias, x=x, weight=codes, scale=scale, bias=b)
+    torch.testing.assert_close(y, F.linear(x, codes.float() * scale[:, None], b), rtol=1e-5, atol=1e-5)
+    assert kernel.monitor.misses == []
+
+
+def _fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row float8 quantization in plain torch: ``scale = max |row| / 448`` (``1 / 448`` for zeros), the codes
+    ``x / scale`` clamped to +-448 and cast (round to nearest-even)."""
+    largest = x.float().abs().amax(dim=1)
+    scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / 448
+    return (x.float() / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scales
+
+
+def _check_fp8_rows_kernel(device: str, dtype: torch.dtype) -> None:
+    from weft_triton.quantize import Fp8QuantizeRowsKernel
+
+    generator = torch.Generator().manual_seed(5)
+    k = 1500  # two row tiles, the second masked
+    x = torch.randn(6, k, generator=generator) * torch.logspace(-4, 3, 6)[:, None]
+    x[2] = 0.0  # a row of zeros: scale 1 / 448, codes 0
+    x[4, :8] = torch.tensor([448.0, -448.0, 0.486, -0.486, 1e-6, 3.0, 0.0, -2.75]) * x[4].abs().max() / 448
+    x = x.to(device, dtype)
+    kernel = Fp8QuantizeRowsKernel()
+    kernel.add_shape(k, dtype)
+    assert len(compile_many(kernel, kernel.warmup_keys())) == 1
+    codes, scales = kernel(dtype=dtype, k=k, x=x)
+    expected_codes, expected_scales = _fp8_rows_reference(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert kernel.monitor.misses == []
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run Triton on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_row_quantization_kernel_equals_plain_torch_interpreted(dtype):
+    """Codes and scales bit for bit equal to plain torch's per-row quantization, zeros and saturation included."""
+    _check_fp8_rows_kernel("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU with fp8"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_row_quantization_kernel_equals_plain_torch_on_gpu(dtype):
+    _check_fp8_rows_kernel("cuda", dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 class TestLinearTritonOnGPU(OpContract):

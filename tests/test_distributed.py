@@ -437,6 +437,18 @@ def test_qwen3_moe_over_two_ranks_gives_the_greedy_tokens_of_one_device(tmp_path
     assert got == expected
 
 
+def test_gpt_oss_with_expert_parallelism_gives_the_greedy_tokens_of_one_device(tmp_path, tokenizer_files):
+    """gpt-oss shares Qwen3-MoE's block (as Mixtral does, which adds nothing to it): EP=2 exchanges its tokens
+    too, with its router and expert biases, its attention sinks split with the heads, and a prompt longer than
+    its sliding window (12)."""
+    from test_moe_families import make_moe_model
+
+    folder = make_moe_model(tmp_path / "gpt_oss", "gpt_oss", tokenizer_files)
+    expected, _ = greedy_tokens(folder)
+    got, _ = greedy_tokens(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert got == expected
+
+
 def test_expert_parallel_ranks_read_only_their_experts(tmp_path, tokenizer_files):
     from safetensors.torch import load_file
 

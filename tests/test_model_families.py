@@ -153,28 +153,41 @@ def test_weft_verify_passes_with_logits_in_the_dtypes_band(checkpoint, dtype):
     assert report.teacher_forced_error <= noise_ceiling(report.reference_noise, dtype), report.table()
 
 
-@pytest.mark.parametrize("checkpoint", ["gemma2", "phi3", "deepseek_v3"], indirect=True)
+PARALLEL_LAYOUTS = {
+    "gemma2": [{"tensor_parallel_size": 2}],
+    "phi3": [{"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+    "deepseek_v3": [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+}
+
+
+@pytest.mark.parametrize("checkpoint", list(PARALLEL_LAYOUTS), indirect=True)
 def test_a_parallel_layout_gives_the_greedy_tokens_of_one_device(checkpoint):
-    """The dense families shard as the Llama family does (gloo worker processes): Gemma over two tensor ranks
-    (Gemma 3 shares Gemma 2's module), Phi-3 over two tensor ranks in each of two pipeline stages; DeepSeek V3
-    runs on one device and says so before any worker starts."""
+    """The families shard over gloo worker processes: Gemma over two tensor ranks (Gemma 3 shares Gemma 2's
+    module), Phi-3 over two tensor ranks in each of two pipeline stages, DeepSeek V3 over two tensor ranks (its
+    heads and every expert's columns split) and with expert parallelism (4 of the 8 routed experts a rank)."""
     family, checkpoint = checkpoint
     engine = {"max_num_batched_tokens": 32, "block_size": 8, "num_kv_blocks": 64}
-    if family == "deepseek_v3":
-        with pytest.raises(ValueError, match="runs on one device only"):
-            LLM(model=str(checkpoint), engine={**engine, "tensor_parallel_size": 2})
-        return
-    prompts = prompts_of_lengths([5, 40])
+    prompts = prompts_of_lengths([5, 40, 17])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    layout = {"tensor_parallel_size": 2, **({"pipeline_parallel_size": 2} if family == "phi3" else {})}
     outputs = []
-    for parallel in ({}, layout):
+    for parallel in [{}, *PARALLEL_LAYOUTS[family]]:
         llm = LLM(model=str(checkpoint), engine={**engine, **parallel})
         try:
             outputs.append([output.outputs[0].token_ids for output in llm.generate(prompts, params)])
         finally:
             llm.engine.close()
-    assert outputs[1] == outputs[0]
+    for layout, output in zip(PARALLEL_LAYOUTS[family], outputs[1:], strict=True):
+        assert output == outputs[0], layout
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_refuses_a_layout_it_cannot_split(checkpoint):
+    """Before any worker starts: pipeline stages, or heads the ranks do not divide."""
+    folder, engine = str(checkpoint[1]), {"block_size": 8, "num_kv_blocks": 64}
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM runs one pipeline stage"):
+        LLM(model=folder, engine={**engine, "pipeline_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 3 does not divide the model's 4 attention heads"):
+        LLM(model=folder, engine={**engine, "tensor_parallel_size": 3})
 
 
 def test_older_gemma3_and_phi3_configs_read_as_transformers_reads_them():

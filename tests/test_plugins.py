@@ -352,6 +352,43 @@ def test_inspect_prints_the_option_schema(site):
     assert json.dumps(schema["options"]).count("segment_bytes") >= 1
 
 
+def test_inspect_and_config_show_name_the_table_of_a_shared_name(site, tmp_path):
+    """Two plugins named 'store' (a connector with options, a hook): [plugins.store] would configure both, so
+    inspect and config show name [plugins."kv_connector.store"], and a weft.toml using that header loads."""
+    site.add_distribution(
+        "weft-twin-store",
+        entry_points={
+            "weft.kv_connector": {"store": "twin_store:Store"},
+            "weft.hooks": {"store": "twin_store_hooks"},
+        },
+        modules={
+            "twin_store": """
+                import msgspec
+                from weft.contracts.kv_connector import KVConnector
+
+                class StoreOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+                    segment_bytes: int = 1024
+
+                class Store(KVConnector):
+                    '''A throwaway KV store connector.'''
+                    name = "store"
+                    Options = StoreOptions
+            """,
+            "twin_store_hooks": "",
+        },
+    )
+    header = '[plugins."kv_connector.store"]'
+    inspected = site.weft("plugins", "inspect", "kv_connector.store")
+    assert inspected.returncode == 0, inspected.stderr
+    assert f"options ({header} in weft.toml)" in inspected.stdout
+    (tmp_path / "weft.toml").write_text(f"{header}\nsegment_bytes = 7\n")
+    shown = site.weft("config", "show", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[lines.index(header) + 1] == "segment_bytes = 7"
+    assert "[plugins.store]" not in lines
+
+
 def test_plugins_contribute_cli_commands_through_the_hook(site):
     site.add_distribution(
         "weft-greeter",

@@ -13,7 +13,13 @@ import random
 import pytest
 
 from weft.builtins.reasoning_parsers import ThinkReasoningParser
-from weft.builtins.tool_parsers import DeepseekV3ToolParser, HermesToolParser, Llama3JsonToolParser
+from weft.builtins.tool_parsers import (
+    DeepseekV3ToolParser,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    Phi4MiniToolParser,
+)
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import select_parser
 from weft.serve.tools import AssistantOutput, NamedCallParser, RequiredCallsParser
@@ -58,6 +64,17 @@ DSV4_CALLS = (
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>"
 )
+# Mistral: tokenizer v3's JSON list (Mistral 7B v0.3, Mixtral 8x22B), v11's NAME[ARGS] per call, v7's call id.
+MISTRAL_LIST = (
+    '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", "format": '
+    '"celsius"}}, {"name": "get_time", "arguments": {"tz": "CET"}}]'
+)
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "hours": [8, 12]}[TOOL_CALLS]now[ARGS]{}'
+MISTRAL_WITH_ID = 'Let me check.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
+PHI4_MINI_TWO = (
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "parameters": '
+    '{"tz": "CET"}}]'
+)
 
 WELL_FORMED = [
     (
@@ -101,6 +118,22 @@ WELL_FORMED = [
         ],
     ),
     (DeepseekV4ToolParser, "No calls, only an answer.", "No calls, only an answer.", []),
+    (
+        MistralToolParser,
+        MISTRAL_LIST,
+        None,
+        [("get_current_weather", {"location": "Paris, France", "format": "celsius"}), ("get_time", {"tz": "CET"})],
+    ),
+    (MistralToolParser, MISTRAL_NAMED, None, [("get_weather", {"city": "Paris", "hours": [8, 12]}), ("now", {})]),
+    (MistralToolParser, MISTRAL_WITH_ID, "Let me check.", [("get_weather", {"city": "Paris"})]),
+    (MistralToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
+    (Phi4MiniToolParser, PHI4_MINI_TWO, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (
+        Phi4MiniToolParser,
+        "Use functools[...] sparingly; functools.partial binds arguments.",
+        "Use functools[...] sparingly; functools.partial binds arguments.",
+        [],
+    ),
 ]
 
 MALFORMED = [
@@ -120,6 +153,13 @@ MALFORMED = [
         DeepseekV4ToolParser,
         '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a">1</｜DSML｜parameter>\n',
     ),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": }}]'),
+    (MistralToolParser, MISTRAL_LIST[:40]),  # cut before the first call's arguments
+    (MistralToolParser, MISTRAL_NAMED[:40]),  # cut inside the first call's arguments
+    (MistralToolParser, '[TOOL_CALLS]get_weather(city="Paris")'),  # no [ARGS]
+    (MistralToolParser, "[TOOL_CALLS] [get_weather(city='Paris')]"),  # a list, not of JSON calls
+    (Phi4MiniToolParser, 'functools[{"name": "get_weather", "arguments": {"city": '),  # cut short
+    (Phi4MiniToolParser, "functools[get_weather(city='Paris')]"),
 ]
 
 MIXED = [  # a valid call and a malformed or unfinished one
@@ -130,6 +170,10 @@ MIXED = [  # a valid call and a malformed or unfinished one
     ),  # bad, then good
     (Llama3JsonToolParser, LLAMA_TAGGED_TWO[:80]),
     (DeepseekV4ToolParser, DSV4_CALLS[:330]),  # the first invoke closed, the second cut short
+    (MistralToolParser, MISTRAL_LIST[:140]),  # the first call closed, the second cut short
+    (MistralToolParser, MISTRAL_NAMED[:-1]),  # the second call's arguments cut short
+    (MistralToolParser, MISTRAL_LIST + " That is all."),  # text after the list
+    (Phi4MiniToolParser, PHI4_MINI_TWO[:90]),  # the first call closed, the second cut short
 ]
 
 RECORDED = [(parser, text) for parser, text, _, _ in WELL_FORMED] + MALFORMED + MIXED
@@ -316,6 +360,9 @@ def test_parsers_are_chosen_by_architecture_or_by_name():
     assert select_parser(registry, "tool_parser", "auto", "LlamaForCausalLM") is Llama3JsonToolParser
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ToolParser
     assert select_parser(registry, "tool_parser", "auto", "DeepseekV3ForCausalLM") is DeepseekV3ToolParser
+    assert select_parser(registry, "tool_parser", "auto", "MixtralForCausalLM") is MistralToolParser
+    assert select_parser(registry, "tool_parser", "auto", "MistralForCausalLM") is MistralToolParser
+    assert select_parser(registry, "tool_parser", "auto", "Phi3ForCausalLM") is Phi4MiniToolParser
     assert select_parser(registry, "reasoning_parser", "auto", "DeepseekV4ForCausalLM") is DeepseekV4ReasoningParser
     assert select_parser(registry, "reasoning_parser", "auto", "LlamaForCausalLM") is None
     assert select_parser(registry, "tool_parser", "hermes", "LlamaForCausalLM") is HermesToolParser
@@ -361,6 +408,15 @@ class TestDeepseekV3ToolContract(ToolParserContract):
     plugin_name = "deepseek_v3"
 
 
+class TestMistralToolContract(ToolParserContract):
+    plugin_name = "mistral"
+
+
+class TestPhi4MiniToolContract(ToolParserContract):
+    plugin_name = "phi4_mini_json"
+    leading_text = ""  # a Phi-4-mini answer is calls or text, not both
+
+
 class TestThinkContract(ReasoningParserContract):
     plugin_name = "think"
     thinking_prompt = "<|im_start|>assistant\n"
@@ -373,3 +429,154 @@ class TestDeepseekV4ReasoningContract(ReasoningParserContract):
     thinking_prompt = "<｜User｜>Capital of France?<｜Assistant｜><think>"
     thinking_output = "France's capital.</think>Paris."
     reasoning, answer = "France's capital.", "Paris."
+
+
+# gpt-oss's harmony format (the model's output begins after the prompt's ``<|start|>assistant``).
+
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks about Paris. Simple.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris is the capital of France."
+)
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather: call get_weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris","days":3}'
+)
+HARMONY_PREAMBLE_AND_TWO_CALLS = (
+    "<|channel|>analysis<|message|>Two lookups.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking both now.<|end|>"
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content", "calls"),
+    [
+        (HARMONY_ANSWER, "The user asks about Paris. Simple.", "Paris is the capital of France.", []),
+        (HARMONY_CALL, "Need the weather: call get_weather.", None, [("get_weather", {"city": "Paris", "days": 3})]),
+        (
+            HARMONY_PREAMBLE_AND_TWO_CALLS,
+            "Two lookups.",
+            "Checking both now.",
+            [("get_weather", {"city": "Oslo"}), ("now", {})],
+        ),
+        # Two analysis messages; a final answer without reasoning; a model that ignored the format.
+        (
+            "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Done.",
+            "One.\n\nTwo.",
+            "Done.",
+            [],
+        ),
+        ("<|channel|>final<|message|>Just the answer.", None, "Just the answer.", []),
+        ("Plain text, no harmony.", None, "Plain text, no harmony.", []),
+    ],
+)
+def test_harmony_output_splits_into_reasoning_content_and_calls_whole_and_streamed(text, reasoning, content, calls):
+    from weft.builtins.harmony import HarmonyReasoningParser, HarmonyToolParser
+
+    prompt = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
+    whole = AssistantOutput(HarmonyReasoningParser(prompt=prompt), HarmonyToolParser()).parse(text)
+    assert whole[:2] == (reasoning, content)
+    assert [(call.name, json.loads(call.arguments)) for call in whole[2]] == calls
+    for seed in range(6):
+        output = AssistantOutput(HarmonyReasoningParser(prompt=prompt), HarmonyToolParser())
+        rng, position, deltas = random.Random(seed), 0, []
+        while position < len(text):
+            size = rng.randint(1, 6)
+            deltas.append(output.push(text[position : position + size]))
+            position += size
+        deltas.append(output.finish())
+        streamed_calls: dict[int, list[str]] = {}
+        for delta in deltas:
+            for piece in delta.calls:
+                streamed_calls.setdefault(piece.index, [piece.name, ""])[1] += piece.arguments
+        assert "".join(delta.reasoning for delta in deltas) == (reasoning or "")
+        assert "".join(delta.content for delta in deltas) == (content or "")
+        assert [(name, json.loads(arguments)) for name, arguments in streamed_calls.values()] == calls
+
+
+def test_harmony_without_the_reasoning_parser_and_with_a_broken_call():
+    """Alone, the tool parser reads the raw output (analysis bodies are then content); a call whose body is not a
+    JSON object stays as text; a built-in tool's call (``to=python``) is not one of the request's functions."""
+    from weft.builtins.harmony import HarmonyToolParser
+
+    parsed = HarmonyToolParser().parse(HARMONY_CALL)
+    assert parsed.content == "Need the weather: call get_weather."
+    assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
+    broken = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{city: Paris"
+    parsed = HarmonyToolParser().parse(broken)
+    assert parsed.calls == [] and parsed.content == broken
+    python = "<|channel|>analysis to=python<|message|>print(1)"
+    parsed = HarmonyToolParser().parse(python)
+    assert parsed.calls == [] and "print(1)" in parsed.content
+    assert select_parser(PluginRegistry(), "tool_parser", "auto", "GptOssForCausalLM") is HarmonyToolParser
+
+
+class TestHarmonyToolContract(ToolParserContract):
+    plugin_name = "harmony"
+
+
+class TestHarmonyReasoningContract(ReasoningParserContract):
+    plugin_name = "harmony"
+    thinking_prompt = "<|start|>user<|message|>Capital of France?<|end|><|start|>assistant"
+    thinking_output = (
+        "<|channel|>analysis<|message|>France's capital.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    )
+    reasoning, answer = "France's capital.", "Paris."
+
+
+# Mistral 7B Instruct v0.3's template checks the ids of earlier calls (its tool-call parts, abridged).
+MISTRAL_TEMPLATE = """
+{%- if tools %}[AVAILABLE_TOOLS] {{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST] {{ message.content }}[/INST]
+{%- elif message.tool_calls %}[TOOL_CALLS] [
+{%- for tool_call in message.tool_calls %}
+{%- if not (tool_call.id is defined and tool_call.id|length == 9) %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments|tojson }}, "id": "
+{{- tool_call.id }}"}{% if not loop.last %}, {% endif %}
+{%- endfor %}]</s>
+{%- elif message.role == "tool" %}
+{%- if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+[TOOL_RESULTS] {"content": {{ message.content|tojson }}, "call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]
+{%- elif message.role == "assistant" %} {{ message.content }}</s>
+{%- endif %}
+{%- endfor %}
+"""
+
+
+def test_mistral_templates_get_call_ids_of_nine_letters_and_digits(tokenizer_files, tmp_path):
+    """OpenAI-style ids (``call_`` + 24 characters) in a conversation's history reach Mistral's template as their
+    last 9 letters and digits, the same in the assistant's call and in the tool's answer; Hermes' keep them."""
+    import shutil
+
+    from weft.builtins.hf_tokenizer import HFTokenizer
+    from weft.serve.tools import ToolSettings, chat_input
+
+    folder = tmp_path / "mistral-template"
+    shutil.copytree(tokenizer_files, folder)
+    (folder / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    tokenizer = HFTokenizer.from_folder(folder)
+    call_id = "call_0f3a9c2b7d4e4b1a9c8d7e6f"
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "Sunny."},
+    ]
+    settings = ToolSettings([{"name": "get_weather", "parameters": {"type": "object"}}], "auto")
+    messages, kwargs = chat_input(tokenizer, history, True, settings, MistralToolParser, {})
+    prompt = tokenizer.apply_chat_template(tokenizer.normalize_messages(messages), True, **kwargs)
+    assert '"id": "9c8d7e6f"' not in prompt and '"id": "a9c8d7e6f"' in prompt
+    assert '"call_id": "a9c8d7e6f"' in prompt and "[AVAILABLE_TOOLS]" in prompt
+    assert MistralToolParser().template_call_id("call_1") == "0000call1"  # short ones padded
+    with pytest.raises(ValueError, match="length 9"):  # the ids as given: the template refuses them
+        chat_input(tokenizer, history, True, settings, HermesToolParser, {})

@@ -96,19 +96,22 @@ def test_split_key_decode_matches_torch_backend(requests, window):
     os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU"
 )
 @pytest.mark.parametrize(
-    ("heads", "soft_cap", "window"),
+    ("heads", "soft_cap", "window", "sinks"),
     [
-        ((6, 2), None, None),
-        ((9, 3), None, None),
-        ((10, 2), None, None),
-        ((6, 2), 2.0, None),
-        ((9, 3), 2.0, 11),
+        ((6, 2), None, None, False),
+        ((9, 3), None, None, False),
+        ((10, 2), None, None, False),
+        ((6, 2), 2.0, None, False),
+        ((9, 3), 2.0, 11, False),
+        ((8, 2), None, None, True),
+        ((8, 2), None, 11, True),
     ],
 )
-def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, window):
+def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, window, sinks):
     """Groups of 3 and 5 (SmolLM2's 9 query heads over 3 KV heads): a step mixing prefill chunks and decode
     rows, then a decode-only step on the split-key path, both equal to the torch backend; with Gemma 2's
-    soft-capped scores (a cap small enough to bind) and a sliding window too."""
+    soft-capped scores (a cap small enough to bind) and a sliding window too; and gpt-oss's attention sinks
+    (a logit per head, large enough to take much of the weight), alone and with a sliding window."""
     import torch
 
     from weft.builtins.cpu import CpuPlatform
@@ -127,7 +130,9 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
         scale=32**-0.5,
         logits_soft_cap=soft_cap,
         sliding_window=window,
+        sinks=sinks,
     )
+    sink_logits = {"sinks": (torch.randn(num_heads, generator=generator) * 3).to(device)} if sinks else {}
     block = 8
     platform = CpuPlatform() if device == "cpu" else CudaPlatform()
     for query_lens, lengths in (([7, 1, 19], [30, 41, 19]), ([1, 1], [90, 13])):
@@ -163,6 +168,6 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
         for backend in (TritonAttention(None, platform), TorchAttention(None, platform)):
             backend.prepare([layer], "float32")
             results[backend.name] = backend.forward(
-                layer, query, key, value, cache.clone(), backend.build_metadata(batch)
+                layer, query, key, value, cache.clone(), backend.build_metadata(batch), **sink_logits
             )
         torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)

@@ -23,6 +23,7 @@ from weft.config import (
     plugin_options,
     with_platform_defaults,
 )
+from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import LoadConfig, ModelSource, WeightLoader
 from weft.contracts.model import ModelConfig
 from weft.contracts.parallel import ParallelLayout
@@ -153,11 +154,58 @@ def choose_quantization(
     else:
         method_class = registry.load("quantization", name)
         if not method_class.is_available(platform):
+            methods = registry.load_all("quantization")
+            runnable = ["none", "auto"]
+            runnable += sorted(other for other, method in methods.items() if method.is_available(platform))
             raise ValueError(
-                f"engine.quantization = {name!r} has no kernels on platform {platform.name!r}; "
-                f"choose another method, auto or none"
+                f"engine.quantization = {name!r} {method_class.unavailable_reason(platform)}; "
+                f"use engine.quantization = {' or '.join(repr(choice) for choice in runnable)}"
             )
     return name, method_class(platform, dtype)
+
+
+FLOAT8_KV = "float8_e4m3fn"
+"""The element type of an fp8 KV cache (``engine.kv_cache_dtype = "fp8"``)."""
+
+
+def check_kv_cache_dtype(config: WeftConfig, platform: Any, attention: Any) -> None:
+    """Refuse ``engine.kv_cache_dtype`` where the platform or the attention backend cannot store it, before any
+    weight is read."""
+    from weft.contracts.platform import FLOAT8_REQUIREMENT
+
+    if config.engine.kv_cache_dtype == "auto":
+        return
+    unsupported = platform.float8_unsupported()
+    if unsupported is not None:
+        raise ValueError(
+            f"engine.kv_cache_dtype = 'fp8' needs {FLOAT8_REQUIREMENT}; {unsupported}; "
+            f"use engine.kv_cache_dtype = 'auto'"
+        )
+    if FLOAT8_KV not in attention.kv_cache_dtypes:
+        raise ValueError(
+            f"engine.kv_cache_dtype = 'fp8': attention backend {attention.name!r} stores no fp8 cache; "
+            f"set use.attention = 'triton' or 'torch', or engine.kv_cache_dtype = 'auto'"
+        )
+
+
+def with_kv_cache_dtype(config: WeftConfig, groups: tuple[KVCacheGroupSpec, ...]) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV-cache groups with ``engine.kv_cache_dtype`` applied to those the attention backend owns
+    (:attr:`~weft.contracts.kv_cache.KVCacheSpec.paged_attention`); a group the model manages itself (latent or
+    compressed entries, rings, recurrent state) keeps the format its family gives it. The cache is sized from the
+    specs, so an fp8 group's blocks take half the bytes of bf16's."""
+    if config.engine.kv_cache_dtype == "auto":
+        return groups
+    if not any(group.spec.paged_attention for group in groups):
+        names = ", ".join(group.name for group in groups)
+        raise ValueError(
+            f"engine.kv_cache_dtype = 'fp8': every KV-cache group of this model ({names}) is managed by its family "
+            f"in a format of its own, which has no fp8 variant; use engine.kv_cache_dtype = 'auto'"
+        )
+    replace = msgspec.structs.replace
+    return tuple(
+        replace(group, spec=replace(group.spec, dtype=FLOAT8_KV)) if group.spec.paged_attention else group
+        for group in groups
+    )
 
 
 def build_loader(registry: PluginRegistry, config: WeftConfig, name: str, load_config: LoadConfig) -> WeightLoader:

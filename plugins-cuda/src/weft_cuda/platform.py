@@ -46,6 +46,15 @@ class CudaPlatform(GpuPlatform):
         major, minor = torch.cuda.get_device_capability(index)
         return f"sm_{major}{minor}"
 
+    def float8_unsupported(self) -> str | None:
+        """fp8 GEMMs (``torch._scaled_mm``) and Triton's ``float8e4nv`` need compute capability 8.9 (Ada, Hopper)."""
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) >= (8, 9):
+            return None
+        return f"this platform is cuda with a {torch.cuda.get_device_name()} of compute capability {major}.{minor}"
+
     def communicator(self, group: Any, device: Any) -> Any:
         """NCCL, with one-shot all-reduces over NVLink peer memory that decode graphs capture
         (weft_cuda.communicator)."""

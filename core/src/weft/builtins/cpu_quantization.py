@@ -78,8 +78,8 @@ class CpuInt4(QuantizationMethod):
         layer.quantized_parts = []
 
     def load_weight(self, layer: nn.Module, weight: GroupAffine | torch.Tensor, row: int, name: str) -> None:
-        if isinstance(weight, torch.Tensor):
-            weight = round_to_int4(weight)
+        if isinstance(weight, torch.Tensor) or weight.float_codes:  # floats, or an fp8 checkpoint's codes
+            weight = round_to_int4(weight if isinstance(weight, torch.Tensor) else weight.dequantize())
         elif weight.group_size % GROUP or weight.bits not in (4, 8) or (weight.bits == 4) == weight.signed:
             raise ValueError(
                 f"checkpoint tensor {name!r} is {weight.source_format} ({weight.bits}-bit codes in groups "

@@ -4,6 +4,13 @@ an optional generation_config.json).
 Sources it accepts: a local folder, or a Hugging Face repo id (``org/name``, ``org/name@revision``;
 ``engine.revision`` likewise), found in the local cache or downloaded by :mod:`weft.hub`. The
 shards read are those ``model.safetensors.index.json`` names, else every ``*.safetensors``.
+
+fp8 checkpoints (``quantization_config`` of ``quant_method`` ``"compressed-tensors"`` with 8-bit float
+weights, as llm-compressor writes them, or ``"fbgemm_fp8"``) store each quantized linear weight as
+float8_e4m3fn codes ``X.weight`` and a float32 ``X.weight_scale`` (one per output channel ``[out, 1]``,
+or one for the tensor); the loader yields each such pair as one :class:`Fp8Weight` (codes and scales
+for a quantization method, dequantized floats for everything else) and drops the activation scales
+(``X.input_scale``, ``X.input_scale_ub``): activations get dynamic scales.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
+from weft.contracts.quantization import GroupAffine, QuantizedWeight
 from weft.generation_config import read_generation_config
 from weft.hub import hub_cache, is_repo_id, snapshot, weight_files
 
@@ -24,6 +32,25 @@ def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     """A checkpoint tensor in the asked dtype; integer tensors (DeepSeek V4's token -> expert table) are
     indices, not weights, and stay as stored."""
     return tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
+
+
+FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".input_scale_ub")
+"""Tensors of an fp8 checkpoint beside ``X.weight``: its scale (read with it) and activation scales (unused)."""
+
+
+def fp8_checkpoint_format(hf_config: dict) -> str | None:
+    """``"compressed-tensors"`` or ``"fbgemm_fp8"`` where ``config.json``'s ``quantization_config`` says the
+    linear weights are stored as float8 codes with scales; None for any other checkpoint."""
+    quantization = hf_config.get("quantization_config") or {}
+    method = quantization.get("quant_method")
+    if method == "fbgemm_fp8":
+        return method
+    if method == "compressed-tensors":
+        for group in (quantization.get("config_groups") or {}).values():
+            weights = (group or {}).get("weights") or {}
+            if weights.get("type") == "float" and weights.get("num_bits") == 8:
+                return method
+    return None
 
 
 class SafetensorsLoader(WeightLoader):
@@ -82,10 +109,27 @@ class SafetensorsLoader(WeightLoader):
             return
         from safetensors import safe_open
 
-        for file in weight_files(Path(source.path)):
+        files = weight_files(Path(source.path))
+        fp8_format = fp8_checkpoint_format(source.hf_config)
+        scales: dict[str, torch.Tensor] = {}
+        if fp8_format is not None:  # scales are small, and may sit in another shard than their weight
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    scales.update(
+                        (name.removesuffix("_scale"), handle.get_tensor(name))
+                        for name in handle.keys()
+                        if name.endswith(".weight_scale")
+                    )
+        for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, SafetensorsSlice(handle.get_slice(name), dtype)
+                    stored = handle.get_slice(name)
+                    if fp8_format is not None and name.endswith(FP8_SCALE_SUFFIXES):
+                        continue
+                    if name in scales and stored.get_dtype() == "F8_E4M3":
+                        yield name, Fp8Weight(stored, scales[name], dtype, name, fp8_format)
+                    else:
+                        yield name, SafetensorsSlice(stored, dtype)
 
 
 class SafetensorsSlice(WeightSlice):
@@ -102,3 +146,33 @@ class SafetensorsSlice(WeightSlice):
 
     def load(self) -> torch.Tensor:
         return cast(self.stored[:] if self.shape else self.stored[()], self.dtype)
+
+
+class Fp8Weight(QuantizedWeight):
+    """A linear weight of an fp8 checkpoint: float8_e4m3fn codes and their float32 scales (per output channel, or
+    one for the tensor), read together; ``load``/``narrow`` give ``codes * scale`` in the asked dtype."""
+
+    def __init__(self, stored: object, scale: torch.Tensor, dtype: str, name: str, checkpoint_format: str) -> None:
+        self.stored = stored
+        self.dtype = dtype
+        self.shape = tuple(stored.get_shape())
+        self.format = f"fp8_e4m3 ({checkpoint_format})"
+        scale = scale.float().reshape(-1)
+        rows = self.shape[0]
+        if scale.numel() not in (1, rows):
+            raise ValueError(
+                f"checkpoint tensor {name!r}_scale has {scale.numel()} scales for {rows} rows: only per-channel and "
+                f"per-tensor fp8 scales are read (block-wise ones are not); convert the checkpoint or load another"
+            )
+        self.scales = scale.expand(rows).reshape(rows, 1).contiguous()
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        scales = self.scales if dim != 0 else self.scales[start : start + length]
+        return cast(self.stored[index].float() * scales, self.dtype)
+
+    def load(self) -> torch.Tensor:
+        return cast(self.stored[:].float() * self.scales, self.dtype)
+
+    def group_affine(self) -> GroupAffine:
+        return GroupAffine(self.stored[:], self.scales, None, self.shape[1], 8, True, self.format)

@@ -1,5 +1,6 @@
-"""Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON), ``llama3_json`` (Llama 3's bare JSON) and
-``deepseek_v3`` (DeepSeek V3/V3.1/R1's marker-delimited calls).
+"""Core's tool parsers: ``hermes`` (Hermes/Qwen ``<tool_call>`` JSON), ``llama3_json`` (Llama 3's bare JSON),
+``deepseek_v3`` (DeepSeek V3/V3.1/R1's marker-delimited calls), ``mistral`` (Mistral/Mixtral's ``[TOOL_CALLS]``) and
+``phi4_mini_json`` (Phi-4-mini's ``functools[...]``).
 
 Each reads the whole output so far (:meth:`~weft.contracts.tool_parser.ToolParser.scan`)
 with two helpers other parsers may use too: :func:`json_value_end` finds where a JSON
@@ -284,3 +285,121 @@ class DeepseekV3ToolParser(ToolParser):
             )
             + self.calls_end
         )
+
+
+class MistralToolParser(ToolParser):
+    """Mistral and Mixtral calls after the ``[TOOL_CALLS]`` control token, in either body Mistral's tokenizers
+    define: a JSON list of ``{"name": ..., "arguments": {...}}`` objects (tokenizer v3: Mistral 7B Instruct v0.3,
+    Mixtral 8x22B Instruct), or ``NAME[ARGS]{...}`` after a ``[TOOL_CALLS]`` of its own for each call (v11 on:
+    Mistral Small 3.2, Magistral, Devstral; v7 writes ``NAME[CALL_ID]ID[ARGS]{...}``). Text before the first
+    marker is content, and so is text after the list. The templates accept only call ids of 9 letters and
+    digits in a conversation's history: other ids are cut to their last 9 (:meth:`template_call_id`)."""
+
+    name: ClassVar[str] = "mistral"
+    architectures: ClassVar[tuple[str, ...]] = ("MistralForCausalLM", "MixtralForCausalLM")
+    needs_special_tokens: ClassVar[bool] = True
+    marker: ClassVar[str] = "[TOOL_CALLS]"
+    arguments_marker: ClassVar[str] = "[ARGS]"
+    id_marker: ClassVar[str] = "[CALL_ID]"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        opened = text.find(self.marker)
+        if opened < 0:
+            return Scan(text if final else text[: len(text) - marker_overlap(text, self.marker)], [])
+        content, body = text[:opened], text[opened + len(self.marker) :]
+        stripped = body.lstrip()
+        if not stripped:
+            return Scan(content + self.marker + body if final else content, [])
+        if stripped[0] == "[":
+            return self._listed(content, body, len(body) - len(stripped), final)
+        calls: list[PartialCall] = []
+        for segment in body.split(self.marker):
+            call, rest = self._named(segment, final)
+            if call is None:
+                break
+            if call.complete and not is_valid_call(call):
+                content += call.raw  # a finished call that is not one: it stays, as text
+            else:
+                calls.append(call)
+            content += rest
+        if not final:  # the next call's marker may be arriving
+            content = content[: len(content) - marker_overlap(content, self.marker)]
+        return Scan(content, calls)
+
+    def _listed(self, content: str, body: str, start: int, final: bool) -> Scan:
+        """``[{...}, {...}]`` from ``body[start]``: its calls, and the text after the list as content."""
+        calls, stopped = json_calls(body, start + 1, final, " \t\r\n,")
+        rest = body[stopped:].lstrip()
+        if rest.startswith("]"):
+            return Scan(content + rest[1:], calls)
+        if not final and (not rest or rest.startswith("{")):
+            return Scan(content, calls)  # the list is still being written
+        if not calls:  # not a list of calls after all: the text as written
+            return Scan(content + self.marker + body if final else content, [])
+        return Scan(content + body[stopped:], calls)  # calls, then something else: that is content
+
+    def _named(self, segment: str, final: bool) -> tuple[PartialCall | None, str]:
+        """One ``NAME[CALL_ID]ID[ARGS]{...}`` segment: the call (None until its name is known), and the text after
+        its arguments (content)."""
+        raw = self.marker + segment
+        head, found, arguments = segment.partition(self.arguments_marker)
+        if not found:
+            if final:
+                return PartialCall(head.strip(), "", True, raw), ""
+            return None, ""
+        name = head.partition(self.id_marker)[0].strip()
+        end = json_value_end(arguments, 0, final)
+        if end is None:
+            return PartialCall(name, "", final, raw), ""
+        return PartialCall(name, arguments[:end].strip(), True, raw), arguments[end:]
+
+    def template_call_id(self, call_id: str) -> str:
+        letters = re.sub(r"[^A-Za-z0-9]", "", call_id)
+        return letters[-9:].rjust(9, "0")
+
+    def tools_prompt(self, tools: Any) -> str:
+        listed = json.dumps([{"type": "function", "function": tool} for tool in tools], ensure_ascii=False)
+        return (
+            f"You may call these functions: {listed}\n"
+            f'To call functions, answer with {self.marker} then a JSON list of {{"name": <function-name>, '
+            '"arguments": <args-json-object>} objects.'
+        )
+
+    def render_calls(self, calls: Any) -> str:
+        listed = [{"name": call["name"], "arguments": call["arguments"]} for call in calls]
+        return f"{self.marker} {json.dumps(listed, ensure_ascii=False)}"
+
+
+class Phi4MiniToolParser(ToolParser):
+    """Phi-4-mini's calls: the answer is ``functools[{"name": ..., "arguments": {...}}, ...]`` (``parameters``
+    read as ``arguments``); an answer that starts otherwise is content, and so is text after the list. The
+    default for ``Phi3ForCausalLM``, whose other checkpoints (Phi-3, Phi-3.5, Phi-4) write no calls: their
+    answers stay content. Tools reach a template that ignores them as Phi-4-mini's template writes them, in
+    ``<|tool|>...<|/tool|>`` after the system message."""
+
+    name: ClassVar[str] = "phi4_mini_json"
+    architectures: ClassVar[tuple[str, ...]] = ("Phi3ForCausalLM",)
+    opener: ClassVar[str] = "functools["
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = len(text) - len(text.lstrip())
+        if not text.startswith(self.opener, start):
+            if not final and self.opener.startswith(text[start:]):
+                return Scan("", [])  # nothing yet, or the opener arriving: undecided
+            return Scan(text, [])
+        calls, stopped = json_calls(text, start + len(self.opener), final, " \t\r\n,")
+        rest = text[stopped:].lstrip()
+        if rest.startswith("]"):
+            return Scan(rest[1:], calls)
+        if not final and (not rest or rest.startswith("{")):
+            return Scan("", calls)  # the list is still being written
+        if not calls:  # not a list of calls after all: the text as written
+            return Scan(text if final else "", [])
+        return Scan(text[stopped:], calls)  # calls, then something else: that is content
+
+    def tools_prompt(self, tools: Any) -> str:
+        return f"<|tool|>{json.dumps(list(tools), ensure_ascii=False)}<|/tool|>"
+
+    def render_calls(self, calls: Any) -> str:
+        listed = [{"name": call["name"], "arguments": call["arguments"]} for call in calls]
+        return f"{self.opener[:-1]}{json.dumps(listed, ensure_ascii=False)}"

@@ -9,6 +9,8 @@ chunk's offset into the context, and the sliding window when the layer has one);
 with attention sinks (gpt-oss) or a logits soft cap (Gemma 2) takes the same masks through explicit scores,
 since ``scaled_dot_product_attention`` has neither.
 Non-finite keys and values are stored as zeros, so one request's NaNs never reach another's attention.
+An fp8 cache (``engine.kv_cache_dtype = "fp8"``) stores their float8_e4m3 rounding and is read back in the
+query's dtype, block by block as each request gathers its keys.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class TorchAttention(AttentionBackend):
     name: ClassVar[str] = "torch"
     supports_sinks: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"float8_e4m3fn"})
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -113,8 +116,9 @@ class TorchAttention(AttentionBackend):
         if metadata.decode_rows is not None:
             count, width = metadata.decode_blocks.shape
             flat = metadata.decode_blocks.reshape(-1)
-            keys = key_blocks.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
-            values = value_blocks.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
+            gathered = (count, width * block_size, heads, dim)
+            keys = _gather(key_blocks, flat, query.dtype).view(gathered).transpose(1, 2)
+            values = _gather(value_blocks, flat, query.dtype).view(gathered).transpose(1, 2)
             # The query heads sharing a KV head attend as rows of one head: no K/V repetition.
             group = layer.num_heads // heads
             queries = query.index_select(0, metadata.decode_rows).view(count, heads, group, dim)
@@ -133,8 +137,8 @@ class TorchAttention(AttentionBackend):
 
         for start, rows, blocks, offsets in metadata.prefills:
             length = blocks.numel() * block_size
-            keys = key_blocks.index_select(0, blocks).view(1, length, heads, dim).transpose(1, 2)
-            values = value_blocks.index_select(0, blocks).view(1, length, heads, dim).transpose(1, 2)
+            keys = _gather(key_blocks, blocks, query.dtype).view(1, length, heads, dim).transpose(1, 2)
+            values = _gather(value_blocks, blocks, query.dtype).view(1, length, heads, dim).transpose(1, 2)
             queries = query[start : start + rows].transpose(0, 1).unsqueeze(0)  # [1, heads, rows, dim]
             visible = offsets <= 0
             if layer.sliding_window is not None:
@@ -148,6 +152,14 @@ class TorchAttention(AttentionBackend):
                 attended = _attend(layer, queries, keys, values, visible, gqa)
             output[start : start + rows] = attended.squeeze(0).transpose(0, 1)
         return output
+
+
+def _gather(blocks: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache blocks ``indices`` of one half (keys or values) of a layer's cache, in ``dtype``; float8 blocks are
+    gathered as their bytes (torch has no float8 ``index_select`` on every device) and then converted."""
+    if blocks.dtype != torch.float8_e4m3fn:
+        return blocks.index_select(0, indices)
+    return blocks.view(torch.uint8).index_select(0, indices).view(torch.float8_e4m3fn).to(dtype)
 
 
 def _capped(layer: AttentionLayer, scores: torch.Tensor) -> torch.Tensor:

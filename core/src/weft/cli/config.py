@@ -68,26 +68,26 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
     """The options Struct and its defaults of every installed plugin that takes options, by the name of its
     ``[plugins.<name>]`` table (``slot.name`` where two plugins share a name); and a line for each plugin
     whose options cannot be read (it does not import, or an option has no default)."""
+    from weft.config import plugin_table, plugin_table_key
     from weft.contracts.plugin import NoOptions
     from weft.plugins import PluginError
 
     usable = [entry for entry in registry.entries if entry.status == "ok"]
-    shared = {entry.name for entry in usable if sum(other.name == entry.name for other in usable) > 1}
     found: dict[str, tuple[type, Any]] = {}
     unreadable: list[str] = []
     for entry in sorted(usable, key=lambda entry: (entry.name, entry.slot)):
-        table = f"{entry.slot}.{entry.name}" if entry.name in shared else entry.name
+        table = plugin_table(entry, registry.entries)  # a broken plugin of the same name shares a bare table
         try:
             options_type = getattr(registry.load(entry.slot, entry.name), "Options", NoOptions)
         except PluginError as error:
-            unreadable.append(f"[plugins.{table}]: its options cannot be shown: {error} (see weft plugins doctor)")
+            unreadable.append(f"{table}: its options cannot be shown: {error} (see weft plugins doctor)")
             continue
         if options_type is NoOptions:
             continue
         try:
-            found[table] = (options_type, msgspec.convert({}, options_type))
+            found[plugin_table_key(entry, registry.entries)] = (options_type, msgspec.convert({}, options_type))
         except msgspec.ValidationError as error:
-            unreadable.append(f"[plugins.{table}]: no defaults to show ({error}); set them in weft.toml")
+            unreadable.append(f"{table}: no defaults to show ({error}); set them in weft.toml")
     return found, unreadable
 
 

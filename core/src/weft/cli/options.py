@@ -59,8 +59,24 @@ def add_config_arguments(
         _add_section_flags(parser.add_argument_group(title), section, struct)
 
 
+SPECULATIVE_TABLE = "engine.speculative"
+"""Set by ``--speculative-config JSON`` (vLLM's flag), not by a flag per option: its ``model`` and ``method``
+would read as the engine's own."""
+
+
 def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -> None:
+    if section == "engine":
+        group.add_argument(
+            "--speculative-config",
+            dest="speculative_config",
+            metavar="JSON",
+            default=None,
+            help=f"{SPECULATIVE_TABLE}: speculative decoding as a JSON object, as vLLM's flag, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+        )
     for path, field in _scalar_fields(section, struct):
+        if path.startswith(SPECULATIVE_TABLE + "."):
+            continue
         base, description = unwrap(field.type)
         flag = "--" + field.name.replace("_", "-")
         dest = f"cfg:{path}"
@@ -72,6 +88,8 @@ def _add_section_flags(group: Any, section: str, struct: type[msgspec.Struct]) -
         else:
             group.add_argument(flag, dest=dest, metavar=field.name.upper(), default=None, help=text)
     for path, field in _collection_fields(section, struct):
+        if path.startswith(SPECULATIVE_TABLE + "."):
+            continue
         base, description = unwrap(field.type)
         flag = "--" + field.name.replace("_", "-")
         text = f"{path}: {description}" if description else path
@@ -152,10 +170,31 @@ def config_from_args(args: argparse.Namespace, registry: Any = None) -> tuple[We
                         f"e.g. rms_norm=torch"
                     )
                 overrides[f"{key}.{entry.strip()}"] = text.strip()
+    overrides.update(_speculative_overrides(getattr(args, "speculative_config", None)))
     for assignment in args.overrides:
         key, value = parse_override(assignment)
         overrides[key] = value
     return load_config(path, overrides, registry=registry), path
+
+
+def _speculative_overrides(text: str | None) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object as ``engine.speculative.KEY`` overrides (vLLM's spelling of the
+    method ``"[ngram]"`` is not needed: the keys are those of ``[engine.speculative]``)."""
+    if text is None:
+        return {}
+    try:
+        table = msgspec.json.decode(text)
+    except msgspec.DecodeError as error:
+        raise ConfigError(
+            f"--speculative-config {text!r}: not JSON ({error}); give an object such as "
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+        ) from None
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"--speculative-config {text!r}: expected a JSON object of [engine.speculative] keys, got "
+            f"{type(table).__name__}"
+        )
+    return {f"{SPECULATIVE_TABLE}.{key}": value for key, value in table.items()}
 
 
 def _model_argument(args: argparse.Namespace) -> str | None:

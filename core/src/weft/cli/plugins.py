@@ -110,6 +110,7 @@ def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def run_plugins_inspect(args: argparse.Namespace) -> int:
+    from weft.config import plugin_table
     from weft.contracts.plugin import NoOptions
     from weft.plugins import PluginError, PluginRegistry
 
@@ -145,7 +146,7 @@ def run_plugins_inspect(args: argparse.Namespace) -> int:
     if not fields:
         print("  options: none")
         return 0
-    print(f"  options ([plugins.{entry.name}] in weft.toml):")
+    print(f"  options ({plugin_table(entry, registry.entries)} in weft.toml):")
     rows = []
     for field in fields:
         _, description = unwrap(field.type)

@@ -70,12 +70,44 @@ def load_config(
     _check_generation_config(config, source, override_paths)
     _check_structured_output_fill(config, source, override_paths)
     _check_options_that_would_do_nothing(config, raw, source, override_paths)
+    _check_speculative(config, source, override_paths, registry)
     if config.plugins:
         from weft.plugins import PluginRegistry
 
         plugins = validate_plugin_options(config, registry or PluginRegistry(), source, override_paths)
         config = msgspec.structs.replace(config, plugins=plugins)
     return config
+
+
+def _check_speculative(config: WeftConfig, source: str, override_paths: set[str], registry: Any) -> None:
+    """``[engine.speculative]``: an installed speculator, and a layout it runs in."""
+    engine, speculative = config.engine, config.engine.speculative
+    if not speculative.enabled:
+        return
+    where = (
+        OVERRIDE_SOURCE
+        if any(path.startswith("engine.speculative") for path in override_paths) or "engine" in override_paths
+        else source
+    )
+    from weft.plugins import PluginRegistry
+
+    installed = (registry or PluginRegistry()).names("speculator")
+    if speculative.method not in installed:
+        raise ConfigError(
+            f"{where}: engine.speculative.method = {speculative.method!r} is not an installed speculator; installed: "
+            f"{', '.join(sorted(installed)) or 'none'} (or 'none' to turn speculation off)"
+        )
+    if speculative.method == "draft" and not speculative.model:
+        raise ConfigError(
+            f"{where}: engine.speculative.method = 'draft' needs engine.speculative.model: a folder, file or alias of "
+            f"a smaller model with the target's tokenizer"
+        )
+    if engine.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"{where}: engine.speculative.method = {speculative.method!r} with engine.pipeline_parallel_size = "
+            f"{engine.pipeline_parallel_size}: speculative decoding runs without pipeline stages; use tensor "
+            f"parallelism, or set method = 'none'"
+        )
 
 
 def _take_plugins_lock(raw: dict[str, Any], source: str) -> str | None:
@@ -291,6 +323,19 @@ def plugin_options(config: WeftConfig, options_type: type[msgspec.Struct], slot:
 
 def _table_key(key: str) -> str:
     return key if "." not in key else f'"{key}"'
+
+
+def plugin_table_key(entry: Any, entries: list[Any]) -> str:
+    """The key of ``entry``'s options table under ``[plugins]``: its name, or ``<slot>.<name>`` when another of
+    ``entries`` (the installed plugins) has the same name (``[plugins.<name>]`` would configure both) or the name
+    is ``lock`` (``[plugins] lock`` is the plugin lock file)."""
+    shared = entry.name == "lock" or any(other.name == entry.name and other.slot != entry.slot for other in entries)
+    return f"{entry.slot}.{entry.name}" if shared else entry.name
+
+
+def plugin_table(entry: Any, entries: list[Any]) -> str:
+    """The weft.toml header of ``entry``'s options table: ``[plugins.<name>]`` or ``[plugins."<slot>.<name>"]``."""
+    return f"[plugins.{_table_key(plugin_table_key(entry, entries))}]"
 
 
 def plugin_entries_for_table(entries: list[Any], key: str) -> list[Any]:

@@ -110,6 +110,38 @@ class DistributedConfig(_Section, frozen=True):
     ] = 600.0
 
 
+class SpeculativeConfig(_Section, frozen=True):
+    """Speculative decoding (docs/speculative.md): a speculator proposes tokens that the model verifies in one
+    step; the output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution)."""
+
+    method: Annotated[
+        str,
+        Meta(
+            description="the weft.speculator that proposes tokens: none (off), ngram (prompt lookup over the "
+            "request's own tokens), or a plugin's"
+        ),
+    ] = "none"
+    num_speculative_tokens: Annotated[
+        int, Meta(ge=1, le=32, description="most tokens proposed for one request per step (k)")
+    ] = 4
+    model: (
+        Annotated[str, Meta(description="the draft model of a speculator that loads one (alias, folder or repo id)")]
+        | None
+    ) = None
+    prompt_lookup_min: (
+        Annotated[int, Meta(ge=1, description="ngram: the shortest suffix looked up; default: prompt_lookup_max, or 5")]
+        | None
+    ) = None
+    prompt_lookup_max: (
+        Annotated[int, Meta(ge=1, description="ngram: the longest suffix looked up; default: prompt_lookup_min, or 5")]
+        | None
+    ) = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineConfig(_Section, frozen=True):
     """Scheduling, KV cache and numerics."""
 
@@ -190,6 +222,13 @@ class EngineConfig(_Section, frozen=True):
             "torch's int4 CPU kernel, GGUF blocks kept quantized), none (dense weights in dtype, "
             "quantized checkpoints dequantized), or auto (the method made for the platform and the "
             "model's format, else none)"
+        ),
+    ] = "auto"
+    kv_cache_dtype: Annotated[
+        Literal["auto", "fp8"],
+        Meta(
+            description="elements of the paged KV cache: auto (the model's dtype) or fp8 (float8_e4m3, half the "
+            "bytes, so twice the tokens in the same memory; a CUDA GPU of compute capability 8.9 or newer)"
         ),
     ] = "auto"
     cpu_threads: (
@@ -289,6 +328,7 @@ class EngineConfig(_Section, frozen=True):
         bool, Meta(description="mixture-of-experts models: spread whole routed experts over the tensor-parallel ranks")
     ] = False
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     revision: (
         Annotated[
             str,

@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     from weft.contracts.platform import Platform
 
 
+FLOAT8_MAX = 448.0
+"""The largest finite float8_e4m3fn."""
+
+
+def to_float8(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` rounded to float8_e4m3fn, saturating at +-:data:`FLOAT8_MAX` (a plain cast may give NaN beyond)."""
+    import torch
+
+    return tensor.clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+
+
 class AttentionLayer(msgspec.Struct, frozen=True):
     """The static shape of one attention layer."""
 
@@ -76,6 +87,11 @@ class AttentionBackend(PluginBase):
     supports_logits_soft_cap: ClassVar[bool] = False
     """Whether :meth:`forward` applies :attr:`AttentionLayer.logits_soft_cap`; :meth:`check_layer` refuses a
     layer that sets it otherwise (a backend that ignored it would compute another model)."""
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset()
+    """Cache element types besides the model's dtype that :meth:`forward` stores and reads (``{"float8_e4m3fn"}``:
+    ``engine.kv_cache_dtype = "fp8"``). An fp8 cache holds each key and value as its float8_e4m3 rounding,
+    saturated at +-448 (:func:`to_float8`): a per-tensor scale of 1, as vLLM uses where a checkpoint gives no
+    calibrated scales; attention reads them back in the query's dtype. Added in core API 1.15."""
     supports_graph_capture: ClassVar[bool] = False
     """Whether decode steps through this backend can be captured as graphs and replayed.
 
@@ -127,9 +143,15 @@ class AttentionBackend(PluginBase):
 
     @staticmethod
     def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write new keys and values into a cache of the default layout (:meth:`kv_cache_shape`)."""
+        """Write new keys and values into a cache of the default layout (:meth:`kv_cache_shape`), rounded to
+        float8 (:func:`to_float8`) in an fp8 cache."""
+        import torch
+
         heads, dim = key.shape[1], key.shape[2]
         slots = slot_mapping.long()
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            # torch has no index_copy_ of float8 on every device: the same bytes as uint8.
+            kv_cache, key, value = (tensor.view(torch.uint8) for tensor in (kv_cache, to_float8(key), to_float8(value)))
         kv_cache.view(2, -1, heads, dim)[0].index_copy_(0, slots, key)
         kv_cache.view(2, -1, heads, dim)[1].index_copy_(0, slots, value)
 

@@ -105,12 +105,17 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     this one still waits for its bitmask, and this one's forward reads that step's tokens. Workers stage this
     step's inputs now and launch its forward once :meth:`Executor.sample_tokens` has sampled the step before
     (core API 1.13)."""
+    spec_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding (:mod:`weft.contracts.speculator`): per request that verifies proposals this step, the
+    proposed tokens, fed after its last token (its ``num_scheduled_tokens`` is one more than their count). The step
+    computes logits at each of those positions and keeps the proposals the rejection sampler accepts (core API
+    1.15)."""
     encoder_inputs: dict[str, list[int]] = {}
     """Per request, the indices of its items (``NewRequest.multimodal.items``) whose encoder output this step
     needs and the workers do not hold: they run ``ModelFamily.encode`` on them and keep each output under the
-    item's hash until ``freed_encoder_hashes`` names it (the scheduler's encoder cache decides; core API 1.14)."""
+    item's hash until ``freed_encoder_hashes`` names it (the scheduler's encoder cache decides; core API 1.15)."""
     freed_encoder_hashes: list[str] = []
-    """Item hashes whose encoder outputs workers drop, before this step's encoding (core API 1.14)."""
+    """Item hashes whose encoder outputs workers drop, before this step's encoding (core API 1.15)."""
 
     @property
     def is_empty(self) -> bool:
@@ -151,6 +156,14 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     """For requests that asked for prompt logprobs and computed prompt tokens this step: the position
     of the first prompt token covered, and per token from there the logprob of that prompt token
     given the ones before it."""
+    more_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding: for a request that gained more than one token this step (accepted proposals), the
+    tokens after the first (``sampled_token_ids`` holds the first), in order (core API 1.15)."""
+    more_logprobs: dict[str, list[TokenLogprobs]] = {}
+    """The logprobs of ``more_token_ids``, for requests that asked for logprobs."""
+    spec_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding: the speculator's proposals for each request's next step, made from its tokens after
+    this step (the scheduler may cut them; a request absent here decodes one token)."""
 
 
 def encode_step(value: SchedulerOutput | ModelRunnerOutput) -> bytes:

@@ -64,6 +64,10 @@ class MemoryInfo(msgspec.Struct, frozen=True):
     total: int
 
 
+FLOAT8_REQUIREMENT = "a CUDA GPU with compute capability >= 8.9 (Ada Lovelace, Hopper or newer)"
+"""What fp8 weights and an fp8 KV cache need (:meth:`Platform.float8_unsupported`), in words for errors."""
+
+
 class Platform(PluginBase):
     """A hardware platform: device, dtypes, memory, graphs, distributed backend.
 
@@ -154,6 +158,13 @@ class Platform(PluginBase):
         :attr:`supports_graph_capture` is true.
         """
         raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
+
+    def float8_unsupported(self) -> str | None:
+        """None where the devices compute float8_e4m3fn (fp8 weights through ``torch._scaled_mm``, an fp8 KV cache
+        through Triton's fp8 conversions), else what the platform is instead, for the error that refuses
+        ``engine.quantization = "fp8"`` or ``engine.kv_cache_dtype = "fp8"`` (``"this platform is cpu"``); the
+        requirement itself is :data:`FLOAT8_REQUIREMENT`. Default: unsupported. Added in core API 1.15."""
+        return f"this platform is {self.name}"
 
     def release_memory(self) -> None:
         """Return what the platform keeps of a closed worker's device memory: its graphs' memory pool, the

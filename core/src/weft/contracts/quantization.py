@@ -33,10 +33,14 @@ offset``. GGUF's Q4_0, Q4_1, Q4_K (sub-blocks of 32) and Q8_0 decompose into it 
 method says in :meth:`QuantizationMethod.describe` which format it turns each into, and the
 error that conversion implies, which ``weft`` prints at start and ``weft config show`` names.
 
-A method for another device (fp8 on Hopper: per-output-channel weight scales, dynamic
-per-token activation scales, ``torch._scaled_mm``) is another class of this contract:
-``create_weights`` registers the fp8 weight and its scales, ``load_weight`` quantizes float
-parts (or takes fp8 checkpoints'), ``apply`` quantizes the activations and calls the kernel.
+An fp8 checkpoint (compressed-tensors' float-quantized, FBGEMM's ``fbgemm_fp8``) decomposes
+into it too: float8_e4m3fn codes and one scale per output channel (one group spanning the row),
+or one per tensor repeated on every row. A method for another device (weft-cuda's ``fp8`` on
+Hopper: per-output-channel weight scales, dynamic per-token activation scales,
+``torch._scaled_mm``) is another class of this contract: ``create_weights`` registers the fp8
+weight and its scales, ``load_weight`` quantizes float parts (or takes fp8 checkpoints'),
+``apply`` quantizes the activations and calls the kernel. A method refuses a platform it cannot
+run on at start, with :meth:`QuantizationMethod.unavailable_reason` in the error.
 
 The conformance kit (:class:`weft.testing.suites.QuantizationMethodSuite`) checks each
 method's ``apply`` against ``x @ dequantize(weights)^T`` within :attr:`QuantizationMethod.tolerance`.
@@ -61,7 +65,8 @@ if TYPE_CHECKING:
 class GroupAffine:
     """Weights ``[out_features, in_features]`` as ``codes * scales + offsets``, per group of input features.
 
-    ``codes`` is an integer tensor ``[out, in]`` (uint8 for unsigned codes, int8 for signed);
+    ``codes`` is an integer tensor ``[out, in]`` (uint8 for unsigned codes, int8 for signed), or float8_e4m3fn
+    codes of an fp8 checkpoint (:attr:`float_codes`; ``bits`` 8, signed, no offsets);
     ``scales`` and ``offsets`` are float32 ``[out, in / group_size]``; ``offsets`` is None where
     it is zero everywhere (GGUF's Q8_0). ``bits`` is the codes' width: unsigned codes lie in
     ``0 .. 2**bits - 1``, signed ones in ``-2**(bits-1) .. 2**(bits-1) - 1``.
@@ -80,6 +85,11 @@ class GroupAffine:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)  # type: ignore[return-value]
 
+    @property
+    def float_codes(self) -> bool:
+        """Whether the codes are floats (float8_e4m3fn) rather than integers."""
+        return self.codes.is_floating_point()
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these codes stand for (the reference every method is checked against)."""
         import torch
@@ -90,6 +100,17 @@ class GroupAffine:
 
     def narrow(self, dim: int, start: int, length: int) -> GroupAffine:
         """Rows (``dim`` 0) or input features (``dim`` 1, on group boundaries) ``start .. start + length - 1``."""
+        if dim == 1 and self.scales.shape[1] == 1:
+            # One group per row (per-channel scales): any columns keep the row's scale and offset.
+            return GroupAffine(
+                self.codes.narrow(1, start, length),
+                self.scales,
+                self.offsets,
+                length,
+                self.bits,
+                self.signed,
+                self.source_format,
+            )
         if dim == 1 and (start % self.group_size or length % self.group_size):
             raise ValueError(
                 f"a {self.source_format} tensor splits along its input features only on its groups of "
@@ -114,7 +135,9 @@ class GroupAffine:
 
         first = parts[0]
         if any(
-            (part.group_size, part.bits, part.signed) != (first.group_size, first.bits, first.signed) for part in parts
+            (part.group_size, part.bits, part.signed, part.codes.dtype)
+            != (first.group_size, first.bits, first.signed, first.codes.dtype)
+            for part in parts
         ):
             formats = sorted({part.source_format for part in parts})
             raise ValueError(f"one stacked weight mixes block formats {formats}; engine.quantization = 'none' loads it")
@@ -178,6 +201,13 @@ class QuantizationMethod(PluginBase):
     def is_available(cls, platform: Platform) -> bool:
         """Whether the kernels exist here (the torch build has them, the device is capable)."""
         return platform.device_type in cls.device_types
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str:
+        """Why :meth:`is_available` is false on ``platform``, for the error that refuses the method there: what the
+        method needs and what the platform is (``"needs a CUDA GPU with compute capability >= 8.9; this platform
+        is cpu"``). Added in core API 1.15."""
+        return f"has no kernels on platform {platform.name!r} (it runs on {', '.join(sorted(cls.device_types))})"
 
     @classmethod
     def selects_by_default(cls, platform: Platform, source_format: str) -> bool:

@@ -41,19 +41,21 @@ samples its proposals from a distribution returns those distributions
 (:attr:`Proposals.probs`): rejection sampling needs ``q`` to stay exact. A deterministic one
 returns none, and its proposals count as drawn from one-hot distributions.
 
-A speculator that owns a model (``draft``, MTP) declares the KV-cache groups of its layers in
+A speculator that owns a model (``draft``, MTP) loads it in :meth:`Speculator.load` through the engine's
+:class:`DraftModelLoader` (the target's loaders, quantization and parallel layout), and declares the KV-cache
+groups of its layers in
 :meth:`Speculator.kv_cache_groups`, layer names prefixed so they never collide with the
 target's (``draft.model.layers.0.self_attn``). The engine sizes the cache for the target's groups
 and these together: each request holds blocks in every group for its tokens and its ``k``
 proposal slots, allocated, rolled back and freed with the target's, so a speculator never
 manages blocks. The runner gives it the allocated tensors through :meth:`Speculator.bind_kv_caches`
-and, in each :class:`ProposalStep`, the step's device inputs (:class:`DraftInputs`). Such a
-speculator's k draft steps run on the device; only its proposed token ids cross to the host.
+and, in each :class:`ProposalStep`, each row's blocks (:class:`DraftInputs`). Such a speculator's k draft
+steps run on the device; only its proposed token ids cross to the host.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -109,28 +111,40 @@ class Verified(msgspec.Struct, frozen=True):
     """The tokens its output grew by: ``num_accepted`` proposals, then the target's own token."""
 
 
+class DraftModel(msgspec.Struct):
+    """A model the engine built for a speculator (:meth:`Speculator.load`): the target's loaders, quantization,
+    ops, attention backend and parallel layout, on the target's device (core API 1.15)."""
+
+    model: Any
+    """The ``torch.nn.Module``: ``model(input_ids, positions, context)`` gives hidden states and
+    ``model.compute_logits(hidden)`` the logits, as for the target."""
+    family: Any
+    """Its :class:`~weft.contracts.model.ModelFamily`."""
+    config: ModelConfig
+    backend: Any
+    """The engine's :class:`~weft.contracts.attention.AttentionBackend`, prepared for the model's layers too."""
+    device: Any
+    """The ``torch.device`` it lives on."""
+
+
+class DraftModelLoader(ABC):
+    """What :meth:`Speculator.load` gets: builds and loads a model from a source the way the engine loads its
+    target (core API 1.15)."""
+
+    @abstractmethod
+    def load(self, source: str) -> DraftModel:
+        """The model at ``source`` (a folder, a file or an alias, as ``model`` takes); raises ValueError naming
+        ``[engine.speculative] model`` when it cannot be loaded."""
+
+
 class DraftInputs(msgspec.Struct):
-    """A step's device inputs for a model-owning speculator: what the target computed, row by request row.
+    """A step's inputs for a speculator with :meth:`Speculator.kv_cache_groups`, one row per
+    :class:`ProposalStep` row (core API 1.15)."""
 
-    The target ran ``token_ids`` at ``positions`` (each request's last token, then its proposals);
-    only the first ``num_kept[i]`` tokens of row ``i`` stand (the rest were rejected: their KV
-    slots will be overwritten). Tensors are on the runner's device.
-    """
-
-    token_ids: Any
-    """``[num_tokens]`` int64."""
-    positions: Any
-    """``[num_tokens]`` int64."""
-    query_start: Sequence[int]
-    """Where each row's tokens start in ``token_ids`` (one entry more than rows)."""
-    num_kept: Sequence[int]
-    """Per row: its tokens that stand."""
-    next_token_ids: Any
-    """``[rows]`` int64: each row's newest token (the target's own one), fed first in the draft's next step."""
-    block_tables: Sequence[Any]
-    """Per group of :meth:`Speculator.kv_cache_groups`: ``[rows, max_blocks]`` int32 block ids."""
-    hidden_states: Any = None
-    """``[num_tokens, hidden]`` of the target's last layer when :attr:`Speculator.needs_hidden_states`."""
+    block_ids: Sequence[Sequence[Sequence[int]]]
+    """Per row, per group of :meth:`Speculator.kv_cache_groups`: the blocks the request holds. They cover its
+    tokens and, where the cache had room, ``k`` more slots (the engine allocates them ahead for such a
+    speculator); a draft writes no slot past them."""
 
 
 class ProposalStep(msgspec.Struct):
@@ -163,12 +177,21 @@ class Speculator(PluginBase):
     """
 
     name: ClassVar[str]
+    owns_model: ClassVar[bool] = False
+    """True for a speculator with its own model and KV-cache groups (core API 1.15): the scheduler then allocates a
+    speculating request's blocks ``k`` slots past the tokens its step computes, where the draft writes the KV of
+    its proposals."""
     needs_hidden_states: ClassVar[bool] = False
-    """Whether :class:`DraftInputs` carries the target's last hidden states (MTP, EAGLE)."""
+    """Whether the speculator needs the target's last hidden states (MTP, EAGLE). Core 1.15 does not pass them yet:
+    the worker refuses such a speculator, naming it."""
 
     def __init__(self, options: msgspec.Struct | None, config: SpeculatorConfig) -> None:
         self.options = options if options is not None else self.Options()
         self.config = config
+
+    def load(self, models: DraftModelLoader) -> None:
+        """Called once after construction, before :meth:`kv_cache_groups`: a speculator that owns a model loads it
+        with ``models`` (core API 1.15). Nothing by default."""
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         """The KV-cache groups of the speculator's own layers (module docstring); none by default."""

@@ -136,6 +136,12 @@ class ToolParser(PluginBase):
             for call in calls
         )
 
+    def template_call_id(self, call_id: str) -> str:
+        """The id the chat template gets for an earlier call of the conversation whose id is ``call_id`` (in the
+        assistant message's ``tool_calls`` and in the tool message answering it): as given, unless the format's
+        templates accept only ids of their own shape (Mistral's: 9 letters and digits)."""
+        return call_id
+
     # Derived from scan.
 
     def parse(self, text: str) -> ParsedOutput:

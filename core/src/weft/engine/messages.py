@@ -100,6 +100,12 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     """Preemptions since the core started (a counter)."""
     num_steps: int = 0
     """Steps run since the core started."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding since start: rows that verified proposals, proposals verified, proposals accepted,
+    and per proposal position the rows that accepted it (counters)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -73,7 +73,7 @@ class LLM:
                     f"LLM() got an unexpected keyword argument {key!r}; give a config section "
                     f"({', '.join(_SECTIONS)}) or an engine option ({', '.join(sorted(_ENGINE_KEYS))})"
                 )
-        self._start(load_config(config, merged))
+        self._start(load_config(config, merged, registry=registry))
 
     def _start(self, config: WeftConfig) -> None:
         started = time.monotonic()

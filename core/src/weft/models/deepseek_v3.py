@@ -15,14 +15,21 @@ scaling the softmax (``mscale_all_dim``), and interleaved by default (``rope_int
 The first ``first_k_dense_replace`` layers have a dense MLP, the others a mixture of experts: sigmoid
 scores, expert choice among the ``topk_group`` best of ``n_group`` groups (a group scores by its two best
 experts) on scores plus ``e_score_correction_bias``, weights taken from the scores without the bias,
-renormalised and multiplied by ``routed_scaling_factor``, plus shared experts. The router runs in float32
-as HF's does (its weight and bias stay float32 whatever the runtime dtype).
+renormalised and multiplied by ``routed_scaling_factor``, plus shared experts: core's shared ``moe`` op
+(:class:`~weft.layers.moe.FusedMoE`). The router runs in float32 as HF's does (its weight and bias stay
+float32 whatever the runtime dtype).
 
-One device only. Checkpoints as published (FP8 blocks with ``weight_scale_inv``) are refused: dequantize first.
+Tensor parallelism: each rank holds its query heads and their rows of ``kv_b_proj`` (so its heads' keys
+and values), its columns of the dense MLPs, of the shared experts and of every routed expert, and its
+share of the vocabulary; the latent projection, its norm and the router are replicated, so every rank
+caches the same latents. With ``engine.enable_expert_parallel`` the routed experts are spread whole over
+the tensor ranks and the tokens exchanged (:class:`~weft.layers.moe.ExpertParallelExchange`). One pipeline
+stage. Checkpoints as published (FP8 blocks with ``weight_scale_inv``) are refused: dequantize first.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,17 +40,27 @@ from torch import nn
 from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec, LatentAttentionSpec
 from weft.contracts.loader import as_slice
 from weft.contracts.model import ModelConfig, ModelFamily
+from weft.contracts.parallel import ParallelLayout, check_heads
 from weft.layers.attention import ForwardContext
-from weft.layers.linear import Embedding, Linear, default_dtype
+from weft.layers.linear import Linear, default_dtype
+from weft.layers.moe import FusedMoE, MoERouting, check_expert_layout
 from weft.layers.norm import RMSNorm
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters, yarn_mscale
-from weft.layers.tensor_parallel import copy_checked
+from weft.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+    copy_checked,
+)
 
 
 class DeepseekV3Settings:
     """The numbers of one checkpoint's config, with HF's defaults."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], layout: ParallelLayout | None = None) -> None:
+        self.layout = layout or ParallelLayout()
         self.hidden_size = config["hidden_size"]
         self.num_layers = config["num_hidden_layers"]
         self.num_heads = config["num_attention_heads"]
@@ -80,6 +97,39 @@ class DeepseekV3Settings:
             raise ValueError(f"scoring_func {scoring!r} is not supported; DeepSeek V3 routes on 'sigmoid' scores")
         if self.num_experts % self.num_groups:
             raise ValueError(f"n_routed_experts {self.num_experts} is not a multiple of n_group {self.num_groups}")
+        self.routing = MoERouting(
+            top_k=self.top_k,
+            scoring="sigmoid",
+            renormalize=self.norm_topk_prob,
+            num_groups=self.num_groups,
+            topk_groups=self.top_k_groups,
+            scaling=self.routed_scaling_factor,
+        )
+        self.local_heads = self.num_heads // self.layout.tensor_parallel_size
+
+    def check(self) -> None:
+        """Raise ValueError, with the numbers and the fix, for a layout this checkpoint cannot take."""
+        layout, tp = self.layout, self.layout.tensor_parallel_size
+        if layout.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"engine.pipeline_parallel_size = {layout.pipeline_parallel_size}: DeepseekV3ForCausalLM runs one "
+                f"pipeline stage; set it to 1 (engine.tensor_parallel_size and expert parallelism split the model)"
+            )
+        check_heads("attention heads", self.num_heads, tp)
+        widths = [("intermediate_size", self.intermediate_size)] if self.first_dense else []
+        if self.num_shared_experts:
+            widths.append(("shared experts' width", self.moe_intermediate_size * self.num_shared_experts))
+        for name, width in widths:
+            if width % tp:
+                raise ValueError(
+                    f"engine.tensor_parallel_size = {tp} does not divide the model's {name} {width}; "
+                    f"use a tensor_parallel_size that divides it"
+                )
+        check_expert_layout(self.num_experts, self.moe_intermediate_size, layout)
+
+    def head_rows(self, head_dim: int) -> Shard:
+        """This rank's rows of a projection that stacks every head's ``head_dim`` outputs."""
+        return Shard(self.layout.tensor_rank * self.local_heads * head_dim, self.local_heads * head_dim)
 
     @property
     def entry_dim(self) -> int:
@@ -129,25 +179,29 @@ def apply_interleaved_rotary(
 
 
 class DeepseekV3Attention(nn.Module):
-    """Multi-head latent attention over a cache of latents and rotated keys, in the absorbed form."""
+    """Multi-head latent attention over a cache of latents and rotated keys, in the absorbed form; this rank's
+    heads (the latent and the rotated key, shared by all heads, are computed on every rank)."""
 
     def __init__(self, settings: DeepseekV3Settings, index: int) -> None:
         super().__init__()
         s = settings
         self.settings = s
         self.layer_name = layer_name(index)
-        self.num_heads = s.num_heads
+        self.num_heads = s.local_heads
         self.qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
+        query_rows = s.head_rows(self.qk_head_dim)
         if s.q_lora_rank is None:
-            self.q_proj = Linear(s.hidden_size, s.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(s.hidden_size, [query_rows], bias=False)
         else:
             self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias)
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, s.rms_norm_eps)
-            self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(s.q_lora_rank, [query_rows], bias=False)
         self.kv_a_proj_with_mqa = Linear(s.hidden_size, s.entry_dim, bias=s.attention_bias)
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, s.rms_norm_eps)
-        self.kv_b_proj = Linear(s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
-        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            s.kv_lora_rank, [s.head_rows(s.qk_nope_head_dim + s.v_head_dim)], bias=False
+        )
+        self.o_proj = RowParallelLinear(s.head_rows(s.v_head_dim), s.hidden_size, bias=s.attention_bias)
         self.rotate = apply_interleaved_rotary if s.rope_interleave else apply_rotary
 
     def forward(
@@ -190,13 +244,17 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3MLP(nn.Module):
-    """The gated SiLU MLP of the dense layers and of the shared experts (gate and up stacked)."""
+    """The gated SiLU MLP of the dense layers and of the shared experts (gate and up stacked): this rank's
+    columns. ``reduce=False`` (the shared experts) returns this rank's partial sum, which the MoE adds to its
+    own before its one collective."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, settings: DeepseekV3Settings, intermediate_size: int, reduce: bool = True) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        tp = settings.layout.tensor_parallel_size
+        self.intermediate_size = intermediate_size // tp
+        columns = Shard(settings.layout.tensor_rank * self.intermediate_size, self.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(settings.hidden_size, [columns, columns], bias=False)
+        self.down_proj = RowParallelLinear(columns, settings.hidden_size, bias=False, reduce=reduce)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
@@ -204,58 +262,37 @@ class DeepseekV3MLP(nn.Module):
 
 
 class DeepseekV3Router(nn.Module):
-    """Sigmoid scores, grouped top-k on the bias-corrected scores, weights from the plain scores (float32)."""
+    """The router's logits in float32 (its weight and score-correction bias stay float32, as HF keeps them);
+    the grouped top-k on them is the ``moe`` op's (``settings.routing``)."""
 
     def __init__(self, settings: DeepseekV3Settings) -> None:
         super().__init__()
-        self.settings = settings
         self.weight = nn.Parameter(torch.zeros(settings.num_experts, settings.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(settings.num_experts, dtype=torch.float32))
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, top_k] float32, experts [T, top_k])``."""
-        s = self.settings
-        scores = F.linear(hidden.float(), self.weight).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, s.num_groups, s.num_experts // s.num_groups).topk(2, dim=-1)[0].sum(dim=-1)
-        groups = group_scores.topk(s.top_k_groups, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
-        expert_mask = group_mask.repeat_interleave(s.num_experts // s.num_groups, dim=1)
-        experts = choice.masked_fill(~expert_mask, float("-inf")).topk(s.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, experts)
-        if s.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * s.routed_scaling_factor, experts
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight)
 
 
 class DeepseekV3MoE(nn.Module):
-    """Routed experts plus shared ones.
-
-    The routing and the expert loop are plain torch here; when core's shared ``moe`` op lands, the lead
-    switches this module to it (routing: sigmoid, grouped top-k with a score-correction bias, renormalised,
-    scaled by ``routed_scaling_factor``; a shared expert added).
-    """
+    """Routed experts (:class:`~weft.layers.moe.FusedMoE`: this rank's experts, or its columns of every expert)
+    plus the shared experts, whose partial sum joins the routed one before the collective that completes both."""
 
     def __init__(self, settings: DeepseekV3Settings) -> None:
         super().__init__()
-        size, width, count = settings.hidden_size, settings.moe_intermediate_size, settings.num_experts
-        self.num_experts, self.width = count, width
-        self.gate = DeepseekV3Router(settings)
-        self.experts_gate_up = nn.Parameter(torch.empty(count, 2 * width, size))
-        self.experts_down = nn.Parameter(torch.empty(count, size, width))
+        s = settings
+        self.gate = DeepseekV3Router(s)
+        self.experts = FusedMoE(s.num_experts, s.hidden_size, s.moe_intermediate_size, s.routing)
         self.shared_experts = (
-            DeepseekV3MLP(size, width * settings.num_shared_experts) if settings.num_shared_experts else None
+            DeepseekV3MLP(s, s.moe_intermediate_size * s.num_shared_experts, reduce=False)
+            if s.num_shared_experts
+            else None
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(hidden)
-        routed = torch.zeros_like(hidden)
-        for expert in experts.unique().tolist():
-            tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(hidden[tokens], self.experts_gate_up[expert]).split(self.width, dim=-1)
-            out = F.linear(F.silu(gate) * up, self.experts_down[expert]) * weights[tokens, slot, None]
-            routed.index_add_(0, tokens, out.to(hidden.dtype))
-        return routed if self.shared_experts is None else routed + self.shared_experts(hidden)
+        logits = self.gate(self.experts.own_rows(hidden))
+        shared = None if self.shared_experts is None else self.shared_experts(hidden)
+        return self.experts(hidden, logits, self.gate.e_score_correction_bias, shared=shared)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -263,7 +300,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV3Attention(settings, index)
         dense = index < settings.first_dense
-        self.mlp = DeepseekV3MLP(settings.hidden_size, settings.intermediate_size) if dense else DeepseekV3MoE(settings)
+        self.mlp = DeepseekV3MLP(settings, settings.intermediate_size) if dense else DeepseekV3MoE(settings)
         self.input_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
 
@@ -281,7 +318,7 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, settings: DeepseekV3Settings, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(settings.vocab_size, settings.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(settings.vocab_size, settings.hidden_size)
         self.layers = nn.ModuleList(DeepseekV3DecoderLayer(settings, index) for index in range(settings.num_layers))
         self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.rotary = RotaryEmbedding(settings.qk_rope_head_dim, max_positions, settings.rope)
@@ -301,7 +338,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.settings = settings
         self.dtype = torch.get_default_dtype()
         self.model = DeepseekV3Model(settings, max_positions)
-        self.lm_head = Linear(settings.hidden_size, settings.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(settings.hidden_size, settings.vocab_size)
         if settings.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -314,13 +351,24 @@ class DeepseekV3ForCausalLM(nn.Module):
 
 # Checkpoint name part -> (our stacked parameter, which half).
 _STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_EXPERT = re.compile(r"^(?P<block>model\.layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)_proj\.weight$")
+"""One routed expert's tensor (``model.layers.3.mlp.experts.17.gate_proj.weight``): its part is
+:meth:`FusedMoE.load_expert`'s (``gate``, ``up``, ``down``)."""
 
 
 class DeepseekV3Family(ModelFamily):
     """``DeepseekV3ForCausalLM``: multi-head latent attention with a latent KV cache, dense then MoE layers."""
 
+    reads_weight_slices = True
+
+    def settings(self, config: ModelConfig) -> DeepseekV3Settings:
+        return DeepseekV3Settings(config.hf_config, config.parallel)
+
+    def check_parallel(self, config: ModelConfig) -> None:
+        self.settings(config).check()
+
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        settings = DeepseekV3Settings(config.hf_config)
+        settings = self.settings(config)
         spec = LatentAttentionSpec(block_size=config.block_size, dtype=config.dtype, entry_dim=settings.entry_dim)
         return (KVCacheGroupSpec("latent", tuple(layer_name(i) for i in range(settings.num_layers)), spec),)
 
@@ -334,16 +382,19 @@ class DeepseekV3Family(ModelFamily):
         return "float32"
 
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV3ForCausalLM:
-        settings = DeepseekV3Settings(config.hf_config)
+        settings = self.settings(config)
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
             module = DeepseekV3ForCausalLM(settings, config.max_model_len)
         module.model.rotary.to(device)
         return module.eval()
 
     def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+        """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects; each rank copies (and reads) its
+        part: its heads, its columns, its experts."""
         settings: DeepseekV3Settings = module.settings
         parameters = dict(module.named_parameters(remove_duplicate=False))
         filled: set[str] = set()
+        expert_tensors: dict[str, int] = {}
         for name, tensor in weights:
             if name.endswith("weight_scale_inv"):
                 raise ValueError(
@@ -352,18 +403,35 @@ class DeepseekV3Family(ModelFamily):
                 )
             if "rotary_emb.inv_freq" in name or _layer_index(name) >= settings.num_layers:
                 continue  # the multi-token-prediction layers after the last one serve speculative decoding
-            target, part = self._target(name)
+            expert = _EXPERT.match(name)
+            if expert is not None and f"{expert['block']}.gate_up_proj" in parameters:
+                block: FusedMoE = module.get_submodule(expert["block"])
+                block.load_expert(int(expert["expert"]), expert["part"], tensor, name)
+                expert_tensors[expert["block"]] = expert_tensors.get(expert["block"], 0) + 1
+                continue
+            target, index = _target(name)
             if target not in parameters:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(module).__name__}")
-            destination = parameters[target].data
-            if part is not None:
-                destination = self._part(destination, target, part)
-            copy_checked(destination, as_slice(tensor).load(), name)
-            filled.add(target if part is None else f"{target}#{part}")
+            owner_name, _, parameter = target.rpartition(".")
+            loader = getattr(module.get_submodule(owner_name), "load_checkpoint_tensor", None)
+            if loader is not None:
+                loader(parameter, tensor, name, index or 0)
+            else:
+                copy_checked(parameters[target].data, as_slice(tensor).load(), name)
+            filled.add(target if index is None else f"{target}#{index}")
+        for block_name, block in module.named_modules():
+            if isinstance(block, FusedMoE):
+                expected = 3 * block.num_experts
+                if expert_tensors.get(block_name, 0) != expected:
+                    raise ValueError(
+                        f"the checkpoint has {expert_tensors.get(block_name, 0)} expert tensor(s) for {block_name}, "
+                        f"expected {expected} (gate, up and down of {block.num_experts} experts)"
+                    )
+                filled.update(f"{block_name}.{parameter}" for parameter, _ in block.named_parameters())
         expected = {
-            name if part is None else f"{name}#{part}"
-            for name, parameter in parameters.items()
-            for part in _parts(name, parameter)
+            name if index is None else f"{name}#{index}"
+            for name in parameters
+            for index in ((0, 1) if name.endswith("gate_up_proj.weight") else (None,))
         }
         if settings.tie_word_embeddings:
             expected.discard("lm_head.weight")
@@ -371,42 +439,13 @@ class DeepseekV3Family(ModelFamily):
         if missing:
             raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")
 
-    @staticmethod
-    def _target(name: str) -> tuple[str, Any]:
-        """Our parameter for checkpoint tensor ``name`` and the part of it the tensor fills (None: all of it)."""
-        pieces = name.split(".")
-        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.gate_proj.weight
-            layer_prefix, expert, projection = ".".join(pieces[:4]), int(pieces[5]), pieces[6]
-            if projection == "down_proj":
-                return f"{layer_prefix}.experts_down", (expert, None)
-            return f"{layer_prefix}.experts_gate_up", (expert, _STACKED[projection][1])
-        for checkpoint_part, (stacked, half) in _STACKED.items():
-            if f".{checkpoint_part}." in name:
-                return name.replace(checkpoint_part, stacked), half
-        return name, None
 
-    @staticmethod
-    def _part(destination: torch.Tensor, target: str, part: Any) -> torch.Tensor:
-        if isinstance(part, tuple):
-            expert, half = part
-            destination = destination[expert]
-            if half is None:
-                return destination
-        else:
-            half = part
-        rows = destination.shape[0] // 2
-        return destination.narrow(0, half * rows, rows)
-
-
-def _parts(name: str, parameter: torch.Tensor) -> list[Any]:
-    """The parts of a parameter that checkpoint tensors fill (``[None]``: one tensor fills it whole)."""
-    if name.endswith("gate_up_proj.weight"):
-        return [0, 1]
-    if name.endswith("experts_gate_up"):
-        return [(expert, half) for expert in range(parameter.shape[0]) for half in (0, 1)]
-    if name.endswith("experts_down"):
-        return [(expert, None) for expert in range(parameter.shape[0])]
-    return [None]
+def _target(name: str) -> tuple[str, int | None]:
+    """Our parameter for checkpoint tensor ``name`` and the stacked part it fills (None: all of it)."""
+    for checkpoint_part, (stacked, index) in _STACKED.items():
+        if f".{checkpoint_part}." in name:
+            return name.replace(checkpoint_part, stacked), index
+    return name, None
 
 
 def _layer_index(name: str) -> int:

@@ -62,6 +62,7 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
+from weft.contracts.speculator import DraftInputs, ProposalStep, SpeculationRequest, Speculator, Verified
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import InputBuilder, known_tokens
@@ -70,8 +71,17 @@ from weft.runner.graphs import DecodeGraphs, MaskGraphs
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
 from weft.runner.pipeline import forward_in_micro_batches, share_sampled
+from weft.runner.rejection_sampler import RejectionSampler, VerifiedBatch
 from weft.runner.request_state import RequestState
-from weft.runner.sampler import SampledBatch, Sampler, draw_seed, greedy_batch, needs_output_tokens, plain_greedy
+from weft.runner.sampler import (
+    SampledBatch,
+    SampledToken,
+    Sampler,
+    draw_seed,
+    greedy_batch,
+    needs_output_tokens,
+    plain_greedy,
+)
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
@@ -92,18 +102,22 @@ class _PendingStep(StepHandle):
         runner: ModelRunner,
         states: list[RequestState],
         sampling: list[int],
-        sampled: SampledBatch,
+        sampled: SampledBatch | VerifiedBatch,
         connector_output: ConnectorOutput | None,
         prompt_logprobs: PromptLogprobs,
+        proposals: dict[int, list[int]] | None = None,
     ) -> None:
-        """``sampled``: one row per entry of ``sampling``, on the device."""
+        """``sampled``: one row per entry of ``sampling``, on the device (a :class:`VerifiedBatch` where the step
+        verified ``proposals``, by batch row)."""
         self.runner = runner
         self.prompt_logprobs = prompt_logprobs
         self.states = states
         self.request_ids = [state.request_id for state in states]
         self.sampling = sampling
         """Batch rows that sampled, in the order of ``device_tokens``."""
-        self.device_tokens = sampled.tokens
+        self.proposals = proposals or {}
+        self.device_tokens = sampled.last_tokens() if isinstance(sampled, VerifiedBatch) else sampled.tokens
+        """Each sampling row's newest token: what its next step reads first."""
         self.connector_output = connector_output
         # On any accelerator (CUDA, ROCm, XPU): pinned copies, and one event after them on its device.
         self.host = sampled.to_host()
@@ -139,20 +153,54 @@ class _PendingStep(StepHandle):
             if self.event is not None:
                 self.event.synchronize()
             tokens: list[int | None] = [None] * len(self.request_ids)
-            logprobs: dict[str, TokenLogprobs] = {}
+            gained = StepTokens()
             failed: dict[str, str] = {}
-            for row, sampled in zip(self.sampling, self.host.sampled_tokens(), strict=True):
+            host = self.host
+            per_row = (
+                host.verified_tokens()
+                if isinstance(host, VerifiedBatch)
+                else [[sampled] for sampled in host.sampled_tokens()]
+            )
+            for row, row_tokens in zip(self.sampling, per_row, strict=True):
                 request_id = self.request_ids[row]
-                if sampled.error is not None:
-                    failed[request_id] = sampled.error
+                if row_tokens[0].error is not None:
+                    failed[request_id] = row_tokens[0].error
                     continue
-                tokens[row] = sampled.token_id
-                if sampled.logprob is not None:
-                    logprobs[request_id] = TokenLogprobs(sampled.logprob, sampled.rank, sampled.top_logprobs or [])
+                tokens[row] = row_tokens[0].token_id
+                gained.add(request_id, row_tokens)
             self.output = self.runner.finish_step(
-                self.states, tokens, logprobs, self.connector_output, failed, self.prompt_logprobs
+                self.states,
+                tokens,
+                gained.logprobs,
+                self.connector_output,
+                failed,
+                self.prompt_logprobs,
+                gained,
+                self.proposals,
             )
         return self.output
+
+
+class StepTokens:
+    """What the requests of a step gained past their first token (accepted proposals), and every token's
+    logprobs, by request."""
+
+    __slots__ = ("logprobs", "more_token_ids", "more_logprobs")
+
+    def __init__(self) -> None:
+        self.logprobs: dict[str, TokenLogprobs] = {}
+        self.more_token_ids: dict[str, list[int]] = {}
+        self.more_logprobs: dict[str, list[TokenLogprobs]] = {}
+
+    def add(self, request_id: str, tokens: list[SampledToken]) -> None:
+        """A request's tokens of the step, the first being its ``sampled_token_ids`` entry."""
+        if len(tokens) > 1:
+            self.more_token_ids[request_id] = [token.token_id for token in tokens[1:]]
+        if tokens[0].logprob is not None:
+            entries = [TokenLogprobs(t.logprob, t.rank, t.top_logprobs or []) for t in tokens]  # type: ignore[arg-type]
+            self.logprobs[request_id] = entries[0]
+            if len(entries) > 1:
+                self.more_logprobs[request_id] = entries[1:]
 
 
 class _AwaitingMask:
@@ -166,10 +214,13 @@ class _AwaitingMask:
         report: ConnectorOutput | None,
         prompt_logprobs: PromptLogprobs,
         graph_size: int | None,
+        proposals: dict[int, list[int]],
     ) -> None:
         self.states, self.sampling, self.logits, self.report = states, sampling, logits, report
         self.prompt_logprobs = prompt_logprobs
         self.graph_size = graph_size
+        self.proposals = proposals
+        """The proposals each batch row verifies (its logits have a row per proposal, then its own)."""
         """The decode graph the forward replayed (its logits are that graph's output); None: it ran eagerly."""
 
     def apply_mask(self, grammar: GrammarOutput, runner: ModelRunner) -> SampledBatch | None:
@@ -177,10 +228,14 @@ class _AwaitingMask:
         every row is greedy and ``runner`` has the fused ``bitmask_argmax`` op (None: the sampler samples them)."""
         sampled = None
         if grammar.request_ids and self.logits is not None:
-            row_of = {self.states[row].request_id: index for index, row in enumerate(self.sampling)}
+            row_of, first = {}, 0
+            for row in self.sampling:  # each sampling row's first logits row (constrained rows propose nothing)
+                row_of[self.states[row].request_id] = first
+                first += len(self.proposals.get(row, ())) + 1
             rows = [row_of[request_id] for request_id in grammar.request_ids]
             if (
-                runner.bitmask_argmax is not None
+                not self.proposals
+                and runner.bitmask_argmax is not None
                 and runner.parallel.layout.pipeline_parallel_size == 1
                 and all(plain_greedy(self.states[row]) for row in self.sampling)
             ):
@@ -219,7 +274,11 @@ class ModelRunner:
         connector: WorkerConnector | None = None,
         parallel: ParallelGroups = SINGLE,
         bitmask_argmax: OpImplementation | None = None,
+        speculator: Speculator | None = None,
+        num_target_groups: int | None = None,
     ) -> None:
+        """``groups``: every KV-cache group, the target's first ``num_target_groups`` (default: all), then the
+        speculator's own."""
         self.model = model
         self.parallel = parallel
         self.backend = backend
@@ -253,6 +312,14 @@ class ModelRunner:
         in one call (None: the bitmask is applied to the logits, then the sampler samples)."""
         self.token_counts = TokenCounts(device)
         """Penalized requests' token counts, on the device (filled where the sampler runs)."""
+        self.speculator = speculator
+        """Proposes each request's next tokens after its step (None: speculative decoding is off)."""
+        self.rejection_sampler = RejectionSampler(sampler)
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        """The distributions of a sampling speculator's proposals, by request, until its step verifies them."""
+        self.draft_groups = range(num_target_groups if num_target_groups is not None else len(groups), len(groups))
+        """The indices of the speculator's own KV-cache groups (empty: it owns no model)."""
+        """Verifies the steps that carry proposals (``SchedulerOutput.spec_token_ids``)."""
         self.encoder: EncoderRunner | None = None
         """Encodes the steps' images (:meth:`use_encoder`); None: the model reads text only."""
 
@@ -298,12 +365,23 @@ class ModelRunner:
 
     def _update_requests(self, step: SchedulerOutput) -> None:
         """Take in the step's new requests, drop its finished ones and move the cached ones along."""
+        speculator = self.speculator
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
             self.token_counts.free(request_id)
+            if speculator is not None:
+                speculator.remove_request(request_id)
         for new in step.new_requests:
             self.token_counts.free(new.request_id)  # a new state's counts are built again from its token ids
             self.requests[new.request_id] = RequestState(new, self.device)
+            if speculator is not None:
+                speculator.remove_request(new.request_id)  # resumed after a preemption: followed again from its tokens
+                speculator.add_request(
+                    SpeculationRequest(
+                        new.request_id, new.token_ids[: new.num_prompt_tokens], new.token_ids[new.num_prompt_tokens :]
+                    )
+                )
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
@@ -327,21 +405,36 @@ class ModelRunner:
         request_ids = list(step.num_scheduled_tokens)
         states = [self.requests[request_id] for request_id in request_ids]
         counts = list(step.num_scheduled_tokens.values())
+        # A speculating row feeds its proposals after its last token: they stand in its token ids for the forward.
+        proposals = {
+            row: step.spec_token_ids[request_id]
+            for row, request_id in enumerate(request_ids)
+            if request_id in step.spec_token_ids
+        }
+        for row, proposed in proposals.items():
+            states[row].token_ids.extend(proposed)
         sampling = [
             row
             for row, (state, count) in enumerate(zip(states, counts, strict=False))
             if state.num_computed_tokens + count >= len(state.token_ids)
         ]
         prompt_logprobs: PromptLogprobs = {}
-        logits = self._forward(states, counts, sampling, prompt_logprobs)
+        try:
+            logits = self._forward(states, counts, sampling, prompt_logprobs, proposals)
+        finally:
+            for row, proposed in proposals.items():
+                del states[row].token_ids[-len(proposed) :]
         report = self.connector.finish_step(step.finished_request_ids) if self.connector is not None else None
-        # Each state's computed count moves past this step (the next step's CachedRequest confirms it).
+        # Each state's computed count moves past this step (the next step's CachedRequest confirms it; a verified
+        # row's moves back to its last accepted token when its tokens are known: finish_step).
         for state, count in zip(states, counts, strict=False):
             state.num_computed_tokens += count
         if step.structured_output_request_ids:
-            self._awaiting = _AwaitingMask(states, sampling, logits, report, prompt_logprobs, self.last_graph_size)
+            self._awaiting = _AwaitingMask(
+                states, sampling, logits, report, prompt_logprobs, self.last_graph_size, proposals
+            )
             return None
-        return self._sample_step(states, sampling, logits, report, prompt_logprobs)
+        return self._sample_step(states, sampling, logits, report, prompt_logprobs, proposals=proposals)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> StepHandle:
@@ -362,7 +455,13 @@ class ModelRunner:
         assert awaiting is not None, "sample_tokens without a step waiting for its bitmask"
         sampled = awaiting.apply_mask(grammar, self)
         return self._sample_step(
-            awaiting.states, awaiting.sampling, awaiting.logits, awaiting.report, awaiting.prompt_logprobs, sampled
+            awaiting.states,
+            awaiting.sampling,
+            awaiting.logits,
+            awaiting.report,
+            awaiting.prompt_logprobs,
+            sampled,
+            awaiting.proposals,
         )
 
     def _sample_step(
@@ -373,14 +472,36 @@ class ModelRunner:
         report: ConnectorOutput | None,
         prompt_logprobs: PromptLogprobs,
         sampled: SampledBatch | None = None,
+        proposals: dict[int, list[int]] | None = None,
     ) -> StepHandle:
-        """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`) and start their way to the
-        host."""
+        """Sample the step's rows (``sampled``: already sampled, by :meth:`sample_tokens`), or verify the
+        ``proposals`` of its speculating rows (by batch row), and start their way to the host."""
         if not sampling:
             return DoneStep(self.finish_step(states, [None] * len(states), {}, report, {}, prompt_logprobs))
         sampled_states = [states[row] for row in sampling]
         if any(needs_output_tokens(state) for state in sampled_states):
             self._resolve_pending()  # min_tokens and bad words read every earlier output token
+        if proposals:
+            assert logits is not None, "speculative decoding runs without pipeline stages"
+            proposed = [proposals.get(row, []) for row in sampling]
+            # The position of the token each row's first logits draw (its seeded draws follow from it).
+            first_positions = [
+                state.num_computed_tokens - len(row_proposals)
+                for state, row_proposals in zip(sampled_states, proposed, strict=True)
+            ]
+            verified = self.rejection_sampler.verify(
+                logits,
+                sampled_states,
+                proposed,
+                first_positions,
+                self._take_draft_probs(sampled_states, proposed, logits),
+                self.token_counts,
+            )
+            self.token_counts.record_kept(
+                sampled_states, verified.tokens, verified.num_tokens, verified.starts, _failed_loads(report)
+            )
+            self._pending = _PendingStep(self, states, sampling, verified, report, prompt_logprobs, proposals)
+            return self._pending
         for state in sampled_states:
             if state.generator is not None:  # the draw of the token at this position, however the request got here
                 state.generator.manual_seed(draw_seed(state.params.seed, state.num_computed_tokens))
@@ -406,23 +527,99 @@ class ModelRunner:
         report: ConnectorOutput | None,
         failed: dict[str, str],
         prompt_logprobs: PromptLogprobs | None = None,
+        gained: StepTokens | None = None,
+        proposals: dict[int, list[int]] | None = None,
     ) -> ModelRunnerOutput:
-        """Append each sampled token to its request's state; returns the step's output (``failed``: requests
-        that got no token, with the reason)."""
+        """Append each sampled token (and the accepted proposals of ``gained``) to its request's state; returns the
+        step's output (``failed``: requests that got no token, with the reason), with the speculator's proposals
+        for the next step."""
         failed_loads = _failed_loads(report)
+        more = gained.more_token_ids if gained is not None else {}
+        proposals = proposals or {}
+        verified: list[Verified] = []
         for row, (state, token) in enumerate(zip(states, tokens, strict=False)):
             if token is None:
                 continue
             if state.request_id in failed_loads:  # computed over incomplete KV: the scheduler recomputes it
                 tokens[row] = None
+                more.pop(state.request_id, None)
                 continue
-            if self.requests.get(state.request_id) is state:  # not dropped (finished, preempted) meanwhile
-                state.token_ids.append(token)
+            if self.requests.get(state.request_id) is not state:  # dropped (finished, preempted) meanwhile
+                continue
+            accepted = more.get(state.request_id, [])
+            state.token_ids.append(token)
+            state.token_ids.extend(accepted)
+            proposed = len(proposals.get(row, ()))
+            # The KV of the rejected proposals is discarded: the next step overwrites it.
+            state.num_computed_tokens -= proposed - len(accepted)
+            verified.append(Verified(state.request_id, proposed, len(accepted), [token, *accepted]))
         # A row computed over a failed load is recomputed, whatever its logits were (the load may have left garbage).
         failed = {request_id: reason for request_id, reason in failed.items() if request_id not in failed_loads}
         return ModelRunnerOutput(
-            [state.request_id for state in states], tokens, logprobs, report, failed, prompt_logprobs or {}
+            [state.request_id for state in states],
+            tokens,
+            logprobs,
+            report,
+            failed,
+            prompt_logprobs or {},
+            more_token_ids=more,
+            more_logprobs=gained.more_logprobs if gained is not None else {},
+            spec_token_ids=self._propose(verified) if self.speculator is not None and verified else {},
         )
+
+    def _propose(self, verified: list[Verified]) -> dict[str, list[int]]:
+        """Tell the speculator what the step's requests gained, and take its proposals for their next step."""
+        speculator = self.speculator
+        assert speculator is not None
+        speculator.on_verified(verified)
+        k = speculator.config.num_speculative_tokens
+        ids, limits = [], []
+        for result in verified:
+            state = self.requests[result.request_id]
+            if state.params.structured_outputs is not None:
+                continue  # a constrained request decodes one token per step
+            left = k
+            if state.params.max_tokens is not None:
+                left = min(k, state.params.max_tokens - len(state.token_ids) + state.num_prompt_tokens - 1)
+            ids.append(result.request_id)
+            limits.append(max(left, 0))
+        if not ids:
+            return {}
+        draft_inputs = None
+        if self.draft_groups:
+            draft_inputs = DraftInputs(
+                [[self.requests[request_id].block_ids[group] for group in self.draft_groups] for request_id in ids]
+            )
+        made = speculator.propose(ProposalStep(ids, limits, draft_inputs))
+        if made.probs is not None:  # drawn proposals: the verification needs each one's distribution
+            start = 0
+            for request_id, proposed, limit in zip(ids, made.token_ids, limits, strict=True):
+                if proposed and limit:
+                    self._draft_probs[request_id] = made.probs[start : start + min(len(proposed), limit)]
+                start += len(proposed)
+        return {
+            request_id: proposed[:limit]
+            for request_id, proposed, limit in zip(ids, made.token_ids, limits, strict=True)
+            if proposed and limit
+        }
+
+    def _take_draft_probs(
+        self, states: list[RequestState], proposed: list[list[int]], logits: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The distributions the rows' proposals were drawn from, request-major (one-hot rows for deterministic
+        proposals beside drawn ones); None when every row's proposals are deterministic."""
+        stored = [self._draft_probs.pop(state.request_id, None) for state in states]
+        if all(probs is None for probs in stored):
+            return None
+        parts = []
+        for probs, tokens in zip(stored, proposed, strict=True):
+            if not tokens:
+                continue
+            if probs is None:
+                ids = torch.tensor(tokens, device=logits.device)
+                probs = torch.nn.functional.one_hot(ids, logits.shape[-1]).float()
+            parts.append(probs[: len(tokens)].to(logits.device, torch.float32))
+        return torch.cat(parts)
 
     def _resolve_pending(self) -> None:
         # Taken first: a step whose result raises is reported once, not again by every later step.
@@ -431,10 +628,16 @@ class ModelRunner:
             pending.result()
 
     def _forward(
-        self, states: list[RequestState], counts: list[int], sampling: list[int], prompt_logprobs: PromptLogprobs
+        self,
+        states: list[RequestState],
+        counts: list[int],
+        sampling: list[int],
+        prompt_logprobs: PromptLogprobs,
+        proposals: dict[int, list[int]] | None = None,
     ) -> torch.Tensor | None:
-        """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last);
-        fills ``prompt_logprobs`` (not under pipeline parallelism, which refuses prompt logprobs)."""
+        """The logits of the rows in ``sampling`` (None when no row samples, or on a stage before the last), a
+        speculating row's at each of its proposals then its last position (``proposals``, by batch row); fills
+        ``prompt_logprobs`` (not under pipeline parallelism, which refuses prompt logprobs)."""
         if self.parallel.layout.pipeline_parallel_size > 1:
             return forward_in_micro_batches(self.model, self.parallel, self.prepare_inputs, states, counts, sampling)
         count = len(states)
@@ -454,7 +657,7 @@ class ModelRunner:
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
         self.last_graph_size = None
-        return self._execute_eager(states, counts, sampling, prompt_logprobs)
+        return self._execute_eager(states, counts, sampling, prompt_logprobs, proposals or {})
 
     def _replay(self, states: list[RequestState], size: int) -> torch.Tensor:
         self.decode_graphs.stage(states, size)
@@ -470,14 +673,23 @@ class ModelRunner:
             self._pending.fill_unknown(input_ids, states, counts)
 
     def _execute_eager(
-        self, states: list[RequestState], counts: list[int], sampling: list[int], prompt_logprobs: PromptLogprobs
+        self,
+        states: list[RequestState],
+        counts: list[int],
+        sampling: list[int],
+        prompt_logprobs: PromptLogprobs,
+        proposals: dict[int, list[int]],
     ) -> torch.Tensor | None:
         input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
         hidden = self.model(input_ids, positions, context)
         _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
         if not sampling:
             return None
-        last_rows = to_device([query_start[row + 1] - 1 for row in sampling], torch.long, self.device)
+        rows = []
+        for row in sampling:
+            end = query_start[row + 1]
+            rows.extend(range(end - len(proposals.get(row, ())) - 1, end))
+        last_rows = to_device(rows, torch.long, self.device)
         return self.model.compute_logits(hidden[last_rows])
 
     def prepare_inputs(

@@ -74,6 +74,38 @@ class TokenCounts:
         index = (both[1], tokens.index_select(0, both[0]))
         self.output.index_put_(index, self.output[index] + 1)
 
+    def record_kept(
+        self,
+        requests: Sequence[Request],
+        tokens: torch.Tensor,
+        num_kept: torch.Tensor,
+        starts: Sequence[int],
+        dropped: frozenset[str] = frozenset(),
+    ) -> None:
+        """Count every token each request kept in a verified step, as :meth:`record` does for one token each:
+        ``requests[i]`` owns ``tokens[starts[i]:starts[i + 1]]`` (on the device) and keeps the first ``num_kept[i]``
+        of them (a :class:`~weft.runner.rejection_sampler.VerifiedBatch`'s layout)."""
+        owners = [
+            index
+            for index, request in enumerate(requests)
+            if request.request_id in self.rows and request.request_id not in dropped
+        ]
+        if not owners:
+            return
+        positions, rows, offsets, owned = [], [], [], []
+        for index in owners:
+            start, end = starts[index], starts[index + 1]
+            positions.extend(range(start, end))
+            rows.extend([self.rows[requests[index].request_id]] * (end - start))
+            offsets.extend(range(end - start))
+            owned.extend([index] * (end - start))
+        packed = to_device([positions, rows, offsets, owned], torch.long, self.device)
+        kept = packed[2] < num_kept.index_select(0, packed[3])
+        # A kept run may repeat a token: accumulate.
+        self.output.index_put_(
+            (packed[1], tokens.index_select(0, packed[0])), kept.to(self.output.dtype), accumulate=True
+        )
+
     def free(self, request_id: str) -> None:
         """Give back the request's row, if it holds one (a later row for the id starts from its token ids)."""
         row = self.rows.pop(request_id, None)

@@ -62,7 +62,7 @@ from weft.runner.sampler import (
 )
 
 if TYPE_CHECKING:
-    from weft.runner.model_runner import RequestState as Request
+    from weft.runner.request_state import RequestState as Request
 
 logger = logging.getLogger("weft.runner")
 

@@ -30,6 +30,7 @@ from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.model import ModelFamily
+from weft.contracts.speculator import DraftModel, DraftModelLoader, Speculator, SpeculatorConfig
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
 from weft.layers.attention import Attention
@@ -40,6 +41,7 @@ from weft.plugins.selection import choose_op
 from weft.progress import human_bytes, report
 from weft.resolve import (
     build_platform,
+    check_kv_cache_dtype,
     choose_quantization,
     load_config_for,
     load_family,
@@ -48,6 +50,7 @@ from weft.resolve import (
     options_for,
     resolve_dtype,
     resolve_source,
+    with_kv_cache_dtype,
 )
 from weft.runner.encoder import EncoderRunner
 from weft.runner.kv_connector import WorkerConnector
@@ -95,6 +98,7 @@ class Worker:
             bind_compute_threads(config.engine.cpu_threads, config.engine.cpu_affinity)
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
+        self.speculator: Speculator | None = None
 
     def load_model(self) -> WorkerInfo:
         config, engine = self.config, self.config.engine
@@ -121,6 +125,7 @@ class Worker:
         self.attention = attention_class(
             options_for(config, "attention", attention_class, attention_name), self.platform
         )
+        check_kv_cache_dtype(config, self.platform, self.attention)
         torch.manual_seed(engine.seed)
         with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
             self.ops = self._choose_ops()
@@ -151,7 +156,12 @@ class Worker:
                     self.ops["bitmask_argmax"].declare(dtype=dtype)
             layers = [module.spec for module in self.model.modules() if isinstance(module, Attention)]
             self.attention.prepare(layers, self.dtype)
-        self.groups = self.family.kv_cache_groups(self.model_config)
+            self.speculator = self._build_speculator()
+        groups = self.family.kv_cache_groups(self.model_config)
+        if self.speculator is not None:
+            # Its own layers' groups come after the target's: the target's group indices stay as its layers name them.
+            groups = (*groups, *self.speculator.kv_cache_groups())
+        self.groups = with_kv_cache_dtype(config, groups)
         if self.platform.device_type == "cpu":
             available = engine.cpu_kv_cache_bytes
         else:
@@ -193,6 +203,9 @@ class Worker:
             for layer in group.layer_names:
                 kv_caches[layer] = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=self.device)
         self.kv_caches = kv_caches
+        if self.speculator is not None:
+            own = {layer for group in self.speculator.kv_cache_groups() for layer in group.layer_names}
+            self.speculator.bind_kv_caches({layer: kv_caches[layer] for layer in own})
         connector = load_kv_connector(self.registry, self.config, self.source, self.parallel.layout)
         if connector is not None:
             connector_class, options, context = connector
@@ -213,6 +226,8 @@ class Worker:
             self.kv_connector,
             self.parallel,
             self.ops["bitmask_argmax"] if self.structured_outputs else None,
+            self.speculator,
+            num_target_groups=len(self.family.kv_cache_groups(self.model_config)),
         )
         if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
             store = self.config.engine.encoder_store or None
@@ -226,6 +241,42 @@ class Worker:
                 "kernel warm-up compiled %s", ", ".join(f"{name}: {count}" for name, count in compiled.items())
             )
         self._capture_graphs(num_blocks)
+
+    def _build_speculator(self) -> Speculator | None:
+        """The ``[engine.speculative]`` speculator, built with its options (those of its Options Struct that the
+        table sets, over its ``[plugins]`` table's); None when speculation is off."""
+        speculative = self.config.engine.speculative
+        if not speculative.enabled:
+            return None
+        speculator_class = self.registry.load("speculator", speculative.method)
+        if speculator_class.needs_hidden_states:
+            raise ValueError(
+                f"[engine.speculative] method = {speculative.method!r} needs the target's hidden states, which this "
+                f"weft-core does not pass to speculators yet; choose 'ngram' or 'draft'"
+            )
+        options = options_for(self.config, "speculator", speculator_class, speculative.method)
+        given = {
+            name: getattr(speculative, name)
+            for name in msgspec.structs.asdict(speculative)
+            if name in speculator_class.Options.__struct_fields__ and getattr(speculative, name) is not None
+        }
+        if given:
+            options = msgspec.structs.replace(options, **given)
+        vocab = self.model_config.hf_config.get("vocab_size")
+        speculator = speculator_class(
+            options,
+            SpeculatorConfig(
+                num_speculative_tokens=speculative.num_speculative_tokens,
+                vocab_size=int(vocab) if vocab is not None else 0,
+                max_model_len=self.model_config.max_model_len,
+                block_size=self.config.engine.block_size,
+                dtype=self.dtype,
+                model=speculative.model,
+                target=self.model_config,
+            ),
+        )
+        speculator.load(_DraftModels(self))
+        return speculator
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:
         """Capture decode graphs when the platform and the attention backend both can, unless told not to."""
@@ -302,3 +353,54 @@ class Worker:
         del model, kv_caches, tensors
         gc.collect()
         self.platform.release_memory()
+
+
+class _DraftModels(DraftModelLoader):
+    """Loads a speculator's model as the worker loaded the target: its loader resolution, quantization, ops,
+    parallel layout and attention backend, on its device, with the target's context length."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def load(self, source: str) -> DraftModel:
+        worker = self.worker
+        engine = msgspec.structs.replace(worker.config.engine, max_model_len=worker.model_config.max_model_len)
+        config = msgspec.structs.replace(worker.config, model=source, engine=engine)
+        layout = worker.parallel.layout
+        try:
+            load_config = load_config_for(
+                config,
+                str(worker.device),
+                tensor_parallel_rank=layout.tensor_rank,
+                pipeline_parallel_size=layout.pipeline_parallel_size,
+                pipeline_parallel_rank=layout.pipeline_rank,
+                local_rank=worker.local_rank,
+            )
+            loader, draft_source = resolve_source(worker.registry, config, load_config)
+            name, quantization = choose_quantization(
+                worker.registry, config, worker.platform, draft_source.format, worker.dtype
+            )
+            if quantization is not None:
+                loader.load_config = msgspec.structs.replace(load_config, quantization=name)
+            family = load_family(worker.registry, config, draft_source)
+            draft_config = model_config(config, draft_source, worker.dtype, layout)
+        except ValueError as error:
+            raise ValueError(f"[engine.speculative] model = {source!r}: {error}") from error
+        family.check_parallel(draft_config)
+        with using_ops(worker.ops), using_parallel(worker.parallel), using_quantization(quantization):
+            model = family.build(draft_config, worker.device)
+        if layout.rank == 0:
+            report("loading the draft model's weights (%s)", Path(draft_source.path).name)
+        load_dtype = family.load_dtype(worker.dtype)
+        if family.reads_weight_slices:
+            weights = loader.iter_weight_slices(draft_source, load_dtype)
+        else:
+            weights = loader.iter_weights(draft_source, load_dtype)
+        family.load_weights(model, weights)
+        process_quantized_layers(model)
+        worker.attention.prepare(
+            [module.spec for module in model.modules() if isinstance(module, Attention)], worker.dtype
+        )
+        return DraftModel(
+            model=model, family=family, config=draft_config, backend=worker.attention, device=worker.device
+        )

@@ -181,7 +181,7 @@ class ServerMetrics:
 
 
 class _CoreCounters(Collector):
-    """Counters the engine core keeps (reported with its gauges): preemptions and steps."""
+    """Counters the engine core keeps (reported with its gauges): preemptions, steps, speculative decoding."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -194,6 +194,28 @@ class _CoreCounters(Collector):
             value=stats.num_preemptions,
         )
         yield CounterMetricFamily("weft_engine_steps", "Engine steps run", value=stats.num_steps)
+        if not self.engine.config.engine.speculative.enabled:
+            return
+        # Speculative decoding, under vLLM's names (vllm:spec_decode_*).
+        yield CounterMetricFamily(
+            "weft_spec_decode_num_drafts", "Verified rows that had proposals", value=stats.spec_decode_num_drafts
+        )
+        yield CounterMetricFamily(
+            "weft_spec_decode_num_draft_tokens", "Proposed tokens verified", value=stats.spec_decode_num_draft_tokens
+        )
+        yield CounterMetricFamily(
+            "weft_spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted",
+            value=stats.spec_decode_num_accepted_tokens,
+        )
+        per_position = CounterMetricFamily(
+            "weft_spec_decode_num_accepted_tokens_per_pos",
+            "Rows whose proposal at this position was accepted",
+            labels=["position"],
+        )
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([str(position)], count)
+        yield per_position
 
 
 class _ConnectorMetrics(Collector):

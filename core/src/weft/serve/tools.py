@@ -223,7 +223,7 @@ def chat_input(
     it ignores them (its text is the same without), they are written into the conversation in the tool
     parser's format (Hermes' without one)."""
     writer = tool_parser() if tool_parser is not None else _HermesWriter()
-    messages = [_template_message(message) for message in messages]
+    messages = [_template_message(message, writer) for message in messages]
 
     def render(conversation: list[dict[str, Any]], **extra: Any) -> str:
         return tokenizer.apply_chat_template(
@@ -258,14 +258,19 @@ class _HermesWriter(ToolParser):
         return Scan(text, [])
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Earlier calls as templates expect them: ``arguments`` as an object, not JSON text, and a content
-    (empty) beside the calls."""
+def _template_message(message: dict[str, Any], writer: ToolParser) -> dict[str, Any]:
+    """Earlier calls as templates expect them: ``arguments`` as an object, not JSON text, a content (empty)
+    beside the calls, and the calls' ids (and a tool message's ``tool_call_id``) in the format's shape
+    (:meth:`~weft.contracts.tool_parser.ToolParser.template_call_id`)."""
+    if message.get("role") == "tool" and isinstance(message.get("tool_call_id"), str):
+        return {**message, "tool_call_id": writer.template_call_id(message["tool_call_id"])}
     if not message.get("tool_calls"):
         return message
     message = copy.deepcopy(message)
     message.setdefault("content", "")
     for call in message["tool_calls"]:
+        if isinstance(call.get("id"), str):
+            call["id"] = writer.template_call_id(call["id"])
         function = call.get("function", call)
         arguments = function.get("arguments")
         if isinstance(arguments, str):

@@ -60,40 +60,53 @@ class QuantizationContract(_Contract):
         }
 
     def test_apply_matches_the_dequantized_reference(self, plugin, weft_registry):
-        import torch
-        from torch import nn
-
-        from weft.contracts.quantization import GroupAffine, QuantizationMethod
+        from weft.contracts.quantization import QuantizationMethod
 
         assert issubclass(plugin, QuantizationMethod)
         platform = _platform_under_test(weft_registry, self.platform)
         if not plugin.is_available(platform):
-            pytest.skip(f"quantization {self.plugin_name!r} has no kernels on platform {platform.name!r}")
-        out_features, in_features = 96, 256
-        rtol, atol = plugin.tolerance
-        for dtype in self.activation_dtypes:
-            for name, weight in self.weight_formats(out_features, in_features).items():
-                method = plugin(platform, dtype)
-                layer = nn.Linear(in_features, out_features, bias=True, dtype=getattr(torch, dtype))
-                layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-                method.create_weights(layer, in_features, out_features)
-                half = out_features // 2
-                try:
-                    method.load_weight(layer, weight.narrow(0, half, out_features - half), half, name)
-                    method.load_weight(layer, weight.narrow(0, 0, half), 0, name)
-                except ValueError:
-                    continue  # the method refuses this format, as it may
-                method.process_weights_after_loading(layer)
-                assert method.describe(layer), "describe() must name the effective format"
-                dense = weight.dequantize() if isinstance(weight, GroupAffine) else weight
-                x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(1))
-                bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
-                expected = x @ dense.t() + bias
-                actual = method.apply(layer, x.to(getattr(torch, dtype)), bias.to(getattr(torch, dtype)))
-                assert actual.dtype == getattr(torch, dtype) and actual.shape == expected.shape
-                scale = expected.abs().max()
-                error = ((actual.float() - expected).abs() - rtol * expected.abs()).max() / scale
-                # Float weights the method rounds itself (to 4 bits at worst): a looser bound.
-                assert error <= (self.rounded_float_tolerance if name == "float" else atol), (
-                    f"{self.plugin_name} on {name} weights, {dtype} activations: error {error:.4f}"
-                )
+            pytest.skip(f"quantization {self.plugin_name!r} {plugin.unavailable_reason(platform)}")
+        check_apply(plugin, platform, self.activation_dtypes, self.rounded_float_tolerance)
+
+
+def check_apply(
+    plugin: Any, platform: Any, activation_dtypes: tuple[str, ...], rounded_float_tolerance: float
+) -> None:
+    """The contract's check of method class ``plugin`` on ``platform``'s device 0: each weight format of
+    :meth:`QuantizationContract.weight_formats` loaded in two row blocks, ``apply`` against ``x @ dense^T + b``
+    computed on the CPU in float32."""
+    import torch
+    from torch import nn
+
+    from weft.contracts.quantization import GroupAffine
+
+    device = platform.device(0)
+    out_features, in_features = 96, 256
+    rtol, atol = plugin.tolerance
+    for dtype in activation_dtypes:
+        for name, weight in QuantizationContract.weight_formats(out_features, in_features).items():
+            method = plugin(platform, dtype)
+            layer = nn.Linear(in_features, out_features, bias=True, dtype=getattr(torch, dtype), device=device)
+            layer.weight = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+            method.create_weights(layer, in_features, out_features)
+            half = out_features // 2
+            try:
+                method.load_weight(layer, weight.narrow(0, half, out_features - half), half, name)
+                method.load_weight(layer, weight.narrow(0, 0, half), 0, name)
+            except ValueError:
+                continue  # the method refuses this format, as it may
+            method.process_weights_after_loading(layer)
+            assert method.describe(layer), "describe() must name the effective format"
+            dense = weight.dequantize() if isinstance(weight, GroupAffine) else weight
+            x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(1))
+            bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
+            expected = x @ dense.t() + bias
+            torch_dtype = getattr(torch, dtype)
+            actual = method.apply(layer, x.to(device, torch_dtype), bias.to(device, torch_dtype))
+            assert actual.dtype == getattr(torch, dtype) and actual.shape == expected.shape
+            scale = expected.abs().max()
+            error = ((actual.float().cpu() - expected).abs() - rtol * expected.abs()).max() / scale
+            # Float weights the method rounds itself (to 4 bits at worst): a looser bound.
+            assert error <= (rounded_float_tolerance if name == "float" else atol), (
+                f"{plugin.__name__} on {name} weights, {dtype} activations: error {error:.4f}"
+            )

@@ -319,7 +319,10 @@ class AttentionContract(_Contract):
     the whole key/value history the suite keeps itself. Set ``platform`` to run
     on that platform's device (skipped, with the reason, where it is not
     available), or ``device`` under the platform ``auto`` chooses; and
-    ``dtype``/``tolerance`` for accelerators.
+    ``dtype``/``tolerance`` for accelerators. A backend that declares fp8 caches
+    (:attr:`~weft.contracts.attention.AttentionBackend.kv_cache_dtypes`) runs the steps again over a
+    float8_e4m3fn cache, against the reference on keys and values rounded as
+    :func:`~weft.contracts.attention.to_float8` rounds them.
     """
 
     slot = "attention"
@@ -338,14 +341,19 @@ class AttentionContract(_Contract):
     def backend(self, plugin, target_platform):
         return plugin(None, target_platform)
 
+    @pytest.mark.parametrize("kv_cache_dtype", [None, "float8_e4m3fn"])
     @pytest.mark.parametrize("window", [None, 20])
     @pytest.mark.parametrize("head_dim_index", [0, 1])
-    def test_mixed_prefill_and_decode_steps_match_the_reference(self, backend, target_platform, window, head_dim_index):
+    def test_mixed_prefill_and_decode_steps_match_the_reference(
+        self, backend, target_platform, window, head_dim_index, kv_cache_dtype
+    ):
         if head_dim_index >= len(self.head_dims):
             pytest.skip("fewer head sizes declared")
+        if kv_cache_dtype is not None and kv_cache_dtype not in backend.kv_cache_dtypes:
+            pytest.skip(f"backend {self.plugin_name!r} stores no {kv_cache_dtype} cache")
         import torch
 
-        from weft.contracts.attention import AttentionBatch, AttentionLayer
+        from weft.contracts.attention import AttentionBatch, AttentionLayer, to_float8
         from weft.contracts.kv_cache import FullAttentionSpec
 
         head_dim = self.head_dims[head_dim_index]
@@ -355,10 +363,15 @@ class AttentionContract(_Contract):
             num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5, sliding_window=window
         )
         backend.prepare([layer], self.dtype)
-        spec = FullAttentionSpec(block_size=self.block_size, dtype=self.dtype, num_kv_heads=2, head_dim=head_dim)
+        cache_dtype = kv_cache_dtype or self.dtype
+        spec = FullAttentionSpec(block_size=self.block_size, dtype=cache_dtype, num_kv_heads=2, head_dim=head_dim)
         per_request = -(-40 // self.block_size)  # every request stays under 40 tokens
         num_blocks = 8 * per_request
-        kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, spec), dtype=dtype, device=device)
+        kv_cache = torch.zeros(
+            backend.kv_cache_shape(num_blocks, spec), dtype=getattr(torch, cache_dtype), device=device
+        )
+        # What the cache holds of each key and value: the values themselves, or their float8 rounding.
+        stored = (lambda tensor: tensor) if kv_cache_dtype is None else (lambda tensor: to_float8(tensor).float())
         generator = torch.Generator().manual_seed(head_dim + (window or 0))
         blocks = torch.randperm(num_blocks, generator=generator).tolist()
         tables = [blocks[i * per_request : (i + 1) * per_request] for i in range(4)]
@@ -392,8 +405,8 @@ class AttentionContract(_Contract):
             output = backend.forward(layer, query, key, value, kv_cache, backend.build_metadata(batch))
             for index, (request, cached, _new) in enumerate(step):
                 rows = slice(starts[index], starts[index + 1])
-                history[request][0].append(key[rows].float().cpu())
-                history[request][1].append(value[rows].float().cpu())
+                history[request][0].append(stored(key[rows].float().cpu()))
+                history[request][1].append(stored(value[rows].float().cpu()))
                 keys, values = torch.cat(history[request][0]), torch.cat(history[request][1])
                 expected = _reference_attention(query[rows].float().cpu(), keys, values, cached, layer)
                 rtol, atol = self.tolerance

@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: paged attention for mixed prefill/decode steps in one Triton launch.
 
-New keys and values are stored by one launch of a store kernel, then one launch of
+New keys and values are stored by one launch of a store kernel (rounded to float8 in an fp8
+cache, ``engine.kv_cache_dtype = "fp8"``), then one launch of
 :mod:`weft_triton.paged_attention` attends every query of the step (two for
 decode steps of few requests, whose keys are split over several programs).
 The backend chooses the tiles per step and registers the kernel with core's
@@ -57,6 +58,8 @@ class TritonAttention(AttentionBackend):
     supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
     supports_graph_capture: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"float8_e4m3fn"})
+    supports_sinks: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct | None, platform: Any) -> None:
         super().__init__(options, platform)
@@ -78,6 +81,7 @@ class TritonAttention(AttentionBackend):
             ) from error
         self.kernel = PagedAttentionKernel()
         self.store = StoreKVKernel()
+        self.store.cache_dtypes = self.kernel.cache_dtypes
 
     def check_layer(self, layer: AttentionLayer) -> None:
         super().check_layer(layer)
@@ -99,6 +103,8 @@ class TritonAttention(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, spec: FullAttentionSpec | SlidingWindowSpec) -> tuple[int, ...]:
         if spec.block_size not in self.kernel.block_sizes:
             self.kernel.block_sizes.append(spec.block_size)
+        if spec.dtype in self.kv_cache_dtypes and getattr(torch, spec.dtype) not in self.kernel.cache_dtypes:
+            self.kernel.cache_dtypes.append(getattr(torch, spec.dtype))
         return super().kv_cache_shape(num_blocks, spec)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
@@ -116,11 +122,13 @@ class TritonAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = metadata.batch
+        cache_dtype = kv_cache.dtype if kv_cache.dtype != query.dtype else None
         if (
             key.stride(-1) == value.stride(-1) == 1
-            and key.dtype == value.dtype == kv_cache.dtype
+            and key.dtype == value.dtype == query.dtype
             and kv_cache.is_contiguous()
         ):
             self.store(
@@ -131,6 +139,7 @@ class TritonAttention(AttentionBackend):
                 value=value,
                 kv_cache=kv_cache,
                 slot_mapping=batch.slot_mapping,
+                cache_dtype=cache_dtype,
             )
         else:
             self.store_kv(kv_cache, key, value, batch.slot_mapping)
@@ -146,5 +155,7 @@ class TritonAttention(AttentionBackend):
             kv_cache=kv_cache,
             output=output,
             batch=batch,
+            cache_dtype=cache_dtype,
+            sinks=sinks,
         )
         return output

@@ -8,6 +8,11 @@ columns and walks K in ``BLOCK_K`` tiles, multiplying in float32 (the same
 accumulation cuBLAS uses for bf16); the strip height is chosen per shape so
 the grid fills the GPU. It goes through core's warm-up contract: every
 (shape, M tile) a model's linear layers need is compiled before serving.
+
+:class:`Fp8GemvKernel` is the same kernel over float8_e4m3 weights with one scale per output
+column (weft-cuda's ``fp8`` quantization at one row): the weights are converted in registers and
+the activations stay in bf16, so a decode step streams half the bytes and rounds nothing but
+the weights.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ Llama-3-8B projection faster than cuBLAS; at two and four rows cuBLAS is faster,
 def _gemv_kernel(
     x,
     w,
+    scale,
     bias,
     y,
     M,
@@ -38,6 +44,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,6 +58,8 @@ def _gemv_kernel(
         )
         inputs = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
         accumulator += tl.sum(inputs.to(tl.float32)[:, None, :] * weights.to(tl.float32)[None, :, :], axis=2)
+    if HAS_SCALE:
+        accumulator *= tl.load(scale + columns, mask=columns < N, other=0.0)[None, :]
     if HAS_BIAS:
         accumulator += tl.load(bias + columns, mask=columns < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -76,11 +85,12 @@ def pays(n: int, k: int) -> bool:
     return n * k <= 32 << 20
 
 
-def tile_config(n: int, k: int, block_m: int) -> tuple[int, int, int]:
+def tile_config(n: int, k: int, block_m: int, weight_bytes: int = 2) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)``: from a tile sweep on an H200, strips of 8 columns walking
     K in tiles of 1024 (the most bytes in flight per program) with 4 warps were best for the
-    matrices this kernel takes."""
-    return 8, (1024 if block_m == 1 else 256), 4
+    bf16 matrices this kernel takes; one-byte weights walk twice as many per tile, for the same bytes
+    in flight (not swept)."""
+    return 8, (1024 * 2 // weight_bytes if block_m == 1 else 256), 4
 
 
 class GemvKey(CompileKey, frozen=True):
@@ -93,6 +103,8 @@ class GemvKey(CompileKey, frozen=True):
 
 class GemvKernel(Kernel):
     name: ClassVar[str] = "weft_triton.gemv"
+    weight_dtype: ClassVar[torch.dtype | None] = None
+    """The weights' dtype where it is not the activations' (:class:`Fp8GemvKernel`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,10 +130,12 @@ class GemvKernel(Kernel):
         if interpreting():
             return key
         dtype = getattr(torch, key.dtype)
-        block_n, block_k, warps = tile_config(key.n, key.k, key.block_m)
+        weight_dtype = self.weight_dtype or dtype
+        block_n, block_k, warps = tile_config(key.n, key.k, key.block_m, weight_dtype.itemsize)
         return _gemv_kernel.warmup(
             dtype,
-            dtype,
+            weight_dtype,
+            torch.float32,
             dtype,
             dtype,
             1,
@@ -130,6 +144,7 @@ class GemvKernel(Kernel):
             BLOCK_M=key.block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            HAS_SCALE=self.weight_dtype is not None,
             HAS_BIAS=key.has_bias,
             num_warps=warps,
             grid=(1,),
@@ -145,15 +160,17 @@ class GemvKernel(Kernel):
         m: int,
         n: int,
         k: int,
+        scale: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
         block_m = block_rows(m)
-        block_n, block_k, warps = tile_config(n, k, block_m)
+        block_n, block_k, warps = tile_config(n, k, block_m, weight.element_size())
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             x,
             weight,
-            bias if bias is not None else weight,
+            scale if scale is not None else x,
+            bias if bias is not None else x,
             y,
             m,
             N=n,
@@ -161,7 +178,16 @@ class GemvKernel(Kernel):
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None,
             num_warps=warps,
         )
         return y
+
+
+class Fp8GemvKernel(GemvKernel):
+    """``y = (x @ codes^T) * scale (+ bias)`` for float8_e4m3fn ``codes`` ``[N, K]`` and float32 ``scale`` ``[N]``
+    (one per output column), ``x`` in bf16/fp16; ``launch`` takes ``scale``."""
+
+    name: ClassVar[str] = "weft_triton.gemv_fp8"
+    weight_dtype: ClassVar[torch.dtype | None] = torch.float8_e4m3fn

@@ -12,11 +12,15 @@ tiles wholly before the window. Decode steps of few requests split each
 request's keys over several programs and merge the partial softmaxes
 (:func:`weft_triton.attention.decode_splits`).
 
+An fp8 cache (``engine.kv_cache_dtype = "fp8"``) holds float8_e4m3 keys and values: the store kernel
+rounds them (saturating at +-448, a per-tensor scale of 1) and the attention kernels convert each
+tile they load to the query's dtype, so the tiles' products run as with a bf16 cache, on half the bytes.
+
 Runs wherever Triton has a backend for the device (NVIDIA, AMD, Intel XPU), and
 on the CPU under ``TRITON_INTERPRET=1`` for tests.
 
 The kernel goes through core's warm-up contract (:mod:`weft.kernels.warmup`):
-its compile key holds the dtype, the layer's head shape and window flag, the
+its compile key holds the dtype, the cache's element type, the layer's head shape and window flag, the
 cache block size and the tile height; the backend registers it with every layer
 shape and the cache block sizes, so warm-up compiles each variant the model will
 launch before the first request. Values that change from step to step (the block
@@ -86,7 +90,10 @@ def _online_softmax_step(
     HAS_SOFT_CAP: tl.constexpr,
 ):
     """Fold one key tile into the running (max, sum, unnormalised output); ``visible`` masks scores, which are
-    first capped to ``soft_cap * tanh(score / soft_cap)`` when the layer has a cap (Gemma 2)."""
+    first capped to ``soft_cap * tanh(score / soft_cap)`` when the layer has a cap (Gemma 2). Keys and values of
+    an fp8 cache are converted to the query's dtype here (a no-op for a cache in that dtype)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -107,12 +114,23 @@ def _online_softmax_step(
     return new_max, running_sum, accumulator
 
 
+@triton.jit
+def _fold_sink(sinks, head, running_max, running_sum, accumulator):
+    """Add each head's sink logit (gpt-oss) to the softmax's denominator: a key every query sees whose value is
+    zero. Returns the sum and the output, both rescaled to the new maximum."""
+    sink = tl.load(sinks + head).to(tl.float32)
+    new_max = tl.maximum(running_max, sink)
+    correction = tl.exp(running_max - new_max)
+    return running_sum * correction + tl.exp(sink - new_max), accumulator * correction[:, None]
+
+
 @triton.jit(do_not_specialize=["window", "soft_cap", "stride_bt"])
 def _paged_attention_kernel(
     query,
     key_cache,
     value_cache,
     output,
+    sinks,
     block_table,
     seq_lens,
     query_start,
@@ -135,6 +153,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     request = tl.program_id(0)
     tile = tl.program_id(1)
@@ -197,6 +216,8 @@ def _paged_attention_kernel(
             IEEE,
             HAS_SOFT_CAP,
         )
+    if HAS_SINKS:
+        running_sum, accumulator = _fold_sink(sinks, head, running_max, running_sum, accumulator)
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
         output + (first + query_index)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -298,6 +319,7 @@ def _decode_merge_kernel(
     partial_max,
     partial_sum,
     output,
+    sinks,
     splits,
     stride_ot,
     stride_oh,
@@ -306,8 +328,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Merge one (request, query head)'s partial softmaxes into its attention output."""
+    """Merge one (request, query head)'s partial softmaxes into its attention output (and its sink logit)."""
     request = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -317,12 +340,37 @@ def _decode_merge_kernel(
     maxima = tl.load(partial_max + slot, mask=used, other=float("-inf"))
     sums = tl.load(partial_sum + slot, mask=used, other=0.0)
     top = tl.max(maxima, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     scale = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - top))
     dims = tl.arange(0, HEAD_DIM)
     accumulators = tl.load(partial + slot[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
     total = tl.sum(sums * scale, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     result = tl.sum(accumulators * scale[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(output + request * stride_ot + head * stride_oh + dims, result.to(output.dtype.element_ty))
+
+
+@triton.jit
+def _round_to_float8(x):
+    """``x`` (float32) rounded to nearest-even on float8_e4m3's grid, saturated at +-448, still as float32.
+
+    The cast to the cache's float8 that follows is then exact. Rounding here rather than in the cast makes the
+    result the same on every Triton backend and in the interpreter, whose float32 -> float8e4nv cast (Triton 3.9)
+    drops the carry of a mantissa that rounds up into the next power of two (-0.486 becomes -0.25, not -0.5)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    magnitude = bits & 0x7FFFFFFF
+    # Normal numbers (|x| >= 2^-6): three mantissa bits, ties to even; a carry moves into the exponent.
+    normal = (magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) & -1048576
+    # Subnormals: multiples of 2^-9, ties to even (adding and removing 2^23 rounds a float32 below it so).
+    small = tl.abs(x) * 512.0
+    subnormal = ((small + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    rounded = tl.where(tl.abs(x) < 0.015625, subnormal.to(tl.int32, bitcast=True), normal)
+    return (rounded | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -340,8 +388,10 @@ def _store_kv_kernel(
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    FLOAT8: tl.constexpr,
 ):
-    """One token's keys and values into its cache slot (a negative slot is a padding row: skipped)."""
+    """One token's keys and values into its cache slot (a negative slot is a padding row: skipped); rounded to
+    float8 saturating at +-448 into an fp8 cache."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot >= 0:
@@ -351,6 +401,9 @@ def _store_kv_kernel(
         target = slot * stride_slot + heads[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(key + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
         v = tl.load(value + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        if FLOAT8:
+            k = _round_to_float8(k.to(tl.float32)).to(key_cache.dtype.element_ty)
+            v = _round_to_float8(v.to(tl.float32)).to(value_cache.dtype.element_ty)
         tl.store(key_cache + target, k, mask=mask)
         tl.store(value_cache + target, v, mask=mask)
 
@@ -359,6 +412,8 @@ class StoreKVKey(CompileKey, frozen=True):
     dtype: str
     num_kv_heads: int
     head_dim: int
+    cache_dtype: str = ""
+    """The cache's element type where it differs from ``dtype`` (``"float8_e4m3fn"``)."""
 
 
 class StoreKVKernel(Kernel):
@@ -371,28 +426,40 @@ class StoreKVKernel(Kernel):
         super().__init__()
         self.layers: list[AttentionLayer] = []
         self.dtypes: list[torch.dtype] = []
+        self.cache_dtypes: list[torch.dtype | None] = [None]
+        """The caches' element types (None: the activations' dtype), as :class:`PagedAttentionKernel` has them."""
 
-    def dispatch(self, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> StoreKVKey:
-        return StoreKVKey(dtype=str(dtype).removeprefix("torch."), num_kv_heads=num_kv_heads, head_dim=head_dim)
+    def dispatch(
+        self, dtype: torch.dtype, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype | None = None
+    ) -> StoreKVKey:
+        return StoreKVKey(
+            dtype=str(dtype).removeprefix("torch."),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            cache_dtype=cache_dtype_name(dtype, cache_dtype),
+        )
 
     def input_space(self) -> InputSpace | None:
         if not (self.layers and self.dtypes):
             return None
         shapes = list(dict.fromkeys((layer.num_kv_heads, layer.head_dim) for layer in self.layers))
-        return Choice("dtype", self.dtypes) * Zipped(
-            num_kv_heads=[h for h, _ in shapes], head_dim=[d for _, d in shapes]
+        return (
+            Choice("dtype", self.dtypes)
+            * Choice("cache_dtype", self.cache_dtypes)
+            * Zipped(num_kv_heads=[h for h, _ in shapes], head_dim=[d for _, d in shapes])
         )
 
     def compile(self, key: StoreKVKey) -> Any:
         if interpreting():
             return key
         dtype = getattr(torch, key.dtype)
+        cache = getattr(torch, key.cache_dtype or key.dtype)
         row = key.num_kv_heads * key.head_dim
         return _store_kv_kernel.warmup(
             dtype,
             dtype,
-            dtype,
-            dtype,
+            cache,
+            cache,
             torch.int32,
             row,
             key.head_dim,
@@ -406,7 +473,10 @@ class StoreKVKernel(Kernel):
     @staticmethod
     def _constants(key: StoreKVKey) -> dict[str, Any]:
         return dict(
-            KV_HEADS=key.num_kv_heads, HEAD_DIM=key.head_dim, BLOCK_HEADS=triton.next_power_of_2(key.num_kv_heads)
+            KV_HEADS=key.num_kv_heads,
+            HEAD_DIM=key.head_dim,
+            BLOCK_HEADS=triton.next_power_of_2(key.num_kv_heads),
+            FLOAT8=key.cache_dtype.startswith("float8"),
         )
 
     def launch(
@@ -420,6 +490,7 @@ class StoreKVKernel(Kernel):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         tokens = key.shape[0]
         if not tokens:
@@ -436,7 +507,7 @@ class StoreKVKernel(Kernel):
             value.stride(0),
             value.stride(1),
             cache.stride(1),
-            **self._constants(self.dispatch(dtype, num_kv_heads, head_dim)),
+            **self._constants(self.dispatch(dtype, num_kv_heads, head_dim, cache_dtype)),
         )
 
 
@@ -451,6 +522,14 @@ class PagedAttentionKey(CompileKey, frozen=True):
     split: bool = False
     """The two-kernel split-key decode path (:func:`decode_splits`)."""
     has_soft_cap: bool = False
+    cache_dtype: str = ""
+    """The cache's element type where it differs from ``dtype`` (``"float8_e4m3fn"``)."""
+    has_sinks: bool = False
+
+
+def cache_dtype_name(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
+    """A compile key's ``cache_dtype``: empty for a cache in the activations' dtype."""
+    return "" if cache_dtype is None or cache_dtype == dtype else str(cache_dtype).removeprefix("torch.")
 
 
 class PagedAttentionKernel(Kernel):
@@ -463,9 +542,17 @@ class PagedAttentionKernel(Kernel):
         self.layers: list[AttentionLayer] = []
         self.dtypes: list[torch.dtype] = []
         self.block_sizes: list[int] = []
+        self.cache_dtypes: list[torch.dtype | None] = [None]
+        """The caches' element types (None: the activations' dtype), from the specs the backend sized caches for."""
 
     def dispatch(
-        self, dtype: torch.dtype, layer: AttentionLayer, block_size: int, block_m: int, splits: int = 1
+        self,
+        dtype: torch.dtype,
+        layer: AttentionLayer,
+        block_size: int,
+        block_m: int,
+        splits: int = 1,
+        cache_dtype: torch.dtype | None = None,
     ) -> PagedAttentionKey:
         return PagedAttentionKey(
             dtype=str(dtype).removeprefix("torch."),
@@ -477,6 +564,8 @@ class PagedAttentionKernel(Kernel):
             has_window=layer.sliding_window is not None,
             split=splits > 1,
             has_soft_cap=layer.logits_soft_cap is not None,
+            cache_dtype=cache_dtype_name(dtype, cache_dtype),
+            has_sinks=layer.sinks,
         )
 
     def input_space(self) -> InputSpace | None:
@@ -484,6 +573,7 @@ class PagedAttentionKernel(Kernel):
             return None
         return (
             Choice("dtype", self.dtypes)
+            * Choice("cache_dtype", self.cache_dtypes)
             * Choice("layer", self.layers)
             * Choice("block_size", self.block_sizes)
             * Choice("block_m", (DECODE_BLOCK_M, PREFILL_BLOCK_M))
@@ -494,14 +584,15 @@ class PagedAttentionKernel(Kernel):
         if interpreting():
             return key
         dtype = getattr(torch, key.dtype)
+        cache = getattr(torch, key.cache_dtype or key.dtype)
         heads, kv_heads, dim, block = key.num_heads, key.num_kv_heads, key.head_dim, key.block_size
         # The launch's signature with the runtime strides of contiguous query/output rows and of
         # the default cache layout; pointers are given as dtypes (16-byte aligned, as at runtime).
         if key.split:
             split = _decode_split_kernel.warmup(
                 dtype,
-                dtype,
-                dtype,
+                cache,
+                cache,
                 torch.float32,
                 torch.float32,
                 torch.float32,
@@ -525,6 +616,7 @@ class PagedAttentionKernel(Kernel):
                 torch.float32,
                 torch.float32,
                 dtype,
+                dtype,
                 2,
                 heads * dim,
                 dim,
@@ -534,11 +626,13 @@ class PagedAttentionKernel(Kernel):
                 HEAD_DIM=dim,
                 BLOCK_M=key.block_m,
                 MAX_SPLITS=MAX_SPLITS,
+                HAS_SINKS=key.has_sinks,
             )
             return split, merge
         return _paged_attention_kernel.warmup(
             dtype,
-            dtype,
+            cache,
+            cache,
             dtype,
             dtype,
             torch.int32,
@@ -585,6 +679,7 @@ class PagedAttentionKernel(Kernel):
             HAS_WINDOW=key.has_window,
             IEEE=key.dtype == "float32",
             HAS_SOFT_CAP=key.has_soft_cap,
+            HAS_SINKS=key.has_sinks,
             num_stages=3 if key.block_m == DECODE_BLOCK_M else PREFILL_STAGES,
         )
 
@@ -601,11 +696,16 @@ class PagedAttentionKernel(Kernel):
         output: torch.Tensor,
         batch: AttentionBatch,
         splits: int = 1,
+        cache_dtype: torch.dtype | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key = self.dispatch(dtype, layer, block_size, block_m, splits)
+        key = self.dispatch(dtype, layer, block_size, block_m, splits, cache_dtype)
+        # The sink logits in the activations' dtype (the warm-up's signature); a layer without them gets the
+        # output as a pointer it never reads.
+        sinks = output if sinks is None else sinks.to(output.dtype).contiguous()
         if key.split:
-            self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch)
+            self._launch_split(key, layer, splits, query, key_cache, value_cache, output, batch, sinks)
             return
         grid = (
             batch.seq_lens.shape[0],
@@ -617,6 +717,7 @@ class PagedAttentionKernel(Kernel):
             key_cache,
             value_cache,
             output,
+            sinks,
             batch.block_table,
             batch.seq_lens,
             batch.query_start,
@@ -644,6 +745,7 @@ class PagedAttentionKernel(Kernel):
         value_cache: torch.Tensor,
         output: torch.Tensor,
         batch: AttentionBatch,
+        sinks: torch.Tensor,
     ) -> None:
         requests, kv_heads = batch.seq_lens.shape[0], layer.num_kv_heads
         partial = torch.empty(
@@ -677,6 +779,7 @@ class PagedAttentionKernel(Kernel):
             partial_max,
             partial_sum,
             output,
+            sinks,
             splits,
             output.stride(0),
             output.stride(1),
@@ -685,4 +788,5 @@ class PagedAttentionKernel(Kernel):
             HEAD_DIM=layer.head_dim,
             BLOCK_M=key.block_m,
             MAX_SPLITS=MAX_SPLITS,
+            HAS_SINKS=key.has_sinks,
         )

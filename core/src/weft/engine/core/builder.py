@@ -93,6 +93,8 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             engine.long_prefill_token_threshold,
             engine.max_long_partial_prefills,
             structured_outputs,
+            engine.speculative.num_speculative_tokens if engine.speculative.enabled else 0,
+            _speculator_owns_model(registry, config),
         )
         scheduler.encoder_cache = EncoderCache(
             engine.encoder_cache_size or engine.max_num_batched_tokens,
@@ -200,3 +202,9 @@ def num_kv_blocks(
                 f"(or engine.num_kv_blocks) or lower engine.max_model_len"
             )
     return counts
+
+
+def _speculator_owns_model(registry: PluginRegistry, config: WeftConfig) -> bool:
+    """Whether ``[engine.speculative]``'s speculator runs a model of its own (its KV goes ``k`` slots ahead)."""
+    speculative = config.engine.speculative
+    return speculative.enabled and bool(registry.load("speculator", speculative.method).owns_model)

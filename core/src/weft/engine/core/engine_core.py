@@ -213,6 +213,11 @@ class EngineCore:
         that raises midway has applied them all the same)."""
         launched = None
         if self.scheduler.has_unfinished or self._in_flight is None:
+            if self._in_flight is not None and self.scheduler.all_wait_for_proposals():
+                # Every request that could run waits for its proposals, which come with the step in flight: apply it
+                # first, then schedule them (rather than launch an empty step and schedule them on the next call).
+                self._sample_in_flight()
+                results += self._apply_in_flight()
             output = self._schedule()
             if (
                 output.structured_output_request_ids

@@ -89,6 +89,9 @@ class Request:
         self.prompt_logprobs_sent = False
         self.kv_transfer_params = kv_transfer_params
         """What the KV connector is to do with this request (the API's ``kv_transfer_params``)."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: the speculator's proposals for the request's next step (after its last token),
+        from the output of its last step; cleared when they are scheduled or the request is preempted."""
         self.multimodal = multimodal
         """Its images (items, ranges, hashes, encoder inputs), extras and positions; None: text only."""
         self.block_items: tuple[tuple[int, int, bytes], ...] = (

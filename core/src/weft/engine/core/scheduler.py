@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 class _StepPlan:
     """What :meth:`Scheduler.schedule` has decided so far for one step."""
 
-    __slots__ = ("budget", "long_cap", "scheduled", "capped")
+    __slots__ = ("budget", "long_cap", "scheduled", "capped", "proposals")
 
     def __init__(self, budget: int, long_cap: int) -> None:
         self.budget = budget
@@ -68,6 +68,8 @@ class _StepPlan:
         """Each scheduled request and its token count."""
         self.capped: list[Request] = []
         """Long prefills held to ``long_cap`` tokens until the others had their share."""
+        self.proposals: dict[str, list[int]] = {}
+        """The proposals each speculating request verifies (its count is one more than theirs)."""
 
 
 class Scheduler(SchedulerState):
@@ -85,8 +87,13 @@ class Scheduler(SchedulerState):
         long_prefill_token_threshold: int = 0,
         max_long_partial_prefills: int = 1,
         structured_outputs: StructuredOutputManager | None = None,
+        num_speculative_tokens: int = 0,
+        speculator_owns_model: bool = False,
     ) -> None:
-        super().__init__(kv_cache, max_model_len, connector, structured_outputs)
+        super().__init__(kv_cache, max_model_len, connector, structured_outputs, num_speculative_tokens)
+        self.draft_lookahead = num_speculative_tokens if speculator_owns_model else 0
+        """Slots allocated past a decoding request's step for its draft model's proposals (0: no draft model);
+        taken only where the cache has room: a draft proposes within the blocks its request holds."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -120,7 +127,7 @@ class Scheduler(SchedulerState):
                 plan.scheduled[request.request_id] = (request, count + extra)
                 plan.budget -= extra
         encoder_inputs = self._plan_encoders(plan.scheduled)
-        output = self._build_output(list(plan.scheduled.values()))
+        output = self._build_output(list(plan.scheduled.values()), plan.proposals)
         output.encoder_inputs, output.freed_encoder_hashes = encoder_inputs, self.encoder_cache.take_freed()
         return output
 
@@ -132,9 +139,14 @@ class Scheduler(SchedulerState):
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
             planned, placeholders = self._planned[request.request_id], self._placeholders.get(request.request_id, 0)
+            if placeholders and self.speculates(request):
+                index += 1  # its proposals come with the output of its step in flight
+                continue
             needed = request.num_tokens + placeholders - planned
             if len(request.output_token_ids) + placeholders >= request.max_tokens:
                 needed = 0  # its last token is in flight: nothing more to compute
+            proposals = self._proposals(request, needed, plan.budget)
+            needed += len(proposals)
             count = min(needed, plan.budget) if self.enable_chunked_prefill else needed
             if plan.long_cap and count > plan.long_cap:
                 count = plan.long_cap
@@ -142,7 +154,9 @@ class Scheduler(SchedulerState):
             if count <= 0 or count > plan.budget:
                 index += 1
                 continue
-            while not self.kv_cache.allocate_slots(request.request_id, planned + count):
+            ahead = self.draft_lookahead if needed == count and self.speculates(request) else 0
+            allocated = ahead > 0 and self.kv_cache.allocate_slots(request.request_id, planned + count + ahead)
+            while not allocated and not self.kv_cache.allocate_slots(request.request_id, planned + count):
                 victim = self.running.pop()
                 self._steps.publish_before_preempt(
                     victim, self._planned.get(victim.request_id, 0), self.kv_cache, self.connector is not None
@@ -155,9 +169,25 @@ class Scheduler(SchedulerState):
                     break
             else:
                 plan.scheduled[request.request_id] = (request, count)
+                if proposals:
+                    plan.proposals[request.request_id] = proposals
                 plan.budget -= count
                 index += 1
         return preempted
+
+    def _proposals(self, request: Request, needed: int, budget: int) -> list[int]:
+        """The proposals ``request`` verifies this step (taken from it): those its speculator made, cut to what the
+        step's token budget, its ``max_tokens`` and the context length leave after its own token (none unless it
+        decodes one token this step)."""
+        proposals, request.spec_token_ids = request.spec_token_ids, []
+        if not proposals or needed != 1:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - len(request.output_token_ids) - 1,  # the step adds up to len(proposals) + 1 tokens
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return proposals[: max(room, 0)]
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in order while budget, blocks and sequence slots remain (see the module docstring
@@ -199,6 +229,8 @@ class Scheduler(SchedulerState):
             # to lose the token in flight), over and over while they hold the rest. Not with a KV connector, whose
             # saves and transfers take a request's blocks as its computed tokens' own.
             lookahead = 1 if self.connector is None and self.running and computed + count == len(tokens) else 0
+            if computed + count == len(tokens) and self.speculates(request):
+                lookahead = max(lookahead, self.draft_lookahead)
             if not self.kv_cache.allocate_slots(
                 request.request_id,
                 computed + count + lookahead,
@@ -262,7 +294,9 @@ class Scheduler(SchedulerState):
             self.finish(request.request_id)
             return False
 
-    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+    def _build_output(
+        self, scheduled: list[tuple[Request, int]], proposals: dict[str, list[int]] | None = None
+    ) -> SchedulerOutput:
         counts: dict[str, int] = {}
         rows: dict[str, ScheduledRow] = {}
         constrained: list[str] = []
@@ -284,7 +318,8 @@ class Scheduler(SchedulerState):
             start = self._planned[request_id]
             placeholders = self._placeholders.get(request_id, 0)
             self._planned[request_id] = start + count
-            samples = start + count == request.num_tokens + placeholders
+            proposed = len(proposals.get(request_id, ())) if proposals else 0
+            samples = start + count - proposed == request.num_tokens + placeholders
             if samples:  # this step samples the request's next token
                 self._placeholders[request_id] = placeholders + 1
             rows[request_id] = ScheduledRow(request.num_preemptions, start, samples, request_id in first_ids)
@@ -299,6 +334,7 @@ class Scheduler(SchedulerState):
             kv_connector_metadata=metadata,
             structured_output_request_ids=constrained,
             has_sync_kv_loads=self.connector is not None and self.connector.has_sync_loads(list(counts)),
+            spec_token_ids=proposals or {},
         )
 
     def _preempt(self, request: Request) -> None:
@@ -309,6 +345,7 @@ class Scheduler(SchedulerState):
         self._steps.drop_on_workers(request.request_id)
         self._planned.pop(request.request_id)
         self._placeholders.pop(request.request_id, None)
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.state_transferred = False
         self.num_preemptions += 1

@@ -33,6 +33,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger("weft.engine")
 
 
+class SpecDecodeCounts:
+    """Speculative decoding's running totals, under vLLM's metric names (``spec_decode_num_drafts`` ...)."""
+
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
+
+    def __init__(self, k: int) -> None:
+        self.drafts = 0
+        """Verified rows that had at least one proposal."""
+        self.draft_tokens = 0
+        """Proposals verified."""
+        self.accepted_tokens = 0
+        """Proposals accepted."""
+        self.accepted_per_position = [0] * k
+        """Rows whose proposal ``j`` was accepted, by ``j``."""
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
 class SchedulerState:
     def __init__(
         self,
@@ -40,8 +63,13 @@ class SchedulerState:
         max_model_len: int,
         connector: SchedulerConnector | None = None,
         structured_outputs: StructuredOutputManager | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
+        self.num_speculative_tokens = num_speculative_tokens
+        """``k`` of speculative decoding; 0: off."""
+        self.spec = SpecDecodeCounts(num_speculative_tokens)
+        """Proposals verified and accepted since start (vLLM's ``spec_decode_*`` counters)."""
         self.connector = connector
         self.structured_outputs = structured_outputs
         self.max_model_len = max_model_len
@@ -70,6 +98,22 @@ class SchedulerState:
         self.encoder_cache = EncoderCache(max_model_len)
         """What the workers hold of the images' encoder outputs (:mod:`weft.engine.core.encoder_cache`); the
         engine's builder sizes it from ``engine.encoder_cache_size``."""
+
+    def speculates(self, request: Request) -> bool:
+        """Whether ``request`` verifies proposals: speculation is on and no grammar constrains it (a constrained
+        request decodes one token per step). Such a request's next step waits for its step in flight, whose output
+        brings its proposals."""
+        return self.num_speculative_tokens > 0 and request.constraint is None
+
+    def all_wait_for_proposals(self) -> bool:
+        """Whether the next step would schedule nothing because every running request speculates and waits for its
+        step in flight, and none waits to be admitted."""
+        return (
+            self.num_speculative_tokens > 0
+            and bool(self.running)
+            and not self.waiting
+            and all(self.speculates(request) and self._placeholders.get(request.request_id) for request in self.running)
+        )
 
     def add(self, request: Request, grammar_start: GrammarStart | None = None) -> None:
         """Queue ``request``; one with a structured-output constraint starts compiling it (``grammar_start``:
@@ -139,6 +183,10 @@ class SchedulerState:
             connector_metrics=connector.metric_totals if connector is not None else {},
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
+            spec_decode_num_drafts=self.spec.drafts,
+            spec_decode_num_draft_tokens=self.spec.draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_position),
         )
 
     @property
@@ -190,7 +238,14 @@ class SchedulerState:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens -= failed[request_id]
                 continue
-            request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id]
+            proposed = len(output.spec_token_ids.get(request_id, ())) if output.spec_token_ids else 0
+            more = sampled.more_token_ids.get(request_id, ()) if sampled.more_token_ids else ()
+            if proposed:
+                # The KV of the rejected proposals is discarded: the next step starts after the last accepted one (its
+                # blocks past that are overwritten), and no block is cached over them.
+                self.spec.verified(proposed, len(more) if token is not None else 0)
+                self._planned[request_id] -= proposed - (len(more) if token is not None else 0)
+            request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id] - proposed + len(more)
             if request_id in sampled.failed:
                 outputs.append(
                     EngineCoreOutput(
@@ -202,23 +257,46 @@ class SchedulerState:
                 )
                 self.finish(request_id, RequestStatus.FINISHED_ERROR)
                 continue
-            known = min(request.num_computed_tokens, request.num_tokens)
-            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
             if request_id in sampled.prompt_logprobs:
                 self._add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
             if token is None:
+                known = min(request.num_computed_tokens, request.num_tokens)
+                self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
                 continue
-            request.append_token(token)
-            if request.constraint is not None:
-                self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
-            request.status, request.stop_reason = self._stop(request, token)
-            outputs.append(self._token_output(request, token, sampled.logprobs.get(request_id)))
+            taken = self._take_tokens(request, [token, *more], sampled, request_id)
+            # Blocks are cached over the tokens kept only (a stop inside an accepted run drops the rest).
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
+            outputs.append(taken)
             if request.finished:
                 self._free(request)
+            elif sampled.spec_token_ids and self.speculates(request):
+                request.spec_token_ids = sampled.spec_token_ids.get(request_id, [])
         if connector is not None and report is not None:
             for request_id in connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
+
+    def _take_tokens(
+        self, request: Request, tokens: list[int], sampled: ModelRunnerOutput, request_id: str
+    ) -> EngineCoreOutput:
+        """Append the step's ``tokens`` to ``request`` one by one under the stop rules (a run of accepted proposals
+        stops where plain decoding would: the tokens after the stop are dropped); what the caller gets of them."""
+        logprobs = sampled.logprobs.get(request_id)
+        all_logprobs = None
+        if logprobs is not None:
+            all_logprobs = [logprobs, *(sampled.more_logprobs.get(request_id, ()) if sampled.more_logprobs else ())]
+        kept = 0
+        for token in tokens:
+            request.append_token(token)
+            kept += 1
+            if request.constraint is not None:
+                self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
+            request.status, request.stop_reason = self._stop(request, token)
+            if request.finished:
+                break
+        output = self._token_output(request, tokens[:kept], all_logprobs[:kept] if all_logprobs else None)
+        return output
 
     def _plan_encoders(self, scheduled: dict[str, tuple[Request, int]]) -> dict[str, list[int]]:
         """The items each scheduled request with images needs encoded in this step (the encoder cache decides); a
@@ -237,17 +315,17 @@ class SchedulerState:
         return encoder_inputs
 
     @staticmethod
-    def _token_output(request: Request, token: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
+    def _token_output(request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
         """What the caller gets of the token ``request`` just took (and of its end, when it ended): with its
         logprobs, and the prompt's logprobs with its first token."""
-        first = len(request.output_token_ids) == 1
+        first = len(request.output_token_ids) == len(tokens)
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return EngineCoreOutput(
             request.request_id,
-            [token],
-            [logprobs] if logprobs is not None else None,
+            tokens,
+            logprobs,
             request.finish_reason,
             request.stop_reason,
             request.num_cached_tokens,

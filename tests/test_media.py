@@ -153,9 +153,9 @@ def test_the_per_prompt_limit_and_image_parts():
     with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[0\]\.image_url: expected an image URL"):
         image_parts([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     url = data_url(encoded(picture(2, 2), "PNG"))
-    loader = ImageLoader(MediaLimits(limit_images_per_prompt=2))
+    loader = ImageLoader(MediaLimits(limit_mm_per_prompt=2))
     assert len(asyncio.run(loader.load_all([("a", url), ("b", url)]))) == 2
-    with pytest.raises(MediaError, match=r"^c: the prompt carries 3 images, more than limit_images_per_prompt \(2\)"):
+    with pytest.raises(MediaError, match=r"^c: the prompt carries 3 images, more than limit_mm_per_prompt \(2\)"):
         asyncio.run(loader.load_all([("a", url), ("b", url), ("c", url)]))
 
 

@@ -308,8 +308,13 @@ def load_family(registry: PluginRegistry, config: WeftConfig, source: ModelSourc
 
 
 def max_model_len(config: WeftConfig, source: ModelSource) -> int:
-    """``engine.max_model_len``, or the model's context length; never beyond it."""
-    context_length = source.hf_config.get("max_position_embeddings", 4096)
+    """``engine.max_model_len``, or the model's context length (a vision-language checkpoint's is its language
+    model's, in ``text_config``); never beyond it."""
+    text_config = source.hf_config.get("text_config")
+    context_length = source.hf_config.get(
+        "max_position_embeddings",
+        text_config.get("max_position_embeddings", 4096) if isinstance(text_config, dict) else 4096,
+    )
     length = config.engine.max_model_len or context_length
     if length > context_length:
         raise ValueError(f"engine.max_model_len = {length} exceeds the model's context length {context_length}")

@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   weft generate "Once upon a time"                   the default model, its chat template if it has one
   weft generate --model ./my-model --no-chat --max-tokens 32 "def fib(n):"
   weft generate --prompts-file prompts.jsonl --json --temperature 0.7 --sample-seed 1
+  weft generate --model ./llava --image cat.png "What is in the picture?"
 """
 
 
@@ -51,6 +52,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="render prompts as a user message with the model's chat template (default: when it has one)",
+    )
+    prompts.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image file each prompt shows the model before its text (repeatable; a vision-language model, chat)",
     )
     sampling = parser.add_argument_group(
         "sampling",
@@ -126,11 +134,31 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
     return prompts
 
 
+def _image_url(path: str) -> str:
+    """A ``file:`` URL of an ``--image`` file (checked here, before the model loads)."""
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise ConfigError(f"--image {path}: no such file")
+    return resolved.as_uri()
+
+
+def _user_message(prompt: Any, images: list[str]) -> Any:
+    """A text prompt as a conversation of one user message: the ``--image`` files first, then the text. A prompt
+    that is already a conversation (a ``messages`` line of ``--prompts-file``) is kept as it is."""
+    if not isinstance(prompt, str):
+        return prompt
+    if not images:
+        return [{"role": "user", "content": prompt}]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from weft.entrypoints.llm import LLM
     from weft.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)
+    images = [_image_url(path) for path in args.image]
     flags = {
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -157,8 +185,12 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(config=config)
     params = SamplingParams(**fixed, **{**GENERATE_DEFAULTS, **llm.model_sampling_defaults, **given})
     chat = args.chat if args.chat is not None else llm.tokenizer.has_chat_template
+    if images and not chat:
+        raise ConfigError(
+            "--image needs the chat template (each prompt becomes a user message with the images): drop --no-chat"
+        )
     if chat or any(not isinstance(prompt, str) for prompt in prompts):
-        outputs = llm.chat([p if not isinstance(p, str) else [{"role": "user", "content": p}] for p in prompts], params)
+        outputs = llm.chat([_user_message(prompt, images) for prompt in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
     results = []

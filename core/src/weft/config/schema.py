@@ -59,6 +59,10 @@ class UseConfig(_Section, frozen=True):
     reasoning_parser: Annotated[
         str, Meta(description="reasoning parser, none, or auto: the one made for the model's architecture")
     ] = "auto"
+    mm_processor: Annotated[
+        str,
+        Meta(description="multimodal (image) processor, none, or auto: the one made for the model's architecture"),
+    ] = "auto"
     ops: Annotated[
         dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")
     ] = {}
@@ -181,6 +185,25 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    encoder_cache_size: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="embedding rows of image encoder outputs kept for reuse (one per image placeholder "
+                "position); an image needing more is refused; default: max_num_batched_tokens",
+            ),
+        ]
+        | None
+    ) = None
+    encoder_store: Annotated[
+        str,
+        Meta(
+            description="a folder shared by instances where image encoder outputs are kept by item hash: an "
+            "instance reads an image's output from it instead of encoding, and writes what it encodes (E/P/D: the "
+            "encoder instance writes, the prefill instance reads); empty: none",
+        ),
+    ] = ""
     max_long_partial_prefills: Annotated[
         int,
         Meta(
@@ -380,6 +403,28 @@ class ServerConfig(_Section, frozen=True):
             "ignored, logged once per name and listed in the x-weft-ignored-fields header"
         ),
     ] = False
+    allowed_media_domains: Annotated[
+        list[str] | None,
+        Meta(
+            description="hosts http(s) image URLs may name (and redirect to), exactly; default: any. Set it on a "
+            "server reachable from outside, or clients can make it fetch from its own network"
+        ),
+    ] = None
+    allowed_local_media_path: Annotated[
+        str, Meta(description="a folder whose files file: image URLs may read; empty: file: URLs are refused")
+    ] = ""
+    max_image_bytes: Annotated[
+        int, Meta(ge=1, description="most bytes of one encoded image (data URL, download or file)")
+    ] = 20 << 20
+    max_image_pixels: Annotated[
+        int, Meta(ge=1, description="most pixels (width x height) of one image, checked before decoding")
+    ] = 7680 * 4320
+    max_image_side: Annotated[int, Meta(ge=1, description="most pixels of either side of one image")] = 16384
+    limit_mm_per_prompt: Annotated[int, Meta(ge=0, description="most images one prompt may carry")] = 16
+    fetch_timeout_s: Annotated[
+        float, Meta(gt=0, description="seconds an http(s) image download may take, redirects included")
+    ] = 10.0
+    max_redirects: Annotated[int, Meta(ge=0, description="redirects followed for one http(s) image URL")] = 3
     special_tokens_in_content: Annotated[
         Literal["text", "control"],
         Meta(

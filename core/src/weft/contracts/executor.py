@@ -181,6 +181,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     """The model's KV-cache groups."""
     available_kv_bytes: int
     """Memory each worker may give its KV cache (the least over workers)."""
+    reads_images: bool = False
+    """Whether the model family encodes images (implements ``ModelFamily.encode``; core API 1.14): the scheduler
+    refuses a request carrying images otherwise, instead of running its placeholders as plain tokens."""
 
 
 class ExecutorFailed(RuntimeError):

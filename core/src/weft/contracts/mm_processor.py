@@ -3,10 +3,9 @@
 A vision-language model reads an image as a run of prompt positions whose embeddings come from its
 vision encoder instead of its token embedding table. A multimodal processor prepares that on the API
 side; the model family's :meth:`weft.contracts.model.ModelFamily.encode` computes the embeddings in
-the workers; core merges them and caches them. Selection, once the server is wired (docs/multimodal.md
-says what is not yet): ``use.mm_processor = "auto"`` takes the processor whose
-:attr:`MMProcessor.architectures` lists the checkpoint's architecture (none: image parts are refused
-with a 400 that says the model reads no images).
+the workers; core merges them and caches them (docs/multimodal.md). Selection: ``use.mm_processor =
+"auto"`` takes the processor whose :attr:`MMProcessor.architectures` lists the checkpoint's architecture
+(none: image parts are refused with a 400 that says the model reads no images).
 
 What a processor gets (:meth:`MMProcessor.process`):
 
@@ -54,7 +53,7 @@ between the API process and the engine core). :class:`TensorData` is a dtype nam
 raw bytes in C order (msgpack ``bin``: no per-element encoding). The engine turns it into a tensor with
 :meth:`TensorData.to_torch`; an API-side processor builds it with :meth:`TensorData.from_array`.
 
-The engine side (core; wiring into the scheduler comes with docs/multimodal.md's next steps): the
+The engine side (core: :mod:`weft.engine.core.encoder_cache`, :mod:`weft.runner.encoder`): the
 encoder runs once per item hash. Its outputs (one row per position of the item's ranges) stay in an
 encoder cache keyed by item hash, with its own budget in the scheduler as vLLM's (in embedding rows),
 so a repeated image is not encoded again; a step whose prefill chunk covers part of an item's range

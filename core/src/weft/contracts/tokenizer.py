@@ -54,11 +54,16 @@ class Tokenizer(PluginBase):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; invalid UTF-8 becomes U+FFFD."""
 
+    image_placeholder: str | None = None
+    """The text of the token each image part becomes (core API 1.14): set by the engine's frontend where the model
+    reads images (its multimodal processor's ``placeholder_token_id``); None: image parts are refused."""
+
     def normalize_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Bring chat messages to the shape the template expects, without mutating the input.
 
         The default accepts ``content`` as a string or a list of parts of type
-        ``text``, ``input_text`` or ``output_text`` (joined with ``"\\n\\n"``) and
+        ``text``, ``input_text`` or ``output_text`` (joined with ``"\\n\\n"``), and of type ``image_url``
+        or ``input_image`` where :attr:`image_placeholder` is set (each becomes that text, in place), and
         rejects other part types with a ValueError naming the type.
         """
         normalized = []
@@ -71,6 +76,9 @@ class Tokenizer(PluginBase):
                 texts = []
                 for part_index, part in enumerate(content):
                     kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in ("image_url", "input_image") and self.image_placeholder is not None:
+                        texts.append(self.image_placeholder)
+                        continue
                     if kind not in ("text", "input_text", "output_text"):
                         raise ValueError(
                             f"messages[{index}].content[{part_index}]: this model supports text content only; "

@@ -40,7 +40,8 @@ def merge_worker_info(infos: list[WorkerInfo], layout: Any) -> WorkerInfo:
     for info in infos:
         layers = sum(len(group.layer_names) for group in info.groups)
         available.append(info.available_kv_bytes * total_layers // max(layers, 1))
-    return WorkerInfo(groups=groups, available_kv_bytes=min(available))
+    reads_images = all(info.reads_images for info in infos)
+    return WorkerInfo(groups=groups, available_kv_bytes=min(available), reads_images=reads_images)
 
 
 def check_layout(config: Any, registry: Any, where: Placement | None) -> None:

@@ -30,7 +30,10 @@ from weft.sampling_params import SamplingParams
 _SECTIONS = ("use", "engine", "server", "plugins")
 _ENGINE_KEYS = {field for field in EngineConfig.__struct_fields__}
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]
+"""Text, token ids, or ``{"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": images}}``
+(vLLM's shape): the text or ids hold one image placeholder (``<image>`` for LLaVA) per image, in order; an image
+is a Pillow image, an ``[height, width, 3]`` uint8 array or an :class:`~weft.contracts.mm_processor.ImageItem`."""
 Conversation = Sequence[dict[str, Any]]
 
 
@@ -99,17 +102,38 @@ class LLM:
 
         ``sampling_params=None``: :meth:`get_default_sampling_params`; a SamplingParams given is used as it is.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._params_for(len(prompts), sampling_params)
-        encoded = []
+        encoded: list[tuple[str | None, list[int], Any]] = []
         for prompt in prompts:
-            if isinstance(prompt, str):
-                encoded.append((prompt, self.tokenizer.encode(prompt)))
+            if isinstance(prompt, dict):
+                encoded.append(self._with_images(prompt))
+            elif isinstance(prompt, str):
+                encoded.append((prompt, self.tokenizer.encode(prompt), None))
             else:
-                encoded.append((None, [int(token) for token in prompt]))
+                encoded.append((None, [int(token) for token in prompt], None))
         return self._run(encoded, params, use_tqdm)
+
+    def _with_images(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], Any]:
+        """A dict prompt (:data:`Prompt`): its text, its ids expanded by the multimodal processor, and its images."""
+        import numpy
+
+        from weft.contracts.mm_processor import ImageItem
+
+        text = prompt.get("prompt")
+        token_ids = self.tokenizer.encode(text) if text is not None else [int(t) for t in prompt["prompt_token_ids"]]
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        images = images if isinstance(images, (list, tuple)) else [images]
+        items = [
+            image if isinstance(image, ImageItem) else ImageItem.from_array(numpy.asarray(_rgb(image)))
+            for image in images
+        ]
+        processed = self.engine.frontend.process_images(token_ids, items)
+        return text, processed.token_ids, processed.multimodal()
 
     def chat(
         self,
@@ -123,14 +147,51 @@ class LLM:
         :meth:`generate`).
 
         Special-token text inside the messages is encoded as plain text unless ``server.special_tokens_in_content``
-        is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`)."""
+        is ``"control"`` (:meth:`weft.contracts.tokenizer.Tokenizer.encode_chat`).
+
+        ``image_url`` parts are read as the server reads them (:mod:`weft.serve.media`, the ``[server]`` limits),
+        except that ``file:`` URLs may name any file where ``server.allowed_local_media_path`` is unset: the
+        caller is local."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         params = self._params_for(len(conversations), sampling_params)
         encoded = []
         for conversation in conversations:
             token_ids = self.engine.frontend.encode_chat(list(conversation), add_generation_prompt, **template_kwargs)
-            encoded.append((self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids))
+            images = self._chat_images(list(conversation))
+            multimodal = None
+            if images:
+                processed = self.engine.frontend.process_images(token_ids, images)
+                token_ids, multimodal = processed.token_ids, processed.multimodal()
+            encoded.append((self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, multimodal))
         return self._run(encoded, params, use_tqdm)
+
+    def _chat_images(self, conversation: list[dict[str, Any]]) -> list[Any]:
+        """The images of a conversation's ``image_url`` / ``input_image`` parts, decoded (ValueError naming the part
+        when one cannot be read, or when the model reads no images)."""
+        import asyncio
+
+        import msgspec
+
+        from weft.serve.media import ImageLoader, MediaError, image_parts, media_limits
+
+        parts = image_parts(conversation)
+        if not parts:
+            return []
+        if self.engine.frontend.mm_processor is None:
+            raise MediaError(parts[0][0], self.engine.frontend.images_refusal)
+        limits = media_limits(self.config.server)
+        if not limits.allowed_local_media_path:
+            limits = msgspec.structs.replace(limits, allowed_local_media_path="/")
+        loading = ImageLoader(limits).load_all(parts)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop in this thread: the usual case
+            return asyncio.run(loading)
+        # Called from a running loop (a notebook): load on a thread of its own rather than fail.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as thread:
+            return thread.submit(asyncio.run, loading).result()
 
     def close(self) -> None:
         """Let the KV connector finish its pending saves and disconnect (also on leaving a ``with`` block)."""
@@ -155,15 +216,16 @@ class LLM:
         return params
 
     def _run(
-        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool | None
+        self, encoded: list[tuple[str | None, list[int], Any]], params: list[SamplingParams], use_tqdm: bool | None
     ) -> list[RequestOutput]:
+        """``encoded``: per prompt its text, token ids and images (:class:`MultimodalInputs` or None)."""
         engine = self.engine
         groups: list[tuple[str, str | None, list[int], list[RequestOutputState]]] = []
         try:
-            for (text, token_ids), request_params in zip(encoded, params, strict=False):
+            for (text, token_ids, multimodal), request_params in zip(encoded, params, strict=False):
                 base = str(next(self._ids))
                 requests = [
-                    engine.add_request(f"{base}-{index}", token_ids, choice, stream_text=False)
+                    engine.add_request(f"{base}-{index}", token_ids, choice, stream_text=False, multimodal=multimodal)
                     for index, choice in enumerate(request_params.choices())
                 ]
                 groups.append((base, text, token_ids, requests))
@@ -204,6 +266,19 @@ class LLM:
             )
             for base, text, token_ids, requests in groups
         ]
+
+
+def _rgb(image: Any) -> Any:
+    """A Pillow image as RGB (its alpha over white, as the server's loader does); anything else as it is."""
+    if not hasattr(image, "convert"):
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        from PIL import Image
+
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 class _Progress:

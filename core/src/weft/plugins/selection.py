@@ -88,8 +88,8 @@ def select_structured_output(registry: PluginRegistry, name: str) -> Any:
 
 
 def select_parser(registry: PluginRegistry, slot: str, name: str, architecture: str | None) -> Any:
-    """The ``tool_parser`` or ``reasoning_parser`` class ``name`` selects; under ``auto`` the one whose
-    ``architectures`` lists ``architecture``; None for ``none`` or when no parser claims it."""
+    """The ``tool_parser``, ``reasoning_parser`` or ``mm_processor`` class ``name`` selects; under ``auto`` the one
+    whose ``architectures`` lists ``architecture``; None for ``none`` or when no parser claims it."""
     if name == "none":
         return None
     if name != "auto":
@@ -118,7 +118,7 @@ def plugins_named_in_use(use: UseConfig) -> list[tuple[str, str, str]]:
         named.append(("kv_connector", "kv_connector", use.kv_connector))
     named += [
         (slot, slot, getattr(use, slot))
-        for slot in ("structured_output", "tool_parser", "reasoning_parser")
+        for slot in ("structured_output", "tool_parser", "reasoning_parser", "mm_processor")
         if getattr(use, slot) not in ("auto", "none")
     ]
     named += [(f"ops.{op}", "ops", f"{op}.{implementation}") for op, implementation in use.ops.items()]

@@ -27,6 +27,7 @@ from weft.runner.request_state import RequestState
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import SparseEntryReader
+    from weft.runner.encoder import EncoderRunner
     from weft.runner.kv_connector import WorkerConnector
 
 FillUnknown = Callable[[torch.Tensor, list[RequestState], list[int]], None]
@@ -51,6 +52,9 @@ class InputBuilder:
         self.device = device
         self.sparse_entries = sparse_entries
         self.connector = connector
+        self.encoder: EncoderRunner | None = None
+        """The worker's image encoder outputs (:mod:`weft.runner.encoder`): each step's context then carries the
+        rows, positions and extras its images give (``ForwardContext.multimodal``); None: the model reads text."""
 
     def build(
         self, states: list[RequestState], counts: list[int], fill_unknown: FillUnknown
@@ -100,6 +104,7 @@ class InputBuilder:
             request_ids=[state.request_id for state in states],
             sparse_entries=self.sparse_entries,
             wait_for_layer=self.connector.layer_wait if self.connector is not None else None,
+            multimodal=self.encoder.batch(states, counts, query_start) if self.encoder is not None else None,
         )
         return input_ids, position_tensor, context, query_start
 

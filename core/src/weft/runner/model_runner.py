@@ -66,6 +66,7 @@ from weft.contracts.speculator import DraftInputs, ProposalStep, SpeculationRequ
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import InputBuilder, known_tokens
+from weft.runner.encoder import EncoderRunner
 from weft.runner.graphs import DecodeGraphs, MaskGraphs
 from weft.runner.logits_processors import TokenBitmask, to_device
 from weft.runner.penalties import TokenCounts
@@ -319,6 +320,12 @@ class ModelRunner:
         self.draft_groups = range(num_target_groups if num_target_groups is not None else len(groups), len(groups))
         """The indices of the speculator's own KV-cache groups (empty: it owns no model)."""
         """Verifies the steps that carry proposals (``SchedulerOutput.spec_token_ids``)."""
+        self.encoder: EncoderRunner | None = None
+        """Encodes the steps' images (:meth:`use_encoder`); None: the model reads text only."""
+
+    def use_encoder(self, encoder: EncoderRunner) -> None:
+        """Encode the images steps ask for with ``encoder`` and merge them into the steps' batches."""
+        self.encoder = self.inputs.encoder = encoder
 
     @property
     def graphs(self) -> dict[int, Callable[[], torch.Tensor]]:
@@ -381,6 +388,8 @@ class ModelRunner:
             if cached.new_block_ids is not None:
                 for blocks, added in zip(state.block_ids, cached.new_block_ids, strict=False):
                     blocks.extend(added)
+        if self.encoder is not None:
+            self.encoder.update(step, self.requests)
 
     def _execute(self, step: SchedulerOutput) -> StepHandle | None:
         self._update_requests(step)
@@ -636,7 +645,8 @@ class ModelRunner:
             _scored_prompt_positions(state, count) for state, count in zip(states, counts, strict=False)
         )
         resumes = any(state.prefix_hit is None and state.num_computed_tokens for state in states)
-        if self.graphs and sum(counts) == count and not scores_prompt and not resumes:
+        images = self.encoder is not None and self.encoder.needed(states, counts)  # graphs are captured for text
+        if self.graphs and sum(counts) == count and not scores_prompt and not resumes and not images:
             size = self.decode_graphs.size_for(count)
             if size is not None:
                 for state in states:

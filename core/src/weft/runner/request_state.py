@@ -26,6 +26,7 @@ class RequestState:
         "num_computed_tokens",
         "prefix_hit",
         "state_transferred",
+        "multimodal",
     )
 
     def __init__(self, new: NewRequest, device: torch.device) -> None:
@@ -43,6 +44,8 @@ class RequestState:
         self.prefix_hit: int | None = None
         """Tokens found cached (locally or loaded) when its first step ran; None before that step."""
         self.state_transferred = new.state_transferred
+        self.multimodal = new.multimodal
+        """Its images, extras and positions (:class:`~weft.contracts.mm_processor.MultimodalInputs`); None: text."""
 
     def take_prefix_hit(self) -> int:
         """On the request's first step (since it was (re)scheduled): the tokens it found cached; 0 later."""

@@ -29,6 +29,7 @@ import torch
 from weft.config import WeftConfig
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
+from weft.contracts.model import ModelFamily
 from weft.contracts.speculator import DraftModel, DraftModelLoader, Speculator, SpeculatorConfig
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
 from weft.kernels.warmup import KernelRegistry, RuntimeMonitor, collecting
@@ -51,6 +52,7 @@ from weft.resolve import (
     resolve_source,
     with_kv_cache_dtype,
 )
+from weft.runner.encoder import EncoderRunner
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, describe_sizes
 from weft.runner.sampler import Sampler
@@ -165,7 +167,8 @@ class Worker:
         else:
             index = self.device.index if self.device.index is not None else 0
             available = int(self.platform.memory_info(index).free * engine.gpu_memory_utilization)
-        return WorkerInfo(groups=list(self.groups), available_kv_bytes=available)
+        reads_images = type(self.family).encode is not ModelFamily.encode
+        return WorkerInfo(groups=list(self.groups), available_kv_bytes=available, reads_images=reads_images)
 
     @property
     def structured_outputs(self) -> bool:
@@ -226,6 +229,10 @@ class Worker:
             self.speculator,
             num_target_groups=len(self.family.kv_cache_groups(self.model_config)),
         )
+        if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
+            store = self.config.engine.encoder_store or None
+            writes = self.parallel.layout.rank == 0  # every rank encodes the same items; one file is written
+            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device, store, writes))
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
         compiled = self.kernels.warm_up()

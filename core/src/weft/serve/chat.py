@@ -36,9 +36,11 @@ async def chat_completions(request: Request) -> Response:
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
+    images = await server.load_images(body.messages)
     prompt = await server.engine.off_loop(
         server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs
     )
+    prompt, multimodal = await server.with_images(prompt, images)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0
@@ -46,7 +48,14 @@ async def chat_completions(request: Request) -> Response:
     params = server.sampling_params(body, max_tokens, top if body.logprobs else None, constraint=constraint, **extra)
     tail = server.prompt_tail(prompt)
     output, ids = await start_constrained(
-        server, request, [prompt], params, field, body.kv_transfer_params, server.grammar_start(tail, constraint)
+        server,
+        request,
+        [prompt],
+        params,
+        field,
+        body.kv_transfer_params,
+        server.grammar_start(tail, constraint),
+        multimodal=multimodal,
     )
     replies = [server.reply(tail, settings) for _ in ids]
     response_id, created = f"chatcmpl-{request_id(request)}", int(time.time())

@@ -44,7 +44,7 @@ _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?
 
 
 class MediaLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a request's images may be (the server section of the config will carry these)."""
+    """What a request's images may be (the ``[server]`` keys of the same names: :func:`media_limits`)."""
 
     allowed_media_domains: Annotated[
         list[str] | None,
@@ -67,11 +67,16 @@ class MediaLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         int, msgspec.Meta(description="The most pixels (width x height) of one image, checked before decoding.")
     ] = 7680 * 4320
     max_image_side: Annotated[int, msgspec.Meta(description="The most pixels of either side of one image.")] = 16384
-    limit_images_per_prompt: Annotated[int, msgspec.Meta(description="The most images one prompt may carry.")] = 16
+    limit_mm_per_prompt: Annotated[int, msgspec.Meta(description="The most images one prompt may carry.")] = 16
     fetch_timeout_s: Annotated[float, msgspec.Meta(description="Seconds a download may take, redirects included.")] = (
         10.0
     )
     max_redirects: Annotated[int, msgspec.Meta(description="Redirects followed for one http(s) image URL.")] = 3
+
+
+def media_limits(server: Any) -> MediaLimits:
+    """The limits of a ``[server]`` config section (:class:`weft.config.ServerConfig` has a key per field)."""
+    return MediaLimits(**{name: getattr(server, name) for name in MediaLimits.__struct_fields__})
 
 
 class MediaError(ValueError):
@@ -115,11 +120,11 @@ class ImageLoader:
 
     async def load_all(self, parts: Sequence[tuple[str, str]]) -> list[ImageItem]:
         """The images of one prompt (``(path, url)`` pairs, as :func:`image_parts` gives), loaded concurrently."""
-        if len(parts) > self.limits.limit_images_per_prompt:
+        if len(parts) > self.limits.limit_mm_per_prompt:
             raise MediaError(
-                parts[self.limits.limit_images_per_prompt][0],
-                f"the prompt carries {len(parts)} images, more than limit_images_per_prompt "
-                f"({self.limits.limit_images_per_prompt})",
+                parts[self.limits.limit_mm_per_prompt][0],
+                f"the prompt carries {len(parts)} images, more than limit_mm_per_prompt "
+                f"({self.limits.limit_mm_per_prompt})",
             )
         return list(await asyncio.gather(*(self.load(url, path) for path, url in parts)))
 

@@ -75,6 +75,16 @@ _CORE_GAUGES = [
         lambda stats: stats.prefix_cache_hit_tokens,
     ),
     (
+        "weft_encoder_cache_queries",
+        "Images looked up in the encoder cache (once per image of a scheduled prompt)",
+        lambda stats: stats.encoder_cache_queries,
+    ),
+    (
+        "weft_encoder_cache_hits",
+        "Images whose encoder output was already in the encoder cache (not encoded again)",
+        lambda stats: stats.encoder_cache_hits,
+    ),
+    (
         "weft_kv_connector_hit_tokens",
         "Prompt tokens loaded through the KV connector",
         lambda stats: stats.connector_hit_tokens or 0,

@@ -49,7 +49,9 @@ async def responses(request: Request) -> Response:
     template_kwargs = (
         {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
     )
+    images = await server.load_images([] if isinstance(body.input, str) else body.input, "input")
     prompt = await server.engine.off_loop(server.chat_prompt, messages, True, settings, template_kwargs)
+    prompt, multimodal = await server.with_images(prompt, images, "input")
     server.check_length(prompt, body.max_output_tokens)
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(
@@ -63,7 +65,7 @@ async def responses(request: Request) -> Response:
     )
     tail = server.prompt_tail(prompt)
     output, ids = await start_constrained(
-        server, request, [prompt], params, field, None, server.grammar_start(tail, constraint)
+        server, request, [prompt], params, field, None, server.grammar_start(tail, constraint), multimodal=multimodal
     )
     response = ResponseObject(server, body, prompt, request_id(request))
     reply = server.reply(tail, settings)
@@ -104,7 +106,7 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         if item.type in (None, "message"):
             content = item.content
             if isinstance(content, list):
-                content = [p.ContentPart(type=part.type, text=part.text) for part in content]
+                content = [p.ContentPart(type=part.type, text=part.text, image_url=part.image_url) for part in content]
             messages.append(p.ChatMessage(role=item.role or "user", content=content))
         elif item.type == "function_call":
             if not item.call_id or not item.name:

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from weft.config import WeftConfig
+from weft.contracts.mm_processor import ImageItem, MultimodalInputs
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
 from weft.engine.api.streams import Delta
@@ -34,6 +36,7 @@ from weft.sampling_params import SamplingParams
 from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
 from weft.serve.body import HTTPError, check_media_type, decode, read_bytes
+from weft.serve.media import ImageLoader, MediaError, image_parts, media_limits
 from weft.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("weft.serve")
@@ -62,6 +65,7 @@ class Server:
             config.use.reasoning_parser,
             architecture,
         )
+        self.image_loader = ImageLoader(media_limits(config.server))
         # The structured-output backend's import takes seconds: done now, off the event loop.
         threading.Thread(target=self._import_structured_output_backend, daemon=True).start()
 
@@ -108,6 +112,33 @@ class Server:
                 404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model"
             )
 
+    async def load_images(self, messages: Sequence[Any], field: str = "messages") -> list[ImageItem]:
+        """The images of a request's ``image_url`` / ``input_image`` parts (chat ``messages`` or Responses ``input``
+        items, as msgspec Structs or plain data: :func:`weft.serve.media.image_parts`), in order, within the
+        ``[server]`` media limits; a 400 naming the part when the model reads no images or an image is unusable."""
+        try:
+            parts = image_parts(msgspec.to_builtins(messages), field)
+            if not parts:
+                return []
+            if self.engine.frontend.mm_processor is None:
+                raise MediaError(parts[0][0], self.engine.frontend.images_refusal)
+            return await self.image_loader.load_all(parts)
+        except MediaError as error:
+            raise HTTPError(400, str(error), param=error.param) from None
+
+    async def with_images(
+        self, prompt: list[int], images: list[ImageItem], field: str = "messages"
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """The prompt with its image placeholders expanded (the multimodal processor, off the event loop), and what
+        its images carry to the engine; the prompt as it is without images."""
+        if not images:
+            return prompt, None
+        try:
+            processed = await self.engine.off_loop(self.engine.frontend.process_images, prompt, images)
+        except ValueError as error:
+            raise HTTPError(400, f"{field}: {error}", param=field) from None
+        return processed.token_ids, processed.multimodal()
+
     def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
             raise HTTPError(
@@ -132,11 +163,13 @@ class Server:
         kv_transfer_params: dict[str, Any] | None = None,
         grammar_start: GrammarStart | None = None,
         choices_field: str = "n",
+        multimodal: MultimodalInputs | None = None,
     ) -> tuple[asyncio.Queue, list[str]]:
         """Submit one engine request per prompt and choice; deltas of choice ``i*n + j`` go to one queue.
         Engine request ids are the HTTP request's id and the choice's index. ``grammar_start``:
         see :meth:`weft.engine.api.frontend.Frontend.core_request`. ``choices_field``: the request field that
-        set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors."""
+        set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors. ``multimodal``: the
+        images of the one prompt (:meth:`with_images`)."""
         sequences = len(prompts) * params.n
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
         if sequences > limit:
@@ -164,7 +197,7 @@ class Server:
         ids = [engine_request_id for engine_request_id, *_ in batch]
         try:
             await self.engine.submit(
-                batch, output, kv_transfer_params, grammar_start, getattr(request.state, "arrival", None)
+                batch, output, kv_transfer_params, grammar_start, getattr(request.state, "arrival", None), multimodal
             )
         except BaseException as error:
             for engine_request_id in ids:
@@ -383,10 +416,13 @@ async def start_constrained(
     kv_transfer_params: dict[str, Any] | None = None,
     grammar_start: GrammarStart | None = None,
     choices_field: str = "n",
+    multimodal: MultimodalInputs | None = None,
 ) -> tuple[asyncio.Queue, list[str]]:
     """``Server.start``, a constraint the backend refuses named by the field the client used."""
     try:
-        return await server.start(request, prompts, params, kv_transfer_params, grammar_start, choices_field)
+        return await server.start(
+            request, prompts, params, kv_transfer_params, grammar_start, choices_field, multimodal
+        )
     except HTTPError as error:
         if error.status == 400 and params.structured_outputs is not None and "structured_outputs" in error.message:
             error.message, error.param = structured.name_field(error.message, field), field

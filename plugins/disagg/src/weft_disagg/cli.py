@@ -13,12 +13,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd = kinds.add_parser(
         "pd", help="prefill/decode disaggregation: prefill legs and decode legs to separate instances"
     )
+    _add_common_arguments(pd)
+    epd = kinds.add_parser(
+        "epd",
+        help="encode/prefill/decode disaggregation: images to encode instances first, then prefill and decode legs",
+    )
+    epd.add_argument(
+        "--encode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="encode instances (weft serve with engine.encoder_store, the folder the prefill instances read)",
+    )
+    _add_common_arguments(epd)
+
+
+def _add_common_arguments(pd: argparse.ArgumentParser) -> None:
     pd.add_argument(
         "--prefill",
         nargs="+",
         default=[],
         metavar="URL",
-        help="prefill instances (weft serve with plugins.nixl.role = 'kv_producer')",
+        help="prefill instances (weft serve with plugins.nixl.role = 'kv_producer'); none: the decode instances "
+        "prefill",
     )
     pd.add_argument(
         "--decode",
@@ -57,11 +74,16 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from weft_disagg.epd import EPDProxy
     from weft_disagg.pd import PDProxy, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    settings = (args.policy, args.decode_attempts, args.health_interval)
     try:
-        proxy = PDProxy(args.prefill, args.decode, args.policy, args.decode_attempts, args.health_interval)
+        if args.proxy_kind == "epd":
+            proxy: PDProxy = EPDProxy(args.encode, args.prefill, args.decode, *settings)
+        else:
+            proxy = PDProxy(args.prefill, args.decode, *settings)
     except ValueError as error:
         print(f"error: {error}")
         return 2
@@ -74,7 +96,7 @@ def weft_cli_commands() -> list[Any]:
     return [
         CliCommand(
             name="proxy",
-            help="run a disaggregation proxy (weft proxy pd --prefill URL... --decode URL...)",
+            help="run a disaggregation proxy (weft proxy pd ...: prefill/decode; weft proxy epd ...: images first)",
             add_arguments=add_arguments,
             run=run,
         )

@@ -13,7 +13,9 @@ requests in flight) and sends two legs at once, with one transfer id:
 
 The decode response's bytes go to the client untouched, status and content type included:
 no JSON re-encoding, no SSE re-parsing (msgspec reads the request body and writes the legs'
-bodies, nothing else). The response generator's ``finally`` cancels (and awaits) the prefill
+bodies, nothing else). An answer of known length (``Content-Length``: a non-streamed completion,
+computed before the instance answered) is read whole and sent as one response; a stream is relayed
+chunk by chunk as it comes. The response generator's ``finally`` cancels (and awaits) the prefill
 task, so it never outlives the response, a client that disconnects included; an abandoned
 prefill request ends on its instance, which tells the decode instance not to wait.
 
@@ -82,7 +84,7 @@ def error_response(error: ProxyError) -> Response:
 class Instance:
     """One upstream server, as the proxy sees it."""
 
-    def __init__(self, url: str, role: Literal["prefill", "decode"]) -> None:
+    def __init__(self, url: str, role: Literal["encode", "prefill", "decode"]) -> None:
         self.url = url.rstrip("/")
         self.role = role
         self.in_flight = 0
@@ -145,7 +147,7 @@ class ProxyMetrics:
         healthy = Gauge(
             "weft_proxy_instance_healthy", "1 when the instance is in rotation", ["role", "url"], registry=self.registry
         )
-        for instance in [*proxy.prefill.instances, *proxy.decode.instances]:
+        for instance in proxy.instances():
             in_flight.labels(instance.role, instance.url).set_function(lambda instance=instance: instance.in_flight)
             healthy.labels(instance.role, instance.url).set_function(lambda instance=instance: float(instance.healthy))
 
@@ -200,8 +202,12 @@ class PDProxy:
             except Exception:  # noqa: BLE001 - the watcher must keep running
                 logger.exception("health check failed")
 
+    def instances(self) -> list[Instance]:
+        """Every upstream instance, of every role."""
+        return [*self.prefill.instances, *self.decode.instances]
+
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(instance) for instance in [*self.prefill.instances, *self.decode.instances]))
+        await asyncio.gather(*(self._check(instance) for instance in self.instances()))
 
     async def _check(self, instance: Instance) -> None:
         assert self.client is not None
@@ -277,6 +283,8 @@ class PDProxy:
                 name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers
             }
             relay = _Relay(self, decode, response, prefill_task, started)
+            if "content-length" in response.headers:  # a whole answer, already computed: sent in one piece
+                return Response(await relay.whole(), status_code=response.status_code, headers=forwarded)
             return _RelayedResponse(relay, status_code=response.status_code, headers=forwarded)
         raise AssertionError("unreachable: the last attempt returns")
 
@@ -426,6 +434,24 @@ class _Relay:
             logger.warning("%s broke off its response: %s: %s", self.decode, type(error).__name__, error)
         finally:
             await self.close()
+
+    async def whole(self) -> bytes:
+        """The decode response's bytes at once: for an answer of known length (a non-streamed completion, which the
+        instance computed before answering), a plain response costs the proxy less than relaying it chunk by chunk,
+        and a client that leaves meanwhile wastes nothing upstream."""
+        metrics = self.proxy.metrics
+        try:
+            content = await self.response.aread()
+        except httpx.TransportError as error:
+            metrics.leg_failures.labels("decode").inc()
+            raise ProxyError(502, f"{self.decode} broke off its response: {type(error).__name__}: {error}") from None
+        finally:
+            await self.close()
+        elapsed = time.monotonic() - self.started
+        metrics.leg_seconds.labels("decode_first_byte").observe(elapsed)
+        metrics.leg_seconds.labels("decode").observe(elapsed)
+        metrics.forwarded_bytes.inc(len(content))
+        return content
 
     async def close(self) -> None:
         """Close the decode response and end the prefill leg (once; also when streaming never started)."""

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weft.config import WeftConfig
+from weft.contracts.mm_processor import MultimodalInputs
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
 from weft.engine.api.streams import Delta, OutputStream
@@ -161,13 +162,15 @@ class AsyncEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         grammar_start: GrammarStart | None = None,
         arrival: float | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> None:
         """Queue ``(request_id, prompt_token_ids, params, index)`` requests, all or none, deltas to ``output``
         (``kv_transfer_params``: for the KV connector, one request only; ``grammar_start``: see
         :meth:`weft.engine.api.frontend.Frontend.core_request`). The requests are the sequences of one API request
         (their params differ in their seed at most), checked on a tokenizer thread. ``arrival``: when the API
         request arrived (``time.monotonic()``; default now): ``request_timeout`` counts from it, and a drain admits
-        a request that arrived before it began.
+        a request that arrived before it began. ``multimodal``: the images of the (one) prompt, as
+        :meth:`weft.engine.api.frontend.Frontend.process_images` made them.
 
         Raises ValueError (a bad request), QueueFullError or ShuttingDownError.
         """
@@ -183,6 +186,7 @@ class AsyncEngine:
                 [(request_id, prompt, params) for request_id, prompt, params, _ in requests],
                 kv_transfer_params,
                 grammar_start,
+                multimodal,
             )
         finally:
             self._preparing -= len(requests)

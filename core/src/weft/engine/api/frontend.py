@@ -14,10 +14,11 @@ import msgspec
 
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
+from weft.contracts.mm_processor import ImageItem, MMProcessor, MMProcessorConfig, MultimodalInputs, ProcessedPrompt
 from weft.engine.messages import EngineCoreRequest, GrammarStart
 from weft.plugins import PluginRegistry
-from weft.plugins.selection import no_backend_message, select_structured_output
-from weft.resolve import load_tokenizer, max_model_len, resolve_source
+from weft.plugins.selection import no_backend_message, select_parser, select_structured_output
+from weft.resolve import load_tokenizer, max_model_len, options_for, resolve_source
 from weft.sampling_params import SamplingParams
 
 _CHARS_PER_TOKEN_BOUND = 32
@@ -32,13 +33,45 @@ class Frontend:
         self.source = source or resolve_source(registry, config)[1]
         self.tokenizer = load_tokenizer(registry, config, self.source)
         self.max_model_len = max_model_len(config, self.source)
-        self.vocab_size: int | None = self.source.hf_config.get("vocab_size")
+        hf_config = self.source.hf_config
+        text_config = hf_config.get("text_config")
+        # A vision-language checkpoint keeps its language model's vocabulary in text_config.
+        self.vocab_size: int | None = hf_config.get("vocab_size") or (
+            text_config.get("vocab_size") if isinstance(text_config, dict) else None
+        )
         self.model_name = config.server.served_model_name or self.source.name
         self.special_tokens_in_content = config.server.special_tokens_in_content
         self.config = config
         self.registry = registry
         self._structured_output: Any = None
         self._structured_output_lock = threading.Lock()
+        self.mm_processor, self.images_refusal = self._build_mm_processor()
+        if self.mm_processor is not None and not isinstance(type(self.tokenizer).image_placeholder, property):
+            # The tokenizer's message normalisation writes this for each image part (Tokenizer.image_placeholder).
+            self.tokenizer.image_placeholder = self.tokenizer.decode([self.mm_processor.placeholder_token_id], False)
+
+    def _build_mm_processor(self) -> tuple[MMProcessor | None, str]:
+        """The multimodal processor ``use.mm_processor`` selects (``auto``: the one made for the architecture), and
+        why image parts are refused without one (:mod:`weft.contracts.mm_processor`)."""
+        architecture = self.architecture() or ""
+        processor = select_parser(self.registry, "mm_processor", self.config.use.mm_processor, architecture)
+        if processor is None:
+            return None, (
+                f"this model ({architecture or 'unknown architecture'}) reads no images: no multimodal processor is "
+                f"made for it (use.mm_processor = {self.config.use.mm_processor!r}); send text parts only"
+            )
+        options = options_for(self.config, "mm_processor", processor, processor.name)
+        try:
+            return processor(options, MMProcessorConfig(architecture, self.source.hf_config, self.source.path)), ""
+        except ValueError as error:  # a checkpoint that declares no vision encoder
+            return None, str(error)
+
+    def process_images(self, prompt_token_ids: list[int], images: list[ImageItem]) -> ProcessedPrompt:
+        """The prompt with each image placeholder expanded by the multimodal processor; ValueError when the model
+        reads no images or the processor refuses them. Call it off the event loop."""
+        if self.mm_processor is None:
+            raise ValueError(self.images_refusal)
+        return self.mm_processor.process(prompt_token_ids, images)
 
     def structured_output_backend(self) -> Any:
         """The structured-output backend class requests are validated with (imported on first use); None when
@@ -97,18 +130,23 @@ class Frontend:
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         grammar_start: GrammarStart | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> EngineCoreRequest:
         """The core's request for a prompt; ValueError ``"<field>: <problem>"`` when the prompt or params don't
         fit the model.
 
-        ``grammar_start``: where a constraint starts when the model may reason first (:class:`GrammarStart`)."""
-        return self.core_requests([(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_start)[0]
+        ``grammar_start``: where a constraint starts when the model may reason first (:class:`GrammarStart`).
+        ``multimodal``: the prompt's images as :meth:`process_images` made them (its ids are the expanded ones)."""
+        return self.core_requests(
+            [(request_id, prompt_token_ids, params)], kv_transfer_params, grammar_start, multimodal
+        )[0]
 
     def core_requests(
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
         kv_transfer_params: dict[str, Any] | None = None,
         grammar_start: GrammarStart | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> list[EngineCoreRequest]:
         """:meth:`core_request` for each ``(request_id, prompt_token_ids, params)``: the sequences of one API
         request, whose params differ in their seed at most, so that checking them (a constraint compiled,
@@ -126,7 +164,14 @@ class Frontend:
             eos = () if params.ignore_eos else tuple(sorted(self.tokenizer.eos_token_ids))
             core_requests.append(
                 EngineCoreRequest(
-                    request_id, list(prompt_token_ids), params, eos, max_tokens, kv_transfer_params, grammar_start
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    eos,
+                    max_tokens,
+                    kv_transfer_params,
+                    grammar_start,
+                    multimodal,
                 )
             )
         return core_requests

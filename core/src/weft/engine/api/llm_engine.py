@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from weft.config import WeftConfig
+from weft.contracts.mm_processor import MultimodalInputs
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState
 from weft.engine.client import InProcessClient
@@ -63,12 +64,18 @@ class LLMEngine:
     # Requests.
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream_text: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream_text: bool = True,
+        multimodal: MultimodalInputs | None = None,
     ) -> RequestOutputState:
-        """Queue a request. ``stream_text=False``: its text is read only once it finishes (offline generation)."""
+        """Queue a request. ``stream_text=False``: its text is read only once it finishes (offline generation);
+        ``multimodal``: its images, as :meth:`weft.engine.api.frontend.Frontend.process_images` made them."""
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core_request = self.frontend.core_request(request_id, prompt_token_ids, params)
+        core_request = self.frontend.core_request(request_id, prompt_token_ids, params, multimodal=multimodal)
         state = self.outputs.add(request_id, core_request.prompt_token_ids, params, stream_text)
         try:
             self.client.add_requests([core_request])

@@ -25,6 +25,7 @@ from typing import Any
 from weft.config import WeftConfig, executor_name
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.loader import ModelSource
+from weft.engine.core.encoder_cache import EncoderCache
 from weft.engine.core.engine_core import EngineCore
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.kv_connector import SchedulerConnector
@@ -33,6 +34,7 @@ from weft.engine.core.structured_output import StructuredOutputManager
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.resolve import (
+    architecture_of,
     build_platform,
     choose_quantization,
     load_executor,
@@ -93,6 +95,11 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             structured_outputs,
             engine.speculative.num_speculative_tokens if engine.speculative.enabled else 0,
             _speculator_owns_model(registry, config),
+        )
+        scheduler.encoder_cache = EncoderCache(
+            engine.encoder_cache_size or engine.max_num_batched_tokens,
+            info.reads_images,
+            architecture_of(config, source),
         )
     except BaseException:
         if connector is not None:

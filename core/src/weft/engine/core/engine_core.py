@@ -139,6 +139,7 @@ class EngineCore:
             request.max_tokens,
             frozenset(request.eos_token_ids),
             kv_transfer_params=request.kv_transfer_params,
+            multimodal=request.multimodal,
         )
         self.scheduler.add(core_request, request.grammar_start)
 

@@ -35,19 +35,39 @@ import msgspec
 from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import LentBlock
 
+BlockItem = tuple[int, int, bytes]
+"""A run of prompt positions whose KV depends on more than their token ids: ``(start, end, key)``, the key naming
+the content (an image's item hash and which of its rows the run holds: :attr:`Request.block_items
+<weft.engine.core.request.Request.block_items>`)."""
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """The chained hash of one full block: its tokens and the hash of the block before it."""
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """The chained hash of one full block: its tokens, the hash of the block before it, and ``extra`` (the keys
+    of the items overlapping it)."""
     digest = hashlib.sha256(parent or b"\0")
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(extra)
     return digest.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
-    """Chained hashes of every full block of ``token_ids``, extending the ``known`` leading ones."""
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, known: list[bytes] | None = None, items: Sequence[BlockItem] = ()
+) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``, extending the ``known`` leading ones.
+
+    ``items``: runs of positions whose contents are not their ids alone (images behind placeholder ids); a block
+    overlapping one hashes its key and where it starts in the block too, so two different images behind the same
+    ids never share a block."""
     hashes: list[bytes] = list(known or ())
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        end = start + block_size
+        extra = b"".join(
+            key + (item_start - start).to_bytes(8, "little", signed=True)
+            for item_start, item_end, key in items
+            if item_start < end and item_end > start
+        )
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:end], extra))
     return hashes
 
 
@@ -188,8 +208,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> tuple[int, ...]:
         return tuple(pool.num_free for pool in self.pools)
 
-    def find_computed_prefix(self, token_ids: Sequence[int], filled_groups: Sequence[int] = ()) -> ComputedPrefix:
-        """The longest cached prefix of ``token_ids`` held in every group; no side effects.
+    def find_computed_prefix(
+        self, token_ids: Sequence[int], filled_groups: Sequence[int] = (), items: Sequence[BlockItem] = ()
+    ) -> ComputedPrefix:
+        """The longest cached prefix of ``token_ids`` (with its ``items``: :func:`block_hashes`) held in every group;
+        no side effects.
 
         At least the last token is left to compute, because its logits are needed. ``filled_groups``: the
         groups a KV connector can fill (``KVConnector.fills_groups``); the prefix then also says how many tokens
@@ -202,7 +225,8 @@ class KVCacheManager:
         per_group: list[tuple[int, ...]] = []
         for group, pool in zip(self.groups, self.pools, strict=False):
             found = []
-            for block_hash in block_hashes(token_ids[:usable], group.spec.block_size) if group.prefix_cacheable else ():
+            cacheable = group.prefix_cacheable
+            for block_hash in block_hashes(token_ids[:usable], group.spec.block_size, items=items) if cacheable else ():
                 block = pool.lookup(block_hash)
                 if block is None:
                     break
@@ -327,10 +351,11 @@ class KVCacheManager:
         self._without_snapshots.add(request_id)
 
     def cache_blocks(
-        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, items: Sequence[BlockItem] = ()
     ) -> list[tuple[int, int, bytes]]:
-        """Publish the request's blocks that are now full and computed, so later requests can reuse them; returns
-        ``(group, block, hash)`` of each block published now (for :meth:`uncache`)."""
+        """Publish the request's blocks that are now full and computed, so later requests can reuse them (``items``:
+        the request's :func:`block_hashes` items); returns ``(group, block, hash)`` of each block published now (for
+        :meth:`uncache`)."""
         published: list[tuple[int, int, bytes]] = []
         if not self.prefix_caching:
             return published
@@ -344,7 +369,7 @@ class KVCacheManager:
             done, full = len(known), num_computed_tokens // size
             if full <= done:
                 continue
-            hashes = block_hashes(token_ids[: full * size], size, known)
+            hashes = block_hashes(token_ids[: full * size], size, known, items)
             blocks = self._blocks[request_id][index]
             for position in range(done, full):
                 if pool.cache(blocks[position], hashes[position]):

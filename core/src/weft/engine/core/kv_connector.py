@@ -327,7 +327,7 @@ class SchedulerConnector:
         known = self._requests.get(request.request_id)
         if known is None:
             prompt = tuple(request.prompt_token_ids)
-            hashes = block_hashes(prompt, self.block_size) if self.block_size else []
+            hashes = block_hashes(prompt, self.block_size, items=request.block_items) if self.block_size else []
             known = ConnectorRequest(
                 request_id=request.request_id,
                 prompt_token_ids=prompt,

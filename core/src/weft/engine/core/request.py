@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
+    from weft.contracts.mm_processor import MultimodalInputs
     from weft.engine.core.constraint_state import ConstraintState
     from weft.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class Request:
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +92,18 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Speculative decoding: the speculator's proposals for the request's next step (after its last token),
         from the output of its last step; cleared when they are scheduled or the request is preempted."""
+        self.multimodal = multimodal
+        """Its images (items, ranges, hashes, encoder inputs), extras and positions; None: text only."""
+        self.block_items: tuple[tuple[int, int, bytes], ...] = (
+            tuple(
+                (start, end, multimodal.items[index].hash.encode() + row.to_bytes(8, "little"))
+                for start, end, index, row in multimodal.spans()
+            )
+            if multimodal is not None
+            else ()
+        )
+        """Its placeholder ranges as prefix-cache block items (:func:`weft.engine.core.kv_cache_manager.block_hashes`):
+        each range keyed by its item's hash and the item row it starts at."""
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

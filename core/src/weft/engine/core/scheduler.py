@@ -126,7 +126,10 @@ class Scheduler(SchedulerState):
             if extra > 0 and self.kv_cache.allocate_slots(request.request_id, planned + count + extra):
                 plan.scheduled[request.request_id] = (request, count + extra)
                 plan.budget -= extra
-        return self._build_output(list(plan.scheduled.values()), plan.proposals)
+        encoder_inputs = self._plan_encoders(plan.scheduled)
+        output = self._build_output(list(plan.scheduled.values()), plan.proposals)
+        output.encoder_inputs, output.freed_encoder_hashes = encoder_inputs, self.encoder_cache.take_freed()
+        return output
 
     def _schedule_running(self, plan: _StepPlan) -> bool:
         """Give each running request the tokens it still needs, preempting the most recently admitted ones for
@@ -262,7 +265,7 @@ class Scheduler(SchedulerState):
         # Prompt logprobs need every prompt token computed here: no cached or loaded prefix.
         computes_all = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
         filled = self.connector.filled_groups if self.connector is not None else ()
-        prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens, filled)
+        prefix = self.kv_cache.find_computed_prefix(tokens[:1] if computes_all else tokens, filled, request.block_items)
         offer = (
             self.connector.lookup(
                 request,
@@ -336,6 +339,7 @@ class Scheduler(SchedulerState):
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        self.encoder_cache.release(request.request_id)
         if self.connector is not None:
             self.connector.preempted(request)
         self._steps.drop_on_workers(request.request_id)
@@ -357,3 +361,4 @@ class Scheduler(SchedulerState):
         published for them."""
         self._steps.forget(self.kv_cache)
         self._placeholders.clear()
+        self.encoder_cache.reset()  # the workers may not hold what those steps were to encode

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from weft.contracts.executor import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from weft.engine.core.encoder_cache import EncoderCache
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.request import Request, RequestStatus
 from weft.engine.core.steps_in_flight import StepsInFlight
@@ -94,6 +95,9 @@ class SchedulerState:
         """Preemptions since start."""
         self._newly_finished: list[Request] = []
         """Requests that ended since :meth:`take_finished` (for the request-finished hook)."""
+        self.encoder_cache = EncoderCache(max_model_len)
+        """What the workers hold of the images' encoder outputs (:mod:`weft.engine.core.encoder_cache`); the
+        engine's builder sizes it from ``engine.encoder_cache_size``."""
 
     def speculates(self, request: Request) -> bool:
         """Whether ``request`` verifies proposals: speculation is on and no grammar constrains it (a constrained
@@ -116,6 +120,8 @@ class SchedulerState:
         where the constraint starts when the model may reason first)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.multimodal is not None and (refusal := self.encoder_cache.refusal(request.multimodal)):
+            raise ValueError(refusal)
         if request.params.structured_outputs is not None:
             assert self.structured_outputs is not None
             self.structured_outputs.add(request, grammar_start)
@@ -170,6 +176,8 @@ class SchedulerState:
             kv_cache_usage=manager.usage(),
             prefix_cache_query_tokens=manager.stats.query_tokens,
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
+            encoder_cache_queries=self.encoder_cache.stats.queries,
+            encoder_cache_hits=self.encoder_cache.stats.hits,
             connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
             connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
             connector_metrics=connector.metric_totals if connector is not None else {},
@@ -253,12 +261,12 @@ class SchedulerState:
                 self._add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
             if token is None:
                 known = min(request.num_computed_tokens, request.num_tokens)
-                self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)
+                self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
                 continue
             taken = self._take_tokens(request, [token, *more], sampled, request_id)
             # Blocks are cached over the tokens kept only (a stop inside an accepted run drops the rest).
             known = min(request.num_computed_tokens, request.num_tokens)
-            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known)
+            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
             outputs.append(taken)
             if request.finished:
                 self._free(request)
@@ -289,6 +297,22 @@ class SchedulerState:
                 break
         output = self._token_output(request, tokens[:kept], all_logprobs[:kept] if all_logprobs else None)
         return output
+
+    def _plan_encoders(self, scheduled: dict[str, tuple[Request, int]]) -> dict[str, list[int]]:
+        """The items each scheduled request with images needs encoded in this step (the encoder cache decides); a
+        request whose next item does not fit the cache computes only up to it, or is left out of the step."""
+        encoder_inputs: dict[str, list[int]] = {}
+        for request_id, (request, count) in list(scheduled.items()):
+            if request.multimodal is None:
+                continue
+            fits, to_encode = self.encoder_cache.plan(request_id, request.multimodal, self._planned[request_id], count)
+            if fits == 0:
+                del scheduled[request_id]
+            elif fits < count:
+                scheduled[request_id] = (request, fits)
+            if to_encode and fits:
+                encoder_inputs[request_id] = to_encode
+        return encoder_inputs
 
     @staticmethod
     def _token_output(request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
@@ -375,6 +399,7 @@ class SchedulerState:
     def _free(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        self.encoder_cache.release(request.request_id)
         self.requests.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
         self._placeholders.pop(request.request_id, None)

@@ -72,6 +72,7 @@ class StepsInFlight:
                         blocks,
                         start,
                         request.state_transferred,
+                        request.multimodal,
                     )
                 )
             else:
@@ -122,7 +123,7 @@ class StepsInFlight:
             (row := step.get(request.request_id)) is not None and row.first for step in self._steps
         ):
             return
-        published = kv_cache.cache_blocks(request.request_id, request.all_token_ids, known)
+        published = kv_cache.cache_blocks(request.request_id, request.all_token_ids, known, request.block_items)
         if published:
             self._published.append((len(self._steps), published))
 

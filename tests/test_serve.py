@@ -737,3 +737,76 @@ def test_a_field_name_goes_into_the_header_encoded():
 
     assert header_safe("some_vendor_field") == "some_vendor_field"
     assert header_safe("a,b\r\nSet-Cookie: x") == "a%2Cb%0D%0ASet-Cookie: x"
+
+
+def scrape_families(url: str) -> dict[str, object]:
+    """``/metrics`` parsed by prometheus_client's own text parser (which rejects malformed exposition)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+
+
+def sample_value(families: dict, name: str, suffix: str = "", **labels: str) -> float:
+    for sample in families[name].samples:
+        if sample.name == name + suffix and all(sample.labels.get(key) == value for key, value in labels.items()):
+            return sample.value
+    raise AssertionError(f"{name}{suffix}{labels} not in /metrics")
+
+
+def test_metrics_have_prometheus_semantics(server, client):
+    """Running totals are counters (``_total`` samples that never go down), gauges are gauges, histograms are
+    cumulative with ``+Inf`` equal to ``_count``; the prefix-cache counters move by what an identical prompt
+    must hit (whole blocks before its last token), and the latency histograms count each request once."""
+    prompt = f"Metrics probe {time.time_ns()}: " + "the quick brown fox jumps over the lazy dog " * 4
+    count = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt}).json()["count"]
+    assert count > 33
+    before = scrape_families(server.url)
+    usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=3).usage for _ in range(2)]
+    after = scrape_families(server.url)
+
+    expected_types = {
+        "weft_requests": "counter",
+        "weft_prompt_tokens": "counter",
+        "weft_prompt_tokens_computed": "counter",
+        "weft_prefix_cache_queries": "counter",
+        "weft_prefix_cache_hits": "counter",
+        "weft_preemptions": "counter",
+        "weft_engine_steps": "counter",
+        "weft_requests_waiting": "gauge",
+        "weft_kv_cache_usage_ratio": "gauge",
+        "weft_request_queue_time_seconds": "histogram",
+        "weft_request_prefill_time_seconds": "histogram",
+        "weft_request_decode_time_seconds": "histogram",
+        "weft_inter_token_latency_seconds": "histogram",
+        "weft_time_to_first_token_seconds": "histogram",
+    }
+    for name, kind in expected_types.items():
+        assert after[name].type == kind, (name, after[name].type)
+    for name, family in after.items():
+        if family.type == "counter":
+            for sample in family.samples:
+                assert sample.name in (name + "_total", name + "_created"), sample
+                if sample.name.endswith("_total"):
+                    previous = sample_value(before, name, "_total", **sample.labels)
+                    assert sample.value >= previous, (sample, previous)
+        if family.type == "histogram":
+            buckets = [sample for sample in family.samples if sample.name == name + "_bucket"]
+            bounds = [float(sample.labels["le"]) for sample in buckets]
+            assert bounds == sorted(bounds) and bounds[-1] == float("inf"), name
+            counts = [sample.value for sample in buckets]
+            assert counts == sorted(counts), name
+            assert counts[-1] == sample_value(after, name, "_count"), name
+
+    def delta(name: str, suffix: str = "_total") -> float:
+        return sample_value(after, name, suffix) - sample_value(before, name, suffix)
+
+    block_size = 16
+    assert delta("weft_prefix_cache_queries") == 2 * count
+    assert delta("weft_prefix_cache_hits") == (count - 1) // block_size * block_size
+    assert usages[1].prompt_tokens_details.cached_tokens == (count - 1) // block_size * block_size
+    assert delta("weft_prompt_tokens_computed") == 2 * count - (count - 1) // block_size * block_size
+    for name in ("weft_request_queue_time_seconds", "weft_request_prefill_time_seconds",
+                 "weft_request_decode_time_seconds"):
+        assert delta(name, "_count") == 2, name
+    assert delta("weft_inter_token_latency_seconds", "_count") == 2 * 2  # 3 tokens each: two gaps
+    assert delta("weft_request_prefill_time_seconds", "_sum") > 0

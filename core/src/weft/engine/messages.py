@@ -82,9 +82,20 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     running: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache since the core started (a counter, as are the next ones)."""
     prefix_cache_hit_tokens: int = 0
-    connector_hit_tokens: int | None = None
-    connector_failed_load_tokens: int | None = None
+    connector_query_tokens: int = 0
+    """Prompt tokens of the requests the KV connector was asked about."""
+    connector_hit_tokens: int = 0
+    connector_failed_load_tokens: int = 0
+    kv_transfers_sent: int = 0
+    """Requests whose KV the connector finished sending (a prefill instance's pushes, a store's saves)."""
+    kv_transfers_arrived: int = 0
+    """Requests whose asynchronous KV load arrived."""
+    kv_transfers_failed: int = 0
+    """Requests whose asynchronous KV load failed or outlived ``engine.kv_load_timeout`` (computed instead)."""
+    kv_load_timeouts: int = 0
+    """Of those, the loads that outlived ``engine.kv_load_timeout``."""
     waiting_for_remote_kv: int = 0
     connector_metrics: dict[str, ConnectorMetricTotal] = {}
     """The KV connector's metrics summed since start, by name."""

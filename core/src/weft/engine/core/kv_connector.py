@@ -63,6 +63,8 @@ class ConnectorStats(msgspec.Struct):
 
     lookups: int = 0
     """Requests admitted while loads were possible."""
+    query_tokens: int = 0
+    """Prompt tokens of those requests."""
     hits: int = 0
     """Requests admitted with tokens to load from outside."""
     hit_tokens: int = 0
@@ -71,6 +73,14 @@ class ConnectorStats(msgspec.Struct):
     """Of those, tokens whose load failed and that were recomputed."""
     delayed_frees: int = 0
     """Finished requests whose blocks waited for their saves."""
+    transfers_sent: int = 0
+    """Requests the workers reported in ``finished_sending``."""
+    transfers_arrived: int = 0
+    """Parked requests whose asynchronous load arrived."""
+    transfers_failed: int = 0
+    """Parked requests whose asynchronous load failed or timed out (computed instead)."""
+    load_timeouts: int = 0
+    """Of those, loads that outlived ``engine.kv_load_timeout``."""
 
 
 class SchedulerConnector:
@@ -191,6 +201,7 @@ class SchedulerConnector:
         self._admitted.add(request.request_id)
         if (self.loads_possible or connector_request.params) and request.num_preemptions == 0:
             self.stats.lookups += 1
+            self.stats.query_tokens += request.num_prompt_tokens
         if num_external_tokens:
             (self._receiving if load_async else self._loading)[request.request_id] = num_external_tokens
             self.stats.hits += 1
@@ -280,10 +291,12 @@ class SchedulerConnector:
         resolved: dict[str, int] = {}
         for request_id in report.finished_receiving & self._receiving.keys():
             resolved[request_id] = self._receiving.pop(request_id)
+            self.stats.transfers_arrived += 1
         for request_id in report.failed_loads & self._receiving.keys():
             count = self._receiving.pop(request_id)
             resolved[request_id] = 0
             self.stats.failed_load_tokens += count
+            self.stats.transfers_failed += 1
             logger.warning(
                 "KV connector %r could not receive %d tokens of request %s; computing them",
                 self.name,
@@ -297,6 +310,7 @@ class SchedulerConnector:
         (free their blocks)."""
         self.scheduler_side.update_connector_output(report)
         self._add_observations(report.observations)
+        self.stats.transfers_sent += len(report.finished_sending)
         done = sorted((report.finished_sending | report.finished_receiving) & self._delayed)
         self._delayed.difference_update(done)
         return done

@@ -25,7 +25,7 @@ from weft.engine.messages import CoreStats, EngineCoreOutput
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.kv_connector import ConnectorStats, SchedulerConnector
     from weft.engine.core.structured_output import StructuredOutputManager
     from weft.engine.messages import GrammarStart
 
@@ -126,12 +126,23 @@ class SchedulerState:
             kv_cache_usage=manager.usage(),
             prefix_cache_query_tokens=manager.stats.query_tokens,
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
-            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
-            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            **(self._connector_counters(connector.stats) if connector is not None else {}),
             connector_metrics=connector.metric_totals if connector is not None else {},
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
         )
+
+    @staticmethod
+    def _connector_counters(stats: ConnectorStats) -> dict[str, int]:
+        return {
+            "connector_query_tokens": stats.query_tokens,
+            "connector_hit_tokens": stats.hit_tokens,
+            "connector_failed_load_tokens": stats.failed_load_tokens,
+            "kv_transfers_sent": stats.transfers_sent,
+            "kv_transfers_arrived": stats.transfers_arrived,
+            "kv_transfers_failed": stats.transfers_failed,
+            "kv_load_timeouts": stats.load_timeouts,
+        }
 
     @property
     def queue_lengths(self) -> tuple[int, int]:

@@ -283,6 +283,14 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    step_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds one engine step may run; then a watchdog logs the phase it is stuck in and fails "
+            "the requests the engine core holds (/health answers 503 until the step ends)",
+        ),
+    ] = 300.0
     generation_config: Annotated[
         str,
         Meta(
@@ -322,6 +330,14 @@ class ServerConfig(_Section, frozen=True):
     body_timeout: Annotated[
         float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
     ] = 60.0
+    health_stall_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds the engine core may send nothing while requests are in flight before /health "
+            "answers 503 (a stopped or hung core process)",
+        ),
+    ] = 5.0
     tokenizer_threads: Annotated[
         int,
         Meta(

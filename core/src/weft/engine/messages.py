@@ -139,6 +139,10 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Requests the core would not take (a bad request, a constraint that failed to compile), with the reason."""
     failed: dict[str, str] = {}
     """Requests a failed step ended (an internal error), with the reason. Both are gone from the core."""
+    stuck: str | None = None
+    """Set by the core's watchdog (:mod:`weft.engine.core.watchdog`) when a step outlived
+    ``engine.step_timeout``: the phase it is stuck in (its ``failed`` are the requests the core held). The next
+    message of a step that ended clears it."""
 
 
 FromCore = Ready | Failed | StepOutputs

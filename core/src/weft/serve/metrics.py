@@ -46,6 +46,7 @@ _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0
 FAILURE_REASONS = {
     "timeout": "outlived server.request_timeout",
     "engine_error": "the engine could not serve it (non-finite logits, a step that failed twice)",
+    "step_timeout": "the engine core held it while a step outlived engine.step_timeout (its watchdog failed it)",
     "rejected": "the engine core refused it",
     "bad_request": "its own sampling parameters and constraint left no token to sample (a 400)",
     "shutdown": "still running when a shutdown's drain ended",

@@ -94,6 +94,10 @@ class AsyncEngine:
         self._preparing = 0
         """Requests :meth:`submit` is checking on a tokenizer thread: they count as waiting."""
         self.dead = False
+        self.stuck: str | None = None
+        """The phase the core's watchdog found a step stuck in (None once a step ended)."""
+        self._last_heard = time.monotonic()
+        """When the core last sent anything, or (if later) when requests came in after none was in flight."""
         self._stopping = False
         self._reader_done = False
         self._drain_deadline: float | None = None
@@ -191,6 +195,8 @@ class AsyncEngine:
         now = time.monotonic()
         deadline = None if self.request_timeout is None else arrival + self.request_timeout
         with self._lock:
+            if not self.outputs.requests:  # the core had no work to report on: its silence starts counting now
+                self._last_heard = now
             for (request_id, _, params, index), core_request in zip(requests, core_requests, strict=False):
                 self.outputs.add(request_id, core_request.prompt_token_ids, params)
                 self._streams[request_id] = OutputStream(output, index, last_token_time=now, deadline=deadline)
@@ -222,6 +228,22 @@ class AsyncEngine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.outputs.requests)
+
+    def unhealthy(self) -> str | None:
+        """Why ``/health`` answers 503 for the core (None: it is well): it died, a step is stuck past
+        ``engine.step_timeout``, or it sent nothing for ``server.health_stall_timeout`` while requests are in
+        flight (a stopped or hung process: a core with work sends a message every step)."""
+        if self.dead:
+            return "engine core is gone"
+        if self.stuck is not None:
+            return f"engine core is stuck in {self.stuck} (past engine.step_timeout)"
+        silent = time.monotonic() - self._last_heard
+        if self.outputs.requests and silent > self.config.server.health_stall_timeout:
+            return (
+                f"engine core sent nothing for {silent:.0f} s while {len(self.outputs.requests)} requests are in "
+                f"flight (server.health_stall_timeout: {self.config.server.health_stall_timeout:g} s)"
+            )
+        return None
 
     def _expire_overdue(self) -> None:
         """Abort requests past their deadline; each gets a 408 error delta."""
@@ -306,6 +328,7 @@ class AsyncEngine:
             messages = self.client.get_outputs(0.1)
             if not messages:
                 continue
+            self._last_heard = time.monotonic()
             try:
                 deliveries, stopped = self._handle(messages)
             except Exception:
@@ -332,8 +355,9 @@ class AsyncEngine:
             advanced: dict[str, RequestOutputState] = {}
             for message in messages:
                 self.stats = message.stats
+                self.stuck = message.stuck
                 step = self.outputs.apply(message)
-                deliveries += _step_errors(step, self._streams, self.observer)
+                deliveries += _step_errors(step, self._streams, self.observer, message.stuck is not None)
                 all_stopped += step.stopped
                 for state in step.advanced:
                     advanced[state.request_id] = state
@@ -365,11 +389,12 @@ def _publish(state: RequestOutputState, streams: dict[str, OutputStream], observ
     return None if delta is None else (stream.queue, delta)
 
 
-def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any) -> list[Delivery]:
+def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any, stuck: bool) -> list[Delivery]:
     """The error deltas of the requests the core refused (400) or failed (500) in ``step``, which leave
-    ``streams``."""
+    ``streams`` (``stuck``: the core's watchdog failed them, a step outlived ``engine.step_timeout``)."""
     deliveries: list[Delivery] = []
-    for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, "engine_error")):
+    failed_reason = "step_timeout" if stuck else "engine_error"
+    for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, failed_reason)):
         for request_id, error in errors.items():
             stream = streams.pop(request_id, None)
             text = error if status == 400 else f"internal error in request {request_id}: {error}"

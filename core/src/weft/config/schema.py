@@ -283,6 +283,14 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    kv_load_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds a request may wait for its KV to arrive through the KV connector (an asynchronous "
+            "load: a P/D decode instance's receive, a store's background load); then it computes its prompt itself",
+        ),
+    ] = 120.0
     step_timeout: Annotated[
         float,
         Meta(

@@ -34,11 +34,13 @@ here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from weft.config.schema import EngineConfig
 from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import (
     ConnectorContext,
@@ -92,8 +94,12 @@ class SchedulerConnector:
         options: msgspec.Struct,
         groups: Sequence[KVCacheGroupSpec],
         context: ConnectorContext,
+        load_timeout: float | None = None,
     ) -> None:
+        """``load_timeout``: seconds a parked request may wait for its asynchronous load (``engine.kv_load_timeout``)
+        before it computes its prompt itself; default: that option's)."""
         self.name = connector_class.name
+        self.load_timeout = EngineConfig().kv_load_timeout if load_timeout is None else load_timeout
         self.groups = tuple(groups)
         self.block_size = connector_block_size(self.groups)
         self.loads_possible = all(group.prefix_cacheable or group.checkpointed for group in self.groups)
@@ -127,6 +133,9 @@ class SchedulerConnector:
         """External tokens each request admitted in a step in flight is to load."""
         self._receiving: dict[str, int] = {}
         """External tokens each request parked for an asynchronous load is to receive."""
+        self._receive_deadlines: dict[str, float] = {}
+        """When each parked request stops waiting for its load (``time.monotonic()``), in the order they were
+        parked (the earliest deadline first)."""
         self._admitted: set[str] = set()
         """Requests holding blocks."""
         self._preempted: set[str] = set()
@@ -204,6 +213,8 @@ class SchedulerConnector:
             self.stats.query_tokens += request.num_prompt_tokens
         if num_external_tokens:
             (self._receiving if load_async else self._loading)[request.request_id] = num_external_tokens
+            if load_async:
+                self._receive_deadlines[request.request_id] = time.monotonic() + self.load_timeout
             self.stats.hits += 1
             self.stats.hit_tokens += num_external_tokens
 
@@ -219,6 +230,7 @@ class SchedulerConnector:
         connector_request = self._requests.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._receiving.pop(request_id, None)
+        self._receive_deadlines.pop(request_id, None)
         if connector_request is None:  # the connector never saw it
             return False
         holds_blocks = request_id in self._admitted and block_ids is not None
@@ -291,9 +303,11 @@ class SchedulerConnector:
         resolved: dict[str, int] = {}
         for request_id in report.finished_receiving & self._receiving.keys():
             resolved[request_id] = self._receiving.pop(request_id)
+            self._receive_deadlines.pop(request_id, None)
             self.stats.transfers_arrived += 1
         for request_id in report.failed_loads & self._receiving.keys():
             count = self._receiving.pop(request_id)
+            self._receive_deadlines.pop(request_id, None)
             resolved[request_id] = 0
             self.stats.failed_load_tokens += count
             self.stats.transfers_failed += 1
@@ -304,6 +318,36 @@ class SchedulerConnector:
                 request_id,
             )
         return resolved
+
+    def expired_receives(self) -> list[str]:
+        """The parked requests whose load outlived ``load_timeout``: they compute their prompt themselves, in the
+        blocks they hold (a write the connector still makes there carries the same prompt's KV; a late report of
+        the load is ignored)."""
+        now = time.monotonic()
+        expired = []
+        for request_id, deadline in self._receive_deadlines.items():
+            if deadline > now:
+                break  # parked in order, all with the same timeout: the rest are later
+            expired.append(request_id)
+        timed_out = []
+        for request_id in expired:
+            del self._receive_deadlines[request_id]
+            count = self._receiving.pop(request_id, None)
+            if count is None:
+                continue
+            timed_out.append(request_id)
+            self.stats.failed_load_tokens += count
+            self.stats.transfers_failed += 1
+            self.stats.load_timeouts += 1
+            logger.warning(
+                "KV connector %r: the %d tokens of request %s did not arrive within engine.kv_load_timeout "
+                "(%g s); computing them",
+                self.name,
+                count,
+                request_id,
+                self.load_timeout,
+            )
+        return timed_out
 
     def update(self, report: ConnectorOutput) -> list[str]:
         """Hand the report to the scheduler role; returns finished requests no transfer reaches any more

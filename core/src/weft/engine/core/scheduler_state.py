@@ -166,8 +166,10 @@ class SchedulerState:
         rows = self._steps.applied()
         connector, report = self.connector, connector_report
         failed = connector.failed_loads(report) if connector is not None and report is not None else {}
-        if connector is not None and report is not None:
-            for request_id, arrived in connector.received(report).items():
+        if connector is not None:
+            resolved = connector.received(report) if report is not None else {}
+            resolved.update(dict.fromkeys(connector.expired_receives(), 0))  # past engine.kv_load_timeout
+            for request_id, arrived in resolved.items():
                 request = self.receiving.pop(request_id)
                 self._planned[request_id] += arrived
                 request.num_computed_tokens = self._planned[request_id]

@@ -285,13 +285,27 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert wait_until_idle(engine), "the aborted request kept its KV blocks"
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts_and_logs_no_traceback(server):
+    import logging
+
     engine = server.engine
     assert wait_until_idle(engine)
-    payload = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 4000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=payload, timeout=2.0)
-    assert wait_until_idle(engine, timeout=30), "the abandoned request kept running"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    watched = [logging.getLogger(name) for name in ("uvicorn.error", "weft")]
+    for logger in watched:
+        logger.addHandler(handler)
+    try:
+        payload = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 4000, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=payload, timeout=2.0)
+        assert wait_until_idle(engine, timeout=30), "the abandoned request kept running"
+        time.sleep(0.5)  # the handler's end is logged, if at all, after the abort
+    finally:
+        for logger in watched:
+            logger.removeHandler(handler)
+    assert not [record for record in records if record.exc_info], [record.getMessage() for record in records]
 
 
 def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_path):
@@ -305,7 +319,14 @@ def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_p
     )
     name = folder.name
     auth = {"authorization": "Bearer s3cret"}
-    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}), 401, "API key")
+    refused = post(small, "/v1/completions", {"model": name, "prompt": "hi"})
+    assert_error(refused, 401, "API key")
+    assert refused.headers["www-authenticate"] == "Bearer"
+    # A trailing slash is a 404 like any unknown path, with the key or without: no redirect, which came before the
+    # key's check with a Location built from the client's Host header.
+    for headers in ({"host": "evil.example"}, {**auth, "host": "evil.example"}):
+        slashed = post(small, "/v1/completions/", {"model": name, "prompt": "hi"}, headers=headers)
+        assert slashed.status_code == 404 and "location" not in slashed.headers, slashed.headers
     assert_error(
         post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401
     )

@@ -33,7 +33,7 @@ from weft.resolve import options_for
 from weft.sampling_params import SamplingParams
 from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
-from weft.serve.body import HTTPError, check_media_type, decode, read_bytes
+from weft.serve.body import ClientGone, HTTPError, check_media_type, decode, read_bytes
 from weft.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("weft.serve")
@@ -86,7 +86,12 @@ class Server:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+            raise HTTPError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},  # RFC 9110: a 401 names the scheme it wants
+            )
 
     async def read(self, request: Request, body_type: type[Any], endpoint: str = "") -> Any:
         """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`). Top-level
@@ -194,7 +199,7 @@ class Server:
                 if time.monotonic() - checked >= 0.5:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError
+                        raise ClientGone
                 if delta is None:
                     continue
                 if delta.error:

@@ -99,6 +99,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     waiting_for_remote_kv: int = 0
     connector_metrics: dict[str, ConnectorMetricTotal] = {}
     """The KV connector's metrics summed since start, by name."""
+    structured_output_compile_timeouts: int = 0
+    """Requests failed because their constraint outlived ``engine.structured_output_compile_timeout``."""
+    structured_output_cache_bytes: int = 0
+    """What the compiled constraints the engine caches take (``engine.structured_output_cache_bytes`` at most)."""
     num_preemptions: int = 0
     """Preemptions since the core started (a counter)."""
     num_steps: int = 0

@@ -66,6 +66,11 @@ _CORE_GAUGES = [
         lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1),
     ),
     (
+        "weft_structured_output_cache_bytes",
+        "Memory of the compiled constraints the engine caches (engine.structured_output_cache_bytes at most)",
+        lambda stats: stats.structured_output_cache_bytes,
+    ),
+    (
         "weft_kv_connector_requests_waiting_for_kv",
         "Requests waiting for their KV to arrive through the connector",
         lambda stats: stats.waiting_for_remote_kv,
@@ -78,6 +83,11 @@ _CORE_COUNTERS = [
     ("weft_engine_steps", "Engine steps run", "num_steps"),
     ("weft_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_query_tokens"),
     ("weft_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+    (
+        "weft_structured_output_compile_timeouts",
+        "Requests failed because their constraint outlived engine.structured_output_compile_timeout",
+        "structured_output_compile_timeouts",
+    ),
 ]
 """The engine core's running totals (name without ``_total``, description, field of the core's stats); the names
 are vLLM's (``vllm:prefix_cache_queries``...) with Weft's prefix."""

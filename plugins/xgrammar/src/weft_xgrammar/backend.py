@@ -310,6 +310,9 @@ class XgrammarBackend(StructuredOutputBackend):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))  # xgrammar rolls back any number of tokens
 
+    def compiled_bytes(self, compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)
+
     def serialize_compiled(self, compiled: Any) -> bytes:
         return compiled.serialize_json().encode()
 

@@ -130,7 +130,17 @@ class SchedulerState:
             connector_metrics=connector.metric_totals if connector is not None else {},
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
+            **self._compile_counters(),
         )
+
+    def _compile_counters(self) -> dict[str, int]:
+        compiler = self.structured_outputs.compiler if self.structured_outputs is not None else None
+        if compiler is None:
+            return {}
+        return {
+            "structured_output_compile_timeouts": compiler.timeouts,
+            "structured_output_cache_bytes": compiler.cached_bytes,
+        }
 
     @staticmethod
     def _connector_counters(stats: ConnectorStats) -> dict[str, int]:
@@ -315,7 +325,7 @@ class SchedulerState:
         self._placeholders.pop(request.request_id, None)
         self._newly_finished.append(request)
         if request.constraint is not None:
-            request.constraint.release()
+            self.structured_outputs.release(request)  # type: ignore[union-attr]
         self._steps.drop_on_workers(request.request_id)
         if self.connector is None or not self.connector.request_finished(
             request, self.kv_cache.block_ids(request.request_id) if self.kv_cache.holds(request.request_id) else None

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weft.config import WeftConfig
+from weft.engine.api.core_health import CoreHealth
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
 from weft.engine.api.streams import Delta, OutputStream
@@ -94,10 +95,7 @@ class AsyncEngine:
         self._preparing = 0
         """Requests :meth:`submit` is checking on a tokenizer thread: they count as waiting."""
         self.dead = False
-        self.stuck: str | None = None
-        """The phase the core's watchdog found a step stuck in (None once a step ended)."""
-        self._last_heard = time.monotonic()
-        """When the core last sent anything, or (if later) when requests came in after none was in flight."""
+        self.health = CoreHealth(config.server.health_stall_timeout)
         self._stopping = False
         self._reader_done = False
         self._drain_deadline: float | None = None
@@ -195,8 +193,7 @@ class AsyncEngine:
         now = time.monotonic()
         deadline = None if self.request_timeout is None else arrival + self.request_timeout
         with self._lock:
-            if not self.outputs.requests:  # the core had no work to report on: its silence starts counting now
-                self._last_heard = now
+            self.health.submitted(now, idle=not self.outputs.requests)
             for (request_id, _, params, index), core_request in zip(requests, core_requests, strict=False):
                 self.outputs.add(request_id, core_request.prompt_token_ids, params)
                 self._streams[request_id] = OutputStream(output, index, last_token_time=now, deadline=deadline)
@@ -230,37 +227,17 @@ class AsyncEngine:
         return bool(self.outputs.requests)
 
     def unhealthy(self) -> str | None:
-        """Why ``/health`` answers 503 for the core (None: it is well): it died, a step is stuck past
-        ``engine.step_timeout``, or it sent nothing for ``server.health_stall_timeout`` while requests are in
-        flight (a stopped or hung process: a core with work sends a message every step)."""
-        if self.dead:
-            return "engine core is gone"
-        if self.stuck is not None:
-            return f"engine core is stuck in {self.stuck} (past engine.step_timeout)"
-        silent = time.monotonic() - self._last_heard
-        if self.outputs.requests and silent > self.config.server.health_stall_timeout:
-            return (
-                f"engine core sent nothing for {silent:.0f} s while {len(self.outputs.requests)} requests are in "
-                f"flight (server.health_stall_timeout: {self.config.server.health_stall_timeout:g} s)"
-            )
-        return None
+        """Why ``/health`` answers 503 for the core (None: it is well; :class:`CoreHealth`)."""
+        return self.health.problem(self.dead, len(self.outputs.requests))
 
     def _expire_overdue(self) -> None:
         """Abort requests past their deadline; each gets a 408 error delta."""
-        now = time.monotonic()
         with self._lock:
-            overdue = [
-                request_id
-                for request_id, stream in self._streams.items()
-                if stream.deadline is not None and now > stream.deadline
-            ]
+            overdue = _overdue(self._streams, time.monotonic())
         if not overdue:
             return
-        message = (
-            f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped; "
-            f"ask for fewer tokens or raise the limit"
-        )
-        self._end_with_error(overdue, message, 408, "timeout")
+        message = f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped"
+        self._end_with_error(overdue, f"{message}; ask for fewer tokens or raise the limit", 408, "timeout")
         self.client.abort(overdue)
 
     def _end_with_error(self, request_ids: list[str], message: str, status: int, reason: str) -> None:
@@ -328,7 +305,7 @@ class AsyncEngine:
             messages = self.client.get_outputs(0.1)
             if not messages:
                 continue
-            self._last_heard = time.monotonic()
+            self.health.heard()
             try:
                 deliveries, stopped = self._handle(messages)
             except Exception:
@@ -355,7 +332,7 @@ class AsyncEngine:
             advanced: dict[str, RequestOutputState] = {}
             for message in messages:
                 self.stats = message.stats
-                self.stuck = message.stuck
+                self.health.stuck = message.stuck
                 step = self.outputs.apply(message)
                 deliveries += _step_errors(step, self._streams, self.observer, message.stuck is not None)
                 all_stopped += step.stopped
@@ -387,6 +364,13 @@ def _publish(state: RequestOutputState, streams: dict[str, OutputStream], observ
     if state.finished:
         streams.pop(state.request_id, None)
     return None if delta is None else (stream.queue, delta)
+
+
+def _overdue(streams: dict[str, OutputStream], now: float) -> list[str]:
+    """The requests past their ``server.request_timeout`` deadline."""
+    return [
+        request_id for request_id, stream in streams.items() if stream.deadline is not None and now > stream.deadline
+    ]
 
 
 def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any, stuck: bool) -> list[Delivery]:

@@ -60,6 +60,18 @@ def _receive(
     return False, received
 
 
+def _failed_step(core: Any, failure: Any, refused: dict[str, str]) -> tuple[StepOutputs, BaseException | None]:
+    """A step that failed twice (``failure``, a :class:`~weft.engine.core.engine_core.StepFailed`): the message
+    failing the requests it held, and the error the core stops with when its workers are gone (else None)."""
+    error = failure.__cause__
+    if failure.fatal:
+        reason, fatal = f"the engine's workers failed: {error}", error
+    else:
+        logger.error("engine step failed again; failing the requests it held", exc_info=error)
+        reason, fatal = STEP_FAILED, None
+    return StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason)), fatal
+
+
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """The core process's main function."""
     import zmq
@@ -116,13 +128,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             try:
                 message = core.step_outputs(refused)
             except StepFailed as failure:
-                error = failure.__cause__
-                if failure.fatal:
-                    reason, fatal = f"the engine's workers failed: {error}", error
-                else:
-                    logger.error("engine step failed again; failing the requests it held", exc_info=error)
-                    reason = STEP_FAILED
-                message = StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason))
+                message, fatal = _failed_step(core, failure, refused)
             if failed_by_watchdog := watchdog.step_ended():
                 core.abort(failed_by_watchdog)  # the API side ended them already
             watchdog.last_stats = message.stats

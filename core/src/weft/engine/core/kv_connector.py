@@ -85,6 +85,33 @@ class ConnectorStats(msgspec.Struct):
     """Of those, loads that outlived ``engine.kv_load_timeout``."""
 
 
+class Deadlines:
+    """When each of some requests stops waiting (``time.monotonic()``), all after the same ``timeout``: kept in the
+    order they began, so the earliest deadline comes first."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._deadlines: dict[str, float] = {}
+
+    def start(self, request_id: str) -> None:
+        self._deadlines[request_id] = time.monotonic() + self.timeout
+
+    def pop(self, request_id: str, default: None = None) -> float | None:
+        return self._deadlines.pop(request_id, default)
+
+    def expired(self) -> list[str]:
+        """The requests past their deadline, forgotten."""
+        now = time.monotonic()
+        expired = []
+        for request_id, deadline in self._deadlines.items():
+            if deadline > now:
+                break  # the rest are later
+            expired.append(request_id)
+        for request_id in expired:
+            del self._deadlines[request_id]
+        return expired
+
+
 class SchedulerConnector:
     """The scheduler role of one connector, and the engine state the contract needs."""
 
@@ -96,8 +123,7 @@ class SchedulerConnector:
         context: ConnectorContext,
         load_timeout: float | None = None,
     ) -> None:
-        """``load_timeout``: seconds a parked request may wait for its asynchronous load (``engine.kv_load_timeout``)
-        before it computes its prompt itself; default: that option's)."""
+        """``load_timeout``: ``engine.kv_load_timeout`` (default: that option's default)."""
         self.name = connector_class.name
         self.load_timeout = EngineConfig().kv_load_timeout if load_timeout is None else load_timeout
         self.groups = tuple(groups)
@@ -133,9 +159,8 @@ class SchedulerConnector:
         """External tokens each request admitted in a step in flight is to load."""
         self._receiving: dict[str, int] = {}
         """External tokens each request parked for an asynchronous load is to receive."""
-        self._receive_deadlines: dict[str, float] = {}
-        """When each parked request stops waiting for its load (``time.monotonic()``), in the order they were
-        parked (the earliest deadline first)."""
+        self._receive_deadlines = Deadlines(self.load_timeout)
+        """When each parked request stops waiting for its load."""
         self._admitted: set[str] = set()
         """Requests holding blocks."""
         self._preempted: set[str] = set()
@@ -214,7 +239,7 @@ class SchedulerConnector:
         if num_external_tokens:
             (self._receiving if load_async else self._loading)[request.request_id] = num_external_tokens
             if load_async:
-                self._receive_deadlines[request.request_id] = time.monotonic() + self.load_timeout
+                self._receive_deadlines.start(request.request_id)
             self.stats.hits += 1
             self.stats.hit_tokens += num_external_tokens
 
@@ -323,15 +348,8 @@ class SchedulerConnector:
         """The parked requests whose load outlived ``load_timeout``: they compute their prompt themselves, in the
         blocks they hold (a write the connector still makes there carries the same prompt's KV; a late report of
         the load is ignored)."""
-        now = time.monotonic()
-        expired = []
-        for request_id, deadline in self._receive_deadlines.items():
-            if deadline > now:
-                break  # parked in order, all with the same timeout: the rest are later
-            expired.append(request_id)
         timed_out = []
-        for request_id in expired:
-            del self._receive_deadlines[request_id]
+        for request_id in self._receive_deadlines.expired():
             count = self._receiving.pop(request_id, None)
             if count is None:
                 continue

@@ -363,6 +363,14 @@ class ServerConfig(_Section, frozen=True):
     body_timeout: Annotated[
         float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
     ] = 60.0
+    write_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds a stream's client may leave its output unread (it stopped reading, the socket is "
+            "full) before its requests are stopped and their output dropped; bounds what the server buffers for it",
+        ),
+    ] = 30.0
     health_stall_timeout: Annotated[
         float,
         Meta(

@@ -47,6 +47,7 @@ FAILURE_REASONS = {
     "timeout": "outlived server.request_timeout",
     "engine_error": "the engine could not serve it (non-finite logits, a step that failed twice)",
     "step_timeout": "the engine core held it while a step outlived engine.step_timeout (its watchdog failed it)",
+    "write_timeout": "its client left its stream unread for server.write_timeout (it stopped reading)",
     "rejected": "the engine core refused it",
     "bad_request": "its own sampling parameters and constraint left no token to sample (a 400)",
     "shutdown": "still running when a shutdown's drain ended",

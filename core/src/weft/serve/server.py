@@ -25,7 +25,7 @@ from starlette.responses import Response
 from weft.config import WeftConfig
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
-from weft.engine.api.streams import Delta
+from weft.engine.api.streams import Delta, DeltaQueue
 from weft.engine.messages import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
@@ -158,7 +158,7 @@ class Server:
                 f"send {choices_field} = 1 and a single prompt",
                 param="kv_transfer_params",
             )
-        output: asyncio.Queue = asyncio.Queue()
+        output: asyncio.Queue = DeltaQueue()
         choices = params.choices()
         base = request_id(request)
         batch = [

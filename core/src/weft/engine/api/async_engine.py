@@ -33,7 +33,7 @@ from weft.config import WeftConfig
 from weft.engine.api.core_health import CoreHealth
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
-from weft.engine.api.streams import Delta, OutputStream
+from weft.engine.api.streams import Delta, DeltaQueue, OutputStream
 from weft.engine.client import ProcessClient
 from weft.engine.messages import CoreStats, GrammarStart, StepOutputs
 from weft.plugins import PluginRegistry
@@ -231,14 +231,13 @@ class AsyncEngine:
         return self.health.problem(self.dead, len(self.outputs.requests))
 
     def _expire_overdue(self) -> None:
-        """Abort requests past their deadline; each gets a 408 error delta."""
+        """Abort requests past ``server.request_timeout`` or whose client left their output unread for
+        ``server.write_timeout``; each gets a 408 error delta."""
         with self._lock:
-            overdue = _overdue(self._streams, time.monotonic())
-        if not overdue:
-            return
-        message = f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped"
-        self._end_with_error(overdue, f"{message}; ask for fewer tokens or raise the limit", 408, "timeout")
-        self.client.abort(overdue)
+            expired = _expired(self._streams, time.monotonic(), self.request_timeout, self.config.server.write_timeout)
+        for request_ids, message, reason in expired:
+            self._end_with_error(request_ids, message, 408, reason)
+            self.client.abort(request_ids)
 
     def _end_with_error(self, request_ids: list[str], message: str, status: int, reason: str) -> None:
         """Forget ``request_ids`` here (not in the core) and send each stream an error delta."""
@@ -366,11 +365,26 @@ def _publish(state: RequestOutputState, streams: dict[str, OutputStream], observ
     return None if delta is None else (stream.queue, delta)
 
 
-def _overdue(streams: dict[str, OutputStream], now: float) -> list[str]:
-    """The requests past their ``server.request_timeout`` deadline."""
-    return [
-        request_id for request_id, stream in streams.items() if stream.deadline is not None and now > stream.deadline
+def _expired(
+    streams: dict[str, OutputStream], now: float, request_timeout: float | None, write_timeout: float
+) -> list[tuple[list[str], str, str]]:
+    """The requests to stop, in groups with their message and failure reason: past their ``server.request_timeout``
+    deadline, or whose client left their output unread for ``write_timeout`` (it stopped reading: what the server
+    buffers for it stays bounded)."""
+    overdue = [id_ for id_, stream in streams.items() if stream.deadline is not None and now > stream.deadline]
+    unread = [
+        id_
+        for id_, stream in streams.items()
+        if isinstance(stream.queue, DeltaQueue) and stream.queue.unread_for(now) > write_timeout and id_ not in overdue
     ]
+    expired = []
+    if overdue:
+        message = f"the request took longer than server.request_timeout ({request_timeout:g} s) and was stopped"
+        expired.append((overdue, f"{message}; ask for fewer tokens or raise the limit", "timeout"))
+    if unread:
+        message = f"its client left the output unread for server.write_timeout ({write_timeout:g} s)"
+        expired.append((unread, f"{message}; the request was stopped", "write_timeout"))
+    return expired
 
 
 def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any, stuck: bool) -> list[Delivery]:

@@ -225,7 +225,7 @@ def part_check(cluster: Cluster, args: argparse.Namespace) -> bool:
     after = cluster.metrics("decode")
     alone = asyncio.run(answers(cluster.urls["decode"]))
     equal = sum(same(a, b) for a, b in zip(proxied, alone, strict=False))
-    moved = after["weft_kv_connector_hit_tokens"] - before["weft_kv_connector_hit_tokens"]
+    moved = after["weft_external_prefix_cache_hits_total"] - before["weft_external_prefix_cache_hits_total"]
     expected = sum(len(prompt) - 1 for prompt in prompts)
     print(
         f"check: {equal}/{len(prompts)} greedy outputs through the proxy equal the decode instance's alone "

@@ -237,8 +237,8 @@ def test_greedy_output_through_the_proxy_equals_a_single_instance_and_decode_com
     lengths = prompt_lengths(cluster, api)
     expected = sum(length - 1 for length in lengths)
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
-    assert delta["weft_kv_connector_hit_tokens"] == expected
-    assert delta["weft_kv_connector_failed_load_tokens"] == 0
+    assert delta["weft_external_prefix_cache_hits_total"] == expected
+    assert delta["weft_kv_connector_failed_load_tokens_total"] == 0
     assert delta["weft_kv_connector_receive_failures_total"] == 0
     # A one-token prompt has nothing to move (its decode leg releases the prefill instance's lease).
     assert delta["weft_kv_connector_receive_started_total"] == sum(1 for length in lengths if length > 1)
@@ -272,7 +272,7 @@ def test_a_transfer_failure_injected_on_the_producer_makes_decode_compute_the_pr
     length = httpx.post(f"{cluster.urls['decode']}/tokenize", json={"prompt": prompt}).json()["count"]
     decode_delta = {key: after["decode"][key] - before["decode"].get(key, 0) for key in after["decode"]}
     assert decode_delta["weft_kv_connector_receive_failures_total"] == 1
-    assert decode_delta["weft_kv_connector_failed_load_tokens"] == length - 1
+    assert decode_delta["weft_kv_connector_failed_load_tokens_total"] == length - 1
     producers = sum(
         after[name]["weft_kv_connector_send_failures_total"] - before[name]["weft_kv_connector_send_failures_total"]
         for name in ("prefill1", "prefill2")
@@ -342,7 +342,7 @@ def test_a_transfer_that_times_out_makes_decode_compute_the_prompt_with_the_same
     delta = {key: after[drill][key] - before[drill].get(key, 0) for key in after[drill]}
     assert delta["weft_kv_connector_receive_started_total"] == 1
     assert delta["weft_kv_connector_receive_failures_total"] == 1
-    assert delta["weft_kv_connector_failed_load_tokens"] == length - 1
+    assert delta["weft_kv_connector_failed_load_tokens_total"] == length - 1
     assert (
         after["prefill1"]["weft_kv_connector_send_started_total"]
         == before["prefill1"]["weft_kv_connector_send_started_total"]

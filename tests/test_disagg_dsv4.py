@@ -49,5 +49,6 @@ def test_a_hybrid_model_moves_its_ring_compressed_and_recurrent_groups_and_decod
         for prompt in prompts[:-1]
     ] + [len(prompts[-1])]
     assert max(lengths) > 4 * 16
-    assert after["weft_kv_connector_hit_tokens"] - before["weft_kv_connector_hit_tokens"] == sum(n - 1 for n in lengths)
+    hits = "weft_external_prefix_cache_hits_total"
+    assert after[hits] - before[hits] == sum(n - 1 for n in lengths)
     assert after["weft_kv_connector_receive_failures_total"] == before["weft_kv_connector_receive_failures_total"]

@@ -410,3 +410,18 @@ def test_the_prefill_leg_never_outlives_the_response(upstreams):
         proxy.stop()
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_leg_silent_past_the_leg_timeout_fails_and_is_counted(upstreams):
+    """An instance that sends nothing for --leg-timeout: a decode leg before its first byte is a 502 naming the
+    timeout, counted as a failed leg (a prefill leg's timeout takes the path of its other transport errors: the
+    decode instance computes the prompt)."""
+    proxy = Proxy([upstreams["prefill"].url], [upstreams["decode"].url], "--leg-timeout", "1")
+    try:
+        started = time.monotonic()
+        silent = httpx.post(f"{proxy.url}/v1/completions", json=body(fake_delay=6, fake_key="silent"), timeout=30)
+        assert silent.status_code == 502 and "ReadTimeout" in silent.json()["error"]["message"], silent.text
+        assert time.monotonic() - started < 5
+        assert metric(proxy, 'weft_proxy_leg_failures_total{leg="decode"}') == 1
+    finally:
+        proxy.stop()

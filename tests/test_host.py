@@ -76,3 +76,25 @@ def test_a_path_outside_the_namespaces_mount_reads_the_mount_itself(tmp_path):
     write(root / "cpu.max", "200000 100000\n")
     write(tmp_path / "cpu.max", "100000 100000\n")  # outside the mount: never read
     assert cgroup_cpu_quota(root, membership) == 2.0
+
+
+def test_nothing_sizes_threads_or_processes_by_the_machines_cpu_count():
+    """``os.cpu_count()`` counts the machine's CPUs, not those a container may use: only weft.host reads it (as a
+    fallback where there is no affinity mask); everything else sizes itself by ``usable_cpus()``."""
+    repository = Path(__file__).resolve().parent.parent
+    readers = sorted(
+        str(path.relative_to(repository))
+        for folder in ("core/src", *(str(p.relative_to(repository)) for p in repository.glob("plugins*")))
+        for path in (repository / folder).rglob("*.py")
+        if "cpu_count()" in path.read_text(encoding="utf-8")
+    )
+    assert readers == ["core/src/weft/host.py"]
+
+
+def test_xgrammars_threads_leave_a_usable_cpu_free(monkeypatch):
+    import weft_xgrammar.backend as backend
+
+    monkeypatch.setattr(backend, "usable_cpus", lambda: 2)  # a 2-CPU quota on a machine of many more
+    assert backend.spare_threads(8) == 1
+    monkeypatch.setattr(backend, "usable_cpus", lambda: 16)
+    assert backend.spare_threads(8) == 8 and backend.spare_threads(1) == 1

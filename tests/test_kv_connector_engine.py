@@ -259,3 +259,44 @@ def test_each_layer_is_waited_for_in_the_forward_just_before_its_attention_only_
     saves = [("save", layer) for layer in layers]
     assert len(steps) == 6 and len(layers) == 2
     assert steps == [not_waited + saves] * 3 + [waited + saves] + [not_waited + saves] * 2
+
+
+SILENT = '''
+    from weft.contracts.kv_connector import KVConnector
+
+
+    class SilentConnector(KVConnector):
+        """Offers every prompt's KV as an asynchronous load, then never reports it (a peer that went quiet)."""
+
+        name = "silent"
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return len(request.prompt_token_ids) - 1 - num_computed_tokens, True
+'''
+
+
+def test_a_load_the_connector_never_reports_is_computed_once_past_kv_load_timeout(tiny, site, monkeypatch):
+    import time
+
+    site.add_distribution(
+        "weft-silent",
+        requires=("weft-core>=1.3,<2",),
+        entry_points={"weft.kv_connector": {"silent": "silent:SilentConnector"}},
+        modules={"silent": SILENT},
+    )
+    monkeypatch.syspath_prepend(str(site.root))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 9, [21, 22] * 20]
+    engine = {"num_kv_blocks": 64, "max_model_len": 128, "block_size": 16}
+    expected = [output.outputs[0].token_ids for output in LLM(model=str(tiny), engine=engine).generate(prompts, params)]
+    timeout = 1.0
+    with LLM(model=str(tiny), engine={**engine, "kv_load_timeout": timeout}, use={"kv_connector": "silent"}) as llm:
+        began = time.monotonic()
+        outputs = llm.generate(prompts, params)
+        took = time.monotonic() - began
+        stats = llm.engine.core.stats()
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert [output.num_cached_tokens for output in outputs] == [0, 0]  # computed, none loaded
+    assert timeout <= took < timeout + 10
+    assert (stats.kv_load_timeouts, stats.kv_transfers_failed, stats.kv_transfers_arrived) == (2, 2, 0)
+    assert stats.connector_failed_load_tokens == sum(len(prompt) - 1 for prompt in prompts)

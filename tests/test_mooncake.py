@@ -634,7 +634,7 @@ def test_two_servers_share_the_store_and_report_hits_in_metrics(store, llama, st
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
         hits = server.engine.stats.connector_hit_tokens
         server.stop()  # the server's shutdown closes the engine, which waits for its saves
-    assert f"weft_kv_connector_hit_tokens {float(hits)}" in metrics and hits == 64
+    assert f"weft_external_prefix_cache_hits_total {float(hits)}" in metrics and hits == 64
     tokenizer = LLM(model=str(llama), engine=ENGINE).tokenizer
     assert answers == [tokenizer.decode(tokens) for tokens in expected]
 

@@ -285,13 +285,27 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert wait_until_idle(engine), "the aborted request kept its KV blocks"
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts_and_logs_no_traceback(server):
+    import logging
+
     engine = server.engine
     assert wait_until_idle(engine)
-    payload = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 4000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=payload, timeout=2.0)
-    assert wait_until_idle(engine, timeout=30), "the abandoned request kept running"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    watched = [logging.getLogger(name) for name in ("uvicorn.error", "weft")]
+    for logger in watched:
+        logger.addHandler(handler)
+    try:
+        payload = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 4000, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=payload, timeout=2.0)
+        assert wait_until_idle(engine, timeout=30), "the abandoned request kept running"
+        time.sleep(0.5)  # the handler's end is logged, if at all, after the abort
+    finally:
+        for logger in watched:
+            logger.removeHandler(handler)
+    assert not [record for record in records if record.exc_info], [record.getMessage() for record in records]
 
 
 def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_path):
@@ -305,7 +319,14 @@ def test_body_limit_queue_limit_and_api_key(start_server, tokenizer_files, tmp_p
     )
     name = folder.name
     auth = {"authorization": "Bearer s3cret"}
-    assert_error(post(small, "/v1/completions", {"model": name, "prompt": "hi"}), 401, "API key")
+    refused = post(small, "/v1/completions", {"model": name, "prompt": "hi"})
+    assert_error(refused, 401, "API key")
+    assert refused.headers["www-authenticate"] == "Bearer"
+    # A trailing slash is a 404 like any unknown path, with the key or without: no redirect, which came before the
+    # key's check with a Location built from the client's Host header.
+    for headers in ({"host": "evil.example"}, {**auth, "host": "evil.example"}):
+        slashed = post(small, "/v1/completions/", {"model": name, "prompt": "hi"}, headers=headers)
+        assert slashed.status_code == 404 and "location" not in slashed.headers, slashed.headers
     assert_error(
         post(small, "/v1/completions", {"model": name, "prompt": "hi"}, headers={"authorization": "Bearer wrong"}), 401
     )
@@ -809,3 +830,76 @@ def test_a_field_name_goes_into_the_header_encoded():
 
     assert header_safe("some_vendor_field") == "some_vendor_field"
     assert header_safe("a,b\r\nSet-Cookie: x") == "a%2Cb%0D%0ASet-Cookie: x"
+
+
+def scrape_families(url: str) -> dict[str, object]:
+    """``/metrics`` parsed by prometheus_client's own text parser (which rejects malformed exposition)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+
+
+def sample_value(families: dict, name: str, suffix: str = "", **labels: str) -> float:
+    for sample in families[name].samples:
+        if sample.name == name + suffix and all(sample.labels.get(key) == value for key, value in labels.items()):
+            return sample.value
+    raise AssertionError(f"{name}{suffix}{labels} not in /metrics")
+
+
+def test_metrics_have_prometheus_semantics(server, client):
+    """Running totals are counters (``_total`` samples that never go down), gauges are gauges, histograms are
+    cumulative with ``+Inf`` equal to ``_count``; the prefix-cache counters move by what an identical prompt
+    must hit (whole blocks before its last token), and the latency histograms count each request once."""
+    prompt = f"Metrics probe {time.time_ns()}: " + "the quick brown fox jumps over the lazy dog " * 4
+    count = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt}).json()["count"]
+    assert count > 33
+    before = scrape_families(server.url)
+    usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=3).usage for _ in range(2)]
+    after = scrape_families(server.url)
+
+    expected_types = {
+        "weft_requests": "counter",
+        "weft_prompt_tokens": "counter",
+        "weft_prompt_tokens_computed": "counter",
+        "weft_prefix_cache_queries": "counter",
+        "weft_prefix_cache_hits": "counter",
+        "weft_preemptions": "counter",
+        "weft_engine_steps": "counter",
+        "weft_requests_waiting": "gauge",
+        "weft_kv_cache_usage_ratio": "gauge",
+        "weft_request_queue_time_seconds": "histogram",
+        "weft_request_prefill_time_seconds": "histogram",
+        "weft_request_decode_time_seconds": "histogram",
+        "weft_inter_token_latency_seconds": "histogram",
+        "weft_time_to_first_token_seconds": "histogram",
+    }
+    for name, kind in expected_types.items():
+        assert after[name].type == kind, (name, after[name].type)
+    for name, family in after.items():
+        if family.type == "counter":
+            for sample in family.samples:
+                assert sample.name in (name + "_total", name + "_created"), sample
+                if sample.name.endswith("_total"):
+                    previous = sample_value(before, name, "_total", **sample.labels)
+                    assert sample.value >= previous, (sample, previous)
+        if family.type == "histogram":
+            buckets = [sample for sample in family.samples if sample.name == name + "_bucket"]
+            bounds = [float(sample.labels["le"]) for sample in buckets]
+            assert bounds == sorted(bounds) and bounds[-1] == float("inf"), name
+            counts = [sample.value for sample in buckets]
+            assert counts == sorted(counts), name
+            assert counts[-1] == sample_value(after, name, "_count"), name
+
+    def delta(name: str, suffix: str = "_total") -> float:
+        return sample_value(after, name, suffix) - sample_value(before, name, suffix)
+
+    block_size = 16
+    assert delta("weft_prefix_cache_queries") == 2 * count
+    assert delta("weft_prefix_cache_hits") == (count - 1) // block_size * block_size
+    assert usages[1].prompt_tokens_details.cached_tokens == (count - 1) // block_size * block_size
+    assert delta("weft_prompt_tokens_computed") == 2 * count - (count - 1) // block_size * block_size
+    for name in ("weft_request_queue_time_seconds", "weft_request_prefill_time_seconds",
+                 "weft_request_decode_time_seconds"):
+        assert delta(name, "_count") == 2, name
+    assert delta("weft_inter_token_latency_seconds", "_count") == 2 * 2  # 3 tokens each: two gaps
+    assert delta("weft_request_prefill_time_seconds", "_sum") > 0

@@ -966,6 +966,37 @@ def test_slow_headers_and_slow_bodies_are_cut_off(server):
         assert time.monotonic() - started < 15
 
 
+def test_a_stream_left_unread_past_the_write_timeout_is_stopped_and_one_being_read_is_not():
+    """A client that stops reading leaves its stream's deltas in the API process's queue (its handler waits on the
+    full socket): past server.write_timeout unread, its requests are stopped (408, reason write_timeout), so what
+    the server buffers for it stays bounded; a stream whose deltas are read as they come is left alone however
+    long it runs, and request_timeout still comes first."""
+    from weft.engine.api.async_engine import _expired
+    from weft.engine.api.streams import DeltaQueue, OutputStream
+
+    async def run():
+        stalled, reading = DeltaQueue(), DeltaQueue()
+        streams = {
+            "stalled-0": OutputStream(stalled, 0),
+            "stalled-1": OutputStream(stalled, 1),
+            "reading": OutputStream(reading, 0),
+            "late": OutputStream(DeltaQueue(), 0, deadline=time.monotonic() - 1),
+        }
+        stalled.put_nowait("delta")
+        streams["late"].queue.put_nowait("delta")
+        for _ in range(3):
+            reading.put_nowait("delta")
+            reading.put_nowait("delta")
+            await reading.get()  # read, one behind
+            await asyncio.sleep(0.2)
+        return _expired(streams, time.monotonic(), 1800.0, 0.5)
+
+    (overdue, _, timeout), (unread, message, reason) = asyncio.run(run())
+    assert (overdue, timeout) == (["late"], "timeout")
+    assert (unread, reason) == (["stalled-0", "stalled-1"], "write_timeout")
+    assert "server.write_timeout (0.5 s)" in message
+
+
 def test_a_short_request_is_not_starved_by_a_long_prefill(server):
     client = server.client()
     long_prompt = "apple " * 7900  # about 7,900 tokens: 16 steps of 512 while others run

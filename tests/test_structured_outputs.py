@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -753,3 +754,93 @@ def test_compilation_is_off_the_step_loop_and_cached(llm, monkeypatch):
         engine.step()
     assert engine.requests == {} and len(calls) == 1
     assert [request.text for request in slow] == ["ababab", "ababab"]
+
+
+def test_a_compile_past_its_deadline_fails_its_own_request_and_stalls_no_other(llm, monkeypatch):
+    """A constraint whose compile never ends (a pathological schema) fails its request with a 400 naming
+    engine.structured_output_compile_timeout; a small constraint queued behind it and a plain request finish
+    meanwhile, and the timeout is counted."""
+    from weft_xgrammar.backend import XgrammarBackend
+
+    release = threading.Event()
+    compile_original = XgrammarBackend.compile
+    stuck = StructuredOutputsParams(regex=r"(stuck){2}")
+
+    def compile_or_hang(self, constraint):
+        if constraint == stuck:
+            release.wait(timeout=120)
+        return compile_original(self, constraint)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", compile_or_hang)
+    engine = llm.engine
+    manager = engine.scheduler.structured_outputs
+    slow = engine.add_request("stuck", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=stuck))
+    compiler = manager.compiler
+    monkeypatch.setattr(compiler, "timeout", 1.0)
+    before = compiler.timeouts
+    choice = engine.add_request(
+        "choice", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    )
+    plain = engine.add_request("plain", llm.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=5))
+    started = time.monotonic()
+    refusals = []
+    try:
+        while not (choice.finished and plain.finished and refusals):
+            assert time.monotonic() - started < 30, "a request waited behind the stuck compile"
+            try:
+                engine.step()
+            except ValueError as refused:
+                refusals.append(str(refused))
+        assert not release.is_set() and choice.finish_reason == "stop"  # finished while the compile still hung
+    finally:
+        release.set()
+    while engine.has_unfinished:
+        engine.step()
+    assert choice.text == "yes" and not slow.text
+    assert len(refusals) == 1 and "'stuck'" in refusals[0], refusals
+    assert "engine.structured_output_compile_timeout = 1 s" in refusals[0]
+    assert compiler.timeouts == before + 1
+
+
+def test_a_constraint_over_the_size_limit_is_refused_naming_it(llm):
+    limit = llm.engine.config.engine.structured_output_max_bytes
+    schema = {"type": "object", "properties": {f"p{index}": {"type": "string"} for index in range(limit // 20)}}
+    request = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=r"over engine\.structured_output_max_bytes = 131072"):
+        llm.engine.add_request("huge", [1, 2, 3], request)
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+
+
+def test_compiled_constraints_stay_within_the_cache_budget_across_100_distinct_schemas(llm, monkeypatch):
+    """The engine keeps compiled constraints within engine.structured_output_cache_bytes: of 100 distinct large
+    schemas, those it still holds (alive after their requests ended) take at most the budget."""
+    import gc
+    import weakref
+
+    from weft_xgrammar.backend import XgrammarBackend
+
+    compiled = []
+    compile_original = XgrammarBackend.compile
+
+    def compile_recorded(self, constraint):
+        result = compile_original(self, constraint)
+        compiled.append((weakref.ref(result), result.memory_size_bytes))
+        return result
+
+    monkeypatch.setattr(XgrammarBackend, "compile", compile_recorded)
+    engine = llm.engine
+    schemas = [{"enum": [f"value-{schema}-{index}" for index in range(300)]} for schema in range(100)]
+    first = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=schemas[0]))
+    engine.add_request("first", [1, 2, 3], first)
+    budget = 8 * 48 << 10  # about 8 of these schemas (48 KB each compiled)
+    monkeypatch.setattr(engine.scheduler.structured_outputs.compiler, "cache_bytes", budget, raising=False)
+    for index, schema in enumerate(schemas[1:]):
+        constraint = StructuredOutputsParams(json=schema)
+        engine.add_request(f"schema-{index}", [1, 2, 3], SamplingParams(max_tokens=1, structured_outputs=constraint))
+    while engine.has_unfinished:
+        engine.step()
+    gc.collect()
+    assert len(compiled) == 100 and sum(size for _, size in compiled) > 10 * budget
+    alive = [size for reference, size in compiled if reference() is not None]
+    assert 0 < sum(alive) <= budget, (len(alive), sum(alive), budget)

@@ -163,14 +163,14 @@ def test_a_repeated_image_hits_the_encoder_and_prefix_caches_in_the_metrics(clie
     picture = image(48, 40, 21)
     parts = [{"type": "text", "text": "Once more:"}, {"type": "image_url", "image_url": {"url": data_url(picture)}}]
     first = chat(client, model_name, parts)
-    prefix_hits = metric("weft_prefix_cache_hits_tokens")
+    prefix_hits = metric("weft_prefix_cache_hits_total")
     second = chat(client, model_name, parts)
     assert second.choices[0].message.content == first.choices[0].message.content
-    assert metric("weft_prefix_cache_hits_tokens") - prefix_hits >= 2 * 8  # at least the blocks before the image's last
+    assert metric("weft_prefix_cache_hits_total") - prefix_hits >= 2 * 8  # at least the blocks before the image's last
     # Other text before the same image: no prefix shared, the image's rows come from the encoder cache.
-    queries, hits = metric("weft_encoder_cache_queries"), metric("weft_encoder_cache_hits")
+    queries, hits = metric("weft_encoder_cache_queries_total"), metric("weft_encoder_cache_hits_total")
     chat(client, model_name, [{"type": "text", "text": "Something else entirely, then:"}, parts[1]])
-    assert (metric("weft_encoder_cache_queries") - queries, metric("weft_encoder_cache_hits") - hits) == (1, 1)
+    assert (metric("weft_encoder_cache_queries_total") - queries, metric("weft_encoder_cache_hits_total") - hits) == (1, 1)
 
 
 def test_file_urls_under_the_allowed_path_and_the_responses_api(client, model_name, media, tiny_llava, hf_llava):

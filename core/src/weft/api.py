@@ -38,6 +38,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "check_decode_topk_inputs": ("weft.builtins.decode_topk", "check_inputs"),
     "check_bitmask_argmax_inputs": ("weft.builtins.bitmask_argmax", "check_inputs"),
     "qk_norm_rotary": ("weft.builtins.ops", "qk_norm_rotary"),
+    # The host: the CPUs this process may use (affinity and cgroup quota), for sizing threads and processes.
+    "usable_cpus": ("weft.host", "usable_cpus"),
     # Layers a model family builds from.
     "ForwardContext": ("weft.layers.attention", "ForwardContext"),
     "MultimodalBatch": ("weft.layers.multimodal", "MultimodalBatch"),

@@ -303,6 +303,31 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    structured_output_max_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="longest structured-output constraint, in bytes (a JSON schema's, regex's or grammar's "
+            "text, or the choices together); a longer one is a 400. Compile time grows about quadratically with "
+            "a schema's size (3,000 properties: 1.5 s on 2 CPUs; 30,000: 96 s)",
+        ),
+    ] = 128 << 10
+    structured_output_compile_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds a request waits for its constraint to compile; then it fails (a 400 naming this "
+            "limit) and the compiles queued behind it move to fresh threads",
+        ),
+    ] = 30.0
+    structured_output_cache_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="memory the engine keeps compiled constraints in (as the backend counts them; least "
+            "recently used first out, and at most 512 of them); a request keeps its own while it runs",
+        ),
+    ] = 256 << 20
     distributed_executor_backend: (
         Annotated[
             str,
@@ -346,6 +371,22 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    kv_load_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds a request may wait for its KV to arrive through the KV connector (an asynchronous "
+            "load: a P/D decode instance's receive, a store's background load); then it computes its prompt itself",
+        ),
+    ] = 120.0
+    step_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds one engine step may run; then a watchdog logs the phase it is stuck in and fails "
+            "the requests the engine core holds (/health answers 503 until the step ends)",
+        ),
+    ] = 300.0
     generation_config: Annotated[
         str,
         Meta(
@@ -385,6 +426,22 @@ class ServerConfig(_Section, frozen=True):
     body_timeout: Annotated[
         float, Meta(gt=0, description="seconds a client may take to send a request's body; then 408")
     ] = 60.0
+    write_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds a stream's client may leave its output unread (it stopped reading, the socket is "
+            "full) before its requests are stopped and their output dropped; bounds what the server buffers for it",
+        ),
+    ] = 30.0
+    health_stall_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds the engine core may send nothing while requests are in flight before /health "
+            "answers 503 (a stopped or hung core process)",
+        ),
+    ] = 5.0
     tokenizer_threads: Annotated[
         int,
         Meta(

@@ -173,6 +173,12 @@ class StructuredOutputBackend(PluginBase):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled`` (fast)."""
 
+    def compiled_bytes(self, compiled: Any) -> int:
+        """Memory ``compiled`` (from :meth:`compile`) takes, about: the engine keeps its cache of compiled
+        constraints within ``engine.structured_output_cache_bytes`` by it. The default counts its serialized form
+        where the backend has one, else 0 (only the cache's entry count bounds it then)."""
+        return len(self.serialize_compiled(compiled)) if self.fills_in_a_process() else 0
+
     def serialize_compiled(self, compiled: Any) -> bytes:
         """``compiled`` (from :meth:`compile`) as bytes :meth:`deserialize_compiled` of a backend built alike in
         another process reads back; backends that implement both can fill in a process of their own

@@ -86,16 +86,31 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     running: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache since the core started (a counter, as are the next ones)."""
     prefix_cache_hit_tokens: int = 0
     encoder_cache_queries: int = 0
     """Items whose encoder output a step needed, looked up in the encoder cache (a counter)."""
     encoder_cache_hits: int = 0
     """Of those, items found there: not encoded again (a counter)."""
-    connector_hit_tokens: int | None = None
-    connector_failed_load_tokens: int | None = None
+    connector_query_tokens: int = 0
+    """Prompt tokens of the requests the KV connector was asked about."""
+    connector_hit_tokens: int = 0
+    connector_failed_load_tokens: int = 0
+    kv_transfers_sent: int = 0
+    """Requests whose KV the connector finished sending (a prefill instance's pushes, a store's saves)."""
+    kv_transfers_arrived: int = 0
+    """Requests whose asynchronous KV load arrived."""
+    kv_transfers_failed: int = 0
+    """Requests whose asynchronous KV load failed or outlived ``engine.kv_load_timeout`` (computed instead)."""
+    kv_load_timeouts: int = 0
+    """Of those, the loads that outlived ``engine.kv_load_timeout``."""
     waiting_for_remote_kv: int = 0
     connector_metrics: dict[str, ConnectorMetricTotal] = {}
     """The KV connector's metrics summed since start, by name."""
+    structured_output_compile_timeouts: int = 0
+    """Requests failed because their constraint outlived ``engine.structured_output_compile_timeout``."""
+    structured_output_cache_bytes: int = 0
+    """What the compiled constraints the engine caches take (``engine.structured_output_cache_bytes`` at most)."""
     num_preemptions: int = 0
     """Preemptions since the core started (a counter)."""
     num_steps: int = 0
@@ -142,6 +157,10 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Requests the core would not take (a bad request, a constraint that failed to compile), with the reason."""
     failed: dict[str, str] = {}
     """Requests a failed step ended (an internal error), with the reason. Both are gone from the core."""
+    stuck: str | None = None
+    """Set by the core's watchdog (:mod:`weft.engine.core.watchdog`) when a step outlived
+    ``engine.step_timeout``: the phase it is stuck in (its ``failed`` are the requests the core held). The next
+    message of a step that ended clears it."""
 
 
 FromCore = Ready | Failed | StepOutputs

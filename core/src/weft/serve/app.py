@@ -42,7 +42,7 @@ from starlette.routing import Route
 from weft.config import WeftConfig
 from weft.engine.api.async_engine import AsyncEngine
 from weft.serve import protocol as p
-from weft.serve.body import HTTPError
+from weft.serve.body import ClientGone, HTTPError
 from weft.serve.chat import chat_completions
 from weft.serve.completions import completions
 from weft.serve.openapi import openapi_route
@@ -86,6 +86,12 @@ async def http_error(request: Request, error: Exception) -> Response:
     """Exception handler: an :class:`HTTPError` a handler raised, with OpenAI's error body."""
     assert isinstance(error, HTTPError)
     return error_response(error)
+
+
+async def client_gone(request: Request, error: Exception) -> Response:
+    """Exception handler: the client left while its answer was being collected; the empty 499 (nginx's "client
+    closed request") goes nowhere, and nothing is logged."""
+    return Response(status_code=499)
 
 
 async def starlette_http_error(request: Request, error: Exception) -> Response:
@@ -168,8 +174,15 @@ def create_app(engine: AsyncEngine, config: WeftConfig, extra_routes: list[Any] 
             Middleware(RequestIdMiddleware, server=server),
             Middleware(AuthMiddleware, server=server, paths=frozenset(route.path for route in API_ROUTES)),
         ],
-        exception_handlers={HTTPError: http_error, StarletteHTTPException: starlette_http_error},
+        exception_handlers={
+            HTTPError: http_error,
+            ClientGone: client_gone,
+            StarletteHTTPException: starlette_http_error,
+        },
         lifespan=lifespan,
     )
+    # A path with a trailing slash is a 404: starlette's 307 to the path without it came before the API key's
+    # check and built its Location from the client's Host header (``Host: evil.example``).
+    app.router.redirect_slashes = False
     app.state.server = server
     return app

@@ -48,6 +48,11 @@ class HTTPError(Exception):
         self.kind = kind or error_type(status)
 
 
+class ClientGone(Exception):
+    """The client of a request being collected disconnected: its engine requests were aborted and nothing is
+    answered (raising ``asyncio.CancelledError`` instead had uvicorn log a 40-line traceback per disconnect)."""
+
+
 def error_type(status: int) -> str:
     """OpenAI's ``error.type`` for an HTTP status."""
     return {401: "authentication_error", 404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error"}.get(

@@ -46,6 +46,8 @@ _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0
 FAILURE_REASONS = {
     "timeout": "outlived server.request_timeout",
     "engine_error": "the engine could not serve it (non-finite logits, a step that failed twice)",
+    "step_timeout": "the engine core held it while a step outlived engine.step_timeout (its watchdog failed it)",
+    "write_timeout": "its client left its stream unread for server.write_timeout (it stopped reading)",
     "rejected": "the engine core refused it",
     "bad_request": "its own sampling parameters and constraint left no token to sample (a 400)",
     "shutdown": "still running when a shutdown's drain ended",
@@ -65,34 +67,9 @@ _CORE_GAUGES = [
         lambda stats: stats.prefix_cache_hit_tokens / max(stats.prefix_cache_query_tokens, 1),
     ),
     (
-        "weft_prefix_cache_queries_tokens",
-        "Prompt tokens looked up in the prefix cache",
-        lambda stats: stats.prefix_cache_query_tokens,
-    ),
-    (
-        "weft_prefix_cache_hits_tokens",
-        "Prompt tokens found in the prefix cache",
-        lambda stats: stats.prefix_cache_hit_tokens,
-    ),
-    (
-        "weft_encoder_cache_queries",
-        "Images looked up in the encoder cache (once per image of a scheduled prompt)",
-        lambda stats: stats.encoder_cache_queries,
-    ),
-    (
-        "weft_encoder_cache_hits",
-        "Images whose encoder output was already in the encoder cache (not encoded again)",
-        lambda stats: stats.encoder_cache_hits,
-    ),
-    (
-        "weft_kv_connector_hit_tokens",
-        "Prompt tokens loaded through the KV connector",
-        lambda stats: stats.connector_hit_tokens or 0,
-    ),
-    (
-        "weft_kv_connector_failed_load_tokens",
-        "Of those, tokens whose load failed and were recomputed",
-        lambda stats: stats.connector_failed_load_tokens or 0,
+        "weft_structured_output_cache_bytes",
+        "Memory of the compiled constraints the engine caches (engine.structured_output_cache_bytes at most)",
+        lambda stats: stats.structured_output_cache_bytes,
     ),
     (
         "weft_kv_connector_requests_waiting_for_kv",
@@ -101,6 +78,53 @@ _CORE_GAUGES = [
     ),
 ]
 """The engine core's gauges, as of the last step it reported: (name, description, read from the core's stats)."""
+
+_CORE_COUNTERS = [
+    ("weft_preemptions", "Requests preempted (KV blocks taken back, recomputed later)", "num_preemptions"),
+    ("weft_engine_steps", "Engine steps run", "num_steps"),
+    ("weft_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_query_tokens"),
+    ("weft_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+    (
+        "weft_encoder_cache_queries",
+        "Images looked up in the encoder cache (once per image of a scheduled prompt)",
+        "encoder_cache_queries",
+    ),
+    (
+        "weft_encoder_cache_hits",
+        "Images whose encoder output was already in the encoder cache (not encoded again)",
+        "encoder_cache_hits",
+    ),
+    (
+        "weft_structured_output_compile_timeouts",
+        "Requests failed because their constraint outlived engine.structured_output_compile_timeout",
+        "structured_output_compile_timeouts",
+    ),
+]
+"""The engine core's running totals (name without ``_total``, description, field of the core's stats); the names
+are vLLM's (``vllm:prefix_cache_queries``...) with Weft's prefix."""
+
+_CONNECTOR_COUNTERS = [
+    (
+        "weft_external_prefix_cache_queries",
+        "Prompt tokens of the requests the KV connector was asked about",
+        "connector_query_tokens",
+    ),
+    ("weft_external_prefix_cache_hits", "Prompt tokens loaded through the KV connector", "connector_hit_tokens"),
+    (
+        "weft_kv_connector_failed_load_tokens",
+        "Of those, tokens whose load failed or timed out and were computed instead",
+        "connector_failed_load_tokens",
+    ),
+    ("weft_kv_transfers_sent", "Requests whose KV the connector finished sending or saving", "kv_transfers_sent"),
+    ("weft_kv_transfers_arrived", "Requests whose asynchronous KV load arrived", "kv_transfers_arrived"),
+    (
+        "weft_kv_transfers_failed",
+        "Requests whose asynchronous KV load failed or timed out (their prompt computed instead)",
+        "kv_transfers_failed",
+    ),
+    ("weft_kv_load_timeouts", "Asynchronous KV loads that outlived engine.kv_load_timeout", "kv_load_timeouts"),
+]
+"""The KV connector's running totals, kept by the engine core (exposed only with a connector)."""
 
 
 class ServerMetrics:
@@ -124,6 +148,12 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "weft_generation_tokens", "Generated tokens of finished requests", registry=self.registry
         )
+        self.prompt_tokens_computed = Counter(
+            "weft_prompt_tokens_computed",
+            "Prompt tokens of finished requests this instance computed itself (neither from the prefix cache nor "
+            "through the KV connector)",
+            registry=self.registry,
+        )
         self._declare_histograms()
         gauges = _CORE_GAUGES
         if engine.config.use.kv_connector == "none":
@@ -133,7 +163,8 @@ class ServerMetrics:
         if engine.config.use.kv_connector != "none":
             connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
             self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
-        self.registry.register(_CoreCounters(engine))
+        counters = _CORE_COUNTERS + (_CONNECTOR_COUNTERS if engine.config.use.kv_connector != "none" else [])
+        self.registry.register(_CoreCounters(engine, counters))
 
     def _declare_histograms(self) -> None:
         """The latency histograms: per token (first and between), per request (queued, end to end)."""
@@ -155,6 +186,18 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.prefill_time = Histogram(
+            "weft_request_prefill_time_seconds",
+            "First scheduling to first generated token (the prompt's computation or load)",
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.decode_time = Histogram(
+            "weft_request_decode_time_seconds",
+            "First generated token to the request's end",
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
         self.e2e_latency = Histogram(
             "weft_e2e_request_latency_seconds",
             "Arrival to the end of a request, whatever ended it",
@@ -171,29 +214,35 @@ class ServerMetrics:
         self.inter_token_latency.observe(seconds)
 
     def finished(self, request: Request) -> None:
+        now = time.monotonic()
         self.requests.labels(request.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(len(request.output_token_ids))
-        self.e2e_latency.observe(time.monotonic() - request.arrival_time)
+        self.e2e_latency.observe(now - request.arrival_time)
+        if request.first_token_time is not None:
+            self.prompt_tokens_computed.inc(max(request.num_prompt_tokens - request.num_cached_tokens, 0))
+            self.decode_time.observe(now - request.first_token_time)
+            if request.queued_seconds is not None:
+                # The API's arrival precedes the core's by the hand-over (well under a millisecond): the
+                # prefill is what remains of the time to the first token once the queue's share is taken off.
+                prefill = request.first_token_time - request.arrival_time - request.queued_seconds
+                self.prefill_time.observe(max(prefill, 0.0))
 
     def failed(self, reason: str) -> None:
         self.failures.labels(reason).inc()
 
 
 class _CoreCounters(Collector):
-    """Counters the engine core keeps (reported with its gauges): preemptions, steps, speculative decoding."""
+    """Running totals the engine core keeps (reported with its gauges), as counters; speculative decoding's too."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, counters: list[tuple[str, str, str]]) -> None:
         self.engine = engine
+        self.counters = counters
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         stats = self.engine.stats
-        yield CounterMetricFamily(
-            "weft_preemptions",
-            "Requests preempted (KV blocks taken back, recomputed later)",
-            value=stats.num_preemptions,
-        )
-        yield CounterMetricFamily("weft_engine_steps", "Engine steps run", value=stats.num_steps)
+        for name, description, field in self.counters:
+            yield CounterMetricFamily(name, description, value=getattr(stats, field))
         if not self.engine.config.engine.speculative.enabled:
             return
         # Speculative decoding, under vLLM's names (vllm:spec_decode_*).

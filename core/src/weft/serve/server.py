@@ -27,7 +27,7 @@ from weft.config import WeftConfig
 from weft.contracts.mm_processor import ImageItem, MultimodalInputs
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
-from weft.engine.api.streams import Delta
+from weft.engine.api.streams import Delta, DeltaQueue
 from weft.engine.messages import GrammarStart
 from weft.generation_config import load_model_sampling_defaults
 from weft.plugins.selection import select_parser
@@ -35,7 +35,7 @@ from weft.resolve import options_for
 from weft.sampling_params import SamplingParams
 from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
-from weft.serve.body import HTTPError, check_media_type, decode, read_bytes
+from weft.serve.body import ClientGone, HTTPError, check_media_type, decode, read_bytes
 from weft.serve.media import ImageLoader, MediaError, image_parts, media_limits
 from weft.serve.metrics import ServerMetrics
 
@@ -90,7 +90,12 @@ class Server:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+            raise HTTPError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},  # RFC 9110: a 401 names the scheme it wants
+            )
 
     async def read(self, request: Request, body_type: type[Any], endpoint: str = "") -> Any:
         """The body as ``body_type`` (``endpoint`` names the API for :mod:`weft.serve.unsupported`). Top-level
@@ -186,7 +191,7 @@ class Server:
                 f"send {choices_field} = 1 and a single prompt",
                 param="kv_transfer_params",
             )
-        output: asyncio.Queue = asyncio.Queue()
+        output: asyncio.Queue = DeltaQueue()
         choices = params.choices()
         base = request_id(request)
         batch = [
@@ -227,7 +232,7 @@ class Server:
                 if time.monotonic() - checked >= 0.5:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError
+                        raise ClientGone
                 if delta is None:
                     continue
                 if delta.error:

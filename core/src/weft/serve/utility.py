@@ -57,8 +57,8 @@ async def detokenize(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     server = server_of(request)
-    if server.engine.dead:
-        return PlainTextResponse("engine core is gone", status_code=503)
+    if (problem := server.engine.unhealthy()) is not None:
+        return PlainTextResponse(problem, status_code=503)
     if not server.engine.accepting:
         return PlainTextResponse("shutting down", status_code=503)
     return PlainTextResponse("ok")

@@ -66,6 +66,15 @@ def _add_common_arguments(pd: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often instances' /health is checked (default 2)",
     )
+    pd.add_argument(
+        "--leg-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="longest an instance may send nothing on a leg (no headers, no next byte); then the leg fails: a "
+        "decode leg before its first byte is a 502, a prefill leg leaves the decode instance to compute the prompt, "
+        "counted in weft_proxy_leg_failures_total (default 1800, the instances' server.request_timeout)",
+    )
     pd.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from weft_disagg.pd import PDProxy, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    settings = (args.policy, args.decode_attempts, args.health_interval)
+    settings = (args.policy, args.decode_attempts, args.health_interval, args.leg_timeout)
     try:
         if args.proxy_kind == "epd":
             proxy: PDProxy = EPDProxy(args.encode, args.prefill, args.decode, *settings)

@@ -70,11 +70,12 @@ class EPDProxy(PDProxy):
         policy: Policy = "round_robin",
         decode_attempts: int = 2,
         health_interval: float = 2.0,
+        leg_timeout: float = 1800.0,
     ) -> None:
         if not encode_urls:
             raise ValueError("weft proxy epd needs at least one --encode URL (else use weft proxy pd)")
         self.encode = Pool([Instance(url, "encode") for url in encode_urls], policy)
-        super().__init__(prefill_urls, decode_urls, policy, decode_attempts, health_interval)
+        super().__init__(prefill_urls, decode_urls, policy, decode_attempts, health_interval, leg_timeout)
 
     def instances(self) -> list[Instance]:
         return [*self.encode.instances, *super().instances()]

@@ -22,8 +22,9 @@ prefill request ends on its instance, which tells the decode instance not to wai
 Errors: the proxy's own are OpenAI-shaped. A decode status >= 500 before any byte was
 forwarded is retried on another decode instance (``decode_attempts`` in all), each attempt
 with a new transfer and prefill leg; the last one's status and body go to the client. Any
-other upstream status is forwarded as it is. An upstream that cannot be reached or breaks
-off is a 502, anything else a 500; a body that is not JSON is a 415 (wrong content type) or
+other upstream status is forwarded as it is. An upstream that cannot be reached, breaks
+off, or sends nothing for ``leg_timeout`` (``--leg-timeout``) is a 502, anything else a 500; a
+body that is not JSON is a 415 (wrong content type) or
 400 (malformed). A prefill leg that fails does not fail the request: the decode instance
 computes the prompt itself (a prefill instance that answered an error is asked to end the
 transfer, ``POST /kv_transfer/abandon``, so the decode instance need not wait for it). Instances
@@ -131,7 +132,7 @@ class ProxyMetrics:
         )
         self.leg_failures = Counter(
             "weft_proxy_leg_failures",
-            "Legs that failed (unreachable, broke off, error status)",
+            "Legs that failed (unreachable, broke off, silent past --leg-timeout, error status)",
             ["leg"],
             registry=self.registry,
         )
@@ -162,6 +163,7 @@ class PDProxy:
         policy: Policy = "round_robin",
         decode_attempts: int = 2,
         health_interval: float = 2.0,
+        leg_timeout: float = 1800.0,
     ) -> None:
         if not decode_urls:
             raise ValueError("weft proxy pd needs at least one --decode URL")
@@ -171,6 +173,8 @@ class PDProxy:
         self.decode = Pool([Instance(url, "decode") for url in decode_urls], policy)
         self.decode_attempts = decode_attempts
         self.health_interval = health_interval
+        self.leg_timeout = leg_timeout
+        """Longest an instance may send nothing on a leg (``--leg-timeout``): httpx's read timeout."""
         self.metrics = ProxyMetrics(self)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -179,7 +183,7 @@ class PDProxy:
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
+            timeout=httpx.Timeout(connect=10.0, read=self.leg_timeout, write=60.0, pool=None),
             limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
             ),

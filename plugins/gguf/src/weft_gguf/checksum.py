@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from weft.api import usable_cpus
 
 CHUNK_BYTES = 64 << 20
 FORMAT = 1
@@ -29,7 +30,7 @@ def _chunk_digest(path: Path, index: int) -> str:
 
 def digests(path: Path) -> list[str]:
     chunks = max(1, -(-path.stat().st_size // CHUNK_BYTES))
-    with ThreadPoolExecutor(max_workers=min(chunks, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(chunks, usable_cpus())) as pool:
         return list(pool.map(lambda index: _chunk_digest(path, index), range(chunks)))
 
 

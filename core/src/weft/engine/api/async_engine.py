@@ -31,9 +31,10 @@ from typing import Any
 
 from weft.config import WeftConfig
 from weft.contracts.mm_processor import MultimodalInputs
+from weft.engine.api.core_health import CoreHealth
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
-from weft.engine.api.streams import Delta, OutputStream
+from weft.engine.api.streams import Delta, DeltaQueue, OutputStream
 from weft.engine.client import ProcessClient
 from weft.engine.messages import CoreStats, GrammarStart, StepOutputs
 from weft.plugins import PluginRegistry
@@ -95,6 +96,7 @@ class AsyncEngine:
         self._preparing = 0
         """Requests :meth:`submit` is checking on a tokenizer thread: they count as waiting."""
         self.dead = False
+        self.health = CoreHealth(config.server.health_stall_timeout)
         self._stopping = False
         self._reader_done = False
         self._drain_deadline: float | None = None
@@ -195,6 +197,7 @@ class AsyncEngine:
         now = time.monotonic()
         deadline = None if self.request_timeout is None else arrival + self.request_timeout
         with self._lock:
+            self.health.submitted(now, idle=not self.outputs.requests)
             for (request_id, _, params, index), core_request in zip(requests, core_requests, strict=False):
                 self.outputs.add(request_id, core_request.prompt_token_ids, params)
                 self._streams[request_id] = OutputStream(output, index, last_token_time=now, deadline=deadline)
@@ -227,23 +230,18 @@ class AsyncEngine:
     def has_unfinished(self) -> bool:
         return bool(self.outputs.requests)
 
+    def unhealthy(self) -> str | None:
+        """Why ``/health`` answers 503 for the core (None: it is well; :class:`CoreHealth`)."""
+        return self.health.problem(self.dead, len(self.outputs.requests))
+
     def _expire_overdue(self) -> None:
-        """Abort requests past their deadline; each gets a 408 error delta."""
-        now = time.monotonic()
+        """Abort requests past ``server.request_timeout`` or whose client left their output unread for
+        ``server.write_timeout``; each gets a 408 error delta."""
         with self._lock:
-            overdue = [
-                request_id
-                for request_id, stream in self._streams.items()
-                if stream.deadline is not None and now > stream.deadline
-            ]
-        if not overdue:
-            return
-        message = (
-            f"the request took longer than server.request_timeout ({self.request_timeout:g} s) and was stopped; "
-            f"ask for fewer tokens or raise the limit"
-        )
-        self._end_with_error(overdue, message, 408, "timeout")
-        self.client.abort(overdue)
+            expired = _expired(self._streams, time.monotonic(), self.request_timeout, self.config.server.write_timeout)
+        for request_ids, message, reason in expired:
+            self._end_with_error(request_ids, message, 408, reason)
+            self.client.abort(request_ids)
 
     def _end_with_error(self, request_ids: list[str], message: str, status: int, reason: str) -> None:
         """Forget ``request_ids`` here (not in the core) and send each stream an error delta."""
@@ -310,6 +308,7 @@ class AsyncEngine:
             messages = self.client.get_outputs(0.1)
             if not messages:
                 continue
+            self.health.heard()
             try:
                 deliveries, stopped = self._handle(messages)
             except Exception:
@@ -336,8 +335,9 @@ class AsyncEngine:
             advanced: dict[str, RequestOutputState] = {}
             for message in messages:
                 self.stats = message.stats
+                self.health.stuck = message.stuck
                 step = self.outputs.apply(message)
-                deliveries += _step_errors(step, self._streams, self.observer)
+                deliveries += _step_errors(step, self._streams, self.observer, message.stuck is not None)
                 all_stopped += step.stopped
                 for state in step.advanced:
                     advanced[state.request_id] = state
@@ -369,11 +369,34 @@ def _publish(state: RequestOutputState, streams: dict[str, OutputStream], observ
     return None if delta is None else (stream.queue, delta)
 
 
-def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any) -> list[Delivery]:
+def _expired(
+    streams: dict[str, OutputStream], now: float, request_timeout: float | None, write_timeout: float
+) -> list[tuple[list[str], str, str]]:
+    """The requests to stop, in groups with their message and failure reason: past their ``server.request_timeout``
+    deadline, or whose client left their output unread for ``write_timeout`` (it stopped reading: what the server
+    buffers for it stays bounded)."""
+    overdue = [id_ for id_, stream in streams.items() if stream.deadline is not None and now > stream.deadline]
+    unread = [
+        id_
+        for id_, stream in streams.items()
+        if isinstance(stream.queue, DeltaQueue) and stream.queue.unread_for(now) > write_timeout and id_ not in overdue
+    ]
+    expired = []
+    if overdue:
+        message = f"the request took longer than server.request_timeout ({request_timeout:g} s) and was stopped"
+        expired.append((overdue, f"{message}; ask for fewer tokens or raise the limit", "timeout"))
+    if unread:
+        message = f"its client left the output unread for server.write_timeout ({write_timeout:g} s)"
+        expired.append((unread, f"{message}; the request was stopped", "write_timeout"))
+    return expired
+
+
+def _step_errors(step: StepResult, streams: dict[str, OutputStream], observer: Any, stuck: bool) -> list[Delivery]:
     """The error deltas of the requests the core refused (400) or failed (500) in ``step``, which leave
-    ``streams``."""
+    ``streams`` (``stuck``: the core's watchdog failed them, a step outlived ``engine.step_timeout``)."""
     deliveries: list[Delivery] = []
-    for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, "engine_error")):
+    failed_reason = "step_timeout" if stuck else "engine_error"
+    for errors, status, reason in ((step.refused, 400, "rejected"), (step.failed, 500, failed_reason)):
         for request_id, error in errors.items():
             stream = streams.pop(request_id, None)
             text = error if status == 400 else f"internal error in request {request_id}: {error}"

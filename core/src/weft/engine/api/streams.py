@@ -39,6 +39,30 @@ class Delta(msgspec.Struct):
     """In the first delta of a request that asked for prompt logprobs."""
 
 
+class DeltaQueue(asyncio.Queue):
+    """The deltas of one API call's requests, in the order produced, and since when its reader is behind: the
+    time of the last read, or of the put that found the queue empty, whichever is later (``server.write_timeout``
+    counts from there while deltas wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.behind_since = time.monotonic()
+
+    def put_nowait(self, item: Any) -> None:
+        if self.empty():
+            self.behind_since = time.monotonic()
+        super().put_nowait(item)
+
+    def get_nowait(self) -> Any:  # asyncio.Queue.get ends in it
+        item = super().get_nowait()
+        self.behind_since = time.monotonic()
+        return item
+
+    def unread_for(self, now: float) -> float:
+        """Seconds deltas have waited with no read (0 when none waits)."""
+        return 0.0 if self.empty() else now - self.behind_since
+
+
 class OutputStream(msgspec.Struct):
     """Where one engine request's deltas go, and what of it was published."""
 

@@ -70,7 +70,9 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
         loaded = load_kv_connector(registry, config, source)
         if loaded is not None:
             connector_class, options, context = loaded
-            connector = SchedulerConnector(connector_class, options, info.groups, context)
+            connector = SchedulerConnector(
+                connector_class, options, info.groups, context, load_timeout=config.engine.kv_load_timeout
+            )
         shares = connector.scheduler_side.kv_cache_shares() if connector is not None else None
         num_blocks = num_kv_blocks(
             config,

@@ -4,6 +4,7 @@ makes and drives them; a :class:`~weft.engine.core.request.Request` carries its 
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from weft.contracts.structured_output import GrammarMatcher, StructuredOutputsPa
 from weft.engine.messages import GrammarStart
 
 if TYPE_CHECKING:
+    from weft.engine.core.grammar_compile import CompileJob
     from weft.engine.core.grammar_group import FillGroup
 
 
@@ -21,6 +23,8 @@ class ConstraintState:
     __slots__ = (
         "constraint",
         "compiled",
+        "job",
+        "since",
         "matcher",
         "starts_after",
         "opener",
@@ -30,9 +34,19 @@ class ConstraintState:
         "terminated",
     )
 
-    def __init__(self, constraint: StructuredOutputsParams, compiled: Future, start: GrammarStart | None) -> None:
+    def __init__(
+        self,
+        constraint: StructuredOutputsParams,
+        compiled: Future,
+        start: GrammarStart | None,
+        job: CompileJob | None = None,
+    ) -> None:
         self.constraint = constraint
         self.compiled = compiled
+        self.job = job
+        """The compile it waits for (None once compiled, or once the request ended)."""
+        self.since = time.monotonic()
+        """When it began waiting for its compile (``engine.structured_output_compile_timeout`` counts from here)."""
         self.matcher: GrammarMatcher | None = None
         self.starts_after = start.after if start is not None else ()
         self.opener = start.opener if start is not None else None
@@ -53,8 +67,16 @@ class ConstraintState:
         """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
         return not self.failed and not self.terminated
 
+    def compiled_now(self) -> None:
+        """Its compile is done: it no longer waits for it."""
+        job, self.job = self.job, None
+        if job is not None:
+            job.leave()
+
     def release(self) -> None:
-        """The request ended: a matcher in the fill process is dropped with the next step."""
+        """The request ended: a compile no other request waits for is dropped if it has not started, a matcher in
+        the fill process is dropped with the next step."""
+        self.compiled_now()
         if isinstance(self.matcher, RemoteMatcher):
             self.matcher.release()
 

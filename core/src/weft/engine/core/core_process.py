@@ -8,7 +8,8 @@ every waiting message (new requests, aborts, shutdown), run one step when it has
 (:meth:`~weft.engine.core.engine_core.EngineCore.step_outputs`, whose failure rules the in-process client
 shares), and push the step's outputs with the core's gauges; a step that failed twice fails the requests
 the core held. Messages are msgpack-encoded :mod:`weft.engine.messages` Structs. The core exits when told
-to, or when the API process is gone. This module imports no torch (the API process names its entry point);
+to, or at once when the API process is gone (:mod:`weft.engine.core.watchdog`, which also fails the requests
+of a step that outlives ``engine.step_timeout``). This module imports no torch (the API process names its entry point);
 the core's modules are imported in the core's process.
 """
 
@@ -59,12 +60,25 @@ def _receive(
     return False, received
 
 
+def _failed_step(core: Any, failure: Any, refused: dict[str, str]) -> tuple[StepOutputs, BaseException | None]:
+    """A step that failed twice (``failure``, a :class:`~weft.engine.core.engine_core.StepFailed`): the message
+    failing the requests it held, and the error the core stops with when its workers are gone (else None)."""
+    error = failure.__cause__
+    if failure.fatal:
+        reason, fatal = f"the engine's workers failed: {error}", error
+    else:
+        logger.error("engine step failed again; failing the requests it held", exc_info=error)
+        reason, fatal = STEP_FAILED, None
+    return StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason)), fatal
+
+
 def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """The core process's main function."""
     import zmq
 
     from weft.engine.core.builder import build_engine_core
     from weft.engine.core.engine_core import StepFailed
+    from weft.engine.core.watchdog import CoreWatchdog
     from weft.heap import freeze_startup_objects
     from weft.plugins.registry import problems_reported_by_parent
 
@@ -95,6 +109,10 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     outputs.send(encoder.encode(Ready(core.describe())))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    watchdog = CoreWatchdog(
+        parent_pid, config.engine.step_timeout, lambda: core.scheduler.unfinished_ids, context, output_address
+    )
+    watchdog.start()
     fatal: BaseException | None = None
     try:
         while True:
@@ -103,26 +121,22 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
             if stop:
                 break
             if not core.has_work:
-                if os.getppid() != parent_pid:
-                    logger.error("the API process is gone; the engine core exits")
-                    break
                 if received:  # the API side's gauges follow aborts too
                     outputs.send(encoder.encode(StepOutputs([], core.stats(), refused)))
                 continue
+            watchdog.step_began()
             try:
                 message = core.step_outputs(refused)
             except StepFailed as failure:
-                error = failure.__cause__
-                if failure.fatal:
-                    reason, fatal = f"the engine's workers failed: {error}", error
-                else:
-                    logger.error("engine step failed again; failing the requests it held", exc_info=error)
-                    reason = STEP_FAILED
-                message = StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason))
+                message, fatal = _failed_step(core, failure, refused)
+            if failed_by_watchdog := watchdog.step_ended():
+                core.abort(failed_by_watchdog)  # the API side ended them already
+            watchdog.last_stats = message.stats
             outputs.send(encoder.encode(message))
             if fatal is not None:
                 break
     finally:
+        watchdog.stop()
         core.close()
         if fatal is not None:
             logger.error("the engine core stops: %s", fatal)

@@ -34,11 +34,13 @@ here into :class:`ConnectorMetricTotal` s, which the core sends with its gauges.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from weft.config.schema import EngineConfig
 from weft.contracts.kv_cache import CheckpointSpec, KVCacheGroupSpec
 from weft.contracts.kv_connector import (
     ConnectorContext,
@@ -63,6 +65,8 @@ class ConnectorStats(msgspec.Struct):
 
     lookups: int = 0
     """Requests admitted while loads were possible."""
+    query_tokens: int = 0
+    """Prompt tokens of those requests."""
     hits: int = 0
     """Requests admitted with tokens to load from outside."""
     hit_tokens: int = 0
@@ -71,6 +75,41 @@ class ConnectorStats(msgspec.Struct):
     """Of those, tokens whose load failed and that were recomputed."""
     delayed_frees: int = 0
     """Finished requests whose blocks waited for their saves."""
+    transfers_sent: int = 0
+    """Requests the workers reported in ``finished_sending``."""
+    transfers_arrived: int = 0
+    """Parked requests whose asynchronous load arrived."""
+    transfers_failed: int = 0
+    """Parked requests whose asynchronous load failed or timed out (computed instead)."""
+    load_timeouts: int = 0
+    """Of those, loads that outlived ``engine.kv_load_timeout``."""
+
+
+class Deadlines:
+    """When each of some requests stops waiting (``time.monotonic()``), all after the same ``timeout``: kept in the
+    order they began, so the earliest deadline comes first."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._deadlines: dict[str, float] = {}
+
+    def start(self, request_id: str) -> None:
+        self._deadlines[request_id] = time.monotonic() + self.timeout
+
+    def pop(self, request_id: str, default: None = None) -> float | None:
+        return self._deadlines.pop(request_id, default)
+
+    def expired(self) -> list[str]:
+        """The requests past their deadline, forgotten."""
+        now = time.monotonic()
+        expired = []
+        for request_id, deadline in self._deadlines.items():
+            if deadline > now:
+                break  # the rest are later
+            expired.append(request_id)
+        for request_id in expired:
+            del self._deadlines[request_id]
+        return expired
 
 
 class SchedulerConnector:
@@ -82,8 +121,11 @@ class SchedulerConnector:
         options: msgspec.Struct,
         groups: Sequence[KVCacheGroupSpec],
         context: ConnectorContext,
+        load_timeout: float | None = None,
     ) -> None:
+        """``load_timeout``: ``engine.kv_load_timeout`` (default: that option's default)."""
         self.name = connector_class.name
+        self.load_timeout = EngineConfig().kv_load_timeout if load_timeout is None else load_timeout
         self.groups = tuple(groups)
         self.block_size = connector_block_size(self.groups)
         self.loads_possible = all(group.prefix_cacheable or group.checkpointed for group in self.groups)
@@ -117,6 +159,8 @@ class SchedulerConnector:
         """External tokens each request admitted in a step in flight is to load."""
         self._receiving: dict[str, int] = {}
         """External tokens each request parked for an asynchronous load is to receive."""
+        self._receive_deadlines = Deadlines(self.load_timeout)
+        """When each parked request stops waiting for its load."""
         self._admitted: set[str] = set()
         """Requests holding blocks."""
         self._preempted: set[str] = set()
@@ -191,8 +235,11 @@ class SchedulerConnector:
         self._admitted.add(request.request_id)
         if (self.loads_possible or connector_request.params) and request.num_preemptions == 0:
             self.stats.lookups += 1
+            self.stats.query_tokens += request.num_prompt_tokens
         if num_external_tokens:
             (self._receiving if load_async else self._loading)[request.request_id] = num_external_tokens
+            if load_async:
+                self._receive_deadlines.start(request.request_id)
             self.stats.hits += 1
             self.stats.hit_tokens += num_external_tokens
 
@@ -208,6 +255,7 @@ class SchedulerConnector:
         connector_request = self._requests.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._receiving.pop(request_id, None)
+        self._receive_deadlines.pop(request_id, None)
         if connector_request is None:  # the connector never saw it
             return False
         holds_blocks = request_id in self._admitted and block_ids is not None
@@ -280,10 +328,14 @@ class SchedulerConnector:
         resolved: dict[str, int] = {}
         for request_id in report.finished_receiving & self._receiving.keys():
             resolved[request_id] = self._receiving.pop(request_id)
+            self._receive_deadlines.pop(request_id, None)
+            self.stats.transfers_arrived += 1
         for request_id in report.failed_loads & self._receiving.keys():
             count = self._receiving.pop(request_id)
+            self._receive_deadlines.pop(request_id, None)
             resolved[request_id] = 0
             self.stats.failed_load_tokens += count
+            self.stats.transfers_failed += 1
             logger.warning(
                 "KV connector %r could not receive %d tokens of request %s; computing them",
                 self.name,
@@ -292,11 +344,35 @@ class SchedulerConnector:
             )
         return resolved
 
+    def expired_receives(self) -> list[str]:
+        """The parked requests whose load outlived ``load_timeout``: they compute their prompt themselves, in the
+        blocks they hold (a write the connector still makes there carries the same prompt's KV; a late report of
+        the load is ignored)."""
+        timed_out = []
+        for request_id in self._receive_deadlines.expired():
+            count = self._receiving.pop(request_id, None)
+            if count is None:
+                continue
+            timed_out.append(request_id)
+            self.stats.failed_load_tokens += count
+            self.stats.transfers_failed += 1
+            self.stats.load_timeouts += 1
+            logger.warning(
+                "KV connector %r: the %d tokens of request %s did not arrive within engine.kv_load_timeout "
+                "(%g s); computing them",
+                self.name,
+                count,
+                request_id,
+                self.load_timeout,
+            )
+        return timed_out
+
     def update(self, report: ConnectorOutput) -> list[str]:
         """Hand the report to the scheduler role; returns finished requests no transfer reaches any more
         (free their blocks)."""
         self.scheduler_side.update_connector_output(report)
         self._add_observations(report.observations)
+        self.stats.transfers_sent += len(report.finished_sending)
         done = sorted((report.finished_sending | report.finished_receiving) & self._delayed)
         self._delayed.difference_update(done)
         return done

@@ -26,7 +26,7 @@ from weft.engine.messages import CoreStats, EngineCoreOutput
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.engine.core.kv_connector import SchedulerConnector
+    from weft.engine.core.kv_connector import ConnectorStats, SchedulerConnector
     from weft.engine.core.structured_output import StructuredOutputManager
     from weft.engine.messages import GrammarStart
 
@@ -178,8 +178,7 @@ class SchedulerState:
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
             encoder_cache_queries=self.encoder_cache.stats.queries,
             encoder_cache_hits=self.encoder_cache.stats.hits,
-            connector_hit_tokens=connector.stats.hit_tokens if connector is not None else None,
-            connector_failed_load_tokens=connector.stats.failed_load_tokens if connector is not None else None,
+            **(self._connector_counters(connector.stats) if connector is not None else {}),
             connector_metrics=connector.metric_totals if connector is not None else {},
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
@@ -187,7 +186,29 @@ class SchedulerState:
             spec_decode_num_draft_tokens=self.spec.draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_position),
+            **self._compile_counters(),
         )
+
+    def _compile_counters(self) -> dict[str, int]:
+        compiler = self.structured_outputs.compiler if self.structured_outputs is not None else None
+        if compiler is None:
+            return {}
+        return {
+            "structured_output_compile_timeouts": compiler.timeouts,
+            "structured_output_cache_bytes": compiler.cached_bytes,
+        }
+
+    @staticmethod
+    def _connector_counters(stats: ConnectorStats) -> dict[str, int]:
+        return {
+            "connector_query_tokens": stats.query_tokens,
+            "connector_hit_tokens": stats.hit_tokens,
+            "connector_failed_load_tokens": stats.failed_load_tokens,
+            "kv_transfers_sent": stats.transfers_sent,
+            "kv_transfers_arrived": stats.transfers_arrived,
+            "kv_transfers_failed": stats.transfers_failed,
+            "kv_load_timeouts": stats.load_timeouts,
+        }
 
     @property
     def queue_lengths(self) -> tuple[int, int]:
@@ -211,8 +232,10 @@ class SchedulerState:
         rows = self._steps.applied()
         connector, report = self.connector, connector_report
         failed = connector.failed_loads(report) if connector is not None and report is not None else {}
-        if connector is not None and report is not None:
-            for request_id, arrived in connector.received(report).items():
+        if connector is not None:
+            resolved = connector.received(report) if report is not None else {}
+            resolved.update(dict.fromkeys(connector.expired_receives(), 0))  # past engine.kv_load_timeout
+            for request_id, arrived in resolved.items():
                 request = self.receiving.pop(request_id)
                 self._planned[request_id] += arrived
                 request.num_computed_tokens = self._planned[request_id]
@@ -405,7 +428,7 @@ class SchedulerState:
         self._placeholders.pop(request.request_id, None)
         self._newly_finished.append(request)
         if request.constraint is not None:
-            request.constraint.release()
+            self.structured_outputs.release(request)  # type: ignore[union-attr]
         self._steps.drop_on_workers(request.request_id)
         if self.connector is None or not self.connector.request_finished(
             request, self.kv_cache.block_ids(request.request_id) if self.kv_cache.holds(request.request_id) else None

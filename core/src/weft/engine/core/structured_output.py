@@ -7,6 +7,10 @@ compiled constraints are cached by constraint, so a schema sent by many requests
 once. The scheduler leaves a request waiting, at no cost to the running ones, until
 :meth:`StructuredOutputManager.ready` says its matcher exists.
 
+Compiles run on :class:`~weft.engine.core.grammar_compile.Compiler`'s threads, bounded in size
+(``engine.structured_output_max_bytes``), time (``engine.structured_output_compile_timeout``) and memory
+(``engine.structured_output_cache_bytes``).
+
 A request whose reasoning comes first (:class:`~weft.engine.messages.GrammarStart`: the tokens that
 end it) samples freely until those tokens were generated; its constraint covers the answer only. One
 whose prompt did not open the reasoning is constrained from its first token, whose mask also allows
@@ -39,7 +43,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -50,6 +53,7 @@ import torch
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import Vocabulary, bitmask_words
 from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
+from weft.engine.core.grammar_compile import Compiler
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
 from weft.engine.messages import GrammarStart
@@ -63,9 +67,6 @@ if TYPE_CHECKING:
     from weft.plugins import PluginRegistry
 
 logger = logging.getLogger("weft.engine")
-
-COMPILED_CACHE_SIZE = 512
-"""Distinct constraints whose compiled form the engine keeps."""
 
 FILL_START_RETRY_S = 10.0
 """After fill processes failed to start, constrained requests are refused for this long, then a start is tried again
@@ -88,7 +89,8 @@ class StructuredOutputManager:
         """One thread accepting tokens and filling the step's bitmask (never behind a compilation on the pool)."""
         self._accepted: list[tuple[str, ConstraintState, int]] = []
         """Tokens generated since the last fill, for their matchers, in order."""
-        self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self.compiler: Compiler | None = None
+        """Compiles the constraints (made with the backend)."""
         self._thread_fill: ThreadFill | None = None
         """What the fill thread runs (made with the backend)."""
         self._process: Future[FillGroup] | None = None
@@ -114,7 +116,8 @@ class StructuredOutputManager:
         starts when the model may reason first (None: the whole output)."""
         constraint = request.params.structured_outputs
         assert constraint is not None
-        request.constraint = ConstraintState(constraint, self._compile(constraint), start)
+        job = self._compile(constraint)
+        request.constraint = ConstraintState(constraint, job.future, start, job)
 
     def ready(self, request: Request) -> bool:
         """Whether the request's matcher exists; raises ValueError when its constraint failed to compile."""
@@ -122,7 +125,10 @@ class StructuredOutputManager:
         if state is None or state.matcher is not None:
             return True
         if not state.compiled.done():
+            if state.job is not None:
+                self.compiler.check(state.job, state.since)  # type: ignore[union-attr]
             return False
+        state.compiled_now()
         try:
             compiled = state.compiled.result()
         except Exception as error:
@@ -175,6 +181,15 @@ class StructuredOutputManager:
                 state.start = len(request.output_token_ids)
             return
         self._accepted.append((request.request_id, state, token_id))
+
+    def release(self, request: Request) -> None:
+        """The request ended: its tokens not taken yet are dropped (they held its compiled constraint until the next
+        constrained step), then its constraint is released (:meth:`ConstraintState.release`)."""
+        state = request.constraint
+        assert state is not None
+        if any(entry[1] is state for entry in self._accepted):
+            self._accepted = [entry for entry in self._accepted if entry[1] is not state]
+        state.release()
 
     def recover(self, requests: Iterable[Request]) -> None:
         """After a failed step (its requests preempted): fill processes of which one exited, or whose step failed
@@ -261,30 +276,16 @@ class StructuredOutputManager:
 
     # Compilation.
 
-    def _compile(self, constraint: StructuredOutputsParams) -> Future:
+    def _compile(self, constraint: StructuredOutputsParams) -> Any:
         with self._lock:
             if self._pool is None:
                 self._start()
-            future = self._compiled.get(constraint)
-            if future is not None and not (future.done() and future.exception() is not None):
-                self._compiled.move_to_end(constraint)
-                return future
-            future = self._pool.submit(self._compile_now, constraint)  # type: ignore[union-attr]
-            self._compiled[constraint] = future
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                _, evicted = self._compiled.popitem(last=False)
-                if self._process is not None:
-                    evicted.add_done_callback(self._forget_compiled)
-            return future
+        return self.compiler.submit(constraint)  # type: ignore[union-attr]
 
-    def _forget_compiled(self, future: Future) -> None:
-        if (
-            future.exception() is None
-            and self._process is not None
-            and self._process.done()
-            and self._process.exception() is None
-        ):
-            self._process.result().forget(future.result()[0])
+    def _forget_compiled(self, compiled: Any) -> None:
+        """The compiler's cache dropped ``compiled``: the fill processes drop it with the next step."""
+        if self._process is not None and self._process.done() and self._process.exception() is None:
+            self._process.result().forget(compiled[0])
 
     def _start(self) -> None:
         from weft.plugins.selection import select_structured_output
@@ -302,6 +303,16 @@ class StructuredOutputManager:
         self._thread_fill = ThreadFill(self._backend, self.vocab_size)
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
+        engine = self.config.engine
+        self.compiler = Compiler(
+            self._compile_now,
+            self._compiled_bytes,
+            max(1, min(4, usable_cpus() // 2)),
+            engine.structured_output_max_bytes,
+            engine.structured_output_compile_timeout,
+            engine.structured_output_cache_bytes,
+            self._forget_compiled,
+        )
 
     def _start_process(self) -> FillGroup:
         backend = self._backend.result()  # type: ignore[union-attr]
@@ -317,6 +328,13 @@ class StructuredOutputManager:
         )
         return group
 
+    def _compiled_bytes(self, compiled: Any) -> int:
+        """What a compiled constraint keeps in the core: its bytes for the fill processes, else as the backend
+        counts it."""
+        if self._process is not None:
+            return len(compiled[1])
+        return self._backend.result().compiled_bytes(compiled)  # type: ignore[union-attr]
+
     def _compile_now(self, constraint: StructuredOutputsParams) -> Any:
         """The compiled constraint; for the fill process, its key and its bytes."""
         backend = self._backend.result()  # type: ignore[union-attr]
@@ -327,6 +345,7 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         if self._pool is not None:
+            self.compiler.close()  # type: ignore[union-attr]
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._filler.shutdown(wait=True)  # type: ignore[union-attr]
             if self._process is not None:

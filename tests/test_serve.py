@@ -898,8 +898,11 @@ def test_metrics_have_prometheus_semantics(server, client):
     assert delta("weft_prefix_cache_hits") == (count - 1) // block_size * block_size
     assert usages[1].prompt_tokens_details.cached_tokens == (count - 1) // block_size * block_size
     assert delta("weft_prompt_tokens_computed") == 2 * count - (count - 1) // block_size * block_size
-    for name in ("weft_request_queue_time_seconds", "weft_request_prefill_time_seconds",
-                 "weft_request_decode_time_seconds"):
+    for name in (
+        "weft_request_queue_time_seconds",
+        "weft_request_prefill_time_seconds",
+        "weft_request_decode_time_seconds",
+    ):
         assert delta(name, "_count") == 2, name
     assert delta("weft_inter_token_latency_seconds", "_count") == 2 * 2  # 3 tokens each: two gaps
     assert delta("weft_request_prefill_time_seconds", "_sum") > 0

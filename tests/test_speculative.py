@@ -239,4 +239,3 @@ def test_weft_serve_with_speculative_config_and_its_metrics(tiny_llama, plain):
     finally:
         server.terminate()
         server.wait(timeout=60)
-

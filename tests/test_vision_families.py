@@ -68,7 +68,11 @@ def hf_configs():
         "idefics3": Idefics3Config(
             text_config=dict(TEXT, model_type="llama"),
             vision_config=dict(
-                hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
                 patch_size=8,
             ),
             image_token_id=IMAGE_TOKEN,
@@ -78,8 +82,14 @@ def hf_configs():
         "llava_next": LlavaNextConfig(
             text_config=dict(TEXT, model_type="llama"),
             vision_config=dict(
-                model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32,
+                model_type="clip_vision_model",
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                projection_dim=32,
             ),
             image_token_id=IMAGE_TOKEN,
             image_grid_pinpoints=PINPOINTS,
@@ -141,7 +151,7 @@ def hf_image_processor(kind: str):
 
 
 def processor_for(kind: str, folder) -> object:
-    from weft_vision.idefics3_processor import Idefics3Processor, Idefics3ProcessorOptions
+    from weft_vision.idefics3_processor import Idefics3Processor
     from weft_vision.llava_next_processor import LlavaNextProcessor
     from weft_vision.qwen2_5_vl_processor import Qwen2_5_VLProcessor
 
@@ -309,8 +319,12 @@ def hf_logits(kind: str, model, processed, items: list[ImageItem]) -> torch.Tens
     ids = torch.tensor([processed.token_ids])
     with torch.no_grad():
         if kind == "qwen2_5_vl":
-            return model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                         mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits[0]
+            return model(
+                input_ids=ids,
+                pixel_values=batch["pixel_values"],
+                image_grid_thw=batch["image_grid_thw"],
+                mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+            ).logits[0]
         if kind == "llava_next":
             return model(input_ids=ids, pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).logits[0]
         batch = hf_image_processor(kind)([[pil(item) for item in items]], return_tensors="pt")
@@ -338,7 +352,6 @@ def test_hf_processors_expand_as_the_processors_do(checkpoints, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Idefics3Processor, LlavaNextProcessor, PreTrainedTokenizerFast
 
-    vocab = {f"w{index}": index for index in range(VOCAB)}
     names = {
         IMAGE_TOKEN: "<image>",
         391: "<|vision_start|>",
@@ -379,8 +392,11 @@ def test_hf_processors_expand_as_the_processors_do(checkpoints, tmp_path):
             text = "w1 w20 <image> w21 w22 <image> w23"
         else:
             hf = LlavaNextProcessor(
-                hf_image_processor(kind), tokenizer("<image>"), patch_size=8,
-                vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                hf_image_processor(kind),
+                tokenizer("<image>"),
+                patch_size=8,
+                vision_feature_select_strategy="default",
+                num_additional_image_tokens=1,
             )
             text = "w1 w20 <image> w21 w22 <image> w23"
         expected = hf(images=[pil(item) for item in items], text=text, return_tensors="np")["input_ids"][0].tolist()

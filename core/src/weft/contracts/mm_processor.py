@@ -189,7 +189,6 @@ class ProcessedPrompt(msgspec.Struct, frozen=True):
     positions: TensorData | None = None
     """int64 ``[len(token_ids)]`` or ``[axes, len(token_ids)]`` where positions are not ``0..n-1``; None: they are."""
 
-
     def multimodal(self) -> MultimodalInputs | None:
         """What the engine needs of this prompt besides its ids (None: it carries no item, extra or positions)."""
         if not self.items and not self.extras and self.positions is None:

@@ -69,9 +69,7 @@ class QuantizationContract(_Contract):
         check_apply(plugin, platform, self.activation_dtypes, self.rounded_float_tolerance)
 
 
-def check_apply(
-    plugin: Any, platform: Any, activation_dtypes: tuple[str, ...], rounded_float_tolerance: float
-) -> None:
+def check_apply(plugin: Any, platform: Any, activation_dtypes: tuple[str, ...], rounded_float_tolerance: float) -> None:
     """The contract's check of method class ``plugin`` on ``platform``'s device 0: each weight format of
     :meth:`QuantizationContract.weight_formats` loaded in two row blocks, ``apply`` against ``x @ dense^T + b``
     computed on the CPU in float32."""

@@ -65,9 +65,9 @@ class Idefics3ProcessorOptions(msgspec.Struct, frozen=True, forbid_unknown_field
         msgspec.Meta(description="Ids of <row_1_col_1> ... <row_6_col_6>, row by row (36 ids)"),
     ] = None
     newline_token_ids: Annotated[list[int] | None, msgspec.Meta(description='The ids "\\n" tokenises to')] = None
-    double_newline_token_ids: Annotated[
-        list[int] | None, msgspec.Meta(description='The ids "\\n\\n" tokenises to')
-    ] = None
+    double_newline_token_ids: Annotated[list[int] | None, msgspec.Meta(description='The ids "\\n\\n" tokenises to')] = (
+        None
+    )
     cache_size: Annotated[int, msgspec.Meta(description="Prompt updates kept, by item hash (an LRU)", ge=1)] = 256
 
 

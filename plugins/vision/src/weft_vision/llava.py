@@ -280,4 +280,3 @@ class LlavaFamily(ModelFamily):
         pixels = torch.stack([item["pixel_values"] for item in items])
         features = module.image_features(pixels)
         return list(features.to(module.language_model.dtype).unbind(0))
-

@@ -99,9 +99,7 @@ class Qwen2_5_VLProcessor(CachedUpdateProcessor):
         self.merge_size = int(vision.get("spatial_merge_size", 2))
         self.temporal_patch_size = int(vision.get("temporal_patch_size", 2))
         self.min_pixels = self.options.min_pixels or pre.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-        self.max_pixels = (
-            self.options.max_pixels or pre.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
-        )
+        self.max_pixels = self.options.max_pixels or pre.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
         if self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"plugins.qwen2_5_vl mm processor: min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}"
@@ -157,9 +155,7 @@ class Qwen2_5_VLProcessor(CachedUpdateProcessor):
         return msgspec.structs.replace(processed, positions=TensorData.from_array(positions))
 
 
-def mrope_positions(
-    length: int, starts: Sequence[int], grids: Sequence[tuple[int, int, int]], merge_size: int
-) -> Any:
+def mrope_positions(length: int, starts: Sequence[int], grids: Sequence[tuple[int, int, int]], merge_size: int) -> Any:
     """int64 ``[3, length]``: the temporal, height and width position of each prompt position (module docstring).
 
     ``starts[i]`` is item ``i``'s first position in the prompt, ``grids[i]`` its ``(t, grid_h, grid_w)`` in patches.

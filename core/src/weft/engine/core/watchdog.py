@@ -139,4 +139,3 @@ class CoreWatchdog:
             self._socket = self._context.socket(zmq.PUSH)
             self._socket.connect(self._address)
         self._socket.send(msgspec.msgpack.encode(message))
-

@@ -133,7 +133,9 @@ def test_eight_image_prompts_through_the_proxy_equal_a_single_instance(cluster, 
     assert proxied == direct
     # The encode instance wrote one output per distinct image; the decode instance loaded the prompts' KV.
     assert len(list(store.glob("*.safetensors"))) == len(PICTURES)
-    loaded = after.get("weft_kv_connector_hit_tokens", 0) - before.get("weft_kv_connector_hit_tokens", 0)
+    loaded = after.get("weft_external_prefix_cache_hits_total", 0) - before.get(
+        "weft_external_prefix_cache_hits_total", 0
+    )
     assert loaded > 0
     proxy = scrape_metrics(cluster.urls["proxy"])
     assert not [key for key, value in proxy.items() if key.startswith("weft_proxy_leg_failures_total") and value]

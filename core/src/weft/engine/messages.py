@@ -161,6 +161,9 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Set by the core's watchdog (:mod:`weft.engine.core.watchdog`) when a step outlived
     ``engine.step_timeout``: the phase it is stuck in (its ``failed`` are the requests the core held). The next
     message of a step that ended clears it."""
+    heartbeat: bool = False
+    """Sent by the core's watchdog while a long step runs: the core is alive and busy. It carries nothing else to
+    apply (its stats may be older than a step's message sent meanwhile)."""
 
 
 FromCore = Ready | Failed | StepOutputs

@@ -333,7 +333,7 @@ class AsyncEngine:
         all_stopped: list[str] = []
         with self._lock:
             advanced: dict[str, RequestOutputState] = {}
-            for message in messages:
+            for message in (message for message in messages if not message.heartbeat):  # a long step's: heard
                 self.stats = message.stats
                 self.health.stuck = message.stuck
                 step = self.outputs.apply(message)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("weft.engine")
 
+HEARTBEAT_SECONDS = 1.0
+"""While a step runs longer than this, the watchdog says so to the API side this often (``StepOutputs.heartbeat``)."""
 POLL_SECONDS = 0.2
 """How often the watchdog looks: the API process's death is noticed within this (and the exit's time)."""
 
@@ -70,6 +72,8 @@ class CoreWatchdog:
         self._step_began: float | None = None
         self._fired = False
         """Whether the watchdog failed the current step's requests."""
+        self._last_beat = 0.0
+        """When the watchdog last told the API side that a long step is still running."""
         self._failed: list[str] = []
         """Requests failed while the current step ran (the main loop drops them when it ends)."""
         self._lock = threading.Lock()
@@ -108,6 +112,13 @@ class CoreWatchdog:
             began = self._step_began
             if began is not None and time.monotonic() - began > self.step_timeout:
                 self._fail_stuck_step(time.monotonic() - began)
+            elif began is not None and time.monotonic() - max(began, self._last_beat) >= HEARTBEAT_SECONDS:
+                # A long step (a prefill of thousands of tokens on a CPU) is progress: the API side's /health must
+                # not take its silence for a stalled core. A stopped process sends nothing, its watchdog included.
+                self._last_beat = time.monotonic()
+                with self._lock:
+                    if not self._fired:
+                        self._send(StepOutputs([], self.last_stats, heartbeat=True))
 
     def _fail_stuck_step(self, seconds: float) -> None:
         with self._lock:

@@ -4,6 +4,9 @@ an optional generation_config.json).
 Sources it accepts: a local folder, or a Hugging Face repo id (``org/name``, ``org/name@revision``;
 ``engine.revision`` likewise), found in the local cache or downloaded by :mod:`weft.hub`. The
 shards read are those ``model.safetensors.index.json`` names, else every ``*.safetensors``.
+
+torch is imported where tensors are made, not at the top: ``weft serve``'s API process loads every loader
+to resolve the model (:func:`weft.resolve.resolve_source`) and imports no torch.
 """
 
 from __future__ import annotations
@@ -11,18 +14,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.generation_config import read_generation_config
 from weft.hub import hub_cache, is_repo_id, snapshot, weight_files
 
+if TYPE_CHECKING:
+    import torch
+
 
 def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     """A checkpoint tensor in the asked dtype; integer tensors (DeepSeek V4's token -> expert table) are
     indices, not weights, and stay as stored."""
+    import torch
+
     return tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
 
 

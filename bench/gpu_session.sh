@@ -20,6 +20,7 @@ for part in "$@"; do
         tp-tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_distributed_gpu.py -s 2>&1 | tee "$out/gpu_tp_tests.log" ;;
         attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
         throughput-profile) python3 bench/gpu_throughput.py --profile --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_throughput.log" ;;
+        serve) python3 bench/gpu_engine.py --tokenizer .whl/tokenizer --part serve 2>&1 | tee "$out/gpu_serve.log" ;;
         prefill-sweep) python3 bench/gpu_prefill.py --sweep --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_prefill.log" ;;
         *) python3 "bench/gpu_$part.py" --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_$part.log" ;;
     esac

@@ -399,6 +399,12 @@ def part_serve(args: argparse.Namespace) -> None:
         + f", busiest client process {client_cpu:.2f} s ({client_cpu / served_seconds:.0%})",
         flush=True,
     )
+    api_us = cpu_used["API process"] / (requests * output) * 1e6
+    print(
+        f"serve: API process {api_us:.1f} us of CPU per streamed token (issue 48's bound: 10 us), "
+        f"{requests * output / chunks:.1f} tokens per chunk",
+        flush=True,
+    )
     llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
     seconds = weft_generate(llm, prompts, output)
     offline_rate = requests * output / seconds

@@ -25,6 +25,7 @@ for part in "$@"; do
         tp-tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_distributed_gpu.py -s 2>&1 | tee "$out/gpu_tp_tests.log" ;;
         attention) python3 bench/gpu_attention.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_attention.log" ;;
         throughput-profile) python3 bench/gpu_throughput.py --profile --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_throughput.log" ;;
+        serve) python3 bench/gpu_engine.py --tokenizer .whl/tokenizer --part serve 2>&1 | tee "$out/gpu_serve.log" ;;
         prefill-sweep) python3 bench/gpu_prefill.py --sweep --tokenizer .whl/tokenizer 2>&1 | tee "$out/gpu_prefill.log" ;;
         spec) python3 bench/spec_decode.py --part gpu --tokenizer .whl/tokenizer --rounds 2 2>&1 | tee "$out/spec_decode.log" ;;
         moe) python3 bench/moe.py --tokenizer .whl/tokenizer 2>&1 | tee "$out/moe.log" ;;

@@ -287,17 +287,22 @@ def free_port() -> int:
 
 
 def start_weft_serve(
-    args: list[str], port: int, env: dict[str, str], timeout: float = 180
+    args: list[str],
+    port: int,
+    env: dict[str, str],
+    timeout: float = 180,
+    launcher: tuple[str, ...] = ("-m", "weft.cli"),
 ) -> tuple[subprocess.Popen, list[str]]:
     """``weft serve ARGS --set server.port=PORT`` as a process; returns it and its output so far (a list that
-    keeps filling) once ``/health`` answers 200. Fails the test, with the output, if it exits or never answers."""
+    keeps filling) once ``/health`` answers 200. Fails the test, with the output, if it exits or never answers.
+    ``launcher``: the interpreter's arguments before ``serve`` (``("-c", code)`` runs code that calls the CLI)."""
     import threading
     import time
 
     import httpx
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "weft.cli", "serve", *args, "--set", f"server.port={port}"],
+        [sys.executable, *launcher, "serve", *args, "--set", f"server.port={port}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

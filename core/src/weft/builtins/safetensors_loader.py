@@ -11,6 +11,9 @@ float8_e4m3fn codes ``X.weight`` and a float32 ``X.weight_scale`` (one per outpu
 or one for the tensor); the loader yields each such pair as one :class:`Fp8Weight` (codes and scales
 for a quantization method, dequantized floats for everything else) and drops the activation scales
 (``X.input_scale``, ``X.input_scale_ub``): activations get dynamic scales.
+
+torch is imported where tensors are made, not at the top: ``weft serve``'s API process loads every loader
+to resolve the model (:func:`weft.resolve.resolve_source`) and imports no torch.
 """
 
 from __future__ import annotations
@@ -18,19 +21,22 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from weft.contracts.loader import ModelSource, WeightLoader, WeightSlice
 from weft.contracts.quantization import GroupAffine, QuantizedWeight
 from weft.generation_config import read_generation_config
 from weft.hub import hub_cache, is_repo_id, snapshot, weight_files
 
+if TYPE_CHECKING:
+    import torch
+
 
 def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     """A checkpoint tensor in the asked dtype; integer tensors (DeepSeek V4's token -> expert table) are
     indices, not weights, and stay as stored."""
+    import torch
+
     return tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
 
 

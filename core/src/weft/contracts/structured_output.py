@@ -163,7 +163,9 @@ class StructuredOutputBackend(PluginBase):
     @abstractmethod
     def validate(cls, constraint: StructuredOutputsParams) -> None:
         """Raise ValueError naming the problem (``structured_outputs.json: ...``) when ``constraint``
-        cannot be compiled. Cheap and vocabulary-free: the API side calls it for every request."""
+        cannot be compiled. Cheap and vocabulary-free: the API side calls it for every request, in a worker
+        process where the API process has no torch loaded (``weft serve``), so the class is found by its module
+        path and the error is pickled back."""
 
     @abstractmethod
     def compile(self, constraint: StructuredOutputsParams) -> Any:

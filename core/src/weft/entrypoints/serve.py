@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 
 from weft.config import WeftConfig
 from weft.engine.api.async_engine import AsyncEngine
+from weft.engine.api.torch_free import transformers_without_torch
 from weft.plugins import PluginRegistry
 from weft.plugins.lock import verify_plugin_lock
 from weft.progress import report, report_summary
@@ -66,6 +67,7 @@ def serve(config: WeftConfig) -> int:
     """Serve until interrupted; returns the exit status (1 when the engine core died)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
+    transformers_without_torch()  # the tokenizer's library, before anything imports it; the core imports torch
     verify_plugin_lock(config)  # a refused plugin set is the first thing said, before any step
     report("starting the engine for %s", config.model)
     app = build_app(config)

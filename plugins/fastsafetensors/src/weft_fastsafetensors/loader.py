@@ -20,13 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
-import torch
 
 from weft.api import SafetensorsLoader, cast, weight_files
 from weft.contracts.loader import ModelSource
+
+if TYPE_CHECKING:  # torch loads where tensors are read: weft serve's API process resolves with this loader
+    import torch
 
 logger = logging.getLogger("weft.fastsafetensors")
 

@@ -11,6 +11,9 @@ another installation of the same file, skips the work (``weft cache list | clear
 cache's checksums (:mod:`weft_gguf.checksum`) are verified on every read, and a
 truncated or changed cache is rebuilt with one warning; so is the cached tokenizer. The ranks of a
 tensor-parallel engine read only their slices of that file.
+
+torch (and the quantized blocks, which use it) is imported where tensors are made: ``weft serve``'s API
+process loads every loader to resolve the model, and imports no torch.
 """
 
 from __future__ import annotations
@@ -21,14 +24,11 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from weft.api import bar, human_bytes, report
 from weft.contracts.loader import LoadedSlice, ModelSource, WeightLoader, WeightSlice
 from weft_gguf import checksum
-from weft_gguf.blocks import GGUFQuantizedWeight, decomposable
 from weft_gguf.convert import cache_tokenizer
 from weft_gguf.files import (
     ALIAS_GENERATION_CONFIGS,
@@ -38,6 +38,9 @@ from weft_gguf.files import (
     resolve_alias,
     tokenizer_cache,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -195,6 +198,8 @@ class GGUFLoader(WeightLoader):
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         """Slices of the dequantized cache file (written first if absent: the file is dequantized once); under a
         quantization method (``load_config.quantization``), the file's Q4_0/Q4_1/Q4_K/Q8_0 tensors in their blocks."""
+        import torch
+
         if self.load_config.quantization != "none":
             yield from self._quantized_weights(source, getattr(torch, dtype))
             return
@@ -227,6 +232,9 @@ class GGUFLoader(WeightLoader):
 
     def _quantized_weights(self, source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, WeightSlice]]:
         import gguf
+        import torch
+
+        from weft_gguf.blocks import GGUFQuantizedWeight, decomposable
 
         config = source.hf_config
         permute = config["model_type"] == "llama"
@@ -247,6 +255,7 @@ class GGUFLoader(WeightLoader):
 
     def _dequantize(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import gguf
+        import torch
 
         reader = self._reader(source.path)
         config = source.hf_config

@@ -17,16 +17,17 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
-import torch
 
 from weft.api import SafetensorsLoader
 from weft.contracts.loader import ModelSource, WeightSlice
 from weft_weight_cache.protocol import DEFAULT_MAX_FRAME_BYTES, Error, FrameError, Mismatch, Ok, TensorEntry
-from weft_weight_cache.reads import ResidentSlice
 from weft_weight_cache.safety import SafetyError, default_socket_dir
+
+if TYPE_CHECKING:  # torch loads where weights are mapped: weft serve's API process resolves with this loader
+    import torch
 
 logger = logging.getLogger("weft.weight_cache")
 
@@ -73,6 +74,8 @@ class WeightCacheLoader(SafetensorsLoader):
 
     def iter_weight_slices(self, source: ModelSource, dtype: str) -> Iterator[tuple[str, WeightSlice]]:
         """This rank's parts from the daemon, each tensor answering the reads its model family makes of it."""
+        from weft_weight_cache.reads import ResidentSlice
+
         lease = self._lease(source, dtype)
         if isinstance(lease, str):
             yield from self._from_disk(source, dtype, lease, slices=True)

@@ -298,6 +298,7 @@ class AsyncEngine:
         if self._reader is not None:
             self._reader.join(timeout=5)
         self.client.close()
+        self.frontend.close()
 
     # Outputs, on the reader thread.
 

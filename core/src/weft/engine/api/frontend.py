@@ -15,6 +15,7 @@ import msgspec
 from weft.config import WeftConfig
 from weft.contracts.loader import ModelSource
 from weft.contracts.mm_processor import ImageItem, MMProcessor, MMProcessorConfig, MultimodalInputs, ProcessedPrompt
+from weft.engine.api.validation_process import ConstraintValidator
 from weft.engine.messages import EngineCoreRequest, GrammarStart
 from weft.plugins import PluginRegistry
 from weft.plugins.selection import no_backend_message, select_parser, select_structured_output
@@ -45,6 +46,7 @@ class Frontend:
         self.registry = registry
         self._structured_output: Any = None
         self._structured_output_lock = threading.Lock()
+        self._constraints = ConstraintValidator()
         self.mm_processor, self.images_refusal = self._build_mm_processor()
         if self.mm_processor is not None and not isinstance(type(self.tokenizer).image_placeholder, property):
             # The tokenizer's message normalisation writes this for each image part (Tokenizer.image_placeholder).
@@ -80,6 +82,10 @@ class Frontend:
             if self._structured_output is None:
                 self._structured_output = (select_structured_output(self.registry, self.config.use.structured_output),)
             return self._structured_output[0]
+
+    def close(self) -> None:
+        """Stop the constraint validation process, if one started."""
+        self._constraints.close()
 
     def architecture(self) -> str | None:
         architectures = self.source.hf_config.get("architectures") or [None]
@@ -207,7 +213,7 @@ class Frontend:
             backend = self.structured_output_backend()
             if backend is None:
                 raise ValueError(f"structured_outputs: {no_backend_message(self.config)}")
-            backend.validate(params.structured_outputs)
+            self._constraints.validate(backend, params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         return params

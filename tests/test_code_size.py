@@ -35,6 +35,8 @@ EXCEPTIONS: dict[str, str] = {
     "taking a row's several tokens goes to its own method",
     "class weft/engine/core/engine_core.py::EngineCore": "3 lines over after the watchdog's hooks; to be split with "
     "the scheduler interface",
+    "class weft/engine/api/async_engine.py::AsyncEngine": "a line over after the watchdog's heartbeat and the "
+    "constraint worker; its handshake moves to engine/client.py",
     "class weft/serve/server.py::Server": "14 lines over after image requests; media reading moves to serve/media.py",
 }
 """``"<kind> <file>[::<qualified name>]"`` -> why it is clearer whole (or where it is being split)."""

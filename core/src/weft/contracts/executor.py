@@ -66,7 +66,7 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     instance (core API 1.6): the model keeps it, never restoring it from snapshots of the prefix."""
     multimodal: MultimodalInputs | None = None
     """Its images (placeholder ranges, item hashes, encoder inputs), per-position extras and positions
-    (core API 1.14; :mod:`weft.contracts.mm_processor`); None: text only. Workers encode an item when a step's
+    (core API 1.15; :mod:`weft.contracts.mm_processor`); None: text only. Workers encode an item when a step's
     ``encoder_inputs`` names it."""
 
 
@@ -182,7 +182,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     available_kv_bytes: int
     """Memory each worker may give its KV cache (the least over workers)."""
     reads_images: bool = False
-    """Whether the model family encodes images (implements ``ModelFamily.encode``; core API 1.14): the scheduler
+    """Whether the model family encodes images (implements ``ModelFamily.encode``; core API 1.15): the scheduler
     refuses a request carrying images otherwise, instead of running its placeholders as plain tokens."""
 
 

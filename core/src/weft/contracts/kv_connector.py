@@ -88,7 +88,7 @@ Prefix blocks
     A stored prefix block covers :func:`connector_block_size` tokens (``size``).
     ``ConnectorRequest.block_hashes[i]`` is the chained hash of the prompt's
     tokens ``[0, (i + 1) * size)`` and of the hashes of the images among them
-    (core API 1.14): a key made of it (with the model identity,
+    (core API 1.15): a key made of it (with the model identity,
     ``ConnectorContext.model``, the group and the dtype) names the block's bytes
     exactly. In a group whose ``spec.block_size`` is smaller, one prefix block is
     ``size // spec.block_size`` consecutive blocks of the group.

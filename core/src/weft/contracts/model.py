@@ -49,7 +49,7 @@ cross a chunk boundary. The module merges them right after its token embedding::
 (core's Llama does, so a family whose language model is a Llama builds on ``weft.api.LlamaForCausalLM``).
 Per-position extras of the processed prompt (``token_types``) and multi-axis positions reach the module on
 ``context.multimodal.extras`` and ``context.multimodal.positions``, cut to the step's positions. All of this
-came with core API 1.14.
+came with core API 1.15.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class ModelFamily(PluginBase):
 
     def encode(self, module: torch.nn.Module, items: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Embeddings of images: per item, ``[num_embeddings, hidden]`` rows for the positions of its placeholder
-        ranges, in order (module docstring; added in core API 1.14).
+        ranges, in order (module docstring; added in core API 1.15).
 
         ``items`` are :attr:`~weft.contracts.mm_processor.ProcessedItem.encoder_inputs`, as tensors on the
         module's device. Default: refuses, for a family without a vision encoder.

@@ -55,7 +55,7 @@ class Tokenizer(PluginBase):
         """Text of ``token_ids``; invalid UTF-8 becomes U+FFFD."""
 
     image_placeholder: str | None = None
-    """The text of the token each image part becomes (core API 1.14): set by the engine's frontend where the model
+    """The text of the token each image part becomes (core API 1.15): set by the engine's frontend where the model
     reads images (its multimodal processor's ``placeholder_token_id``); None: image parts are refused."""
 
     def normalize_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

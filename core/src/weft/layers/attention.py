@@ -47,7 +47,7 @@ class ForwardContext(msgspec.Struct):
     None without a connector and in captured graphs. :class:`Attention` calls it before its layer's
     attention; a model that reads or writes a cache tensor any other way is waited for before the forward."""
     multimodal: MultimodalBatch | None = None
-    """The step's encoder rows, multi-axis positions and per-position extras (core API 1.14); None in a step
+    """The step's encoder rows, multi-axis positions and per-position extras (core API 1.15); None in a step
     without any. A vision-language family merges the rows after its token embedding with
     :func:`weft.layers.multimodal.merge_multimodal_embeddings`."""
 

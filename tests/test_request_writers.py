@@ -31,6 +31,10 @@ EVERYTHING = FIELDS | TOKEN_LISTS | {APPEND_TOKEN}
 WRITERS = {
     ("weft.engine.core.scheduler_state", "SchedulerState.update_from_output"): FIELDS | {APPEND_TOKEN},
     ("weft.engine.core.scheduler_state", "SchedulerState.finish"): frozenset({"status"}),
+    # update_from_output's own helper: a row's tokens (several under speculative decoding) through the stop rules.
+    ("weft.engine.core.scheduler_state", "SchedulerState._take_tokens"): frozenset(
+        {APPEND_TOKEN, "status", "stop_reason"}
+    ),
     ("weft.engine.core.request", "Request.__init__"): EVERYTHING,
     ("weft.engine.core.request", "Request.append_token"): TOKEN_LISTS,
 }
@@ -46,6 +50,12 @@ OTHER_STATE = {
     ),
     ("weft.runner.model_runner", "ModelRunner._execute", "num_computed_tokens"): (
         "the worker's copy, moved past the step's scheduled tokens"
+    ),
+    ("weft.runner.model_runner", "ModelRunner.finish_step", "num_computed_tokens"): (
+        "the worker's copy, moved back over the step's rejected proposals"
+    ),
+    ("weft.builtins.draft_speculator", "_Row.__init__", "num_computed_tokens"): (
+        "the draft speculator's view of a request for its own forward"
     ),
     (
         "weft.engine.api.output_processor",

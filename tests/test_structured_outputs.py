@@ -771,16 +771,21 @@ def test_a_compile_past_its_deadline_fails_its_own_request_and_stalls_no_other(l
             release.wait(timeout=120)
         return compile_original(self, constraint)
 
-    monkeypatch.setattr(XgrammarBackend, "compile", compile_or_hang)
     engine = llm.engine
+    yes = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    # Another constraint compiled first: a loaded machine's first compile (the vocabulary's tables) may outlive
+    # the 1 s below; "yes" itself still compiles, queued behind the stuck one.
+    no = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["no"]))
+    warm = engine.add_request("warm", [1, 2, 3], no)
+    while not warm.finished:
+        engine.step()
+    monkeypatch.setattr(XgrammarBackend, "compile", compile_or_hang)
     manager = engine.scheduler.structured_outputs
     slow = engine.add_request("stuck", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=stuck))
     compiler = manager.compiler
     monkeypatch.setattr(compiler, "timeout", 1.0)
     before = compiler.timeouts
-    choice = engine.add_request(
-        "choice", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["yes"]))
-    )
+    choice = engine.add_request("choice", [1, 2, 3], yes)
     plain = engine.add_request("plain", llm.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=5))
     started = time.monotonic()
     refusals = []

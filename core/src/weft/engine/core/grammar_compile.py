@@ -47,13 +47,15 @@ def constraint_bytes(constraint: StructuredOutputsParams) -> int:
 class CompileJob:
     """One constraint's compile: its result (:attr:`future`), and who waits for it."""
 
-    __slots__ = ("constraint", "future", "claimed", "waiters", "abandoned", "bytes", "_compiler")
+    __slots__ = ("constraint", "future", "claimed", "started", "waiters", "abandoned", "bytes", "_compiler")
 
     def __init__(self, constraint: StructuredOutputsParams, compiler: Compiler) -> None:
         self.constraint = constraint
         self.future: Future = Future()
         self.claimed = False
         """A thread has started compiling it."""
+        self.started = 0.0
+        """When a thread took it (``time.monotonic()``): its deadline runs from then, not while it is queued."""
         self.waiters = 0
         """Requests waiting for it (:meth:`join`, :meth:`leave`)."""
         self.abandoned = False
@@ -132,7 +134,8 @@ class Compiler:
     def check(self, job: CompileJob, since: float) -> None:
         """Raise ValueError naming ``engine.structured_output_compile_timeout`` when ``job``, waited for since
         ``since`` (``time.monotonic()``), is not compiled past it."""
-        if job.future.done() or time.monotonic() - since <= self.timeout:
+        # A queued job's wait is the running ones': those time out, and it moves to a fresh thread then.
+        if job.future.done() or not job.claimed or time.monotonic() - max(since, job.started) <= self.timeout:
             return
         self.timeouts += 1
         with self._lock:
@@ -174,6 +177,7 @@ class Compiler:
             if job.claimed or job.future.cancelled():
                 return
             job.claimed = True
+            job.started = time.monotonic()
             self._pending.remove(job)
         try:
             compiled = self._compile(job.constraint)

@@ -85,6 +85,9 @@ class DraftSpeculator(Speculator):
         self.requests: dict[str, _Followed] = {}
         self.draft: DraftModel | None = None
         self._groups: tuple[KVCacheGroupSpec, ...] = ()
+        """The draft's KV-cache groups as the engine knows them (names prefixed)."""
+        self._own_groups: tuple[KVCacheGroupSpec, ...] = ()
+        """The same groups under the draft model's own layer names, which its forward reads."""
         self._inputs: InputBuilder | None = None
 
     def load(self, models: DraftModelLoader) -> None:
@@ -113,7 +116,7 @@ class DraftSpeculator(Speculator):
             KVCacheGroupSpec(PREFIX + group.name, tuple(PREFIX + layer for layer in group.layer_names), group.spec)
             for group in groups
         )
-        self._own_groups = groups
+        self._own_groups = tuple(groups)
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return self._groups

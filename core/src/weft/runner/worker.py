@@ -158,6 +158,7 @@ class Worker:
             self.attention.prepare(layers, self.dtype)
             self.speculator = self._build_speculator()
         groups = self.family.kv_cache_groups(self.model_config)
+        self.num_target_groups = len(groups)
         if self.speculator is not None:
             # Its own layers' groups come after the target's: the target's group indices stay as its layers name them.
             groups = (*groups, *self.speculator.kv_cache_groups())
@@ -227,7 +228,7 @@ class Worker:
             self.parallel,
             self.ops["bitmask_argmax"] if self.structured_outputs else None,
             self.speculator,
-            num_target_groups=len(self.family.kv_cache_groups(self.model_config)),
+            num_target_groups=self.num_target_groups,
         )
         if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
             store = self.config.engine.encoder_store or None

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
-import msgspec
 
 from weft_disagg.pd import Instance, PDProxy, Policy, Pool
 
@@ -90,29 +88,8 @@ class EPDProxy(PDProxy):
 
     async def _encode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         """One encode leg; a failure is logged and counted, and the request goes on (module docstring)."""
-        assert self.client is not None
         instance = self.encode.choose()
         if instance is None:
             logger.warning("no encode instance is healthy; the prefill (or decode) instance encodes the images")
             return
-        instance.in_flight += 1
-        started = time.monotonic()
-        try:
-            response = await self.client.post(instance.url + path, content=msgspec.json.encode(body), headers=headers)
-            self.metrics.leg_seconds.labels("encode").observe(time.monotonic() - started)
-            if response.status_code >= 400:
-                self.metrics.leg_failures.labels("encode").inc()
-                logger.warning(
-                    "%s answered %d: %s (the image is encoded where it is needed)",
-                    instance,
-                    response.status_code,
-                    response.text[:200],
-                )
-        except httpx.TransportError as error:
-            instance.healthy = False
-            self.metrics.leg_failures.labels("encode").inc()
-            logger.warning(
-                "%s failed: %s: %s (the image is encoded where it is needed)", instance, type(error).__name__, error
-            )
-        finally:
-            instance.in_flight -= 1
+        await self._side_leg("encode", instance, path, body, headers, "the image is encoded where it is needed")

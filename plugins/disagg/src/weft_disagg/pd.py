@@ -348,34 +348,45 @@ class PDProxy:
     async def _prefill(
         self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str], transfer_id: str
     ) -> None:
+        refused = await self._side_leg(
+            "prefill", instance, path, body, headers, "the decode instance computes the prompt"
+        )
+        if not refused:
+            return
+        # The engine may never have seen the request: end its transfer, so the decode instance does not wait for KV
+        # that will not come.
+        assert self.client is not None
+        try:
+            await self.client.post(
+                f"{instance.url}/kv_transfer/abandon", json={"transfer_id": transfer_id}, headers=headers, timeout=5.0
+            )
+        except httpx.TransportError as error:
+            instance.healthy = False
+            logger.warning(
+                "%s failed to abandon transfer %s: %s: %s", instance, transfer_id, type(error).__name__, error
+            )
+
+    async def _side_leg(
+        self, leg: str, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str], fallback: str
+    ) -> bool:
+        """Post a leg the request survives the failure of (prefill, encode): timed and counted, a failure logged
+        with ``fallback`` (who does the work instead). True when the instance answered with an error status."""
         assert self.client is not None
         instance.in_flight += 1
         started = time.monotonic()
         try:
             response = await self.client.post(instance.url + path, content=msgspec.json.encode(body), headers=headers)
-            self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - started)
-            if response.status_code >= 400:
-                self.metrics.leg_failures.labels("prefill").inc()
-                logger.warning(
-                    "%s answered %d: %s (the decode instance computes the prompt)",
-                    instance,
-                    response.status_code,
-                    response.text[:200],
-                )
-                # The engine may never have seen the request: end its transfer, so the decode instance
-                # does not wait for KV that will not come.
-                await self.client.post(
-                    f"{instance.url}/kv_transfer/abandon",
-                    json={"transfer_id": transfer_id},
-                    headers=headers,
-                    timeout=5.0,
-                )
+            self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
+            if response.status_code < 400:
+                return False
+            self.metrics.leg_failures.labels(leg).inc()
+            logger.warning("%s answered %d: %s (%s)", instance, response.status_code, response.text[:200], fallback)
+            return True
         except httpx.TransportError as error:
             instance.healthy = False
-            self.metrics.leg_failures.labels("prefill").inc()
-            logger.warning(
-                "%s failed: %s: %s (the decode instance computes the prompt)", instance, type(error).__name__, error
-            )
+            self.metrics.leg_failures.labels(leg).inc()
+            logger.warning("%s failed: %s: %s (%s)", instance, type(error).__name__, error, fallback)
+            return False
         finally:
             instance.in_flight -= 1
 

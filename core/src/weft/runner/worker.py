@@ -112,9 +112,11 @@ class Worker:
             local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
-        self.quantization_name, self.quantization = choose_quantization(
-            self.registry, config, self.platform, self.source.format, self.dtype
-        )
+        kernels = KernelRegistry(RuntimeMonitor(engine.runtime_jit))
+        with collecting(kernels):  # a quantization method registers the kernels it launches when it is made
+            self.quantization_name, self.quantization = choose_quantization(
+                self.registry, config, self.platform, self.source.format, self.dtype
+            )
         if self.quantization is not None:
             self.loader.load_config = msgspec.structs.replace(load_config, quantization=self.quantization_name)
         self.family = load_family(self.registry, config, self.source)
@@ -127,7 +129,7 @@ class Worker:
         )
         check_kv_cache_dtype(config, self.platform, self.attention)
         torch.manual_seed(engine.seed)
-        with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
+        with collecting(kernels) as self.kernels:
             self.ops = self._choose_ops()
             with using_ops(self.ops), using_parallel(self.parallel), using_quantization(self.quantization):
                 self.model = self.family.build(self.model_config, self.device)

@@ -22,6 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PATHS = {
     "triton+graphs": ({}, {}),
     "triton eager": ({"enforce_eager": True}, {}),
+    "triton eager, no async scheduling": ({"enforce_eager": True, "async_scheduling": False}, {}),
     "torch attention": ({"enforce_eager": True}, {"attention": "torch"}),
 }
 

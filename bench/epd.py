@@ -224,7 +224,10 @@ def main() -> None:
         for role in ("encode", "prefill", "decode"):
             port = free_port()
             urls[role] = f"http://127.0.0.1:{port}"
+            # The encode and prefill legs ask for one token, not streamed: their instances answer a short whole body.
             shape = ["--events", str(args.events), "--stream" if args.stream else "--no-stream"]
+            if role != "decode":
+                shape = ["--events", "1", "--no-stream"]
             processes.append(start([sys.executable, __file__, "--serve-upstream", str(port), *shape]))
             wait_up(urls[role], "/health", processes[-1])
         proxies = {}

@@ -281,13 +281,15 @@ def test_a_failure_of_the_proxy_is_a_500_and_an_upstream_that_breaks_off_a_502(e
     proxy.prefill.instances[0].side_channel = ("127.0.0.1", 7)  # as its health check would: a prefill leg is sent
 
     async def ask() -> httpx.Response:
-        proxy.client = httpx.AsyncClient(transport=BrokenTransport(error))
+        broken = httpx.AsyncClient(transport=BrokenTransport(error))
+        for instance in proxy.instances():
+            instance.client = broken
         transport = httpx.ASGITransport(app=create_proxy_app(proxy))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
                 return await client.post("/v1/completions", json=body())
         finally:
-            await proxy.client.aclose()
+            await broken.aclose()
 
     response = asyncio.run(ask())
     assert response.status_code == status

@@ -92,6 +92,10 @@ class Instance:
         self.healthy = True
         self.side_channel: tuple[str, int] | None = None
         """A prefill instance's NIXL side channel, from its ``GET /kv_transfer``."""
+        self.client: httpx.AsyncClient | None = None
+        """The proxy's connections to this instance (:meth:`PDProxy.start`): a pool per instance, because httpcore
+        looks through every pooled connection each time a request starts or ends, and one pool for all the
+        instances held the connections of all three legs of every request in flight."""
 
     def __repr__(self) -> str:
         return f"{self.role} instance {self.url}"
@@ -154,7 +158,7 @@ class ProxyMetrics:
 
 
 class PDProxy:
-    """The proxy's state: the instance pools, the HTTP client, the health check, the metrics."""
+    """The proxy's state: the instance pools, their HTTP clients, the health check, the metrics."""
 
     def __init__(
         self,
@@ -176,18 +180,18 @@ class PDProxy:
         self.leg_timeout = leg_timeout
         """Longest an instance may send nothing on a leg (``--leg-timeout``): httpx's read timeout."""
         self.metrics = ProxyMetrics(self)
-        self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
 
     # Lifecycle and health.
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=self.leg_timeout, write=60.0, pool=None),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
-            ),
-        )
+        for instance in self.instances():
+            instance.client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=10.0, read=self.leg_timeout, write=60.0, pool=None),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
+                ),
+            )
         await self.check_health()
         self._health_task = asyncio.create_task(self._watch_health())
 
@@ -195,8 +199,9 @@ class PDProxy:
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
-        if self.client is not None:
-            await self.client.aclose()
+        for instance in self.instances():
+            if instance.client is not None:
+                await instance.client.aclose()
 
     async def _watch_health(self) -> None:
         while True:
@@ -214,9 +219,9 @@ class PDProxy:
         await asyncio.gather(*(self._check(instance) for instance in self.instances()))
 
     async def _check(self, instance: Instance) -> None:
-        assert self.client is not None
+        assert instance.client is not None
         try:
-            healthy = (await self.client.get(f"{instance.url}/health", timeout=5.0)).status_code == 200
+            healthy = (await instance.client.get(f"{instance.url}/health", timeout=5.0)).status_code == 200
             if healthy and instance.role == "prefill" and instance.side_channel is None:
                 instance.side_channel = await self._side_channel(instance)
         except httpx.HTTPError:
@@ -226,8 +231,8 @@ class PDProxy:
         instance.healthy = healthy
 
     async def _side_channel(self, instance: Instance) -> tuple[str, int] | None:
-        assert self.client is not None
-        response = await self.client.get(f"{instance.url}/kv_transfer", timeout=5.0)
+        assert instance.client is not None
+        response = await instance.client.get(f"{instance.url}/kv_transfer", timeout=5.0)
         if response.status_code != 200:
             logger.error(
                 "%s has no KV transfer (GET /kv_transfer answered %d): start it with use.kv_connector = "
@@ -296,7 +301,6 @@ class PDProxy:
         self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
     ) -> tuple[Instance, httpx.Response, asyncio.Task | None, float]:
         """Start both legs of one attempt; returns once the decode instance answered with its status."""
-        assert self.client is not None
         decode = self.decode.choose(tried)
         if decode is None:
             raise ProxyError(503, "no decode instance is healthy; retry later")
@@ -331,10 +335,11 @@ class PDProxy:
         decode.in_flight += 1
         started = time.monotonic()
         try:
-            upstream = self.client.build_request(
+            assert decode.client is not None
+            upstream = decode.client.build_request(
                 "POST", decode.url + path, content=msgspec.json.encode(decode_body), headers=headers
             )
-            response = await self.client.send(upstream, stream=True)
+            response = await decode.client.send(upstream, stream=True)
         except BaseException as error:
             decode.in_flight -= 1
             await _settle(prefill_task)
@@ -355,9 +360,9 @@ class PDProxy:
             return
         # The engine may never have seen the request: end its transfer, so the decode instance does not wait for KV
         # that will not come.
-        assert self.client is not None
+        assert instance.client is not None
         try:
-            await self.client.post(
+            await instance.client.post(
                 f"{instance.url}/kv_transfer/abandon", json={"transfer_id": transfer_id}, headers=headers, timeout=5.0
             )
         except httpx.TransportError as error:
@@ -371,11 +376,11 @@ class PDProxy:
     ) -> bool:
         """Post a leg the request survives the failure of (prefill, encode): timed and counted, a failure logged
         with ``fallback`` (who does the work instead). True when the instance answered with an error status."""
-        assert self.client is not None
+        assert instance.client is not None
         instance.in_flight += 1
         started = time.monotonic()
         try:
-            response = await self.client.post(instance.url + path, content=msgspec.json.encode(body), headers=headers)
+            response = await instance.client.post(instance.url + path, content=msgspec.json.encode(body), headers=headers)
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
             if response.status_code < 400:
                 return False
@@ -392,13 +397,13 @@ class PDProxy:
 
     async def passthrough(self, request: Request) -> Response:
         """``GET`` routes answered by a decode instance (``/v1/models``), bytes untouched."""
-        assert self.client is not None
         decode = self.decode.choose()
         if decode is None:
             return error_response(ProxyError(503, "no decode instance is healthy; retry later"))
+        assert decode.client is not None
         headers = {name: request.headers[name] for name in _FORWARDED_REQUEST_HEADERS if name in request.headers}
         try:
-            response = await self.client.get(decode.url + request.url.path, headers=headers, timeout=30.0)
+            response = await decode.client.get(decode.url + request.url.path, headers=headers, timeout=30.0)
         except httpx.TransportError as error:
             return error_response(ProxyError(502, f"{decode} could not be reached: {type(error).__name__}: {error}"))
         forwarded = {name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers}

@@ -150,22 +150,22 @@ def reencoding_app(encode: list[str], prefill: list[str], decode: list[str]) -> 
 
             async def close() -> None:
                 decode.in_flight -= 1
-                await response.aclose()
+                response.release()
                 if prefill_task is not None:
                     prefill_task.cancel()
                     await asyncio.gather(prefill_task, return_exceptions=True)
 
             if not body.get("stream"):
                 try:
-                    answer = json.loads(await response.aread())
+                    answer = json.loads(await response.read())
                 finally:
                     await close()
-                return Response(json.dumps(answer), status_code=response.status_code, media_type="application/json")
+                return Response(json.dumps(answer), status_code=response.status, media_type="application/json")
 
             async def events():
                 buffer = b""
                 try:
-                    async for chunk in response.aiter_raw():
+                    async for chunk, _ in response.content.iter_chunks():
                         buffer += chunk
                         while b"\n\n" in buffer:
                             event, buffer = buffer.split(b"\n\n", 1)
@@ -177,7 +177,7 @@ def reencoding_app(encode: list[str], prefill: list[str], decode: list[str]) -> 
                 finally:
                     await close()
 
-            return StreamingResponse(events(), status_code=response.status_code, media_type="text/event-stream")
+            return StreamingResponse(events(), status_code=response.status, media_type="text/event-stream")
 
     return create_app(ReencodingProxy(encode, prefill, decode, health_interval=60.0))
 

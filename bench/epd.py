@@ -3,9 +3,10 @@ r"""``weft proxy epd`` (msgspec, response bytes passed through) against a proxy 
 Both proxies run the same legs (:mod:`weft_disagg.epd`: an encode leg per image part, a prefill leg, a decode leg)
 against fake upstreams (:func:`serve_upstream`, each a process of its own: a few lines of asyncio that write canned
 bytes at once; the encode and prefill instances answer one token, whole, as real ones do), and the clients read with
-aiohttp, so that what is measured is the proxies' own cost. The baseline, :class:`ReencodingProxy`, differs only where the vLLM proxy
-that the reference change replaced did: it reads the request with the standard library's ``json`` and decodes every
-response (each SSE event of a stream, or the whole JSON) and encodes it again before sending it on.
+aiohttp, so that what is measured is the proxies' own cost. The baseline, :class:`ReencodingProxy`, differs only
+where the vLLM proxy that the reference change replaced did: it reads the request with the standard library's
+``json`` and decodes every response (each SSE event of a stream, or the whole JSON) and encodes it again before
+sending it on.
 
 The load: ``--clients`` (64) concurrent clients, each sending chat requests with ``--images`` image parts, streamed
 (``--stream``, the default: the decode upstream answers ``--events`` chat.completion.chunk events) or not, for
@@ -236,7 +237,7 @@ async def load(url: str, clients: int, seconds: float, images: int, stream: bool
                     ) as answer:
                         received = await answer.read()
                     ok = answer.status == 200 and (received.endswith(b"[DONE]\n\n") or not stream)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     ok = False
                 done, failed = done + ok, failed + (not ok)
 

@@ -398,9 +398,7 @@ def load_encoder_connector(registry: PluginRegistry, config: WeftConfig, source:
     if name == "none":
         return None
     connector_class = registry.load("encoder_connector", name)
-    context = EncoderConnectorContext(
-        model=model_identity(source), folder=config.engine.encoder_store, saves=saves
-    )
+    context = EncoderConnectorContext(model=model_identity(source), folder=config.engine.encoder_store, saves=saves)
     return connector_class(options_for(config, "encoder_connector", connector_class, name), context)
 
 

@@ -83,9 +83,10 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
         except PluginError as error:
             unreadable.append(f"{table}: its options cannot be shown: {error} (see weft plugins doctor)")
             continue
-        if options_type is not NoOptions:
-            loaded.append((entry, table, options_type))
+        loaded.append((entry, table, options_type))
     for entry, table, options_type in loaded:
+        if options_type is NoOptions:
+            continue
         # Plugins of several slots that share a name and one Options Struct (weft-mooncake's KV and encoder
         # connectors) read one [plugins.<name>] table: it is shown once.
         namesakes = {other_type for other, _, other_type in loaded if other.name == entry.name}

@@ -131,7 +131,7 @@ def teacher_forced(quantized_and_reference):
 def test_teacher_forced_logprobs_within_the_documented_band(teacher_forced):
     """docs/quantization.md's band (measured 2026-12-07: mean 0.018, p99 0.11, max 0.155 nats)."""
     _, difference = teacher_forced
-    assert difference.mean() <= 0.05 and difference.quantile(0.99) <= 0.3 and difference.max() <= 1.0
+    assert difference.mean() <= 0.03 and difference.quantile(0.99) <= 0.2 and difference.max() <= 0.5
 
 
 def test_teacher_forced_top1_agrees_at_99_percent(teacher_forced):

@@ -1,4 +1,4 @@
-"""The default model's CPU throughput figures of issue 47 beside bench/cpu_anchors.py's batch 1, each in a fresh process.
+"""The default model's CPU throughput figures of issue 47 beside bench/cpu_anchors.py's, each in a fresh process.
 
 * batch 32: bench/cpu_generate.py's workload (32 prompts of 64-256 tokens, 128 new tokens each, greedy, EOS
   ignored) through ``LLM.generate``: output tokens/s, prefill included (the issue's "today": 119 tok/s);

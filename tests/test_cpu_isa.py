@@ -114,7 +114,8 @@ def int4_layer(method, weight):
 @pytest.mark.parametrize("host", [ZEN4, SKYLAKE_CLIENT], ids=["bf16-native", "avx2-only"])
 def test_cpu_int4_multi_row_gemms_in_the_chosen_dtype(host, monkeypatch):
     """Against float32 on the dequantized weights (scales exact in bf16, so the only roundings left are the
-    chosen dtype's): a bf16-native host's kernel keeps its inputs exact (hi + lo) and rounds only its outputs; an AVX2 host multiplies GEMMs of more than DECODE_ROWS rows in float32 (1e-5)."""
+    chosen dtype's): a bf16-native host's kernel keeps its inputs exact (hi + lo) and rounds only its outputs;
+    an AVX2 host multiplies GEMMs of more than DECODE_ROWS rows in float32 (1e-5)."""
     from weft.builtins import cpu_quantization
     from weft.builtins.cpu import CpuPlatform
     from weft.contracts.quantization import GroupAffine

@@ -93,7 +93,8 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
 
 def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]:
     """``config`` with the engine options the platform sizes filled in as the engine would, and a note
-    saying where they came from (on the CPU, a second line: its GEMM instruction sets and the GEMM dtype) (they stay unset when the platform cannot be built here)."""
+    saying where they came from (they stay unset when the platform cannot be built here); on the CPU, a second
+    line: its GEMM instruction sets and the GEMM dtype."""
     from weft.config import PLATFORM_SIZED
     from weft.resolve import build_platform, resolve_engine_config
 

@@ -24,10 +24,6 @@ LIMITS = {"file": 600, "class": 300, "function": 80}
 EXCEPTIONS: dict[str, str] = {
     # Grown past the limits by the stage-three merges of 2026-12-07 (speculative decoding, images, the watchdog);
     # each is to be split along the concept named, not left whole.
-    "file weft/runner/model_runner.py": "being split: the step handles (_PendingStep, StepTokens, _AwaitingMask) move "
-    "to their own module",
-    "class weft/runner/model_runner.py::ModelRunner": "being split: proposing and verifying (speculative decoding) "
-    "move to runner/speculation.py",
     "class weft/engine/core/scheduler_state.py::SchedulerState": "being split: the speculative-decoding bookkeeping "
     "and "
     "the counters move out of it",

@@ -3,10 +3,12 @@
 :func:`take_tokens` appends a row's tokens (its sampled token, then the proposals it accepted under speculative
 decoding) to the request, each through the stop rules (:func:`stop`: EOS, stop token ids, ``max_tokens``, the
 context length), so a run of accepted proposals stops where plain decoding would; the tokens after the stop are
-dropped. It is :meth:`SchedulerState.update_from_output <weft.engine.core.scheduler_state.SchedulerState.
-update_from_output>`'s own helper, and with it the one writer of a request's output tokens and of the ends
-outputs decide. :func:`token_output` is what the caller gets of the tokens taken (their logprobs, the prompt's
-logprobs with the first token), :func:`add_prompt_logprobs` keeps the prompt logprobs a step scored.
+dropped. It is the own helper of
+:meth:`SchedulerState.update_from_output <weft.engine.core.scheduler_state.SchedulerState.update_from_output>`,
+and with it the one writer of a request's output tokens and of the ends outputs decide.
+
+:func:`token_output` is what the caller gets of the tokens taken (their logprobs, the prompt's logprobs with the
+first token); :func:`add_prompt_logprobs` keeps the prompt logprobs a step scored.
 """
 
 from __future__ import annotations

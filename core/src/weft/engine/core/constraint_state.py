@@ -32,6 +32,7 @@ class ConstraintState:
         "start",
         "failed",
         "terminated",
+        "__weakref__",
     )
 
     def __init__(

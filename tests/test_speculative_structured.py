@@ -71,7 +71,11 @@ def mask_after(backend, compiled, tokens, words):
 def refused_after(backend, compiled, tokens):
     """A token the grammar refuses after ``tokens``."""
     matcher = walked(backend, compiled, tokens)
-    return next(token for token in range(3, 2000) if not matcher.accept_token(token))
+    for token in range(3, 2000):
+        if not matcher.accept_token(token):
+            return token
+        matcher.rollback(1)
+    raise AssertionError(f"the grammar takes every token after {tokens}")
 
 
 class CountingMatcher(XgrammarMatcher):
@@ -147,3 +151,47 @@ def test_settling_keeps_the_accepted_proposals_and_rolls_back_the_rest(backend, 
         row = torch.zeros(1, words, dtype=torch.int32)
         matchers[name].fill_bitmask(row, 0)
         assert torch.equal(row[0], mask_after(backend, compiled, tokens, words)), name
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_fill_processes_mask_each_position_and_settle_by_the_steps_tokens(backend, compiled, tokenizer, processes):
+    """The same in fill processes: handles verifying proposals fill a row per position, child after child; the next
+    step's tokens keep the accepted proposals and roll back the rest (the masks after it are those of the tokens the
+    requests really generated)."""
+    from weft.engine.core.grammar_group import FillGroup
+
+    text = tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    words = bitmask_words(backend.vocabulary.size)
+    refused = refused_after(backend, compiled, text[:3])
+    group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, words, processes=processes, spin=0.001)
+    try:
+        handles = [group.new_handle() for _ in range(3)]
+        payload = backend.serialize_compiled(compiled)
+        proposals = [text[2:5], [], [text[2], refused, text[4]]]
+        accepted = [(handle, token) for token in text[:2] for handle in handles]
+        reply = group.step([(handle, 0, payload) for handle in handles], accepted, handles, proposals)
+        assert sorted(reply.filled) == handles and not reply.ended and not reply.refused
+        expected = {
+            handles[0]: [mask_after(backend, compiled, text[: 2 + j], words) for j in range(4)],
+            handles[1]: [mask_after(backend, compiled, text[:2], words)],
+            handles[2]: [mask_after(backend, compiled, text[: 2 + j], words) for j in range(2)]
+            + [torch.full((words,), -1, dtype=torch.int32)] * 2,
+        }
+        count = sum(len(expected[handle]) for handle in reply.filled)
+        rows = torch.frombuffer(bytearray(group.rows(count)), dtype=torch.int32).view(-1, words)
+        assert torch.equal(rows, torch.stack([row for handle in reply.filled for row in expected[handle]]))
+        # Request 0 kept one proposal and drew another token; request 2 kept its one; request 1 decoded one token.
+        replacement = next(
+            token
+            for token in range(3, 2000)
+            if token != text[3] and walked(backend, compiled, text[:3]).accept_token(token)
+        )
+        generated = {handles[0]: [text[2], replacement], handles[1]: [text[2]], handles[2]: [text[2], text[3]]}
+        accepted = [(handle, token) for handle in handles for token in generated[handle]]
+        reply = group.step([], accepted, handles)
+        assert sorted(reply.filled) == handles and not reply.refused
+        rows = torch.frombuffer(bytearray(group.rows(3)), dtype=torch.int32).view(-1, words)
+        for row, handle in zip(rows, reply.filled, strict=True):
+            assert torch.equal(row, mask_after(backend, compiled, text[:2] + generated[handle], words)), handle
+    finally:
+        group.close()

@@ -195,3 +195,179 @@ def test_fill_processes_mask_each_position_and_settle_by_the_steps_tokens(backen
             assert torch.equal(row, mask_after(backend, compiled, text[:2] + generated[handle], words)), handle
     finally:
         group.close()
+
+
+# The engine.
+
+ENGINE = {"block_size": 4, "num_kv_blocks": 1024, "max_num_batched_tokens": 128, "max_num_seqs": 16}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+JSON = StructuredOutputsParams(json=SCHEMA, any_whitespace=False)
+REGEX = StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){0,4}")
+CHOICE = StructuredOutputsParams(choice=("yes", "no", "maybe so"))
+PASSAGE = ' {"name":"ada","ok":false,"n":7} {"name":"bob","ok":true,"n":42} {"name":"cy","ok":true,"n":5}'
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_files):
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("spec-structured") / "llama", "llama", tokenizer_files)
+
+
+def engine_for(target, method, fill="thread"):
+    from weft import LLM
+
+    speculative = {
+        "off": None,
+        "ngram": NGRAM,
+        "self-draft": {"method": "draft", "model": str(target), "num_speculative_tokens": 3},
+    }[method]
+    engine = {**ENGINE, "structured_output_fill": fill}
+    if speculative is not None:
+        engine["speculative"] = speculative
+    return LLM(model=str(target), engine=engine)
+
+
+@pytest.fixture(scope="module")
+def plain(target, one_torch_thread):
+    llm = engine_for(target, "off")
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def ngram(target, one_torch_thread):
+    llm = engine_for(target, "ngram")
+    yield llm
+    llm.close()
+
+
+def prompts(tokenizer, count):
+    """Prompts holding JSON documents, words and answers the outputs may repeat, so prompt lookup proposes inside
+    the constrained outputs."""
+    texts = [f"Example {index}:{PASSAGE} yes no maybe so then {PASSAGE[: 20 + 7 * index]}" for index in range(count)]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def mixed_batch(tokenizer, plain):
+    """Prompts and sampling parameters of a batch mixing every kind of row: constrained by a JSON schema (greedy,
+    with n=2, cut by a stop string, seeded sampling), by a regex and by a choice, and free (greedy, seeded sampling, a
+    stop string inside its greedy text)."""
+    from weft import SamplingParams
+
+    batch = prompts(tokenizer, 9)
+    free_text = plain.generate([batch[7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop = free_text.outputs[0].text[10:14]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON, n=2),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON, stop=[',"n"']),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, structured_outputs=JSON),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=REGEX),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=CHOICE),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=12, max_tokens=20, ignore_eos=True),
+    ]
+    return batch, params
+
+
+def completions(outputs):
+    return [
+        [(completion.token_ids, completion.text, completion.finish_reason) for completion in output.outputs]
+        for output in outputs
+    ]
+
+
+def spec_counts(llm):
+    stats = llm.engine.core.stats()
+    return stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram-process", "self-draft"])
+def test_a_mixed_batch_is_identical_with_speculation_off_and_on(target, tokenizer, plain, ngram, method, monkeypatch):
+    """Greedy and seeded outputs of the mixed batch equal speculation off's, with ``ngram`` (the matchers in the fill
+    thread, or in a fill process) and with the target as its own draft (whose proposals, drawn without the grammar,
+    the constrained rows reject where the mask moves the argmax); constrained rows verified proposals."""
+    batch, params = mixed_batch(tokenizer, plain)
+    expected = completions(plain.generate(batch, params))
+    assert expected[2][0][2] == "stop" and expected[7][0][2] == "stop"  # the stop strings cut
+    verified = []
+    if method == "ngram":
+        llm = ngram
+    elif method == "ngram-process":
+        llm = engine_for(target, "ngram", fill="process")
+    else:
+        llm = engine_for(target, "self-draft")
+    try:
+        manager = llm.engine.core.scheduler.structured_outputs
+        real = manager.grammar_output
+
+        def recorded(request_ids, requests, proposals=None):
+            verified.extend(len(proposals[request_id]) for request_id in request_ids if request_id in (proposals or {}))
+            return real(request_ids, requests, proposals)
+
+        monkeypatch.setattr(manager, "grammar_output", recorded)
+        drafted_before, accepted_before = spec_counts(llm)
+        assert completions(llm.generate(batch, params)) == expected
+        drafted, accepted = spec_counts(llm)
+        assert accepted > accepted_before and drafted > drafted_before
+        assert verified and max(verified) == 3  # constrained rows verified proposals, k of them at most
+        if method == "ngram-process":
+            assert manager.fills_in_process
+    finally:
+        if llm is not ngram:
+            llm.close()
+
+
+def test_rejected_proposals_are_rolled_back_and_the_output_stays_valid_json(tokenizer, plain, ngram, monkeypatch):
+    """Prompt lookup on a random model: some proposals of the constrained rows are rejected, their matchers roll them
+    back, and every output is still a document of the schema (equal to speculation off's)."""
+    from weft import SamplingParams
+
+    rolled_back = []
+    real = XgrammarMatcher.rollback
+
+    def counted(self, num_tokens):
+        rolled_back.append(num_tokens)
+        real(self, num_tokens)
+
+    monkeypatch.setattr(XgrammarMatcher, "rollback", counted)
+    batch = prompts(tokenizer, 6)
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=JSON)
+    drafted_before, accepted_before = spec_counts(ngram)
+    outputs = ngram.generate(batch, params)
+    drafted, accepted = spec_counts(ngram)
+    assert accepted_before < accepted < accepted_before + (drafted - drafted_before)  # some accepted, some not
+    assert rolled_back and all(0 < count <= NGRAM["num_speculative_tokens"] for count in rolled_back)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop"
+        document = json.loads(completion.text)
+        assert document.keys() == SCHEMA["properties"].keys() and document["name"] in ("ada", "bob", "cy")
+    assert completions(outputs) == completions(plain.generate(batch, params))
+
+
+def test_constrained_rows_verify_no_more_proposals_than_their_matchers_roll_back(tokenizer, plain, ngram, monkeypatch):
+    """A backend that rolls back one token at most: constrained rows verify one proposal a step, free rows ``k``."""
+    from weft import SamplingParams
+
+    monkeypatch.setattr(XgrammarBackend, "max_rollback_tokens", 1)
+    scheduler = ngram.engine.core.scheduler
+    real, widths = scheduler.schedule, {"constrained": [], "free": []}
+
+    def recorded():
+        output = real()
+        for request_id, proposed in output.spec_token_ids.items():
+            constrained = scheduler.requests[request_id].constraint is not None
+            widths["constrained" if constrained else "free"].append(len(proposed))
+        return output
+
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    batch = prompts(tokenizer, 4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON if index % 2 else None, ignore_eos=True)
+        for index in range(len(batch))
+    ]
+    assert completions(ngram.generate(batch, params)) == completions(plain.generate(batch, params))
+    assert max(widths["constrained"]) == 1 and max(widths["free"]) == NGRAM["num_speculative_tokens"]

@@ -81,6 +81,21 @@ class ConstraintState:
         if isinstance(self.matcher, RemoteMatcher):
             self.matcher.release()
 
+    def before_answer(self, output_token_ids: list[int], proposals: list[int]) -> list[int]:
+        """While the model reasons (not :attr:`active` yet): ``proposals`` (to follow ``output_token_ids``) cut before
+        the one that would end the reasoning, whose next position would need the constraint's first mask (the step's
+        own token may still end it: the next step is constrained)."""
+        end = self.starts_after
+        if not end:
+            return proposals
+        tokens = [*output_token_ids[-len(end) :], *proposals]
+        before = len(tokens) - len(proposals)
+        for index in range(len(proposals)):
+            stop = before + index + 1  # the window of tokens ending with proposal ``index``
+            if stop >= len(end) and tuple(tokens[stop - len(end) : stop]) == end:
+                return proposals[:index]
+        return proposals
+
     @property
     def masks(self) -> bool:
         """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""

@@ -174,6 +174,17 @@ class StructuredOutputManager:
             self._start_failed_at = None
             self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
 
+    def verifiable(self, request: Request, proposals: list[int]) -> list[int]:
+        """The speculative proposals a constrained request may verify in its next step: what its matcher can roll
+        back (:attr:`max_rollback_tokens`), or, while it reasons, those before the end of the reasoning
+        (:meth:`ConstraintState.before_answer`); all of them once its constraint ended or failed."""
+        state = request.constraint
+        if state is None or not state.live:
+            return proposals
+        if not state.active:
+            return state.before_answer(request.output_token_ids, proposals)
+        return proposals[: self.max_rollback_tokens]
+
     def accept(self, request: Request, token_id: int) -> None:
         """Record a token the request just generated (its matcher takes it on the fill thread, before the next fill)."""
         state = request.constraint

@@ -366,7 +366,9 @@ def test_constrained_rows_verify_no_more_proposals_than_their_matchers_roll_back
     monkeypatch.setattr(scheduler, "schedule", recorded)
     batch = prompts(tokenizer, 4)
     params = [
-        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON if index % 2 else None, ignore_eos=True)
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON)
+        if index % 2
+        else SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         for index in range(len(batch))
     ]
     assert completions(ngram.generate(batch, params)) == completions(plain.generate(batch, params))

@@ -373,3 +373,39 @@ def test_constrained_rows_verify_no_more_proposals_than_their_matchers_roll_back
     ]
     assert completions(ngram.generate(batch, params)) == completions(plain.generate(batch, params))
     assert max(widths["constrained"]) == 1 and max(widths["free"]) == NGRAM["num_speculative_tokens"]
+
+
+def test_a_thinking_model_drafts_through_its_thinking_and_its_answer_keeps_the_constraint(
+    tmp_path_factory, tokenizer_files, one_torch_thread
+):
+    """test_reasoning_serve's thinking model (it writes its reasoning, ``</think>``, then an answer) as its own draft:
+    its proposals run through the thinking, unmasked, and stop at its end, whose next position the constraint masks;
+    the answer is one of the choices, as without speculation, and the thinking's proposals were accepted."""
+    import httpx
+
+    from test_reasoning_serve import REASONING, TEMPLATE, THINKING_OUTPUT, _chain_model, _chat, _server
+
+    folder = _chain_model(tmp_path_factory.mktemp("thinking"), tokenizer_files, TEMPLATE, [THINKING_OUTPUT])
+    choices = ["Rome", "The user"]
+    answers, accepted = [], None
+    for speculative in (None, {"method": "draft", "model": str(folder), "num_speculative_tokens": 3}):
+        server, client = _server(folder, engine={"speculative": speculative} if speculative else {})
+        try:
+            for stream in (False, True):
+                extra = {"structured_outputs": {"choice": choices}}
+                if stream:
+                    chunks = _chat(client, stream=True, temperature=0, extra_body=extra)
+                    answers.append("".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices))
+                    continue
+                message = _chat(client, temperature=0, extra_body=extra).choices[0].message
+                answers.append((message.reasoning_content, message.content))
+            metrics = httpx.get(f"{server.url}/metrics").text
+        finally:
+            server.stop()
+        if speculative is not None:
+            accepted = [
+                line for line in metrics.splitlines() if line.startswith("weft_spec_decode_num_accepted_tokens_total")
+            ]
+    assert answers[0][0] == REASONING and answers[0][1] in choices and answers[1] == answers[0][1]
+    assert answers[2:] == answers[:2]
+    assert accepted and float(accepted[0].split()[-1]) > 0

@@ -129,10 +129,13 @@ def test_settling_keeps_the_accepted_proposals_and_rolls_back_the_rest(backend, 
     }
     proposals = {"partial": text[2:6], "preempted": text[2:5], "ended": [text[-2], text[-1], eos]}
     bitmask = torch.zeros(sum(len(tokens) + 1 for tokens in proposals.values()), words, dtype=torch.int32)
-    advanced = dict(zip(proposals, fill_positions(backend, list(matchers.values()), list(proposals.values()), bitmask)))
+    took = fill_positions(backend, list(matchers.values()), list(proposals.values()), bitmask)
+    advanced = dict(zip(proposals, took, strict=True))
     assert advanced == proposals
     replacement = next(
-        token for token in range(3, 2000) if token != text[4] and walked(backend, compiled, text[:4]).accept_token(token)
+        token
+        for token in range(3, 2000)
+        if token != text[4] and walked(backend, compiled, text[:4]).accept_token(token)
     )
     accepted = [
         ("ended", text[-2]),

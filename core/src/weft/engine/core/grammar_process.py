@@ -437,8 +437,9 @@ def serve(
                 continue
             piped = conn.recv() if kind == _STEP_AFTER_PIPE else None
             try:
-                box[_FAILED], box[_FILLED] = 0, _answer_step(
-                    backend, compiled, matchers, advanced, segment, bitmask, box, piped
+                box[_FAILED], box[_FILLED] = (
+                    0,
+                    _answer_step(backend, compiled, matchers, advanced, segment, bitmask, box, piped),
                 )
             except BaseException:
                 box[_FAILED], box[_FILLED] = 1, 0
@@ -547,9 +548,7 @@ def _accept_reporting(
     :data:`REFUSED`)."""
     mine = [(index, handle, token) for index, (handle, token) in enumerate(accepted) if handle in matchers]
     if advanced:
-        keep, ended = settle(
-            advanced, [(handle, token) for _, handle, token in mine], filling, matchers.__getitem__
-        )
+        keep, ended = settle(advanced, [(handle, token) for _, handle, token in mine], filling, matchers.__getitem__)
         for position, handle in ended:
             reports[mine[position][0]] = ENDED
             del matchers[handle]

@@ -58,8 +58,8 @@ from weft.contracts.structured_output import Vocabulary, bitmask_words
 from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
 from weft.engine.core.grammar_compile import Compiler
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
-from weft.engine.core.grammar_proposals import fill_positions, settle
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
+from weft.engine.core.grammar_proposals import fill_positions, settle
 from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
 from weft.plugins.selection import no_backend_message
@@ -446,9 +446,7 @@ class ThreadFill:
                 continue
             _refused(request_id, state, token_id)
 
-    def _fill(
-        self, candidates: list[tuple[str, ConstraintState]], proposals: dict[str, list[int]]
-    ) -> GrammarOutput:
+    def _fill(self, candidates: list[tuple[str, ConstraintState]], proposals: dict[str, list[int]]) -> GrammarOutput:
         # Still reasoning, or done: it samples freely.
         masked = [(request_id, state) for request_id, state in candidates if state.masks]
         if not masked:

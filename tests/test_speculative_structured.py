@@ -412,3 +412,29 @@ def test_a_thinking_model_drafts_through_its_thinking_and_its_answer_keeps_the_c
     assert answers[0][0] == REASONING and answers[0][1] in choices and answers[1] == answers[0][1]
     assert answers[2:] == answers[:2]
     assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("options", [{}, {"enforce_eager": True, "async_scheduling": False}], ids=["graphs", "eager"])
+def test_a_mixed_batch_is_identical_with_ngram_on_cuda(target, tokenizer_files, options):
+    """The mixed batch on CUDA (the masks staged in pinned memory and added to the verify logits' rows on the
+    device), bf16, with the decode and mask graphs captured or eagerly without asynchronous scheduling."""
+    from transformers import AutoTokenizer
+
+    from weft import LLM
+
+    engine = {**ENGINE, "dtype": "bfloat16", "gpu_memory_utilization": 0.2, "max_model_len": 512, **options}
+    plain = LLM(model=str(target), engine=engine)
+    try:
+        batch, params = mixed_batch(AutoTokenizer.from_pretrained(str(tokenizer_files)), plain)
+        expected = completions(plain.generate(batch, params, use_tqdm=False))
+    finally:
+        plain.close()
+    llm = LLM(model=str(target), engine={**engine, "speculative": NGRAM})
+    try:
+        assert completions(llm.generate(batch, params, use_tqdm=False)) == expected
+        drafted, accepted = spec_counts(llm)
+    finally:
+        llm.close()
+    assert 0 < accepted < drafted

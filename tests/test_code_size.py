@@ -21,24 +21,7 @@ LIMITS = {"file": 600, "class": 300, "function": 80}
 """Kind -> the most lines one may have."""
 
 
-EXCEPTIONS: dict[str, str] = {
-    # Grown past the limits by the stage-three merges of 2026-12-07 (speculative decoding, images, the watchdog);
-    # each is to be split along the concept named, not left whole.
-    "file weft/runner/model_runner.py": "being split: the step handles (_PendingStep, StepTokens, _AwaitingMask) move "
-    "to their own module",
-    "class weft/runner/model_runner.py::ModelRunner": "being split: proposing and verifying (speculative decoding) "
-    "move to runner/speculation.py",
-    "class weft/engine/core/scheduler_state.py::SchedulerState": "being split: the speculative-decoding bookkeeping "
-    "and "
-    "the counters move out of it",
-    "function weft/engine/core/scheduler_state.py::SchedulerState.update_from_output": "being split with its class: "
-    "taking a row's several tokens goes to its own method",
-    "class weft/engine/core/engine_core.py::EngineCore": "3 lines over after the watchdog's hooks; to be split with "
-    "the scheduler interface",
-    "class weft/engine/api/async_engine.py::AsyncEngine": "a line over after the watchdog's heartbeat and the "
-    "constraint worker; its handshake moves to engine/client.py",
-    "class weft/serve/server.py::Server": "14 lines over after image requests; media reading moves to serve/media.py",
-}
+EXCEPTIONS: dict[str, str] = {}
 """``"<kind> <file>[::<qualified name>]"`` -> why it is clearer whole (or where it is being split)."""
 
 

@@ -258,7 +258,8 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     reach the host."""
     import torch
 
-    from weft.runner.model_runner import ModelRunner, _PendingStep
+    from weft.runner.model_runner import ModelRunner
+    from weft.runner.step_handles import PendingStep
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length in (3, 9, 17, 30)]
@@ -302,7 +303,7 @@ def test_async_scheduling_gives_the_same_sampled_tokens_and_logprobs(tiny_model,
     assert [len(tokens) for tokens, _ in results[True]] == [12, 12, 9, 12]
     assert [len(logprobs) for _, logprobs in results[True]] == [12, 12, 0, 0]
     sampled = [handle for handle in handles if any(token is not None for token in handle.result().sampled_token_ids)]
-    assert len(sampled) >= 2 * 12 and all(isinstance(handle, _PendingStep) for handle in sampled)
+    assert len(sampled) >= 2 * 12 and all(isinstance(handle, PendingStep) for handle in sampled)
     assert not any(waits)
     penalized = SamplingParams(
         temperature=0.8,

@@ -32,9 +32,7 @@ WRITERS = {
     ("weft.engine.core.scheduler_state", "SchedulerState.update_from_output"): FIELDS | {APPEND_TOKEN},
     ("weft.engine.core.scheduler_state", "SchedulerState.finish"): frozenset({"status"}),
     # update_from_output's own helper: a row's tokens (several under speculative decoding) through the stop rules.
-    ("weft.engine.core.scheduler_state", "SchedulerState._take_tokens"): frozenset(
-        {APPEND_TOKEN, "status", "stop_reason"}
-    ),
+    ("weft.engine.core.request_output", "take_tokens"): frozenset({APPEND_TOKEN, "status", "stop_reason"}),
     ("weft.engine.core.request", "Request.__init__"): EVERYTHING,
     ("weft.engine.core.request", "Request.append_token"): TOKEN_LISTS,
 }

@@ -9,7 +9,7 @@ metadata: the model reads their :class:`AttentionBatch` from the context.
 
 A request's last token may still be on the device (sampled by the step before, its copy to the host not
 waited for): :func:`known_tokens` leaves a 0 in its place, which the caller's ``fill_unknown`` overwrites from
-the device (:meth:`weft.runner.model_runner.ModelRunner.prepare_inputs`).
+the device (:meth:`weft.runner.forward.BatchForward.prepare_inputs`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class InputBuilder:
 
 def known_tokens(states: list[RequestState], counts: list[int]) -> list[int]:
     """The next ``counts`` token ids of each of ``states``, end to end; 0 for a token still on the device (the last
-    step's, which :meth:`weft.runner.model_runner._PendingStep.fill_unknown` copies in)."""
+    step's, which :meth:`weft.runner.step_handles.PendingStep.fill_unknown` copies in)."""
     token_ids: list[int] = []
     for state, count in zip(states, counts, strict=False):
         start = state.num_computed_tokens

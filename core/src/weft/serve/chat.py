@@ -36,11 +36,11 @@ async def chat_completions(request: Request) -> Response:
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
-    images = await server.load_images(body.messages)
+    images = await server.images.load(body.messages)
     prompt = await server.engine.off_loop(
         server.chat_prompt, body.messages, body.add_generation_prompt, settings, template_kwargs
     )
-    prompt, multimodal = await server.with_images(prompt, images)
+    prompt, multimodal = await server.images.with_images(prompt, images)
     max_tokens = body.max_completion_tokens or body.max_tokens
     server.check_length(prompt, max_tokens)
     top = body.top_logprobs or 0

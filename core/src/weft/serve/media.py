@@ -19,6 +19,9 @@ RGB (transparency composited over white) as a :class:`~weft.contracts.mm_process
 
 Nothing here blocks the event loop: fetching is asynchronous, reading a file and decoding run in a thread
 (``asyncio.to_thread``). This module imports no torch.
+
+:class:`RequestImages` is what the handlers call: a request's images read from its parts, then expanded into its
+prompt by the engine's multimodal processor (a 400 naming the part or the field when that fails).
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ import io
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import unquote, urljoin, urlsplit
 
 import msgspec
 
-from weft.contracts.mm_processor import ImageItem
+from weft.contracts.mm_processor import ImageItem, MultimodalInputs
+from weft.serve.body import HTTPError
+
+if TYPE_CHECKING:
+    from weft.engine.api.async_engine import AsyncEngine
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """Pillow's names of the image formats accepted (a GIF gives its first frame)."""
@@ -270,3 +277,39 @@ class ImageLoader:
             image = Image.alpha_composite(background, rgba)
         rgb = image.convert("RGB")
         return ImageItem(width, height, rgb.tobytes())
+
+
+class RequestImages:
+    """A request's images for ``engine``: loaded within ``limits`` (:class:`ImageLoader`), then expanded into its
+    prompt by the engine's multimodal processor."""
+
+    def __init__(self, engine: AsyncEngine, limits: MediaLimits) -> None:
+        self.engine = engine
+        self.loader = ImageLoader(limits)
+
+    async def load(self, messages: Sequence[Any], field: str = "messages") -> list[ImageItem]:
+        """The images of a request's ``image_url`` / ``input_image`` parts (chat ``messages`` or Responses ``input``
+        items, as msgspec Structs or plain data: :func:`image_parts`), in order, within the ``[server]`` media
+        limits; a 400 naming the part when the model reads no images or an image is unusable."""
+        try:
+            parts = image_parts(msgspec.to_builtins(messages), field)
+            if not parts:
+                return []
+            if self.engine.frontend.mm_processor is None:
+                raise MediaError(parts[0][0], self.engine.frontend.images_refusal)
+            return await self.loader.load_all(parts)
+        except MediaError as error:
+            raise HTTPError(400, str(error), param=error.param) from None
+
+    async def with_images(
+        self, prompt: list[int], images: list[ImageItem], field: str = "messages"
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """The prompt with its image placeholders expanded (the multimodal processor, off the event loop), and what
+        its images carry to the engine; the prompt as it is without images."""
+        if not images:
+            return prompt, None
+        try:
+            processed = await self.engine.off_loop(self.engine.frontend.process_images, prompt, images)
+        except ValueError as error:
+            raise HTTPError(400, f"{field}: {error}", param=field) from None
+        return processed.token_ids, processed.multimodal()

@@ -49,9 +49,9 @@ async def responses(request: Request) -> Response:
     template_kwargs = (
         {"reasoning_effort": body.reasoning.effort} if body.reasoning is not None and body.reasoning.effort else {}
     )
-    images = await server.load_images([] if isinstance(body.input, str) else body.input, "input")
+    images = await server.images.load([] if isinstance(body.input, str) else body.input, "input")
     prompt = await server.engine.off_loop(server.chat_prompt, messages, True, settings, template_kwargs)
-    prompt, multimodal = await server.with_images(prompt, images, "input")
+    prompt, multimodal = await server.images.with_images(prompt, images, "input")
     server.check_length(prompt, body.max_output_tokens)
     extra = {"skip_special_tokens": False} if server.keeps_special_tokens(settings) else {}
     params = server.sampling_params(

@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -24,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from weft.config import WeftConfig
-from weft.contracts.mm_processor import ImageItem, MultimodalInputs
+from weft.contracts.mm_processor import MultimodalInputs
 from weft.contracts.structured_output import StructuredOutputsParams
 from weft.engine.api.async_engine import AsyncEngine, QueueFullError, ShuttingDownError
 from weft.engine.api.streams import Delta, DeltaQueue
@@ -36,7 +35,7 @@ from weft.sampling_params import SamplingParams
 from weft.serve import fields, structured, tools
 from weft.serve import protocol as p
 from weft.serve.body import ClientGone, HTTPError, check_media_type, decode, read_bytes
-from weft.serve.media import ImageLoader, MediaError, image_parts, media_limits
+from weft.serve.media import RequestImages, media_limits
 from weft.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("weft.serve")
@@ -65,7 +64,8 @@ class Server:
             config.use.reasoning_parser,
             architecture,
         )
-        self.image_loader = ImageLoader(media_limits(config.server))
+        self.images = RequestImages(engine, media_limits(config.server))
+        """Reads a request's images and expands them into its prompt."""
         # The structured-output backend's import takes seconds: done now, off the event loop.
         threading.Thread(target=self._import_structured_output_backend, daemon=True).start()
 
@@ -117,33 +117,6 @@ class Server:
                 404, f"model {shown} does not exist; this server serves {self.model_name!r}", "not_found_error", "model"
             )
 
-    async def load_images(self, messages: Sequence[Any], field: str = "messages") -> list[ImageItem]:
-        """The images of a request's ``image_url`` / ``input_image`` parts (chat ``messages`` or Responses ``input``
-        items, as msgspec Structs or plain data: :func:`weft.serve.media.image_parts`), in order, within the
-        ``[server]`` media limits; a 400 naming the part when the model reads no images or an image is unusable."""
-        try:
-            parts = image_parts(msgspec.to_builtins(messages), field)
-            if not parts:
-                return []
-            if self.engine.frontend.mm_processor is None:
-                raise MediaError(parts[0][0], self.engine.frontend.images_refusal)
-            return await self.image_loader.load_all(parts)
-        except MediaError as error:
-            raise HTTPError(400, str(error), param=error.param) from None
-
-    async def with_images(
-        self, prompt: list[int], images: list[ImageItem], field: str = "messages"
-    ) -> tuple[list[int], MultimodalInputs | None]:
-        """The prompt with its image placeholders expanded (the multimodal processor, off the event loop), and what
-        its images carry to the engine; the prompt as it is without images."""
-        if not images:
-            return prompt, None
-        try:
-            processed = await self.engine.off_loop(self.engine.frontend.process_images, prompt, images)
-        except ValueError as error:
-            raise HTTPError(400, f"{field}: {error}", param=field) from None
-        return processed.token_ids, processed.multimodal()
-
     def check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
             raise HTTPError(
@@ -174,7 +147,7 @@ class Server:
         Engine request ids are the HTTP request's id and the choice's index. ``grammar_start``:
         see :meth:`weft.engine.api.frontend.Frontend.core_request`. ``choices_field``: the request field that
         set ``params.n`` (completions' ``best_of`` where it exceeds ``n``), named in errors. ``multimodal``: the
-        images of the one prompt (:meth:`with_images`)."""
+        images of the one prompt (:meth:`RequestImages.with_images <weft.serve.media.RequestImages.with_images>`)."""
         sequences = len(prompts) * params.n
         limit = min(self.config.server.max_sequences_per_request, self.engine.max_queued_requests)
         if sequences > limit:

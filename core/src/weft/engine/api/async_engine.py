@@ -15,7 +15,8 @@ A request ends with an error delta (``error`` and an HTTP status) when the core
 refuses it (400) or fails it (500: non-finite logits, a step that failed twice),
 when it outlives ``request_timeout`` counted from its arrival (408: it is aborted, its KV blocks
 freed), when a drain gives up on it (503), or when the core process dies (503: new
-requests are refused and ``on_core_death`` is called; ``weft serve`` exits non-zero).
+requests are refused and ``on_core_death`` is called; ``weft serve`` exits non-zero). Which requests are
+admitted through a drain: :mod:`weft.engine.api.admission`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from weft.config import WeftConfig
 from weft.contracts.mm_processor import MultimodalInputs
+from weft.engine.api.admission import Admission
 from weft.engine.api.core_health import CoreHealth
 from weft.engine.api.frontend import Frontend
 from weft.engine.api.output_processor import OutputProcessor, RequestOutputState, StepResult
@@ -89,17 +91,14 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._tokenizer_threads = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="weft-tokenizer")
-        self._accepting = True
-        """False once a drain is over, or the engine stops or its core died: nothing is admitted."""
-        self._drain_began: float | None = None
-        """``time.monotonic()`` when a drain began: requests that arrive later are refused."""
+        self.admission = Admission()
+        """Which requests are admitted, through a drain and its end."""
         self._preparing = 0
         """Requests :meth:`submit` is checking on a tokenizer thread: they count as waiting."""
         self.dead = False
         self.health = CoreHealth(config.server.health_stall_timeout)
         self._stopping = False
         self._reader_done = False
-        self._drain_deadline: float | None = None
         self._tasks: list[asyncio.Task] = []
         self.client = ProcessClient(config, startup_timeout)
         self.engine_settings = self.client.engine_settings
@@ -128,7 +127,7 @@ class AsyncEngine:
 
     def _core_died(self) -> None:
         self.dead = True
-        self._accepting = False
+        self.admission.close()
         reason = f": {self.death_reason}" if self.death_reason else ""
         message = (
             f"the engine core process died (exit code {self.client.exitcode}){reason}; the server is shutting down"
@@ -151,11 +150,7 @@ class AsyncEngine:
     def refusal(self, arrival: float) -> str | None:
         """Why a request that arrived at ``arrival`` (``time.monotonic()``) may not be submitted now, or None:
         the core died, the engine stopped, or a drain began before the request arrived."""
-        if self.dead:
-            return "the engine core process died"
-        if not self._accepting or (self._drain_began is not None and arrival >= self._drain_began):
-            return "the server is shutting down"
-        return None
+        return self.admission.refusal(arrival, self.dead)
 
     async def submit(
         self,
@@ -259,15 +254,14 @@ class AsyncEngine:
         """Refuse requests that arrive from now on, wait up to ``timeout`` seconds (less if :meth:`hurry` is
         called) for the running ones and while ``busy()`` (the server's requests not yet submitted), end the
         rest with a 503 error delta; then refuse every request."""
-        if self._drain_began is None:
-            self._drain_began = time.monotonic()
-        self._drain_deadline = time.monotonic() + timeout
-        while (self.outputs.requests or busy()) and time.monotonic() < self._drain_deadline and not self.dead:
+        self.admission.begin_drain(timeout)
+        while (self.outputs.requests or busy()) and self.admission.draining() and not self.dead:
             await asyncio.sleep(0.05)
-        self._accepting = False
+        self.admission.close()
         remaining = list(self.outputs.requests)
         if remaining:
-            waited = time.monotonic() - self._drain_began  # a second Ctrl-C ends the wait early: the true time
+            assert self.admission.drain_began is not None
+            waited = time.monotonic() - self.admission.drain_began  # a second Ctrl-C ends the wait early: the true time
             logger.warning("shutdown: %d requests still running after %.1f s; ending them", len(remaining), waited)
             self._end_with_error(remaining, "the server is shutting down", 503, "shutdown")
             if not self.dead:
@@ -275,7 +269,7 @@ class AsyncEngine:
 
     def hurry(self) -> None:
         """End a drain in progress now (a second Ctrl-C)."""
-        self._drain_deadline = time.monotonic()
+        self.admission.hurry()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the core process: it finishes its step (and its KV connector's saves) within ``timeout``
@@ -286,7 +280,7 @@ class AsyncEngine:
         if timeout is None:
             timeout = 1.0 if no_connector else 60.0
         self._stopping = True
-        self._accepting = False
+        self.admission.close()
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
         for task in self._tasks:
             task.cancel()

@@ -30,6 +30,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from weft.contracts.mm_processor import MultimodalInputs
+    from weft.engine.core.request import Request
 
 
 class EncoderCacheStats(msgspec.Struct):
@@ -118,6 +119,23 @@ class EncoderCache:
             self._reference(item.hash, request_id)
             to_encode.append(index)
         return end - start, to_encode
+
+    def plan_step(self, scheduled: dict[str, tuple[Request, int]], planned: dict[str, int]) -> dict[str, list[int]]:
+        """The items each scheduled request with images needs encoded in this step (:meth:`plan`; ``scheduled``: each
+        request and its token count, ``planned``: where its step starts); a request whose next item does not fit
+        the cache computes only up to it (its count cut in ``scheduled``), or is left out of the step."""
+        encoder_inputs: dict[str, list[int]] = {}
+        for request_id, (request, count) in list(scheduled.items()):
+            if request.multimodal is None:
+                continue
+            fits, to_encode = self.plan(request_id, request.multimodal, planned[request_id], count)
+            if fits == 0:
+                del scheduled[request_id]
+            elif fits < count:
+                scheduled[request_id] = (request, fits)
+            if to_encode and fits:
+                encoder_inputs[request_id] = to_encode
+        return encoder_inputs
 
     def release(self, request_id: str) -> None:
         """The request ended or was preempted: it needs none of its entries (they stay held, idle)."""

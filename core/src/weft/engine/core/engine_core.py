@@ -132,16 +132,7 @@ class EngineCore:
             raise ValueError("the prompt is empty; give at least one token")
         if not self.has_work:  # a failure before the core went idle is not this request's
             self._retries.failed_steps = 0
-        core_request = Request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            request.max_tokens,
-            frozenset(request.eos_token_ids),
-            kv_transfer_params=request.kv_transfer_params,
-            multimodal=request.multimodal,
-        )
-        self.scheduler.add(core_request, request.grammar_start)
+        self.scheduler.add(Request.from_core_request(request), request.grammar_start)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from weft.contracts.executor import TokenLogprobs
     from weft.contracts.mm_processor import MultimodalInputs
     from weft.engine.core.constraint_state import ConstraintState
+    from weft.engine.messages import EngineCoreRequest
     from weft.sampling_params import SamplingParams
 
 
@@ -104,6 +105,19 @@ class Request:
         )
         """Its placeholder ranges as prefix-cache block items (:func:`weft.engine.core.kv_cache_manager.block_hashes`):
         each range keyed by its item's hash and the item row it starts at."""
+
+    @classmethod
+    def from_core_request(cls, request: EngineCoreRequest) -> Request:
+        """The core's state of a request the API sent (tokenized, its limits resolved)."""
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.max_tokens,
+            frozenset(request.eos_token_ids),
+            kv_transfer_params=request.kv_transfer_params,
+            multimodal=request.multimodal,
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -126,7 +126,7 @@ class Scheduler(SchedulerState):
             if extra > 0 and self.kv_cache.allocate_slots(request.request_id, planned + count + extra):
                 plan.scheduled[request.request_id] = (request, count + extra)
                 plan.budget -= extra
-        encoder_inputs = self._plan_encoders(plan.scheduled)
+        encoder_inputs = self.encoder_cache.plan_step(plan.scheduled, self._planned)
         output = self._build_output(list(plan.scheduled.values()), plan.proposals)
         output.encoder_inputs, output.freed_encoder_hashes = encoder_inputs, self.encoder_cache.take_freed()
         return output

@@ -4,8 +4,10 @@
 requests, their queues (waiting, running, receiving their KV), per request the tokens planned and the
 output placeholders of steps in flight, and what the workers hold (:mod:`weft.engine.core.steps_in_flight`).
 It applies a step's results (:meth:`SchedulerState.update_from_output`: sampled tokens, stop rules, freed
-blocks, the KV connector's report) and ends the requests the API asks to end (:meth:`SchedulerState.finish`),
-and answers the engine core's questions (finished and refused requests, whether nothing can run, gauges).
+blocks, the KV connector's report; a row's tokens go through the stop rules in
+:mod:`weft.engine.core.request_output`) and ends the requests the API asks to end (:meth:`SchedulerState.finish`),
+and answers the engine core's questions (finished and refused requests, whether nothing can run, gauges and
+the counters of :mod:`weft.engine.core.counters`).
 It owns the structured-output manager's lifetime: constraints start compiling when a request is added,
 their fill restarts after a failure, and it is closed with the scheduler.
 """
@@ -14,46 +16,26 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from weft.contracts.executor import GrammarOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from weft.contracts.executor import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from weft.engine.core.counters import SpecDecodeCounts, compile_counters, connector_counters
 from weft.engine.core.encoder_cache import EncoderCache
 from weft.engine.core.kv_cache_manager import KVCacheManager
 from weft.engine.core.request import Request, RequestStatus
+from weft.engine.core.request_output import add_prompt_logprobs, take_tokens
 from weft.engine.core.steps_in_flight import StepsInFlight
 from weft.engine.messages import CoreStats, EngineCoreOutput
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.engine.core.kv_connector import ConnectorStats, SchedulerConnector
+    from weft.engine.core.kv_connector import SchedulerConnector
     from weft.engine.core.structured_output import StructuredOutputManager
     from weft.engine.messages import GrammarStart
 
 logger = logging.getLogger("weft.engine")
-
-
-class SpecDecodeCounts:
-    """Speculative decoding's running totals, under vLLM's metric names (``spec_decode_num_drafts`` ...)."""
-
-    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
-
-    def __init__(self, k: int) -> None:
-        self.drafts = 0
-        """Verified rows that had at least one proposal."""
-        self.draft_tokens = 0
-        """Proposals verified."""
-        self.accepted_tokens = 0
-        """Proposals accepted."""
-        self.accepted_per_position = [0] * k
-        """Rows whose proposal ``j`` was accepted, by ``j``."""
-
-    def verified(self, proposed: int, accepted: int) -> None:
-        self.drafts += 1
-        self.draft_tokens += proposed
-        self.accepted_tokens += accepted
-        for position in range(accepted):
-            self.accepted_per_position[position] += 1
 
 
 class SchedulerState:
@@ -178,37 +160,13 @@ class SchedulerState:
             prefix_cache_hit_tokens=manager.stats.hit_tokens,
             encoder_cache_queries=self.encoder_cache.stats.queries,
             encoder_cache_hits=self.encoder_cache.stats.hits,
-            **(self._connector_counters(connector.stats) if connector is not None else {}),
+            **(connector_counters(connector.stats) if connector is not None else {}),
             connector_metrics=connector.metric_totals if connector is not None else {},
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
-            spec_decode_num_drafts=self.spec.drafts,
-            spec_decode_num_draft_tokens=self.spec.draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec.accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_position),
-            **self._compile_counters(),
+            **self.spec.counters(),
+            **compile_counters(self.structured_outputs),
         )
-
-    def _compile_counters(self) -> dict[str, int]:
-        compiler = self.structured_outputs.compiler if self.structured_outputs is not None else None
-        if compiler is None:
-            return {}
-        return {
-            "structured_output_compile_timeouts": compiler.timeouts,
-            "structured_output_cache_bytes": compiler.cached_bytes,
-        }
-
-    @staticmethod
-    def _connector_counters(stats: ConnectorStats) -> dict[str, int]:
-        return {
-            "connector_query_tokens": stats.query_tokens,
-            "connector_hit_tokens": stats.hit_tokens,
-            "connector_failed_load_tokens": stats.failed_load_tokens,
-            "kv_transfers_sent": stats.transfers_sent,
-            "kv_transfers_arrived": stats.transfers_arrived,
-            "kv_transfers_failed": stats.transfers_failed,
-            "kv_load_timeouts": stats.load_timeouts,
-        }
 
     @property
     def queue_lengths(self) -> tuple[int, int]:
@@ -269,102 +227,45 @@ class SchedulerState:
                 self.spec.verified(proposed, len(more) if token is not None else 0)
                 self._planned[request_id] -= proposed - (len(more) if token is not None else 0)
             request.num_computed_tokens = row.start + output.num_scheduled_tokens[request_id] - proposed + len(more)
-            if request_id in sampled.failed:
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id,
-                        [],
-                        finish_reason=RequestStatus.FINISHED_ERROR.value,
-                        error=sampled.failed[request_id],
-                    )
-                )
-                self.finish(request_id, RequestStatus.FINISHED_ERROR)
-                continue
-            if request_id in sampled.prompt_logprobs:
-                self._add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
-            if token is None:
-                known = min(request.num_computed_tokens, request.num_tokens)
-                self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
-                continue
-            taken = self._take_tokens(request, [token, *more], sampled, request_id)
-            # Blocks are cached over the tokens kept only (a stop inside an accepted run drops the rest).
-            known = min(request.num_computed_tokens, request.num_tokens)
-            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
-            outputs.append(taken)
-            if request.finished:
-                self._free(request)
-            elif sampled.spec_token_ids and self.speculates(request):
-                request.spec_token_ids = sampled.spec_token_ids.get(request_id, [])
+            taken = self._take_row(request, token, more, sampled)
+            if taken is not None:
+                outputs.append(taken)
         if connector is not None and report is not None:
             for request_id in connector.update(report):
                 self.kv_cache.free(request_id)
         return outputs
 
-    def _take_tokens(
-        self, request: Request, tokens: list[int], sampled: ModelRunnerOutput, request_id: str
-    ) -> EngineCoreOutput:
-        """Append the step's ``tokens`` to ``request`` one by one under the stop rules (a run of accepted proposals
-        stops where plain decoding would: the tokens after the stop are dropped); what the caller gets of them."""
-        logprobs = sampled.logprobs.get(request_id)
-        all_logprobs = None
-        if logprobs is not None:
-            all_logprobs = [logprobs, *(sampled.more_logprobs.get(request_id, ()) if sampled.more_logprobs else ())]
-        kept = 0
-        for token in tokens:
-            request.append_token(token)
-            kept += 1
-            if request.constraint is not None:
-                self.structured_outputs.accept(request, token)  # type: ignore[union-attr]
-            request.status, request.stop_reason = self._stop(request, token)
-            if request.finished:
-                break
-        output = self._token_output(request, tokens[:kept], all_logprobs[:kept] if all_logprobs else None)
-        return output
-
-    def _plan_encoders(self, scheduled: dict[str, tuple[Request, int]]) -> dict[str, list[int]]:
-        """The items each scheduled request with images needs encoded in this step (the encoder cache decides); a
-        request whose next item does not fit the cache computes only up to it, or is left out of the step."""
-        encoder_inputs: dict[str, list[int]] = {}
-        for request_id, (request, count) in list(scheduled.items()):
-            if request.multimodal is None:
-                continue
-            fits, to_encode = self.encoder_cache.plan(request_id, request.multimodal, self._planned[request_id], count)
-            if fits == 0:
-                del scheduled[request_id]
-            elif fits < count:
-                scheduled[request_id] = (request, fits)
-            if to_encode and fits:
-                encoder_inputs[request_id] = to_encode
-        return encoder_inputs
-
-    @staticmethod
-    def _token_output(request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
-        """What the caller gets of the token ``request`` just took (and of its end, when it ended): with its
-        logprobs, and the prompt's logprobs with its first token."""
-        first = len(request.output_token_ids) == len(tokens)
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-        return EngineCoreOutput(
-            request.request_id,
-            tokens,
-            logprobs,
-            request.finish_reason,
-            request.stop_reason,
-            request.num_cached_tokens,
-            queued_seconds=request.first_scheduled_time - request.arrival_time if first else None,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    @staticmethod
-    def _add_prompt_logprobs(request: Request, position: int, entries: list[TokenLogprobs]) -> None:
-        """Keep the logprobs of prompt tokens not seen yet (a recomputation after a preemption repeats some)."""
-        have = request.prompt_logprobs
-        if have is None or request.prompt_logprobs_sent:
-            return
-        skip = len(have) + 1 - position  # the first entry scores prompt token ``position``; token 0 has none
-        if skip >= 0:
-            have.extend(entries[skip:])
+    def _take_row(
+        self, request: Request, token: int | None, more: Sequence[int], sampled: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """Take a row's tokens (``token``, then the proposals it accepted: ``more``) into ``request`` through the stop
+        rules, or end it where its sampling failed; what the caller gets (None: a prefill chunk's row, nothing)."""
+        request_id = request.request_id
+        if request_id in sampled.failed:
+            failed = EngineCoreOutput(
+                request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value, error=sampled.failed[request_id]
+            )
+            self.finish(request_id, RequestStatus.FINISHED_ERROR)
+            return failed
+        if request_id in sampled.prompt_logprobs:
+            add_prompt_logprobs(request, *sampled.prompt_logprobs[request_id])
+        if token is None:
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
+            return None
+        first_logprobs, all_logprobs = sampled.logprobs.get(request_id), None
+        if first_logprobs is not None:
+            more_logprobs = sampled.more_logprobs.get(request_id, ()) if sampled.more_logprobs else ()
+            all_logprobs = [first_logprobs, *more_logprobs]
+        taken = take_tokens(request, [token, *more], all_logprobs, self.structured_outputs, self.max_model_len)
+        # Blocks are cached over the tokens kept only (a stop inside an accepted run drops the rest).
+        known = min(request.num_computed_tokens, request.num_tokens)
+        self.kv_cache.cache_blocks(request_id, request.all_token_ids, known, request.block_items)
+        if request.finished:
+            self._free(request)
+        elif sampled.spec_token_ids and self.speculates(request):
+            request.spec_token_ids = sampled.spec_token_ids.get(request_id, [])
+        return taken
 
     def restart_structured_outputs(self) -> None:
         """After a failed step: fill processes of which one died are started again (the matchers of the requests
@@ -385,20 +286,6 @@ class SchedulerState:
             self.connector.close()
         if self.structured_outputs is not None:
             self.structured_outputs.close()
-
-    def _stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
-        """How ``request`` ends with ``token_id``, just appended, and the stop token id that ended it
-        (``(None, None)``: it goes on)."""
-        params = request.params
-        generated = len(request.output_token_ids)
-        if generated >= params.min_tokens:
-            if token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
-        if generated >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """End a request (an abort, a stop string the API found) and free its blocks; safe in any state.

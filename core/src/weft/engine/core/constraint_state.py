@@ -81,6 +81,16 @@ class ConstraintState:
         if isinstance(self.matcher, RemoteMatcher):
             self.matcher.release()
 
+    def verifiable(self, output_token_ids: list[int], proposals: list[int], most: int) -> list[int]:
+        """The speculative proposals (to follow ``output_token_ids``) the request may verify in one step: ``most`` at
+        most (what its matcher can roll back), or, while it reasons, those before the end of the reasoning
+        (:meth:`before_answer`); all of them once its constraint ended or failed."""
+        if not self.live:
+            return proposals
+        if not self.active:
+            return self.before_answer(output_token_ids, proposals)
+        return proposals[:most]
+
     def before_answer(self, output_token_ids: list[int], proposals: list[int]) -> list[int]:
         """While the model reasons (not :attr:`active` yet): ``proposals`` (to follow ``output_token_ids``) cut before
         the one that would end the reasoning, whose next position would need the constraint's first mask (the step's

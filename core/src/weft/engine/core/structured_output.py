@@ -109,12 +109,6 @@ class StructuredOutputManager:
         """When :meth:`ready` first saw the fill processes' start fail (None: it did not, or a new start runs)."""
 
     @property
-    def max_rollback_tokens(self) -> int:
-        """The most proposals a constrained request may verify in one step: what the backend's matchers can roll
-        back (known once the first constraint arrived)."""
-        return self._backend_class.max_rollback_tokens
-
-    @property
     def fills_in_process(self) -> bool:
         """Whether the matchers live in the fill process (known once the first constraint arrived)."""
         return self._process is not None
@@ -175,15 +169,10 @@ class StructuredOutputManager:
             self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
 
     def verifiable(self, request: Request, proposals: list[int]) -> list[int]:
-        """The speculative proposals a constrained request may verify in its next step: what its matcher can roll
-        back (:attr:`max_rollback_tokens`), or, while it reasons, those before the end of the reasoning
-        (:meth:`ConstraintState.before_answer`); all of them once its constraint ended or failed."""
-        state = request.constraint
-        if state is None or not state.live:
-            return proposals
-        if not state.active:
-            return state.before_answer(request.output_token_ids, proposals)
-        return proposals[: self.max_rollback_tokens]
+        """The speculative proposals a constrained request may verify in its next step: at most what the backend's
+        matchers roll back (:meth:`ConstraintState.verifiable`)."""
+        most = self._backend_class.max_rollback_tokens
+        return request.constraint.verifiable(request.output_token_ids, proposals, most)  # type: ignore[union-attr]
 
     def accept(self, request: Request, token_id: int) -> None:
         """Record a token the request just generated (its matcher takes it on the fill thread, before the next fill)."""

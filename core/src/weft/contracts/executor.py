@@ -128,7 +128,9 @@ class GrammarOutput(msgspec.Struct, array_like=True):
     request_ids: list[str]
     """The masked requests, a subset of the step's ``structured_output_request_ids``; the others sample freely."""
     bitmask: bytes
-    """int32 rows, one per request in ``request_ids``, native byte order, row-major."""
+    """int32 rows, native byte order, row-major: for each request in ``request_ids`` in order, one per position it
+    samples at (a request verifying speculative proposals, ``SchedulerOutput.spec_token_ids``, has a row per
+    proposal, then its own: row ``j`` masks the token after its ``j`` first proposals)."""
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -90,8 +90,6 @@ class Speculation:
         ids, limits = [], []
         for result in verified:
             state = requests[result.request_id]
-            if state.params.structured_outputs is not None:
-                continue  # a constrained request decodes one token per step
             left = k
             if state.params.max_tokens is not None:
                 left = min(k, state.params.max_tokens - len(state.token_ids) + state.num_prompt_tokens - 1)

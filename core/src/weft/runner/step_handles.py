@@ -175,11 +175,12 @@ class AwaitingMask:
         for the op under pipeline stages, whose last stage shares what it sampled)."""
         sampled = None
         if grammar.request_ids and self.logits is not None:
-            row_of, first = {}, 0
-            for row in self.sampling:  # each sampling row's first logits row (constrained rows propose nothing)
-                row_of[self.states[row].request_id] = first
-                first += len(self.proposals.get(row, ())) + 1
-            rows = [row_of[request_id] for request_id in grammar.request_ids]
+            rows_of, first = {}, 0
+            for row in self.sampling:  # each sampling row's logits rows: one per proposal it verifies, then its own
+                width = len(self.proposals.get(row, ())) + 1
+                rows_of[self.states[row].request_id] = range(first, first + width)
+                first += width
+            rows = [index for request_id in grammar.request_ids for index in rows_of[request_id]]
             if (
                 not self.proposals
                 and bitmask_argmax is not None

@@ -32,6 +32,7 @@ class ConstraintState:
         "start",
         "failed",
         "terminated",
+        "__weakref__",
     )
 
     def __init__(
@@ -79,6 +80,31 @@ class ConstraintState:
         self.compiled_now()
         if isinstance(self.matcher, RemoteMatcher):
             self.matcher.release()
+
+    def verifiable(self, output_token_ids: list[int], proposals: list[int], most: int) -> list[int]:
+        """The speculative proposals (to follow ``output_token_ids``) the request may verify in one step: ``most`` at
+        most (what its matcher can roll back), or, while it reasons, those before the end of the reasoning
+        (:meth:`before_answer`); all of them once its constraint ended or failed."""
+        if not self.live:
+            return proposals
+        if not self.active:
+            return self.before_answer(output_token_ids, proposals)
+        return proposals[:most]
+
+    def before_answer(self, output_token_ids: list[int], proposals: list[int]) -> list[int]:
+        """While the model reasons (not :attr:`active` yet): ``proposals`` (to follow ``output_token_ids``) cut before
+        the one that would end the reasoning, whose next position would need the constraint's first mask (the step's
+        own token may still end it: the next step is constrained)."""
+        end = self.starts_after
+        if not end:
+            return proposals
+        tokens = [*output_token_ids[-len(end) :], *proposals]
+        before = len(tokens) - len(proposals)
+        for index in range(len(proposals)):
+            stop = before + index + 1  # the window of tokens ending with proposal ``index``
+            if stop >= len(end) and tuple(tokens[stop - len(end) : stop]) == end:
+                return proposals[:index]
+        return proposals
 
     @property
     def masks(self) -> bool:

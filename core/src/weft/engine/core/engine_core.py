@@ -272,7 +272,7 @@ class EngineCore:
         return self._apply(output, handle)
 
     def _grammar_output(self, output: SchedulerOutput) -> Future[GrammarOutput]:
-        return self.scheduler.grammar_output(output.structured_output_request_ids)
+        return self.scheduler.grammar_output(output.structured_output_request_ids, output.spec_token_ids)
 
     def take_refused(self) -> dict[str, str]:
         """Requests the scheduler ended because they cannot run, with the reason, since the last call."""

@@ -34,7 +34,7 @@ class StepReply:
 
     def __init__(self, filled: list[int], ended: list[int], refused: list[tuple[int, int]]) -> None:
         self.filled = filled
-        """Handles whose bitmask row was filled, row ``i`` for ``filled[i]``."""
+        """Handles whose bitmask rows were filled, in the order of the rows (one per position each verifies)."""
         self.ended = ended
         """Handles whose matcher terminated on a token of this step."""
         self.refused = refused
@@ -69,12 +69,17 @@ class FillGroup:
         """The children's shared step data, one segment it owns and unlinks: child ``i`` fills from
         ``self._offsets[i]``."""
         self._offsets: list[int] = [0] * processes
+        """Each child's first row of the last step."""
         self._asked: list[int] = [0] * processes
-        """Rows the last step asked of each child."""
+        """Handles the last step asked each child to fill."""
+        self._asked_rows: list[int] = [0] * processes
+        """Rows those handles fill (one per position each verifies)."""
         self._filled: list[int] = []
         """Rows the last step filled, per child (:meth:`rows` reads them in child order)."""
         self._order: list[int] = []
         """The last step's handles to fill, child after child."""
+        self._widths: dict[int, int] = {}
+        """The proposals each handle of the last step verifies (absent: none)."""
         self._tokens = 0
         """Tokens the last step sent."""
         try:
@@ -121,50 +126,69 @@ class FillGroup:
             child.forget(key)
 
     def step(
-        self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]
+        self,
+        matchers: list[tuple[int, int, bytes]],
+        accepted: list[tuple[int, int]],
+        fill: list[int],
+        proposals: list[list[int]] | None = None,
     ) -> StepReply:
-        self.send_step(matchers, accepted, fill)
+        self.send_step(matchers, accepted, fill, proposals)
         return self.receive_step()
 
     def send_step(
-        self, matchers: list[tuple[int, int, bytes]], accepted: list[tuple[int, int]], fill: list[int]
+        self,
+        matchers: list[tuple[int, int, bytes]],
+        accepted: list[tuple[int, int]],
+        fill: list[int],
+        proposals: list[list[int]] | None = None,
     ) -> None:
         """One step to every child: ``matchers`` made since the last step, each to its child; ``accepted``: ``(handle,
-        token)`` in generation order, for the matchers to take; ``fill``: handles whose row to fill if their matcher is
-        still live after accepting. A dropped matcher's tokens and rows are left out (its child no longer holds it)."""
+        token)`` in generation order, for the matchers to take; ``fill``: handles whose rows to fill if their matcher
+        is still live after accepting, ``proposals[i]`` the speculative proposals ``fill[i]`` verifies (a row per
+        position, :func:`~weft.engine.core.grammar_proposals.fill_positions`; None: none). A dropped matcher's tokens
+        and rows are left out (its child no longer holds it)."""
         owner = self._owner
         count = len(self.children)
         made: list[list[tuple[int, int, bytes]]] = [[] for _ in range(count)]
         for item in matchers:
             if (child := owner.get(item[0])) is not None:
                 made[child].append(item)
+        proposed = dict(zip(fill, proposals, strict=True)) if proposals is not None else {}
         if count == 1:
-            order = [handle for handle in fill if handle in owner]
-            asked = [len(order)]
+            parts = [[handle for handle in fill if handle in owner]]
         else:
-            parts: list[list[int]] = [[] for _ in range(count)]
+            parts = [[] for _ in range(count)]
             for handle in fill:
                 if (child := owner.get(handle)) is not None:
                     parts[child].append(handle)
-            order = [handle for part in parts for handle in part]
-            asked = [len(part) for part in parts]
+        order = [handle for part in parts for handle in part]
+        asked = [len(part) for part in parts]
+        widths = [len(proposed.get(handle, ())) for handle in order]
+        asked_rows = [len(part) + sum(len(proposed.get(handle, ())) for handle in part) for part in parts]
+        rows = sum(asked_rows)
         for child in self.children:  # every earlier answer read before any child gets this step
             child.drain()
         segment = self._segment
-        if segment is None or len(order) > segment.capacity[0] or len(accepted) > segment.capacity[1]:
-            segment = self._grow(len(order), len(accepted))
+        if segment is None or rows > segment.capacity[0] or len(accepted) > segment.capacity[1]:
+            segment = self._grow(rows, len(accepted))
         tokens = len(accepted)
         if tokens:
             segment.accepted[:tokens] = accepted
             segment.reports[:tokens] = 0
         if order:
             segment.fill[: len(order)] = order
-        self._order, self._tokens, self._asked = order, tokens, asked
-        offset = 0
-        for index, (child, rows) in enumerate(zip(self.children, asked, strict=True)):
-            self._offsets[index] = offset
-            child.send_step(made[index], tokens, offset, rows)
-            offset += rows
+            segment.widths[: len(order)] = widths
+            flat = [token for handle in order for token in proposed.get(handle, ())]
+            segment.proposals[: len(flat)] = flat
+        self._order, self._tokens, self._asked, self._asked_rows = order, tokens, asked, asked_rows
+        self._widths = {handle: width for handle, width in zip(order, widths, strict=True) if width}
+        start = row = proposal = 0
+        for index, (child, handles, child_rows) in enumerate(zip(self.children, asked, asked_rows, strict=True)):
+            self._offsets[index] = row
+            child.send_step(made[index], tokens, start, handles, row, child_rows, proposal)
+            proposal += sum(widths[start : start + handles])
+            start += handles
+            row += child_rows
 
     def _grow(self, rows: int, tokens: int) -> StepSegment:
         """A segment of at least ``rows`` rows and ``tokens`` tokens shared by every child (the old one freed once
@@ -209,20 +233,19 @@ class FillGroup:
         ended, refused = self._reports()
         if error is not None:
             raise FillFailed(str(error), StepReply([], ended, refused)) from error
-        self._filled = counts
         if counts == self._asked:
+            self._filled = list(self._asked_rows)
             return StepReply(self._order, ended, refused)
         assert self._segment is not None
         filled = self._segment.filled
-        return StepReply(
-            [
-                handle
-                for offset, count in zip(self._offsets, counts, strict=True)
-                for handle in filled[offset : offset + count].tolist()
-            ],
-            ended,
-            refused,
-        )
+        handles: list[int] = []
+        start = 0
+        for index, (asked, count) in enumerate(zip(self._asked, counts, strict=True)):
+            mine = filled[start : start + count].tolist()
+            self._filled[index] = count + sum(self._widths.get(handle, 0) for handle in mine)
+            handles += mine
+            start += asked
+        return StepReply(handles, ended, refused)
 
     def _reports(self) -> tuple[list[int], list[tuple[int, int]]]:
         """The last step's ended matchers and refused tokens, in the order of its tokens."""
@@ -244,11 +267,12 @@ class FillGroup:
         return ended, refused
 
     def rows(self, count: int) -> bytes:
-        """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order): one copy
-        where every child filled the rows it was asked for, as they lie together in the shared segment."""
+        """The first ``count`` rows the last step filled, child after child (:meth:`receive_step`'s order, a row per
+        position of each handle): one copy where every child filled the rows it was asked for, as they lie together in
+        the shared segment."""
         assert self._segment is not None
         rows = self._segment.rows
-        if self._filled == self._asked:
+        if self._filled == self._asked_rows:
             return rows[:count].tobytes()
         parts = []
         for offset, filled in zip(self._offsets, self._filled, strict=True):

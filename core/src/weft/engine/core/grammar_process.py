@@ -9,7 +9,8 @@ invalid ones fail as before) and sends each compiled constraint to the child onc
 A step is sent by the core's thread as soon as the step's tokens were accepted, and its answer read when the
 core needs the mask (no thread hands it on: a thread waiting for the GIL while the core launches the
 forward would hold the message back). The step's data lies in one shared segment (:class:`StepSegment`): the
-tokens to accept in order, the matchers whose rows to fill, and the rows themselves, which the core grows (a new
+tokens to accept in order, the matchers whose rows to fill with the speculative proposals each verifies (a row per
+position, :mod:`weft.engine.core.grammar_proposals`), and the rows themselves, which the core grows (a new
 segment) when a step needs more room. Each child has a small shared box of its own (where its part of the step
 is, what it filled, whether it failed) and two semaphores: the core posts ``go`` once the step is written, the
 child posts ``done`` once it has answered in the box and the segment. A step's hot path therefore pickles
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
 
+from weft.engine.core.grammar_proposals import fill_positions, settle
 from weft.host import usable_cpus
 
 if TYPE_CHECKING:
@@ -76,7 +78,7 @@ PARENT_CHECK_SECONDS = 1.0
 """While a child waits for the next message, how often it checks that the core still runs."""
 
 # A child's box: int64 words.
-_KIND, _START, _COUNT, _ACCEPTED, _FAILED, _FILLED = range(6)
+_KIND, _START, _COUNT, _ACCEPTED, _FAILED, _FILLED, _ROW, _PROPOSAL = range(8)
 _BOX_WORDS = 8
 # What ``go`` announces (_KIND).
 _PIPE, _STEP, _STEP_AFTER_PIPE = 1, 2, 3
@@ -112,8 +114,10 @@ def wait_for(semaphore: Any, spin: float, every: float, check: Callable[[], None
 
 class StepSegment:
     """One step's shared data: the tokens to accept (``accepted``, ``[tokens, 2]``: handle, token) and their reports
-    (``reports``: 0, ended, refused), the handles whose rows to fill (``fill``) and those a child filled
-    (``filled``), then the rows (``rows``, ``[rows, words]`` int32). Views of ``memory``; the core owns it."""
+    (``reports``: 0, ended, refused), the handles whose rows to fill (``fill``), how many proposals each verifies
+    (``widths``; the proposals end to end in ``proposals``) and the handles a child filled (``filled``), then the rows
+    (``rows``, ``[rows, words]`` int32; a handle fills one per proposal and one more). Handles and proposals are never
+    more than the rows. Views of ``memory``; the core owns it."""
 
     def __init__(self, memory: shared_memory.SharedMemory, rows: int, tokens: int, words: int) -> None:
         self.memory = memory
@@ -132,14 +136,17 @@ class StepSegment:
         self.reports = take((tokens,), numpy.int64)
         self.fill = take((rows,), numpy.int64)
         self.filled = take((rows,), numpy.int64)
+        self.widths = take((rows,), numpy.int64)
+        self.proposals = take((rows,), numpy.int64)
 
     @staticmethod
     def size(rows: int, tokens: int, words: int) -> int:
-        return rows * words * 4 + tokens * 3 * 8 + rows * 2 * 8
+        return rows * words * 4 + tokens * 3 * 8 + rows * 4 * 8
 
     def release(self) -> None:
         """Drop the views, so the memory can close."""
         self.rows = self.accepted = self.reports = self.fill = self.filled = None  # type: ignore[assignment]
+        self.widths = self.proposals = None  # type: ignore[assignment]
 
 
 class FillProcess:
@@ -240,15 +247,27 @@ class FillProcess:
             self._sent.discard(key)
             self._forgotten.append(key)
 
-    def send_step(self, matchers: list[tuple[int, int, bytes]], tokens: int, start: int, count: int) -> None:
+    def send_step(
+        self,
+        matchers: list[tuple[int, int, bytes]],
+        tokens: int,
+        start: int,
+        count: int,
+        row: int | None = None,
+        rows: int | None = None,
+        proposal: int = 0,
+    ) -> None:
         """Start the child on the step its group wrote in the shared segment: accept its first ``tokens`` tokens (those
         of the matchers it holds, in order), then fill the rows of the live ones among the handles at
-        ``start:start + count`` of the segment's fill list, from row ``start`` on. ``matchers``: ``(handle, key,
-        compiled)`` made since the last step (``compiled`` is sent only for keys the child lacks). The answer:
+        ``start:start + count`` of the segment's fill list, from row ``row`` on (default ``start``; ``rows`` of them
+        at most, default ``count``), their proposals from ``proposal`` on in the segment's. ``matchers``: ``(handle,
+        key, compiled)`` made since the last step (``compiled`` is sent only for keys the child lacks). The answer:
         :meth:`receive_step` (one left unread is read and dropped before the next message)."""
         self.drain()
-        if start + count > self._rows:
-            raise ValueError(f"rows {start}..{start + count} do not fit the {self._rows} rows shared with this child")
+        row = start if row is None else row
+        rows = count if rows is None else rows
+        if row + rows > self._rows:
+            raise ValueError(f"rows {row}..{row + rows} do not fit the {self._rows} rows shared with this child")
         made = []
         for handle, key, compiled in matchers:
             made.append((handle, key, None if key in self._sent else compiled))
@@ -257,11 +276,13 @@ class FillProcess:
         forgotten, self._forgotten = self._forgotten, []
         piped = bool(made or dropped or forgotten)
         box = self._box
-        box[_KIND], box[_START], box[_COUNT], box[_ACCEPTED] = (
+        box[_KIND], box[_START], box[_COUNT], box[_ACCEPTED], box[_ROW], box[_PROPOSAL] = (
             _STEP_AFTER_PIPE if piped else _STEP,
             start,
             count,
             tokens,
+            row,
+            proposal,
         )
         self._unread += 1  # its answer comes whatever happens to the pipe below
         self._go.release()
@@ -384,6 +405,8 @@ def serve(
 
     compiled: dict[int, Any] = {}
     matchers: dict[int, Any] = {}
+    advanced: dict[int, list[int]] = {}
+    """The proposals each matcher took tentatively in its last fill (:mod:`weft.engine.core.grammar_proposals`)."""
     memory: shared_memory.SharedMemory | None = None
     segment: StepSegment | None = None
     bitmask = None
@@ -414,7 +437,10 @@ def serve(
                 continue
             piped = conn.recv() if kind == _STEP_AFTER_PIPE else None
             try:
-                box[_FAILED], box[_FILLED] = 0, _answer_step(backend, compiled, matchers, segment, bitmask, box, piped)
+                box[_FAILED], box[_FILLED] = (
+                    0,
+                    _answer_step(backend, compiled, matchers, advanced, segment, bitmask, box, piped),
+                )
             except BaseException:
                 box[_FAILED], box[_FILLED] = 1, 0
                 conn.send(("error", traceback.format_exc()))
@@ -436,6 +462,7 @@ def _answer_step(
     backend: StructuredOutputBackend,
     compiled: dict[int, Any],
     matchers: dict[int, Any],
+    advanced: dict[int, list[int]],
     segment: StepSegment | None,
     bitmask: Any,
     box: numpy.ndarray,
@@ -443,16 +470,26 @@ def _answer_step(
 ) -> int:
     """One step of :func:`serve`: the matchers made, dropped and forgotten (``piped``: the message the pipe brought
     with the step, or None), then the step's accepted tokens taken and its rows filled in the shared segment; the
-    number of rows filled."""
+    number of handles filled."""
     if piped is not None:
-        _take_matchers(backend, compiled, matchers, *piped[1:])
+        _take_matchers(backend, compiled, matchers, advanced, *piped[1:])
     assert segment is not None, "a step before the shared segment"
     start, count, tokens = int(box[_START]), int(box[_COUNT]), int(box[_ACCEPTED])
-    if tokens:
-        _accept_reporting(backend, matchers, segment.accepted[:tokens].tolist(), segment.reports)
-    live = [handle for handle in segment.fill[start : start + count].tolist() if handle in matchers]
+    row, proposal = int(box[_ROW]), int(box[_PROPOSAL])
+    handles = segment.fill[start : start + count].tolist()
+    if tokens or advanced:
+        _accept_reporting(backend, matchers, advanced, segment.accepted[:tokens].tolist(), handles, segment.reports)
+    widths = segment.widths[start : start + count].tolist()
+    flat = segment.proposals[proposal : proposal + sum(widths)].tolist()
+    live, proposals, offset = [], [], 0
+    for handle, width in zip(handles, widths, strict=True):
+        if handle in matchers:
+            live.append(handle)
+            proposals.append(flat[offset : offset + width])
+        offset += width
     if live:
-        backend.fill_bitmasks([matchers[handle] for handle in live], bitmask[start : start + len(live)])
+        took = fill_positions(backend, [matchers[handle] for handle in live], proposals, bitmask[row:])
+        advanced.update((handle, tokens) for handle, tokens in zip(live, took, strict=True) if tokens)
         segment.filled[start : start + len(live)] = live
     return len(live)
 
@@ -461,6 +498,7 @@ def _take_matchers(
     backend: StructuredOutputBackend,
     compiled: dict[int, Any],
     matchers: dict[int, Any],
+    advanced: dict[int, list[int]],
     made: list[tuple[int, int, bytes | None]],
     dropped: list[int],
     forgotten: list[int],
@@ -472,6 +510,7 @@ def _take_matchers(
         compiled.pop(key, None)
     for handle in dropped:
         matchers.pop(handle, None)
+        advanced.pop(handle, None)
     gone = set(dropped)
     for handle, key, payload in made:
         if payload is not None:
@@ -495,12 +534,25 @@ def distinct_batches(items: Sequence[T], key: Callable[[T], Hashable]) -> Iterat
 
 
 def _accept_reporting(
-    backend: StructuredOutputBackend, matchers: dict[int, Any], accepted: list[list[int]], reports: numpy.ndarray
+    backend: StructuredOutputBackend,
+    matchers: dict[int, Any],
+    advanced: dict[int, list[int]],
+    accepted: list[list[int]],
+    filling: list[int],
+    reports: numpy.ndarray,
 ) -> None:
-    """Each token of the matchers in ``matchers`` (``accepted``: ``[handle, token]`` in order), in batches where a
-    matcher appears once; one that ended or refused a token leaves ``matchers`` (it takes no more tokens and fills
-    no rows) and has that token's entry of ``reports`` set (:data:`ENDED`, :data:`REFUSED`)."""
+    """Each token of the matchers in ``matchers`` (``accepted``: ``[handle, token]`` in order): first those a matcher
+    took as proposals (``advanced``; kept, the rest rolled back, as for the matchers about to fill rows, ``filling``),
+    then the others in batches where a matcher appears once; one that ended or refused a token leaves ``matchers``
+    (it takes no more tokens and fills no rows) and has that token's entry of ``reports`` set (:data:`ENDED`,
+    :data:`REFUSED`)."""
     mine = [(index, handle, token) for index, (handle, token) in enumerate(accepted) if handle in matchers]
+    if advanced:
+        keep, ended = settle(advanced, [(handle, token) for _, handle, token in mine], filling, matchers.__getitem__)
+        for position, handle in ended:
+            reports[mine[position][0]] = ENDED
+            del matchers[handle]
+        mine = [mine[position] for position in keep]
     for batch in distinct_batches(mine, lambda item: item[1]):
         live = [item for item in batch if item[1] in matchers]
         if not live:

@@ -177,11 +177,13 @@ class Scheduler(SchedulerState):
 
     def _proposals(self, request: Request, needed: int, budget: int) -> list[int]:
         """The proposals ``request`` verifies this step (taken from it): those its speculator made, cut to what the
-        step's token budget, its ``max_tokens`` and the context length leave after its own token (none unless it
-        decodes one token this step)."""
+        step's token budget, its ``max_tokens`` and the context length leave after its own token, and to what its
+        constraint allows (:meth:`StructuredOutputManager.verifiable`); none unless it decodes one token this step."""
         proposals, request.spec_token_ids = request.spec_token_ids, []
         if not proposals or needed != 1:
             return []
+        if request.constraint is not None:
+            proposals = self.structured_outputs.verifiable(request, proposals)  # type: ignore[union-attr]
         room = min(
             budget - 1,
             request.max_tokens - len(request.output_token_ids) - 1,  # the step adds up to len(proposals) + 1 tokens

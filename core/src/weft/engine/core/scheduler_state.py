@@ -82,10 +82,10 @@ class SchedulerState:
         engine's builder sizes it from ``engine.encoder_cache_size``."""
 
     def speculates(self, request: Request) -> bool:
-        """Whether ``request`` verifies proposals: speculation is on and no grammar constrains it (a constrained
-        request decodes one token per step). Such a request's next step waits for its step in flight, whose output
-        brings its proposals."""
-        return self.num_speculative_tokens > 0 and request.constraint is None
+        """Whether ``request`` verifies proposals: speculation is on (a constrained request too: each position is
+        masked, :mod:`weft.engine.core.grammar_proposals`). Such a request's next step waits for its step in flight,
+        whose output brings its proposals."""
+        return self.num_speculative_tokens > 0
 
     def all_wait_for_proposals(self) -> bool:
         """Whether the next step would schedule nothing because every running request speculates and waits for its
@@ -143,10 +143,13 @@ class SchedulerState:
             return None
         return f"request {self.waiting[0].request_id!r} cannot be scheduled: not enough KV-cache blocks"
 
-    def grammar_output(self, request_ids: list[str]) -> Future[GrammarOutput]:
-        """The bitmask of a step's constrained requests (``request_ids``), filled on the structured-output thread."""
+    def grammar_output(
+        self, request_ids: list[str], proposals: dict[str, list[int]] | None = None
+    ) -> Future[GrammarOutput]:
+        """The bitmask of a step's constrained requests (``request_ids``; a row per position for those verifying
+        ``proposals``), filled on the structured-output thread."""
         assert self.structured_outputs is not None
-        return self.structured_outputs.grammar_output(request_ids, self.requests)
+        return self.structured_outputs.grammar_output(request_ids, self.requests, proposals)
 
     def stats(self, num_steps: int) -> CoreStats:
         """The gauges of the queues, the KV cache and the KV connector (``num_steps``: the core's step count)."""

@@ -17,8 +17,10 @@ whose prompt did not open the reasoning is constrained from its first token, who
 the token opening the reasoning: when it is sampled, the request reasons freely up to the end tokens.
 
 Per step, :meth:`StructuredOutputManager.grammar_output` fills one bitmask row per
-constrained request that samples; :meth:`StructuredOutputManager.accept` records each token
-the step produced, which its request's matcher takes just before the next fill.
+constrained request that samples, one per position for a request that verifies speculative proposals
+(:mod:`weft.engine.core.grammar_proposals`: its matcher advances over them tentatively);
+:meth:`StructuredOutputManager.accept` records each token the step produced, which its request's
+matcher takes just before the next fill (rolling back the proposals the step rejected).
 
 Accepting and filling run on their own thread, so the engine core schedules the next step
 meanwhile where the backend lets go of the GIL (xgrammar 0.2.9 does not while it fills: a
@@ -43,6 +45,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -56,6 +59,7 @@ from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
 from weft.engine.core.grammar_compile import Compiler
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
+from weft.engine.core.grammar_proposals import fill_positions, settle
 from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
 from weft.plugins.selection import no_backend_message
@@ -164,6 +168,12 @@ class StructuredOutputManager:
             self._start_failed_at = None
             self._process = self._pool.submit(self._start_process)  # type: ignore[union-attr]
 
+    def verifiable(self, request: Request, proposals: list[int]) -> list[int]:
+        """The speculative proposals a constrained request may verify in its next step: at most what the backend's
+        matchers roll back (:meth:`ConstraintState.verifiable`)."""
+        most = self._backend_class.max_rollback_tokens
+        return request.constraint.verifiable(request.output_token_ids, proposals, most)  # type: ignore[union-attr]
+
     def accept(self, request: Request, token_id: int) -> None:
         """Record a token the request just generated (its matcher takes it on the fill thread, before the next fill)."""
         state = request.constraint
@@ -221,10 +231,13 @@ class StructuredOutputManager:
 
     # Steps.
 
-    def grammar_output(self, request_ids: list[str], requests: dict[str, Request]) -> Future[GrammarOutput]:
+    def grammar_output(
+        self, request_ids: list[str], requests: dict[str, Request], proposals: dict[str, list[int]] | None = None
+    ) -> Future[GrammarOutput]:
         """The bitmask rows of the requests among ``request_ids`` whose constraint is active now, filled on
-        the fill thread once every matcher took the tokens :meth:`accept` recorded; call neither method
-        again before taking the result."""
+        the fill thread once every matcher took the tokens :meth:`accept` recorded; a request verifying
+        ``proposals[request_id]`` gets a row per position (:func:`~weft.engine.core.grammar_proposals.fill_positions`).
+        Call neither method again before taking the result."""
         candidates = [
             (request_id, request.constraint)
             for request_id in request_ids
@@ -235,16 +248,18 @@ class StructuredOutputManager:
             empty.set_result(GrammarOutput([], b""))
             return empty
         accepted, self._accepted = self._accepted, []
+        proposals = proposals or {}
         if self._process is not None:
             made, self._made = self._made, []
-            return self._send_remote(accepted, candidates, made)
-        return self._filler.submit(self._thread_fill.accept_and_fill, accepted, candidates)  # type: ignore[union-attr]
+            return self._send_remote(accepted, candidates, made, proposals)
+        return self._filler.submit(self._thread_fill.accept_and_fill, accepted, candidates, proposals)  # type: ignore[union-attr]
 
     def _send_remote(
         self,
         accepted: list[tuple[str, ConstraintState, int]],
         candidates: list[tuple[str, ConstraintState]],
         made: list[tuple[int, int, bytes]],
+        proposals: dict[str, list[int]],
     ) -> Future[GrammarOutput]:
         """:meth:`ThreadFill.accept_and_fill` by the fill process: the message sent now, the reply read when the
         result is taken (:class:`RemoteReply`, :func:`_finish_remote`)."""
@@ -260,14 +275,16 @@ class StructuredOutputManager:
             process.send_step(
                 made,
                 [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
-                [state.matcher.handle for _, state in masked],
-            )  # type: ignore[union-attr]
+                [state.matcher.handle for _, state in masked],  # type: ignore[union-attr]
+                [proposals.get(request_id, []) for request_id, _ in masked],
+            )
         except BaseException as error:
             self._fill_failed = True
             reply.set_exception(error)
             return reply
         openers = {state.matcher.handle: state.opener for _, state in masked if state.opener is not None}  # type: ignore[union-attr]
-        reply.receive = lambda: _finish_remote(process, live, masked, openers, self._mark_fill_failed)
+        widths = {state.matcher.handle: len(proposals.get(request_id, ())) for request_id, state in masked}  # type: ignore[union-attr]
+        reply.receive = lambda: _finish_remote(process, live, masked, openers, widths, self._mark_fill_failed)
         return reply
 
     def _mark_fill_failed(self) -> None:
@@ -370,15 +387,32 @@ class ThreadFill:
         """Width of the model's logits."""
         self._bitmask: torch.Tensor | None = None
         """The rows filled last (grown, never shrunk)."""
+        self._advanced: weakref.WeakKeyDictionary[ConstraintState, list[int]] = weakref.WeakKeyDictionary()
+        """The proposals each matcher took tentatively in its last fill, until its tokens settle them
+        (:func:`~weft.engine.core.grammar_proposals.settle`); an ended request's entry goes with its state."""
 
     def accept_and_fill(
-        self, accepted: list[tuple[str, ConstraintState, int]], candidates: list[tuple[str, ConstraintState]]
+        self,
+        accepted: list[tuple[str, ConstraintState, int]],
+        candidates: list[tuple[str, ConstraintState]],
+        proposals: dict[str, list[int]],
     ) -> GrammarOutput:
-        self._accept(accepted)
-        return self._fill(candidates)
+        self._accept(accepted, [state for _, state in candidates])
+        return self._fill(candidates, proposals)
 
-    def _accept(self, accepted: list[tuple[str, ConstraintState, int]]) -> None:
-        """Tokens in the order they were generated: in batches where each matcher appears once."""
+    def _accept(self, accepted: list[tuple[str, ConstraintState, int]], filling: list[ConstraintState]) -> None:
+        """Tokens in the order they were generated: first those the matchers took as proposals (kept, the rest
+        rolled back), then the others in batches where each matcher appears once."""
+        if self._advanced:
+            keep, ended = settle(
+                self._advanced,
+                [(state, token_id) for _, state, token_id in accepted],
+                filling,
+                lambda state: state.matcher,  # type: ignore[arg-type,return-value]
+            )
+            for _, state in ended:
+                state.terminated = True
+            accepted = [accepted[index] for index in keep]
         for batch in distinct_batches(accepted, lambda item: id(item[1])):
             self._accept_batch(batch)
 
@@ -401,15 +435,21 @@ class ThreadFill:
                 continue
             _refused(request_id, state, token_id)
 
-    def _fill(self, candidates: list[tuple[str, ConstraintState]]) -> GrammarOutput:
+    def _fill(self, candidates: list[tuple[str, ConstraintState]], proposals: dict[str, list[int]]) -> GrammarOutput:
         # Still reasoning, or done: it samples freely.
         masked = [(request_id, state) for request_id, state in candidates if state.masks]
         if not masked:
             return GrammarOutput([], b"")
-        bitmask = self._rows(len(masked))
-        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,arg-type]
+        proposed = [proposals.get(request_id, []) for request_id, _ in masked]
+        bitmask = self._rows(len(masked) + sum(map(len, proposed)))
+        took = fill_positions(self._backend.result(), [state.matcher for _, state in masked], proposed, bitmask)  # type: ignore[misc]
+        for (_, state), advanced in zip(masked, took, strict=True):
+            if advanced:
+                self._advanced[state] = advanced
         if any(state.opener is not None for _, state in masked):
-            _allow(bitmask.numpy().view(numpy.uint32), [state.opener for _, state in masked])
+            # The opener may be a request's first output token: its first position's row allows it.
+            rows = [[state.opener, *[None] * len(tokens)] for (_, state), tokens in zip(masked, proposed, strict=True)]
+            _allow(bitmask.numpy().view(numpy.uint32), [token for row in rows for token in row])
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
 
     def _rows(self, count: int) -> torch.Tensor:
@@ -451,11 +491,13 @@ def _finish_remote(
     live: list[tuple[str, ConstraintState, int]],
     masked: list[tuple[str, ConstraintState]],
     openers: dict[int, int],
+    widths: dict[int, int],
     failed: Callable[[], None],
 ) -> GrammarOutput:
     """The fill process's answer to :meth:`StructuredOutputManager._send_remote`'s message, applied to the
-    constraints (what the children that did not fail report is applied before a failure raises); ``failed`` is
-    called when the answer could not be read."""
+    constraints (what the children that did not fail report is applied before a failure raises); ``widths``: the
+    proposals each masked handle verifies (a row per position); ``failed`` is called when the answer could not be
+    read."""
     by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
     by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
 
@@ -477,10 +519,11 @@ def _finish_remote(
         raise
     apply(reply)
     filled = [by_handle[handle][0] for handle in reply.filled]
-    rows = process.rows(len(filled)) if filled else b""
+    count = sum(1 + widths[handle] for handle in reply.filled)
+    rows = process.rows(count) if filled else b""
     if openers and filled:
-        words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(len(filled), -1)
-        _allow(words, [openers.get(handle) for handle in reply.filled])
+        words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(count, -1)
+        _allow(words, [token for handle in reply.filled for token in [openers.get(handle), *[None] * widths[handle]]])
         rows = words.tobytes()
     return GrammarOutput(filled, rows)
 

@@ -93,6 +93,8 @@ class SchedulerState:
         since :meth:`take_refused`."""
         self.num_preemptions = 0
         """Preemptions since start."""
+        self.fill_budget_failures = 0
+        """Requests ended because their grammar mask took longer than ``engine.structured_output_fill_budget``."""
         self._newly_finished: list[Request] = []
         """Requests that ended since :meth:`take_finished` (for the request-finished hook)."""
         self.encoder_cache = EncoderCache(max_model_len)
@@ -195,6 +197,7 @@ class SchedulerState:
             return {}
         return {
             "structured_output_compile_timeouts": compiler.timeouts,
+            "structured_output_fill_budget_failures": self.fill_budget_failures,
             "structured_output_cache_bytes": compiler.cached_bytes,
         }
 

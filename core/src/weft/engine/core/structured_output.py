@@ -53,6 +53,7 @@ import torch
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import Vocabulary, bitmask_words
 from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
+from weft.engine.core.fill_budget import FillBudget
 from weft.engine.core.grammar_compile import Compiler
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
@@ -300,7 +301,9 @@ class StructuredOutputManager:
         self._backend = self._pool.submit(
             _build_backend, self.config, self.registry, self.source, self.vocab_size, self._backend_class
         )
-        self._thread_fill = ThreadFill(self._backend, self.vocab_size)
+        self._thread_fill = ThreadFill(
+            self._backend, self.vocab_size, FillBudget(self.config.engine.structured_output_fill_budget)
+        )
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
         engine = self.config.engine
@@ -364,10 +367,12 @@ class ThreadFill:
     """The fill thread's work where the matchers live in the core: each step, the matchers take the tokens recorded
     since the last fill, then the constraints that mask fill their bitmask rows."""
 
-    def __init__(self, backend: Future[StructuredOutputBackend], vocab_size: int) -> None:
+    def __init__(self, backend: Future[StructuredOutputBackend], vocab_size: int, budget: FillBudget) -> None:
         self._backend = backend
         self.vocab_size = vocab_size
         """Width of the model's logits."""
+        self.budget = budget
+        """What one request's mask may cost in a step: a request over it fails (:attr:`ConstraintState.exceeded`)."""
         self._bitmask: torch.Tensor | None = None
         """The rows filled last (grown, never shrunk)."""
 
@@ -407,7 +412,9 @@ class ThreadFill:
         if not masked:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
-        self._backend.result().fill_bitmasks([state.matcher for _, state in masked], bitmask)  # type: ignore[union-attr,arg-type]
+        over = self.budget.fill(self._backend.result(), [state.matcher for _, state in masked], bitmask)  # type: ignore[arg-type]
+        for row in over:
+            masked[row][1].exceeded = self.budget.message()
         if any(state.opener is not None for _, state in masked):
             _allow(bitmask.numpy().view(numpy.uint32), [state.opener for _, state in masked])
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())

@@ -7,7 +7,10 @@ order while budget and sequence slots remain. Long prefills do not starve short
 requests: a prefill of more than ``long_prefill_token_threshold`` tokens gets
 that many first and the budget the others leave after, and at most
 ``max_long_partial_prefills`` of them run at once (a long prompt beyond that
-waits while shorter ones behind it are admitted). A request that can't get KV
+waits while shorter ones behind it are admitted). A prefill that scores its prompt
+(prompt logprobs: passes over the vocabulary for every token) computes at most
+``prompt_logprobs_chunk`` tokens per step. A running request whose grammar mask took
+longer than ``engine.structured_output_fill_budget`` ends. A request that can't get KV
 blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
@@ -89,6 +92,7 @@ class Scheduler(SchedulerState):
         structured_outputs: StructuredOutputManager | None = None,
         num_speculative_tokens: int = 0,
         speculator_owns_model: bool = False,
+        prompt_logprobs_chunk: int = 0,
     ) -> None:
         super().__init__(kv_cache, max_model_len, connector, structured_outputs, num_speculative_tokens)
         self.draft_lookahead = num_speculative_tokens if speculator_owns_model else 0
@@ -102,10 +106,15 @@ class Scheduler(SchedulerState):
         per step (then whatever budget they leave), and at most ``max_long_partial_prefills`` long
         prefills run at once. 0: no cap."""
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.prompt_logprobs_chunk = prompt_logprobs_chunk
+        """Prompt tokens a prefill that scores its prompt (prompt logprobs) computes per step: each such token costs
+        passes over the vocabulary (its logits, their log-softmax, the token's rank, the top ones), and such a
+        prefill's full-budget steps held every other request for seconds. 0: no cap."""
 
     # Scheduling.
 
     def schedule(self) -> SchedulerOutput:
+        self._end_constraints_over_budget()
         plan = _StepPlan(
             self.max_num_batched_tokens, self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
@@ -116,10 +125,12 @@ class Scheduler(SchedulerState):
             self._admit_waiting(plan)
         else:
             self.passed_over = 0
-        # What the others left of the budget goes back to the long prefills.
+        # What the others left of the budget goes back to the long prefills (not to one that scores its prompt).
         for request in plan.capped:
             if plan.budget <= 0:
                 break
+            if self._scores_prompt(request):
+                continue
             _, count = plan.scheduled[request.request_id]
             planned = self._planned[request.request_id]
             extra = min(request.num_tokens - planned - count, plan.budget)
@@ -130,6 +141,14 @@ class Scheduler(SchedulerState):
         output = self._build_output(list(plan.scheduled.values()), plan.proposals)
         output.encoder_inputs, output.freed_encoder_hashes = encoder_inputs, self.encoder_cache.take_freed()
         return output
+
+    def _end_constraints_over_budget(self) -> None:
+        """Running requests whose grammar mask took longer than ``engine.structured_output_fill_budget`` in a step
+        end (refused, a 400 naming it): their next masks would take longer still, and every step waits for them."""
+        for request in [request for request in self.running if request.constraint and request.constraint.exceeded]:
+            self._refused[request.request_id] = request.constraint.exceeded  # type: ignore[union-attr,assignment]
+            self.fill_budget_failures += 1
+            self.finish(request.request_id)
 
     def _schedule_running(self, plan: _StepPlan) -> bool:
         """Give each running request the tokens it still needs, preempting the most recently admitted ones for
@@ -151,6 +170,8 @@ class Scheduler(SchedulerState):
             if plan.long_cap and count > plan.long_cap:
                 count = plan.long_cap
                 plan.capped.append(request)
+            if self._scores_prompt(request):
+                count = min(count, self.prompt_logprobs_chunk)
             if count <= 0 or count > plan.budget:
                 index += 1
                 continue
@@ -222,6 +243,8 @@ class Scheduler(SchedulerState):
                 continue
             if long:
                 count = plan.long_cap
+            if self._scores_prompt(request):
+                count = min(count, self.prompt_logprobs_chunk)
             if count > plan.budget:
                 break
             # A request that samples in this step needs a slot for that token in the next: taken now where others
@@ -256,6 +279,11 @@ class Scheduler(SchedulerState):
                 plan.capped.append(request)
         self.waiting.extendleft(reversed(set_aside))
         self.passed_over = passed_over
+
+    def _scores_prompt(self, request: Request) -> bool:
+        """Whether ``request`` computes at most :attr:`prompt_logprobs_chunk` tokens per step (it scores its prompt)."""
+        scores = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        return scores and self.prompt_logprobs_chunk > 0 and self.enable_chunked_prefill
 
     def _find_computed(self, request: Request) -> tuple[ComputedPrefix, int, int, bool] | None:
         """For a request not holding blocks: its prefix found in the cache, the tokens computed locally, those the

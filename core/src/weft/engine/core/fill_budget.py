@@ -14,6 +14,9 @@ that fired to twice what the call took, so it is not repeated on every step; one
 the budget. CPU time is the trigger that matters on a loaded machine (wall time there runs several times
 longer): it catches a row filled on this thread as soon as it is over; wall time catches rows filled on a
 backend's own threads.
+
+The engine core's fill thread uses it (:class:`~weft.engine.core.structured_output.ThreadFill`); the fill processes
+(``engine.structured_output_fill = "process"``) do not time their rows yet.
 """
 
 from __future__ import annotations

@@ -412,8 +412,8 @@ class ThreadFill:
         if not masked:
             return GrammarOutput([], b"")
         bitmask = self._rows(len(masked))
-        over = self.budget.fill(self._backend.result(), [state.matcher for _, state in masked], bitmask)  # type: ignore[arg-type]
-        for row in over:
+        matchers = [state.matcher for _, state in masked]
+        for row in self.budget.fill(self._backend.result(), matchers, bitmask):  # type: ignore[arg-type]
             masked[row][1].exceeded = self.budget.message()
         if any(state.opener is not None for _, state in masked):
             _allow(bitmask.numpy().view(numpy.uint32), [state.opener for _, state in masked])

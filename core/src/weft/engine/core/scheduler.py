@@ -57,6 +57,19 @@ if TYPE_CHECKING:
     from weft.engine.core.structured_output import StructuredOutputManager
 
 
+def scores_prompt(request: Request) -> bool:
+    """Whether ``request``'s prefill scores its prompt (prompt logprobs): each token costs passes over the vocabulary
+    (its logits, their log-softmax, the token's rank, the top ones), and such a prefill's full-budget steps held every
+    other request for seconds; it computes at most ``engine.prompt_logprobs_chunk`` tokens per step."""
+    return request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+
+
+def over_fill_budget(running: list[Request]) -> list[Request]:
+    """The requests whose grammar mask took longer than ``engine.structured_output_fill_budget`` in a step (they end:
+    refused, a 400 naming it; every step waits for their masks)."""
+    return [request for request in running if request.constraint is not None and request.constraint.exceeded]
+
+
 class _StepPlan:
     """What :meth:`Scheduler.schedule` has decided so far for one step."""
 
@@ -106,15 +119,15 @@ class Scheduler(SchedulerState):
         per step (then whatever budget they leave), and at most ``max_long_partial_prefills`` long
         prefills run at once. 0: no cap."""
         self.max_long_partial_prefills = max_long_partial_prefills
-        self.prompt_logprobs_chunk = prompt_logprobs_chunk
-        """Prompt tokens a prefill that scores its prompt (prompt logprobs) computes per step: each such token costs
-        passes over the vocabulary (its logits, their log-softmax, the token's rank, the top ones), and such a
-        prefill's full-budget steps held every other request for seconds. 0: no cap."""
+        self.prompt_logprobs_chunk = prompt_logprobs_chunk if enable_chunked_prefill else 0  # see scores_prompt
 
     # Scheduling.
 
     def schedule(self) -> SchedulerOutput:
-        self._end_constraints_over_budget()
+        for request in over_fill_budget(self.running):  # its next masks would take longer still
+            self._refused[request.request_id] = request.constraint.exceeded  # type: ignore[union-attr,assignment]
+            self.fill_budget_failures += 1
+            self.finish(request.request_id)
         plan = _StepPlan(
             self.max_num_batched_tokens, self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
@@ -126,11 +139,9 @@ class Scheduler(SchedulerState):
         else:
             self.passed_over = 0
         # What the others left of the budget goes back to the long prefills (not to one that scores its prompt).
-        for request in plan.capped:
+        for request in [capped for capped in plan.capped if not (self.prompt_logprobs_chunk and scores_prompt(capped))]:
             if plan.budget <= 0:
                 break
-            if self._scores_prompt(request):
-                continue
             _, count = plan.scheduled[request.request_id]
             planned = self._planned[request.request_id]
             extra = min(request.num_tokens - planned - count, plan.budget)
@@ -141,14 +152,6 @@ class Scheduler(SchedulerState):
         output = self._build_output(list(plan.scheduled.values()), plan.proposals)
         output.encoder_inputs, output.freed_encoder_hashes = encoder_inputs, self.encoder_cache.take_freed()
         return output
-
-    def _end_constraints_over_budget(self) -> None:
-        """Running requests whose grammar mask took longer than ``engine.structured_output_fill_budget`` in a step
-        end (refused, a 400 naming it): their next masks would take longer still, and every step waits for them."""
-        for request in [request for request in self.running if request.constraint and request.constraint.exceeded]:
-            self._refused[request.request_id] = request.constraint.exceeded  # type: ignore[union-attr,assignment]
-            self.fill_budget_failures += 1
-            self.finish(request.request_id)
 
     def _schedule_running(self, plan: _StepPlan) -> bool:
         """Give each running request the tokens it still needs, preempting the most recently admitted ones for
@@ -170,7 +173,7 @@ class Scheduler(SchedulerState):
             if plan.long_cap and count > plan.long_cap:
                 count = plan.long_cap
                 plan.capped.append(request)
-            if self._scores_prompt(request):
+            if self.prompt_logprobs_chunk and scores_prompt(request):
                 count = min(count, self.prompt_logprobs_chunk)
             if count <= 0 or count > plan.budget:
                 index += 1
@@ -243,7 +246,7 @@ class Scheduler(SchedulerState):
                 continue
             if long:
                 count = plan.long_cap
-            if self._scores_prompt(request):
+            if self.prompt_logprobs_chunk and scores_prompt(request):
                 count = min(count, self.prompt_logprobs_chunk)
             if count > plan.budget:
                 break
@@ -279,11 +282,6 @@ class Scheduler(SchedulerState):
                 plan.capped.append(request)
         self.waiting.extendleft(reversed(set_aside))
         self.passed_over = passed_over
-
-    def _scores_prompt(self, request: Request) -> bool:
-        """Whether ``request`` computes at most :attr:`prompt_logprobs_chunk` tokens per step (it scores its prompt)."""
-        scores = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
-        return scores and self.prompt_logprobs_chunk > 0 and self.enable_chunked_prefill
 
     def _find_computed(self, request: Request) -> tuple[ComputedPrefix, int, int, bool] | None:
         """For a request not holding blocks: its prefix found in the cache, the tokens computed locally, those the

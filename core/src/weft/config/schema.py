@@ -192,6 +192,15 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    prompt_logprobs_chunk: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="prompt tokens a request asking for prompt logprobs (or echo with logprobs) computes and "
+            "scores per step (scoring a token costs passes over the vocabulary: an 8,000-token prompt scored in "
+            "2,048-token steps held a concurrent request for tens of seconds); 0: no cap",
+        ),
+    ] = 256
     encoder_cache_size: (
         Annotated[
             int,
@@ -327,6 +336,15 @@ class EngineConfig(_Section, frozen=True):
             "limit) and the compiles queued behind it move to fresh threads",
         ),
     ] = 30.0
+    structured_output_fill_budget: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="CPU seconds one request's grammar may take to fill its token mask in one step (every step "
+            "waits for every mask, and an ambiguous grammar's cost grows with each token); past it the request fails "
+            "(a 400 naming this limit). 0: no budget",
+        ),
+    ] = 0.05
     structured_output_cache_bytes: Annotated[
         int,
         Meta(

@@ -109,6 +109,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     """The KV connector's metrics summed since start, by name."""
     structured_output_compile_timeouts: int = 0
     """Requests failed because their constraint outlived ``engine.structured_output_compile_timeout``."""
+    structured_output_fill_budget_failures: int = 0
+    """Requests failed because their grammar mask took longer than ``engine.structured_output_fill_budget``."""
     structured_output_cache_bytes: int = 0
     """What the compiled constraints the engine caches take (``engine.structured_output_cache_bytes`` at most)."""
     num_preemptions: int = 0

@@ -93,4 +93,3 @@ def describe(isa: CpuIsa) -> str:
     flags = " ".join(isa.gemm_flags) or "none of " + " ".join(GEMM_FLAGS)
     why = "native bf16 dot products" if isa.bf16_native else "no native bf16 (AMX or AVX-512 BF16)"
     return f"{isa.model}: {flags} (torch kernels: {isa.torch_capability}); batch GEMMs in {gemm_dtype(isa)} ({why})"
-

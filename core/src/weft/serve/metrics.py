@@ -99,6 +99,11 @@ _CORE_COUNTERS = [
         "Requests failed because their constraint outlived engine.structured_output_compile_timeout",
         "structured_output_compile_timeouts",
     ),
+    (
+        "weft_structured_output_fill_budget_failures",
+        "Requests failed because their grammar mask took longer than engine.structured_output_fill_budget in a step",
+        "structured_output_fill_budget_failures",
+    ),
 ]
 """The engine core's running totals (name without ``_total``, description, field of the core's stats); the names
 are vLLM's (``vllm:prefix_cache_queries``...) with Weft's prefix."""

@@ -97,6 +97,7 @@ def build_engine_core(config: WeftConfig, registry: PluginRegistry | None = None
             structured_outputs,
             engine.speculative.num_speculative_tokens if engine.speculative.enabled else 0,
             _speculator_owns_model(registry, config),
+            engine.prompt_logprobs_chunk,
         )
         scheduler.encoder_cache = EncoderCache(
             engine.encoder_cache_size or engine.max_num_batched_tokens,

@@ -32,6 +32,7 @@ class ConstraintState:
         "start",
         "failed",
         "terminated",
+        "exceeded",
         "__weakref__",
     )
 
@@ -62,11 +63,14 @@ class ConstraintState:
         """A sampled token the matcher refused (it then constrains nothing more)."""
         self.terminated = False
         """The matcher reached the end of its grammar (the scheduler reads it while the fill thread runs)."""
+        self.exceeded: str | None = None
+        """Why the request fails: its mask took longer than ``engine.structured_output_fill_budget`` in a step (set
+        by the fill; the scheduler ends the request)."""
 
     @property
     def live(self) -> bool:
         """Whether the request's next sample may need a mask (its constraint neither failed nor ended)."""
-        return not self.failed and not self.terminated
+        return not self.failed and not self.terminated and self.exceeded is None
 
     def compiled_now(self) -> None:
         """Its compile is done: it no longer waits for it."""
@@ -109,7 +113,7 @@ class ConstraintState:
     @property
     def masks(self) -> bool:
         """Whether the request's next sample is masked: its matcher exists, it is past any reasoning, not done."""
-        return self.active and self.matcher is not None and not self.failed and not self.terminated
+        return self.active and self.matcher is not None and self.live
 
 
 class RemoteMatcher:

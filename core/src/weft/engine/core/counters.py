@@ -57,11 +57,12 @@ def connector_counters(stats: ConnectorStats) -> dict[str, int]:
     }
 
 
-def compile_counters(structured_outputs: StructuredOutputManager | None) -> dict[str, int]:
+def compile_counters(structured_outputs: StructuredOutputManager | None, fill_budget_failures: int) -> dict[str, int]:
     compiler = structured_outputs.compiler if structured_outputs is not None else None
     if compiler is None:
         return {}
     return {
         "structured_output_compile_timeouts": compiler.timeouts,
+        "structured_output_fill_budget_failures": fill_budget_failures,
         "structured_output_cache_bytes": compiler.cached_bytes,
     }

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from weft.contracts.structured_output import GrammarMatcher, StructuredOutputBackend
+    from weft.engine.core.fill_budget import FillBudget
 
 K = TypeVar("K", bound=Hashable)
 
@@ -36,16 +37,27 @@ def fill_positions(
     matchers: Sequence[GrammarMatcher],
     proposals: Sequence[Sequence[int]],
     bitmask: torch.Tensor,
+    budget: FillBudget | None = None,
+    over: set[int] | None = None,
 ) -> list[list[int]]:
     """Fill ``1 + len(proposals[i])`` rows of ``bitmask`` for each ``matchers[i]``, request after request from row 0:
     the mask at each position it verifies (module docstring). Returns the proposals each matcher took (tentatively:
-    :func:`settle` keeps those its step accepts)."""
+    :func:`settle` keeps those its step accepts). With a ``budget``, the indices of the matchers one of whose fills
+    took longer than it are added to ``over``."""
     import torch  # here: a fill process imports it only once it fills (as it does for its first shared segment)
+
+    def fill(indices: Sequence[int], rows: torch.Tensor) -> None:
+        chosen = [matchers[index] for index in indices]
+        if budget is None:
+            backend.fill_bitmasks(chosen, rows)
+            return
+        assert over is not None, "a fill budget needs a set to name the matchers over it in"
+        over.update(indices[row] for row in budget.fill(backend, chosen, rows))
 
     count = len(matchers)
     widths = [len(proposed) for proposed in proposals]
     if not any(widths):
-        backend.fill_bitmasks(matchers, bitmask[:count])
+        fill(range(count), bitmask[:count])
         return [[] for _ in range(count)]
     starts = [0]
     for width in widths:
@@ -69,7 +81,7 @@ def fill_positions(
         if not going:
             break
         rows = scratch[: len(going)]
-        backend.fill_bitmasks([matchers[index] for index in going], rows)
+        fill(going, rows)
         bitmask.index_copy_(0, torch.tensor([starts[index] + position for index in going]), rows)
     return advanced
 

@@ -7,7 +7,10 @@ order while budget and sequence slots remain. Long prefills do not starve short
 requests: a prefill of more than ``long_prefill_token_threshold`` tokens gets
 that many first and the budget the others leave after, and at most
 ``max_long_partial_prefills`` of them run at once (a long prompt beyond that
-waits while shorter ones behind it are admitted). A request that can't get KV
+waits while shorter ones behind it are admitted). A prefill that scores its prompt
+(prompt logprobs: passes over the vocabulary for every token) computes at most
+``prompt_logprobs_chunk`` tokens per step. A running request whose grammar mask took
+longer than ``engine.structured_output_fill_budget`` ends. A request that can't get KV
 blocks takes them from the most recently admitted running request, which is
 preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed (prompt and outputs so far) when blocks free up.
@@ -54,6 +57,23 @@ if TYPE_CHECKING:
     from weft.engine.core.structured_output import StructuredOutputManager
 
 
+def scores_prompt(request: Request) -> bool:
+    """Whether ``request``'s prefill scores its prompt (prompt logprobs): each token costs passes over the vocabulary
+    (its logits, their log-softmax, the token's rank, the top ones), and such a prefill's full-budget steps held every
+    other request for seconds; it computes at most ``engine.prompt_logprobs_chunk`` tokens per step."""
+    return request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+
+
+def end_over_fill_budget(scheduler: Scheduler) -> None:
+    """End the running requests whose grammar mask took longer than ``engine.structured_output_fill_budget`` in a
+    step: refused, a 400 naming it (every step waits for their masks, and their next ones would take longer still)."""
+    over = [request for request in scheduler.running if request.constraint is not None and request.constraint.exceeded]
+    for request in over:
+        scheduler._refused[request.request_id] = request.constraint.exceeded  # type: ignore[union-attr,assignment]
+        scheduler.fill_budget_failures += 1
+        scheduler.finish(request.request_id)
+
+
 class _StepPlan:
     """What :meth:`Scheduler.schedule` has decided so far for one step."""
 
@@ -89,6 +109,7 @@ class Scheduler(SchedulerState):
         structured_outputs: StructuredOutputManager | None = None,
         num_speculative_tokens: int = 0,
         speculator_owns_model: bool = False,
+        prompt_logprobs_chunk: int = 0,
     ) -> None:
         super().__init__(kv_cache, max_model_len, connector, structured_outputs, num_speculative_tokens)
         self.draft_lookahead = num_speculative_tokens if speculator_owns_model else 0
@@ -102,10 +123,12 @@ class Scheduler(SchedulerState):
         per step (then whatever budget they leave), and at most ``max_long_partial_prefills`` long
         prefills run at once. 0: no cap."""
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.prompt_logprobs_chunk = prompt_logprobs_chunk if enable_chunked_prefill else 0  # see scores_prompt
 
     # Scheduling.
 
     def schedule(self) -> SchedulerOutput:
+        end_over_fill_budget(self)
         plan = _StepPlan(
             self.max_num_batched_tokens, self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
@@ -116,8 +139,8 @@ class Scheduler(SchedulerState):
             self._admit_waiting(plan)
         else:
             self.passed_over = 0
-        # What the others left of the budget goes back to the long prefills.
-        for request in plan.capped:
+        # What the others left of the budget goes back to the long prefills (not to one that scores its prompt).
+        for request in [capped for capped in plan.capped if not (self.prompt_logprobs_chunk and scores_prompt(capped))]:
             if plan.budget <= 0:
                 break
             _, count = plan.scheduled[request.request_id]
@@ -151,6 +174,8 @@ class Scheduler(SchedulerState):
             if plan.long_cap and count > plan.long_cap:
                 count = plan.long_cap
                 plan.capped.append(request)
+            if self.prompt_logprobs_chunk and scores_prompt(request):
+                count = min(count, self.prompt_logprobs_chunk)
             if count <= 0 or count > plan.budget:
                 index += 1
                 continue
@@ -224,6 +249,8 @@ class Scheduler(SchedulerState):
                 continue
             if long:
                 count = plan.long_cap
+            if self.prompt_logprobs_chunk and scores_prompt(request):
+                count = min(count, self.prompt_logprobs_chunk)
             if count > plan.budget:
                 break
             # A request that samples in this step needs a slot for that token in the next: taken now where others

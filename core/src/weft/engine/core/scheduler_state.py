@@ -75,6 +75,8 @@ class SchedulerState:
         since :meth:`take_refused`."""
         self.num_preemptions = 0
         """Preemptions since start."""
+        self.fill_budget_failures = 0
+        """Requests ended because their grammar mask took longer than ``engine.structured_output_fill_budget``."""
         self._newly_finished: list[Request] = []
         """Requests that ended since :meth:`take_finished` (for the request-finished hook)."""
         self.encoder_cache = EncoderCache(max_model_len)
@@ -168,7 +170,7 @@ class SchedulerState:
             num_preemptions=self.num_preemptions,
             num_steps=num_steps,
             **self.spec.counters(),
-            **compile_counters(self.structured_outputs),
+            **compile_counters(self.structured_outputs, self.fill_budget_failures),
         )
 
     @property

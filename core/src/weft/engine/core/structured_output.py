@@ -56,6 +56,7 @@ import torch
 from weft.contracts.executor import GrammarOutput
 from weft.contracts.structured_output import Vocabulary, bitmask_words
 from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
+from weft.engine.core.fill_budget import FillBudget
 from weft.engine.core.grammar_compile import Compiler
 from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
@@ -317,7 +318,9 @@ class StructuredOutputManager:
         self._backend = self._pool.submit(
             _build_backend, self.config, self.registry, self.source, self.vocab_size, self._backend_class
         )
-        self._thread_fill = ThreadFill(self._backend, self.vocab_size)
+        self._thread_fill = ThreadFill(
+            self._backend, self.vocab_size, FillBudget(self.config.engine.structured_output_fill_budget)
+        )
         if fills_in_a_process(self.config, self._backend_class):
             self._process = self._pool.submit(self._start_process)
         engine = self.config.engine
@@ -381,10 +384,12 @@ class ThreadFill:
     """The fill thread's work where the matchers live in the core: each step, the matchers take the tokens recorded
     since the last fill, then the constraints that mask fill their bitmask rows."""
 
-    def __init__(self, backend: Future[StructuredOutputBackend], vocab_size: int) -> None:
+    def __init__(self, backend: Future[StructuredOutputBackend], vocab_size: int, budget: FillBudget) -> None:
         self._backend = backend
         self.vocab_size = vocab_size
         """Width of the model's logits."""
+        self.budget = budget
+        """What one request's mask may cost in a step: a request over it fails (:attr:`ConstraintState.exceeded`)."""
         self._bitmask: torch.Tensor | None = None
         """The rows filled last (grown, never shrunk)."""
         self._advanced: weakref.WeakKeyDictionary[ConstraintState, list[int]] = weakref.WeakKeyDictionary()
@@ -442,10 +447,14 @@ class ThreadFill:
             return GrammarOutput([], b"")
         proposed = [proposals.get(request_id, []) for request_id, _ in masked]
         bitmask = self._rows(len(masked) + sum(map(len, proposed)))
-        took = fill_positions(self._backend.result(), [state.matcher for _, state in masked], proposed, bitmask)  # type: ignore[misc]
+        over: set[int] = set()
+        matchers = [state.matcher for _, state in masked]
+        took = fill_positions(self._backend.result(), matchers, proposed, bitmask, self.budget, over)  # type: ignore[arg-type]
         for (_, state), advanced in zip(masked, took, strict=True):
             if advanced:
                 self._advanced[state] = advanced
+        for index in over:
+            masked[index][1].exceeded = self.budget.message()
         if any(state.opener is not None for _, state in masked):
             # The opener may be a request's first output token: its first position's row allows it.
             rows = [[state.opener, *[None] * len(tokens)] for (_, state), tokens in zip(masked, proposed, strict=True)]

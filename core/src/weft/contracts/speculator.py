@@ -65,6 +65,7 @@ runs every forward eagerly while such a speculator is in use (a decode graph ret
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -159,6 +160,12 @@ class DraftModelLoader(ABC):
         device): a speculator that shares the target's layers (an MTP head's embedding and LM head) or reads its
         checkpoint's config takes them here (core API 1.16)."""
         raise NotImplementedError(f"{type(self).__name__} does not hand out the target model")
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        """The context the engine builds its models in (the chosen ops, this rank's parallel groups, the
+        quantization): a speculator builds its own layers inside it, so that they shard, exchange experts and pick
+        kernels as the target's do (core API 1.16)."""
+        raise NotImplementedError(f"{type(self).__name__} does not build layers for a speculator")
 
     def weights(self, dtype: str, source: str | None = None) -> Iterator[tuple[str, WeightSlice]]:
         """The tensors of ``source``'s checkpoint (default: the target's own), each a

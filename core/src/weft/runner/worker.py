@@ -18,6 +18,7 @@ the loader and the family can, and sizes this rank's KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Iterator
@@ -379,6 +380,13 @@ class _DraftModels(DraftModelLoader):
             backend=worker.attention,
             device=worker.device,
         )
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        worker, stack = self.worker, contextlib.ExitStack()
+        stack.enter_context(using_ops(worker.ops))
+        stack.enter_context(using_parallel(worker.parallel))
+        stack.enter_context(using_quantization(worker.quantization))
+        return stack
 
     def _load_config(self, config: WeftConfig) -> LoadConfig:
         """The draft's load config: the target's, through :func:`draft_load_config` (the fallback logged)."""

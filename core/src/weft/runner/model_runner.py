@@ -62,7 +62,14 @@ from weft.contracts.executor import (
 from weft.contracts.kv_cache import KVCacheGroupSpec
 from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
-from weft.contracts.speculator import DraftInputs, ProposalStep, SpeculationRequest, Speculator, Verified
+from weft.contracts.speculator import (
+    DraftInputs,
+    ProposalStep,
+    SpeculationRequest,
+    Speculator,
+    TargetHiddenStates,
+    Verified,
+)
 from weft.distributed.state import SINGLE, ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import InputBuilder, known_tokens
@@ -682,6 +689,8 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
         hidden = self.model(input_ids, positions, context)
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            self.speculator.take_hidden_states(target_hidden_states(self.model, states, counts, hidden))
         _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
         if not sampling:
             return None
@@ -698,6 +707,20 @@ class ModelRunner:
         """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
         each request's tokens start in the flat batch (:meth:`InputBuilder.build`)."""
         return self.inputs.build(states, counts, self._fill_unknown)
+
+
+def target_hidden_states(
+    model: torch.nn.Module, states: list[RequestState], counts: list[int], hidden: torch.Tensor
+) -> TargetHiddenStates:
+    """The forward's hidden states as a speculator reads them (``hidden``, or what the model's
+    ``hidden_states_for_speculation`` makes of it), with each request's first position and row count."""
+    select = getattr(model, "hidden_states_for_speculation", None)
+    return TargetHiddenStates(
+        [state.request_id for state in states],
+        [state.num_computed_tokens for state in states],
+        list(counts),
+        select(hidden) if select is not None else hidden,
+    )
 
 
 def _failed_loads(report: ConnectorOutput | None) -> frozenset[str]:

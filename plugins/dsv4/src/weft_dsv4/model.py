@@ -230,7 +230,7 @@ class DeepseekV4Family(ModelFamily):
         return runs(hidden, 2 * columns) and runs(columns, hidden)
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        s = DeepseekV4Settings(config.hf_config)
+        s = DeepseekV4Settings(config.hf_config, lookahead=config.num_lookahead_tokens)
         block_size = config.block_size
         kinds = s.layer_types
 
@@ -369,7 +369,7 @@ class DeepseekV4Family(ModelFamily):
         DeepseekV4Settings(config.hf_config, config.parallel).check()
 
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV4ForCausalLM:
-        s = DeepseekV4Settings(config.hf_config, config.parallel)
+        s = DeepseekV4Settings(config.hf_config, config.parallel, config.num_lookahead_tokens)
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
             module = DeepseekV4ForCausalLM(s, config.max_model_len)
         groups = self.kv_cache_groups(config)

@@ -249,3 +249,106 @@ def test_rejected_proposals_leave_no_trace_in_the_compressor_state(checkpoint, r
     plain = run()
     for index in range(len(continuation) - 1):
         torch.testing.assert_close(run(index), plain, atol=1e-4, rtol=1e-4, msg=f"rejected after position {23 + index}")
+
+
+def test_expert_parallel_over_two_ranks_with_mtp_gives_the_greedy_tokens_of_one_device(checkpoint):
+    """EP=2 over gloo (the mp executor): each rank holds half of the routed experts of the target and of the MTP
+    block, both ranks propose alike; greedy output equals one device's, with and without the MTP layers."""
+    batch = prompts(seed=13, lengths=(9, 30))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    speculative = {"method": "mtp", "num_speculative_tokens": 2}
+    one, _ = generate(checkpoint, params, speculative=speculative, batch=batch)
+    plain_one, _ = generate(checkpoint, params, batch=batch)
+    assert tokens(one) == tokens(plain_one)
+    two, (drafted, _) = generate(
+        checkpoint,
+        params,
+        {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+        speculative=speculative,
+        batch=batch,
+    )
+    assert tokens(two) == tokens(one)
+    assert drafted > 0
+
+
+def test_the_mtp_layers_are_built_from_the_target_s_layout_through_draft_parallel_config(checkpoint, monkeypatch):
+    """The speculator's own build (rank 1 of TP=2 with expert parallelism, in this process): it derives the layers'
+    layout with ``draft_parallel_config`` from the target's ``ModelConfig.parallel`` (expert parallelism passed
+    through), and its MoE block holds the rank's half of the checkpoint's ``mtp.0`` experts."""
+    from safetensors.torch import load_file
+
+    import weft_dsv4.mtp as mtp
+    from weft.api import SafetensorsLoader
+    from weft.contracts.model import ModelConfig
+    from weft.contracts.parallel import Communicator, ParallelLayout
+    from weft.contracts.speculator import DraftModel, DraftModelLoader, SpeculatorConfig
+    from weft.distributed.state import ParallelGroups, using_parallel
+    from weft_dsv4.model import DeepseekV4Family
+    from weft_dsv4.parallel import draft_parallel_config
+
+    cpu = torch.device("cpu")
+    layout = ParallelLayout(tensor_parallel_size=2, enable_expert_parallel=True, rank=1)
+    tensor = Communicator(None, cpu)
+    tensor.size, tensor.rank = 2, 1
+    groups = ParallelGroups(layout, tensor, cpu)
+    loader = SafetensorsLoader()
+    source = loader.resolve(str(checkpoint))
+    family = DeepseekV4Family()
+    config = ModelConfig(
+        architecture="DeepseekV4ForCausalLM",
+        hf_config=source.hf_config,
+        dtype="float32",
+        block_size=8,
+        max_model_len=256,
+        parallel=layout,
+        num_lookahead_tokens=2,
+    )
+    with using_parallel(groups):
+        target = family.build(config, cpu)
+
+    class Models(DraftModelLoader):
+        def load(self, source: str) -> DraftModel:
+            raise AssertionError("the mtp speculator loads no other model")
+
+        @property
+        def target(self) -> DraftModel:
+            return DraftModel(model=target, family=family, config=config, backend=None, device=cpu)
+
+        def building(self):
+            return using_parallel(groups)
+
+        def weights(self, dtype, source_name=None):
+            return loader.iter_weight_slices(source, dtype)
+
+    derived = []
+
+    def spying(*args, **kwargs):
+        derived.append((args, kwargs))
+        return draft_parallel_config(*args, **kwargs)
+
+    monkeypatch.setattr(mtp, "draft_parallel_config", spying)
+    speculator = mtp.MtpSpeculator(
+        None, SpeculatorConfig(num_speculative_tokens=2, vocab_size=512, max_model_len=256, block_size=8)
+    )
+    speculator.load(Models())
+    assert len(derived) == 1 and derived[0][0][0] is layout  # the target's layout object, copied whole
+    assert speculator.layout == layout and speculator.layout.enable_expert_parallel
+    experts = speculator.layers[0].block.mlp.experts
+    assert (experts.held.first, experts.held.count) == (4, 4)
+    stored = load_file(str(checkpoint / "model.safetensors"))
+    assert experts.down_proj[1].equal(stored["mtp.0.ffn.experts.5.w2.weight"])
+    assert target.model.keep_streams  # the target keeps its streams for the speculator from now on
+
+
+def test_draft_parallel_config_of_core_s_layout_drops_only_what_the_stage_count_changes():
+    from weft.contracts.parallel import ParallelLayout
+    from weft_dsv4.parallel import draft_parallel_config
+
+    target = ParallelLayout(
+        tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_partition=(3, 1), enable_expert_parallel=True, rank=3
+    )
+    draft = draft_parallel_config(target, tensor_parallel_size=2)
+    assert draft == ParallelLayout(tensor_parallel_size=2, enable_expert_parallel=True, rank=3)
+    assert draft.world_size == 2 and draft.expert_parallel_size == 2
+    dense = draft_parallel_config(target, tensor_parallel_size=2, pipeline_parallel_size=2, draft_is_moe=False)
+    assert dense.pipeline_partition == (3, 1) and not dense.enable_expert_parallel

@@ -12,9 +12,11 @@ and predicts the token at ``p + 2``. The embedding and the LM head are the targe
 copied). A chain of ``k`` proposals feeds the block its own output streams and its last proposal: proposal ``m``
 comes from the entry at ``p + m - 1``; with several MTP layers, step ``m`` uses layer ``(m - 1) % layers``.
 
-The block attends over its own window of earlier entries, so the speculator feeds it every position the target
+The block attends over its own window of earlier entries, so the speculator feeds it the positions the target
 computes: core hands it the target's streams after each forward (:meth:`MtpSpeculator.take_hidden_states`),
-keeps them until the next token is known, and drops the rows of proposals the target rejected. To propose, it
+it keeps them until the next token is known, and drops the rows of proposals the target rejected. An entry's
+key depends on its own inputs only, and a proposal attends the last ``sliding_window`` entries: older positions
+(most of a long prompt) are skipped. To propose, it
 feeds each request's entries its cache lacks (``p`` up to the target's newest computed position, whose next
 token is the target's newest) in one forward, whose last entry gives the first proposal, then one entry per
 further proposal. The entries the chain wrote past the verified ones are written over by the next catch-up.
@@ -242,6 +244,7 @@ class MtpSpeculator(Speculator):
         self._groups: tuple[KVCacheGroupSpec, ...] = ()
         self._inputs: Any = None
         self._device: torch.device | None = None
+        self._keep = 0
 
     def load(self, models: DraftModelLoader) -> None:
         target: DraftModel = models.target
@@ -293,6 +296,8 @@ class MtpSpeculator(Speculator):
         )
         for layer in self.layers:
             layer.ring_blocks = spec.ring_blocks
+        self._keep = s.sliding_window + self.config.num_speculative_tokens
+        """Target positions kept per request: the window a proposal attends, and the rows a step may reject."""
         self._groups = (KVCacheGroupSpec(GROUP, tuple(layer_name(index) for index in range(count)), spec),)
         self._backend, self._device = target.backend, device
         logger.debug(
@@ -329,6 +334,14 @@ class MtpSpeculator(Speculator):
                 followed.first, followed.done, followed.rows, followed.rows_start = start, 0, [], start
             followed.keep_rows_before(start)
             followed.rows.append(rows)
+            # An entry's key is a function of its own inputs, and a proposal attends the last `window` entries
+            # only: older rows are skipped (counted as done, never computed), which bounds what a long prompt, or
+            # a request that never proposes (a constrained one), keeps and what its catch-up computes.
+            surplus = followed.rows_end - followed.rows_start - self._keep
+            if surplus > 0 and followed.rows_start == followed.first + followed.done:
+                followed.take_rows_before(followed.rows_start + surplus)
+                followed.done += surplus
+            followed.rows[-1] = followed.rows[-1].clone()  # not a view pinning the forward's whole tensor
 
     def on_verified(self, results: Sequence[Verified]) -> None:
         for result in results:

@@ -1,10 +1,12 @@
 r"""``weft proxy epd`` (msgspec, response bytes passed through) against a proxy that decodes and re-encodes JSON.
 
 Both proxies run the same legs (:mod:`weft_disagg.epd`: an encode leg per image part, a prefill leg, a decode leg)
-against fake upstreams (:mod:`weft_disagg.fake_upstream`, each a process of its own) that answer at once, so what
-is measured is the proxies' own cost. The baseline, :class:`ReencodingProxy`, differs only where the vLLM proxy
-that the reference change replaced did: it reads the request with the standard library's ``json`` and decodes every
-response (each SSE event of a stream, or the whole JSON) and encodes it again before sending it on.
+against fake upstreams (:func:`serve_upstream`, each a process of its own: a few lines of asyncio that write canned
+bytes at once; the encode and prefill instances answer one token, whole, as real ones do), and the clients read with
+aiohttp, so that what is measured is the proxies' own cost. The baseline, :class:`ReencodingProxy`, differs only
+where the vLLM proxy that the reference change replaced did: it reads the request with the standard library's
+``json`` and decodes every response (each SSE event of a stream, or the whole JSON) and encodes it again before
+sending it on.
 
 The load: ``--clients`` (64) concurrent clients, each sending chat requests with ``--images`` image parts, streamed
 (``--stream``, the default: the decode upstream answers ``--events`` chat.completion.chunk events) or not, for
@@ -33,6 +35,7 @@ import sys
 import time
 from typing import Any
 
+import aiohttp
 import httpx
 
 IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "iVBORw0KGgo" * 40}}
@@ -79,12 +82,54 @@ def whole_answer(count: int) -> list[bytes]:
     return [json.dumps(body, ensure_ascii=False).encode()]
 
 
-def serve_upstream(port: int, chunks: list[bytes]) -> None:
-    import uvicorn
+def canned(status: str, content_type: str, chunks: list[bytes], stream: bool) -> bytes:
+    """One whole HTTP/1.1 response: ``chunks`` as chunked transfer encoding (one chunk each, as ``weft serve``
+    writes a stream's events) when ``stream``, else one body with its length."""
+    head = f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\n".encode()
+    if not stream:
+        body = b"".join(chunks)
+        return head + f"content-length: {len(body)}\r\n\r\n".encode() + body
+    body = b"".join(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for chunk in chunks)
+    return head + b"transfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
 
-    from weft_disagg.fake_upstream import create_app
 
-    uvicorn.run(create_app(chunks, side_channel_port=1), host="127.0.0.1", port=port, log_level="warning")
+def serve_upstream(port: int, chunks: list[bytes], stream: bool) -> None:
+    """A fake instance that answers every completion with the same bytes, written at once, on kept-alive connections:
+    a few lines of asyncio, so that on a small machine the upstreams cost little beside the proxy measured (a
+    Starlette app relaying 256 chunks costs about what the proxy does)."""
+    kv_transfer = json.dumps({"kv_connector": "nixl", "role": "kv_producer", "side_channel_host": "127.0.0.1"})
+    kv_transfer = kv_transfer[:-1] + ', "side_channel_port": 1, "tensor_parallel_size": 1}'
+    completion = canned("200 OK", "text/event-stream" if stream else "application/json", chunks, stream)
+    answers = {
+        "/health": canned("200 OK", "text/plain", [b"ok"], False),
+        "/kv_transfer": canned("200 OK", "application/json", [kv_transfer.encode()], False),
+        "/v1/chat/completions": completion,
+        "/v1/completions": completion,
+    }
+    missing = canned("404 Not Found", "text/plain", [b"not found"], False)
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line, *headers = head.decode("latin-1").split("\r\n")
+                for header in headers:
+                    name, _, value = header.partition(":")
+                    if name.lower() == "content-length" and int(value):
+                        await reader.readexactly(int(value))
+                writer.write(answers.get(request_line.split(" ")[1], missing))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(connection, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
 
 
 def reencoding_app(encode: list[str], prefill: list[str], decode: list[str]) -> Any:
@@ -106,22 +151,22 @@ def reencoding_app(encode: list[str], prefill: list[str], decode: list[str]) -> 
 
             async def close() -> None:
                 decode.in_flight -= 1
-                await response.aclose()
+                response.release()
                 if prefill_task is not None:
                     prefill_task.cancel()
                     await asyncio.gather(prefill_task, return_exceptions=True)
 
             if not body.get("stream"):
                 try:
-                    answer = json.loads(await response.aread())
+                    answer = json.loads(await response.read())
                 finally:
                     await close()
-                return Response(json.dumps(answer), status_code=response.status_code, media_type="application/json")
+                return Response(json.dumps(answer), status_code=response.status, media_type="application/json")
 
             async def events():
                 buffer = b""
                 try:
-                    async for chunk in response.aiter_raw():
+                    async for chunk, _ in response.content.iter_chunks():
                         buffer += chunk
                         while b"\n\n" in buffer:
                             event, buffer = buffer.split(b"\n\n", 1)
@@ -133,7 +178,7 @@ def reencoding_app(encode: list[str], prefill: list[str], decode: list[str]) -> 
                 finally:
                     await close()
 
-            return StreamingResponse(events(), status_code=response.status_code, media_type="text/event-stream")
+            return StreamingResponse(events(), status_code=response.status, media_type="text/event-stream")
 
     return create_app(ReencodingProxy(encode, prefill, decode, health_interval=60.0))
 
@@ -179,18 +224,20 @@ async def load(url: str, clients: int, seconds: float, images: int, stream: bool
     content = json.dumps(body).encode()
     done, failed = 0, 0
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    # aiohttp (its HTTP parser is C) rather than httpx: the clients should cost little beside the proxy measured.
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
 
         async def one_client() -> None:
             nonlocal done, failed
             while time.monotonic() < deadline:
                 try:
-                    answer = await client.post(
-                        f"{url}/v1/chat/completions", content=content, headers={"content-type": "application/json"}
-                    )
-                    ok = answer.status_code == 200 and (answer.content.endswith(b"[DONE]\n\n") or not stream)
-                except httpx.HTTPError:
+                    async with session.post(
+                        f"{url}/v1/chat/completions", data=content, headers={"content-type": "application/json"}
+                    ) as answer:
+                        received = await answer.read()
+                    ok = answer.status == 200 and (received.endswith(b"[DONE]\n\n") or not stream)
+                except (TimeoutError, aiohttp.ClientError):
                     ok = False
                 done, failed = done + ok, failed + (not ok)
 
@@ -211,7 +258,8 @@ def main() -> None:
     parser.add_argument("--urls", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
-        serve_upstream(args.serve_upstream, chunk_events(args.events) if args.stream else whole_answer(args.events))
+        chunks = chunk_events(args.events) if args.stream else whole_answer(args.events)
+        serve_upstream(args.serve_upstream, chunks, args.stream)
         return
     if args.serve_baseline:
         encode, prefill, decode = args.urls
@@ -224,7 +272,10 @@ def main() -> None:
         for role in ("encode", "prefill", "decode"):
             port = free_port()
             urls[role] = f"http://127.0.0.1:{port}"
+            # The encode and prefill legs ask for one token, not streamed: their instances answer a short whole body.
             shape = ["--events", str(args.events), "--stream" if args.stream else "--no-stream"]
+            if role != "decode":
+                shape = ["--events", "1", "--no-stream"]
             processes.append(start([sys.executable, __file__, "--serve-upstream", str(port), *shape]))
             wait_up(urls[role], "/health", processes[-1])
         proxies = {}

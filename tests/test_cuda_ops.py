@@ -57,7 +57,8 @@ def _fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row float8 quantization in plain torch: ``scale = max |row| / 448`` (``1 / 448`` for zeros), the codes
     ``x / scale`` clamped to +-448 and cast (round to nearest-even)."""
     largest = x.float().abs().amax(dim=1)
-    scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / 448
+    # Divided by a tensor: CUDA divides by a Python float as a multiplication by its reciprocal (a last-bit miss).
+    scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / torch.full_like(largest, 448.0)
     return (x.float() / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scales
 
 

@@ -187,9 +187,11 @@ def cluster(tmp_path_factory, tokenizer_files):
     running.stop()
 
 
-def ask(client: openai.OpenAI, model: str, api: str, prompt: str, stream: bool, **extra) -> tuple[str, int | None]:
+def ask(
+    client: openai.OpenAI, model: str, api: str, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS, **extra
+) -> tuple[str, int | None]:
     """The greedy answer's text and completion token count (None when a stream reports no usage)."""
-    common = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, stream=stream, extra_body=extra or None)
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=stream, extra_body=extra or None)
     if stream:
         common["stream_options"] = {"include_usage": True}
     chat = api == "chat"
@@ -243,6 +245,48 @@ def test_greedy_output_through_the_proxy_equals_a_single_instance_and_decode_com
     # A one-token prompt has nothing to move (its decode leg releases the prefill instance's lease).
     assert delta["weft_kv_connector_receive_started_total"] == sum(1 for length in lengths if length > 1)
     assert delta["weft_kv_connector_receive_bytes_total"] > 0
+
+
+@pytest.fixture(scope="module")
+def speculating(cluster):
+    """A decode instance that speculates (``ngram``, k = 3) behind a proxy of its own, with prefill1: the names of
+    both."""
+    cluster.serve(
+        "speculating",
+        'plugins.nixl.role="kv_consumer"',
+        "engine.enable_prefix_caching=false",
+        'engine.speculative.method="ngram"',
+        "engine.speculative.num_speculative_tokens=3",
+        "engine.speculative.prompt_lookup_min=1",
+        "engine.speculative.prompt_lookup_max=3",
+    ).wait_until_healthy(cluster.urls["speculating"])
+    proxy = ["proxy", "pd", "--prefill", cluster.urls["prefill1"], "--decode", cluster.urls["speculating"]]
+    cluster._start("speculating_proxy", [*proxy, "--health-interval", "0.5", "--log-level", "warning"])
+    cluster.processes["speculating_proxy"].wait_until_healthy(cluster.urls["speculating_proxy"])
+    return "speculating", "speculating_proxy"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_decode_instance_that_speculates_gives_the_greedy_output_of_one_that_does_not(cluster, speculating, stream):
+    """P/D where the decode instance speculates (issue 44): its first steps run on KV that came through NIXL, then it
+    verifies its proposals; the greedy text equals the plain decode instance's, and proposals were verified."""
+    decode, proxy = speculating
+    before = cluster.metrics(decode)
+    with ThreadPoolExecutor(8) as pool:
+        proxied = list(
+            pool.map(
+                lambda prompt: ask(cluster.client(proxy), cluster.model_name, "completions", prompt, stream, 24),
+                PROMPTS,
+            )
+        )
+    after = cluster.metrics(decode)
+    plain = [ask(cluster.client("decode"), cluster.model_name, "completions", prompt, stream, 24) for prompt in PROMPTS]
+    assert proxied == plain
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    lengths = prompt_lengths(cluster, "completions")
+    assert delta["weft_external_prefix_cache_hits_total"] == sum(length - 1 for length in lengths)
+    assert delta["weft_kv_connector_failed_load_tokens_total"] == 0
+    assert delta["weft_spec_decode_num_draft_tokens_total"] > 0
 
 
 def remote_prefill(cluster: Cluster, producer: str, transfer_id: str) -> dict:

@@ -83,6 +83,9 @@ def chat_body(key: str, stream: bool, parts: list[dict]) -> dict:
         "temperature": 0,
         "stream": stream,
         "fake_key": key,
+        # The decode leg answers once its prefill leg arrived, as a real decode instance waits for the KV: the proxy
+        # ends a prefill leg still on its way when the decode answer ends.
+        "fake_await_prefill": True,
     }
 
 

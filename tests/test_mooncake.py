@@ -718,3 +718,38 @@ def test_layers_per_object_is_refused_under_pipeline_parallelism(store):
     context = ConnectorContext(model="m", tp_rank=0, tp_size=1, pp_rank=0, pp_size=2)
     with pytest.raises(ValueError, match=r"layers_per_object = 2 .*\(pipeline_parallel_size = 2\)"):
         MooncakeStoreConnector(options, "scheduler", (), context)
+
+
+def test_the_encoder_connector_keeps_outputs_by_model_and_item_hash_and_keeps_to_its_role(store):
+    """E/P/D's hand-over through the store (``use.encoder_connector = "mooncake"``): what one connector saves under an
+    item hash another loads, for the same model only; a save replaces the value; a consumer never saves, a producer
+    never loads. (``tests/test_epd.py`` runs it end to end.)"""
+    from weft.contracts.encoder_connector import EncoderConnectorContext
+    from weft_mooncake.connector import MooncakeOptions
+    from weft_mooncake.encoder import MooncakeEncoderConnector
+
+    options = msgspec.convert(store.options(), MooncakeOptions)
+
+    def connector(model: str, role: str = "both") -> MooncakeEncoderConnector:
+        context = EncoderConnectorContext(model=model)
+        return MooncakeEncoderConnector(msgspec.structs.replace(options, role=role), context)
+
+    connectors = [connector("llava@1"), connector("other@2"), connector("llava@1", "consumer")]
+    connectors.append(connector("llava@1", "producer"))
+    both, other_model, consumer, producer = connectors
+    try:
+        assert both.load("item-a") is None
+        both.save("item-a", b"first output" * 100)
+        assert consumer.load("item-a") == b"first output" * 100
+        assert other_model.load("item-a") is None
+        both.save("item-a", b"second output" * 100)
+        assert consumer.load("item-a") == b"second output" * 100
+        consumer.save("item-b", b"never saved" * 100)
+        assert both.load("item-b") is None
+        producer.save("item-c", b"saved" * 100)
+        assert producer.load("item-c") is None
+        assert both.load("item-c") == b"saved" * 100
+        assert stored(store, ["weft/encoder/llava@1/item-a", "weft/encoder/other@2/item-a"]) == [1, 0]
+    finally:
+        for each in connectors:
+            each.close()

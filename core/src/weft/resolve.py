@@ -383,6 +383,28 @@ def load_kv_connector(
     return connector_class, options, context
 
 
+def encoder_connector_name(config: WeftConfig) -> str:
+    """``use.encoder_connector``, ``auto`` resolved: ``folder`` where ``engine.encoder_store`` names a folder, else
+    ``none``."""
+    name = config.use.encoder_connector
+    if name == "auto":
+        return "folder" if config.engine.encoder_store else "none"
+    return name
+
+
+def load_encoder_connector(registry: PluginRegistry, config: WeftConfig, source: ModelSource, saves: bool) -> Any:
+    """The worker's encoder connector (:mod:`weft.contracts.encoder_connector`), built; None for ``none``.
+    ``saves``: whether this worker saves what it encodes."""
+    from weft.contracts.encoder_connector import EncoderConnectorContext
+
+    name = encoder_connector_name(config)
+    if name == "none":
+        return None
+    connector_class = registry.load("encoder_connector", name)
+    context = EncoderConnectorContext(model=model_identity(source), folder=config.engine.encoder_store, saves=saves)
+    return connector_class(options_for(config, "encoder_connector", connector_class, name), context)
+
+
 def resolve_dtype(config: WeftConfig, platform: Any) -> str:
     """``engine.dtype``, or the platform's default under ``auto``; ValueError naming the dtypes it supports."""
     dtype = config.engine.dtype if config.engine.dtype != "auto" else platform.default_dtype()

@@ -45,7 +45,9 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``matrix ~ codes * scales[:, None]``."""
     matrix = matrix.float()
     largest = matrix.abs().amax(dim=-1)
-    scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / FLOAT8_MAX
+    # Divided by a tensor, not the Python float: CUDA divides by a scalar as a multiplication by its reciprocal,
+    # which misses the correctly rounded quotient in the last bit (the Triton kernel's ``div_rn`` is exact).
+    scales = torch.where(largest > 0, largest, torch.ones_like(largest)) / torch.full_like(largest, FLOAT8_MAX)
     return to_float8(matrix / scales[:, None]), scales
 
 

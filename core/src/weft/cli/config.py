@@ -75,6 +75,7 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
     usable = [entry for entry in registry.entries if entry.status == "ok"]
     found: dict[str, tuple[type, Any]] = {}
     unreadable: list[str] = []
+    loaded = []
     for entry in sorted(usable, key=lambda entry: (entry.name, entry.slot)):
         table = plugin_table(entry, registry.entries)  # a broken plugin of the same name shares a bare table
         try:
@@ -82,10 +83,16 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
         except PluginError as error:
             unreadable.append(f"{table}: its options cannot be shown: {error} (see weft plugins doctor)")
             continue
+        loaded.append((entry, table, options_type))
+    for entry, table, options_type in loaded:
         if options_type is NoOptions:
             continue
+        # Plugins of several slots that share a name and one Options Struct (weft-mooncake's KV and encoder
+        # connectors) read one [plugins.<name>] table: it is shown once.
+        namesakes = {other_type for other, _, other_type in loaded if other.name == entry.name}
+        key = entry.name if namesakes == {options_type} else plugin_table_key(entry, registry.entries)
         try:
-            found[plugin_table_key(entry, registry.entries)] = (options_type, msgspec.convert({}, options_type))
+            found[key] = (options_type, msgspec.convert({}, options_type))
         except msgspec.ValidationError as error:
             unreadable.append(f"{table}: no defaults to show ({error}); set them in weft.toml")
     return found, unreadable

@@ -63,6 +63,13 @@ class UseConfig(_Section, frozen=True):
         str,
         Meta(description="multimodal (image) processor, none, or auto: the one made for the model's architecture"),
     ] = "auto"
+    encoder_connector: Annotated[
+        str,
+        Meta(
+            description="what hands image encoder outputs between instances (E/P/D): folder (files in "
+            "engine.encoder_store), a plugin's (mooncake), none, or auto: folder where engine.encoder_store is set"
+        ),
+    ] = "auto"
     ops: Annotated[
         dict[str, str], Meta(description="op name -> implementation to force, e.g. {rms_norm = 'torch'}")
     ] = {}
@@ -199,9 +206,9 @@ class EngineConfig(_Section, frozen=True):
     encoder_store: Annotated[
         str,
         Meta(
-            description="a folder shared by instances where image encoder outputs are kept by item hash: an "
-            "instance reads an image's output from it instead of encoding, and writes what it encodes (E/P/D: the "
-            "encoder instance writes, the prefill instance reads); empty: none",
+            description="the folder of use.encoder_connector = 'folder', shared by instances, where image encoder "
+            "outputs are kept by item hash: an instance reads an image's output from it instead of encoding, and "
+            "writes what it encodes (E/P/D: the encoder instance writes, the prefill instance reads); empty: none",
         ),
     ] = ""
     max_long_partial_prefills: Annotated[

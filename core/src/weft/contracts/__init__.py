@@ -19,6 +19,7 @@ tool_parser        ``weft.tool_parser``        :class:`weft.contracts.tool_parse
 reasoning_parser   ``weft.reasoning_parser``   :class:`weft.contracts.reasoning_parser.ReasoningParser`
 speculator         ``weft.speculator``         :class:`weft.contracts.speculator.Speculator`
 mm_processor       ``weft.mm_processor``       :class:`weft.contracts.mm_processor.MMProcessor`
+encoder_connector  ``weft.encoder_connector``  :class:`weft.contracts.encoder_connector.EncoderConnector`
 quantization       ``weft.quantization``       :class:`weft.contracts.quantization.QuantizationMethod`
 hooks              ``weft.hooks``              a module or object with ``@hookimpl`` functions
                                                (:mod:`weft.contracts.hooks`)
@@ -56,6 +57,7 @@ SLOT_GROUPS: dict[str, str] = {
     "reasoning_parser": "weft.reasoning_parser",
     "speculator": "weft.speculator",
     "mm_processor": "weft.mm_processor",
+    "encoder_connector": "weft.encoder_connector",
     "quantization": "weft.quantization",
     "hooks": "weft.hooks",
 }

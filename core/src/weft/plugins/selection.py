@@ -118,7 +118,7 @@ def plugins_named_in_use(use: UseConfig) -> list[tuple[str, str, str]]:
         named.append(("kv_connector", "kv_connector", use.kv_connector))
     named += [
         (slot, slot, getattr(use, slot))
-        for slot in ("structured_output", "tool_parser", "reasoning_parser", "mm_processor")
+        for slot in ("structured_output", "tool_parser", "reasoning_parser", "mm_processor", "encoder_connector")
         if getattr(use, slot) not in ("auto", "none")
     ]
     named += [(f"ops.{op}", "ops", f"{op}.{implementation}") for op, implementation in use.ops.items()]

@@ -8,19 +8,17 @@ rows of its items that its scheduled positions cover, with its multi-axis positi
 the step's :class:`~weft.layers.multimodal.MultimodalBatch`. A step that needs one runs eagerly
 (:meth:`EncoderRunner.needed`): decode graphs are captured for text.
 
-``engine.encoder_store`` (a folder, shared by instances on one machine or a shared file system) hands encoder
-outputs between instances, E/P/D's encode leg to its prefill leg: an item whose ``<hash>.safetensors`` is there is
-read, not encoded; what is encoded is written there (a temporary name, then an atomic rename, so a reader never
-sees half a file). The item hash covers the pixels and the processor's options, so a file is valid for any prompt
-holding the item. A file of the wrong shape (another model) is ignored and overwritten.
+An encoder connector (:mod:`weft.contracts.encoder_connector`, ``use.encoder_connector``: a shared folder, a
+Mooncake store) hands encoder outputs between instances, E/P/D's encode leg to its prefill leg: an item the
+connector holds is loaded, not encoded; what is encoded is saved through it, as a safetensors file of one
+``embeddings`` tensor. The item hash covers the pixels and the processor's options, so a saved output is valid for
+any prompt holding the item. One that does not parse or has the wrong number of rows (another model's) is ignored,
+encoded again and overwritten.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy
@@ -29,6 +27,7 @@ import torch
 from weft.layers.multimodal import MultimodalBatch
 
 if TYPE_CHECKING:
+    from weft.contracts.encoder_connector import EncoderConnector
     from weft.contracts.executor import SchedulerOutput
     from weft.contracts.mm_processor import ProcessedItem
     from weft.contracts.model import ModelFamily
@@ -45,21 +44,17 @@ class EncoderRunner:
         family: ModelFamily,
         model: torch.nn.Module,
         device: torch.device,
-        store: str | Path | None = None,
-        writes: bool = True,
+        connector: EncoderConnector | None = None,
     ) -> None:
-        """``store``: ``engine.encoder_store`` (module docstring); ``writes``: whether this worker writes to it."""
+        """``connector``: the instance's encoder connector (module docstring), None for none."""
         self.family = family
         self.model = model
         self.device = device
         self.outputs: dict[str, torch.Tensor] = {}
         """Item hash -> its encoder output, ``[num_embeddings, hidden]`` on the device."""
-        self.store = Path(store) if store else None
-        self.writes = writes
+        self.connector = connector
         self.store_reads = 0
-        """Items read from the store instead of encoded."""
-        if self.store is not None:
-            self.store.mkdir(parents=True, exist_ok=True)
+        """Items loaded through the connector instead of encoded."""
 
     def update(self, step: SchedulerOutput, requests: dict[str, RequestState]) -> None:
         """Drop what the step frees, then encode what it asks for (after its new requests were taken in)."""
@@ -96,23 +91,30 @@ class EncoderRunner:
             self._write(item_hash, output)
 
     def _read(self, item_hash: str, item: ProcessedItem) -> bool:
-        """Take the item's output from the store where it is there with the right number of rows."""
-        if self.store is None:
+        """Take the item's output from the connector where it holds one with the right number of rows."""
+        if self.connector is None:
             return False
-        path = self.store / f"{item_hash}.safetensors"
-        if not path.exists():
+        data = self.connector.load(item_hash)
+        if data is None:
             return False
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         try:
-            output = load_file(str(path), device=str(self.device))["embeddings"]
-        except Exception as error:  # noqa: BLE001 - a damaged file is encoded again, and overwritten
-            logger.warning("encoder store: %s is unreadable (%s); encoding the item again", path, error)
+            output = load(data)["embeddings"].to(self.device)
+        except Exception as error:  # noqa: BLE001 - a damaged value is encoded again, and overwritten
+            logger.warning(
+                "encoder connector %r: the output of item %s is unreadable (%s); encoding the item again",
+                self.connector.name,
+                item_hash[:12],
+                error,
+            )
             return False
         if output.dim() != 2 or output.shape[0] != item.num_embeddings:
             logger.warning(
-                "encoder store: %s holds %s rows, the item needs [%d, hidden] (another model's?); encoding it again",
-                path,
+                "encoder connector %r: item %s has a %s output, the item needs [%d, hidden] (another model's?); "
+                "encoding it again",
+                self.connector.name,
+                item_hash[:12],
                 tuple(output.shape),
                 item.num_embeddings,
             )
@@ -122,18 +124,16 @@ class EncoderRunner:
         return True
 
     def _write(self, item_hash: str, output: torch.Tensor) -> None:
-        if self.store is None or not self.writes:
+        if self.connector is None or not self.connector.context.saves:
             return
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        path = self.store / f"{item_hash}.safetensors"
-        partial = self.store / f".{item_hash}.{uuid.uuid4().hex}.partial"
-        try:
-            save_file({"embeddings": output.detach().to("cpu").contiguous()}, str(partial))
-            os.replace(partial, path)
-        except OSError as error:  # a full or read-only store costs the other instances an encode, nothing else
-            logger.warning("encoder store: cannot write %s: %s", path, error)
-            partial.unlink(missing_ok=True)
+        self.connector.save(item_hash, save({"embeddings": output.detach().to("cpu").contiguous()}))
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
 
     @staticmethod
     def needed(states: list[RequestState], counts: list[int]) -> bool:

@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from weft.config import WeftConfig
+from weft.contracts.encoder_connector import EncoderConnector
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.loader import LoadConfig, WeightSlice
@@ -48,6 +49,7 @@ from weft.resolve import (
     choose_quantization,
     draft_load_config,
     load_config_for,
+    load_encoder_connector,
     load_family,
     load_kv_connector,
     model_config,
@@ -102,6 +104,7 @@ class Worker:
             bind_compute_threads(config.engine.cpu_threads, config.engine.cpu_affinity)
         self.runner: ModelRunner | None = None
         self.kv_connector: WorkerConnector | None = None
+        self.encoder_connector: EncoderConnector | None = None
         self.speculator: Speculator | None = None
 
     def load_model(self) -> WorkerInfo:
@@ -116,9 +119,11 @@ class Worker:
             local_rank=self.local_rank,
         )
         self.loader, self.source = resolve_source(self.registry, config, load_config)
-        self.quantization_name, self.quantization = choose_quantization(
-            self.registry, config, self.platform, self.source.format, self.dtype
-        )
+        kernels = KernelRegistry(RuntimeMonitor(engine.runtime_jit))
+        with collecting(kernels):  # a quantization method registers the kernels it launches when it is made
+            self.quantization_name, self.quantization = choose_quantization(
+                self.registry, config, self.platform, self.source.format, self.dtype
+            )
         if self.quantization is not None:
             self.loader.load_config = msgspec.structs.replace(load_config, quantization=self.quantization_name)
         self.family = load_family(self.registry, config, self.source)
@@ -131,7 +136,7 @@ class Worker:
         )
         check_kv_cache_dtype(config, self.platform, self.attention)
         torch.manual_seed(engine.seed)
-        with collecting(KernelRegistry(RuntimeMonitor(engine.runtime_jit))) as self.kernels:
+        with collecting(kernels) as self.kernels:
             self.ops = self._choose_ops()
             with using_ops(self.ops), using_parallel(self.parallel), using_quantization(self.quantization):
                 self.model = self.family.build(self.model_config, self.device)
@@ -235,9 +240,11 @@ class Worker:
             num_target_groups=self.num_target_groups,
         )
         if type(self.family).encode is not ModelFamily.encode:  # a vision-language family
-            store = self.config.engine.encoder_store or None
-            writes = self.parallel.layout.rank == 0  # every rank encodes the same items; one file is written
-            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device, store, writes))
+            # Every rank encodes (or loads) the same items; rank 0 alone saves them.
+            self.encoder_connector = load_encoder_connector(
+                self.registry, self.config, self.source, saves=self.parallel.layout.rank == 0
+            )
+            self.runner.use_encoder(EncoderRunner(self.family, self.model, self.device, self.encoder_connector))
         if self.parallel.layout.rank == 0:
             report("warming up kernels")
         compiled = self.kernels.warm_up()
@@ -350,6 +357,9 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
+        if self.encoder_connector is not None:
+            self.encoder_connector.close()
+            self.encoder_connector = None
         self.runner = None
         model, self.model = getattr(self, "model", None), None
         kv_caches, self.kv_caches = getattr(self, "kv_caches", {}), {}

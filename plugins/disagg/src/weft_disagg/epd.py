@@ -27,7 +27,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
+import aiohttp
 
 from weft_disagg.pd import Instance, PDProxy, Policy, Pool
 
@@ -80,7 +80,7 @@ class EPDProxy(PDProxy):
 
     async def _send(
         self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
-    ) -> tuple[Instance, httpx.Response, asyncio.Task | None, float]:
+    ) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Task | None, float]:
         parts = image_parts(body) if path.endswith("/chat/completions") else []
         if parts:
             await asyncio.gather(*(self._encode(path, encode_body(body, part), headers) for part in parts))

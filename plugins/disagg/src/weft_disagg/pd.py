@@ -43,6 +43,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
 import msgspec
 from prometheus_client import (
@@ -68,6 +69,8 @@ UPSTREAM_KEEPALIVE_EXPIRY = 2.0
 connection the instance was closing at that moment failed with a ReadError before its first byte."""
 
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "retry-after")
+UPSTREAM_ERRORS = (httpx.TransportError, aiohttp.ClientError, TimeoutError)
+"""What a leg that cannot reach its instance, is broken off or stays silent past ``leg_timeout`` raises."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -92,6 +95,15 @@ class Instance:
         self.healthy = True
         self.side_channel: tuple[str, int] | None = None
         """A prefill instance's NIXL side channel, from its ``GET /kv_transfer``."""
+        self.client: httpx.AsyncClient | None = None
+        """The proxy's connections to this instance (:meth:`PDProxy.start`): a pool per instance, because httpcore
+        looks through every pooled connection each time a request starts or ends, and one pool for all the
+        instances held the connections of all three legs of every request in flight."""
+        self.session: aiohttp.ClientSession | None = None
+        """The legs sent to this instance (encode, prefill, decode): aiohttp, whose HTTP parser is C. The proxy
+        relays every event of every stream, and reading them through httpx (h11, pure Python) was most of its CPU
+        time per request, its side legs most of the rest. ``client`` serves the rest (health, side channel,
+        abandoned transfers, ``GET`` pass-through)."""
 
     def __repr__(self) -> str:
         return f"{self.role} instance {self.url}"
@@ -154,7 +166,7 @@ class ProxyMetrics:
 
 
 class PDProxy:
-    """The proxy's state: the instance pools, the HTTP client, the health check, the metrics."""
+    """The proxy's state: the instance pools, their HTTP clients, the health check, the metrics."""
 
     def __init__(
         self,
@@ -176,18 +188,24 @@ class PDProxy:
         self.leg_timeout = leg_timeout
         """Longest an instance may send nothing on a leg (``--leg-timeout``): httpx's read timeout."""
         self.metrics = ProxyMetrics(self)
-        self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
 
     # Lifecycle and health.
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=self.leg_timeout, write=60.0, pool=None),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
-            ),
-        )
+        for instance in self.instances():
+            instance.client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=10.0, read=self.leg_timeout, write=60.0, pool=None),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=256, keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY
+                ),
+            )
+        for instance in self.instances():
+            instance.session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.leg_timeout),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_EXPIRY),
+                auto_decompress=False,  # the bytes go through as they came, content-encoding with them
+            )
         await self.check_health()
         self._health_task = asyncio.create_task(self._watch_health())
 
@@ -195,8 +213,11 @@ class PDProxy:
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
-        if self.client is not None:
-            await self.client.aclose()
+        for instance in self.instances():
+            if instance.client is not None:
+                await instance.client.aclose()
+            if instance.session is not None:
+                await instance.session.close()
 
     async def _watch_health(self) -> None:
         while True:
@@ -214,9 +235,9 @@ class PDProxy:
         await asyncio.gather(*(self._check(instance) for instance in self.instances()))
 
     async def _check(self, instance: Instance) -> None:
-        assert self.client is not None
+        assert instance.client is not None
         try:
-            healthy = (await self.client.get(f"{instance.url}/health", timeout=5.0)).status_code == 200
+            healthy = (await instance.client.get(f"{instance.url}/health", timeout=5.0)).status_code == 200
             if healthy and instance.role == "prefill" and instance.side_channel is None:
                 instance.side_channel = await self._side_channel(instance)
         except httpx.HTTPError:
@@ -226,8 +247,8 @@ class PDProxy:
         instance.healthy = healthy
 
     async def _side_channel(self, instance: Instance) -> tuple[str, int] | None:
-        assert self.client is not None
-        response = await self.client.get(f"{instance.url}/kv_transfer", timeout=5.0)
+        assert instance.client is not None
+        response = await instance.client.get(f"{instance.url}/kv_transfer", timeout=5.0)
         if response.status_code != 200:
             logger.error(
                 "%s has no KV transfer (GET /kv_transfer answered %d): start it with use.kv_connector = "
@@ -274,12 +295,12 @@ class PDProxy:
         tried: list[Instance] = []
         for attempt in range(1, self.decode_attempts + 1):
             decode, response, prefill_task, started = await self._send(path, body, headers, tried)
-            if response.status_code >= 500 and attempt < self.decode_attempts:
-                logger.warning("%s answered %d; retrying on another decode instance", decode, response.status_code)
+            if response.status >= 500 and attempt < self.decode_attempts:
+                logger.warning("%s answered %d; retrying on another decode instance", decode, response.status)
                 self.metrics.decode_retries.inc()
                 self.metrics.leg_failures.labels("decode").inc()
                 decode.in_flight -= 1
-                await response.aclose()
+                response.release()
                 await _settle(prefill_task)
                 tried.append(decode)
                 continue
@@ -288,15 +309,14 @@ class PDProxy:
             }
             relay = _Relay(self, decode, response, prefill_task, started)
             if "content-length" in response.headers:  # a whole answer, already computed: sent in one piece
-                return Response(await relay.whole(), status_code=response.status_code, headers=forwarded)
-            return _RelayedResponse(relay, status_code=response.status_code, headers=forwarded)
+                return Response(await relay.whole(), status_code=response.status, headers=forwarded)
+            return _RelayedResponse(relay, status_code=response.status, headers=forwarded)
         raise AssertionError("unreachable: the last attempt returns")
 
     async def _send(
         self, path: str, body: dict[str, Any], headers: dict[str, str], tried: list[Instance]
-    ) -> tuple[Instance, httpx.Response, asyncio.Task | None, float]:
+    ) -> tuple[Instance, aiohttp.ClientResponse, asyncio.Task | None, float]:
         """Start both legs of one attempt; returns once the decode instance answered with its status."""
-        assert self.client is not None
         decode = self.decode.choose(tried)
         if decode is None:
             raise ProxyError(503, "no decode instance is healthy; retry later")
@@ -331,14 +351,14 @@ class PDProxy:
         decode.in_flight += 1
         started = time.monotonic()
         try:
-            upstream = self.client.build_request(
-                "POST", decode.url + path, content=msgspec.json.encode(decode_body), headers=headers
+            assert decode.session is not None
+            response = await decode.session.post(
+                decode.url + path, data=msgspec.json.encode(decode_body), headers=headers
             )
-            response = await self.client.send(upstream, stream=True)
         except BaseException as error:
             decode.in_flight -= 1
             await _settle(prefill_task)
-            if isinstance(error, httpx.TransportError):
+            if isinstance(error, UPSTREAM_ERRORS):
                 decode.healthy = False
                 self.metrics.leg_failures.labels("decode").inc()
                 raise ProxyError(502, f"{decode} could not be reached: {type(error).__name__}: {error}") from None
@@ -355,9 +375,9 @@ class PDProxy:
             return
         # The engine may never have seen the request: end its transfer, so the decode instance does not wait for KV
         # that will not come.
-        assert self.client is not None
+        assert instance.client is not None
         try:
-            await self.client.post(
+            await instance.client.post(
                 f"{instance.url}/kv_transfer/abandon", json={"transfer_id": transfer_id}, headers=headers, timeout=5.0
             )
         except httpx.TransportError as error:
@@ -371,18 +391,20 @@ class PDProxy:
     ) -> bool:
         """Post a leg the request survives the failure of (prefill, encode): timed and counted, a failure logged
         with ``fallback`` (who does the work instead). True when the instance answered with an error status."""
-        assert self.client is not None
+        assert instance.session is not None
         instance.in_flight += 1
         started = time.monotonic()
         try:
-            response = await self.client.post(instance.url + path, content=msgspec.json.encode(body), headers=headers)
+            response = await instance.session.post(instance.url + path, data=msgspec.json.encode(body), headers=headers)
+            answer = await response.read()
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
-            if response.status_code < 400:
+            if response.status < 400:
                 return False
             self.metrics.leg_failures.labels(leg).inc()
-            logger.warning("%s answered %d: %s (%s)", instance, response.status_code, response.text[:200], fallback)
+            text = answer[:200].decode(errors="replace")
+            logger.warning("%s answered %d: %s (%s)", instance, response.status, text, fallback)
             return True
-        except httpx.TransportError as error:
+        except UPSTREAM_ERRORS as error:
             instance.healthy = False
             self.metrics.leg_failures.labels(leg).inc()
             logger.warning("%s failed: %s: %s (%s)", instance, type(error).__name__, error, fallback)
@@ -392,13 +414,13 @@ class PDProxy:
 
     async def passthrough(self, request: Request) -> Response:
         """``GET`` routes answered by a decode instance (``/v1/models``), bytes untouched."""
-        assert self.client is not None
         decode = self.decode.choose()
         if decode is None:
             return error_response(ProxyError(503, "no decode instance is healthy; retry later"))
+        assert decode.client is not None
         headers = {name: request.headers[name] for name in _FORWARDED_REQUEST_HEADERS if name in request.headers}
         try:
-            response = await self.client.get(decode.url + request.url.path, headers=headers, timeout=30.0)
+            response = await decode.client.get(decode.url + request.url.path, headers=headers, timeout=30.0)
         except httpx.TransportError as error:
             return error_response(ProxyError(502, f"{decode} could not be reached: {type(error).__name__}: {error}"))
         forwarded = {name: response.headers[name] for name in _FORWARDED_RESPONSE_HEADERS if name in response.headers}
@@ -420,7 +442,7 @@ class _Relay:
         self,
         proxy: PDProxy,
         decode: Instance,
-        response: httpx.Response,
+        response: aiohttp.ClientResponse,
         prefill_task: asyncio.Task | None,
         started: float,
     ) -> None:
@@ -437,14 +459,14 @@ class _Relay:
         """The decode response's bytes as they come."""
         metrics, first = self.proxy.metrics, True
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk, _ in self.response.content.iter_chunks():  # as they come, one per HTTP chunk
                 if first:
                     metrics.leg_seconds.labels("decode_first_byte").observe(time.monotonic() - self.started)
                     first = False
                 metrics.forwarded_bytes.inc(len(chunk))
                 yield chunk
             metrics.leg_seconds.labels("decode").observe(time.monotonic() - self.started)
-        except httpx.TransportError as error:  # the client sees the response end early
+        except UPSTREAM_ERRORS as error:  # the client sees the response end early
             metrics.leg_failures.labels("decode").inc()
             logger.warning("%s broke off its response: %s: %s", self.decode, type(error).__name__, error)
         finally:
@@ -456,8 +478,8 @@ class _Relay:
         and a client that leaves meanwhile wastes nothing upstream."""
         metrics = self.proxy.metrics
         try:
-            content = await self.response.aread()
-        except httpx.TransportError as error:
+            content = await self.response.read()
+        except UPSTREAM_ERRORS as error:
             metrics.leg_failures.labels("decode").inc()
             raise ProxyError(502, f"{self.decode} broke off its response: {type(error).__name__}: {error}") from None
         finally:
@@ -474,7 +496,7 @@ class _Relay:
             return
         self._closed = True
         self.decode.in_flight -= 1
-        await self.response.aclose()
+        self.response.release()  # back to the pool when it was read to the end, else closed
         await _settle(self.prefill_task)
 
 

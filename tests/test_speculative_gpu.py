@@ -1,0 +1,91 @@
+"""Speculative decoding on CUDA: greedy output identical to plain decoding's, with a replay speculator (the
+target's own greedy continuation, accepted in full) and with ``ngram``, through the Triton attention with and
+without CUDA graphs and through the torch attention; seeded sampling reproducible. The CPU's tests are
+tests/test_speculative.py; these run where a GPU is (``-m gpu``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from test_speculative import NGRAM, repetitive_prompts, token_ids
+from weft import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PATHS = {
+    "triton+graphs": ({}, {}),
+    "triton eager": ({"enforce_eager": True}, {}),
+    "triton eager, no async scheduling": ({"enforce_eager": True, "async_scheduling": False}, {}),
+    "torch attention": ({"enforce_eager": True}, {"attention": "torch"}),
+}
+
+
+@pytest.fixture(scope="module")
+def replay_registry():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from replay_speculator import ReplaySpeculator, registry_with_replay
+    finally:
+        sys.path.remove(str(BENCH))
+    return ReplaySpeculator, registry_with_replay()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer_files):
+    # A 20x LM head would not change what is tested; N(0, 0.2) weights already spread the logits wide.
+    return make_tiny_model(tmp_path_factory.mktemp("spec_gpu") / "llama", "llama", tokenizer_files, vocab_size=512)
+
+
+def engine(**options):
+    return {"dtype": "bfloat16", "gpu_memory_utilization": 0.2, "max_model_len": 512, **options}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_replay_and_ngram_keep_greedy_output_on_cuda(tiny_llama, replay_registry, path):
+    replay, registry = replay_registry
+    options, use = PATHS[path]
+    prompts = repetitive_prompts(8)
+    plain = LLM(model=str(tiny_llama), registry=registry, use=use, engine=engine(**options))
+    try:
+        reference = token_ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+        one = token_ids(plain.generate(prompts[:1], GREEDY, use_tqdm=False))
+    finally:
+        plain.close()
+    assert one == reference[:1], "plain greedy decoding differs between batch 1 and batch 8"
+    replay.continuations = {tuple(prompt): list(tokens) for prompt, tokens in zip(prompts, reference, strict=True)}
+    for speculative in ({"method": "replay", "num_speculative_tokens": 4}, NGRAM):
+        llm = LLM(model=str(tiny_llama), registry=registry, use=use, engine=engine(**options, speculative=speculative))
+        try:
+            outputs = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+            single = token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False))
+            stats = llm.engine.core.stats()
+        finally:
+            llm.close()
+        drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+        first = next((i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b), None)
+        assert first is None, (
+            f"{speculative['method']} on {path}: request {first} differs from plain decoding "
+            f"({outputs[first][:12]}... vs {reference[first][:12]}...); accepted {accepted} of {drafted}"
+        )
+        assert single == reference[:1]
+        if speculative["method"] == "replay":
+            assert accepted == drafted > 0, f"replay on {path}: accepted {accepted} of {drafted} proposals"
+
+
+def test_seeded_sampling_is_reproducible_with_speculation_on_cuda(tiny_llama):
+    prompts = repetitive_prompts(4)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=11, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama), engine=engine(speculative=NGRAM))
+    try:
+        first = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        again = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.close()
+    assert first == again

@@ -10,7 +10,8 @@ streams there (``[hc_mult, hidden]``, before ``hc_head``) and the embedding of t
 
 and predicts the token at ``p + 2``. The embedding and the LM head are the target's modules (shared, never
 copied). A chain of ``k`` proposals feeds the block its own output streams and its last proposal: proposal ``m``
-comes from the entry at ``p + m - 1``; with several MTP layers, step ``m`` uses layer ``(m - 1) % layers``.
+comes from the entry at ``p + m - 1``. The chain runs through ``mtp.0`` (DeepSeek V4 ships one MTP layer; a
+further layer would need its own window of entries computed from the target's streams).
 
 The block attends over its own window of earlier entries, so the speculator feeds it the positions the target
 computes: core hands it the target's streams after each forward (:meth:`MtpSpeculator.take_hidden_states`),
@@ -256,6 +257,9 @@ class MtpSpeculator(Speculator):
             )
         hf_config, parallel = target.config.hf_config, target.config.parallel
         count = int(hf_config.get("num_nextn_predict_layers") or 0)
+        if count > 1:
+            logger.info("mtp: the checkpoint has %d MTP layers; proposals chain through mtp.0", count)
+            count = 1
         if count < 1:
             raise ValueError(
                 f"[engine.speculative] method = 'mtp': the checkpoint's num_nextn_predict_layers is {count}; it has "
@@ -367,7 +371,8 @@ class MtpSpeculator(Speculator):
             if followed is None or limit <= 0 or followed.first is None:
                 continue
             newest = len(followed.token_ids) - 1  # entries reach the target position before it
-            if followed.rows_start != followed.first + followed.done or followed.rows_end < newest:
+            caught_up = followed.rows_start >= newest
+            if followed.rows_start != followed.first + followed.done or followed.rows_end < newest or caught_up:
                 continue  # streams missing (a forward it was not in): it decodes plainly, and starts afresh later
             blocks = [list(table) for table in step.draft_inputs.block_ids[index]]
             last = newest - 1 - followed.first  # the newest entry's position: the first proposal comes from it
@@ -401,7 +406,6 @@ class MtpSpeculator(Speculator):
         drafted = [_argmax(layer.compute_logits(streams), vocab)]
         active = list(range(len(rows)))
         for step in range(1, max(wanted)):
-            layer = self.layers[step % len(self.layers)]
             keep = [position for position, row in enumerate(active) if wanted[row] > step]
             active = [active[position] for position in keep]
             kept = torch.tensor(keep, dtype=torch.long, device=device)

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import free_port, smollm2_gguf, start_weft_serve
 from weft import progress
+from weft.runner.cpu_isa import describe, detect
 from weft_gguf import files
 from weft_gguf.loader import GGUFLoader
 
@@ -61,6 +62,7 @@ def startup_lines(cache: str, url: str | None, dense: bool) -> list[str]:
         "ready in SECONDS s",
         f"  model     {MODEL} (LlamaForCausalLM, gguf file SmolLM2-135M-Instruct.Q4_1.gguf)",
         "  platform  cpu",
+        f"  CPU       {describe(detect())}",
         "  dtype     float32 (converted from the gguf file's weights)"
         if dense
         else "  weights   cpu_int4 (the gguf file's blocks kept quantized, the rest float32; weft config show lists "

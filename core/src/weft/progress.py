@@ -73,8 +73,8 @@ def human_bytes(size: float) -> str:
 
 
 def summary_lines(facts: Mapping[str, Any], seconds: float, url: str | None = None) -> list[str]:
-    """The startup summary: model, platform, dtype (and the weights' source format), KV capacity, and the
-    URL when serving. ``facts``: :meth:`weft.engine.core.engine_core.EngineCore.describe`."""
+    """The startup summary: model, platform (on the CPU, its GEMM instruction sets and GEMM dtype), dtype (and
+    the weights' source format), KV capacity, and the URL when serving. ``facts``: :meth:`weft.engine.core.engine_core.EngineCore.describe`."""
     blocks = facts["num_kv_blocks"]
     capacity = facts.get("kv_capacity_tokens")
     kv = f"{capacity:,} tokens" if capacity else f"{sum(blocks):,} blocks"
@@ -87,6 +87,7 @@ def summary_lines(facts: Mapping[str, Any], seconds: float, url: str | None = No
         f"  model     {facts['model']} ({facts['architecture']}, {facts['weights_format']} file "
         f"{facts['weights_file']})",
         f"  platform  {facts['platform']}",
+        *([f"  CPU       {facts['cpu_isa']}"] if facts.get("cpu_isa") else []),
         _dtype_line(facts),
         f"  KV cache  {kv}",
     ]

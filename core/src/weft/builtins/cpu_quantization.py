@@ -6,7 +6,10 @@ The kernel (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed by
 group of 32/64/128/256 input features and output feature, scales and zeros in the activations'
 dtype. Only bf16 activations have a fast path in torch 2.9-2.13 (fp32 is 10-30x slower there,
 measured on AVX-512), so the method multiplies in bf16 (fp32 accumulation) and returns the
-activations' dtype.
+activations' dtype. Float activations go in as two bf16 rows each, ``hi + lo`` (16 mantissa bits): the
+kernel's rounding of its inputs to bf16 is gone, its outputs' (2^-9 relative) stays. On a CPU without
+native bf16 (:mod:`weft.runner.cpu_isa`), GEMMs of more than :data:`DECODE_ROWS` rows dequantize the layer
+to float32 and multiply there instead.
 
 What each checkpoint format becomes (:meth:`CpuInt4.describe` says it per layer):
 
@@ -27,9 +30,13 @@ import torch
 from torch import nn
 
 from weft.contracts.quantization import GroupAffine, QuantizationMethod
+from weft.runner.cpu_isa import detect, gemm_dtype
 
 GROUP = 32
 COMPUTE_DTYPE = torch.bfloat16
+# Up to this many rows (decode of a few sequences) the kernel streams each weight once for all of them: memory-bound,
+# its bf16 multiplies cost nothing there. More rows are a GEMM, multiplied in the CPU's GEMM dtype (cpu_isa).
+DECODE_ROWS = 8
 
 
 def round_to_int4(weight: torch.Tensor, group_size: int = GROUP) -> GroupAffine:
@@ -108,18 +115,35 @@ class CpuInt4(QuantizationMethod):
                 pack_int4(high + 8, 16 * weight.scales, offsets),
                 pack_int4(low, weight.scales, 8 * weight.scales),
             ]
+        layer.gemm_dtype = gemm_dtype(detect())
+        if layer.gemm_dtype == "float32":
+            # No native bf16: GEMMs of more than DECODE_ROWS rows dequantize the codes (kept as bytes) to float32.
+            layer.group_affine = weight
         layer.effective_format = (
             f"int4 g{GROUP} bf16 scales from {weight.source_format}"
             + (" (as two int4 halves)" if weight.bits == 8 else "")
             + ("" if weight.source_format.startswith("Q") else " (rounded to 4 bits per group)")
+            + (f", GEMMs of over {DECODE_ROWS} rows dequantized to float32" if layer.gemm_dtype == "float32" else "")
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        if rows > DECODE_ROWS and layer.gemm_dtype == "float32":
+            out = torch.nn.functional.linear(flat.float(), layer.group_affine.dequantize())
+            out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+            return out if bias is None else out + bias
+        if flat.dtype != COMPUTE_DTYPE:
+            # The activations as two bf16 rows each, hi + lo (16 mantissa bits between them): rounding them to bf16
+            # alone cost 0.6% of teacher-forced top-1 against transformers (docs/quantization.md).
+            high = flat.to(COMPUTE_DTYPE)
+            flat = torch.cat([high, (flat - high).to(COMPUTE_DTYPE)])
         packs = layer.int4_packs
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packs[0][0], GROUP, packs[0][1])
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packs[0][0], GROUP, packs[0][1]).float()
         for packed, scales_and_zeros in packs[1:]:
-            out = out + torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_and_zeros)
+            out += torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_and_zeros)
+        if flat.shape[0] != rows:
+            out = out[:rows] + out[rows:]
         out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 

@@ -100,13 +100,19 @@ def _plugin_option_types(registry: Any) -> tuple[dict[str, tuple[type, Any]], li
 
 def _platform_sized(config: WeftConfig, registry: Any) -> tuple[WeftConfig, str]:
     """``config`` with the engine options the platform sizes filled in as the engine would, and a note
-    saying where they came from (they stay unset when the platform cannot be built here)."""
+    saying where they came from (they stay unset when the platform cannot be built here); on the CPU, a second
+    line: its GEMM instruction sets and the GEMM dtype."""
     from weft.config import PLATFORM_SIZED
     from weft.resolve import build_platform, resolve_engine_config
 
     try:
         platform = build_platform(registry, config)
-        return resolve_engine_config(config, registry, platform), f"engine defaults sized by platform {platform.name!r}"
+        note = f"engine defaults sized by platform {platform.name!r}"
+        if platform.device_type == "cpu":
+            from weft.engine.core.builder import cpu_isa_line
+
+            note += f"\n# CPU: {cpu_isa_line()}"
+        return resolve_engine_config(config, registry, platform), note
     except Exception as error:  # noqa: BLE001 - the listing still helps without a usable platform
         return config, f"engine.{', engine.'.join(PLATFORM_SIZED)}: the platform's, which cannot be read here ({error})"
 

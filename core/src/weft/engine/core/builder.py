@@ -138,6 +138,7 @@ def startup_facts(
     """What the startup summary says about the engine (:func:`weft.progress.summary_lines`).
     ``quantization``: the ``weft.quantization`` method the linear layers run (``none``: dense weights).
 
+    ``cpu_isa``: on the CPU, its instruction sets for GEMMs and the GEMM dtype chosen (:mod:`weft.runner.cpu_isa`).
     ``kv_capacity_tokens``: the tokens the cache holds, set by the groups whose blocks run out as a sequence
     grows (a sliding window's ring keeps a fixed number of blocks per request and sets no limit)."""
     limits = [
@@ -151,6 +152,7 @@ def startup_facts(
         "weights_format": source.format,
         "weights_file": Path(source.path).name,
         "platform": platform.name,
+        "cpu_isa": cpu_isa_line() if platform.device_type == "cpu" else None,
         "dtype": resolve_dtype(config, platform),
         "quantization": quantization,
         "block_size": config.engine.block_size,
@@ -210,3 +212,10 @@ def _speculator_owns_model(registry: PluginRegistry, config: WeftConfig) -> bool
     """Whether ``[engine.speculative]``'s speculator runs a model of its own (its KV goes ``k`` slots ahead)."""
     speculative = config.engine.speculative
     return speculative.enabled and bool(registry.load("speculator", speculative.method).owns_model)
+
+
+def cpu_isa_line() -> str:
+    """This host's GEMM instruction sets and the dtype batch GEMMs take from them (:mod:`weft.runner.cpu_isa`)."""
+    from weft.runner.cpu_isa import describe, detect
+
+    return describe(detect())

@@ -322,3 +322,23 @@ def test_the_decode_and_prefill_attention_kernels_compile_nothing_after_warm_up(
     assert [len(output.outputs[0].token_ids) for output in outputs] == [40 - 5 * i for i in range(len(prompts))]
     assert all(kernel.monitor.mode == "error" and kernel.monitor.misses == [] for kernel in kernels)
     assert attention_variants() == before
+
+
+def test_mtp_speculation_on_gpu_changes_no_token(tmp_path):
+    """The ``mtp`` speculator (the checkpoint's MTP layer, k = 2) on the GPU, fp32, kernels warmed up with
+    runtime_jit = "error" (the MTP block launches the target's kernels): greedy tokens equal speculation off's
+    (which decodes in graphs), and proposals were verified."""
+    from weft.entrypoints.llm import LLM
+    from weft.sampling_params import SamplingParams
+
+    folder = write_checkpoint(tmp_path / "mtp", {**LARGER, "num_nextn_predict_layers": 1}, seed=11)
+    prompts = [prompt(n) for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    engine = {"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024, "runtime_jit": "error"}
+    results = []
+    for speculative in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        with LLM(model=str(folder), engine={**engine, **({"speculative": speculative} if speculative else {})}) as llm:
+            results.append([list(output.outputs[0].token_ids) for output in llm.generate(prompts, params)])
+            drafted = llm.engine.core.stats().spec_decode_num_draft_tokens if speculative else None
+    assert results[1] == results[0]
+    assert drafted > 0

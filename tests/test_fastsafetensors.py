@@ -205,3 +205,36 @@ def test_three_gloo_ranks_load_collectively_and_the_last_stage_draft_loads_alone
     assert reports[1]["agreed"] is True
     assert "rank 2 sees shards ['a', 'other']" in reports[2]["agreed"] and "world rank 1" in reports[2]["agreed"]
     assert reports[2]["draft_loader"] == "SafetensorsLoader"
+
+
+def test_the_worker_reads_a_draft_through_the_single_stage_fallback_under_pipeline_parallelism(checkpoint, caplog):
+    """The worker's draft loader (``DraftModelLoader.weights``, and ``load`` through the same load config): under
+    pipeline parallelism a speculator's checkpoint is read by the plain loader, logged; on one stage by the
+    target's fastsafetensors. Both read the same tensors."""
+    from types import SimpleNamespace
+
+    from weft.config import load_config
+    from weft.contracts.parallel import ParallelLayout
+    from weft.runner.worker import _DraftModels
+
+    config = load_config(None, {"model": str(checkpoint), "use.loader": "fastsafetensors"})
+
+    def draft_models(stages: int) -> _DraftModels:
+        layout = ParallelLayout(pipeline_parallel_size=stages, rank=stages - 1)
+        worker = SimpleNamespace(
+            config=config,
+            registry=PluginRegistry(),
+            device=torch.device("cpu"),
+            local_rank=0,
+            parallel=SimpleNamespace(layout=layout),
+        )
+        return _DraftModels(worker)
+
+    with caplog.at_level("INFO", logger="weft.runner"):
+        staged = {name: part.load() for name, part in draft_models(2).weights("float32")}
+    assert "the draft's weights are read by loader 'safetensors': 'fastsafetensors' loads collectively" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="weft.runner"):
+        single = {name: part.load() for name, part in draft_models(1).weights("float32")}
+    assert "read by loader" not in caplog.text
+    assert staged.keys() == single.keys() and all(staged[name].equal(single[name]) for name in single)

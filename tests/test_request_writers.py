@@ -55,6 +55,9 @@ OTHER_STATE = {
     ("weft.builtins.draft_speculator", "_Row.__init__", "num_computed_tokens"): (
         "the draft speculator's view of a request for its own forward"
     ),
+    ("weft_dsv4.mtp", "_Row.__init__", "num_computed_tokens"): (
+        "the mtp speculator's view of a request's MTP entries for its own forward"
+    ),
     (
         "weft.engine.api.output_processor",
         "RequestOutputState.__init__",

@@ -73,6 +73,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "report": ("weft.progress", "report"),
     # The KV-cache manager, for a model's reference implementation that allocates its own blocks.
     "KVCacheManager": ("weft.engine.core.kv_cache_manager", "KVCacheManager"),
+    # A model-owning speculator's forwards over its own KV-cache groups: the runner's batch builder (core API 1.16).
+    "InputBuilder": ("weft.runner.batch_inputs", "InputBuilder"),
     # Kernel warm-up: the kernels a model or an op launches, compiled before the first request.
     "Kernel": ("weft.kernels.warmup", "Kernel"),
     "CompileKey": ("weft.kernels.warmup", "CompileKey"),

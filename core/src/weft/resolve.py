@@ -346,6 +346,9 @@ def model_config(
         parallel=layout or parallel_layout(config),
         enable_prefix_caching=config.engine.enable_prefix_caching,
         max_num_seqs=config.engine.max_num_seqs or 0,
+        num_lookahead_tokens=(
+            config.engine.speculative.num_speculative_tokens if config.engine.speculative.enabled else 0
+        ),
     )
 
 

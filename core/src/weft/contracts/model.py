@@ -89,6 +89,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 0
     """The most requests one step holds (``engine.max_num_seqs``), so the most rows of a decode graph;
     0 where not known (added in core API 1.10)."""
+    num_lookahead_tokens: int = 0
+    """The most tokens a step computes past a request's verified ones, which a later step may roll back: a
+    speculating step's proposals (``[engine.speculative] num_speculative_tokens``; 0 without speculation). A family
+    whose state keeps a fixed number of past positions in a ring keeps this many more, so that the writes of
+    rejected proposals never overwrite positions the step after them reads (added in core API 1.16)."""
 
 
 class ModelFamily(PluginBase):

@@ -51,12 +51,23 @@ proposal slots, allocated, rolled back and freed with the target's, so a specula
 manages blocks. The runner gives it the allocated tensors through :meth:`Speculator.bind_kv_caches`
 and, in each :class:`ProposalStep`, each row's blocks (:class:`DraftInputs`). Such a speculator's k draft
 steps run on the device; only its proposed token ids cross to the host.
+
+A speculator that reads the target's hidden states (MTP, EAGLE: :attr:`Speculator.needs_hidden_states`, core API
+1.16) gets them through :meth:`Speculator.take_hidden_states` after every target forward, before that step's
+:meth:`Speculator.on_verified`: one row per position the forward computed (a prefill chunk's every position, a
+verifying row's last token and its proposals), on the device. Rows of proposals the step then rejects are in
+it too; :meth:`Speculator.on_verified` says how many were kept. Positions a prefix-cache hit skipped are never
+computed, so they come with no rows. Such a speculator reaches the target model itself through
+:attr:`DraftModelLoader.target` (to share its embedding and LM head) and the checkpoint's tensors through
+:meth:`DraftModelLoader.weights` (layers stored beside the target's, such as DeepSeek's ``mtp.*``). The runner
+runs every forward eagerly while such a speculator is in use (a decode graph returns only logits).
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -68,6 +79,7 @@ if TYPE_CHECKING:
     import torch
 
     from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec
+    from weft.contracts.loader import WeightSlice
 
 
 class SpeculatorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,12 +141,37 @@ class DraftModel(msgspec.Struct):
 
 class DraftModelLoader(ABC):
     """What :meth:`Speculator.load` gets: builds and loads a model from a source the way the engine loads its
-    target (core API 1.15)."""
+    target (core API 1.15).
+
+    A draft lives beside its target on every rank that holds the target's last pipeline stage; a loader whose
+    loading is collective over the world group (fastsafetensors) would wait there for the ranks that load no
+    draft, so under pipeline parallelism the draft's weights are read by that loader's
+    :attr:`~weft.contracts.loader.WeightLoader.single_stage_fallback` (:func:`weft.resolve.draft_load_config`,
+    logged), while the target keeps its own loader."""
 
     @abstractmethod
     def load(self, source: str) -> DraftModel:
         """The model at ``source`` (a folder, a file or an alias, as ``model`` takes); raises ValueError naming
         ``[engine.speculative] model`` when it cannot be loaded."""
+
+    @property
+    def target(self) -> DraftModel:
+        """The target model as the engine built and loaded it (its module, family, config, attention backend and
+        device): a speculator that shares the target's layers (an MTP head's embedding and LM head) or reads its
+        checkpoint's config takes them here (core API 1.16)."""
+        raise NotImplementedError(f"{type(self).__name__} does not hand out the target model")
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        """The context the engine builds its models in (the chosen ops, this rank's parallel groups, the
+        quantization): a speculator builds its own layers inside it, so that they shard, exchange experts and pick
+        kernels as the target's do (core API 1.16)."""
+        raise NotImplementedError(f"{type(self).__name__} does not build layers for a speculator")
+
+    def weights(self, dtype: str, source: str | None = None) -> Iterator[tuple[str, WeightSlice]]:
+        """The tensors of ``source``'s checkpoint (default: the target's own), each a
+        :class:`~weft.contracts.loader.WeightSlice` read only when (and as far as) it is loaded, floating-point ones
+        in ``dtype``; for layers a speculator builds itself from the target's checkpoint (core API 1.16)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read checkpoints for a speculator")
 
 
 class DraftInputs(msgspec.Struct):
@@ -156,6 +193,21 @@ class ProposalStep(msgspec.Struct):
     context length. 0: propose nothing for it."""
     draft_inputs: DraftInputs | None = None
     """For a speculator with :meth:`Speculator.kv_cache_groups`; None for others."""
+
+
+class TargetHiddenStates(msgspec.Struct):
+    """The target's hidden states of one forward, for a speculator with :attr:`Speculator.needs_hidden_states`
+    (core API 1.16): rows request-major, each request's positions ``starts[i] .. starts[i] + counts[i] - 1``."""
+
+    request_ids: Sequence[str]
+    starts: Sequence[int]
+    """Per request, the position of its first row (where the forward started: after a prefix-cache hit, past it)."""
+    counts: Sequence[int]
+    """Per request, its rows: every position the forward computed for it, a verifying row's proposals included."""
+    hidden: Any
+    """``[sum(counts), width]`` on the target's device: what the target module's forward returned, or, where the
+    module defines ``hidden_states_for_speculation(hidden)``, what that gives (DeepSeek V4: its ``hc_mult``
+    residual streams before the head, flattened). Valid until the next forward: keep what is needed later."""
 
 
 class Proposals(msgspec.Struct):
@@ -182,8 +234,8 @@ class Speculator(PluginBase):
     speculating request's blocks ``k`` slots past the tokens its step computes, where the draft writes the KV of
     its proposals."""
     needs_hidden_states: ClassVar[bool] = False
-    """Whether the speculator needs the target's last hidden states (MTP, EAGLE). Core 1.15 does not pass them yet:
-    the worker refuses such a speculator, naming it."""
+    """Whether the speculator reads the target's hidden states (MTP, EAGLE): then :meth:`take_hidden_states` gets
+    them after every target forward (core API 1.16; the 1.15 worker refused such a speculator)."""
 
     def __init__(self, options: msgspec.Struct | None, config: SpeculatorConfig) -> None:
         self.options = options if options is not None else self.Options()
@@ -210,6 +262,13 @@ class Speculator(PluginBase):
         """The cache tensors of the layers of :meth:`kv_cache_groups`, by layer name, once allocated."""
         if kv_caches:
             raise NotImplementedError(f"speculator {self.name!r} got KV caches but does not define bind_kv_caches")
+
+    def take_hidden_states(self, states: TargetHiddenStates) -> None:
+        """The target's hidden states of the forward just run, for a speculator with :attr:`needs_hidden_states`
+        (module docstring; core API 1.16). Requests it does not follow are skipped."""
+        raise NotImplementedError(
+            f"speculator {self.name!r} sets needs_hidden_states but does not define take_hidden_states"
+        )
 
     @abstractmethod
     def add_request(self, request: SpeculationRequest) -> None:

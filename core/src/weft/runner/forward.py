@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weft.contracts.executor import TokenLogprobs
+from weft.contracts.speculator import Speculator, TargetHiddenStates
 from weft.distributed.state import ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import FillUnknown, InputBuilder, known_tokens
@@ -43,9 +44,11 @@ class BatchForward:
         connector: WorkerConnector | None,
         device: torch.device,
         fill_unknown: FillUnknown,
+        speculator: Speculator | None = None,
     ) -> None:
         """``fill_unknown``: copies into a batch's token ids the tokens the step before sampled that the host has
-        not seen yet (:meth:`weft.runner.step_handles.PendingStep.fill_unknown`)."""
+        not seen yet (:meth:`weft.runner.step_handles.PendingStep.fill_unknown`). ``speculator``: given the hidden
+        states of every eager forward when it needs them (MTP, EAGLE: ``needs_hidden_states``)."""
         self.model = model
         self.parallel = parallel
         self.inputs = inputs
@@ -53,6 +56,7 @@ class BatchForward:
         self.connector = connector
         self.device = device
         self.fill_unknown = fill_unknown
+        self.speculator = speculator if speculator is not None and speculator.needs_hidden_states else None
         self.last_graph_size: int | None = None
         """The captured batch size the last forward replayed; None when it ran eagerly."""
 
@@ -108,6 +112,8 @@ class BatchForward:
     ) -> torch.Tensor | None:
         input_ids, positions, context, query_start = self.prepare_inputs(states, counts)
         hidden = self.model(input_ids, positions, context)
+        if self.speculator is not None:
+            self.speculator.take_hidden_states(target_hidden_states(self.model, states, counts, hidden))
         _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
         if not sampling:
             return None
@@ -136,6 +142,20 @@ def _scored_prompt_positions(state: RequestState, count: int) -> range:
         return range(0)
     start = state.num_computed_tokens
     return range(start, min(start + count, state.num_prompt_tokens - 1))
+
+
+def target_hidden_states(
+    model: torch.nn.Module, states: list[RequestState], counts: list[int], hidden: torch.Tensor
+) -> TargetHiddenStates:
+    """The forward's hidden states as a speculator reads them (``hidden``, or what the model's
+    ``hidden_states_for_speculation`` makes of it), with each request's first position and row count."""
+    select = getattr(model, "hidden_states_for_speculation", None)
+    return TargetHiddenStates(
+        [state.request_id for state in states],
+        [state.num_computed_tokens for state in states],
+        list(counts),
+        select(hidden) if select is not None else hidden,
+    )
 
 
 def _score_prompts(

@@ -125,7 +125,7 @@ class ModelRunner:
         )
         """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
         self.forward = BatchForward(
-            model, parallel, self.inputs, self.decode_graphs, connector, device, self._fill_unknown
+            model, parallel, self.inputs, self.decode_graphs, connector, device, self._fill_unknown, speculator
         )
         """Runs each step's forward (eagerly, replaying a decode graph or in pipeline micro-batches)."""
         self.requests: dict[str, RequestState] = {}

@@ -18,8 +18,10 @@ the loader and the family can, and sizes this rank's KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from weft.config import WeftConfig
 from weft.contracts.encoder_connector import EncoderConnector
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
+from weft.contracts.loader import LoadConfig, WeightSlice
 from weft.contracts.model import ModelFamily
 from weft.contracts.speculator import DraftModel, DraftModelLoader, Speculator, SpeculatorConfig
 from weft.distributed.state import SINGLE, ParallelGroups, using_parallel
@@ -44,6 +47,7 @@ from weft.resolve import (
     build_platform,
     check_kv_cache_dtype,
     choose_quantization,
+    draft_load_config,
     load_config_for,
     load_encoder_connector,
     load_family,
@@ -257,11 +261,6 @@ class Worker:
         if not speculative.enabled:
             return None
         speculator_class = self.registry.load("speculator", speculative.method)
-        if speculator_class.needs_hidden_states:
-            raise ValueError(
-                f"[engine.speculative] method = {speculative.method!r} needs the target's hidden states, which this "
-                f"weft-core does not pass to speculators yet; choose 'ngram' or 'draft'"
-            )
         options = options_for(self.config, "speculator", speculator_class, speculative.method)
         given = {
             name: getattr(speculative, name)
@@ -307,6 +306,13 @@ class Worker:
             logger.info(
                 "decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
                 self.platform.distributed_backend,
+            )
+            return
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            logger.info(
+                "decode runs eagerly: speculator %r reads the target's hidden states, which a decode graph does not "
+                "return",
+                self.speculator.name,
             )
             return
         managed = [group.name for group in self.groups if not group.spec.paged_attention]
@@ -368,10 +374,57 @@ class Worker:
 
 class _DraftModels(DraftModelLoader):
     """Loads a speculator's model as the worker loaded the target: its loader resolution, quantization, ops,
-    parallel layout and attention backend, on its device, with the target's context length."""
+    parallel layout and attention backend, on its device, with the target's context length. Under pipeline
+    parallelism a collective loader hands the draft to its single-stage fallback (:func:`draft_load_config`)."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+
+    @property
+    def target(self) -> DraftModel:
+        worker = self.worker
+        return DraftModel(
+            model=worker.model,
+            family=worker.family,
+            config=worker.model_config,
+            backend=worker.attention,
+            device=worker.device,
+        )
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        worker, stack = self.worker, contextlib.ExitStack()
+        stack.enter_context(using_ops(worker.ops))
+        stack.enter_context(using_parallel(worker.parallel))
+        stack.enter_context(using_quantization(worker.quantization))
+        return stack
+
+    def _load_config(self, config: WeftConfig) -> LoadConfig:
+        """The draft's load config: the target's, through :func:`draft_load_config` (the fallback logged)."""
+        worker, layout = self.worker, self.worker.parallel.layout
+        target = load_config_for(
+            config,
+            str(worker.device),
+            tensor_parallel_rank=layout.tensor_rank,
+            pipeline_parallel_size=layout.pipeline_parallel_size,
+            pipeline_parallel_rank=layout.pipeline_rank,
+            local_rank=worker.local_rank,
+        )
+        draft = draft_load_config(target, worker.registry)
+        if draft.loader != target.loader:
+            logger.info(
+                "the draft's weights are read by loader %r: %r loads collectively over every rank, which a draft "
+                "held by the last pipeline stage alone would wait for forever (the target keeps %r)",
+                draft.loader,
+                target.loader,
+                target.loader,
+            )
+        return draft
+
+    def weights(self, dtype: str, source: str | None = None) -> Iterator[tuple[str, WeightSlice]]:
+        worker = self.worker
+        config = worker.config if source is None else msgspec.structs.replace(worker.config, model=source)
+        loader, resolved = resolve_source(worker.registry, config, self._load_config(config))
+        return loader.iter_weight_slices(resolved, dtype)
 
     def load(self, source: str) -> DraftModel:
         worker = self.worker
@@ -379,14 +432,7 @@ class _DraftModels(DraftModelLoader):
         config = msgspec.structs.replace(worker.config, model=source, engine=engine)
         layout = worker.parallel.layout
         try:
-            load_config = load_config_for(
-                config,
-                str(worker.device),
-                tensor_parallel_rank=layout.tensor_rank,
-                pipeline_parallel_size=layout.pipeline_parallel_size,
-                pipeline_parallel_rank=layout.pipeline_rank,
-                local_rank=worker.local_rank,
-            )
+            load_config = self._load_config(config)
             loader, draft_source = resolve_source(worker.registry, config, load_config)
             name, quantization = choose_quantization(
                 worker.registry, config, worker.platform, draft_source.format, worker.dtype

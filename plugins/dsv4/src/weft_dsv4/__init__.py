@@ -15,6 +15,7 @@
 ``parsers``          the ``dsv4`` tool and reasoning parsers
 ``mm``               V4.1's image token stream: the ``dsv4`` multimodal processor
 ``parallel``         the draft model's parallel config, derived from the target's
+``mtp``              the checkpoint's multi-token-prediction layers as the ``mtp`` speculator
 ``reference``        transformers as a correctness reference, and a direct driver of the module
 ``tiny_checkpoint``  writes a tiny random DeepSeek V4 checkpoint folder
 """

@@ -47,7 +47,7 @@ class DeepseekV4Attention(nn.Module):
         self.indexer = None
         if self.kind != SLIDING:
             self.compressor = Compressor(
-                s.hidden_size, s.head_dim, s.ratio(self.kind), self.kind == CSA, s.rms_norm_eps
+                s.hidden_size, s.head_dim, s.ratio(self.kind), self.kind == CSA, s.rms_norm_eps, s.lookahead
             )
         if self.kind == CSA:
             self.indexer = Indexer(s)

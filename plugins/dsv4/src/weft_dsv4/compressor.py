@@ -70,10 +70,13 @@ class Compressor(nn.Module):
     tokens of window ``w - 1`` together with the second half of the tokens of window ``w``.
     """
 
-    def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+    def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float, lookahead: int = 0) -> None:
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.ratio, self.overlap, self.width = dim, ratio, overlap, width
+        self.lookahead = lookahead
+        """Positions a step may compute past the verified ones (``ModelConfig.num_lookahead_tokens``): the ring keeps
+        this many more, so that rejected proposals never overwrite a position the next window still pools."""
         self.kv_proj = Linear(hidden_size, width, bias=False)
         self.gate_proj = Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
@@ -83,11 +86,16 @@ class Compressor(nn.Module):
 
     @property
     def span(self) -> int:
-        """Positions of source tokens kept in the state ring."""
+        """Positions of source tokens an entry pools from the state ring."""
         return 2 * self.ratio if self.overlap else self.ratio
 
+    @property
+    def ring_length(self) -> int:
+        """Positions the state ring keeps (slot ``position % ring_length``): ``span``, and ``lookahead`` more."""
+        return self.span + self.lookahead
+
     def state_elements(self) -> int:
-        return self.span * 2 * self.width
+        return self.ring_length * 2 * self.width
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` (activation dtype) and ``gate + position_bias`` (fp32) of each token."""
@@ -109,19 +117,21 @@ class Compressor(nn.Module):
         return every request's entries ``[requests, longest, dim]`` (padded past each request's count) as the
         cache holds them (``format``: rounded to its dtype, or float8 read back).
 
-        ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``: each request's
-        fp32 ring (kv | gate per position, slot ``position % span``), updated in place. ``snapshots`` (the same
-        columns of the snapshot group) receive the state as it stood after each boundary a request crosses.
+        ``state`` is the layer's state columns of this compressor, ``[blocks, ring_length * 2 * width]``: each
+        request's fp32 ring (kv | gate per position, slot ``position % ring_length``), updated in place.
+        ``snapshots`` (the same columns of the snapshot group) receive the state as it stood after each boundary a
+        request crosses.
         """
         m, span, width, device = self.ratio, self.span, self.width, kv.device
-        ring = state.view(state.shape[0], span, 2 * width)
+        length = self.ring_length
+        ring = state.view(state.shape[0], length, 2 * width)
         new = torch.cat([kv.float(), gate], dim=-1)
 
         def source(request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
             """Position ``position`` of request ``request`` (index tensors of one shape): the step's row or the ring."""
             start = batch.starts[request]
             row = (batch.row_starts[request] + position - start).clamp(0, new.shape[0] - 1)
-            old = ring[batch.state_blocks[request], position.clamp(min=0) % span]
+            old = ring[batch.state_blocks[request], position.clamp(min=0) % length]
             return torch.where((position >= start)[..., None], new[row], old)
 
         if snapshots is not None and batch.boundary_requests.numel():
@@ -129,8 +139,8 @@ class Compressor(nn.Module):
             taken = positions >= 0
             requests = batch.boundary_requests[:, None].expand_as(positions)[taken]
             blocks = batch.boundary_snapshot_blocks[:, None].expand_as(positions)[taken]
-            target = snapshots.view(snapshots.shape[0], span, 2 * width)
-            target[blocks, positions[taken] % span] = source(requests, positions[taken])
+            target = snapshots.view(snapshots.shape[0], length, 2 * width)
+            target[blocks, positions[taken] % length] = source(requests, positions[taken])
         # Entries first .. last - 1 of each request, where first = start // m and last = end // m.
         firsts, lasts = batch.starts // m, batch.ends // m
         counts = lasts - firsts
@@ -151,13 +161,13 @@ class Compressor(nn.Module):
                 tables[requests].gather(1, (windows // per_block)[:, None])[:, 0] * per_block + windows % per_block
             )
             cache.view(-1, cache.shape[-1])[slots_of] = self.format.encode(entries, cache.dtype)
-        # The ring keeps each request's last span positions.
-        kept = batch.ends[:, None] - span + torch.arange(span, device=device)
-        kept_mask = kept >= torch.maximum(batch.starts, batch.ends - span)[:, None]
+        # The ring keeps each request's last ring_length positions.
+        kept = batch.ends[:, None] - length + torch.arange(length, device=device)
+        kept_mask = kept >= torch.maximum(batch.starts, batch.ends - length)[:, None]
         kept_requests = torch.arange(kept.shape[0], device=device)[:, None].expand_as(kept)[kept_mask]
         kept_positions = kept[kept_mask]
         values = new[batch.row_starts[kept_requests] + kept_positions - batch.starts[kept_requests]]
-        ring[batch.state_blocks[kept_requests], kept_positions % span] = values
+        ring[batch.state_blocks[kept_requests], kept_positions % length] = values
         per_block = cache.shape[1]
         index = torch.arange(int(lasts.max()), device=device).expand(lasts.numel(), -1)
         flat = cache.view(-1, cache.shape[-1])
@@ -176,13 +186,13 @@ class Compressor(nn.Module):
         entries of the windows it completes, and return the slots of every request's entries in the
         flat ``cache`` (``[slots, dim]``) ``[rows, n]`` (padded to the longest) with their validity ``[rows, n]``.
 
-        ``state`` is the layer's state columns of this compressor, ``[blocks, span * 2 * width]``.
+        ``state`` is the layer's state columns of this compressor, ``[blocks, ring_length * 2 * width]``.
         """
-        m, span, width = self.ratio, self.span, self.width
+        m, length, width = self.ratio, self.ring_length, self.width
         positions = batch.positions
         kv, gate = self.project(hidden, positions)
-        ring = state.view(state.shape[0], span, 2 * width)
-        ring[batch.state_blocks, positions % span] = torch.cat([kv.float(), gate], dim=-1)
+        ring = state.view(state.shape[0], length, 2 * width)
+        ring[batch.state_blocks, positions % length] = torch.cat([kv.float(), gate], dim=-1)
         per_block = cache.shape[1]
         flat = cache.view(-1, cache.shape[-1])
         rows = batch.completing(m)
@@ -191,7 +201,7 @@ class Compressor(nn.Module):
             width_tokens = 2 * m if self.overlap else m
             source = (window[:, None] - (1 if self.overlap else 0)) * m + torch.arange(width_tokens, device=kv.device)
             entries = self.windows_to_entries(
-                ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % span], window, kv.dtype, rope
+                ring[batch.state_blocks[rows][:, None], source.clamp(min=0) % length], window, kv.dtype, rope
             )
             slots = table[rows].gather(1, (window // per_block)[:, None])[:, 0] * per_block + window % per_block
             flat[batch.or_scratch(rows, m, slots, (cache.shape[0] - 1) * per_block)] = self.format.encode(

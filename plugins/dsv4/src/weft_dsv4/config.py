@@ -14,7 +14,9 @@ CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention
 class DeepseekV4Settings:
     """The numbers of a DeepSeek V4 ``config.json`` (HF's field names and defaults), validated."""
 
-    def __init__(self, config: dict[str, Any], layout: ParallelLayout | None = None) -> None:
+    def __init__(self, config: dict[str, Any], layout: ParallelLayout | None = None, lookahead: int = 0) -> None:
+        self.lookahead = lookahead
+        """``ModelConfig.num_lookahead_tokens``: the compressors' state rings keep this many positions more."""
         self.vocab_size = config.get("vocab_size", 129280)
         self.hidden_size = config.get("hidden_size", 4096)
         self.num_layers = config.get("num_hidden_layers", 43)
@@ -151,11 +153,12 @@ class DeepseekV4Settings:
         return self.compress_rates[kind]
 
     def state_elements(self, kind: str) -> int:
-        """fp32 elements of one layer's compressor state: projected kv and gate of a ring of positions."""
-        if kind == CSA:
-            return 2 * self.ratio(CSA) * 2 * (2 * self.head_dim + 2 * self.index_head_dim)
+        """fp32 elements of one layer's compressor state: projected kv and gate of a ring of positions (the
+        compressors' ``ring_length``)."""
+        if kind == CSA:  # the compressor's and the indexer's rings, each of 2m positions and the lookahead
+            return (2 * self.ratio(CSA) + self.lookahead) * 2 * (2 * self.head_dim + 2 * self.index_head_dim)
         if kind == HCA:
-            return self.ratio(HCA) * 2 * self.head_dim
+            return (self.ratio(HCA) + self.lookahead) * 2 * self.head_dim
         return 0
 
 

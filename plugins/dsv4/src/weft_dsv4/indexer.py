@@ -18,7 +18,7 @@ class Indexer(nn.Module):
     def __init__(self, s: DeepseekV4Settings) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.topk = s.index_heads, s.index_head_dim, s.index_topk
-        self.compressor = Compressor(s.hidden_size, s.index_head_dim, s.ratio(CSA), True, s.rms_norm_eps)
+        self.compressor = Compressor(s.hidden_size, s.index_head_dim, s.ratio(CSA), True, s.rms_norm_eps, s.lookahead)
         self.q_b_proj = Linear(s.q_lora_rank, s.index_heads * s.index_head_dim, bias=False)
         self.weights_proj = Linear(s.hidden_size, s.index_heads, bias=False)
 

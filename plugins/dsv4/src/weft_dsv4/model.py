@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -142,6 +142,10 @@ class DeepseekV4Model(nn.Module):
         self.ropes = nn.ModuleDict(
             {name: InterleavedRope(s.rope[name], s.head_dim, max_positions) for name in ("main", "compress")}
         )
+        self.keep_streams = False
+        """Keep the last forward's residual streams (``last_streams``): set by the MTP speculator, which reads them."""
+        self.last_streams: torch.Tensor | None = None
+        """``[T, hc_mult, hidden]``: the streams before ``hc_head`` of the last forward, where ``keep_streams``."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         step = StepLayout(context, self.group_names, self.ring_blocks, self.decode_width_tokens)
@@ -153,6 +157,8 @@ class DeepseekV4Model(nn.Module):
         ropes = dict(self.ropes.items())
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, ropes, step)
+        if self.keep_streams:
+            self.last_streams = streams
         return self.norm(self.hc_head(streams))
 
 
@@ -168,6 +174,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def hidden_states_for_speculation(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a speculator reads of the forward that returned ``hidden``: the residual streams before ``hc_head``,
+        ``[T, hc_mult * hidden]`` (DeepSeek's MTP layers take them, not the collapsed, normed state)."""
+        streams = self.model.last_streams
+        assert streams is not None and streams.shape[0] == hidden.shape[0], "set model.keep_streams before the forward"
+        return streams.flatten(1)
 
 
 class DeepseekV4Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -217,7 +230,7 @@ class DeepseekV4Family(ModelFamily):
         return runs(hidden, 2 * columns) and runs(columns, hidden)
 
     def kv_cache_groups(self, config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
-        s = DeepseekV4Settings(config.hf_config)
+        s = DeepseekV4Settings(config.hf_config, lookahead=config.num_lookahead_tokens)
         block_size = config.block_size
         kinds = s.layer_types
 
@@ -356,7 +369,7 @@ class DeepseekV4Family(ModelFamily):
         DeepseekV4Settings(config.hf_config, config.parallel).check()
 
     def build(self, config: ModelConfig, device: torch.device) -> DeepseekV4ForCausalLM:
-        s = DeepseekV4Settings(config.hf_config, config.parallel)
+        s = DeepseekV4Settings(config.hf_config, config.parallel, config.num_lookahead_tokens)
         with torch.device(device), default_dtype(getattr(torch, config.dtype)):
             module = DeepseekV4ForCausalLM(s, config.max_model_len)
         groups = self.kv_cache_groups(config)
@@ -382,50 +395,65 @@ class DeepseekV4Family(ModelFamily):
 
     def load_weights(self, module: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
         """Whole tensors or :class:`~weft.contracts.loader.WeightSlice` objects: each rank reads its part
-        (its heads, columns and vocabulary rows; under expert parallelism only its experts)."""
-        targets = dict(module.named_parameters())
-        targets.update(
-            (name, buffer)
-            for name, buffer in module.named_buffers()
-            if name.endswith(("tid2eid", "e_score_correction_bias"))
-        )
-        filled: set[str] = set()
-        for checkpoint_name, tensor in weights:
-            if checkpoint_name.startswith("mtp.") or ".mtp." in checkpoint_name:
-                continue  # the multi-token-prediction head is not part of the causal model
-            if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                raise ValueError(
-                    f"checkpoint tensor {checkpoint_name!r} is {tensor.dtype}: quantised DeepSeek V4 checkpoints are "
-                    "not supported yet; dequantise it to bfloat16 first"
-                )
-            name, expert, part = parameter_name(checkpoint_name)
-            if name not in targets:
-                raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in {type(module).__name__}")
-            owner_name, _, parameter = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            if isinstance(owner, Experts):
-                if expert is None:
-                    owner.load_stacked("down" if parameter == "down_proj" else "gate_up", tensor, checkpoint_name)
-                    filled.add(name)
-                elif owner.holds(expert):  # another rank's expert is never read
-                    owner.load_expert(expert, part, tensor, checkpoint_name)
-                    filled.add(f"{name}#{expert}.{part}")
-                continue
-            loader = getattr(owner, "load_checkpoint_tensor", None)
-            if loader is not None:
-                loader(parameter, tensor, checkpoint_name)
-            else:
-                copy_checked(targets[name].data, as_slice(tensor).load(), checkpoint_name)
-            filled.add(name)
-        expected = set()
-        for name in targets:
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in filled:
-                experts = module.get_submodule(name.rpartition(".")[0])
-                parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
-                held = range(experts.held.first, experts.held.first + experts.held.count)
-                expected |= {f"{name}#{e}.{p}" for e in held for p in parts}
-            else:
-                expected.add(name)
-        missing = sorted(expected - filled)
-        if missing:
-            raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")
+        (its heads, columns and vocabulary rows; under expert parallelism only its experts). The checkpoint's
+        multi-token-prediction layers (``mtp.*``) are the ``mtp`` speculator's (:mod:`weft_dsv4.mtp`)."""
+        load_parameters(module, weights, lambda name: None if is_mtp_tensor(name) else parameter_name(name))
+
+
+def is_mtp_tensor(checkpoint_name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the multi-token-prediction layers (``mtp.N.*``, or with ``model.``)."""
+    return checkpoint_name.startswith("mtp.") or ".mtp." in checkpoint_name
+
+
+def load_parameters(
+    module: nn.Module,
+    weights: Iterable[tuple[str, Any]],
+    name_of: Callable[[str], tuple[str, int | None, str | None] | None],
+) -> None:
+    """Fill every parameter of ``module`` (and its router tables) from ``weights``; ``name_of`` gives a checkpoint
+    tensor's ``(parameter, expert, part)`` (:func:`weft_dsv4.weights.parameter_name`), None for one to skip.
+    Raises ValueError naming a tensor without a parameter, or the parameters no tensor filled."""
+    targets = dict(module.named_parameters())
+    tables = ("tid2eid", "e_score_correction_bias")
+    targets.update((name, buffer) for name, buffer in module.named_buffers() if name.endswith(tables))
+    filled: set[str] = set()
+    for checkpoint_name, tensor in weights:
+        named = name_of(checkpoint_name)
+        if named is None:
+            continue
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                f"checkpoint tensor {checkpoint_name!r} is {tensor.dtype}: quantised DeepSeek V4 checkpoints are "
+                "not supported yet; dequantise it to bfloat16 first"
+            )
+        name, expert, part = named
+        if name not in targets:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in {type(module).__name__}")
+        owner_name, _, parameter = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if isinstance(owner, Experts):
+            if expert is None:
+                owner.load_stacked("down" if parameter == "down_proj" else "gate_up", tensor, checkpoint_name)
+                filled.add(name)
+            elif owner.holds(expert):  # another rank's expert is never read
+                owner.load_expert(expert, part, tensor, checkpoint_name)
+                filled.add(f"{name}#{expert}.{part}")
+            continue
+        loader = getattr(owner, "load_checkpoint_tensor", None)
+        if loader is not None:
+            loader(parameter, tensor, checkpoint_name)
+        else:
+            copy_checked(targets[name].data, as_slice(tensor).load(), checkpoint_name)
+        filled.add(name)
+    expected = set()
+    for name in targets:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in filled:
+            experts = module.get_submodule(name.rpartition(".")[0])
+            parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
+            held = range(experts.held.first, experts.held.first + experts.held.count)
+            expected |= {f"{name}#{e}.{p}" for e in held for p in parts}
+        else:
+            expected.add(name)
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[:3]}")

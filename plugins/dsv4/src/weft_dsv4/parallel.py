@@ -9,7 +9,11 @@ draft has no experts to spread, so it does not inherit expert parallelism.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
+
+Layout = TypeVar("Layout", bound=msgspec.Struct)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,14 +42,25 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def draft_parallel_config(
-    target: ParallelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1, draft_is_moe: bool = True
-) -> ParallelConfig:
+    target: Layout, tensor_parallel_size: int, pipeline_parallel_size: int = 1, draft_is_moe: bool = True
+) -> Layout:
     """The draft's config: the target's, whole, with only the tensor and pipeline parallel sizes replaced
-    (and expert parallelism off for a dense draft)."""
+    (and expert parallelism off for a dense draft).
+
+    ``target`` is any frozen msgspec Struct with those fields: core's
+    :class:`~weft.contracts.parallel.ParallelLayout` (``ModelConfig.parallel``, what the MTP speculator builds its
+    layers with) or this module's :class:`ParallelConfig`. A per-stage partition of the target's layers
+    (``pipeline_partition``) describes the target's stages, not the draft's: it is dropped when the stage
+    count changes."""
     overrides: dict[str, object] = {
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
     }
     if not draft_is_moe:
         overrides["enable_expert_parallel"] = False
+    if (
+        getattr(target, "pipeline_partition", None) is not None
+        and pipeline_parallel_size != target.pipeline_parallel_size
+    ):
+        overrides["pipeline_partition"] = None
     return msgspec.structs.replace(target, **overrides)

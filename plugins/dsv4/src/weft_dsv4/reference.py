@@ -114,6 +114,7 @@ class Driver:
         max_model_len: int = 512,
         num_blocks: int = 256,
         topk_op: Any = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         import json
 
@@ -127,6 +128,7 @@ class Driver:
             dtype=dtype,
             block_size=block_size,
             max_model_len=max_model_len,
+            num_lookahead_tokens=num_lookahead_tokens,
         )
         self.device = torch.device(device)
         self.family = DeepseekV4Family()
@@ -187,6 +189,10 @@ class Driver:
         hidden = self.model(torch.tensor(token_ids, device=device), position_tensor, context)
         logits = self.model.compute_logits(hidden).float()
         return [logits[a:b] for a, b in zip(query_start, query_start[1:], strict=False)]
+
+    def roll_back(self, request_id: str, count: int) -> None:
+        """Forget the last ``count`` tokens fed (rejected proposals): the next step computes from there."""
+        self.lengths[request_id] -= count
 
     def free(self, request_id: str) -> None:
         self.manager.free(request_id)

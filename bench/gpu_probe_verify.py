@@ -32,11 +32,13 @@ for head_dim, heads, kv_heads in ((16, 4, 2), (128, 32, 8)):
     cached = torch.randint(40, 100, (8,), generator=g).tolist()
     history = []
     # step 1: prefill each request's cached tokens
-    for step_kind in ("prefill", "verify"):
+    for step_kind in ("prefill", "verify", "decode"):
         if step_kind == "prefill":
             rows = [(r, 0, cached[r]) for r in range(8)]
-        else:
+        elif step_kind == "verify":
             rows = [(r, cached[r], 1 + r % 5) for r in range(8)]
+        else:  # one token each after the verify step's: the split-key decode launch
+            rows = [(r, cached[r] + 1 + r % 5, 1) for r in range(8)]
         total = sum(n for _, _, n in rows)
         q = torch.randn(total, heads, head_dim, generator=g).to(DTYPE).to(device)
         k = torch.randn(total, kv_heads, head_dim, generator=g).to(DTYPE).to(device)
@@ -62,12 +64,17 @@ for head_dim, heads, kv_heads in ((16, 4, 2), (128, 32, 8)):
                 history.append((k[sl].float().cpu(), v[sl].float().cpu()))
                 keys, values = history[r]
             else:
-                keys = torch.cat([history[r][0], k[sl].float().cpu()])
-                values = torch.cat([history[r][1], v[sl].float().cpu()])
+                history[r] = (
+                    torch.cat([history[r][0], k[sl].float().cpu()]),
+                    torch.cat([history[r][1], v[sl].float().cpu()]),
+                )
+                keys, values = history[r]
             expected = _reference_attention(q[sl].float().cpu(), keys, values, c, layer)
             worst = max(worst, (out[sl].float().cpu() - expected).abs().max().item())
+        launch = backend.build_metadata(batch)
         print(
-            f"head_dim {head_dim} heads {heads}/{kv_heads} {step_kind}: max |triton - reference| {worst:.4f}",
+            f"head_dim {head_dim} heads {heads}/{kv_heads} {step_kind} (block_m {launch.block_m}, splits "
+            f"{launch.splits}): max |triton - reference| {worst:.4f}",
             flush=True,
         )
 

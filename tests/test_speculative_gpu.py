@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import damp_residual_branches, make_tiny_model
 from test_speculative import NGRAM, repetitive_prompts, token_ids
 from weft import LLM, SamplingParams
 
@@ -45,15 +45,8 @@ def tiny_llama(tmp_path_factory, tokenizer_files):
     differently (each within bf16 of exact attention: bench/gpu_probe_verify.py); on a model whose greedy path is
     chaotic that difference flips a near tie within a few tokens, and the comparison below would test rounding,
     not speculation. Here it tests speculation."""
-    from safetensors.torch import load_file, save_file
-
     folder = make_tiny_model(tmp_path_factory.mktemp("spec_gpu") / "llama", "llama", tokenizer_files, vocab_size=512)
-    weights = load_file(folder / "model.safetensors")
-    for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = weights[name] * 1e-3
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return damp_residual_branches(folder)
 
 
 def engine(**options):

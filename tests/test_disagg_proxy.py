@@ -264,13 +264,24 @@ class BrokenTransport(httpx.AsyncBaseTransport):
 
 
 class BrokenSession:
-    """An instance's aiohttp session (its legs), failing every request with ``error``."""
+    """An instance's aiohttp session (its legs), failing every request with ``error``: as aiohttp's, ``post`` gives
+    what may be awaited or entered with ``async with``."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    async def post(self, *args, **kwargs) -> None:
+    def post(self, *args, **kwargs) -> BrokenSession:
+        return self
+
+    def __await__(self):
         raise self.error
+        yield  # a generator, as __await__ must be
+
+    async def __aenter__(self) -> None:
+        raise self.error
+
+    async def __aexit__(self, *exc) -> None:
+        return None
 
 
 @pytest.mark.parametrize(

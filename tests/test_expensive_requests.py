@@ -140,6 +140,20 @@ def test_the_fill_budget_names_only_the_rows_over_it_in_cpu_time():
     assert "engine.structured_output_fill_budget = 0.03 s" in budget.message()
 
 
+def test_a_raised_fill_trigger_goes_back_to_the_budget(monkeypatch):
+    """A batch of cheap masks raises the trigger; some fills later a single costly mask, under the raised trigger
+    but over the budget, is caught again."""
+    from weft.engine.core import fill_budget
+
+    monkeypatch.setattr(fill_budget, "RAISED_FOR", 2)
+    budget = fill_budget.FillBudget(0.03)
+    cheap = [BusyMatcher(0.012) for _ in range(4)]
+    assert budget.fill(LoopingBackend(), cheap, None) == []  # raised to about 0.1 s
+    assert budget.fill(LoopingBackend(), [BusyMatcher(0.001)], None) == []
+    assert budget.fill(LoopingBackend(), [BusyMatcher(0.001)], None) == []
+    assert budget.fill(LoopingBackend(), [BusyMatcher(0.04)], None) == [0]
+
+
 def test_an_ambiguous_grammar_fails_at_its_fill_budget_and_stalls_no_other_request(server):
     url, name = server
     before = metric(url, "weft_structured_output_fill_budget_failures_total")

@@ -186,7 +186,8 @@ class PDProxy:
         self.decode_attempts = decode_attempts
         self.health_interval = health_interval
         self.leg_timeout = leg_timeout
-        """Longest an instance may send nothing on a leg (``--leg-timeout``): httpx's read timeout."""
+        """Longest an instance may send nothing on a leg (``--leg-timeout``): aiohttp's ``sock_read`` timeout on the
+        legs, httpx's read timeout on the side channel and abandoned transfers."""
         self.metrics = ProxyMetrics(self)
         self._health_task: asyncio.Task | None = None
 
@@ -206,7 +207,11 @@ class PDProxy:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_EXPIRY),
                 auto_decompress=False,  # the bytes go through as they came, content-encoding with them
             )
-        await self.check_health()
+        try:
+            await self.check_health()
+        except BaseException:
+            await self.stop()  # the lifespan never reaches stop() when start() raises: close the sessions here
+            raise
         self._health_task = asyncio.create_task(self._watch_health())
 
     async def stop(self) -> None:
@@ -240,7 +245,10 @@ class PDProxy:
             healthy = (await instance.client.get(f"{instance.url}/health", timeout=5.0)).status_code == 200
             if healthy and instance.role == "prefill" and instance.side_channel is None:
                 instance.side_channel = await self._side_channel(instance)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, KeyError, ValueError, TypeError, msgspec.DecodeError) as error:
+            # Unreachable, or a prefill instance whose /kv_transfer answer lacks its side channel: out of rotation.
+            if not isinstance(error, httpx.HTTPError):
+                logger.warning("%s: its side channel could not be read: %s: %s", instance, type(error).__name__, error)
             healthy = False
         if healthy != instance.healthy:
             logger.warning("%s is %s", instance, "back in rotation" if healthy else "out of rotation")
@@ -395,8 +403,12 @@ class PDProxy:
         instance.in_flight += 1
         started = time.monotonic()
         try:
-            response = await instance.session.post(instance.url + path, data=msgspec.json.encode(body), headers=headers)
-            answer = await response.read()
+            # Read inside the context: a leg cancelled mid-read (the client left, the decode leg ended first)
+            # releases its connection now, not when the garbage collector finds the response.
+            async with instance.session.post(instance.url + path, data=msgspec.json.encode(body), headers=headers) as (
+                response
+            ):
+                answer = await response.read()
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
             if response.status < 400:
                 return False

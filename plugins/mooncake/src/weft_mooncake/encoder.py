@@ -51,14 +51,31 @@ class MooncakeEncoderConnector(EncoderConnector):
     def load(self, item_hash: str) -> bytes | None:
         if self.options.role == "producer":
             return None
-        data = self.client.call("get", self.client.store.get, encoder_key(self.context, item_hash))
+        key = encoder_key(self.context, item_hash)
+        try:
+            data = self.client.call("get", self.client.store.get, key)
+        except Exception as error:  # noqa: BLE001 - the contract: a failed load is a miss, logged, never raised
+            logger.warning(
+                "weft-mooncake: loading %s failed (%s: %s); the image is encoded here", key, type(error).__name__, error
+            )
+            return None
         return data or None  # Mooncake answers b"" for a key it does not hold
 
     def save(self, item_hash: str, data: bytes) -> None:
         if self.options.role == "consumer":
             return
         key = encoder_key(self.context, item_hash)
-        status = self.client.call("save", self.client.store.upsert, key, data)
+        try:
+            status = self.client.call("save", self.client.store.upsert, key, data)
+        except Exception as error:  # noqa: BLE001 - the contract: a failed save is logged, never raised
+            logger.warning(
+                "weft-mooncake: saving the encoder output %s failed (%s: %s); instances that need it encode the "
+                "image themselves",
+                key,
+                type(error).__name__,
+                error,
+            )
+            return
         if status is not None and status != 0:
             logger.warning(
                 "weft-mooncake: saving the encoder output %s (%d bytes) failed with status %d; instances that need "

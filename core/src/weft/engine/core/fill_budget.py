@@ -11,7 +11,9 @@ thread's CPU time and in wall time. Only when either is over its trigger (at fir
 again one by one (filling does not change a matcher), each timed in CPU time, so a loaded machine never counts
 against a request. A check that finds no row over the budget (many rows, or a loaded machine) raises the trigger
 that fired to twice what the call took, so it is not repeated on every step; one that finds a row sets both back to
-the budget. CPU time is the trigger that matters on a loaded machine (wall time there runs several times
+the budget, and both go back to the budget after :data:`RAISED_FOR` fills (a large batch of cheap masks raised
+them; it may be gone, and one costly mask alone must not go unchecked for the process's life). CPU time is the
+trigger that matters on a loaded machine (wall time there runs several times
 longer): it catches a row filled on this thread as soon as it is over; wall time catches rows filled on a
 backend's own threads.
 
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
     from weft.contracts.structured_output import GrammarMatcher, StructuredOutputBackend
 
 
+RAISED_FOR = 64
+"""Fills after which a raised trigger goes back to the budget."""
+
+
 class FillBudget:
     """Fills a step's bitmask rows (:meth:`fill`) and names those over ``seconds`` of CPU time (0: no budget)."""
 
@@ -39,11 +45,18 @@ class FillBudget:
         self._cpu_trigger = seconds
         self._wall_trigger = seconds
         """A step's fill taking longer than these (CPU time of this thread, wall time) is checked row by row."""
+        self._raised_fills = 0
+        """Fills since a trigger was raised above the budget (0: neither is)."""
 
     def fill(
         self, backend: StructuredOutputBackend, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor
     ) -> list[int]:
         """Fill row ``i`` of ``bitmask`` for ``matchers[i]``; the rows whose own fill took more than the budget."""
+        if self._raised_fills:
+            self._raised_fills += 1
+            if self._raised_fills > RAISED_FOR:
+                self._cpu_trigger = self._wall_trigger = self.seconds
+                self._raised_fills = 0
         began, began_cpu = time.perf_counter(), time.thread_time()
         backend.fill_bitmasks(matchers, bitmask)
         wall, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
@@ -57,10 +70,13 @@ class FillBudget:
                 over.append(row)
         if over:
             self._cpu_trigger = self._wall_trigger = self.seconds
+            self._raised_fills = 0
         elif cpu > self._cpu_trigger:
             self._cpu_trigger = 2 * cpu
+            self._raised_fills = 1
         else:
             self._wall_trigger = 2 * wall
+            self._raised_fills = 1
         return over
 
     def message(self) -> str:

@@ -67,7 +67,13 @@ def scores_prompt(request: Request) -> bool:
 def end_over_fill_budget(scheduler: Scheduler) -> None:
     """End the running requests whose grammar mask took longer than ``engine.structured_output_fill_budget`` in a
     step: refused, a 400 naming it (every step waits for their masks, and their next ones would take longer still)."""
-    over = [request for request in scheduler.running if request.constraint is not None and request.constraint.exceeded]
+    # Waiting ones too: a request preempted after its mask was timed comes back with its constraint no longer live,
+    # and would sample unconstrained.
+    over = [
+        request
+        for request in [*scheduler.running, *scheduler.waiting]
+        if request.constraint is not None and request.constraint.exceeded
+    ]
     for request in over:
         scheduler._refused[request.request_id] = request.constraint.exceeded  # type: ignore[union-attr,assignment]
         scheduler.fill_budget_failures += 1

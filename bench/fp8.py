@@ -119,7 +119,7 @@ def reference_scores(sequence: list[int]) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     from gpu_common import hf_config
-    from weft_cuda.fp8 import quantize_rows
+    from weft_cuda.fp8 import emulate_in_plain_torch
 
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_config(LLAMA3_8B), dtype=torch.bfloat16).eval()
@@ -133,16 +133,7 @@ def reference_scores(sequence: list[int]) -> dict[str, torch.Tensor]:
 
     result = {"bf16": log_probs()}
 
-    def rounded_input(module: torch.nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        codes, scales = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((codes.float() * scales[:, None]).to(x.dtype).reshape(x.shape),)
-
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            codes, scales = quantize_rows(module.weight.data)
-            module.weight.data = (codes.float() * scales[:, None]).to(torch.bfloat16)
-            module.register_forward_pre_hook(rounded_input)
+    emulate_in_plain_torch(model)
     result["fp8"] = log_probs()
     return result
 

@@ -51,7 +51,7 @@ def _transformers_log_probs(folder, sequence: list[int]) -> dict[str, torch.Tens
     error on this model, against which the engine's is judged."""
     from transformers import AutoModelForCausalLM
 
-    from weft_cuda.fp8 import quantize_rows
+    from weft_cuda.fp8 import emulate_in_plain_torch
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([sequence], device="cuda")
@@ -61,16 +61,8 @@ def _transformers_log_probs(folder, sequence: list[int]) -> dict[str, torch.Tens
             logits = model(ids).logits[0, :-1].float()
         return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].cpu()
 
-    def rounded_input(module, args):
-        codes, scales = quantize_rows(args[0].reshape(-1, args[0].shape[-1]))
-        return ((codes.float() * scales[:, None]).to(args[0].dtype).reshape(args[0].shape),)
-
     result = {"bf16": log_probs()}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            codes, scales = quantize_rows(module.weight.data)
-            module.weight.data = (codes.float() * scales[:, None]).to(torch.bfloat16)
-            module.register_forward_pre_hook(rounded_input)
+    emulate_in_plain_torch(model)
     result["fp8"] = log_probs()
     return result
 

@@ -75,6 +75,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "KVCacheManager": ("weft.engine.core.kv_cache_manager", "KVCacheManager"),
     # A model-owning speculator's forwards over its own KV-cache groups: the runner's batch builder (core API 1.16).
     "InputBuilder": ("weft.runner.batch_inputs", "InputBuilder"),
+    "known_only": ("weft.runner.batch_inputs", "known_only"),
+    "greedy_in_vocabulary": ("weft.builtins.draft_speculator", "greedy_in_vocabulary"),
     # Kernel warm-up: the kernels a model or an op launches, compiled before the first request.
     "Kernel": ("weft.kernels.warmup", "Kernel"),
     "CompileKey": ("weft.kernels.warmup", "CompileKey"),

@@ -51,6 +51,24 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_float8(matrix / scales[:, None]), scales
 
 
+def emulate_in_plain_torch(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> None:
+    """Round, in place, every ``nn.Linear`` of ``model`` (a transformers model, say) but those named in ``skip`` as
+    this method rounds: the weights per output channel, the inputs per token (a forward pre-hook), the products
+    in the model's dtype. The fp8 format's own error, measured without Weft's kernels: what ``bench/fp8.py`` and the
+    GPU tests judge the engine's fp8 against."""
+
+    def rounded_input(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        codes, scales = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((codes.float() * scales[:, None]).to(x.dtype).reshape(x.shape),)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in skip:
+            codes, scales = quantize_rows(module.weight.data)
+            module.weight.data = (codes.float() * scales[:, None]).to(module.weight.dtype)
+            module.register_forward_pre_hook(rounded_input)
+
+
 def scaled_matmul(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:

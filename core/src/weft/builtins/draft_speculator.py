@@ -35,7 +35,7 @@ from weft.contracts.speculator import (
     Speculator,
     Verified,
 )
-from weft.runner.batch_inputs import InputBuilder
+from weft.runner.batch_inputs import InputBuilder, known_only
 
 if TYPE_CHECKING:
     from weft.contracts.speculator import DraftModel
@@ -177,10 +177,10 @@ class DraftSpeculator(Speculator):
         model, device = self.draft.model, self.draft.device
         vocab = self.config.vocab_size or None
         counts = [len(state.token_ids) - state.num_computed_tokens for state in states]
-        input_ids, positions, context, query_start = self._inputs.build(states, counts, _known_only)
+        input_ids, positions, context, query_start = self._inputs.build(states, counts, known_only)
         hidden = model(input_ids, positions, context)
         last = torch.tensor([end - 1 for end in query_start[1:]], dtype=torch.long, device=device)
-        drafted = [_argmax(model.compute_logits(hidden[last]), vocab)]
+        drafted = [greedy_in_vocabulary(model.compute_logits(hidden[last]), vocab)]
         active = list(range(len(states)))
         for step in range(1, max(wanted)):
             active = [row for row in active if wanted[row] > step]
@@ -202,17 +202,13 @@ class DraftSpeculator(Speculator):
             input_ids, positions, context, _ = self._inputs.build(fed, [1] * len(fed), fill)
             hidden = model(input_ids, positions, context)
             tokens = torch.zeros(len(states), dtype=torch.long, device=device)
-            tokens[rows] = _argmax(model.compute_logits(hidden), vocab)
+            tokens[rows] = greedy_in_vocabulary(model.compute_logits(hidden), vocab)
             drafted.append(tokens)
         table = torch.stack(drafted, dim=1).tolist()
         return [row[:count] for row, count in zip(table, wanted, strict=True)]
 
 
-def _known_only(input_ids: torch.Tensor, states: list, counts: list) -> None:
-    """The catch-up forward's tokens are all on the host: nothing to copy in."""
-
-
-def _argmax(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+def greedy_in_vocabulary(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
     """The greedy token of each row, among the target's vocabulary (a draft's logits may be padded wider)."""
     if vocab is not None and logits.shape[-1] > vocab:
         logits = logits[..., :vocab]

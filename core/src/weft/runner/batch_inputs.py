@@ -109,6 +109,11 @@ class InputBuilder:
         return input_ids, position_tensor, context, query_start
 
 
+def known_only(input_ids: torch.Tensor, states: list[RequestState], counts: list[int]) -> None:
+    """The :data:`FillUnknown` of a batch whose tokens are all on the host (a speculator's catch-up forward):
+    nothing to copy in."""
+
+
 def known_tokens(states: list[RequestState], counts: list[int]) -> list[int]:
     """The next ``counts`` token ids of each of ``states``, end to end; 0 for a token still on the device (the last
     step's, which :meth:`weft.runner.step_handles.PendingStep.fill_unknown` copies in)."""

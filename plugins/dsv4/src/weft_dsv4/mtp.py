@@ -46,7 +46,7 @@ import msgspec
 import torch
 from torch import nn
 
-from weft.api import InputBuilder, Linear, default_dtype
+from weft.api import InputBuilder, Linear, default_dtype, greedy_in_vocabulary, known_only
 from weft.contracts.kv_cache import KVCacheGroupSpec, SlidingWindowSpec
 from weft.contracts.speculator import (
     DraftModelLoader,
@@ -398,12 +398,12 @@ class MtpSpeculator(Speculator):
         output streams and the token it proposed."""
         device, vocab = self._device, self.config.vocab_size or None
         counts = [len(row.token_ids) - row.num_computed_tokens for row in rows]
-        input_ids, positions, context, query_start = self._inputs.build(rows, counts, _known_only)
+        input_ids, positions, context, query_start = self._inputs.build(rows, counts, known_only)
         layer = self.layers[0]
         streams = layer(input_ids, positions, previous, context)
         last = torch.tensor([end - 1 for end in query_start[1:]], dtype=torch.long, device=device)
         streams = streams[last]
-        drafted = [_argmax(layer.compute_logits(streams), vocab)]
+        drafted = [greedy_in_vocabulary(layer.compute_logits(streams), vocab)]
         active = list(range(len(rows)))
         for step in range(1, max(wanted)):
             keep = [position for position, row in enumerate(active) if wanted[row] > step]
@@ -423,18 +423,7 @@ class MtpSpeculator(Speculator):
             input_ids, positions, context, _ = self._inputs.build(fed, [1] * len(fed), fill)
             streams = layer(input_ids, positions, streams[kept].flatten(1), context)
             proposed = torch.zeros(len(rows), dtype=torch.long, device=device)
-            proposed[chosen] = _argmax(layer.compute_logits(streams), vocab)
+            proposed[chosen] = greedy_in_vocabulary(layer.compute_logits(streams), vocab)
             drafted.append(proposed)
         table = torch.stack(drafted, dim=1).tolist()
         return [row[:count] for row, count in zip(table, wanted, strict=True)]
-
-
-def _known_only(input_ids: torch.Tensor, states: list, counts: list) -> None:
-    """The catch-up forward's tokens are all on the host: nothing to copy in."""
-
-
-def _argmax(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
-    """The greedy token of each row, among the target's vocabulary (logits may be padded wider)."""
-    if vocab is not None and logits.shape[-1] > vocab:
-        logits = logits[..., :vocab]
-    return logits.argmax(dim=-1)

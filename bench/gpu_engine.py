@@ -18,8 +18,9 @@ Parts (``--part``, repeatable):
 * ``serve``: the ``qwen`` workload as 256 concurrent streaming completions through ``weft serve``
   (the engine core in its own process), against offline ``LLM.generate`` of the same requests
   from the same checkpoint folder, measured in the same run. Clients run in 8 processes so that
-  the client side is not the bottleneck; the CPU time of the API process, the engine core and
-  the busiest client process is printed beside the rate.
+  the client side is not the bottleneck; the CPU time of the API processes, the engine core and
+  the busiest client process is printed beside the rate. One run per ``--api-server-count``
+  (default 1 and 2: one API process, then two sharing the HTTP and detokenization work).
 
 ``--profile N`` records the timed offline ``LLM.generate`` of ``qwen`` and ``llama8b`` with
 torch.profiler and prints the N CUDA kernels with the most device time, the device-busy share of
@@ -316,10 +317,33 @@ def part_serve(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
     prompts = random_prompts(requests, prompt, QWEN3_0_6B["vocab_size"]).tolist()
 
+    served = {count: _served_run(folder, prompts, output, client_processes, count) for count in args.api_server_count}
+    llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
+    seconds = weft_generate(llm, prompts, output)
+    offline_rate = requests * output / seconds
+    print(
+        f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s)",
+        flush=True,
+    )
+    for count, served_rate in served.items():
+        print(
+            f"serve: {count} API process{'es' if count > 1 else ''}: served at {served_rate / offline_rate:.0%} of "
+            "offline (issue 48's bound: 90%)",
+            flush=True,
+        )
+    llm.close()
+    del llm
+    gc.collect()  # on CUDA the engine's KV cache stayed allocated after close() (a later part ran out of memory;
+    torch.cuda.empty_cache()  # what holds it is not found yet): collect before the next part allocates
+
+
+def _served_run(folder: Path, prompts: list[list[int]], output: int, client_processes: int, count: int) -> float:
+    """The workload through ``weft serve --api-server-count COUNT``: prints its figures, returns its tokens/s."""
+    requests = len(prompts)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = open(Path(os.environ.get("OUT", "/tmp")) / "gpu_serve_server.log", "w")
+    log = open(Path(os.environ.get("OUT", "/tmp")) / f"gpu_serve_server_{count}.log", "w")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -334,6 +358,8 @@ def part_serve(args: argparse.Namespace) -> None:
             "use.platform='cuda'",
             "--set",
             "engine.dtype='bfloat16'",
+            "--api-server-count",
+            str(count),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -356,7 +382,9 @@ def part_serve(args: argparse.Namespace) -> None:
         httpx.post(
             f"{url}/v1/completions", json={"model": folder.name, "prompt": prompts[0], "max_tokens": 16}, timeout=120
         ).raise_for_status()
-        processes = {"API process": server.pid, "engine core": _child_with(server.pid, b"spawn_main")}
+        core, *others = _children_with(server.pid, b"spawn_main")  # the core starts before the other API processes
+        processes = {"API process": server.pid, "engine core": core}
+        processes.update({f"API process {index}": pid for index, pid in enumerate(others, start=1)})
         context = multiprocessing.get_context("spawn")
         queue, ready, go = context.Queue(), context.Queue(), context.Event()
         clients = [
@@ -383,11 +411,12 @@ def part_serve(args: argparse.Namespace) -> None:
         server.wait(timeout=120)
         log.close()
     ttfts = sorted(first for first, _, _ in results)
-    chunks = sum(count for _, count, _ in results)
+    chunks = sum(sent for _, sent, _ in results)
     served_seconds = max(end for _, _, end in results) - start_at  # wall clock: comparable across the client processes
     served_rate = requests * output / served_seconds
     print(
-        f"serve: {requests} concurrent streaming completions, {chunks:,} chunks: {served_rate:,.0f} output tokens/s "
+        f"serve ({count} API process{'es' if count > 1 else ''}): {requests} concurrent streaming completions, "
+        f"{chunks:,} chunks: {served_rate:,.0f} output tokens/s "
         f"({served_seconds:.2f} s), TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[int(0.99 * len(ttfts))]:.2f} s",
         flush=True,
     )
@@ -399,24 +428,13 @@ def part_serve(args: argparse.Namespace) -> None:
         + f", busiest client process {client_cpu:.2f} s ({client_cpu / served_seconds:.0%})",
         flush=True,
     )
-    api_us = cpu_used["API process"] / (requests * output) * 1e6
+    api_us = sum(cpu for name, cpu in cpu_used.items() if name.startswith("API")) / (requests * output) * 1e6
     print(
-        f"serve: API process {api_us:.1f} us of CPU per streamed token (issue 48's bound: 10 us), "
+        f"serve: API processes {api_us:.1f} us of CPU per streamed token, all together, "
         f"{requests * output / chunks:.1f} tokens per chunk",
         flush=True,
     )
-    llm = LLM(model=str(folder), use={"platform": "cuda"}, engine={"dtype": "bfloat16"})
-    seconds = weft_generate(llm, prompts, output)
-    offline_rate = requests * output / seconds
-    print(
-        f"serve: offline LLM.generate of the same requests {offline_rate:,.0f} output tokens/s ({seconds:.2f} s); "
-        f"served at {served_rate / offline_rate:.0%} of offline",
-        flush=True,
-    )
-    llm.close()
-    del llm
-    gc.collect()  # on CUDA the engine's KV cache stayed allocated after close() (a later part ran out of memory;
-    torch.cuda.empty_cache()  # what holds it is not found yet): collect before the next part allocates
+    return served_rate
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -425,23 +443,35 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _child_with(parent: int, marker: bytes) -> int:
-    """The child of ``parent`` whose command line contains ``marker``."""
+def _children_with(parent: int, marker: bytes) -> list[int]:
+    """The children of ``parent`` whose command line contains ``marker`` (not multiprocessing's resource tracker),
+    in the order they started (by pid)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == parent and marker in (entry / "cmdline").read_bytes():
-                    return int(entry.name)
+                command = (entry / "cmdline").read_bytes()
+                if ppid == parent and marker in command and b"resource_tracker" not in command:
+                    found.append(int(entry.name))
             except OSError:
                 continue
-    raise RuntimeError(f"no child of {parent} runs {marker!r}")
+    if not found:
+        raise RuntimeError(f"no child of {parent} runs {marker!r}")
+    return sorted(found)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--part", action="append", choices=["qwen", "llama8b", "sampled", "serve"], required=True)
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="the serve part's runs: weft serve --api-server-count for each",
+    )
     parser.add_argument(
         "--engine",
         action="append",

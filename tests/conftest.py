@@ -245,7 +245,7 @@ class RunningServer:
         import time
 
         from weft.config import load_config
-        from weft.entrypoints.serve import build_app, build_server
+        from weft.entrypoints.server_app import build_app, build_server
 
         self.config = load_config(None, config_overrides)
         self.app = build_app(self.config)

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from conftest import free_port, make_tiny_model, start_weft_serve
+from weft.engine.core.api_clients import ApiClients
 from weft.engine.core.watchdog import CoreWatchdog
 from weft.engine.messages import CoreStats, FromCore, StepOutputs
 
@@ -31,7 +32,8 @@ def test_a_step_past_its_timeout_fails_the_held_requests_and_names_where_it_is_s
     receiver = context.socket(zmq.PULL)
     receiver.bind(address)
     held = ["a", "b"]
-    watchdog = CoreWatchdog(os.getppid(), 0.5, lambda: held, context, address)
+    clients = ApiClients(context, [address])
+    watchdog = CoreWatchdog(os.getppid(), 0.5, lambda: held, clients)
     watchdog.last_stats = CoreStats(running=2, num_steps=7)
     watchdog.start()
     try:
@@ -55,6 +57,7 @@ def test_a_step_past_its_timeout_fails_the_held_requests_and_names_where_it_is_s
         assert "_stuck_in_a_step" in caplog.text  # the main thread's stack is logged
     finally:
         watchdog.stop()
+        clients.close(linger=0)
         receiver.close(linger=0)
         context.term()
 

@@ -476,6 +476,16 @@ class ServerConfig(_Section, frozen=True):
             "event loop; a request waits for one when all are busy",
         ),
     ] = 4
+    api_server_count: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=64,
+            description="API processes serving HTTP on the one port in front of the engine core (vLLM's "
+            "--api-server-count): each does its own HTTP, tokenizing, detokenization and streaming, so that the API "
+            "side keeps up with a fast engine; /metrics adds up every process's counters",
+        ),
+    ] = 1
     max_sequences_per_request: Annotated[
         int, Meta(ge=1, description="most sequences one request may expand to (n times the prompts); more is a 400")
     ] = 256

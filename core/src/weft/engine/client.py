@@ -136,17 +136,34 @@ class ProcessClient(CoreClient):
     :meth:`add_requests` and :meth:`abort` never block (call them from one thread, the event loop's);
     :meth:`get_outputs` is for one other thread (the reader's)."""
 
-    def __init__(self, config: WeftConfig, startup_timeout: float) -> None:
+    def __init__(self, config: WeftConfig, startup_timeout: float, api_servers: int = 1) -> None:
         """Start the core process and wait up to ``startup_timeout`` seconds for it to build the engine
-        (:class:`CoreStartError` when it could not)."""
+        (:class:`CoreStartError` when it could not). ``api_servers``: the API processes the core serves; this is
+        the first, the others attach through :attr:`attach_addresses` (:class:`AttachedClient`)."""
+        self.config = config
+        self._folder = tempfile.mkdtemp(prefix="weft-core-")
+        addresses = [(f"ipc://{self._folder}/in-{i}", f"ipc://{self._folder}/out-{i}") for i in range(api_servers)]
+        self.attach_addresses = addresses[1:]
+        """The (input, output) addresses the other API processes bind, in order."""
+        self._bind(*addresses[0])
+        from weft.engine.core.core_process import run_engine_core  # torch-free: the core imports its modules
+
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core,
+            args=(config, [address for address, _ in addresses], [address for _, address in addresses], os.getpid()),
+            name="weft-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        self.engine_settings = self._handshake(startup_timeout)
+        logger.debug("engine core process %d ready: %s", self.process.pid, self.engine_settings)
+
+    def _bind(self, input_address: str, output_address: str) -> None:
         import zmq
 
-        self.config = config
         self.death_reason = ""
         """Why the core stopped, when it said (its workers failed)."""
-        self._folder = tempfile.mkdtemp(prefix="weft-core-")
-        input_address = f"ipc://{self._folder}/input"
-        output_address = f"ipc://{self._folder}/output"
         self._zmq = zmq.Context()
         self._input = self._zmq.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
@@ -157,37 +174,32 @@ class ProcessClient(CoreClient):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
         self._closed = False
-        from weft.engine.core.core_process import run_engine_core  # torch-free: the core imports its modules
-
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=run_engine_core,
-            args=(config, input_address, output_address, os.getpid()),
-            name="weft-engine-core",
-            daemon=True,
-        )
-        self.process.start()
-        self.engine_settings = self._handshake(startup_timeout)
-        logger.debug("engine core process %d ready: %s", self.process.pid, self.engine_settings)
 
     def _handshake(self, timeout: float) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         while not self._output.poll(200):
-            if not self.process.is_alive():
+            if not self.alive:
                 self._close_sockets()
-                raise CoreStartError(f"the engine core process exited with code {self.process.exitcode} while starting")
+                raise CoreStartError(f"the engine core process exited with code {self.exitcode} while starting")
             if time.monotonic() > deadline:
-                self.process.kill()
+                self._kill()
                 self._close_sockets()
                 raise CoreStartError(f"the engine core did not start within {timeout:.0f} s")
         message = self._decoder.decode(self._output.recv())
         if isinstance(message, Failed):
-            self.process.join(timeout=10)
+            self._reap()
             self._close_sockets()
             logger.debug("the engine core's traceback:\n%s", message.traceback)
             raise CoreStartError(f"the engine core could not start: {message.message}")
         assert isinstance(message, Ready)
         return message.engine
+
+    def _kill(self) -> None:
+        self.process.kill()
+
+    def _reap(self) -> None:
+        """The core said it failed: wait for its process to end."""
+        self.process.join(timeout=10)
 
     @property
     def alive(self) -> bool:
@@ -197,8 +209,13 @@ class ProcessClient(CoreClient):
     def exitcode(self) -> int | None:
         return self.process.exitcode
 
+    @property
+    def client_index(self) -> int:
+        """This API process's index among those the core serves."""
+        return 0
+
     def add_requests(self, requests: list[EngineCoreRequest]) -> bool:
-        return self._send(AddRequests(requests))
+        return self._send(AddRequests(requests, self.client_index))
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(Abort(request_ids))
@@ -252,4 +269,60 @@ class ProcessClient(CoreClient):
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._zmq.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+class AttachedClient(ProcessClient):
+    """An API process other than the first (``server.api_server_count``): it binds the addresses the first one
+    gave it and talks to the core that one started; it neither starts nor stops the core.
+
+    It takes the core for dead when the core's process is gone, or when the first API process (its parent, which
+    owns the core) is."""
+
+    def __init__(
+        self, config: WeftConfig, addresses: tuple[str, str], index: int, core_pid: int, startup_timeout: float
+    ) -> None:
+        self.config = config
+        self._folder = ""
+        self._index = index
+        self._core_pid = core_pid
+        self._parent_pid = os.getppid()
+        self._bind(*addresses)
+        self.engine_settings = self._handshake(startup_timeout)
+
+    @property
+    def client_index(self) -> int:
+        return self._index
+
+    @property
+    def alive(self) -> bool:
+        return os.getppid() == self._parent_pid and _running(self._core_pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        return None  # not this process's child
+
+    def _kill(self) -> None:
+        pass  # the first API process owns the core
+
+    def _reap(self) -> None:
+        pass
+
+    def shut_down(self, timeout: float, quiet: bool) -> None:
+        """Nothing to stop: the first API process stops the core once every API process drained."""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True  # no procfs: the signal's answer stands

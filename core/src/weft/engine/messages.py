@@ -127,6 +127,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[EngineCoreRequest]
+    client: int = 0
+    """The API process that sends them (``server.api_server_count``): their outputs go back to it."""
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

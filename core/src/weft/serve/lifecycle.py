@@ -196,6 +196,11 @@ class GracefulServer(uvicorn.Server):
         self._draining = False
         self._drain_started: float | None = None
         """When the first signal came (``time.monotonic()``); the log's times count from it."""
+        self.on_drain: Callable[[], None] | None = None
+        """Called when the drain begins and when it is hurried (the first of several API processes passes it
+        on to the others, :mod:`weft.entrypoints.api_servers`)."""
+        self.ignores_sigint = False
+        """SIGINT does nothing (an API process beyond the first: the first passes the terminal's Ctrl-C on)."""
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -203,6 +208,8 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would close the listener at once and re-raise the signal at exit.
+        if sig == signal.SIGINT and self.ignores_sigint:
+            return
         name = signal.Signals(sig).name
         if self._drain_started is None:
             key = "Ctrl-C" if sig == signal.SIGINT else name
@@ -227,6 +234,8 @@ class GracefulServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._begin_drain)
 
     def _begin_drain(self) -> None:
+        if self.on_drain is not None:
+            self.on_drain()
         if self._draining:
             self.engine.hurry()
             return

@@ -3,16 +3,23 @@
 The engine core's gauges and its KV connector's metrics are read from the last
 stats the core sent; the connector's are declared by its class
 (:attr:`weft.contracts.kv_connector.KVConnector.metrics`) and summed over workers by the core.
+
+With several API processes (``server.api_server_count``), each counts the requests it served in
+prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by
+:mod:`weft.entrypoints.api_servers` before any metric is made): whichever process answers ``GET /metrics``
+adds up every process's counters and histograms, and appends the engine core's metrics, which every process
+has alike.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -160,16 +167,29 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._declare_histograms()
+        self.core_registry = CollectorRegistry()
+        """The engine core's metrics, from the stats it last sent (every API process has the same)."""
         gauges = _CORE_GAUGES
         if engine.config.use.kv_connector == "none":
             gauges = [gauge for gauge in gauges if "kv_connector" not in gauge[0]]
-        for name, description, read in gauges:
-            Gauge(name, description, registry=self.registry).set_function(lambda read=read: read(engine.stats))
+        self.core_registry.register(_CoreGauges(engine, gauges))
         if engine.config.use.kv_connector != "none":
             connector_class = engine.registry.load("kv_connector", engine.config.use.kv_connector)
-            self.registry.register(_ConnectorMetrics(engine, connector_class.metrics))
+            self.core_registry.register(_ConnectorMetrics(engine, connector_class.metrics))
         counters = _CORE_COUNTERS + (_CONNECTOR_COUNTERS if engine.config.use.kv_connector != "none" else [])
-        self.registry.register(_CoreCounters(engine, counters))
+        self.core_registry.register(_CoreCounters(engine, counters))
+        self._folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        """Where every API process keeps its counts, when there are several."""
+
+    def exposition(self) -> bytes:
+        """``GET /metrics``'s body: this server's metrics (every API process's, added up), then the core's."""
+        if self._folder is None:
+            return generate_latest(self.registry) + generate_latest(self.core_registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process, self._folder)
+        return generate_latest(every_process) + generate_latest(self.core_registry)
 
     def _declare_histograms(self) -> None:
         """The latency histograms: per token (first and between), per request (queued, end to end)."""
@@ -235,6 +255,19 @@ class ServerMetrics:
 
     def failed(self, reason: str) -> None:
         self.failures.labels(reason).inc()
+
+
+class _CoreGauges(Collector):
+    """The engine core's state as of the last step it reported."""
+
+    def __init__(self, engine: AsyncEngine, gauges: list[tuple[str, str, Any]]) -> None:
+        self.engine = engine
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.engine.stats
+        for name, description, read in self.gauges:
+            yield GaugeMetricFamily(name, description, value=read(stats))
 
 
 class _CoreCounters(Collector):

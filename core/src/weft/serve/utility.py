@@ -3,7 +3,7 @@ and ``GET /metrics`` (Prometheus)."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -66,4 +66,4 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     server = server_of(request)
-    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

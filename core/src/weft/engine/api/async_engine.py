@@ -68,7 +68,10 @@ class AsyncEngine:
         startup_timeout: float = 3600.0,
         request_timeout: float | None = None,
         tokenizer_threads: int = 4,
+        connect: Callable[[], ProcessClient] | None = None,
     ) -> None:
+        """``connect``: makes the client of the engine core (default: start the core, as the only API process;
+        ``weft serve --api-server-count`` passes its own, :mod:`weft.entrypoints.api_servers`)."""
         verify_plugin_lock(config)  # before the frontend resolves the model (the core process checks again)
         self.config = config
         self.registry = registry or PluginRegistry()
@@ -100,7 +103,7 @@ class AsyncEngine:
         self._stopping = False
         self._reader_done = False
         self._tasks: list[asyncio.Task] = []
-        self.client = ProcessClient(config, startup_timeout)
+        self.client = connect() if connect is not None else ProcessClient(config, startup_timeout)
         self.engine_settings = self.client.engine_settings
 
     @property

@@ -29,6 +29,7 @@ from weft.config import WeftConfig
 from weft.engine.messages import Abort, Failed, Ready, Shutdown, StepOutputs, ToCore
 
 if TYPE_CHECKING:
+    from weft.engine.core.api_clients import ApiClients
     from weft.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger("weft.engine")
@@ -38,7 +39,12 @@ STEP_FAILED = "the engine step failed twice (the server log has the details)"
 
 
 def _receive(
-    core: EngineCore, poller: Any, inputs: Any, decoder: msgspec.msgpack.Decoder, refused: dict[str, str]
+    core: EngineCore,
+    poller: Any,
+    inputs: Any,
+    decoder: msgspec.msgpack.Decoder,
+    clients: ApiClients,
+    refused: dict[str, str],
 ) -> tuple[bool, bool]:
     """Apply every waiting message (waiting up to a second when the core has no work); the requests the core
     refuses go to ``refused``. Returns whether to stop and whether anything arrived."""
@@ -51,6 +57,12 @@ def _receive(
             return True, received
         if isinstance(message, Abort):
             core.abort(message.request_ids)
+            clients.forget(message.request_ids)
+            continue
+        try:
+            clients.added(message.client, [request.request_id for request in message.requests])
+        except ValueError:
+            logger.exception("dropped a message")
             continue
         for request in message.requests:
             try:
@@ -72,10 +84,14 @@ def _failed_step(core: Any, failure: Any, refused: dict[str, str]) -> tuple[Step
     return StepOutputs([], core.stats(), refused, dict.fromkeys(failure.request_ids, reason)), fatal
 
 
-def run_engine_core(config: WeftConfig, input_address: str, output_address: str, parent_pid: int) -> None:
-    """The core process's main function."""
+def run_engine_core(
+    config: WeftConfig, input_addresses: list[str], output_addresses: list[str], parent_pid: int
+) -> None:
+    """The core process's main function: one pair of addresses per API process (bound there; the first is the
+    parent's, which says when to stop)."""
     import zmq
 
+    from weft.engine.core.api_clients import ApiClients
     from weft.engine.core.builder import build_engine_core
     from weft.engine.core.engine_core import StepFailed
     from weft.engine.core.watchdog import CoreWatchdog
@@ -94,45 +110,43 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(output_address)
-    encoder = msgspec.msgpack.Encoder()
+    for address in input_addresses:
+        inputs.connect(address)
+    outputs = ApiClients(context, output_addresses)
     decoder = msgspec.msgpack.Decoder(ToCore)
     try:
         core = build_engine_core(config)
         freeze_startup_objects()  # this process serves one engine until it exits: out of the collector's view
     except BaseException as error:
-        outputs.send(encoder.encode(Failed(f"{type(error).__name__}: {error}", traceback.format_exc())))
+        outputs.send_all(Failed(f"{type(error).__name__}: {error}", traceback.format_exc()))
         outputs.close(linger=5000)
         raise SystemExit(1) from None
-    outputs.send(encoder.encode(Ready(core.describe())))
+    outputs.send_all(Ready(core.describe()))
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    watchdog = CoreWatchdog(
-        parent_pid, config.engine.step_timeout, lambda: core.scheduler.unfinished_ids, context, output_address
-    )
+    watchdog = CoreWatchdog(parent_pid, config.engine.step_timeout, lambda: core.scheduler.unfinished_ids, outputs)
     watchdog.start()
     fatal: BaseException | None = None
     try:
         while True:
             refused: dict[str, str] = {}
-            stop, received = _receive(core, poller, inputs, decoder, refused)
+            stop, received = _receive(core, poller, inputs, decoder, outputs, refused)
             if stop:
                 break
             if not core.has_work:
                 if received:  # the API side's gauges follow aborts too
-                    outputs.send(encoder.encode(StepOutputs([], core.stats(), refused)))
+                    outputs.send(StepOutputs([], core.stats(), refused))
                 continue
             watchdog.step_began()
             try:
                 message = core.step_outputs(refused)
             except StepFailed as failure:
                 message, fatal = _failed_step(core, failure, refused)
+            watchdog.last_stats = message.stats
+            outputs.send(message)
             if failed_by_watchdog := watchdog.step_ended():
                 core.abort(failed_by_watchdog)  # the API side ended them already
-            watchdog.last_stats = message.stats
-            outputs.send(encoder.encode(message))
+                outputs.forget(failed_by_watchdog)
             if fatal is not None:
                 break
     finally:
@@ -140,7 +154,7 @@ def run_engine_core(config: WeftConfig, input_address: str, output_address: str,
         core.close()
         if fatal is not None:
             logger.error("the engine core stops: %s", fatal)
-            outputs.send(encoder.encode(Failed(str(fatal))))
+            outputs.send_all(Failed(str(fatal)))
         outputs.close(linger=1000)
         inputs.close(linger=0)
         context.term()

@@ -11,7 +11,7 @@ checks nothing else. :class:`CoreWatchdog` is a thread of the core process that 
   phase and the limit, and tells the API side the core is stuck (``StepOutputs.stuck``: ``/health`` answers
   503 until a step ends). When the step ends at last, the core drops the requests the watchdog failed.
 
-The watchdog sends on its own ZMQ socket (sockets are not thread-safe); the API side's PULL socket takes both.
+The watchdog sends on ZMQ sockets of its own (sockets are not thread-safe); the API side's PULL socket takes both.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from weft.engine.messages import CoreStats, StepOutputs
 
 if TYPE_CHECKING:
     from types import FrameType
+
+    from weft.engine.core.api_clients import ApiClients
 
 logger = logging.getLogger("weft.engine")
 
@@ -57,16 +57,14 @@ class CoreWatchdog:
     """The watching thread (:meth:`start`); the main loop calls :meth:`step_began` and :meth:`step_ended` around
     each step, and keeps :attr:`last_stats` current."""
 
-    def __init__(self, parent_pid: int, step_timeout: float, held_request_ids: Any, context: Any, address: str) -> None:
-        """``held_request_ids()``: the requests the core holds (read while the main thread is stuck); ``context``
-        and ``address``: the ZMQ context and the API side's output address (the watchdog sends on a socket of its
-        own)."""
+    def __init__(self, parent_pid: int, step_timeout: float, held_request_ids: Any, clients: ApiClients) -> None:
+        """``held_request_ids()``: the requests the core holds (read while the main thread is stuck); ``clients``:
+        the main loop's API processes (the watchdog sends on sockets of its own, :meth:`ApiClients.sibling`)."""
         self.parent_pid = parent_pid
         self.step_timeout = step_timeout
         self._held_request_ids = held_request_ids
-        self._context = context
-        self._address = address
-        self._socket: Any = None
+        self._clients = clients
+        self._sockets: ApiClients | None = None
         self.last_stats = CoreStats()
         """The gauges the main loop last sent: a watchdog's message carries them (counters must not go back)."""
         self._step_began: float | None = None
@@ -89,8 +87,8 @@ class CoreWatchdog:
         self._stopped.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        if self._socket is not None:
-            self._socket.close(linger=1000)
+        if self._sockets is not None:
+            self._sockets.close(linger=1000)
 
     def step_began(self) -> None:
         self._step_began = time.monotonic()
@@ -144,9 +142,6 @@ class CoreWatchdog:
             self._send(StepOutputs([], self.last_stats, {}, dict.fromkeys(held, reason), stuck=phase))
 
     def _send(self, message: StepOutputs) -> None:
-        import zmq
-
-        if self._socket is None:
-            self._socket = self._context.socket(zmq.PUSH)
-            self._socket.connect(self._address)
-        self._socket.send(msgspec.msgpack.encode(message))
+        if self._sockets is None:
+            self._sockets = self._clients.sibling()
+        self._sockets.send(message)

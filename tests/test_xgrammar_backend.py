@@ -873,8 +873,8 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
 def test_a_fill_group_names_the_matchers_over_its_fill_budget_child_after_child(backend, tokenizer):
     """Two children timing their fills against a budget (``engine.structured_output_fill_budget``, 10 ms): 120 a's
     into the ambiguous grammar, its matchers' masks take several times that (33 ms at the 100th a on a test machine)
-    and are named child after child; their rows are still filled that step, equal to the backend's own, then their children
-    drop them (no row, no token taken) while the regex's matchers fill on."""
+    and are named child after child; their rows are still filled that step, equal to the backend's own, then their
+    children drop them (no row, no token taken) while the regex's matchers fill on."""
     from weft.engine.core.grammar_group import FillGroup
 
     ambiguous = backend.compile(StructuredOutputsParams(grammar='root ::= y\ny ::= y y | y "a" | "a" y | "a"'))

@@ -29,8 +29,12 @@ BUDGET = 0.01
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer_files):
-    model = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_files, max_position_embeddings=9000)
+def model(tmp_path_factory, tokenizer_files):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_files, max_position_embeddings=9000)
+
+
+@pytest.fixture(scope="module")
+def server(model):
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("WEFT_")}
     # A compile timeout a loaded machine's large schema may outlive (the bound on compiles is checked, not
@@ -165,6 +169,45 @@ def test_an_ambiguous_grammar_fails_at_its_fill_budget_and_stalls_no_other_reque
     assert f"engine.structured_output_fill_budget = {BUDGET:g} s" in response.json()["error"]["message"]
     assert_within_bound(quiet, busy)
     assert metric(url, "weft_structured_output_fill_budget_failures_total") == before + 1
+
+
+def test_fill_processes_end_an_ambiguous_grammar_at_its_fill_budget_and_the_others_go_on(model, one_torch_thread):
+    """``engine.structured_output_fill = "process"``: the fill process times its rows against the budget as the fill
+    thread does, and names the matcher over it to the core, which ends its request with the error naming the setting
+    while a plain request beside it goes on to its last token; the fill process keeps no matcher of either."""
+    from weft import LLM, SamplingParams
+    from weft.contracts.structured_output import StructuredOutputsParams
+
+    engine = {
+        "structured_output_fill": "process",
+        "structured_output_fill_budget": BUDGET,
+        "max_model_len": 512,
+        "num_kv_blocks": 64,
+    }
+    prompt = [1, 5, 9, 31]
+    ambiguous = SamplingParams(
+        max_tokens=400, min_tokens=400, structured_outputs=StructuredOutputsParams(grammar=AMBIGUOUS)
+    )
+    plain = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    with LLM(model=str(model), engine=engine) as llm:
+        expensive = llm.engine.add_request("ambiguous", prompt, ambiguous)
+        while not expensive.output_token_ids:  # its grammar compiled (the backend built, the fill process started)
+            llm.engine.step()
+        other = llm.engine.add_request("plain", prompt, plain)
+        error = f"request 'ambiguous': .*engine.structured_output_fill_budget = {BUDGET:g} s"
+        with pytest.raises(ValueError, match=error):
+            while not other.finished:  # (without the budget, the plain request finishes first, slower each step)
+                llm.engine.step()
+        manager = llm.engine.core.scheduler.structured_outputs
+        assert manager.fills_in_process and llm.engine.core.scheduler.fill_budget_failures == 1
+        assert not other.finished and other.output_token_ids  # it ran beside the ambiguous one
+        assert expensive.finished and set(expensive.text) == {"a"}  # constrained until it ended, long before its 400
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+        assert other.finished and len(other.output_token_ids) == 150
+        group = manager._process.result()
+        group.step([], [], [])  # carries the drops
+        assert group.held() == (0, 1)  # the ambiguous grammar's matcher gone, its compiled grammar cached
 
 
 def test_a_streamed_ambiguous_grammar_ends_with_an_error_event(server):

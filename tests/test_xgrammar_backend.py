@@ -870,6 +870,40 @@ def test_a_fill_groups_rows_skip_a_matcher_that_refused_its_token(backend, token
         group.close()
 
 
+def test_a_fill_group_names_the_matchers_over_its_fill_budget_child_after_child(backend, tokenizer):
+    """Two children timing their fills against a budget (``engine.structured_output_fill_budget``, 10 ms): 120 a's
+    into the ambiguous grammar, its matchers' masks take several times that (33 ms at the 100th a on a test machine)
+    and are named child after child; their rows are still filled that step, equal to the backend's own, then their
+    children drop them (no row, no token taken) while the regex's matchers fill on."""
+    from weft.engine.core.grammar_group import FillGroup
+
+    ambiguous = backend.compile(StructuredOutputsParams(grammar='root ::= y\ny ::= y y | y "a" | "a" y | "a"'))
+    cheap = backend.compile(StructuredOutputsParams(regex="a+"))
+    words = bitmask_words(tokenizer.vocab_size)
+    text = tokenizer.encode("a" * 120, add_special_tokens=False)
+    group = FillGroup(XgrammarBackend, backend.options, backend.vocabulary, words, processes=2, spin=0.001, budget=0.01)
+    try:
+        handles = [group.new_handle() for _ in range(4)]  # child 0: 0 and 2; child 1: 1 and 3
+        constraints = [(0, cheap), (1, ambiguous), (1, ambiguous), (0, cheap)]  # each handle's (key, compiled)
+        made = [
+            (handle, key, backend.serialize_compiled(compiled)) for handle, (key, compiled) in enumerate(constraints)
+        ]
+        reply = group.step(made, [], handles)
+        assert reply.filled == [0, 2, 1, 3] and reply.over == []  # a mask at the grammar's start costs nothing
+        reply = group.step([], [(handle, token) for token in text for handle in handles], handles)
+        assert reply.filled == [0, 2, 1, 3] and reply.over == [2, 1] and not reply.ended and not reply.refused
+        local = {handle: backend.matcher(compiled) for handle, (_, compiled) in enumerate(constraints)}
+        for handle in handles:
+            assert all(local[handle].accept_token(token) for token in text)
+        expected = torch.zeros(4, words, dtype=torch.int32)
+        backend.fill_bitmasks([local[handle] for handle in reply.filled], expected)
+        assert torch.equal(torch.frombuffer(bytearray(group.rows(4)), dtype=torch.int32).view(-1, words), expected)
+        reply = group.step([], [(handle, text[0]) for handle in handles], handles)
+        assert reply.filled == [0, 3] and reply.over == [] and group.held() == (2, 4)
+    finally:
+        group.close()
+
+
 def test_a_matcher_made_and_dropped_in_one_message_is_not_kept(backend):
     """One child (its messages passed on whole): a request that ended before its matcher's first step sends the
     matcher and its drop in the same message; the child makes it, then drops it."""

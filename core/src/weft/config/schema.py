@@ -342,8 +342,8 @@ class EngineConfig(_Section, frozen=True):
             ge=0,
             description="CPU seconds one request's grammar may take to fill its token mask in one step (every step "
             "waits for every mask, and an ambiguous grammar's cost grows with each token); past it the request fails "
-            "(a 400 naming this limit). Timed where the engine core fills masks itself (structured_output_fill = "
-            "thread); fill processes do not time their rows yet. 0: no budget",
+            "(a 400 naming this limit). Timed in the engine core's fill thread or in each fill process "
+            "(structured_output_fill), in the CPU time of the one filling. 0: no budget",
         ),
     ] = 0.05
     structured_output_cache_bytes: Annotated[

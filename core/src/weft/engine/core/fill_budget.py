@@ -17,8 +17,9 @@ trigger that matters on a loaded machine (wall time there runs several times
 longer): it catches a row filled on this thread as soon as it is over; wall time catches rows filled on a
 backend's own threads.
 
-The engine core's fill thread uses it (:class:`~weft.engine.core.structured_output.ThreadFill`); the fill processes
-(``engine.structured_output_fill = "process"``) do not time their rows yet.
+The engine core's fill thread uses it (:class:`~weft.engine.core.structured_output.ThreadFill`), and so does each fill
+process (``engine.structured_output_fill = "process"``, :mod:`weft.engine.core.grammar_process`) over the rows it
+fills, in its own CPU time: it names the matchers over the budget back to the core, whose requests fail alike.
 """
 
 from __future__ import annotations

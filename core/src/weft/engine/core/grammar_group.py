@@ -30,15 +30,17 @@ class FillFailed(RuntimeError):
 class StepReply:
     """What the children did with one step."""
 
-    __slots__ = ("filled", "ended", "refused")
+    __slots__ = ("filled", "ended", "refused", "over")
 
-    def __init__(self, filled: list[int], ended: list[int], refused: list[tuple[int, int]]) -> None:
+    def __init__(self, filled: list[int], ended: list[int], refused: list[tuple[int, int]], over: list[int]) -> None:
         self.filled = filled
         """Handles whose bitmask rows were filled, in the order of the rows (one per position each verifies)."""
         self.ended = ended
         """Handles whose matcher terminated on a token of this step."""
         self.refused = refused
         """``(handle, token)`` of tokens a matcher refused (it takes no more tokens, as a failed constraint)."""
+        self.over = over
+        """Handles whose fill took longer than the fill budget (their rows were filled; their child dropped them)."""
 
 
 class FillGroup:
@@ -55,7 +57,10 @@ class FillGroup:
         words: int,
         processes: int = 1,
         spin: float | None = None,
+        budget: float = 0.0,
     ) -> None:
+        """``budget``: the CPU seconds one matcher's fill may take in a step (``engine.structured_output_fill_budget``;
+        0: none); those over it are reported (:attr:`StepReply.over`)."""
         if processes < 1:
             raise ValueError(f"a fill group needs at least one process, not {processes}")
         self.children: list[FillProcess] = []
@@ -86,7 +91,14 @@ class FillGroup:
             for index in range(processes):  # all start, then each is waited for
                 self.children.append(
                     FillProcess(
-                        backend_class, options, vocabulary, words, spin, name=f"weft-grammar-fill-{index}", wait=False
+                        backend_class,
+                        options,
+                        vocabulary,
+                        words,
+                        spin,
+                        name=f"weft-grammar-fill-{index}",
+                        wait=False,
+                        budget=budget,
                     )
                 )
             for child in self.children:
@@ -220,22 +232,26 @@ class FillGroup:
     def receive_step(self) -> StepReply:
         """Every child's answer to the last :meth:`send_step`, in child order. A child that failed raises
         :class:`FillFailed` once the others were read (none is left for the next step), with the ended and
-        refused matchers reported."""
+        refused matchers, and those over the fill budget, reported."""
         counts: list[int] = []
+        overs: list[int] = []
         error: BaseException | None = None
         self._filled = [0] * len(self.children)
         for child in self.children:
             try:
                 counts.append(child.receive_step())  # a KeyboardInterrupt leaves the rest to be read with the next step
+                overs.append(child.over)
             except Exception as failure:
                 error = error or failure
                 counts.append(0)
+                overs.append(0)
         ended, refused = self._reports()
+        over = self._over(overs)
         if error is not None:
-            raise FillFailed(str(error), StepReply([], ended, refused)) from error
+            raise FillFailed(str(error), StepReply([], ended, refused, over)) from error
         if counts == self._asked:
             self._filled = list(self._asked_rows)
-            return StepReply(self._order, ended, refused)
+            return StepReply(self._order, ended, refused, over)
         assert self._segment is not None
         filled = self._segment.filled
         handles: list[int] = []
@@ -245,7 +261,19 @@ class FillGroup:
             self._filled[index] = count + sum(self._widths.get(handle, 0) for handle in mine)
             handles += mine
             start += asked
-        return StepReply(handles, ended, refused)
+        return StepReply(handles, ended, refused, over)
+
+    def _over(self, counts: list[int]) -> list[int]:
+        """The last step's handles over the fill budget, child after child (``counts``: how many each child named)."""
+        if not any(counts):
+            return []
+        assert self._segment is not None
+        handles: list[int] = []
+        start = 0
+        for asked, count in zip(self._asked, counts, strict=True):
+            handles += self._segment.over[start : start + count].tolist()
+            start += asked
+        return handles
 
     def _reports(self) -> tuple[list[int], list[tuple[int, int]]]:
         """The last step's ended matchers and refused tokens, in the order of its tokens."""

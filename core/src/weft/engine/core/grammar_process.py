@@ -19,6 +19,10 @@ compiled constraints forgotten since the last step, sent after ``go`` when there
 them first), the other requests (``held``, a new segment, ``close``) and a child's errors. The semaphores' post
 and wait order the shared writes on every architecture.
 
+Each child times its fills against ``engine.structured_output_fill_budget`` as the core's fill thread does
+(:class:`~weft.engine.core.fill_budget.FillBudget`): it names the matchers over it in the segment and drops them,
+and the core ends their requests.
+
 Matchers are named by handles the core numbers (a request id can come back after its request ended).
 
 A step's work splits across several such children (:class:`~weft.engine.core.grammar_group.FillGroup`,
@@ -49,6 +53,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
 
+from weft.engine.core.fill_budget import FillBudget
 from weft.engine.core.grammar_proposals import fill_positions, settle
 from weft.host import usable_cpus
 
@@ -78,8 +83,8 @@ PARENT_CHECK_SECONDS = 1.0
 """While a child waits for the next message, how often it checks that the core still runs."""
 
 # A child's box: int64 words.
-_KIND, _START, _COUNT, _ACCEPTED, _FAILED, _FILLED, _ROW, _PROPOSAL = range(8)
-_BOX_WORDS = 8
+_KIND, _START, _COUNT, _ACCEPTED, _FAILED, _FILLED, _ROW, _PROPOSAL, _OVER = range(9)
+_BOX_WORDS = 9
 # What ``go`` announces (_KIND).
 _PIPE, _STEP, _STEP_AFTER_PIPE = 1, 2, 3
 """A message on the pipe, answered on the pipe; a step in the segment, answered in the box; a step whose matchers
@@ -115,9 +120,10 @@ def wait_for(semaphore: Any, spin: float, every: float, check: Callable[[], None
 class StepSegment:
     """One step's shared data: the tokens to accept (``accepted``, ``[tokens, 2]``: handle, token) and their reports
     (``reports``: 0, ended, refused), the handles whose rows to fill (``fill``), how many proposals each verifies
-    (``widths``; the proposals end to end in ``proposals``) and the handles a child filled (``filled``), then the rows
-    (``rows``, ``[rows, words]`` int32; a handle fills one per proposal and one more). Handles and proposals are never
-    more than the rows. Views of ``memory``; the core owns it."""
+    (``widths``; the proposals end to end in ``proposals``), the handles a child filled (``filled``) and those of them
+    over the fill budget (``over``; both from the child's start in ``fill``), then the rows (``rows``, ``[rows,
+    words]`` int32; a handle fills one per proposal and one more). Handles and proposals are never more than the rows.
+    Views of ``memory``; the core owns it."""
 
     def __init__(self, memory: shared_memory.SharedMemory, rows: int, tokens: int, words: int) -> None:
         self.memory = memory
@@ -136,17 +142,18 @@ class StepSegment:
         self.reports = take((tokens,), numpy.int64)
         self.fill = take((rows,), numpy.int64)
         self.filled = take((rows,), numpy.int64)
+        self.over = take((rows,), numpy.int64)
         self.widths = take((rows,), numpy.int64)
         self.proposals = take((rows,), numpy.int64)
 
     @staticmethod
     def size(rows: int, tokens: int, words: int) -> int:
-        return rows * words * 4 + tokens * 3 * 8 + rows * 4 * 8
+        return rows * words * 4 + tokens * 3 * 8 + rows * 5 * 8
 
     def release(self) -> None:
         """Drop the views, so the memory can close."""
         self.rows = self.accepted = self.reports = self.fill = self.filled = None  # type: ignore[assignment]
-        self.widths = self.proposals = None  # type: ignore[assignment]
+        self.over = self.widths = self.proposals = None  # type: ignore[assignment]
 
 
 class FillProcess:
@@ -162,7 +169,10 @@ class FillProcess:
         spin: float | None = None,
         name: str = "weft-grammar-fill",
         wait: bool = True,
+        budget: float = 0.0,
     ) -> None:
+        """``budget``: the CPU seconds one matcher's fill may take in a step (``engine.structured_output_fill_budget``;
+        0: none); the child names those over it (:attr:`over`)."""
         self.words = words
         """int32 words of one bitmask row."""
         self.spin = default_spin() if spin is None else spin
@@ -189,6 +199,7 @@ class FillProcess:
                 vocabulary,
                 words,
                 self.spin,
+                budget,
             ),
             daemon=True,
             name=name,
@@ -298,6 +309,13 @@ class FillProcess:
             self._receive()  # raises the child's error
         return int(self._box[_FILLED])
 
+    @property
+    def over(self) -> int:
+        """How many of the handles the last answer filled took longer than the fill budget (the first ones of the
+        segment's ``over`` from the child's start); read after :meth:`receive_step` returned. The child dropped
+        their matchers."""
+        return int(self._box[_OVER])
+
     def drain(self) -> None:
         """Read (and drop) every answer left unread."""
         while self._unread:
@@ -387,8 +405,10 @@ def serve(
     vocabulary: Vocabulary,
     words: int,
     spin: float = 0.0,
+    budget: float = 0.0,
 ) -> None:
-    """The child: build the backend, then answer the core's messages until it says close (or is gone)."""
+    """The child: build the backend, then answer the core's messages until it says close (or is gone); its fills are
+    timed against ``budget`` (:class:`~weft.engine.core.fill_budget.FillBudget`)."""
     parent = os.getppid()
     box_memory = shared_memory.SharedMemory(name=box_name)
     box = numpy.ndarray((_BOX_WORDS,), dtype=numpy.int64, buffer=box_memory.buf)
@@ -407,6 +427,7 @@ def serve(
     matchers: dict[int, Any] = {}
     advanced: dict[int, list[int]] = {}
     """The proposals each matcher took tentatively in its last fill (:mod:`weft.engine.core.grammar_proposals`)."""
+    fill_budget = FillBudget(budget)
     memory: shared_memory.SharedMemory | None = None
     segment: StepSegment | None = None
     bitmask = None
@@ -439,10 +460,10 @@ def serve(
             try:
                 box[_FAILED], box[_FILLED] = (
                     0,
-                    _answer_step(backend, compiled, matchers, advanced, segment, bitmask, box, piped),
+                    _answer_step(backend, compiled, matchers, advanced, segment, bitmask, box, piped, fill_budget),
                 )
             except BaseException:
-                box[_FAILED], box[_FILLED] = 1, 0
+                box[_FAILED], box[_FILLED], box[_OVER] = 1, 0, 0
                 conn.send(("error", traceback.format_exc()))
             done.release()
     except (EOFError, OSError):
@@ -467,10 +488,13 @@ def _answer_step(
     bitmask: Any,
     box: numpy.ndarray,
     piped: tuple | None,
+    budget: FillBudget,
 ) -> int:
     """One step of :func:`serve`: the matchers made, dropped and forgotten (``piped``: the message the pipe brought
     with the step, or None), then the step's accepted tokens taken and its rows filled in the shared segment; the
-    number of handles filled."""
+    number of handles filled. Those whose fill took longer than ``budget`` are named in the segment's ``over`` (their
+    count in the box) and leave ``matchers``: their rows are filled, but they take no more tokens and fill no more
+    rows (their requests end)."""
     if piped is not None:
         _take_matchers(backend, compiled, matchers, advanced, *piped[1:])
     assert segment is not None, "a step before the shared segment"
@@ -487,10 +511,17 @@ def _answer_step(
             live.append(handle)
             proposals.append(flat[offset : offset + width])
         offset += width
+    over: set[int] = set()
     if live:
-        took = fill_positions(backend, [matchers[handle] for handle in live], proposals, bitmask[row:])
+        took = fill_positions(backend, [matchers[handle] for handle in live], proposals, bitmask[row:], budget, over)
         advanced.update((handle, tokens) for handle, tokens in zip(live, took, strict=True) if tokens)
         segment.filled[start : start + len(live)] = live
+    for position, index in enumerate(sorted(over)):
+        handle = live[index]
+        segment.over[start + position] = handle
+        del matchers[handle]
+        advanced.pop(handle, None)
+    box[_OVER] = len(over)
     return len(live)
 
 

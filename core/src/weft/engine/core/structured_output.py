@@ -285,7 +285,8 @@ class StructuredOutputManager:
             return reply
         openers = {state.matcher.handle: state.opener for _, state in masked if state.opener is not None}  # type: ignore[union-attr]
         widths = {state.matcher.handle: len(proposals.get(request_id, ())) for request_id, state in masked}  # type: ignore[union-attr]
-        reply.receive = lambda: _finish_remote(process, live, masked, openers, widths, self._mark_fill_failed)
+        failed, over_budget = self._mark_fill_failed, self._thread_fill.budget.message  # type: ignore[union-attr]
+        reply.receive = lambda: _finish_remote(process, live, masked, openers, widths, failed, over_budget)
         return reply
 
     def _mark_fill_failed(self) -> None:
@@ -338,7 +339,12 @@ class StructuredOutputManager:
         backend = self._backend.result()  # type: ignore[union-attr]
         count = self.config.engine.structured_output_fill_processes or default_processes()
         group = FillGroup(
-            self._backend_class, backend.options, backend.vocabulary, bitmask_words(self.vocab_size), count
+            self._backend_class,
+            backend.options,
+            backend.vocabulary,
+            bitmask_words(self.vocab_size),
+            count,
+            budget=self.config.engine.structured_output_fill_budget,
         )
         logger.debug(
             "structured outputs: bitmasks filled in %d process%s of their own (pid %s)",
@@ -502,11 +508,13 @@ def _finish_remote(
     openers: dict[int, int],
     widths: dict[int, int],
     failed: Callable[[], None],
+    over_budget: Callable[[], str],
 ) -> GrammarOutput:
     """The fill process's answer to :meth:`StructuredOutputManager._send_remote`'s message, applied to the
     constraints (what the children that did not fail report is applied before a failure raises); ``widths``: the
     proposals each masked handle verifies (a row per position); ``failed`` is called when the answer could not be
-    read."""
+    read; ``over_budget``: the error of a constraint whose fill took longer than the fill budget (the scheduler ends
+    its request, :attr:`ConstraintState.exceeded`)."""
     by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
     by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
 
@@ -516,6 +524,8 @@ def _finish_remote(
         for handle, token_id in reply.refused:
             request_id, state = by_handle[handle]
             _refused(request_id, state, token_id)
+        for handle in reply.over:
+            by_handle[handle][1].exceeded = over_budget()
 
     try:
         reply = process.receive_step()

@@ -1,0 +1,139 @@
+"""Verify graphs on the CPU: speculating steps through the runner's static buffers (:class:`VerifyGraphs`).
+
+A CPU has no graphs; ``eager_replay_platform`` makes its platform "capture" by returning the function itself, so
+a replay runs the captured forward eagerly over the static buffers, with the padding a CUDA graph's replay has
+(rows of no query token, tokens of no request in the scratch block). The torch attention reads those buffers as
+any batch (its metadata is rebuilt on every call here), standing in for a capturable backend. Each verify step's
+logits are checked against the eager forward of the same step, and greedy output against plain decoding's.
+The GPU's tests are in tests/test_speculative_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from test_speculative import ENGINE, GREEDY, NGRAM, repetitive_prompts, spec_counts, token_ids
+from weft import LLM
+from weft.runner.forward import BatchForward
+from weft.runner.graphs import VerifyGraphs, verify_graph_sizes
+
+GRAPHS = {**ENGINE, "max_num_seqs": 8, "graph_batch_sizes": [1, 2, 4, 8]}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer_files):
+    root = tmp_path_factory.mktemp("spec_graphs")
+    target = make_tiny_model(root / "target", "llama", tokenizer_files, vocab_size=512)
+    draft = make_tiny_model(
+        root / "draft",
+        "llama",
+        tokenizer_files,
+        seed=3,
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
+    return target, draft
+
+
+@pytest.fixture
+def capturable(eager_replay_platform, monkeypatch):
+    """The CPU platform 'captures' (replays run eagerly) and the torch attention is taken as capturable."""
+    from weft.builtins.torch_attention import TorchAttention
+
+    monkeypatch.setattr(TorchAttention, "supports_graph_capture", True)
+    monkeypatch.setattr(TorchAttention, "supports_verify_graph_capture", True)
+    return eager_replay_platform
+
+
+@pytest.fixture
+def checked_against_eager(monkeypatch):
+    """Every verify replay's logits, checked against the eager forward of the same step (which writes the same
+    keys and values to the same slots again); returns the (size, rows, tokens) of each replay."""
+    replayed = []
+    replay = BatchForward._replay_verify
+
+    def replay_and_check(self, states, counts, size, proposals):
+        logits = replay(self, states, counts, size, proposals).clone()
+        eager = self._execute_eager(states, counts, list(range(len(states))), {}, proposals)
+        torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+        assert torch.equal(logits.argmax(-1), eager.argmax(-1))
+        replayed.append((size, len(counts), sum(counts)))
+        return logits
+
+    monkeypatch.setattr(BatchForward, "_replay_verify", replay_and_check)
+    return replayed
+
+
+def test_verify_graph_sizes_thin_the_decode_sizes():
+    decode = [1, 2, 4, *range(8, 257, 8)]
+    assert verify_graph_sizes(decode) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert verify_graph_sizes([1, 2, 4, 8, 16, 24, 30]) == [1, 2, 4, 8, 16, 30]  # the largest always
+    assert verify_graph_sizes([3]) == [3]
+
+
+def test_a_step_replays_the_smallest_graph_its_rows_and_tokens_fit():
+    graphs = VerifyGraphs(torch.nn.Identity(), None, [], {}, torch.device("cpu"))
+    graphs.graphs = {size: (lambda: None) for size in (1, 2, 4, 8)}
+    graphs.query_len = 5
+    graphs.tokens = {1: 5, 2: 10, 4: 20, 8: 24}  # the largest capped by a 24-token budget
+    assert graphs.size_for([5]) == 1
+    assert graphs.size_for([1, 1]) == 2
+    assert graphs.size_for([5, 5, 1]) == 4  # three rows: the size 4 graph, its fourth row padding
+    assert graphs.size_for([5, 5, 5, 5, 1]) == 8
+    assert graphs.size_for([6]) is None  # a row longer than 1 + k
+    assert graphs.size_for([5] * 5) is None  # 25 tokens: over every graph's
+    assert graphs.size_for([1] * 9) is None  # more rows than the largest size
+    assert VerifyGraphs(torch.nn.Identity(), None, [], {}, torch.device("cpu")).size_for([1]) is None
+
+
+def test_ngram_verify_graphs_equal_eager_and_plain_decoding(models, capturable, checked_against_eager):
+    prompts = repetitive_prompts(count=7)  # 7 rows: the size 8 graph, a padding row; later fewer (3: size 4)
+    with LLM(model=str(models[0]), engine=GRAPHS) as plain:
+        expected = token_ids(plain.generate(prompts, GREEDY))
+        single = token_ids(plain.generate(prompts[2:3], GREEDY))
+    with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": NGRAM}) as llm:
+        graphs = llm.engine.runner.verify_graphs
+        assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.query_len == 5
+        assert graphs.tokens == {1: 5, 2: 10, 4: 20, 8: 40}
+        got = token_ids(llm.generate(prompts, GREEDY))
+        alone = token_ids(llm.generate(prompts[2:3], GREEDY))
+        drafted, accepted = spec_counts(llm)
+        assert graphs.replays == len(checked_against_eager)
+    assert got == expected and alone == single
+    assert drafted > accepted > 0
+    sizes = {size for size, _, _ in checked_against_eager}
+    assert {1, 8} <= sizes, sizes  # batch 1, and the batch of 7 padded to 8
+    assert any(rows < size for size, rows, _ in checked_against_eager)  # padding rows
+    assert any(tokens < rows * 5 for _, rows, tokens in checked_against_eager)  # rows proposing fewer than k
+    assert any(tokens > rows for _, rows, tokens in checked_against_eager)
+
+
+def test_draft_verify_graphs_equal_plain_decoding(models, capturable, checked_against_eager):
+    prompts = repetitive_prompts(count=5)
+    speculative = {"method": "draft", "model": str(models[1]), "num_speculative_tokens": 3}
+    with LLM(model=str(models[0]), engine=GRAPHS) as plain:
+        expected = token_ids(plain.generate(prompts, GREEDY))
+    with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": speculative}) as llm:
+        assert llm.engine.runner.verify_graphs.query_len == 4
+        got = token_ids(llm.generate(prompts, GREEDY))
+        drafted, _ = spec_counts(llm)
+    assert got == expected
+    assert drafted > 0 and checked_against_eager
+
+
+def test_eager_engines_and_backends_that_cannot_capture_them_have_no_verify_graph(models, capturable, monkeypatch):
+    eager = {key: value for key, value in GRAPHS.items() if key != "graph_batch_sizes"}
+    with LLM(model=str(models[0]), engine={**eager, "enforce_eager": True, "speculative": NGRAM}) as llm:
+        assert not llm.engine.runner.graphs and not llm.engine.runner.verify_graphs.graphs
+    from weft.builtins.torch_attention import TorchAttention
+
+    monkeypatch.setattr(TorchAttention, "supports_verify_graph_capture", False)
+    with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": NGRAM}) as llm:
+        assert llm.engine.runner.graphs and not llm.engine.runner.verify_graphs.graphs
+        assert token_ids(llm.generate(repetitive_prompts(count=2), GREEDY))  # speculating steps run eagerly

@@ -114,17 +114,34 @@ def test_ngram_verify_graphs_equal_eager_and_plain_decoding(models, capturable, 
     assert any(tokens > rows for _, rows, tokens in checked_against_eager)
 
 
-def test_draft_verify_graphs_equal_plain_decoding(models, capturable, checked_against_eager):
+@pytest.mark.parametrize("draft", ["small", "self"])
+def test_draft_graphs_propose_as_eager_and_verify_graphs_equal_plain_decoding(
+    models, capturable, checked_against_eager, draft
+):
+    """The draft's k - 1 chained one-token forwards replay one graph (DraftGraphs): the same proposals as the eager
+    loop (the same draft and acceptance counts), every one accepted with a self-draft; output as plain decoding's."""
     prompts = repetitive_prompts(count=5)
-    speculative = {"method": "draft", "model": str(models[1]), "num_speculative_tokens": 3}
+    source = models[1] if draft == "small" else models[0]
+    speculative = {"method": "draft", "model": str(source), "num_speculative_tokens": 3}
+    eager = {key: value for key, value in GRAPHS.items() if key != "graph_batch_sizes"}
+    with LLM(model=str(models[0]), engine={**eager, "enforce_eager": True, "speculative": speculative}) as llm:
+        assert llm.engine.runner.speculation.speculator.graphs is None
+        eager_tokens = token_ids(llm.generate(prompts, GREEDY))
+        eager_counts = spec_counts(llm)
     with LLM(model=str(models[0]), engine=GRAPHS) as plain:
         expected = token_ids(plain.generate(prompts, GREEDY))
     with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": speculative}) as llm:
         assert llm.engine.runner.verify_graphs.query_len == 4
+        draft_graphs = llm.engine.runner.speculation.speculator.graphs
+        assert sorted(draft_graphs.graphs) == [1, 2, 4, 8] and draft_graphs.steps == 2
         got = token_ids(llm.generate(prompts, GREEDY))
-        drafted, _ = spec_counts(llm)
-    assert got == expected
-    assert drafted > 0 and checked_against_eager
+        counts = spec_counts(llm)
+        assert draft_graphs.replays > 0
+    assert got == expected == eager_tokens
+    assert counts == eager_counts and counts[0] > 0
+    if draft == "self":
+        assert counts[1] == counts[0]
+    assert checked_against_eager
 
 
 def test_eager_engines_and_backends_that_cannot_capture_them_have_no_verify_graph(models, capturable, monkeypatch):

@@ -342,6 +342,13 @@ class Worker:
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
         if self.speculator is None:
             return
+        if layout.world_size == 1:  # its forwards end at its greedy tokens: a rank's logits must be whole
+            draft_blocks = num_blocks[self.num_target_groups :]
+            seconds = self.speculator.capture_graphs(
+                self.platform, verify_graph_sizes(sizes), draft_blocks, self.model_config.max_model_len
+            )
+            if seconds:
+                logger.info("captured speculator %r's graphs in %.1f s", self.speculator.name, seconds)
         if managed or not (self.attention.supports_verify_graph_capture or not paged):
             logger.info(
                 "speculating steps run eagerly: %s",

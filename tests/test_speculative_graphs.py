@@ -51,23 +51,35 @@ def capturable(eager_replay_platform, monkeypatch):
     return eager_replay_platform
 
 
+class Checked(list):
+    """The (size, rows, tokens) of each verify replay, and the replays whose logits differed from the eager
+    forward's (a step's error is the engine's to report: it would not reach the test as raised)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mismatches: list[str] = []
+
+
 @pytest.fixture
 def checked_against_eager(monkeypatch):
     """Every verify replay's logits, checked against the eager forward of the same step (which writes the same
-    keys and values to the same slots again); returns the (size, rows, tokens) of each replay."""
-    replayed = []
+    keys and values to the same slots again)."""
+    checked = Checked()
     replay = BatchForward._replay_verify
 
     def replay_and_check(self, states, counts, size, proposals):
         logits = replay(self, states, counts, size, proposals).clone()
         eager = self._execute_eager(states, counts, list(range(len(states))), {}, proposals)
-        torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
-        assert torch.equal(logits.argmax(-1), eager.argmax(-1))
-        replayed.append((size, len(counts), sum(counts)))
+        try:  # float32 GEMMs of other row counts round their last bits differently
+            torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+            assert torch.equal(logits.argmax(-1), eager.argmax(-1)), "greedy tokens differ"
+        except AssertionError as error:
+            checked.mismatches.append(f"size {size}, counts {counts}: {error}")
+        checked.append((size, len(counts), sum(counts)))
         return logits
 
     monkeypatch.setattr(BatchForward, "_replay_verify", replay_and_check)
-    return replayed
+    return checked
 
 
 def test_verify_graph_sizes_thin_the_decode_sizes():
@@ -92,12 +104,19 @@ def test_a_step_replays_the_smallest_graph_its_rows_and_tokens_fit():
     assert VerifyGraphs(torch.nn.Identity(), None, [], {}, torch.device("cpu")).size_for([1]) is None
 
 
-def test_ngram_verify_graphs_equal_eager_and_plain_decoding(models, capturable, checked_against_eager):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_verify_graphs_equal_eager_and_plain_decoding(
+    models, capturable, checked_against_eager, async_scheduling
+):
+    """Rows proposing k, fewer or no tokens in one verify graph, padded to the captured size; with asynchronous
+    scheduling a row without proposals feeds its last token from the device (the step before's, not yet on the
+    host) into the static buffer."""
     prompts = repetitive_prompts(count=7)  # 7 rows: the size 8 graph, a padding row; later fewer (3: size 4)
-    with LLM(model=str(models[0]), engine=GRAPHS) as plain:
+    engine = {**GRAPHS, "async_scheduling": async_scheduling}
+    with LLM(model=str(models[0]), engine=engine) as plain:
         expected = token_ids(plain.generate(prompts, GREEDY))
         single = token_ids(plain.generate(prompts[2:3], GREEDY))
-    with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": NGRAM}) as llm:
+    with LLM(model=str(models[0]), engine={**engine, "speculative": NGRAM}) as llm:
         graphs = llm.engine.runner.verify_graphs
         assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.query_len == 5
         assert graphs.tokens == {1: 5, 2: 10, 4: 20, 8: 40}
@@ -105,6 +124,7 @@ def test_ngram_verify_graphs_equal_eager_and_plain_decoding(models, capturable, 
         alone = token_ids(llm.generate(prompts[2:3], GREEDY))
         drafted, accepted = spec_counts(llm)
         assert graphs.replays == len(checked_against_eager)
+    assert not checked_against_eager.mismatches, checked_against_eager.mismatches[0]
     assert got == expected and alone == single
     assert drafted > accepted > 0
     sizes = {size for size, _, _ in checked_against_eager}
@@ -137,6 +157,7 @@ def test_draft_graphs_propose_as_eager_and_verify_graphs_equal_plain_decoding(
         got = token_ids(llm.generate(prompts, GREEDY))
         counts = spec_counts(llm)
         assert draft_graphs.replays > 0
+    assert not checked_against_eager.mismatches, checked_against_eager.mismatches[0]
     assert got == expected == eager_tokens
     assert counts == eager_counts and counts[0] > 0
     if draft == "self":

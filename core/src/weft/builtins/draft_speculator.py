@@ -282,7 +282,9 @@ class DraftGraphs:
         started = time.monotonic()
         largest, device = max(sizes), self.device
         self.max_model_len = max_model_len
-        self.scratch_slots = [block * group.spec.block_size for block, group in zip(scratch_blocks, self.groups)]
+        self.scratch_slots = [
+            block * group.spec.block_size for block, group in zip(scratch_blocks, self.groups, strict=True)
+        ]
         self.scratch_blocks = list(scratch_blocks)
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.first = torch.zeros(largest, dtype=torch.long, device=device)

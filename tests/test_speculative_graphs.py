@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_tiny_model
 from test_speculative import ENGINE, GREEDY, NGRAM, repetitive_prompts, spec_counts, token_ids
-from weft import LLM
+from weft import LLM, SamplingParams
 from weft.runner.forward import BatchForward
 from weft.runner.graphs import VerifyGraphs, verify_graph_sizes
 
@@ -175,3 +175,25 @@ def test_eager_engines_and_backends_that_cannot_capture_them_have_no_verify_grap
     with LLM(model=str(models[0]), engine={**GRAPHS, "speculative": NGRAM}) as llm:
         assert llm.engine.runner.graphs and not llm.engine.runner.verify_graphs.graphs
         assert token_ids(llm.generate(repetitive_prompts(count=2), GREEDY))  # speculating steps run eagerly
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_draft_proposes_nothing_past_max_model_len(models, capturable, graphs):
+    """Requests that run into max_model_len: the draft proposes no token at or past it (it once computed
+    positions the rotary table does not hold), eagerly and through its graphs; output as plain decoding's."""
+    engine = {**GRAPHS, "max_model_len": 64}
+    if not graphs:
+        engine = {key: value for key, value in engine.items() if key != "graph_batch_sizes"} | {"enforce_eager": True}
+    prompts = repetitive_prompts(count=3)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    speculative = {"method": "draft", "model": str(models[0]), "num_speculative_tokens": 3}
+    with LLM(model=str(models[0]), engine=engine) as plain:
+        expected = plain.generate(prompts, params)
+    with LLM(model=str(models[0]), engine={**engine, "speculative": speculative}) as llm:
+        got = llm.generate(prompts, params)
+        drafted, accepted = spec_counts(llm)
+    assert [len(prompt) + len(output.outputs[0].token_ids) for prompt, output in zip(prompts, got, strict=True)] == [
+        64
+    ] * 3
+    assert token_ids(got) == token_ids(expected)
+    assert drafted == accepted > 0

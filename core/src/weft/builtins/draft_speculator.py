@@ -286,7 +286,8 @@ class DraftGraphs:
             block * group.spec.block_size for block, group in zip(scratch_blocks, self.groups, strict=True)
         ]
         self.scratch_blocks = list(scratch_blocks)
-        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
+        # A request's blocks may reach past max_model_len by the k slots allocated ahead for the draft, and 1 more.
+        widths = [-(-(max_model_len + self.steps + 2) // group.spec.block_size) for group in self.groups]
         self.first = torch.zeros(largest, dtype=torch.long, device=device)
         """Each row's first proposal (the catch-up forward's), fed at the first step."""
         self.newest = torch.zeros(largest, dtype=torch.long, device=device)

@@ -335,7 +335,8 @@ class VerifyGraphs:
         self.query_len = query_len
         self.tokens = {size: max(size, min(size * query_len, token_budget)) for size in sizes}
         largest = max(sizes)
-        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
+        # A request's blocks may reach past max_model_len by the slots allocated ahead (k for a draft, 1 more).
+        widths = [-(-(max_model_len + query_len) // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(largest, widths, self.device, self.tokens[largest])
         self._zeros = array("i", [0]) * max(widths)
         self._pad_rows(0, largest, 0)

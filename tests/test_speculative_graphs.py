@@ -17,7 +17,7 @@ from conftest import make_tiny_model
 from test_speculative import ENGINE, GREEDY, NGRAM, repetitive_prompts, spec_counts, token_ids
 from weft import LLM, SamplingParams
 from weft.runner.forward import BatchForward
-from weft.runner.graphs import VerifyGraphs, verify_graph_sizes
+from weft.runner.graphs import VerifyGraphs, padded_tables, verify_graph_sizes
 
 GRAPHS = {**ENGINE, "max_num_seqs": 8, "graph_batch_sizes": [1, 2, 4, 8]}
 
@@ -87,6 +87,14 @@ def test_verify_graph_sizes_thin_the_decode_sizes():
     assert verify_graph_sizes(decode) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert verify_graph_sizes([1, 2, 4, 8, 16, 24, 30]) == [1, 2, 4, 8, 16, 30]  # the largest always
     assert verify_graph_sizes([3]) == [3]
+
+
+def test_block_tables_are_padded_and_cut_to_the_static_width():
+    """A request's blocks past max_model_len (the k slots allocated ahead for a draft) are cut: a captured forward
+    reads no position there, and the static table is max_model_len wide."""
+    table = padded_tables([[5, 6], [7], [1, 2, 3, 4, 9]], limit=4)
+    assert table.dtype == torch.int32 and table.tolist() == [[5, 6, 0, 0], [7, 0, 0, 0], [1, 2, 3, 4]]
+    assert padded_tables([[5, 6], [7]], limit=4).tolist() == [[5, 6], [7, 0]]
 
 
 def test_a_step_replays_the_smallest_graph_its_rows_and_tokens_fit():

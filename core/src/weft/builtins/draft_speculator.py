@@ -42,6 +42,7 @@ from weft.contracts.speculator import (
 )
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import InputBuilder, known_only
+from weft.runner.graphs import padded_tables
 
 if TYPE_CHECKING:
     from weft.contracts.platform import Platform
@@ -286,8 +287,7 @@ class DraftGraphs:
             block * group.spec.block_size for block, group in zip(scratch_blocks, self.groups, strict=True)
         ]
         self.scratch_blocks = list(scratch_blocks)
-        # A request's blocks may reach past max_model_len by the k slots allocated ahead for the draft, and 1 more.
-        widths = [-(-(max_model_len + self.steps + 2) // group.spec.block_size) for group in self.groups]
+        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.first = torch.zeros(largest, dtype=torch.long, device=device)
         """Each row's first proposal (the catch-up forward's), fed at the first step."""
         self.newest = torch.zeros(largest, dtype=torch.long, device=device)
@@ -348,10 +348,8 @@ class DraftGraphs:
         self.newest[:count].copy_(torch.tensor(newest), non_blocking=True)
         self.last[:count].copy_(torch.tensor(last), non_blocking=True)
         for index in range(len(self.groups)):
-            tables = [state.block_ids[index] for state in states]
-            width = max(len(table) for table in tables)
-            padded = [table + [0] * (width - len(table)) for table in tables]
-            self.tables[index][:count, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+            host_table = padded_tables([state.block_ids[index] for state in states], self.tables[index].shape[1])
+            self.tables[index][:count, : host_table.shape[1]].copy_(host_table, non_blocking=True)
         self._pad(count, size)
         self.replays += 1
         return torch.cat([first.unsqueeze(1), self.graphs[size]()[:count]], dim=1)

@@ -112,7 +112,6 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
-        self._zeros = array("i", [0]) * max(widths)
         self._rows = torch.arange(max(sizes))
         self._fill_padding(0, max(sizes))
         if self.captured_reader is not None:
@@ -251,19 +250,28 @@ class DecodeGraphs:
         static.positions[:count].copy_(host_positions, non_blocking=True)
         static.seq_lens[:count].copy_(host_positions + 1, non_blocking=True)
         for index, group in enumerate(self.groups):
-            tables = tables_by_group[index]
-            width = max(len(table) for table in tables)
-            rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
-            for table in tables:
-                rows.extend(table)
-                rows.extend(self._zeros[: width - len(table)])
-            host_table = torch.frombuffer(rows, dtype=torch.int32).view(count, width)
-            static.block_tables[index][:count, :width].copy_(host_table, non_blocking=True)
+            host_table = padded_tables(tables_by_group[index], static.block_tables[index].shape[1])
+            static.block_tables[index][:count, : host_table.shape[1]].copy_(host_table, non_blocking=True)
             static.slot_mappings[index][:count].copy_(
                 group.spec.slot_mapping(host_table, self._rows[:count], host_positions), non_blocking=True
             )
         if count < size:
             self._fill_padding(count, size)
+
+
+def padded_tables(tables: Sequence[Sequence[int]], limit: int) -> torch.Tensor:
+    """Block tables as one host ``[rows, width]`` int32 tensor, each padded with 0 to the longest, and at most
+    ``limit`` (a static table's) columns: the blocks a request holds past ``max_model_len`` (slots allocated ahead of
+    its tokens, ``k`` of them for a draft) hold no position a captured forward reads."""
+    width = min(max(len(table) for table in tables), limit)
+    flat = array("i")  # filled at C speed, then one copy to the device
+    for table in tables:
+        if len(table) >= width:
+            flat.extend(table[:width])
+        else:
+            flat.extend(table)
+            flat.extend(array("i", bytes(4 * (width - len(table)))))
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
 
 
 def verify_graph_sizes(decode_sizes: Sequence[int]) -> list[int]:
@@ -335,10 +343,8 @@ class VerifyGraphs:
         self.query_len = query_len
         self.tokens = {size: max(size, min(size * query_len, token_budget)) for size in sizes}
         largest = max(sizes)
-        # A request's blocks may reach past max_model_len by the slots allocated ahead (k for a draft, 1 more).
-        widths = [-(-(max_model_len + query_len) // group.spec.block_size) for group in self.groups]
+        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(largest, widths, self.device, self.tokens[largest])
-        self._zeros = array("i", [0]) * max(widths)
         self._pad_rows(0, largest, 0)
         self._pad_tokens(0, self.tokens[largest])
         for size in sorted(set(sizes), reverse=True):
@@ -399,13 +405,8 @@ class VerifyGraphs:
         rows = torch.repeat_interleave(torch.arange(count), host_counts)
         for index, group in enumerate(self.groups):
             tables = [state.block_ids[index] for state in states]
-            width = max(len(table) for table in tables)
-            flat = array("i")
-            for table in tables:
-                flat.extend(table)
-                flat.extend(self._zeros[: width - len(table)])
-            host_table = torch.frombuffer(flat, dtype=torch.int32).view(count, width)
-            static.block_tables[index][:count, :width].copy_(host_table, non_blocking=True)
+            host_table = padded_tables(tables, static.block_tables[index].shape[1])
+            static.block_tables[index][:count, : host_table.shape[1]].copy_(host_table, non_blocking=True)
             static.slot_mappings[index][:total].copy_(
                 group.spec.slot_mapping(host_table, rows, host_positions), non_blocking=True
             )

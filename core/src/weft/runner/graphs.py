@@ -324,7 +324,7 @@ class VerifyGraphs:
         self.scratch_blocks: list[int] = []
         self.max_model_len = 0
         self.replays = 0
-        """Steps that replayed a verify graph (logged at shutdown: :meth:`weft.runner.worker.Worker.close`)."""
+        """Steps that replayed a verify graph (the tests and bench/spec_decode.py read it)."""
 
     def capture(
         self,

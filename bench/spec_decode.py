@@ -8,12 +8,15 @@ Two parts:
 * ``--part gpu``: the Llama-3-8B shape in bf16 with random weights on one GPU, with a bench-only ``replay``
   speculator that proposes the target's own greedy continuation (recorded by a plain run first), so every
   proposal is accepted and only the verification machinery is measured: k = 4 against plain decode at batch 1
-  and batch 64. Targets: 3.0x at batch 1, 1.5x at batch 64.
+  and batch 64. Targets: 3.0x at batch 1, 1.5x at batch 64. Both engines capture graphs (plain decoding its decode
+  graphs, speculation its verify graphs too: docs/speculative.md) unless ``--enforce-eager``; the line says how
+  many speculating steps replayed a verify graph.
 
 Usage::
 
     python bench/spec_decode.py --part cpu
     python bench/spec_decode.py --part gpu --tokenizer DIR     # DIR: SmolLM2's tokenizer files
+    python bench/spec_decode.py --part gpu --tokenizer DIR --enforce-eager   # both engines eager, for comparison
 
 Prints each run's tokens/s, the acceptance the engine's counters report, and the ratio.
 """
@@ -127,7 +130,7 @@ def part_gpu(args: argparse.Namespace) -> None:
         "llama3-8b", LLAMA3_8B, token_driven(random_weights(LLAMA3_8B, torch.bfloat16)), args.tokenizer
     )
     registry = registry_with_replay()
-    engine = {"dtype": "bfloat16", "max_model_len": 2048}
+    engine = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": args.enforce_eager}
     generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(1000, 100000, (batch, 128), generator=generator).tolist()
@@ -154,10 +157,17 @@ def part_gpu(args: argparse.Namespace) -> None:
             result.outputs[0].token_ids for result in reference
         ]
         spec_runs = [tokens_per_second(spec, prompts, params)[0] for _ in range(args.rounds)]
+        verify = spec.engine.runner.verify_graphs
+        path = (
+            f"verify graphs {sorted(verify.graphs)} replayed {verify.replays} times"
+            if verify.graphs
+            else "speculating steps eager"
+        )
         print(
             f"gpu llama3-8b bf16 batch {batch} x (128, {output}): plain "
             f"{', '.join(f'{rate:,.0f}' for rate in plain_runs)} tokens/s; replay k=4 "
             f"{', '.join(f'{rate:,.0f}' for rate in spec_runs)} tokens/s; identical {same}; {acceptance(spec)}; "
+            f"{path}; "
             f"ratio {max(spec_runs) / max(plain_runs):.2f}x (target {'3.0' if batch == 1 else '1.5'}x)",
             flush=True,
         )
@@ -175,6 +185,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--gpu-output", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--enforce-eager", action="store_true", help="gpu: capture no graphs (default: graphs)")
     args = parser.parse_args()
     if "cpu" in args.part:
         part_cpu(args)

@@ -1,8 +1,9 @@
 """Speculative decoding on CUDA: greedy output identical to plain decoding's, with a replay speculator (the
 target's own greedy continuation, accepted in full) and with ``ngram``, through the Triton attention with and
 without CUDA graphs and through the torch attention, on a model whose greedy path does not hinge on bf16 rounding
-(:func:`tiny_llama`); seeded sampling reproducible. The CPU's tests are tests/test_speculative.py; these run where
-a GPU is (``-m gpu``)."""
+(:func:`tiny_llama`); verify graphs and the draft's graphs taken, their output equal to the eager engine's
+(``enforce_eager``); seeded sampling reproducible. The CPU's tests are tests/test_speculative.py and
+tests/test_speculative_graphs.py; these run where a GPU is (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,52 @@ def test_seeded_sampling_is_reproducible_with_speculation_on_cuda(tiny_llama):
     finally:
         llm.close()
     assert first == again
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self-draft"])
+def test_verify_and_draft_graphs_give_the_eager_engines_output_on_cuda(tiny_llama, tokenizer_files, method, tmp_path):
+    """Speculating steps replay verify graphs (rows of a last token and up to k proposals, padded to the captured
+    batch size), and a draft's k - 1 one-token forwards replay its chained graph: greedy output equal to the
+    eager engine's (``enforce_eager``) and to plain decoding's; a self-draft through its graphs accepts every
+    proposal."""
+    if method == "ngram":
+        speculative = NGRAM
+    else:
+        draft = tiny_llama
+        if method == "draft":  # a random draft of another size: its proposals are rarely the target's
+            shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+            draft = make_tiny_model(
+                tmp_path / "draft", "llama", tokenizer_files, seed=3, vocab_size=512, intermediate_size=64, **shape
+            )
+        speculative = {"method": "draft", "model": str(draft), "num_speculative_tokens": 3}
+    prompts = repetitive_prompts(7)  # 7 rows: the batch-8 graphs, one padding row
+    plain = LLM(model=str(tiny_llama), engine=engine())
+    try:
+        reference = token_ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        plain.close()
+    outputs, counts = {}, {}
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_llama), engine=engine(enforce_eager=eager, speculative=speculative))
+        try:
+            runner = llm.engine.runner
+            speculator = runner.speculation.speculator
+            assert bool(runner.verify_graphs.graphs) is not eager
+            outputs[eager] = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+            outputs[eager, "single"] = token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False))
+            stats = llm.engine.core.stats()
+            counts[eager] = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+            if not eager:
+                assert runner.verify_graphs.replays > 0, "no speculating step replayed a verify graph"
+                if method != "ngram":
+                    assert speculator.graphs is not None and speculator.graphs.replays > 0, "no draft graph replay"
+        finally:
+            llm.close()
+    assert outputs[False] == outputs[True] == reference, f"{method}: acceptance (drafted, accepted) {counts}"
+    assert outputs[False, "single"] == outputs[True, "single"] == reference[:1]
+    drafted, accepted = counts[False]
+    assert drafted > 0
+    if method == "ngram":
+        assert accepted > 0
+    if method == "self-draft":
+        assert accepted == drafted, f"a self-draft through graphs accepted {accepted} of {drafted}"

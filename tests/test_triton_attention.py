@@ -171,3 +171,82 @@ def test_groups_that_are_not_powers_of_two_match_torch_backend(heads, soft_cap, 
                 layer, query, key, value, cache.clone(), backend.build_metadata(batch), **sink_logits
             )
         torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda(), reason="needs TRITON_INTERPRET=1 or a GPU"
+)
+@pytest.mark.parametrize("window", [None, 11])
+def test_a_padded_verify_batch_matches_the_unpadded_one(window):
+    """A verify graph's batch (weft.runner.graphs.VerifyGraphs): rows of up to 1 + k query tokens under a static
+    max_query_len of 1 + k, a padding row of no query token, and tokens past the last row's that belong to no
+    request, their keys and values going to the scratch block. The real rows' outputs and the cache outside the
+    scratch block equal the unpadded batch's, through the torch backend."""
+    import torch
+
+    from weft.builtins.cpu import CpuPlatform
+    from weft.builtins.torch_attention import TorchAttention
+    from weft.contracts.attention import AttentionBatch, AttentionLayer
+    from weft_cuda.platform import CudaPlatform
+    from weft_triton.attention import TritonAttention
+
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    generator = torch.Generator().manual_seed(7)
+    layer = AttentionLayer(num_heads=8, num_kv_heads=2, head_dim=32, scale=32**-0.5, sliding_window=window)
+    block, query_len, size = 8, 5, 4
+    query_lens, lengths = [5, 1, 3], [40, 17, 23]
+    requests, tokens = len(lengths), sum(query_lens)
+    per_request = -(-max(lengths) // block)
+    num_blocks = requests * per_request + 1
+    scratch = num_blocks - 1
+    cache = torch.randn(2, num_blocks, block, 2, 32, generator=generator).to(device)
+    table = torch.randperm(scratch, generator=generator)[: requests * per_request].view(requests, per_request)
+    positions = torch.cat([torch.arange(length - n, length) for n, length in zip(query_lens, lengths, strict=True)])
+    rows = torch.repeat_interleave(torch.arange(requests), torch.tensor(query_lens))
+    slots = (table[rows, positions // block].long() * block + positions % block).to(torch.int32)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    unpadded = AttentionBatch(
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table=table.to(device, torch.int32),
+        slot_mapping=slots.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(lengths),
+        block_size=block,
+    )
+    static_tokens = size * query_len
+    padded_table = torch.full((size, per_request + 2), scratch, dtype=torch.int32)  # wider: as a static table
+    padded_table[:requests, :per_request] = table
+    padded = AttentionBatch(
+        query_start=torch.tensor([*starts, tokens], dtype=torch.int32, device=device),  # row 3: no query token
+        seq_lens=torch.tensor([*lengths, 1], dtype=torch.int32, device=device),
+        block_table=padded_table.to(device),
+        slot_mapping=torch.cat([slots, torch.full((static_tokens - tokens,), scratch * block, dtype=torch.int32)]).to(
+            device
+        ),
+        max_query_len=query_len,
+        max_seq_len=64,
+        block_size=block,
+    )
+    query = torch.randn(static_tokens, 8, 32, generator=generator).to(device)
+    key = torch.randn(static_tokens, 2, 32, generator=generator).to(device)
+    value = torch.randn(static_tokens, 2, 32, generator=generator).to(device)
+    platform = CpuPlatform() if device == "cpu" else CudaPlatform()
+    reference_backend = TorchAttention(None, platform)
+    reference_backend.prepare([layer], "float32")
+    reference_cache = cache.clone()
+    reference = reference_backend.forward(
+        layer,
+        query[:tokens],
+        key[:tokens],
+        value[:tokens],
+        reference_cache,
+        reference_backend.build_metadata(unpadded),
+    )
+    triton_backend = TritonAttention(None, platform)
+    triton_backend.prepare([layer], "float32")
+    padded_cache = cache.clone()
+    output = triton_backend.forward(layer, query, key, value, padded_cache, triton_backend.build_metadata(padded))
+    torch.testing.assert_close(output[:tokens], reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded_cache[:, :scratch], reference_cache[:, :scratch], rtol=0, atol=0)
+    assert not torch.equal(padded_cache[:, scratch], cache[:, scratch])  # the padding tokens wrote there

@@ -101,6 +101,15 @@ class AttentionBackend(PluginBase):
     not their shapes; ``max_query_len`` is 1 and ``max_seq_len`` is the
     context length for captured steps.
     """
+    supports_verify_graph_capture: ClassVar[bool] = False
+    """Whether speculating steps through this backend can be captured as graphs too
+    (:class:`weft.runner.graphs.VerifyGraphs`); read only where :attr:`supports_graph_capture` is true.
+
+    True promises, besides what :attr:`supports_graph_capture` does: ``max_query_len`` is ``1 + k`` for such
+    steps while each request's query length (``query_start``) varies from replay to replay between 0 and it; and
+    tokens past ``query_start[-1]`` belong to no request: their keys and values are stored at their
+    ``slot_mapping`` slots (a scratch block), and their outputs may be anything, as they are never read.
+    """
 
     def __init__(self, options: msgspec.Struct | None, platform: Platform) -> None:
         self.options = options if options is not None else self.Options()

@@ -80,6 +80,7 @@ if TYPE_CHECKING:
 
     from weft.contracts.kv_cache import KVCacheGroupSpec, KVCacheSpec
     from weft.contracts.loader import WeightSlice
+    from weft.contracts.platform import Platform
 
 
 class SpeculatorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,6 +263,17 @@ class Speculator(PluginBase):
         """The cache tensors of the layers of :meth:`kv_cache_groups`, by layer name, once allocated."""
         if kv_caches:
             raise NotImplementedError(f"speculator {self.name!r} got KV caches but does not define bind_kv_caches")
+
+    def capture_graphs(
+        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
+    ) -> float:
+        """Capture the speculator's own forwards as graphs for batches of up to each of ``sizes`` rows (the
+        largest first, :meth:`~weft.contracts.platform.Platform.capture_graph`), at warm-up; returns the seconds it
+        took. Called on a single-rank worker that captures the target's graphs (the platform and the attention
+        backend can, ``engine.enforce_eager`` is off), after them; ``scratch_blocks`` holds a block id per group of
+        :meth:`kv_cache_groups` that no request is given, for padded rows to write to. Default: nothing is
+        captured (0.0) and :meth:`propose` runs eagerly."""
+        return 0.0
 
     def take_hidden_states(self, states: TargetHiddenStates) -> None:
         """The target's hidden states of the forward just run, for a speculator with :attr:`needs_hidden_states`

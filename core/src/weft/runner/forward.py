@@ -2,8 +2,10 @@
 
 :class:`BatchForward` decides how a step runs (:class:`~weft.runner.model_runner.ModelRunner` samples what it
 returns): a step of decodes only that fits a captured batch size replays the graph over the static inputs
-(:class:`~weft.runner.graphs.DecodeGraphs`); a step with a prefill chunk, a resumed prefix hit, images or prompt
-logprobs, or more decodes than the largest size, runs eagerly over the flat batch
+(:class:`~weft.runner.graphs.DecodeGraphs`); a speculating step whose rows feed at most ``1 + k`` tokens each (a
+row's last token and its proposals) replays a verify graph (:class:`~weft.runner.graphs.VerifyGraphs`); a step with
+a prefill chunk, a resumed prefix hit, images or prompt logprobs, or more rows than the largest size, runs eagerly
+over the flat batch
 (:class:`~weft.runner.batch_inputs.InputBuilder`); with pipeline stages it runs in micro-batches
 (:mod:`weft.runner.pipeline`).
 
@@ -22,7 +24,7 @@ from weft.contracts.speculator import Speculator, TargetHiddenStates
 from weft.distributed.state import ParallelGroups
 from weft.layers.attention import ForwardContext
 from weft.runner.batch_inputs import FillUnknown, InputBuilder, known_tokens
-from weft.runner.graphs import DecodeGraphs
+from weft.runner.graphs import DecodeGraphs, VerifyGraphs
 from weft.runner.logits_processors import to_device
 from weft.runner.pipeline import forward_in_micro_batches
 from weft.runner.request_state import RequestState
@@ -45,6 +47,7 @@ class BatchForward:
         device: torch.device,
         fill_unknown: FillUnknown,
         speculator: Speculator | None = None,
+        verify_graphs: VerifyGraphs | None = None,
     ) -> None:
         """``fill_unknown``: copies into a batch's token ids the tokens the step before sampled that the host has
         not seen yet (:meth:`weft.runner.step_handles.PendingStep.fill_unknown`). ``speculator``: given the hidden
@@ -57,8 +60,11 @@ class BatchForward:
         self.device = device
         self.fill_unknown = fill_unknown
         self.speculator = speculator if speculator is not None and speculator.needs_hidden_states else None
+        self.verify_graphs = verify_graphs
+        """The speculating steps' graphs (None, or none captured: those steps run eagerly)."""
         self.last_graph_size: int | None = None
-        """The captured batch size the last forward replayed; None when it ran eagerly."""
+        """The captured batch size the last forward replayed (a decode or a verify graph); None when it ran
+        eagerly."""
 
     def run(
         self,
@@ -90,6 +96,14 @@ class BatchForward:
                 self.last_graph_size = size
                 logits = self._replay(states, size)
                 return logits if len(sampling) == count else logits[sampling]
+        verifies = proposals and len(sampling) == count and _feeds_proposals_only(counts, proposals)
+        if verifies and not scores_prompt and not resumes and not images and self.verify_graphs is not None:
+            size = self.verify_graphs.size_for(counts)
+            if size is not None:
+                if self.connector is not None:
+                    self.connector.wait_for_all_layers()
+                self.last_graph_size = size
+                return self._replay_verify(states, counts, size, proposals)
         self.last_graph_size = None
         return self._execute_eager(states, counts, sampling, prompt_logprobs, proposals or {})
 
@@ -101,6 +115,23 @@ class BatchForward:
         static.input_ids[: len(states)].copy_(torch.tensor(known_tokens(states, counts)), non_blocking=True)
         self.fill_unknown(static.input_ids, states, counts)
         return self.decode_graphs.replay(states, size)
+
+    def _replay_verify(
+        self, states: list[RequestState], counts: list[int], size: int, proposals: dict[int, list[int]]
+    ) -> torch.Tensor:
+        """Replay the verify graph of batch ``size``: the logits of each row's proposed positions and its last (every
+        row samples: it decodes)."""
+        graphs = self.verify_graphs
+        assert graphs is not None and graphs.static is not None
+        total = sum(counts)
+        for state in states:
+            state.take_prefix_hit()
+        graphs.stage(states, counts, size)
+        graphs.static.input_ids[:total].copy_(torch.tensor(known_tokens(states, counts)), non_blocking=True)
+        self.fill_unknown(graphs.static.input_ids, states, counts)
+        hidden = graphs.replay(size, total)
+        rows = _verified_rows(list(range(len(states))), counts, proposals)
+        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
     def _execute_eager(
         self,
@@ -117,12 +148,8 @@ class BatchForward:
         _score_prompts(self.model, states, counts, hidden, query_start, prompt_logprobs)
         if not sampling:
             return None
-        rows = []
-        for row in sampling:
-            end = query_start[row + 1]
-            rows.extend(range(end - len(proposals.get(row, ())) - 1, end))
-        last_rows = to_device(rows, torch.long, self.device)
-        return self.model.compute_logits(hidden[last_rows])
+        rows = _verified_rows(sampling, counts, proposals, query_start)
+        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
     def prepare_inputs(
         self, states: list[RequestState], counts: list[int]
@@ -130,6 +157,27 @@ class BatchForward:
         """Token ids, positions and the forward context of ``states`` (``counts`` tokens each); and where
         each request's tokens start in the flat batch (:meth:`InputBuilder.build`)."""
         return self.inputs.build(states, counts, self.fill_unknown)
+
+
+def _feeds_proposals_only(counts: list[int], proposals: dict[int, list[int]]) -> bool:
+    """Whether every row of a step feeds its last token and its proposals (a row without any: one token)."""
+    return all(count == 1 + len(proposals.get(row, ())) for row, count in enumerate(counts))
+
+
+def _verified_rows(
+    sampling: list[int], counts: list[int], proposals: dict[int, list[int]], query_start: list[int] | None = None
+) -> list[int]:
+    """The flat batch rows whose logits the step samples or verifies: each sampling row's proposed positions and its
+    last one (``query_start``: where each row's tokens start; default: ``counts`` end to end)."""
+    if query_start is None:
+        query_start = [0]
+        for count in counts:
+            query_start.append(query_start[-1] + count)
+    rows = []
+    for row in sampling:
+        end = query_start[row + 1]
+        rows.extend(range(end - len(proposals.get(row, ())) - 1, end))
+    return rows
 
 
 _PROMPT_LOGPROB_CHUNK = 256

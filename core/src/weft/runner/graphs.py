@@ -42,15 +42,17 @@ if TYPE_CHECKING:
 
 
 class StaticInputs:
-    """Device buffers a captured graph reads; each step's decode inputs are copied into them."""
+    """Device buffers a captured graph reads; each step's inputs are copied into them: ``size`` request rows and
+    ``tokens`` query tokens (default: one a row, a decode graph's)."""
 
-    def __init__(self, size: int, widths: Sequence[int], device: torch.device) -> None:
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+    def __init__(self, size: int, widths: Sequence[int], device: torch.device, tokens: int | None = None) -> None:
+        tokens = size if tokens is None else tokens
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
         self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_tables = [torch.zeros(size, width, dtype=torch.int32, device=device) for width in widths]
-        self.slot_mappings = [torch.zeros(size, dtype=torch.int32, device=device) for _ in widths]
+        self.slot_mappings = [torch.zeros(tokens, dtype=torch.int32, device=device) for _ in widths]
 
 
 class _Staged:
@@ -110,7 +112,6 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
-        self._zeros = array("i", [0]) * max(widths)
         self._rows = torch.arange(max(sizes))
         self._fill_padding(0, max(sizes))
         if self.captured_reader is not None:
@@ -249,19 +250,194 @@ class DecodeGraphs:
         static.positions[:count].copy_(host_positions, non_blocking=True)
         static.seq_lens[:count].copy_(host_positions + 1, non_blocking=True)
         for index, group in enumerate(self.groups):
-            tables = tables_by_group[index]
-            width = max(len(table) for table in tables)
-            rows = array("i")  # the padded tables, flat: filled at C speed, then one copy to the device
-            for table in tables:
-                rows.extend(table)
-                rows.extend(self._zeros[: width - len(table)])
-            host_table = torch.frombuffer(rows, dtype=torch.int32).view(count, width)
-            static.block_tables[index][:count, :width].copy_(host_table, non_blocking=True)
+            host_table = padded_tables(tables_by_group[index], static.block_tables[index].shape[1])
+            static.block_tables[index][:count, : host_table.shape[1]].copy_(host_table, non_blocking=True)
             static.slot_mappings[index][:count].copy_(
                 group.spec.slot_mapping(host_table, self._rows[:count], host_positions), non_blocking=True
             )
         if count < size:
             self._fill_padding(count, size)
+
+
+def padded_tables(tables: Sequence[Sequence[int]], limit: int) -> torch.Tensor:
+    """Block tables as one host ``[rows, width]`` int32 tensor, each padded with 0 to the longest, and at most
+    ``limit`` (a static table's) columns: the blocks a request holds past ``max_model_len`` (slots allocated ahead of
+    its tokens, ``k`` of them for a draft) hold no position a captured forward reads."""
+    width = min(max(len(table) for table in tables), limit)
+    flat = array("i")  # filled at C speed, then one copy to the device
+    for table in tables:
+        if len(table) >= width:
+            flat.extend(table[:width])
+        else:
+            flat.extend(table)
+            flat.extend(array("i", bytes(4 * (width - len(table)))))
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
+
+
+def verify_graph_sizes(decode_sizes: Sequence[int]) -> list[int]:
+    """The batch sizes verify graphs are captured for, from the decode graphs': those up to 8, the multiples of 16
+    and the largest (every step a decode graph fits, a verify graph fits too). Fewer than the decode graphs': a
+    verify graph's activations are ``1 + k`` times a decode graph's and each capture costs a forward, while a step
+    padded to the next multiple of 16 computes at most 15 rows' tokens more."""
+    return sorted({size for size in decode_sizes if size <= 8 or size % 16 == 0} | {max(decode_sizes)})
+
+
+class VerifyGraphs:
+    """The forward of a speculating step captured per batch size (:meth:`capture`): up to ``size`` requests of at
+    most ``1 + k`` query tokens each (a row's last token then its proposals, or one token for a row without any),
+    laid end to end as the eager batch lays them, in a static ``tokens`` of ``min(size * (1 + k), token budget)``.
+
+    A step of ``n`` requests replays the smallest captured size ``>= n`` (:func:`verify_graph_sizes`). Its real
+    rows are exactly the eager batch (query starts, positions, sequence lengths, block tables and slots of its own
+    tokens), so the attention launch and each real row's result are the eager step's; the rows past ``n`` are
+    requests of no query token in the scratch blocks, and the tokens past the step's belong to no request: their
+    keys and values go to the scratch block and their outputs are never read. The graph ends at the hidden states,
+    copied into one static buffer (:attr:`hidden`) that every size writes: the LM head runs after the replay on the
+    rows the step verifies, so no graph holds ``tokens x vocab`` logits in the memory pool.
+
+    Only where every KV-cache group is paged attention (a model managing its groups reads ``static_decode`` batches
+    of one token a row) and the attention backend captures such steps
+    (:attr:`~weft.contracts.attention.AttentionBackend.supports_verify_graph_capture`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        groups: Sequence[KVCacheGroupSpec],
+        kv_caches: dict[str, torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.groups = tuple(groups)
+        self.kv_caches = kv_caches
+        self.device = device
+        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.tokens: dict[int, int] = {}
+        """Each graph's static query tokens."""
+        self.query_len = 0
+        """The most query tokens of one row, ``1 + k``."""
+        self.static: StaticInputs | None = None
+        self.hidden: torch.Tensor | None = None
+        """The hidden states every graph's replay writes (its first ``tokens`` rows), allocated by the first
+        capture's warm-up call, outside the graphs' memory pool."""
+        self.scratch_blocks: list[int] = []
+        self.max_model_len = 0
+        self.replays = 0
+        """Steps that replayed a verify graph (the tests and bench/spec_decode.py read it)."""
+
+    def capture(
+        self,
+        platform: Platform,
+        sizes: Sequence[int],
+        query_len: int,
+        token_budget: int,
+        scratch_blocks: Sequence[int],
+        max_model_len: int,
+    ) -> float:
+        """Capture the verify forward for each batch size (largest first) with rows of up to ``query_len`` tokens
+        and at most ``token_budget`` tokens a step; returns the seconds it took."""
+        started = time.monotonic()
+        self.scratch_blocks = list(scratch_blocks)
+        self.max_model_len = max_model_len
+        self.query_len = query_len
+        self.tokens = {size: max(size, min(size * query_len, token_budget)) for size in sizes}
+        largest = max(sizes)
+        widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
+        self.static = StaticInputs(largest, widths, self.device, self.tokens[largest])
+        self._pad_rows(0, largest, 0)
+        self._pad_tokens(0, self.tokens[largest])
+        for size in sorted(set(sizes), reverse=True):
+            self.graphs[size] = platform.capture_graph(lambda size=size: self._static_forward(size))
+        return time.monotonic() - started
+
+    def size_for(self, counts: list[int]) -> int | None:
+        """The captured batch size a step of rows of ``counts`` query tokens replays; None: no graph fits it (more
+        rows than the largest size, a row longer than ``1 + k``, more tokens than the size's)."""
+        if not self.graphs or max(counts) > self.query_len:
+            return None
+        total = sum(counts)
+        fitting = [size for size in self.graphs if size >= len(counts) and self.tokens[size] >= total]
+        return min(fitting) if fitting else None
+
+    def _static_forward(self, size: int) -> torch.Tensor:
+        """The forward over the first ``size`` rows and ``tokens[size]`` tokens of the static buffers, its hidden
+        states copied into :attr:`hidden`; what a graph captures."""
+        static = self.static
+        assert static is not None
+        tokens = self.tokens[size]
+        metadata, batches = [], []
+        for index, group in enumerate(self.groups):
+            batch = AttentionBatch(
+                query_start=static.query_start[: size + 1],
+                seq_lens=static.seq_lens[:size],
+                block_table=static.block_tables[index][:size],
+                slot_mapping=static.slot_mappings[index][:tokens],
+                max_query_len=self.query_len,
+                max_seq_len=self.max_model_len,
+                block_size=group.spec.block_size,
+            )
+            batches.append(batch)
+            metadata.append(self.backend.build_metadata(batch))
+        context = ForwardContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches, batches=batches)
+        hidden = self.model(static.input_ids[:tokens], static.positions[:tokens], context)
+        if self.hidden is None:  # the first call, outside any graph (a capture's warm-up call runs first)
+            self.hidden = hidden.new_empty(max(self.tokens.values()), *hidden.shape[1:])
+        self.hidden[:tokens].copy_(hidden)
+        return self.hidden
+
+    def stage(self, states: list[RequestState], counts: list[int], size: int) -> None:
+        """Copy a step's query starts, positions, sequence lengths, block tables and slot mappings (row ``i``:
+        ``counts[i]`` tokens from its computed count) into the static buffers, and pad the rest of the graph's
+        rows and tokens; the caller writes the token ids."""
+        static = self.static
+        assert static is not None
+        count, total = len(states), sum(counts)
+        starts = [state.num_computed_tokens for state in states]
+        positions = [position for start, n in zip(starts, counts, strict=True) for position in range(start, start + n)]
+        host_positions = torch.tensor(positions)
+        host_counts = torch.tensor(counts)
+        query_start = torch.zeros(count + 1, dtype=torch.int32)
+        torch.cumsum(host_counts, 0, out=query_start[1:])
+        static.query_start[: count + 1].copy_(query_start, non_blocking=True)
+        static.positions[:total].copy_(host_positions, non_blocking=True)
+        static.seq_lens[:count].copy_(torch.tensor(starts) + host_counts, non_blocking=True)
+        rows = torch.repeat_interleave(torch.arange(count), host_counts)
+        for index, group in enumerate(self.groups):
+            tables = [state.block_ids[index] for state in states]
+            host_table = padded_tables(tables, static.block_tables[index].shape[1])
+            static.block_tables[index][:count, : host_table.shape[1]].copy_(host_table, non_blocking=True)
+            static.slot_mappings[index][:total].copy_(
+                group.spec.slot_mapping(host_table, rows, host_positions), non_blocking=True
+            )
+        self._pad_rows(count, size, total)
+        self._pad_tokens(total, self.tokens[size])
+
+    def replay(self, size: int, total: int) -> torch.Tensor:
+        """Replay the graph of batch ``size`` over the staged inputs; the hidden states of the step's ``total``
+        tokens."""
+        self.replays += 1
+        return self.graphs[size]()[:total]
+
+    def _pad_rows(self, start: int, stop: int, total: int) -> None:
+        """Make rows ``start:stop`` requests of no query token (their queries start where the step's tokens end)
+        in the scratch blocks."""
+        static = self.static
+        assert static is not None
+        static.query_start[start + 1 : stop + 1] = total
+        static.seq_lens[start:stop] = 1
+        for index in range(len(self.groups)):
+            static.block_tables[index][start:stop] = self.scratch_blocks[index]
+
+    def _pad_tokens(self, start: int, stop: int) -> None:
+        """Make tokens ``start:stop`` tokens of no request: id 0 at position 0, their keys and values in the
+        scratch block."""
+        static = self.static
+        assert static is not None
+        static.input_ids[start:stop] = 0
+        static.positions[start:stop] = 0
+        for index, group in enumerate(self.groups):
+            static.slot_mappings[index][start:stop] = self.scratch_blocks[index] * group.spec.block_size
 
 
 class MaskGraphs:

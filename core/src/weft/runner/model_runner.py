@@ -10,9 +10,10 @@ The batch lays the scheduled tokens of every request end to end, with each KV-ca
 slots and attention metadata (:class:`~weft.runner.batch_inputs.InputBuilder`).
 
 Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`, :mod:`weft.runner.graphs`):
-a step of decodes only that fits a captured batch size replays the graph over the static inputs;
-steps with a prefill chunk, a resumed prefix hit or prompt logprobs, or more decodes than the
-largest size, run eagerly (:class:`~weft.runner.forward.BatchForward` decides).
+a step of decodes only that fits a captured batch size replays the graph over the static inputs, and a
+speculating step (rows of a last token and up to ``k`` proposals) a verify graph; steps with a prefill chunk, a
+resumed prefix hit or prompt logprobs, or more decodes than the largest size, run eagerly
+(:class:`~weft.runner.forward.BatchForward` decides).
 
 Asynchronous output: the sampler runs on the device without waiting for it
 (:mod:`weft.runner.sampler`), so a step's sampled ids, their health and any
@@ -71,7 +72,7 @@ from weft.distributed.state import SINGLE, ParallelGroups
 from weft.runner.batch_inputs import InputBuilder
 from weft.runner.encoder import EncoderRunner
 from weft.runner.forward import BatchForward
-from weft.runner.graphs import DecodeGraphs, MaskGraphs
+from weft.runner.graphs import DecodeGraphs, MaskGraphs, VerifyGraphs
 from weft.runner.logits_processors import TokenBitmask
 from weft.runner.penalties import TokenCounts
 from weft.runner.pipeline import share_sampled
@@ -124,8 +125,19 @@ class ModelRunner:
             model, backend, groups, kv_caches, device, parallel, captured_reader, bitmask_argmax
         )
         """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
+        self.verify_graphs = VerifyGraphs(model, backend, groups, kv_caches, device)
+        """Empty until :meth:`capture_graphs` captures them (speculative decoding on): speculating steps then run
+        eagerly."""
         self.forward = BatchForward(
-            model, parallel, self.inputs, self.decode_graphs, connector, device, self._fill_unknown, speculator
+            model,
+            parallel,
+            self.inputs,
+            self.decode_graphs,
+            connector,
+            device,
+            self._fill_unknown,
+            speculator,
+            self.verify_graphs,
         )
         """Runs each step's forward (eagerly, replaying a decode graph or in pipeline micro-batches)."""
         self.requests: dict[str, RequestState] = {}
@@ -174,6 +186,20 @@ class ModelRunner:
     ) -> float:
         """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`); returns the seconds."""
         return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len)
+
+    @torch.inference_mode()
+    def capture_verify_graphs(
+        self,
+        platform: Platform,
+        sizes: Sequence[int],
+        query_len: int,
+        token_budget: int,
+        scratch_blocks: Sequence[int],
+        max_model_len: int,
+    ) -> float:
+        """Capture the speculating steps' forward for each batch size, rows of up to ``query_len`` tokens
+        (:meth:`VerifyGraphs.capture`); returns the seconds."""
+        return self.verify_graphs.capture(platform, sizes, query_len, token_budget, scratch_blocks, max_model_len)
 
     # The step.
 

@@ -90,9 +90,11 @@ class Speculation:
         ids, limits = [], []
         for result in verified:
             state = requests[result.request_id]
-            left = k
+            # The next step feeds its proposals after its newest token: none at or past max_model_len (a draft would
+            # compute positions the model has no rotary angle for, and the scheduler would cut them anyway).
+            left = min(k, speculator.config.max_model_len - len(state.token_ids))
             if state.params.max_tokens is not None:
-                left = min(k, state.params.max_tokens - len(state.token_ids) + state.num_prompt_tokens - 1)
+                left = min(left, state.params.max_tokens - len(state.token_ids) + state.num_prompt_tokens - 1)
             ids.append(result.request_id)
             limits.append(max(left, 0))
         if not ids:

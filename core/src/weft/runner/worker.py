@@ -59,6 +59,7 @@ from weft.resolve import (
     with_kv_cache_dtype,
 )
 from weft.runner.encoder import EncoderRunner
+from weft.runner.graphs import verify_graph_sizes
 from weft.runner.kv_connector import WorkerConnector
 from weft.runner.model_runner import ModelRunner, describe_sizes
 from weft.runner.sampler import Sampler
@@ -339,6 +340,39 @@ class Worker:
             )
         seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
+        if self.speculator is None:
+            return
+        if layout.world_size == 1:  # its forwards end at its greedy tokens: a rank's logits must be whole
+            draft_blocks = num_blocks[self.num_target_groups :]
+            seconds = self.speculator.capture_graphs(
+                self.platform, verify_graph_sizes(sizes), draft_blocks, self.model_config.max_model_len
+            )
+            if seconds:
+                logger.info("captured speculator %r's graphs in %.1f s", self.speculator.name, seconds)
+        if managed or not (self.attention.supports_verify_graph_capture or not paged):
+            logger.info(
+                "speculating steps run eagerly: %s",
+                f"KV-cache groups {managed} are managed by the model"
+                if managed
+                else f"attention backend {self.attention.name!r} cannot capture them",
+            )
+            return
+        query_len = 1 + self.speculator.config.num_speculative_tokens
+        verify_sizes = verify_graph_sizes(sizes)
+        seconds = self.runner.capture_verify_graphs(
+            self.platform,
+            verify_sizes,
+            query_len,
+            engine.max_num_batched_tokens,
+            num_blocks,
+            self.model_config.max_model_len,
+        )
+        logger.info(
+            "captured verify graphs (rows of up to %d tokens) for batch sizes %s in %.1f s",
+            query_len,
+            describe_sizes(verify_sizes),
+            seconds,
+        )
 
     def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         assert self.runner is not None, "initialize_kv_cache first"

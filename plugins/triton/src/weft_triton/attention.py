@@ -57,6 +57,10 @@ class TritonAttention(AttentionBackend):
     name: ClassVar[str] = "triton"
     supported_head_dims: ClassVar[tuple[int, ...]] = (16, 32, 64, 128, 256)
     supports_graph_capture: ClassVar[bool] = True
+    supports_verify_graph_capture: ClassVar[bool] = True
+    """A verify graph captures the multi-query launch (``PREFILL_BLOCK_M`` rows a program), its grid from the
+    static row count and ``1 + k``; each program reads its request's query range on the device and returns at once
+    for a request of no query token; the store kernel writes every token at its slot."""
     supports_logits_soft_cap: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"float8_e4m3fn"})
     supports_sinks: ClassVar[bool] = True

@@ -170,10 +170,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(
-        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
+        self,
+        platform: Platform,
+        sizes: Sequence[int],
+        scratch_blocks: Sequence[int],
+        max_model_len: int,
+        split_from: int | None = None,
     ) -> float:
-        """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`); returns the seconds."""
-        return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len)
+        """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`, sizes from ``split_from``
+        up as two nano-batches); returns the seconds."""
+        return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len, split_from)
 
     # The step.
 

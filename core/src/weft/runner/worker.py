@@ -337,8 +337,37 @@ class Worker:
                 f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
                 f"remove them or raise max_num_seqs"
             )
-        seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
+        split_from = self._decode_overlap_from(sizes)
+        seconds = self.runner.capture_graphs(
+            self.platform, sizes, num_blocks, self.model_config.max_model_len, split_from
+        )
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
+
+    def _decode_overlap_from(self, sizes: list[int]) -> int | None:
+        """The smallest captured size that runs as two nano-batches (``engine.decode_overlap``); None: none."""
+        engine = self.config.engine
+        if not engine.decode_overlap:
+            return None
+        if not self.family.splits_decode_batches:
+            logger.info(
+                "engine.decode_overlap: model family %s runs decode steps whole (it has no nano-batch path)",
+                type(self.family).__name__,
+            )
+            return None
+        split = [size for size in sizes if size >= engine.decode_overlap_min_batch]
+        if not split:
+            logger.info(
+                "engine.decode_overlap: no captured decode batch reaches decode_overlap_min_batch = %d (largest %d)",
+                engine.decode_overlap_min_batch,
+                max(sizes),
+            )
+            return None
+        logger.info(
+            "decode graphs of %s rows run as two nano-batches (%s)",
+            describe_sizes(split),
+            type(self.ops["nano_batches"]).__name__,
+        )
+        return engine.decode_overlap_min_batch
 
     def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         assert self.runner is not None, "initialize_kv_cache first"

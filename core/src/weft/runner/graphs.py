@@ -100,6 +100,7 @@ class DecodeGraphs:
         self.split_from: int | None = None
         """The smallest captured size that runs as two nano-batches (None: every size runs whole)."""
 
+    @torch.inference_mode()
     def capture(
         self,
         platform: Platform,

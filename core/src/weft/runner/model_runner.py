@@ -9,7 +9,7 @@ manager. It appends the tokens it samples to that state itself.
 The batch lays the scheduled tokens of every request end to end, with each KV-cache group's block table, cache
 slots and attention metadata (:class:`~weft.runner.batch_inputs.InputBuilder`).
 
-Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`, :mod:`weft.runner.graphs`):
+Decode steps can replay captured graphs (:meth:`DecodeGraphs.capture <weft.runner.graphs.DecodeGraphs.capture>`):
 a step of decodes only that fits a captured batch size replays the graph over the static inputs;
 steps with a prefill chunk, a resumed prefix hit or prompt logprobs, or more decodes than the
 largest size, run eagerly (:class:`~weft.runner.forward.BatchForward` decides).
@@ -82,7 +82,6 @@ from weft.runner.step_handles import AwaitingMask, PendingStep, PromptLogprobs, 
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.contracts.platform import Platform
     from weft.runner.kv_connector import WorkerConnector
 
 logger = logging.getLogger("weft.runner")
@@ -123,7 +122,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             model, backend, groups, kv_caches, device, parallel, captured_reader, bitmask_argmax
         )
-        """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
+        """Empty until the worker captures them (:meth:`DecodeGraphs.capture`): decode steps then run eagerly."""
         self.forward = BatchForward(
             model, parallel, self.inputs, self.decode_graphs, connector, device, self._fill_unknown, speculator
         )
@@ -167,19 +166,6 @@ class ModelRunner:
     def mask_graphs(self) -> MaskGraphs | None:
         """The decode graphs' mask graphs (None: not captured, or no fused ``bitmask_argmax`` op)."""
         return self.decode_graphs.mask_graphs
-
-    @torch.inference_mode()
-    def capture_graphs(
-        self,
-        platform: Platform,
-        sizes: Sequence[int],
-        scratch_blocks: Sequence[int],
-        max_model_len: int,
-        split_from: int | None = None,
-    ) -> float:
-        """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`, sizes from ``split_from``
-        up as two nano-batches); returns the seconds."""
-        return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len, split_from)
 
     # The step.
 

@@ -119,6 +119,29 @@ def test_cuda_graphs_equal_eager_on_gpu(model, dtype, request):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nano_batch_graphs_equal_plain_graphs_on_gpu(tiny_llama, dtype):
+    """engine.decode_overlap: decode graphs of 8 rows and more captured as two nano-batches, the attention of one
+    on a second CUDA stream, give the greedy tokens of the plain graphs."""
+    engine = {"block_size": 16, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": dtype}
+    batch, params = prompts(20, seed=11), staggered(20, 70)
+    plain = LLM(model=str(tiny_llama), use={"platform": "cuda"}, engine={**engine, "decode_overlap": False})
+    assert plain.engine.runner.graphs and plain.engine.runner.decode_graphs.split_from is None
+    expected = token_ids(plain.generate(batch, params))
+    plain.close()
+    split = LLM(
+        model=str(tiny_llama),
+        use={"platform": "cuda"},
+        engine={**engine, "decode_overlap": True, "decode_overlap_min_batch": 8},
+    )
+    assert split.engine.runner.decode_graphs.split_from == 8
+    assert type(split.engine.worker.ops["nano_batches"]).__name__ == "NanoBatchesStreams"
+    assert token_ids(split.generate(batch, params)) == expected
+    split.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_no_kernel_compiles_after_warm_up_on_gpu(tiny_window):
     """A scripted serving workload under runtime_jit = "error" compiles nothing once the engine is up."""
     llm = LLM(

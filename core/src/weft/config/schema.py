@@ -284,6 +284,22 @@ class EngineConfig(_Section, frozen=True):
         ]
         | None
     ) = None
+    decode_overlap: (
+        Annotated[
+            bool,
+            Meta(
+                description="split each captured decode step of at least decode_overlap_min_batch rows into two "
+                "nano-batches, one's attention on a second stream beside the other's GEMMs (model families that "
+                "support it: the Llama family); default: the platform's (off everywhere until a device run measures "
+                "it faster than the plain step)"
+            ),
+        ]
+        | None
+    ) = None
+    decode_overlap_min_batch: Annotated[
+        int,
+        Meta(ge=2, description="the smallest captured decode batch that decode_overlap splits into nano-batches"),
+    ] = 256
     runtime_jit: Annotated[
         Literal["warn", "error"],
         Meta(description="a kernel variant compiled after warm-up: warn (and compile) or error"),
@@ -553,7 +569,7 @@ class WeftConfig(_Section, frozen=True):
     """Each plugin's own options by plugin name, validated against its Options Struct."""
 
 
-PLATFORM_SIZED = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling")
+PLATFORM_SIZED = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "decode_overlap")
 """Engine options whose default the platform chooses for its device (:meth:`Platform.engine_defaults`)."""
 
 DERIVED = ("distributed_executor_backend", "graph_batch_sizes", "long_prefill_token_threshold")

@@ -103,7 +103,8 @@ class AttentionBackend(PluginBase):
     """
     supports_verify_graph_capture: ClassVar[bool] = False
     """Whether speculating steps through this backend can be captured as graphs too
-    (:class:`weft.runner.graphs.VerifyGraphs`); read only where :attr:`supports_graph_capture` is true.
+    (:class:`weft.runner.graphs.VerifyGraphs`; added in core API 1.17); read only where
+    :attr:`supports_graph_capture` is true.
 
     True promises, besides what :attr:`supports_graph_capture` does: ``max_query_len`` is ``1 + k`` for such
     steps while each request's query length (``query_start``) varies from replay to replay between 0 and it; and

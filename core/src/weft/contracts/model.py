@@ -102,6 +102,11 @@ class ModelFamily(PluginBase):
     reads_weight_slices: ClassVar[bool] = False
     """Whether :meth:`load_weights` takes :class:`~weft.contracts.loader.WeightSlice` objects
     (and reads only this rank's part of each tensor) instead of whole tensors (added in core API 1.4)."""
+    splits_decode_batches: ClassVar[bool] = False
+    """Whether this family's models run a decode step as nano-batches when its
+    :class:`~weft.layers.attention.ForwardContext` carries ``nano_batches`` (``engine.decode_overlap``; added in
+    core API 1.17). A family that sets it computes each row as the whole step's forward would, whichever way it
+    runs (the ``nano_batches`` op, :mod:`weft.layers.nano_batches`); one that does not is never given them."""
 
     def __init__(self, options: msgspec.Struct | None = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -55,6 +55,10 @@ class EngineDefaults(msgspec.Struct, frozen=True):
     async_scheduling: bool = False
     """Whether scheduling the next step while one runs gains anything (a device that computes
     while the host works)."""
+    decode_overlap: bool = False
+    """Whether large captured decode steps run as two nano-batches, one's attention beside the other's GEMMs
+    (``engine.decode_overlap``): only where a device run measured it faster than the plain step (added in core API
+    1.16)."""
 
 
 class MemoryInfo(msgspec.Struct, frozen=True):

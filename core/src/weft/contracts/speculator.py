@@ -272,7 +272,7 @@ class Speculator(PluginBase):
         took. Called on a single-rank worker that captures the target's graphs (the platform and the attention
         backend can, ``engine.enforce_eager`` is off), after them; ``scratch_blocks`` holds a block id per group of
         :meth:`kv_cache_groups` that no request is given, for padded rows to write to. Default: nothing is
-        captured (0.0) and :meth:`propose` runs eagerly."""
+        captured (0.0) and :meth:`propose` runs eagerly. Added in core API 1.17."""
         return 0.0
 
     def take_hidden_states(self, states: TargetHiddenStates) -> None:

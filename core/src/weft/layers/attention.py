@@ -11,6 +11,7 @@ from torch import nn
 
 from weft.contracts.attention import AttentionBackend, AttentionBatch, AttentionLayer
 from weft.layers.multimodal import MultimodalBatch
+from weft.layers.nano_batches import NanoBatch
 
 
 class ForwardContext(msgspec.Struct):
@@ -50,6 +51,12 @@ class ForwardContext(msgspec.Struct):
     """The step's encoder rows, multi-axis positions and per-position extras (core API 1.15); None in a step
     without any. A vision-language family merges the rows after its token embedding with
     :func:`weft.layers.multimodal.merge_multimodal_embeddings`."""
+    nano_batches: list[NanoBatch] = []
+    """The step's rows split into nano-batches, each with its own context (:mod:`weft.layers.nano_batches`), in a
+    decode graph the runner splits (``engine.decode_overlap``); empty otherwise. The model may run its layers
+    over the whole step with this context, or over each nano-batch with its own, through the ``nano_batches``
+    op. Only set for families whose :attr:`~weft.contracts.model.ModelFamily.splits_decode_batches` is true
+    (core API 1.17)."""
 
 
 class Attention(nn.Module):

@@ -19,9 +19,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from weft.contracts.ops import OpImplementation
 
-LAYER_OPS: tuple[str, ...] = ("linear", "rms_norm", "rotary", "qk_norm_rotary", "silu_and_mul", "decode_topk", "moe")
+LAYER_OPS: tuple[str, ...] = (
+    "linear",
+    "rms_norm",
+    "rotary",
+    "qk_norm_rotary",
+    "silu_and_mul",
+    "decode_topk",
+    "moe",
+    "nano_batches",
+)
 """Core ops that layers call, core's and model families' alike; their references are in
-:mod:`weft.builtins` (``ops``, ``decode_topk``, ``moe``)."""
+:mod:`weft.builtins` (``ops``, ``decode_topk``, ``moe``, ``nano_batches``)."""
 
 RUNNER_OPS: tuple[str, ...] = ("bitmask_argmax",)
 """Core ops the model runner calls around the model (reference: :mod:`weft.builtins.bitmask_argmax`); chosen

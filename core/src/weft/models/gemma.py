@@ -219,6 +219,8 @@ class GemmaForCausalLM(nn.Module):
 class GemmaFamily(LlamaFamily):
     """Gemma 2 and Gemma 3 (text-only ``Gemma3ForCausalLM``) decoders; weights load as the Llama family's."""
 
+    splits_decode_batches = False  # its own layers, not the Llama family's stages
+
     def check_parallel(self, config: ModelConfig) -> None:
         super().check_parallel(config)
         if config.parallel.pipeline_parallel_size > 1:

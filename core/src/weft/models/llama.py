@@ -29,6 +29,7 @@ from weft.contracts.parallel import ParallelLayout, check_heads, head_range
 from weft.layers.attention import Attention, ForwardContext
 from weft.layers.linear import default_dtype
 from weft.layers.multimodal import merge_multimodal_embeddings
+from weft.layers.nano_batches import NanoBatchState
 from weft.layers.norm import RMSNorm
 from weft.layers.ops import current_op
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -141,6 +142,12 @@ class LlamaAttention(nn.Module):
     def forward(
         self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
+        return self.output(self.attend(*self.project(rotary, hidden), context))
+
+    def project(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries and keys, and the values, of ``hidden`` (``[tokens, heads, head_dim]`` each)."""
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(tokens, self.num_heads, self.head_dim)
@@ -159,10 +166,19 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = (self.rotary or apply_rotary)(query, key, *rotary)
+        return query, key, value
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
+        """The paged attention (it stores the keys and values first): ``[tokens, heads, head_dim]``."""
         # Sinks only where the layer has them: a subclass of Attention (a test's, a plugin's) need not take them.
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
-        output = self.attn(query, key, value, context, **sinks)
-        return self.o_proj(output.reshape(tokens, self.q_size))
+        return self.attn(query, key, value, context, **sinks)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection of :meth:`attend`'s result."""
+        return self.o_proj(attended.reshape(attended.shape[0], self.q_size))
 
     def load_checkpoint_tensor(self, parameter: str, weight: Any, name: str, index: int = 0) -> None:
         """The sink logits (the only parameter of the attention module itself): this rank's heads."""
@@ -207,13 +223,27 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp output, residual stream before it)``; the next norm adds them (fused)."""
+        """Returns ``(mlp output, residual stream before it)``; the next norm adds them (fused). The three stages
+        of :class:`~weft.layers.nano_batches.StagedLayer`, in order."""
+        inputs, residual = self.attention_inputs(rotary, hidden, residual)
+        return self.after_attention(self.attend(inputs, context), residual)
+
+    def attention_inputs(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``((query, key, value), residual stream)``: the input norm (adding the residual), QKV, rotation."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, context)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.self_attn.project(rotary, hidden), residual
+
+    def attend(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], context: ForwardContext) -> torch.Tensor:
+        return self.self_attn.attend(*inputs, context)
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, the post-attention norm (adding the residual) and the MLP."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
         return self.mlp(hidden), residual
 
 
@@ -235,6 +265,9 @@ class LlamaModel(nn.Module):
         if self.is_last_stage:
             self.norm = RMSNorm(settings.hidden_size, settings.rms_norm_eps)
         self.rotary = self.rotary_class(settings.head_dim, max_positions, settings.rope)
+        self.nano_batches = current_op("nano_batches")
+        """Runs the layers over a decode step's nano-batches (``ForwardContext.nano_batches``); None: a model
+        built outside the engine's ops, which runs every step whole."""
 
     def forward(
         self,
@@ -249,11 +282,34 @@ class LlamaModel(nn.Module):
             assert intermediate is not None
             hidden, residual = intermediate["hidden"], intermediate["residual"]
         rotary = self.rotary.table(positions, hidden.dtype)
-        for index in self.stage_layers:
-            hidden, residual = self.layers[index](rotary, hidden, residual, context)
+        if context.nano_batches and self.nano_batches is not None:
+            hidden, residual = self._forward_nano_batches(rotary, hidden, residual, context)
+        else:
+            for index in self.stage_layers:
+                hidden, residual = self.layers[index](rotary, hidden, residual, context)
         if not self.is_last_stage:
             return {"hidden": hidden, "residual": residual}
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
+
+    def _forward_nano_batches(
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        context: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over each of the step's nano-batches (the ``nano_batches`` op), their rows put back together."""
+        parts = [
+            NanoBatchState(
+                (rotary[0][part.start : part.stop], rotary[1][part.start : part.stop]),
+                hidden[part.start : part.stop],
+                None if residual is None else residual[part.start : part.stop],
+                part.context,
+            )
+            for part in context.nano_batches
+        ]
+        outputs = self.nano_batches([self.layers[index] for index in self.stage_layers], parts)
+        return torch.cat([output[0] for output in outputs]), torch.cat([output[1] for output in outputs])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -306,6 +362,7 @@ class LlamaFamily(ModelFamily):
     """Llama-architecture decoders: Llama, Mistral, Qwen2, Qwen3, SmolLM2."""
 
     reads_weight_slices = True
+    splits_decode_batches = True
     settings_class: type[LlamaSettings] = LlamaSettings
     module_class: type[LlamaForCausalLM] = LlamaForCausalLM
 

@@ -33,6 +33,7 @@ from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.ops import OpImplementation
 from weft.distributed.state import ParallelGroups
 from weft.layers.attention import ForwardContext
+from weft.layers.nano_batches import decode_nano_batches
 from weft.runner.logits_processors import _words_at, mask_rows_of
 from weft.runner.request_state import RequestState
 from weft.runner.sampler import SampledBatch, greedy_status
@@ -98,17 +99,27 @@ class DecodeGraphs:
         self.max_model_len = 0
         self.staged: _Staged | None = None
         """A deferred step's decode-graph inputs, staged in the static buffers when it came (:meth:`stage_ahead`)."""
+        self.split_from: int | None = None
+        """The smallest captured size that runs as two nano-batches (None: every size runs whole)."""
 
+    @torch.inference_mode()
     def capture(
-        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
+        self,
+        platform: Platform,
+        sizes: Sequence[int],
+        scratch_blocks: Sequence[int],
+        max_model_len: int,
+        split_from: int | None = None,
     ) -> float:
         """Capture the decode forward for each batch size (largest first); returns the seconds it took.
 
         ``scratch_blocks`` holds, per KV-cache group, a block id no request is
-        ever given: padded rows write their keys and values there.
+        ever given: padded rows write their keys and values there. ``split_from``: sizes from this one up run as
+        two nano-batches (``engine.decode_overlap``, :mod:`weft.layers.nano_batches`); None: none do.
         """
         started = time.monotonic()
         self.scratch_blocks = list(scratch_blocks)
+        self.split_from = split_from
         self.max_model_len = max_model_len
         widths = [-(-max_model_len // group.spec.block_size) for group in self.groups]
         self.static = StaticInputs(max(sizes), widths, self.device)
@@ -160,7 +171,16 @@ class DecodeGraphs:
             )
             batches.append(batch)
             metadata.append(self.backend.build_metadata(batch) if group.spec.paged_attention else None)
-        context = ForwardContext(
+        context = self._static_context(metadata, batches)
+        if self.split_from is not None and size >= self.split_from:
+            paged = [group.spec.paged_attention for group in self.groups]
+            context.nano_batches = decode_nano_batches(self.backend, batches, paged, size, self._static_context)
+        hidden = self.model(static.input_ids[:size], static.positions[:size], context)
+        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
+
+    def _static_context(self, metadata: list, batches: list[AttentionBatch]) -> ForwardContext:
+        """A decode graph's forward context over ``batches`` (the step's, or a nano-batch's)."""
+        return ForwardContext(
             backend=self.backend,
             metadata=metadata,
             kv_caches=self.kv_caches,
@@ -168,8 +188,6 @@ class DecodeGraphs:
             static_decode=True,
             sparse_entries=self.captured_reader,
         )
-        hidden = self.model(static.input_ids[:size], static.positions[:size], context)
-        return self.model.compute_logits(hidden) if self.logits_in_graph else hidden
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Make rows ``start:stop`` one-token requests at position 0 that live in the scratch blocks."""
@@ -326,6 +344,7 @@ class VerifyGraphs:
         self.replays = 0
         """Steps that replayed a verify graph (the tests and bench/spec_decode.py read it)."""
 
+    @torch.inference_mode()
     def capture(
         self,
         platform: Platform,

@@ -9,10 +9,11 @@ manager. It appends the tokens it samples to that state itself.
 The batch lays the scheduled tokens of every request end to end, with each KV-cache group's block table, cache
 slots and attention metadata (:class:`~weft.runner.batch_inputs.InputBuilder`).
 
-Decode steps can replay captured graphs (:meth:`ModelRunner.capture_graphs`, :mod:`weft.runner.graphs`):
+Decode steps can replay captured graphs (:meth:`DecodeGraphs.capture <weft.runner.graphs.DecodeGraphs.capture>`):
 a step of decodes only that fits a captured batch size replays the graph over the static inputs, and a
-speculating step (rows of a last token and up to ``k`` proposals) a verify graph; steps with a prefill chunk, a
-resumed prefix hit or prompt logprobs, or more decodes than the largest size, run eagerly
+speculating step (rows of a last token and up to ``k`` proposals) a verify graph
+(:meth:`VerifyGraphs.capture <weft.runner.graphs.VerifyGraphs.capture>`); steps with a prefill chunk, a resumed
+prefix hit or prompt logprobs, or more decodes than the largest size, run eagerly
 (:class:`~weft.runner.forward.BatchForward` decides).
 
 Asynchronous output: the sampler runs on the device without waiting for it
@@ -83,7 +84,6 @@ from weft.runner.step_handles import AwaitingMask, PendingStep, PromptLogprobs, 
 
 if TYPE_CHECKING:
     from weft.contracts.kv_connector import ConnectorOutput
-    from weft.contracts.platform import Platform
     from weft.runner.kv_connector import WorkerConnector
 
 logger = logging.getLogger("weft.runner")
@@ -124,10 +124,10 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             model, backend, groups, kv_caches, device, parallel, captured_reader, bitmask_argmax
         )
-        """Empty until :meth:`capture_graphs`: decode steps then run eagerly."""
+        """Empty until the worker captures them (:meth:`DecodeGraphs.capture`): decode steps then run eagerly."""
         self.verify_graphs = VerifyGraphs(model, backend, groups, kv_caches, device)
-        """Empty until :meth:`capture_graphs` captures them (speculative decoding on): speculating steps then run
-        eagerly."""
+        """Empty until the worker captures them (:meth:`VerifyGraphs.capture`, speculative decoding on): speculating
+        steps then run eagerly."""
         self.forward = BatchForward(
             model,
             parallel,
@@ -179,27 +179,6 @@ class ModelRunner:
     def mask_graphs(self) -> MaskGraphs | None:
         """The decode graphs' mask graphs (None: not captured, or no fused ``bitmask_argmax`` op)."""
         return self.decode_graphs.mask_graphs
-
-    @torch.inference_mode()
-    def capture_graphs(
-        self, platform: Platform, sizes: Sequence[int], scratch_blocks: Sequence[int], max_model_len: int
-    ) -> float:
-        """Capture the decode forward for each batch size (:meth:`DecodeGraphs.capture`); returns the seconds."""
-        return self.decode_graphs.capture(platform, sizes, scratch_blocks, max_model_len)
-
-    @torch.inference_mode()
-    def capture_verify_graphs(
-        self,
-        platform: Platform,
-        sizes: Sequence[int],
-        query_len: int,
-        token_budget: int,
-        scratch_blocks: Sequence[int],
-        max_model_len: int,
-    ) -> float:
-        """Capture the speculating steps' forward for each batch size, rows of up to ``query_len`` tokens
-        (:meth:`VerifyGraphs.capture`); returns the seconds."""
-        return self.verify_graphs.capture(platform, sizes, query_len, token_budget, scratch_blocks, max_model_len)
 
     # The step.
 

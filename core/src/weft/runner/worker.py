@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import torch
 
-from weft.config import WeftConfig
+from weft.config import EngineConfig, WeftConfig
 from weft.contracts.encoder_connector import EncoderConnector
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
 from weft.contracts.kv_connector import CapturedSparseEntryReader
@@ -338,7 +338,9 @@ class Worker:
                 f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
                 f"remove them or raise max_num_seqs"
             )
-        seconds = self.runner.capture_graphs(self.platform, sizes, num_blocks, self.model_config.max_model_len)
+        split_from = _decode_overlap_from(engine, self.family, sizes, self.ops["nano_batches"])
+        max_model_len = self.model_config.max_model_len
+        seconds = self.runner.decode_graphs.capture(self.platform, sizes, num_blocks, max_model_len, split_from)
         logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
         if self.speculator is None:
             return
@@ -359,7 +361,7 @@ class Worker:
             return
         query_len = 1 + self.speculator.config.num_speculative_tokens
         verify_sizes = verify_graph_sizes(sizes)
-        seconds = self.runner.capture_verify_graphs(
+        seconds = self.runner.verify_graphs.capture(
             self.platform,
             verify_sizes,
             query_len,
@@ -495,3 +497,26 @@ class _DraftModels(DraftModelLoader):
         return DraftModel(
             model=model, family=family, config=draft_config, backend=worker.attention, device=worker.device
         )
+
+
+def _decode_overlap_from(engine: EngineConfig, family: ModelFamily, sizes: list[int], op: Any) -> int | None:
+    """The smallest captured size that runs as two nano-batches through ``op`` (``engine.decode_overlap``); None:
+    every graph runs whole."""
+    if not engine.decode_overlap:
+        return None
+    if not family.splits_decode_batches:
+        logger.info(
+            "engine.decode_overlap: model family %s runs decode steps whole (it has no nano-batch path)",
+            type(family).__name__,
+        )
+        return None
+    split = [size for size in sizes if size >= engine.decode_overlap_min_batch]
+    if not split:
+        logger.info(
+            "engine.decode_overlap: no captured decode batch reaches decode_overlap_min_batch = %d (largest %d)",
+            engine.decode_overlap_min_batch,
+            max(sizes),
+        )
+        return None
+    logger.info("decode graphs of %s rows run as two nano-batches (%s)", describe_sizes(split), type(op).__name__)
+    return engine.decode_overlap_min_batch

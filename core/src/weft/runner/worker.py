@@ -28,10 +28,9 @@ from typing import Any
 import msgspec
 import torch
 
-from weft.config import EngineConfig, WeftConfig
+from weft.config import WeftConfig
 from weft.contracts.encoder_connector import EncoderConnector
 from weft.contracts.executor import GrammarOutput, SchedulerOutput, StepHandle, WorkerInfo
-from weft.contracts.kv_connector import CapturedSparseEntryReader
 from weft.contracts.loader import LoadConfig, WeightSlice
 from weft.contracts.model import ModelFamily
 from weft.contracts.speculator import DraftModel, DraftModelLoader, Speculator, SpeculatorConfig
@@ -58,10 +57,10 @@ from weft.resolve import (
     resolve_source,
     with_kv_cache_dtype,
 )
+from weft.runner.capture import capture_graphs
 from weft.runner.encoder import EncoderRunner
-from weft.runner.graphs import verify_graph_sizes
 from weft.runner.kv_connector import WorkerConnector
-from weft.runner.model_runner import ModelRunner, describe_sizes
+from weft.runner.model_runner import ModelRunner
 from weft.runner.sampler import Sampler
 
 logger = logging.getLogger("weft.runner")
@@ -287,94 +286,8 @@ class Worker:
         return speculator
 
     def _capture_graphs(self, num_blocks: list[int]) -> None:
-        """Capture decode graphs when the platform and the attention backend both can, unless told not to."""
-        engine = self.config.engine
-        assert self.runner is not None
-        if engine.enforce_eager:
-            return
-        paged = any(group.spec.paged_attention for group in self.groups)
-        if not (self.platform.supports_graph_capture and (self.attention.supports_graph_capture or not paged)):
-            if self.platform.supports_graph_capture:
-                logger.info(
-                    "decode runs eagerly: attention backend %r cannot be captured in graphs", self.attention.name
-                )
-            return
-        layout = self.parallel.layout
-        if layout.pipeline_parallel_size > 1:
-            logger.info("decode runs eagerly under pipeline parallelism (stages hand micro-batches to each other)")
-            return
-        if layout.tensor_parallel_size > 1 and not self.parallel.tensor.can_capture(getattr(torch, self.dtype)):
-            logger.info(
-                "decode runs eagerly: the %s communicator's all-reduce cannot be captured in graphs",
-                self.platform.distributed_backend,
-            )
-            return
-        if self.speculator is not None and self.speculator.needs_hidden_states:
-            logger.info(
-                "decode runs eagerly: speculator %r reads the target's hidden states, which a decode graph does not "
-                "return",
-                self.speculator.name,
-            )
-            return
-        managed = [group.name for group in self.groups if not group.spec.paged_attention]
-        if managed and not self.family.captures_managed_groups(self.model_config, self.device):
-            # The runner's static buffers hold every group's block table; a model that manages groups
-            # itself (rings, compressed entries) must read them without the host to be captured.
-            logger.info(
-                "decode runs eagerly: KV-cache groups %s are managed by the model, which cannot be captured", managed
-            )
-            return
-        if (
-            managed
-            and self.runner.sparse_entries is not None
-            and not isinstance(self.runner.sparse_entries, CapturedSparseEntryReader)
-        ):
-            logger.info("decode runs eagerly: the KV connector reads sparse entries of groups %s on the host", managed)
-            return
-        sizes = sorted(set(engine.graph_batch_sizes or self.platform.graph_batch_sizes(engine.max_num_seqs)))
-        too_large = [size for size in sizes if size > engine.max_num_seqs]
-        if too_large:
-            raise ValueError(
-                f"engine.graph_batch_sizes = {sizes}: {too_large} exceed engine.max_num_seqs = {engine.max_num_seqs}; "
-                f"remove them or raise max_num_seqs"
-            )
-        split_from = _decode_overlap_from(engine, self.family, sizes, self.ops["nano_batches"])
-        max_model_len = self.model_config.max_model_len
-        seconds = self.runner.decode_graphs.capture(self.platform, sizes, num_blocks, max_model_len, split_from)
-        logger.info("captured decode graphs for batch sizes %s in %.1f s", describe_sizes(sizes), seconds)
-        if self.speculator is None:
-            return
-        if layout.world_size == 1:  # its forwards end at its greedy tokens: a rank's logits must be whole
-            draft_blocks = num_blocks[self.num_target_groups :]
-            seconds = self.speculator.capture_graphs(
-                self.platform, verify_graph_sizes(sizes), draft_blocks, self.model_config.max_model_len
-            )
-            if seconds:
-                logger.info("captured speculator %r's graphs in %.1f s", self.speculator.name, seconds)
-        if managed or not (self.attention.supports_verify_graph_capture or not paged):
-            logger.info(
-                "speculating steps run eagerly: %s",
-                f"KV-cache groups {managed} are managed by the model"
-                if managed
-                else f"attention backend {self.attention.name!r} cannot capture them",
-            )
-            return
-        query_len = 1 + self.speculator.config.num_speculative_tokens
-        verify_sizes = verify_graph_sizes(sizes)
-        seconds = self.runner.verify_graphs.capture(
-            self.platform,
-            verify_sizes,
-            query_len,
-            engine.max_num_batched_tokens,
-            num_blocks,
-            self.model_config.max_model_len,
-        )
-        logger.info(
-            "captured verify graphs (rows of up to %d tokens) for batch sizes %s in %.1f s",
-            query_len,
-            describe_sizes(verify_sizes),
-            seconds,
-        )
+        """Capture the decode graphs (and the speculating steps'), where they can be (:mod:`weft.runner.capture`)."""
+        capture_graphs(self, num_blocks)
 
     def execute_model(self, step: SchedulerOutput) -> StepHandle | None:
         assert self.runner is not None, "initialize_kv_cache first"
@@ -497,26 +410,3 @@ class _DraftModels(DraftModelLoader):
         return DraftModel(
             model=model, family=family, config=draft_config, backend=worker.attention, device=worker.device
         )
-
-
-def _decode_overlap_from(engine: EngineConfig, family: ModelFamily, sizes: list[int], op: Any) -> int | None:
-    """The smallest captured size that runs as two nano-batches through ``op`` (``engine.decode_overlap``); None:
-    every graph runs whole."""
-    if not engine.decode_overlap:
-        return None
-    if not family.splits_decode_batches:
-        logger.info(
-            "engine.decode_overlap: model family %s runs decode steps whole (it has no nano-batch path)",
-            type(family).__name__,
-        )
-        return None
-    split = [size for size in sizes if size >= engine.decode_overlap_min_batch]
-    if not split:
-        logger.info(
-            "engine.decode_overlap: no captured decode batch reaches decode_overlap_min_batch = %d (largest %d)",
-            engine.decode_overlap_min_batch,
-            max(sizes),
-        )
-        return None
-    logger.info("decode graphs of %s rows run as two nano-batches (%s)", describe_sizes(split), type(op).__name__)
-    return engine.decode_overlap_min_batch

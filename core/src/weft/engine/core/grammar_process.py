@@ -41,6 +41,7 @@ milliseconds while requests decode. A sleeping child wakes every second to see w
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -418,11 +419,7 @@ def serve(
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", None))
-
-    def check_parent() -> None:
-        if os.getppid() != parent:
-            raise EOFError("the engine core is gone")
-
+    check_parent = functools.partial(_check_parent, parent)
     compiled: dict[int, Any] = {}
     matchers: dict[int, Any] = {}
     advanced: dict[int, list[int]] = {}
@@ -477,6 +474,11 @@ def serve(
         box = None  # type: ignore[assignment]
         box_memory.close()
         backend.close()
+
+
+def _check_parent(parent: int) -> None:
+    if os.getppid() != parent:
+        raise EOFError("the engine core is gone")
 
 
 def _answer_step(

@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +58,10 @@ from weft.contracts.structured_output import Vocabulary, bitmask_words
 from weft.engine.core.constraint_state import ConstraintState, RemoteMatcher
 from weft.engine.core.fill_budget import FillBudget
 from weft.engine.core.grammar_compile import Compiler
-from weft.engine.core.grammar_group import FillFailed, FillGroup, StepReply
+from weft.engine.core.grammar_group import FillGroup
 from weft.engine.core.grammar_process import SPIN_MIN_CPUS, default_processes, distinct_batches
 from weft.engine.core.grammar_proposals import fill_positions, settle
+from weft.engine.core.remote_fill import allow, refused, send_remote
 from weft.engine.messages import GrammarStart
 from weft.host import usable_cpus
 from weft.plugins.selection import no_backend_message
@@ -252,42 +253,9 @@ class StructuredOutputManager:
         proposals = proposals or {}
         if self._process is not None:
             made, self._made = self._made, []
-            return self._send_remote(accepted, candidates, made, proposals)
+            failed, over_budget = self._mark_fill_failed, self._thread_fill.budget.message  # type: ignore[union-attr]
+            return send_remote(self._process, accepted, candidates, made, proposals, failed, over_budget)
         return self._filler.submit(self._thread_fill.accept_and_fill, accepted, candidates, proposals)  # type: ignore[union-attr]
-
-    def _send_remote(
-        self,
-        accepted: list[tuple[str, ConstraintState, int]],
-        candidates: list[tuple[str, ConstraintState]],
-        made: list[tuple[int, int, bytes]],
-        proposals: dict[str, list[int]],
-    ) -> Future[GrammarOutput]:
-        """:meth:`ThreadFill.accept_and_fill` by the fill process: the message sent now, the reply read when the
-        result is taken (:class:`RemoteReply`, :func:`_finish_remote`)."""
-        reply = RemoteReply()
-        try:
-            process = self._process.result()  # type: ignore[union-attr]
-            live = [
-                (request_id, state, token_id)
-                for request_id, state, token_id in accepted
-                if not (state.failed or state.terminated)
-            ]
-            masked = [(request_id, state) for request_id, state in candidates if state.masks]
-            process.send_step(
-                made,
-                [(state.matcher.handle, token_id) for _, state, token_id in live],  # type: ignore[union-attr]
-                [state.matcher.handle for _, state in masked],  # type: ignore[union-attr]
-                [proposals.get(request_id, []) for request_id, _ in masked],
-            )
-        except BaseException as error:
-            self._fill_failed = True
-            reply.set_exception(error)
-            return reply
-        openers = {state.matcher.handle: state.opener for _, state in masked if state.opener is not None}  # type: ignore[union-attr]
-        widths = {state.matcher.handle: len(proposals.get(request_id, ())) for request_id, state in masked}  # type: ignore[union-attr]
-        failed, over_budget = self._mark_fill_failed, self._thread_fill.budget.message  # type: ignore[union-attr]
-        reply.receive = lambda: _finish_remote(process, live, masked, openers, widths, failed, over_budget)
-        return reply
 
     def _mark_fill_failed(self) -> None:
         """A step's answer could not be read (:meth:`recover`)."""
@@ -444,7 +412,7 @@ class ThreadFill:
             if ok:
                 state.terminated = terminated
                 continue
-            _refused(request_id, state, token_id)
+            refused(request_id, state, token_id)
 
     def _fill(self, candidates: list[tuple[str, ConstraintState]], proposals: dict[str, list[int]]) -> GrammarOutput:
         # Still reasoning, or done: it samples freely.
@@ -464,87 +432,13 @@ class ThreadFill:
         if any(state.opener is not None for _, state in masked):
             # The opener may be a request's first output token: its first position's row allows it.
             rows = [[state.opener, *[None] * len(tokens)] for (_, state), tokens in zip(masked, proposed, strict=True)]
-            _allow(bitmask.numpy().view(numpy.uint32), [token for row in rows for token in row])
+            allow(bitmask.numpy().view(numpy.uint32), [token for row in rows for token in row])
         return GrammarOutput([request_id for request_id, _ in masked], bitmask.numpy().tobytes())
 
     def _rows(self, count: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < count:
             self._bitmask = torch.empty(max(count, 64), bitmask_words(self.vocab_size), dtype=torch.int32)
         return self._bitmask[:count]
-
-
-class RemoteReply(Future):
-    """The fill process's answer to one step's message, read on the thread that asks for the result (the engine
-    core's) when it asks, so no other thread needs the GIL on the way. Until then it is not ``done()`` and runs
-    no callbacks: take :meth:`result` or :meth:`exception` (blocking, ``timeout`` ignored), never
-    ``concurrent.futures.wait`` on it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.receive: Callable[[], GrammarOutput] | None = None
-
-    def result(self, timeout: float | None = None) -> GrammarOutput:
-        self._collect()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._collect()
-        return super().exception(timeout)
-
-    def _collect(self) -> None:
-        receive, self.receive = self.receive, None
-        if receive is None:
-            return
-        try:
-            self.set_result(receive())
-        except BaseException as error:
-            self.set_exception(error)
-
-
-def _finish_remote(
-    process: FillGroup,
-    live: list[tuple[str, ConstraintState, int]],
-    masked: list[tuple[str, ConstraintState]],
-    openers: dict[int, int],
-    widths: dict[int, int],
-    failed: Callable[[], None],
-    over_budget: Callable[[], str],
-) -> GrammarOutput:
-    """The fill process's answer to :meth:`StructuredOutputManager._send_remote`'s message, applied to the
-    constraints (what the children that did not fail report is applied before a failure raises); ``widths``: the
-    proposals each masked handle verifies (a row per position); ``failed`` is called when the answer could not be
-    read; ``over_budget``: the error of a constraint whose fill took longer than the fill budget (the scheduler ends
-    its request, :attr:`ConstraintState.exceeded`)."""
-    by_handle = {state.matcher.handle: (request_id, state) for request_id, state, _ in live}  # type: ignore[union-attr]
-    by_handle.update((state.matcher.handle, (request_id, state)) for request_id, state in masked)  # type: ignore[union-attr]
-
-    def apply(reply: StepReply) -> None:
-        for handle in reply.ended:
-            by_handle[handle][1].terminated = True
-        for handle, token_id in reply.refused:
-            request_id, state = by_handle[handle]
-            _refused(request_id, state, token_id)
-        for handle in reply.over:
-            by_handle[handle][1].exceeded = over_budget()
-
-    try:
-        reply = process.receive_step()
-    except FillFailed as failure:
-        failed()
-        apply(failure.reply)
-        raise
-    except BaseException:
-        failed()
-        raise
-    apply(reply)
-    filled = [by_handle[handle][0] for handle in reply.filled]
-    count = sum(1 + widths[handle] for handle in reply.filled)
-    rows = process.rows(count) if filled else b""
-    if openers and filled:
-        words = numpy.frombuffer(bytearray(rows), dtype=numpy.uint32).reshape(count, -1)
-        _allow(words, [token for handle in reply.filled for token in [openers.get(handle), *[None] * widths[handle]]])
-        rows = words.tobytes()
-    return GrammarOutput(filled, rows)
 
 
 def _build_backend(
@@ -562,25 +456,6 @@ def _build_backend(
     backend = backend_class(options_for(config, "structured_output", backend_class, backend_class.name), vocabulary)
     logger.debug("structured outputs: backend %r over %d tokens", backend_class.name, len(tokens))
     return backend
-
-
-def _allow(words: numpy.ndarray, tokens: list[int | None]) -> None:
-    """Set, in each bitmask row of ``words`` (uint32), the bit allowing its token (None: none); a first output token
-    may open the reasoning beside what the grammar allows (:attr:`ConstraintState.opener`)."""
-    for row, token in enumerate(tokens):
-        if token is not None:
-            words[row, token // 32] |= numpy.uint32(1 << (token % 32))
-
-
-def _refused(request_id: str, state: ConstraintState, token_id: int) -> None:
-    # Only a token sampled without its mask gets here (a step that raced its reasoning's end).
-    logger.warning(
-        "request %s: token %d breaks its %s constraint; the rest of its output is unconstrained",
-        request_id,
-        token_id,
-        state.constraint.kind,
-    )
-    state.failed = True
 
 
 def fills_in_a_process(config: WeftConfig, backend_class: type[StructuredOutputBackend]) -> bool:

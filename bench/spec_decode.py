@@ -101,19 +101,37 @@ def part_cpu(args: argparse.Namespace) -> None:
 
 
 def token_driven(weights):
-    """Random weights with every residual branch's output projection (``o_proj``, ``down_proj``) scaled by 1e-4.
+    """Random weights whose greedy path no rounding can flip: the next greedy token is a fixed permutation of the
+    current one, by a wide margin.
 
-    The timing is unchanged (the same shapes, the same bytes), but the next greedy token becomes a function of the
-    current one: the residual stream is the token's embedding plus contributions under 1% of it. With N(0, 0.02)
-    weights throughout, the contributions dominate and the greedy path is chaotic: the verify step's prefill
-    launch and plain decoding's split-key decode launch round differently in bf16 (both within bf16 of exact
-    attention, bench/gpu_probe_verify.py), and a chaotic greedy path flips at a near tie within a few tokens, after
-    which no replayed proposal matches. Scaling the LM head (tried first) cannot help: it scales the gaps and the
-    perturbations alike."""
+    Every residual branch's output projection (``o_proj``, ``down_proj``) is scaled by 1e-4, so the residual stream
+    is the current token's embedding plus contributions under 1% of it; and the LM head's rows are the embedding's
+    rows in a random order, so the logit of the token the permutation picks is the embedding's squared norm (about
+    4096 x 0.02^2 before the final norm) where every other is a random inner product some 64 times smaller. The
+    timing is unchanged (the same shapes, the same bytes). With N(0, 0.02) weights throughout the greedy path is
+    chaotic, and bf16 logits tie often (their resolution near the top logit is about 0.4% of it): the verify step's
+    prefill launch and plain decoding's split-key decode launch round differently (both within bf16 of exact
+    attention, bench/gpu_probe_verify.py), a near tie flips within a few tokens, and no replayed proposal matches
+    after it. Damping the branches alone left that: acceptance 8-10% on the H200 (2026-12-07)."""
 
     def scaled():
+        import torch
+
+        embedding, head = None, None
         for name, tensor in weights():
-            yield name, tensor * 1e-4 if name.endswith(("o_proj.weight", "down_proj.weight")) else tensor
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                yield name, tensor * 1e-4
+            elif name == "lm_head.weight":
+                head = name  # made from the embedding, which may come later
+            else:
+                if name.endswith("embed_tokens.weight"):
+                    embedding = tensor
+                yield name, tensor
+        if head is not None:
+            assert embedding is not None, "token_driven: no embed_tokens.weight"
+            generator = torch.Generator(device=embedding.device).manual_seed(1)
+            order = torch.randperm(embedding.shape[0], generator=generator, device=embedding.device)
+            yield head, embedding[order].clone()
 
     return scaled
 

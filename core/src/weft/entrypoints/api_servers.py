@@ -29,6 +29,7 @@ Metrics: each process counts what it served in prometheus_client's multiprocess 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import multiprocessing
@@ -191,8 +192,8 @@ def run_api_server(
     engine = app.state.server.engine
     server.ignores_sigint = True  # the first process passes the terminal's Ctrl-C on as SIGTERM
 
-    def core_died() -> None:
-        engine._loop.call_later(FLUSH_SECONDS, setattr, server, "should_exit", True)
+    def core_died() -> None:  # on the event loop, as in the first process: the failed requests' answers go out
+        asyncio.get_running_loop().call_later(FLUSH_SECONDS, setattr, server, "should_exit", True)
 
     engine.on_core_death = core_died
     ready.send("")

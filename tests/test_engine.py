@@ -258,4 +258,5 @@ def test_use_ops_names_are_checked_and_forced_implementations_used(tiny_model):
         "decode_topk": "DecodeTopKTorch",
         "bitmask_argmax": "BitmaskArgmaxTorch",
         "moe": "MoETorch",
+        "nano_batches": "NanoBatchesStreams",  # the device's streams: inline on the CPU
     }

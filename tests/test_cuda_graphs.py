@@ -56,14 +56,14 @@ def tiny_window(tmp_path_factory, tokenizer_files):
 def test_padded_graph_path_equals_eager(model, request, eager_replay_platform):
     folder = str(request.getfixturevalue(model))
     engine = {"block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 8}
-    batch, params = prompts(5), staggered(5, 20)
+    batch, params = prompts(5), staggered(5, 14)  # the Triton kernels interpreted: short, yet down through 8, 4, 2, 1
     eager = LLM(model=folder, use={"attention": "triton"}, engine={**engine, "enforce_eager": True})
     expected = token_ids(eager.generate(batch, params))
     assert not eager_replay_platform
     graphs = LLM(model=folder, use={"attention": "triton"}, engine={**engine, "graph_batch_sizes": [1, 2, 4, 8]})
     assert sorted(graphs.engine.runner.graphs) == [1, 2, 4, 8]
     assert token_ids(graphs.generate(batch, params)) == expected
-    assert len(eager_replay_platform) >= 15  # every decode step replayed (batch 5 padded to 8, down to 1)
+    assert len(eager_replay_platform) >= 13  # every decode step replayed (batch 5 padded to 8, down to 1)
     # Scratch rows never touch the manager's blocks: another run still matches.
     assert token_ids(graphs.generate(batch[:3], params[:3])) == expected[:3]
 

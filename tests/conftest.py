@@ -303,6 +303,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def target_and_small_draft(root: Path, tokenizer_folder: Path) -> tuple[Path, Path]:
+    """A tiny Llama target and a smaller random Llama draft over the same 512-token vocabulary (speculation tests)."""
+    target = make_tiny_model(root / "target", "llama", tokenizer_folder, vocab_size=512)
+    draft = make_tiny_model(
+        root / "draft",
+        "llama",
+        tokenizer_folder,
+        seed=3,
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
+    return target, draft
+
+
 def start_weft_serve(
     args: list[str],
     port: int,

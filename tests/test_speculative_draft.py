@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, target_and_small_draft
 from test_speculative import ENGINE, GREEDY, repetitive_prompts, spec_counts, token_ids
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
@@ -22,21 +22,7 @@ from weft.contracts.speculator import Proposals, ProposalStep, SpeculationReques
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer_files):
-    root = tmp_path_factory.mktemp("draft")
-    target = make_tiny_model(root / "target", "llama", tokenizer_files, vocab_size=512)
-    draft = make_tiny_model(
-        root / "draft",
-        "llama",
-        tokenizer_files,
-        seed=3,
-        vocab_size=512,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-    )
-    return target, draft
+    return target_and_small_draft(tmp_path_factory.mktemp("draft"), tokenizer_files)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import target_and_small_draft
 from test_speculative import ENGINE, GREEDY, NGRAM, repetitive_prompts, spec_counts, token_ids
 from weft import LLM, SamplingParams
 from weft.runner.forward import BatchForward
@@ -24,21 +24,7 @@ GRAPHS = {**ENGINE, "max_num_seqs": 8, "graph_batch_sizes": [1, 2, 4, 8]}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer_files):
-    root = tmp_path_factory.mktemp("spec_graphs")
-    target = make_tiny_model(root / "target", "llama", tokenizer_files, vocab_size=512)
-    draft = make_tiny_model(
-        root / "draft",
-        "llama",
-        tokenizer_files,
-        seed=3,
-        vocab_size=512,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-    )
-    return target, draft
+    return target_and_small_draft(tmp_path_factory.mktemp("spec_graphs"), tokenizer_files)
 
 
 @pytest.fixture
